@@ -1,0 +1,173 @@
+"""Wire types: everything that crosses the network between the agent and the controller.
+
+Both ``trainer_agent`` and ``service`` import this module, so it must not import torch (nor
+FastAPI): only pydantic.
+
+NaN and ±Inf are legitimate training values (a loss that turned NaN is the most important value a
+report can carry), and JSON has no literal for them. Every model here serialises them as the
+strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (pydantic's ``ser_json_inf_nan="strings"``)
+and accepts those strings — as well as the bare ``NaN``/``Infinity`` tokens Python's ``json``
+module writes — when parsing. ``dumps``/``loads`` below are the only functions to use for bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+__all__ = [
+    "API_PREFIX",
+    "Name",
+    "WireModel",
+    "RankEndpoint",
+    "RunRegistration",
+    "RunRegistered",
+    "RankValues",
+    "Report",
+    "ReportAccepted",
+    "DesiredState",
+    "Ack",
+    "CommandRequest",
+    "LrScaleRequest",
+    "Severity",
+    "dumps",
+]
+
+API_PREFIX = "/v1"
+
+#: Job and run identifiers: also used in URLs and as Prometheus label values.
+Name = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", strict=True)
+]
+
+#: A metric value: any float, NaN and ±Inf included.
+Value = float
+
+
+class WireModel(BaseModel):
+    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        ser_json_inf_nan="strings",
+        allow_inf_nan=True,
+        frozen=True,
+    )
+
+
+class RankEndpoint(WireModel):
+    """Where Prometheus scrapes one rank's ``/metrics``."""
+
+    rank: int = Field(ge=0, description="Global rank.")
+    local_rank: int = Field(ge=0, description="Rank within its node.")
+    host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
+    port: int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
+
+
+class RunRegistration(WireModel):
+    """``POST /v1/runs``: register (or re-register, after a restart) a run."""
+
+    job: Name
+    run: Name
+    world_size: int = Field(ge=1, le=1_000_000)
+    ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
+    agent_version: str = Field(default="", max_length=64)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks_unique(cls, ranks: list[RankEndpoint]) -> list[RankEndpoint]:
+        seen = [r.rank for r in ranks]
+        if len(seen) != len(set(seen)):
+            raise ValueError("rank numbers in 'ranks' must be unique")
+        return ranks
+
+
+class DesiredState(WireModel):
+    """What the controller wants a run to be doing. Level-based: every value is absolute, so
+    applying the same generation twice changes nothing."""
+
+    generation: int = Field(default=0, ge=0, description="Bumped on every change.")
+    paused: bool = False
+    lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
+    checkpoint_seq: int = Field(default=0, ge=0, description="A checkpoint is due when this exceeds the last one taken.")
+    stop: bool = False
+    reason: str = Field(default="", max_length=2000)
+
+
+class RunRegistered(WireModel):
+    """Answer to a registration: the run's current desired state (kept across restarts)."""
+
+    job: str
+    run: str
+    desired: DesiredState
+
+
+class RankValues(WireModel):
+    """Per-rank vectors of a report, index = global rank. Every list has ``world_size`` entries."""
+
+    step_time_s: list[Value] = Field(default_factory=list)
+    loss: list[Value] = Field(default_factory=list)
+    grad_norm: list[Value] = Field(default_factory=list)
+    grad_fingerprint: list[Value] = Field(default_factory=list)
+    param_fingerprint: list[Value] = Field(default_factory=list)
+
+
+class Report(WireModel):
+    """``POST /v1/runs/{run}/reports``: one report for the steps ``step_first..step_last``.
+
+    ``values`` holds job-level metric values keyed by their Prometheus name (unlabelled metrics of
+    the agent's catalogue, e.g. ``"trainguard_grad_norm"``), as measured on the leader at
+    ``step_last``; ``ranks`` the few per-rank vectors gathered by the leader.
+    """
+
+    job: Name
+    step_first: int = Field(ge=0)
+    step_last: int = Field(ge=0)
+    time: float = Field(allow_inf_nan=False, description="Unix time at the leader when sent.")
+    values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
+    ranks: RankValues = Field(default_factory=RankValues)
+    applied_generation: int = Field(default=0, ge=0)
+
+    @field_validator("step_last")
+    @classmethod
+    def _ordered(cls, step_last: int, info: Any) -> int:
+        first = info.data.get("step_first")
+        if first is not None and step_last < first:
+            raise ValueError("step_last must be >= step_first")
+        return step_last
+
+
+class ReportAccepted(WireModel):
+    """Answer to a report: the run's desired state, so that a report doubles as a poll."""
+
+    desired: DesiredState
+    alerts: list[str] = Field(default_factory=list, description="Names of rules that fired on this report.")
+
+
+class Ack(WireModel):
+    """``POST /v1/runs/{run}/acks``: every rank applied ``generation`` at ``step``."""
+
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0)
+
+
+class CommandRequest(WireModel):
+    """Body of an operator command (pause, resume, checkpoint, stop)."""
+
+    reason: str = Field(default="", max_length=2000)
+
+
+class LrScaleRequest(CommandRequest):
+    """Body of ``POST /v1/runs/{run}/lr-scale``."""
+
+    scale: float = Field(gt=0.0, le=1e6, allow_inf_nan=False)
+
+
+def dumps(model: WireModel) -> bytes:
+    """Serialise a wire model to JSON bytes (NaN/Inf as strings)."""
+    return model.model_dump_json().encode()
+
+
+Severity = Literal["info", "warning", "critical"]

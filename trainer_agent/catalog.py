@@ -1,0 +1,120 @@
+"""The agent's metric catalogue: the one place that names and documents every metric a training
+rank exports. The exporter, ``Agent.latest()``, the reports sent to the controller, the dashboards
+and the tests all read names from here. This module must not import torch.
+
+Every metric carries the labels ``job``, ``run`` and ``rank``; ``labels`` lists the extra ones.
+Units are in the name (Prometheus conventions); counters end in ``_total``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "MetricSpec",
+    "BASE_LABELS",
+    "STEP_METRICS",
+    "DATA_METRICS",
+    "CONTROL_METRICS",
+    "AGENT_METRICS",
+    "BY_NAME",
+    "spec",
+]
+
+BASE_LABELS: tuple[str, ...] = ("job", "run", "rank")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric."""
+
+    name: str
+    """Full Prometheus name, e.g. ``trainguard_grad_norm``."""
+    kind: Literal["gauge", "counter"]
+    """Prometheus type. Counters end in ``_total`` and never decrease."""
+    unit: str
+    """Unit in words ("1" for dimensionless ratios)."""
+    help: str
+    """What it measures and the formula. Becomes the Prometheus HELP text."""
+    labels: tuple[str, ...] = ()
+    """Labels beyond ``job``, ``run``, ``rank``."""
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith("trainguard_"):
+            raise ValueError(f"metric {self.name!r} must start with 'trainguard_'")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"metric {self.name!r}: counters, and only counters, end in '_total'")
+
+
+def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, "gauge", unit, help, labels)
+
+
+def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, "counter", unit, help, labels)
+
+
+#: Step metrics (measured around ``optimizer.step()`` and in ``end_step``).
+STEP_METRICS: tuple[MetricSpec, ...] = (
+    _g("trainguard_step", "steps", "Optimizer steps completed (the step number of the last end_step)."),
+    _g("trainguard_loss", "1", "Loss passed to end_step at the last step (NaN/Inf reported as is)."),
+    _g("trainguard_grad_norm", "1", "Global L2 norm of all gradients before clipping: sqrt(sum_p ||g_p||^2); for an accumulated step, of the accumulated gradient."),
+    _g("trainguard_param_norm", "1", "Global L2 norm of the trainable parameters after the step: sqrt(sum_p ||W_p||^2)."),
+    _g("trainguard_param_scale", "1", "Root mean square of the trainable parameters: ||W|| / sqrt(n), n = number of trainable elements; comparable across model sizes."),
+    _g("trainguard_update_ratio", "1", "Relative size of the last update: ||W_after - W_before|| / ||W_before|| over all trainable parameters. Healthy band about 1e-4..1e-2."),
+    _g("trainguard_learning_rate", "1", "Learning rate actually used by the optimizer in param group `group` at the last step (scheduler LR x lr_scale).", ("group",)),
+    _g("trainguard_effective_lr", "1", "Effective learning rate ||W_after - W_before|| / ||g||: how far the step actually moved per unit gradient (equals lr for plain SGD)."),
+    _g("trainguard_grad_noise_scale", "1", "Simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), estimated from the gradient norms of the micro-batches of an accumulated step or of the data-parallel ranks before their all-reduce. Absent when neither exists."),
+    _g("trainguard_grad_variance", "1", "tr(Sigma): the per-sample gradient variance estimate behind the noise scale (same estimator, McCandlish et al. 2018, appendix A.1)."),
+    _g("trainguard_nonfinite_grads", "elements", "Non-finite (NaN or Inf) gradient elements at the last step."),
+    _c("trainguard_nonfinite_steps_total", "steps", "Steps whose loss or gradients held a non-finite value."),
+    _g("trainguard_optimizer_state_nonfinite", "elements", "Non-finite elements in the optimizer's state tensors (e.g. Adam moments), checked at the report interval."),
+    _g("trainguard_loss_scale", "1", "AMP GradScaler loss scale after the last step (absent without a scaler)."),
+    _c("trainguard_amp_skipped_steps_total", "steps", "Optimizer steps skipped by the GradScaler because of inf/NaN gradients (detected from a drop of the scale)."),
+    _g("trainguard_step_duration_seconds", "seconds", "Wall time between the last two end_step calls."),
+    _g("trainguard_tokens_per_second", "tokens/s", "tokens passed to end_step divided by the step duration."),
+    _g("trainguard_memory_allocated_bytes", "bytes", "torch.cuda.memory_allocated() on CUDA; the process's resident set size on CPU."),
+    _g("trainguard_memory_reserved_bytes", "bytes", "torch.cuda.memory_reserved() on CUDA; the process's resident set size on CPU."),
+    _g("trainguard_memory_peak_bytes", "bytes", "torch.cuda.max_memory_allocated() on CUDA; the process's peak resident set size on CPU."),
+    _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer (module prefix at the configured depth).", ("layer",)),
+    _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",)),
+    _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",)),
+    _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind); training went on."),
+    _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
+)
+
+#: Data-quality metrics (``observe_batch`` / ``DataMonitor``; seed section 3.1).
+DATA_METRICS: tuple[MetricSpec, ...] = (
+    _g("trainguard_data_duplicate_ratio", "1", "Share of sequences in the sliding window whose exact token content was already seen in the window. Seed threshold 0.05."),
+    _g("trainguard_data_near_duplicate_ratio", "1", "Share of sequences in the window whose MinHash signature over token shingles matches an earlier one in the window (near-duplicates)."),
+    _g("trainguard_data_token_kl_divergence", "nats", "KL(current window || reference) of the unigram token distribution. Seed threshold 0.1."),
+    _g("trainguard_data_special_token_ratio", "1", "Share of tokens in the window that are control/special/unknown ids. Seed threshold 1e-4 (0.01%)."),
+    _g("trainguard_data_length_shift_pvalue", "1", "Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the reference window and the current window. Seed threshold p < 0.05."),
+    _c("trainguard_data_tokens_total", "tokens", "Non-padding tokens observed."),
+    _c("trainguard_data_sequences_total", "sequences", "Sequences observed."),
+    _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision (kept or dropped).", ("decision",)),
+)
+
+#: Control-loop metrics (reporting to and acting for the controller).
+CONTROL_METRICS: tuple[MetricSpec, ...] = (
+    _g("trainguard_paused", "1", "1 while the run is paused by the controller, else 0."),
+    _g("trainguard_lr_scale", "1", "Multiplier the controller applies to the scheduler's LR."),
+    _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied on this rank."),
+    _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
+    _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
+    _c("trainguard_skipped_steps_total", "steps", "Steps skipped by the local non-finite guard (skip_nonfinite=True)."),
+)
+
+AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_METRICS
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in AGENT_METRICS}
+assert len(BY_NAME) == len(AGENT_METRICS), "duplicate metric name in the catalogue"
+
+
+def spec(name: str) -> MetricSpec:
+    """The catalogue entry of ``name``; ``ValueError`` for a name the agent does not export."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown trainguard metric {name!r}") from None
