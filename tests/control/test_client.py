@@ -1,0 +1,219 @@
+"""ControllerClient: buffering, backoff, desired-state tracking, and fail-open behaviour against
+httpx.MockTransport and, through the fault proxy, a real loopback server."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from service.wire import Ack, DesiredState, Report, RunRegistration, dumps
+from tests.control.fake_controller import FakeController
+from tests.tools.faultproxy import FaultProxy
+from trainer_agent.client import ControllerClient, backoff_delay
+
+REG = RunRegistration(job="job-a", run="run-a", world_size=1)
+
+
+def _report(step: int) -> Report:
+    return Report(job="job-a", step_first=step, step_last=step, time=1.0, values={"trainguard_loss": float("nan")})
+
+
+def _client(url: str, **kw) -> ControllerClient:  # type: ignore[no-untyped-def]
+    kw.setdefault("request_timeout_s", 0.5)
+    kw.setdefault("backoff_initial_s", 0.01)
+    kw.setdefault("backoff_max_s", 0.05)
+    kw.setdefault("long_poll_s", 1.0)
+    return ControllerClient(url, registration=REG, **kw)
+
+
+def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+class Scripted:
+    """A MockTransport handler: a desired state per route, recorded requests, a failure script."""
+
+    def __init__(self) -> None:
+        self.desired = DesiredState()
+        self.requests: list[httpx.Request] = []
+        self.fail_next: list[int | str] = []  # status codes, or "garbage"
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            self.requests.append(request)
+            fault = self.fail_next.pop(0) if self.fail_next else None
+        if fault == "garbage":
+            return httpx.Response(200, content=b"{oops")
+        if isinstance(fault, int):
+            return httpx.Response(fault, json={"detail": "scripted"})
+        path = request.url.path
+        if path == "/v1/runs":
+            return httpx.Response(200, json={"job": "job-a", "run": "run-a", "desired": json.loads(dumps(self.desired))})
+        if path.endswith("/reports"):
+            return httpx.Response(200, json={"desired": json.loads(dumps(self.desired)), "alerts": []})
+        if path.endswith("/acks"):
+            return httpx.Response(200, json={})
+        if path.endswith("/desired"):
+            time.sleep(0.02)  # a short long-poll
+            return httpx.Response(200, content=dumps(self.desired))
+        return httpx.Response(404)
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [r.url.path for r in self.requests]
+
+
+def test_backoff_delay_is_exponential_with_equal_jitter() -> None:
+    rng, ref = random.Random(7), random.Random(7)
+    for failures, d in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (50, 1.0)]:
+        expected = d / 2 + ref.uniform(0, d / 2)
+        assert backoff_delay(failures, 0.1, 1.0, rng) == pytest.approx(expected, rel=1e-12)
+        assert d / 2 <= expected <= d
+
+
+def test_bad_arguments_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="http"):
+        ControllerClient("ftp://x", registration=REG)
+    with pytest.raises(ValueError, match="max_buffered_reports"):
+        ControllerClient("http://x", registration=REG, max_buffered_reports=0)
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        ControllerClient("http://x", registration=REG, request_timeout_s=0)
+
+
+def test_registers_reports_acks_and_tracks_newest_desired_state() -> None:
+    h = Scripted()
+    h.desired = DesiredState(generation=3, lr_scale=0.5)
+    c = _client("http://ctl", transport=httpx.MockTransport(h), token="s3cret")
+    c.start()
+    d = c.wait_registered(2.0)
+    assert d is not None and d.generation == 3 and d.lr_scale == 0.5
+    c.submit_report(_report(1))
+    c.submit_ack(Ack(generation=3, step=1))
+    assert _until(lambda: c.reports_sent == 1 and c.acks_sent == 1)
+    sent = [r for r in h.requests if r.url.path.endswith("/reports")][0]
+    assert sent.headers["authorization"] == "Bearer s3cret"
+    assert json.loads(sent.content)["values"]["trainguard_loss"] == "NaN"  # NaN survives the wire
+    h.desired = DesiredState(generation=2, paused=True)  # an older generation never wins
+    c.submit_report(_report(2))
+    assert _until(lambda: c.reports_sent == 2)
+    assert c.desired is not None and c.desired.generation == 3 and not c.desired.paused
+    h.desired = DesiredState(generation=4, paused=True)
+    assert c.wait_desired(3, timeout=3.0) == DesiredState(generation=4, paused=True)  # via the poller
+    assert c.up
+    assert c.close(2.0)
+
+
+def test_full_buffer_drops_oldest_and_counts() -> None:
+    gate, inflight = threading.Event(), threading.Event()
+    h = Scripted()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/reports"):
+            inflight.set()
+            gate.wait(5.0)
+        return h(request)
+
+    c = _client("http://ctl", transport=httpx.MockTransport(handler), max_buffered_reports=3)
+    c.start()
+    assert c.wait_registered(2.0) is not None
+    c.submit_report(_report(0))
+    assert inflight.wait(2.0)
+    for step in range(1, 8):
+        c.submit_report(_report(step))
+    # report 0 is in flight; 7 more arrived into a buffer of 3: 1..4 dropped
+    assert c.reports_dropped == 4
+    gate.set()
+    assert _until(lambda: c.pending() == (0, 0))
+    got = [json.loads(r.content)["step_last"] for r in h.requests if r.url.path.endswith("/reports")]
+    assert got == [0, 5, 6, 7]  # the one in flight, then the newest three
+    assert c.close(2.0)
+
+
+def test_500_and_garbage_back_off_then_recover_without_losing_the_report() -> None:
+    h = Scripted()
+    c = _client("http://ctl", transport=httpx.MockTransport(h))
+    c.start()
+    assert c.wait_registered(2.0) is not None
+    h.fail_next = [500, "garbage", 503, 500]
+    c.submit_report(_report(9))
+    assert _until(lambda: c.reports_sent == 1)
+    report_posts = [r for r in h.requests if r.url.path.endswith("/reports")]
+    assert len(report_posts) >= 2 and all(json.loads(r.content)["step_last"] == 9 for r in report_posts)
+    assert c.up and c.reports_dropped == 0
+    assert c.close(2.0)
+
+
+def test_4xx_report_is_dropped_and_404_reregisters() -> None:
+    h = Scripted()
+    c = _client("http://ctl", transport=httpx.MockTransport(h))
+    c.start()
+    assert c.wait_registered(2.0) is not None
+    with h.lock:
+        h.fail_next = [422]
+    c.submit_report(_report(1))
+    assert _until(lambda: c.refused == 1)
+    with h.lock:
+        h.fail_next = [404]
+    c.submit_report(_report(2))
+    assert _until(lambda: c.reports_sent == 1)
+    assert c.refused == 1 and c.reports_dropped == 0
+    paths = h.paths()
+    i404 = max(i for i, p in enumerate(paths) if p.endswith("/reports")) - 1
+    assert "/v1/runs" in paths[i404 - 2 :]  # registered again before the retry
+    assert c.close(2.0)
+
+
+def test_close_returns_within_deadline_while_a_request_hangs() -> None:
+    release = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        release.wait(10.0)
+        return httpx.Response(500)
+
+    c = _client("http://ctl", transport=httpx.MockTransport(handler))
+    c.start()
+    assert c.wait_registered(0.2) is None  # registration still hanging: fail open
+    c.submit_report(_report(1))
+    t0 = time.monotonic()
+    assert c.close(0.3) is False  # the sender is stuck in a request: we do not wait for it
+    assert time.monotonic() - t0 < 0.6
+    release.set()
+
+
+@pytest.mark.parametrize("mode", ["down", "blackhole", "reset", "http500", "garbage", "junk", "slow"])
+def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
+    with FakeController() as ctl, FaultProxy(ctl.port) as proxy:
+        c = _client(proxy.url, request_timeout_s=0.3, backoff_max_s=0.1)
+        c.start()
+        assert c.wait_registered(2.0) is not None
+        c.submit_report(_report(0))
+        assert _until(lambda: len(ctl.reports) == 1)
+        if mode == "slow":
+            proxy.set_mode("pass", latency_s=0.6)  # slower than the read timeout
+        else:
+            proxy.set_mode(mode)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        for step in range(1, 6):
+            c.submit_report(_report(step))
+        assert time.monotonic() - t0 < 0.05  # submitting never waits on the network
+        assert _until(lambda: not c.up, 3.0)
+        ctl.command("run-a", paused=True)
+        proxy.set_mode("pass")
+        assert _until(lambda: [r.step_last for r in ctl.reports][-1:] == [5], 5.0)
+        assert [r.step_last for r in ctl.reports][:1] == [0]
+        assert c.wait_desired(0, 3.0) is not None and c.desired.paused  # the command arrived
+        assert c.up and c.reports_dropped == 0
+        t0 = time.monotonic()
+        c.close(1.0)
+        assert time.monotonic() - t0 < 1.2

@@ -1,0 +1,391 @@
+"""The leader rank's client of the controller: registration, reports, acks and the long-poll for
+the desired state, all on daemon threads, so that no training step ever waits on the network.
+
+Two threads, each with its own ``httpx.Client`` (one transport may be injected for both, e.g.
+``httpx.MockTransport`` in tests):
+
+* the *sender* registers the run (again after a controller that forgot it answers 404), then
+  sends acks and reports from bounded buffers. A report that could not be sent goes back to the
+  head of its buffer and is retried after a backoff; when the buffer is full the oldest report is
+  dropped and counted (``reports_dropped``, exported as ``trainguard_agent_reports_dropped_total``).
+* the *poller* long-polls ``GET /v1/runs/{run}/desired?after=GEN&wait=S`` so that a command
+  reaches the job between reports and while it is paused (no reports are sent then).
+
+Every request has a connect and a read timeout; failures back off exponentially with jitter
+(``delay = d/2 + uniform(0, d/2)``, ``d = min(backoff_max_s, backoff_initial_s * 2**failures)``).
+``up`` (``trainguard_agent_controller_up``) is True after a 2xx answer and False after anything
+else. Nothing here raises into the caller: ``submit_*`` only append to a buffer.
+
+The desired state is level-based: the client keeps the one with the highest generation it has
+seen (from the registration answer, report answers and polls); out-of-order answers never move it
+backwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
+from pydantic import ValidationError
+
+from service.wire import (
+    API_PREFIX,
+    Ack,
+    DesiredState,
+    Report,
+    ReportAccepted,
+    RunRegistered,
+    RunRegistration,
+    WireModel,
+    dumps,
+)
+
+__all__ = ["ControllerClient", "backoff_delay"]
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=WireModel)
+
+
+def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """Seconds to wait after ``failures`` consecutive failures (>= 1): exponential with "equal
+    jitter", ``d/2 + uniform(0, d/2)`` with ``d = min(max_s, initial_s * 2**(failures-1))``, so
+    that the agents of many jobs do not retry in lockstep after a controller restart."""
+    d = min(max_s, initial_s * 2 ** min(failures - 1, 60))
+    return d / 2 + rng.uniform(0, d / 2)
+
+
+class _Refused(Exception):
+    """The controller answered with a 4xx that retrying will not fix: drop the item."""
+
+
+class _Unknown(Exception):
+    """The controller does not know the run (404): register again, then retry."""
+
+
+class ControllerClient:
+    """Talks to the controller for one run, from daemon threads. Build, :meth:`start`, then
+    :meth:`submit_report` / :meth:`submit_ack` from the training loop (non-blocking) and read
+    :attr:`desired`. :meth:`close` returns within its timeout."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        registration: RunRegistration,
+        token: str | None = None,
+        request_timeout_s: float = 2.0,
+        connect_timeout_s: float | None = None,
+        long_poll_s: float = 10.0,
+        max_buffered_reports: int = 64,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"controller URL must start with http:// or https://, got {base_url!r}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if connect_timeout_s is not None and not connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+        if not long_poll_s >= 0:
+            raise ValueError(f"long_poll_s must be >= 0, got {long_poll_s}")
+        if max_buffered_reports < 1:
+            raise ValueError(f"max_buffered_reports must be >= 1, got {max_buffered_reports}")
+        if not 0 < backoff_initial_s <= backoff_max_s:
+            raise ValueError(
+                f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
+            )
+        self.run = registration.run
+        self._base = base_url.rstrip("/") + API_PREFIX
+        self._registration = registration
+        self._headers = {"content-type": "application/json"}
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s or min(request_timeout_s, 1.0))
+        self._poll_timeout = httpx.Timeout(
+            long_poll_s + request_timeout_s, connect=connect_timeout_s or min(request_timeout_s, 1.0)
+        )
+        self._long_poll_s = long_poll_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._transport = transport
+        self._rng = rng or random.Random()
+        self._clock = clock
+
+        self._cond = threading.Condition()
+        self._reports: deque[Report] = deque()
+        self._max_reports = max_buffered_reports
+        self._acks: deque[Ack] = deque(maxlen=64)
+        self._desired: DesiredState | None = None
+        self._registered = False
+        self._first_attempt = threading.Event()
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        self._failures_logged: set[str] = set()
+
+        self.up = False
+        """True after the last exchange with the controller got a 2xx answer."""
+        self.reports_dropped = 0
+        """Reports dropped, oldest first, because the buffer was full."""
+        self.reports_sent = 0
+        """Reports the controller accepted."""
+        self.acks_sent = 0
+        """Acks the controller accepted."""
+        self.refused = 0
+        """Reports and acks the controller refused with a 4xx (dropped: resending cannot help)."""
+
+    # -- the training loop's side (never blocks on the network) -------------------------------
+    def start(self) -> None:
+        """Start the sender and the poller threads (idempotent)."""
+        if self._threads:
+            return
+        for name, target in (("sender", self._send_loop), ("poller", self._poll_loop)):
+            t = threading.Thread(target=target, name=f"trainguard-{name}-{self.run}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def wait_registered(self, timeout: float) -> DesiredState | None:
+        """Wait up to ``timeout`` s for the first registration attempt; the run's desired state
+        if it succeeded, else None (the sender keeps trying in the background)."""
+        self._first_attempt.wait(timeout)
+        with self._cond:
+            return self._desired if self._registered else None
+
+    def submit_report(self, report: Report) -> None:
+        """Queue a report; when the buffer is full the oldest one is dropped and counted."""
+        with self._cond:
+            if len(self._reports) >= self._max_reports:
+                self._reports.popleft()
+                self.reports_dropped += 1
+            self._reports.append(report)
+            self._cond.notify_all()
+
+    def submit_ack(self, ack: Ack) -> None:
+        """Queue an ack (the few most recent are kept)."""
+        with self._cond:
+            self._acks.append(ack)
+            self._cond.notify_all()
+
+    @property
+    def desired(self) -> DesiredState | None:
+        """The desired state with the highest generation seen so far (None before any answer)."""
+        return self._desired
+
+    def wait_desired(self, after_generation: int, timeout: float) -> DesiredState | None:
+        """Block up to ``timeout`` s until a desired state newer than ``after_generation`` is
+        known; return it, or None. (Used by a paused leader: a pause waits on purpose.)"""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while self._desired is None or self._desired.generation <= after_generation:
+                left = deadline - self._clock()
+                if left <= 0 or self._closing:
+                    return None
+                self._cond.wait(left)
+            return self._desired
+
+    def pending(self) -> tuple[int, int]:
+        """(reports, acks) waiting to be sent."""
+        with self._cond:
+            return len(self._reports), len(self._acks)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop: the sender flushes what is queued (no retries) and is joined within ``timeout``
+        seconds; True when it finished in time. The poller is told to stop and not waited for:
+        a long-poll in flight cannot be interrupted, and it is a daemon thread that ends when
+        that request does (bounded by its timeout) without touching the network again."""
+        deadline = self._clock() + max(timeout, 0.0)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        sender = self._threads[0] if self._threads else None
+        if sender is None:
+            return True
+        sender.join(max(deadline - self._clock(), 0.0))
+        return not sender.is_alive()
+
+    # -- threads -------------------------------------------------------------------------------
+    def _new_http(self, timeout: httpx.Timeout) -> httpx.Client:
+        return httpx.Client(transport=self._transport, timeout=timeout, headers=self._headers)
+
+    def _send_loop(self) -> None:
+        failures = 0
+        with self._new_http(self._timeout) as http:
+            while True:
+                with self._cond:
+                    while not (self._closing or not self._registered or self._acks or self._reports):
+                        self._cond.wait()
+                    if self._closing and not (self._registered and (self._acks or self._reports)):
+                        return
+                    if not self._registered:
+                        op, item = "register", None
+                    elif self._acks:
+                        op, item = "ack", self._acks.popleft()
+                    else:
+                        op, item = "report", self._reports.popleft()
+                try:
+                    if item is None:
+                        self._register(http)
+                    else:
+                        self._send_item(http, op, item)
+                    failures = 0
+                    continue
+                except _Refused as exc:
+                    self._note_failure(f"refused-{op}", f"controller refused a {op}: {exc}")
+                    if item is not None:  # retrying the same body cannot help: drop it
+                        self.refused += 1
+                        continue
+                except _Unknown:
+                    self._note_failure("unknown-run", "controller does not know the run; registering again")
+                    with self._cond:
+                        self._registered = False
+                    self._requeue(op, item)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - fail open: any failure means 'retry later'
+                    self._note_failure(type(exc).__name__, f"controller exchange failed: {exc!r}")
+                    self._requeue(op, item)
+                if op == "register":
+                    self._first_attempt.set()
+                if self._closing:
+                    return  # no retries while closing
+                failures += 1
+                self._sleep(failures)
+
+    def _register(self, http: httpx.Client) -> None:
+        answer = self._exchange(http, "POST", "/runs", dumps(self._registration), RunRegistered)
+        assert answer is not None
+        with self._cond:
+            self._registered = True
+            self._observe(answer.desired)
+        self._first_attempt.set()
+
+    def _send_item(self, http: httpx.Client, op: str, item: Report | Ack) -> None:
+        if op == "ack":
+            self._exchange(http, "POST", f"/runs/{self.run}/acks", dumps(item), None)
+            self.acks_sent += 1
+        else:
+            answer = self._exchange(http, "POST", f"/runs/{self.run}/reports", dumps(item), ReportAccepted)
+            self.reports_sent += 1
+            if answer is not None:
+                with self._cond:
+                    self._observe(answer.desired)
+
+    def _requeue(self, op: str, item: Report | Ack | None) -> None:
+        """Put a failed item back at the head of its buffer, or count it dropped when newer
+        ones filled the buffer meanwhile (it is the oldest)."""
+        if item is None:
+            return
+        with self._cond:
+            if op == "ack":
+                if len(self._acks) < (self._acks.maxlen or 0):
+                    self._acks.appendleft(item)  # type: ignore[arg-type]
+            elif len(self._reports) < self._max_reports:
+                self._reports.appendleft(item)  # type: ignore[arg-type]
+            else:
+                self.reports_dropped += 1
+
+    def _poll_loop(self) -> None:
+        failures = 0
+        with self._new_http(self._poll_timeout) as http:
+            while True:
+                with self._cond:
+                    while not self._closing and not self._registered:
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    after = self._desired.generation if self._desired is not None else 0
+                started = self._clock()
+                try:
+                    answer = self._exchange(
+                        http,
+                        "GET",
+                        f"/runs/{self.run}/desired",
+                        None,
+                        DesiredState,
+                        params={"after": after, "wait": self._long_poll_s},
+                    )
+                    failures = 0
+                    with self._cond:
+                        newer = self._observe(answer) if answer is not None else False
+                    if not newer and self._clock() - started < min(0.5, self._long_poll_s):
+                        # the controller answered 'no change' at once: do not spin
+                        self._sleep_plain(min(0.5, max(self._long_poll_s, 0.05)))
+                except _Unknown:
+                    with self._cond:
+                        self._registered = False
+                        self._cond.notify_all()
+                except Exception as exc:  # noqa: BLE001 - fail open
+                    self._note_failure(f"poll-{type(exc).__name__}", f"controller poll failed: {exc!r}")
+                    failures += 1
+                    self._sleep(failures)
+
+    def _exchange(
+        self,
+        http: httpx.Client,
+        method: str,
+        path: str,
+        body: bytes | None,
+        answer_type: type[_M] | None,
+        params: dict[str, float] | None = None,
+    ) -> _M | None:
+        try:
+            resp = http.request(method, self._base + path, content=body, params=params)
+        except Exception:
+            self.up = False
+            raise
+        status = resp.status_code
+        if status == 404:
+            self.up = True  # it answered: it just does not know the run
+            raise _Unknown()
+        if 400 <= status < 500 and status not in (408, 425, 429):
+            self.up = False
+            raise _Refused(f"{status} {resp.text[:200]}")
+        if not 200 <= status < 300:
+            self.up = False
+            raise httpx.HTTPStatusError(f"controller answered {status}", request=resp.request, response=resp)
+        if answer_type is None or status in (204, 304):
+            self.up = True
+            return None
+        try:
+            answer = answer_type.model_validate_json(resp.content)
+        except ValidationError as exc:
+            self.up = False
+            raise ValueError(f"unreadable answer from the controller: {exc.error_count()} errors") from None
+        if not self.up:
+            log.info("trainguard: controller %s reachable again", self._base)
+        self.up = True
+        return answer
+
+    def _observe(self, desired: DesiredState) -> bool:
+        """Keep ``desired`` if it is newer; caller holds the condition's lock."""
+        if self._desired is None or desired.generation > self._desired.generation:
+            self._desired = desired
+            self._cond.notify_all()
+            return True
+        return False
+
+    def _note_failure(self, kind: str, message: str) -> None:
+        if kind not in self._failures_logged:
+            self._failures_logged.add(kind)
+            log.warning("trainguard: %s (training goes on; further ones logged at debug)", message)
+        else:
+            log.debug("trainguard: %s", message)
+
+    def _sleep(self, failures: int) -> None:
+        self._sleep_plain(backoff_delay(failures, *self._backoff, self._rng))
+
+    def _sleep_plain(self, seconds: float) -> None:
+        deadline = self._clock() + seconds
+        with self._cond:
+            while not self._closing:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
