@@ -1,0 +1,823 @@
+"""The training agent: step metrics measured on the device, read by the host once per report.
+
+    agent = attach(model, optimizer, job="llm-7b", run="llm-7b-0001", scaler=scaler)
+    for batch in loader:
+        agent.observe_batch(batch["input_ids"])        # optional, data quality
+        loss = model(**batch).loss
+        scaler.scale(loss).backward()                  # (1) backward-end callback
+        scaler.unscale_(optimizer); clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)                         # (2) optimizer step pre/post hooks
+        scaler.update(); optimizer.zero_grad()
+        agent.end_step(loss, tokens=batch["input_ids"].numel())   # (3)
+
+Where each metric is measured (metric names, units and formulas: ``trainer_agent/catalog.py``):
+
+(1) **End of every backward pass** (an autograd engine callback queued by the first gradient hook
+    of the pass; it runs after DDP has finished its all-reduce): per-tensor squared norms of the
+    accumulated gradients, so the last backward before ``optimizer.step`` gives ``grad_norm``
+    *before* any clipping the user does afterwards, divided by the GradScaler's scale.
+    For the gradient noise scale, per-parameter gradient hooks measure the incoming gradient of
+    every further backward pass of the step (the first one equals the accumulated gradient);
+    under data parallelism every pass is measured there, before the all-reduce.
+(2) **Optimizer step hooks** (``register_step_pre_hook``/``register_step_post_hook``): the LR
+    each param group actually used; the weights before the step are copied into one reusable
+    buffer (``AgentConfig.update_ratio``) and ``W_before - W_after`` is formed in place for
+    ``update_ratio``, ``effective_lr`` and the per-layer update ratio; parameter norms.
+    A GradScaler that skips the step skips these hooks: ``end_step`` counts the step in
+    ``trainguard_amp_skipped_steps_total`` (no device read needed to know it).
+(3) **end_step**: loss, per-step non-finite accounting on the device, step time and tokens/s; on a
+    report step (``step % report_every == 0``) all device values are concatenated into one
+    float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned memory,
+    read at a later ``end_step`` once the copy's event has completed.
+
+Host-device synchronisation happens only where a comment says ``SYNC``. The ``/metrics``
+collector and ``latest()`` read host values only (``latest()`` may wait for a report copy that is
+still in flight; that is its one sync point).
+
+The agent never raises into the training loop: an internal error is logged once per kind, counted
+in ``trainguard_agent_errors_total``, and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client.registry import CollectorRegistry
+from pydantic import TypeAdapter, ValidationError
+from torch import nn
+
+from service.wire import Name
+from trainer_agent import stats
+from trainer_agent.config import AgentConfig
+from trainer_agent.exporter import AgentCollector, MetricsServer, sample_key
+
+__all__ = ["Agent", "attach", "RANK_FIELDS"]
+
+log = logging.getLogger(__name__)
+
+#: Per-rank values gathered from every rank at each report step when ``world_size > 1``; on every
+#: rank ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
+RANK_FIELDS: tuple[str, ...] = (
+    "loss",
+    "grad_norm",
+    "micro_sq_sum",
+    "micro_count",
+    "nonfinite_steps_total",
+    "step_duration_seconds",
+    "tokens_per_second",
+)
+
+_NAME = TypeAdapter(Name)
+_MAX_DEFERRED_BATCHES = 8
+
+
+class _StepState:
+    """What the hooks learn during one optimizer step; reset by ``end_step``."""
+
+    __slots__ = (
+        "backwards",
+        "micro_sq",
+        "grad_sq",
+        "grad_index",
+        "grad_nonfinite",
+        "scale",
+        "stepped",
+        "snapshot_taken",
+        "before_sq",
+        "delta_sq",
+        "param_sq",
+        "lrs",
+    )
+
+    def __init__(self) -> None:
+        self.backwards = 0
+        #: Per backward pass: sum over parameters of ||incoming gradient||^2 (float64, device).
+        self.micro_sq: list[torch.Tensor] = []
+        #: Per-tensor ||accumulated grad||^2 at the end of the last backward (float64, device).
+        self.grad_sq: torch.Tensor | None = None
+        self.grad_index: tuple[int, ...] = ()
+        self.grad_nonfinite: torch.Tensor | None = None
+        #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
+        self.scale: torch.Tensor | None = None
+        self.stepped = False
+        self.snapshot_taken = False
+        self.before_sq: torch.Tensor | None = None
+        self.delta_sq: torch.Tensor | None = None
+        self.param_sq: torch.Tensor | None = None
+        #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
+        self.lrs: list[float | torch.Tensor] | None = None
+
+
+class _Report:
+    """One report in flight from the device to the host."""
+
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks")
+
+    def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
+                 host: dict[str, float], ranks: int) -> None:
+        self.step = step
+        self.keys = keys
+        self.buffer = buffer
+        self.event = event
+        self.host = host
+        self.ranks = ranks
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class Agent:
+    """Measures a training loop and exports the results; see the module docstring.
+
+    Attributes for the control plane (``trainer_agent/control.py``):
+
+    - ``step``: optimizer steps completed (``end_step`` calls).
+    - ``grad_norm_device``: 0-dim float64 device tensor, the pre-clip global gradient norm of the
+      step in progress (set at the end of each backward pass, so it is valid in
+      ``before_optimizer_step``), or ``None`` before the first backward of the step.
+    - ``loss_device``: 0-dim float64 device tensor of the loss of the last ``end_step``.
+    - ``step_finite_device``: 0-dim bool device tensor, loss and gradients of the last ``end_step``
+      were finite.
+    - ``rank_values``: ``{field: [value of rank 0, rank 1, ...]}`` for ``RANK_FIELDS``, gathered
+      at the last published report (single rank: lists of one).
+    - ``overhead_seconds_total``: wall time spent inside the agent since attach.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        job: str,
+        run: str,
+        config: AgentConfig,
+        scaler: Any = None,
+        lr_scheduler: Any = None,
+        data_monitor: Any = None,
+        on_checkpoint: Callable[..., Any] | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self.job = job
+        self.run = run
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.lr_scheduler = lr_scheduler
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._errors = 0
+        self._logged_kinds: set[str] = set()
+        self._closed = False
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world_size = 0, 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if self.world_size > 1 else 0))
+        self._data_parallel = self.world_size > 1
+
+        self._setup_params(model, optimizer)
+        self._per_layer = config.per_layer == "all" or (config.per_layer == "rank0" and self.rank == 0)
+
+        self.step = 0
+        self.grad_norm_device: torch.Tensor | None = None
+        self.loss_device: torch.Tensor | None = None
+        self.step_finite_device: torch.Tensor | None = None
+        self.rank_values: dict[str, list[float]] = {}
+        self.overhead_seconds_total = 0.0
+        self._nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._amp_skipped = 0
+        self._snapshot: list[torch.Tensor] | None = None
+        self._state = _StepState()
+        self._in_backward = False
+        self._hook_norms: list[torch.Tensor] = []
+        self._step_overhead = 0.0
+        self._last_end = clock()
+        self._pending: _Report | None = None
+        self._published: dict[str, float] = {}
+        self._data_values: dict[str, float] = {}
+        self._deferred_batches: deque[tuple[torch.Tensor, torch.Tensor | None, Any]] = deque()
+
+        self.data_monitor = data_monitor
+        if self.data_monitor is None and config.vocab_size is not None:
+            from trainer_agent.data import DataMonitor
+
+            self.data_monitor = DataMonitor(config.vocab_size, special_ids=config.special_ids)
+
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self._handles += [p.register_hook(self._grad_hook) for p in self._params]
+
+        self.control: Any = None
+        if config.controller is not None or config.skip_nonfinite:
+            from trainer_agent.control import ControlPlane
+
+            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint)
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
+        self.registry.register(self._collector)
+        self._server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            port = config.metrics_port + self.local_rank if config.metrics_port else 0
+            self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup_params(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen: set[int] = set()
+        params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
+        self._params = params
+        self.device = params[0].device
+        self._numel = sum(p.numel() for p in params)
+        depth = self.config.layer_depth
+        layers: dict[str, int] = {}
+        ids = []
+        for p in params:
+            name = names.get(id(p), "unnamed")
+            module = name.rsplit(".", 1)[0] if "." in name else name
+            layer = ".".join(module.split(".")[:depth])
+            ids.append(layers.setdefault(layer, len(layers)))
+        self.layers: list[str] = list(layers)
+        self._layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self._grad_layer_ids: tuple[tuple[int, ...], torch.Tensor] = (
+            tuple(range(len(params))), self._layer_ids)
+
+    # ------------------------------------------------------------------ errors and timing
+
+    def _error(self, kind: str, exc: BaseException) -> None:
+        with self._lock:
+            self._errors += 1
+            first = kind not in self._logged_kinds
+            self._logged_kinds.add(kind)
+        if first:
+            log.warning("trainguard agent: %s failed; training goes on, further %s errors are only "
+                        "counted in trainguard_agent_errors_total", kind, kind, exc_info=exc)
+
+    def _is_report(self, step: int) -> bool:
+        return step % self.config.report_every == 0
+
+    # ------------------------------------------------------------------ (1) backward
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        """Tensor hook of every trainable parameter: sees the incoming gradient of one backward
+        pass before it is accumulated into ``.grad`` (and before any DDP all-reduce)."""
+        t0 = self._clock()
+        try:
+            if not self._in_backward:
+                self._in_backward = True
+                self._hook_norms = []
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
+            if self.config.grad_noise and (self._data_parallel or self._state.backwards >= 1):
+                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        except Exception as exc:  # never raise into backward
+            self._error("gradient_hook", exc)
+        finally:
+            self._step_overhead += self._clock() - t0
+
+    def _backward_end_outer(self) -> None:
+        # Re-queue, so that this runs after callbacks queued later in the same backward pass,
+        # in particular DDP's, which finishes the gradient all-reduce.
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        except Exception as exc:
+            self._in_backward = False
+            self._error("backward_end", exc)
+
+    def _backward_end(self) -> None:
+        t0 = self._clock()
+        try:
+            self._in_backward = False
+            st = self._state
+            first = st.backwards == 0
+            self._measure_grads(st)
+            if self.config.grad_noise:
+                if first and not self._data_parallel:
+                    # The first backward of a step accumulates into zeroed gradients.
+                    assert st.grad_sq is not None
+                    st.micro_sq.append(st.grad_sq.sum())
+                elif self._hook_norms:
+                    micro = torch.stack(self._hook_norms).to(torch.float64)
+                    st.micro_sq.append((micro * micro).sum())
+            st.backwards += 1
+        except Exception as exc:
+            self._error("backward_end", exc)
+        finally:
+            self._hook_norms = []
+            self._step_overhead += self._clock() - t0
+
+    def _measure_grads(self, st: _StepState) -> None:
+        """Per-tensor squared norms of the current ``.grad`` (and, on report steps, their
+        non-finite element count) into ``st``; sets ``grad_norm_device``."""
+        index, grads = [], []
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                index.append(i)
+                grads.append(p.grad)
+        st.grad_index = tuple(index)
+        st.grad_sq = stats.sq_norms(grads, self.device)
+        st.scale = self._scale_tensor()
+        if self._is_report(self.step + 1):
+            st.grad_nonfinite = stats.nonfinite_count(grads, self.device)
+        self.grad_norm_device = self._unscale(st.grad_sq.sum().sqrt(), st.scale)
+
+    def _scale_tensor(self) -> torch.Tensor | None:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+            return None
+        # GradScaler keeps its scale in the device tensor `_scale` (get_scale() would sync);
+        # update() changes it in place, so keep a copy of the value the gradients carry.
+        return scaler._scale.detach().to(self.device, torch.float64, copy=True).reshape(())
+
+    @staticmethod
+    def _unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
+        return value if scale is None else value / scale**power
+
+    # ------------------------------------------------------------------ (2) optimizer step
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        t0 = self._clock()
+        if self.control is not None:
+            try:
+                self.control.before_optimizer_step()
+            except Exception as exc:
+                self._error("control_before_step", exc)
+        try:
+            st = self._state
+            st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
+                      for g in optimizer.param_groups]
+            if st.grad_sq is None:
+                # No backward pass went through the agent's hooks (gradients set by hand):
+                # measure what the optimizer is about to use.
+                self._measure_grads(st)
+            mode = self.config.update_ratio
+            if mode == "every" or (mode == "report" and self._is_report(self.step + 1)):
+                if self._snapshot is None:
+                    self._snapshot = [torch.empty_like(p) for p in self._params]
+                torch._foreach_copy_(self._snapshot, self._params)
+                st.snapshot_taken = True
+        except Exception as exc:
+            self._error("optimizer_pre_step", exc)
+        finally:
+            self._step_overhead += self._clock() - t0
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        t0 = self._clock()
+        try:
+            st = self._state
+            st.stepped = True
+            if st.snapshot_taken:
+                assert self._snapshot is not None
+                st.before_sq = stats.sq_norms(self._snapshot, self.device)
+                torch._foreach_sub_(self._snapshot, self._params)  # W_before - W_after, in place
+                st.delta_sq = stats.sq_norms(self._snapshot, self.device)
+            if self._is_report(self.step + 1):
+                st.param_sq = stats.sq_norms(self._params, self.device)
+        except Exception as exc:
+            self._error("optimizer_post_step", exc)
+        finally:
+            self._step_overhead += self._clock() - t0
+        if self.control is not None:
+            try:
+                self.control.after_optimizer_step()
+            except Exception as exc:
+                self._error("control_after_step", exc)
+
+    # ------------------------------------------------------------------ data
+
+    def observe_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Hand a batch of token ids to the data monitor (if any) without a host sync: CPU
+        tensors are observed at once; device tensors are copied non-blocking into pinned memory
+        and observed at a later call, once the copy has completed."""
+        if self.data_monitor is None:
+            return
+        t0 = self._clock()
+        try:
+            self._drain_batches()
+            if input_ids.device.type == "cpu":
+                self.data_monitor.observe_batch(input_ids, attention_mask)
+                return
+            ids = torch.empty(input_ids.shape, dtype=input_ids.dtype, pin_memory=True)
+            ids.copy_(input_ids, non_blocking=True)
+            mask = None
+            if attention_mask is not None:
+                mask = torch.empty(attention_mask.shape, dtype=attention_mask.dtype, pin_memory=True)
+                mask.copy_(attention_mask, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            if len(self._deferred_batches) >= _MAX_DEFERRED_BATCHES:
+                self._deferred_batches.popleft()
+                raise RuntimeError("data monitor backlog full; dropped the oldest batch")
+            self._deferred_batches.append((ids, mask, event))
+        except Exception as exc:
+            self._error("data_monitor", exc)
+        finally:
+            self._step_overhead += self._clock() - t0
+
+    def _drain_batches(self) -> None:
+        while self._deferred_batches and self._deferred_batches[0][2].query():
+            ids, mask, _ = self._deferred_batches.popleft()
+            self.data_monitor.observe_batch(ids, mask)
+
+    # ------------------------------------------------------------------ (3) end of step
+
+    def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
+        """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
+        (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
+        device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
+        t0 = self._clock()
+        summary: dict[str, float] = {}
+        try:
+            summary = self._end_step(loss, tokens, t0)
+        except Exception as exc:
+            self._error("end_step", exc)
+        finally:
+            self._state = _StepState()
+            self._in_backward = False
+            self.grad_norm_device = None
+            now = self._clock()
+            self._step_overhead += now - t0
+            self.overhead_seconds_total += self._step_overhead
+            self._step_overhead = 0.0
+        if self.control is not None:
+            try:
+                self.control.on_end_step(self.step, summary)
+            except Exception as exc:
+                self._error("control_end_step", exc)
+
+    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> dict[str, float]:
+        st = self._state
+        self.step += 1
+        step = self.step
+        duration = t0 - self._last_end
+        self._last_end = t0
+        if self.scaler is not None and self.scaler.is_enabled() and not st.stepped and st.backwards:
+            self._amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
+
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().to(self.device, torch.float64).reshape(())
+        else:
+            loss_t = torch.tensor(float(loss), dtype=torch.float64, device=self.device)
+        self.loss_device = loss_t
+        grad_norm = None
+        if st.grad_sq is not None:
+            grad_norm = self._unscale(st.grad_sq.sum().sqrt(), st.scale)
+        finite = torch.isfinite(loss_t)
+        if grad_norm is not None:
+            finite = finite & torch.isfinite(grad_norm)
+        self.step_finite_device = finite
+        self._nonfinite_steps += (~finite).to(torch.float64)
+
+        published = self._publish(block=False)
+        if self._is_report(step):
+            if self._pending is not None:
+                published = self._publish(block=True)  # SYNC: only when the last report is still in flight
+            self._pending = self._build_report(st, step, loss_t, grad_norm, duration, tokens, t0)
+            if self._pending.ready():
+                published = self._publish(block=False)
+        try:
+            self._drain_batches()
+        except Exception as exc:
+            self._error("data_monitor", exc)
+        return published
+
+    def _build_report(self, st: _StepState, step: int, loss_t: torch.Tensor,
+                      grad_norm: torch.Tensor | None, duration: float, tokens: int | None,
+                      t0: float) -> _Report:
+        dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
+        host: dict[str, float] = {"trainguard_step": float(step)}
+        dev["trainguard_loss"] = loss_t
+        dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
+        if grad_norm is not None:
+            dev["trainguard_grad_norm"] = grad_norm
+        if st.grad_nonfinite is not None:
+            dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
+
+        param_sq = st.param_sq if st.param_sq is not None else stats.sq_norms(self._params, self.device)
+        param_sq_sum = param_sq.sum()
+        dev["trainguard_param_norm"] = param_sq_sum.sqrt()
+        dev["trainguard_param_scale"] = (param_sq_sum / self._numel).sqrt()
+        if st.delta_sq is not None and st.before_sq is not None:
+            delta = st.delta_sq.sum().sqrt()
+            dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
+            if grad_norm is not None:
+                dev["trainguard_effective_lr"] = delta / grad_norm
+
+        lrs = st.lrs if st.lrs is not None else self._last_lrs()
+        self._lrs = lrs
+        for i, lr in enumerate(lrs):
+            key = sample_key("trainguard_learning_rate", group=str(i))
+            if isinstance(lr, torch.Tensor):
+                dev[key] = lr.to(self.device, torch.float64).reshape(())
+            else:
+                host[key] = lr
+
+        state_tensors = [t for s in self.optimizer.state.values() for t in s.values()
+                         if isinstance(t, torch.Tensor)]
+        dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
+
+        scale_now = self._scale_tensor()
+        if scale_now is not None:
+            dev["trainguard_loss_scale"] = scale_now
+        host["trainguard_amp_skipped_steps_total"] = float(self._amp_skipped)
+        host["trainguard_step_duration_seconds"] = duration
+        if tokens is not None:
+            host["trainguard_tokens_per_second"] = tokens / duration if duration > 0 else math.inf
+        host.update(self._memory())
+
+        if self._per_layer:
+            self._layer_metrics(st, param_sq, dev)
+
+        micro_count = len(st.micro_sq)
+        micro_sum = (torch.stack(st.micro_sq).sum() if st.micro_sq
+                     else torch.zeros((), dtype=torch.float64, device=self.device))
+        micro_sum = self._unscale(micro_sum, st.scale, power=2)
+        host["trainguard_agent_overhead_seconds"] = self._step_overhead + (self._clock() - t0)
+
+        gathered = None
+        small_sum, total_count = micro_sum, micro_count
+        if self._data_parallel:
+            local = torch.stack([
+                loss_t, grad_norm if grad_norm is not None else torch.full_like(loss_t, math.nan),
+                micro_sum, torch.full_like(loss_t, micro_count), self._nonfinite_steps.clone(),
+                torch.full_like(loss_t, duration),
+                torch.full_like(loss_t, host.get("trainguard_tokens_per_second", math.nan)),
+            ])
+            gathered = self._all_gather(local).to(self.device)
+            small_sum = gathered[:, RANK_FIELDS.index("micro_sq_sum")].sum()
+            total_count = micro_count * self.world_size  # every rank runs the same loop
+        if self.config.grad_noise and total_count >= 2 and grad_norm is not None:
+            # Small gradients k*h_j have the expectation of the accumulated gradient H.
+            micro_size = tokens / micro_count if tokens else 1.0
+            small_sq = micro_count**2 * small_sum / total_count
+            b_simple, trace = stats.noise_scale(small_sq, grad_norm * grad_norm, total_count, micro_size)
+            dev["trainguard_grad_noise_scale"] = b_simple
+            dev["trainguard_grad_variance"] = trace
+
+        keys = list(dev)
+        pieces = [dev[k].reshape(1).to(torch.float64) for k in keys]
+        if gathered is not None:
+            pieces.append(gathered.reshape(-1))
+        ranks = self.world_size if gathered is not None else 0
+        vec = torch.cat(pieces)
+        if vec.device.type == "cuda":
+            buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            buffer.copy_(vec, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return _Report(step, keys, buffer, event, host, ranks)
+        return _Report(step, keys, vec, None, host, ranks)
+
+    def _layer_metrics(self, st: _StepState, param_sq: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
+        n = len(self.layers)
+
+        def add(metric: str, values: torch.Tensor) -> None:
+            for i, layer in enumerate(self.layers):
+                dev[sample_key(metric, layer=layer)] = values[i]
+
+        if st.grad_sq is not None:
+            if self._grad_layer_ids[0] != st.grad_index:
+                index = torch.tensor(st.grad_index, dtype=torch.long, device=self.device)
+                self._grad_layer_ids = (st.grad_index, self._layer_ids[index])
+            g = stats.segment_sum(st.grad_sq, self._grad_layer_ids[1], n).sqrt()
+            add("trainguard_layer_grad_norm", self._unscale(g, st.scale))
+        add("trainguard_layer_param_norm", stats.segment_sum(param_sq, self._layer_ids, n).sqrt())
+        if st.delta_sq is not None and st.before_sq is not None:
+            delta = stats.segment_sum(st.delta_sq, self._layer_ids, n).sqrt()
+            before = stats.segment_sum(st.before_sq, self._layer_ids, n).sqrt()
+            add("trainguard_layer_update_ratio", delta / before)
+
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
+        src = local.to(device)
+        out = torch.empty(self.world_size, src.numel(), dtype=src.dtype, device=device)
+        dist.all_gather_into_tensor(out, src)
+        return out
+
+    def _last_lrs(self) -> list[float | torch.Tensor]:
+        previous = getattr(self, "_lrs", None)
+        if previous is not None:
+            return previous
+        return [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
+                for g in self.optimizer.param_groups]
+
+    def _memory(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            # Allocator statistics kept on the host: no device sync.
+            allocated = float(torch.cuda.memory_allocated(self.device))
+            reserved = float(torch.cuda.memory_reserved(self.device))
+            peak = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            allocated, peak = stats.host_memory()
+            reserved = allocated
+        return {
+            "trainguard_memory_allocated_bytes": allocated,
+            "trainguard_memory_reserved_bytes": reserved,
+            "trainguard_memory_peak_bytes": peak,
+        }
+
+    # ------------------------------------------------------------------ publication
+
+    def _publish(self, block: bool) -> dict[str, float]:
+        """Turn the report in flight into host values once its copy has completed (or, with
+        ``block``, wait for it). Returns the published values, or {} when nothing was published."""
+        report = self._pending
+        if report is None or not (block or report.ready()):
+            return {}
+        self._pending = None
+        if report.event is not None:
+            report.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
+        flat = report.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
+        n = len(report.keys)
+        values = dict(zip(report.keys, flat[:n]))
+        if report.ranks:
+            width = len(RANK_FIELDS)
+            rows = [flat[n + r * width: n + (r + 1) * width] for r in range(report.ranks)]
+            self.rank_values = {f: [row[i] for row in rows] for i, f in enumerate(RANK_FIELDS)}
+        else:
+            self.rank_values = {
+                "loss": [values["trainguard_loss"]],
+                "grad_norm": [values.get("trainguard_grad_norm", math.nan)],
+                "nonfinite_steps_total": [values["trainguard_nonfinite_steps_total"]],
+                "step_duration_seconds": [report.host["trainguard_step_duration_seconds"]],
+                "tokens_per_second": [report.host.get("trainguard_tokens_per_second", math.nan)],
+            }
+        values.update(report.host)
+        if self.data_monitor is not None:
+            try:
+                self._data_values = {k: float(v) for k, v in self.data_monitor.values().items()}
+            except Exception as exc:
+                self._error("data_monitor", exc)
+        with self._lock:
+            self._published = values
+        return dict(values)
+
+    def _current_values(self) -> dict[str, float]:
+        """Host values only: called by the /metrics collector from the HTTP thread."""
+        with self._lock:
+            values = dict(self._published)
+            errors = self._errors
+        values.update(self._data_values)
+        if self.control is not None:
+            try:
+                values.update(self.control.values())
+            except Exception as exc:
+                self._error("control_values", exc)
+                with self._lock:
+                    errors = self._errors
+        values["trainguard_agent_errors_total"] = float(errors)
+        return values
+
+    # ------------------------------------------------------------------ public API
+
+    def latest(self) -> dict[str, float]:
+        """``{sample key: value}`` as of the last reported step, plus the data-quality and
+        control values and the live error count. Waits for a report still being copied."""
+        try:
+            self._publish(block=True)  # SYNC (CUDA): only if a report copy is still in flight
+        except Exception as exc:
+            self._error("publish", exc)
+        return self._current_values()
+
+    @property
+    def metrics_url(self) -> str | None:
+        """URL of this rank's ``/metrics``; None when ``metrics_port`` is None."""
+        return self._server.url if self._server is not None else None
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the controller has asked this run to stop."""
+        if self.control is None:
+            return False
+        try:
+            return bool(self.control.should_stop)
+        except Exception as exc:
+            self._error("control_should_stop", exc)
+            return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The agent's counters and control state, for the training checkpoint."""
+        state: dict[str, Any] = {
+            "version": 1,
+            "step": self.step,
+            # SYNC: checkpoint time only; reads one device scalar.
+            "nonfinite_steps_total": float(self._nonfinite_steps.item()),
+            "amp_skipped_steps_total": self._amp_skipped,
+        }
+        if self.control is not None:
+            state["control"] = self.control.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; ``ValueError`` for a foreign dict."""
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ValueError("not a trainguard agent state dict (version 1)")
+        try:
+            step = int(state["step"])
+            nonfinite = float(state["nonfinite_steps_total"])
+            skipped = int(state["amp_skipped_steps_total"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed trainguard agent state dict: {exc}") from None
+        if step < 0 or skipped < 0 or not nonfinite >= 0:
+            raise ValueError("malformed trainguard agent state dict: negative counters")
+        self.step = step
+        self._nonfinite_steps.fill_(nonfinite)
+        self._amp_skipped = skipped
+        if self.control is not None and "control" in state:
+            self.control.load_state_dict(state["control"])
+
+    def close(self, timeout: float | None = None) -> None:
+        """Publish the last report, remove the hooks, stop the control plane and the /metrics
+        server. Returns within about ``timeout`` seconds (default ``config.close_timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + (self.config.close_timeout_s if timeout is None else timeout)
+        try:
+            self._publish(block=True)  # SYNC: the last report
+        except Exception as exc:
+            self._error("publish", exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.control is not None:
+            try:
+                self.control.close(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                self._error("control_close", exc)
+        if self._server is not None:
+            self._server.close(max(0.0, deadline - time.monotonic()))
+        try:
+            self.registry.unregister(self._collector)
+        except KeyError:
+            pass
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    job: str,
+    run: str,
+    scaler: Any = None,
+    config: AgentConfig | None = None,
+    lr_scheduler: Any = None,
+    data_monitor: Any = None,
+    on_checkpoint: Callable[..., Any] | None = None,
+    controller: str | None = None,
+    token: str | None = None,
+    registry: CollectorRegistry | None = None,
+) -> Agent:
+    """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
+
+    ``controller``/``token`` override the config's. Mistakes in the arguments raise
+    ``ValueError`` here, before training starts.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    for what, value in (("job", job), ("run", run)):
+        try:
+            _NAME.validate_python(value)
+        except ValidationError:
+            raise ValueError(f"{what} must match [A-Za-z0-9][A-Za-z0-9._:-]{{0,127}}, got {value!r}") from None
+    if scaler is not None and not (hasattr(scaler, "is_enabled") and hasattr(scaler, "step")):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if config is None:
+        config = AgentConfig()
+    elif not isinstance(config, AgentConfig):
+        raise ValueError(f"config must be an AgentConfig, got {type(config).__name__}")
+    if controller is not None or token is not None:
+        from dataclasses import replace
+
+        config = replace(config, controller=controller if controller is not None else config.controller,
+                         token=token if token is not None else config.token)
+    if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
+        raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
+    return Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
+                 lr_scheduler=lr_scheduler, data_monitor=data_monitor,
+                 on_checkpoint=on_checkpoint, registry=registry)

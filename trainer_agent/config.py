@@ -1,0 +1,122 @@
+"""The agent's configuration: one typed object, validated when it is built.
+
+Bad values raise ``ValueError`` here, before training starts; once attached the agent never raises
+into the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["AgentConfig", "PerLayer", "UpdateRatioMode"]
+
+PerLayer = Literal["rank0", "all", "off"]
+UpdateRatioMode = Literal["report", "every", "off"]
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """How the training agent measures, exports and (later) talks to the controller."""
+
+    report_every: int = 10
+    """Steps between two host reads of the device statistics. Step metrics that are only
+    exported (param norm, update ratio, per-layer norms, non-finite element counts, optimizer
+    state check) are computed on report steps only; per-step counters (non-finite steps, AMP
+    skips) are accumulated on the device every step and read at the report."""
+
+    metrics_port: int | None = 9400
+    """Base port of the rank's ``/metrics`` endpoint; the rank serves on ``metrics_port +
+    local_rank``. ``0`` picks a free port; ``None`` serves nothing (the registry is still filled)."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the ``/metrics`` endpoint binds to (``0.0.0.0`` to be scraped from other hosts)."""
+
+    layer_depth: int = 2
+    """Module-name components that make a layer: ``blocks.3.attn.qkv.weight`` belongs to layer
+    ``blocks.3`` at depth 2. Parameters of shallower modules use their full module path."""
+
+    per_layer: PerLayer = "rank0"
+    """Which ranks export the per-layer metrics: ``"rank0"`` (bounds the series count),
+    ``"all"``, or ``"off"`` (not computed at all)."""
+
+    update_ratio: UpdateRatioMode = "report"
+    """When the weights before the step are snapshotted for ``update_ratio``/``effective_lr``:
+    ``"report"`` on report steps only (one reusable buffer, cost amortised over
+    ``report_every``), ``"every"`` step, or ``"off"`` (no buffer, metrics absent)."""
+
+    grad_noise: bool = True
+    """Estimate the gradient noise scale from micro-batch gradient norms (several backward passes
+    per optimizer step) and/or data-parallel ranks. Costs one extra pass over the incoming
+    gradients of the second and later backward passes of a step (every backward under DDP)."""
+
+    vocab_size: int | None = None
+    """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
+    ``DataMonitor(vocab_size, special_ids)`` and feeds it the batches of ``observe_batch``."""
+
+    special_ids: tuple[int, ...] = ()
+    """Control/special/unknown token ids for the data monitor the agent builds."""
+
+    controller: str | None = field(default_factory=lambda: _env("TRAINGUARD_CONTROLLER"))
+    """Base URL of the trainguard controller (default: ``$TRAINGUARD_CONTROLLER``). ``None``:
+    no control plane, unless ``skip_nonfinite`` asks for the local guard."""
+
+    token: str | None = field(default_factory=lambda: _env("TRAINGUARD_TOKEN"), repr=False)
+    """Bearer token of this run at the controller (default: ``$TRAINGUARD_TOKEN``)."""
+
+    sync_every: int = 1
+    """Steps between two agreements of all ranks on the controller's newest desired state."""
+
+    skip_nonfinite: bool = False
+    """Skip the optimizer update locally when the step's loss or gradients are non-finite."""
+
+    request_timeout_s: float = 2.0
+    """Timeout of every request to the controller, in seconds."""
+
+    max_buffered_reports: int = 64
+    """Reports kept while the controller is unreachable; the oldest are dropped beyond this."""
+
+    close_timeout_s: float = 5.0
+    """Default deadline of ``Agent.close()`` in seconds."""
+
+    def __post_init__(self) -> None:
+        _positive_int("report_every", self.report_every)
+        _positive_int("sync_every", self.sync_every)
+        _positive_int("max_buffered_reports", self.max_buffered_reports)
+        _positive_int("layer_depth", self.layer_depth)
+        if self.metrics_port is not None:
+            if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
+                raise ValueError(f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError("metrics_host must be a non-empty string")
+        if self.per_layer not in ("rank0", "all", "off"):
+            raise ValueError(f"per_layer must be 'rank0', 'all' or 'off', got {self.per_layer!r}")
+        if self.update_ratio not in ("report", "every", "off"):
+            raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
+        if not isinstance(self.grad_noise, bool):
+            raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
+        if self.vocab_size is not None:
+            _positive_int("vocab_size", self.vocab_size)
+        self.special_ids = tuple(self.special_ids)
+        for i in self.special_ids:
+            if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
+                raise ValueError(f"special_ids must be token ids in [0, vocab_size), got {i!r}")
+        if self.controller is not None and not self.controller.startswith(("http://", "https://")):
+            raise ValueError(f"controller must be an http(s) URL, got {self.controller!r}")
+        for name in ("request_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

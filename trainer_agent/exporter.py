@@ -1,0 +1,105 @@
+"""Per-rank Prometheus export: a custom collector over values the agent already holds on the host.
+
+``Agent.latest()`` and the exporter share one representation: a mapping from a *sample key* to a
+float, where the key is the metric name, followed for labelled metrics by its extra labels in
+Prometheus text syntax: ``trainguard_loss``, ``trainguard_learning_rate{group="0"}``. The collector
+adds the base labels ``job``, ``run`` and ``rank`` and takes type and help text from the catalogue.
+Scraping never touches a device: ``collect()`` only reads a dict.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from trainer_agent.catalog import BASE_LABELS, spec
+
+__all__ = ["sample_key", "parse_key", "AgentCollector", "MetricsServer"]
+
+_KEY = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(?:,|$)')
+
+
+def sample_key(name: str, **labels: str) -> str:
+    """``sample_key("trainguard_learning_rate", group="0")`` -> ``'trainguard_learning_rate{group="0"}'``."""
+    if not labels:
+        return name
+    body = ",".join(
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in labels.items()
+    )
+    return f"{name}{{{body}}}"
+
+
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """Inverse of :func:`sample_key`; ``ValueError`` for a malformed key."""
+    m = _KEY.match(key)
+    if m is None:
+        raise ValueError(f"malformed sample key {key!r}")
+    labels: dict[str, str] = {}
+    body = m.group("labels")
+    if body:
+        pos = 0
+        while pos < len(body):
+            lm = _LABEL.match(body, pos)
+            if lm is None:
+                raise ValueError(f"malformed labels in sample key {key!r}")
+            labels[lm.group(1)] = re.sub(r"\\(.)", r"\1", lm.group(2))
+            pos = lm.end()
+    return m.group("name"), labels
+
+
+class AgentCollector(Collector):
+    """Yields the catalogue metrics of one rank from ``source()``, a host-side mapping of sample
+    keys to values (the agent's last published report). Keys whose metric is not in the catalogue
+    or whose labels do not match its spec are skipped (the agent counts such mistakes itself)."""
+
+    def __init__(self, source: Callable[[], Mapping[str, float]], *, job: str, run: str, rank: int) -> None:
+        self._source = source
+        self._base = (job, run, str(rank))
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for key, value in self._source().items():
+            name, labels = parse_key(key)
+            try:
+                s = spec(name)
+            except ValueError:
+                continue
+            if set(labels) != set(s.labels):
+                continue
+            family = families.get(name)
+            if family is None:
+                cls = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
+                family = cls(name, s.help, labels=[*BASE_LABELS, *s.labels], unit="")
+                families[name] = family
+            family.add_metric([*self._base, *(labels[k] for k in s.labels)], float(value))
+        yield from families.values()
+
+
+class MetricsServer:
+    """``/metrics`` of one registry on ``host:port`` (port 0: a free one), shut down by ``close``."""
+
+    def __init__(self, registry: CollectorRegistry, *, host: str, port: int) -> None:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        self._server: WSGIServer = server
+        self._thread: threading.Thread = thread
+        self.host = host
+        self.port: int = server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self, timeout: float) -> None:
+        """Stop serving and release the port, waiting at most ``timeout`` seconds for the thread."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout)

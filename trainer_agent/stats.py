@@ -1,0 +1,88 @@
+"""Device-side statistics of a training step: pure functions of tensors, no host reads.
+
+Everything here returns tensors on the device of its inputs and never calls ``.item()``,
+``.tolist()`` or ``float()`` on a device tensor, so the caller decides where the one host read
+of a report interval happens. NaN and Inf propagate as values; nothing raises on them.
+
+Norms are computed per tensor in float32 with ``torch._foreach_norm`` (one fused pass per device
+and dtype) and combined in float64, so a global norm over millions of elements keeps about seven
+significant digits.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "sq_norms",
+    "nonfinite_count",
+    "segment_sum",
+    "noise_scale",
+    "host_memory",
+]
+
+
+def sq_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Squared L2 norm of each tensor, as a float64 vector on ``device``: ``||t_i||^2``."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+    # .to(device) is a no-op for tensors already on `device`; for parameters spread over several
+    # devices it is an asynchronous device-to-device copy (no host sync).
+    stacked = torch.stack([n.to(device, non_blocking=True) for n in norms]).to(torch.float64)
+    return stacked * stacked
+
+
+def nonfinite_count(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Number of NaN/Inf elements over ``tensors`` (float64 scalar on ``device``)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
+    return total
+
+
+def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:
+    """``out[s] = sum(values[i] for i with index[i] == s)``: per-layer sums of per-tensor values."""
+    out = torch.zeros(segments, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, index, values)
+
+
+def noise_scale(
+    small_sq: torch.Tensor, big_sq: torch.Tensor, count: int, micro_size: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Simple gradient noise scale from ``count`` >= 2 small-batch gradients (McCandlish et al.
+    2018, appendix A.1): returns ``(B_simple, tr(Sigma))`` as scalars on the input's device.
+
+    ``small_sq`` is |G_small|^2, the mean squared norm of the ``count`` small-batch gradient
+    estimates, each of ``b = micro_size`` samples; ``big_sq`` is |G_big|^2, the squared norm of
+    their mean (the gradient of the big batch of ``count * b`` samples). Unbiased estimates:
+
+        |G|^2     = (n |G_big|^2 - |G_small|^2) / (n - 1)
+        tr(Sigma) = b n (|G_small|^2 - |G_big|^2) / (n - 1)
+        B_simple  = tr(Sigma) / |G|^2                       (n = count)
+
+    B_simple is in the unit of ``b`` and does not change when both inputs are multiplied by the
+    same factor (a loss scale, a loss divided by the accumulation count). Estimates from a single
+    step are noisy: tr(Sigma) and B_simple can come out negative; they are reported as they are.
+    """
+    assert count >= 2, "the noise scale needs at least two small-batch gradients"
+    grad_sq = (count * big_sq - small_sq) / (count - 1)
+    trace = micro_size * count * (small_sq - big_sq) / (count - 1)
+    return trace / grad_sq, trace
+
+
+def host_memory() -> tuple[float, float]:
+    """(current resident set size, peak resident set size) of this process in bytes."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm", "rb") as f:
+        rss = int(f.read().split()[1]) * page
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
+    return float(rss), float(max(peak_bytes, rss))
