@@ -327,7 +327,7 @@ def _ks_exact_pvalue(n1: int, n2: int, d_int: int) -> float:
     log_scale = 0.0
     for i in range(1, n1 + 1):
         inside = np.abs(i * n2 - j * n1) < d_int
-        lo, hi = int(np.argmax(inside)), n2 - int(np.argmax(inside[::-1]))
+        lo, hi = int(np.argmax(inside)), n2 + 1 - int(np.argmax(inside[::-1]))
         new = np.zeros(n2 + 1)
         if inside.any():
             new[lo:hi] = np.cumsum(row[lo:hi])
