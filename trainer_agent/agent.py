@@ -45,7 +45,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,7 +76,6 @@ RANK_FIELDS: tuple[str, ...] = (
 )
 
 _NAME = TypeAdapter(Name)
-_MAX_DEFERRED_BATCHES = 8
 
 
 class _StepState:
@@ -207,13 +205,17 @@ class Agent:
         self._pending: _Report | None = None
         self._published: dict[str, float] = {}
         self._data_values: dict[str, float] = {}
-        self._deferred_batches: deque[tuple[torch.Tensor, torch.Tensor | None, Any]] = deque()
 
         self.data_monitor = data_monitor
+        self._data_feed: Any = None
         if self.data_monitor is None and config.vocab_size is not None:
             from trainer_agent.data import DataMonitor
 
             self.data_monitor = DataMonitor(config.vocab_size, special_ids=config.special_ids)
+        if self.data_monitor is not None:
+            from trainer_agent.data import DataFeed
+
+            self._data_feed = DataFeed(self.data_monitor)
 
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_step),
@@ -407,38 +409,19 @@ class Agent:
     # ------------------------------------------------------------------ data
 
     def observe_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Hand a batch of token ids to the data monitor (if any) without a host sync: CPU
-        tensors are observed at once; device tensors are copied non-blocking into pinned memory
-        and observed at a later call, once the copy has completed."""
-        if self.data_monitor is None:
+        """Hand a batch of token ids to the data monitor (if any) without a host sync: the
+        ``DataFeed`` copies device tensors non-blocking into pinned memory and a worker thread
+        observes them; a bad batch (e.g. an id outside the vocabulary) is counted in
+        ``trainguard_agent_errors_total``."""
+        if self._data_feed is None:
             return
         t0 = self._clock()
         try:
-            self._drain_batches()
-            if input_ids.device.type == "cpu":
-                self.data_monitor.observe_batch(input_ids, attention_mask)
-                return
-            ids = torch.empty(input_ids.shape, dtype=input_ids.dtype, pin_memory=True)
-            ids.copy_(input_ids, non_blocking=True)
-            mask = None
-            if attention_mask is not None:
-                mask = torch.empty(attention_mask.shape, dtype=attention_mask.dtype, pin_memory=True)
-                mask.copy_(attention_mask, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            if len(self._deferred_batches) >= _MAX_DEFERRED_BATCHES:
-                self._deferred_batches.popleft()
-                raise RuntimeError("data monitor backlog full; dropped the oldest batch")
-            self._deferred_batches.append((ids, mask, event))
+            self._data_feed.submit(input_ids, attention_mask)
         except Exception as exc:
             self._error("data_monitor", exc)
         finally:
             self._step_overhead += self._clock() - t0
-
-    def _drain_batches(self) -> None:
-        while self._deferred_batches and self._deferred_batches[0][2].query():
-            ids, mask, _ = self._deferred_batches.popleft()
-            self.data_monitor.observe_batch(ids, mask)
 
     # ------------------------------------------------------------------ (3) end of step
 
@@ -496,10 +479,6 @@ class Agent:
             self._pending = self._build_report(st, step, loss_t, grad_norm, duration, tokens, t0)
             if self._pending.ready():
                 published = self._publish(block=False)
-        try:
-            self._drain_batches()
-        except Exception as exc:
-            self._error("data_monitor", exc)
         return published
 
     def _build_report(self, st: _StepState, step: int, loss_t: torch.Tensor,
@@ -666,14 +645,17 @@ class Agent:
                 "tokens_per_second": [report.host.get("trainguard_tokens_per_second", math.nan)],
             }
         values.update(report.host)
-        if self.data_monitor is not None:
-            try:
-                self._data_values = {k: float(v) for k, v in self.data_monitor.values().items()}
-            except Exception as exc:
-                self._error("data_monitor", exc)
+        self._refresh_data_values()
         with self._lock:
             self._published = values
         return dict(values)
+
+    def _refresh_data_values(self) -> None:
+        if self._data_feed is not None:
+            try:
+                self._data_values = {k: float(v) for k, v in self._data_feed.values().items()}
+            except Exception as exc:
+                self._error("data_monitor", exc)
 
     def _current_values(self) -> dict[str, float]:
         """Host values only: called by the /metrics collector from the HTTP thread."""
@@ -688,6 +670,8 @@ class Agent:
                 self._error("control_values", exc)
                 with self._lock:
                     errors = self._errors
+        if self._data_feed is not None:
+            errors += self._data_feed.errors  # bad batches, counted by the feed's worker thread
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 
@@ -698,6 +682,9 @@ class Agent:
         control values and the live error count. Waits for a report still being copied."""
         try:
             self._publish(block=True)  # SYNC (CUDA): only if a report copy is still in flight
+            if self._data_feed is not None:
+                self._data_feed.flush(timeout=1.0)  # batches submitted so far (worker thread)
+                self._refresh_data_values()
         except Exception as exc:
             self._error("publish", exc)
         return self._current_values()
@@ -763,6 +750,8 @@ class Agent:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._data_feed is not None:
+            self._data_feed.close(max(0.0, deadline - time.monotonic()))
         if self.control is not None:
             try:
                 self.control.close(max(0.0, deadline - time.monotonic()))
