@@ -1,0 +1,195 @@
+"""/metrics over HTTP, the config's validation, attach()'s argument checks, state_dict, the data
+monitor hand-off."""
+
+from __future__ import annotations
+
+import math
+import socket
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import trainer_agent as ta
+from trainer_agent.catalog import BY_NAME, STEP_METRICS
+from trainer_agent.exporter import parse_key, sample_key
+
+
+def tiny_loop(agent: ta.Agent, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
+              nan_at: int | None = None) -> None:
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if agent.step + 1 != nan_at:
+            return grad
+        grad = grad.clone()
+        grad[0, 0] = math.nan  # one non-finite gradient element, produced inside backward
+        return grad
+
+    handle = model[0].weight.register_hook(poison)
+    for _ in range(steps):
+        x = torch.randn(8, 6)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss, tokens=8)
+    handle.remove()
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("job") == "scrape-job" and labels.pop("run") == "run-7"
+            assert labels.pop("rank") == "0"
+            out[sample_key(s.name, **labels)] = s.value
+    return out
+
+
+def test_metrics_endpoint_equals_latest_nan_included() -> None:
+    model = net()
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}])
+    registry = CollectorRegistry()
+    agent = ta.attach(model, opt, job="scrape-job", run="run-7", registry=registry,
+                      config=ta.AgentConfig(metrics_port=0, report_every=2, layer_depth=1))
+    try:
+        tiny_loop(agent, model, opt, 4, nan_at=4)
+        latest = agent.latest()
+        scraped = scrape(agent.metrics_url)
+        assert scraped.keys() == latest.keys()
+        for key, value in latest.items():
+            assert (math.isnan(value) and math.isnan(scraped[key])) or scraped[key] == value, key
+        assert math.isnan(scraped["trainguard_grad_norm"])
+        assert scraped['trainguard_learning_rate{group="1"}'] == 0.5
+        assert scraped["trainguard_nonfinite_grads"] == 1
+        # Same values through the injected registry, without HTTP.
+        assert registry.get_sample_value("trainguard_step", {"job": "scrape-job", "run": "run-7", "rank": "0"}) == 4
+        # Every exported name is in the catalogue, with its declared labels.
+        for key in latest:
+            name, labels = parse_key(key)
+            assert set(labels) == set(BY_NAME[name].labels)
+        # Every step metric that exists without AMP/accumulation/DP is exported.
+        optional = {"trainguard_loss_scale", "trainguard_grad_noise_scale", "trainguard_grad_variance"}
+        assert {parse_key(k)[0] for k in latest} >= {m.name for m in STEP_METRICS} - optional
+    finally:
+        agent.close()
+    with pytest.raises(OSError):  # close() shut the server down
+        urllib.request.urlopen(agent.metrics_url, timeout=2)
+
+
+def test_port_is_base_plus_local_rank(monkeypatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=free - 1))
+    try:
+        assert agent.metrics_url == f"http://127.0.0.1:{free}/metrics"
+    finally:
+        agent.close()
+
+
+def test_per_layer_off_and_no_server() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, per_layer="off",
+                                                                          report_every=1, update_ratio="off"))
+    try:
+        tiny_loop(agent, model, opt, 2)
+        got = agent.latest()
+        assert agent.metrics_url is None
+        assert not any("layer" in k for k in got)
+        assert "trainguard_update_ratio" not in got and "trainguard_effective_lr" not in got
+        assert got["trainguard_step"] == 2
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"report_every": 0}, {"report_every": 1.5}, {"metrics_port": 70000}, {"metrics_port": -1},
+    {"per_layer": "some"}, {"update_ratio": "always"}, {"layer_depth": 0}, {"sync_every": 0},
+    {"controller": "ftp://x"}, {"request_timeout_s": 0}, {"close_timeout_s": math.inf},
+    {"vocab_size": 0}, {"vocab_size": 10, "special_ids": (10,)}, {"max_buffered_reports": 0},
+    {"grad_noise": "yes"},
+])
+def test_config_rejects_bad_values(kwargs) -> None:
+    with pytest.raises(ValueError):
+        ta.AgentConfig(**kwargs)
+
+
+def test_config_reads_controller_and_token_from_env(monkeypatch) -> None:
+    monkeypatch.setenv("TRAINGUARD_CONTROLLER", "http://127.0.0.1:1")
+    monkeypatch.setenv("TRAINGUARD_TOKEN", "secret")
+    cfg = ta.AgentConfig()
+    assert cfg.controller == "http://127.0.0.1:1" and cfg.token == "secret"
+    assert "secret" not in repr(cfg)
+    assert (cfg.report_every, cfg.sync_every, cfg.skip_nonfinite) == (10, 1, False)
+
+
+def test_attach_rejects_bad_arguments() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="job"):
+        ta.attach(model, opt, job="bad job", run="r")
+    with pytest.raises(ValueError, match="model"):
+        ta.attach(object(), opt, job="j", run="r")
+    with pytest.raises(ValueError, match="optimizer"):
+        ta.attach(model, object(), job="j", run="r")
+    with pytest.raises(ValueError, match="config"):
+        ta.attach(model, opt, job="j", run="r", config={"report_every": 1})
+    frozen = net().requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable"):
+        ta.attach(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), job="j", run="r")
+
+
+def test_state_dict_round_trip() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = ta.AgentConfig(metrics_port=None, report_every=1)
+    agent = ta.attach(model, opt, job="j", run="r", config=cfg)
+    tiny_loop(agent, model, opt, 3, nan_at=3)
+    state = agent.state_dict()
+    agent.close()
+    assert state["step"] == 3 and state["nonfinite_steps_total"] == 1
+    model2 = net()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    resumed = ta.attach(model2, opt2, job="j", run="r", config=cfg)
+    try:
+        resumed.load_state_dict(state)
+        tiny_loop(resumed, model2, opt2, 1)
+        got = resumed.latest()
+        assert got["trainguard_step"] == 4 and got["trainguard_nonfinite_steps_total"] == 1
+        with pytest.raises(ValueError):
+            resumed.load_state_dict({"step": 1})
+    finally:
+        resumed.close()
+
+
+def test_data_monitor_gets_batches_and_bad_batches_are_counted() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, vocab_size=50, special_ids=(0,)))
+    try:
+        ids = torch.arange(1, 41).reshape(4, 10)
+        agent.observe_batch(ids)
+        agent.observe_batch(torch.full((2, 5), 99))  # outside the vocabulary: counted, not raised
+        tiny_loop(agent, model, opt, 1)
+        got = agent.latest()
+        assert got["trainguard_data_tokens_total"] == 40
+        assert got["trainguard_data_sequences_total"] == 4
+        assert got["trainguard_data_special_token_ratio"] == 0
+        assert got["trainguard_agent_errors_total"] == 1
+    finally:
+        agent.close()
