@@ -1,0 +1,105 @@
+"""Dashboard 2, data quality: what the model is being fed. The seed's four data signals (section
+3.1) with their thresholds drawn as red lines, throughput in tokens/s, and the QualityFilter's
+kept/dropped samples.
+"""
+
+from __future__ import annotations
+
+from grafanalib.core import Dashboard
+
+from dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, timeseries
+
+UID = "trainguard-data-quality"
+TITLE = "trainguard / Data quality"
+
+#: Seed section 3.1: duplicate text above 5% warns.
+DUPLICATE_RATIO_MAX = 0.05
+#: Seed section 3.1: token-distribution KL divergence above 0.1 alerts.
+TOKEN_KL_MAX = 0.1
+#: Seed section 3.1: control/special characters above 0.01%.
+SPECIAL_TOKEN_RATIO_MAX = 1e-4
+#: Seed section 3.1: length-distribution shift when the sliding-window test gives p < 0.05.
+LENGTH_SHIFT_P_MIN = 0.05
+
+
+def build() -> Dashboard:
+    above = lambda limit: Band(((limit, "red"),))  # noqa: E731 - a red line at the limit
+    signals = Section("Data signals (seed thresholds in red)", [
+        timeseries(
+            "Duplicate ratio",
+            f"Share of sequences in the sliding window already seen in it: exact content and "
+            f"MinHash near-duplicates. Alert above {DUPLICATE_RATIO_MAX:g}.",
+            [
+                query(f"trainguard_data_duplicate_ratio{{{SEL}}}", "exact, rank {{rank}}"),
+                query(f"trainguard_data_near_duplicate_ratio{{{SEL}}}", "near, rank {{rank}}"),
+            ],
+            unit="percentunit", band=above(DUPLICATE_RATIO_MAX),
+        ),
+        timeseries(
+            "Token distribution KL divergence",
+            f"KL(current window || reference) of the unigram token distribution, in nats. "
+            f"Alert above {TOKEN_KL_MAX:g}.",
+            [query(f"trainguard_data_token_kl_divergence{{{SEL}}}", "rank {{rank}}")],
+            band=above(TOKEN_KL_MAX),
+        ),
+        timeseries(
+            "Special / control token ratio",
+            f"Share of tokens that are control, special or unknown ids. Alert above "
+            f"{SPECIAL_TOKEN_RATIO_MAX:g} (0.01%).",
+            [query(f"trainguard_data_special_token_ratio{{{SEL}}}", "rank {{rank}}")],
+            unit="percentunit", band=above(SPECIAL_TOKEN_RATIO_MAX),
+        ),
+        timeseries(
+            "Length distribution shift (KS p-value)",
+            f"Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the "
+            f"reference and the current window (log axis). Alert below {LENGTH_SHIFT_P_MIN:g}.",
+            [query(f"trainguard_data_length_shift_pvalue{{{SEL}}}", "rank {{rank}}")],
+            log=True, band=Band(((LENGTH_SHIFT_P_MIN, "transparent"),), base="red"),
+        ),
+    ])
+    throughput = Section("Throughput and filtering", [
+        timeseries(
+            "Tokens per second",
+            "Training throughput: tokens passed to end_step per second of step time, per rank, "
+            "and the job's total (sum over ranks).",
+            [
+                query(f"trainguard_tokens_per_second{{{SEL}}}", "rank {{rank}}"),
+                query(f"trainguard:tokens_per_second:sum{{{JOB_RUN}}}", "total {{run}}"),
+            ],
+            unit="short",
+        ),
+        timeseries(
+            "Tokens and sequences observed",
+            "Non-padding tokens and sequences the data monitor observed per second.",
+            [
+                query(f"rate(trainguard_data_tokens_total{{{SEL}}}[$__rate_interval])",
+                      "tokens/s, rank {{rank}}"),
+                query(f"rate(trainguard_data_sequences_total{{{SEL}}}[$__rate_interval])",
+                      "sequences/s, rank {{rank}}"),
+            ],
+        ),
+        timeseries(
+            "Filtered samples",
+            "Samples per second the QualityFilter kept and dropped, summed over ranks.",
+            [query(f"sum by (run, decision) "
+                   f"(rate(trainguard_data_filtered_total{{{SEL}}}[$__rate_interval]))",
+                   "{{decision}} ({{run}})")],
+            draw="bars",
+        ),
+        timeseries(
+            "Dropped share",
+            "Share of the samples the QualityFilter dropped over the interval.",
+            [query(f"sum by (run) (rate(trainguard_data_filtered_total{{{SEL}, decision=\"dropped\"}}"
+                   f"[$__rate_interval])) / sum by (run) "
+                   f"(rate(trainguard_data_filtered_total{{{SEL}}}[$__rate_interval]))",
+                   "{{run}}")],
+            unit="percentunit",
+        ),
+    ])
+    return dashboard(
+        uid=UID,
+        title=TITLE,
+        description=" ".join(__doc__.split()),
+        tags=["data"],
+        sections=[signals, throughput],
+    )

@@ -1,0 +1,129 @@
+"""Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
+heatmap, the straggler ratio (slowest rank over the median), memory per rank, the agent's own
+overhead and errors, whether each rank reaches the controller, and reports it had to drop.
+"""
+
+from __future__ import annotations
+
+from grafanalib.core import Dashboard
+
+from dashboards.common import (
+    DATASOURCE,
+    JOB_RUN,
+    SEL,
+    Band,
+    RankHeatmap,
+    Section,
+    dashboard,
+    query,
+    state_timeline,
+    timeseries,
+    with_ref_ids,
+)
+from dashboards.rules import STRAGGLER_RATIO
+
+UID = "trainguard-ranks"
+TITLE = "trainguard / Ranks"
+
+
+def build() -> Dashboard:
+    speed = Section("Step time", [
+        RankHeatmap(
+            title="Step time per rank (heatmap)",
+            description="Wall time between the last two end_step calls, one row per rank; a "
+                        "row that is persistently darker is a straggler.",
+            dataSource=DATASOURCE,
+            targets=with_ref_ids(
+                [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")]),
+            maxDataPoints=200,
+            span=12,
+        ),
+        timeseries(
+            "Stragglers: slowest rank / median rank",
+            f"max over ranks of the step time divided by its median over ranks. The controller's "
+            f"straggler rule fires above {STRAGGLER_RATIO:g} (red line).",
+            [query(f"trainguard:step_duration_seconds:max_over_median{{{JOB_RUN}}}", "{{run}}")],
+            band=Band(((STRAGGLER_RATIO, "red"),)),
+        ),
+        timeseries(
+            "Step time per rank",
+            "Wall time between the last two end_step calls.",
+            [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")],
+            unit="s",
+        ),
+        timeseries(
+            "Slowest rank",
+            "The rank with the longest last step, per run.",
+            [query(f"topk by (job, run) (1, trainguard_step_duration_seconds{{{SEL}}})",
+                   "rank {{rank}} ({{run}})")],
+            unit="s",
+        ),
+    ])
+    memory = Section("Memory", [
+        timeseries(
+            "Memory per rank",
+            "Allocated, reserved and peak bytes: torch.cuda counters on GPUs, the process's "
+            "resident set size on CPU.",
+            [
+                query(f"trainguard_memory_allocated_bytes{{{SEL}}}", "allocated, rank {{rank}}"),
+                query(f"trainguard_memory_reserved_bytes{{{SEL}}}", "reserved, rank {{rank}}"),
+                query(f"trainguard_memory_peak_bytes{{{SEL}}}", "peak, rank {{rank}}"),
+            ],
+            unit="bytes", width=24,
+        ),
+    ])
+    agent = Section("Agent health", [
+        timeseries(
+            "Agent overhead (share of the step)",
+            "Wall time the agent spent inside the last step divided by the step time.",
+            [query(f"trainguard_agent_overhead_seconds{{{SEL}}} "
+                   f"/ trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")],
+            unit="percentunit",
+        ),
+        timeseries(
+            "Agent overhead and errors",
+            "Seconds the agent spent in the last step (left) and its internal errors per "
+            "interval (right; training goes on after each).",
+            [
+                query(f"trainguard_agent_overhead_seconds{{{SEL}}}", "overhead, rank {{rank}}"),
+                query(f"increase(trainguard_agent_errors_total{{{SEL}}}[$__rate_interval])",
+                      "errors, rank {{rank}}"),
+            ],
+            unit="s",
+            overrides=[{
+                "matcher": {"id": "byRegexp", "options": "errors.*"},
+                "properties": [{"id": "custom.axisPlacement", "value": "right"},
+                               {"id": "unit", "value": "short"},
+                               {"id": "custom.drawStyle", "value": "bars"}],
+            }],
+        ),
+        state_timeline(
+            "Controller reachable",
+            "1 when the rank's last exchange with the controller succeeded. The agent fails "
+            "open: training goes on while the controller is away.",
+            [query(f"trainguard_agent_controller_up{{{SEL}}}", "rank {{rank}}")],
+            states={0: ("unreachable", "red"), 1: ("reachable", "green")},
+        ),
+        state_timeline(
+            "Scraped by Prometheus",
+            "Prometheus's own `up` for each rank's /metrics endpoint (discovered through the "
+            "controller's http_sd targets).",
+            [query(f"up{{{SEL}}}", "rank {{rank}}")],
+            states={0: ("down", "red"), 1: ("up", "green")},
+        ),
+        timeseries(
+            "Dropped reports",
+            "Reports the agent dropped per interval because its send buffer was full (the "
+            "controller was slow or away).",
+            [query(f"increase(trainguard_agent_reports_dropped_total{{{SEL}}}[$__rate_interval])",
+                   "rank {{rank}}")],
+            draw="bars", width=24,
+        ),
+    ])
+    return dashboard(
+        uid=UID,
+        title=TITLE,
+        description=" ".join(__doc__.split()),
+        tags=["ranks"],
+        sections=[speed, memory, agent],
+    )

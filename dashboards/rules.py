@@ -1,0 +1,233 @@
+"""Prometheus recording and alerting rules for the same conditions as the controller's default
+rules, for teams that prefer alerting in Prometheus: Prometheus evaluates them, Alertmanager routes
+the alerts to the controller's ``POST /v1/alertmanager``, and the controller acts on every alert
+whose labels name a ``run`` and a ``trainguard_action`` (``notify``, ``pause``, ``lr_scale`` ...).
+
+Each alert aggregates over ranks ``by (job, run)``, so one alert per run fires, never one per rank.
+The thresholds are the seed's (see ``dashboards/data_quality.py`` and ``dashboards/stability.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dashboards.data_quality import (
+    DUPLICATE_RATIO_MAX,
+    LENGTH_SHIFT_P_MIN,
+    SPECIAL_TOKEN_RATIO_MAX,
+    TOKEN_KL_MAX,
+)
+from dashboards.stability import GRAD_NORM_LIMIT
+
+__all__ = [
+    "STRAGGLER_RATIO",
+    "GRAD_NORM_SPIKE_RATIO",
+    "GRAD_NORM_SPIKE_WINDOW",
+    "LR_FACTOR",
+    "ABSENCE",
+    "ACTIONS",
+    "Recording",
+    "AlertRule",
+    "RECORDING_RULES",
+    "ALERT_RULES",
+    "rule_groups",
+]
+
+#: Straggler: the slowest rank's step time over the median rank's.
+STRAGGLER_RATIO = 1.5
+#: Gradient-norm spike: the norm over its rolling median over GRAD_NORM_SPIKE_WINDOW (the
+#: controller's default ``grad_norm_spike`` rule: ratio 5 against the median of 32 reports).
+GRAD_NORM_SPIKE_RATIO = 5.0
+GRAD_NORM_SPIKE_WINDOW = "10m"
+#: Factor an ``lr_scale`` action multiplies the run's current lr_scale by.
+LR_FACTOR = 0.5
+#: No progress for this long means the run is hung (the controller's absence rule).
+ABSENCE = "5m"
+#: The actions the controller's ``/v1/alertmanager`` understands in ``trainguard_action``.
+ACTIONS = ("notify", "pause", "lr_scale", "checkpoint", "stop")
+
+BY_RUN = "by (job, run)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recording:
+    """A recording rule: ``record`` is computed from ``expr`` at every evaluation."""
+
+    record: str
+    """Name of the recorded series, ``level:metric:operations``."""
+    expr: str
+    """PromQL expression."""
+
+    def __post_init__(self) -> None:
+        if self.record.count(":") != 2 or not self.record.startswith("trainguard:"):
+            raise ValueError(f"recording rule {self.record!r} must be named trainguard:<metric>:<ops>")
+
+    def to_yaml(self) -> dict:
+        return {"record": self.record, "expr": self.expr}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlertRule:
+    """An alerting rule whose labels tell the controller what to do."""
+
+    name: str
+    """Alert name (CamelCase, ``Trainguard`` prefix)."""
+    expr: str
+    """PromQL expression; every series it returns is one firing alert and carries job and run."""
+    action: str
+    """``trainguard_action`` label: what the controller does when the alert reaches it."""
+    severity: str
+    """``severity`` label: ``info``, ``warning`` or ``critical``."""
+    summary: str
+    """One line for people; may use ``{{ $labels.run }}`` and ``{{ $value }}``."""
+    for_: str = "0s"
+    """How long the condition must hold before the alert fires."""
+    extra_labels: dict[str, str] = field(default_factory=dict)
+    """More labels, e.g. ``trainguard_lr_factor`` of an ``lr_scale`` action."""
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"alert {self.name}: action {self.action!r} not in {ACTIONS}")
+        if self.severity not in ("info", "warning", "critical"):
+            raise ValueError(f"alert {self.name}: unknown severity {self.severity!r}")
+        if not self.name.startswith("Trainguard"):
+            raise ValueError(f"alert {self.name!r} must start with 'Trainguard'")
+
+    def to_yaml(self) -> dict:
+        rule: dict = {"alert": self.name, "expr": self.expr}
+        if self.for_ != "0s":
+            rule["for"] = self.for_
+        rule["labels"] = {"severity": self.severity, "trainguard_action": self.action,
+                          **self.extra_labels}
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": "Run {{ $labels.run }} of job {{ $labels.job }}: value {{ $value }}.",
+        }
+        return rule
+
+
+RECORDING_RULES: tuple[Recording, ...] = (
+    # NaN != NaN is true and |±Inf| == Inf: 1 for a rank whose last loss is non-finite, else 0.
+    Recording(
+        record="trainguard:loss:nonfinite",
+        expr=f"max {BY_RUN} ((trainguard_loss != bool trainguard_loss) "
+             f"+ (abs(trainguard_loss) == bool Inf))",
+    ),
+    Recording(record="trainguard:optimizer_state_nonfinite:max",
+              expr=f"max {BY_RUN} (trainguard_optimizer_state_nonfinite)"),
+    Recording(record="trainguard:grad_norm:max", expr=f"max {BY_RUN} (trainguard_grad_norm)"),
+    Recording(
+        record="trainguard:grad_norm:spike_ratio",
+        expr=f"trainguard:grad_norm:max / quantile_over_time(0.5, "
+             f"trainguard:grad_norm:max[{GRAD_NORM_SPIKE_WINDOW}])",
+    ),
+    Recording(
+        record="trainguard:step_duration_seconds:max_over_median",
+        expr=f"max {BY_RUN} (trainguard_step_duration_seconds) "
+             f"/ quantile {BY_RUN} (0.5, trainguard_step_duration_seconds)",
+    ),
+    Recording(record="trainguard:tokens_per_second:sum",
+              expr=f"sum {BY_RUN} (trainguard_tokens_per_second)"),
+    Recording(record="trainguard:data_duplicate_ratio:max",
+              expr=f"max {BY_RUN} (trainguard_data_duplicate_ratio)"),
+    Recording(record="trainguard:data_token_kl_divergence:max",
+              expr=f"max {BY_RUN} (trainguard_data_token_kl_divergence)"),
+    Recording(record="trainguard:data_special_token_ratio:max",
+              expr=f"max {BY_RUN} (trainguard_data_special_token_ratio)"),
+    Recording(record="trainguard:data_length_shift_pvalue:min",
+              expr=f"min {BY_RUN} (trainguard_data_length_shift_pvalue)"),
+    Recording(record="trainguard:step:changes_5m",
+              expr=f"max {BY_RUN} (changes(trainguard_step[{ABSENCE}]))"),
+)
+
+ALERT_RULES: tuple[AlertRule, ...] = (
+    AlertRule(
+        name="TrainguardLossNonFinite",
+        expr="trainguard:loss:nonfinite > 0",
+        action="pause", severity="critical",
+        summary="Loss is NaN/Inf on run {{ $labels.run }}: pausing it (likely gradient "
+                "explosion; lower the LR or clip harder before resuming).",
+    ),
+    AlertRule(
+        name="TrainguardOptimizerStateNonFinite",
+        expr="trainguard:optimizer_state_nonfinite:max > 0",
+        action="pause", severity="critical",
+        summary="{{ $value }} non-finite optimizer-state elements on run {{ $labels.run }}: "
+                "pausing it (fp16 Adam moments overflow first).",
+    ),
+    AlertRule(
+        name="TrainguardGradNormHigh",
+        expr=f"trainguard:grad_norm:max > {GRAD_NORM_LIMIT:g}",
+        action="lr_scale", severity="warning",
+        summary="Gradient norm {{ $value }} above the seed's limit on run {{ $labels.run }}: "
+                "halving the LR.",
+        extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
+    ),
+    AlertRule(
+        name="TrainguardGradNormSpike",
+        expr=f"trainguard:grad_norm:spike_ratio > {GRAD_NORM_SPIKE_RATIO:g}",
+        action="lr_scale", severity="warning",
+        summary="Gradient norm spiked to {{ $value }}x its rolling median on run "
+                "{{ $labels.run }}: halving the LR.",
+        extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
+    ),
+    AlertRule(
+        name="TrainguardDataDuplicates",
+        expr=f"trainguard:data_duplicate_ratio:max > {DUPLICATE_RATIO_MAX:g}",
+        action="notify", severity="warning",
+        summary="Duplicate ratio {{ $value }} above 5% on run {{ $labels.run }}.",
+    ),
+    AlertRule(
+        name="TrainguardTokenDistributionShift",
+        expr=f"trainguard:data_token_kl_divergence:max > {TOKEN_KL_MAX:g}",
+        action="notify", severity="warning",
+        summary="Token-distribution KL {{ $value }} above 0.1 on run {{ $labels.run }}.",
+    ),
+    AlertRule(
+        name="TrainguardSpecialTokens",
+        expr=f"trainguard:data_special_token_ratio:max > {SPECIAL_TOKEN_RATIO_MAX:g}",
+        action="notify", severity="warning",
+        summary="Special/control token ratio {{ $value }} above 0.01% on run {{ $labels.run }}.",
+    ),
+    AlertRule(
+        name="TrainguardLengthShift",
+        expr=f"trainguard:data_length_shift_pvalue:min < {LENGTH_SHIFT_P_MIN:g}",
+        action="notify", severity="warning",
+        summary="Sequence-length distribution shifted (KS p = {{ $value }}) on run "
+                "{{ $labels.run }}.",
+    ),
+    AlertRule(
+        name="TrainguardStraggler",
+        expr=f"trainguard:step_duration_seconds:max_over_median > {STRAGGLER_RATIO:g}",
+        for_="1m",
+        action="notify", severity="warning",
+        summary="Slowest rank is {{ $value }}x the median step time on run {{ $labels.run }}.",
+    ),
+    AlertRule(
+        name="TrainguardRunStalled",
+        expr=f"trainguard:step:changes_5m == 0 "
+             f"unless on (job, run) (max {BY_RUN} (trainguard_paused) > 0)",
+        action="notify", severity="critical",
+        summary="Run {{ $labels.run }} made no step for " + ABSENCE + " and is not paused: hung?",
+    ),
+    AlertRule(
+        name="TrainguardRankDown",
+        expr='max by (job, run, rank) (up{run!=""}) == 0',
+        for_=ABSENCE,
+        action="notify", severity="critical",
+        summary="Rank {{ $labels.rank }} of run {{ $labels.run }} has not answered a scrape for "
+                + ABSENCE + ".",
+    ),
+)
+
+
+def rule_groups(*, interval: str | None = None) -> dict:
+    """The rules file's content: one group of recording rules, one of alerts."""
+    groups = [
+        {"name": "trainguard-recording", "rules": [r.to_yaml() for r in RECORDING_RULES]},
+        {"name": "trainguard-alerts", "rules": [a.to_yaml() for a in ALERT_RULES]},
+    ]
+    if interval is not None:
+        for group in groups:
+            group["interval"] = interval
+    return {"groups": groups}

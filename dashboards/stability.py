@@ -1,0 +1,166 @@
+"""Dashboard 1, training stability: is the optimisation healthy right now, and what did the
+controller do about it? Loss, gradient norm (global and the largest layers), update ratio against
+its healthy band, parameter norm and scale, learning rates, lr_scale, AMP loss scale and skipped
+steps, non-finite counts, gradient noise scale, paused state.
+"""
+
+from __future__ import annotations
+
+from grafanalib.core import Dashboard
+
+from dashboards.common import (
+    SEL,
+    Band,
+    Section,
+    dashboard,
+    query,
+    stat,
+    state_timeline,
+    timeseries,
+)
+
+UID = "trainguard-stability"
+TITLE = "trainguard / Training stability"
+
+#: The update ratio's healthy band (DESIGN.md; seed section 6.1): about 1e-4 to 1e-2.
+UPDATE_RATIO_BAND = (1e-4, 1e-2)
+#: The seed's checklist: gradient values should stay below 1e3.
+GRAD_NORM_LIMIT = 1e3
+TOP_LAYERS = 5
+
+
+def _right_axis(series_regex: str, *, draw: str = "line") -> dict:
+    """A field override moving the series whose display name matches to the right axis."""
+    return {
+        "matcher": {"id": "byRegexp", "options": series_regex},
+        "properties": [
+            {"id": "custom.axisPlacement", "value": "right"},
+            {"id": "custom.drawStyle", "value": draw},
+        ],
+    }
+
+
+def build() -> Dashboard:
+    low, high = UPDATE_RATIO_BAND
+    overview = Section("Overview", [
+        stat("Step", "Optimizer steps completed (trainguard_step) per rank.",
+             [query(f"trainguard_step{{{SEL}}}", "rank {{rank}}")], width=6),
+        stat("Last loss", "Last loss per rank (NaN/Inf shown as is).",
+             [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")], width=6),
+        stat("Current lr_scale", "Multiplier the controller applies to the scheduler's LR.",
+             [query(f"trainguard_lr_scale{{{SEL}}}", "rank {{rank}}")], width=6),
+        stat("Applied generation", "Generation of the controller's desired state applied on "
+             "each rank; it changes with every pause, resume, lr_scale, checkpoint or stop.",
+             [query(f"trainguard_applied_generation{{{SEL}}}", "rank {{rank}}")], width=6),
+    ])
+    gradients = Section("Loss and gradients", [
+        timeseries("Loss", "Loss passed to end_step, per rank.",
+                   [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")]),
+        timeseries(
+            "Gradient norm (global, before clipping)",
+            f"Global L2 norm of the gradients before clipping. The red line is the seed's "
+            f"checklist limit ({GRAD_NORM_LIMIT:g}); the controller's default rules lower the LR "
+            f"above it and on spikes.",
+            [query(f"trainguard_grad_norm{{{SEL}}}", "rank {{rank}}")],
+            log=True, band=Band(((GRAD_NORM_LIMIT, "red"),)),
+        ),
+        timeseries(
+            f"Gradient norm, top {TOP_LAYERS} layers",
+            "L2 norm of the gradients of the layers with the largest norms (exported by rank 0 "
+            "by default). A single layer running away is the usual first sign of a blow-up.",
+            [query(f"topk({TOP_LAYERS}, trainguard_layer_grad_norm{{{SEL}}})",
+                   "{{layer}} (rank {{rank}})")],
+            log=True,
+        ),
+        timeseries(
+            "Non-finite values",
+            "Non-finite gradient elements at the last step, non-finite optimizer-state elements "
+            "(e.g. Adam moments, which overflow first under fp16), and steps with a non-finite "
+            "loss or gradient / steps skipped by the local guard in each interval.",
+            [
+                query(f"trainguard_nonfinite_grads{{{SEL}}}", "grad elements, rank {{rank}}"),
+                query(f"trainguard_optimizer_state_nonfinite{{{SEL}}}",
+                      "optimizer-state elements, rank {{rank}}"),
+                query(f"increase(trainguard_nonfinite_steps_total{{{SEL}}}[$__rate_interval])",
+                      "non-finite steps, rank {{rank}}"),
+                query(f"increase(trainguard_skipped_steps_total{{{SEL}}}[$__rate_interval])",
+                      "skipped by guard, rank {{rank}}"),
+            ],
+            draw="bars",
+        ),
+    ])
+    updates = Section("Updates and parameters", [
+        timeseries(
+            "Update ratio ||ΔW|| / ||W||",
+            f"Relative size of the last update, global and for the {TOP_LAYERS} layers with the "
+            f"largest ratio. The shaded band {low:g}..{high:g} is the healthy range: below it the "
+            f"model barely learns (LR too small), above it the step is too large.",
+            [
+                query(f"trainguard_update_ratio{{{SEL}}}", "global, rank {{rank}}"),
+                query(f"topk({TOP_LAYERS}, trainguard_layer_update_ratio{{{SEL}}})",
+                      "{{layer}} (rank {{rank}})"),
+            ],
+            log=True,
+            band=Band(((low, "green"), (high, "transparent")), style="line+area"),
+        ),
+        timeseries("Parameter norm", "Global L2 norm of the trainable parameters after the step.",
+                   [query(f"trainguard_param_norm{{{SEL}}}", "rank {{rank}}")]),
+        timeseries("Parameter scale (RMS)", "Root mean square of the trainable parameters "
+                   "||W|| / sqrt(n): comparable across model sizes; steady growth means weight "
+                   "decay is not keeping up.",
+                   [query(f"trainguard_param_scale{{{SEL}}}", "rank {{rank}}")]),
+        timeseries(
+            "Gradient noise scale",
+            "B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) from the micro-batch or "
+            "per-rank gradient norms (left), and tr(Sigma) itself (right). The batch size at "
+            "which training stops gaining from larger batches is about B_simple.",
+            [
+                query(f"trainguard_grad_noise_scale{{{SEL}}}", "noise scale, rank {{rank}}"),
+                query(f"trainguard_grad_variance{{{SEL}}}", "tr(Sigma), rank {{rank}}"),
+            ],
+            log=True,
+            overrides=[_right_axis("tr\\(Sigma\\).*")],
+        ),
+    ])
+    lr = Section("Learning rate and control", [
+        timeseries(
+            "Learning rate per group and effective LR",
+            "LR actually used per param group (scheduler LR x lr_scale) and the effective LR "
+            "||ΔW|| / ||g||: how far a step moved per unit gradient (equal to the LR for plain "
+            "SGD; adaptive optimizers move it).",
+            [
+                query(f"trainguard_learning_rate{{{SEL}}}", "group {{group}}, rank {{rank}}"),
+                query(f"trainguard_effective_lr{{{SEL}}}", "effective, rank {{rank}}"),
+            ],
+            log=True,
+        ),
+        timeseries("lr_scale", "Multiplier the controller applies to the scheduler's LR "
+                   "(1 = untouched; the default rules halve it on a gradient spike).",
+                   [query(f"trainguard_lr_scale{{{SEL}}}", "rank {{rank}}")],
+                   interpolation="stepAfter"),
+        timeseries(
+            "AMP loss scale and skipped steps",
+            "GradScaler loss scale (left, log) and optimizer steps the scaler skipped because "
+            "of inf/NaN gradients in each interval (right, bars). Absent without a GradScaler.",
+            [
+                query(f"trainguard_loss_scale{{{SEL}}}", "loss scale, rank {{rank}}"),
+                query(f"increase(trainguard_amp_skipped_steps_total{{{SEL}}}[$__rate_interval])",
+                      "skipped, rank {{rank}}"),
+            ],
+            log=True,
+            overrides=[_right_axis("skipped.*", draw="bars")],
+        ),
+        state_timeline(
+            "Paused",
+            "1 while the controller holds the run paused (every rank waits at the same step).",
+            [query(f"trainguard_paused{{{SEL}}}", "rank {{rank}}")],
+            states={0: ("running", "green"), 1: ("paused", "orange")},
+        ),
+    ])
+    return dashboard(
+        uid=UID,
+        title=TITLE,
+        description=" ".join(__doc__.split()),
+        tags=["stability"],
+        sections=[overview, gradients, updates, lr],
+    )

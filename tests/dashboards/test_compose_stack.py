@@ -1,0 +1,118 @@
+"""docker-compose.yml: valid against the compose specification, every file it builds or mounts
+exists, images are pinned to the versions the generated files target, no secret has a default."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import build
+from dashboards.common import GRAFANA_IMAGE
+from dashboards.stack import ALERTMANAGER_IMAGE, PROMETHEUS_IMAGE, TOKEN_SECRET
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_file_matches_the_compose_spec():
+    done = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_schema_check_rejects_a_broken_compose_file(tmp_path):
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("    healthcheck:\n", "    healthcheck: yes-please\n", 1))
+    done = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(broken)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+
+
+def test_every_built_and_mounted_file_exists(compose):
+    checked = 0
+    for name, service in compose["services"].items():
+        if "build" in service:
+            context = ROOT / service["build"]["context"]
+            assert (context / service["build"]["dockerfile"]).is_file(), name
+            checked += 1
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith((".", "/")):
+                assert (ROOT / source).is_dir() and any((ROOT / source).iterdir()), f"{name}: {source}"
+                checked += 1
+            else:
+                assert source in compose["volumes"], f"{name}: undeclared named volume {source}"
+    assert checked >= 8
+    # Files the images read from the mounts: the prometheus rules, the alertmanager config, the
+    # provisioning files and the home dashboard.
+    grafana = compose["services"]["grafana"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{build.GRAFANA_DASHBOARDS_PATH}/training-stability.json"
+    mounts = dict(v.split(":")[1::-1] for v in grafana["volumes"] if v.startswith("./"))
+    host_dir = ROOT / mounts[build.GRAFANA_DASHBOARDS_PATH]
+    assert (host_dir / "training-stability.json").is_file()
+    prom_dir = [v for v in compose["services"]["prometheus"]["volumes"] if v.startswith("./")][0].split(":")[0]
+    prom_cfg = yaml.safe_load((ROOT / prom_dir / "prometheus.yml").read_text())
+    for rule_file in prom_cfg["rule_files"]:
+        assert (ROOT / prom_dir / rule_file).is_file()
+    copied = [word for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for word in line.split()[1:-1]]
+    assert {"pyproject.toml", "README.md", "trainer_agent", "service", "dashboards"} <= set(copied)
+    for path in copied:
+        assert (ROOT / path).exists(), path
+
+
+def test_images_are_pinned_to_what_the_generated_files_target(compose):
+    images = {name: s["image"] for name, s in compose["services"].items()}
+    assert images["prometheus"] == PROMETHEUS_IMAGE and re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", PROMETHEUS_IMAGE)
+    assert images["alertmanager"] == ALERTMANAGER_IMAGE
+    assert images["grafana"] == GRAFANA_IMAGE
+    for name, image in images.items():
+        assert not image.endswith(":latest") and ":" in image, name
+    assert re.search(r"^FROM python:3\.11\.\d+-slim-bookworm$", (ROOT / "Dockerfile").read_text(), re.M)
+
+
+def test_services_health_checks_volumes_and_ports(compose):
+    services = compose["services"]
+    assert set(services) == {"controller", "trainer", "prometheus", "alertmanager", "webhook-sink", "grafana"}
+    for name, service in services.items():
+        assert service["healthcheck"]["test"][0] == "CMD", name
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+    assert "controller-data:/data" in services["controller"]["volumes"]
+    assert "/data/trainguard.db" in services["controller"]["command"]
+    assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
+    assert services["prometheus"]["depends_on"]["controller"]["condition"] == "service_healthy"
+    assert services["trainer"]["depends_on"]["controller"]["condition"] == "service_healthy"
+    assert services["controller"]["build"]["dockerfile"] == "Dockerfile"
+
+
+def test_no_secret_has_a_default(compose):
+    text = COMPOSE.read_text()
+    for variable in ("TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"):
+        uses = re.findall(r"\$\{" + variable + r"([^}]*)\}", text)
+        assert uses and all(u.startswith(":?") for u in uses), variable
+    env = compose["services"]["controller"]["environment"]
+    assert env["TRAINGUARD_OPERATOR_TOKENS"].startswith("${TRAINGUARD_OPERATOR_TOKEN:?")
+    assert env["TRAINGUARD_AGENT_TOKENS"].startswith("${TRAINGUARD_AGENT_TOKEN:?")
+    secret = compose["secrets"]["trainguard_operator_token"]
+    assert secret == {"environment": "TRAINGUARD_OPERATOR_TOKEN"}
+    assert TOKEN_SECRET == "/run/secrets/trainguard_operator_token"
+    for name in ("prometheus", "alertmanager"):
+        assert compose["services"][name]["secrets"] == ["trainguard_operator_token"]
+    example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert {"TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"} <= example.keys()
+    assert example["TRAINGUARD_OPERATOR_TOKEN"] == example["TRAINGUARD_AGENT_TOKEN"] == ""
+    assert example["GRAFANA_ADMIN_PASSWORD"] == ""
