@@ -25,6 +25,7 @@ __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
     "LR_FACTOR",
     "ABSENCE",
+    "CONTROLLER_ACTIONS",
     "ACTIONS",
     "Recording",
     "AlertRule",
@@ -43,8 +44,12 @@ GRAD_NORM_SPIKE_WINDOW = "10m"
 LR_FACTOR = 0.5
 #: No progress for this long means the run is hung (the controller's absence rule).
 ABSENCE = "5m"
-#: The actions the controller's ``/v1/alertmanager`` understands in ``trainguard_action``.
-ACTIONS = ("notify", "pause", "lr_scale", "checkpoint", "stop")
+#: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``
+#: (``lr_scale`` multiplies the run's lr_scale by ``trainguard_lr_factor``).
+CONTROLLER_ACTIONS = ("pause", "lr_scale", "checkpoint", "stop")
+#: Every ``trainguard_action`` value: ``notify`` alerts go to people (the webhook sink), not to
+#: the controller.
+ACTIONS = ("notify", *CONTROLLER_ACTIONS)
 
 BY_RUN = "by (job, run)"
 
@@ -222,12 +227,11 @@ ALERT_RULES: tuple[AlertRule, ...] = (
 
 
 def rule_groups(*, interval: str | None = None) -> dict:
-    """The rules file's content: one group of recording rules, one of alerts."""
-    groups = [
-        {"name": "trainguard-recording", "rules": [r.to_yaml() for r in RECORDING_RULES]},
-        {"name": "trainguard-alerts", "rules": [a.to_yaml() for a in ALERT_RULES]},
-    ]
+    """The rules file's content: one group, the recording rules first, then the alerts that read
+    them. Rules within a group are evaluated in order at the same timestamp, so an alert always
+    sees the value recorded in the same evaluation (groups run independently of each other)."""
+    group: dict = {"name": "trainguard",
+                   "rules": [r.to_yaml() for r in RECORDING_RULES] + [a.to_yaml() for a in ALERT_RULES]}
     if interval is not None:
-        for group in groups:
-            group["interval"] = interval
-    return {"groups": groups}
+        group["interval"] = interval
+    return {"groups": [group]}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dashboards.rules import CONTROLLER_ACTIONS
+
 __all__ = [
     "PROMETHEUS_IMAGE",
     "ALERTMANAGER_IMAGE",
@@ -86,10 +88,10 @@ def prometheus_config(
 
 
 def alertmanager_config(*, controller: str, sink: str, token_file: str | None) -> dict:
-    """Alertmanager configuration: every alert goes to the webhook sink; alerts that carry a
-    ``trainguard_action`` also go to the controller, which acts on them. Grouping is per alert
-    and run, with short waits: the controller de-duplicates repeats itself (fingerprint and
-    start time)."""
+    """Alertmanager configuration: every alert goes to the webhook sink; alerts whose
+    ``trainguard_action`` is one the controller carries out (pause, lr_scale, checkpoint, stop)
+    also go to the controller. Grouping is per alert and run, with short waits: the controller
+    de-duplicates repeats itself (fingerprint and start time)."""
     controller_receiver = {
         "name": "trainguard-controller",
         "webhook_configs": [{
@@ -110,7 +112,7 @@ def alertmanager_config(*, controller: str, sink: str, token_file: str | None) -
             "group_interval": "30s",
             "repeat_interval": "1h",
             "routes": [
-                {"receiver": "trainguard-controller", "matchers": ['trainguard_action=~".+"'],
+                {"receiver": "trainguard-controller", "matchers": [f'trainguard_action=~"{"|".join(CONTROLLER_ACTIONS)}"'],
                  "group_wait": "0s", "continue": True},
                 {"receiver": "webhook-sink"},
             ],

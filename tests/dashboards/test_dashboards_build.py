@@ -206,5 +206,9 @@ def test_generated_stack_files_wire_the_services_together(rendered):
     provider = yaml.safe_load(rendered["grafana/provisioning/dashboards/trainguard.yml"])
     assert provider["providers"][0]["options"]["path"] == build.GRAFANA_DASHBOARDS_PATH
     rules = yaml.safe_load(rendered["prometheus/rules.yml"])
-    for rule in rules["groups"][1]["rules"]:
-        assert rule["labels"]["trainguard_action"] in ("notify", "pause", "lr_scale"), rule["alert"]
+    [group] = rules["groups"]
+    kinds = ["record" if "record" in r else "alert" for r in group["rules"]]
+    assert kinds == sorted(kinds, reverse=True), "recording rules must precede the alerts reading them"
+    for rule in group["rules"]:
+        if "alert" in rule:
+            assert rule["labels"]["trainguard_action"] in ("notify", "pause", "lr_scale"), rule["alert"]

@@ -118,5 +118,10 @@ def test_alertmanager_config_and_routing(tmp_path):
                   "trainguard-controller,webhook-sink", "alertname=TrainguardLossNonFinite",
                   "trainguard_action=pause", "run=r1").stdout
     assert "trainguard-controller" in routed and "webhook-sink" in routed
-    plain = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), "alertname=Other").stdout
-    assert plain.split() == ["webhook-sink"]
+    for labels in (["alertname=Other"], ["alertname=TrainguardDataDuplicates", "trainguard_action=notify", "run=r1"]):
+        plain = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), *labels).stdout
+        assert plain.split() == ["webhook-sink"], labels
+    for action in ("lr_scale", "checkpoint", "stop"):
+        routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config),
+                      "alertname=X", f"trainguard_action={action}", "run=r1").stdout
+        assert sorted(routed.replace(",", " ").split()) == ["trainguard-controller", "webhook-sink"], action
