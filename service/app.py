@@ -1,0 +1,79 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+
+from service.auth import TokenTable
+from service.config import Settings
+from service.controller import Conflict, Controller, Forbidden, Invalid, NotFound
+from service.limits import BodyLimit
+from service.metrics import ControllerMetrics
+from service.routes import alerts, rules, runs, system, webhooks
+from service.rules import RulesError
+from service.store import Store, StoreError
+from service.webhooks import WebhookDeliverer
+
+__all__ = ["create_app"]
+
+_STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, StoreError: 503}
+
+
+def create_app(
+    settings: Settings | None = None, *, store: Store | None = None, clock: Callable[[], float] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None, registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """Build the controller app. Injected: the store (default: SQLite at ``settings.db``), the
+    clock (default ``time.time``), the webhooks' HTTP transport, the metrics registry."""
+    settings = settings or Settings()
+    tokens = TokenTable(settings.operator_tokens, settings.agent_tokens)
+    store = store or Store(settings.db)
+    clock = clock or time.time
+    holder: dict[str, Controller] = {}
+    metrics = ControllerMetrics(registry or CollectorRegistry(), lambda: holder.get("ctl"))
+    deliverer = WebhookDeliverer(
+        store, metrics, clock=clock, timeout_s=settings.webhook_timeout_s, max_attempts=settings.webhook_max_attempts,
+        backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s, transport=transport,
+    )
+    controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
+    controller.load()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await controller.start()
+        try:
+            yield
+        finally:
+            await controller.stop()
+
+    app = FastAPI(
+        title="trainguard controller", version="0.1.0", lifespan=lifespan,
+        description="Runs, reports, rules, alerts and desired state of training runs. Agents register runs and post "
+        "reports; operators read status and command runs; rules and Alertmanager act too.",
+    )
+    app.state.controller = controller
+    app.state.tokens = tokens
+    app.state.settings = settings
+    for module in (runs, alerts, rules, webhooks, system):
+        app.include_router(module.router)
+
+    async def known_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=_STATUS[type(exc)])
+
+    for exc_type in _STATUS:
+        app.add_exception_handler(exc_type, known_error)
+
+    async def rules_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RulesError)
+        return JSONResponse({"detail": "invalid rules; the active rules are unchanged", "reasons": exc.reasons}, status_code=422)
+
+    app.add_exception_handler(RulesError, rules_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

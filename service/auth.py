@@ -1,0 +1,93 @@
+"""Bearer tokens: parsed from settings, kept only as SHA-256 digests, compared in constant time.
+
+Operator entries are ``TOKEN`` (every operator scope) or ``TOKEN:scope+scope`` with scopes from
+``read``, ``command``, ``rules``, ``webhooks`` (e.g. ``dashboards-token:read``). Agent entries are
+``TOKEN`` — bound to the first run it registers (the binding is stored and survives restarts) —
+or ``TOKEN:RUN``, bound to ``RUN`` from the start. Tokens may not contain ``:`` or ``,``.
+
+Missing or unknown token: 401. Known token without the scope, or an agent token used for another
+run: 403. With no token configured at all (loopback only, see :mod:`service.config`) every request
+is allowed as the anonymous operator-and-agent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+__all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash"]
+
+OPERATOR_SCOPES: frozenset[str] = frozenset({"read", "command", "rules", "webhooks"})
+AGENT_SCOPE = "agent"
+_MIN_TOKEN = 8
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling."""
+
+    kind: str
+    """"operator", "agent" or "anonymous" (no tokens configured)."""
+    scopes: frozenset[str]
+    token_id: str
+    """First 12 hex digits of the token's SHA-256: names the caller in the audit log."""
+    token_digest: str = ""
+    bound_run: str | None = None
+    """For agent tokens of the ``TOKEN:RUN`` form."""
+
+    @property
+    def actor(self) -> str:
+        return f"{self.kind}:{self.token_id}" if self.token_id else self.kind
+
+
+ANONYMOUS = Principal("anonymous", OPERATOR_SCOPES | {AGENT_SCOPE}, "")
+
+
+class TokenTable:
+    """The configured tokens, by digest."""
+
+    def __init__(self, operator_entries: tuple[str, ...], agent_entries: tuple[str, ...]) -> None:
+        self._by_digest: dict[bytes, Principal] = {}
+        for entry in operator_entries:
+            token, _, scopes_text = entry.partition(":")
+            scopes = frozenset(s for s in scopes_text.split("+") if s) if scopes_text else OPERATOR_SCOPES
+            unknown = scopes - OPERATOR_SCOPES
+            if unknown:
+                raise ValueError(f"operator token scope(s) {sorted(unknown)} unknown; known: {sorted(OPERATOR_SCOPES)}")
+            self._add(token, Principal("operator", scopes, "", ""))
+        for entry in agent_entries:
+            token, _, run = entry.partition(":")
+            self._add(token, Principal("agent", frozenset({AGENT_SCOPE}), "", "", run or None))
+        self.enabled = bool(self._by_digest)
+
+    def _add(self, token: str, template: Principal) -> None:
+        if len(token) < _MIN_TOKEN:
+            raise ValueError(f"tokens must be at least {_MIN_TOKEN} characters (one is {len(token)})")
+        digest = hashlib.sha256(token.encode()).digest()
+        if digest in self._by_digest:
+            raise ValueError("the same token is configured twice")
+        self._by_digest[digest] = Principal(
+            template.kind, template.scopes, digest.hex()[:12], digest.hex(), template.bound_run
+        )
+
+    def authenticate(self, authorization: str | None) -> Principal | None:
+        """The principal of an ``Authorization`` header, ``None`` when missing or unknown."""
+        if not self.enabled:
+            return ANONYMOUS
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        # Constant time with respect to the token: compare against every digest.
+        for known, principal in self._by_digest.items():
+            if hmac.compare_digest(known, digest):
+                found = principal
+        return found

@@ -1,0 +1,255 @@
+"""``trainguard``: start the controller, and talk to it.
+
+    trainguard serve --host 127.0.0.1 --port 8000 --db trainguard.db --rules rules.yaml
+    trainguard runs
+    trainguard status RUN
+    trainguard pause RUN --reason "loss spike, investigating"
+    trainguard resume RUN | checkpoint RUN | stop RUN
+    trainguard lr-scale RUN 0.5
+    trainguard events RUN --follow
+    trainguard alerts --state firing
+    trainguard rules check rules.yaml
+
+Client commands take ``--url`` (env ``TRAINGUARD_URL``, default http://127.0.0.1:8000) and
+``--token`` (env ``TRAINGUARD_TOKEN``). ``trainguard demo ...`` and ``trainguard dashboards build
+...`` hand their arguments to ``trainer_agent.demo`` and ``dashboards.build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import uuid
+from typing import Any, Sequence
+
+import httpx
+
+__all__ = ["main"]
+
+_DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def _check(resp: httpx.Response) -> Any:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json()
+        except ValueError:
+            detail = resp.text
+        raise SystemExit(f"error: HTTP {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}")
+    return resp.json() if resp.content else None
+
+
+def _print(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+# -- serve ------------------------------------------------------------------------------------
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from service.app import create_app
+    from service.config import Settings
+    from service.rules import RulesError
+
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db), ("rules", args.rules)) if v is not None}
+    try:
+        settings = Settings(**overrides)
+        app = create_app(settings)
+    except ValidationError as e:
+        msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        print(f"trainguard serve: {msgs}", file=sys.stderr)
+        return 2
+    except (RulesError, ValueError, OSError) as e:
+        print(f"trainguard serve: {e}", file=sys.stderr)
+        return 2
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as e:
+        print(f"trainguard serve: cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"trainguard controller listening on http://{shown}:{port} (db {settings.db})", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, workers=1)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+# -- client commands ----------------------------------------------------------------------------
+def _runs(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        runs = _check(c.get("/v1/runs", params={"job": args.job} if args.job else None))
+    if args.json:
+        _print(runs)
+        return 0
+    print(f"{'RUN':<28} {'JOB':<20} {'STATUS':<10} {'STEP':>9} {'GEN':>4} {'APPLIED':>7}  FIRING")
+    for r in runs:
+        step = "" if r["last_step"] is None else r["last_step"]
+        print(f"{r['run']:<28} {r['job']:<20} {r['status']:<10} {step:>9} {r['desired_generation']:>4} {r['applied_generation']:>7}  {','.join(r['firing'])}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        _print(_check(c.get(f"/v1/runs/{args.run}")))
+    return 0
+
+
+def _command(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"reason": args.reason or ""}
+    if args.command == "lr-scale":
+        body["scale"] = args.scale
+    key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
+    with _client(args) as c:
+        _print(_check(c.post(f"/v1/runs/{args.run}/{args.command}", json=body, headers={"Idempotency-Key": key})))
+    return 0
+
+
+def _fmt_event(ev: dict[str, Any]) -> str:
+    from datetime import datetime
+
+    when = datetime.fromtimestamp(ev["time"]).strftime("%Y-%m-%d %H:%M:%S")
+    gen = "" if ev.get("generation") is None else f" gen={ev['generation']}"
+    return f"{ev['id']:>6} {when} {ev['run']} {ev['kind']:<10} {ev['actor']}{gen}: {ev['reason']}"
+
+
+def _events(args: argparse.Namespace) -> int:
+    with _client(args, timeout=None if args.follow else 10.0) as c:
+        if not args.follow:
+            for ev in _check(c.get(f"/v1/runs/{args.run}/events", params={"after": args.after})):
+                print(json.dumps(ev) if args.json else _fmt_event(ev))
+            return 0
+        params = {"run": args.run, "after": args.after}
+        try:
+            with c.stream("GET", "/v1/events/stream", params=params) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _check(resp)
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        ev = json.loads(line[6:])
+                        print(json.dumps(ev) if args.json else _fmt_event(ev), flush=True)
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
+def _alerts(args: argparse.Namespace) -> int:
+    params = {k: v for k, v in (("state", args.state), ("run", args.run)) if v}
+    with _client(args) as c:
+        alerts = _check(c.get("/v1/alerts", params=params))
+    if args.json:
+        _print(alerts)
+    else:
+        for a in alerts:
+            print(f"{a['id']:>6} {a['state']:<8} {a['severity']:<8} {a['run']:<24} {a['rule']:<24} {a['summary']}")
+    return 0
+
+
+def _rules_check(args: argparse.Namespace) -> int:
+    from service.rules import RulesError, load_rules
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            rs = load_rules(f.read())
+    except (OSError, RulesError) as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: {len(rs.base)} rules, overrides for {len(rs.by_job)} job(s): OK")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from trainer_agent.demo import main as demo_main
+
+    return int(demo_main(list(args.args)) or 0)
+
+
+def _dashboards(args: argparse.Namespace) -> int:
+    if args.action != "build":
+        raise SystemExit("usage: trainguard dashboards build [args...]")
+    from dashboards.build import main as build_main
+
+    return int(build_main(list(args.args)) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainguard", description="Training-stability monitoring and control.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--url", default=os.environ.get("TRAINGUARD_URL", _DEFAULT_URL), help="controller URL (env TRAINGUARD_URL)")
+    client.add_argument("--token", default=os.environ.get("TRAINGUARD_TOKEN"), help="bearer token (env TRAINGUARD_TOKEN)")
+    client.add_argument("--json", action="store_true", help="print JSON")
+
+    s = sub.add_parser("serve", help="run the controller (env TRAINGUARD_HOST/PORT/DB/RULES and tokens)")
+    s.add_argument("--host", default=None, help="bind address (env TRAINGUARD_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port, 0 = any free one (env TRAINGUARD_PORT, default 8000)")
+    s.add_argument("--db", default=None, help="SQLite file (env TRAINGUARD_DB, default trainguard.db)")
+    s.add_argument("--rules", default=None, help="rules YAML (env TRAINGUARD_RULES; default: stored or built-in rules)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("runs", parents=[client], help="list runs")
+    s.add_argument("--job")
+    s.set_defaults(func=_runs)
+    s = sub.add_parser("status", parents=[client], help="a run's status")
+    s.add_argument("run")
+    s.set_defaults(func=_status)
+    for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
+                           ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier")):
+        s = sub.add_parser(name, parents=[client], help=helptext)
+        s.add_argument("run")
+        if name == "lr-scale":
+            s.add_argument("scale", type=float, help="absolute multiplier of the scheduler's LR, e.g. 0.5")
+        s.add_argument("--reason", default="", help="why (recorded in the audit log)")
+        s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
+        s.set_defaults(func=_command, command=name)
+    s = sub.add_parser("events", parents=[client], help="a run's audit log")
+    s.add_argument("run")
+    s.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (Server-Sent Events)")
+    s.add_argument("--after", type=int, default=0, help="only events with a larger id")
+    s.set_defaults(func=_events)
+    s = sub.add_parser("alerts", parents=[client], help="alerts, newest first")
+    s.add_argument("--state", choices=["firing", "resolved"])
+    s.add_argument("--run")
+    s.set_defaults(func=_alerts)
+    s = sub.add_parser("rules", help="rules files")
+    rsub = s.add_subparsers(dest="rules_cmd", required=True)
+    r = rsub.add_parser("check", help="validate a rules file offline")
+    r.add_argument("file")
+    r.set_defaults(func=_rules_check)
+
+    s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainer_agent.demo)")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_demo)
+    s = sub.add_parser("dashboards", help="dashboards as code: 'trainguard dashboards build [args...]'")
+    s.add_argument("action", choices=["build"])
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_dashboards)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except httpx.HTTPError as e:
+        print(f"trainguard: cannot reach the controller at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

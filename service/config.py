@@ -1,0 +1,92 @@
+"""Controller settings: one pydantic-settings class, read from ``TRAINGUARD_*`` environment
+variables (and overridden by ``trainguard serve`` flags).
+
+Token lists are comma-separated (``TRAINGUARD_OPERATOR_TOKENS=tok1,tok2:read``); see
+:mod:`service.auth` for the entry syntax. Without any token the controller refuses to bind to
+anything but a loopback address: an open controller on a network could pause or stop every job.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["Settings", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_tokens(value: object) -> object:
+    if isinstance(value, str):
+        return tuple(t.strip() for t in value.split(",") if t.strip())
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything the controller reads from its environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINGUARD_", extra="ignore", frozen=True)
+
+    host: str = Field(default="127.0.0.1", description="Address to bind (TRAINGUARD_HOST).")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
+    db: Path = Field(default=Path("trainguard.db"), description="SQLite database file (WAL mode).")
+    rules: Path | None = Field(
+        default=None,
+        description="Rules YAML file. When set it is loaded at start-up and wins over rules stored "
+        "by PUT /v1/rules; when unset the last stored rules (or the built-in defaults) apply.",
+    )
+    operator_tokens: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(), description="Operator tokens, comma-separated: 'TOKEN' or 'TOKEN:scope+scope'."
+    )
+    agent_tokens: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(), description="Agent tokens, comma-separated: 'TOKEN' or 'TOKEN:RUN' (bound to RUN)."
+    )
+    max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body accepted.")
+    window_reports: int = Field(default=128, ge=8, le=65536, description="Reports kept per run for rules.")
+    rank_window_reports: int = Field(
+        default=8, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run."
+    )
+    longpoll_max_s: float = Field(default=60.0, gt=0, le=3600, description="Longest long-poll wait.")
+    tick_s: float = Field(default=1.0, gt=0, le=60, description="Period of the absence-rule ticker.")
+    webhook_timeout_s: float = Field(default=5.0, gt=0, le=120, description="Timeout of one delivery.")
+    webhook_max_attempts: int = Field(default=10, ge=1, le=100, description="Attempts before giving up.")
+    webhook_backoff_s: float = Field(default=1.0, gt=0, description="First retry delay; doubles each time.")
+    webhook_backoff_max_s: float = Field(default=600.0, gt=0, description="Largest retry delay.")
+    report_retention_s: float = Field(
+        default=7 * 24 * 3600.0, gt=0, description="Reports older than this are pruned from the database."
+    )
+    external_url: str = Field(default="", description="Public URL of the controller, for links in alerts.")
+
+    @field_validator("operator_tokens", "agent_tokens", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return _split_tokens(value)
+
+    @model_validator(mode="after")
+    def _refuse_open_network_bind(self) -> "Settings":
+        if not self.operator_tokens and not self.agent_tokens and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to bind to {self.host!r} without tokens: anyone who can reach it could "
+                "pause or stop training runs. Set TRAINGUARD_OPERATOR_TOKENS and "
+                "TRAINGUARD_AGENT_TOKENS, or bind to 127.0.0.1."
+            )
+        if self.webhook_backoff_max_s < self.webhook_backoff_s:
+            raise ValueError("webhook_backoff_max_s must be >= webhook_backoff_s")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Tokens are checked on every /v1 request once any token is configured."""
+        return bool(self.operator_tokens or self.agent_tokens)

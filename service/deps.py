@@ -1,0 +1,41 @@
+"""``Annotated`` dependencies shared by the routers: the controller and the caller's scopes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Awaitable, Callable
+
+from fastapi import Depends, HTTPException, Request
+
+from service.auth import AGENT_SCOPE, Principal, TokenTable
+from service.controller import Controller
+
+__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep"]
+
+
+async def get_controller(request: Request) -> Controller:
+    return request.app.state.controller
+
+
+def _require(*scopes: str) -> Callable[[Request], Awaitable[Principal]]:
+    """A dependency admitting callers holding any of ``scopes`` (async: runs on the event loop)."""
+
+    async def dep(request: Request) -> Principal:
+        tokens: TokenTable = request.app.state.tokens
+        principal = tokens.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise HTTPException(401, "missing or unknown bearer token (send 'Authorization: Bearer <token>')",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not principal.scopes.intersection(scopes):
+            raise HTTPException(403, f"this {principal.kind} token lacks the scope for this endpoint (needs one of: {', '.join(scopes)})")
+        return principal
+
+    return dep
+
+
+ControllerDep = Annotated[Controller, Depends(get_controller)]
+AgentDep = Annotated[Principal, Depends(_require(AGENT_SCOPE))]
+PollDep = Annotated[Principal, Depends(_require(AGENT_SCOPE, "read"))]
+ReadDep = Annotated[Principal, Depends(_require("read"))]
+CommandDep = Annotated[Principal, Depends(_require("command"))]
+RulesDep = Annotated[Principal, Depends(_require("rules"))]
+WebhooksDep = Annotated[Principal, Depends(_require("webhooks"))]

@@ -1,0 +1,224 @@
+"""From findings to alerts and desired state: the pure decision step of the controller.
+
+:class:`AlertBook` holds, per run and rule, whether an alert is firing, when the rule last fired
+(cooldown) and how often it fired recently (cap). :func:`decide` turns a list of findings into
+alerts fired and resolved and the desired states their actions lead to. :func:`simulate` replays
+reports through the whole pipeline without any I/O (``POST /v1/rules/test`` and the rule tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.rules import (
+    AbsenceRule, CheckpointAction, Finding, LrScaleAction, NotifyAction, PauseAction, StopAction, evaluate,
+)
+from service.window import RunWindow
+from service.wire import DesiredState, Report
+
+__all__ = ["AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
+
+_REASON_MAX = 2000
+
+
+@dataclass(slots=True)
+class _Track:
+    firing: bool = False
+    last_fired: float = -math.inf
+    fired: deque[float] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class Transition:
+    fire: list[Finding] = field(default_factory=list)
+    resolve: list[str] = field(default_factory=list)
+    suppressed: list[tuple[Finding, str]] = field(default_factory=list)
+
+
+class AlertBook:
+    """Firing state, cooldown and cap bookkeeping of one run's rules."""
+
+    __slots__ = ("_tracks",)
+
+    def __init__(self) -> None:
+        self._tracks: dict[str, _Track] = {}
+
+    def firing(self) -> list[str]:
+        return [name for name, t in self._tracks.items() if t.firing]
+
+    def restore(self, rule: str, *, firing: bool, fired_at: list[float]) -> None:
+        """Rebuild a rule's state from the alerts table (after a restart)."""
+        t = self._tracks.setdefault(rule, _Track())
+        t.firing = t.firing or firing
+        for at in sorted(fired_at):
+            t.fired.append(at)
+            t.last_fired = max(t.last_fired, at)
+
+    def transition(self, findings: list[Finding], now: float, *, complete: bool) -> Transition:
+        """Apply ``findings`` at ``now``. With ``complete`` (every current rule was evaluated), a
+        firing rule that is no longer among them (removed or disabled) resolves too."""
+        out = Transition()
+        for f in findings:
+            name = f.rule.name
+            t = self._tracks.get(name)
+            if f.active is None:
+                continue
+            if not f.active:
+                if t is not None and t.firing:
+                    t.firing = False
+                    out.resolve.append(name)
+                continue
+            if t is None:
+                t = self._tracks[name] = _Track()
+            if t.firing:
+                continue
+            while t.fired and t.fired[0] <= now - f.rule.cap_window_s:
+                t.fired.popleft()
+            if now - t.last_fired < f.rule.cooldown_s:
+                out.suppressed.append((f, "cooldown"))
+            elif f.rule.cap and len(t.fired) >= f.rule.cap:
+                out.suppressed.append((f, "cap"))
+            else:
+                t.firing = True
+                t.last_fired = now
+                t.fired.append(now)
+                out.fire.append(f)
+        if complete:
+            seen = {f.rule.name for f in findings}
+            for name, t in self._tracks.items():
+                if t.firing and name not in seen:
+                    t.firing = False
+                    out.resolve.append(name)
+        return out
+
+    def resolve(self, name: str) -> bool:
+        """Resolve ``name`` from outside the rules (e.g. the run was stopped); True if it fired."""
+        t = self._tracks.get(name)
+        if t is None or not t.firing:
+            return False
+        t.firing = False
+        return True
+
+
+def _reason(text: str) -> str:
+    return text if len(text) <= _REASON_MAX else text[: _REASON_MAX - 1] + "…"
+
+
+def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) -> DesiredState | None:
+    """The desired state after ``actions``, with the generation bumped; ``None`` when nothing
+    changes (notify only, or already paused/stopped)."""
+    paused, stop, seq, scale = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
+    for a in actions:
+        if isinstance(a, PauseAction):
+            paused = True
+        elif isinstance(a, StopAction):
+            stop = True
+        elif isinstance(a, CheckpointAction):
+            seq += 1
+        elif isinstance(a, LrScaleAction):
+            scale = a.apply(scale)
+        else:
+            assert isinstance(a, NotifyAction)
+    if (paused, stop, seq, scale) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
+        return None
+    return DesiredState(
+        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop, reason=_reason(reason)
+    )
+
+
+def command_state(desired: DesiredState, command: str, reason: str, scale: float | None = None) -> DesiredState | None:
+    """The desired state after an operator command; ``None`` when it changes nothing.
+
+    ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``.
+    """
+    paused, stop, seq, lr = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
+    if command == "pause":
+        paused = True
+    elif command == "resume":
+        paused = stop = False
+    elif command == "stop":
+        stop = True
+    elif command == "checkpoint":
+        seq += 1
+    elif command == "lr-scale":
+        if scale is None or not (0 < scale <= 1e6) or not math.isfinite(scale):
+            raise ValueError("lr-scale needs a finite scale in (0, 1e6]")
+        lr = scale
+    else:
+        raise ValueError(f"unknown command {command!r}")
+    if (paused, stop, seq, lr) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
+        return None
+    return DesiredState(generation=desired.generation + 1, paused=paused, lr_scale=lr, checkpoint_seq=seq, stop=stop, reason=_reason(reason))
+
+
+@dataclass(slots=True)
+class FiredAlert:
+    """An alert to record, and the desired state its actions lead to (``None``: unchanged)."""
+
+    finding: Finding
+    desired: DesiredState | None
+
+    @property
+    def notify(self) -> bool:
+        return any(isinstance(a, NotifyAction) for a in self.finding.rule.actions)
+
+
+@dataclass(slots=True)
+class Outcome:
+    fired: list[FiredAlert]
+    resolved: list[str]
+    suppressed: list[tuple[Finding, str]]
+    desired: DesiredState
+
+
+def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now: float, *, complete: bool) -> Outcome:
+    """Alerts fired/resolved by ``findings`` and the resulting desired state (one new generation
+    per alert that changes it). Mutates only ``book``."""
+    tr = book.transition(findings, now, complete=complete)
+    fired = []
+    for f in tr.fire:
+        new = apply_actions(desired, f.rule.actions, f"{f.rule.name}: {f.summary}")
+        fired.append(FiredAlert(f, new))
+        desired = new or desired
+    return Outcome(fired, tr.resolve, tr.suppressed, desired)
+
+
+@dataclass(slots=True)
+class SimStep:
+    """What one replayed report (and the silence before it) caused."""
+
+    index: int
+    step_last: int
+    fired: list[FiredAlert]
+    resolved: list[str]
+    suppressed: list[tuple[Finding, str]]
+    desired: DesiredState
+
+
+def simulate(
+    rules: tuple[Any, ...], reports: list[Report], *, world_size: int, desired: DesiredState | None = None,
+    capacity: int = 128, rank_capacity: int = 8,
+) -> list[SimStep]:
+    """Replay ``reports`` (in order, ``report.time`` as the clock) through ``rules``.
+
+    Before each report, absence rules are evaluated at that report's time, as the controller's
+    ticker would have done during the silence; then the report is appended and every rule is
+    evaluated. No I/O.
+    """
+    desired = desired or DesiredState()
+    if not reports:
+        return []
+    window = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world_size, created=reports[0].time)
+    book = AlertBook()
+    absence = tuple(r for r in rules if isinstance(r, AbsenceRule))
+    steps = []
+    for i, report in enumerate(reports):
+        gap = decide(evaluate(absence, window, report.time), book, desired, report.time, complete=False)
+        window.append(report, report.time)
+        out = decide(evaluate(rules, window, report.time), book, gap.desired, report.time, complete=True)
+        steps.append(SimStep(i, report.step_last, gap.fired + out.fired, gap.resolved + out.resolved, gap.suppressed + out.suppressed, out.desired))
+        desired = out.desired
+    return steps

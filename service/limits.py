@@ -1,0 +1,68 @@
+"""Request-body size limit as a plain ASGI middleware (no per-request thread or task)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["BodyLimit"]
+
+
+class BodyLimit:
+    """Answer 413 to bodies over ``max_bytes``: at once from ``Content-Length``, else (chunked
+    bodies) after buffering at most ``max_bytes``."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    await self._refuse(send, 400, "invalid Content-Length")
+                    return
+        if length is not None:
+            if length > self.max_bytes:
+                await self._refuse(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_bytes}")
+                return
+            await self.app(scope, receive, send)
+            return
+        # No Content-Length (chunked): read it here, bounded, then replay it.
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._refuse(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send: Any, status: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,112 @@
+"""The controller's own metrics (``GET /metrics``): the catalogue and the collectors.
+
+:data:`CONTROLLER_METRICS` documents every name, the way ``trainer_agent.catalog`` does for the
+agent; dashboards and tests read names from here. A histogram ``X`` exposes ``X_bucket``,
+``X_sum`` and ``X_count``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # pragma: no cover
+    from service.controller import Controller
+
+__all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics"]
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerMetric:
+    """One metric the controller exports."""
+
+    name: str
+    """Full Prometheus name; starts with ``trainguard_controller_``."""
+    kind: Literal["gauge", "counter", "histogram"]
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith("trainguard_controller_"):
+            raise ValueError(f"controller metric {self.name!r} must start with 'trainguard_controller_'")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"metric {self.name!r}: counters, and only counters, end in '_total'")
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """The sample names Prometheus stores for this metric."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
+    ControllerMetric("trainguard_controller_reports_total", "counter", "reports", "Reports ingested (persisted and evaluated)."),
+    ControllerMetric("trainguard_controller_reports_rejected_total", "counter", "reports", "Reports refused, by reason (invalid, unknown_run, conflict).", ("reason",)),
+    ControllerMetric("trainguard_controller_rule_evaluations_total", "counter", "evaluations", "Rule evaluations (one per rule per report, plus absence checks)."),
+    ControllerMetric("trainguard_controller_alerts_total", "counter", "alerts", "Alerts fired, by rule and severity.", ("rule", "severity")),
+    ControllerMetric("trainguard_controller_alerts_suppressed_total", "counter", "alerts", "Alerts held back by a rule's cooldown or cap.", ("rule", "reason")),
+    ControllerMetric("trainguard_controller_alerts_firing", "gauge", "alerts", "Alerts currently firing, by severity.", ("severity",)),
+    ControllerMetric("trainguard_controller_actions_total", "counter", "actions", "Changes of desired state, by action and source (rule, operator, alertmanager).", ("action", "source")),
+    ControllerMetric("trainguard_controller_webhook_deliveries_total", "counter", "deliveries", "Webhook delivery attempts, by outcome (delivered, retry, failed).", ("outcome",)),
+    ControllerMetric("trainguard_controller_webhook_failures_total", "counter", "deliveries", "Webhook delivery attempts that failed (5xx, 4xx, timeout, error), whether retried or not.", ("reason",)),
+    ControllerMetric("trainguard_controller_webhook_outbox_pending", "gauge", "messages", "Webhook messages waiting for delivery."),
+    ControllerMetric("trainguard_controller_ingest_latency_seconds", "histogram", "seconds", "Time from a report's arrival (parsed) to its answer: rules, decision and the database commit."),
+    ControllerMetric("trainguard_controller_runs", "gauge", "runs", "Registered runs, by status (running, paused, stopped, silent, registered).", ("status",)),
+    ControllerMetric("trainguard_controller_longpoll_waiters", "gauge", "requests", "Long-polls of desired state currently waiting."),
+    ControllerMetric("trainguard_controller_store_commits_total", "counter", "transactions", "Database transactions committed by the writer (group commits)."),
+)
+
+BY_NAME: dict[str, ControllerMetric] = {m.name: m for m in CONTROLLER_METRICS}
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _help(name: str) -> str:
+    return BY_NAME[name].help
+
+
+class _StateCollector(Collector):
+    """Gauges computed at scrape time from what the controller already holds."""
+
+    def __init__(self, state: Callable[[], "Controller | None"]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ctl = self._state()
+        if ctl is None:
+            return
+        snap = ctl.metrics_snapshot()
+        g = GaugeMetricFamily("trainguard_controller_runs", _help("trainguard_controller_runs"), labels=["status"])
+        for status, n in sorted(snap["runs"].items()):
+            g.add_metric([status], n)
+        yield g
+        g = GaugeMetricFamily("trainguard_controller_alerts_firing", _help("trainguard_controller_alerts_firing"), labels=["severity"])
+        for sev, n in sorted(snap["firing"].items()):
+            g.add_metric([sev], n)
+        yield g
+        yield GaugeMetricFamily("trainguard_controller_webhook_outbox_pending", _help("trainguard_controller_webhook_outbox_pending"), value=snap["outbox_pending"])
+        yield GaugeMetricFamily("trainguard_controller_longpoll_waiters", _help("trainguard_controller_longpoll_waiters"), value=snap["waiters"])
+        yield CounterMetricFamily("trainguard_controller_store_commits", _help("trainguard_controller_store_commits_total"), value=snap["commits"])
+
+
+class ControllerMetrics:
+    """The controller's counters and histograms on an injected registry."""
+
+    def __init__(self, registry: CollectorRegistry, state: Callable[[], "Controller | None"]) -> None:
+        self.registry = registry
+        h = _help
+        self.reports = Counter("trainguard_controller_reports", h("trainguard_controller_reports_total"), registry=registry)
+        self.rejected = Counter("trainguard_controller_reports_rejected", h("trainguard_controller_reports_rejected_total"), ["reason"], registry=registry)
+        self.evaluations = Counter("trainguard_controller_rule_evaluations", h("trainguard_controller_rule_evaluations_total"), registry=registry)
+        self.alerts = Counter("trainguard_controller_alerts", h("trainguard_controller_alerts_total"), ["rule", "severity"], registry=registry)
+        self.suppressed = Counter("trainguard_controller_alerts_suppressed", h("trainguard_controller_alerts_suppressed_total"), ["rule", "reason"], registry=registry)
+        self.actions = Counter("trainguard_controller_actions", h("trainguard_controller_actions_total"), ["action", "source"], registry=registry)
+        self.deliveries = Counter("trainguard_controller_webhook_deliveries", h("trainguard_controller_webhook_deliveries_total"), ["outcome"], registry=registry)
+        self.failures = Counter("trainguard_controller_webhook_failures", h("trainguard_controller_webhook_failures_total"), ["reason"], registry=registry)
+        self.ingest_latency = Histogram("trainguard_controller_ingest_latency_seconds", h("trainguard_controller_ingest_latency_seconds"), buckets=_LATENCY_BUCKETS, registry=registry)
+        registry.register(_StateCollector(state))

@@ -1,0 +1,84 @@
+"""Alerts, the audit log, and its Server-Sent Events stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Any, AsyncIterator, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from service import store as sql
+from service.controller import Controller, nan_safe
+from service.deps import ControllerDep, ReadDep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["alerts and events"])
+_HEARTBEAT_S = 15.0
+
+
+def _json(value: Any) -> Response:
+    return Response(json.dumps(nan_safe(value)), media_type="application/json")
+
+
+@router.get("/alerts", summary="Alerts, newest first")
+async def alerts(
+    ctl: ControllerDep, _: ReadDep, state: Literal["firing", "resolved"] | None = None, run: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100, before: Annotated[int | None, Query(ge=1, description="Page: ids below this.")] = None,
+) -> Response:
+    return _json(await ctl.store.read(lambda c: sql.list_alerts(c, state=state, run=run, limit=limit, before=before)))
+
+
+@router.get("/runs/{run}/events", summary="A run's audit log: every change of desired state, alert and ack")
+async def run_events(
+    run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+) -> Response:
+    ctl.get(run)
+    return _json(await ctl.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit)))
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"id: {event['id']}\nevent: {event['kind']}\ndata: {json.dumps(nan_safe(event), separators=(',', ':'))}\n\n".encode()
+
+
+async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator[bytes]:
+    queue = ctl.subscribe()  # before the replay, so nothing falls between the two
+    try:
+        yield b"retry: 2000\n\n"
+        last = after
+        while True:
+            page = await ctl.store.read(lambda c: sql.list_events(c, run=run, after=last, limit=1000))
+            for ev in page:
+                yield _sse(ev)
+                last = ev["id"]
+            if len(page) < 1000:
+                break
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), _HEARTBEAT_S)
+            except TimeoutError:
+                if not ctl.is_subscribed(queue):
+                    return  # dropped as too slow: the client reconnects with Last-Event-ID
+                yield b": keep-alive\n\n"
+                continue
+            if ev is None:
+                return  # the controller is shutting down
+            if ev["id"] <= last or (run is not None and ev["run"] != run):
+                continue
+            last = ev["id"]
+            yield _sse(ev)
+    finally:
+        ctl.unsubscribe(queue)
+
+
+@router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)")
+async def stream(
+    ctl: ControllerDep, _: ReadDep, run: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> StreamingResponse:
+    if last_event_id and last_event_id.isdigit():
+        after = max(after, int(last_event_id))
+    return StreamingResponse(_stream(ctl, run, after), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

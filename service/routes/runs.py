@@ -1,0 +1,110 @@
+"""Runs: registration, reports, desired state and acks (agent); status and commands (operator)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from service.controller import Controller, nan_safe
+from service.auth import Principal
+from service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
+from service.schemas import AckResult, CommandResult
+from service.wire import Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunRegistered, RunRegistration
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["runs"])
+RunPath = Annotated[str, Path(min_length=1, max_length=128)]
+IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)]
+_JSON = "application/json"
+
+
+def _validation_error(e: ValidationError) -> RequestValidationError:
+    return RequestValidationError(e.errors(include_url=False, include_context=False, include_input=False))
+
+
+@router.post("/runs", response_model=RunRegistered, summary="Register or re-register a run (agent)")
+async def register(reg: RunRegistration, ctl: ControllerDep, principal: AgentDep) -> RunRegistered:
+    return await ctl.register(reg, principal)
+
+
+@router.post(
+    "/runs/{run}/reports", response_model=ReportAccepted, summary="Post one report (agent); answers the desired state",
+    openapi_extra={"requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Report"}}}}},
+)
+async def post_report(run: RunPath, request: Request, ctl: ControllerDep, principal: AgentDep) -> Response:
+    body = await request.body()
+    t0 = time.perf_counter()
+    try:
+        report = Report.model_validate_json(body)
+    except ValidationError as e:
+        ctl.metrics.rejected.labels("invalid").inc()
+        raise _validation_error(e) from None
+    answer = await ctl.ingest(run, report, principal)
+    ctl.metrics.ingest_latency.observe(time.perf_counter() - t0)
+    return Response(answer, media_type=_JSON)
+
+
+@router.get("/runs/{run}/desired", response_model=DesiredState, summary="Long-poll the desired state (agent)")
+async def desired(
+    run: RunPath, ctl: ControllerDep, principal: PollDep,
+    after: Annotated[int, Query(ge=-1, description="Answer once the generation exceeds this (-1: at once).")] = -1,
+    wait: Annotated[float, Query(ge=0, le=3600, description="Longest wait in seconds (capped by the server).")] = 0.0,
+) -> Response:
+    return Response(await ctl.wait_desired(run, after, wait, principal), media_type=_JSON)
+
+
+@router.post("/runs/{run}/acks", response_model=AckResult, summary="Every rank applied a generation (agent)")
+async def post_ack(run: RunPath, ack: Ack, ctl: ControllerDep, principal: AgentDep) -> AckResult:
+    return AckResult(**await ctl.ack(run, ack, principal))
+
+
+@router.get("/runs", summary="List runs")
+async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, status: str | None = None) -> list[dict]:
+    out = [ctl.run_summary(st) for st in ctl.runs.values() if (job is None or st.job == job)]
+    return [r for r in out if status is None or r["status"] == status]
+
+
+@router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")
+async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
+    return Response(json.dumps(nan_safe(ctl.run_detail(ctl.get(run)))), media_type=_JSON)
+
+
+async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None) -> Response:
+    idem = None
+    if key:
+        digest = hashlib.sha256(b"%s\x00%s\x00%s" % (command.encode(), run.encode(), body)).hexdigest()
+        idem = (principal.actor, key, digest)
+    status, answer = await ctl.command(run, command, reason=reason, actor=principal.actor, scale=scale, idempotency=idem)
+    return Response(answer, status_code=status, media_type=_JSON)
+
+
+def _command_route(command: str, summary: str) -> None:
+    async def handler(run: RunPath, ctl: ControllerDep, principal: CommandDep, request: Request, idempotency_key: IdemKey = None,
+                      body: CommandRequest | None = None) -> Response:
+        body = body or CommandRequest()
+        return await _command(run, command, body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key)
+
+    router.add_api_route(f"/runs/{{run}}/{command}", handler, methods=["POST"], response_model=CommandResult, summary=summary,
+                         name=f"command_{command}", tags=["commands"])
+
+
+for _cmd, _summary in (
+    ("pause", "Pause the run in place (every rank, same step)"),
+    ("resume", "Resume a paused (or stopped) run"),
+    ("checkpoint", "Request a checkpoint (bumps checkpoint_seq)"),
+    ("stop", "Stop the run"),
+):
+    _command_route(_cmd, _summary)
+
+
+@router.post("/runs/{run}/lr-scale", response_model=CommandResult, summary="Set the LR multiplier", tags=["commands"])
+async def lr_scale(run: RunPath, body: LrScaleRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
+    return await _command(run, "lr-scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
+

@@ -1,0 +1,45 @@
+"""Health, the controller's own metrics, Prometheus service discovery, Alertmanager's webhook."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.deps import CommandDep, ControllerDep, ReadDep
+from service.schemas import AlertmanagerPayload
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/healthz", summary="Liveness: 200 while the database writer runs")
+async def healthz(ctl: ControllerDep) -> Response:
+    ok = ctl.store.alive
+    body = b'{"status":"ok"}' if ok else b'{"status":"database writer stopped"}'
+    return Response(body, status_code=200 if ok else 503, media_type="application/json")
+
+
+@router.get("/metrics", summary="The controller's Prometheus metrics")
+async def metrics(ctl: ControllerDep) -> Response:
+    return Response(generate_latest(ctl.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/sd/targets", summary="Prometheus http_sd targets: every registered rank's /metrics")
+async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
+    out = []
+    for st in ctl.runs.values():
+        if st.desired.stop:
+            continue
+        for r in sorted(st.ranks, key=lambda r: r["rank"]):
+            host = r["host"]
+            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            out.append({"targets": [f"{host}:{r['port']}"], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
+    return out
+
+
+@router.post("/v1/alertmanager", summary="Alertmanager webhook (v4): alerts with trainguard_action and run labels act", tags=["alertmanager"])
+async def alertmanager(payload: AlertmanagerPayload, ctl: ControllerDep, principal: CommandDep) -> dict[str, Any]:
+    return {"results": await ctl.alertmanager(payload.model_dump(), principal.actor)}

@@ -1,0 +1,92 @@
+"""Request and answer models of the operator API (the agent's live in :mod:`service.wire`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.wire import DesiredState, Report, Severity
+
+__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult"]
+
+
+class CommandResult(BaseModel):
+    run: str
+    command: str
+    changed: bool = Field(description="False when the run was already in that state (no new generation).")
+    desired: DesiredState
+
+
+class AckResult(BaseModel):
+    applied_generation: int
+    applied_step: int
+    recorded: bool = Field(description="False for an ack older than the one already recorded.")
+
+
+class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=8, max_length=2000, description="http:// or https:// URL receiving POSTs.")
+    format: Literal["alertmanager", "slack"] = "alertmanager"
+    secret: str | None = Field(default=None, min_length=16, max_length=256, description="HMAC secret; generated when absent.")
+    min_severity: Severity = "warning"
+    send_resolved: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        return url
+
+
+class Webhook(BaseModel):
+    id: int
+    url: str
+    format: str
+    min_severity: str
+    send_resolved: bool
+    created_at: float
+
+
+class WebhookCreated(Webhook):
+    secret: str = Field(description="Shown once: verify X-Trainguard-Signature with it.")
+
+
+class RulesTestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rules: str | None = Field(default=None, max_length=1_000_000, description="Rules YAML to test; default: the active rules.")
+    job: str = Field(default="test", min_length=1, max_length=128, description="Job whose overrides apply.")
+    world_size: int = Field(default=1, ge=1, le=1_000_000)
+    desired: DesiredState | None = None
+    reports: list[Report] = Field(max_length=10_000, description="Replayed in order; each report's time is the clock.")
+
+
+class AlertmanagerAlert(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    startsAt: str = ""
+    endsAt: str = ""
+    fingerprint: str = ""
+
+
+class AlertmanagerPayload(BaseModel):
+    """Alertmanager's webhook body (version 4)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str
+    status: str = ""
+    alerts: list[AlertmanagerAlert] = Field(max_length=10_000)
+
+    @field_validator("version")
+    @classmethod
+    def _v4(cls, v: str) -> str:
+        if v != "4":
+            raise ValueError("only Alertmanager webhook payload version 4 is understood")
+        return v

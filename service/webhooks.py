@@ -1,0 +1,211 @@
+"""Webhooks out: payloads, signatures, and the outbox-driven delivery worker.
+
+Alert notifications are written to the ``outbox`` table in the same transaction as the alert, one
+row per subscribed webhook, with the rendered body. :class:`WebhookDeliverer` sends due rows,
+records every attempt in ``deliveries``, and retries with exponential backoff on 5xx, 408, 429,
+timeouts and connection errors — never on other 4xx. A row stays ``pending`` until an attempt's
+outcome is committed, so a controller killed mid-delivery sends it again after a restart
+(at-least-once: receivers dedupe on ``X-Trainguard-Delivery``).
+
+Signature: ``X-Trainguard-Signature: sha256=HEX`` where HEX is HMAC-SHA256 with the webhook's
+secret over ``f"{timestamp}.".encode() + body`` and ``timestamp`` is the integer Unix time sent in
+``X-Trainguard-Timestamp``. Receivers should reject timestamps far from their clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Literal
+
+import httpx
+
+from service import store as sql
+from service.metrics import ControllerMetrics
+from service.store import Store
+
+__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer"]
+
+log = logging.getLogger("trainguard.webhooks")
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+WebhookFormat = Literal["alertmanager", "slack"]
+_ZERO_TIME = "0001-01-01T00:00:00Z"
+_RETRY_4XX = {408, 429}
+
+
+def fingerprint(run: str, rule: str, starts_at: float) -> str:
+    """Stable id of one alert (16 hex digits, like Alertmanager's)."""
+    return hashlib.sha256(f"{run}\x00{rule}\x00{starts_at!r}".encode()).hexdigest()[:16]
+
+
+def rfc3339(t: float | None) -> str:
+    if t is None:
+        return _ZERO_TIME
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _alertmanager(alert: dict[str, Any], external_url: str) -> dict[str, Any]:
+    status = alert["state"]
+    diag = alert["diagnosis"]
+    labels = {
+        "alertname": alert["rule"], "job": alert["job"], "run": alert["run"],
+        "severity": alert["severity"], "trainguard_rule": alert["rule"],
+    }
+    annotations = {
+        "summary": alert["summary"],
+        "description": diag.get("symptom", ""),
+        "likely_causes": "; ".join(diag.get("likely_causes", [])),
+        "suggested_actions": "; ".join(diag.get("suggested_actions", [])),
+        "values": json.dumps(alert["values"], separators=(",", ":")),
+        "actions": ", ".join(a["type"] for a in alert["actions"]),
+    }
+    base = external_url.rstrip("/")
+    am_alert = {
+        "status": status, "labels": labels, "annotations": annotations,
+        "startsAt": rfc3339(alert["starts_at"]), "endsAt": rfc3339(alert["ends_at"] if status == "resolved" else None),
+        "generatorURL": f"{base}/v1/runs/{alert['run']}" if base else "", "fingerprint": alert["fingerprint"],
+    }
+    group = {"alertname": alert["rule"], "run": alert["run"]}
+    return {
+        "version": "4", "groupKey": f"{{}}:{{alertname=\"{alert['rule']}\", run=\"{alert['run']}\"}}",
+        "truncatedAlerts": 0, "status": status, "receiver": "trainguard",
+        "groupLabels": group, "commonLabels": labels, "commonAnnotations": annotations,
+        "externalURL": base, "alerts": [am_alert],
+    }
+
+
+def _slack(alert: dict[str, Any]) -> dict[str, Any]:
+    diag = alert["diagnosis"]
+    icon = {"critical": ":rotating_light:", "warning": ":warning:", "info": ":information_source:"}[alert["severity"]]
+    if alert["state"] == "resolved":
+        return {"text": f":white_check_mark: RESOLVED [{alert['severity']}] {alert['rule']} on run {alert['run']} (job {alert['job']})"}
+    lines = [
+        f"{icon} [{alert['severity']}] {alert['rule']} on run {alert['run']} (job {alert['job']})",
+        alert["summary"],
+        f"Likely causes: {'; '.join(diag.get('likely_causes', []))}",
+        f"Suggested: {'; '.join(diag.get('suggested_actions', []))}",
+    ]
+    if alert["actions"]:
+        lines.append("Actions taken: " + ", ".join(a["type"] for a in alert["actions"]))
+    return {"text": "\n".join(lines)}
+
+
+def render(format: str, alert: dict[str, Any], *, external_url: str = "") -> bytes:
+    """The body sent to a webhook of ``format`` for ``alert`` (a row of the alerts table)."""
+    payload = _alertmanager(alert, external_url) if format == "alertmanager" else _slack(alert)
+    # Alert values may hold NaN/Inf: as strings, so that every JSON parser reads the body.
+    return json.dumps(_jsonable(payload), separators=(",", ":")).encode()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    return "sha256=" + hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+def verify(secret: str, timestamp: int, body: bytes, signature: str) -> bool:
+    """Check a signature in constant time (what a receiver does)."""
+    return hmac.compare_digest(sign(secret, timestamp, body), signature)
+
+
+class WebhookDeliverer:
+    """Sends due outbox rows; one instance per controller."""
+
+    def __init__(
+        self, store: Store, metrics: ControllerMetrics, *, clock: Callable[[], float], timeout_s: float,
+        max_attempts: int, backoff_s: float, backoff_max_s: float, transport: httpx.AsyncBaseTransport | None = None,
+        concurrency: int = 8,
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._clock = clock
+        self._timeout = timeout_s
+        self._max_attempts = max_attempts
+        self._backoff = backoff_s
+        self._backoff_max = backoff_max_s
+        self._transport = transport
+        self._wake = asyncio.Event()
+        self._sem = asyncio.Semaphore(concurrency)
+        self.pending = 0
+        """Rows waiting for delivery (kept up to date in memory for /metrics)."""
+
+    def wake(self, new_rows: int = 0) -> None:
+        self.pending += new_rows
+        self._wake.set()
+
+    def _delay(self, attempt: int) -> float:
+        return min(self._backoff * 2 ** (attempt - 1), self._backoff_max)
+
+    async def run(self) -> None:
+        """Deliver until cancelled."""
+        self.pending = await self._store.read(sql.pending_outbox_count)
+        async with httpx.AsyncClient(transport=self._transport, timeout=self._timeout, follow_redirects=False) as client:
+            while True:
+                now = self._clock()
+                due = await self._store.read(lambda c: sql.due_outbox(c, now, 64))
+                if due:
+                    await asyncio.gather(*(self._deliver(client, row) for row in due))
+                    continue
+                nxt = await self._store.read(sql.next_outbox_time)
+                wait = 60.0 if nxt is None else min(60.0, max(0.0, nxt - self._clock()))
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                except TimeoutError:
+                    pass
+
+    async def _deliver(self, client: httpx.AsyncClient, row: dict[str, Any]) -> None:
+        async with self._sem:
+            attempt = row["attempts"] + 1
+            ts = int(self._clock())
+            body: bytes = row["body"]
+            headers = {
+                "Content-Type": "application/json",
+                "User-Agent": "trainguard-controller",
+                "X-Trainguard-Timestamp": str(ts),
+                "X-Trainguard-Signature": sign(row["secret"], ts, body),
+                "X-Trainguard-Delivery": str(row["id"]),
+            }
+            status, error = None, None
+            t0 = time.perf_counter()
+            try:
+                resp = await client.post(row["url"], content=body, headers=headers)
+                status = resp.status_code
+            except httpx.TimeoutException as e:
+                error = f"timeout: {type(e).__name__}"
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+            duration = time.perf_counter() - t0
+            if status is not None and 200 <= status < 300:
+                outcome = "delivered"
+            elif status is not None and 400 <= status < 500 and status not in _RETRY_4XX:
+                outcome, error = "failed", f"HTTP {status} (not retried)"
+            else:
+                error = error or f"HTTP {status}"
+                outcome = "retry" if attempt < self._max_attempts else "failed"
+            if outcome != "delivered":
+                reason = "timeout" if error.startswith("timeout") else ("5xx" if status and status >= 500 else ("4xx" if status else "error"))
+                self._metrics.failures.labels(reason).inc()
+                log.warning("webhook %s delivery %s attempt %d: %s", row["url"], row["id"], attempt, error)
+            self._metrics.deliveries.labels(outcome).inc()
+            now = self._clock()
+            next_at = now + self._delay(attempt) if outcome == "retry" else None
+            await self._store.submit(lambda c: sql.record_delivery(
+                c, outbox_id=row["id"], webhook_id=row["webhook_id"], attempt=attempt, now=now, status_code=status,
+                error=error, duration_s=duration, outcome=outcome, next_attempt_at=next_at,
+            ))
+            if outcome != "retry":
+                self.pending = max(0, self.pending - 1)
