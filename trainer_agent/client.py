@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import threading
 import time
 from collections import deque
@@ -213,7 +214,12 @@ class ControllerClient:
 
     # -- threads -------------------------------------------------------------------------------
     def _new_http(self, timeout: httpx.Timeout) -> httpx.Client:
-        return httpx.Client(transport=self._transport, timeout=timeout, headers=self._headers)
+        # httpcore writes a request's head and body separately: without TCP_NODELAY, Nagle holds
+        # the body until the server's delayed ACK (~40 ms) arrives.
+        transport = self._transport or httpx.HTTPTransport(
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        )
+        return httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
 
     def _send_loop(self) -> None:
         failures = 0

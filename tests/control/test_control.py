@@ -1,0 +1,298 @@
+"""ControlPlane in one process, through the real agent (``ta.attach``) and a loopback controller:
+lr_scale against independent scheduler references, skipped non-finite steps bit for bit,
+checkpoint/stop/idempotency, pause with /metrics answering, restart, state_dict, reports."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+import urllib.request
+import warnings
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import trainer_agent as ta
+from tests.control.fake_controller import FakeController
+
+RUN = "run-ctl"
+
+
+def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 6, generator=g)
+
+
+def _attach(model, opt, ctl: FakeController | None, **cfg):  # type: ignore[no-untyped-def]
+    cfg.setdefault("report_every", 1)
+    cfg.setdefault("metrics_port", None)
+    return ta.attach(model, opt, job="job-ctl", run=RUN,
+                     config=ta.AgentConfig(controller=ctl.url if ctl else None, **cfg))
+
+
+def _wait_seen(agent, generation: int) -> None:  # type: ignore[no-untyped-def]
+    """Block the test until the leader's client has seen ``generation`` (deterministic steps)."""
+    assert _until(lambda: (d := agent.control.client.desired) is not None and d.generation >= generation)
+
+
+@pytest.mark.parametrize("schedule", ["warm_restarts", "lambda"])
+def test_lr_scale_multiplies_the_scheduler_lr_and_leaves_the_schedule_alone(schedule: str) -> None:
+    def make(params):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(params, lr=0.1)
+        if schedule == "warm_restarts":
+            sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=4, T_mult=2, eta_min=1e-3)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.3 * e))
+        return opt, sched
+
+    # independent reference: the same scheduler on a bare optimizer, no agent
+    ref_opt, ref_sched = make([torch.nn.Parameter(torch.zeros(1))])
+    ref_lrs = []
+    for _ in range(16):
+        ref_lrs.append(ref_opt.param_groups[0]["lr"])
+        ref_opt.step()
+        ref_sched.step()
+
+    with FakeController() as ctl:
+        model = _model()
+        opt, sched = make(model.parameters())
+        agent = _attach(model, opt, ctl)
+        used: list[float] = []
+        opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        scales = {3: 0.5, 9: 0.25, 12: 1.0}  # command after end_step of these steps
+        for step in range(1, 17):
+            x = _batch(step)
+            before = [p.detach().clone().double() for p in model.parameters()]
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            grads = [p.grad.detach().clone().double() for p in model.parameters()]
+            opt.step()
+            # plain SGD: W_after = W_before - lr_used * g, checked in float64
+            for b, g, p in zip(before, grads, model.parameters()):
+                torch.testing.assert_close(p.detach().double(), b - used[-1] * g, rtol=1e-6, atol=1e-7)
+            opt.zero_grad()
+            sched.step()
+            agent.end_step(loss)
+            if step in scales:
+                ctl.command(RUN, lr_scale=scales[step])
+                _wait_seen(agent, ctl.desired[RUN].generation)
+        applied = {a.step: a.lr_scale for a in agent.control.history}
+        assert applied == {4: 0.5, 10: 0.25, 13: 1.0}  # the next step boundary after each command
+        scale = 1.0
+        for step in range(1, 17):
+            # the LR of step s is applied at end_step(s-1)
+            scale = applied.get(step - 1, scale)
+            assert used[step - 1] == ref_lrs[step - 1] * scale, step
+        assert sched.get_last_lr() == ref_sched.get_last_lr()  # the schedule never saw the scale
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        latest = agent.latest()
+        assert latest['trainguard_learning_rate{group="0"}'] == used[-1]
+        assert latest["trainguard_lr_scale"] == 1.0
+        assert latest["trainguard_applied_generation"] == 3.0
+        assert _until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(1, 4), (2, 10), (3, 13)])
+        agent.close(2.0)
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_skip_nonfinite_leaves_params_and_adam_state_bit_identical(scheduler_first: bool) -> None:
+    model = _model(1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e) if scheduler_first else None
+    agent = _attach(model, opt, None, skip_nonfinite=True)
+    if sched is None:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9**e)
+    post_hook_calls = []
+    opt.register_step_post_hook(lambda o, a, k: post_hook_calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "optimizer.step() has been overridden after ..."
+        for step in range(1, 9):
+            x = _batch(step)
+            handle = None
+            if step == 3:  # an Inf appears in one gradient during backward; the loss is finite
+                handle = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor([1]),), torch.tensor(math.inf)))
+            if step == 6:  # a NaN input: loss and every gradient NaN
+                x[0, 2] = math.nan
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if handle is not None:
+                handle.remove()
+            params = [p.detach().clone() for p in model.parameters()]
+            state = copy.deepcopy(opt.state_dict()["state"])
+            opt.step()
+            changed = [not torch.equal(a, p) for a, p in zip(params, model.parameters())]
+            if step in (3, 6):
+                assert not any(changed)
+                after = opt.state_dict()["state"]
+                assert state.keys() == after.keys()
+                for k in state:
+                    for name, t in state[k].items():
+                        assert torch.equal(t, after[k][name]), (k, name)
+            else:
+                assert all(changed)
+            opt.zero_grad()
+            sched.step()
+            agent.end_step(loss)
+    assert len(post_hook_calls) == 6  # the skipped steps never reached the optimizer
+    assert sched.last_epoch == 8 and opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**8, rel=1e-12)
+    assert int(opt.state_dict()["state"][0]["step"]) == 6
+    latest = agent.latest()
+    assert latest["trainguard_skipped_steps_total"] == 2.0
+    assert latest["trainguard_nonfinite_steps_total"] == 2.0
+    assert agent.state_dict()["control"]["skipped_steps_total"] == 2
+    agent.close(1.0)
+    assert "step" not in vars(opt) or scheduler_first  # unwrapped (a scheduler's own wrapper may stay)
+
+
+def test_checkpoint_once_per_seq_then_stop_on_every_call() -> None:
+    calls: list[int] = []
+    with FakeController() as ctl:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        agent = ta.attach(model, opt, job="job-ctl", run=RUN, on_checkpoint=calls.append,
+                          config=ta.AgentConfig(controller=ctl.url, report_every=1, metrics_port=None))
+        commands = {2: {"checkpoint_seq": 1}, 4: {"lr_scale": 0.5}, 6: {"checkpoint_seq": 2},
+                    8: {"checkpoint_seq": 2, "reason": "same seq again"}, 10: {"stop": True}}
+        step = 0
+        while not agent.should_stop and step < 30:
+            step += 1
+            loss = model(_batch(step)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss)
+            if step in commands:
+                ctl.command(RUN, **commands[step])
+                _wait_seen(agent, ctl.desired[RUN].generation)
+        assert calls == [3, 7, 11]  # seq 1 at 3, seq 2 at 7, nothing for a repeat, stop at 11
+        assert step == 11 and agent.should_stop
+        assert [(a.generation, a.step) for a in agent.control.history] == [(1, 3), (2, 5), (3, 7), (4, 9), (5, 11)]
+        agent.close(2.0)
+
+
+def test_pause_blocks_end_step_while_metrics_answer_then_resume() -> None:
+    with FakeController() as ctl:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        agent = _attach(model, opt, ctl, metrics_port=0)
+        scraped: list[float] = []
+
+        def operator() -> None:
+            _until(lambda: agent.control.paused, 5.0)
+            with urllib.request.urlopen(agent.metrics_url, timeout=5) as r:
+                for fam in text_string_to_metric_families(r.read().decode()):
+                    if fam.name == "trainguard_paused":
+                        scraped.extend(s.value for s in fam.samples)
+            time.sleep(0.3)
+            ctl.command(RUN, paused=False, lr_scale=0.5)
+
+        op = threading.Thread(target=operator)
+        blocked = 0.0
+        for step in range(1, 7):
+            loss = model(_batch(step)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t0 = time.monotonic()
+            agent.end_step(loss)
+            if step == 3:
+                blocked = time.monotonic() - t0  # the pause
+            if step == 2:
+                ctl.command(RUN, paused=True, reason="test")
+                _wait_seen(agent, 1)
+                op.start()
+        op.join()
+        assert scraped == [1.0]
+        assert blocked >= 0.3
+        assert [(a.generation, a.step, a.paused) for a in agent.control.history] == [(1, 3, True), (2, 3, False)]
+        assert agent.latest()["trainguard_paused"] == 0.0 and agent.control.lr_scale == 0.5
+        agent.close(2.0)
+
+
+def test_restarted_run_applies_the_registration_state_before_its_first_step() -> None:
+    calls: list[int] = []
+    with FakeController() as ctl:
+        ctl.command(RUN, lr_scale=0.25, checkpoint_seq=3)
+        ctl.command(RUN, paused=True)  # the run was paused when its job died
+        threading.Timer(0.4, lambda: ctl.command(RUN, paused=False)).start()
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t0 = time.monotonic()
+        agent = ta.attach(model, opt, job="job-ctl", run=RUN, on_checkpoint=calls.append,
+                          config=ta.AgentConfig(controller=ctl.url, report_every=1, metrics_port=None))
+        assert time.monotonic() - t0 >= 0.35  # attach waited, paused, before step 1
+        assert agent.step == 0 and not agent.control.paused
+        assert agent.control.applied_generation == 3 and agent.control.lr_scale == 0.25
+        assert calls == []  # checkpoints requested before the restart are not taken again
+        used = []
+        opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+        model(_batch(1)).sum().backward()
+        opt.step()
+        assert used == [0.1 * 0.25]
+        assert _until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(2, 0), (3, 0)])
+        agent.close(2.0)
+
+
+def test_state_dict_round_trip_and_bad_input() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FakeController() as ctl:
+        ctl.command(RUN, lr_scale=0.5, checkpoint_seq=2)
+        agent = _attach(model, opt, ctl)
+        state = agent.state_dict()["control"]
+        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "skipped_steps_total": 0}
+        agent.close(1.0)
+    with FakeController() as ctl:  # a fresh controller (generation 0): the checkpoint restores
+        agent = _attach(model, opt, ctl)
+        agent.load_state_dict({**agent.state_dict(), "control": {**state, "applied_generation": 4}})
+        assert agent.state_dict()["control"] == {**state, "applied_generation": 4}
+        ctl.command(RUN, lr_scale=2.0)  # generation 1 < 4 from the checkpoint: never goes backwards
+        _wait_seen(agent, 1)
+        model(_batch(1)).sum().backward()
+        opt.step()
+        agent.end_step(1.0)
+        assert agent.control.lr_scale == 0.5 and agent.control.applied_generation == 4
+        with pytest.raises(ValueError, match="control state"):
+            agent.control.load_state_dict({"lr_scale": 0.0, "applied_generation": 1, "checkpoint_seq": 0,
+                                           "skipped_steps_total": 0})
+        with pytest.raises(ValueError, match="control state"):
+            agent.control.load_state_dict({"lr_scale": 1.0})
+        agent.close(1.0)
+
+
+def test_reports_carry_nan_and_contiguous_step_ranges() -> None:
+    with FakeController() as ctl:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        agent = _attach(model, opt, ctl, report_every=2)
+        for step in range(1, 9):
+            loss = model(_batch(step)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss * math.nan if step == 6 else loss)
+        assert _until(lambda: len(ctl.reports) == 4)
+        reps = ctl.reports
+        assert [(r.step_first, r.step_last) for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
+        assert math.isnan(reps[2].values["trainguard_loss"]) and math.isnan(reps[2].ranks.loss[0])
+        assert reps[1].values["trainguard_loss"] == reps[1].ranks.loss[0] and reps[1].ranks.loss[0] > 0
+        assert reps[1].ranks.param_fingerprint[0] == reps[1].values["trainguard_param_norm"]
+        assert all(len(getattr(r.ranks, f)) == 1 for r in reps for f in ("step_time_s", "grad_norm"))
+        assert "trainguard_lr_scale" in reps[0].values and not any("{" in k for k in reps[0].values)
+        agent.close(1.0)
