@@ -224,11 +224,6 @@ class Agent:
         self._handles += [p.register_hook(self._grad_hook) for p in self._params]
 
         self.control: Any = None
-        if config.controller is not None or config.skip_nonfinite:
-            from trainer_agent.control import ControlPlane
-
-            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint)
-
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
         self.registry.register(self._collector)
@@ -236,6 +231,13 @@ class Agent:
         if config.metrics_port is not None:
             port = config.metrics_port + self.local_rank if config.metrics_port else 0
             self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
+
+        if config.controller is not None or config.skip_nonfinite:
+            from trainer_agent.control import ControlPlane
+
+            # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
+            # controller holds paused waits in here, before its first step, with /metrics served.
+            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint)
 
     # ------------------------------------------------------------------ setup
 
@@ -341,7 +343,7 @@ class Agent:
         st.grad_sq = stats.sq_norms(grads, self.device)
         st.scale = self._scale_tensor()
         if self._is_report(self.step + 1):
-            st.grad_nonfinite = stats.nonfinite_count(grads, self.device)
+            st.grad_nonfinite = stats.nonfinite_count(grads, self.device, st.grad_sq)
         self.grad_norm_device = self._unscale(st.grad_sq.sum().sqrt(), st.scale)
 
     def _scale_tensor(self) -> torch.Tensor | None:
