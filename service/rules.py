@@ -163,7 +163,7 @@ class SpikeRule(_RuleBase):
     ``mode: ratio`` fires when value / baseline >= ratio (``direction: up``; ``down``: baseline /
     value >= ratio); baselines <= 0 give no verdict. ``mode: zscore`` fires when
     |value - baseline| / scale >= z in the given direction, where for ``baseline: median`` the scale
-    is 1.4826 * MAD of the window and for ``baseline: ema`` the exponentially weighted standard
+    is 1.482602 * MAD of the window (1 / Phi^-1(3/4)) and for ``baseline: ema`` the exponentially weighted standard
     deviation (alpha = 2 / (window + 1)).
     """
 
@@ -376,6 +376,10 @@ def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Finding:
     )
 
 
+#: 1 / Phi^-1(3/4): turns a median absolute deviation into a normal standard deviation.
+_MAD_TO_SIGMA = 1.482602218505602
+
+
 def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
     mean, var = float(x[0]), 0.0
     for v in x[1:].tolist():
@@ -396,7 +400,7 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
         return Finding(rule, None)
     if rule.baseline == "median":
         base = float(np.median(hist))
-        scale = 1.4826 * float(np.median(np.abs(hist - base)))
+        scale = _MAD_TO_SIGMA * float(np.median(np.abs(hist - base)))
     else:
         base, scale = _ema(hist, 2.0 / (rule.window + 1))
     values: dict[str, Any] = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist)}

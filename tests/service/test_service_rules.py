@@ -1,0 +1,289 @@
+"""Rules as table-driven cases: reports in, alerts and desired state out (pure, no I/O).
+
+Expected values are computed here independently (statistics.median, scipy, hand arithmetic)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from service.engine import simulate
+from service.rules import RulesError, default_rules_text, load_rules
+from service.wire import DesiredState
+from tests.service.conftest import make_report
+
+DEFAULTS = load_rules(default_rules_text())
+GN, LOSS = "trainguard_grad_norm", "trainguard_loss"
+
+
+def run(rules, reports, world_size=4, job="job-a"):
+    return simulate(rules.for_job(job), reports, world_size=world_size)
+
+
+def fired(step) -> list[str]:
+    return [f.finding.rule.name for f in step.fired]
+
+
+def series(metric, values, t0=0.0, dt=1.0, **extra):
+    return [make_report(i, t0 + i * dt, {metric: v, **extra}) for i, v in enumerate(values)]
+
+
+# -- the seed's defaults ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "metric, value, rule",
+    [
+        ("trainguard_data_duplicate_ratio", 0.0501, "data_duplicate_ratio"),
+        ("trainguard_data_token_kl_divergence", 0.1001, "data_token_kl"),
+        ("trainguard_data_special_token_ratio", 1.01e-4, "data_special_token_ratio"),
+        ("trainguard_data_length_shift_pvalue", 0.0499, "data_length_shift"),
+        (GN, 1000.5, "grad_norm_high"),
+        ("trainguard_optimizer_state_nonfinite", 3.0, "optimizer_state_nonfinite"),
+    ],
+)
+def test_seed_thresholds_fire_just_past_the_line(metric, value, rule):
+    steps = run(DEFAULTS, [make_report(0, 0.0, {metric: value})])
+    assert fired(steps[0]) == [rule]
+
+
+@pytest.mark.parametrize(
+    "metric, value",
+    [
+        ("trainguard_data_duplicate_ratio", 0.05),  # "more than 5%": 5% itself is fine
+        ("trainguard_data_token_kl_divergence", 0.1),
+        ("trainguard_data_special_token_ratio", 1e-4),
+        ("trainguard_data_length_shift_pvalue", 0.05),
+        (GN, 1000.0),
+        ("trainguard_optimizer_state_nonfinite", 0.0),
+    ],
+)
+def test_seed_thresholds_hold_at_the_line(metric, value):
+    assert fired(run(DEFAULTS, [make_report(0, 0.0, {metric: value})])[0]) == []
+
+
+def test_grad_norm_over_1e3_halves_lr_and_notifies():
+    steps = run(DEFAULTS, series(GN, [10.0, 2000.0]))
+    assert fired(steps[0]) == [] and fired(steps[1]) == ["grad_norm_high"]
+    f = steps[1].fired[0]
+    assert f.notify
+    assert f.finding.values["value"] == 2000.0 and f.finding.values["threshold"] == 1000.0
+    assert steps[1].desired == DesiredState(generation=1, lr_scale=0.5, reason=steps[1].desired.reason)
+    assert "grad_norm_high" in steps[1].desired.reason
+
+
+@pytest.mark.parametrize("where", ["value", "rank"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_loss_pauses(where, bad):
+    if where == "value":
+        rep = make_report(3, 0.0, {LOSS: bad})
+    else:
+        rep = make_report(3, 0.0, {LOSS: 2.0}, loss=[2.0, 2.1, bad, 2.0])
+    (step,) = run(DEFAULTS, [rep])
+    assert "loss_nonfinite" in fired(step)
+    assert step.desired.paused and step.desired.generation == 1 and step.desired.lr_scale == 1.0
+    values = step.fired[0].finding.values["nonfinite"]
+    if where == "rank":
+        assert list(values["ranks.loss"]) == [2]
+
+
+def test_spike_ratio_against_rolling_median():
+    hist = [1.0, 1.2, 0.9, 1.1, 1.3, 0.8, 1.0, 1.05, 0.95, 1.15]
+    med = statistics.median(hist)
+    below, above = series(GN, hist + [4.99 * med]), series(GN, hist + [5.01 * med])
+    assert "grad_norm_spike" not in fired(run(DEFAULTS, below)[-1])
+    last = run(DEFAULTS, above)[-1]
+    assert fired(last) == ["grad_norm_spike"]
+    v = last.fired[0].finding.values
+    assert v["baseline"] == pytest.approx(med) and v["ratio"] == pytest.approx(5.01)
+    assert last.desired.lr_scale == 0.5
+
+
+def test_spike_needs_min_history():
+    # Seven values of history (< min_history 8): no verdict even for a 100x jump.
+    steps = run(DEFAULTS, series(GN, [1.0] * 7 + [100.0]))
+    assert all("grad_norm_spike" not in fired(s) for s in steps)
+
+
+def test_spike_zscore_uses_mad_scaled_to_sigma():
+    rules = load_rules("""
+rules:
+  - {name: z, kind: spike, metric: m, mode: zscore, baseline: median, window: 16, min_history: 16, z: 4, actions: [notify]}
+""")
+    rng = np.random.default_rng(0)
+    hist = (10 + rng.normal(size=16)).tolist()
+    base = float(np.median(hist))
+    sigma = float(scipy.stats.median_abs_deviation(hist, scale="normal"))
+    for k, expect in ((3.99, False), (4.01, True)):
+        steps = run(rules, series("m", hist + [base + k * sigma]))
+        assert (fired(steps[-1]) == ["z"]) is expect, k
+    z = run(rules, series("m", hist + [base + 4.01 * sigma]))[-1].fired[0].finding.values["zscore"]
+    assert z == pytest.approx(4.01)
+
+
+def test_spike_ema_baseline():
+    rules = load_rules("""
+rules:
+  - {name: e, kind: spike, metric: m, mode: ratio, baseline: ema, window: 9, min_history: 9, ratio: 3, actions: [notify]}
+""")
+    hist = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
+    alpha = 2 / (9 + 1)
+    ema = hist[0]
+    for v in hist[1:]:
+        ema = alpha * v + (1 - alpha) * ema
+    below = run(rules, series("m", hist + [2.99 * ema]))[-1]
+    above = run(rules, series("m", hist + [3.01 * ema]))[-1]
+    assert fired(below) == [] and fired(above) == ["e"]
+    assert above.fired[0].finding.values["baseline"] == pytest.approx(ema)
+
+
+def test_loss_not_decreasing_uses_least_squares_slope():
+    rules = load_rules("""
+rules:
+  - {name: flat, kind: trend, metric: trainguard_loss, direction: not_decreasing, window: 20, min_rel_change: 0.05, actions: [notify], diagnosis: loss_plateau}
+""")
+    rng = np.random.default_rng(1)
+    t = np.arange(20)
+    falling = 3.0 - 0.02 * t + rng.normal(scale=0.01, size=20)  # drop 0.38 over the window
+    flat = 3.0 - 0.002 * t + rng.normal(scale=0.01, size=20)
+    for vals in (falling, flat):
+        slope = scipy.stats.linregress(t, vals).slope
+        expect = bool(-slope * 19 <= 0.05 * abs(vals.mean()))
+        steps = run(rules, series(LOSS, vals.tolist()))
+        assert (fired(steps[-1]) == ["flat"]) is expect
+        if expect:
+            assert steps[-1].fired[0].finding.values["slope_per_report"] == pytest.approx(slope)
+            assert steps[-1].fired[0].finding.rule.diagnosis == "loss_plateau"
+    assert fired(run(rules, series(LOSS, flat.tolist()))[-1]) == ["flat"]
+    assert fired(run(rules, series(LOSS, falling.tolist()))[-1]) == []
+
+
+def test_memory_growth_monotonic():
+    mem = "trainguard_memory_allocated_bytes"
+    growing = [1e9 * (1 + 0.005 * i) for i in range(32)]  # +15.5 %, never decreasing
+    wobbling = list(growing)
+    wobbling[10] = wobbling[9] - 1
+    assert fired(run(DEFAULTS, series(mem, growing))[-1]) == ["memory_growth"]
+    assert fired(run(DEFAULTS, series(mem, wobbling))[-1]) == []
+    slow = [1e9 * (1 + 0.001 * i) for i in range(32)]  # +3.1 % < 10 %
+    assert fired(run(DEFAULTS, series(mem, slow))[-1]) == []
+
+
+def test_straggler_needs_three_reports_and_names_the_rank():
+    fast = [1.0, 1.02, 0.98, 1.01]
+    slow = [1.0, 1.02, 0.98, 2.5]
+    reps = [make_report(i, float(i), {}, step_time_s=(slow if i > 0 else fast)) for i in range(4)]
+    steps = run(DEFAULTS, reps)
+    assert [fired(s) for s in steps] == [[], [], [], ["step_time_straggler"]]
+    v = steps[3].fired[0].finding.values
+    assert v["rank"] == 3 and v["ratio"] == pytest.approx(2.5 / float(np.median(slow)))
+
+
+@pytest.mark.parametrize("delta, expect", [(1e-3, True), (1e-7, False)])
+def test_fingerprint_desync(delta, expect):
+    fp = [123.456] * 8
+    fp[5] = 123.456 * (1 + delta)
+    (step,) = run(DEFAULTS, [make_report(0, 0.0, {}, param_fingerprint=fp)], world_size=8)
+    assert (fired(step) == ["rank_desync"]) is expect
+    if expect:
+        assert step.fired[0].finding.values["ranks"] == [5]
+        assert step.fired[0].finding.rule.severity == "critical"
+
+
+def test_absence_fires_during_silence_and_resolves_on_next_report():
+    steps = run(DEFAULTS, [make_report(0, 1000.0), make_report(1, 1100.0), make_report(2, 1100.0 + 301.0)])
+    assert fired(steps[1]) == []
+    assert fired(steps[2]) == ["run_silent"] and steps[2].resolved == ["run_silent"]
+    assert steps[2].fired[0].finding.values["silent_s"] == pytest.approx(301.0)
+
+
+def test_cooldown_then_refire_halves_again():
+    # fires at t=0, resolves at t=10, condition again at t=100 (cooldown 300 s: suppressed), t=399 fires.
+    reps = [make_report(i, t, {GN: v}) for i, (t, v) in enumerate([(0, 2000.0), (10, 5.0), (100, 2000.0), (399, 2000.0)])]
+    steps = run(DEFAULTS, reps)
+    assert [fired(s) for s in steps] == [["grad_norm_high"], [], [], ["grad_norm_high"]]
+    assert steps[1].resolved == ["grad_norm_high"]
+    assert [(f.rule.name, why) for f, why in steps[2].suppressed] == [("grad_norm_high", "cooldown")]
+    assert [s.desired.lr_scale for s in steps] == [0.5, 0.5, 0.5, 0.25]
+    assert [s.desired.generation for s in steps] == [1, 1, 1, 2]
+
+
+def test_cap_limits_alerts_per_window():
+    rules = load_rules("""
+rules:
+  - {name: c, kind: threshold, metric: m, op: ">", value: 1, cooldown_s: 0, cap: 2, cap_window_s: 100, actions: [checkpoint]}
+""")
+    vals = [(0, 2), (1, 0), (2, 2), (3, 0), (4, 2), (5, 0), (101, 2)]
+    steps = run(rules, [make_report(i, float(t), {"m": float(v)}) for i, (t, v) in enumerate(vals)])
+    assert [fired(s) for s in steps] == [["c"], [], ["c"], [], [], [], ["c"]]
+    assert [why for f, why in steps[4].suppressed] == ["cap"]
+    assert steps[-1].desired.checkpoint_seq == 3
+
+
+def test_threshold_for_consecutive_reports():
+    steps = run(DEFAULTS, series("trainguard_update_ratio", [0.02, 0.02, 0.005, 0.02, 0.02, 0.02]))
+    assert [fired(s) for s in steps] == [[], [], [], [], [], ["update_ratio_high"]]
+
+
+def test_absolute_lr_scale_and_clamp():
+    rules = load_rules("""
+rules:
+  - {name: a, kind: threshold, metric: m, op: ">", value: 1, cooldown_s: 0, actions: [{type: lr_scale, value: 0.1}]}
+  - {name: b, kind: threshold, metric: n, op: ">", value: 1, cooldown_s: 0, actions: [{type: lr_scale, factor: 0.01, min: 0.05}]}
+""")
+    steps = run(rules, [make_report(0, 0.0, {"m": 2.0}), make_report(1, 1.0, {"n": 2.0})])
+    assert steps[0].desired.lr_scale == 0.1
+    assert steps[1].desired.lr_scale == 0.05  # 0.1 * 0.01 = 0.001, clamped to min 0.05
+    assert steps[1].desired.generation == 2
+
+
+def test_per_job_override_and_disable():
+    text = default_rules_text() + """
+jobs:
+  big-job:
+    - {name: grad_norm_high, value: 5000}
+    - {name: data_duplicate_ratio, enabled: false}
+"""
+    rules = load_rules(text)
+    for job, expect in (("big-job", []), ("other", ["grad_norm_high"])):
+        steps = simulate(rules.for_job(job), [make_report(0, 0.0, {GN: 2000.0}, job=job)], world_size=1)
+        assert fired(steps[0]) == expect
+    dup = [make_report(0, 0.0, {"trainguard_data_duplicate_ratio": 0.5}, job="big-job")]
+    assert fired(simulate(rules.for_job("big-job"), dup, world_size=1)[0]) == []
+
+
+def test_alert_carries_seed_diagnosis():
+    (step,) = run(DEFAULTS, [make_report(0, 0.0, {LOSS: math.nan})])
+    rule = step.fired[0].finding.rule
+    assert rule.diagnosis == "loss_nan"
+    from service.diagnosis import DIAGNOSES
+
+    assert "Gradient explosion" in DIAGNOSES["loss_nan"].likely_causes[0]
+    assert "Lower the learning rate" in DIAGNOSES["loss_nan"].suggested_actions
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("rules: [{name: a, kind: nope}]", "kind"),
+        ("rules: [{name: a, kind: threshold, metric: m, op: '>', value: 1, diagnosis: xyz}]", "unknown diagnosis"),
+        ("rules: [{name: a, kind: threshold, metric: m, op: '>', value: 1, actions: [{type: lr_scale, value: 1, factor: 2}]}]", "exactly one"),
+        ("rules: [{name: a, kind: absence}, {name: a, kind: absence}]", "duplicate"),
+        ("rules: [{name: a, kind: spike, metric: m, window: 4, min_history: 8}]", "min_history"),
+        ("rules: [{name: a, kind: threshold, metric: m, op: '>', value: .nan}]", "finite"),
+        ("jobs: {j: [{name: ghost, value: 3}]}", "ghost"),
+        ("[1, 2]", "mapping"),
+        ("rules: [", "YAML"),
+    ],
+)
+def test_bad_rules_are_refused_with_reasons(text, reason):
+    with pytest.raises(RulesError) as info:
+        load_rules(text)
+    assert any(reason.lower() in r.lower() for r in info.value.reasons), info.value.reasons
+
+
+def test_window_capacity_is_checked():
+    with pytest.raises(RulesError, match="TRAINGUARD_WINDOW_REPORTS"):
+        load_rules("rules: [{name: a, kind: trend, metric: m, direction: increasing, window: 500}]", max_reports=128)
