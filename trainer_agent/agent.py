@@ -197,6 +197,7 @@ class Agent:
         self._nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
         self._amp_skipped = 0
         self._snapshot: list[torch.Tensor] | None = None
+        self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._state = _StepState()
         self._in_backward = False
         self._hook_norms: list[torch.Tensor] = []
@@ -381,10 +382,17 @@ class Agent:
                     self._snapshot = [torch.empty_like(p) for p in self._params]
                 torch._foreach_copy_(self._snapshot, self._params)
                 st.snapshot_taken = True
+                # ||W_before|| is the last measured ||W_after|| if no parameter changed since
+                # (autograd's version counters, read on the host, count in-place writes).
+                if self._param_sq_prev is not None and self._param_sq_prev[1] == self._versions():
+                    st.before_sq = self._param_sq_prev[0]
         except Exception as exc:
             self._error("optimizer_pre_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._params)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t0 = self._clock()
@@ -393,11 +401,14 @@ class Agent:
             st.stepped = True
             if st.snapshot_taken:
                 assert self._snapshot is not None
-                st.before_sq = stats.sq_norms(self._snapshot, self.device)
+                if st.before_sq is None:
+                    st.before_sq = stats.sq_norms(self._snapshot, self.device)
                 torch._foreach_sub_(self._snapshot, self._params)  # W_before - W_after, in place
                 st.delta_sq = stats.sq_norms(self._snapshot, self.device)
+            self._param_sq_prev = None
             if self._is_report(self.step + 1):
                 st.param_sq = stats.sq_norms(self._params, self.device)
+                self._param_sq_prev = (st.param_sq, self._versions())
         except Exception as exc:
             self._error("optimizer_post_step", exc)
         finally:

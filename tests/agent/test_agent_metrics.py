@@ -406,3 +406,33 @@ def test_error_inside_the_agent_is_counted_and_training_goes_on(model: Net, monk
         assert agent.latest()["trainguard_step"] == 5
     finally:
         agent.close()
+
+
+def test_update_ratio_every_step_and_weights_changed_between_steps(model: Net) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    agent = attach(model, opt, report_every=1, update_ratio="every")
+    try:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():  # e.g. a weight reload between steps: ||W_before|| changes
+                    model.head.weight.mul_(3.0)
+            records = train(agent, model, opt, 1)
+            assert_close(agent.latest(), reference(records[-1]))
+    finally:
+        agent.close()
+
+
+def test_nonfinite_count_scans_only_what_it_must() -> None:
+    from trainer_agent import stats
+
+    cpu = torch.device("cpu")
+    finite = torch.ones(5)
+    bad = torch.tensor([1.0, math.nan, math.inf, -math.inf])
+    huge = torch.full((4,), 1e30)  # finite, but its float32 norm overflows to inf
+    assert float(stats.nonfinite_count([finite, bad, huge, torch.arange(3)], cpu)) == 3
+    assert float(stats.nonfinite_count([finite, huge], cpu)) == 0
+    sq = stats.sq_norms([finite, bad], cpu)
+    assert float(sq[0]) == pytest.approx(5, rel=1e-7) and math.isnan(float(sq[1]))
+    b_simple, trace = stats.noise_scale(torch.tensor(10.0), torch.tensor(4.0), 4, 2.0)
+    # |G|^2 = (4*4 - 10)/3 = 2; tr(S) = 2*4*(10-4)/3 = 16; B = 8.
+    assert (float(b_simple), float(trace)) == (8.0, 16.0)
