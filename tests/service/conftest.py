@@ -40,3 +40,118 @@ def register(client: TestClient, run: str = "run-1", job: str = "job-a", world_s
     resp = client.post("/v1/runs", json=body, headers=headers or {})
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+class Receiver:
+    """A real local HTTP server recording POSTs and answering scripted status codes (the last
+    one repeats). A status of 0 means: hold the request open (never answer)."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        import http.server
+        import threading
+
+        self.statuses = list(statuses)
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                status = outer.statuses.pop(0) if len(outer.statuses) > 1 else outer.statuses[0]
+                if status == 0:
+                    outer.release.wait(30)
+                    return
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver_factory() -> Iterator[Callable[[list[int]], Receiver]]:
+    made: list[Receiver] = []
+
+    def factory(statuses: list[int]) -> Receiver:
+        made.append(Receiver(statuses))
+        return made[-1]
+
+    yield factory
+    for r in made:
+        r.close()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, every: float = 0.02) -> Any:
+    """Poll ``predicate`` until it is truthy; fail the test after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(every)
+
+
+class Served:
+    """A real ``trainguard serve`` process on a free loopback port."""
+
+    def __init__(self, db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.env = dict(os.environ) | (env or {})
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--db", str(db), "--log-level", "warning", *(extra or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        line = self.proc.stdout.readline()  # "trainguard controller listening on http://127.0.0.1:PORT ..."
+        if "listening on" not in line:
+            self.proc.kill()
+            raise AssertionError(f"trainguard serve did not start: {line}{self.proc.stdout.read()}")
+        self.url = line.split("listening on ")[1].split()[0]
+
+    def kill(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Served:
+        started.append(Served(db, env, extra))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
