@@ -308,7 +308,11 @@ def _annotations() -> Annotations:
         "enable": True,
         "iconColor": "orange",
         "name": "Controller alerts",
-        "expr": "sum by (rule, severity) (increase(trainguard_controller_alerts_total[1m])) > 0",
+        # increase() cannot see a counter series' first increment (the series appears at 1), so
+        # a rule's first alert is caught as a series that did not exist a minute earlier.
+        "expr": "sum by (rule, severity) (increase(trainguard_controller_alerts_total[1m])) > 0 "
+                "or sum by (rule, severity) (trainguard_controller_alerts_total "
+                "unless trainguard_controller_alerts_total offset 1m)",
         "step": "15s",
         "titleFormat": "controller alert {{rule}}",
         "textFormat": "{{severity}}: the controller's rule {{rule}} fired (all runs)",
