@@ -24,7 +24,7 @@ from grafanalib.core import Dashboard
 
 from dashboards import controller, data_quality, ranks, stability
 from dashboards.catalogue import unknown_metrics
-from dashboards.common import DATASOURCE_UID
+from dashboards.common import DATASOURCE_NAME, DATASOURCE_UID
 from dashboards.promql import metric_names, variable_query_metric
 from dashboards.rules import ALERT_RULES, RECORDING_RULES, rule_groups
 from dashboards.stack import (
@@ -66,6 +66,8 @@ def dashboard_json(build: Callable[[], Dashboard]) -> dict:
     for variable in data["templating"]["list"]:
         if variable["current"].get("value") == "$__all":
             variable["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
+        elif variable["type"] == "datasource":
+            variable["current"] = {"selected": True, "text": DATASOURCE_NAME, "value": DATASOURCE_UID}
     return data
 
 
@@ -122,7 +124,8 @@ def render() -> dict[str, str]:
     files = {f"grafana/dashboards/{name}": json.dumps(data, indent=2, sort_keys=True) + "\n"
              for name, data in dashboards.items()}
     files["grafana/provisioning/datasources/prometheus.yml"] = _yaml(
-        grafana_datasources(prometheus_url="http://prometheus:9090", uid=DATASOURCE_UID))
+        grafana_datasources(prometheus_url="http://prometheus:9090", uid=DATASOURCE_UID,
+                            name=DATASOURCE_NAME))
     files["grafana/provisioning/dashboards/trainguard.yml"] = _yaml(
         grafana_dashboard_provider(path=GRAFANA_DASHBOARDS_PATH))
     files["prometheus/prometheus.yml"] = _yaml(prometheus_config(

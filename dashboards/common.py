@@ -31,6 +31,7 @@ __all__ = [
     "GRAFANA_IMAGE",
     "SCHEMA_VERSION",
     "DATASOURCE_UID",
+    "DATASOURCE_NAME",
     "DATASOURCE",
     "SEL",
     "JOB_RUN",
@@ -53,6 +54,7 @@ SCHEMA_VERSION = 41
 #: Uid of the Prometheus datasource the provisioning file creates; the dashboards' ``datasource``
 #: variable defaults to it and can point at any other Prometheus.
 DATASOURCE_UID = "trainguard-prometheus"
+DATASOURCE_NAME = "Prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 #: Label matchers every per-rank query carries (the three template variables).
@@ -182,6 +184,7 @@ def stat(title: str, description: str, targets: Sequence[Target], *, unit: str =
         format=unit,
         reduceCalc="lastNotNull",
         graphMode="none",
+        noValue="no data",
         thresholds=[{"color": "text", "value": None}],
         span=width,
     )

@@ -121,12 +121,13 @@ def alertmanager_config(*, controller: str, sink: str, token_file: str | None) -
     }
 
 
-def grafana_datasources(*, prometheus_url: str, uid: str, scrape_interval: str = "5s") -> dict:
+def grafana_datasources(*, prometheus_url: str, uid: str, name: str,
+                        scrape_interval: str = "5s") -> dict:
     """Grafana datasource provisioning: the stack's Prometheus as the default datasource."""
     return {
         "apiVersion": 1,
         "datasources": [{
-            "name": "Prometheus",
+            "name": name,
             "uid": uid,
             "type": "prometheus",
             "access": "proxy",
