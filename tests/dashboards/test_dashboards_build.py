@@ -212,3 +212,25 @@ def test_generated_stack_files_wire_the_services_together(rendered):
     for rule in group["rules"]:
         if "alert" in rule:
             assert rule["labels"]["trainguard_action"] in ("notify", "pause", "lr_scale"), rule["alert"]
+
+
+def test_builders_refuse_bad_arguments():
+    from dashboards.common import Band
+    from dashboards.rules import AlertRule, Recording
+    from dashboards.stack import prometheus_config
+
+    with pytest.raises(ValueError, match="increasing"):
+        Band(((0.1, "red"), (0.01, "green")))
+    with pytest.raises(ValueError, match="style"):
+        Band(((0.1, "red"),), style="zigzag")
+    with pytest.raises(ValueError, match="trainguard:<metric>:<ops>"):
+        Recording(record="grad_norm_max", expr="max(trainguard_grad_norm)")
+    with pytest.raises(ValueError, match="action"):
+        AlertRule(name="TrainguardX", expr="up == 0", action="reboot", severity="warning", summary="x")
+    with pytest.raises(ValueError, match="severity"):
+        AlertRule(name="TrainguardX", expr="up == 0", action="notify", severity="loud", summary="x")
+    with pytest.raises(ValueError, match="host:port"):
+        prometheus_config(controller="http://controller:8000", token_file=None)
+    config = prometheus_config(controller="127.0.0.1:8000", token_file=None, alertmanager="127.0.0.1:9093")
+    assert all("authorization" not in job for job in config["scrape_configs"])
+    assert config["alerting"]["alertmanagers"][0]["static_configs"] == [{"targets": ["127.0.0.1:9093"]}]

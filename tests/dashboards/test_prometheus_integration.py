@@ -135,11 +135,13 @@ def stack(tmp_path):
     operator, agent_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
     port = _free_port()
     env = {**os.environ, "TRAINGUARD_OPERATOR_TOKENS": operator, "TRAINGUARD_AGENT_TOKENS": agent_token}
+    logs = [open(tmp_path / name, "wb") for name in ("controller.log", "prometheus.log")]
+    sink_log = open(os.devnull, "w")
     controller = subprocess.Popen(
         [str(TRAINGUARD), "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(tmp_path / "tg.db")],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "controller.log", "wb"))
+        env=env, stdout=subprocess.DEVNULL, stderr=logs[0])
     procs = [controller]
-    sinks = [make_server("127.0.0.1", 0, status=s, log=open(os.devnull, "w")) for s in (204, 500)]
+    sinks = [make_server("127.0.0.1", 0, status=s, log=sink_log) for s in (204, 500)]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in sinks]
     for t in threads:
         t.start()
@@ -161,7 +163,7 @@ def stack(tmp_path):
             [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
              "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+            stdout=subprocess.DEVNULL, stderr=logs[1])
         procs.append(prometheus)
         prom = f"http://127.0.0.1:{prom_port}"
         _wait_http(f"{prom}/-/ready", 30, prometheus)
@@ -173,6 +175,10 @@ def stack(tmp_path):
         for sink in sinks:
             sink.shutdown()
             sink.server_close()
+        for t in threads:
+            t.join(timeout=5)
+        for f in (*logs, sink_log):
+            f.close()
 
 
 def _train(stack) -> tuple[float, float, object]:
