@@ -220,7 +220,7 @@ class Controller:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
-        await asyncio.to_thread(self.store.close)
+        self.store.close()
 
     # == helpers ====================================================================================
     def get(self, run: str) -> RunState:
@@ -342,7 +342,7 @@ class Controller:
         self.metrics.evaluations.inc(len(rules))
         run_id = st.id
         if not outcome.fired and not outcome.resolved:
-            await self.store.submit(lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS))
+            await self.store.submit(lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS), single_statement=True)
         else:
             await self._commit_outcome(st, outcome, now, lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS))
         self.metrics.reports.inc()

@@ -22,6 +22,7 @@ __all__ = ["VECTORS", "RuleWindow", "RunWindow"]
 
 #: Per-rank vectors of a report, in storage order (bit i of a mask = VECTORS[i] present).
 VECTORS: tuple[str, ...] = tuple(RankValues.model_fields)
+_VECTOR_INDEX = {name: i for i, name in enumerate(VECTORS)}
 
 
 class RuleWindow(Protocol):
@@ -164,7 +165,10 @@ class RunWindow:
         return self._values[picked, col]
 
     def rank_history(self, vector: str, last: int) -> np.ndarray:
-        i = VECTORS.index(vector)
+        i = _VECTOR_INDEX[vector]
+        if last == 1 and self.rank_count:
+            row = (self.rank_count - 1) % self.rank_capacity
+            return self._ranks[row : row + 1, i] if self._rank_mask[row, i] else self._ranks[0:0, i]
         n = min(last, self.rank_count, self.rank_capacity)
         rows = np.arange(self.rank_count - n, self.rank_count) % self.rank_capacity
         rows = rows[self._rank_mask[rows, i]]

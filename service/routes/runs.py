@@ -38,7 +38,8 @@ async def register(reg: RunRegistration, ctl: ControllerDep, principal: AgentDep
     "/runs/{run}/reports", response_model=ReportAccepted, summary="Post one report (agent); answers the desired state",
     openapi_extra={"requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Report"}}}}},
 )
-async def post_report(run: RunPath, request: Request, ctl: ControllerDep, principal: AgentDep) -> Response:
+async def post_report(run: RunPath, request: Request, principal: AgentDep) -> Response:
+    ctl: Controller = request.app.state.controller  # the hot path: one dependency fewer to solve
     body = await request.body()
     t0 = time.perf_counter()
     try:
