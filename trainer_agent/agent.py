@@ -76,6 +76,7 @@ RANK_FIELDS: tuple[str, ...] = (
 )
 
 _NAME = TypeAdapter(Name)
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 class _StepState:
@@ -85,7 +86,6 @@ class _StepState:
         "backwards",
         "micro_sq",
         "grad_sq",
-        "grad_index",
         "grad_nonfinite",
         "scale",
         "stepped",
@@ -100,9 +100,9 @@ class _StepState:
         self.backwards = 0
         #: Per backward pass: sum over parameters of ||incoming gradient||^2 (float64, device).
         self.micro_sq: list[torch.Tensor] = []
-        #: Per-tensor ||accumulated grad||^2 at the end of the last backward (float64, device).
+        #: Per-parameter ||accumulated grad||^2 at the end of the last backward (float64, device;
+        #: 0 for a parameter without a gradient).
         self.grad_sq: torch.Tensor | None = None
-        self.grad_index: tuple[int, ...] = ()
         self.grad_nonfinite: torch.Tensor | None = None
         #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
         self.scale: torch.Tensor | None = None
@@ -261,13 +261,13 @@ class Agent:
         ids = []
         for p in params:
             name = names.get(id(p), "unnamed")
+            while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
+                name = name.split(".", 1)[1]
             module = name.rsplit(".", 1)[0] if "." in name else name
             layer = ".".join(module.split(".")[:depth])
             ids.append(layers.setdefault(layer, len(layers)))
         self.layers: list[str] = list(layers)
         self._layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        self._grad_layer_ids: tuple[tuple[int, ...], torch.Tensor] = (
-            tuple(range(len(params))), self._layer_ids)
 
     # ------------------------------------------------------------------ errors and timing
 
@@ -335,12 +335,7 @@ class Agent:
     def _measure_grads(self, st: _StepState) -> None:
         """Per-tensor squared norms of the current ``.grad`` (and, on report steps, their
         non-finite element count) into ``st``; sets ``grad_norm_device``."""
-        index, grads = [], []
-        for i, p in enumerate(self._params):
-            if p.grad is not None:
-                index.append(i)
-                grads.append(p.grad)
-        st.grad_index = tuple(index)
+        grads = [p.grad for p in self._params]
         st.grad_sq = stats.sq_norms(grads, self.device)
         st.scale = self._scale_tensor()
         if self._is_report(self.step + 1):
@@ -474,7 +469,7 @@ class Agent:
         if isinstance(loss, torch.Tensor):
             loss_t = loss.detach().to(self.device, torch.float64).reshape(())
         else:
-            loss_t = torch.tensor(float(loss), dtype=torch.float64, device=self.device)
+            loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.device)  # a fill, no copy
         self.loss_device = loss_t
         grad_norm = None
         if st.grad_sq is not None:
@@ -589,10 +584,7 @@ class Agent:
                 dev[sample_key(metric, layer=layer)] = values[i]
 
         if st.grad_sq is not None:
-            if self._grad_layer_ids[0] != st.grad_index:
-                index = torch.tensor(st.grad_index, dtype=torch.long, device=self.device)
-                self._grad_layer_ids = (st.grad_index, self._layer_ids[index])
-            g = stats.segment_sum(st.grad_sq, self._grad_layer_ids[1], n).sqrt()
+            g = stats.segment_sum(st.grad_sq, self._layer_ids, n).sqrt()
             add("trainguard_layer_grad_norm", self._unscale(g, st.scale))
         add("trainguard_layer_param_norm", stats.segment_sum(param_sq, self._layer_ids, n).sqrt())
         if st.delta_sq is not None and st.before_sq is not None:
@@ -605,9 +597,9 @@ class Agent:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
         src = local.to(device)
-        out = torch.empty(self.world_size, src.numel(), dtype=src.dtype, device=device)
+        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
         dist.all_gather_into_tensor(out, src)
-        return out
+        return out.view(self.world_size, src.numel())
 
     def _last_lrs(self) -> list[float | torch.Tensor]:
         previous = getattr(self, "_lrs", None)

@@ -27,21 +27,26 @@ __all__ = [
 ]
 
 
-def sq_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Squared L2 norm of each tensor, as a float64 vector on ``device``: ``||t_i||^2``."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """Squared L2 norm of each tensor, as a float64 vector on ``device``: ``||t_i||^2``; 0 for a
+    ``None`` entry (a parameter without a gradient)."""
+    present = [t for t in tensors if t is not None]
+    norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else ())
+    zero = torch.zeros((), dtype=torch.float32, device=device) if len(present) < len(tensors) else None
     # .to(device) is a no-op for tensors already on `device`; for parameters spread over several
     # devices it is an asynchronous device-to-device copy (no host sync).
-    stacked = torch.stack([n.to(device, non_blocking=True) for n in norms]).to(torch.float64)
+    column = [zero if t is None else next(norms).to(device, non_blocking=True) for t in tensors]
+    if not column:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    stacked = torch.stack(column).to(torch.float64)
     return stacked * stacked
 
 
-def nonfinite_count(tensors: Sequence[torch.Tensor], device: torch.device,
+def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device,
                     sq: torch.Tensor | None = None) -> torch.Tensor:
     """Number of NaN/Inf elements over the floating-point ``tensors`` (float64 scalar on
-    ``device``). ``sq``: their squared norms (``sq_norms``), if already computed.
+    ``device``; ``None`` entries count 0). ``sq``: their squared norms from ``sq_norms``, if
+    already computed.
 
     A tensor holds a non-finite element exactly when its norm is non-finite (a norm can also
     overflow to inf; the count then finds 0 there). On the CPU, where reading a tensor is not a
@@ -49,16 +54,17 @@ def nonfinite_count(tensors: Sequence[torch.Tensor], device: torch.device,
     costs one fused norm pass instead of an isfinite pass per tensor. On an accelerator every
     tensor is scanned on the device, since choosing would need a host read.
     """
-    tensors = [t for t in tensors if t.is_floating_point()]
+    if sq is None:
+        tensors = [t for t in tensors if t is not None and t.is_floating_point()]
     total = torch.zeros((), dtype=torch.float64, device=device)
-    if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+    if device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
         if sq is None:
             sq = sq_norms(tensors, device)
         # CPU tensor: .tolist() reads host memory, no device involved.
-        suspects = [i for i, ok in enumerate(torch.isfinite(sq).tolist()) if not ok]
-        tensors = [tensors[i] for i in suspects]
+        tensors = [t for t, ok in zip(tensors, torch.isfinite(sq).tolist()) if not ok]
     for t in tensors:
-        total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
+        if t is not None and t.is_floating_point():
+            total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
     return total
 
 

@@ -1,0 +1,68 @@
+"""The agent on a CUDA device: metrics against the float64 reference under fp16 autocast with a
+GradScaler, accumulation and clipping; and no host-device synchronisation inside the steps
+(``torch.cuda.set_sync_debug_mode("error")`` turns every sync into an error, which the agent
+would count). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainer_agent as ta
+from tests.agent.test_agent_metrics import Capture, Net, assert_close, batch, mccandlish, reference, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_cuda_amp_accumulation_clipping_matches_reference() -> None:
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    capture = Capture(model)
+    agent = ta.attach(model, opt, job="cuda", run="cuda-1", scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=0, report_every=2, per_layer="all"))
+    try:
+        records = train(agent, model, opt, 4, accum=2, clip=0.05, scaler=scaler, capture=capture,
+                        autocast=torch.autocast("cuda", dtype=torch.float16))
+        got = agent.latest()
+        assert_close(got, reference(records[-1]))
+        b_simple, trace = mccandlish(records[-1])
+        assert got["trainguard_grad_noise_scale"] == pytest.approx(b_simple, rel=1e-5)
+        assert got["trainguard_grad_variance"] == pytest.approx(trace, rel=1e-5)
+        assert got["trainguard_loss_scale"] == scaler.get_scale()
+        assert got["trainguard_memory_allocated_bytes"] == torch.cuda.memory_allocated()
+        assert got["trainguard_agent_errors_total"] == 0
+    finally:
+        agent.close()
+
+
+def test_cuda_steps_do_not_sync() -> None:
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    agent = ta.attach(model, opt, job="cuda", run="cuda-2",
+                      config=ta.AgentConfig(metrics_port=None, report_every=2, per_layer="all",
+                                            update_ratio="every", vocab_size=32))
+    batches = [[batch(s, j).cuda() for j in range(2)] for s in range(6)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for micro in batches:
+            for ids in micro:
+                agent.observe_batch(ids)
+                loss = model.loss(ids) / 2
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss, tokens=2 * ids.numel())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        got = agent.latest()
+        assert got["trainguard_agent_errors_total"] == 0
+        assert got["trainguard_step"] == 6
+        assert "trainguard_grad_noise_scale" in got and "trainguard_update_ratio" in got
+        assert got["trainguard_data_sequences_total"] == 6 * 2 * 4
+    finally:
+        agent.close()
