@@ -1,0 +1,137 @@
+"""Real processes for the control tests: a ``trainguard serve`` controller (killable and
+restartable on its database) and a group of gloo ranks running ``dist_worker.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.tools.faultproxy import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+
+
+def until(pred, timeout: float = 5.0, interval: float = 0.005) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it is true or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return env
+
+
+class ControllerProcess:
+    """``trainguard serve`` on a free loopback port with its own SQLite file; ``kill()`` sends
+    SIGKILL, ``start()`` starts it again on the same database (a new port unless given)."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.port = 0
+
+    def start(self, port: int = 0) -> ControllerProcess:
+        self.proc = subprocess.Popen(
+            [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+        )
+        assert self.proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:(\d+))", line)
+            if m:
+                self.url, self.port = m.group(1), int(m.group(2))
+                break
+        if not self.url:
+            self.kill()
+            raise RuntimeError("trainguard serve did not start:\n" + "".join(lines))
+        # drain its output so it never blocks on a full pipe
+        threading.Thread(target=lambda out=self.proc.stdout: [None for _ in out], daemon=True).start()
+        assert until(lambda: self._healthy(), 30.0), "controller not healthy"
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    # -- operator side ---------------------------------------------------------------------
+    def command(self, run: str, command: str, **body: object) -> dict:
+        r = httpx.post(f"{self.url}/v1/runs/{run}/{command}", json={"reason": "test", **body}, timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+
+    def run_detail(self, run: str) -> dict | None:
+        r = httpx.get(f"{self.url}/v1/runs/{run}", timeout=10.0)
+        return r.json() if r.status_code == 200 else None
+
+
+class Ranks:
+    """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``."""
+
+    def __init__(self, world: int, cfg: dict, out: Path) -> None:
+        self.out = out
+        port = free_port()
+        self.procs = []
+        for rank in range(world):
+            env = _env()
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = open(out / f"worker-{cfg['scenario']}-rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
+            self.procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "out": str(out)})],
+                                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p, log in self.procs:
+            try:
+                codes.append(p.wait(max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+            log.close()
+        return codes
+
+    def exited(self) -> bool:
+        """True once any rank has exited (for waits that should not outlive a crashed rank)."""
+        return any(p.poll() is not None for p, _ in self.procs)
+
+    def kill(self) -> None:
+        for p, log in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+
+    def output(self) -> str:
+        return "\n".join(f.read_text()[-3000:] for f in sorted(self.out.glob("worker-*.log")))

@@ -1,0 +1,141 @@
+"""Fail-open: a real controller process behind the fault proxy, the real agent in this process.
+
+For every fault (down at start, black hole, 2 s per answer, connection reset, 500, garbage,
+killed and restarted): no step takes longer than the slowest normal step + 50 ms, /metrics keeps
+answering, nothing raises into the loop, reports resume when the controller is back, a command
+issued during the fault is applied afterwards, and ``close()`` returns within its deadline.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import trainer_agent as ta
+from tests.control.procs import ControllerProcess, until
+from tests.tools.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.integration
+STEP_BOUND_S = 0.050
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    ctl = ControllerProcess(tmp_path_factory.mktemp("faults") / "trainguard.db").start()
+    yield ctl
+    ctl.kill()
+
+
+class Loop:
+    """A tiny training loop with a 5 ms 'device' wait per step; records each step's wall time."""
+
+    def __init__(self, url: str, run: str, **cfg: object) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.run = run
+        t0 = time.monotonic()
+        cfg = {"report_every": 1, "metrics_port": 0, "request_timeout_s": 0.5, **cfg}
+        self.agent = ta.attach(self.model, self.opt, job="faults", run=run,
+                               config=ta.AgentConfig(controller=url, **cfg))
+        self.attach_s = time.monotonic() - t0
+
+    def steps(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.monotonic()
+            x = torch.randn(32, 16)
+            loss = self.model(x).pow(2).mean()
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            time.sleep(0.005)
+            self.agent.end_step(loss)
+            times.append(time.monotonic() - t0)
+        return times
+
+    def scrape(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.agent.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def close(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        self.agent.close(timeout)
+        return time.monotonic() - t0
+
+
+def _recovers(loop: Loop, ctl: ControllerProcess, generation: int) -> None:
+    """Train on until the command of ``generation`` is applied and a fresh report arrived."""
+    def done() -> bool:
+        loop.steps(1)
+        detail = ctl.run_detail(loop.run) or {}
+        return (loop.agent.control.applied_generation >= generation
+                and detail.get("applied_generation") == generation
+                and (detail.get("last_step") or 0) >= loop.agent.step - 5)
+    assert until(done, 20.0, 0.0), (loop.agent.latest(), ctl.run_detail(loop.run))
+
+
+@pytest.mark.parametrize("mode", ["blackhole", "slow", "reset", "http500", "garbage"])
+def test_fault_mid_run(controller: ControllerProcess, mode: str) -> None:
+    with FaultProxy(controller.port) as proxy:
+        loop = Loop(proxy.url, f"fault-{mode}", **({"request_timeout_s": 3.0} if mode == "slow" else {}))
+        assert loop.agent.control.client.up
+        normal = loop.steps(30)
+        if mode == "slow":
+            proxy.set_mode("pass", latency_s=2.0)
+        else:
+            proxy.set_mode(mode)  # type: ignore[arg-type]
+        faulty = loop.steps(20)
+        gen = controller.command(loop.run, "lr-scale", scale=0.5)["desired"]["generation"]
+        faulty += loop.steps(20)
+        scraped = loop.scrape()  # /metrics answers during the fault
+        if mode != "slow":
+            assert scraped["trainguard_agent_controller_up"] == 0.0
+        assert max(faulty) <= max(normal) + STEP_BOUND_S, (mode, max(normal), [round(t*1e3) for t in faulty])
+        proxy.set_mode("pass")
+        _recovers(loop, controller, gen)
+        assert loop.agent.control.lr_scale == 0.5
+        assert loop.agent.latest()["trainguard_agent_errors_total"] == 0.0
+        assert loop.close(1.0) <= 1.0 + 0.2
+
+
+def test_controller_down_at_start(controller: ControllerProcess) -> None:
+    with FaultProxy(controller.port, mode="down") as proxy:
+        loop = Loop(proxy.url, "fault-down-at-start")
+        assert loop.attach_s < 1.0 and loop.agent.control.applied_generation == 0  # did not wait
+        faulty = loop.steps(40)
+        assert loop.scrape()["trainguard_agent_controller_up"] == 0.0
+        proxy.set_mode("pass")
+        assert until(lambda: loop.steps(1) and controller.run_detail(loop.run) is not None, 20.0, 0.0)
+        gen = controller.command(loop.run, "checkpoint")["desired"]["generation"]
+        _recovers(loop, controller, gen)
+        normal = loop.steps(30)
+        assert max(faulty) <= max(normal) + STEP_BOUND_S, (max(normal), max(faulty))
+        assert loop.close(1.0) <= 1.2
+
+
+def test_killed_and_restarted_controller_loses_no_command(tmp_path: Path) -> None:
+    ctl = ControllerProcess(tmp_path / "trainguard.db").start()
+    try:
+        with FaultProxy(ctl.port) as proxy:
+            loop = Loop(proxy.url, "fault-kill")
+            normal = loop.steps(30)
+            gen = ctl.command(loop.run, "lr-scale", scale=0.25)["desired"]["generation"]
+            ctl.kill()  # right after committing the command, before the agent may have seen it
+            faulty = loop.steps(30)
+            assert max(faulty) <= max(normal) + STEP_BOUND_S
+            ctl.start()  # same database, new port
+            proxy.set_upstream(ctl.port)
+            _recovers(loop, ctl, gen)
+            assert loop.agent.control.lr_scale == 0.25
+            gen2 = ctl.command(loop.run, "checkpoint")["desired"]["generation"]
+            _recovers(loop, ctl, gen2)
+            assert loop.close(1.0) <= 1.2
+    finally:
+        ctl.kill()
