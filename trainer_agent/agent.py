@@ -238,7 +238,7 @@ class Agent:
 
             # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
             # controller holds paused waits in here, before its first step, with /metrics served.
-            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint)
+            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint, on_error=self._error)
 
     # ------------------------------------------------------------------ setup
 
