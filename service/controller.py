@@ -362,6 +362,7 @@ class Controller:
         st.desired = outcome.desired
         run_id, run, job = st.id, st.run, st.job
         external = self.settings.external_url
+        step = st.window.last_step  # the step of the report that fired (absence: the last one seen)
 
         def op(c: sqlite3.Connection) -> dict[str, Any]:
             if extra is not None:
@@ -380,7 +381,8 @@ class Controller:
                 alert = sql.get_alert(c, alert_id)
                 out["alerts"].append(alert | {"kind": rule.kind})
                 out["events"].append(sql.insert_event(c, run_id, now=now, kind="alert", actor=f"rule:{rule.name}", reason=fa.finding.summary,
-                                                      generation=gen, data={"alert_id": alert_id, "rule": rule.name, "severity": rule.severity, "values": fa.finding.values}))
+                                                      generation=gen, data={"alert_id": alert_id, "rule": rule.name, "severity": rule.severity, "values": fa.finding.values,
+                                                            "step": step}))
                 if fa.desired is not None:
                     sql.update_desired(c, run_id, fa.desired)
                     out["events"].append(sql.insert_event(c, run_id, now=now, kind="desired", actor=f"rule:{rule.name}", reason=fa.desired.reason,

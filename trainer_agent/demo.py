@@ -1,0 +1,456 @@
+"""``trainguard demo``: the whole story on one machine, no Docker.
+
+1. Starts the controller (``trainguard serve``) on loopback with a fresh SQLite file and random
+   tokens — unless ``--controller URL`` names one that already runs (the compose stack does).
+2. Trains a small GPT-like model on the CPU in ``--world-size`` gloo ranks (default 2) on the
+   Python standard library's source, tokenised at byte level, with the agent attached to every
+   rank, and injects at known steps (see :class:`~trainer_agent.demo_model.FaultPlan`):
+   a burst of duplicated and corrupted data, an LR schedule that blows up, and a NaN loss.
+3. The controller's default rules notify on the data burst, halve the LR on the gradient spike and
+   pause the run on the non-finite loss; the demo, acting as the operator, resumes it through the
+   REST API, and the run finishes.
+4. Prints a one-line status per report while it trains, and a summary of every alert and action
+   with the step it happened at.
+
+With ``--prometheus`` and a ``prometheus`` binary on PATH it also starts Prometheus with the
+generated configuration (ranks discovered through the controller) and prints the query URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+__all__ = ["DemoConfig", "DemoResult", "run_demo", "main"]
+
+JOB = "demo"
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """Everything the demo does; the defaults are the README's demo."""
+
+    steps: int = 150
+    """Optimizer steps per rank."""
+    world_size: int = 2
+    """gloo ranks (processes) on this machine."""
+    report_every: int = 5
+    """Steps between reports to the controller (and status lines)."""
+    seq_len: int = 128
+    """Bytes per training sequence."""
+    batch_size: int = 8
+    """Sequences per rank per step."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate."""
+    burst: tuple[int, int] = (40, 55)
+    """Steps [start, end) with duplicated and corrupted data."""
+    lr_blowup: tuple[int, int] = (75, 95)
+    """Steps [start, end) where the LR schedule overshoots by ``lr_blowup_factor``."""
+    lr_blowup_factor: float = 40.0
+    """How far the bad schedule overshoots."""
+    nan_step: int = 115
+    """Step whose loss turns NaN on the last rank."""
+    resume_after_s: float = 2.0
+    """How long the operator looks at a paused run before resuming it."""
+    controller: str | None = None
+    """URL of a running controller; None starts one on loopback."""
+    agent_token: str | None = None
+    """Agent token for an external controller (default: env TRAINGUARD_TOKEN)."""
+    operator_token: str | None = None
+    """Operator token for an external controller (default: env TRAINGUARD_OPERATOR_TOKEN); without
+    one the demo cannot resume a paused run and says how to do it by hand."""
+    metrics_host: str = "127.0.0.1"
+    """Where the ranks serve /metrics (0.0.0.0 in a container)."""
+    metrics_port: int = 0
+    """Base port of the ranks' /metrics (0: free ports)."""
+    prometheus: bool = False
+    """Also start Prometheus (binary on PATH) with the generated configuration."""
+    workdir: str | None = None
+    """Where the SQLite file and logs go (default: a temporary directory)."""
+    run: str | None = None
+    """Run id (default: demo-<time>)."""
+    quiet: bool = False
+    """No live output (the summary is still returned)."""
+    timeout_s: float = 600.0
+    """The demo gives up after this long."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.world_size < 1 or self.report_every < 1:
+            raise ValueError("steps, world_size and report_every must be >= 1")
+        if self.seq_len < 8 or self.batch_size < 4:
+            raise ValueError("seq_len must be >= 8 and batch_size >= 4")
+        if not self.lr > 0:
+            raise ValueError("lr must be > 0")
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """What happened, from the controller's records."""
+
+    run: str
+    steps_completed: list[int]
+    """Last step each rank completed."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """Every alert: rule, severity, step (of the report that fired it), actions, summary."""
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    """Every change of desired state: generation, actor, what changed, step applied on all ranks."""
+    rank_logs: list[list[dict[str, Any]]] = field(default_factory=list)
+    """Per rank: one entry per step (step, loss, lr used, lr_scale, paused wait)."""
+
+
+# -- one rank ----------------------------------------------------------------------------------
+def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller: str, token: str,
+               run: str, log_dir: str) -> None:
+    """Train on one rank. Runs in a spawned process."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainer_agent as ta
+    from trainer_agent.demo_model import CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, FaultPlan, TinyGPT, stdlib_source_bytes
+
+    cfg = DemoConfig(**cfg_dict)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+
+    faults = FaultPlan(burst=cfg.burst, lr_blowup=cfg.lr_blowup, lr_blowup_factor=cfg.lr_blowup_factor,
+                       nan_step=cfg.nan_step)
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = TinyGPT(seq_len=cfg.seq_len)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = 10
+    # A schedule that "does not fit the optimizer" for a while: the seed's opening story.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s))
+    corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
+    window = 32 * cfg.batch_size  # sequences: about 32 steps, so the monitor reacts within the demo
+    monitor = ta.DataMonitor(VOCAB_SIZE, special_ids=CONTROL_BYTE_IDS, window=window,
+                             reference_tokens=16 * cfg.batch_size * (cfg.seq_len + 1))
+    agent = ta.attach(
+        model, optimizer, job=JOB, run=run, lr_scheduler=scheduler, data_monitor=monitor,
+        controller=controller, token=token,
+        config=ta.AgentConfig(report_every=cfg.report_every, skip_nonfinite=True,
+                              metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host,
+                              layer_depth=2),
+    )
+    log: list[dict[str, Any]] = []
+    step = 0
+    try:
+        while step < cfg.steps and not agent.should_stop:
+            ids, mask = corpus.batch(step, rank, faults)
+            agent.observe_batch(ids, mask)
+            loss = _ddp_loss(ddp, ids, mask)
+            if step == faults.nan_step and rank == cfg.world_size - 1:
+                loss = loss * float("nan")  # the injected fault: one rank's loss turns NaN
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()  # the agent's hooks apply lr_scale (and skip a non-finite step)
+            lr_used = optimizer.param_groups[0]["lr"]
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            t0 = time.perf_counter()
+            agent.end_step(loss, tokens=int(mask.sum()))  # may block: a pause waits here on purpose
+            waited = time.perf_counter() - t0
+            step += 1
+            values = agent.latest()
+            log.append({"step": step, "loss": float(loss.detach()), "lr_sched": scheduler.get_last_lr()[0],
+                        "lr_scale": values.get("trainguard_lr_scale", 1.0), "lr_used": lr_used,
+                        "generation": values.get("trainguard_applied_generation", 0), "end_step_s": waited})
+            if rank == 0 and not cfg.quiet and step % cfg.report_every == 0:
+                print(_status_line(step, cfg.steps, values), flush=True)
+    finally:
+        agent.close(timeout=5.0)
+        Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
+        dist.destroy_process_group()
+
+
+def _ddp_loss(ddp: Any, ids: Any, mask: Any) -> Any:
+    """Next-byte loss through the DDP wrapper (so gradients are all-reduced)."""
+    from torch.nn import functional as F
+
+    logits = ddp(ids[:, :-1])
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+def _fmt(v: float | None, spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _status_line(step: int, total: int, v: dict[str, float]) -> str:
+    width = 20
+    done = int(width * step / total)
+    bar = "#" * done + "." * (width - done)
+    return (
+        f"[{bar}] step {step:4d}/{total} loss {_fmt(v.get('trainguard_loss'), '.3f')}"
+        f" gnorm {_fmt(v.get('trainguard_grad_norm'))} upd {_fmt(v.get('trainguard_update_ratio'), '.2e')}"
+        f" | dup {_fmt(v.get('trainguard_data_duplicate_ratio'), '.2f')}"
+        f" kl {_fmt(v.get('trainguard_data_token_kl_divergence'), '.2f')}"
+        f" ctrl {_fmt(v.get('trainguard_data_special_token_ratio'), '.1e')}"
+        f" len-p {_fmt(v.get('trainguard_data_length_shift_pvalue'), '.2g')}"
+        f" | paused {int(v.get('trainguard_paused', 0))} lr_scale {_fmt(v.get('trainguard_lr_scale', 1.0), '.2f')}"
+    )
+
+
+# -- the orchestrator --------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(cfg: DemoConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(msg, flush=True)
+
+
+class _Controller:
+    """The controller process the demo started (or nothing, for an external one)."""
+
+    def __init__(self, cfg: DemoConfig, workdir: Path) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if cfg.controller:
+            self.url = cfg.controller.rstrip("/")
+            self.agent_token = cfg.agent_token or os.environ.get("TRAINGUARD_TOKEN", "")
+            self.operator_token = cfg.operator_token or os.environ.get("TRAINGUARD_OPERATOR_TOKEN")
+            return
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.agent_token = "agent-" + secrets.token_hex(16)
+        self.operator_token = "operator-" + secrets.token_hex(16)
+        env = dict(os.environ, TRAINGUARD_AGENT_TOKENS=self.agent_token,
+                   TRAINGUARD_OPERATOR_TOKENS=self.operator_token)
+        self.log_path = workdir / "controller.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--db", str(workdir / "trainguard.db")],
+            env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the controller exited at start; see {self.log_path}:\n{self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"the controller did not answer /healthz within 30 s; see {self.log_path}")
+
+    def client(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.operator_token}"} if self.operator_token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=5.0)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_prometheus(cfg: DemoConfig, ctl: _Controller, workdir: Path) -> subprocess.Popen[bytes] | None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        _say(cfg, "--prometheus: no 'prometheus' binary on PATH; skipped")
+        return None
+    import yaml
+
+    from dashboards.stack import prometheus_config
+
+    token_file = workdir / "operator.token"
+    token_file.write_text(ctl.operator_token or "")
+    rules = Path(__file__).resolve().parent.parent / "dashboards" / "generated" / "prometheus" / "rules.yml"
+    conf = prometheus_config(controller=ctl.url.removeprefix("http://"), token_file=str(token_file),
+                             rule_files=[str(rules)] if rules.exists() else [], scrape_interval="2s",
+                             sd_refresh_interval="5s")
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(conf))
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=(workdir / "prometheus.log").open("wb"), stderr=subprocess.STDOUT)
+    _say(cfg, f"Prometheus: http://127.0.0.1:{port}/graph?g0.expr=trainguard_grad_norm  (log: {workdir / 'prometheus.log'})")
+    return proc
+
+
+def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    keys = ("paused", "lr_scale", "checkpoint_seq", "stop")
+    return ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in keys if before.get(k) != after.get(k))
+
+
+def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> None:
+    """Follow the run's audit log while the ranks train; resume a rule's pause as an operator."""
+    last_event = 0
+    desired: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False}
+    paused_since: float | None = None
+    told_manual = False
+    deadline = time.monotonic() + cfg.timeout_s
+    with ctl.client() as http:
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the demo did not finish within {cfg.timeout_s:.0f} s")
+            time.sleep(0.2)
+            try:
+                resp = http.get(f"/v1/runs/{run}/events", params={"after": last_event})
+            except httpx.HTTPError:
+                continue
+            if resp.status_code != 200:
+                continue
+            for ev in resp.json():
+                last_event = max(last_event, ev["id"])
+                if ev["kind"] == "alert":
+                    d = ev["data"]
+                    _say(cfg, f"  !! alert {d.get('rule')} ({d.get('severity')}) at step {d.get('step', '?')}: {ev['reason']}")
+                elif ev["kind"] == "desired":
+                    new = ev["data"]["desired"]
+                    _say(cfg, f"  >> generation {ev['generation']} by {ev['actor']}: {_changes(desired, new)}")
+                    desired = new
+                    paused_since = time.monotonic() if new["paused"] else None
+                elif ev["kind"] == "ack":
+                    _say(cfg, f"  ok generation {ev['generation']} applied on every rank at step {ev['data'].get('step')}")
+            if paused_since is not None and time.monotonic() - paused_since >= cfg.resume_after_s:
+                if not ctl.operator_token:
+                    if not told_manual:
+                        _say(cfg, f"  the run is paused; resume it with: trainguard resume {run} --url {ctl.url} --token <operator token>")
+                        told_manual = True
+                    continue
+                _say(cfg, "  operator: the NaN came from one bad step that the agent skipped; resuming through the REST API")
+                try:
+                    http.post(f"/v1/runs/{run}/resume", json={"reason": "demo operator: inspected, resuming"},
+                              headers={"Idempotency-Key": f"demo-resume-{desired.get('generation', 0)}"})
+                    paused_since = None
+                except httpx.HTTPError:
+                    pass
+
+
+def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Alerts and actions of the run, each with its step, from the controller's audit log."""
+    with ctl.client() as http:
+        events = http.get(f"/v1/runs/{run}/events", params={"limit": 5000}).json()
+    applied: dict[int, int] = {}
+    for ev in events:
+        if ev["kind"] == "ack":
+            applied.setdefault(ev["generation"], ev["data"].get("step"))
+    alerts, actions = [], []
+    before: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False}
+    for ev in events:
+        if ev["kind"] == "alert":
+            d = ev["data"]
+            alerts.append({"rule": d.get("rule"), "severity": d.get("severity"), "step": d.get("step"),
+                           "generation": ev["generation"], "summary": ev["reason"]})
+        elif ev["kind"] == "desired":
+            new = ev["data"]["desired"]
+            gen = ev["generation"]
+            # A generation superseded before the ranks applied it is covered by the next ack.
+            step = applied.get(gen) or next((s for g, s in sorted(applied.items()) if g >= gen), None)
+            actions.append({"generation": gen, "actor": ev["actor"], "change": _changes(before, new),
+                            "desired": new, "applied_step": step})
+            before = new
+    return alerts, actions
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    """Run the demo; returns what happened. Raises on a rank that failed or on the timeout."""
+    import torch.multiprocessing as mp
+
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="trainguard-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = cfg.run or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    ctl = _Controller(cfg, workdir)
+    prom = None
+    procs: list[Any] = []
+    try:
+        _say(cfg, f"controller: {ctl.url}  (SQLite: {workdir / 'trainguard.db'})" if ctl.proc else f"controller: {ctl.url}")
+        if ctl.proc and ctl.operator_token:
+            _say(cfg, f"operator token for this demo: {ctl.operator_token}  (e.g. trainguard status {run} --url {ctl.url} --token ...)")
+        if cfg.prometheus:
+            prom = _start_prometheus(cfg, ctl, workdir)
+        _say(cfg, f"run {run}: {cfg.world_size} gloo ranks, {cfg.steps} steps; faults: data burst at steps "
+                  f"{cfg.burst[0]}-{cfg.burst[1] - 1}, LR x{cfg.lr_blowup_factor:g} at steps {cfg.lr_blowup[0]}-"
+                  f"{cfg.lr_blowup[1] - 1}, NaN loss at step {cfg.nan_step}")
+        ctx = mp.get_context("spawn")
+        master_port = _free_port()
+        cfg_dict = asdict(cfg)
+        for rank in range(cfg.world_size):
+            p = ctx.Process(target=_rank_main, daemon=True,
+                            args=(rank, cfg_dict, master_port, ctl.url, ctl.agent_token, run, str(workdir)))
+            p.start()
+            procs.append(p)
+        _watch(cfg, ctl, run, procs)
+        for p in procs:
+            p.join(30)
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
+        logs = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
+        time.sleep(0.3)  # the leader's last ack is sent from its client thread at close()
+        alerts, actions = _collect(ctl, run) if ctl.operator_token else ([], [])
+        result = DemoResult(run=run, steps_completed=[log[-1]["step"] if log else 0 for log in logs],
+                            alerts=alerts, actions=actions, rank_logs=logs)
+        _print_summary(cfg, result)
+        return result
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        if prom is not None:
+            prom.terminate()
+            prom.wait(10)
+        ctl.close()
+
+
+def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
+    if cfg.quiet:
+        return
+    print(f"\nsummary of run {result.run}: every rank completed step {min(result.steps_completed)}")
+    print("alerts:")
+    for a in result.alerts:
+        print(f"  step {a['step']!s:>5}  {a['severity']:<8} {a['rule']:<28} {a['summary']}")
+    print("actions (changes of desired state):")
+    for a in result.actions:
+        print(f"  gen {a['generation']:>3}  applied at step {a['applied_step']!s:>5}  by {a['actor']:<28} {a['change']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = DemoConfig()
+    p = argparse.ArgumentParser(prog="trainguard demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--world-size", type=int, default=defaults.world_size)
+    p.add_argument("--report-every", type=int, default=defaults.report_every)
+    p.add_argument("--controller", default=None, help="URL of a running controller (default: start one)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=0, help="base port of the ranks' /metrics (0: free ports)")
+    p.add_argument("--prometheus", action="store_true", help="also start Prometheus (binary on PATH)")
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args(argv)
+    try:
+        cfg = DemoConfig(steps=args.steps, world_size=args.world_size, report_every=args.report_every,
+                         controller=args.controller, metrics_host=args.metrics_host,
+                         metrics_port=args.metrics_port, prometheus=args.prometheus, workdir=args.workdir)
+    except ValueError as e:
+        p.error(str(e))
+    run_demo(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
