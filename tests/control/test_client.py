@@ -13,6 +13,7 @@ import pytest
 
 from service.wire import Ack, DesiredState, Report, RunRegistration, dumps
 from tests.control.fake_controller import FakeController
+from tests.control.procs import until
 from tests.tools.faultproxy import FaultProxy
 from trainer_agent.client import ControllerClient, backoff_delay
 
@@ -30,14 +31,6 @@ def _client(url: str, **kw) -> ControllerClient:  # type: ignore[no-untyped-def]
     kw.setdefault("long_poll_s", 1.0)
     return ControllerClient(url, registration=REG, **kw)
 
-
-def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 class Scripted:
@@ -100,13 +93,13 @@ def test_registers_reports_acks_and_tracks_newest_desired_state() -> None:
     assert d is not None and d.generation == 3 and d.lr_scale == 0.5
     c.submit_report(_report(1))
     c.submit_ack(Ack(generation=3, step=1))
-    assert _until(lambda: c.reports_sent == 1 and c.acks_sent == 1)
+    assert until(lambda: c.reports_sent == 1 and c.acks_sent == 1)
     sent = [r for r in h.requests if r.url.path.endswith("/reports")][0]
     assert sent.headers["authorization"] == "Bearer s3cret"
     assert json.loads(sent.content)["values"]["trainguard_loss"] == "NaN"  # NaN survives the wire
     h.desired = DesiredState(generation=2, paused=True)  # an older generation never wins
     c.submit_report(_report(2))
-    assert _until(lambda: c.reports_sent == 2)
+    assert until(lambda: c.reports_sent == 2)
     assert c.desired is not None and c.desired.generation == 3 and not c.desired.paused
     h.desired = DesiredState(generation=4, paused=True)
     assert c.wait_desired(3, timeout=3.0) == DesiredState(generation=4, paused=True)  # via the poller
@@ -134,7 +127,7 @@ def test_full_buffer_drops_oldest_and_counts() -> None:
     # report 0 is in flight; 7 more arrived into a buffer of 3: 1..4 dropped
     assert c.reports_dropped == 4
     gate.set()
-    assert _until(lambda: c.pending() == (0, 0))
+    assert until(lambda: c.pending() == (0, 0))
     got = [json.loads(r.content)["step_last"] for r in h.requests if r.url.path.endswith("/reports")]
     assert got == [0, 5, 6, 7]  # the one in flight, then the newest three
     assert c.close(2.0)
@@ -147,7 +140,7 @@ def test_500_and_garbage_back_off_then_recover_without_losing_the_report() -> No
     assert c.wait_registered(2.0) is not None
     h.fail_next = [500, "garbage", 503, 500]
     c.submit_report(_report(9))
-    assert _until(lambda: c.reports_sent == 1)
+    assert until(lambda: c.reports_sent == 1)
     report_posts = [r for r in h.requests if r.url.path.endswith("/reports")]
     assert len(report_posts) >= 2 and all(json.loads(r.content)["step_last"] == 9 for r in report_posts)
     assert c.up and c.reports_dropped == 0
@@ -162,11 +155,11 @@ def test_4xx_report_is_dropped_and_404_reregisters() -> None:
     with h.lock:
         h.fail_next = [422]
     c.submit_report(_report(1))
-    assert _until(lambda: c.refused == 1)
+    assert until(lambda: c.refused == 1)
     with h.lock:
         h.fail_next = [404]
     c.submit_report(_report(2))
-    assert _until(lambda: c.reports_sent == 1)
+    assert until(lambda: c.reports_sent == 1)
     assert c.refused == 1 and c.reports_dropped == 0
     paths = h.paths()
     i404 = max(i for i, p in enumerate(paths) if p.endswith("/reports")) - 1
@@ -198,7 +191,7 @@ def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
         c.start()
         assert c.wait_registered(2.0) is not None
         c.submit_report(_report(0))
-        assert _until(lambda: len(ctl.reports) == 1)
+        assert until(lambda: len(ctl.reports) == 1)
         if mode == "slow":
             proxy.set_mode("pass", latency_s=0.6)  # slower than the read timeout
         else:
@@ -207,10 +200,10 @@ def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
         for step in range(1, 6):
             c.submit_report(_report(step))
         assert time.monotonic() - t0 < 0.05  # submitting never waits on the network
-        assert _until(lambda: not c.up, 3.0)
+        assert until(lambda: not c.up, 3.0)
         ctl.command("run-a", paused=True)
         proxy.set_mode("pass")
-        assert _until(lambda: [r.step_last for r in ctl.reports][-1:] == [5], 5.0)
+        assert until(lambda: [r.step_last for r in ctl.reports][-1:] == [5], 5.0)
         assert [r.step_last for r in ctl.reports][:1] == [0]
         assert c.wait_desired(0, 3.0) is not None and c.desired.paused  # the command arrived
         assert c.up and c.reports_dropped == 0

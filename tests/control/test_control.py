@@ -17,17 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
 from tests.control.fake_controller import FakeController
+from tests.control.procs import until
 
 RUN = "run-ctl"
 
-
-def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -49,7 +42,7 @@ def _attach(model, opt, ctl: FakeController | None, **cfg):  # type: ignore[no-u
 
 def _wait_seen(agent, generation: int) -> None:  # type: ignore[no-untyped-def]
     """Block the test until the leader's client has seen ``generation`` (deterministic steps)."""
-    assert _until(lambda: (d := agent.control.client.desired) is not None and d.generation >= generation)
+    assert until(lambda: (d := agent.control.client.desired) is not None and d.generation >= generation)
 
 
 @pytest.mark.parametrize("schedule", ["warm_restarts", "lambda"])
@@ -106,7 +99,7 @@ def test_lr_scale_multiplies_the_scheduler_lr_and_leaves_the_schedule_alone(sche
         assert latest['trainguard_learning_rate{group="0"}'] == used[-1]
         assert latest["trainguard_lr_scale"] == 1.0
         assert latest["trainguard_applied_generation"] == 3.0
-        assert _until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(1, 4), (2, 10), (3, 13)])
+        assert until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(1, 4), (2, 10), (3, 13)])
         agent.close(2.0)
 
 
@@ -194,7 +187,7 @@ def test_pause_blocks_end_step_while_metrics_answer_then_resume() -> None:
         scraped: list[float] = []
 
         def operator() -> None:
-            _until(lambda: agent.control.paused, 5.0)
+            until(lambda: agent.control.paused, 5.0)
             with urllib.request.urlopen(agent.metrics_url, timeout=5) as r:
                 for fam in text_string_to_metric_families(r.read().decode()):
                     if fam.name == "trainguard_paused":
@@ -245,7 +238,7 @@ def test_restarted_run_applies_the_registration_state_before_its_first_step() ->
         model(_batch(1)).sum().backward()
         opt.step()
         assert used == [0.1 * 0.25]
-        assert _until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(2, 0), (3, 0)])
+        assert until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(2, 0), (3, 0)])
         agent.close(2.0)
 
 
@@ -287,7 +280,7 @@ def test_reports_carry_nan_and_contiguous_step_ranges() -> None:
             opt.step()
             opt.zero_grad()
             agent.end_step(loss * math.nan if step == 6 else loss)
-        assert _until(lambda: len(ctl.reports) == 4)
+        assert until(lambda: len(ctl.reports) == 4)
         reps = ctl.reports
         assert [(r.step_first, r.step_last) for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
         assert math.isnan(reps[2].values["trainguard_loss"]) and math.isnan(reps[2].ranks.loss[0])

@@ -1,0 +1,136 @@
+"""One rank of the multi-process control tests (gloo, CPU). Run as a script:
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py '<json>'
+
+The JSON names the scenario and where to write this rank's log (``out``/<name>-rank<r>.json):
+
+``trials``
+    For each of ``trials`` runs ``<prefix>-<k>``: attach an agent to a small DDP model and train
+    until the controller says stop (the test drives pause/resume/lr-scale/checkpoint/stop at
+    random moments), with a random per-rank sleep per step. All trials share one process group.
+``pause``
+    Train with ``skip_nonfinite``; at ``nan_step`` every rank's batch holds a NaN, so the
+    controller's default rule pauses the run; the test resumes it with ``trainguard resume``
+    after a pause longer than the (deliberately short) process-group timeout, then the run goes
+    on to ``steps``. Then the negative control: rank 0 sleeps as long as that pause while the
+    other ranks enter a collective, which must fail with the group's timeout.
+
+Each log records, per optimizer step, the LR the optimizer used and the scheduler's LR, the
+generations this rank applied (``ControlPlane.history``), the on_checkpoint calls and step times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+import trainer_agent as ta  # noqa: E402
+
+torch.set_num_threads(1)
+BASE_LR = 0.05
+
+
+def lr_lambda(epoch: int) -> float:
+    """The scheduler's factor; the test recomputes it independently."""
+    return 1.0 / (1.0 + 0.01 * epoch)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank * 100_003 + step)
+    x = torch.randn(8, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.1
+
+
+def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> dict:
+    """Train one run until the controller stops it (or ``max_steps``); return this rank's log."""
+    rng = random.Random(f"{run}/{rank}")
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    checkpoints: list[int] = []
+    agent = ta.attach(
+        model, opt, job="ctl-test", run=run, lr_scheduler=sched, on_checkpoint=checkpoints.append,
+        config=ta.AgentConfig(controller=cfg["controller"], report_every=cfg.get("report_every", 1),
+                              metrics_port=None, request_timeout_s=2.0,
+                              skip_nonfinite=cfg.get("skip_nonfinite", False)),
+    )
+    steps: list[list[float]] = []  # step, lr used, scheduler lr, scheduler epoch, end time, step s
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
+    t_last = time.monotonic()
+    step = 0
+    while not agent.should_stop and step < cfg["max_steps"]:
+        step += 1
+        x, y = _batch(rank, step)
+        if step == nan_step:
+            x[0, 0] = math.nan
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        used.clear()
+        sched_lr, epoch = sched.get_last_lr()[0], sched.last_epoch
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        time.sleep(rng.uniform(0.0, cfg.get("jitter_s", 0.0)))
+        agent.end_step(loss)
+        now = time.monotonic()
+        steps.append([step, used[0] if used else math.nan, sched_lr, epoch, time.time(), now - t_last])
+        t_last = now
+    history = [[a.generation, a.step, a.paused, a.lr_scale, a.checkpoint_seq, a.stop, a.time]
+               for a in agent.control.history]
+    t0 = time.monotonic()
+    agent.close(3.0)
+    return {"run": run, "rank": rank, "steps": steps, "history": history, "checkpoints": checkpoints,
+            "stopped": agent.should_stop, "close_s": time.monotonic() - t0,
+            "skipped": agent.latest().get("trainguard_skipped_steps_total", 0.0)}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.barrier()  # every rank is up: from now on the short timeout the scenario asks for
+    if "pg_timeout_s" in cfg:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))
+    out = Path(cfg["out"])
+    if cfg["scenario"] == "trials":
+        logs = [run_one(cfg, rank, f"{cfg['prefix']}-{k}") for k in range(cfg["trials"])]
+        (out / f"trials-rank{rank}.json").write_text(json.dumps(logs))
+    elif cfg["scenario"] == "pause":
+        log = run_one(cfg, rank, cfg["prefix"], nan_step=cfg["nan_step"])
+        (out / f"pause-rank{rank}.json").write_text(json.dumps(log))
+        # negative control: a pause that waits in a collective instead of on the store
+        t0 = time.monotonic()
+        error = ""
+        if rank == 0:
+            time.sleep(cfg["naive_pause_s"])
+        else:
+            try:
+                dist.all_reduce(torch.zeros(1))
+            except Exception as exc:  # noqa: BLE001 - the failure is what we measure
+                error = f"{type(exc).__name__}: {exc}"
+        neg = {"rank": rank, "error": error[:500], "after_s": time.monotonic() - t0}
+        (out / f"negative-rank{rank}.json").write_text(json.dumps(neg))
+        os._exit(0)  # the group is broken by design now; do not wait on it at exit
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
