@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from service.auth import TokenTable
 from service.config import Settings
 from service.controller import Conflict, Controller, Forbidden, Invalid, NotFound
+from service.ingress import ReportIngress
 from service.limits import BodyLimit
 from service.metrics import ControllerMetrics
 from service.routes import alerts, rules, runs, system, webhooks
@@ -75,5 +76,7 @@ def create_app(
         return JSONResponse({"detail": "invalid rules; the active rules are unchanged", "reasons": exc.reasons}, status_code=422)
 
     app.add_exception_handler(RulesError, rules_error)
+    # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
+    app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

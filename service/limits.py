@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["BodyLimit"]
+__all__ = ["BodyLimit", "replay"]
 
 
 class BodyLimit:
@@ -48,17 +48,7 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(b"".join(chunks), receive), send)
 
     @staticmethod
     async def _refuse(send: Any, status: int, detail: str) -> None:
@@ -66,3 +56,17 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def replay(body: bytes, receive: Any) -> Any:
+    """An ASGI ``receive`` that yields the already read ``body`` once, then defers to ``receive``."""
+    sent = False
+
+    async def receive_again() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again

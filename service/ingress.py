@@ -1,0 +1,120 @@
+"""The hot path, ``POST /v1/runs/{run}/reports``, as a plain ASGI middleware.
+
+Every training run posts a report per interval, so this one endpoint carries nearly all of the
+controller's traffic. Through Starlette's router and FastAPI's dependency solving a report cost
+about 100 µs of CPU on top of the work itself (parse, rules, commit); here a well-formed,
+authorised report goes straight from the body to :meth:`Controller.ingest` and its answer, which
+is already JSON bytes, straight to the server.
+
+Everything else is handed to the FastAPI app unchanged, so the answers stay exactly those of the
+documented route (``service.routes.runs.post_report``, which also keeps the endpoint in the
+OpenAPI schema): other paths and methods; run names the route would refuse; a missing, unknown or
+under-scoped token (401/403, checked before the body is read); and a body that does not validate
+as a :class:`~service.wire.Report` (the route parses it again and answers FastAPI's 422). Errors
+the controller raises while ingesting (404, 403, 409, 422, 503) are answered here the way the
+app's exception handlers answer them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from service.auth import AGENT_SCOPE, TokenTable
+from service.controller import Controller
+from service.limits import replay
+from service.wire import API_PREFIX, Report
+
+__all__ = ["ReportIngress", "MAX_RUN_NAME"]
+
+#: Longest run name in a report URL (``service.routes.runs.RunPath`` answers 422 beyond it).
+MAX_RUN_NAME = 128
+_PREFIX = f"{API_PREFIX}/runs/"
+_SUFFIX = "/reports"
+_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ReportIngress:
+    """Answer well-formed report posts directly; pass everything else to ``app``.
+
+    ``errors`` maps the controller's exception types to HTTP status codes (the app's own
+    handlers' table), ``tokens`` authenticates callers.
+    """
+
+    def __init__(self, app: Any, *, controller: Controller, tokens: TokenTable, errors: dict[type[Exception], int]) -> None:
+        self.app = app
+        self.controller = controller
+        self.tokens = tokens
+        self.errors = errors
+        self._known = tuple(errors)
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+        run = self._run(scope)
+        if run is None:
+            await self.app(scope, receive, send)
+            return
+        authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        principal = self.tokens.authenticate(authorization)
+        if principal is None or AGENT_SCOPE not in principal.scopes:
+            await self.app(scope, receive, send)  # the route's dependency answers 401/403
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away
+        ctl = self.controller
+        t0 = time.perf_counter()
+        try:
+            report = Report.model_validate_json(body)
+        except ValidationError:
+            await self.app(scope, replay(body, receive), send)  # the route answers (and counts) the 422
+            return
+        try:
+            answer = await ctl.ingest(run, report, principal)
+        except self._known as e:
+            status = next(code for cls, code in self.errors.items() if isinstance(e, cls))
+            await JSONResponse({"detail": str(e)}, status_code=status)(scope, receive, send)
+            return
+        ctl.metrics.ingest_latency.observe(time.perf_counter() - t0)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(answer)), *_HEADERS]})
+        await send({"type": "http.response.body", "body": answer})
+
+    @staticmethod
+    def _run(scope: dict[str, Any]) -> str | None:
+        """The run of a report post this middleware answers, else ``None``."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+            return None
+        path: str = scope["path"]
+        if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
+            return None
+        run = path[len(_PREFIX) : -len(_SUFFIX)]
+        if not run or len(run) > MAX_RUN_NAME or "/" in run:
+            return None
+        return run
+
+
+async def _read_body(receive: Callable[[], Any]) -> bytes | None:
+    """The whole request body (its size is bounded by :class:`service.limits.BodyLimit`, which
+    runs first); ``None`` when the client disconnected."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        return None
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+

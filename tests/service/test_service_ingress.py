@@ -1,0 +1,140 @@
+"""The report fast path (service.ingress) answers exactly what the FastAPI route answers.
+
+Two controllers on separate databases get the same requests: one as built by ``create_app``
+(reports go through ``ReportIngress``), one with that middleware taken out (reports go through the
+documented route ``service.routes.runs.post_report``). Every answer (status, body, headers that
+matter) and the rejection counters must agree, for good reports and for every kind of bad one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+import service.routes.runs as runs_route
+from service.app import create_app
+from service.config import Settings
+from service.ingress import MAX_RUN_NAME, ReportIngress
+from tests.service.conftest import register
+
+AG, AG_BOUND, OP_READ = "agent-token-ing-1", "agent-token-ing-2", "readonly-token-ing"
+TOKENS = dict(agent_tokens=(AG, f"{AG_BOUND}:run-b"), operator_tokens=(OP_READ + ":read",))
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _report(step: int, values: dict[str, Any] | None = None, job: str = "job-a", **ranks: list[float]) -> bytes:
+    return json.dumps({"job": job, "step_first": step, "step_last": step, "time": 1.0, "values": values or {}, "ranks": ranks}).encode()
+
+
+@contextlib.contextmanager
+def _client(db: Path, *, fast: bool) -> Iterator[TestClient]:
+    ticks = itertools.count()
+    app = create_app(Settings(db=db, **TOKENS), clock=lambda: 1_000.0 + next(ticks))
+    if not fast:
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not ReportIngress]
+    with TestClient(app) as c:
+        register(c, run="run-a", world_size=4, headers=_bearer(AG))
+        register(c, run="run-b", world_size=4, headers=_bearer(AG_BOUND))
+        yield c
+
+
+# (path, body, headers): good reports, then every kind of refusal, then good ones again.
+LONG_RUN = "r" * (MAX_RUN_NAME + 1)
+CASES: list[tuple[str, bytes, dict[str, str]]] = [
+    ("/v1/runs/run-a/reports", _report(1, {"trainguard_loss": 2.0}, loss=[1.0, 2.0, 3.0, 4.0]), _bearer(AG)),
+    ("/v1/runs/run-a/reports", _report(2, {"trainguard_grad_norm": 5000.0}), _bearer(AG)),  # fires grad_norm_high
+    ("/v1/runs/run-a/reports", b'{"job":"job-a","step_first":3,"step_last":3,"time":1.0,"values":{"trainguard_loss":NaN}}', _bearer(AG)),
+    ("/v1/runs/run-a/reports", _report(4), {}),  # 401: no token
+    ("/v1/runs/run-a/reports", _report(4), _bearer("not-a-known-token")),  # 401: unknown token
+    ("/v1/runs/run-a/reports", _report(4), _bearer(OP_READ)),  # 403: no agent scope
+    ("/v1/runs/run-a/reports", _report(4), _bearer(AG_BOUND)),  # 403: bound to run-b
+    ("/v1/runs/run-b/reports", _report(4), _bearer(AG)),  # 403: AG was bound to run-a
+    ("/v1/runs/ghost/reports", _report(4), _bearer(AG)),  # 404: the run is looked up before the binding
+    ("/v1/runs/run-b/reports", _report(4, job="other"), _bearer(AG_BOUND)),  # 409
+    ("/v1/runs/run-b/reports", _report(4, loss=[1.0, 2.0]), _bearer(AG_BOUND)),  # 422: vector length
+    ("/v1/runs/run-b/reports", b"{not json", _bearer(AG_BOUND)),  # 422: not JSON
+    ("/v1/runs/run-b/reports", b"", _bearer(AG_BOUND)),  # 422: empty
+    ("/v1/runs/run-b/reports", b'{"job":"job-a","step_first":5,"step_last":4,"time":1.0}', _bearer(AG_BOUND)),  # 422: order
+    ("/v1/runs/run-b/reports", b'{"job":"job-a","step_first":1,"step_last":1,"time":"NaN"}', _bearer(AG_BOUND)),  # 422: time
+    ("/v1/runs/run-b/reports", b'{"job":"job-a","step_first":1,"step_last":1,"time":1.0,"extra":1}', _bearer(AG_BOUND)),  # 422: extra
+    (f"/v1/runs/{LONG_RUN}/reports", _report(4), _bearer(AG_BOUND)),  # 422: run name too long (the route's check)
+    ("/v1/runs/run-b/reports", _report(5, {"trainguard_loss": 1.5}, step_time_s=[0.5, 0.5, 0.5, 0.5]), _bearer(AG_BOUND)),
+    ("/v1/runs/run-a/reports", _report(6, {"trainguard_loss": "-Infinity"}), _bearer(AG)),
+]
+
+
+def _rejected(c: TestClient) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(c.get("/metrics", headers=_bearer(OP_READ)).text):
+        for s in fam.samples:
+            if s.name in ("trainguard_controller_reports_rejected_total", "trainguard_controller_reports_total"):
+                out[s.name + str(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_fast_path_answers_exactly_like_the_route(tmp_path: Path) -> None:
+    answers: dict[bool, list[tuple[int, bytes, str | None, str | None]]] = {}
+    counters: dict[bool, dict[str, float]] = {}
+    for fast in (True, False):
+        with _client(tmp_path / f"{fast}.db", fast=fast) as c:
+            answers[fast] = []
+            for path, body, headers in CASES:
+                r = c.post(path, content=body, headers={"content-type": "application/json", **headers})
+                answers[fast].append((r.status_code, r.content, r.headers.get("content-type"), r.headers.get("www-authenticate")))
+            counters[fast] = _rejected(c)
+            status = c.get("/v1/runs/run-a", headers=_bearer(OP_READ)).json()
+            if fast:
+                # What the fast path stored is what was sent, NaN/-Inf included.
+                assert status["reports"] == 4 and status["last_values"] == {"trainguard_loss": "-Infinity"}
+                assert [a["rule"] for a in status["firing_alerts"]] == ["grad_norm_high", "loss_nonfinite"]
+    for case, fast_answer, route_answer in zip(CASES, answers[True], answers[False]):
+        assert fast_answer == route_answer, (case[0], case[1][:80], fast_answer, route_answer)
+    statuses = [a[0] for a in answers[True]]
+    assert statuses == [200, 200, 200, 401, 401, 403, 403, 403, 404, 409, 422, 422, 422, 422, 422, 422, 422, 200, 200]
+    assert answers[True][3][3] == "Bearer"  # 401 names the scheme
+    assert json.loads(answers[True][1][1])["alerts"] == ["grad_norm_high"]
+    assert json.loads(answers[True][2][1])["desired"]["paused"] is True
+    assert json.loads(answers[True][9][1]) == {"detail": "run 'run-b' belongs to job 'job-a', the report says 'other'"}
+    assert json.loads(answers[True][11][1])["detail"][0]["type"] == "json_invalid"
+    assert counters[True] == counters[False]
+    # Six refusals of the body (length + five that do not validate), each counted once.
+    assert counters[True]["trainguard_controller_reports_rejected_total[('reason', 'invalid')]"] == 6
+    assert counters[True]["trainguard_controller_reports_total[]"] == 5
+
+
+@pytest.mark.parametrize("chunks", [[b""], [b"{\"job\":\"job-a\",", b"\"step_first\":1,\"step_last\":1,", b"\"time\":1.0}"]])
+def test_fast_path_reads_chunked_bodies(tmp_path: Path, chunks: list[bytes]) -> None:
+    with _client(tmp_path / "c.db", fast=True) as c:
+        r = c.post("/v1/runs/run-a/reports", content=iter(chunks), headers={"content-type": "application/json", **_bearer(AG)})
+        assert r.status_code == (422 if chunks == [b""] else 200), r.text
+
+
+def test_other_routes_under_the_prefix_pass_through(tmp_path: Path) -> None:
+    with _client(tmp_path / "p.db", fast=True) as c:
+        # Not a report post: GET on the report path, a nested path, the register route.
+        assert c.get("/v1/runs/run-a/reports", headers=_bearer(AG)).status_code == 405
+        assert c.post("/v1/runs/run-a/x/reports", content=_report(1), headers=_bearer(AG)).status_code == 404
+        assert c.post("/v1/runs/run-a/acks", json={"generation": 0, "step": 1}, headers=_bearer(AG)).status_code == 200
+        assert "/v1/runs/{run}/reports" in c.get("/openapi.json").json()["paths"]
+
+
+def test_good_reports_do_not_reach_the_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Unreachable:
+        @staticmethod
+        def model_validate_json(body: bytes) -> None:
+            raise AssertionError("the FastAPI route parsed a report the fast path should have answered")
+
+    monkeypatch.setattr(runs_route, "Report", Unreachable)
+    with _client(tmp_path / "u.db", fast=True) as c:
+        r = c.post("/v1/runs/run-a/reports", content=_report(1, {"trainguard_loss": 1.0}), headers=_bearer(AG))
+        assert r.status_code == 200 and json.loads(r.content)["alerts"] == []
