@@ -96,6 +96,14 @@ def test_services_health_checks_volumes_and_ports(compose):
     assert services["prometheus"]["depends_on"]["controller"]["condition"] == "service_healthy"
     assert services["trainer"]["depends_on"]["controller"]["condition"] == "service_healthy"
     assert services["controller"]["build"]["dockerfile"] == "Dockerfile"
+    trainer = services["trainer"]
+    command = trainer["command"]
+    assert command[:3] == ["python", "-m", "trainer_agent.demo"]  # what `trainguard demo` runs
+    assert command[command.index("--controller") + 1] == "http://controller:8000"
+    assert command[command.index("--metrics-host") + 1] == "0.0.0.0"  # advertised as its hostname
+    assert trainer["hostname"] == "trainer"
+    port = command[command.index("--metrics-port") + 1]
+    assert f"http://127.0.0.1:{port}/metrics" in " ".join(trainer["healthcheck"]["test"])
 
 
 def test_no_secret_has_a_default(compose):
