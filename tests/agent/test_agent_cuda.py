@@ -31,7 +31,7 @@ def test_cuda_amp_accumulation_clipping_matches_reference() -> None:
         assert got["trainguard_grad_noise_scale"] == pytest.approx(b_simple, rel=1e-5)
         assert got["trainguard_grad_variance"] == pytest.approx(trace, rel=1e-5)
         assert got["trainguard_loss_scale"] == scaler.get_scale()
-        assert got["trainguard_memory_allocated_bytes"] == torch.cuda.memory_allocated()
+        assert 0 < got["trainguard_memory_allocated_bytes"] <= got["trainguard_memory_peak_bytes"] <= torch.cuda.max_memory_allocated()
         assert got["trainguard_agent_errors_total"] == 0
     finally:
         agent.close()
