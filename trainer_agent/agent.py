@@ -30,6 +30,18 @@ Where each metric is measured (metric names, units and formulas: ``trainer_agent
     float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned memory,
     read at a later ``end_step`` once the copy's event has completed.
 
+Gradient noise scale (``trainguard_grad_noise_scale``, ``trainguard_grad_variance``): the
+estimator of McCandlish et al. 2018, appendix A.1, in ``stats.noise_scale``. The small batches
+are the micro-batches of the step on every rank (``k`` backward passes per rank, ``W`` ranks,
+``n = k W`` small gradients, the incoming gradients ``h_j`` seen by the gradient hooks), the big
+batch is the whole step (the accumulated, all-reduced gradient ``H``): |G_small|^2 =
+k^2 mean_j ||h_j||^2 and |G_big|^2 = ||H||^2, both divided by the loss scale^2. A loss divided by
+``k`` or not, and any loss scale, multiply both alike, so B_simple does not change; it is in
+tokens when ``end_step`` gets ``tokens`` (b = tokens / k per micro-batch), else in micro-batches.
+tr(Sigma) is in units of ``trainguard_grad_norm``^2 x those. DDP's averaging all-reduce is
+assumed (sharded gradients, as under FSDP, are not supported). Absent with one micro-batch on
+one rank.
+
 Host-device synchronisation happens only where a comment says ``SYNC``. The ``/metrics``
 collector and ``latest()`` read host values only (``latest()`` may wait for a report copy that is
 still in flight; that is its one sync point).
@@ -231,7 +243,10 @@ class Agent:
         self._server: MetricsServer | None = None
         if config.metrics_port is not None:
             port = config.metrics_port + self.local_rank if config.metrics_port else 0
-            self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
+            try:
+                self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
+            except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
+                self._error("metrics_server", exc)
 
         if config.controller is not None or config.skip_nonfinite:
             from trainer_agent.control import ControlPlane

@@ -49,7 +49,12 @@ class AgentConfig:
     update_ratio: UpdateRatioMode = "report"
     """When the weights before the step are snapshotted for ``update_ratio``/``effective_lr``:
     ``"report"`` on report steps only (one reusable buffer, cost amortised over
-    ``report_every``), ``"every"`` step, or ``"off"`` (no buffer, metrics absent)."""
+    ``report_every``), ``"every"`` step, or ``"off"`` (no buffer, metrics absent). The buffer
+    has the parameters' dtype: a bf16 copy would round W_before by ~4e-3 relative, more than a
+    typical update. On consecutive measured steps ``||W_before||`` is taken from the last
+    ``||W_after||`` when no parameter's version counter moved in between (writes through
+    ``p.data`` bypass that counter; if your loop writes weights that way between steps, use
+    ``"report"`` with ``report_every >= 2``, where two measured steps are never consecutive)."""
 
     grad_noise: bool = True
     """Estimate the gradient noise scale from micro-batch gradient norms (several backward passes

@@ -193,3 +193,19 @@ def test_data_monitor_gets_batches_and_bad_batches_are_counted() -> None:
         assert got["trainguard_agent_errors_total"] == 1
     finally:
         agent.close()
+
+
+def test_taken_port_is_counted_not_raised() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        agent = ta.attach(model, opt, job="j", run="r",
+                          config=ta.AgentConfig(metrics_port=taken.getsockname()[1], report_every=1))
+        try:
+            assert agent.metrics_url is None
+            tiny_loop(agent, model, opt, 1)
+            assert agent.latest()["trainguard_agent_errors_total"] == 1
+        finally:
+            agent.close()
