@@ -22,6 +22,7 @@ here with a large copy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -81,14 +82,16 @@ class NaiveMetrics:
         return out
 
 
-def bandwidth_gbs() -> float:
-    a = torch.randn(32 << 20)
+def bandwidth_gbs(device: torch.device, sync) -> float:
+    a = torch.randn(32 << 20, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
     times = []
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
         b.copy_(a)
+        sync()
         times.append(time.perf_counter() - t0)
     return 2 * a.numel() * 4 / min(times) / 1e9
 
@@ -100,11 +103,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: whole steps are then timed with a "
+                    "synchronize at their end (the agent's device work is asynchronous there)")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    base = GPT(vocab=8192, d=512, layers=6, seq=args.seq)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    base = GPT(vocab=8192, d=args.d_model, layers=args.layers, seq=args.seq).to(device)
     n = sum(p.numel() for p in base.parameters())
     variants = {
         "plain": None,
@@ -124,19 +135,24 @@ def main() -> None:
     def one_step(run: dict, ids: torch.Tensor, measure: bool) -> None:
         model, opt, agent, naive = run["model"], run["opt"], run["agent"], run["naive"]
         before = agent.overhead_seconds_total if agent else naive.seconds if naive else 0.0
+        sync()
         t0 = time.perf_counter()
-        loss = model.loss(ids)
+        with autocast:
+            loss = model.loss(ids)
         loss.backward()
         if naive:
             naive.before_step()
+        sync()
         t1 = time.perf_counter()
         opt.step()
+        sync()
         t2 = time.perf_counter()
         if naive:
             naive.after_step()
         opt.zero_grad()
         if agent:
             agent.end_step(loss, tokens=ids[:, 1:].numel())
+        sync()
         t3 = time.perf_counter()
         if measure:
             after = agent.overhead_seconds_total if agent else naive.seconds if naive else 0.0
@@ -146,7 +162,7 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(1)
     for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, 8192, (args.batch, args.seq + 1), generator=gen)
+        ids = torch.randint(0, 8192, (args.batch, args.seq + 1), generator=gen).to(device)
         for name, run in runs.items():
             if run["naive"] and i % 2:
                 continue  # the naive reference only every other round: it is a yardstick, and slow
@@ -154,21 +170,22 @@ def main() -> None:
 
     plain = statistics.median(runs["plain"]["step"])
     adamw = statistics.median(runs["plain"]["adamw"])
-    gbs = bandwidth_gbs()
+    gbs = bandwidth_gbs(device, sync)
     print(f"model {n / 1e6:.1f}M parameters, batch {args.batch}x{args.seq} tokens, {args.threads} thread(s), "
-          f"{args.steps} measured rounds after {args.warmup} warm-up")
+          f"{device.type}, {args.steps} measured rounds after {args.warmup} warm-up")
     print(f"plain step (median) {plain * 1e3:.0f} ms; AdamW optimizer.step() {adamw * 1e3:.1f} ms; "
           f"memory bandwidth (copy) {gbs:.1f} GB/s")
-    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s}   whole-step median")
+    print("cost/step: time inside the agent's sections" + (" (host time: the device work is asynchronous)" if cuda else ""))
+    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s}   whole-step median (vs plain)")
     for name, run in runs.items():
         if name == "plain":
             continue
         cost = run["cost"]
         cycle = run["agent"].config.report_every if run["agent"] else 1
-        whole = len(cost) // cycle * cycle
+        whole = len(cost) // cycle * cycle or len(cost)  # whole report intervals when there are any
         mean = sum(cost[:whole]) / whole
         print(f"{name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}% {mean / adamw:8.2f}   "
-              f"{statistics.median(run['step']) * 1e3:.0f} ms")
+              f"{statistics.median(run['step']) * 1e3:.0f} ms ({100 * (statistics.median(run['step']) / plain - 1):+.1f}%)")
     # Physical floor: bytes the metrics must touch (fp32 parameters, AdamW's two moments).
     # Every step the gradient norm reads the gradients (4n). A measured update ratio copies
     # W_before (read 4n + write 4n) and reads W_before and W_after again (8n); the parameter norm
