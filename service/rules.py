@@ -30,6 +30,7 @@ for T seconds).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -370,10 +371,11 @@ def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Finding:
     if len(vals) < rule.for_reports:
         return Finding(rule, False)
     cmp = _OPS[rule.op]
-    active = all(cmp(v, rule.value) for v in vals.tolist())
+    if not all(cmp(v, rule.value) for v in vals.tolist()):
+        return Finding(rule, False)
     last = float(vals[-1])
     return Finding(
-        rule, active,
+        rule, True,
         f"{rule.metric} = {last:.6g} {rule.op} {rule.value:g}" + (f" for {rule.for_reports} reports" if rule.for_reports > 1 else ""),
         {"metric": rule.metric, "value": _num(last), "threshold": rule.value, "op": rule.op, "values": [_num(v) for v in vals.tolist()]},
     )
@@ -388,6 +390,15 @@ def _median(x: np.ndarray) -> float:
     s = np.sort(x)
     n = len(s)
     return float(s[n // 2]) if n % 2 else 0.5 * (float(s[n // 2 - 1]) + float(s[n // 2]))
+
+
+@functools.lru_cache(maxsize=64)
+def _centred_steps(n: int) -> tuple[np.ndarray, float]:
+    """Report indices 0..n-1 minus their mean, and their sum of squares (least-squares slope)."""
+    t = np.arange(n, dtype=np.float64)
+    tc = t - t.mean()
+    tc.flags.writeable = False
+    return tc, float(np.dot(tc, tc))
 
 
 def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -405,31 +416,36 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
     if latest is None or not math.isfinite(latest):
         return Finding(rule, None if latest is None else False)
     hist = w.series(rule.metric, rule.window + 1)[:-1]
-    hist = hist[np.isfinite(hist)]
+    finite = np.isfinite(hist)
+    if not finite.all():
+        hist = hist[finite]
     if len(hist) < rule.min_history:
         return Finding(rule, None)
     if rule.baseline == "median":
         base = _median(hist)
-        scale = _MAD_TO_SIGMA * _median(np.abs(hist - base))
+        # The MAD is only needed for z-scores (an alert's values never show it in ratio mode).
+        scale = _MAD_TO_SIGMA * _median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan
     else:
         base, scale = _ema(hist, 2.0 / (rule.window + 1))
-    values: dict[str, Any] = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist)}
     if rule.mode == "ratio":
         if base <= 0 or latest <= 0:
             return Finding(rule, None)
         up, down = latest / base, base / latest
-        score = {"up": up, "down": down, "both": max(up, down)}[rule.direction]
-        values.update(ratio=score, limit=rule.ratio)
-        active = score >= rule.ratio
+        score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
+        if not score >= rule.ratio:
+            return Finding(rule, False)
+        extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
         summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
     else:
         scale = max(scale, 1e-12 * max(abs(base), 1.0))
         z = (latest - base) / scale
-        score = {"up": z, "down": -z, "both": abs(z)}[rule.direction]
-        values.update(zscore=z, scale=scale, limit=rule.z)
-        active = score >= rule.z
+        score = z if rule.direction == "up" else -z if rule.direction == "down" else abs(z)
+        if not score >= rule.z:
+            return Finding(rule, False)
+        extra = {"zscore": z, "scale": scale, "limit": rule.z}
         summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
-    return Finding(rule, active, summary, values)
+    values = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist), **extra}
+    return Finding(rule, True, summary, values)
 
 
 def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
@@ -445,7 +461,10 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
         hist = w.rank_history(vec, 1)
         if len(hist):
             seen = True
-            ranks = np.flatnonzero(~np.isfinite(hist[-1]))
+            finite = np.isfinite(hist[-1])
+            if finite.all():
+                continue
+            ranks = np.flatnonzero(~finite)
             if len(ranks):
                 bad[f"ranks.{vec}"] = {int(r): _num(float(hist[-1][r])) for r in ranks[:16].tolist()}
     if not seen:
@@ -459,27 +478,32 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
     if w.latest(rule.metric) is None:
         return Finding(rule, None)
     vals = w.series(rule.metric, rule.window)
-    if len(vals) < rule.window or not np.all(np.isfinite(vals)):
+    if len(vals) < rule.window or not np.isfinite(vals).all():
         return Finding(rule, None)
     n = len(vals)
     if rule.direction == "not_decreasing":
-        t = np.arange(n, dtype=np.float64)
-        slope = float(np.dot(t - t.mean(), vals - vals.mean()) / np.dot(t - t.mean(), t - t.mean()))
+        tc, tt = _centred_steps(n)
+        mean = vals.mean()
+        slope = float(np.dot(tc, vals - mean) / tt)
         fitted_drop = -slope * (n - 1)
-        need = rule.min_rel_change * abs(float(vals.mean()))
-        active = fitted_drop <= need
+        need = rule.min_rel_change * abs(float(mean))
+        if not fitted_drop <= need:
+            return Finding(rule, False)
         return Finding(
-            rule, active,
+            rule, True,
             f"{rule.metric} fell by {fitted_drop:.6g} over {n} reports (least squares; needs > {need:.6g})",
             {"metric": rule.metric, "slope_per_report": slope, "fitted_drop": fitted_drop, "required_drop": need, "window": n, "first": float(vals[0]), "last": float(vals[-1])},
         )
     first, last = float(vals[0]), float(vals[-1])
-    monotonic = bool(np.all(np.diff(vals) >= 0))
     growth = last - first
-    active = monotonic and growth > 0 and growth >= rule.min_rel_change * abs(first)
+    if not (growth > 0 and growth >= rule.min_rel_change * abs(first)):
+        return Finding(rule, False)
+    monotonic = bool((vals[1:] >= vals[:-1]).all())
+    if not monotonic:
+        return Finding(rule, False)
     return Finding(
-        rule, active,
-        f"{rule.metric} grew monotonically from {first:.6g} to {last:.6g} over {n} reports" if active else f"{rule.metric} not growing monotonically",
+        rule, True,
+        f"{rule.metric} grew monotonically from {first:.6g} to {last:.6g} over {n} reports",
         {"metric": rule.metric, "first": first, "last": last, "growth": growth, "monotonic": monotonic, "window": n},
     )
 
@@ -512,22 +536,39 @@ def _mismatch(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[s
     }
 
 
+def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
+    """Each row's verdict, as :func:`_spread` / :func:`_mismatch` give it; all rows at once when
+    every value is finite (the usual case), row by row otherwise."""
+    k, n = hist.shape
+    if n >= 2 and np.isfinite(hist).all():
+        s = np.sort(hist, axis=1)
+        med = s[:, n // 2] if n % 2 else 0.5 * (s[:, n // 2 - 1] + s[:, n // 2])
+        if rule.check == "spread":
+            judged = med > 0
+            hit = s[:, -1] / np.where(judged, med, 1.0) >= rule.ratio
+            return [bool(h) if j else None for h, j in zip(hit.tolist(), judged.tolist())]
+        tol = rule.rel_tol * np.maximum(np.abs(med), 1e-30)
+        return (np.abs(hist - med[:, None]) > tol[:, None]).any(axis=1).tolist()
+    check = _spread if rule.check == "spread" else _mismatch
+    return [check(rule, row)[0] for row in hist]
+
+
 def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
         return Finding(rule, None)
-    check = _spread if rule.check == "spread" else _mismatch
-    verdicts = [check(rule, row) for row in hist]
-    active_last, values = verdicts[-1]
-    if active_last is None:
+    verdicts = _row_verdicts(rule, hist)
+    if verdicts[-1] is None:
         return Finding(rule, None)
-    active = len(hist) >= rule.for_reports and all(v is True for v, _ in verdicts)
-    values = {"vector": rule.vector, "check": rule.check, **values}
+    if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
+        return Finding(rule, False)
+    check = _spread if rule.check == "spread" else _mismatch
+    values = {"vector": rule.vector, "check": rule.check, **check(rule, hist[-1])[1]}
     if rule.check == "spread":
         summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"
     else:
         summary = f"{values['differing']} rank(s) disagree on {rule.vector} (first: {values['ranks'][:8]}; rel. tolerance {rule.rel_tol:g})"
-    return Finding(rule, active, summary, values)
+    return Finding(rule, True, summary, values)
 
 
 def _absence(rule: AbsenceRule, w: RuleWindow, now: float) -> Finding:

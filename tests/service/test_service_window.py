@@ -1,0 +1,52 @@
+"""RunWindow against a naive reference: every report kept in a Python list, read back by loops."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from service.window import VECTORS, RunWindow
+
+
+def _same(a: list[float], b: np.ndarray) -> bool:
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b.tolist()))
+
+
+@pytest.mark.parametrize("capacity, rank_capacity, skip", [(8, 3, 0.0), (8, 3, 0.3), (5, 1, 0.5), (16, 4, 0.1)])
+def test_window_reads_match_a_naive_history(capacity: int, rank_capacity: int, skip: float) -> None:
+    rng = random.Random(capacity * 100 + rank_capacity)
+    world = 3
+    w = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world, created=0.0)
+    history: list[dict[str, float]] = []
+    rank_history: list[dict[str, list[float]]] = []
+    names = [f"m{i}" for i in range(20)]  # more than the initial 16 columns: the buffers grow
+    for step in range(60):
+        values = {n: rng.choice([rng.gauss(0, 1), math.nan, math.inf]) for n in names if rng.random() >= skip}
+        ranks = {v: [rng.gauss(0, 1) for _ in range(world)] for v in VECTORS if rng.random() >= skip}
+        w.append_raw(values, {k: np.asarray(v) for k, v in ranks.items()}, step, float(step))
+        history.append(values)
+        if ranks:
+            rank_history.append(ranks)
+        recent = history[-capacity:]
+        assert w.size == len(recent) and w.last_step == step and w.last_received == float(step)
+        for n in names + ["never"]:
+            want_latest = history[-1].get(n)
+            got = w.latest(n)
+            assert (got is None and want_latest is None) or _same([want_latest], np.asarray([got]))
+            carried = [r[n] for r in recent if n in r]
+            for last in (0, 1, 2, 3, capacity, capacity + 5):
+                want = carried[max(0, len(carried) - last):] if last else []
+                series = w.series(n, last)
+                assert _same(want, series), (n, last, want, series)
+                assert not series.flags.writeable  # rules read views of the buffers: never write through them
+        rrecent = rank_history[-rank_capacity:]
+        for v in VECTORS:
+            for last in (1, 2, rank_capacity, rank_capacity + 2):
+                rows = [r[v] for r in rrecent[len(rrecent) - min(last, len(rrecent)):] if v in r]
+                got = w.rank_history(v, last)
+                assert got.shape == (len(rows), world)
+                assert all(_same(a, b) for a, b in zip(rows, got))
+        assert w.latest_values().keys() == history[-1].keys()
