@@ -57,6 +57,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,6 +90,8 @@ RANK_FIELDS: tuple[str, ...] = (
 
 _NAME = TypeAdapter(Name)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
+_MAX_IN_FLIGHT = 4
 
 
 class _StepState:
@@ -207,6 +210,9 @@ class Agent:
         self.rank_values: dict[str, list[float]] = {}
         self.overhead_seconds_total = 0.0
         self._nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The first non-finite loss since the last report (0.0 while there was none), so that a NaN
+        # between two reports is still the loss the next report carries. Device scalar: no sync.
+        self._interval_bad_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._amp_skipped = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
@@ -215,7 +221,7 @@ class Agent:
         self._hook_norms: list[torch.Tensor] = []
         self._step_overhead = 0.0
         self._last_end = clock()
-        self._pending: _Report | None = None
+        self._pending: deque[_Report] = deque()  # reports in flight, oldest first
         self._published: dict[str, float] = {}
         self._data_values: dict[str, float] = {}
 
@@ -494,14 +500,16 @@ class Agent:
             finite = finite & torch.isfinite(grad_norm)
         self.step_finite_device = finite
         self._nonfinite_steps += (~finite).to(torch.float64)
+        bad = self._interval_bad_loss
+        self._interval_bad_loss = torch.where(torch.isfinite(bad) & ~torch.isfinite(loss_t), loss_t, bad)
 
-        published = self._publish(block=False)
+        published = self._publish()
         if self._is_report(step):
-            if self._pending is not None:
-                published = self._publish(block=True)  # SYNC: only when the last report is still in flight
-            self._pending = self._build_report(st, step, loss_t, grad_norm, duration, tokens, t0)
-            if self._pending.ready():
-                published = self._publish(block=False)
+            if len(self._pending) >= _MAX_IN_FLIGHT:
+                # SYNC: only when the device runs _MAX_IN_FLIGHT reports behind the host.
+                published = self._publish(block=True, limit=1) or published
+            self._pending.append(self._build_report(st, step, loss_t, grad_norm, duration, tokens, t0))
+            published = self._publish() or published
         return published
 
     def _build_report(self, st: _StepState, step: int, loss_t: torch.Tensor,
@@ -509,7 +517,10 @@ class Agent:
                       t0: float) -> _Report:
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
         host: dict[str, float] = {"trainguard_step": float(step)}
-        dev["trainguard_loss"] = loss_t
+        # A non-finite loss anywhere in the interval is the interval's loss (see _interval_bad_loss).
+        bad = self._interval_bad_loss
+        dev["trainguard_loss"] = torch.where(torch.isfinite(bad), loss_t, bad)
+        self._interval_bad_loss = torch.zeros_like(bad)
         dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
@@ -640,13 +651,18 @@ class Agent:
 
     # ------------------------------------------------------------------ publication
 
-    def _publish(self, block: bool) -> dict[str, float]:
-        """Turn the report in flight into host values once its copy has completed (or, with
-        ``block``, wait for it). Returns the published values, or {} when nothing was published."""
-        report = self._pending
-        if report is None or not (block or report.ready()):
-            return {}
-        self._pending = None
+    def _publish(self, block: bool = False, limit: int | None = None) -> dict[str, float]:
+        """Turn the reports in flight whose copies have completed into host values, oldest
+        first; with ``block``, wait for the oldest ``limit`` (default: all) of them. Returns the
+        newest published values, or {} when nothing was published."""
+        published: dict[str, float] = {}
+        waits = len(self._pending) if limit is None else limit
+        while self._pending and ((block and waits > 0) or self._pending[0].ready()):
+            waits -= 1
+            published = self._publish_one(self._pending.popleft())
+        return published
+
+    def _publish_one(self, report: _Report) -> dict[str, float]:
         if report.event is not None:
             report.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
         flat = report.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read

@@ -42,30 +42,61 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
     return stacked * stacked
 
 
+#: Bytes of temporaries one bucket of the on-device non-finite count may allocate.
+_SCAN_BUCKET_BYTES = 64 << 20
+
+
 def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device,
-                    sq: torch.Tensor | None = None) -> torch.Tensor:
+                    sq: torch.Tensor | None = None, *, scan: str = "auto") -> torch.Tensor:
     """Number of NaN/Inf elements over the floating-point ``tensors`` (float64 scalar on
     ``device``; ``None`` entries count 0). ``sq``: their squared norms from ``sq_norms``, if
-    already computed.
+    already computed (CPU only).
 
-    A tensor holds a non-finite element exactly when its norm is non-finite (a norm can also
-    overflow to inf; the count then finds 0 there). On the CPU, where reading a tensor is not a
-    device synchronisation, only tensors with a non-finite norm are scanned, so the common case
-    costs one fused norm pass instead of an isfinite pass per tensor. On an accelerator every
-    tensor is scanned on the device, since choosing would need a host read.
+    ``scan="suspects"`` (the default on the CPU, where reading a tensor is no device sync): a
+    tensor holds a non-finite element exactly when its norm is non-finite (a norm can also
+    overflow to inf; the count then finds 0 there), so only tensors with a non-finite norm are
+    scanned and the common case costs one fused norm pass. ``scan="device"`` (the default on an
+    accelerator, where choosing would need a host read): every tensor is scanned on the device
+    with two fused launches per bucket of at most 64 MiB — ``t * 0`` is NaN exactly where ``t``
+    is not finite, and its ord-0 norm counts those. Tensors on the CPU (e.g. AdamW's ``step``
+    scalars) are counted on the host and added as a number: no copy to the device.
     """
-    if sq is None:
-        tensors = [t for t in tensors if t is not None and t.is_floating_point()]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    if device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+    if scan == "auto":
+        scan = "suspects" if device.type == "cpu" else "device"
+    if scan not in ("suspects", "device"):
+        raise ValueError(f"scan must be 'auto', 'suspects' or 'device', got {scan!r}")
+    if scan == "suspects":
         if sq is None:
+            tensors = [t for t in tensors if t is not None and t.is_floating_point()]
             sq = sq_norms(tensors, device)
-        # CPU tensor: .tolist() reads host memory, no device involved.
-        tensors = [t for t, ok in zip(tensors, torch.isfinite(sq).tolist()) if not ok]
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
-    return total
+        # sq lives on the CPU here: .tolist() reads host memory, no device involved.
+        flagged = [t for t, ok in zip(tensors, torch.isfinite(sq).tolist()) if not ok]
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for t in flagged:
+            if t is not None and t.is_floating_point():
+                total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
+        return total
+    on_device = [t for t in tensors if t is not None and t.is_floating_point() and t.device == device]
+    on_host = [t for t in tensors if t is not None and t.is_floating_point() and t.device.type == "cpu"
+               and t.device != device]
+    others = [t for t in tensors if t is not None and t.is_floating_point()
+              and t.device != device and t.device.type != "cpu"]
+    counts = [torch.zeros((), dtype=torch.float32, device=device)]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in [*on_device, None]:
+        if t is not None:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
+            nan_where_bad = torch._foreach_mul(bucket, 0.0)
+            counts.extend(torch._foreach_norm(nan_where_bad, 0, dtype=torch.float32))
+            bucket, size = [], 0
+    for t in others:  # parameters on another accelerator: an asynchronous device-to-device copy
+        counts.append((~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True))
+    total = torch.stack(counts).to(torch.float64).sum()
+    host_count = sum(int((~torch.isfinite(t)).sum()) for t in on_host)  # CPU tensors: no device read
+    return total + host_count if host_count else total
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:

@@ -439,3 +439,25 @@ def test_nonfinite_count_scans_only_what_it_must() -> None:
     b_simple, trace = stats.noise_scale(torch.tensor(10.0), torch.tensor(4.0), 4, 2.0)
     # |G|^2 = (4*4 - 10)/3 = 2; tr(S) = 2*4*(10-4)/3 = 16; B = 8.
     assert (float(b_simple), float(trace)) == (8.0, 16.0)
+
+
+def test_nonfinite_count_device_scan_path() -> None:
+    """The accelerator path (fused scan of every tensor, in buckets), run on the CPU."""
+    from trainer_agent import stats
+
+    cpu = torch.device("cpu")
+    tensors = [torch.ones(5), torch.tensor([1.0, math.nan, math.inf, -math.inf]), None,
+               torch.full((4,), 1e30), torch.tensor([math.nan], dtype=torch.float16), torch.arange(3)]
+    assert float(stats.nonfinite_count(tensors, cpu, scan="device")) == 4
+    assert float(stats.nonfinite_count(tensors, cpu, scan="suspects")) == 4
+    assert float(stats.nonfinite_count([torch.ones(3)], cpu, scan="device")) == 0
+    with pytest.raises(ValueError):
+        stats.nonfinite_count(tensors, cpu, scan="sometimes")
+
+
+def test_nonfinite_count_device_scan_in_small_buckets(monkeypatch) -> None:
+    from trainer_agent import stats
+
+    monkeypatch.setattr(stats, "_SCAN_BUCKET_BYTES", 8)  # one tensor per bucket
+    tensors = [torch.tensor([math.nan, 1.0]), torch.ones(3), torch.tensor([math.inf, -math.inf, 2.0])]
+    assert float(stats.nonfinite_count(tensors, torch.device("cpu"), scan="device")) == 3
