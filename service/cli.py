@@ -243,6 +243,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``demo`` and ``dashboards build`` own their options: hand them everything after the name
+    # (argparse.REMAINDER does not take options that come first).
+    if argv[:1] == ["demo"]:
+        from trainer_agent.demo import main as demo_main
+
+        return int(demo_main(argv[1:]) or 0)
+    if argv[:2] == ["dashboards", "build"]:
+        from dashboards.build import main as build_main
+
+        return int(build_main(argv[2:]) or 0)
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

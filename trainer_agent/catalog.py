@@ -58,7 +58,7 @@ def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricS
 #: Step metrics (measured around ``optimizer.step()`` and in ``end_step``).
 STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_step", "steps", "Optimizer steps completed (the step number of the last end_step)."),
-    _g("trainguard_loss", "1", "Loss passed to end_step at the last step (NaN/Inf reported as is)."),
+    _g("trainguard_loss", "1", "Loss passed to end_step at the last reported step; when a step since the previous report had a non-finite loss, the first such value instead (a NaN between reports is never lost)."),
     _g("trainguard_grad_norm", "1", "Global L2 norm of all gradients before clipping: sqrt(sum_p ||g_p||^2); for an accumulated step, of the accumulated gradient."),
     _g("trainguard_param_norm", "1", "Global L2 norm of the trainable parameters after the step: sqrt(sum_p ||W_p||^2)."),
     _g("trainguard_param_scale", "1", "Root mean square of the trainable parameters: ||W|| / sqrt(n), n = number of trainable elements; comparable across model sizes."),

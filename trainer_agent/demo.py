@@ -135,8 +135,9 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = 10
     # A schedule that "does not fit the optimizer" for a while: the seed's opening story.
+    # LambdaLR's argument is the number of steps taken: the LR of step s + 1.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s + 1))
     corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
     window = 32 * cfg.batch_size  # sequences: about 32 steps, so the monitor reacts within the demo
     monitor = ta.DataMonitor(VOCAB_SIZE, special_ids=CONTROL_BYTE_IDS, window=window,
@@ -149,13 +150,13 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
                               layer_depth=2),
     )
     log: list[dict[str, Any]] = []
-    step = 0
+    step = 0  # steps completed; the step being trained is step + 1, the agent's numbering
     try:
         while step < cfg.steps and not agent.should_stop:
-            ids, mask = corpus.batch(step, rank, faults)
+            ids, mask = corpus.batch(step + 1, rank, faults)
             agent.observe_batch(ids, mask)
             loss = _ddp_loss(ddp, ids, mask)
-            if step == faults.nan_step and rank == cfg.world_size - 1:
+            if step + 1 == faults.nan_step and rank == cfg.world_size - 1:
                 loss = loss * float("nan")  # the injected fault: one rank's loss turns NaN
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -325,7 +326,7 @@ def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> Non
                     _say(cfg, f"  >> generation {ev['generation']} by {ev['actor']}: {_changes(desired, new)}")
                     desired = new
                     paused_since = time.monotonic() if new["paused"] else None
-                elif ev["kind"] == "ack":
+                elif ev["kind"] == "applied":
                     _say(cfg, f"  ok generation {ev['generation']} applied on every rank at step {ev['data'].get('step')}")
             if paused_since is not None and time.monotonic() - paused_since >= cfg.resume_after_s:
                 if not ctl.operator_token:
@@ -348,7 +349,7 @@ def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dic
         events = http.get(f"/v1/runs/{run}/events", params={"limit": 5000}).json()
     applied: dict[int, int] = {}
     for ev in events:
-        if ev["kind"] == "ack":
+        if ev["kind"] == "applied":
             applied.setdefault(ev["generation"], ev["data"].get("step"))
     alerts, actions = [], []
     before: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False}
