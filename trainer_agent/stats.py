@@ -33,9 +33,11 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
     present = [t for t in tensors if t is not None]
     norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else ())
     zero = torch.zeros((), dtype=torch.float32, device=device) if len(present) < len(tensors) else None
-    # .to(device) is a no-op for tensors already on `device`; for parameters spread over several
-    # devices it is an asynchronous device-to-device copy (no host sync).
-    column = [zero if t is None else next(norms).to(device, non_blocking=True) for t in tensors]
+    if zero is None and all(t.device == device for t in present):
+        column = list(norms)  # the common case, without a Python call per tensor
+    else:
+        # For parameters spread over several devices: asynchronous device-to-device copies.
+        column = [zero if t is None else next(norms).to(device, non_blocking=True) for t in tensors]
     if not column:
         return torch.zeros(0, dtype=torch.float64, device=device)
     stacked = torch.stack(column).to(torch.float64)
