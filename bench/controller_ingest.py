@@ -184,6 +184,13 @@ def _server_latency(metrics_text: str) -> tuple[float, float, list[tuple[float, 
     return total, count, buckets
 
 
+def _commits(metrics_text: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith("trainguard_controller_store_commits_total "):
+            return float(line.split()[1])
+    return math.nan
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=200, help="runs registered (reports go round-robin)")
@@ -237,6 +244,8 @@ def main() -> int:
                     for i in range(args.clients)]
             with mp.get_context("spawn").Pool(args.clients) as pool:
                 pending = pool.map_async(_client_proc, jobs)
+                with httpx.Client(base_url=url, timeout=30) as c:
+                    commits0 = _commits(c.get("/metrics").text)
                 while time.time() < start_at:
                     time.sleep(0.01)
                 cpu0 = _cpu_seconds(server.pid)
@@ -244,15 +253,16 @@ def main() -> int:
             cpu = _cpu_seconds(server.pid) - cpu0
             with httpx.Client(base_url=url, timeout=30) as c:
                 metrics = c.get("/metrics").text
+                commits = _commits(metrics) - commits0
                 alerts = len(c.get("/v1/alerts", params={"limit": 1000}).json())
         finally:
             server.terminate()
             server.wait(30)
-    _print(args, results, cpu, metrics, alerts)
+    _print(args, results, cpu, metrics, alerts, commits)
     return 0
 
 
-def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: str, alerts: int) -> None:
+def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: str, alerts: int, commits: float) -> None:
     lat = sorted(x for r in results for x in r[0])
     errors = sum(r[1] for r in results)
     first_error = next((r[2] for r in results if r[2]), "")
@@ -275,6 +285,7 @@ def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: 
     print(f"  load generator   {client_cpu / n * 1e6:.0f} us CPU per report")
     s_sum, s_count, buckets = _server_latency(metrics)
     s_p99 = next((le for le, k in buckets if k >= 0.99 * s_count), math.nan)
+    print(f"  group commit     {len(lat) / max(commits, 1):.1f} reports per SQLite transaction ({commits:.0f} commits)")
     print(f"  server ingest    mean {s_sum / max(s_count, 1) * 1e3:.3f} ms, p99 <= {s_p99 * 1e3:g} ms "
           "(controller histogram: parse + rules + commit, excludes HTTP)")
 

@@ -160,6 +160,29 @@ MIGRATIONS: tuple[str, ...] = (
         bound_at REAL NOT NULL
     );
     """,
+    # 2: reports in an ordinary rowid table. A report row is ~3.5 KB (values JSON + per-rank
+    # vectors); in a WITHOUT ROWID table such rows live in the primary-key b-tree and spill into
+    # overflow pages, which made an insert cost ~2-3x more (measured 35-56 vs 11-27 us).
+    """
+    CREATE TABLE reports_v2 (
+        run_id INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        step_first INTEGER NOT NULL,
+        step_last INTEGER NOT NULL,
+        time REAL NOT NULL,
+        received REAL NOT NULL,
+        applied_generation INTEGER NOT NULL,
+        vals TEXT NOT NULL,
+        ranks_mask INTEGER NOT NULL,
+        ranks BLOB,
+        PRIMARY KEY (run_id, seq)
+    );
+    INSERT INTO reports_v2 (run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks)
+        SELECT run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks FROM reports ORDER BY run_id, seq;
+    DROP TABLE reports;
+    ALTER TABLE reports_v2 RENAME TO reports;
+    CREATE INDEX reports_received ON reports(received);
+    """,
 )
 
 
@@ -376,9 +399,12 @@ class Store:
 # -- statements --------------------------------------------------------------------------------
 # Every SQL statement of the controller lives below; each function takes the connection that the
 # writer (or a reader) hands it.
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call with these options
+
+
 def dumps_json(value: Any) -> str:
     """JSON text for a column; NaN/Inf written as Python's NaN/Infinity tokens (json reads them)."""
-    return json.dumps(value, separators=(",", ":"))
+    return _JSON.encode(value)
 
 
 def insert_run(conn: sqlite3.Connection, *, run: str, job: str, world_size: int, ranks: list[dict[str, Any]],

@@ -1,0 +1,62 @@
+"""A database written by schema version 1 (reports WITHOUT ROWID) is migrated at start-up and
+nothing is lost: the reports, and the windows and runs rebuilt from them."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+from fastapi.testclient import TestClient
+
+from service import store as sql
+from service.app import create_app
+from service.config import Settings
+from service.store import MIGRATIONS, Store
+from service.window import VECTORS
+from service.wire import Report
+
+
+def _v1_database(path: Path) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    for stmt in MIGRATIONS[0].split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+    conn.execute("PRAGMA user_version=1")
+    conn.execute("BEGIN")
+    run_id = sql.insert_run(conn, run="old-run", job="old-job", world_size=2, ranks=[], agent_version="v1", config={}, now=100.0)
+    values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm": 1.0 + i} for i in range(5)]
+    values[-1]["trainguard_loss"] = math.nan
+    for i, v in enumerate(values):
+        report = Report(job="old-job", step_first=10 * i, step_last=10 * i + 9, time=200.0 + i, values=v)
+        ranks = {"loss": np.array([1.0 * i, 2.0 * i])}
+        sql.insert_report(conn, run_id, i + 1, report, 300.0 + i, ranks, VECTORS)
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    _v1_database(db)
+    Store(db).close()  # migrates
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 2
+    ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
+    assert "WITHOUT ROWID" not in ddl.upper()
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='reports'")}
+    assert "reports_received" in indexes
+    rows = conn.execute("SELECT seq, step_last, received, ranks FROM reports ORDER BY seq").fetchall()
+    assert [(r[0], r[1], r[2]) for r in rows] == [(i + 1, 10 * i + 9, 300.0 + i) for i in range(5)]
+    assert np.frombuffer(rows[3][3]).tolist() == [3.0, 6.0]
+    conn.close()
+    with TestClient(create_app(Settings(db=db))) as c:
+        st = c.get("/v1/runs/old-run").json()
+        assert st["reports"] == 5 and st["last_step"] == 49 and st["last_report_at"] == 304.0
+        assert st["last_values"] == {"trainguard_loss": "NaN", "trainguard_grad_norm": 5.0}
+        # New reports continue the sequence after the migrated ones.
+        body = {"job": "old-job", "step_first": 50, "step_last": 50, "time": 1.0, "values": {"trainguard_loss": 1.0}}
+        assert c.post("/v1/runs/old-run/reports", json=body).status_code == 200
+        assert c.get("/v1/runs/old-run").json()["reports"] == 6
+    seqs = [r[0] for r in sqlite3.connect(db).execute("SELECT seq FROM reports ORDER BY seq")]
+    assert seqs == [1, 2, 3, 4, 5, 6]
