@@ -342,6 +342,7 @@ class Controller:
         self.metrics.evaluations.inc(len(rules))
         run_id = st.id
         if not outcome.fired and not outcome.resolved:
+            self._count_suppressed(outcome)
             await self.store.submit(lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS), single_statement=True)
         else:
             await self._commit_outcome(st, outcome, now, lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS))
@@ -349,11 +350,15 @@ class Controller:
         names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode()
         return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
 
+    def _count_suppressed(self, outcome: Outcome) -> None:
+        """Findings a cooldown or cap held back (they may come with nothing else to commit)."""
+        for f, why in outcome.suppressed:
+            self.metrics.suppressed.labels(f.rule.name, why).inc()
+
     async def _commit_outcome(self, st: RunState, outcome: Outcome, now: float, extra: Callable[[sqlite3.Connection], Any] | None = None) -> None:
         """Write the alerts, desired-state changes, events and outbox rows of ``outcome`` in one
         transaction, then publish them."""
-        for f, why in outcome.suppressed:
-            self.metrics.suppressed.labels(f.rule.name, why).inc()
+        self._count_suppressed(outcome)
         if not outcome.fired and not outcome.resolved:
             if extra is not None:
                 await self.store.submit(extra)
