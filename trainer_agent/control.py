@@ -182,7 +182,7 @@ class ControlPlane:
 
         self._saved_lrs: list[Any] | None = None
         self._last_summary: dict[str, float] = {}
-        self._last_reported_step = 0
+        self._last_reported_step = int(agent.step)
         self._broken = False
         self._closed = False
 
@@ -296,6 +296,7 @@ class ControlPlane:
             self._generation, self._lr_scale = generation, lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
         self._skipped = skipped
+        self._last_reported_step = int(self._agent.step)  # the agent restores its step first
 
     def close(self, timeout: float = 5.0) -> bool:
         """Unwrap the optimizer, flush and stop the client within ``timeout`` seconds, and

@@ -255,12 +255,14 @@ def test_state_dict_round_trip_and_bad_input() -> None:
         agent = _attach(model, opt, ctl)
         agent.load_state_dict({**agent.state_dict(), "control": {**state, "applied_generation": 4}})
         assert agent.state_dict()["control"] == {**state, "applied_generation": 4}
+        agent.load_state_dict({**agent.state_dict(), "step": 100})  # a restart at step 100
         ctl.command(RUN, lr_scale=2.0)  # generation 1 < 4 from the checkpoint: never goes backwards
         _wait_seen(agent, 1)
         model(_batch(1)).sum().backward()
         opt.step()
         agent.end_step(1.0)
         assert agent.control.lr_scale == 0.5 and agent.control.applied_generation == 4
+        assert until(lambda: [(r.step_first, r.step_last) for r in ctl.reports] == [(101, 101)])
         with pytest.raises(ValueError, match="control state"):
             agent.control.load_state_dict({"lr_scale": 0.0, "applied_generation": 1, "checkpoint_seq": 0,
                                            "skipped_steps_total": 0})
