@@ -58,6 +58,7 @@ import os
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -222,6 +223,7 @@ class Agent:
         self._step_overhead = 0.0
         self._last_end = clock()
         self._pending: deque[_Report] = deque()  # reports in flight, oldest first
+        self._layer_keys: dict[str, list[str]] = {}
         self._published: dict[str, float] = {}
         self._data_values: dict[str, float] = {}
 
@@ -259,7 +261,11 @@ class Agent:
 
             # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
             # controller holds paused waits in here, before its first step, with /metrics served.
-            self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint, on_error=self._error)
+            try:
+                self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint, on_error=self._error)
+            except BaseException:
+                self.close()  # a refused configuration leaves no hooks, thread or port behind
+                raise
 
     # ------------------------------------------------------------------ setup
 
@@ -516,6 +522,7 @@ class Agent:
                       grad_norm: torch.Tensor | None, duration: float, tokens: int | None,
                       t0: float) -> _Report:
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
+        vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
         host: dict[str, float] = {"trainguard_step": float(step)}
         # A non-finite loss anywhere in the interval is the interval's loss (see _interval_bad_loss).
         bad = self._interval_bad_loss
@@ -560,7 +567,7 @@ class Agent:
         host.update(self._memory())
 
         if self._per_layer:
-            self._layer_metrics(st, param_sq, dev)
+            self._layer_metrics(st, param_sq, vectors)
 
         micro_count = len(st.micro_sq)
         micro_sum = (torch.stack(st.micro_sq).sum() if st.micro_sq
@@ -589,7 +596,10 @@ class Agent:
             dev["trainguard_grad_variance"] = trace
 
         keys = list(dev)
-        pieces = [dev[k].reshape(1).to(torch.float64) for k in keys]
+        pieces = [torch.stack([dev[k].reshape(()).to(torch.float64) for k in keys])]
+        for vector_keys, values in vectors:
+            keys += vector_keys
+            pieces.append(values.to(torch.float64))
         if gathered is not None:
             pieces.append(gathered.reshape(-1))
         ranks = self.world_size if gathered is not None else 0
@@ -602,12 +612,15 @@ class Agent:
             return _Report(step, keys, buffer, event, host, ranks)
         return _Report(step, keys, vec, None, host, ranks)
 
-    def _layer_metrics(self, st: _StepState, param_sq: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
+    def _layer_metrics(self, st: _StepState, param_sq: torch.Tensor,
+                       vectors: list[tuple[list[str], torch.Tensor]]) -> None:
         n = len(self.layers)
 
         def add(metric: str, values: torch.Tensor) -> None:
-            for i, layer in enumerate(self.layers):
-                dev[sample_key(metric, layer=layer)] = values[i]
+            keys = self._layer_keys.get(metric)
+            if keys is None:
+                keys = self._layer_keys[metric] = [sample_key(metric, layer=layer) for layer in self.layers]
+            vectors.append((keys, values))
 
         if st.grad_sq is not None:
             g = stats.segment_sum(st.grad_sq, self._layer_ids, n).sqrt()
@@ -837,8 +850,6 @@ def attach(
     elif not isinstance(config, AgentConfig):
         raise ValueError(f"config must be an AgentConfig, got {type(config).__name__}")
     if controller is not None or token is not None:
-        from dataclasses import replace
-
         config = replace(config, controller=controller if controller is not None else config.controller,
                          token=token if token is not None else config.token)
     if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
