@@ -89,3 +89,4 @@ def test_ddp_noise_scale_and_rank_values(tmp_path) -> None:
         assert out[r]["latest"]["trainguard_step"] == 2
     assert out[0]["url"] != out[1]["url"]
     assert 'trainguard_layer_grad_norm{layer="0"}' in got  # "module." of DDP is not a layer
+    assert not any("layer=" in k for k in out[1]["latest"])  # per_layer="rank0" by default

@@ -108,7 +108,7 @@ def test_per_layer_off_and_no_server() -> None:
     try:
         tiny_loop(agent, model, opt, 2)
         got = agent.latest()
-        assert agent.metrics_url is None
+        assert agent.metrics_url is None and agent.should_stop is False
         assert not any("layer" in k for k in got)
         assert "trainguard_update_ratio" not in got and "trainguard_effective_lr" not in got
         assert got["trainguard_step"] == 2

@@ -461,3 +461,22 @@ def test_nonfinite_count_device_scan_in_small_buckets(monkeypatch) -> None:
     monkeypatch.setattr(stats, "_SCAN_BUCKET_BYTES", 8)  # one tensor per bucket
     tensors = [torch.tensor([math.nan, 1.0]), torch.ones(3), torch.tensor([math.inf, -math.inf, 2.0])]
     assert float(stats.nonfinite_count(tensors, torch.device("cpu"), scan="device")) == 3
+
+
+def test_device_values_for_the_control_plane(model: Net) -> None:
+    """grad_norm_device holds the pre-clip norm when optimizer.step() starts; loss_device and
+    step_finite_device describe the last end_step; rank_values has this rank's values."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = attach(model, opt, report_every=1)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append(float(agent.grad_norm_device)))
+    try:
+        records = train(agent, model, opt, 1, clip=1e-3)
+        assert seen[0] == pytest.approx(reference(records[-1])["trainguard_grad_norm"], rel=RTOL)
+        assert agent.grad_norm_device is None  # reset for the next step
+        assert float(agent.loss_device) == pytest.approx(records[-1].loss, rel=1e-6)
+        assert bool(agent.step_finite_device)
+        assert agent.rank_values["loss"] == [pytest.approx(records[-1].loss, rel=1e-6)]
+        assert agent.rank_values["grad_norm"] == [pytest.approx(seen[0], rel=1e-9)]
+    finally:
+        agent.close()
