@@ -97,7 +97,11 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     for t in others:  # parameters on another accelerator: an asynchronous device-to-device copy
         counts.append((~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True))
     total = torch.stack(counts).to(torch.float64).sum()
-    host_count = sum(int((~torch.isfinite(t)).sum()) for t in on_host)  # CPU tensors: no device read
+    if not on_host:
+        return total
+    # CPU tensors (e.g. AdamW's step counters, offloaded state): counted on the host, where a
+    # read is no device sync, and added as a number.
+    host_count = float(nonfinite_count(on_host, torch.device("cpu"), scan="suspects"))
     return total + host_count if host_count else total
 
 
