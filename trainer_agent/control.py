@@ -527,10 +527,12 @@ class ControlPlane:
         log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
 
     def _next_leader_state(self) -> DesiredState | None:
-        if self._client is None:
+        """The controller's next generation, or None after a short wait without one."""
+        d = self._client.wait_desired(self._generation, timeout=0.25) if self._client is not None else None
+        if d is None or d.generation <= self._generation:
+            time.sleep(self._pause_poll_s)  # never spin (e.g. the client is closing)
             return None
-        d = self._client.wait_desired(self._generation, timeout=0.25)
-        return d if d is not None and d.generation > self._generation else None
+        return d
 
     def _next_published_state(self, episode: int, i: int) -> DesiredState | None:
         key = f"pause/{episode}/{i}"
