@@ -347,7 +347,7 @@ class Controller:
         else:
             await self._commit_outcome(st, outcome, now, lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS))
         self.metrics.reports.inc()
-        names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode()
+        names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode() if outcome.fired else b"[]"
         return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
 
     def _count_suppressed(self, outcome: Outcome) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
+import pydantic_core
 
 __all__ = ["Store", "StoreError", "MIGRATIONS"]
 
@@ -398,6 +399,12 @@ def dumps_json(value: Any) -> str:
     return _JSON.encode(value)
 
 
+def dumps_values(values: dict[str, float]) -> str:
+    """A report's values as JSON text, like :func:`dumps_json` (NaN/Infinity tokens) but ~10x
+    faster: the ingest path writes one per report."""
+    return pydantic_core.to_json(values, inf_nan_mode="constants").decode()
+
+
 def insert_run(conn: sqlite3.Connection, *, run: str, job: str, world_size: int, ranks: list[dict[str, Any]],
                agent_version: str, config: dict[str, Any], now: float) -> int:
     cur = conn.execute(
@@ -437,7 +444,7 @@ def insert_report(conn: sqlite3.Connection, run_id: int, seq: int, report: Any, 
         "INSERT INTO reports (run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks)"
         " VALUES (?,?,?,?,?,?,?,?,?,?)",
         (run_id, seq, report.step_first, report.step_last, report.time, received, report.applied_generation,
-         dumps_json(report.values), mask, blob),
+         dumps_values(report.values), mask, blob),
     )
 
 

@@ -1,8 +1,10 @@
-"""A database written by schema version 1 (reports WITHOUT ROWID) is migrated at start-up and
-nothing is lost: the reports, and the windows and runs rebuilt from them."""
+"""The store: a database written by schema version 1 (reports WITHOUT ROWID) is migrated at
+start-up and nothing is lost; report values keep every float (NaN/Inf included) through the
+database's JSON."""
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 from pathlib import Path
@@ -26,7 +28,7 @@ def _v1_database(path: Path) -> None:
     conn.execute("PRAGMA user_version=1")
     conn.execute("BEGIN")
     run_id = sql.insert_run(conn, run="old-run", job="old-job", world_size=2, ranks=[], agent_version="v1", config={}, now=100.0)
-    values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm": 1.0 + i} for i in range(5)]
+    values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm_max": 1.0 + i} for i in range(5)]
     values[-1]["trainguard_loss"] = math.nan
     for i, v in enumerate(values):
         report = Report(job="old-job", step_first=10 * i, step_last=10 * i + 9, time=200.0 + i, values=v)
@@ -53,10 +55,22 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(db=db))) as c:
         st = c.get("/v1/runs/old-run").json()
         assert st["reports"] == 5 and st["last_step"] == 49 and st["last_report_at"] == 304.0
-        assert st["last_values"] == {"trainguard_loss": "NaN", "trainguard_grad_norm": 5.0}
+        assert st["last_values"] == {"trainguard_loss": "NaN", "trainguard_grad_norm_max": 5.0}
         # New reports continue the sequence after the migrated ones.
         body = {"job": "old-job", "step_first": 50, "step_last": 50, "time": 1.0, "values": {"trainguard_loss": 1.0}}
         assert c.post("/v1/runs/old-run/reports", json=body).status_code == 200
         assert c.get("/v1/runs/old-run").json()["reports"] == 6
     seqs = [r[0] for r in sqlite3.connect(db).execute("SELECT seq FROM reports ORDER BY seq")]
     assert seqs == [1, 2, 3, 4, 5, 6]
+
+
+def test_report_values_round_trip_through_their_json() -> None:
+    values = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "tiny": 5e-324, "big": 1.7976931348623157e308,
+              "third": 1 / 3, "neg0": -0.0, "int_like": 4e10, "unicodé": 1.5}
+    text = sql.dumps_values(values)
+    assert isinstance(text, str)
+    back = json.loads(text)
+    assert back.keys() == values.keys()
+    for k, v in values.items():
+        assert (math.isnan(v) and math.isnan(back[k])) or (back[k] == v and math.copysign(1, back[k]) == math.copysign(1, v)), k
+    assert json.loads(sql.dumps_json(values)).keys() == back.keys()  # the same text format the other columns use
