@@ -7,7 +7,7 @@ starts ``--clients`` load generator processes. Each opens ``--connections`` keep
 connections (raw asyncio streams, uvloop when installed) and posts pre-serialised requests
 round-robin over the runs, one request in flight per connection, reading every full response and
 checking its status, until ``--reports`` were sent or ``--seconds`` passed. Every report carries
-27 job-level values and the five per-rank vectors (~8 KB of JSON), so each request pays for
+28 job-level values and the five per-rank vectors (~8 KB of JSON), so each request pays for
 parsing, the ring buffer, every default rule and the group-committed SQLite write.
 
 Two modes: closed loop (default: each connection sends its next request as soon as the answer
@@ -51,7 +51,7 @@ _LOOPBACK = "127.0.0.1"
 def _values(rng: random.Random, step: int) -> dict[str, float]:
     return {
         "trainguard_step": float(step), "trainguard_loss": 3.0 * math.exp(-step / 5000) + rng.gauss(0, 0.01),
-        "trainguard_grad_norm": 1.0 + abs(rng.gauss(0, 0.05)), "trainguard_param_norm": 1000.0, "trainguard_param_scale": 0.02,
+        "trainguard_grad_norm": 1.0 + abs(rng.gauss(0, 0.05)), "trainguard_grad_norm_max": 1.1 + abs(rng.gauss(0, 0.05)), "trainguard_param_norm": 1000.0, "trainguard_param_scale": 0.02,
         "trainguard_update_ratio": 1e-3, "trainguard_effective_lr": 3e-4, "trainguard_grad_noise_scale": 1200.0,
         "trainguard_grad_variance": 2.0, "trainguard_nonfinite_grads": 0.0, "trainguard_optimizer_state_nonfinite": 0.0,
         "trainguard_loss_scale": 65536.0, "trainguard_step_duration_seconds": 0.5, "trainguard_tokens_per_second": 1.2e5,

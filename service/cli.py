@@ -81,8 +81,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"trainguard controller listening on http://{shown}:{port} (db {settings.db})", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, workers=1)
+    # Listen before saying so: connections made right after the line below wait in the backlog
+    # until the app has started, instead of being refused.
+    sock.listen(config.backlog)
+    print(f"trainguard controller listening on http://{shown}:{port} (db {settings.db})", flush=True)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
