@@ -214,6 +214,8 @@ class Agent:
         # The first non-finite loss since the last report (0.0 while there was none), so that a NaN
         # between two reports is still the loss the next report carries. Device scalar: no sync.
         self._interval_bad_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The largest finite gradient norm since the last report: a spike between reports is kept.
+        self._interval_grad_max = torch.zeros((), dtype=torch.float64, device=self.device)
         self._amp_skipped = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
@@ -508,6 +510,9 @@ class Agent:
         self._nonfinite_steps += (~finite).to(torch.float64)
         bad = self._interval_bad_loss
         self._interval_bad_loss = torch.where(torch.isfinite(bad) & ~torch.isfinite(loss_t), loss_t, bad)
+        if grad_norm is not None:
+            gmax = self._interval_grad_max
+            self._interval_grad_max = torch.where(torch.isfinite(grad_norm), torch.maximum(gmax, grad_norm), gmax)
 
         published = self._publish()
         if self._is_report(step):
@@ -531,6 +536,8 @@ class Agent:
         dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
+            dev["trainguard_grad_norm_max"] = self._interval_grad_max
+            self._interval_grad_max = torch.zeros_like(self._interval_grad_max)
         if st.grad_nonfinite is not None:
             dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
 
@@ -637,7 +644,7 @@ class Agent:
         # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
         src = local.to(device)
         out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
-        dist.all_gather_into_tensor(out, src)
+        dist.all_gather_single(out, src)
         return out.view(self.world_size, src.numel())
 
     def _last_lrs(self) -> list[float | torch.Tensor]:

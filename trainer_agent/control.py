@@ -428,7 +428,7 @@ class ControlPlane:
         row[:_STATE_LEN] = torch.tensor(state, dtype=torch.int64)
         row[_STATE_LEN:] = torch.tensor(values, dtype=torch.float64).view(torch.int64)
         out = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
-        dist.all_gather_into_tensor(out, row, group=self._group)  # gloo, CPU: no device sync
+        dist.all_gather_single(out, row, group=self._group)  # gloo, CPU: no device sync
         out = out.view(self.world_size, row.numel())
         rows = out[:, _STATE_LEN:].contiguous().view(torch.float64).tolist()
         return out[0, :_STATE_LEN].tolist(), rows

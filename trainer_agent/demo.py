@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shutil
@@ -57,9 +58,9 @@ class DemoConfig:
     """Peak AdamW learning rate."""
     burst: tuple[int, int] = (40, 55)
     """Steps [start, end) with duplicated and corrupted data."""
-    lr_blowup: tuple[int, int] = (75, 95)
+    lr_blowup: tuple[int, int] = (75, 90)
     """Steps [start, end) where the LR schedule overshoots by ``lr_blowup_factor``."""
-    lr_blowup_factor: float = 40.0
+    lr_blowup_factor: float = 100.0
     """How far the bad schedule overshoots."""
     nan_step: int = 115
     """Step whose loss turns NaN on the last rank."""
@@ -142,6 +143,10 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     window = 32 * cfg.batch_size  # sequences: about 32 steps, so the monitor reacts within the demo
     monitor = ta.DataMonitor(VOCAB_SIZE, special_ids=CONTROL_BYTE_IDS, window=window,
                              reference_tokens=16 * cfg.batch_size * (cfg.seq_len + 1))
+    lr_used: list[float] = [math.nan]
+    # Registered before the agent's hooks, so it runs before the agent restores the scheduler's LR:
+    # it sees the LR optimizer.step actually used (scheduler LR x lr_scale).
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: lr_used.__setitem__(0, opt.param_groups[0]["lr"]))
     agent = ta.attach(
         model, optimizer, job=JOB, run=run, lr_scheduler=scheduler, data_monitor=monitor,
         controller=controller, token=token,
@@ -160,18 +165,20 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
                 loss = loss * float("nan")  # the injected fault: one rank's loss turns NaN
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lr_used[0] = math.nan  # stays NaN when the step is skipped
             optimizer.step()  # the agent's hooks apply lr_scale (and skip a non-finite step)
-            lr_used = optimizer.param_groups[0]["lr"]
             optimizer.zero_grad(set_to_none=True)
+            lr_sched = scheduler.get_last_lr()[0]  # the scheduler's LR for this step
             scheduler.step()
             t0 = time.perf_counter()
             agent.end_step(loss, tokens=int(mask.sum()))  # may block: a pause waits here on purpose
             waited = time.perf_counter() - t0
             step += 1
             values = agent.latest()
-            log.append({"step": step, "loss": float(loss.detach()), "lr_sched": scheduler.get_last_lr()[0],
-                        "lr_scale": values.get("trainguard_lr_scale", 1.0), "lr_used": lr_used,
-                        "generation": values.get("trainguard_applied_generation", 0), "end_step_s": waited})
+            log.append({"step": step, "loss": float(loss.detach()), "lr_sched": lr_sched,
+                        "lr_scale": values.get("trainguard_lr_scale", 1.0), "lr_used": lr_used[0],
+                        "generation": values.get("trainguard_applied_generation", 0), "end_step_s": waited,
+                        "grad_norm_max": values.get("trainguard_grad_norm_max")})
             if rank == 0 and not cfg.quiet and step % cfg.report_every == 0:
                 print(_status_line(step, cfg.steps, values), flush=True)
     finally:

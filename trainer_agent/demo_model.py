@@ -115,9 +115,9 @@ class FaultPlan:
 
     burst: tuple[int, int] = (40, 55)
     """Steps [start, end) whose batches carry duplicated and corrupted sequences."""
-    lr_blowup: tuple[int, int] = (75, 95)
+    lr_blowup: tuple[int, int] = (75, 90)
     """Steps [start, end) where the LR schedule misbehaves (multiplied by ``lr_blowup_factor``)."""
-    lr_blowup_factor: float = 40.0
+    lr_blowup_factor: float = 100.0
     """How far the misbehaving schedule overshoots."""
     nan_step: int = 115
     """Step whose loss turns NaN (on the last rank only: the controller sees it across ranks)."""

@@ -37,3 +37,29 @@ def test_nonfinite_loss_between_reports_is_reported(bad: float) -> None:
     assert (math.isnan(at_10) and math.isnan(bad)) or at_10 == bad
     # the next interval had only finite losses: the report is the last step's loss again
     assert at_15 == pytest.approx(losses[14], rel=1e-6)
+
+
+def test_grad_norm_max_is_the_largest_finite_norm_of_the_interval() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                      config=ta.AgentConfig(report_every=4, metrics_port=None))
+    norms: list[float] = []
+    maxima: dict[int, float] = {}
+    try:
+        for step in range(1, 13):
+            scale = 50.0 if step == 6 else 1.0  # a spike at a step between reports (4, 8, 12)
+            loss = model(torch.randn(16, 6) * scale).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())))
+            opt.step()
+            agent.end_step(loss)
+            if step % 4 == 0:
+                maxima[step] = agent.latest()["trainguard_grad_norm_max"]
+    finally:
+        agent.close(timeout=5.0)
+    for end in (4, 8, 12):
+        assert maxima[end] == pytest.approx(max(norms[end - 4:end]), rel=1e-6)
+    assert maxima[8] > 5 * maxima[4]  # the spike at step 6 was not a report step, and is not lost

@@ -39,7 +39,7 @@ def test_sigkill_restart_loses_nothing(tmp_path, serve, receiver_factory):
                                      "ranks": [{"rank": r, "local_rank": r, "host": "127.0.0.1", "port": 9200 + r} for r in range(2)]}).status_code == 200
     for step in range(30):
         body = {"job": "job-r", "step_first": step, "step_last": step, "time": float(step),
-                "values": {"trainguard_loss": 3.0 - 0.01 * step, "trainguard_grad_norm": 2000.0 if step == 20 else 1.0},
+                "values": {"trainguard_loss": 3.0 - 0.01 * step, "trainguard_grad_norm_max": 2000.0 if step == 20 else 1.0},
                 "ranks": {"step_time_s": [0.1, 0.1]}}
         assert ag.post("/v1/runs/run-r/reports", json=body).status_code == 200
     assert json.loads(cli(srv.url, "pause", "run-r", "--reason", "before the crash"))["desired"]["paused"] is True
@@ -73,7 +73,7 @@ def test_sigkill_restart_loses_nothing(tmp_path, serve, receiver_factory):
     # The restored window holds the 30 reports of history (loss_spike needs 16), and the restored
     # cooldown keeps grad_norm_spike (fired at step 20) quiet.
     ag = httpx.Client(base_url=srv2.url, headers={"Authorization": f"Bearer {AG}"}, timeout=10)
-    spike = {"job": "job-r", "step_first": 31, "step_last": 31, "time": 31.0, "values": {"trainguard_loss": 10.0, "trainguard_grad_norm": 50.0}}
+    spike = {"job": "job-r", "step_first": 31, "step_last": 31, "time": 31.0, "values": {"trainguard_loss": 10.0, "trainguard_grad_norm_max": 50.0}}
     assert ag.post("/v1/runs/run-r/reports", json=spike).json()["alerts"] == ["loss_spike"]
 
     # The CLI, and `events --follow` over Server-Sent Events.

@@ -28,7 +28,7 @@ def test_register_report_poll_ack_flow(app_factory):
     with app_factory() as c:
         reg = register(c)
         assert reg["desired"] == {"generation": 0, "paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False, "reason": ""}
-        r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm": 3000.0}))
+        r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}))
         assert r.status_code == 200
         acc = r.json()
         assert acc["alerts"] == ["grad_norm_high"]
@@ -38,7 +38,7 @@ def test_register_report_poll_ack_flow(app_factory):
         assert c.post("/v1/runs/run-1/acks", json={"generation": 5, "step": 12}).status_code == 409
         st = c.get("/v1/runs/run-1").json()
         assert st["applied_generation"] == 1 and st["desired_generation"] == 1 and st["last_step"] == 10
-        assert st["last_values"] == {"trainguard_loss": 2.5, "trainguard_grad_norm": 3000.0}
+        assert st["last_values"] == {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}
         assert [a["rule"] for a in st["firing_alerts"]] == ["grad_norm_high"]
         assert st["firing_alerts"][0]["diagnosis"]["source"].startswith("seed 6.1")
         kinds = [e["kind"] for e in c.get("/v1/runs/run-1/events").json()]
@@ -230,7 +230,7 @@ def test_rules_get_put_test(app_factory):
         register(c)
         assert c.post("/v1/runs/run-1/reports", json=report_body(values={"m": 11.0})).json()["alerts"] == ["big"]
         # /rules/test: no side effects.
-        reps = [report_body(i, {"trainguard_grad_norm": v}) | {"time": float(i)} for i, v in enumerate([1.0, 5000.0])]
+        reps = [report_body(i, {"trainguard_grad_norm_max": v}) | {"time": float(i)} for i, v in enumerate([1.0, 5000.0])]
         res = c.post("/v1/rules/test", json={"rules": None, "reports": reps, "world_size": 4}).json()
         assert res["steps"][1]["fired"] == []  # the active rules no longer have grad_norm_high
         from service.rules import default_rules_text
@@ -270,7 +270,7 @@ def test_alertmanager_webhook_in_acts_once(app_factory):
 def test_sd_targets_and_metrics_catalogue(app_factory):
     with app_factory() as c:
         register(c, world_size=2)
-        c.post("/v1/runs/run-1/reports", json=report_body(values={"trainguard_grad_norm": 5000.0}))
+        c.post("/v1/runs/run-1/reports", json=report_body(values={"trainguard_grad_norm_max": 5000.0}))
         assert c.get("/v1/sd/targets").json() == [
             {"targets": ["127.0.0.1:9100"], "labels": {"job": "job-a", "run": "run-1", "rank": "0"}},
             {"targets": ["127.0.0.1:9101"], "labels": {"job": "job-a", "run": "run-1", "rank": "1"}},

@@ -17,7 +17,7 @@ from service.wire import DesiredState
 from tests.service.conftest import make_report
 
 DEFAULTS = load_rules(default_rules_text())
-GN, LOSS = "trainguard_grad_norm", "trainguard_loss"
+GN, LOSS = "trainguard_grad_norm_max", "trainguard_loss"
 
 
 def run(rules, reports, world_size=4, job="job-a"):

@@ -21,7 +21,7 @@ def test_500_then_200_is_retried_signed_and_recorded(app_factory, receiver_facto
         assert hook.status_code == 201 and hook.json()["secret"] == SECRET
         assert "secret" not in c.get("/v1/webhooks").json()[0]
         register(c)
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm": 4321.0}))
+        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 4321.0}))
         wait_until(lambda: len(rx.requests) >= 2)
         deliveries = wait_until(lambda: (d := c.get(f"/v1/webhooks/{hook.json()['id']}/deliveries").json()) and len(d) == 2 and d)
         assert [d["outcome"] for d in deliveries] == ["delivered", "retry"]
@@ -62,7 +62,7 @@ def test_min_severity_and_delete(app_factory, receiver_factory):
     with app_factory() as c:
         hook = c.post("/v1/webhooks", json={"url": rx.url, "min_severity": "critical"}).json()
         register(c)
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm": 5000.0}))  # warning: not sent
+        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 5000.0}))  # warning: not sent
         c.post("/v1/runs/run-1/reports", json=_report({"trainguard_loss": "NaN"}))  # critical: sent
         wait_until(lambda: rx.requests)
         assert json.loads(rx.requests[0][1])["alerts"][0]["labels"]["alertname"] == "loss_nonfinite"
