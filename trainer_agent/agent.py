@@ -728,6 +728,7 @@ class Agent:
                     errors = self._errors
         if self._data_feed is not None:
             errors += self._data_feed.errors  # bad batches, counted by the feed's worker thread
+            errors += self._data_feed.dropped  # batches the data monitor fell too far behind to see
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 

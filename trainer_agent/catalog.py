@@ -81,7 +81,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer (module prefix at the configured depth).", ("layer",)),
     _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",)),
     _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",)),
-    _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind); training went on."),
+    _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )
 

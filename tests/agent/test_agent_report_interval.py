@@ -1,4 +1,4 @@
-"""A non-finite loss between two reports is the loss the next report carries."""
+"""What a report carries about the steps since the previous one, and what the agent counts as errors."""
 
 import math
 
@@ -63,3 +63,35 @@ def test_grad_norm_max_is_the_largest_finite_norm_of_the_interval() -> None:
     for end in (4, 8, 12):
         assert maxima[end] == pytest.approx(max(norms[end - 4:end]), rel=1e-6)
     assert maxima[8] > 5 * maxima[4]  # the spike at step 6 was not a report step, and is not lost
+
+
+def test_batches_the_data_monitor_drops_count_as_agent_errors() -> None:
+    import threading
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = ta.DataMonitor(vocab_size=16)
+    gate = threading.Event()
+    real = monitor.observe_batch
+
+    def slow(*args, **kwargs):
+        gate.wait(10)  # the worker is stuck until the loop has over-filled the queue
+        return real(*args, **kwargs)
+
+    monitor.observe_batch = slow
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(), data_monitor=monitor,
+                      config=ta.AgentConfig(report_every=1, metrics_port=None))
+    try:
+        for _ in range(40):
+            agent.observe_batch(torch.randint(0, 16, (2, 8)))
+        gate.set()
+        dropped = agent._data_feed.dropped
+        assert dropped > 0
+        loss = model(torch.randn(3, 4)).sum()
+        loss.backward()
+        opt.step()
+        agent.end_step(loss)
+        assert agent.latest()["trainguard_agent_errors_total"] == dropped
+    finally:
+        gate.set()
+        agent.close(timeout=5.0)
