@@ -19,11 +19,16 @@ Printed: reports/s, client-side latency percentiles (p50/p99/p99.9/max), the ser
 report (user + system time of the worker process from /proc, divided by the reports answered:
 unlike reports/s, this does not depend on how many cores are free on a shared machine), the load
 generator's CPU per report, the single-core capacity that the server CPU implies (an *estimate*:
-1 / CPU per report, assuming a core of its own and no waiting), and the controller's own
+1 / CPU per report, assuming a core of its own and no waiting; the CPU per report falls as the
+load grows, since group commit then puts more reports in each SQLite transaction, so an open-loop
+run at a modest rate understates it), reports per SQLite transaction, and the controller's own
 ingest-latency histogram.
 
     .venv/bin/python bench/controller_ingest.py --reports 30000 --seconds 20 --connections 16
     .venv/bin/python bench/controller_ingest.py --rate 1500 --seconds 20 --connections 32
+
+On a machine with cores to spare, ``--pin`` gives the worker a core of its own (and the load
+generators the others), which makes the figures repeatable.
 """
 
 from __future__ import annotations
@@ -184,6 +189,19 @@ def _server_latency(metrics_text: str) -> tuple[float, float, list[tuple[float, 
     return total, count, buckets
 
 
+def _wait_ready(url: str, timeout: float = 30.0) -> None:
+    """Until the controller answers (an older one printed its address before listening)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(f"{url}/metrics", timeout=5).raise_for_status()
+            return
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _commits(metrics_text: str) -> float:
     for line in metrics_text.splitlines():
         if line.startswith("trainguard_controller_store_commits_total "):
@@ -232,6 +250,7 @@ def main() -> int:
             url = line.split("listening on ")[1].split()[0]
             port = int(url.rsplit(":", 1)[1])
             runs = [f"bench-run-{i:04d}" for i in range(args.runs)]
+            _wait_ready(url)
             with httpx.Client(base_url=url, timeout=30) as c:
                 for run in runs:
                     reg = {"job": "bench-job", "run": run, "world_size": args.world_size,
@@ -274,14 +293,20 @@ def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: 
     print(f"controller ingest: {args.runs} runs x {args.world_size} ranks, {args.clients} load generator(s) x "
           f"{args.connections} connections, {mode}, one uvicorn worker{', pinned' if args.pin else ''}")
     print(f"  reports          {len(lat)} in {elapsed:.2f} s, errors {errors}, alerts fired {alerts}" + (f"  first error: {first_error}" if errors else ""))
-    print(f"  throughput       {rate:,.0f} reports/s   (target >= {TARGET_RATE:,.0f}: {'PASS' if rate >= TARGET_RATE else 'FAIL'})")
+    if args.rate:  # open loop: the question is whether the offered rate was kept up with
+        kept = rate >= 0.98 * args.rate
+        ok = kept and args.rate >= TARGET_RATE
+        print(f"  throughput       {rate:,.0f} reports/s of {args.rate:,.0f} offered ({'kept up' if kept else 'FELL BEHIND'};"
+              f" target >= {TARGET_RATE:,.0f}: {'PASS' if ok else 'FAIL'})")
+    else:
+        print(f"  throughput       {rate:,.0f} reports/s   (target >= {TARGET_RATE:,.0f}: {'PASS' if rate >= TARGET_RATE else 'FAIL'})")
     p50, p99, p999 = (_pct(lat, q) * 1e3 for q in (0.5, 0.99, 0.999))
     print(f"  client latency   p50 {p50:.2f} ms  p99 {p99:.2f} ms  p99.9 {p999:.2f} ms  max {lat[-1] * 1e3:.2f} ms"
           f"   (target p99 < {TARGET_P99_MS:.0f} ms: {'PASS' if p99 < TARGET_P99_MS else 'FAIL'})")
     per_report = cpu / n
     print(f"  server CPU       {per_report * 1e6:.0f} us per report (user+sys of the worker process / reports answered)")
-    print(f"  capacity (est.)  ~{1 / per_report:,.0f} reports/s on one dedicated core = 1 / server CPU per report"
-          f"   (estimate; target {TARGET_RATE:,.0f}: {'PASS' if 1 / per_report >= TARGET_RATE else 'FAIL'})")
+    print(f"  capacity (est.)  ~{1 / per_report:,.0f} reports/s on one dedicated core = 1 / server CPU per report at this load"
+          f"   (an estimate, not a measurement; target {TARGET_RATE:,.0f}: {'PASS' if 1 / per_report >= TARGET_RATE else 'FAIL'})")
     print(f"  load generator   {client_cpu / n * 1e6:.0f} us CPU per report")
     s_sum, s_count, buckets = _server_latency(metrics)
     s_p99 = next((le for le, k in buckets if k >= 0.99 * s_count), math.nan)
