@@ -79,6 +79,8 @@ class DemoConfig:
     """Base port of the ranks' /metrics (0: free ports)."""
     prometheus: bool = False
     """Also start Prometheus (binary on PATH) with the generated configuration."""
+    keep_running: bool = False
+    """After the summary, keep the controller (and Prometheus) running until Ctrl-C."""
     workdir: str | None = None
     """Where the SQLite file and logs go (default: a temporary directory)."""
     run: str | None = None
@@ -415,6 +417,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         result = DemoResult(run=run, steps_completed=[log[-1]["step"] if log else 0 for log in logs],
                             alerts=alerts, actions=actions, rank_logs=logs)
         _print_summary(cfg, result)
+        if cfg.keep_running:
+            _say(cfg, f"\nthe controller ({ctl.url}){' and Prometheus' if prom else ''} keep running: Ctrl-C to stop")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
         return result
     finally:
         for p in procs:
@@ -448,12 +457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=0, help="base port of the ranks' /metrics (0: free ports)")
     p.add_argument("--prometheus", action="store_true", help="also start Prometheus (binary on PATH)")
+    p.add_argument("--keep-running", action="store_true",
+                   help="keep the controller (and Prometheus) running after the summary, until Ctrl-C "
+                        "(the default with --prometheus on a terminal)")
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     try:
         cfg = DemoConfig(steps=args.steps, world_size=args.world_size, report_every=args.report_every,
                          controller=args.controller, metrics_host=args.metrics_host,
-                         metrics_port=args.metrics_port, prometheus=args.prometheus, workdir=args.workdir)
+                         metrics_port=args.metrics_port, prometheus=args.prometheus, workdir=args.workdir,
+                         keep_running=args.keep_running or (args.prometheus and sys.stdin.isatty()))
     except ValueError as e:
         p.error(str(e))
     run_demo(cfg)
