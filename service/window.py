@@ -55,16 +55,17 @@ class RunWindow:
     absent from a report is not NaN: NaN is a real value). Per-rank vectors live in a smaller ring
     of (rank_capacity, len(VECTORS), world_size).
 
-    Each ring is stored twice, one copy after the other (row ``i`` and row ``i + capacity`` hold
-    the same report), so the newest ``n`` reports are always one contiguous slice, oldest first:
-    rules read views of the buffers instead of gathering rows by index. The second copy costs one
-    more store per value on append, which is far cheaper than the gathers it saves (five series
-    reads per report with the default rules).
+    The values ring is stored twice, one copy after the other (row ``i`` and row ``i + capacity``
+    hold the same report), so the newest ``n`` reports are always one contiguous slice, oldest
+    first: rules read views of the buffer instead of gathering up to ``capacity`` rows by index
+    (five series reads per report with the default rules). The second copy costs one more store
+    per value on append and ~35 KB per run with the default capacity. The per-rank ring, read a
+    few rows at a time but large (world_size columns), is stored once.
     """
 
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
-        "_received", "_step", "_ranks", "_rank_mask", "_ranks2", "_rank_mask2", "rank_count", "_last_received",
+        "_received", "_step", "_ranks", "_rank_mask", "rank_count", "_last_received",
         "_keys", "_cols",
     )
 
@@ -88,18 +89,16 @@ class RunWindow:
         carry the same names in the same order: the lookup is done once)."""
         self._cols = np.empty(0, dtype=np.intp)
 
-    # Writes go to both copies through the (2, capacity, ...) arrays; reads slice the
-    # (2 * capacity, ...) views of the same memory.
+    # Writes go to both copies through the (2, capacity, columns) arrays; reads slice the
+    # (2 * capacity, columns) views of the same memory.
     def _set_values(self, values2: np.ndarray, present2: np.ndarray) -> None:
         self._values2, self._present2 = values2, present2
         self._values = values2.reshape(2 * self.capacity, -1)
         self._present = present2.reshape(2 * self.capacity, -1)
 
     def _set_ranks(self, world_size: int) -> None:
-        self._ranks2 = np.zeros((2, self.rank_capacity, len(VECTORS), world_size))
-        self._rank_mask2 = np.zeros((2, self.rank_capacity, len(VECTORS)), dtype=bool)
-        self._ranks = self._ranks2.reshape(2 * self.rank_capacity, len(VECTORS), world_size)
-        self._rank_mask = self._rank_mask2.reshape(2 * self.rank_capacity, len(VECTORS))
+        self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
+        self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
 
     # -- writing ---------------------------------------------------------------------------
     def _column(self, name: str) -> int:
@@ -138,8 +137,8 @@ class RunWindow:
             for i, name in enumerate(VECTORS):
                 vec = ranks.get(name)
                 if vec is not None:
-                    self._ranks2[:, rrow, i] = vec
-            self._rank_mask2[:, rrow] = [name in ranks for name in VECTORS]
+                    self._ranks[rrow, i] = vec
+            self._rank_mask[rrow] = [name in ranks for name in VECTORS]
             self.rank_count += 1
 
     def resize_world(self, world_size: int) -> None:
@@ -194,9 +193,14 @@ class RunWindow:
             out = self._ranks[0:0, i]
             out.flags.writeable = False
             return out
-        end = (self.rank_count - 1) % self.rank_capacity + self.rank_capacity + 1
-        mask = self._rank_mask[end - n : end, i]
-        out = self._ranks[end - n : end, i] if mask.all() else self._ranks[end - n : end, i][mask]
+        first = (self.rank_count - n) % self.rank_capacity
+        if first + n <= self.rank_capacity:  # contiguous in the ring: a view
+            rows, mask = self._ranks[first : first + n, i], self._rank_mask[first : first + n, i]
+        else:  # wrapped: oldest part at the end of the ring, newest at its start
+            rest = first + n - self.rank_capacity
+            rows = np.concatenate([self._ranks[first:, i], self._ranks[:rest, i]])
+            mask = np.concatenate([self._rank_mask[first:, i], self._rank_mask[:rest, i]])
+        out = rows if mask.all() else rows[mask]
         out.flags.writeable = False
         return out
 
