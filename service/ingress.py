@@ -2,9 +2,9 @@
 
 Every training run posts a report per interval, so this one endpoint carries nearly all of the
 controller's traffic. Through Starlette's router and FastAPI's dependency solving a report cost
-about 100 µs of CPU on top of the work itself (parse, rules, commit); here a well-formed,
-authorised report goes straight from the body to :meth:`Controller.ingest` and its answer, which
-is already JSON bytes, straight to the server.
+~540 µs of CPU in all, ~190 µs of it in the framework (bench/controller_ingest.py); here a
+well-formed, authorised report goes straight from the body to :meth:`Controller.ingest` and its
+answer, which is already JSON bytes, straight to the server.
 
 Everything else is handed to the FastAPI app unchanged, so the answers stay exactly those of the
 documented route (``service.routes.runs.post_report``, which also keeps the endpoint in the
