@@ -541,6 +541,8 @@ def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
     every value is finite (the usual case), row by row otherwise."""
     k, n = hist.shape
     if n >= 2 and np.isfinite(hist).all():
+        if rule.check == "mismatch" and hist.min() == hist.max():
+            return [False] * k  # every rank agrees exactly (data-parallel fingerprints): nothing differs
         s = np.sort(hist, axis=1)
         med = s[:, n // 2] if n % 2 else 0.5 * (s[:, n // 2 - 1] + s[:, n // 2])
         if rule.check == "spread":
