@@ -7,12 +7,13 @@ agent; dashboards and tests read names from here. A histogram ``X`` exposes ``X_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from trainer_agent.catalog import MetricSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from service.controller import Controller
@@ -20,29 +21,16 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics"]
 
 
-@dataclass(frozen=True, slots=True)
-class ControllerMetric:
-    """One metric the controller exports."""
+class ControllerMetric(MetricSpec):
+    """One metric the controller exports: a :class:`~trainer_agent.catalog.MetricSpec` whose name
+    starts with ``trainguard_controller_``."""
 
-    name: str
-    """Full Prometheus name; starts with ``trainguard_controller_``."""
-    kind: Literal["gauge", "counter", "histogram"]
-    unit: str
-    help: str
-    labels: tuple[str, ...] = ()
+    __slots__ = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.name.startswith("trainguard_controller_"):
             raise ValueError(f"controller metric {self.name!r} must start with 'trainguard_controller_'")
-        if (self.kind == "counter") != self.name.endswith("_total"):
-            raise ValueError(f"metric {self.name!r}: counters, and only counters, end in '_total'")
-
-    @property
-    def series(self) -> tuple[str, ...]:
-        """The sample names Prometheus stores for this metric."""
-        if self.kind == "histogram":
-            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
-        return (self.name,)
 
 
 CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (

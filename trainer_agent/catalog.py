@@ -31,8 +31,9 @@ class MetricSpec:
 
     name: str
     """Full Prometheus name, e.g. ``trainguard_grad_norm``."""
-    kind: Literal["gauge", "counter"]
-    """Prometheus type. Counters end in ``_total`` and never decrease."""
+    kind: Literal["gauge", "counter", "histogram"]
+    """Prometheus type. Counters end in ``_total`` and never decrease (the agent exports gauges and
+    counters; the controller's catalogue also has histograms)."""
     unit: str
     """Unit in words ("1" for dimensionless ratios)."""
     help: str
@@ -45,6 +46,13 @@ class MetricSpec:
             raise ValueError(f"metric {self.name!r} must start with 'trainguard_'")
         if (self.kind == "counter") != self.name.endswith("_total"):
             raise ValueError(f"metric {self.name!r}: counters, and only counters, end in '_total'")
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """The sample names Prometheus stores for this metric."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
 
 
 def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
