@@ -29,7 +29,7 @@ from service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, 
 from service.store import Store
 from service.webhooks import SEVERITY_RANK, WebhookDeliverer, fingerprint, render
 from service.window import VECTORS, RunWindow, rank_vectors
-from service.wire import Ack, DesiredState, Report, RunRegistered, RunRegistration
+from service.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller", "RunState", "NotFound", "Conflict", "Forbidden", "Invalid", "COMMANDS"]
 
@@ -64,6 +64,9 @@ class RunState:
     agent_version: str
     config: dict[str, Any]
     registered_at: float
+    live_since: float
+    """When the run last became live (registered, re-registered, unpaused): absence rules count
+    silence from the later of this and the last report."""
     window: RunWindow
     desired: DesiredState
     published: DesiredState
@@ -75,6 +78,11 @@ class RunState:
     book: AlertBook = field(default_factory=AlertBook)
     firing: dict[str, dict[str, Any]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float | None = None
+    """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
+    re-registration. A finished run is not expected to report."""
+    finished_step: int | None = None
+    finish_reason: str = ""
 
     def publish(self, desired: DesiredState) -> None:
         if desired.generation >= self.published.generation:
@@ -85,6 +93,8 @@ class RunState:
 
     @property
     def status(self) -> str:
+        if self.finished_at is not None:
+            return "finished"
         if self.desired.stop:
             return "stopped"
         if self.desired.paused:
@@ -98,6 +108,11 @@ def _actions(rule: Any) -> list[dict[str, Any]]:
     return [a.model_dump(exclude_none=True) for a in rule.actions]
 
 
+def _live(d: DesiredState) -> bool:
+    """Whether a run in desired state ``d`` is expected to report."""
+    return not (d.paused or d.stop)
+
+
 def _action_names(before: DesiredState, after: DesiredState) -> list[str]:
     out = []
     if after.paused != before.paused:
@@ -109,6 +124,24 @@ def _action_names(before: DesiredState, after: DesiredState) -> list[str]:
     if after.checkpoint_seq != before.checkpoint_seq:
         out.append("checkpoint")
     return out
+
+
+def _resolve_alerts(c: sqlite3.Connection, run_id: int, rule: str, now: float, *, actor: str, reason: str,
+                    hooks: list[dict[str, Any]], external_url: str) -> tuple[list[int], int]:
+    """Resolve ``rule``'s firing alerts of a run inside the caller's transaction: a "resolved"
+    audit event each, and a resolved message to every webhook that wants one. Returns (event
+    ids, outbox rows written)."""
+    events, outbox = [], 0
+    for alert_id in sql.resolve_alerts(c, run_id, rule, now):
+        alert = sql.get_alert(c, alert_id)
+        events.append(sql.insert_event(c, run_id, now=now, kind="resolved", actor=actor, reason=reason,
+                                       generation=None, data={"alert_id": alert_id, "rule": rule}))
+        if alert["notify"]:
+            for h in hooks:
+                if h["send_resolved"] and SEVERITY_RANK[alert["severity"]] >= SEVERITY_RANK[h["min_severity"]]:
+                    sql.insert_outbox(c, webhook_id=h["id"], alert_id=alert_id, body=render(h["format"], alert, external_url=external_url), now=now)
+                    outbox += 1
+    return events, outbox
 
 
 class Controller:
@@ -162,8 +195,9 @@ class Controller:
             st = RunState(
                 id=row["id"], run=row["run"], job=row["job"], world_size=row["world_size"], ranks=json.loads(row["ranks"]),
                 agent_version=row["agent_version"], config=json.loads(row["config"]), registered_at=row["registered_at"],
-                window=window, desired=desired, published=desired, published_json=desired.model_dump_json().encode(),
+                live_since=max(row["registered_at"], row["resumed_at"] or -math.inf), window=window, desired=desired, published=desired, published_json=desired.model_dump_json().encode(),
                 applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
+                finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
             )
             reports = self.store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
             first_seq = (row["last_seq"] or 0) - len(reports)
@@ -293,7 +327,7 @@ class Controller:
             d = DesiredState()
             st = RunState(
                 id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
-                config=reg.config, registered_at=now,
+                config=reg.config, registered_at=now, live_since=now,
                 window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
                                  world_size=reg.world_size, created=now),
                 desired=d, published=d, published_json=d.model_dump_json().encode(),
@@ -304,7 +338,8 @@ class Controller:
                 raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
             st.world_size, st.ranks, st.agent_version, st.config = reg.world_size, ranks, reg.agent_version, reg.config
             st.window.resize_world(reg.world_size)
-            st.window.touch(now)
+            st.registered_at = st.live_since = now  # a restarted job is live again, finished or not
+            st.finished_at, st.finished_step, st.finish_reason = None, None, ""
             run_id = st.id
 
             def op(c: sqlite3.Connection) -> tuple[int, int]:
@@ -398,15 +433,10 @@ class Controller:
                             sql.insert_outbox(c, webhook_id=h["id"], alert_id=alert_id, body=render(h["format"], alert, external_url=external), now=now)
                             out["outbox"] += 1
             for name in outcome.resolved:
-                for alert_id in sql.resolve_alerts(c, run_id, name, now):
-                    alert = sql.get_alert(c, alert_id)
-                    out["events"].append(sql.insert_event(c, run_id, now=now, kind="resolved", actor=f"rule:{name}", reason="condition cleared",
-                                                          generation=None, data={"alert_id": alert_id, "rule": name}))
-                    if alert["notify"]:
-                        for h in hooks:
-                            if h["send_resolved"] and SEVERITY_RANK[alert["severity"]] >= SEVERITY_RANK[h["min_severity"]]:
-                                sql.insert_outbox(c, webhook_id=h["id"], alert_id=alert_id, body=render(h["format"], alert, external_url=external), now=now)
-                                out["outbox"] += 1
+                events, outbox = _resolve_alerts(c, run_id, name, now, actor=f"rule:{name}", reason="condition cleared",
+                                                 hooks=hooks, external_url=external)
+                out["events"] += events
+                out["outbox"] += outbox
             out["events"] = sql.get_events(c, out["events"])
             return out
 
@@ -473,6 +503,60 @@ class Controller:
                                "reason": f"applied at step {ack.step}", "generation": ack.generation, "data": {"step": ack.step}}])
         return {"applied_generation": ack.generation, "applied_step": ack.step, "recorded": True}
 
+    # == lifecycle ===================================================================================
+    async def finish(self, run: str, fin: RunFinished, principal: Principal) -> dict[str, Any]:
+        """The run ended (its agent closed): record it, resolve its absence alerts, and let the
+        ticker skip it until it registers again. A repeat answers the first finish unchanged."""
+        st = self.get(run)
+        self.check_agent(principal, run)
+        if st.finished_at is not None:
+            return self._finished_answer(st, changed=False)
+        now = self.clock()
+        st.finished_at, st.finished_step, st.finish_reason = now, fin.step, fin.reason
+        resolve = self._firing_absence(st)
+        run_id, external = st.id, self.settings.external_url
+        data = {"step": fin.step, "reason": fin.reason}
+
+        def op(c: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+            sql.update_finished(c, run_id, now=now, step=fin.step, reason=fin.reason)
+            ids = [sql.insert_event(c, run_id, now=now, kind="finished", actor=principal.actor, reason=f"finished at step {fin.step}: {fin.reason}",
+                                    generation=None, data=data)]
+            hooks = sql.active_webhooks(c) if resolve else []
+            outbox = 0
+            for name in resolve:
+                events, n = _resolve_alerts(c, run_id, name, now, actor=principal.actor, reason="run finished", hooks=hooks, external_url=external)
+                ids += events
+                outbox += n
+            return sql.get_events(c, ids), outbox
+
+        try:
+            events, outbox = await self.store.submit(op)
+        except BaseException:
+            if st.finished_at == now:
+                st.finished_at, st.finished_step, st.finish_reason = None, None, ""
+            raise
+        self._forget_alerts(st, resolve)
+        if outbox:
+            self.deliverer.wake(outbox)
+        self._publish_events(events)
+        return self._finished_answer(st, changed=True)
+
+    @staticmethod
+    def _finished_answer(st: RunState, *, changed: bool) -> dict[str, Any]:
+        return {"run": st.run, "status": st.status, "finished_at": st.finished_at, "finished_step": st.finished_step,
+                "finish_reason": st.finish_reason, "changed": changed}
+
+    @staticmethod
+    def _firing_absence(st: RunState) -> list[str]:
+        return [name for name, a in st.firing.items() if a["kind"] == "absence"]
+
+    @staticmethod
+    def _forget_alerts(st: RunState, names: list[str]) -> None:
+        """Drop alerts resolved from outside the rules (committed) from the run's firing set."""
+        for name in names:
+            st.firing.pop(name, None)
+            st.book.resolve(name)
+
     # == operator commands ===============================================================================
     async def command(
         self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
@@ -507,40 +591,49 @@ class Controller:
             new = command_state(st.desired, command, reason or f"{command} by {actor}", scale)
         except ValueError as e:
             raise Invalid(str(e)) from None
-        before = st.desired
-        resolve_absence = command == "stop" and [n for n, a in st.firing.items() if a["kind"] == "absence"]
+        before, live_since = st.desired, st.live_since
+        resolve_absence = self._firing_absence(st) if command == "stop" else []
+        unpaused = new is not None and _live(new) and not _live(before)
         result_state = new or st.desired
         body = json.dumps({"run": run, "command": command, "changed": new is not None,
                            "desired": result_state.model_dump()}).encode()
         if new is not None:
             st.desired = new
+        if unpaused:
+            st.live_since = now  # the run reports again from now on: absence counts from here
         run_id = st.id
+        external = self.settings.external_url
 
-        def op(c: sqlite3.Connection) -> list[dict[str, Any]]:
+        def op(c: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
             if extra is not None:
                 extra(c)
-            ids = []
+            ids, outbox = [], 0
             if new is not None:
                 sql.update_desired(c, run_id, new)
                 ids.append(sql.insert_event(c, run_id, now=now, kind="desired", actor=actor, reason=new.reason, generation=new.generation,
                                             data={"desired": new.model_dump(), "command": command}))
-            for name in resolve_absence or ():
-                for alert_id in sql.resolve_alerts(c, run_id, name, now):
-                    ids.append(sql.insert_event(c, run_id, now=now, kind="resolved", actor=actor, reason="run stopped",
-                                                generation=None, data={"alert_id": alert_id, "rule": name}))
+            if unpaused:
+                sql.update_resumed(c, run_id, now)
+            if resolve_absence:
+                hooks = sql.active_webhooks(c)
+                for name in resolve_absence:
+                    events, n = _resolve_alerts(c, run_id, name, now, actor=actor, reason="run stopped", hooks=hooks, external_url=external)
+                    ids += events
+                    outbox += n
             if idempotency is not None:
                 sql.put_idempotent(c, idempotency[0], idempotency[1], idempotency[2], 200, body, now)
-            return sql.get_events(c, ids)
+            return sql.get_events(c, ids), outbox
 
         try:
-            events = await self.store.submit(op)
+            events, outbox = await self.store.submit(op)
         except BaseException:
             if new is not None and st.desired is new:
                 st.desired = before
+                st.live_since = live_since
             raise
-        for name in resolve_absence or ():
-            st.firing.pop(name, None)
-            st.book.resolve(name)
+        self._forget_alerts(st, resolve_absence)
+        if outbox:
+            self.deliverer.wake(outbox)
         if new is not None:
             for action in _action_names(before, new):
                 self.metrics.actions.labels(action, source).inc()
@@ -614,15 +707,17 @@ class Controller:
 
     # == absence ticker ============================================================================
     async def tick(self) -> None:
-        """Evaluate absence rules for every live run at the current time (and prune old rows)."""
+        """Evaluate absence rules for every live run at the current time (and prune old rows).
+        Paused, stopped and finished runs are expected to be silent and are skipped; silence is
+        counted from the later of the last report and the moment the run became live."""
         now = self.clock()
         for st in list(self.runs.values()):
-            if st.desired.stop or st.desired.paused:
+            if st.finished_at is not None or not _live(st.desired):
                 continue
             absence = tuple(r for r in self.rules.for_job(st.job) if isinstance(r, AbsenceRule))
             if not absence:
                 continue
-            outcome = decide(evaluate(absence, st.window, now), st.book, st.desired, now, complete=False)
+            outcome = decide(evaluate(absence, st.window, now, live_since=st.live_since), st.book, st.desired, now, complete=False)
             self.metrics.evaluations.inc(len(absence))
             if outcome.fired or outcome.resolved:
                 try:
@@ -649,20 +744,20 @@ class Controller:
             "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
             "last_step": st.window.last_step, "reports": st.window.count,
             "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
-            "firing": sorted(st.firing),
+            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
         }
 
     def run_detail(self, st: RunState) -> dict[str, Any]:
         return self.run_summary(st) | {
             "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
             "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
-            "reported_generation": st.reported_generation,
+            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
             "last_values": st.window.latest_values(),
             "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
         }
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        runs: dict[str, int] = {s: 0 for s in ("running", "paused", "stopped", "silent", "registered")}
+        runs: dict[str, int] = {s: 0 for s in ("running", "paused", "stopped", "silent", "registered", "finished")}
         firing: dict[str, int] = {s: 0 for s in SEVERITY_RANK}
         for st in list(self.runs.values()):
             runs[st.status] += 1

@@ -45,7 +45,7 @@ CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
     ControllerMetric("trainguard_controller_webhook_failures_total", "counter", "deliveries", "Webhook delivery attempts that failed (5xx, 4xx, timeout, error), whether retried or not.", ("reason",)),
     ControllerMetric("trainguard_controller_webhook_outbox_pending", "gauge", "messages", "Webhook messages waiting for delivery."),
     ControllerMetric("trainguard_controller_ingest_latency_seconds", "histogram", "seconds", "Time from a report's arrival (parsed) to its answer: rules, decision and the database commit."),
-    ControllerMetric("trainguard_controller_runs", "gauge", "runs", "Registered runs, by status (running, paused, stopped, silent, registered).", ("status",)),
+    ControllerMetric("trainguard_controller_runs", "gauge", "runs", "Registered runs, by status (running, paused, stopped, silent, registered, finished).", ("status",)),
     ControllerMetric("trainguard_controller_longpoll_waiters", "gauge", "requests", "Long-polls of desired state currently waiting."),
     ControllerMetric("trainguard_controller_store_commits_total", "counter", "transactions", "Database transactions committed by the writer (group commits)."),
 )

@@ -229,7 +229,8 @@ class CrossRankRule(_RuleBase):
 
 
 class AbsenceRule(_RuleBase):
-    """No report for ``seconds`` (counted from the registration before the first report)."""
+    """No report for ``seconds``, counted from the later of the last report and the moment the
+    run last became live (registered, re-registered or unpaused: a paused run sends nothing)."""
 
     kind: Literal["absence"]
     seconds: float = Field(default=300.0, gt=0, allow_inf_nan=False)
@@ -573,12 +574,13 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     return Finding(rule, True, summary, values)
 
 
-def _absence(rule: AbsenceRule, w: RuleWindow, now: float) -> Finding:
-    silent = now - w.last_received
+def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Finding:
+    since = max(w.last_received, live_since)
+    silent = now - since
     return Finding(
         rule, silent >= rule.seconds,
         f"no report for {silent:.0f} s (limit {rule.seconds:g} s)",
-        {"silent_s": silent, "limit_s": rule.seconds, "last_report_at": w.last_received},
+        {"silent_s": silent, "limit_s": rule.seconds, "last_report_at": w.last_received, "silent_since": since},
     )
 
 
@@ -588,6 +590,12 @@ _EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
 }
 
 
-def evaluate(rules: tuple[Any, ...], window: RuleWindow, now: float) -> list[Finding]:
-    """Every rule's verdict on ``window`` at time ``now``. Pure: no I/O, no mutation."""
-    return [_EVAL[type(r)](r, window, now) for r in rules]
+def evaluate(rules: tuple[Any, ...], window: RuleWindow, now: float, *, live_since: float | None = None) -> list[Finding]:
+    """Every rule's verdict on ``window`` at time ``now``. Pure: no I/O, no mutation.
+
+    ``live_since``: when the run last became live (registered, re-registered, unpaused); absence
+    rules count silence from the later of it and the last report. The controller's ticker passes
+    it; a report's own evaluation need not (its arrival is the newest sign of life)."""
+    if live_since is None:
+        return [_EVAL[type(r)](r, window, now) for r in rules]
+    return [_absence(r, window, now, live_since) if type(r) is AbsenceRule else _EVAL[type(r)](r, window, now) for r in rules]

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.wire import DesiredState, Report, Severity
 
-__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult"]
+__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult"]
 
 
 class CommandResult(BaseModel):
@@ -22,6 +22,15 @@ class AckResult(BaseModel):
     applied_generation: int
     applied_step: int
     recorded: bool = Field(description="False for an ack older than the one already recorded.")
+
+
+class FinishResult(BaseModel):
+    run: str
+    status: str = Field(description="'finished' (a later re-registration makes the run live again).")
+    finished_at: float = Field(description="Controller time of the first finish.")
+    finished_step: int
+    finish_reason: str
+    changed: bool = Field(description="False for a repeat: the first finish is kept.")
 
 
 class WebhookCreate(BaseModel):

@@ -175,6 +175,15 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE reports_v2 RENAME TO reports;
     CREATE INDEX reports_received ON reports(received);
     """,
+    # 3: run lifecycle. A run that finished (its agent said so at close) is not expected to report;
+    # re-registering it clears these. ``resumed_at``: when the run was last unpaused, from which
+    # the absence rules count silence (as from a registration).
+    """
+    ALTER TABLE runs ADD COLUMN finished_at REAL;
+    ALTER TABLE runs ADD COLUMN finished_step INTEGER;
+    ALTER TABLE runs ADD COLUMN finish_reason TEXT;
+    ALTER TABLE runs ADD COLUMN resumed_at REAL;
+    """,
 )
 
 
@@ -417,7 +426,8 @@ def insert_run(conn: sqlite3.Connection, *, run: str, job: str, world_size: int,
 def update_run_registration(conn: sqlite3.Connection, run_id: int, *, world_size: int, ranks: list[dict[str, Any]],
                             agent_version: str, config: dict[str, Any], now: float) -> None:
     conn.execute(
-        "UPDATE runs SET world_size=?, ranks=?, agent_version=?, config=?, registered_at=? WHERE id=?",
+        "UPDATE runs SET world_size=?, ranks=?, agent_version=?, config=?, registered_at=?,"
+        " finished_at=NULL, finished_step=NULL, finish_reason=NULL WHERE id=?",
         (world_size, dumps_json(ranks), agent_version, dumps_json(config), now, run_id),
     )
 
@@ -427,6 +437,14 @@ def update_desired(conn: sqlite3.Connection, run_id: int, d: Any) -> None:
         "UPDATE runs SET generation=?, paused=?, lr_scale=?, checkpoint_seq=?, stop=?, reason=? WHERE id=?",
         (d.generation, int(d.paused), d.lr_scale, d.checkpoint_seq, int(d.stop), d.reason, run_id),
     )
+
+
+def update_finished(conn: sqlite3.Connection, run_id: int, *, now: float, step: int, reason: str) -> None:
+    conn.execute("UPDATE runs SET finished_at=?, finished_step=?, finish_reason=? WHERE id=?", (now, step, reason, run_id))
+
+
+def update_resumed(conn: sqlite3.Connection, run_id: int, now: float) -> None:
+    conn.execute("UPDATE runs SET resumed_at=? WHERE id=?", (now, run_id))
 
 
 def update_applied(conn: sqlite3.Connection, run_id: int, generation: int, step: int, now: float) -> None:

@@ -149,7 +149,7 @@ class RunWindow:
             self.rank_count = 0
 
     def touch(self, received: float) -> None:
-        """Restart the absence clock (a re-registration counts as a sign of life)."""
+        """Move the last report's time forward (to a report the database no longer holds)."""
         self._last_received = max(self._last_received, received)
 
     # -- RuleWindow ------------------------------------------------------------------------

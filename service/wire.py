@@ -28,6 +28,7 @@ __all__ = [
     "ReportAccepted",
     "DesiredState",
     "Ack",
+    "RunFinished",
     "CommandRequest",
     "LrScaleRequest",
     "Severity",
@@ -151,6 +152,14 @@ class Ack(WireModel):
 
     generation: int = Field(ge=0)
     step: int = Field(ge=0)
+
+
+class RunFinished(WireModel):
+    """``POST /v1/runs/{run}/finish``: the run ended (the leader's ``agent.close()``); the
+    controller stops expecting reports from it until it registers again."""
+
+    step: int = Field(ge=0, description="The last step the run completed.")
+    reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
 
 
 class CommandRequest(WireModel):

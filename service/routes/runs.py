@@ -14,8 +14,10 @@ from pydantic import ValidationError
 from service.controller import Controller, nan_safe
 from service.auth import Principal
 from service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
-from service.schemas import AckResult, CommandResult
-from service.wire import Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunRegistered, RunRegistration
+from service.schemas import AckResult, CommandResult, FinishResult
+from service.wire import (
+    Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+)
 
 __all__ = ["router"]
 
@@ -66,6 +68,16 @@ async def desired(
 @router.post("/runs/{run}/acks", response_model=AckResult, summary="Every rank applied a generation (agent)")
 async def post_ack(run: RunPath, ack: Ack, ctl: ControllerDep, principal: AgentDep) -> AckResult:
     return AckResult(**await ctl.ack(run, ack, principal))
+
+
+@router.post(
+    "/runs/{run}/finish", response_model=FinishResult, summary="The run ended (agent): it is no longer expected to report",
+    description="Sent by the leader's agent from close(). The run's status becomes 'finished', its firing absence alert "
+    "resolves and the absence rules skip it until it registers again (a restarted job). A repeat answers the first "
+    "finish with changed=false.",
+)
+async def finish(run: RunPath, body: RunFinished, ctl: ControllerDep, principal: AgentDep) -> FinishResult:
+    return FinishResult(**await ctl.finish(run, body, principal))
 
 
 @router.get("/runs", summary="List runs")

@@ -1,5 +1,5 @@
 """The store: a database written by schema version 1 (reports WITHOUT ROWID) is migrated at
-start-up and nothing is lost; report values keep every float (NaN/Inf included) through the
+start-up (to version 3: run lifecycle columns) and nothing is lost; report values keep every float (NaN/Inf included) through the
 database's JSON."""
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 3
+    lifecycle = conn.execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
+    assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
     indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='reports'")}
@@ -55,6 +57,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(db=db))) as c:
         st = c.get("/v1/runs/old-run").json()
         assert st["reports"] == 5 and st["last_step"] == 49 and st["last_report_at"] == 304.0
+        assert st["status"] == "running" and st["finished_at"] is None and st["live_since"] == 100.0
         assert st["last_values"] == {"trainguard_loss": "NaN", "trainguard_grad_norm_max": 5.0}
         # New reports continue the sequence after the migrated ones.
         body = {"job": "old-job", "step_first": 50, "step_last": 50, "time": 1.0, "values": {"trainguard_loss": 1.0}}
