@@ -11,6 +11,10 @@ Two threads, each with its own ``httpx.Client`` (one transport may be injected f
 * the *poller* long-polls ``GET /v1/runs/{run}/desired?after=GEN&wait=S`` so that a command
   reaches the job between reports and while it is paused (no reports are sent then).
 
+On :meth:`close` the sender flushes what is queued (one attempt each) and then, when given one,
+posts ``POST /v1/runs/{run}/finish`` once, its timeout cut to what is left of the close deadline:
+the controller then knows the run ended and does not report it silent.
+
 Every request has a connect and a read timeout; failures back off exponentially with jitter
 (``delay = d/2 + uniform(0, d/2)``, ``d = min(backoff_max_s, backoff_initial_s * 2**failures)``).
 ``up`` (``trainguard_agent_controller_up``) is True after a 2xx answer and False after anything
@@ -41,6 +45,7 @@ from service.wire import (
     DesiredState,
     Report,
     ReportAccepted,
+    RunFinished,
     RunRegistered,
     RunRegistration,
     WireModel,
@@ -129,6 +134,8 @@ class ControllerClient:
         self._registered = False
         self._first_attempt = threading.Event()
         self._closing = False
+        self._finish: RunFinished | None = None
+        self._close_deadline = 0.0
         self._threads: list[threading.Thread] = []
         self._failures_logged: set[str] = set()
 
@@ -142,6 +149,8 @@ class ControllerClient:
         """Acks the controller accepted."""
         self.refused = 0
         """Reports and acks the controller refused with a 4xx (dropped: resending cannot help)."""
+        self.finished = False
+        """True once the controller accepted the finish sent by :meth:`close`."""
 
     # -- the training loop's side (never blocks on the network) -------------------------------
     def start(self) -> None:
@@ -197,14 +206,16 @@ class ControllerClient:
         with self._cond:
             return len(self._reports), len(self._acks)
 
-    def close(self, timeout: float = 5.0) -> bool:
-        """Stop: the sender flushes what is queued (no retries) and is joined within ``timeout``
+    def close(self, timeout: float = 5.0, *, finish: RunFinished | None = None) -> bool:
+        """Stop: the sender flushes what is queued (no retries), then posts ``finish`` if given
+        and the run is registered (once, within the deadline), and is joined within ``timeout``
         seconds; True when it finished in time. The poller is told to stop and not waited for:
         a long-poll in flight cannot be interrupted, and it is a daemon thread that ends when
         that request does (bounded by its timeout) without touching the network again."""
         deadline = self._clock() + max(timeout, 0.0)
         with self._cond:
             self._closing = True
+            self._finish, self._close_deadline = finish, deadline
             self._cond.notify_all()
         sender = self._threads[0] if self._threads else None
         if sender is None:
@@ -229,7 +240,8 @@ class ControllerClient:
                     while not (self._closing or not self._registered or self._acks or self._reports):
                         self._cond.wait()
                     if self._closing and not (self._registered and (self._acks or self._reports)):
-                        return
+                        finish = self._finish if self._registered else None
+                        break
                     if not self._registered:
                         op, item = "register", None
                     elif self._acks:
@@ -260,9 +272,31 @@ class ControllerClient:
                 if op == "register":
                     self._first_attempt.set()
                 if self._closing:
-                    return  # no retries while closing
+                    return  # no retries while closing (nor a finish: the controller just failed)
                 failures += 1
                 self._sleep(failures)
+            if finish is not None:
+                self._send_finish(http, finish)
+
+    def _send_finish(self, http: httpx.Client, finish: RunFinished) -> None:
+        """Closing: tell the controller the run ended, never past the close deadline and never
+        raising (the run is over either way). A second attempt only when the first failed on a
+        kept-alive connection the server had closed (no answer, no timeout): the finish is
+        idempotent, so sending it twice is harmless."""
+        for attempt in (1, 2):
+            left = self._close_deadline - self._clock()
+            if left <= 0:
+                return
+            try:
+                self._exchange(http, "POST", f"/runs/{self.run}/finish", dumps(finish), None,
+                               timeout=httpx.Timeout(min(left, self._timeout.read or left)))
+                self.finished = True
+                return
+            except Exception as exc:  # noqa: BLE001 - fail open
+                stale = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+                if not stale or attempt == 2:
+                    self._note_failure(f"finish-{type(exc).__name__}", f"could not tell the controller the run finished: {exc!r}")
+                    return
 
     def _register(self, http: httpx.Client) -> None:
         answer = self._exchange(http, "POST", "/runs", dumps(self._registration), RunRegistered)
@@ -340,9 +374,11 @@ class ControllerClient:
         body: bytes | None,
         answer_type: type[_M] | None,
         params: dict[str, float] | None = None,
+        timeout: httpx.Timeout | None = None,
     ) -> _M | None:
         try:
-            resp = http.request(method, self._base + path, content=body, params=params)
+            resp = http.request(method, self._base + path, content=body, params=params,
+                                timeout=timeout or httpx.USE_CLIENT_DEFAULT)
         except Exception:
             self.up = False
             raise

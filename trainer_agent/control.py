@@ -63,6 +63,7 @@ import logging
 import math
 import socket
 import struct
+import sys
 import time
 import types
 from collections import deque
@@ -76,7 +77,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from service.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunRegistration
+from service.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
 from trainer_agent.catalog import BY_NAME
 from trainer_agent.client import ControllerClient
 
@@ -300,13 +301,19 @@ class ControlPlane:
 
     def close(self, timeout: float = 5.0) -> bool:
         """Unwrap the optimizer, flush and stop the client within ``timeout`` seconds, and
-        release the side process group. True if everything finished in time."""
+        release the side process group. True if everything finished in time.
+
+        The leader's client also tells the controller the run finished (``POST
+        /v1/runs/{run}/finish`` with the step and why: ``completed``, ``stopped`` when a stop was
+        applied, ``error: <type>`` when called while an exception propagates), so the run is not
+        reported silent; best effort, within the same deadline."""
         deadline = self._clock() + max(timeout, 0.0)
         self._closed = True
         self._unwrap_optimizer_step()
         ok = True
         if self._client is not None:
-            ok = self._client.close(max(deadline - self._clock(), 0.0))
+            finish = RunFinished(step=max(int(self._agent.step), 0), reason=self._finish_reason())
+            ok = self._client.close(max(deadline - self._clock(), 0.0), finish=finish)
         if self._own_group and self._group is not None:
             try:
                 dist.destroy_process_group(self._group)
@@ -314,6 +321,12 @@ class ControlPlane:
                 log.debug("trainguard: side group not destroyed: %r", exc)
             self._group = None
         return ok
+
+    def _finish_reason(self) -> str:
+        exc = sys.exc_info()[1]  # set when close() runs in an except/finally block of a failing loop
+        if exc is not None:
+            return f"error: {type(exc).__name__}"[:200]
+        return "stopped" if self._stop else "completed"
 
     # ------------------------------------------------------------------ LR scale (step hooks)
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from service.wire import Ack, DesiredState, Report, RunRegistration, dumps
+from service.wire import Ack, DesiredState, Report, RunFinished, RunRegistration, dumps
 from tests.control.fake_controller import FakeController
 from tests.control.procs import until
 from tests.tools.faultproxy import FaultProxy
@@ -55,7 +55,7 @@ class Scripted:
             return httpx.Response(200, json={"job": "job-a", "run": "run-a", "desired": json.loads(dumps(self.desired))})
         if path.endswith("/reports"):
             return httpx.Response(200, json={"desired": json.loads(dumps(self.desired)), "alerts": []})
-        if path.endswith("/acks"):
+        if path.endswith("/acks") or path.endswith("/finish"):
             return httpx.Response(200, json={})
         if path.endswith("/desired"):
             time.sleep(0.02)  # a short long-poll
@@ -182,6 +182,38 @@ def test_close_returns_within_deadline_while_a_request_hangs() -> None:
     assert c.close(0.3) is False  # the sender is stuck in a request: we do not wait for it
     assert time.monotonic() - t0 < 0.6
     release.set()
+
+
+def test_close_flushes_then_sends_finish_once() -> None:
+    h = Scripted()
+    c = _client("http://ctl", transport=httpx.MockTransport(h))
+    c.start()
+    assert c.wait_registered(2.0) is not None
+    c.submit_report(_report(1))
+    c.submit_report(_report(2))
+    c.submit_ack(Ack(generation=0, step=2))
+    assert c.close(2.0, finish=RunFinished(step=2, reason="completed"))
+    posts = [(r.url.path, json.loads(r.content)) for r in h.requests if r.method == "POST" and r.url.path != "/v1/runs"]
+    assert [p for p, _ in posts][-1] == "/v1/runs/run-a/finish"  # after everything queued was flushed
+    assert sorted(b.get("step_last", -1) for p, b in posts if p.endswith("/reports")) == [1, 2]
+    assert posts[-1][1] == {"step": 2, "reason": "completed"}
+    assert [p for p, _ in posts].count("/v1/runs/run-a/finish") == 1 and c.finished
+
+
+def test_close_sends_no_finish_for_an_unregistered_run_and_survives_a_refused_one() -> None:
+    c = _client("http://ctl", transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    c.start()
+    assert c.wait_registered(1.0) is None
+    assert c.close(1.0, finish=RunFinished(step=1))
+    assert not c.finished
+    h = Scripted()
+    c = _client("http://ctl", transport=httpx.MockTransport(h))
+    c.start()
+    assert c.wait_registered(2.0) is not None
+    with h.lock:
+        h.fail_next = [404]  # the controller forgot the run: the finish fails, close does not raise
+    assert c.close(1.0, finish=RunFinished(step=1))
+    assert not c.finished and h.paths()[-1] == "/v1/runs/run-a/finish"
 
 
 @pytest.mark.parametrize("mode", ["down", "blackhole", "reset", "http500", "garbage", "junk", "slow"])

@@ -3,7 +3,8 @@
 For every fault (down at start, black hole, 2 s per answer, connection reset, 500, garbage,
 killed and restarted): no step takes longer than the slowest normal step + 50 ms, /metrics keeps
 answering, nothing raises into the loop, reports resume when the controller is back, a command
-issued during the fault is applied afterwards, and ``close()`` returns within its deadline.
+issued during the fault is applied afterwards, and ``close()`` returns within its deadline. And
+``close()`` tells the controller the run finished, or, when it black-holes, returns in time anyway.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
+from service.wire import RunFinished
 from tests.control.procs import ControllerProcess, until
 from tests.tools.faultproxy import FaultProxy
 
@@ -118,6 +121,55 @@ def test_controller_down_at_start(controller: ControllerProcess) -> None:
         normal = loop.steps(30)
         assert max(faulty) <= max(normal) + STEP_BOUND_S, (max(normal), max(faulty))
         assert loop.close(1.0) <= 1.2
+
+
+def test_close_tells_the_controller_the_run_finished(controller: ControllerProcess) -> None:
+    loop = Loop(controller.url, "finish-normal")
+    loop.steps(12)
+    assert loop.close(2.0) <= 2.2
+    assert loop.agent.control.client.finished
+    detail = controller.run_detail(loop.run)
+    assert (detail["status"], detail["finished_step"], detail["finish_reason"]) == ("finished", 12, "completed")
+    events = httpx.get(f"{controller.url}/v1/runs/{loop.run}/events", timeout=10.0).json()
+    assert [e["data"] for e in events if e["kind"] == "finished"] == [{"step": 12, "reason": "completed"}]
+    again = Loop(controller.url, "finish-normal")  # the job restarts under the same run id: live again
+    assert controller.run_detail(loop.run)["status"] != "finished"
+    again.steps(3)
+    try:
+        raise RuntimeError("the training loop crashed")
+    except RuntimeError:
+        again.close(2.0)  # as from a `finally:` of a failing loop
+    detail = controller.run_detail(loop.run)
+    assert (detail["status"], detail["finished_step"], detail["finish_reason"]) == ("finished", 3, "error: RuntimeError")
+
+
+def test_close_returns_within_its_deadline_when_the_finish_is_black_holed(controller: ControllerProcess) -> None:
+    with FaultProxy(controller.port) as proxy:
+        loop = Loop(proxy.url, "finish-blackhole", request_timeout_s=2.0)
+        loop.steps(10)
+        client = loop.agent.control.client
+        assert until(lambda: client.pending() == (0, 0) and client.reports_sent >= 10, 10.0)
+        seen: dict[str, object] = {}
+        real_close = client.close
+
+        def timed_close(timeout: float, **kw: object) -> bool:  # a spy on the client's close
+            t0 = time.monotonic()
+            seen["ok"] = real_close(timeout, **kw)  # type: ignore[arg-type]
+            seen["s"], seen["deadline"], seen["finish"] = time.monotonic() - t0, timeout, kw.get("finish")
+            return bool(seen["ok"])
+
+        client.close = timed_close  # type: ignore[method-assign]
+        proxy.set_mode("blackhole")
+        elapsed = loop.close(0.5)
+        # Nothing else was queued: the sender was still stuck in the finish when the client's
+        # deadline came (not the 2 s request timeout), and the control plane returned then anyway.
+        assert seen["ok"] is False and not client.finished
+        assert seen["s"] == pytest.approx(seen["deadline"], abs=0.1) and seen["deadline"] > 0.3
+        # The agent's close as a whole: the deadline, plus the /metrics server's shutdown, which
+        # waits for its serve_forever poll (0.5 s) whatever the deadline (trainer_agent/exporter.py).
+        assert elapsed <= 0.5 + 0.2 + 0.5, elapsed
+        assert seen["finish"] == RunFinished(step=10, reason="completed")
+        assert controller.run_detail(loop.run)["status"] != "finished"
 
 
 def test_killed_and_restarted_controller_loses_no_command(tmp_path: Path) -> None:
