@@ -31,6 +31,7 @@ import time
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainer_agent as ta
 
@@ -80,6 +81,19 @@ class NaiveMetrics:
                "update_ratio": math.sqrt(delta_sq / before_sq), "nonfinite": self.nonfinite}
         self.seconds += time.perf_counter() - t0
         return out
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched while active (each a kernel launch on a GPU, views
+    aside; a ``torch._foreach_*`` call counts once): a machine-independent measure of host work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def bandwidth_gbs(device: torch.device, sync) -> float:
@@ -168,6 +182,18 @@ def main() -> None:
                 continue  # the naive reference every 4th round only: it is a yardstick, and slow
             one_step(run, ids, measure=i >= args.warmup)
 
+    # Operators per step: a step of each copy under an operator counter, over one whole report
+    # interval (any report_every consecutive steps hold exactly one report step), minus the
+    # plain step's count. After the timed rounds, so the counter's own cost is not timed.
+    ops: dict[str, float] = {}
+    ids = torch.randint(0, 8192, (args.batch, args.seq + 1), generator=gen).to(device)
+    for name, run in runs.items():
+        cycle = run["agent"].config.report_every if run["agent"] else 1
+        with OpCounter() as counter:
+            for _ in range(cycle):
+                one_step(run, ids, measure=False)
+        ops[name] = counter.ops / cycle - (ops["plain"] if name != "plain" else 0.0)
+
     plain = statistics.median(runs["plain"]["step"])
     adamw = statistics.median(runs["plain"]["adamw"])
     gbs = bandwidth_gbs(device, sync)
@@ -176,7 +202,8 @@ def main() -> None:
     print(f"plain step (median) {plain * 1e3:.0f} ms; AdamW optimizer.step() {adamw * 1e3:.1f} ms; "
           f"memory bandwidth (copy) {gbs:.1f} GB/s")
     print("cost/step: time inside the agent's sections" + (" (host time: the device work is asynchronous)" if cuda else ""))
-    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s}   whole-step median (vs plain)")
+    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s} {'ops/step':>9s}   "
+          "whole-step median (vs plain)")
     for name, run in runs.items():
         if name == "plain":
             continue
@@ -184,15 +211,17 @@ def main() -> None:
         cycle = run["agent"].config.report_every if run["agent"] else 1
         whole = len(cost) // cycle * cycle or len(cost)  # whole report intervals when there are any
         mean = sum(cost[:whole]) / whole
-        print(f"{name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}% {mean / adamw:8.2f}   "
+        print(f"{name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}% {mean / adamw:8.2f} {ops[name]:9.1f}   "
               f"{statistics.median(run['step']) * 1e3:.0f} ms ({100 * (statistics.median(run['step']) / plain - 1):+.1f}%)")
     # Physical floor: bytes the metrics must touch (fp32 parameters, AdamW's two moments).
-    # Every step the gradient norm reads the gradients (4n). A measured update ratio copies
-    # W_before (read 4n + write 4n) and reads W_before and W_after again (8n); the parameter norm
-    # reads W_after (4n); the optimizer-state check reads both moments (8n): 28n per report step.
+    # Every step the gradient norm reads the gradients (4n). A measured update ratio needs
+    # W_before kept (a copy: read 4n + write 4n), then reads W_before and W_after once (8n: the
+    # difference, ||W_after|| and ||W_before|| in one pass); the optimizer-state check reads both
+    # moments (8n): 24n more on a report step. On consecutive measured steps the snapshot is
+    # refreshed from W_after while that pass holds it in cache (write 4n instead of the copy): 20n.
     default_cfg = variants["default"]
-    floor_every = 32 * n / (gbs * 1e9)
-    floor_default = (4 * n + 28 * n / default_cfg.report_every) / (gbs * 1e9)
+    floor_every = (4 + 20) * n / (gbs * 1e9)
+    floor_default = (4 + 24 / default_cfg.report_every) * n / (gbs * 1e9)
     print(f"physical floor: default {floor_default * 1e3:.1f} ms ({100 * floor_default / plain:.2f}% of step), "
           f"every metric every step {floor_every * 1e3:.1f} ms ({100 * floor_every / plain:.2f}%)")
     for run in runs.values():

@@ -52,6 +52,7 @@ in ``trainguard_agent_errors_total``, and training goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -93,6 +94,8 @@ _NAME = TypeAdapter(Name)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 #: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
 _MAX_IN_FLIGHT = 4
+#: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
+_HELD_GRAD_BYTES = 32 << 20
 
 
 class _StepState:
@@ -100,8 +103,9 @@ class _StepState:
 
     __slots__ = (
         "backwards",
-        "micro_sq",
-        "grad_sq",
+        "micro_norms",
+        "grad_norms",
+        "grad_norm",
         "grad_nonfinite",
         "scale",
         "stepped",
@@ -114,11 +118,14 @@ class _StepState:
 
     def __init__(self) -> None:
         self.backwards = 0
-        #: Per backward pass: sum over parameters of ||incoming gradient||^2 (float64, device).
-        self.micro_sq: list[torch.Tensor] = []
-        #: Per-parameter ||accumulated grad||^2 at the end of the last backward (float64, device;
-        #: 0 for a parameter without a gradient).
-        self.grad_sq: torch.Tensor | None = None
+        #: Per backward pass: ||incoming gradient|| over all parameters (float64 device scalar,
+        #: times the loss scale).
+        self.micro_norms: list[torch.Tensor] = []
+        #: Per-parameter ||accumulated grad|| at the end of the last backward (float32/64 device
+        #: vector in the agent's parameter order, times the loss scale; 0 without a gradient).
+        self.grad_norms: torch.Tensor | None = None
+        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar).
+        self.grad_norm: torch.Tensor | None = None
         self.grad_nonfinite: torch.Tensor | None = None
         #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
         self.scale: torch.Tensor | None = None
@@ -207,21 +214,33 @@ class Agent:
         self.step = 0
         self.grad_norm_device: torch.Tensor | None = None
         self.loss_device: torch.Tensor | None = None
-        self.step_finite_device: torch.Tensor | None = None
         self.rank_values: dict[str, list[float]] = {}
         self.overhead_seconds_total = 0.0
+        # Non-finite steps before the current report interval (device scalar: no sync).
         self._nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
-        # The first non-finite loss since the last report (0.0 while there was none), so that a NaN
-        # between two reports is still the loss the next report carries. Device scalar: no sync.
-        self._interval_bad_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        # The largest finite gradient norm since the last report: a spike between reports is kept.
-        self._interval_grad_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        # One row per step of the report interval, (loss, pre-clip gradient norm or 0), on the
+        # device: a step costs one small copy; the report derives from the rows the interval's
+        # non-finite steps, its first non-finite loss (the loss the report then carries, so a NaN
+        # between two reports is not lost) and its largest finite gradient norm. Zeroed (all
+        # finite) after each report. 16 bytes per step of report_every.
+        self._interval = torch.zeros(config.report_every, 2, dtype=torch.float64, device=self.device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._step_row: torch.Tensor | None = None
+        self._scaled_grad_norm: torch.Tensor | None = None
         self._amp_skipped = 0
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: list[list[torch.Tensor]] | None = None  # per bucket, like _param_buckets
+        # Version counters of the parameters when the CPU update pass last copied W_after into
+        # the snapshot (None: the snapshot is not the current weights).
+        self._snapshot_versions: tuple[int, ...] | None = None
+        self._norm_cache: dict = {}
         self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._state = _StepState()
         self._in_backward = False
         self._hook_norms: list[torch.Tensor] = []
+        # Incoming gradients held for one fused norm per bucket (see _grad_hook), their bytes.
+        self._held_grads: list[list[torch.Tensor]] = [[] for _ in self._param_buckets]
+        self._held_bytes = 0
+        self._bucket_of = [k for k, bucket in enumerate(self._param_buckets) for _ in bucket]
         self._step_overhead = 0.0
         self._last_end = clock()
         self._pending: deque[_Report] = deque()  # reports in flight, oldest first
@@ -244,7 +263,7 @@ class Agent:
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
-        self._handles += [p.register_hook(self._grad_hook) for p in self._params]
+        self._handles += [p.register_hook(functools.partial(self._grad_hook, i)) for i, p in enumerate(self._params)]
 
         self.control: Any = None
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -282,7 +301,17 @@ class Agent:
                     params.append(p)
         if not params:
             raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
+        # Bucket after bucket of one (device, dtype): one fused call per bucket, every step.
+        params = [params[i] for bucket in stats.buckets(params) for i in bucket]
         self._params = params
+        self._param_buckets: list[list[torch.Tensor]] = []
+        for p in params:
+            if not self._param_buckets or (p.device, p.dtype) != (self._param_buckets[-1][0].device,
+                                                                  self._param_buckets[-1][0].dtype):
+                self._param_buckets.append([])
+            self._param_buckets[-1].append(p)
+        # Stand-in for a missing gradient (norm 0) that keeps its bucket's fused path.
+        self._grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self._param_buckets]
         self.device = params[0].device
         self._numel = sum(p.numel() for p in params)
         depth = self.config.layer_depth
@@ -314,9 +343,17 @@ class Agent:
 
     # ------------------------------------------------------------------ (1) backward
 
-    def _grad_hook(self, grad: torch.Tensor) -> None:
-        """Tensor hook of every trainable parameter: sees the incoming gradient of one backward
-        pass before it is accumulated into ``.grad`` (and before any DDP all-reduce)."""
+    def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
+        """Tensor hook of every trainable parameter (``index`` in ``_params``): sees the incoming
+        gradient of one backward pass before it is accumulated into ``.grad`` (and before any
+        DDP all-reduce).
+
+        For the noise scale its norm is needed. When the parameter already holds a ``.grad``
+        (accumulation into it, in place) the tensor is held and normed with the others of its
+        bucket in one fused call, when ``_HELD_GRAD_BYTES`` are held or at the end of the pass:
+        the extra memory is bounded by that. Into an empty ``.grad`` autograd moves the incoming
+        tensor without a copy only if nothing else references it, so that one is normed at once.
+        """
         t0 = self._clock()
         try:
             if not self._in_backward:
@@ -324,11 +361,24 @@ class Agent:
                 self._hook_norms = []
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
             if self.config.grad_noise and (self._data_parallel or self._state.backwards >= 1):
-                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+                if self._params[index].grad is None:
+                    self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=stats.norm_dtype(grad.dtype)))
+                else:
+                    self._held_grads[self._bucket_of[index]].append(grad)
+                    self._held_bytes += grad.numel() * grad.element_size()
+                    if self._held_bytes >= _HELD_GRAD_BYTES:
+                        self._norm_held_grads()
         except Exception as exc:  # never raise into backward
             self._error("gradient_hook", exc)
         finally:
             self._step_overhead += self._clock() - t0
+
+    def _norm_held_grads(self) -> None:
+        for held in self._held_grads:
+            if held:
+                self._hook_norms += torch._foreach_norm(held, 2, dtype=stats.norm_dtype(held[0].dtype))
+                held.clear()
+        self._held_bytes = 0
 
     def _backward_end_outer(self) -> None:
         # Re-queue, so that this runs after callbacks queued later in the same backward pass,
@@ -343,33 +393,39 @@ class Agent:
         t0 = self._clock()
         try:
             self._in_backward = False
+            self._norm_held_grads()
             st = self._state
             first = st.backwards == 0
             self._measure_grads(st)
             if self.config.grad_noise:
                 if first and not self._data_parallel:
                     # The first backward of a step accumulates into zeroed gradients.
-                    assert st.grad_sq is not None
-                    st.micro_sq.append(st.grad_sq.sum())
+                    assert st.grad_norms is not None
+                    st.micro_norms.append(self._scaled_grad_norm)
                 elif self._hook_norms:
-                    micro = torch.stack(self._hook_norms).to(torch.float64)
-                    st.micro_sq.append((micro * micro).sum())
+                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
+                                                                   dtype=torch.float64))
             st.backwards += 1
         except Exception as exc:
             self._error("backward_end", exc)
         finally:
             self._hook_norms = []
+            for held in self._held_grads:
+                held.clear()
+            self._held_bytes = 0
             self._step_overhead += self._clock() - t0
 
     def _measure_grads(self, st: _StepState) -> None:
-        """Per-tensor squared norms of the current ``.grad`` (and, on report steps, their
-        non-finite element count) into ``st``; sets ``grad_norm_device``."""
-        grads = [p.grad for p in self._params]
-        st.grad_sq = stats.sq_norms(grads, self.device)
+        """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
+        element count) into ``st``; sets ``grad_norm_device``. One fused norm per bucket."""
+        grads = [[p.grad if p.grad is not None else zero for p in bucket]
+                 for bucket, zero in zip(self._param_buckets, self._grad_zeros)]
+        st.grad_norms = stats.bucket_norms(grads, self.device)
         st.scale = self._scale_tensor()
         if self._is_report(self.step + 1):
-            st.grad_nonfinite = stats.nonfinite_count(grads, self.device, st.grad_sq)
-        self.grad_norm_device = self._unscale(st.grad_sq.sum().sqrt(), st.scale)
+            st.grad_nonfinite = stats.nonfinite_count([g for b in grads for g in b], self.device, st.grad_norms)
+        self._scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
+        st.grad_norm = self.grad_norm_device = self._unscale(self._scaled_grad_norm, st.scale)
 
     def _scale_tensor(self) -> torch.Tensor | None:
         scaler = self.scaler
@@ -393,27 +449,58 @@ class Agent:
             except Exception as exc:
                 self._error("control_before_step", exc)
         try:
-            st = self._state
-            st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-                      for g in optimizer.param_groups]
-            if st.grad_sq is None:
-                # No backward pass went through the agent's hooks (gradients set by hand):
-                # measure what the optimizer is about to use.
-                self._measure_grads(st)
-            mode = self.config.update_ratio
-            if mode == "every" or (mode == "report" and self._is_report(self.step + 1)):
-                if self._snapshot is None:
-                    self._snapshot = [torch.empty_like(p) for p in self._params]
-                torch._foreach_copy_(self._snapshot, self._params)
-                st.snapshot_taken = True
-                # ||W_before|| is the last measured ||W_after|| if no parameter changed since
-                # (autograd's version counters, read on the host, count in-place writes).
-                if self._param_sq_prev is not None and self._param_sq_prev[1] == self._versions():
-                    st.before_sq = self._param_sq_prev[0]
+            with torch.no_grad():  # the hook runs outside the optimizer's no_grad: record no graph
+                self._pre_step_measure(optimizer)
         except Exception as exc:
             self._error("optimizer_pre_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+
+    def _pre_step_measure(self, optimizer: torch.optim.Optimizer) -> None:
+        st = self._state
+        st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
+                  for g in optimizer.param_groups]
+        if st.grad_norms is None:
+            # No backward pass went through the agent's hooks (gradients set by hand):
+            # measure what the optimizer is about to use.
+            self._measure_grads(st)
+        mode = self.config.update_ratio
+        if mode == "every" or (mode == "report" and self._is_report(self.step + 1)):
+            versions = self._versions()
+            if self._snapshot is None:
+                self._snapshot = [[torch.empty_like(p, memory_format=torch.contiguous_format) for p in b]
+                                  for b in self._param_buckets]
+            # The CPU update pass of a measured step leaves W_after in the snapshot: if no
+            # parameter changed since (autograd's version counters, read on the host, count
+            # in-place writes), it already holds W_before.
+            if self._snapshot_versions != versions:
+                for snap, bucket in zip(self._snapshot, self._param_buckets):
+                    torch._foreach_copy_(snap, bucket)
+            self._snapshot_versions = None  # the post-step hook consumes it
+            st.snapshot_taken = True
+            # ||W_before|| is the last measured ||W_after|| under the same condition.
+            if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
+                st.before_sq = self._param_sq_prev[0]
+
+    def _post_step_measure(self) -> None:
+        st = self._state
+        st.stepped = True
+        self._param_sq_prev = None
+        if st.snapshot_taken:
+            assert self._snapshot is not None
+            # Refresh the snapshot with W_after when the next step is measured too.
+            next_measured = self.config.update_ratio == "every" or self.config.report_every == 1
+            st.delta_sq, st.param_sq, before_sq, refreshed = stats.update_sq_norms(
+                self._snapshot, self._param_buckets, self.device, self._norm_cache,
+                before_norms=st.before_sq is None, refresh=next_measured)
+            if st.before_sq is None:
+                st.before_sq = before_sq
+            versions = self._versions()
+            self._param_sq_prev = (st.param_sq, versions)
+            self._snapshot_versions = versions if refreshed else None
+        elif self._is_report(self.step + 1):
+            st.param_sq = stats.bucket_norms(self._param_buckets, self.device).to(torch.float64).square()
+            self._param_sq_prev = (st.param_sq, self._versions())
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._params)
@@ -421,18 +508,8 @@ class Agent:
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t0 = self._clock()
         try:
-            st = self._state
-            st.stepped = True
-            if st.snapshot_taken:
-                assert self._snapshot is not None
-                if st.before_sq is None:
-                    st.before_sq = stats.sq_norms(self._snapshot, self.device)
-                torch._foreach_sub_(self._snapshot, self._params)  # W_before - W_after, in place
-                st.delta_sq = stats.sq_norms(self._snapshot, self.device)
-            self._param_sq_prev = None
-            if self._is_report(self.step + 1):
-                st.param_sq = stats.sq_norms(self._params, self.device)
-                self._param_sq_prev = (st.param_sq, self._versions())
+            with torch.no_grad():  # the hook runs outside the optimizer's no_grad: record no graph
+                self._post_step_measure()
         except Exception as exc:
             self._error("optimizer_post_step", exc)
         finally:
@@ -469,7 +546,8 @@ class Agent:
         t0 = self._clock()
         summary: dict[str, float] = {}
         try:
-            summary = self._end_step(loss, tokens, t0)
+            with torch.no_grad():
+                summary = self._end_step(loss, tokens, t0)
         except Exception as exc:
             self._error("end_step", exc)
         finally:
@@ -496,23 +574,17 @@ class Agent:
             self._amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
 
         if isinstance(loss, torch.Tensor):
-            loss_t = loss.detach().to(self.device, torch.float64).reshape(())
+            loss_t = loss.detach().to(self.device, torch.float64)
+            if loss_t.dim():
+                loss_t = loss_t.reshape(())
         else:
             loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.device)  # a fill, no copy
         self.loss_device = loss_t
-        grad_norm = None
-        if st.grad_sq is not None:
-            grad_norm = self._unscale(st.grad_sq.sum().sqrt(), st.scale)
-        finite = torch.isfinite(loss_t)
-        if grad_norm is not None:
-            finite = finite & torch.isfinite(grad_norm)
-        self.step_finite_device = finite
-        self._nonfinite_steps += (~finite).to(torch.float64)
-        bad = self._interval_bad_loss
-        self._interval_bad_loss = torch.where(torch.isfinite(bad) & ~torch.isfinite(loss_t), loss_t, bad)
-        if grad_norm is not None:
-            gmax = self._interval_grad_max
-            self._interval_grad_max = torch.where(torch.isfinite(grad_norm), torch.maximum(gmax, grad_norm), gmax)
+        grad_norm = st.grad_norm
+        # The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
+        row = torch.stack([loss_t, grad_norm if grad_norm is not None else self._zero])
+        self._interval[(step - 1) % self.config.report_every].copy_(row)
+        self._step_row = row
 
         published = self._publish()
         if self._is_report(step):
@@ -529,19 +601,24 @@ class Agent:
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
         vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
         host: dict[str, float] = {"trainguard_step": float(step)}
-        # A non-finite loss anywhere in the interval is the interval's loss (see _interval_bad_loss).
-        bad = self._interval_bad_loss
-        dev["trainguard_loss"] = torch.where(torch.isfinite(bad), loss_t, bad)
-        self._interval_bad_loss = torch.zeros_like(bad)
+        rows = self._interval
+        finite = rows * 0 == 0  # x * 0 is NaN exactly where x is NaN or +-Inf
+        loss_finite = finite[:, 0]
+        self._nonfinite_steps += self._interval_nonfinite(finite)
+        # A non-finite loss anywhere in the interval is the interval's loss: the first one.
+        first_bad = rows[:, 0][torch.argmin(loss_finite.to(torch.uint8))]
+        dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
         dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = self._interval_grad_max
-            self._interval_grad_max = torch.zeros_like(self._interval_grad_max)
+            dev["trainguard_grad_norm_max"] = torch.where(finite[:, 1], rows[:, 1], 0.0).amax()
+        rows.zero_()  # after its last reader above (device order)
         if st.grad_nonfinite is not None:
             dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
 
-        param_sq = st.param_sq if st.param_sq is not None else stats.sq_norms(self._params, self.device)
+        param_sq = st.param_sq
+        if param_sq is None:
+            param_sq = stats.bucket_norms(self._param_buckets, self.device).to(torch.float64).square()
         param_sq_sum = param_sq.sum()
         dev["trainguard_param_norm"] = param_sq_sum.sqrt()
         dev["trainguard_param_scale"] = (param_sq_sum / self._numel).sqrt()
@@ -576,9 +653,9 @@ class Agent:
         if self._per_layer:
             self._layer_metrics(st, param_sq, vectors)
 
-        micro_count = len(st.micro_sq)
-        micro_sum = (torch.stack(st.micro_sq).sum() if st.micro_sq
-                     else torch.zeros((), dtype=torch.float64, device=self.device))
+        micro_count = len(st.micro_norms)
+        micro_sum = (torch.linalg.vector_norm(torch.stack(st.micro_norms)).square() if st.micro_norms
+                     else self._zero)
         micro_sum = self._unscale(micro_sum, st.scale, power=2)
         host["trainguard_agent_overhead_seconds"] = self._step_overhead + (self._clock() - t0)
 
@@ -603,7 +680,8 @@ class Agent:
             dev["trainguard_grad_variance"] = trace
 
         keys = list(dev)
-        pieces = [torch.stack([dev[k].reshape(()).to(torch.float64) for k in keys])]
+        pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
+                               for v in dev.values()])]
         for vector_keys, values in vectors:
             keys += vector_keys
             pieces.append(values.to(torch.float64))
@@ -629,8 +707,8 @@ class Agent:
                 keys = self._layer_keys[metric] = [sample_key(metric, layer=layer) for layer in self.layers]
             vectors.append((keys, values))
 
-        if st.grad_sq is not None:
-            g = stats.segment_sum(st.grad_sq, self._layer_ids, n).sqrt()
+        if st.grad_norms is not None:
+            g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), self._layer_ids, n).sqrt()
             add("trainguard_layer_grad_norm", self._unscale(g, st.scale))
         add("trainguard_layer_param_norm", stats.segment_sum(param_sq, self._layer_ids, n).sqrt())
         if st.delta_sq is not None and st.before_sq is not None:
@@ -732,7 +810,20 @@ class Agent:
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 
+    def _interval_nonfinite(self, finite: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0)."""
+        if finite is None:
+            finite = self._interval * 0 == 0
+        return (~finite.all(dim=1)).sum()
+
     # ------------------------------------------------------------------ public API
+
+    @property
+    def step_finite_device(self) -> torch.Tensor | None:
+        """0-dim bool device tensor: the loss and gradient norm of the last ``end_step`` were
+        finite (None before the first). Computed when read (two device ops, no sync)."""
+        row = self._step_row
+        return None if row is None else torch.isfinite(row).all()
 
     def latest(self) -> dict[str, float]:
         """``{sample key: value}`` as of the last reported step, plus the data-quality and
@@ -768,7 +859,7 @@ class Agent:
             "version": 1,
             "step": self.step,
             # SYNC: checkpoint time only; reads one device scalar.
-            "nonfinite_steps_total": float(self._nonfinite_steps.item()),
+            "nonfinite_steps_total": float((self._nonfinite_steps + self._interval_nonfinite()).item()),
             "amp_skipped_steps_total": self._amp_skipped,
         }
         if self.control is not None:
@@ -789,6 +880,7 @@ class Agent:
             raise ValueError("malformed trainguard agent state dict: negative counters")
         self.step = step
         self._nonfinite_steps.fill_(nonfinite)
+        self._interval.zero_()  # steps before the restore are not part of the restored run
         self._amp_skipped = skipped
         if self.control is not None and "control" in state:
             self.control.load_state_dict(state["control"])

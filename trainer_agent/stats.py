@@ -19,6 +19,9 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "buckets",
+    "bucket_norms",
+    "update_sq_norms",
     "sq_norms",
     "nonfinite_count",
     "segment_sum",
@@ -27,11 +30,128 @@ __all__ = [
 ]
 
 
+def buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), groups in order of first appearance.
+
+    ``torch._foreach_*`` ops take their fused path (one launch per chunk of tensors) only when
+    every tensor of the list shares device and dtype; a mixed list falls back to one kernel per
+    tensor. The agent orders its parameters bucket after bucket once, at attach time, so every
+    per-step reduction is one fused call per bucket and the results line up without a scatter.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of a norm: float32, float64 for float64 tensors (no narrowing)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """L2 norm of every tensor, in float32 (float64 if any bucket is float64), as one vector on
+    ``device`` (bucket after bucket): one ``torch._foreach_norm`` and one ``torch.stack`` per
+    (device, dtype) bucket."""
+    parts = []
+    for bucket in tensor_buckets:
+        norms = torch._foreach_norm(bucket, 2, dtype=norm_dtype(bucket[0].dtype))
+        if bucket[0].device != device:  # parameters on several devices: asynchronous copies
+            norms = [n.to(device, non_blocking=True) for n in norms]
+        parts.append(torch.stack(norms))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+#: Elements per chunk of the CPU update-norm pass: its difference buffer (256 KiB in float32)
+#: and the two chunks it reads stay in a core's L2 cache.
+_UPDATE_CHUNK = 1 << 16
+
+
+def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]],
+                    device: torch.device, cache: dict | None = None, *, before_norms: bool = False,
+                    refresh: bool = False, chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """Squared norms for the update ratio, per tensor pair, as float64 vectors on ``device``
+    (bucket after bucket): ``(||before_i - after_i||^2, ||after_i||^2, ||before_i||^2 or None,
+    refreshed)``. ``before`` is the agent's snapshot: it may be overwritten. ``cache``: a dict the
+    caller keeps between calls (the reusable buffer and the chunk index).
+
+    On an accelerator (bandwidth to spare, launches costly): per bucket ``before -= after`` in
+    place and fused norms, a handful of launches per bucket; ``refreshed`` is False. On the CPU
+    (bandwidth-bound): the difference is formed chunk by chunk in one small reusable buffer and
+    every norm reads its chunk while it is in cache, so the pass reads ``before`` and ``after``
+    once and writes nothing to memory (8 bytes per fp32 element instead of 20); with
+    ``refresh`` it also copies ``after`` into ``before`` from the cache (``refreshed`` True), so
+    a measured step that follows needs no snapshot copy. Chunk norms are float32, summed per
+    tensor in float64 (more accurate than one float32 norm of a large tensor). ``chunked``
+    chooses the pass (default: chunked on the CPU).
+    """
+    if not (device.type == "cpu" if chunked is None else chunked):
+        before_sq = None
+        if before_norms:
+            before_sq = bucket_norms(before, device).to(torch.float64).square()
+        for b, a in zip(before, after):
+            torch._foreach_sub_(b, a)  # W_before - W_after, in place in the snapshot
+        delta = bucket_norms(before, device).to(torch.float64)
+        param = bucket_norms(after, device).to(torch.float64)
+        return delta * delta, param * param, before_sq, False
+    cache = {} if cache is None else cache
+    columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
+    owner: list[int] = []
+    first = 0
+    for bucket_b, bucket_a in zip(before, after):
+        # Tensors of at most one chunk: fused calls, each difference fits in cache as a whole.
+        small = [i for i, a in enumerate(bucket_a) if a.numel() <= _UPDATE_CHUNK]
+        if small:
+            small_b, small_a = [bucket_b[i] for i in small], [bucket_a[i] for i in small]
+            diff = torch._foreach_sub(small_b, small_a)
+            dtype = norm_dtype(bucket_a[0].dtype)
+            columns[0] += torch._foreach_norm(diff, 2, dtype=dtype)
+            columns[1] += torch._foreach_norm(small_a, 2, dtype=dtype)
+            if before_norms:
+                columns[2] += torch._foreach_norm(small_b, 2, dtype=dtype)
+            if refresh:
+                torch._foreach_copy_(small_b, small_a)
+            owner += [first + i for i in small]
+        key = ("buffer", bucket_a[0].dtype)
+        buf = cache.get(key)
+        if buf is None:
+            buf = cache[key] = torch.empty(_UPDATE_CHUNK, dtype=bucket_a[0].dtype)
+        for i, (b, a) in enumerate(zip(bucket_b, bucket_a)):
+            n = a.numel()
+            if n <= _UPDATE_CHUNK:
+                continue
+            flat_b, flat_a = b.view(-1), a.reshape(-1)
+            for start in range(0, n, _UPDATE_CHUNK):
+                stop = min(n, start + _UPDATE_CHUNK)
+                out = buf[: stop - start]
+                chunk_a, chunk_b = flat_a[start:stop], flat_b[start:stop]
+                torch.sub(chunk_b, chunk_a, out=out)
+                # Every norm while the chunk is in cache; the next chunk reuses the buffer.
+                dtype = norm_dtype(out.dtype)
+                columns[0].append(torch.linalg.vector_norm(out, dtype=dtype))
+                columns[1].append(torch.linalg.vector_norm(chunk_a, dtype=dtype))
+                if before_norms:
+                    columns[2].append(torch.linalg.vector_norm(chunk_b, dtype=dtype))
+                if refresh:
+                    chunk_b.copy_(chunk_a)
+                owner.append(first + i)
+        first += len(bucket_a)
+    ids = cache.get(("ids", first))
+    if ids is None:
+        ids = cache[("ids", first)] = torch.tensor(owner, dtype=torch.long)
+    chunks = torch.stack([torch.stack(c) for c in columns], dim=1).to(torch.float64)
+    sums = torch.zeros(first, len(columns), dtype=torch.float64).index_add_(0, ids, chunks * chunks)
+    return sums[:, 0], sums[:, 1], sums[:, 2] if before_norms else None, refresh
+
+
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """Squared L2 norm of each tensor, as a float64 vector on ``device``: ``||t_i||^2``; 0 for a
     ``None`` entry (a parameter without a gradient)."""
     present = [t for t in tensors if t is not None]
-    norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else ())
+    if all(t.dtype != torch.float64 for t in present):
+        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else ())
+    else:
+        norms = iter([torch.linalg.vector_norm(t, dtype=norm_dtype(t.dtype)) for t in present])
     zero = torch.zeros((), dtype=torch.float32, device=device) if len(present) < len(tensors) else None
     if zero is None and all(t.device == device for t in present):
         column = list(norms)  # the common case, without a Python call per tensor

@@ -209,6 +209,14 @@ def assert_close(got: dict[str, float], want: dict[str, float], rtol: float = RT
             assert got[key] == pytest.approx(value, rel=rtol, abs=1e-12), key
 
 
+def assert_step_and_noise_scale(got: dict[str, float], last: Record) -> None:
+    """Every step metric and the noise scale of an accumulated step against the references."""
+    assert_close(got, reference(last))
+    b_simple, trace = mccandlish(last)
+    assert got["trainguard_grad_noise_scale"] == pytest.approx(b_simple, rel=RTOL)
+    assert got["trainguard_grad_variance"] == pytest.approx(trace, rel=RTOL)
+
+
 def attach(model, opt, **cfg) -> ta.Agent:
     cfg.setdefault("metrics_port", None)
     cfg.setdefault("per_layer", "all")
@@ -274,11 +282,7 @@ def test_accumulation_and_noise_scale(divide: bool, model: Net) -> None:
     agent = attach(model, opt, report_every=2, update_ratio="every")
     try:
         records = train(agent, model, opt, 2, accum=4, divide=divide, capture=capture)
-        got, last = agent.latest(), records[-1]
-        assert_close(got, reference(last))
-        b_simple, trace = mccandlish(last)
-        assert got["trainguard_grad_noise_scale"] == pytest.approx(b_simple, rel=RTOL)
-        assert got["trainguard_grad_variance"] == pytest.approx(trace, rel=RTOL)
+        assert_step_and_noise_scale(agent.latest(), records[-1])
     finally:
         agent.close()
 
@@ -478,5 +482,99 @@ def test_device_values_for_the_control_plane(model: Net) -> None:
         assert bool(agent.step_finite_device)
         assert agent.rank_values["loss"] == [pytest.approx(records[-1].loss, rel=1e-6)]
         assert agent.rank_values["grad_norm"] == [pytest.approx(seen[0], rel=1e-9)]
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("refresh", [True, False])
+def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bool) -> None:
+    """Both passes (cache-sized chunks on the CPU, in-place difference on an accelerator), with
+    tensors larger than a chunk, several buckets and a non-contiguous parameter."""
+    from trainer_agent import stats
+
+    monkeypatch.setattr(stats, "_UPDATE_CHUNK", 7)  # 20-element tensors span three chunks
+    g = torch.Generator().manual_seed(3)
+    after = [[torch.randn(4, 5, generator=g), torch.randn(3, generator=g), torch.randn(5, 4, generator=g).t()],
+             [torch.randn(2, 11, generator=g, dtype=torch.float64)]]
+    before = [[a + 0.01 * torch.randn(a.shape, generator=g, dtype=a.dtype) for a in bucket] for bucket in after]
+    ref_delta = [float((b.double() - a.double()).pow(2).sum()) for bb, ab in zip(before, after) for b, a in zip(bb, ab)]
+    ref_param = [float(a.double().pow(2).sum()) for ab in after for a in ab]
+    ref_before = [float(b.double().pow(2).sum()) for bb in before for b in bb]
+    snapshot = [[b.clone(memory_format=torch.contiguous_format) for b in bucket] for bucket in before]
+    cache: dict = {}
+    for _ in range(2):  # the second call reuses the cached buffer and chunk index
+        snap = [[b.clone() for b in bucket] for bucket in snapshot]
+        delta, param, before_sq, refreshed = stats.update_sq_norms(
+            snap, after, torch.device("cpu"), cache, before_norms=True, refresh=refresh, chunked=chunked)
+        assert delta.tolist() == pytest.approx(ref_delta, rel=1e-5)
+        assert param.tolist() == pytest.approx(ref_param, rel=1e-6)
+        assert before_sq.tolist() == pytest.approx(ref_before, rel=1e-6)
+        assert refreshed == (refresh and chunked)
+        if refreshed:  # the snapshot now holds W_after, for a measured step that follows
+            assert all(torch.equal(s, a) for sb, ab in zip(snap, after) for s, a in zip(sb, ab))
+        elif chunked:  # the chunked pass leaves W_before alone
+            assert all(torch.equal(s, b) for sb, bb in zip(snap, snapshot) for s, b in zip(sb, bb))
+
+
+@pytest.mark.parametrize("update_ratio", ["every", "report"])
+def test_large_and_mixed_dtype_parameters_match_reference(monkeypatch, update_ratio: str) -> None:
+    """Parameters larger than an update chunk and two dtype buckets (their order differs from the
+    optimizer's): every metric, per layer included, equals the float64 reference."""
+    from trainer_agent import stats
+
+    monkeypatch.setattr(stats, "_UPDATE_CHUNK", 50)  # emb (512) and head (544) span chunks
+    torch.manual_seed(4)
+    model = Net()
+    model.blocks[0].double()  # a float64 layer between float32 ones: two buckets
+    model.blocks[0].forward = lambda x, fc=model.blocks[0].fc: x + torch.tanh(fc(x.double())).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    agent = attach(model, opt, report_every=1, update_ratio=update_ratio)
+    try:
+        for _ in range(3):
+            records = train(agent, model, opt, 1)
+            assert_close(agent.latest(), reference(records[-1]))
+    finally:
+        agent.close()
+
+
+class SkipFirstMicro(Net):
+    """The first micro-batch of every step bypasses blocks[1]: its gradient arrives only with the
+    second backward pass, into an empty ``.grad``."""
+
+    def __init__(self, accum: int) -> None:
+        super().__init__()
+        self.accum, self.calls = accum, 0
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        skip = self.calls % self.accum == 0
+        self.calls += 1
+        x = self.emb(ids[:, :-1])
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 1):
+                x = block(x)
+        logits = self.head(self.frozen(x))
+        return F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("held_bytes", [1, None])
+def test_noise_scale_with_held_and_immediate_gradient_norms(monkeypatch, held_bytes: int | None) -> None:
+    """Incoming gradients of later backward passes are normed in fused batches (held up to a
+    byte limit; 1 byte: one at a time) or at once when ``.grad`` is still empty."""
+    from trainer_agent import agent as agent_module
+
+    if held_bytes is not None:
+        monkeypatch.setattr(agent_module, "_HELD_GRAD_BYTES", held_bytes)
+    torch.manual_seed(5)
+    model = SkipFirstMicro(accum=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    capture = Capture(model)
+    agent = attach(model, opt, report_every=1)
+    try:
+        for _ in range(2):
+            records = train(agent, model, opt, 1, accum=3, capture=capture)
+            last = records[-1]
+            assert "blocks.1.fc.weight" not in last.micro[0] and "blocks.1.fc.weight" in last.micro[1]
+            assert_step_and_noise_scale(agent.latest(), last)
     finally:
         agent.close()
