@@ -105,7 +105,8 @@ def _runs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'RUN':<28} {'JOB':<20} {'STATUS':<10} {'STEP':>9} {'GEN':>4} {'APPLIED':>7}  FIRING")
     for r in runs:
-        step = "" if r["last_step"] is None else r["last_step"]
+        last = r["finished_step"] if r.get("finished_step") is not None else r["last_step"]  # a finished run: its final step
+        step = "" if last is None else last
         print(f"{r['run']:<28} {r['job']:<20} {r['status']:<10} {step:>9} {r['desired_generation']:>4} {r['applied_generation']:>7}  {','.join(r['firing'])}")
     return 0
 

@@ -9,6 +9,7 @@ issued during the fault is applied afterwards, and ``close()`` returns within it
 
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
 from service.wire import RunFinished
-from tests.control.procs import ControllerProcess, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, until
 from tests.tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
@@ -132,6 +133,9 @@ def test_close_tells_the_controller_the_run_finished(controller: ControllerProce
     assert (detail["status"], detail["finished_step"], detail["finish_reason"]) == ("finished", 12, "completed")
     events = httpx.get(f"{controller.url}/v1/runs/{loop.run}/events", timeout=10.0).json()
     assert [e["data"] for e in events if e["kind"] == "finished"] == [{"step": 12, "reason": "completed"}]
+    table = subprocess.run([TRAINGUARD, "runs", "--url", controller.url], capture_output=True, text=True, timeout=60)
+    (row,) = [line.split() for line in table.stdout.splitlines() if line.startswith("finish-normal ")]
+    assert row[2:4] == ["finished", "12"], table.stdout + table.stderr
     again = Loop(controller.url, "finish-normal")  # the job restarts under the same run id: live again
     assert controller.run_detail(loop.run)["status"] != "finished"
     again.steps(3)
