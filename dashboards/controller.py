@@ -56,7 +56,7 @@ def build() -> Dashboard:
         ),
         timeseries(
             "Runs by status and waiting long-polls",
-            "Registered runs by status (running, paused, stopped, silent, registered) and the "
+            "Registered runs by status (running, paused, stopped, silent, registered, finished) and the "
             "agents' long-polls of desired state currently waiting.",
             [
                 query(f"sum by (status) (trainguard_controller_runs{{{C}}})", "{{status}}"),
