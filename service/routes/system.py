@@ -27,12 +27,12 @@ async def metrics(ctl: ControllerDep) -> Response:
     return Response(generate_latest(ctl.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/sd/targets", summary="Prometheus http_sd targets: every registered rank's /metrics")
+@router.get("/v1/sd/targets", summary="Prometheus http_sd targets: the /metrics of every rank of every live (not stopped, not finished) run")
 async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
     out = []
     for st in ctl.runs.values():
-        if st.desired.stop:
-            continue
+        if st.desired.stop or st.finished_at is not None:
+            continue  # its ranks are gone: scraping them would only raise "target down" alerts
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
             host = r["host"]
             host = f"[{host}]" if ":" in host and not host.startswith("[") else host

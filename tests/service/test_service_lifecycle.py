@@ -61,6 +61,7 @@ def test_finish_marks_the_run_finished_once(app_factory):
     with app_factory(clock=lambda: now[0], **TOKENS) as c:
         register(c, headers=bearer(AG))
         assert c.post("/v1/runs/run-1/reports", json=report(10), headers=bearer(AG)).status_code == 200
+        assert len(c.get("/v1/sd/targets", headers=bearer(OP)).json()) >= 1  # live: its ranks are targets
         now[0] += 7.0
         r = c.post("/v1/runs/run-1/finish", json={"step": 12, "reason": "completed"}, headers=bearer(AG))
         assert r.status_code == 200, r.text
@@ -81,6 +82,7 @@ def test_finish_marks_the_run_finished_once(app_factory):
         metrics = c.get("/metrics", headers=bearer(OP)).text
         assert 'trainguard_controller_runs{status="finished"} 1.0' in metrics
         assert "/v1/runs/{run}/finish" in c.get("/openapi.json").json()["paths"]
+        assert c.get("/v1/sd/targets", headers=bearer(OP)).json() == []  # no scrape of ranks that are gone
 
 
 def test_finish_auth_and_bad_input(app_factory):
