@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import statistics
 import time
@@ -34,6 +35,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainer_agent as ta
+from trainer_agent import stats
 
 
 class GPT(nn.Module):
@@ -94,6 +96,20 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def accelerator_paths():
+    """The agent's accelerator formulations, run on the CPU to count their operators: the update
+    norms from an in-place difference (not in cache-sized chunks), the non-finite counts by a
+    fused scan of every tensor (not only of those whose norm is non-finite)."""
+    update, count = stats.update_sq_norms, stats.nonfinite_count
+    stats.update_sq_norms = functools.partial(update, chunked=False)
+    stats.nonfinite_count = functools.partial(count, scan="device")
+    try:
+        yield
+    finally:
+        stats.update_sq_norms, stats.nonfinite_count = update, count
 
 
 def bandwidth_gbs(device: torch.device, sync) -> float:
@@ -165,7 +181,7 @@ def main() -> None:
             naive.after_step()
         opt.zero_grad()
         if agent:
-            agent.end_step(loss, tokens=ids[:, 1:].numel())
+            agent.end_step(loss, tokens=ids.shape[0] * (ids.shape[1] - 1))  # no slice: no operator
         sync()
         t3 = time.perf_counter()
         if measure:
@@ -185,14 +201,20 @@ def main() -> None:
     # Operators per step: a step of each copy under an operator counter, over one whole report
     # interval (any report_every consecutive steps hold exactly one report step), minus the
     # plain step's count. After the timed rounds, so the counter's own cost is not timed.
-    ops: dict[str, float] = {}
+    # On the CPU, once more with the accelerator formulations (what a GPU step launches).
     ids = torch.randint(0, 8192, (args.batch, args.seq + 1), generator=gen).to(device)
-    for name, run in runs.items():
-        cycle = run["agent"].config.report_every if run["agent"] else 1
-        with OpCounter() as counter:
-            for _ in range(cycle):
-                one_step(run, ids, measure=False)
-        ops[name] = counter.ops / cycle - (ops["plain"] if name != "plain" else 0.0)
+    passes = {"ops/step": contextlib.nullcontext}
+    if not cuda:
+        passes["GPU path"] = accelerator_paths
+    ops: dict[str, dict[str, float]] = {}
+    for column, paths in passes.items():
+        ops[column] = {}
+        for name, run in runs.items():
+            cycle = run["agent"].config.report_every if run["agent"] else 1
+            with paths(), OpCounter() as counter:
+                for _ in range(cycle):
+                    one_step(run, ids, measure=False)
+            ops[column][name] = counter.ops / cycle - (ops[column]["plain"] if name != "plain" else 0.0)
 
     plain = statistics.median(runs["plain"]["step"])
     adamw = statistics.median(runs["plain"]["adamw"])
@@ -202,8 +224,10 @@ def main() -> None:
     print(f"plain step (median) {plain * 1e3:.0f} ms; AdamW optimizer.step() {adamw * 1e3:.1f} ms; "
           f"memory bandwidth (copy) {gbs:.1f} GB/s")
     print("cost/step: time inside the agent's sections" + (" (host time: the device work is asynchronous)" if cuda else ""))
-    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s} {'ops/step':>9s}   "
-          "whole-step median (vs plain)")
+    print("ops/step: ATen operators the agent dispatches per step (a GPU kernel launch each, views aside)"
+          + ("; GPU path: the same with the accelerator formulations" if not cuda else ""))
+    print(f"{'configuration':26s} {'cost/step':>10s} {'% of step':>10s} {'x AdamW':>8s} "
+          + "".join(f"{column:>9s} " for column in ops) + "  whole-step median (vs plain)")
     for name, run in runs.items():
         if name == "plain":
             continue
@@ -211,7 +235,8 @@ def main() -> None:
         cycle = run["agent"].config.report_every if run["agent"] else 1
         whole = len(cost) // cycle * cycle or len(cost)  # whole report intervals when there are any
         mean = sum(cost[:whole]) / whole
-        print(f"{name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}% {mean / adamw:8.2f} {ops[name]:9.1f}   "
+        print(f"{name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}% {mean / adamw:8.2f} "
+              + "".join(f"{ops[column][name]:9.1f} " for column in ops) + "  "
               f"{statistics.median(run['step']) * 1e3:.0f} ms ({100 * (statistics.median(run['step']) / plain - 1):+.1f}%)")
     # Physical floor: bytes the metrics must touch (fp32 parameters, AdamW's two moments).
     # Every step the gradient norm reads the gradients (4n). A measured update ratio needs

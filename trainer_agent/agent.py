@@ -13,7 +13,7 @@
 Where each metric is measured (metric names, units and formulas: ``trainer_agent/catalog.py``):
 
 (1) **End of every backward pass** (an autograd engine callback queued by the first gradient hook
-    of the pass; it runs after DDP has finished its all-reduce): per-tensor squared norms of the
+    of the pass; it runs after DDP has finished its all-reduce): per-tensor norms of the
     accumulated gradients, so the last backward before ``optimizer.step`` gives ``grad_norm``
     *before* any clipping the user does afterwards, divided by the GradScaler's scale.
     For the gradient noise scale, per-parameter gradient hooks measure the incoming gradient of
@@ -21,14 +21,25 @@ Where each metric is measured (metric names, units and formulas: ``trainer_agent
     under data parallelism every pass is measured there, before the all-reduce.
 (2) **Optimizer step hooks** (``register_step_pre_hook``/``register_step_post_hook``): the LR
     each param group actually used; the weights before the step are copied into one reusable
-    buffer (``AgentConfig.update_ratio``) and ``W_before - W_after`` is formed in place for
-    ``update_ratio``, ``effective_lr`` and the per-layer update ratio; parameter norms.
-    A GradScaler that skips the step skips these hooks: ``end_step`` counts the step in
-    ``trainguard_amp_skipped_steps_total`` (no device read needed to know it).
-(3) **end_step**: loss, per-step non-finite accounting on the device, step time and tokens/s; on a
-    report step (``step % report_every == 0``) all device values are concatenated into one
-    float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned memory,
-    read at a later ``end_step`` once the copy's event has completed.
+    buffer (``AgentConfig.update_ratio``), and one pass over it and the new weights gives
+    ``||W_before - W_after||`` (``update_ratio``, ``effective_lr``, per-layer update ratio) and
+    the parameter norms (``stats.update_sq_norms``). A GradScaler that skips the step skips these
+    hooks: ``end_step`` counts the step in ``trainguard_amp_skipped_steps_total`` (no device read
+    needed to know it).
+(3) **end_step**: the step's (loss, gradient norm) row of the report interval, step time and
+    tokens/s; on a report step (``step % report_every == 0``) the interval's rows give the
+    non-finite accounting, and all device values are concatenated into one float64 vector and
+    copied to the host — on CUDA with a non-blocking copy into pinned memory, read at a later
+    ``end_step`` once the copy's event has completed.
+
+Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
+attach, bucket after bucket of one (device, dtype), so every reduction over them is one fused
+``torch._foreach_*`` call per bucket and its results line up with the per-layer index without a
+scatter; a step that is not a report step issues about 10 operators (``bench/agent_overhead.py``
+prints the count per configuration). The optimizer hooks run under ``torch.no_grad()`` (the
+optimizer's own ``no_grad`` does not cover its hooks). On the CPU, memory bandwidth is the cost:
+the update pass works in cache-sized chunks and, when the next step is measured too, leaves
+``W_after`` in the snapshot so that step needs no copy (see ``AgentConfig.update_ratio``).
 
 Gradient noise scale (``trainguard_grad_noise_scale``, ``trainguard_grad_variance``): the
 estimator of McCandlish et al. 2018, appendix A.1, in ``stats.noise_scale``. The small batches
@@ -377,7 +388,11 @@ class Agent:
         for held in self._held_grads:
             if held:
                 self._hook_norms += torch._foreach_norm(held, 2, dtype=stats.norm_dtype(held[0].dtype))
-                held.clear()
+        self._release_held_grads()
+
+    def _release_held_grads(self) -> None:
+        for held in self._held_grads:
+            held.clear()
         self._held_bytes = 0
 
     def _backward_end_outer(self) -> None:
@@ -410,9 +425,7 @@ class Agent:
             self._error("backward_end", exc)
         finally:
             self._hook_norms = []
-            for held in self._held_grads:
-                held.clear()
-            self._held_bytes = 0
+            self._release_held_grads()
             self._step_overhead += self._clock() - t0
 
     def _measure_grads(self, st: _StepState) -> None:
@@ -553,6 +566,7 @@ class Agent:
         finally:
             self._state = _StepState()
             self._in_backward = False
+            self._release_held_grads()  # a backward pass that raised never reached its end
             self.grad_norm_device = None
             now = self._clock()
             self._step_overhead += now - t0

@@ -52,14 +52,18 @@ class AgentConfig:
     ``report_every``), ``"every"`` step, or ``"off"`` (no buffer, metrics absent). The buffer
     has the parameters' dtype: a bf16 copy would round W_before by ~4e-3 relative, more than a
     typical update. On consecutive measured steps ``||W_before||`` is taken from the last
-    ``||W_after||`` when no parameter's version counter moved in between (writes through
+    ``||W_after||`` when no parameter's version counter moved in between, and on the CPU the
+    snapshot itself is W_after of the last step under the same condition (the update pass
+    copies it there while it is in cache, which saves the next step's copy). Writes through
     ``p.data`` bypass that counter; if your loop writes weights that way between steps, use
-    ``"report"`` with ``report_every >= 2``, where two measured steps are never consecutive)."""
+    ``"report"`` with ``report_every >= 2``, where two measured steps are never consecutive."""
 
     grad_noise: bool = True
     """Estimate the gradient noise scale from micro-batch gradient norms (several backward passes
     per optimizer step) and/or data-parallel ranks. Costs one extra pass over the incoming
-    gradients of the second and later backward passes of a step (every backward under DDP)."""
+    gradients of the second and later backward passes of a step (every backward under DDP):
+    fused, one norm call per bucket of at most 32 MiB of held gradients, where a gradient is
+    accumulated into an existing ``.grad``; one norm per tensor where ``.grad`` is empty."""
 
     vocab_size: int | None = None
     """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
