@@ -95,3 +95,39 @@ def test_batches_the_data_monitor_drops_count_as_agent_errors() -> None:
     finally:
         gate.set()
         agent.close(timeout=5.0)
+
+
+def test_nonfinite_steps_between_reports_are_counted_in_state_dict_and_report() -> None:
+    """The interval's rows hold the per-step finite flags until the report: a checkpoint taken
+    between reports counts them, a restore starts a clean interval, and every report counts each
+    non-finite step once (loss NaN at step 2, gradient Inf at step 4, report_every 3)."""
+    torch.manual_seed(2)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                      config=ta.AgentConfig(report_every=3, metrics_port=None))
+    try:
+        totals, states = {}, {}
+        for step in range(1, 7):
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            opt.zero_grad()
+            handle = model.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([1]), math.inf)) \
+                if step == 4 else None
+            loss.backward()
+            saved = model.weight.detach().clone()
+            opt.step()
+            if handle is not None:
+                handle.remove()
+                with torch.no_grad():
+                    model.weight.copy_(saved)  # the Inf gradient's update undone: later steps finite
+            agent.end_step(loss.detach() * math.nan if step == 2 else loss)
+            states[step] = agent.state_dict()["nonfinite_steps_total"]
+            assert bool(agent.step_finite_device) == (step not in (2, 4))
+            if step % 3 == 0:
+                totals[step] = agent.latest()["trainguard_nonfinite_steps_total"]
+        assert states == {1: 0.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0, 6: 2.0}
+        assert totals == {3: 1.0, 6: 2.0}
+        agent.load_state_dict({**agent.state_dict(), "step": 7, "nonfinite_steps_total": 5.0})
+        assert agent.state_dict()["nonfinite_steps_total"] == 5.0
+    finally:
+        agent.close(timeout=5.0)
