@@ -620,7 +620,8 @@ class Agent:
         loss_finite = finite[:, 0]
         self._nonfinite_steps += self._interval_nonfinite(finite)
         # A non-finite loss anywhere in the interval is the interval's loss: the first one.
-        first_bad = rows[:, 0][torch.argmin(loss_finite.to(torch.uint8))]
+        # (index_select: indexing with a device tensor could read it on the host)
+        first_bad = rows[:, 0].index_select(0, torch.argmin(loss_finite.to(torch.uint8)).reshape(1))[0]
         dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
         dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
         if grad_norm is not None:
