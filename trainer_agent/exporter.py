@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from wsgiref.simple_server import WSGIServer
 
@@ -99,7 +100,14 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self, timeout: float) -> None:
-        """Stop serving and release the port, waiting at most ``timeout`` seconds for the thread."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout)
+        """Stop serving and release the port, waiting at most ``timeout`` seconds in all.
+
+        ``shutdown()`` waits for the serving loop's next poll (up to 0.5 s in the standard
+        library), so it runs on a side thread: it sets the stop flag at once, and this returns
+        within ``timeout`` whatever the poll interval."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        stopper = threading.Thread(target=self._server.shutdown, name="trainguard-metrics-stop", daemon=True)
+        stopper.start()
+        self._server.server_close()  # the kernel frees the port when the loop's poll returns (<= 0.5 s)
+        stopper.join(max(0.0, deadline - time.monotonic()))
+        self._thread.join(max(0.0, deadline - time.monotonic()))
