@@ -120,7 +120,7 @@ RECORDING_RULES: tuple[Recording, ...] = (
     ),
     Recording(record="trainguard:optimizer_state_nonfinite:max",
               expr=f"max {BY_RUN} (trainguard_optimizer_state_nonfinite)"),
-    Recording(record="trainguard:grad_norm:max", expr=f"max {BY_RUN} (trainguard_grad_norm)"),
+    Recording(record="trainguard:grad_norm:max", expr=f"max {BY_RUN} (trainguard_grad_norm_max)"),
     Recording(
         record="trainguard:grad_norm:spike_ratio",
         expr=f"trainguard:grad_norm:max / quantile_over_time(0.5, "
