@@ -356,6 +356,8 @@ def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dic
     """Alerts and actions of the run, each with its step, from the controller's audit log."""
     with ctl.client() as http:
         events = http.get(f"/v1/runs/{run}/events", params={"limit": 5000}).json()
+        diagnoses = {a["id"]: a.get("diagnosis") or {}
+                     for a in http.get("/v1/alerts", params={"run": run, "limit": 1000}).json()}
     applied: dict[int, int] = {}
     for ev in events:
         if ev["kind"] == "applied":
@@ -366,7 +368,8 @@ def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dic
         if ev["kind"] == "alert":
             d = ev["data"]
             alerts.append({"rule": d.get("rule"), "severity": d.get("severity"), "step": d.get("step"),
-                           "generation": ev["generation"], "summary": ev["reason"]})
+                           "generation": ev["generation"], "summary": ev["reason"],
+                           "diagnosis": diagnoses.get(d.get("alert_id"), {})})
         elif ev["kind"] == "desired":
             new = ev["data"]["desired"]
             gen = ev["generation"]
@@ -442,6 +445,10 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
     print("alerts:")
     for a in result.alerts:
         print(f"  step {a['step']!s:>5}  {a['severity']:<8} {a['rule']:<28} {a['summary']}")
+        diag = a.get("diagnosis") or {}
+        if a["generation"] is not None and diag:  # the alerts that acted: the seed's diagnosis
+            print(f"{'':14}likely: {'; '.join(diag.get('likely_causes', []))}")
+            print(f"{'':14}try:    {'; '.join(diag.get('suggested_actions', []))}")
     print("actions (changes of desired state):")
     for a in result.actions:
         print(f"  gen {a['generation']:>3}  applied at step {a['applied_step']!s:>5}  by {a['actor']:<28} {a['change']}")
