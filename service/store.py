@@ -22,6 +22,7 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -209,6 +210,10 @@ class Store:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
+        # Reads in flight on worker threads: close() waits for them before closing the reader
+        # connections (a request cancelled mid-read leaves its thread running the read).
+        self._active_reads = 0
+        self._reads_idle = threading.Condition(self._readers_lock)
         self._pending: list[tuple[Any, asyncio.Future[Any], bool]] = []
         self.failed: BaseException | None = None
         self.commits = 0
@@ -262,16 +267,25 @@ class Store:
 
     def read_now(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read-only ``op`` on this thread's reader connection."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._connect(readonly=True)
-            with self._readers_lock:
-                self._readers.append(conn)
-        conn.execute("BEGIN")
+        with self._readers_lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._active_reads += 1
         try:
-            return op(conn)
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = self._connect(readonly=True)
+                with self._readers_lock:
+                    self._readers.append(conn)
+            conn.execute("BEGIN")
+            try:
+                return op(conn)
+            finally:
+                conn.execute("COMMIT")
         finally:
-            conn.execute("COMMIT")
+            with self._reads_idle:
+                self._active_reads -= 1
+                self._reads_idle.notify_all()
 
     async def read(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read-only ``op`` in a worker thread (never blocks the event loop)."""
@@ -379,16 +393,23 @@ class Store:
             results = self._commit([(op, single) for op, _fut, single in self._pending])
             self._pending = []
             del results
-        self._closed = True
+        deadline = time.monotonic() + timeout
+        with self._readers_lock:
+            self._closed = True
         self._stop.set()
         if self._checkpointer is not None:
             self._checkpointer.join(timeout)
-        with self._readers_lock:
-            for conn in self._readers:
-                try:
-                    conn.close()
-                except sqlite3.Error:
-                    pass
+        with self._reads_idle:
+            # never close a connection another thread is reading with (bounded by the timeout)
+            if self._reads_idle.wait_for(lambda: self._active_reads == 0, max(0.0, deadline - time.monotonic())):
+                for conn in self._readers:
+                    try:
+                        conn.close()
+                    except sqlite3.Error:
+                        pass
+            else:
+                log.warning("%d reads still running at close: their connections are left to the garbage collector",
+                            self._active_reads)
             self._readers.clear()
         try:
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

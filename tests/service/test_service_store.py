@@ -77,3 +77,34 @@ def test_report_values_round_trip_through_their_json() -> None:
     for k, v in values.items():
         assert (math.isnan(v) and math.isnan(back[k])) or (back[k] == v and math.copysign(1, back[k]) == math.copysign(1, v)), k
     assert json.loads(sql.dumps_json(values)).keys() == back.keys()  # the same text format the other columns use
+
+
+def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(tmp_path: Path) -> None:
+    import threading
+
+    import pytest
+
+    from service.store import StoreError
+
+    store = Store(tmp_path / "t.db")
+    inside, release = threading.Event(), threading.Event()
+    out: dict[str, object] = {}
+
+    def slow_read(conn: sqlite3.Connection) -> int:
+        inside.set()
+        release.wait(5)
+        return conn.execute("SELECT count(*) FROM runs").fetchone()[0]
+
+    reader = threading.Thread(target=lambda: out.setdefault("n", store.read_now(slow_read)))
+    reader.start()
+    assert inside.wait(5)
+    closer = threading.Thread(target=store.close, kwargs={"timeout": 5.0})
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # the reader's connection is in use: close waits for it
+    release.set()
+    reader.join(5)
+    closer.join(5)
+    assert not closer.is_alive() and out["n"] == 0  # the read finished on an open connection
+    with pytest.raises(StoreError, match="closed"):
+        store.read_now(lambda conn: 1)
