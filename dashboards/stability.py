@@ -58,10 +58,13 @@ def build() -> Dashboard:
                    [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")]),
         timeseries(
             "Gradient norm (global, before clipping)",
-            f"Global L2 norm of the gradients before clipping. The red line is the seed's "
-            f"checklist limit ({GRAD_NORM_LIMIT:g}); the controller's default rules lower the LR "
-            f"above it and on spikes.",
-            [query(f"trainguard_grad_norm{{{SEL}}}", "rank {{rank}}")],
+            f"Global L2 norm of the gradients before clipping at the last reported step, and the "
+            f"largest over the steps since the previous report (what the rules read: a spike "
+            f"between two reports is not missed). The red line is the seed's checklist limit "
+            f"({GRAD_NORM_LIMIT:g}); the controller's default rules lower the LR above it and on "
+            f"spikes.",
+            [query(f"trainguard_grad_norm{{{SEL}}}", "rank {{rank}}"),
+             query(f"trainguard_grad_norm_max{{{SEL}}}", "rank {{rank}}, max since last report")],
             log=True, band=Band(((GRAD_NORM_LIMIT, "red"),)),
         ),
         timeseries(
