@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 __all__ = [
     "API_PREFIX",
+    "MAX_INT",
     "Name",
     "WireModel",
     "RankEndpoint",
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 API_PREFIX = "/v1"
+
+#: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
+#: so a bigger one could be validated here and then fail (500) when it is stored.
+MAX_INT = 2**63 - 1
 
 #: Job and run identifiers: also used in URLs and as Prometheus label values.
 Name = Annotated[
@@ -89,10 +94,10 @@ class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
 
-    generation: int = Field(default=0, ge=0, description="Bumped on every change.")
+    generation: int = Field(default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
     paused: bool = False
     lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
-    checkpoint_seq: int = Field(default=0, ge=0, description="A checkpoint is due when this exceeds the last one taken.")
+    checkpoint_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
     reason: str = Field(default="", max_length=2000)
 
@@ -124,12 +129,12 @@ class Report(WireModel):
     """
 
     job: Name
-    step_first: int = Field(ge=0)
-    step_last: int = Field(ge=0)
+    step_first: int = Field(ge=0, le=MAX_INT)
+    step_last: int = Field(ge=0, le=MAX_INT)
     time: float = Field(allow_inf_nan=False, description="Unix time at the leader when sent.")
     values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
-    applied_generation: int = Field(default=0, ge=0)
+    applied_generation: int = Field(default=0, ge=0, le=MAX_INT)
 
     @field_validator("step_last")
     @classmethod
@@ -150,15 +155,15 @@ class ReportAccepted(WireModel):
 class Ack(WireModel):
     """``POST /v1/runs/{run}/acks``: every rank applied ``generation`` at ``step``."""
 
-    generation: int = Field(ge=0)
-    step: int = Field(ge=0)
+    generation: int = Field(ge=0, le=MAX_INT)
+    step: int = Field(ge=0, le=MAX_INT)
 
 
 class RunFinished(WireModel):
     """``POST /v1/runs/{run}/finish``: the run ended (the leader's ``agent.close()``); the
     controller stops expecting reports from it until it registers again."""
 
-    step: int = Field(ge=0, description="The last step the run completed.")
+    step: int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
 
 

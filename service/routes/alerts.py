@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from service import store as sql
 from service.controller import Controller, nan_safe
+from service.wire import MAX_INT
 from service.deps import ControllerDep, ReadDep
 
 __all__ = ["router"]
@@ -26,14 +27,14 @@ def _json(value: Any) -> Response:
 @router.get("/alerts", summary="Alerts, newest first")
 async def alerts(
     ctl: ControllerDep, _: ReadDep, state: Literal["firing", "resolved"] | None = None, run: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100, before: Annotated[int | None, Query(ge=1, description="Page: ids below this.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100, before: Annotated[int | None, Query(ge=1, le=MAX_INT, description="Page: ids below this.")] = None,
 ) -> Response:
     return _json(await ctl.store.read(lambda c: sql.list_alerts(c, state=state, run=run, limit=limit, before=before)))
 
 
 @router.get("/runs/{run}/events", summary="A run's audit log: every change of desired state, alert and ack")
 async def run_events(
-    run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
     ctl.get(run)
     return _json(await ctl.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit)))
@@ -75,10 +76,10 @@ async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator
 
 @router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)")
 async def stream(
-    ctl: ControllerDep, _: ReadDep, run: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
+    ctl: ControllerDep, _: ReadDep, run: str | None = None, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
     if last_event_id and last_event_id.isdigit():
-        after = max(after, int(last_event_id))
+        after = max(after, min(int(last_event_id), MAX_INT))
     return StreamingResponse(_stream(ctl, run, after), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -5,16 +5,18 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Path, Query, Response
 
 from service import store as sql
 from service.controller import NotFound
 from service.deps import ControllerDep, WebhooksDep
 from service.schemas import Webhook, WebhookCreate, WebhookCreated
+from service.wire import MAX_INT
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["webhooks"])
+WebhookId = Annotated[int, Path(ge=1, le=MAX_INT)]
 
 
 def _out(row: dict) -> dict:
@@ -37,14 +39,14 @@ async def list_webhooks(ctl: ControllerDep, _: WebhooksDep) -> list[dict]:
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, summary="Delete a webhook (pending messages are cancelled)")
-async def delete(webhook_id: int, ctl: ControllerDep, _: WebhooksDep) -> Response:
+async def delete(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep) -> Response:
     if not await ctl.store.submit(lambda c: sql.delete_webhook(c, webhook_id)):
         raise NotFound(f"webhook {webhook_id} does not exist")
     return Response(status_code=204)
 
 
 @router.get("/webhooks/{webhook_id}/deliveries", summary="Delivery attempts, newest first")
-async def deliveries(webhook_id: int, ctl: ControllerDep, _: WebhooksDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
+async def deliveries(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
     rows = await ctl.store.read(lambda c: (sql.get_webhook(c, webhook_id), sql.list_deliveries(c, webhook_id, limit)))
     if rows[0] is None and not rows[1]:
         raise NotFound(f"webhook {webhook_id} does not exist")
