@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.wire import DesiredState, Report, Severity
@@ -47,6 +48,12 @@ class WebhookCreate(BaseModel):
     def _http(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("url must start with http:// or https://")
+        try:
+            host = httpx.URL(url).host
+        except httpx.InvalidURL as e:
+            raise ValueError(f"url is not a valid URL: {e}") from None
+        if not host:
+            raise ValueError("url has no host")
         return url
 
 

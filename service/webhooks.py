@@ -157,7 +157,12 @@ class WebhookDeliverer:
                 now = self._clock()
                 due = await self._store.read(lambda c: sql.due_outbox(c, now, 64))
                 if due:
-                    await asyncio.gather(*(self._deliver(client, row) for row in due))
+                    results = await asyncio.gather(*(self._deliver(client, row) for row in due), return_exceptions=True)
+                    errors = [r for r in results if isinstance(r, Exception)]
+                    for e in errors:  # one bad row must not end delivery for every webhook
+                        log.error("webhook delivery failed unexpectedly", exc_info=e)
+                    if errors:
+                        await asyncio.sleep(self._backoff)  # such a row stays due: do not spin on it
                     continue
                 nxt = await self._store.read(sql.next_outbox_time)
                 wait = 60.0 if nxt is None else min(60.0, max(0.0, nxt - self._clock()))
@@ -188,11 +193,17 @@ class WebhookDeliverer:
                 error = f"timeout: {type(e).__name__}"
             except httpx.HTTPError as e:
                 error = f"{type(e).__name__}: {e}"
+            except httpx.InvalidURL as e:
+                # Not an HTTPError: uncaught it would end the delivery task for every webhook.
+                # The URL will never work, so it is not retried.
+                status, error = None, f"invalid URL (not retried): {e}"
             duration = time.perf_counter() - t0
             if status is not None and 200 <= status < 300:
                 outcome = "delivered"
             elif status is not None and 400 <= status < 500 and status not in _RETRY_4XX:
                 outcome, error = "failed", f"HTTP {status} (not retried)"
+            elif error is not None and error.startswith("invalid URL"):
+                outcome = "failed"
             else:
                 error = error or f"HTTP {status}"
                 outcome = "retry" if attempt < self._max_attempts else "failed"
