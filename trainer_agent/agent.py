@@ -255,6 +255,7 @@ class Agent:
         self._step_overhead = 0.0
         self._last_end = clock()
         self._pending: deque[_Report] = deque()  # reports in flight, oldest first
+        self._gathered_step = -1  # the step whose report entered the ranks' all-gather last
         self._layer_keys: dict[str, list[str]] = {}
         self._published: dict[str, float] = {}
         self._data_values: dict[str, float] = {}
@@ -563,6 +564,7 @@ class Agent:
                 summary = self._end_step(loss, tokens, t0)
         except Exception as exc:
             self._error("end_step", exc)
+            self._join_report_gather()
         finally:
             self._state = _StepState()
             self._in_backward = False
@@ -731,7 +733,19 @@ class Agent:
             before = stats.segment_sum(st.before_sq, self._layer_ids, n).sqrt()
             add("trainguard_layer_update_ratio", delta / before)
 
+    def _join_report_gather(self) -> None:
+        """After an error in ``_end_step``: if this report step's all-gather was not entered,
+        enter it with a NaN row, so an error on one rank never leaves the others waiting in the
+        collective (nor pairs their gather with this rank's next collective)."""
+        if not (self._data_parallel and self._is_report(self.step) and self._gathered_step != self.step):
+            return
+        try:
+            self._all_gather(torch.full((len(RANK_FIELDS),), math.nan, dtype=torch.float64, device=self.device))
+        except Exception as exc:
+            self._error("end_step", exc)
+
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        self._gathered_step = self.step  # entered (even if it fails): never entered twice per step
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.

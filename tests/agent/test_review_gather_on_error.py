@@ -1,0 +1,84 @@
+"""An error inside the agent on one rank must not skip the report's all-gather that the other
+ranks enter: the collective sequence of every rank stays aligned (no hang, no mismatched DDP
+all-reduce)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=8))
+    import trainer_agent as ta
+    from trainer_agent.agent import Agent
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    agent = ta.attach(ddp, opt, job="ddp", run="ddp-err",
+                      config=ta.AgentConfig(metrics_port=None, report_every=2, per_layer="rank0"))
+    original = Agent._layer_metrics
+    calls = {"n": 0}
+
+    def failing_once(self, *args, **kwargs):  # only rank 0 computes per-layer metrics
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected per-layer failure")
+        return original(self, *args, **kwargs)
+
+    Agent._layer_metrics = failing_once
+    losses = []
+    for step in range(4):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = ddp(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        losses.append(float(loss))
+    latest = agent.latest()
+    steps: list[int] = [None] * WORLD  # type: ignore[list-item]
+    dist.all_gather_object(steps, agent.step)  # the ranks' collectives still line up
+    torch.save({"latest": latest, "rank_values": agent.rank_values, "losses": losses, "steps": steps},
+               f"{out}/rank{rank}.pt")
+    agent.close()
+    dist.destroy_process_group()
+
+
+def test_error_on_one_rank_keeps_the_report_gather(tmp_path) -> None:
+    ctx = mp.start_processes(_worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 60
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks hung"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert out[0]["steps"] == out[1]["steps"] == [4, 4]
+    assert out[0]["latest"]["trainguard_agent_errors_total"] == 1.0
+    assert out[1]["latest"]["trainguard_agent_errors_total"] == 0.0
+    # The second report (step 4) was gathered normally on both ranks: every rank's step-4 loss.
+    for r in range(WORLD):
+        got = out[r]["rank_values"]["loss"]
+        want = [out[k]["losses"][3] for k in range(WORLD)]
+        assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want)), (got, want)
