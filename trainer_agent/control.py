@@ -596,21 +596,26 @@ class ControlPlane:
 
     def _skip_this_step(self) -> bool:
         """True (on every rank) if any rank's gradients hold a NaN/Inf."""
+        bad = 0
         try:
             norm = self._agent.grad_norm_device
             if norm is None:
                 grads = [p.grad for g in self._agent.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                if not grads:
-                    return False
-                norm = torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
-            bad = int(not bool(torch.isfinite(norm)))  # SYNC: one device read per optimizer step
-            if self.world_size > 1:
+                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
+                        if grads else None)
+            if norm is not None:
+                bad = int(not bool(torch.isfinite(norm)))  # SYNC: one device read per optimizer step
+        except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
+            self._on_error("skip_nonfinite", exc)
+        if self.world_size > 1:
+            # Every rank reaches this all-reduce, whatever happened above on it.
+            try:
                 flag = torch.tensor([bad], dtype=torch.int64)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # gloo, CPU tensor
                 bad = int(flag.item())
-        except Exception as exc:  # noqa: BLE001 - fail open: take the step
-            self._on_error("skip_nonfinite", exc)
-            return False
+            except Exception as exc:  # noqa: BLE001 - fail open: take the step
+                self._on_error("skip_nonfinite", exc)
+                return False
         if bad:
             self._skipped += 1
         return bool(bad)

@@ -1,0 +1,81 @@
+"""skip_nonfinite: an error on one rank while reading its gradient flag must not skip the flag's
+all-reduce that the other ranks enter (their collectives would pair with the wrong step's)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+
+
+class _FlakyAgent:
+    """Delegates to the agent; reading ``grad_norm_device`` raises the first time."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self._reads = 0
+
+    def __getattr__(self, name):
+        if name == "grad_norm_device":
+            self._reads += 1
+            if self._reads == 1:
+                raise RuntimeError("injected failure reading the gradient norm")
+        return getattr(self._agent, name)
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=8))
+    import trainer_agent as ta
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="skip", run="skip-err",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    if rank == 1:
+        agent.control._agent = _FlakyAgent(agent)  # fails at step 1, on rank 1 only
+    durations = []
+    for step in range(1, 4):
+        t0 = time.monotonic()
+        loss = model(torch.ones(4, 3)).square().mean()
+        if rank == 0 and step == 2:
+            loss = loss * float("nan")  # non-finite gradients on rank 0: every rank skips step 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        durations.append(time.monotonic() - t0)
+    latest = agent.latest()
+    agent.close()
+    dist.destroy_process_group()
+    torch.save({"latest": latest, "durations": durations}, f"{out}/rank{rank}.pt")
+
+
+def test_error_on_one_rank_keeps_the_skip_all_reduce(tmp_path) -> None:
+    ctx = mp.start_processes(_worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 60
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks hung"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [o["latest"]["trainguard_skipped_steps_total"] for o in out] == [1.0, 1.0]
+    assert out[0]["latest"]["trainguard_agent_errors_total"] == 0.0
+    assert out[1]["latest"]["trainguard_agent_errors_total"] == 1.0
+    assert max(d for o in out for d in o["durations"]) < 5.0  # nobody waited for a collective timeout
