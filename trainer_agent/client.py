@@ -234,6 +234,7 @@ class ControllerClient:
 
     def _send_loop(self) -> None:
         failures = 0
+        unknown = 0  # 404s since an item was last accepted
         with self._new_http(self._timeout) as http:
             while True:
                 with self._cond:
@@ -253,6 +254,7 @@ class ControllerClient:
                         self._register(http)
                     else:
                         self._send_item(http, op, item)
+                        unknown = 0
                     failures = 0
                     continue
                 except _Refused as exc:
@@ -265,6 +267,9 @@ class ControllerClient:
                     with self._cond:
                         self._registered = False
                     self._requeue(op, item)
+                    unknown += 1
+                    if unknown > 1:  # registered again, still unknown: back off, do not spin
+                        self._sleep(unknown - 1)
                     continue
                 except Exception as exc:  # noqa: BLE001 - fail open: any failure means 'retry later'
                     self._note_failure(type(exc).__name__, f"controller exchange failed: {exc!r}")
@@ -361,6 +366,8 @@ class ControllerClient:
                     with self._cond:
                         self._registered = False
                         self._cond.notify_all()
+                    failures += 1  # the sender registers again; a repeated 404 backs off
+                    self._sleep(failures)
                 except Exception as exc:  # noqa: BLE001 - fail open
                     self._note_failure(f"poll-{type(exc).__name__}", f"controller poll failed: {exc!r}")
                     failures += 1
