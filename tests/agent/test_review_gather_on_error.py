@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.control.review_spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -63,17 +63,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 
 def test_error_on_one_rank_keeps_the_report_gather(tmp_path) -> None:
-    ctx = mp.start_processes(_worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 60
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks hung"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    out = spawn_ranks(_worker, WORLD, tmp_path)
     assert out[0]["steps"] == out[1]["steps"] == [4, 4]
     assert out[0]["latest"]["trainguard_agent_errors_total"] == 1.0
     assert out[1]["latest"]["trainguard_agent_errors_total"] == 0.0
