@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from service.auth import TokenTable
@@ -76,6 +79,16 @@ def create_app(
         return JSONResponse({"detail": "invalid rules; the active rules are unchanged", "reasons": exc.reasons}, status_code=422)
 
     app.add_exception_handler(RulesError, rules_error)
+
+    async def request_invalid(request: Request, exc: Exception) -> Response:
+        # FastAPI's own handler echoes the input with ensure_ascii=False, so a body holding an
+        # unpaired surrogate escape ("\\ud800", which Python's json accepts) made the 422 itself
+        # fail to encode: a 500. Escaped JSON encodes every string.
+        assert isinstance(exc, RequestValidationError)
+        body = json.dumps({"detail": jsonable_encoder(exc.errors())}).encode()
+        return Response(body, status_code=422, media_type="application/json")
+
+    app.add_exception_handler(RequestValidationError, request_invalid)
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -1,0 +1,46 @@
+"""A JSON body with an unpaired surrogate escape ("\\ud800": valid JSON, not encodable as UTF-8)
+is answered 422 with the reason, never 500, and changes nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import pytest
+
+from tests.service.conftest import register
+
+_H = {"content-type": "application/json"}
+_LONE = "\\ud800"  # the six characters of the JSON escape
+
+
+@pytest.mark.parametrize(("method", "url", "body", "loc"), [
+    ("POST", "/v1/runs", '{"job":"job-a","run":"run-2","world_size":1,"agent_version":"%s"}' % _LONE, ["body", "agent_version"]),
+    ("POST", "/v1/runs", '{"job":"job-a","run":"run-2","world_size":1,"ranks":[{"rank":0,"local_rank":0,"host":"%s","port":9100}]}' % _LONE,
+     ["body", "ranks", 0, "host"]),
+    ("POST", "/v1/runs/run-1/pause", '{"reason":"%s"}' % _LONE, ["body", "reason"]),
+    ("POST", "/v1/runs/run-1/lr-scale", '{"scale":0.5,"reason":"x%s"}' % _LONE, ["body", "reason"]),
+    ("POST", "/v1/runs/run-1/finish", '{"step":3,"reason":"%s"}' % _LONE, ["body", "reason"]),
+    ("POST", "/v1/webhooks", '{"url":"http://127.0.0.1:9/%s"}' % _LONE, ["body", "url"]),
+    ("POST", "/v1/webhooks", '{"url":"http://127.0.0.1:9/x","secret":"%saaaaaaaaaaaaaaaaaaaa"}' % _LONE, ["body", "secret"]),
+])
+def test_unpaired_surrogate_is_422(app_factory: Callable[..., Any], method: str, url: str, body: str, loc: list[Any]) -> None:
+    with app_factory() as c:
+        register(c, world_size=1)
+        r = c.request(method, url, content=body.encode(), headers=_H)
+        assert r.status_code == 422, r.text
+        detail = json.loads(r.content)["detail"]
+        assert [d["loc"] for d in detail] == [loc]
+        assert detail[0]["input"].endswith("\ud800") or "\ud800" in detail[0]["input"]
+        run = c.get("/v1/runs/run-1").json()
+        assert (run["status"], run["desired_generation"]) == ("registered", 0)
+        assert [r["run"] for r in c.get("/v1/runs").json()] == ["run-1"]
+        assert c.get("/v1/webhooks").json() == []
+
+
+def test_paired_surrogates_are_ordinary_text(app_factory: Callable[..., Any]) -> None:
+    with app_factory() as c:
+        register(c, world_size=1)
+        r = c.post("/v1/runs/run-1/pause", content=b'{"reason":"\\ud83d\\ude00 spike"}', headers=_H)
+        assert r.status_code == 200, r.text
+        assert c.get("/v1/runs/run-1").json()["desired"]["reason"] == "\U0001F600 spike"
