@@ -71,6 +71,25 @@ class RankEndpoint(WireModel):
     port: int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
 
 
+#: Deepest nesting of lists and objects in a registration's ``config``.
+MAX_CONFIG_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists and dicts in ``value`` (iterative: the input may be very deep)."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d + 1)
+            if deepest > MAX_CONFIG_DEPTH:
+                return deepest
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
 class RunRegistration(WireModel):
     """``POST /v1/runs``: register (or re-register, after a restart) a run."""
 
@@ -80,6 +99,15 @@ class RunRegistration(WireModel):
     ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
     agent_version: str = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("config")
+    @classmethod
+    def _config_shallow(cls, config: dict[str, Any]) -> dict[str, Any]:
+        # Deeper JSON is accepted by the parser but overflows the recursion of every later
+        # encoder (the run's status page answered 500 for good).
+        if _depth(config) > MAX_CONFIG_DEPTH:
+            raise ValueError(f"config is nested more than {MAX_CONFIG_DEPTH} levels deep")
+        return config
 
     @field_validator("ranks")
     @classmethod
