@@ -271,34 +271,35 @@ class Agent:
 
             self._data_feed = DataFeed(self.data_monitor)
 
-        self._handles = [
-            optimizer.register_step_pre_hook(self._pre_step),
-            optimizer.register_step_post_hook(self._post_step),
-        ]
-        self._handles += [p.register_hook(functools.partial(self._grad_hook, i)) for i, p in enumerate(self._params)]
-
         self.control: Any = None
+        self._server: MetricsServer | None = None
+        self._handles: list[Any] = []
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
-        self.registry.register(self._collector)
-        self._server: MetricsServer | None = None
-        if config.metrics_port is not None:
-            port = config.metrics_port + self.local_rank if config.metrics_port else 0
-            try:
-                self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
-            except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
-                self._error("metrics_server", exc)
+        try:
+            self._handles = [
+                optimizer.register_step_pre_hook(self._pre_step),
+                optimizer.register_step_post_hook(self._post_step),
+            ]
+            self._handles += [p.register_hook(functools.partial(self._grad_hook, i)) for i, p in enumerate(self._params)]
+            self.registry.register(self._collector)
+            if config.metrics_port is not None:
+                port = config.metrics_port + self.local_rank if config.metrics_port else 0
+                try:
+                    self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
+                except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
+                    self._error("metrics_server", exc)
 
-        if config.controller is not None or config.skip_nonfinite:
-            from trainer_agent.control import ControlPlane
+            if config.controller is not None or config.skip_nonfinite:
+                from trainer_agent.control import ControlPlane
 
-            # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
-            # controller holds paused waits in here, before its first step, with /metrics served.
-            try:
+                # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
+                # controller holds paused waits in here, before its first step, with /metrics served.
                 self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint, on_error=self._error)
-            except BaseException:
-                self.close()  # a refused configuration leaves no hooks, thread or port behind
-                raise
+        except BaseException:
+            # A refused configuration or registry leaves no hooks, thread or port behind.
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ setup
 
