@@ -827,6 +827,8 @@ class DataFeed:
                 with self._cond:
                     self._done += 1
                     self._cond.notify_all()
+            if self._closed and self._queue.empty():
+                return  # closed while the queue was full (no room for the stop signal): drained
 
     def _count_error(self, exc: Exception) -> None:
         self.errors += 1
