@@ -47,6 +47,7 @@ def create_app(
         backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s, transport=transport,
     )
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
+    controller.reserved_runs = tokens.reserved_runs
     controller.load()
 
     @asynccontextmanager

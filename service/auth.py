@@ -64,6 +64,9 @@ class TokenTable:
             token, _, run = entry.partition(":")
             self._add(token, Principal("agent", frozenset({AGENT_SCOPE}), "", "", run or None))
         self.enabled = bool(self._by_digest)
+        #: Runs named by ``TOKEN:RUN`` entries: no other agent token may claim them.
+        self.reserved_runs: frozenset[str] = frozenset(
+            p.bound_run for p in self._by_digest.values() if p.bound_run is not None)
 
     def _add(self, token: str, template: Principal) -> None:
         if len(token) < _MIN_TOKEN:

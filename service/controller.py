@@ -158,6 +158,8 @@ class Controller:
         self.deliverer = deliverer
         self.runs: dict[str, RunState] = {}
         self.bindings: dict[str, str] = {}
+        #: Runs that configured ``TOKEN:RUN`` agent tokens own (set by the app from its TokenTable).
+        self.reserved_runs: frozenset[str] = frozenset()
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
@@ -304,6 +306,10 @@ class Controller:
             await asyncio.shield(registering)  # a concurrent first registration of this run
         st = self.runs.get(reg.run)
         bind = principal.kind == "agent" and principal.bound_run is None and principal.token_digest not in self.bindings
+        if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
+            # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
+            raise Forbidden(f"run {reg.run!r} belongs to another agent token; to hand it to this one, "
+                            f"configure it as TOKEN:{reg.run} in TRAINGUARD_AGENT_TOKENS")
         if bind:
             self.bindings[principal.token_digest] = reg.run
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
