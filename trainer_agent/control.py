@@ -371,7 +371,10 @@ class ControlPlane:
                       "is off for the rest of this run, training goes on", exc)
             return
         if gather and self.leader:
-            self._send_report(step, rows)
+            try:
+                self._send_report(step, rows)
+            except Exception as exc:  # noqa: BLE001 - a lost report must not keep the leader from applying
+                self._on_error("control_report", exc)
         self._apply(state, step)
 
     # ------------------------------------------------------------------ internals: start

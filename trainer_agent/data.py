@@ -55,6 +55,7 @@ import math
 import queue
 import sys
 import threading
+import time
 import unicodedata
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -849,13 +850,15 @@ class DataFeed:
                                        timeout)
 
     def close(self, timeout: float | None = 1.0) -> bool:
-        """Stop the worker after the queued batches; True when it stopped within ``timeout``."""
+        """Stop the worker after the queued batches; True when it stopped within ``timeout`` (in
+        all: the hand-off of the stop signal and the wait share it)."""
         self._closed = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             return False
-        self._thread.join(timeout)
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self._thread.is_alive()
 
 

@@ -291,3 +291,28 @@ def test_reports_carry_nan_and_contiguous_step_ranges() -> None:
         assert all(len(getattr(r.ranks, f)) == 1 for r in reps for f in ("step_time_s", "grad_norm"))
         assert "trainguard_lr_scale" in reps[0].values and not any("{" in k for k in reps[0].values)
         agent.close(1.0)
+
+
+def test_a_report_that_fails_to_build_does_not_keep_the_leader_from_applying() -> None:
+    with FakeController() as ctl:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        agent = _attach(model, opt, ctl)  # report_every=1: every step is a report step
+        try:
+            def boom(step, rows):  # type: ignore[no-untyped-def]
+                raise RuntimeError("injected: the report could not be built")
+
+            agent.control._send_report = boom
+            ctl.command(RUN, lr_scale=0.25)
+            _wait_seen(agent, 1)
+            loss = model(_batch(1)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss)
+            # the generation was applied at this step although its report failed (and was counted)
+            assert agent.latest()["trainguard_lr_scale"] == 0.25
+            assert agent.latest()["trainguard_applied_generation"] == 1
+            assert agent.latest()["trainguard_agent_errors_total"] >= 1
+        finally:
+            agent.close(2.0)

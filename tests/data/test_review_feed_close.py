@@ -39,3 +39,29 @@ def test_close_with_a_full_queue_still_stops_the_worker() -> None:
     feed._thread.join(5)
     assert not feed._thread.is_alive()
     assert monitor.seen == 2  # what was queued before close was still observed
+
+
+class _TimedMonitor:
+    """Each batch takes ``seconds`` to observe."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def observe_batch(self, input_ids, attention_mask=None) -> None:  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+
+    def values(self) -> dict[str, float]:
+        return {}
+
+
+def test_close_keeps_one_deadline_for_the_hand_off_and_the_wait() -> None:
+    feed = DataFeed(_TimedMonitor(0.4), max_pending=1)  # type: ignore[arg-type]
+    batch = torch.ones(2, 3, dtype=torch.long)
+    assert feed.submit(batch)  # the worker takes it and works 0.4 s
+    time.sleep(0.05)
+    assert feed.submit(batch)  # queued: the queue is full
+    t0 = time.monotonic()
+    stopped = feed.close(timeout=0.6)  # the stop signal waits ~0.35 s for room, then the join
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.6 + 0.15, elapsed  # one deadline, not one for each wait
+    assert stopped is False  # the second batch needs until ~0.8 s
