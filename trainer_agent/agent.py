@@ -285,6 +285,9 @@ class Agent:
             self.registry.register(self._collector)
             if config.metrics_port is not None:
                 port = config.metrics_port + self.local_rank if config.metrics_port else 0
+                if port > 65535:
+                    raise ValueError(f"metrics_port {config.metrics_port} + local rank {self.local_rank} is past "
+                                     f"65535: choose a lower base port")
                 try:
                     self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
                 except OSError as exc:  # e.g. the port is taken: train without /metrics, say so

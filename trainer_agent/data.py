@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import queue
 import sys
 import threading
@@ -414,6 +415,11 @@ class DataMonitorConfig:
     sequences (the current window counts only sequences observed after the reference)."""
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "window", "reference_tokens", "shingle", "bands", "rows", "min_length_samples",
+                     "length_reference"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         self.special_ids = tuple(int(i) for i in self.special_ids)
