@@ -19,6 +19,7 @@ generated configuration (ranks discovered through the controller) and prints the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -186,6 +187,10 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     finally:
         agent.close(timeout=5.0)
         Path(log_dir, f"rank{rank}.json").write_text(json.dumps(log))
+        # DDP's reducer holds the process group: free it (and the agent's hooks that reach it)
+        # before the group goes, so no gloo thread is left for the interpreter's exit to destroy.
+        del agent, ddp
+        gc.collect()
         dist.destroy_process_group()
 
 

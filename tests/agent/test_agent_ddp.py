@@ -7,6 +7,7 @@ gathered on every rank.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -53,6 +54,8 @@ def _worker(rank: int, init: str, out: str) -> None:
     rank_values = agent.rank_values
     url = agent.metrics_url
     agent.close()
+    del agent, ddp  # DDP holds the process group: free it before the group goes (clean exit)
+    gc.collect()
     dist.destroy_process_group()
     torch.save({"latest": latest, "rank_values": rank_values, "url": url, "results": results},
                f"{out}/rank{rank}.pt")

@@ -4,6 +4,7 @@ all-reduce)."""
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from datetime import timedelta
@@ -59,6 +60,8 @@ def _worker(rank: int, init: str, out: str) -> None:
     torch.save({"latest": latest, "rank_values": agent.rank_values, "losses": losses, "steps": steps},
                f"{out}/rank{rank}.pt")
     agent.close()
+    del agent, ddp  # DDP holds the process group: free it before the group goes (clean exit)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ generations this rank applied (``ControlPlane.history``), the on_checkpoint call
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -129,6 +130,7 @@ def main() -> None:
         neg = {"rank": rank, "error": error[:500], "after_s": time.monotonic() - t0}
         (out / f"negative-rank{rank}.json").write_text(json.dumps(neg))
         os._exit(0)  # the group is broken by design now; do not wait on it at exit
+    gc.collect()  # the runs' DDP models hold the process group: free them before it goes
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@ all-reduce that the other ranks enter (their collectives would pair with the wro
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from datetime import timedelta
@@ -60,6 +61,8 @@ def _worker(rank: int, init: str, out: str) -> None:
         durations.append(time.monotonic() - t0)
     latest = agent.latest()
     agent.close()
+    del agent
+    gc.collect()
     dist.destroy_process_group()
     torch.save({"latest": latest, "durations": durations}, f"{out}/rank{rank}.pt")
 
