@@ -124,7 +124,8 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainer_agent as ta
-    from trainer_agent.demo_model import CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, FaultPlan, TinyGPT, stdlib_source_bytes
+    from trainer_agent.demo_model import (CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, FaultPlan, TinyGPT,
+                                          next_byte_loss, stdlib_source_bytes)
 
     cfg = DemoConfig(**cfg_dict)
     torch.set_num_threads(1)
@@ -163,7 +164,7 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
         while step < cfg.steps and not agent.should_stop:
             ids, mask = corpus.batch(step + 1, rank, faults)
             agent.observe_batch(ids, mask)
-            loss = _ddp_loss(ddp, ids, mask)
+            loss = next_byte_loss(ddp, ids, mask)
             if step + 1 == faults.nan_step and rank == cfg.world_size - 1:
                 loss = loss * float("nan")  # the injected fault: one rank's loss turns NaN
             loss.backward()
@@ -192,15 +193,6 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
         del agent, ddp
         gc.collect()
         dist.destroy_process_group()
-
-
-def _ddp_loss(ddp: Any, ids: Any, mask: Any) -> Any:
-    """Next-byte loss through the DDP wrapper (so gradients are all-reduced)."""
-    from torch.nn import functional as F
-
-    logits = ddp(ids[:, :-1])
-    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
 def _fmt(v: float | None, spec: str = ".3g") -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "TinyGPT",
     "ByteCorpus",
     "FaultPlan",
+    "next_byte_loss",
     "stdlib_source_bytes",
 ]
 
@@ -86,11 +87,13 @@ class TinyGPT(nn.Module):
             x = block(x)
         return self.ln_f(x) @ self.tok.weight.T
 
-    def loss(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Next-byte cross-entropy over the non-padding positions of ``ids`` (B, T+1)."""
-        logits = self(ids[:, :-1])
-        target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+def next_byte_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy over the non-padding positions of ``ids`` (B, T+1); ``model`` is a
+    :class:`TinyGPT` or its ``DistributedDataParallel`` wrapper (so gradients are all-reduced)."""
+    logits = model(ids[:, :-1])
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
 def stdlib_source_bytes(limit: int = 4 << 20) -> bytes:
