@@ -36,9 +36,13 @@ from typing import Any, Sequence
 
 import httpx
 
+from trainer_agent.demo_model import FaultPlan
+
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "main"]
 
 JOB = "demo"
+#: The fault steps' single source: the demo's defaults are the FaultPlan's.
+_FAULTS = FaultPlan()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,13 +61,13 @@ class DemoConfig:
     """Sequences per rank per step."""
     lr: float = 2e-3
     """Peak AdamW learning rate."""
-    burst: tuple[int, int] = (40, 55)
+    burst: tuple[int, int] = _FAULTS.burst
     """Steps [start, end) with duplicated and corrupted data."""
-    lr_blowup: tuple[int, int] = (75, 90)
+    lr_blowup: tuple[int, int] = _FAULTS.lr_blowup
     """Steps [start, end) where the LR schedule overshoots by ``lr_blowup_factor``."""
-    lr_blowup_factor: float = 100.0
+    lr_blowup_factor: float = _FAULTS.lr_blowup_factor
     """How far the bad schedule overshoots."""
-    nan_step: int = 115
+    nan_step: int = _FAULTS.nan_step
     """Step whose loss turns NaN on the last rank."""
     resume_after_s: float = 2.0
     """How long the operator looks at a paused run before resuming it."""
@@ -124,8 +128,8 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainer_agent as ta
-    from trainer_agent.demo_model import (CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, FaultPlan, TinyGPT,
-                                          next_byte_loss, stdlib_source_bytes)
+    from trainer_agent.demo_model import (CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, TinyGPT, next_byte_loss,
+                                          stdlib_source_bytes)
 
     cfg = DemoConfig(**cfg_dict)
     torch.set_num_threads(1)
