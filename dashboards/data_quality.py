@@ -8,18 +8,11 @@ from __future__ import annotations
 from grafanalib.core import Dashboard
 
 from dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, timeseries
+from dashboards.thresholds import DUPLICATE_RATIO_MAX, LENGTH_SHIFT_P_MIN, SPECIAL_TOKEN_RATIO_MAX, TOKEN_KL_MAX
 
 UID = "trainguard-data-quality"
 TITLE = "trainguard / Data quality"
 
-#: Seed section 3.1: duplicate text above 5% warns.
-DUPLICATE_RATIO_MAX = 0.05
-#: Seed section 3.1: token-distribution KL divergence above 0.1 alerts.
-TOKEN_KL_MAX = 0.1
-#: Seed section 3.1: control/special characters above 0.01%.
-SPECIAL_TOKEN_RATIO_MAX = 1e-4
-#: Seed section 3.1: length-distribution shift when the sliding-window test gives p < 0.05.
-LENGTH_SHIFT_P_MIN = 0.05
 
 
 def build() -> Dashboard:

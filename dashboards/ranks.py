@@ -20,7 +20,7 @@ from dashboards.common import (
     timeseries,
     with_ref_ids,
 )
-from dashboards.rules import STRAGGLER_RATIO
+from dashboards.thresholds import STRAGGLER_RATIO
 
 UID = "trainguard-ranks"
 TITLE = "trainguard / Ranks"

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dashboards.data_quality import (
+from dashboards.thresholds import (
+    ABSENCE,
     DUPLICATE_RATIO_MAX,
+    GRAD_NORM_LIMIT,
+    GRAD_NORM_SPIKE_RATIO,
     LENGTH_SHIFT_P_MIN,
+    LR_FACTOR,
     SPECIAL_TOKEN_RATIO_MAX,
+    STRAGGLER_RATIO,
     TOKEN_KL_MAX,
 )
-from dashboards.stability import GRAD_NORM_LIMIT
 
 __all__ = [
-    "STRAGGLER_RATIO",
-    "GRAD_NORM_SPIKE_RATIO",
     "GRAD_NORM_SPIKE_WINDOW",
-    "LR_FACTOR",
-    "ABSENCE",
     "CONTROLLER_ACTIONS",
     "ACTIONS",
     "Recording",
@@ -34,16 +34,10 @@ __all__ = [
     "rule_groups",
 ]
 
-#: Straggler: the slowest rank's step time over the median rank's.
-STRAGGLER_RATIO = 1.5
-#: Gradient-norm spike: the norm over its rolling median over GRAD_NORM_SPIKE_WINDOW (the
-#: controller's default ``grad_norm_spike`` rule: ratio 5 against the median of 32 reports).
-GRAD_NORM_SPIKE_RATIO = 5.0
+#: The rolling median of the gradient-norm spike alert (the controller's rule uses its last 32
+#: reports; Prometheus has samples in time, not reports). The thresholds come from
+#: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
-#: Factor an ``lr_scale`` action multiplies the run's current lr_scale by.
-LR_FACTOR = 0.5
-#: No progress for this long means the run is hung (the controller's absence rule).
-ABSENCE = "5m"
 #: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``
 #: (``lr_scale`` multiplies the run's lr_scale by ``trainguard_lr_factor``).
 CONTROLLER_ACTIONS = ("pause", "lr_scale", "checkpoint", "stop")

@@ -18,14 +18,13 @@ from dashboards.common import (
     state_timeline,
     timeseries,
 )
+from dashboards.thresholds import GRAD_NORM_LIMIT
 
 UID = "trainguard-stability"
 TITLE = "trainguard / Training stability"
 
 #: The update ratio's healthy band (DESIGN.md; seed section 6.1): about 1e-4 to 1e-2.
 UPDATE_RATIO_BAND = (1e-4, 1e-2)
-#: The seed's checklist: gradient values should stay below 1e3.
-GRAD_NORM_LIMIT = 1e3
 TOP_LAYERS = 5
 
 
