@@ -237,7 +237,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TRAINGUARD_OPERATOR_TOKENS="", TRAINGUARD_AGENT_TOKENS="")
         server = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", _LOOPBACK, "--port", "0", "--db", str(Path(tmp) / "bench.db"),
+            [sys.executable, "-m", "trainguard.cli", "serve", "--host", _LOOPBACK, "--port", "0", "--db", str(Path(tmp) / "bench.db"),
              "--log-level", "warning"],
             stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
         )

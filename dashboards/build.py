@@ -4,7 +4,7 @@ drifts from these sources).
 
     trainguard dashboards build            # regenerate dashboards/generated/
     trainguard dashboards build --check    # exit 1 when the checked-in files are stale
-    python -m dashboards.build --out DIR   # write elsewhere
+    python -m trainguard.dashboards.build --out DIR   # write elsewhere
 
 Before writing, every metric name an expression uses is checked against the agent's and the
 controller's catalogues; an unknown name is a ``ValueError``.
@@ -22,12 +22,12 @@ import yaml
 from grafanalib._gen import DashboardEncoder
 from grafanalib.core import Dashboard
 
-from dashboards import controller, data_quality, ranks, stability
-from dashboards.catalogue import unknown_metrics
-from dashboards.common import DATASOURCE_NAME, DATASOURCE_UID
-from dashboards.promql import metric_names, variable_query_metric
-from dashboards.rules import ALERT_RULES, RECORDING_RULES, rule_groups
-from dashboards.stack import (
+from trainguard.dashboards import controller, data_quality, ranks, stability
+from trainguard.dashboards.catalogue import unknown_metrics
+from trainguard.dashboards.common import DATASOURCE_NAME, DATASOURCE_UID
+from trainguard.dashboards.promql import metric_names, variable_query_metric
+from trainguard.dashboards.rules import ALERT_RULES, RECORDING_RULES, rule_groups
+from trainguard.dashboards.stack import (
     TOKEN_SECRET,
     alertmanager_config,
     grafana_dashboard_provider,

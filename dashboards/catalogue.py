@@ -1,5 +1,5 @@
 """The metric names the dashboards and rules may use: the agent's catalogue
-(``trainer_agent.catalog``), the controller's (``service.metrics``), and the few series Prometheus
+(``trainguard.protocol.catalog``), the controller's (``service.metrics``), and the few series Prometheus
 itself creates. Histograms are looked up by their base name (``_bucket``, ``_sum``, ``_count``).
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.metrics import CONTROLLER_METRICS
-from trainer_agent.catalog import AGENT_METRICS
+from trainguard.service.metrics import CONTROLLER_METRICS
+from trainguard.protocol.catalog import AGENT_METRICS
 
 __all__ = ["PROMETHEUS_SERIES", "exported_metrics", "unknown_metrics"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.common import Section, dashboard, query, timeseries
-from dashboards.stack import CONTROLLER_JOB
+from trainguard.dashboards.common import Section, dashboard, query, timeseries
+from trainguard.dashboards.stack import CONTROLLER_JOB
 
 UID = "trainguard-controller"
 TITLE = "trainguard / Controller"

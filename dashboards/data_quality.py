@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, timeseries
-from dashboards.thresholds import DUPLICATE_RATIO_MAX, LENGTH_SHIFT_P_MIN, SPECIAL_TOKEN_RATIO_MAX, TOKEN_KL_MAX
+from trainguard.dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, timeseries
+from trainguard.dashboards.thresholds import DUPLICATE_RATIO_MAX, LENGTH_SHIFT_P_MIN, SPECIAL_TOKEN_RATIO_MAX, TOKEN_KL_MAX
 
 UID = "trainguard-data-quality"
 TITLE = "trainguard / Data quality"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.common import (
+from trainguard.dashboards.common import (
     DATASOURCE,
     JOB_RUN,
     SEL,
@@ -20,7 +20,7 @@ from dashboards.common import (
     timeseries,
     with_ref_ids,
 )
-from dashboards.thresholds import STRAGGLER_RATIO
+from trainguard.dashboards.thresholds import STRAGGLER_RATIO
 
 UID = "trainguard-ranks"
 TITLE = "trainguard / Ranks"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dashboards.thresholds import (
+from trainguard.dashboards.thresholds import (
     ABSENCE,
     DUPLICATE_RATIO_MAX,
     GRAD_NORM_LIMIT,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.common import (
+from trainguard.dashboards.common import (
     SEL,
     Band,
     Section,
@@ -18,7 +18,7 @@ from dashboards.common import (
     state_timeline,
     timeseries,
 )
-from dashboards.thresholds import GRAD_NORM_LIMIT
+from trainguard.dashboards.thresholds import GRAD_NORM_LIMIT
 
 UID = "trainguard-stability"
 TITLE = "trainguard / Training stability"

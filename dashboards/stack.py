@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dashboards.rules import CONTROLLER_ACTIONS
+from trainguard.dashboards.rules import CONTROLLER_ACTIONS
 
 __all__ = [
     "PROMETHEUS_IMAGE",

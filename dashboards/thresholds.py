@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.rules import LrScaleAction, default_rules_text, load_rules
+from trainguard.service.rules import LrScaleAction, default_rules_text, load_rules
 
 __all__ = [
     "GRAD_NORM_LIMIT",

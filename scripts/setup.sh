@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up a development environment from this repository's own files:
 #   - Debian's Prometheus, Alertmanager and promtool (integration tests run them on loopback),
-#   - a virtual environment in .venv with trainguard and its service and development extras.
+#   - a virtual environment in .venv with trainguard, its extras for the agent, the controller, the dashboards and the
+#     framework integrations (Hugging Face, Lightning), and the test tools, at the exact versions of
+#     constraints.txt.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ fi
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -m pip install -q -e '.[dev]' >.venv/pip-install.log 2>&1; then
+if ! .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev,hf,lightning]' >.venv/pip-install.log 2>&1; then
     cat .venv/pip-install.log
     exit 1
 fi

@@ -14,16 +14,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
-from service.auth import TokenTable
-from service.config import Settings
-from service.controller import Conflict, Controller, Forbidden, Invalid, NotFound
-from service.ingress import ReportIngress
-from service.limits import BodyLimit
-from service.metrics import ControllerMetrics
-from service.routes import alerts, rules, runs, system, webhooks
-from service.rules import RulesError
-from service.store import Store, StoreError
-from service.webhooks import WebhookDeliverer
+from trainguard.service.auth import TokenTable
+from trainguard.service.config import Settings
+from trainguard.service.controller import Conflict, Controller, Forbidden, Invalid, NotFound
+from trainguard.service.ingress import ReportIngress
+from trainguard.service.limits import BodyLimit
+from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.routes import alerts, rules, runs, system, webhooks
+from trainguard.service.rules import RulesError
+from trainguard.service.store import Store, StoreError
+from trainguard.service.webhooks import WebhookDeliverer
 
 __all__ = ["create_app"]
 

@@ -19,17 +19,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from service import store as sql
-from service.auth import Principal
-from service.config import Settings
-from service.diagnosis import DIAGNOSES
-from service.engine import AlertBook, FiredAlert, Outcome, command_state, decide
-from service.metrics import ControllerMetrics
-from service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, evaluate, load_rules
-from service.store import Store
-from service.webhooks import SEVERITY_RANK, WebhookDeliverer, fingerprint, render
-from service.window import VECTORS, RunWindow, rank_vectors
-from service.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
+from trainguard.service import store as sql
+from trainguard.service.auth import Principal
+from trainguard.service.config import Settings
+from trainguard.service.diagnosis import DIAGNOSES
+from trainguard.service.engine import AlertBook, FiredAlert, Outcome, command_state, decide
+from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, evaluate, load_rules
+from trainguard.service.store import Store
+from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer, fingerprint, render
+from trainguard.service.window import VECTORS, RunWindow, rank_vectors
+from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller", "RunState", "NotFound", "Conflict", "Forbidden", "Invalid", "COMMANDS"]
 

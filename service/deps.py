@@ -6,8 +6,8 @@ from typing import Annotated, Awaitable, Callable
 
 from fastapi import Depends, HTTPException, Request
 
-from service.auth import AGENT_SCOPE, Principal, TokenTable
-from service.controller import Controller
+from trainguard.service.auth import AGENT_SCOPE, Principal, TokenTable
+from trainguard.service.controller import Controller
 
 __all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep"]
 

@@ -13,11 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.rules import (
+from trainguard.service.rules import (
     AbsenceRule, CheckpointAction, Finding, LrScaleAction, NotifyAction, PauseAction, StopAction, evaluate,
 )
-from service.window import RunWindow
-from service.wire import DesiredState, Report
+from trainguard.service.window import RunWindow
+from trainguard.protocol.wire import DesiredState, Report
 
 __all__ = ["AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
 

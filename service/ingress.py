@@ -10,7 +10,7 @@ Everything else is handed to the FastAPI app unchanged, so the answers stay exac
 documented route (``service.routes.runs.post_report``, which also keeps the endpoint in the
 OpenAPI schema): other paths and methods; run names the route would refuse; a missing, unknown or
 under-scoped token (401/403, checked before the body is read); and a body that does not validate
-as a :class:`~service.wire.Report` (the route parses it again and answers FastAPI's 422). Errors
+as a :class:`~trainguard.protocol.wire.Report` (the route parses it again and answers FastAPI's 422). Errors
 the controller raises while ingesting (404, 403, 409, 422, 503) are answered here the way the
 app's exception handlers answer them.
 """
@@ -23,10 +23,10 @@ from typing import Any, Callable
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from service.auth import AGENT_SCOPE, TokenTable
-from service.controller import Controller
-from service.limits import replay
-from service.wire import API_PREFIX, Report
+from trainguard.service.auth import AGENT_SCOPE, TokenTable
+from trainguard.service.controller import Controller
+from trainguard.service.limits import replay
+from trainguard.protocol.wire import API_PREFIX, Report
 
 __all__ = ["ReportIngress", "MAX_RUN_NAME"]
 

@@ -1,6 +1,6 @@
 """The controller's own metrics (``GET /metrics``): the catalogue and the collectors.
 
-:data:`CONTROLLER_METRICS` documents every name, the way ``trainer_agent.catalog`` does for the
+:data:`CONTROLLER_METRICS` documents every name, the way ``trainguard.protocol.catalog`` does for the
 agent; dashboards and tests read names from here. A histogram ``X`` exposes ``X_bucket``,
 ``X_sum`` and ``X_count``.
 """
@@ -13,16 +13,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trainer_agent.catalog import MetricSpec
+from trainguard.protocol.catalog import MetricSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from service.controller import Controller
+    from trainguard.service.controller import Controller
 
 __all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics"]
 
 
 class ControllerMetric(MetricSpec):
-    """One metric the controller exports: a :class:`~trainer_agent.catalog.MetricSpec` whose name
+    """One metric the controller exports: a :class:`~trainguard.protocol.catalog.MetricSpec` whose name
     starts with ``trainguard_controller_``."""
 
     __slots__ = ()

@@ -41,9 +41,9 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, field_validator, model_validator
 
-from service.diagnosis import DIAGNOSES
-from service.window import VECTORS, RuleWindow
-from service.wire import Name, Severity
+from trainguard.service.diagnosis import DIAGNOSES
+from trainguard.service.window import VECTORS, RuleWindow
+from trainguard.protocol.wire import Name, Severity
 
 __all__ = [
     "Action", "Rule", "RulesFile", "RuleSet", "Finding", "RulesError",
@@ -338,7 +338,7 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
 
 def default_rules_text() -> str:
     """The shipped default rules (``service/default_rules.yaml``)."""
-    return (resources.files("service") / "default_rules.yaml").read_text(encoding="utf-8")
+    return (resources.files("trainguard.service") / "default_rules.yaml").read_text(encoding="utf-8")
 
 
 # -- evaluation ------------------------------------------------------------------------------

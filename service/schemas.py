@@ -1,4 +1,4 @@
-"""Request and answer models of the operator API (the agent's live in :mod:`service.wire`)."""
+"""Request and answer models of the operator API (the agent's live in :mod:`trainguard.protocol.wire`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.wire import DesiredState, Report, Severity
+from trainguard.protocol.wire import DesiredState, Report, Severity
 
 __all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult"]
 

@@ -25,9 +25,9 @@ from typing import Any, Callable, Literal
 
 import httpx
 
-from service import store as sql
-from service.metrics import ControllerMetrics
-from service.store import Store
+from trainguard.service import store as sql
+from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.store import Store
 
 __all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer"]
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.wire import RankValues, Report
+from trainguard.protocol.wire import RankValues, Report
 
 __all__ = ["VECTORS", "RuleWindow", "RunWindow"]
 

@@ -4,7 +4,7 @@
     agent = ta.attach(model, optimizer, job="llm-7b", run="llm-7b-0001")
 
 Attributes are imported lazily (PEP 562) so that torch-free modules of this package
-(``trainer_agent.catalog``) can be imported by the controller and the dashboards without torch.
+(``trainguard.protocol.catalog``) can be imported by the controller and the dashboards without torch.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ from prometheus_client.registry import CollectorRegistry
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
-from service.wire import Name
+from trainguard.protocol.wire import Name
 from trainer_agent import stats
 from trainer_agent.config import AgentConfig
 from trainer_agent.exporter import AgentCollector, MetricsServer, sample_key

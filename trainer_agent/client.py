@@ -39,7 +39,7 @@ from typing import TypeVar
 import httpx
 from pydantic import ValidationError
 
-from service.wire import (
+from trainguard.protocol.wire import (
     API_PREFIX,
     Ack,
     DesiredState,

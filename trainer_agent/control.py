@@ -77,8 +77,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from service.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
-from trainer_agent.catalog import BY_NAME
+from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
+from trainguard.protocol.catalog import BY_NAME
 from trainer_agent.client import ControllerClient
 
 __all__ = ["ControlPlane", "Applied"]

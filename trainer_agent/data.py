@@ -69,7 +69,7 @@ import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from trainer_agent.catalog import BASE_LABELS, DATA_METRICS, spec
+from trainguard.protocol.catalog import BASE_LABELS, DATA_METRICS, spec
 
 __all__ = [
     "DataMonitorConfig",

@@ -19,7 +19,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from trainer_agent.catalog import BASE_LABELS, spec
+from trainguard.protocol.catalog import BASE_LABELS, spec
 
 __all__ = ["sample_key", "parse_key", "AgentCollector", "MetricsServer"]
 

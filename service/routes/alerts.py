@@ -9,10 +9,10 @@ from typing import Annotated, Any, AsyncIterator, Literal
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from service import store as sql
-from service.controller import Controller, nan_safe
-from service.wire import MAX_INT
-from service.deps import ControllerDep, ReadDep
+from trainguard.service import store as sql
+from trainguard.service.controller import Controller, nan_safe
+from trainguard.protocol.wire import MAX_INT
+from trainguard.service.deps import ControllerDep, ReadDep
 
 __all__ = ["router"]
 

@@ -6,12 +6,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.deps import ControllerDep, ReadDep, RulesDep
-from service.engine import simulate
-from service.rules import RulesError
-from service.schemas import RulesTestRequest
-from service.controller import nan_safe
-from service.wire import DesiredState
+from trainguard.service.deps import ControllerDep, ReadDep, RulesDep
+from trainguard.service.engine import simulate
+from trainguard.service.rules import RulesError
+from trainguard.service.schemas import RulesTestRequest
+from trainguard.service.controller import nan_safe
+from trainguard.protocol.wire import DesiredState
 
 __all__ = ["router"]
 

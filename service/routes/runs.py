@@ -11,11 +11,11 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from service.controller import Controller, nan_safe
-from service.auth import Principal
-from service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
-from service.schemas import AckResult, CommandResult, FinishResult
-from service.wire import (
+from trainguard.service.controller import Controller, nan_safe
+from trainguard.service.auth import Principal
+from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
+from trainguard.service.schemas import AckResult, CommandResult, FinishResult
+from trainguard.protocol.wire import (
     Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 

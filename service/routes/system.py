@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.deps import CommandDep, ControllerDep, ReadDep
-from service.schemas import AlertmanagerPayload
+from trainguard.service.deps import CommandDep, ControllerDep, ReadDep
+from trainguard.service.schemas import AlertmanagerPayload
 
 __all__ = ["router"]
 

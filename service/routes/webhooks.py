@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from service import store as sql
-from service.controller import NotFound
-from service.deps import ControllerDep, WebhooksDep
-from service.schemas import Webhook, WebhookCreate, WebhookCreated
-from service.wire import MAX_INT
+from trainguard.service import store as sql
+from trainguard.service.controller import NotFound
+from trainguard.service.deps import ControllerDep, WebhooksDep
+from trainguard.service.schemas import Webhook, WebhookCreate, WebhookCreated
+from trainguard.protocol.wire import MAX_INT
 
 __all__ = ["router"]
 

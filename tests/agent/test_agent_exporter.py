@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent.catalog import BY_NAME, STEP_METRICS
+from trainguard.protocol.catalog import BY_NAME, STEP_METRICS
 from trainer_agent.exporter import parse_key, sample_key
 
 

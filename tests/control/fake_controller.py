@@ -11,7 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from service.wire import Ack, DesiredState, Report, ReportAccepted, RunRegistered, RunRegistration, dumps
+from trainguard.protocol.wire import Ack, DesiredState, Report, ReportAccepted, RunRegistered, RunRegistration, dumps
 
 
 class FakeController:

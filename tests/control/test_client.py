@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from service.wire import Ack, DesiredState, Report, RunFinished, RunRegistration, dumps
+from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, RunRegistration, dumps
 from tests.control.fake_controller import FakeController
 from tests.control.procs import until
 from tests.tools.faultproxy import FaultProxy

@@ -20,7 +20,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from service.wire import RunFinished
+from trainguard.protocol.wire import RunFinished
 from tests.control.procs import TRAINGUARD, ControllerProcess, until
 from tests.tools.faultproxy import FaultProxy
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from service.wire import Ack, DesiredState, RunRegistration, dumps
+from trainguard.protocol.wire import Ack, DesiredState, RunRegistration, dumps
 from trainer_agent.client import ControllerClient
 
 

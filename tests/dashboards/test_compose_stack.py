@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import build
-from dashboards.common import GRAFANA_IMAGE
-from dashboards.stack import ALERTMANAGER_IMAGE, PROMETHEUS_IMAGE, TOKEN_SECRET
+from trainguard.dashboards import build
+from trainguard.dashboards.common import GRAFANA_IMAGE
+from trainguard.dashboards.stack import ALERTMANAGER_IMAGE, PROMETHEUS_IMAGE, TOKEN_SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -80,7 +80,22 @@ def test_images_are_pinned_to_what_the_generated_files_target(compose):
     assert images["grafana"] == GRAFANA_IMAGE
     for name, image in images.items():
         assert not image.endswith(":latest") and ":" in image, name
-    assert re.search(r"^FROM python:3\.11\.\d+-slim-bookworm$", (ROOT / "Dockerfile").read_text(), re.M)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11\.\d+-slim-bookworm AS controller$", dockerfile, re.M)
+
+
+def test_controller_image_has_no_torch(compose):
+    """The controller never imports torch, so its image does not install it; only the trainer's does."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    controller_stage, trainer_stage = dockerfile.split("FROM controller AS trainer")
+    installs = [line for line in controller_stage.splitlines() if "pip install" in line]
+    assert installs and all("agent" not in line and "torch==" not in line for line in installs)
+    assert "grep -v '^torch=='" in controller_stage
+    assert "pip install" in trainer_stage and "torch_pin" in trainer_stage
+    services = compose["services"]
+    assert services["controller"]["build"]["target"] == "controller"
+    assert services["webhook-sink"]["build"]["target"] == "controller"
+    assert services["trainer"]["build"]["target"] == "trainer"
 
 
 def test_services_health_checks_volumes_and_ports(compose):
@@ -98,7 +113,7 @@ def test_services_health_checks_volumes_and_ports(compose):
     assert services["controller"]["build"]["dockerfile"] == "Dockerfile"
     trainer = services["trainer"]
     command = trainer["command"]
-    assert command[:3] == ["python", "-m", "trainer_agent.demo"]  # what `trainguard demo` runs
+    assert command[:3] == ["python", "-m", "trainguard.demo"]  # what `trainguard demo` runs
     assert command[command.index("--controller") + 1] == "http://controller:8000"
     assert command[command.index("--metrics-host") + 1] == "0.0.0.0"  # advertised as its hostname
     assert trainer["hostname"] == "trainer"

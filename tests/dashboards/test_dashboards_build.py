@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import build
-from dashboards.catalogue import exported_metrics, unknown_metrics
-from dashboards.common import DATASOURCE_UID, GRAFANA_IMAGE, SCHEMA_VERSION
-from dashboards.promql import metric_names, variable_query_metric
-from dashboards.rules import ALERT_RULES, RECORDING_RULES
+from trainguard.dashboards import build
+from trainguard.dashboards.catalogue import exported_metrics, unknown_metrics
+from trainguard.dashboards.common import DATASOURCE_UID, GRAFANA_IMAGE, SCHEMA_VERSION
+from trainguard.dashboards.promql import metric_names, variable_query_metric
+from trainguard.dashboards.rules import ALERT_RULES, RECORDING_RULES
 
 GENERATED = build.GENERATED
 EXPECTED_UIDS = {
@@ -215,9 +215,9 @@ def test_generated_stack_files_wire_the_services_together(rendered):
 
 
 def test_builders_refuse_bad_arguments():
-    from dashboards.common import Band
-    from dashboards.rules import AlertRule, Recording
-    from dashboards.stack import prometheus_config
+    from trainguard.dashboards.common import Band
+    from trainguard.dashboards.rules import AlertRule, Recording
+    from trainguard.dashboards.stack import prometheus_config
 
     with pytest.raises(ValueError, match="increasing"):
         Band(((0.1, "red"), (0.01, "green")))

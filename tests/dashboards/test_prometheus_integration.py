@@ -36,10 +36,10 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
-from dashboards import build
-from dashboards.rules import RECORDING_RULES, rule_groups
-from dashboards.stack import prometheus_config
-from dashboards.webhook_sink import make_server
+from trainguard.dashboards import build
+from trainguard.dashboards.rules import RECORDING_RULES, rule_groups
+from trainguard.dashboards.stack import prometheus_config
+from trainguard.demo.webhook_sink import make_server
 
 PROMETHEUS = shutil.which("prometheus")
 TRAINGUARD = Path(sys.executable).parent / "trainguard"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import build
-from dashboards.stack import TOKEN_SECRET
+from trainguard.dashboards import build
+from trainguard.dashboards.stack import TOKEN_SECRET
 
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")

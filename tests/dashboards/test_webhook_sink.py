@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from dashboards.webhook_sink import Inbox, alert_lines, make_server
+from trainguard.demo.webhook_sink import Inbox, alert_lines, make_server
 
 PAYLOAD = {
     "version": "4", "status": "firing", "receiver": "webhook-sink", "groupKey": "{}:{}",

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from trainer_agent.demo import DemoConfig, run_demo
+from trainguard.demo.run import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -9,9 +9,9 @@ from typing import Any, Callable, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.config import Settings
-from service.wire import Report
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
+from trainguard.protocol.wire import Report
 
 
 def make_report(step: int, t: float, values: dict[str, float] | None = None, job: str = "job-a", **ranks: list[float]) -> Report:
@@ -118,7 +118,7 @@ class Served:
         import sys
 
         self.env = dict(os.environ) | (env or {})
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--db", str(db), "--log-level", "warning", *(extra or [])]
+        cmd = [sys.executable, "-m", "trainguard.cli", "serve", "--port", "0", "--db", str(db), "--log-level", "warning", *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         line = self.proc.stdout.readline()  # "trainguard controller listening on http://127.0.0.1:PORT ..."
         if "listening on" not in line:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from service.wire import MAX_CONFIG_DEPTH
+from trainguard.protocol.wire import MAX_CONFIG_DEPTH
 
 
 def _nested(depth: int) -> Any:

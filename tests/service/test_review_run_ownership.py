@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.config import Settings
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
 
 A, B, C = "agent-token-aaaa", "agent-token-bbbb", "agent-token-cccc"
 OP = "operator-token-1"

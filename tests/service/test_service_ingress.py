@@ -18,10 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-import service.routes.runs as runs_route
-from service.app import create_app
-from service.config import Settings
-from service.ingress import MAX_RUN_NAME, ReportIngress
+import trainguard.service.routes.runs as runs_route
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
+from trainguard.service.ingress import MAX_RUN_NAME, ReportIngress
 from tests.service.conftest import register
 
 AG, AG_BOUND, OP_READ = "agent-token-ing-1", "agent-token-ing-2", "readonly-token-ing"

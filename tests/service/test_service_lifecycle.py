@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from service.rules import AbsenceRule, evaluate
-from service.window import RunWindow
+from trainguard.service.rules import AbsenceRule, evaluate
+from trainguard.service.window import RunWindow
 from tests.service.conftest import register, wait_until
 
 OP, AG, AG_BOUND = "operator-token-9", "agent-token-9", "agent-token-bound-9"

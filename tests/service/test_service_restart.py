@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from service.webhooks import verify
+from trainguard.service.webhooks import verify
 from tests.service.conftest import wait_until
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,7 @@ SECRET = "restart-secret-0123456789"
 
 
 def cli(url: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", *args], capture_output=True, text=True, timeout=60,
                          env={"TRAINGUARD_URL": url, "TRAINGUARD_TOKEN": OP, "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -79,7 +79,7 @@ def test_sigkill_restart_loses_nothing(tmp_path, serve, receiver_factory):
     # The CLI, and `events --follow` over Server-Sent Events.
     assert "run-r" in cli(srv2.url, "runs")
     assert json.loads(cli(srv2.url, "status", "run-r"))["run"] == "run-r"
-    follow = subprocess.Popen([sys.executable, "-m", "service.cli", "events", "run-r", "--follow", "--json"],
+    follow = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "events", "run-r", "--follow", "--json"],
                               stdout=subprocess.PIPE, text=True, env={"TRAINGUARD_URL": srv2.url, "TRAINGUARD_TOKEN": OP, "PATH": "/usr/bin:/bin"})
     lines: list[dict] = []
     reader = threading.Thread(target=lambda: [lines.append(json.loads(line)) for line in follow.stdout], daemon=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import CONTROLLER_METRICS
+from trainguard.service.metrics import CONTROLLER_METRICS
 from tests.service.conftest import register
 
 OP, RO, AG, AG_BOUND = "operator-token-1", "readonly-token-1", "agent-token-1", "agent-token-2"
@@ -150,7 +150,7 @@ def test_auth_matrix(app_factory):
 def test_refuses_network_bind_without_tokens(tmp_path):
     from pydantic import ValidationError
 
-    from service.config import Settings
+    from trainguard.service.config import Settings
 
     with pytest.raises(ValidationError, match="refusing to bind"):
         Settings(host="0.0.0.0", db=tmp_path / "x.db")
@@ -233,7 +233,7 @@ def test_rules_get_put_test(app_factory):
         reps = [report_body(i, {"trainguard_grad_norm_max": v}) | {"time": float(i)} for i, v in enumerate([1.0, 5000.0])]
         res = c.post("/v1/rules/test", json={"rules": None, "reports": reps, "world_size": 4}).json()
         assert res["steps"][1]["fired"] == []  # the active rules no longer have grad_norm_high
-        from service.rules import default_rules_text
+        from trainguard.service.rules import default_rules_text
 
         res = c.post("/v1/rules/test", json={"rules": default_rules_text(), "reports": reps, "world_size": 4}).json()
         assert [f["rule"] for f in res["steps"][1]["fired"]] == ["grad_norm_high"]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from service.engine import simulate
-from service.rules import RulesError, default_rules_text, load_rules
-from service.wire import DesiredState
+from trainguard.service.engine import simulate
+from trainguard.service.rules import RulesError, default_rules_text, load_rules
+from trainguard.protocol.wire import DesiredState
 from tests.service.conftest import make_report
 
 DEFAULTS = load_rules(default_rules_text())
@@ -258,7 +258,7 @@ def test_alert_carries_seed_diagnosis():
     (step,) = run(DEFAULTS, [make_report(0, 0.0, {LOSS: math.nan})])
     rule = step.fired[0].finding.rule
     assert rule.diagnosis == "loss_nan"
-    from service.diagnosis import DIAGNOSES
+    from trainguard.service.diagnosis import DIAGNOSES
 
     assert "Gradient explosion" in DIAGNOSES["loss_nan"].likely_causes[0]
     assert "Lower the learning rate" in DIAGNOSES["loss_nan"].suggested_actions

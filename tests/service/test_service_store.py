@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 from fastapi.testclient import TestClient
 
-from service import store as sql
-from service.app import create_app
-from service.config import Settings
-from service.store import MIGRATIONS, Store
-from service.window import VECTORS
-from service.wire import Report
+from trainguard.service import store as sql
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
+from trainguard.service.store import MIGRATIONS, Store
+from trainguard.service.window import VECTORS
+from trainguard.protocol.wire import Report
 
 
 def _v1_database(path: Path) -> None:
@@ -84,7 +84,7 @@ def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(tmp_path: Path
 
     import pytest
 
-    from service.store import StoreError
+    from trainguard.service.store import StoreError
 
     store = Store(tmp_path / "t.db")
     inside, release = threading.Event(), threading.Event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from service.webhooks import verify
+from trainguard.service.webhooks import verify
 from tests.service.conftest import register, wait_until
 
 SECRET = "s3cret-s3cret-s3cret"

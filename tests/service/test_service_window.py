@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from service.window import VECTORS, RunWindow
+from trainguard.service.window import VECTORS, RunWindow
 
 
 def _same(a: list[float], b: np.ndarray) -> bool:

@@ -4,7 +4,7 @@
    tokens — unless ``--controller URL`` names one that already runs (the compose stack does).
 2. Trains a small GPT-like model on the CPU in ``--world-size`` gloo ranks (default 2) on the
    Python standard library's source, tokenised at byte level, with the agent attached to every
-   rank, and injects at known steps (see :class:`~trainer_agent.demo_model.FaultPlan`):
+   rank, and injects at known steps (see :class:`~trainguard.demo.model.FaultPlan`):
    a burst of duplicated and corrupted data, an LR schedule that blows up, and a NaN loss.
 3. The controller's default rules notify on the data burst, halve the LR on the gradient spike and
    pause the run on the non-finite loss; the demo, acting as the operator, resumes it through the
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from trainer_agent.demo_model import FaultPlan
+from trainguard.demo.model import FaultPlan
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "main"]
 
@@ -128,7 +128,7 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainer_agent as ta
-    from trainer_agent.demo_model import (CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, TinyGPT, next_byte_loss,
+    from trainguard.demo.model import (CONTROL_BYTE_IDS, VOCAB_SIZE, ByteCorpus, TinyGPT, next_byte_loss,
                                           stdlib_source_bytes)
 
     cfg = DemoConfig(**cfg_dict)
@@ -248,7 +248,7 @@ class _Controller:
                    TRAINGUARD_OPERATOR_TOKENS=self.operator_token)
         self.log_path = workdir / "controller.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "trainguard.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--db", str(workdir / "trainguard.db")],
             env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
@@ -285,11 +285,12 @@ def _start_prometheus(cfg: DemoConfig, ctl: _Controller, workdir: Path) -> subpr
         return None
     import yaml
 
-    from dashboards.stack import prometheus_config
+    from trainguard.dashboards.build import GENERATED
+    from trainguard.dashboards.stack import prometheus_config
 
     token_file = workdir / "operator.token"
     token_file.write_text(ctl.operator_token or "")
-    rules = Path(__file__).resolve().parent.parent / "dashboards" / "generated" / "prometheus" / "rules.yml"
+    rules = GENERATED / "prometheus" / "rules.yml"
     conf = prometheus_config(controller=ctl.url.removeprefix("http://"), token_file=str(token_file),
                              rule_files=[str(rules)] if rules.exists() else [], scrape_interval="2s",
                              sd_refresh_interval="5s")

@@ -4,7 +4,7 @@ It accepts Alertmanager's webhook payload (version 4; the controller's outgoing 
 same format) and any other JSON on ``POST`` to any path, logs one line per alert to stdout, and
 keeps the newest ``--keep`` payloads in memory:
 
-    python -m dashboards.webhook_sink --host 0.0.0.0 --port 9000
+    python -m trainguard.demo.webhook_sink --host 0.0.0.0 --port 9000
 
     GET  /             an HTML page of the received alerts, newest first (refreshes every 5 s)
     GET  /alerts.json  the same as JSON
@@ -146,7 +146,7 @@ def make_server(host: str, port: int, *, keep: int = 200, status: int = 204,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboards.webhook_sink",
+    parser = argparse.ArgumentParser(prog="python -m trainguard.demo.webhook_sink",
                                      description="Log and show received webhook alerts.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)

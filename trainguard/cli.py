@@ -12,7 +12,7 @@
 
 Client commands take ``--url`` (env ``TRAINGUARD_URL``, default http://127.0.0.1:8000) and
 ``--token`` (env ``TRAINGUARD_TOKEN``). ``trainguard demo ...`` and ``trainguard dashboards build
-...`` hand their arguments to ``trainer_agent.demo`` and ``dashboards.build``.
+...`` hand their arguments to ``trainguard.demo.run`` and ``dashboards.build``.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from service.app import create_app
-    from service.config import Settings
-    from service.rules import RulesError
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+    from trainguard.service.rules import RulesError
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db), ("rules", args.rules)) if v is not None}
     try:
@@ -169,7 +169,7 @@ def _alerts(args: argparse.Namespace) -> int:
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from service.rules import RulesError, load_rules
+    from trainguard.service.rules import RulesError, load_rules
 
     try:
         with open(args.file, encoding="utf-8") as f:
@@ -182,7 +182,7 @@ def _rules_check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from trainer_agent.demo import main as demo_main
+    from trainguard.demo.run import main as demo_main
 
     return int(demo_main(list(args.args)) or 0)
 
@@ -190,7 +190,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _dashboards(args: argparse.Namespace) -> int:
     if args.action != "build":
         raise SystemExit("usage: trainguard dashboards build [args...]")
-    from dashboards.build import main as build_main
+    from trainguard.dashboards.build import main as build_main
 
     return int(build_main(list(args.args)) or 0)
 
@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.set_defaults(func=_rules_check)
 
-    s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainer_agent.demo)")
+    s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainguard.demo.run)")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(func=_demo)
     s = sub.add_parser("dashboards", help="dashboards as code: 'trainguard dashboards build [args...]'")
@@ -257,11 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # ``demo`` and ``dashboards build`` own their options: hand them everything after the name
     # (argparse.REMAINDER does not take options that come first).
     if argv[:1] == ["demo"]:
-        from trainer_agent.demo import main as demo_main
+        from trainguard.demo.run import main as demo_main
 
         return int(demo_main(argv[1:]) or 0)
     if argv[:2] == ["dashboards", "build"]:
-        from dashboards.build import main as build_main
+        from trainguard.dashboards.build import main as build_main
 
         return int(build_main(argv[2:]) or 0)
     args = _parser().parse_args(argv)

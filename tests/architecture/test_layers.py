@@ -1,0 +1,175 @@
+"""The import graph, drawn from the code with ``ast``: layers only point down, no cycles, and the
+installed distribution puts no generic top-level name (``service``, ``dashboards``) on sys.path."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Source folder -> the import name it is installed under (pyproject's package-dir).
+PACKAGES = {"trainguard": "trainguard", "service": "trainguard.service", "dashboards": "trainguard.dashboards",
+            "trainer_agent": "trainer_agent"}
+#: Import prefix -> layer. A module may import its own layer or lower ones, never a higher one.
+LAYERS = [
+    ("trainguard", 0),  # the root package: a docstring and the version
+    ("trainguard.protocol", 0),
+    ("trainer_agent", 1),
+    ("trainguard.service", 1),
+    ("trainguard.dashboards", 2),
+    ("trainguard.demo", 3),
+    ("trainguard.cli", 3),
+]
+#: Third-party packages a layer must not import (the controller's image has no torch; the
+#: protocol is shared by every side).
+FORBIDDEN = {
+    "trainguard.protocol": {"torch", "fastapi", "starlette", "uvicorn", "numpy"},
+    "trainguard.service": {"torch", "trainer_agent"},
+    "trainguard.dashboards": {"torch", "trainer_agent", "fastapi"},
+    "trainer_agent": {"fastapi", "starlette", "uvicorn", "trainguard.service", "trainguard.dashboards",
+                      "trainguard.demo", "trainguard.cli", "transformers", "lightning", "accelerate"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, name in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            mod = ".".join([name, *parts])
+            if folder == "trainguard" and parts and parts[0] in ("service", "dashboards"):
+                continue
+            out[mod] = path
+    return out
+
+
+def _imports(mod: str, path: Path, *, top_level_only: bool) -> set[str]:
+    """Absolute names imported by a module; with ``top_level_only``, only imports executed at import
+    time (module body, not function bodies or ``TYPE_CHECKING`` blocks)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    names: set[str] = set()
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            func = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                func = True
+            if isinstance(child, ast.Import) and not (top_level_only and func):
+                names.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and not (top_level_only and func):
+                if child.level:
+                    base = mod.split(".")
+                    base = base[: len(base) - child.level + (1 if is_pkg else 0)]
+                    prefix = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    prefix = child.module or ""
+                names.add(prefix)
+                names.update(f"{prefix}.{a.name}" for a in child.names)
+            visit(child, func)
+
+    visit(tree, False)
+    return names
+
+
+def _layer(name: str) -> int | None:
+    best = None
+    for prefix, layer in LAYERS:
+        if name == prefix or name.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, layer)
+    return None if best is None else best[1]
+
+
+MODULES = _modules()
+
+
+def test_every_source_module_is_mapped():
+    assert "trainguard.protocol.wire" in MODULES and "trainguard.service.app" in MODULES
+    assert "trainer_agent.agent" in MODULES and "trainguard.dashboards.build" in MODULES
+
+
+def test_no_import_points_up_a_layer():
+    upward = []
+    for mod, path in MODULES.items():
+        own = _layer(mod)
+        assert own is not None, f"{mod} belongs to no layer"
+        for name in _imports(mod, path, top_level_only=False):
+            other = _layer(name)
+            if other is not None and other > own:
+                upward.append(f"{mod} -> {name}")
+    assert not upward, "imports from a lower layer up:\n" + "\n".join(sorted(upward))
+
+
+def test_no_sibling_product_packages_import_each_other():
+    crossing = [f"{mod} -> {name}" for mod, path in MODULES.items()
+                for name in _imports(mod, path, top_level_only=False)
+                if (mod.startswith("trainer_agent") and name.startswith("trainguard.service"))
+                or (mod.startswith("trainguard.service") and name.startswith("trainer_agent"))]
+    assert not crossing, crossing
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_forbidden_third_party_imports(package):
+    bad = []
+    for mod, path in MODULES.items():
+        if mod == package or mod.startswith(package + "."):
+            for name in _imports(mod, path, top_level_only=False):
+                if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                    bad.append(f"{mod} -> {name}")
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_modules():
+    """Cycles among module-level imports (what runs at import time): none."""
+    graph = {}
+    for mod, path in MODULES.items():
+        targets = set()
+        for name in _imports(mod, path, top_level_only=True):
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                targets.add(name)
+        graph[mod] = targets
+    state: dict[str, int] = {}
+    cycles = []
+
+    def dfs(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                dfs(nxt, stack + [nxt])
+        state[node] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            dfs(mod, [mod])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_installed_names_are_not_generic():
+    """Outside the repository (no checkout on sys.path), only ``trainguard`` and ``trainer_agent``
+    import; ``service`` and ``dashboards`` are not installed as top-level names."""
+    code = ("import importlib.util, sys\n"
+            "sys.path = [p for p in sys.path if p not in ('', '.', %r)]\n"
+            "import trainguard.service.app, trainguard.dashboards.build, trainguard.protocol.wire, trainer_agent\n"
+            "print([n for n in ('service', 'dashboards') if importlib.util.find_spec(n) is not None])\n") % str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_protocol_imports_without_torch_or_fastapi():
+    code = ("import sys\n"
+            "import trainguard.protocol.wire, trainguard.protocol.catalog\n"
+            "print(sorted(m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,3 @@
+from trainguard.demo.run import main
+
+raise SystemExit(main())
