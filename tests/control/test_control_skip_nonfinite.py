@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.control.review_spawn import spawn_ranks
+from tests.control.spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
