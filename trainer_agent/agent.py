@@ -81,7 +81,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from trainguard.protocol.wire import Name
-from trainer_agent import stats
+from trainer_agent import optim, stats
 from trainer_agent.config import AgentConfig
 from trainer_agent.exporter import AgentCollector, MetricsServer, sample_key
 
@@ -459,8 +459,13 @@ class Agent:
 
     # ------------------------------------------------------------------ (2) optimizer step
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         t0 = self._clock()
+        replaced = None
+        try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/optim.py
+            replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self))
+        except Exception as exc:
+            self._error("optimizer_closure", exc)
         if self.control is not None:
             try:
                 self.control.before_optimizer_step()
@@ -473,6 +478,7 @@ class Agent:
             self._error("optimizer_pre_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+        return replaced
 
     def _pre_step_measure(self, optimizer: torch.optim.Optimizer) -> None:
         st = self._state
@@ -949,7 +955,7 @@ class Agent:
 
 def attach(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Any,
     *,
     job: str,
     run: str,
@@ -964,13 +970,19 @@ def attach(
 ) -> Agent:
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
 
+    ``optimizer`` is a ``torch.optim.Optimizer`` or a framework's wrapper of one: accelerate's
+    ``AcceleratedOptimizer`` (what the Hugging Face ``Trainer`` hands to callbacks), Lightning's
+    ``LightningOptimizer``, or any object holding the real optimizer in ``.optimizer``. The agent
+    hooks the real optimizer (``Agent.optimizer``), so steps through the wrapper are seen.
+    ``optimizer.step(closure)`` is supported (trainer_agent/optim.py): the step's gradient is the
+    closure's first evaluation.
+
     ``controller``/``token`` override the config's. Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer = optim.unwrap_optimizer(optimizer)  # ValueError naming what was passed
     for what, value in (("job", job), ("run", run)):
         try:
             _NAME.validate_python(value)

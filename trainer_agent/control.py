@@ -46,7 +46,10 @@ device-to-host read per optimizer step — and the ranks all-reduce (max) that f
 (Gradients a user changes by hand after backward are not re-read; a rank whose own gradients are
 finite still skips when another rank's are not.) If any rank
 saw a non-finite gradient, no rank calls the real ``step``: parameters and optimizer state stay
-bit-identical and the agent's step hooks do not fire (as for a GradScaler skip). The LR scheduler
+bit-identical and the agent's step hooks do not fire (as for a GradScaler skip). A step called
+with a closure (``step(closure)``: Lightning, LBFGS) evaluates the closure first and decides on the
+gradients it produced; a skipped one returns the closure's result, the closure having run exactly
+once (``trainer_agent/optim.py``). The LR scheduler
 keeps its own schedule. A loss that is non-finite while every gradient is finite is not skipped:
 the loss reaches the agent only after the step (``end_step``), and such a loss does not depend on
 any parameter the step would change.
@@ -70,6 +73,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+import functools
 from functools import wraps
 from typing import Any
 from urllib.parse import urlparse
@@ -79,6 +83,7 @@ import torch.distributed as dist
 
 from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
 from trainguard.protocol.catalog import BY_NAME
+from trainer_agent import optim
 from trainer_agent.client import ControllerClient
 
 __all__ = ["ControlPlane", "Applied"]
@@ -576,12 +581,12 @@ class ControlPlane:
         had_own = "step" in vars(optimizer)
         inner = optimizer.step
         plane = self
+        set_aside = functools.partial(optim.unmeasured, self._agent)
 
         @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if plane._skip_this_step():
-                return None
-            return inner(*args, **kwargs)
+            # With a closure, it runs first: the decision is on the gradients it produces.
+            return optim.guarded_step(inner, args, kwargs, plane._skip_this_step, set_aside)
 
         # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
