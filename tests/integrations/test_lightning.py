@@ -205,3 +205,49 @@ def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
         assert detail is not None and detail["status"] == "finished"
     finally:
         ctl.kill()
+
+
+def _ddp_worker(rank: int, init: str, out: str) -> None:
+    """One of 2 DDP ranks (gloo, CPU) in a process group this test starts; Lightning joins it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    guard = TrainguardCallback(job="pl-job", run="pl-ddp",
+                               config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    record = _Record(guard)
+    module = _TinyLM(nan_at_step=3 if rank == 0 else None)  # non-finite gradients on rank 0 only
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2, max_steps=5,
+                        callbacks=[guard, record], enable_progress_bar=False, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=out)
+    loader = torch.utils.data.DataLoader(_Tokens(40 * BATCH), batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    torch.save({"ours": record.ours, "ref": module.ref, "unchanged": module.unchanged,
+                "weights": [p.detach().clone() for p in module.parameters()], "latest": guard.agent.latest(),
+                "global_step": trainer.global_step}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_skip_the_same_nonfinite_step(tmp_path: Path) -> None:
+    from tests.control.spawn import spawn_ranks
+
+    out = spawn_ranks(_ddp_worker, 2, tmp_path, timeout=240.0)
+    for o in out:
+        assert o["global_step"] == 5
+        assert o["unchanged"] == {1: False, 2: False, 3: True, 4: False, 5: False}  # both ranks skipped 3
+        assert o["latest"]["trainguard_skipped_steps_total"] == 1.0
+        assert o["latest"]["trainguard_agent_errors_total"] == 0.0
+        assert all(torch.isfinite(w).all() for w in o["weights"])
+        for step in (1, 2, 4, 5):  # the rank's own loss; the gradient norm after DDP's all-reduce
+            ref_loss, ref_norm = o["ref"][step]
+            assert o["ours"][step]["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6)
+            assert o["ours"][step]["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["weights"], out[1]["weights"]))
+    assert math.isnan(out[0]["ours"][3]["trainguard_loss"]) and math.isfinite(out[1]["ours"][3]["trainguard_loss"])
