@@ -156,3 +156,41 @@ def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
         assert detail is not None and detail["status"] == "finished"
     finally:
         ctl.kill()
+
+
+def _ddp_worker(rank: int, init: str, out: str) -> None:
+    """One of 2 DDP ranks (gloo, CPU) in a process group this test starts; accelerate joins it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: the port is unused
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    guard = TrainguardCallback(job="hf-job", run="hf-ddp", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    args = _args(Path(out) / f"rank{rank}", 2, 4)
+    args.ddp_backend = "gloo"
+    trainer = Trainer(model=_model(), args=args, train_dataset=_Tokens(64), callbacks=[guard, record])
+    trainer.train()
+    torch.save({"ours": record.ours, "logged": record.logged}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_rank_losses_average_to_the_trainers_logged_loss(tmp_path: Path) -> None:
+    """Under DDP the Trainer scales each rank's loss by the world size (the token count is global)
+    and logs the ranks' mean: each rank's trainguard loss is that rank's share, their mean the log."""
+    from tests.control.spawn import spawn_ranks
+
+    out = spawn_ranks(_ddp_worker, 2, tmp_path, timeout=240.0)
+    logged = out[0]["logged"]
+    assert sorted(logged) == sorted(out[1]["ours"]) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        ours = [o["ours"][step] for o in out]
+        assert sum(o["trainguard_loss"] for o in ours) / 2 == pytest.approx(logged[step]["loss"], rel=1e-6)
+        assert ours[0]["trainguard_loss"] != ours[1]["trainguard_loss"]  # each rank its own data
+        for o in ours:  # the all-reduced gradient: the same norm on both ranks
+            assert o["trainguard_grad_norm"] == pytest.approx(logged[step]["grad_norm"], rel=1e-5)
