@@ -25,7 +25,9 @@ each micro-batch       the loss the Trainer's ``training_step`` returned (the Tr
 The callback API does not carry the loss, so at ``on_train_begin`` the callback finds the Trainer
 that called it (its caller's frame) and wraps that Trainer instance's ``training_step``; the
 wrapper only adds up the returned loss, a device tensor (no host read). Keyword arguments after
-``run`` go to ``trainer_agent.attach`` (``config``, ``controller``, ``token``, ...).
+``run`` go to ``trainer_agent.attach`` (``config``, ``controller``, ``token``, ...). When ``train()``
+raises, the Trainer calls no end hook: close the agent in your ``finally`` (``callback.agent.close()``;
+a second close does nothing).
 """
 
 from __future__ import annotations
