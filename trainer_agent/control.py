@@ -73,8 +73,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-import functools
-from functools import wraps
+from functools import partial, wraps
 from typing import Any
 from urllib.parse import urlparse
 
@@ -581,7 +580,7 @@ class ControlPlane:
         had_own = "step" in vars(optimizer)
         inner = optimizer.step
         plane = self
-        set_aside = functools.partial(optim.unmeasured, self._agent)
+        set_aside = partial(optim.unmeasured, self._agent)
 
         @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
