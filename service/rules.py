@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.window import VECTORS, RuleWindow
-from trainguard.protocol.wire import Name, Severity
+from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
     "Action", "Rule", "RulesFile", "RuleSet", "Finding", "RulesError",
@@ -92,10 +92,10 @@ class LrScaleAction(_Model):
     [min, max]."""
 
     type: Literal["lr_scale"] = "lr_scale"
-    value: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
-    factor: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
-    min: float = Field(default=1e-4, gt=0, allow_inf_nan=False)
-    max: float = Field(default=1e6, gt=0, allow_inf_nan=False)
+    value: float | None = Field(default=None, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+    factor: float | None = Field(default=None, gt=0, le=LR_SCALE_MAX, allow_inf_nan=False)
+    min: float = Field(default=LR_SCALE_MIN, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+    max: float = Field(default=LR_SCALE_MAX, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_of(self) -> "LrScaleAction":

@@ -9,7 +9,6 @@ from typing import Annotated, Any, AsyncIterator, Literal
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from trainguard.service import store as sql
 from trainguard.service.controller import Controller, nan_safe
 from trainguard.protocol.wire import MAX_INT
 from trainguard.service.deps import ControllerDep, ReadDep
@@ -29,7 +28,7 @@ async def alerts(
     ctl: ControllerDep, _: ReadDep, state: Literal["firing", "resolved"] | None = None, run: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100, before: Annotated[int | None, Query(ge=1, le=MAX_INT, description="Page: ids below this.")] = None,
 ) -> Response:
-    return _json(await ctl.store.read(lambda c: sql.list_alerts(c, state=state, run=run, limit=limit, before=before)))
+    return _json(await ctl.alerts(state=state, run=run, limit=limit, before=before))
 
 
 @router.get("/runs/{run}/events", summary="A run's audit log: every change of desired state, alert and ack")
@@ -37,7 +36,7 @@ async def run_events(
     run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
     ctl.get(run)
-    return _json(await ctl.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit)))
+    return _json(await ctl.events(run=run, after=after, limit=limit))
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -50,7 +49,7 @@ async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator
         yield b"retry: 2000\n\n"
         last = after
         while True:
-            page = await ctl.store.read(lambda c: sql.list_events(c, run=run, after=last, limit=1000))
+            page = await ctl.events(run=run, after=last, limit=1000)
             for ev in page:
                 yield _sse(ev)
                 last = ev["id"]

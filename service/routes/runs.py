@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
@@ -16,7 +15,7 @@ from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult
 from trainguard.protocol.wire import (
-    Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    LR_SCALE_MAX, LR_SCALE_MIN, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -44,15 +43,11 @@ async def post_report(run: RunPath, request: Request, principal: AgentDep) -> Re
     # Well-formed reports with a valid token are answered by service.ingress.ReportIngress before
     # they get here; this route documents the endpoint and answers everything it refuses.
     ctl: Controller = request.app.state.controller
-    body = await request.body()
-    t0 = time.perf_counter()
     try:
-        report = Report.model_validate_json(body)
+        answer = await ctl.ingest_json(run, await request.body(), principal)
     except ValidationError as e:
         ctl.metrics.rejected.labels("invalid").inc()
         raise _validation_error(e) from None
-    answer = await ctl.ingest(run, report, principal)
-    ctl.metrics.ingest_latency.observe(time.perf_counter() - t0)
     return Response(answer, media_type=_JSON)
 
 
@@ -119,7 +114,8 @@ for _cmd, _summary in (
     _command_route(_cmd, _summary)
 
 
-@router.post("/runs/{run}/lr-scale", response_model=CommandResult, summary="Set the LR multiplier", tags=["commands"])
+@router.post("/runs/{run}/lr-scale", response_model=CommandResult, tags=["commands"],
+             summary=f"Set the LR multiplier (command lr_scale; in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}])")
 async def lr_scale(run: RunPath, body: LrScaleRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
-    return await _command(run, "lr-scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
+    return await _command(run, "lr_scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from fastapi.testclient import TestClient
 
-from trainguard.service import store as sql
+from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, Store
