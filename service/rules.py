@@ -217,7 +217,7 @@ class CrossRankRule(_RuleBase):
 
     ``check: spread`` fires when max / median of the finite values >= ratio (a straggler for
     ``step_time_s``). ``check: mismatch`` fires when some rank is non-finite or differs from the
-    median by more than rel_tol x max(|median|, 1e-30) (desync of fingerprints; seed 5.3: < 1e-5).
+    median by more than rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
     """
 
     kind: Literal["cross_rank"]
