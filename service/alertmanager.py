@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+from trainguard.service import statements as sql
+from trainguard.service.errors import Invalid, NotFound
 from trainguard.protocol.wire import COMMANDS
 
-__all__ = ["AlertCommand", "parse_alert", "DEFAULT_LR_FACTOR"]
+__all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR"]
 
 DEFAULT_LR_FACTOR = 0.5
 
@@ -59,3 +61,36 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
     ann = alert.get("annotations") or {}
     reason = f"alertmanager {name}: {ann.get('summary') or ann.get('description') or action}"
     return res, AlertCommand(run=run, command=action, scale=scale, factor=factor, reason=reason[:2000], actor=f"alertmanager:{name}")
+
+
+async def act(payload: dict[str, Any], seen: set[tuple[str, str]], command: Callable[..., Awaitable[tuple[int, bytes]]],
+              clock: Callable[[], float]) -> list[dict[str, Any]]:
+    """Carry out each acting alert of ``payload`` with ``command`` (``Controller.command``) once:
+    ``seen`` holds the (fingerprint, startsAt) pairs already acted on, and the same transaction
+    that changes the run records the pair. Returns one result per alert."""
+    results = []
+    for alert in payload.get("alerts", []):
+        res, cmd = parse_alert(alert)
+        if cmd is None:
+            results.append(res)
+            continue
+        key = (res["fingerprint"], res["startsAt"])
+        if key in seen:
+            results.append(res | {"outcome": "duplicate"})
+            continue
+        seen.add(key)
+        now = clock()
+        try:
+            _, body = await command(
+                cmd.run, cmd.command, reason=cmd.reason, actor=cmd.actor, source="alertmanager", scale=cmd.scale,
+                factor=cmd.factor, extra=lambda c, key=key: sql.mark_alertmanager_seen(c, *key, now),
+            )
+        except (NotFound, Invalid) as e:
+            seen.discard(key)
+            results.append(res | {"outcome": "error", "detail": str(e)})
+            continue
+        except BaseException:
+            seen.discard(key)
+            raise
+        results.append(res | {"outcome": "applied", "result": json.loads(body)})
+    return results

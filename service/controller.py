@@ -13,18 +13,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import sqlite3
 import time
 from typing import Any, Callable
 
 from trainguard.service import statements as sql
-from trainguard.service.alertmanager import parse_alert
+from trainguard.service.alertmanager import act
 from trainguard.service.auth import Principal
 from trainguard.service.config import Settings
 from trainguard.service.engine import Outcome, command_state, decide
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.records import Records
+from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, evaluate, load_rules
 from trainguard.service.runstate import RunState, action_names, live
 from trainguard.service.store import Store
@@ -33,10 +35,9 @@ from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
 from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
 
-__all__ = ["Controller", "nan_safe"]
+__all__ = ["Controller"]
 
 log = logging.getLogger("trainguard.controller")
-_EVENT_QUEUE = 1024
 #: Idempotency keys and Alertmanager fingerprints are remembered this long.
 _KEYS_KEPT_S = 7 * 86400
 Op = Callable[[sqlite3.Connection], "Written | None"]
@@ -61,7 +62,10 @@ class Controller:
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
-        self._subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self.records = Records(store, clock)
+        """Alerts, the audit log and webhooks as stored (what the routes read and write)."""
+        self.events_hub = EventHub()
+        """The audit events published after each commit (the SSE stream subscribes to it)."""
         self._am_seen: set[tuple[str, str]] = set()
         self._idem_locks: dict[tuple[str, str], list[Any]] = {}  # key -> [lock, users]
         self._registering: dict[str, asyncio.Future[None]] = {}
@@ -71,10 +75,12 @@ class Controller:
     # == start-up =================================================================================
     def load(self) -> None:
         """Read everything back from the database (before the writer thread starts)."""
-        self._load_rules()
+        loaded = load_rules_state(self.store, self.settings, self.clock, self.validate_rules)
+        if loaded is not None:
+            self.rules, self.rules_meta = loaded
         now = self.clock()
         for row in self.store.read_now(sql.all_runs):
-            st = self._load_run(row)
+            st = load_run(self.store, self.settings, row)
             self.runs[st.run] = st
         by_id = {st.id: st for st in self.runs.values()}
         for alert in self.store.read_now(sql.firing_alerts):
@@ -88,48 +94,6 @@ class Controller:
                 by_id[run_id].book.restore(rule, firing=False, fired_at=[at])
         self.bindings = self.store.read_now(sql.agent_bindings)
         self._am_seen = set(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
-
-    def _load_rules(self) -> None:
-        s = self.settings
-        rules_row = self.store.read_now(sql.latest_rules)
-        if s.rules is not None:
-            text = s.rules.read_text(encoding="utf-8")
-            self.rules = self.validate_rules(text)
-            if rules_row is None or rules_row["text"] != text or rules_row["source"] != f"file:{s.rules}":
-                vid = self.store.write_now(lambda c: sql.insert_rules_version(c, text, f"file:{s.rules}", "startup", self.clock()))
-            else:
-                vid = rules_row["id"]
-            self.rules_meta = {"version": vid, "source": f"file:{s.rules}", "actor": "startup", "created_at": self.clock()}
-        elif rules_row is not None:
-            self.rules = self.validate_rules(rules_row["text"])
-            self.rules_meta = {k: rules_row[k] for k in ("source", "actor", "created_at")} | {"version": rules_row["id"]}
-
-    def _load_run(self, row: sqlite3.Row) -> RunState:
-        """A run as stored, with its rule window refilled from its recent reports."""
-        s = self.settings
-        desired = DesiredState(
-            generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
-            checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), reason=row["reason"],
-        )
-        window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
-                           world_size=row["world_size"], created=row["registered_at"])
-        st = RunState(
-            id=row["id"], run=row["run"], job=row["job"], world_size=row["world_size"], ranks=json.loads(row["ranks"]),
-            agent_version=row["agent_version"], config=json.loads(row["config"]), registered_at=row["registered_at"],
-            live_since=max(row["registered_at"], row["resumed_at"] or -math.inf), window=window, desired=desired,
-            published=desired, published_json=desired.model_dump_json().encode(),
-            applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
-            finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
-        )
-        reports = self.store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
-        window.count = max((row["last_seq"] or 0) - len(reports), 0)
-        rank_from = len(reports) - s.rank_window_reports
-        for i, rep in enumerate(reports):
-            ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
-            window.append_raw(json.loads(rep["vals"]), ranks, rep["step_last"], rep["received"])
-        if row["last_report_at"] is not None:
-            window.touch(row["last_report_at"])
-        return st
 
     def _rule_kind(self, job: str, name: str) -> str:
         for r in self.rules.for_job(job):
@@ -153,8 +117,7 @@ class Controller:
         ]
 
     async def stop(self) -> None:
-        for q in list(self._subscribers):
-            q.put_nowait(None)
+        self.events_hub.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -187,7 +150,7 @@ class Controller:
                 raise
             if w.outbox:
                 self.deliverer.wake(w.outbox)
-            self._publish_events(w.published)
+            self.events_hub.publish(w.published)
             if after is not None:
                 after(w)
             return w
@@ -227,25 +190,6 @@ class Controller:
             raise Forbidden("this agent token is not bound to a run yet: register the run first (POST /v1/runs)")
         if bound is not None and bound != run:
             raise Forbidden(f"this agent token is bound to run {bound!r}, not {run!r}")
-
-    def _publish_events(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            for q in list(self._subscribers):
-                try:
-                    q.put_nowait(ev)
-                except asyncio.QueueFull:  # a consumer too slow: drop it, it reconnects with Last-Event-ID
-                    self._subscribers.discard(q)
-
-    def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=_EVENT_QUEUE)
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
-        self._subscribers.discard(q)
-
-    def is_subscribed(self, q: asyncio.Queue[dict[str, Any] | None]) -> bool:
-        return q in self._subscribers
 
     # == registration =================================================================================
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
@@ -563,34 +507,9 @@ class Controller:
 
     # == Alertmanager in ================================================================================
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
-        """Act on the firing alerts of an Alertmanager webhook (version 4) payload (see
-        :mod:`service.alertmanager`). Each alert (fingerprint + startsAt) acts once."""
-        results = []
-        for alert in payload.get("alerts", []):
-            res, cmd = parse_alert(alert)
-            if cmd is None:
-                results.append(res)
-                continue
-            key = (res["fingerprint"], res["startsAt"])
-            if key in self._am_seen:
-                results.append(res | {"outcome": "duplicate"})
-                continue
-            self._am_seen.add(key)
-            now = self.clock()
-            try:
-                _, body = await self.command(
-                    cmd.run, cmd.command, reason=cmd.reason, actor=cmd.actor, source="alertmanager", scale=cmd.scale,
-                    factor=cmd.factor, extra=lambda c, key=key: sql.mark_alertmanager_seen(c, *key, now),
-                )
-            except (NotFound, Invalid) as e:
-                self._am_seen.discard(key)
-                results.append(res | {"outcome": "error", "detail": str(e)})
-                continue
-            except BaseException:
-                self._am_seen.discard(key)
-                raise
-            results.append(res | {"outcome": "applied", "result": json.loads(body)})
-        return results
+        """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each
+        (fingerprint + startsAt) once: see :func:`service.alertmanager.act`."""
+        return await act(payload, self._am_seen, self.command, self.clock)
 
     # == rules ====================================================================================
     def validate_rules(self, text: str) -> RuleSet:
@@ -639,24 +558,6 @@ class Controller:
                 log.exception("absence ticker failed")
 
     # == reads ===================================================================================
-    def run_summary(self, st: RunState) -> dict[str, Any]:
-        return {
-            "run": st.run, "job": st.job, "status": st.status, "world_size": st.world_size,
-            "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
-            "last_step": st.window.last_step, "reports": st.window.count,
-            "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
-            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
-        }
-
-    def run_detail(self, st: RunState) -> dict[str, Any]:
-        return self.run_summary(st) | {
-            "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
-            "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
-            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
-            "last_values": st.window.latest_values(),
-            "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
-        }
-
     def metrics_snapshot(self) -> dict[str, Any]:
         runs: dict[str, int] = {s: 0 for s in ("running", "paused", "stopped", "silent", "registered", "finished")}
         firing: dict[str, int] = {s: 0 for s in SEVERITY_RANK}
@@ -666,45 +567,3 @@ class Controller:
                 firing[a["severity"]] = firing.get(a["severity"], 0) + 1
         return {"runs": runs, "firing": firing, "outbox_pending": self.deliverer.pending, "waiters": self.waiters,
                 "commits": self.store.commits}
-
-    # == stored records (the routes' only door to the database) =====================================
-    async def alerts(self, *, state: str | None, run: str | None, limit: int, before: int | None) -> list[dict[str, Any]]:
-        """Alerts, newest first (ids below ``before``)."""
-        return await self.store.read(lambda c: sql.list_alerts(c, state=state, run=run, limit=limit, before=before))
-
-    async def events(self, *, run: str | None, after: int, limit: int) -> list[dict[str, Any]]:
-        """Audit events after id ``after``, oldest first (of one run, or all)."""
-        return await self.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit))
-
-    async def add_webhook(self, *, url: str, format: str, secret: str, min_severity: str, send_resolved: bool) -> tuple[int, float]:
-        """Subscribe a webhook; returns (id, created_at)."""
-        now = self.clock()
-        wid = await self.store.submit(lambda c: sql.insert_webhook(
-            c, url=url, format=format, secret=secret, min_severity=min_severity, send_resolved=send_resolved, now=now))
-        return wid, now
-
-    async def webhooks(self) -> list[dict[str, Any]]:
-        return await self.store.read(sql.active_webhooks)
-
-    async def delete_webhook(self, webhook_id: int) -> None:
-        """Delete a webhook and cancel its pending messages; NotFound if there is none."""
-        if not await self.store.submit(lambda c: sql.delete_webhook(c, webhook_id)):
-            raise NotFound(f"webhook {webhook_id} does not exist")
-
-    async def deliveries(self, webhook_id: int, limit: int) -> list[dict[str, Any]]:
-        """A webhook's delivery attempts, newest first (also of a deleted one that has some)."""
-        hook, rows = await self.store.read(lambda c: (sql.get_webhook(c, webhook_id), sql.list_deliveries(c, webhook_id, limit)))
-        if hook is None and not rows:
-            raise NotFound(f"webhook {webhook_id} does not exist")
-        return rows
-
-
-def nan_safe(value: Any) -> Any:
-    """Replace NaN/±Inf floats by the wire's strings (for JSON answers built from stored values)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: nan_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_safe(v) for v in value]
-    return value

@@ -64,6 +64,28 @@ class RunState:
             return "silent"
         return "running" if self.window.count else "registered"
 
+    def summary(self) -> dict[str, Any]:
+        """The run as ``GET /v1/runs`` lists it."""
+        st = self
+        return {
+            "run": st.run, "job": st.job, "status": st.status, "world_size": st.world_size,
+            "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
+            "last_step": st.window.last_step, "reports": st.window.count,
+            "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
+            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
+        }
+
+    def detail(self) -> dict[str, Any]:
+        """The run as ``GET /v1/runs/{run}`` shows it."""
+        st = self
+        return self.summary() | {
+            "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
+            "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
+            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
+            "last_values": st.window.latest_values(),
+            "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
+        }
+
     def firing_absence(self) -> list[str]:
         return [name for name, a in self.firing.items() if a["kind"] == "absence"]
 

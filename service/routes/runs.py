@@ -10,10 +10,10 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from trainguard.service.controller import Controller, nan_safe
+from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
-from trainguard.service.schemas import AckResult, CommandResult, FinishResult
+from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
 from trainguard.protocol.wire import (
     LR_SCALE_MAX, LR_SCALE_MIN, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
@@ -77,13 +77,13 @@ async def finish(run: RunPath, body: RunFinished, ctl: ControllerDep, principal:
 
 @router.get("/runs", summary="List runs")
 async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, status: str | None = None) -> list[dict]:
-    out = [ctl.run_summary(st) for st in ctl.runs.values() if (job is None or st.job == job)]
+    out = [st.summary() for st in ctl.runs.values() if (job is None or st.job == job)]
     return [r for r in out if status is None or r["status"] == status]
 
 
 @router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")
 async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
-    return Response(json.dumps(nan_safe(ctl.run_detail(ctl.get(run)))), media_type=_JSON)
+    return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
 
 
 async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None) -> Response:

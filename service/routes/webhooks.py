@@ -24,7 +24,7 @@ def _out(row: dict) -> dict:
 @router.post("/webhooks", status_code=201, response_model=WebhookCreated, summary="Subscribe a URL to alert notifications")
 async def create(body: WebhookCreate, ctl: ControllerDep, _: WebhooksDep) -> WebhookCreated:
     secret = body.secret or secrets.token_urlsafe(32)
-    wid, now = await ctl.add_webhook(url=body.url, format=body.format, secret=secret, min_severity=body.min_severity,
+    wid, now = await ctl.records.add_webhook(url=body.url, format=body.format, secret=secret, min_severity=body.min_severity,
                                      send_resolved=body.send_resolved)
     return WebhookCreated(id=wid, url=body.url, format=body.format, min_severity=body.min_severity,
                           send_resolved=body.send_resolved, created_at=now, secret=secret)
@@ -32,15 +32,15 @@ async def create(body: WebhookCreate, ctl: ControllerDep, _: WebhooksDep) -> Web
 
 @router.get("/webhooks", response_model=list[Webhook], summary="Webhooks (secrets are not shown)")
 async def list_webhooks(ctl: ControllerDep, _: WebhooksDep) -> list[dict]:
-    return [_out(r) for r in await ctl.webhooks()]
+    return [_out(r) for r in await ctl.records.webhooks()]
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, summary="Delete a webhook (pending messages are cancelled)")
 async def delete(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep) -> Response:
-    await ctl.delete_webhook(webhook_id)
+    await ctl.records.delete_webhook(webhook_id)
     return Response(status_code=204)
 
 
 @router.get("/webhooks/{webhook_id}/deliveries", summary="Delivery attempts, newest first")
 async def deliveries(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
-    return await ctl.deliveries(webhook_id, limit)
+    return await ctl.records.deliveries(webhook_id, limit)
