@@ -27,7 +27,8 @@ from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
-from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, evaluate, load_rules
+from trainguard.service.evaluate import evaluate
+from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved

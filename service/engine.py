@@ -15,8 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    AbsenceRule, CheckpointAction, Finding, LrScaleAction, NotifyAction, PauseAction, StopAction, evaluate,
+    AbsenceRule, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, StopAction,
 )
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report

@@ -129,7 +129,7 @@ def _thresholds(d: dict, title: str) -> tuple[list, str]:
     return defaults["thresholds"]["steps"], defaults["custom"]["thresholdsStyle"]["mode"]
 
 
-def test_update_ratio_band_and_seed_thresholds_are_drawn(dashboards):
+def test_update_ratio_band_and_alert_thresholds_are_drawn(dashboards):
     steps, mode = _thresholds(dashboards["training-stability.json"], "Update ratio ||ΔW|| / ||W||")
     assert mode == "line+area"
     assert [(s["value"], s["color"]) for s in steps] == [

@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.engine import AlertBook
-from trainguard.service.rules import Finding, load_rules, default_rules_text
+from trainguard.service.evaluate import Finding
+from trainguard.service.rules import default_rules_text, load_rules
 from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
 from tests.service.conftest import register
