@@ -143,12 +143,7 @@ class Controller:
                 w.published = sql.get_events(c, w.events)
             return w
 
-        def settle(fut: asyncio.Future[Written]) -> Written:
-            try:
-                w = fut.result()
-            except BaseException:
-                tx.rollback()
-                raise
+        def published(w: Written) -> Written:
             if w.outbox:
                 self.deliverer.wake(w.outbox)
             self.events_hub.publish(w.published)
@@ -156,24 +151,20 @@ class Controller:
                 after(w)
             return w
 
-        def settle_later(fut: asyncio.Future[Written]) -> None:
-            if fut.cancelled() or fut.exception() is not None:
-                tx.rollback()
-            else:
-                settle(fut)
+        def orphaned(ok: bool, value: Any) -> None:
+            published(value) if ok else tx.rollback()
 
-        fut = self.store.submit(run, single_statement=single_statement)
+        fut = self.store.submit(run, single_statement=single_statement, orphaned=orphaned)
         try:
-            await asyncio.shield(fut)
+            w = await fut
         except asyncio.CancelledError:
-            if fut.done():
-                settle_later(fut)
-            else:
-                fut.add_done_callback(settle_later)
-            raise
+            if not fut.cancelled():  # the outcome arrived just before the cancellation
+                orphaned(fut.exception() is None, fut.exception() or fut.result())
+            raise  # else the store hands the outcome to orphaned() after the commit
         except BaseException:
-            pass  # settle() raises it after taking the change back
-        return settle(fut)
+            tx.rollback()
+            raise
+        return published(w)
 
     # == helpers ====================================================================================
     def get(self, run: str) -> RunState:

@@ -30,6 +30,8 @@ __all__ = ["Store", "StoreError", "MIGRATIONS"]
 
 log = logging.getLogger("trainguard.store")
 T = TypeVar("T")
+#: Receives the outcome of an operation whose caller stopped waiting: (True, result) or (False, error).
+Orphaned = Callable[[bool, Any], None]
 
 # The columns of the reports table (frozen: schema versions 1 and 2 both create exactly these).
 _REPORT_COLUMNS = """
@@ -213,7 +215,7 @@ class Store:
         # connections (a request cancelled mid-read leaves its thread running the read).
         self._active_reads = 0
         self._reads_idle = threading.Condition(self._readers_lock)
-        self._pending: list[tuple[Any, asyncio.Future[Any], bool]] = []
+        self._pending: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]] = []
         self.failed: BaseException | None = None
         self.commits = 0
         self._migrate()
@@ -304,7 +306,8 @@ class Store:
     def alive(self) -> bool:
         return self._started and not self._closed and self.failed is None
 
-    def submit(self, op: Callable[[sqlite3.Connection], T], *, single_statement: bool = False) -> asyncio.Future[T]:
+    def submit(self, op: Callable[[sqlite3.Connection], T], *, single_statement: bool = False,
+               orphaned: Orphaned | None = None) -> asyncio.Future[T]:
         """Queue ``op`` for the next group commit; the future resolves after the commit.
 
         Every operation submitted during one turn of the event loop is committed in one
@@ -315,6 +318,9 @@ class Store:
         savepoint so that a failing one fails alone; an operation that executes exactly one
         statement may say so (``single_statement``) and skip the savepoint, since SQLite undoes
         a failed statement by itself.
+
+        A queued operation runs even if its future is cancelled (the caller went away):
+        ``orphaned(ok, result_or_error)`` then receives its outcome after the commit.
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
@@ -323,27 +329,30 @@ class Store:
             return fut
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.append((op, fut, single_statement))
+        self._pending.append((op, fut, single_statement, orphaned))
         return fut
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         if not batch:
             return
-        results = self._commit([(op, single) for op, _fut, single in batch])
+        results = self._commit([(op, single) for op, _fut, single, _orphaned in batch])
         # Successes resolve in submission order (their events are published in id order);
         # failures after them, newest first, so that the callers take back their in-memory
         # changes in the reverse order of making them (see service.transaction).
         failed = []
-        for (_op, fut, _single), (ok, value) in zip(batch, results):
-            if fut.done():
-                continue
-            if ok:
+        for (_op, fut, _single, orphaned), (ok, value) in zip(batch, results):
+            if not ok:
+                failed.append((fut, orphaned, value))
+            elif not fut.done():
                 fut.set_result(value)
-            else:
-                failed.append((fut, value))
-        for fut, error in reversed(failed):
-            fut.set_exception(error)
+            elif orphaned is not None:
+                orphaned(True, value)
+        for fut, orphaned, error in reversed(failed):
+            if not fut.done():
+                fut.set_exception(error)
+            elif orphaned is not None:
+                orphaned(False, error)
 
     def _commit(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]]) -> list[tuple[bool, Any]]:
         conn = self._conn
@@ -395,7 +404,7 @@ class Store:
         if self._closed:
             return
         if self._pending:
-            results = self._commit([(op, single) for op, _fut, single in self._pending])
+            results = self._commit([(op, single) for op, _fut, single, _orphaned in self._pending])
             self._pending = []
             del results
         deadline = time.monotonic() + timeout
