@@ -46,23 +46,25 @@ def _usable(optimizer: object) -> bool:
 
 
 def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    """The real ``torch.optim.Optimizer`` behind ``optimizer``: itself, or the one a framework's
-    wrapper holds in ``.optimizer`` (followed through nested wrappers). ``ValueError`` naming the
-    type passed when there is none."""
-    chain = [type(optimizer).__name__]
+    """The real ``torch.optim.Optimizer`` behind ``optimizer``: the innermost usable one along the
+    chain ``optimizer``, ``optimizer.optimizer``, ... (a framework's wrappers, nested or not).
+    ``ValueError`` naming the types passed when there is none."""
+    chain: list[str] = []
+    found: torch.optim.Optimizer | None = None
     current = optimizer
     for _ in range(_MAX_DEPTH):
-        inner = getattr(current, "optimizer", None) if not isinstance(current, (str, bytes)) else None
+        chain.append(type(current).__name__)
+        if _usable(current):
+            found = current  # type: ignore[assignment]
+        inner = getattr(current, "optimizer", None)
         if inner is None or inner is current:
             break
-        chain.append(type(inner).__name__)
         current = inner
-    if _usable(current):
-        return current  # type: ignore[return-value]
-    what = " wrapping ".join(chain)
+    if found is not None:
+        return found
     raise ValueError(
         f"optimizer must be a torch.optim.Optimizer, or a framework's wrapper holding one in .optimizer "
-        f"(accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer); got {what}")
+        f"(accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer); got {' wrapping '.join(chain)}")
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -61,6 +61,8 @@ def test_unwrap_returns_the_real_optimizer_through_nested_wrappers() -> None:
     assert unwrap_optimizer(opt) is opt
     assert unwrap_optimizer(_Wrapper(opt)) is opt
     assert unwrap_optimizer(_HalfBuilt(_Wrapper(opt))) is opt
+    opt.optimizer = "a setting that is not an optimizer"  # an optimizer with an unrelated .optimizer
+    assert unwrap_optimizer(opt) is opt and unwrap_optimizer(_Wrapper(opt)) is opt
 
 
 @pytest.mark.parametrize(
