@@ -73,7 +73,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial, wraps
+from functools import wraps
 from typing import Any
 from urllib.parse import urlparse
 
@@ -580,12 +580,11 @@ class ControlPlane:
         had_own = "step" in vars(optimizer)
         inner = optimizer.step
         plane = self
-        set_aside = partial(optim.unmeasured, self._agent)
 
         @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             # With a closure, it runs first: the decision is on the gradients it produces.
-            return optim.guarded_step(inner, args, kwargs, plane._skip_this_step, set_aside)
+            return optim.guarded_step(inner, args, kwargs, plane._skip_this_step)
 
         # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

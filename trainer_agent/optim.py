@@ -94,12 +94,13 @@ class StepClosure:
     """The closure of one optimizer step as the optimizer sees it. Its first evaluation is the
     step's (measured by the agent); with :meth:`evaluate_first` that evaluation happens before the
     optimizer's ``step`` and the optimizer's first call receives its result. Later evaluations run
-    under ``set_aside()`` (:func:`unmeasured`)."""
+    under ``set_aside()`` (:func:`unmeasured`), which the agent's pre-step hook provides."""
 
-    def __init__(self, closure: Callable[[], Any], set_aside: Callable[[], contextlib.AbstractContextManager]) -> None:
+    def __init__(self, closure: Callable[[], Any],
+                 set_aside: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.closure = closure
+        self.set_aside = set_aside
         self.evaluations = 0
-        self._set_aside = set_aside
         self._held: Any = _NOT_RUN
 
     def evaluate_first(self) -> Any:
@@ -116,31 +117,35 @@ class StepClosure:
             result, self._held = self._held, _NOT_RUN
             return result
         self.evaluations += 1
-        if self.evaluations == 1:
+        if self.evaluations == 1 or self.set_aside is None:
             return self.closure()
-        with self._set_aside():
+        with self.set_aside():
             return self.closure()
 
 
 def with_step_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
                       set_aside: Callable[[], contextlib.AbstractContextManager]) -> tuple[tuple, dict] | None:
     """For an optimizer pre-step hook (its ``args`` start with the optimizer): ``(args, kwargs)``
-    with the closure wrapped in a :class:`StepClosure`, or None when there is no closure or it is
-    wrapped already."""
+    with the closure wrapped in a :class:`StepClosure` whose later evaluations run under
+    ``set_aside``, or None when there is no closure, or it is a StepClosure already (it gets
+    ``set_aside`` then)."""
     closure, replace = _closure_of(args, kwargs, at=1)
-    if closure is None or isinstance(closure, StepClosure):
+    if closure is None:
+        return None
+    if isinstance(closure, StepClosure):
+        closure.set_aside = closure.set_aside or set_aside
         return None
     return replace(StepClosure(closure, set_aside))
 
 
 def guarded_step(step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 skip: Callable[[], bool], set_aside: Callable[[], contextlib.AbstractContextManager]) -> Any:
+                 skip: Callable[[], bool]) -> Any:
     """``step(*args, **kwargs)`` unless ``skip()`` says no. With a closure, the closure is
     evaluated first, so ``skip`` sees its gradients; a skipped step returns the closure's result."""
     closure, replace = _closure_of(args, kwargs)
     if closure is None:
         return None if skip() else step(*args, **kwargs)
-    wrapped = closure if isinstance(closure, StepClosure) else StepClosure(closure, set_aside)
+    wrapped = closure if isinstance(closure, StepClosure) else StepClosure(closure)
     result = wrapped.evaluate_first()  # a user's exception propagates, as from the optimizer
     if skip():
         return result
