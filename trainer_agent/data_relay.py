@@ -1,7 +1,7 @@
 """The agent's relay to data-quality monitoring: batches from ``observe_batch`` to a ``DataMonitor``
 through a ``DataFeed`` (worker thread, no sync in the step), and the monitor's values back at the
 report. The monitor observes only; the cleaning filter (``QualityFilter``), which acts on data, is
-apart from it (``trainer_agent/data.py``) and not driven by the agent."""
+apart from it (``trainer_agent/data/quality_filter.py``) and not driven by the agent."""
 
 from __future__ import annotations
 
