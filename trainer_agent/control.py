@@ -180,16 +180,7 @@ class ControlPlane:
         self._broken = False
         self._closed = False
 
-        self._group = group
-        self._store = store
-        self._own_group = False
-        if self.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=_group_timeout())
-            self._own_group = True
-        if self.world_size > 1 and self._store is None and self.controlled:
-            base = dist.distributed_c10d._get_default_store()
-            self._store = dist.PrefixStore(f"trainguard/{ctx.run}/{self._instance}/", base)
-
+        self._setup_group(group, store)
         self._client: ControllerClient | None = None
         endpoints = self._endpoints() if self.controlled else []
         if self.controlled and self.leader:
@@ -377,6 +368,16 @@ class ControlPlane:
         self._client.submit_report(report)
 
     # ------------------------------------------------------------------ internals: start
+
+    def _setup_group(self, group: Any, store: Any) -> None:
+        """The side gloo group (broadcasts, the skip flag) and the store (pause), unless injected."""
+        self._group, self._store, self._own_group = group, store, False
+        if self.world_size > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=_group_timeout())
+            self._own_group = True
+        if self.world_size > 1 and self._store is None and self.controlled:
+            base = dist.distributed_c10d._get_default_store()
+            self._store = dist.PrefixStore(f"trainguard/{self._ctx.run}/{self._instance}/", base)
 
     def _start_client(self, endpoints: list[RankEndpoint], transport: Any, long_poll_s: float) -> ControllerClient:
         cfg, ctx = self._cfg, self._ctx
