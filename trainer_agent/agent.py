@@ -188,7 +188,7 @@ class Agent:
         self.meter = StepMeter(self.params, cfg, self.schedule, scaler=self.scaler,
                                data_parallel=self.world_size > 1, step=lambda: self.step,
                                on_error=self._error, clock=self._clock)
-        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None)
+        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=cfg.grad_noise,

@@ -4,7 +4,8 @@ On a report step with several ranks, every rank enters exactly one all-gather (t
 Its row is ``[desired state (5 int64 as float64 bits)] + [RANK_FIELDS (float64)]``: the state part
 is the leader's proposal (the other ranks send zeros there and read the leader's), the fields are
 this rank's values of the report. The state part is present only when a control plane agrees on a
-controller's state (every rank is configured alike, so every row has the same width).
+controller's state across several ranks (every rank is configured alike, so every row has the same
+width); a single rank applies its own proposal.
 
 Adding a per-rank value to the report: append its name to ``RANK_FIELDS``, put its value in the
 row where ``trainer_agent/report.py`` builds it, and, if the controller reads it, add the vector to
@@ -99,7 +100,8 @@ class RankExchange:
         if not self.with_state:
             return fields
         bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
-        return torch.cat([bits.view(torch.float64).to(fields.device), fields])
+        # non_blocking: a copy from pageable memory is staged at once; no wait on the device
+        return torch.cat([bits.view(torch.float64).to(fields.device, non_blocking=True), fields])
 
     def nan_row(self, device: torch.device, state: Sequence[int] | None) -> torch.Tensor:
         """The row of a rank whose report failed: NaN fields, a valid state part."""
@@ -123,11 +125,18 @@ class RankExchange:
         return gathered[:, self.offset:]
 
     def state(self, gathered: torch.Tensor) -> list[int] | None:
-        """The leader's desired-state part as host ints (None without one). On CUDA rows this
-        reads the device: a SYNC, once per report step of a controlled run."""
+        """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)
+        this reads the device: a SYNC, once per report step of a controlled multi-rank run."""
         if not self.with_state:
             return None
         return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist()
+
+    def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
+        """The state every rank applies: the leader's part of the rows, or, without a state part
+        (one rank, or no controller), this rank's own ``proposal``."""
+        if self.with_state:
+            return self.state(gathered)
+        return list(proposal) if proposal is not None else None
 
     @staticmethod
     def unpack_rows(flat: Sequence[float], ranks: int) -> dict[str, list[float]]:

@@ -129,7 +129,7 @@ class ReportPipeline:
         rows = self.exchange.fields(gathered).to(self.device)
         self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
         self.pending.append(self._pack(host_step.step, dev, vectors, rows, host))
-        return self.exchange.state(gathered)
+        return self.exchange.agreed(gathered, state)
 
     def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
@@ -141,7 +141,7 @@ class ReportPipeline:
         the others waiting in the collective (nor pairs theirs with this rank's next one)."""
         if self.gathered_step == step:
             return None
-        return self.exchange.state(self.enter_exchange(step, self.exchange.nan_row(self.device, state)))
+        return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state)), state)
 
     def _host_values(self, h: HostStep) -> dict[str, float]:
         host = {"trainguard_step": float(h.step),
