@@ -79,15 +79,16 @@ def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 @contextlib.contextmanager
-def unmeasured(agent: Any) -> Iterator[None]:
-    """Backward passes inside this block leave the agent's step as it was: its hooks write into a
-    throwaway step state, and the step's state and gradient norm are put back after."""
-    state, norm = agent._state, agent.grad_norm_device
-    agent._state = type(state)()
+def unmeasured(meter: Any) -> Iterator[None]:
+    """Backward passes inside this block leave the step in progress as it was: the agent's
+    gradient hooks write into a throwaway step state of ``meter`` (``step_stats.StepMeter``), and
+    the step's own state (gradient norms, micro-batch count) is put back after."""
+    state = meter.state
+    meter.state = type(state)()
     try:
         yield
     finally:
-        agent._state, agent.grad_norm_device = state, norm
+        meter.state = state
 
 
 class StepClosure:
