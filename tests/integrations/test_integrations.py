@@ -38,6 +38,8 @@ def test_a_step_loss_is_the_scaled_sum_of_its_micro_batches_and_tokens_add_up() 
     session.add_micro_batch(torch.tensor(1.0), 5)
     session.end_step()
     assert agent.latest()["trainguard_loss"] == 2.0 and "trainguard_tokens_per_second" not in agent.latest()
+    session.add_micro_batch(None, 3)  # not a loss: counted, not raised
+    assert session.micro_batches == 0 and agent.latest()["trainguard_agent_errors_total"] == 1.0
     session.close()
     session.close()  # idempotent
     assert agent._closed and session.attach(model, opt) is not agent  # a second fit: a new agent

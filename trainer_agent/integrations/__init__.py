@@ -54,9 +54,15 @@ class StepSession:
         self.checkpoint_requested = True
 
     def add_micro_batch(self, loss: Any, tokens: int | None) -> None:
-        """One micro-batch's loss (a device tensor, not read here) and token count (None: unknown)."""
-        loss = loss.detach()
-        self._loss = loss if self._loss is None else self._loss + loss
+        """One micro-batch's loss (a device tensor, not read here) and token count (None: unknown).
+        Never raises into the loop: a loss that is not a tensor is counted as an agent error."""
+        try:
+            loss = loss.detach()
+            self._loss = loss if self._loss is None else self._loss + loss
+        except Exception as exc:  # noqa: BLE001 - e.g. a training_step override returning None
+            if self.agent is not None:
+                self.agent._error("integration_loss", exc)
+            return
         self._micro_batches += 1
         self._tokens = None if tokens is None or self._tokens is None else self._tokens + tokens
 
