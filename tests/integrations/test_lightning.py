@@ -251,3 +251,26 @@ def test_ddp_ranks_skip_the_same_nonfinite_step(tmp_path: Path) -> None:
             assert o["ours"][step]["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(out[0]["weights"], out[1]["weights"]))
     assert math.isnan(out[0]["ours"][3]["trainguard_loss"]) and math.isfinite(out[1]["ours"][3]["trainguard_loss"])
+
+
+def test_a_resumed_fit_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None:
+    def fit(max_steps: int, ckpt_path: str | None = None) -> tuple[TrainguardCallback, _Record, L.Trainer]:
+        guard = TrainguardCallback(job="pl-job", run="pl-resume",
+                                   config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+        record = _Record(guard)
+        trainer = _trainer(tmp_path, [guard, record], 1, max_steps=max_steps)
+        loader = torch.utils.data.DataLoader(_Tokens(20 * BATCH), batch_size=BATCH)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_TinyLM(nan_at_step=2), loader, ckpt_path=ckpt_path)
+        return guard, record, trainer
+
+    guard, _, trainer = fit(3)
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    assert guard.agent.step == 3
+    guard, record, trainer = fit(5, str(tmp_path / "three.ckpt"))
+    assert trainer.global_step == 5 and guard.agent.step == 5
+    assert [record.ours[s]["trainguard_step"] for s in (4, 5)] == [4.0, 5.0]
+    latest = guard.agent.latest()
+    assert latest["trainguard_skipped_steps_total"] == 1.0  # step 2's skip, restored with the control state
+    assert latest["trainguard_nonfinite_steps_total"] == 1.0

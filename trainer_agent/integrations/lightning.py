@@ -17,6 +17,8 @@
                          ``checkpoint_dir`` (default: the ModelCheckpoint's folder, else
                          ``<default_root_dir>/checkpoints``) as ``trainguard-step=<step>.ckpt``
 ``on_fit_end``           ``agent.close()`` (also on an exception)
+``state_dict``           every Lightning checkpoint carries ``agent.state_dict()``; ``fit(ckpt_path=...)``
+                         restores it, so the agent's step count goes on from the checkpoint's
 =======================  ============================================================================
 
 Lightning calls ``optimizer.step(closure)``: with ``skip_nonfinite=True`` the closure (forward and
@@ -54,6 +56,7 @@ class TrainguardCallback(Callback):
         self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self._count_tokens = count_tokens or tokens_of
         self._global_step = 0
+        self._restored: dict[str, Any] | None = None
 
     @property
     def agent(self) -> Any:
@@ -64,8 +67,20 @@ class TrainguardCallback(Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"TrainguardCallback supports one optimizer, the module configured "
                              f"{len(trainer.optimizers)}")
-        self._session.attach(pl_module, trainer.optimizers[0])
+        agent = self._session.attach(pl_module, trainer.optimizers[0])
+        if self._restored is not None:  # fit(ckpt_path=...): the agent goes on from the checkpoint's step
+            state, self._restored = self._restored, None
+            agent.load_state_dict(state)
         self._global_step = trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved by Lightning in every checkpoint: the agent's counters and control state."""
+        agent = self._session.agent
+        return {} if agent is None else {"agent": agent.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores callbacks before ``on_fit_start``: applied to the agent there."""
+        self._restored = state_dict.get("agent")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
