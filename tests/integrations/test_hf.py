@@ -103,6 +103,24 @@ def test_loss_and_grad_norm_equal_the_trainers_logs(tmp_path: Path, accumulation
     assert guard.agent._closed and "training_step" not in vars(trainer)  # closed at train end, unwrapped
 
 
+def test_a_resumed_train_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None:
+    def train(max_steps: int, resume: str | None = None) -> tuple[TrainguardCallback, _Record, Trainer]:
+        guard = TrainguardCallback(job="hf-job", run="hf-resume",
+                                   config=ta.AgentConfig(metrics_port=None, report_every=1))
+        record = _Record(guard)
+        args = _args(tmp_path, 1, max_steps)
+        args.save_strategy, args.save_steps = "steps", 3
+        trainer = Trainer(model=_model(), args=args, train_dataset=_Tokens(64), callbacks=[guard, record])
+        trainer.train(resume_from_checkpoint=resume)
+        return guard, record, trainer
+
+    guard, _, _ = train(3)
+    assert (tmp_path / "out" / "checkpoint-3" / "trainguard_agent.pt").is_file() and guard.agent.step == 3
+    guard, record, trainer = train(5, str(tmp_path / "out" / "checkpoint-3"))
+    assert trainer.state.global_step == 5 and guard.agent.step == 5
+    assert sorted(record.ours) == [4, 5] and [record.ours[s]["trainguard_step"] for s in (4, 5)] == [4.0, 5.0]
+
+
 @pytest.mark.integration
 def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path / "trainguard.db").start()

@@ -19,6 +19,9 @@ each micro-batch       the loss the Trainer's ``training_step`` returned (the Tr
                        ``logging_steps=1``. The controller's ``stop`` sets
                        ``control.should_training_stop``; its ``checkpoint`` (and a stop) sets
                        ``control.should_save``: the Trainer saves ``checkpoint-<step>`` as usual
+``on_save``            ``agent.state_dict()`` into the checkpoint folder (``trainguard_agent.pt``);
+                       a ``train(resume_from_checkpoint=...)`` from ``<output_dir>/checkpoint-<step>``
+                       restores it, so the agent's step count goes on from the checkpoint's
 ``on_train_end``       ``agent.close()``
 =====================  ==============================================================================
 
@@ -32,15 +35,19 @@ a second close does nothing).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
 
 from trainer_agent.integrations import StepSession, tokens_of
 
 __all__ = ["TrainguardCallback"]
 
+#: The agent's state in each checkpoint folder the Trainer writes.
+_STATE_FILE = "trainguard_agent.pt"
 #: Frames between this callback's hook and the Trainer method that called the callback handler.
 _MAX_FRAMES = 8
 
@@ -60,9 +67,18 @@ class TrainguardCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._find_trainer(sys._getframe(1))
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
-        self._session.attach(kwargs["model"], kwargs["optimizer"], scaler=scaler,
-                             lr_scheduler=kwargs.get("lr_scheduler"))
+        agent = self._session.attach(kwargs["model"], kwargs["optimizer"], scaler=scaler,
+                                     lr_scheduler=kwargs.get("lr_scheduler"))
+        saved = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", _STATE_FILE)
+        if state.global_step > 0 and os.path.exists(saved):  # resumed from that checkpoint
+            agent.load_state_dict(torch.load(saved, weights_only=True))
         self._wrap_training_step(trainer)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer has just written ``checkpoint-<step>``: the agent's state goes beside it."""
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self._session.agent is not None and os.path.isdir(folder) and state.is_world_process_zero:
+            torch.save(self._session.agent.state_dict(), os.path.join(folder, _STATE_FILE))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self._session
