@@ -65,7 +65,7 @@ class RunWindow:
 
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
-        "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received",
+        "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
         "_keys", "_cols",
     )
 
@@ -78,6 +78,8 @@ class RunWindow:
         self.count = 0
         """Reports appended since creation (also the sequence number of the newest)."""
         self.rank_count = 0
+        self._written = 0
+        """Reports appended to this object (``count`` may start higher: a reload sets it)."""
         self.columns: dict[str, int] = {}
         self._set_values(np.full((2, capacity, 16), math.nan), np.zeros((2, capacity, 16), dtype=bool))
         self._received = np.zeros(capacity)
@@ -132,6 +134,7 @@ class RunWindow:
         self._received[row] = received
         self._step[row] = step_last
         self.count += 1
+        self._written += 1
         self._last_received = received
         if ranks:
             rrow = self.rank_count % self.rank_capacity
@@ -223,7 +226,7 @@ class RunWindow:
         """The reports appended after sequence number ``after`` that the window still holds, oldest
         first, as ``(seq, step_last, received, values)``; ``seq`` counts from 1 and ``values`` holds
         only the metrics that report carried (NaN stays NaN)."""
-        first = max(after, self.count - self.size) + 1
+        first = max(after, self.count - min(self._written, self.capacity)) + 1
         names = list(self.columns.items())
         out = []
         for seq in range(first, self.count + 1):
