@@ -5,7 +5,7 @@
 import uPlot from "./vendor/uplot/uPlot.esm.js";
 
 export const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
-const MARKER = { alert: "#dc2626", desired: "#2563eb", applied: "#059669" };
+const MARKER = { alert: "#dc2626", desired: "#9333ea", applied: "#059669" };
 
 function fmt(v) {
   if (v === null || v === undefined) return "–";
@@ -45,7 +45,8 @@ export class Chart {
       width, height: 170,
       legend: { show: this.spec.series.length > 1, live: false },
       cursor: { drag: { x: true, y: false } },
-      scales: { x: { time: false }, y: this.spec.log ? { distr: 3 } : {} },
+      // the x range reaches the newest marker: a pause applied after the last report still shows
+      scales: { x: { time: false, range: (u, min, max) => (max === null ? [min, max] : [min, Math.max(max, self.markerMax ?? max)]) }, y: this.spec.log ? { distr: 3 } : {} },
       axes: [{ label: "step", size: 34, labelSize: 14 }, { size: 64, values: (u, vals) => vals.map(fmt) }],
       series: [{ label: "step" }, ...this.spec.series.map((s, i) => ({
         label: s.label, stroke: s.color || PALETTE[i % PALETTE.length], width: 1.5, spanGaps: false,
@@ -68,6 +69,7 @@ export class Chart {
       return v;
     }));
     this.markers = markers || [];
+    this.markerMax = this.markers.length ? Math.max(...this.markers.map((m) => m.step)) : null;
     this.el.dataset.points = String(points);
     this.el.dataset.nonfinite = String(this.nonfinite.length);
     const last = columns.map((col) => { for (let i = col.length - 1; i >= 0; i--) if (col[i] !== null && col[i] !== undefined) return col[i]; return null; });
