@@ -88,6 +88,8 @@ export class Stream {
     es.onerror = () => {
       es.close();
       if (this.closed) return;
+      // a stream refused because the session ended: back to the sign-in page
+      loadSession().then((s) => { if (!s.signedIn) location.reload(); }, () => {});
       setTimeout(() => this.open(), this.delay);
       this.delay = Math.min(this.delay * 2, 15000);
     };

@@ -17,7 +17,8 @@ from trainguard.service.routes.ui import COOKIE, CSRF_HEADER, ConsoleSessions
 from trainguard.service.auth import ANONYMOUS
 
 OPERATOR, READER, AGENT = "operator-token-123", "reader-token-123", "agent-token-123"
-TOKENS = {"operator_tokens": (OPERATOR, f"{READER}:read"), "agent_tokens": (AGENT,)}
+HOOKS = "hooks-token-123"
+TOKENS = {"operator_tokens": (OPERATOR, f"{READER}:read", f"{HOOKS}:webhooks"), "agent_tokens": (AGENT,)}
 AGENT_AUTH = {"Authorization": f"Bearer {AGENT}"}
 
 
@@ -144,6 +145,15 @@ def test_logout_ends_the_session_and_needs_csrf(client_factory: Callable[..., Te
     assert re.search(rf'{COOKIE}="?"?;', resp.headers["set-cookie"]) and "max-age=0" in resp.headers["set-cookie"].lower()
     assert client.get("/ui/api/runs").status_code == 401
     assert client.get("/ui/api/session").json()["signed_in"] is False
+
+
+def test_a_token_without_read_signs_in_and_out_but_reads_nothing(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(**TOKENS)
+    body = _login(client, HOOKS)
+    assert body["scopes"] == ["webhooks"]
+    assert client.get("/ui/api/runs").status_code == 403 and client.get("/ui/api/events").status_code == 403
+    assert client.post("/ui/logout", headers={CSRF_HEADER: body["csrf"]}).status_code == 200
+    assert client.get("/ui/api/runs").status_code == 401
 
 
 def test_without_tokens_the_console_needs_no_sign_in(client_factory: Callable[..., TestClient]) -> None:
