@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -121,7 +120,6 @@ class Page:
         self.requests: list[str] = []
         self.refused: list[str] = []
         self.errors: list[str] = []
-        self.lock = threading.Lock()
 
         def guard(route: Any) -> None:
             url = route.request.url

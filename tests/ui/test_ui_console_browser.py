@@ -11,7 +11,6 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ import torch
 import trainer_agent as ta
 from tests.control.procs import until
 from tests.ui.conftest import OPERATOR, READER, Controller, Page, ScriptedAgent, agent_token
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 # Chart points are read from the data-points attribute each chart keeps (finite points drawn, all
 # series together) and checked against the canvas's pixels in the series colour.
