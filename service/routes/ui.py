@@ -34,9 +34,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, ValidationError
 
 from trainguard.protocol.wire import MAX_INT, CommandRequest, LrScaleRequest
-from trainguard.service import store as sql
 from trainguard.service.auth import ANONYMOUS, Principal, TokenTable
-from trainguard.service.controller import COMMANDS, Controller, nan_safe
+from trainguard.service.controller import Controller
+from trainguard.service.schemas import nan_safe
 
 __all__ = ["router", "install", "ConsoleSessions", "COOKIE", "CSRF_HEADER"]
 
@@ -48,6 +48,8 @@ _MAX_SESSIONS = 1024
 _TICK_S = 0.5
 _HEARTBEAT_S = 15.0
 _EVENTS_KEPT = 500
+#: The console's action paths (the API's) and the commands they send.
+_COMMANDS = {"pause": "pause", "resume": "resume", "checkpoint": "checkpoint", "stop": "stop", "lr-scale": "lr_scale"}
 _PAGE_HEADERS = {
     # Scripts, styles, images and connections only from the controller itself: the console works
     # with no network but the controller's, and injected markup cannot load anything.
@@ -236,8 +238,8 @@ async def logout(request: Request, _: AnySession) -> Response:
 
 
 # -- reads ------------------------------------------------------------------------------------------
-def _run_row(ctl: Controller, st: Any) -> dict[str, Any]:
-    d = ctl.run_detail(st)
+def _run_row(st: Any) -> dict[str, Any]:
+    d = st.detail()
     return {k: d[k] for k in ("run", "job", "status", "world_size", "last_step", "reports", "last_report_at",
                               "desired_generation", "applied_generation", "applied_step", "desired", "finished_step")} | {
         "firing": [{"rule": a["rule"], "severity": a["severity"], "summary": a["summary"]} for a in d["firing_alerts"]],
@@ -246,7 +248,7 @@ def _run_row(ctl: Controller, st: Any) -> dict[str, Any]:
 
 
 def _runs(ctl: Controller) -> list[dict[str, Any]]:
-    return sorted((_run_row(ctl, st) for st in list(ctl.runs.values())), key=lambda r: r["run"])
+    return sorted((_run_row(st) for st in list(ctl.runs.values())), key=lambda r: r["run"])
 
 
 def _window(st: Any, seq: int) -> dict[str, Any]:
@@ -256,17 +258,17 @@ def _window(st: Any, seq: int) -> dict[str, Any]:
     }
 
 
-def _detail(ctl: Controller, st: Any) -> dict[str, Any]:
-    d = ctl.run_detail(st)
+def _detail(st: Any) -> dict[str, Any]:
+    d = st.detail()
     d.pop("config", None)
     return d | {"window_capacity": st.window.capacity, "rank_window_capacity": st.window.rank_capacity}
 
 
-async def _run_events(ctl: Controller, run: str, after: int) -> list[dict[str, Any]]:
-    """The newest ``_EVENTS_KEPT`` audit events of ``run`` after id ``after``, oldest first."""
+async def _events_after(ctl: Controller, run: str | None, after: int) -> list[dict[str, Any]]:
+    """The newest ``_EVENTS_KEPT`` audit events (of ``run``, or all) after id ``after``, oldest first."""
     out: list[dict[str, Any]] = []
     while True:
-        page = await ctl.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=1000))
+        page = await ctl.records.events(run=run, after=after, limit=1000)
         out = (out + page)[-_EVENTS_KEPT:]
         if len(page) < 1000:
             return out
@@ -274,7 +276,7 @@ async def _run_events(ctl: Controller, run: str, after: int) -> list[dict[str, A
 
 
 async def _alerts(ctl: Controller, run: str) -> list[dict[str, Any]]:
-    return await ctl.store.read(lambda c: sql.list_alerts(c, state=None, run=run, limit=100, before=None))
+    return await ctl.records.alerts(state=None, run=run, limit=100, before=None)
 
 
 @router.get("/ui/api/runs")
@@ -288,8 +290,9 @@ async def api_run(run: str, request: Request, _: ReadSession) -> Response:
     diagnoses and its recent audit events."""
     ctl = _controller(request)
     st = ctl.get(run)
-    alerts, events = await _alerts(ctl, run), await _run_events(ctl, run, 0)
-    return _json({"run": _detail(ctl, st), "window": _window(st, 0), "alerts": alerts, "events": events})
+    alerts = await _alerts(ctl, run)
+    events = (await ctl.records.events_newest(run=run, before=None, limit=_EVENTS_KEPT))[::-1]
+    return _json({"run": _detail(st), "window": _window(st, 0), "alerts": alerts, "events": events})
 
 
 @router.get("/ui/api/runs/{run}/alerts")
@@ -306,13 +309,8 @@ async def api_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> Response:
     """The audit log of every run, newest first: ``limit`` events with ids below ``before``."""
-    ctl = _controller(request)
-    if before is None:
-        before = await ctl.store.read(lambda c: c.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]) + 1
-    after = max(before - 1 - limit, 0)
-    page = await ctl.store.read(lambda c: sql.list_events(c, run=None, after=after, limit=limit))
-    page = [e for e in page if e["id"] < before]
-    return _json({"events": page[::-1], "before": page[0]["id"] if page and page[0]["id"] > 1 else None})
+    page = await _controller(request).records.events_newest(run=None, before=before, limit=limit)
+    return _json({"events": page, "before": page[-1]["id"] if len(page) == limit else None})
 
 
 # -- live updates -----------------------------------------------------------------------------------
@@ -325,13 +323,12 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
     """Server-Sent Events for the console. With ``run``: ``report`` (new window rows after report
     ``seq``), ``audit`` (the run's audit events after id ``after``) and ``run`` (its status, when it
     changed). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events)."""
-    queue = ctl.subscribe()  # before the replay, so nothing falls between the two
+    hub = ctl.events_hub
+    queue = hub.subscribe()  # before the replay, so nothing falls between the two
     try:
         yield b"retry: 2000\n\n"
         if after:
-            replay = await (_run_events(ctl, run, after) if run else
-                            ctl.store.read(lambda c: sql.list_events(c, run=None, after=after, limit=_EVENTS_KEPT)))
-            for ev in replay:
+            for ev in await _events_after(ctl, run, after):
                 yield _sse("audit", ev, ev["id"])
                 after = ev["id"]
         last_state = ""
@@ -344,7 +341,7 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
                     seq = st.window.count
                     if update["rows"] or update["ranks"]:
                         yield _sse("report", update)
-                state = _detail(ctl, st)
+                state = _detail(st)
             else:
                 state = _runs(ctl)
             text = json.dumps(nan_safe(state), sort_keys=True)
@@ -354,7 +351,7 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
             try:
                 ev = await asyncio.wait_for(queue.get(), _TICK_S)
             except TimeoutError:
-                if not ctl.is_subscribed(queue):
+                if not hub.is_subscribed(queue):
                     return  # dropped as too slow: the page reconnects from its cursors
                 quiet += _TICK_S
                 if quiet >= _HEARTBEAT_S:
@@ -367,7 +364,7 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
                 after = ev["id"]
                 yield _sse("audit", ev, ev["id"])
     finally:
-        ctl.unsubscribe(queue)
+        hub.unsubscribe(queue)
 
 
 def _stream(body: AsyncIterator[bytes]) -> StreamingResponse:
@@ -395,15 +392,15 @@ async def api_command(run: str, command: str, request: Request, session: Command
                       body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
     """Pause, resume, checkpoint, stop (body ``{"reason"}``) or lr-scale (``{"scale", "reason"}``),
     as the signed-in operator."""
-    if command not in COMMANDS:
-        raise HTTPException(404, f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+    if command not in _COMMANDS:
+        raise HTTPException(404, f"unknown action {command!r}; known: {', '.join(_COMMANDS)}")
     try:
         req = (LrScaleRequest if command == "lr-scale" else CommandRequest).model_validate(body or {})
     except ValidationError as e:
         raise HTTPException(422, "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
     actor = session.principal.actor
     status, answer = await _controller(request).command(
-        run, command, reason=req.reason or f"{command} from the console by {actor}", actor=actor,
+        run, _COMMANDS[command], reason=req.reason or f"{command} from the console by {actor}", actor=actor,
         scale=getattr(req, "scale", None))
     return Response(answer, status_code=status, media_type="application/json")
 

@@ -95,6 +95,7 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     diagnosis = alert["diagnosis"]
     for line in [alert["summary"], diagnosis["symptom"], *diagnosis["likely_causes"], *diagnosis["suggested_actions"]]:
         assert line in text, line
+    assert "seed" not in text.lower() and "source document" not in text.lower()
     assert page.page.get_attribute('[data-chart="loss"]', "data-nonfinite") == "1"  # the NaN is marked, not dropped
     assert page.page.get_attribute('[data-chart="loss"]', "data-points") == "3"
     page.page.wait_for_selector('#run-events tr[data-kind="alert"]')
