@@ -16,6 +16,8 @@ function fmt(v) {
 }
 export { fmt };
 
+const isPowerOfTen = (v) => v > 0 && Math.abs(Math.log10(v) - Math.round(Math.log10(v))) < 1e-9;
+
 export class Chart {
   // spec: {id, title, unit, log, series: [{label}]}
   constructor(parent, spec) {
@@ -47,7 +49,7 @@ export class Chart {
       cursor: { drag: { x: true, y: false } },
       // the x range reaches the newest marker: a pause applied after the last report still shows
       scales: { x: { time: false, range: (u, min, max) => (max === null ? [min, max] : [min, Math.max(max, self.markerMax ?? max)]) }, y: this.spec.log ? { distr: 3 } : {} },
-      axes: [{ label: "step", size: 34, labelSize: 14 }, { size: 64, values: (u, vals) => vals.map(fmt) }],
+      axes: [{ label: "step", size: 34, labelSize: 14 }, { size: 70, values: (u, vals) => vals.map((v) => (this.spec.log && !isPowerOfTen(v) ? "" : fmt(v))) }],
       series: [{ label: "step" }, ...this.spec.series.map((s, i) => ({
         label: s.label, stroke: s.color || PALETTE[i % PALETTE.length], width: 1.5, spanGaps: false,
         points: { size: 4 },

@@ -132,6 +132,9 @@ class Page:
 
         self.context.route("**/*", guard)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        # the pages' Content-Security-Policy admits only the controller's own scripts and styles:
+        # a violation (an inline script or style, a foreign asset) is a failure too
+        self.page.on("console", lambda m: "Content Security Policy" in m.text and self.errors.append(m.text))
         self.url = controller.url
 
     def sign_in(self, token: str, path: str = "/ui") -> None:
