@@ -46,6 +46,7 @@ CSRF_HEADER = "X-CSRF-Token"
 _SESSION_TTL_S = 12 * 3600.0
 _MAX_SESSIONS = 1024
 _TICK_S = 0.5
+_RUNS_EVERY_S = 1.0
 _HEARTBEAT_S = 15.0
 _EVENTS_KEPT = 500
 #: The console's action paths (the API's) and the commands they send.
@@ -333,7 +334,12 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
                 after = ev["id"]
         last_state = ""
         quiet = 0.0
+        # the runs list (every run's status) is compared at most every _RUNS_EVERY_S; one run's
+        # status and new reports every tick
+        loop = asyncio.get_running_loop()
+        next_runs = 0.0
         while True:
+            state: Any = None
             if run is not None:
                 st = ctl.get(run)
                 if st.window.count > seq:
@@ -342,9 +348,10 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> As
                     if update["rows"] or update["ranks"]:
                         yield _sse("report", update)
                 state = _detail(st)
-            else:
+            elif loop.time() >= next_runs:
+                next_runs = loop.time() + _RUNS_EVERY_S
                 state = _runs(ctl)
-            text = json.dumps(nan_safe(state), sort_keys=True)
+            text = json.dumps(nan_safe(state), sort_keys=True) if state is not None else last_state
             if text != last_state:
                 last_state = text
                 yield _sse("run" if run is not None else "runs", state)
