@@ -6,17 +6,21 @@ leaves 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import trainer_agent as ta
-from tests.control.procs import until
+from tests.control.procs import ROOT, until
 from tests.ui.conftest import OPERATOR, READER, Controller, Page, ScriptedAgent, agent_token
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -138,9 +142,7 @@ class _Training:
         assert not self.thread.is_alive()
 
 
-def test_pause_confirmed_in_the_page_is_applied_by_every_rank_and_the_page_shows_the_step(
-    page: Page, controller: Controller, tmp_path: Path,
-) -> None:
+def test_pause_confirmed_in_the_page_holds_the_training_loop_at_the_step_the_page_shows(page: Page, controller: Controller) -> None:
     training = _Training(controller.url, "run-pause")
     try:
         assert until(lambda: not training.thread.is_alive() or (controller.operator.get("/v1/runs/run-pause").status_code == 200
@@ -149,8 +151,6 @@ def test_pause_confirmed_in_the_page_is_applied_by_every_rank_and_the_page_shows
         page.sign_in(OPERATOR, "/ui/runs/run-pause")
         page.page.wait_for_function("() => +document.querySelector('[data-chart=\"loss\"]').dataset.points >= 20")
         page.page.wait_for_function("() => +document.querySelector('[data-chart=\"update_ratio\"]').dataset.points >= 20")
-        shots = [tmp_path / "console-healthy.png", tmp_path / "console-paused.png"]
-        page.page.screenshot(path=str(shots[0]), full_page=True)
 
         page.page.click('[data-action="pause"]')
         dialog = page.page.wait_for_selector("dialog#confirm[open]")
@@ -173,14 +173,62 @@ def test_pause_confirmed_in_the_page_is_applied_by_every_rank_and_the_page_shows
         page.page.wait_for_selector('.run-head [data-status="paused"]')
         assert page.page.inner_text("#run-paused") == "yes"
         assert page.page.query_selector('[data-action="resume"]') is not None
-        page.page.wait_for_selector('[data-chart="loss"]')
+    finally:
+        controller.operator.post("/v1/runs/run-pause/resume", json={"reason": "test over"})
+        training.close()
+
+
+def _confirm(page: Page, action: str) -> Any:
+    """Press an action, confirm it, and wait for every rank's acknowledgement; the result line."""
+    page.page.click(f'[data-action="{action}"]')
+    page.page.wait_for_selector("dialog#confirm[open]")
+    page.page.click("#confirm-ok")
+    return page.page.wait_for_selector(f'#action-result[data-state="applied"]:text-matches("^{action} applied")', timeout=60_000)
+
+
+def test_pause_and_stop_from_the_page_are_applied_by_every_rank_of_a_two_rank_job_at_the_step_shown(
+    page: Page, controller: Controller, tmp_path: Path,
+) -> None:
+    cfg = {"controller": controller.url, "token": agent_token("run-ranks"), "run": "run-ranks", "out": str(tmp_path),
+           "max_steps": 100_000, "sleep_s": 0.01}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | {
+        "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    logs = [(tmp_path / f"rank{r}.log").open("w") for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("console_worker.py")), json.dumps(cfg)],
+                              env=env | {"RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        assert until(lambda: any(p.poll() is not None for p in ranks) or (
+            controller.operator.get("/v1/runs/run-ranks").status_code == 200 and controller.run("run-ranks")["reports"] >= 60), 120.0)
+        assert all(p.poll() is None for p in ranks), [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
+        page.sign_in(OPERATOR, "/ui/runs/run-ranks")
+        page.page.wait_for_function("() => +document.querySelector('[data-chart=\"rank_step_time\"]').dataset.points === 16")
+        shots = [tmp_path / "console-healthy.png", tmp_path / "console-paused.png"]
+        page.page.screenshot(path=str(shots[0]), full_page=True)
+
+        paused = int(_confirm(page, "pause").get_attribute("data-step"))
+        page.page.wait_for_selector('.run-head [data-status="paused"]')
         page.page.screenshot(path=str(shots[1]), full_page=True)
         if os.environ.get("TRAINGUARD_CONSOLE_SCREENSHOTS"):  # e.g. =docs, to refresh the README's pictures
             for shot in shots:
                 shutil.copy(shot, Path(os.environ["TRAINGUARD_CONSOLE_SCREENSHOTS"]) / shot.name)
+        stopped = int(_confirm(page, "stop").get_attribute("data-step"))
+        assert [p.wait(60) for p in ranks] == [0, 0]
     finally:
-        controller.operator.post("/v1/runs/run-pause/resume", json={"reason": "test over"})
-        training.close()
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    # each rank's own record of what it applied: the pause at the step the page showed, on both
+    # ranks, and the stop at that same step (the ranks were waiting there)
+    run = controller.run("run-ranks")
+    pause_gen, stop_gen = run["desired_generation"] - 1, run["desired_generation"]
+    for r in range(2):
+        history = json.loads((tmp_path / f"console-rank{r}.json").read_text())["history"]
+        by_gen = {h["generation"]: h for h in history}
+        assert by_gen[pause_gen]["paused"] and by_gen[pause_gen]["step"] == paused, (r, history)
+        assert by_gen[stop_gen]["stop"] and by_gen[stop_gen]["step"] == stopped == paused, (r, history)
 
 
 def test_a_read_only_token_sees_no_action_buttons_and_its_requests_are_refused(page: Page, controller: Controller) -> None:
