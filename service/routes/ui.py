@@ -266,14 +266,10 @@ def _detail(st: Any) -> dict[str, Any]:
 
 
 async def _events_after(ctl: Controller, run: str | None, after: int) -> list[dict[str, Any]]:
-    """The newest ``_EVENTS_KEPT`` audit events (of ``run``, or all) after id ``after``, oldest first."""
-    out: list[dict[str, Any]] = []
-    while True:
-        page = await ctl.records.events(run=run, after=after, limit=1000)
-        out = (out + page)[-_EVENTS_KEPT:]
-        if len(page) < 1000:
-            return out
-        after = page[-1]["id"]
+    """At most the newest ``_EVENTS_KEPT`` audit events (of ``run``, or all) after id ``after``,
+    oldest first: a page that was away longer gets the newest and skips the rest."""
+    newest = await ctl.records.events_newest(run=run, before=None, limit=_EVENTS_KEPT)
+    return [ev for ev in reversed(newest) if ev["id"] > after]
 
 
 async def _alerts(ctl: Controller, run: str) -> list[dict[str, Any]]:

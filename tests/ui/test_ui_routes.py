@@ -249,3 +249,52 @@ def test_sessions_expire_and_are_bounded() -> None:
     assert sessions.get(b) is None and sessions.get(c) is None and sessions.get(None) is None
     with pytest.raises(ValueError):
         ConsoleSessions(ttl_s=0)
+
+
+def _parse_sse(chunk: bytes) -> tuple[str, Any]:
+    import json
+
+    fields = dict(line.split(": ", 1) for line in chunk.decode().strip().split("\n") if ": " in line)
+    return fields["event"], json.loads(fields["data"])
+
+
+def test_the_run_stream_replays_events_after_its_cursor_then_sends_new_reports_and_the_status(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    from trainguard.service.routes.ui import _updates
+
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    for step in (10, 20, 30):
+        client.post("/v1/runs/run-1/reports", headers=AGENT_AUTH, content=_report_json(step, {"trainguard_loss": 1.0 / step}, {}))
+    csrf = {CSRF_HEADER: _login(client, OPERATOR)["csrf"]}
+    client.post("/ui/api/runs/run-1/pause", json={}, headers=csrf)
+    client.post("/ui/api/runs/run-1/lr-scale", json={"scale": 0.5}, headers=csrf)
+    events = client.get("/v1/runs/run-1/events", headers={"Authorization": f"Bearer {OPERATOR}"}).json()
+    assert [e["kind"] for e in events] == ["registered", "desired", "desired"]
+    ctl = client.app.state.controller
+
+    async def first(n: int, seq: int, after: int) -> list[tuple[str, Any]]:
+        import asyncio
+
+        out = []
+        gen = _updates(ctl, "run-1", seq, after)
+
+        async def read() -> None:
+            async for chunk in gen:
+                if b"event: " in chunk:
+                    out.append(_parse_sse(chunk))
+                    if len(out) == n:
+                        return
+
+        try:
+            await asyncio.wait_for(read(), 30)
+        finally:
+            await gen.aclose()
+        return out
+
+    got = client.portal.call(first, 3, 1, events[1]["id"])  # the page has report 1 and events up to the pause
+    assert [kind for kind, _ in got] == ["audit", "report", "run"]
+    assert got[0][1]["id"] == events[2]["id"] and got[0][1]["data"]["desired"]["lr_scale"] == 0.5
+    assert [(r["seq"], r["step"], r["values"]["trainguard_loss"]) for r in got[1][1]["rows"]] == [(2, 20, 1 / 20), (3, 30, 1 / 30)]
+    assert got[2][1]["desired"]["paused"] and got[2][1]["desired"]["lr_scale"] == 0.5 and got[2][1]["reports"] == 3
