@@ -56,9 +56,13 @@ class AuditPage {
         h("thead", {}, h("tr", {}, ["#", "time", "run", "kind", "generation", "actor", "what"].map((t) => h("th", {}, t)))), this.body),
       this.more);
     this.page(null).then(() => {
+      if (this.closed) return;
       this.stream = new Stream(() => `/ui/api/stream?after=${this.newest}`, {
         audit: (ev) => { if (ev.id > this.newest) { this.newest = ev.id; this.body.prepend(this.row(ev)); } },
       });
+    }, (err) => {
+      if (err instanceof ApiError && err.status === 401) showSignIn();
+      else show(h("p", { class: "error" }, err.message));
     });
   }
 
@@ -78,7 +82,10 @@ class AuditPage {
       h("td", {}, ev.actor), h("td", {}, ev.reason));
   }
 
-  close() { if (this.stream) this.stream.close(); }
+  close() {
+    this.closed = true;
+    if (this.stream) this.stream.close();
+  }
 }
 
 // -- sign-in and routing -----------------------------------------------------------------------------

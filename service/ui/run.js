@@ -210,7 +210,7 @@ export class RunPage {
     if (!can("command")) { this.actions.replaceChildren(); this.actions.hidden = true; return; }
     const des = this.detail.desired;
     const button = (command, label, cls) => h("button", { type: "button", class: cls || "", dataset: { action: command },
-      disabled: this.pending && !this.pending.done ? true : null, onclick: () => this.confirm(command) }, label);
+      disabled: this.sending ? true : null, onclick: () => this.confirm(command) }, label);
     this.actions.hidden = false;
     this.actions.replaceChildren(
       des.paused || des.stop ? button("resume", "Resume") : button("pause", "Pause"),
@@ -251,6 +251,7 @@ export class RunPage {
   async send(command, body) {
     this.setResult("sending", `${command}: sending…`);
     this.pending = { command, generation: null, done: false };
+    this.sending = true; // the buttons wait for the answer, not for the acknowledgement
     this.renderActions();
     try {
       const res = await post(`/ui/api/runs/${encodeURIComponent(this.run)}/${command}`, body);
@@ -265,6 +266,8 @@ export class RunPage {
       this.pending.done = true;
       if (err instanceof ApiError && err.status === 401) return this.onAuth();
       this.setResult("error", `${command} refused: ${err.message} (HTTP ${err.status || "?"})`);
+    } finally {
+      this.sending = false;
     }
     this.renderActions();
     this.checkPending();
