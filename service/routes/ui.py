@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -119,8 +120,14 @@ def _check_origin(request: Request) -> None:
     """Refuse a state-changing request whose ``Origin`` is another site's (SameSite=Strict already
     keeps the cookie off cross-site requests; this also covers browsers that ignore it)."""
     origin = request.headers.get("origin")
-    if origin is not None and origin.partition("://")[2] != request.headers.get("host", ""):
-        raise HTTPException(403, "cross-origin request refused")
+    if origin is None:
+        return
+    allowed = {request.headers.get("host", "")}
+    external = request.app.state.settings.external_url
+    if external:  # behind a proxy that rewrites Host, the public address the browser uses
+        allowed.add(urlsplit(external).netloc)
+    if urlsplit(origin).netloc not in allowed:
+        raise HTTPException(403, "cross-origin request refused (behind a proxy, set TRAINGUARD_EXTERNAL_URL to the public address)")
 
 
 def _session_dep(scope: str | None, *, csrf: bool) -> Callable[[Request], Awaitable[Session]]:

@@ -112,6 +112,15 @@ def test_actions_need_the_csrf_token_and_the_same_origin(client_factory: Callabl
     assert events[-1]["kind"] == "desired" and events[-1]["actor"] == _login(client, OPERATOR)["actor"]
 
 
+def test_behind_a_proxy_the_external_url_is_a_same_origin(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(**TOKENS, external_url="https://tg.example.org")
+    _register(client, headers=AGENT_AUTH)
+    csrf = _login(client, OPERATOR)["csrf"]
+    for origin, status in (("https://tg.example.org", 200), ("https://evil.example.org", 403), ("null", 403)):
+        resp = client.post("/ui/api/runs/run-1/checkpoint", json={}, headers={CSRF_HEADER: csrf, "Origin": origin})
+        assert resp.status_code == status, (origin, resp.text)
+
+
 def test_lr_scale_is_validated_and_applied(client_factory: Callable[..., TestClient]) -> None:
     client = client_factory(**TOKENS)
     _register(client, headers=AGENT_AUTH)
