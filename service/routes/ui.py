@@ -111,9 +111,15 @@ def _sessions(request: Request) -> ConsoleSessions:
     return request.app.state.console_sessions
 
 
+def _secure(request: Request) -> bool:
+    """Whether the browser reaches the console over https (directly, or through a TLS proxy
+    whose public address is TRAINGUARD_EXTERNAL_URL)."""
+    return request.url.scheme == "https" or request.app.state.settings.external_url.startswith("https://")
+
+
 def _set_cookie(response: Response, request: Request, sid: str, ttl_s: float) -> None:
     response.set_cookie(COOKIE, sid, max_age=int(ttl_s), path="/ui", httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")
+                        secure=_secure(request))
 
 
 def _check_origin(request: Request) -> None:
@@ -241,7 +247,7 @@ async def login(request: Request) -> Response:
 async def logout(request: Request, _: AnySession) -> Response:
     _sessions(request).close(request.cookies.get(COOKIE))
     response = _json({"signed_in": False})
-    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict", secure=_secure(request))
     return response
 
 

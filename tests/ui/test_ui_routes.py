@@ -113,8 +113,11 @@ def test_actions_need_the_csrf_token_and_the_same_origin(client_factory: Callabl
 
 
 def test_behind_a_proxy_the_external_url_is_a_same_origin(client_factory: Callable[..., TestClient]) -> None:
-    client = client_factory(**TOKENS, external_url="https://tg.example.org")
-    _register(client, headers=AGENT_AUTH)
+    plain = client_factory(**TOKENS, external_url="https://tg.example.org")
+    _register(plain, headers=AGENT_AUTH)
+    # the cookie is Secure (the public address is https): an http client would not send it back
+    assert re.search(r"(?i);\s*secure(;|$)", plain.post("/ui/login", json={"token": OPERATOR}).headers["set-cookie"])
+    client = TestClient(plain.app, base_url="https://127.0.0.1:8443")  # what the TLS proxy forwards
     csrf = _login(client, OPERATOR)["csrf"]
     for origin, status in (("https://tg.example.org", 200), ("https://evil.example.org", 403), ("null", 403)):
         resp = client.post("/ui/api/runs/run-1/checkpoint", json={}, headers={CSRF_HEADER: csrf, "Origin": origin})
