@@ -47,6 +47,11 @@ def _ranks(step: int) -> dict[str, list[float]]:
     return {"step_time_s": [0.1, 0.1 + 0.001 * step], "grad_norm": [1.0, 1.1], "loss": [1.0, 1.0]}
 
 
+def _wait_points(page: Page, chart: str, condition: str) -> None:
+    """Wait until the chart exists and its point count meets ``condition`` (e.g. ">= 20")."""
+    page.page.wait_for_function(f"() => {{ const e = document.querySelector('[data-chart=\"{chart}\"]'); return !!e && +e.dataset.points {condition}; }}")
+
+
 def _points(page: Page, chart: str) -> int:
     return int(page.page.get_attribute(f'[data-chart="{chart}"]', "data-points") or -1)
 
@@ -59,7 +64,7 @@ def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page
     row = page.page.wait_for_selector('tr[data-run="run-charts"]')
     assert "running" in row.inner_text() and "12" in row.inner_text()
     agent.report(13, _values(13), _ranks(13))  # the runs page follows without a reload
-    page.page.wait_for_function("() => document.querySelector('tr[data-run=\"run-charts\"] td:nth-child(4)').textContent === '13'")
+    page.page.wait_for_function("() => document.querySelector('tr[data-run=\"run-charts\"] td:nth-child(4)')?.textContent === '13'")
 
     page.page.click('tr[data-run="run-charts"] a')
     page.page.wait_for_selector('[data-chart="loss"][data-points="13"]')
@@ -76,7 +81,7 @@ def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page
         agent.report(step, _values(step), _ranks(step))
     page.page.wait_for_selector('[data-chart="loss"][data-points="16"]')
     assert page.page.evaluate("() => window.notReloaded === true")
-    assert page.page.inner_text("#run-step") == "16"
+    page.page.wait_for_function("() => document.querySelector('#run-step')?.textContent === '16'")
     agent.close()
 
 
@@ -100,8 +105,7 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     for line in [alert["summary"], diagnosis["symptom"], *diagnosis["likely_causes"], *diagnosis["suggested_actions"]]:
         assert line in text, line
     assert "seed" not in text.lower() and "source document" not in text.lower()
-    assert page.page.get_attribute('[data-chart="loss"]', "data-nonfinite") == "1"  # the NaN is marked, not dropped
-    assert page.page.get_attribute('[data-chart="loss"]', "data-points") == "3"
+    page.page.wait_for_selector('[data-chart="loss"][data-nonfinite="1"][data-points="3"]')  # the NaN is marked, not dropped
     page.page.wait_for_selector('#run-events tr[data-kind="alert"]')
     assert page.page.evaluate("() => window.notReloaded === true")
     agent.close()
@@ -149,8 +153,8 @@ def test_pause_confirmed_in_the_page_holds_the_training_loop_at_the_step_the_pag
                      and (controller.run("run-pause")["reports"] or 0) >= 20), 60.0)
         assert training.thread.is_alive()
         page.sign_in(OPERATOR, "/ui/runs/run-pause")
-        page.page.wait_for_function("() => +document.querySelector('[data-chart=\"loss\"]').dataset.points >= 20")
-        page.page.wait_for_function("() => +document.querySelector('[data-chart=\"update_ratio\"]').dataset.points >= 20")
+        _wait_points(page, "loss", ">= 20")
+        _wait_points(page, "update_ratio", ">= 20")
 
         page.page.click('[data-action="pause"]')
         dialog = page.page.wait_for_selector("dialog#confirm[open]")
@@ -201,7 +205,7 @@ def test_pause_and_stop_from_the_page_are_applied_by_every_rank_of_a_two_rank_jo
             controller.operator.get("/v1/runs/run-ranks").status_code == 200 and controller.run("run-ranks")["reports"] >= 60), 120.0)
         assert all(p.poll() is None for p in ranks), [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
         page.sign_in(OPERATOR, "/ui/runs/run-ranks")
-        page.page.wait_for_function("() => +document.querySelector('[data-chart=\"rank_step_time\"]').dataset.points === 16")
+        _wait_points(page, "rank_step_time", "=== 16")
         shots = [tmp_path / "console-healthy.png", tmp_path / "console-paused.png"]
         page.page.screenshot(path=str(shots[0]), full_page=True)
 
