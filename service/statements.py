@@ -186,6 +186,19 @@ def list_events(conn: sqlite3.Connection, *, run: str | None, after: int, limit:
     return [event_dict(r) for r in rows]
 
 
+def list_events_before(conn: sqlite3.Connection, *, run: str | None, before: int | None, limit: int) -> list[dict[str, Any]]:
+    """Audit events with ids below ``before`` (from the newest when ``None``), newest first."""
+    where, args = [], []
+    if run is not None:
+        where.append("r.run=?")
+        args.append(run)
+    if before is not None:
+        where.append("e.id<?")
+        args.append(before)
+    sql = _EVENT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY e.id DESC LIMIT ?"
+    return [event_dict(r) for r in conn.execute(sql, (*args, limit))]
+
+
 def get_events(conn: sqlite3.Connection, ids: list[int]) -> list[dict[str, Any]]:
     if not ids:
         return []
