@@ -102,7 +102,7 @@ DATA_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_data_length_shift_pvalue", "1", "Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the reference window and the current window. Seed threshold p < 0.05."),
     _c("trainguard_data_tokens_total", "tokens", "Non-padding tokens observed."),
     _c("trainguard_data_sequences_total", "sequences", "Sequences observed."),
-    _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision (kept or dropped).", ("decision",)),
+    _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision: kept, dropped (quality score below the cleaning threshold) or downsampled (well learned by the model according to the per-sample losses fed back, and left out by the draw).", ("decision",)),
 )
 
 #: Control-loop metrics (reporting to and acting for the controller).
