@@ -109,6 +109,18 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=("Inspect the slow rank's host", "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)"),
         source="seed 5.3; 3.3",
     ),
+    "input_bound": Diagnosis(
+        symptom="One rank waits for its input data far longer than the others (data-slow, not compute-slow)",
+        likely_causes=("Too few data loader workers or too little prefetch on that rank", "Slow storage or network file system on that node", "Heavy per-sample preprocessing in the training process"),
+        suggested_actions=("Raise num_workers and prefetch (4-8 batches ahead)", "Read memory-mapped token shards instead of decoding text on the fly", "Check the node's disk and file-system latency"),
+        source="trainguard (time each step waits for its batch, per rank)",
+    ),
+    "data_shared": Diagnosis(
+        symptom="Ranks are reading the same data",
+        likely_causes=("Every rank's sampler uses the same random seed and the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),
+        suggested_actions=("Give each rank its own shard of the data (sampler rank = the process's rank)", "Derive each worker's random seed from the base seed, epoch, rank and worker id", "Restart from the last checkpoint once fixed: the steps since saw less data than counted"),
+        source="trainguard (sketches of the sequences each rank saw, compared across ranks)",
+    ),
     "desync": Diagnosis(
         symptom="Ranks disagree on a gradient/parameter fingerprint (should differ by < 1e-5)",
         likely_causes=("Parameters not synchronised across ranks", "Gradients not all-reduced"),

@@ -146,6 +146,8 @@ class RankValues(WireModel):
     grad_norm: list[Value] = Field(default_factory=list)
     grad_fingerprint: list[Value] = Field(default_factory=list)
     param_fingerprint: list[Value] = Field(default_factory=list)
+    input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
+    data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
 
 
 class Report(WireModel):
