@@ -82,7 +82,9 @@ from torch import nn
 
 from trainguard.protocol.wire import Name
 from trainer_agent import stats
+from trainer_agent.batch_size import BatchSizeAdvisor
 from trainer_agent.config import AgentConfig
+from trainer_agent.inputs import InputWait
 from trainer_agent.exporter import AgentCollector, MetricsServer, sample_key
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
@@ -99,6 +101,7 @@ RANK_FIELDS: tuple[str, ...] = (
     "nonfinite_steps_total",
     "step_duration_seconds",
     "tokens_per_second",
+    "input_wait_seconds",
 )
 
 _NAME = TypeAdapter(Name)
@@ -259,6 +262,9 @@ class Agent:
         self._layer_keys: dict[str, list[str]] = {}
         self._published: dict[str, float] = {}
         self._data_values: dict[str, float] = {}
+        self.batch_size_advisor = BatchSizeAdvisor()
+        self._loader: Any = None
+        self._input_wait: InputWait | None = None
 
         self.data_monitor = data_monitor
         self._data_feed: Any = None
@@ -283,6 +289,7 @@ class Agent:
             ]
             self._handles += [p.register_hook(functools.partial(self._grad_hook, i)) for i, p in enumerate(self._params)]
             self.registry.register(self._collector)
+            self._input_wait = InputWait(model, clock)
             if config.metrics_port is not None:
                 port = config.metrics_port + self.local_rank if config.metrics_port else 0
                 if port > 65535:
@@ -583,6 +590,8 @@ class Agent:
                 self.control.on_end_step(self.step, summary)
             except Exception as exc:
                 self._error("control_end_step", exc)
+        if self._input_wait is not None:
+            self._input_wait.step_ended()  # last: a pause above is not input wait
 
     def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> dict[str, float]:
         st = self._state
@@ -667,6 +676,11 @@ class Agent:
             dev["trainguard_loss_scale"] = scale_now
         host["trainguard_amp_skipped_steps_total"] = float(self._amp_skipped)
         host["trainguard_step_duration_seconds"] = duration
+        wait = self._input_wait.take() if self._input_wait is not None else math.nan
+        if not math.isnan(wait):
+            host["trainguard_input_wait_seconds"] = wait
+        if tokens or st.backwards:
+            host["trainguard_global_batch_size"] = float((tokens or st.backwards) * self.world_size)
         if tokens is not None:
             host["trainguard_tokens_per_second"] = tokens / duration if duration > 0 else math.inf
         host.update(self._memory())
@@ -688,6 +702,7 @@ class Agent:
                 micro_sum, torch.full_like(loss_t, micro_count), self._nonfinite_steps.clone(),
                 torch.full_like(loss_t, duration),
                 torch.full_like(loss_t, host.get("trainguard_tokens_per_second", math.nan)),
+                torch.full_like(loss_t, wait),
             ])
             gathered = self._all_gather(local).to(self.device)
             small_sum = gathered[:, RANK_FIELDS.index("micro_sq_sum")].sum()
@@ -810,12 +825,24 @@ class Agent:
                 "nonfinite_steps_total": [values["trainguard_nonfinite_steps_total"]],
                 "step_duration_seconds": [report.host["trainguard_step_duration_seconds"]],
                 "tokens_per_second": [report.host.get("trainguard_tokens_per_second", math.nan)],
+                "input_wait_seconds": [report.host.get("trainguard_input_wait_seconds", math.nan)],
             }
         values.update(report.host)
+        self._advise_batch_size(values)
         self._refresh_data_values()
         with self._lock:
             self._published = values
         return dict(values)
+
+    def _advise_batch_size(self, values: dict[str, float]) -> None:
+        """Feed the report's noise scale to the batch-size advisor; its running recommendation
+        joins the report's values (host floats only)."""
+        b = values.get("trainguard_grad_noise_scale")
+        if b is not None:
+            self.batch_size_advisor.update(b, values.get("trainguard_grad_variance", math.nan))
+        recommended = self.batch_size_advisor.recommended()
+        if not math.isnan(recommended):
+            values["trainguard_recommended_batch_size"] = recommended
 
     def _refresh_data_values(self) -> None:
         if self._data_feed is not None:
@@ -830,6 +857,13 @@ class Agent:
             values = dict(self._published)
             errors = self._errors
         values.update(self._data_values)
+        if self._loader is not None:
+            try:
+                values.update(self._loader.values())
+            except Exception as exc:
+                self._error("loader_values", exc)
+                with self._lock:
+                    errors = self._errors
         if self.control is not None:
             try:
                 values.update(self.control.values())
@@ -869,6 +903,21 @@ class Agent:
         except Exception as exc:
             self._error("publish", exc)
         return self._current_values()
+
+    def watch_loader(self, loader: Any) -> None:
+        """Export the reader metrics of ``loader`` (``trainer_agent.dataset.TokenLoader``, or
+        anything with a thread-safe ``values()`` of catalogue metrics) with this rank's."""
+        if not callable(getattr(loader, "values", None)):
+            raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+        self._loader = loader
+
+    def take_data_sketch(self) -> Any:
+        """The bottom-k sketch of the sequences observed since the last call (int64 row, see
+        ``trainer_agent.sketch``), or None without a data monitor that keeps one."""
+        take = getattr(self.data_monitor, "take_sketch", None)
+        if take is None:
+            return None
+        return take()  # batches still queued in the data feed count in the next interval
 
     @property
     def metrics_url(self) -> str | None:
@@ -932,6 +981,8 @@ class Agent:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._input_wait is not None:
+            self._input_wait.remove()
         if self._data_feed is not None:
             self._data_feed.close(max(0.0, deadline - time.monotonic()))
         if self.control is not None:
@@ -961,10 +1012,12 @@ def attach(
     controller: str | None = None,
     token: str | None = None,
     registry: CollectorRegistry | None = None,
+    loader: Any = None,
 ) -> Agent:
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
 
-    ``controller``/``token`` override the config's. Mistakes in the arguments raise
+    ``controller``/``token`` override the config's. ``loader``: a ``TokenLoader`` whose reader
+    metrics (prefetch depth, tokens/s read) this rank exports. Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
@@ -987,6 +1040,11 @@ def attach(
                          token=token if token is not None else config.token)
     if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
         raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
-    return Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
-                 lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                 on_checkpoint=on_checkpoint, registry=registry)
+    if loader is not None and not callable(getattr(loader, "values", None)):
+        raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+    agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
+                  lr_scheduler=lr_scheduler, data_monitor=data_monitor,
+                  on_checkpoint=on_checkpoint, registry=registry)
+    if loader is not None:
+        agent.watch_loader(loader)
+    return agent

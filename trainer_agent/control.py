@@ -27,8 +27,10 @@ optimizer ``step`` wrapper only with ``skip_nonfinite``: one device sync and one
 Every ``sync_every`` steps all ranks take part in one collective on a side *gloo* process group of
 CPU tensors (no device sync): a broadcast of five int64 (``generation, paused, lr_scale`` as the
 bits of a float64, ``checkpoint_seq, stop``), or on report steps an all-gather that carries the same
-five ints from the leader plus six float64 report values from every rank (published step, step
-time, loss, grad norm, grad and param fingerprints). All ranks then apply the same state at the same
+five ints from the leader plus seven float64 report values from every rank (published step, step
+time, loss, grad norm, grad and param fingerprints, input wait) and the rank's bottom-k sketch of
+the sequences it observed since the last report (``trainer_agent/sketch.py``, 64 int64; the leader
+turns the sketches into the report's ``data_overlap`` vector). All ranks then apply the same state at the same
 step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
 so re-applying changes nothing, and a checkpoint is taken once per new ``checkpoint_seq``.
 
@@ -80,13 +82,15 @@ import torch.distributed as dist
 from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
 from trainguard.protocol.catalog import BY_NAME
 from trainer_agent.client import ControllerClient
+from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
 
 __all__ = ["ControlPlane", "Applied"]
 
 log = logging.getLogger(__name__)
 
 _STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
-_VALUE_FIELDS = ("published_step", "step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint")
+_VALUE_FIELDS = ("published_step", "step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint",
+                 "input_wait_s")
 _instances = itertools.count()  # same sequence on every rank: ControlPlanes are built in lockstep
 
 
@@ -363,7 +367,7 @@ class ControlPlane:
         if not (gather or step % cfg.sync_every == 0):
             return
         try:
-            state, rows = self._agree(gather)
+            state, rows, sketches = self._agree(gather)
         except Exception as exc:  # noqa: BLE001 - fail open: the job goes on without control
             self._broken = True
             self._on_error("control_agreement", exc)
@@ -372,7 +376,7 @@ class ControlPlane:
             return
         if gather and self.leader:
             try:
-                self._send_report(step, rows)
+                self._send_report(step, rows, sketches)
             except Exception as exc:  # noqa: BLE001 - a lost report must not keep the leader from applying
                 self._on_error("control_report", exc)
         self._apply(state, step)
@@ -431,23 +435,39 @@ class ControlPlane:
         dist.broadcast(t, src=0, group=self._group)  # gloo, CPU tensor: no device sync
         return t.tolist()
 
-    def _agree(self, gather: bool) -> tuple[list[int], list[list[float]]]:
+    def _agree(self, gather: bool) -> tuple[list[int], list[list[float]], Any]:
         """One collective: the leader's state to everyone and, when ``gather``, every rank's report
-        values to everyone (the leader uses them)."""
+        values and the sketch of the sequences it saw since the last report to everyone (the
+        leader uses them; ``SKETCH_K`` int64 per rank: no collective of its own)."""
         state = self._leader_state() if self.leader else [0] * _STATE_LEN
         if not gather:
-            return self._broadcast(state), []
+            return self._broadcast(state), [], None
         values = self._local_values()
         if self.world_size == 1:
-            return state, [values]
-        row = torch.empty(_STATE_LEN + len(values), dtype=torch.int64)
+            return state, [values], None
+        width = _STATE_LEN + len(values)
+        row = torch.empty(width + SKETCH_K, dtype=torch.int64)
         row[:_STATE_LEN] = torch.tensor(state, dtype=torch.int64)
-        row[_STATE_LEN:] = torch.tensor(values, dtype=torch.float64).view(torch.int64)
+        row[_STATE_LEN:width] = torch.tensor(values, dtype=torch.float64).view(torch.int64)
+        row[width:] = torch.from_numpy(self._local_sketch())
         out = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
         dist.all_gather_single(out, row, group=self._group)  # gloo, CPU: no device sync
         out = out.view(self.world_size, row.numel())
-        rows = out[:, _STATE_LEN:].contiguous().view(torch.float64).tolist()
-        return out[0, :_STATE_LEN].tolist(), rows
+        rows = out[:, _STATE_LEN:width].contiguous().view(torch.float64).tolist()
+        return out[0, :_STATE_LEN].tolist(), rows, out[:, width:].numpy()
+
+    def _local_sketch(self) -> Any:
+        """This rank's sketch row (all slots empty without a data monitor or on an error)."""
+        import numpy as np
+
+        try:
+            take = getattr(self._agent, "take_data_sketch", None)
+            sketch = take() if take is not None else None
+            if sketch is not None and len(sketch) == SKETCH_K:
+                return np.asarray(sketch, dtype=np.int64)
+        except Exception as exc:  # noqa: BLE001 - this rank's row still enters the gather
+            self._on_error("data_sketch", exc)
+        return np.full(SKETCH_K, EMPTY, dtype=np.uint64).view(np.int64)
 
     def _local_values(self) -> list[float]:
         """This rank's report values, from the last report it published (host floats)."""
@@ -460,9 +480,10 @@ class ControlPlane:
             s.get("trainguard_grad_norm", nan),
             s.get("trainguard_grad_norm", nan),
             s.get("trainguard_param_norm", nan),
+            s.get("trainguard_input_wait_seconds", nan),
         ]
 
-    def _send_report(self, step: int, rows: list[list[float]]) -> None:
+    def _send_report(self, step: int, rows: list[list[float]], sketches: Any = None) -> None:
         assert self._client is not None
         published = int(rows[0][0])
         if published <= self._last_reported_step:
@@ -478,12 +499,23 @@ class ControlPlane:
             time=self._wall(),
             values=values,
             ranks=RankValues(
-                step_time_s=cols[1], loss=cols[2], grad_norm=cols[3], grad_fingerprint=cols[4], param_fingerprint=cols[5]
+                step_time_s=cols[1], loss=cols[2], grad_norm=cols[3], grad_fingerprint=cols[4], param_fingerprint=cols[5],
+                input_wait_s=cols[6], **self._overlap(sketches),
             ),
             applied_generation=self._generation,
         )
         self._last_reported_step = published
         self._client.submit_report(report)
+
+    def _overlap(self, sketches: Any) -> dict[str, list[float]]:
+        """``data_overlap``: each rank's largest estimated Jaccard similarity with another rank
+        (sketches of the sequences seen since the last report); absent when no rank saw data."""
+        if sketches is None:
+            return {}
+        best, _ = overlaps(sketches, SKETCH_K)
+        if all(math.isnan(b) for b in best.tolist()):
+            return {}
+        return {"data_overlap": best.tolist()}
 
     # ------------------------------------------------------------------ internals: applying
 

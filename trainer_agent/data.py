@@ -71,6 +71,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard.protocol.catalog import BASE_LABELS, DATA_METRICS, spec
+from trainer_agent.sketch import SKETCH_K, BottomK
 
 __all__ = [
     "DataMonitorConfig",
@@ -564,6 +565,8 @@ class DataMonitor:
         self.sequences_total = 0
         self._version = 0
         self._cache: tuple[int, dict[str, float]] = (-1, {})
+        # Bottom-k sketch of the exact hashes since the last take_sketch() (cross-rank overlap).
+        self._sketch = BottomK(SKETCH_K)
         if registry is not None:
             registry.register(_MonitorCollector(self))
 
@@ -605,6 +608,7 @@ class DataMonitor:
                  controls: np.ndarray | None) -> None:
         n = self.config.window
         nseq = batch.lengths.size
+        self._sketch.update(exact)
         keep = min(nseq, n)  # only the last `window` sequences of a huge batch reach the window
         slots = (self._pos + np.arange(keep)) % n
         self._hashes[slots] = exact[nseq - keep:]
@@ -646,6 +650,11 @@ class DataMonitor:
         return np.log((p + eps) / (1.0 + p.size * eps))
 
     # -- read-out ---------------------------------------------------------------------------
+
+    def take_sketch(self) -> np.ndarray:
+        """The bottom-k sketch (``trainer_agent.sketch``, k = ``SKETCH_K``) of the exact hashes of
+        the sequences observed since the previous call, as an int64 row; starts a new interval."""
+        return self._sketch.take()
 
     def _window_order(self) -> np.ndarray:
         """Ring slots of the window, oldest first."""

@@ -22,7 +22,11 @@ import threading
 
 import numpy as np
 
-__all__ = ["BottomK", "EMPTY", "jaccard", "overlaps"]
+__all__ = ["BottomK", "EMPTY", "SKETCH_K", "jaccard", "overlaps"]
+
+#: Sketch size every rank sends at a report (the same on all ranks): 512 bytes per rank; the
+#: Jaccard estimate's standard error is at most 1/16.
+SKETCH_K = 64
 
 #: Marks an unused slot of a sketch sent in a fixed-width row (as int64: -1).
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
