@@ -25,7 +25,7 @@ __all__ = ["BatchSizeAdvisor"]
 class BatchSizeAdvisor:
     """Running recommendation of the global batch size; see the module docstring."""
 
-    def __init__(self, *, decay: float = 0.9, min_batch: float = 1.0, max_batch: float = math.inf) -> None:
+    def __init__(self, *, decay: float = 0.95, min_batch: float = 1.0, max_batch: float = math.inf) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay}")
         if not (0.0 < min_batch <= max_batch):

@@ -123,7 +123,7 @@ INPUT_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_input_prefetch_depth", "batches", "Batches the token loader has ready ahead of the training loop (its prefetch queue) when scraped; 0 means the loop is waiting for data. Only with trainguard's TokenLoader."),
     _g("trainguard_input_tokens_per_second", "tokens/s", "Non-padding tokens the training loop received from the token loader per second, between two reads of this value. Only with trainguard's TokenLoader."),
     _g("trainguard_global_batch_size", "tokens or micro-batches", "The step's global batch size in the noise scale's unit: tokens passed to end_step x ranks, or (without tokens=) backward passes x ranks."),
-    _g("trainguard_recommended_batch_size", "tokens or micro-batches", "Recommended global batch size: the running gradient noise scale, ratio of the moving averages (decay 0.9 per report) of tr(Sigma) and of |G|^2 (McCandlish et al. 2018: beyond it a larger batch buys little progress per step; below it steps are noise-dominated). Same unit as trainguard_grad_noise_scale."),
+    _g("trainguard_recommended_batch_size", "tokens or micro-batches", "Recommended global batch size: the running gradient noise scale, ratio of the moving averages (decay 0.95 per report) of tr(Sigma) and of |G|^2 (McCandlish et al. 2018: beyond it a larger batch buys little progress per step; below it steps are noise-dominated). Same unit as trainguard_grad_noise_scale."),
 )
 
 AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_METRICS + INPUT_METRICS
