@@ -19,7 +19,11 @@ truncated to size, only the index is real) and deleted at the end.
    Target: TokenBatches >= 0.8x the floor.
 2. Time to first batch on a 10 GB set (10 shards of 1 GB, 2,048-token sequences): open +
    first batch, with 0 and with 2 workers.
-3. Memory: resident set growth per open shard of that set (each shard opened 50 times).
+4. The demo model (``TinyGPT``, batches of 8 x 129 bytes of the standard library's source) trained
+   for ``--demo-steps`` steps from a ``TokenLoader`` with 2 workers, the agent attached: the
+   input wait per step against the step time (the target: the loader is never why a step waits).
+3. Memory per open shard of that set (each shard opened 50 times): Python heap (tracemalloc)
+   and resident set growth.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import shutil
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -174,10 +179,45 @@ def first_batch(paths: list[Path], workers: int) -> float:
     return elapsed
 
 
+def demo_wait(root: Path, steps: int) -> None:
+    import trainer_agent as ta
+    from trainguard.demo.model import TinyGPT, next_byte_loss, stdlib_source_bytes
+
+    data = np.frombuffer(stdlib_source_bytes(), dtype=np.uint8)
+    write_shards(root, (data[i: i + 129] for i in range(0, data.size - 129, 129)), vocab_size=256,
+                 tokens_per_shard=1 << 20, monitor=False)
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = TokenLoader(TokenBatches(root, batch_size=8, seq_len=129, seed=0, rank=0, world_size=1),
+                         num_workers=2, prefetch=8, pin_memory=False)
+    agent = ta.attach(model, opt, job="bench", run="bench-1", loader=loader, config=ta.AgentConfig(report_every=10))
+    waits, durations = [], []
+    it = iter(loader)
+    for step in range(steps):
+        batch = next(it)
+        loss = next_byte_loss(model, batch["input_ids"], batch["attention_mask"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach(), tokens=batch["tokens"])
+        if step >= 10 and (step + 1) % 10 == 0:  # reports after the workers' start-up
+            values = agent.latest()
+            waits.append(values["trainguard_input_wait_seconds"])
+            durations.append(values["trainguard_step_duration_seconds"])
+    del it
+    agent.close()
+    wait, step_time = float(np.median(waits)), float(np.median(durations))
+    print(f"demo model, {steps} steps from a TokenLoader with 2 workers: input wait per step "
+          f"{wait * 1e3:.2f} ms (median of reports), step time {step_time * 1e3:.1f} ms "
+          f"({wait / step_time:.1%} of the step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--demo-steps", type=int, default=120)
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="trainguard-bench-"))
@@ -212,13 +252,19 @@ def main() -> None:
         big = ten_gb(root / "big")
         size = sum(p.with_name(p.name + ".bin").stat().st_size for p in big)
         before = rss()
+        tracemalloc.start()
         opened = [TokenShard(p) for _ in range(50) for p in big]  # 500 open: above the page resolution
+        heap = tracemalloc.get_traced_memory()[0] / len(opened)
+        tracemalloc.stop()
         per_shard = (rss() - before) / len(opened)
         print(f"10 GB set ({size / 1e9:.1f} GB in {len(big)} shards, sparse):")
-        print(f"  memory per open shard (RSS growth): {per_shard / 1024:.0f} KiB")
+        print(f"  memory per open shard: {heap / 1024:.1f} KiB of Python heap (tracemalloc), "
+              f"{per_shard / 1024:.1f} KiB resident set growth")
         del opened
         for workers in (0, 2):
             print(f"  time to first batch, num_workers={workers}: {first_batch(big, workers) * 1e3:.0f} ms")
+        shutil.rmtree(root / "big")
+        demo_wait(root / "demo", args.demo_steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -857,20 +857,14 @@ class Agent:
             values = dict(self._published)
             errors = self._errors
         values.update(self._data_values)
-        if self._loader is not None:
-            try:
-                values.update(self._loader.values())
-            except Exception as exc:
-                self._error("loader_values", exc)
-                with self._lock:
-                    errors = self._errors
-        if self.control is not None:
-            try:
-                values.update(self.control.values())
-            except Exception as exc:
-                self._error("control_values", exc)
-                with self._lock:
-                    errors = self._errors
+        for kind, source in (("loader_values", self._loader), ("control_values", self.control)):
+            if source is not None:
+                try:
+                    values.update(source.values())
+                except Exception as exc:
+                    self._error(kind, exc)
+                    with self._lock:
+                        errors = self._errors
         if self._data_feed is not None:
             errors += self._data_feed.errors  # bad batches, counted by the feed's worker thread
             errors += self._data_feed.dropped  # batches the data monitor fell too far behind to see
@@ -907,9 +901,7 @@ class Agent:
     def watch_loader(self, loader: Any) -> None:
         """Export the reader metrics of ``loader`` (``trainer_agent.dataset.TokenLoader``, or
         anything with a thread-safe ``values()`` of catalogue metrics) with this rank's."""
-        if not callable(getattr(loader, "values", None)):
-            raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
-        self._loader = loader
+        self._loader = _checked_loader(loader)
 
     def take_data_sketch(self) -> Any:
         """The bottom-k sketch of the sequences observed since the last call (int64 row, see
@@ -998,6 +990,12 @@ class Agent:
             pass
 
 
+def _checked_loader(loader: Any) -> Any:
+    if not callable(getattr(loader, "values", None)):
+        raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+    return loader
+
+
 def attach(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -1040,8 +1038,8 @@ def attach(
                          token=token if token is not None else config.token)
     if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
         raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
-    if loader is not None and not callable(getattr(loader, "values", None)):
-        raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+    if loader is not None:
+        _checked_loader(loader)
     agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
                   lr_scheduler=lr_scheduler, data_monitor=data_monitor,
                   on_checkpoint=on_checkpoint, registry=registry)

@@ -65,6 +65,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from trainer_agent.data import _mix64 as _mix64_bits
+
 __all__ = [
     "ShardWriter",
     "ShardInfo",
@@ -90,15 +92,6 @@ def _mix64(x: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
-
-
-def _mix64_array(x: np.ndarray) -> np.ndarray:
-    z = x ^ (x >> np.uint64(30))
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return z
 
 
 def _derive(*parts: int) -> int:
@@ -132,7 +125,7 @@ class Permutation:
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self._half, x & self._mask
         for k in self._keys:
-            left, right = right, left ^ (_mix64_array(right ^ k) & self._mask)
+            left, right = right, left ^ (_mix64_bits(right ^ k) & self._mask)
         return (left << self._half) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
