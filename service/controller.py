@@ -34,7 +34,7 @@ from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, Run
 __all__ = ["Controller", "RunState", "NotFound", "Conflict", "Forbidden", "Invalid", "COMMANDS"]
 
 log = logging.getLogger("trainguard.controller")
-COMMANDS = ("pause", "resume", "lr-scale", "checkpoint", "stop")
+COMMANDS = ("pause", "resume", "lr-scale", "checkpoint", "stop")  # also Alertmanager actions; "accumulation" is operator-only
 _EVENT_QUEUE = 1024
 
 
@@ -191,6 +191,7 @@ class Controller:
             desired = DesiredState(
                 generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
                 checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), reason=row["reason"],
+                accumulation_steps=row["accumulation_steps"], accumulation_lr_rule=row["accumulation_lr_rule"],
             )
             window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
                                world_size=row["world_size"], created=row["registered_at"])
@@ -567,12 +568,14 @@ class Controller:
     async def command(
         self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
         idempotency: tuple[str, str, str] | None = None, extra: Callable[[sqlite3.Connection], Any] | None = None,
+        accumulation: tuple[int, str] | None = None,
     ) -> tuple[int, bytes]:
         """Apply an operator (or Alertmanager) command. ``idempotency`` is (principal, key,
         request hash): a repeat answers the stored response, another body under the key is a
-        Conflict. Returns (HTTP status, JSON body)."""
+        Conflict. ``accumulation``: (steps, LR rule) of the ``accumulation`` command, refused
+        (Conflict) for a run whose agent did not opt in. Returns (HTTP status, JSON body)."""
         if idempotency is None:
-            return await self._command(run, command, reason, actor, source, scale, None, extra)
+            return await self._command(run, command, reason, actor, source, scale, None, extra, accumulation)
         principal, key, req_hash = idempotency
         entry = self._idem_locks.setdefault((principal, key), [asyncio.Lock(), 0])
         entry[1] += 1
@@ -583,18 +586,22 @@ class Controller:
                     if row["request_hash"] != req_hash:
                         raise Conflict(f"Idempotency-Key {key!r} was used with another request")
                     return row["status"], bytes(row["body"])
-                return await self._command(run, command, reason, actor, source, scale, idempotency, extra)
+                return await self._command(run, command, reason, actor, source, scale, idempotency, extra, accumulation)
         finally:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._idem_locks[(principal, key)]
 
     async def _command(self, run: str, command: str, reason: str, actor: str, source: str, scale: float | None,
-                       idempotency: tuple[str, str, str] | None, extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
+                       idempotency: tuple[str, str, str] | None, extra: Callable[[sqlite3.Connection], Any] | None,
+                       accumulation: tuple[int, str] | None = None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
+        if command == "accumulation" and not isinstance(st.config.get("accumulation_steps"), int):
+            raise Conflict(f"run {run!r} does not let the controller set its accumulation steps "
+                           "(attach the agent with accumulation_steps=N to opt in)")
         try:
-            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale)
+            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale, accumulation)
         except ValueError as e:
             raise Invalid(str(e)) from None
         before, live_since = st.desired, st.live_since

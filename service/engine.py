@@ -124,17 +124,20 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) 
             assert isinstance(a, NotifyAction)
     if (paused, stop, seq, scale) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
         return None
-    return DesiredState(
+    return desired.model_copy(update=dict(
         generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop, reason=_reason(reason)
-    )
+    ))
 
 
-def command_state(desired: DesiredState, command: str, reason: str, scale: float | None = None) -> DesiredState | None:
+def command_state(desired: DesiredState, command: str, reason: str, scale: float | None = None,
+                  accumulation: tuple[int, str] | None = None) -> DesiredState | None:
     """The desired state after an operator command; ``None`` when it changes nothing.
 
-    ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``.
+    ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``;
+    ``accumulation`` sets (steps, LR rule).
     """
     paused, stop, seq, lr = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
+    steps, rule = desired.accumulation_steps, desired.accumulation_lr_rule
     if command == "pause":
         paused = True
     elif command == "resume":
@@ -147,11 +150,17 @@ def command_state(desired: DesiredState, command: str, reason: str, scale: float
         if scale is None or not (0 < scale <= 1e6) or not math.isfinite(scale):
             raise ValueError("lr-scale needs a finite scale in (0, 1e6]")
         lr = scale
+    elif command == "accumulation":
+        if accumulation is None:
+            raise ValueError("accumulation needs the number of steps and an LR rule")
+        steps, rule = accumulation
     else:
         raise ValueError(f"unknown command {command!r}")
-    if (paused, stop, seq, lr) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
+    if (paused, stop, seq, lr, steps, rule) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale,
+                                                desired.accumulation_steps, desired.accumulation_lr_rule):
         return None
-    return DesiredState(generation=desired.generation + 1, paused=paused, lr_scale=lr, checkpoint_seq=seq, stop=stop, reason=_reason(reason))
+    return DesiredState(generation=desired.generation + 1, paused=paused, lr_scale=lr, checkpoint_seq=seq, stop=stop,
+                        reason=_reason(reason), accumulation_steps=steps, accumulation_lr_rule=rule)
 
 
 @dataclass(slots=True)

@@ -201,7 +201,12 @@ class Agent:
         on_checkpoint: Callable[..., Any] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        accumulation_steps: int | None = None,
     ) -> None:
+        if accumulation_steps is not None and (type(accumulation_steps) is not int or accumulation_steps < 1):
+            raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+        #: The run's own accumulation steps when it lets the controller change them (else None).
+        self.accumulation_base = accumulation_steps
         self.config = config
         self.job = job
         self.run = run
@@ -917,6 +922,15 @@ class Agent:
         return self._server.url if self._server is not None else None
 
     @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per optimizer step the loop should run now: the run's own
+        (``attach(accumulation_steps=...)``) until the controller's ``accumulation`` command
+        changes it, at the same step on every rank (None when the run did not opt in)."""
+        if self.control is not None and self.control.accumulation_steps is not None:
+            return self.control.accumulation_steps
+        return self.accumulation_base
+
+    @property
     def should_stop(self) -> bool:
         """True once the controller has asked this run to stop."""
         if self.control is None:
@@ -1011,11 +1025,14 @@ def attach(
     token: str | None = None,
     registry: CollectorRegistry | None = None,
     loader: Any = None,
+    accumulation_steps: int | None = None,
 ) -> Agent:
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
 
     ``controller``/``token`` override the config's. ``loader``: a ``TokenLoader`` whose reader
-    metrics (prefetch depth, tokens/s read) this rank exports. Mistakes in the arguments raise
+    metrics (prefetch depth, tokens/s read) this rank exports. ``accumulation_steps``: the run's
+    own micro-batches per optimizer step, given to let the controller change them (the loop then
+    reads ``agent.accumulation_steps`` before each step). Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
@@ -1042,7 +1059,7 @@ def attach(
         _checked_loader(loader)
     agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
                   lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                  on_checkpoint=on_checkpoint, registry=registry)
+                  on_checkpoint=on_checkpoint, registry=registry, accumulation_steps=accumulation_steps)
     if loader is not None:
         agent.watch_loader(loader)
     return agent

@@ -25,9 +25,9 @@ optimizer ``step`` wrapper only with ``skip_nonfinite``: one device sync and one
 
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 Every ``sync_every`` steps all ranks take part in one collective on a side *gloo* process group of
-CPU tensors (no device sync): a broadcast of five int64 (``generation, paused, lr_scale`` as the
-bits of a float64, ``checkpoint_seq, stop``), or on report steps an all-gather that carries the same
-five ints from the leader plus seven float64 report values from every rank (published step, step
+CPU tensors (no device sync): a broadcast of seven int64 (``generation, paused, lr_scale`` as the
+bits of a float64, ``checkpoint_seq, stop, accumulation_steps, accumulation_lr_rule``), or on report
+steps an all-gather that carries the same seven ints from the leader plus seven float64 report values from every rank (published step, step
 time, loss, grad norm, grad and param fingerprints, input wait) and the rank's bottom-k sketch of
 the sequences it observed since the last report (``trainer_agent/sketch.py``, 64 int64; the leader
 turns the sketches into the report's ``data_overlap`` vector). All ranks then apply the same state at the same
@@ -52,6 +52,14 @@ bit-identical and the agent's step hooks do not fire (as for a GradScaler skip).
 keeps its own schedule. A loss that is non-finite while every gradient is finite is not skipped:
 the loss reaches the agent only after the step (``end_step``), and such a loss does not depend on
 any parameter the step would change.
+
+**Accumulation steps** (runs attached with ``accumulation_steps=k0``, the run's own). The
+controller's ``accumulation`` command sets ``k`` (0: back to ``k0``) and a rule; every rank applies it
+at the same agreed step boundary: ``accumulation_steps`` becomes ``k`` (the training loop reads
+``agent.accumulation_steps`` before each optimizer step and runs that many micro-batches) and the LR
+of every group is multiplied, on top of ``lr_scale``, by ``batch_lr_factor(k, k0, rule)``: ``k/k0``
+(``linear``), ``sqrt(k/k0)`` (``sqrt``) or 1 (``none``). A run that did not opt in is refused by the
+controller and ignores the field.
 
 **Fingerprints.** The report's per-rank ``grad_fingerprint``/``param_fingerprint`` are the global
 L2 norms of the gradients and parameters each rank published: data-parallel replicas in sync
@@ -88,7 +96,8 @@ __all__ = ["ControlPlane", "Applied"]
 
 log = logging.getLogger(__name__)
 
-_STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
+_STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule
+_LR_RULES = ("none", "sqrt", "linear")
 _VALUE_FIELDS = ("published_step", "step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint",
                  "input_wait_s")
 _instances = itertools.count()  # same sequence on every rank: ControlPlanes are built in lockstep
@@ -106,6 +115,8 @@ class Applied:
     stop: bool
     time: float
     """Wall-clock time (``time.time()``) at which it was applied."""
+    accumulation_steps: int = 0
+    """Accumulation steps in force from this step (0: the run's own, or the run did not opt in)."""
 
 
 def _float_bits(x: float) -> int:
@@ -117,13 +128,23 @@ def _bits_float(i: int) -> float:
 
 
 def _encode(d: DesiredState) -> list[int]:
-    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop)]
+    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
+            d.accumulation_steps, _LR_RULES.index(d.accumulation_lr_rule)]
 
 
 def _decode(v: list[int]) -> DesiredState:
     return DesiredState(
-        generation=v[0], paused=bool(v[1]), lr_scale=_bits_float(v[2]), checkpoint_seq=v[3], stop=bool(v[4])
+        generation=v[0], paused=bool(v[1]), lr_scale=_bits_float(v[2]), checkpoint_seq=v[3], stop=bool(v[4]),
+        accumulation_steps=v[5], accumulation_lr_rule=_LR_RULES[v[6]],
     )
+
+
+def batch_lr_factor(steps: int, own: int, rule: str) -> float:
+    """The LR multiplier for ``steps`` accumulation steps against the run's ``own``: the global
+    batch changes by steps / own; ``linear`` scales the LR by that ratio, ``sqrt`` by its square
+    root, ``none`` not at all."""
+    ratio = steps / own
+    return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
 
 
 def _group_timeout() -> timedelta:
@@ -182,6 +203,11 @@ class ControlPlane:
         self._checkpoint_seq = 0
         self._skipped = 0
         self._pause_episodes = 0
+        #: The run's own accumulation steps (None: the run did not opt in to the command).
+        self.own_accumulation: int | None = getattr(agent, "accumulation_base", None)
+        self._accumulation = self.own_accumulation
+        self._accumulation_desired = (0, "none")  # as last applied: (steps, rule)
+        self._batch_lr_factor = 1.0
         self.history: deque[Applied] = deque(maxlen=4096)
         """The generations applied on this rank, oldest first (bounded)."""
 
@@ -214,6 +240,7 @@ class ControlPlane:
                     "report_every": cfg.report_every,
                     "sync_every": cfg.sync_every,
                     "skip_nonfinite": cfg.skip_nonfinite,
+                    **({"accumulation_steps": self.own_accumulation} if self.own_accumulation is not None else {}),
                 },
             )
             self._client = ControllerClient(
@@ -255,6 +282,16 @@ class ControlPlane:
         return self._generation
 
     @property
+    def accumulation_steps(self) -> int | None:
+        """Accumulation steps every rank uses now (None when the run did not opt in)."""
+        return self._accumulation
+
+    @property
+    def batch_lr_factor(self) -> float:
+        """LR multiplier of the accumulation command's rule (1 unless the steps changed)."""
+        return self._batch_lr_factor
+
+    @property
     def client(self) -> ControllerClient | None:
         """The leader's controller client (None on other ranks and without a controller)."""
         return self._client
@@ -268,6 +305,8 @@ class ControlPlane:
         }
         if self._cfg.skip_nonfinite:
             out["trainguard_skipped_steps_total"] = float(self._skipped)
+        if self._accumulation is not None:
+            out["trainguard_accumulation_steps"] = float(self._accumulation)
         if self._client is not None:
             out["trainguard_agent_controller_up"] = 1.0 if self._client.up else 0.0
             out["trainguard_agent_reports_dropped_total"] = float(self._client.reports_dropped)
@@ -281,6 +320,7 @@ class ControlPlane:
             "applied_generation": self._generation,
             "checkpoint_seq": self._checkpoint_seq,
             "skipped_steps_total": self._skipped,
+            "accumulation": list(self._accumulation_desired),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -297,8 +337,16 @@ class ControlPlane:
             raise ValueError(f"malformed trainguard control state: {exc!r}") from None
         if not (math.isfinite(lr_scale) and lr_scale > 0) or generation < 0 or seq < 0 or skipped < 0:
             raise ValueError(f"malformed trainguard control state: {dict(state)!r}")
+        accumulation = state.get("accumulation", (0, "none"))
+        try:
+            steps, rule = int(accumulation[0]), str(accumulation[1])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r} ({exc})") from None
+        if steps < 0 or rule not in _LR_RULES:
+            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r}")
         if generation >= self._generation:
             self._generation, self._lr_scale = generation, lr_scale
+            self._set_accumulation(steps, rule)
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
         self._skipped = skipped
         self._last_reported_step = int(self._agent.step)  # the agent restores its step first
@@ -338,7 +386,7 @@ class ControlPlane:
         """Optimizer pre-hook: each group's LR becomes scheduler LR x lr_scale for this step."""
         if self._saved_lrs is not None:  # the last post-hook did not run (the step raised)
             self.after_optimizer_step()
-        scale = self._lr_scale
+        scale = self._lr_scale * self._batch_lr_factor
         if scale == 1.0:
             return
         groups = self._agent.optimizer.param_groups
@@ -426,7 +474,9 @@ class ControlPlane:
         d = self._client.desired if self._client is not None else None
         if d is not None and d.generation > self._generation:
             return _encode(d)
-        return [self._generation, int(self._paused), _float_bits(self._lr_scale), self._checkpoint_seq, int(self._stop)]
+        steps, rule = self._accumulation_desired
+        return [self._generation, int(self._paused), _float_bits(self._lr_scale), self._checkpoint_seq, int(self._stop),
+                steps, _LR_RULES.index(rule)]
 
     def _broadcast(self, leader_state: list[int]) -> list[int]:
         if self.world_size == 1:
@@ -535,6 +585,7 @@ class ControlPlane:
         self._lr_scale = state.lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, state.checkpoint_seq)
         self._paused = state.paused
+        self._set_accumulation(state.accumulation_steps, state.accumulation_lr_rule)
         if (checkpoint or stopping) and self._on_checkpoint is not None:
             try:
                 self._on_checkpoint(step)
@@ -543,12 +594,23 @@ class ControlPlane:
         if stopping:
             self._stop = True
         self.history.append(
-            Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall())
+            Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
+                    self._accumulation or 0)
         )
         if self._client is not None:
             self._client.submit_ack(Ack(generation=state.generation, step=step))
         if state.reason and self.leader:
             log.info("trainguard: applied generation %d at step %d: %s", state.generation, step, state.reason)
+
+    def _set_accumulation(self, steps: int, rule: str) -> None:
+        """Accumulation steps ``steps`` (0: the run's own) with the LR following by ``rule``; a run
+        that did not opt in keeps its own loop and LR."""
+        self._accumulation_desired = (steps, rule)
+        own = self.own_accumulation
+        if own is None:
+            return
+        self._accumulation = steps or own
+        self._batch_lr_factor = batch_lr_factor(self._accumulation, own, rule) if steps else 1.0
 
     def _pause(self, step: int) -> None:
         """Block until a generation with paused=false (or stop) is applied. No collective is

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.control.procs import ControllerProcess, Ranks
+from tests.control.procs import ControllerProcess, Ranks, until
 from trainer_agent.dataset import write_shards
 
 pytestmark = pytest.mark.distributed
@@ -81,3 +81,31 @@ def test_a_data_slow_rank_is_named_and_a_healthy_run_raises_nothing(controller, 
     for log in slowed:
         waits = log["rank_values"]["input_wait_seconds"]
         assert waits[1] >= 0.1 and waits[0] < waits[1]
+
+
+def test_accumulation_command_applies_at_one_step_on_every_rank_with_the_lr_rule(controller, shards, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import tests.control.procs as procs
+
+    saved, procs.WORKER = procs.WORKER, WORKER
+    try:
+        ranks = Ranks(2, {"scenario": "accum", "run": "accum", "shards": shards, "controller": controller.url,
+                          "vocab": VOCAB, "steps": 3000, "accumulate": True}, tmp_path)
+    finally:
+        procs.WORKER = saved
+    try:
+        assert until(lambda: ranks.exited() or ((controller.run_detail("accum") or {}).get("last_step") or 0) >= 10, 120)
+        answer = controller.command("accum", "accumulation", steps=8, lr_rule="sqrt")
+        assert answer["desired"]["accumulation_steps"] == 8
+        assert ranks.wait(180) == [0, 0], ranks.output()
+    finally:
+        ranks.kill()
+    logs = [json.loads((tmp_path / f"accum-rank{r}.json").read_text()) for r in range(2)]
+    assert logs[0]["steps"] == logs[1]["steps"]  # same micro-batches and LR at every step, every rank
+    (switch,) = [h[1] for h in logs[0]["history"] if h[2] == 8]
+    assert [h for h in logs[1]["history"]] == logs[0]["history"]
+    for step, micro, lr in logs[0]["steps"]:
+        if step <= switch:  # applied at the end of step `switch`: the next step uses it
+            assert (micro, lr) == (2, 0.01), step
+        else:
+            assert micro == 8 and lr == pytest.approx(0.01 * math.sqrt(8 / 2)), step
+    assert switch % 5 == 0  # an agreement step (sync_every=5)

@@ -114,6 +114,7 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
     _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
     _c("trainguard_skipped_steps_total", "steps", "Steps skipped by the local non-finite guard (skip_nonfinite=True)."),
+    _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force on this rank (runs that let the controller change them; the LR follows by the command's rule)."),
 )
 
 #: Input metrics: what feeds the model and how much of it per step (``trainer_agent/inputs.py``,
