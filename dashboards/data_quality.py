@@ -1,7 +1,6 @@
-"""Dashboard 2, data quality: what the model is being fed. The seed's four data signals (section
-3.1) with their thresholds drawn as red lines, throughput in tokens/s, the QualityFilter's
-kept/dropped samples, how long each rank waits for its batches, and the batch size the gradient
-noise scale recommends.
+"""Dashboard 2, data quality: what the model is being fed. The four data signals with their alert
+thresholds drawn as red lines, throughput in tokens/s, the QualityFilter's kept/dropped samples,
+how long each rank waits for its batches, and the batch size the gradient noise scale recommends.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ TITLE = "trainguard / Data quality"
 
 def build() -> Dashboard:
     above = lambda limit: Band(((limit, "red"),))  # noqa: E731 - a red line at the limit
-    signals = Section("Data signals (seed thresholds in red)", [
+    signals = Section("Data signals (alert thresholds in red)", [
         timeseries(
             "Duplicate ratio",
             f"Share of sequences in the sliding window already seen in it: exact content and "
