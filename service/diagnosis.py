@@ -124,8 +124,8 @@ DIAGNOSES: dict[str, Diagnosis] = {
     ),
     "data_shared": Diagnosis(
         symptom="Ranks are reading the same data",
-        likely_causes=("Every rank's sampler uses the same random seed and the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),
-        suggested_actions=("Give each rank its own shard of the data (sampler rank = the process's rank)", "Derive each worker's random seed from the base seed, epoch, rank and worker id", "Restart from the last checkpoint once fixed: the steps since saw less data than counted"),
+        likely_causes=("Every rank's sampler starts from the same random state with the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),
+        suggested_actions=("Give each rank its own shard of the data (sampler rank = the process's rank)", "Derive each worker's random state from the run's base value, the epoch, the rank and the worker id", "Restart from the last checkpoint once fixed: the steps since saw less data than counted"),
         source="Data-parallel ranks should each read their own share of the data; ranks that read the same samples train on less data than counted and overfit to it.",
     ),
     "desync": Diagnosis(
