@@ -1,6 +1,7 @@
 """Two real gloo ranks and a real controller (``trainguard serve``): the shared-seed failure
 (both ranks' loaders configured as rank 0) is caught and the ranks named; a rank whose loader is
-slowed on purpose is named as waiting for its data; a healthy run raises neither."""
+slowed on purpose is named as waiting for its data; a healthy run raises neither; the accumulation
+command is applied at one step on every rank with the LR following its rule."""
 
 from __future__ import annotations
 
@@ -38,16 +39,8 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _run(controller: ControllerProcess, shards: str, tmp_path: Path, run: str, steps: int = 30, **cfg: object) -> tuple[list[dict], list[dict]]:
-    ranks = Ranks.__new__(Ranks)  # Ranks with this test's worker script
-    import tests.control.procs as procs
-
-    saved = procs.WORKER
-    procs.WORKER = WORKER
-    try:
-        ranks = Ranks(2, {"scenario": run, "run": run, "shards": shards, "controller": controller.url,
-                          "vocab": VOCAB, "steps": steps, **cfg}, tmp_path)
-    finally:
-        procs.WORKER = saved
+    ranks = Ranks(2, {"scenario": run, "run": run, "shards": shards, "controller": controller.url,
+                      "vocab": VOCAB, "steps": steps, **cfg}, tmp_path, worker=WORKER)
     codes = ranks.wait(180)
     assert codes == [0, 0], ranks.output()
     logs = [json.loads((tmp_path / f"{run}-rank{r}.json").read_text()) for r in range(2)]
@@ -84,14 +77,8 @@ def test_a_data_slow_rank_is_named_and_a_healthy_run_raises_nothing(controller, 
 
 
 def test_accumulation_command_applies_at_one_step_on_every_rank_with_the_lr_rule(controller, shards, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    import tests.control.procs as procs
-
-    saved, procs.WORKER = procs.WORKER, WORKER
-    try:
-        ranks = Ranks(2, {"scenario": "accum", "run": "accum", "shards": shards, "controller": controller.url,
-                          "vocab": VOCAB, "steps": 3000, "accumulate": True}, tmp_path)
-    finally:
-        procs.WORKER = saved
+    ranks = Ranks(2, {"scenario": "accum", "run": "accum", "shards": shards, "controller": controller.url,
+                      "vocab": VOCAB, "steps": 3000, "accumulate": True}, tmp_path, worker=WORKER)
     try:
         assert until(lambda: ranks.exited() or ((controller.run_detail("accum") or {}).get("last_step") or 0) >= 10, 120)
         answer = controller.command("accum", "accumulation", steps=8, lr_rule="sqrt")
