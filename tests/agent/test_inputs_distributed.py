@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.control.procs import ControllerProcess, Ranks, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, until
 from trainer_agent.dataset import write_shards
 
 pytestmark = pytest.mark.distributed
@@ -81,8 +82,10 @@ def test_accumulation_command_applies_at_one_step_on_every_rank_with_the_lr_rule
                       "vocab": VOCAB, "steps": 3000, "accumulate": True}, tmp_path, worker=WORKER)
     try:
         assert until(lambda: ranks.exited() or ((controller.run_detail("accum") or {}).get("last_step") or 0) >= 10, 120)
-        answer = controller.command("accum", "accumulation", steps=8, lr_rule="sqrt")
-        assert answer["desired"]["accumulation_steps"] == 8
+        cli = subprocess.run([TRAINGUARD, "accumulation", "accum", "8", "--lr-rule", "sqrt", "--url", controller.url,
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["desired"]["accumulation_steps"] == 8
         assert ranks.wait(180) == [0, 0], ranks.output()
     finally:
         ranks.kill()
