@@ -289,3 +289,16 @@ def test_reader_values_count_the_tokens_received(shards) -> None:  # type: ignor
     values = loader.values()
     assert values["trainguard_input_tokens_per_second"] == sum(b["tokens"] for b in got) / 2.0
     assert values["trainguard_input_prefetch_depth"] == 0.0  # not iterating: no queue
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_corrupt_index_raises_in_the_training_loop(tmp_path: Path, workers: int) -> None:
+    write_shards(tmp_path, _sequences(64), vocab_size=VOCAB, tokens_per_shard=10**9, monitor=False)
+    idx = tmp_path / "shard-00000.idx"
+    entries = np.fromfile(idx, dtype="<i8").reshape(-1, 2)
+    entries[:, 1] = 10**9  # every length past the end of the .bin
+    entries.tofile(idx)
+    loader = TokenLoader(TokenBatches(tmp_path, batch_size=4, seq_len=8, rank=0, world_size=1), num_workers=workers)
+    with pytest.raises(ValueError, match="corrupt index"):
+        next(iter(loader))
+    assert loader.batch == 0  # nothing was received
