@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainer_agent.data import _mix64 as _mix64_bits
+from trainer_agent.data.signals import _mix64 as _mix64_bits
 
 __all__ = [
     "ShardWriter",

@@ -1,0 +1,171 @@
+"""The one collective of a report step: every rank's row, and the controller's desired state.
+
+On a report step with several ranks, every rank enters exactly one all-gather (the *exchange*).
+Its row is ``[desired state (7 int64 as float64 bits)] + [RANK_FIELDS (float64)] + [sketch
+(SKETCH_K int64 as float64 bits)]``: the state part is the leader's proposal (the other ranks send
+zeros there and read the leader's), the fields are this rank's values of the report, the sketch is
+the bottom-k sketch of the sequences this rank observed since its last report
+(``trainer_agent/sketch.py``; the leader turns the sketches into the report's ``data_overlap``).
+The state and sketch parts are present only when a control plane agrees on a controller's state
+across several ranks (every rank is configured alike, so every row has the same width); a single
+rank applies its own proposal.
+
+Adding a per-rank value to the report: append its name to ``RANK_FIELDS``, put its value in the
+row where ``trainer_agent/report.py`` builds it, and, if the controller reads it, add the vector to
+``trainguard.protocol.wire.RankValues`` and to ``WIRE_VECTORS`` below.
+
+The row lives where the default process group's backend wants it: on the CUDA device for NCCL (no
+sync to build or gather it), on the CPU for gloo (for CUDA parameters under gloo, moving the row to
+the CPU is a SYNC, once per report step).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainguard.protocol.wire import DesiredState
+from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
+
+__all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]
+
+#: Per-rank values gathered at each report step; on every rank ``Agent.rank_values[field][r]`` is
+#: rank ``r``'s value of that report.
+RANK_FIELDS: tuple[str, ...] = (
+    "loss",
+    "grad_norm",
+    "micro_sq_sum",
+    "micro_count",
+    "nonfinite_steps_total",
+    "step_duration_seconds",
+    "tokens_per_second",
+    "param_norm",
+    "forward_seconds",
+    "input_wait_seconds",
+)
+
+#: The per-rank vectors of a controller report (``RankValues`` field -> ``RANK_FIELDS`` name).
+#: ``grad_fingerprint`` is the rank's global gradient norm (not an element-wise fingerprint):
+#: replicas in sync compute it bit-identically, so it tells diverged gradients apart only when
+#: their norms differ.
+WIRE_VECTORS: dict[str, str] = {
+    "step_time_s": "step_duration_seconds",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "grad_fingerprint": "grad_norm",
+    "param_fingerprint": "param_norm",
+    "forward_s": "forward_seconds",
+    "input_wait_s": "input_wait_seconds",
+    "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
+}
+
+STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule
+LR_RULES = ("none", "sqrt", "linear")
+_EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0]
+
+
+def encode_state(d: DesiredState) -> list[int]:
+    """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
+    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
+            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule)]
+
+
+def decode_state(v: Sequence[int]) -> DesiredState:
+    """Inverse of :func:`encode_state`; ``ValueError`` for values no leader can have sent."""
+    if not 0 <= int(v[6]) < len(LR_RULES):
+        raise ValueError(f"no LR rule number {v[6]}")
+    return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
+                        checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
+                        accumulation_lr_rule=LR_RULES[int(v[6])])
+
+
+class RankExchange:
+    """Packs, gathers and unpacks the report step's rows (see the module docstring).
+
+    ``with_state``: the rows carry the desired-state part. ``group``: the process group (default:
+    the default group)."""
+
+    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None) -> None:
+        self.world_size = world_size
+        self.with_state = with_state
+        self.group = group
+        self.offset = STATE_LEN if with_state else 0
+        self.sketch_at = self.offset + len(RANK_FIELDS)
+        self.width = self.sketch_at + (SKETCH_K if with_state else 0)
+        self.overlap: list[float] | None = None
+        """After :meth:`agreed` on a row set with sketches: each rank's largest estimated overlap
+        with another rank's data (None when no rank observed data)."""
+
+    def pack(self, fields: torch.Tensor, state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> torch.Tensor:
+        """One row: ``state`` (the leader's proposal; None on the other ranks), ``fields``
+        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device), then
+        ``sketch`` (``SKETCH_K`` int64; None: empty)."""
+        if fields.shape != (len(RANK_FIELDS),):
+            raise ValueError(f"a rank row has {len(RANK_FIELDS)} fields, got shape {tuple(fields.shape)}")
+        fields = fields.to(torch.float64)
+        if not self.with_state:
+            return fields
+        bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
+        sketch_bits = torch.tensor(list(sketch) if sketch is not None and len(sketch) == SKETCH_K else _EMPTY_SKETCH,
+                                   dtype=torch.int64)
+        # non_blocking: a copy from pageable memory is staged at once; no wait on the device
+        return torch.cat([bits.view(torch.float64).to(fields.device, non_blocking=True), fields,
+                          sketch_bits.view(torch.float64).to(fields.device, non_blocking=True)])
+
+    def nan_row(self, device: torch.device, state: Sequence[int] | None) -> torch.Tensor:
+        """The row of a rank whose report failed: NaN fields, a valid state part, no sketch."""
+        return self.pack(torch.full((len(RANK_FIELDS),), math.nan, dtype=torch.float64, device=device), state)
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's row, shape (world_size, width), on the collective's device. One
+        ``all_gather_single``; with one rank, the row itself."""
+        if self.world_size == 1:
+            return row.reshape(1, -1)
+        backend = dist.get_backend(self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
+        src = row.to(device)
+        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
+        dist.all_gather_single(out, src, group=self.group)
+        return out.view(self.world_size, src.numel())
+
+    def fields(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The ``RANK_FIELDS`` columns of the gathered rows (a view, same device)."""
+        return gathered[:, self.offset:self.sketch_at]
+
+    def state(self, gathered: torch.Tensor) -> list[int] | None:
+        """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)
+        this reads the device: a SYNC, once per report step of a controlled multi-rank run."""
+        if not self.with_state:
+            return None
+        # one copy of the state and every rank's sketch (int64 bits) to the host
+        host = torch.cat([gathered[0, :STATE_LEN], gathered[:, self.sketch_at:].reshape(-1)]).cpu().contiguous()
+        bits = host.view(torch.int64)
+        best, _ = overlaps(bits[STATE_LEN:].reshape(self.world_size, SKETCH_K).numpy(), SKETCH_K)
+        self.overlap = None if all(math.isnan(b) for b in best.tolist()) else best.tolist()
+        return bits[:STATE_LEN].tolist()
+
+    def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
+        """The state every rank applies: the leader's part of the rows, or, without a state part
+        (one rank, or no controller), this rank's own ``proposal``."""
+        if self.with_state:
+            return self.state(gathered)
+        return list(proposal) if proposal is not None else None
+
+    @staticmethod
+    def unpack_rows(flat: Sequence[float], ranks: int) -> dict[str, list[float]]:
+        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)``."""
+        width = len(RANK_FIELDS)
+        return {f: [float(flat[r * width + i]) for r in range(ranks)] for i, f in enumerate(RANK_FIELDS)}
