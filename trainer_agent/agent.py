@@ -33,11 +33,15 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     into one float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned
     memory, read at a later ``end_step`` once the copy's event has completed.
 (4) **Forward hooks** on the model: the wall time inside forward on report steps
-    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``).
+    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``), and the time each step
+    waited for its batch, from the end of ``end_step`` to the next forward
+    (``trainguard_input_wait_seconds``, ``trainer_agent/inputs.py``).
 
 Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
 (2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
-``schedule`` (which steps report), ``forward_timer`` (4), ``data_relay`` (data quality),
+``schedule`` (which steps report), ``forward_timer`` and ``inputs`` (4), ``data_relay`` (data
+quality; its sketch of the sequences seen rides in the report step's row, ``sketch``),
+``batch_size`` (the recommended batch size from the noise scale),
 ``control`` and ``actuators`` (acting for the controller), ``client`` (HTTP). This module is the
 facade that wires them, registers the hooks, times them and keeps their errors out of the loop.
 
