@@ -191,7 +191,7 @@ def demo_wait(root: Path, steps: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = TokenLoader(TokenBatches(root, batch_size=8, seq_len=129, seed=0, rank=0, world_size=1),
                          num_workers=2, prefetch=8, pin_memory=False)
-    agent = ta.attach(model, opt, job="bench", run="bench-1", loader=loader, config=ta.AgentConfig(report_every=10))
+    agent = ta.attach(model, opt, job="bench", run="bench-1", loader=loader, config=ta.AgentConfig(report_every=10, metrics_port=None))
     waits, durations = [], []
     it = iter(loader)
     for step in range(steps):
