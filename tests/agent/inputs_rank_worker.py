@@ -52,7 +52,11 @@ def main() -> None:
     opt.register_step_pre_hook(lambda o, a, k: used_lr.append(o.param_groups[0]["lr"]))  # after the agent's
     slow = rank == cfg.get("slow_rank", -1)
     waits, steps = [], []
-    it = iter(loader)
+    def endless():  # epoch after epoch
+        while True:
+            yield from loader
+
+    it = endless()
     with_eight = 0
     for step in range(cfg["steps"]):
         if slow:
