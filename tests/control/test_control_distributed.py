@@ -110,7 +110,7 @@ def test_random_commands_apply_at_the_same_step_on_every_rank(
             assert log["stopped"] and log["history"][-1][5], log["run"]  # stopped by the controller
             gens = [h[0] for h in log["history"]]
             assert gens == sorted(set(gens))  # each generation once, never backwards
-            assert log["close_s"] < 3.0
+            assert log["close_s"] < 3.0 + 2.0  # close(3.0); one more request timeout means it waited past it
         detail = controller.run_detail(logs[0]["run"])
         assert detail is not None
         assert until(lambda r=logs[0]["run"]: controller.run_detail(r)["applied_generation"]
