@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from trainguard.protocol.wire import RankValues
+from trainguard.service.store import decode_ranks
 from tests.tools.faultproxy import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +97,23 @@ class ControllerProcess:
     def run_detail(self, run: str) -> dict | None:
         r = httpx.get(f"{self.url}/v1/runs/{run}", timeout=10.0)
         return r.json() if r.status_code == 200 else None
+
+    def acks(self, run: str) -> list[tuple[int, int]]:
+        """(generation, step) of every ack recorded for ``run`` (from its audit log)."""
+        events = httpx.get(f"{self.url}/v1/runs/{run}/events", timeout=10.0).json()
+        return [(e["generation"], e["data"]["step"]) for e in events if e["kind"] == "applied"]
+
+    def reports(self, run: str) -> list[dict]:
+        """The reports stored for ``run``, read from the controller's database: ``steps``
+        (first, last), ``values`` and ``ranks`` (per-rank vectors as lists)."""
+        with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=10.0) as con:
+            con.row_factory = sqlite3.Row
+            world = con.execute("SELECT world_size FROM runs WHERE run=?", (run,)).fetchone()
+            rows = con.execute("SELECT r.* FROM reports r JOIN runs u ON u.id = r.run_id WHERE u.run=? ORDER BY r.seq",
+                               (run,)).fetchall()
+        names = tuple(RankValues.model_fields)
+        return [{"steps": (r["step_first"], r["step_last"]), "values": json.loads(r["vals"]),
+                 "ranks": {k: v.tolist() for k, v in decode_ranks(r, world[0], names).items()}} for r in rows]
 
 
 class Ranks:
