@@ -14,8 +14,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.control.spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -66,9 +67,7 @@ def _sq(tensors) -> float:
 
 
 def test_ddp_noise_scale_and_rank_values(tmp_path) -> None:
-    mp.start_processes(_worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=WORLD,
-                       join=True, start_method="spawn")
-    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    out = spawn_ranks(_worker, WORLD, tmp_path)
     last = out[0]["results"][-1]
     reduced = last["reduced"]
     # DDP averages: the reduced gradient is the mean of the ranks' local gradients.

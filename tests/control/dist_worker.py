@@ -1,6 +1,9 @@
 """One rank of the multi-process control tests (gloo, CPU). Run as a script:
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py '<json>'
+    RANK=r WORLD_SIZE=n DIST_INIT_METHOD=file:///tmp/x/store python dist_worker.py '<json>'
+
+(``DIST_INIT_METHOD`` is the process group's init method; without it, ``env://`` with
+MASTER_ADDR/MASTER_PORT.)
 
 The JSON names the scenario and where to write this rank's log (``out``/<name>-rank<r>.json):
 
@@ -106,7 +109,8 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=os.environ.get("DIST_INIT_METHOD", "env://"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     dist.barrier()  # every rank is up: from now on the short timeout the scenario asks for
     if "pg_timeout_s" in cfg:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))

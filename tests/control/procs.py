@@ -18,7 +18,6 @@ import httpx
 
 from trainguard.protocol.wire import RankValues
 from trainguard.service.store import decode_ranks
-from tests.tools.faultproxy import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
@@ -117,15 +116,16 @@ class ControllerProcess:
 
 
 class Ranks:
-    """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``."""
+    """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``. The
+    ranks meet through a file store in ``out`` (no port to pick, so none to collide on)."""
 
     def __init__(self, world: int, cfg: dict, out: Path) -> None:
         self.out = out
-        port = free_port()
+        store = out / f"store-{cfg['scenario']}"
         self.procs = []
         for rank in range(world):
             env = _env()
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), DIST_INIT_METHOD=f"file://{store}")
             log = open(out / f"worker-{cfg['scenario']}-rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
             self.procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "out": str(out)})],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))
