@@ -7,6 +7,8 @@
 - End to end with a deliberately short process-group timeout (2 s): a NaN loss makes the
   controller's default rule pause the run; the pause lasts 3x the timeout; ``trainguard resume``
   lets it continue. Negative control: the same wait done in a collective fails with the timeout.
+- A paused run restarted on two ranks: every rank (the non-leader on the store) waits in attach,
+  longer than the group's timeout, until an operator resumes it; both start from the same state.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.control.dist_worker import BASE_LR, lr_lambda
@@ -155,3 +158,35 @@ def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(
     neg = json.loads((tmp_path / "negative-rank1.json").read_text())
     assert neg["error"] and ("timeout" in neg["error"].lower() or "timed out" in neg["error"].lower()), neg
     assert neg["after_s"] < 3 * timeout_s
+
+
+def test_a_paused_run_restarted_on_two_ranks_waits_in_attach_until_resumed(
+    controller: ControllerProcess, tmp_path: Path
+) -> None:
+    timeout_s, run = 2.0, "restart-paused"
+    # the job before: registered, given an lr_scale, paused; then it died
+    assert httpx.post(f"{controller.url}/v1/runs", json={"job": "ctl-test", "run": run, "world_size": 2},
+                      timeout=10).status_code == 200
+    controller.command(run, "lr-scale", scale=0.5)
+    assert controller.command(run, "pause")["desired"]["generation"] == 2
+    ranks = Ranks(2, {"scenario": "restart", "controller": controller.url, "prefix": run, "max_steps": 6,
+                      "pg_timeout_s": timeout_s}, tmp_path)
+    try:
+        # the restarted leader registered and applied the paused state at step 0 (its ack)
+        assert until(lambda: ranks.exited() or controller.acks(run) == [(2, 0)], 90.0, 0.05), ranks.output()
+        assert not ranks.exited(), ranks.output()
+        time.sleep(1.5 * timeout_s)  # paused longer than the group's timeout: the waits are not collectives
+        assert not ranks.exited(), ranks.output()  # every rank still waiting in attach
+        resumed_at = time.time()
+        assert controller.command(run, "resume")["desired"]["generation"] == 3
+        codes = ranks.wait(60)
+    finally:
+        ranks.kill()
+    assert codes == [0, 0], ranks.output()
+    logs = [json.loads((tmp_path / f"restart-rank{r}.json").read_text()) for r in range(2)]
+    _check_same_on_every_rank(logs)
+    for log in logs:
+        assert log["attached_at"] > resumed_at, log["rank"]  # the non-leader too waited for the resume
+        assert log["attach_state"] == [3, False, 0.5, 0]  # the registration state, before step 1
+        assert len(log["steps"]) == 6 and _check_lr(log) == []
+    assert until(lambda: controller.acks(run) == [(2, 0), (3, 0)], 10.0), controller.acks(run)
