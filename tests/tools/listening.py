@@ -1,6 +1,7 @@
 """Start a server process on port 0 and read the port it bound from its log (Prometheus and
-Alertmanager log ``msg="Listening on" address=127.0.0.1:PORT``): no port picked in advance, so
-none another process can take in between. The log goes to a file, so no pipe can fill up."""
+Alertmanager log ``msg="Listening on" address=127.0.0.1:PORT``, ``trainguard serve`` prints
+``listening on http://127.0.0.1:PORT``): no port picked in advance, so none another process can
+take in between. The log goes to a file, so no pipe can fill up."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from pathlib import Path
 
 __all__ = ["start_listening", "stop"]
 
-_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
+_LISTENING = re.compile(r'(?:msg="Listening on" address=|listening on http://)127\.0\.0\.1:(\d+)')
 
 
-def start_listening(cmd: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], int]:
+def start_listening(cmd: list[str], log: Path, timeout: float = 60.0,
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """Run ``cmd`` (which must listen on ``127.0.0.1:0`` and log at level info or lower) with its
     output in ``log``; return the process and the port it bound. Fails with the log when it exits
     or has not bound within ``timeout`` seconds."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = _LISTENING.search(log.read_text(errors="replace"))
