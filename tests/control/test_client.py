@@ -17,6 +17,8 @@ from tests.control.procs import until
 from tests.tools.faultproxy import FaultProxy
 from trainer_agent.client import ControllerClient, backoff_delay
 
+pytestmark = pytest.mark.timing
+
 REG = RunRegistration(job="job-a", run="run-a", world_size=1)
 
 

@@ -9,9 +9,12 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from trainguard.protocol.wire import Ack, DesiredState, RunRegistration, dumps
 from trainer_agent.client import ControllerClient
+
+pytestmark = pytest.mark.timing
 
 
 def test_repeated_404_backs_off() -> None:

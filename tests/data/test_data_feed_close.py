@@ -6,9 +6,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from trainer_agent.data import DataFeed
+
+pytestmark = pytest.mark.timing
 
 
 def _taken(feed: DataFeed) -> bool:

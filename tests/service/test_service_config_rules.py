@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from trainguard.service.rules import default_rules_text
+
+pytestmark = pytest.mark.integration
 
 ENV = {"TRAINGUARD_OPERATOR_TOKENS": "", "TRAINGUARD_AGENT_TOKENS": ""}  # no tokens: loopback, open
 FILE_RULES = "rules:\n  - {name: from_file, kind: threshold, metric: m, op: '>', value: 10, actions: [notify]}\n"
