@@ -1,5 +1,5 @@
-"""Dashboard 2, data quality: what the model is being fed. The seed's four data signals (section
-3.1) with their thresholds drawn as red lines, throughput in tokens/s, and the QualityFilter's
+"""Dashboard 2, data quality: what the model is being fed. The four data signals with their alert
+thresholds drawn as red lines, throughput in tokens/s, and the QualityFilter's
 kept/dropped samples.
 """
 
@@ -17,7 +17,7 @@ TITLE = "trainguard / Data quality"
 
 def build() -> Dashboard:
     above = lambda limit: Band(((limit, "red"),))  # noqa: E731 - a red line at the limit
-    signals = Section("Data signals (seed thresholds in red)", [
+    signals = Section("Data signals (alert thresholds in red)", [
         timeseries(
             "Duplicate ratio",
             f"Share of sequences in the sliding window already seen in it: exact content and "

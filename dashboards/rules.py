@@ -4,7 +4,7 @@ the alerts to the controller's ``POST /v1/alertmanager``, and the controller act
 whose labels name a ``run`` and a ``trainguard_action`` (``notify``, ``pause``, ``lr_scale`` ...).
 
 Each alert aggregates over ranks ``by (job, run)``, so one alert per run fires, never one per rank.
-The thresholds are the seed's (see ``dashboards/data_quality.py`` and ``dashboards/stability.py``).
+The thresholds are the controller's default rules' (``dashboards/thresholds.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from trainguard.dashboards.thresholds import (
     STRAGGLER_RATIO,
     TOKEN_KL_MAX,
 )
+from trainguard.protocol.wire import COMMANDS
 
 __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
@@ -38,9 +39,10 @@ __all__ = [
 #: reports; Prometheus has samples in time, not reports). The thresholds come from
 #: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
-#: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``
-#: (``lr_scale`` multiplies the run's lr_scale by ``trainguard_lr_factor``).
-CONTROLLER_ACTIONS = ("pause", "lr_scale", "checkpoint", "stop")
+#: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``: the
+#: protocol's commands except ``resume`` (an alert never resumes a run). ``lr_scale`` multiplies the
+#: run's lr_scale by ``trainguard_lr_factor``, clamped to [LR_SCALE_MIN, LR_SCALE_MAX] as a rule's is.
+CONTROLLER_ACTIONS: tuple[str, ...] = tuple(c for c in COMMANDS if c != "resume")
 #: Every ``trainguard_action`` value: ``notify`` alerts go to people (the webhook sink), not to
 #: the controller.
 ACTIONS = ("notify", *CONTROLLER_ACTIONS)
@@ -158,8 +160,8 @@ ALERT_RULES: tuple[AlertRule, ...] = (
         name="TrainguardGradNormHigh",
         expr=f"trainguard:grad_norm:max > {GRAD_NORM_LIMIT:g}",
         action="lr_scale", severity="warning",
-        summary="Gradient norm {{ $value }} above the seed's limit on run {{ $labels.run }}: "
-                "halving the LR.",
+        summary="Gradient norm {{ $value }} above 1e3 on run {{ $labels.run }} (such gradients usually "
+                "precede divergence): halving the LR.",
         extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
     ),
     AlertRule(

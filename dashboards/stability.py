@@ -23,7 +23,7 @@ from trainguard.dashboards.thresholds import GRAD_NORM_LIMIT
 UID = "trainguard-stability"
 TITLE = "trainguard / Training stability"
 
-#: The update ratio's healthy band (DESIGN.md; seed section 6.1): about 1e-4 to 1e-2.
+#: The update ratio's healthy band (DESIGN.md; the stability guide, 6.1): about 1e-4 to 1e-2.
 UPDATE_RATIO_BAND = (1e-4, 1e-2)
 TOP_LAYERS = 5
 
@@ -59,8 +59,8 @@ def build() -> Dashboard:
             "Gradient norm (global, before clipping)",
             f"Global L2 norm of the gradients before clipping at the last reported step, and the "
             f"largest over the steps since the previous report (what the rules read: a spike "
-            f"between two reports is not missed). The red line is the seed's checklist limit "
-            f"({GRAD_NORM_LIMIT:g}); the controller's default rules lower the LR above it and on "
+            f"between two reports is not missed). The red line is the limit "
+            f"({GRAD_NORM_LIMIT:g}) above which gradients usually precede divergence; the controller's default rules lower the LR above it and on "
             f"spikes.",
             [query(f"trainguard_grad_norm{{{SEL}}}", "rank {{rank}}"),
              query(f"trainguard_grad_norm_max{{{SEL}}}", "rank {{rank}}, max since last report")],

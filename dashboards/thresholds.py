@@ -1,4 +1,4 @@
-"""The seed's thresholds as the controller's default rules (``service/default_rules.yaml``) state
+"""The stability thresholds as the controller's default rules (``service/default_rules.yaml``) state
 them: the one source for the dashboards' threshold lines and the generated Prometheus rules, so
 alerting in Prometheus and in the controller cannot drift apart."""
 
@@ -28,20 +28,20 @@ def _lr_factor(rule: Any) -> float:
     return float(factor)
 
 
-#: Seed 6.1 checklist: gradient values should stay below 1e3 (rule ``grad_norm_high``).
+#: The stability guide, 6.1 checklist: gradient values should stay below 1e3 (rule ``grad_norm_high``).
 GRAD_NORM_LIMIT = float(_RULES["grad_norm_high"].value)
 #: Gradient-norm spike: the norm over its rolling median (rule ``grad_norm_spike``).
 GRAD_NORM_SPIKE_RATIO = float(_RULES["grad_norm_spike"].ratio)
 #: Factor an ``lr_scale`` action multiplies the run's current lr_scale by (both gradient rules).
 LR_FACTOR = _lr_factor(_RULES["grad_norm_spike"])
 assert LR_FACTOR == _lr_factor(_RULES["grad_norm_high"]), "the gradient rules disagree on the LR factor"
-#: Seed 3.1: duplicate text above 5% warns (rule ``data_duplicate_ratio``).
+#: The stability guide, 3.1: duplicate text above 5% warns (rule ``data_duplicate_ratio``).
 DUPLICATE_RATIO_MAX = float(_RULES["data_duplicate_ratio"].value)
-#: Seed 3.1: token-distribution KL divergence above 0.1 alerts (rule ``data_token_kl``).
+#: The stability guide, 3.1: token-distribution KL divergence above 0.1 alerts (rule ``data_token_kl``).
 TOKEN_KL_MAX = float(_RULES["data_token_kl"].value)
-#: Seed 3.1: control/special characters above 0.01% (rule ``data_special_token_ratio``).
+#: The stability guide, 3.1: control/special characters above 0.01% (rule ``data_special_token_ratio``).
 SPECIAL_TOKEN_RATIO_MAX = float(_RULES["data_special_token_ratio"].value)
-#: Seed 3.1: length-distribution shift when the window test gives p < 0.05 (``data_length_shift``).
+#: The stability guide, 3.1: length-distribution shift when the window test gives p < 0.05 (``data_length_shift``).
 LENGTH_SHIFT_P_MIN = float(_RULES["data_length_shift"].value)
 #: Straggler: the slowest rank's step time over the median rank's (rule ``step_time_straggler``).
 STRAGGLER_RATIO = float(_RULES["step_time_straggler"].ratio)

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from trainguard.service.auth import TokenTable
 from trainguard.service.config import Settings
-from trainguard.service.controller import Conflict, Controller, Forbidden, Invalid, NotFound
+from trainguard.service.controller import Controller
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
 from trainguard.service.ingress import ReportIngress
 from trainguard.service.limits import BodyLimit
 from trainguard.service.metrics import ControllerMetrics
@@ -41,7 +42,8 @@ def create_app(
     store = store or Store(settings.db)
     clock = clock or time.time
     holder: dict[str, Controller] = {}
-    metrics = ControllerMetrics(registry or CollectorRegistry(), lambda: holder.get("ctl"))
+    metrics = ControllerMetrics(registry or CollectorRegistry(),
+                                lambda: holder["ctl"].metrics_snapshot() if "ctl" in holder else None)
     deliverer = WebhookDeliverer(
         store, metrics, clock=clock, timeout_s=settings.webhook_timeout_s, max_attempts=settings.webhook_max_attempts,
         backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s, transport=transport,

@@ -1,147 +1,47 @@
 """The controller's core: runs, reports, rules, alerts, desired state, audit log.
 
 All state changes happen on the event loop thread, synchronously between awaits, so they are
-ordered; each change becomes one store operation (one transaction with everything it implies) and
-is published — to long-polls, to the SSE stream, to the webhook worker — only after its commit.
-``RunState.desired`` is the newest state (possibly still being written); ``RunState.published`` the
-newest committed one, which is what agents see.
+ordered. Each change is one transaction (:mod:`service.transaction`): the in-memory state changes
+first, one store operation writes it with everything it implies, and only after the commit is it
+published — to long-polls, to the SSE stream, to the webhook worker; a failed commit takes the
+in-memory change back. ``RunState.desired`` is the newest state (possibly still being written);
+``RunState.published`` the newest committed one, which is what agents see.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-import math
 import sqlite3
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trainguard.service import store as sql
+from trainguard.service import statements as sql
+from trainguard.service.alertmanager import act
 from trainguard.service.auth import Principal
 from trainguard.service.config import Settings
-from trainguard.service.diagnosis import DIAGNOSES
-from trainguard.service.engine import AlertBook, FiredAlert, Outcome, command_state, decide
+from trainguard.service.engine import Outcome, command_state, decide
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
-from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, evaluate, load_rules
+from trainguard.service.records import Records
+from trainguard.service.recovery import load_rules_state, load_run
+from trainguard.service.evaluate import evaluate
+from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, load_rules
+from trainguard.service.runstate import RunState, action_names, live
 from trainguard.service.store import Store
-from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer, fingerprint, render
+from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
+from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
 from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
 
-__all__ = ["Controller", "RunState", "NotFound", "Conflict", "Forbidden", "Invalid", "COMMANDS"]
+__all__ = ["Controller"]
 
 log = logging.getLogger("trainguard.controller")
-COMMANDS = ("pause", "resume", "lr-scale", "checkpoint", "stop")
-_EVENT_QUEUE = 1024
-
-
-class NotFound(LookupError):
-    """404."""
-
-
-class Conflict(Exception):
-    """409."""
-
-
-class Forbidden(Exception):
-    """403."""
-
-
-class Invalid(ValueError):
-    """422."""
-
-
-@dataclass(slots=True, eq=False)
-class RunState:
-    id: int
-    run: str
-    job: str
-    world_size: int
-    ranks: list[dict[str, Any]]
-    agent_version: str
-    config: dict[str, Any]
-    registered_at: float
-    live_since: float
-    """When the run last became live (registered, re-registered, unpaused): absence rules count
-    silence from the later of this and the last report."""
-    window: RunWindow
-    desired: DesiredState
-    published: DesiredState
-    published_json: bytes
-    applied_generation: int = 0
-    applied_step: int | None = None
-    applied_at: float | None = None
-    reported_generation: int = 0
-    book: AlertBook = field(default_factory=AlertBook)
-    firing: dict[str, dict[str, Any]] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    finished_at: float | None = None
-    """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
-    re-registration. A finished run is not expected to report."""
-    finished_step: int | None = None
-    finish_reason: str = ""
-
-    def publish(self, desired: DesiredState) -> None:
-        if desired.generation >= self.published.generation:
-            self.published = desired
-            self.published_json = desired.model_dump_json().encode()
-            self.changed.set()
-            self.changed = asyncio.Event()
-
-    @property
-    def status(self) -> str:
-        if self.finished_at is not None:
-            return "finished"
-        if self.desired.stop:
-            return "stopped"
-        if self.desired.paused:
-            return "paused"
-        if any(a["kind"] == "absence" for a in self.firing.values()):
-            return "silent"
-        return "running" if self.window.count else "registered"
-
-
-def _actions(rule: Any) -> list[dict[str, Any]]:
-    return [a.model_dump(exclude_none=True) for a in rule.actions]
-
-
-def _live(d: DesiredState) -> bool:
-    """Whether a run in desired state ``d`` is expected to report."""
-    return not (d.paused or d.stop)
-
-
-def _action_names(before: DesiredState, after: DesiredState) -> list[str]:
-    out = []
-    if after.paused != before.paused:
-        out.append("pause" if after.paused else "resume")
-    if after.stop != before.stop:
-        out.append("stop" if after.stop else "resume")
-    if after.lr_scale != before.lr_scale:
-        out.append("lr_scale")
-    if after.checkpoint_seq != before.checkpoint_seq:
-        out.append("checkpoint")
-    return out
-
-
-def _resolve_alerts(c: sqlite3.Connection, run_id: int, rule: str, now: float, *, actor: str, reason: str,
-                    hooks: list[dict[str, Any]], external_url: str) -> tuple[list[int], int]:
-    """Resolve ``rule``'s firing alerts of a run inside the caller's transaction: a "resolved"
-    audit event each, and a resolved message to every webhook that wants one. Returns (event
-    ids, outbox rows written)."""
-    events, outbox = [], 0
-    for alert_id in sql.resolve_alerts(c, run_id, rule, now):
-        alert = sql.get_alert(c, alert_id)
-        events.append(sql.insert_event(c, run_id, now=now, kind="resolved", actor=actor, reason=reason,
-                                       generation=None, data={"alert_id": alert_id, "rule": rule}))
-        if alert["notify"]:
-            for h in hooks:
-                if h["send_resolved"] and SEVERITY_RANK[alert["severity"]] >= SEVERITY_RANK[h["min_severity"]]:
-                    sql.insert_outbox(c, webhook_id=h["id"], alert_id=alert_id, body=render(h["format"], alert, external_url=external_url), now=now)
-                    outbox += 1
-    return events, outbox
+#: Idempotency keys and Alertmanager fingerprints are remembered this long.
+_KEYS_KEPT_S = 7 * 86400
+Op = Callable[[sqlite3.Connection], "Written | None"]
 
 
 class Controller:
@@ -163,7 +63,10 @@ class Controller:
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
-        self._subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self.records = Records(store, clock)
+        """Alerts, the audit log and webhooks as stored (what the routes read and write)."""
+        self.events_hub = EventHub()
+        """The audit events published after each commit (the SSE stream subscribes to it)."""
         self._am_seen: set[tuple[str, str]] = set()
         self._idem_locks: dict[tuple[str, str], list[Any]] = {}  # key -> [lock, users]
         self._registering: dict[str, asyncio.Future[None]] = {}
@@ -173,43 +76,12 @@ class Controller:
     # == start-up =================================================================================
     def load(self) -> None:
         """Read everything back from the database (before the writer thread starts)."""
-        s = self.settings
-        rules_row = self.store.read_now(sql.latest_rules)
-        if s.rules is not None:
-            text = s.rules.read_text(encoding="utf-8")
-            self.rules = self.validate_rules(text)
-            if rules_row is None or rules_row["text"] != text or rules_row["source"] != f"file:{s.rules}":
-                vid = self.store.write_now(lambda c: sql.insert_rules_version(c, text, f"file:{s.rules}", "startup", self.clock()))
-            else:
-                vid = rules_row["id"]
-            self.rules_meta = {"version": vid, "source": f"file:{s.rules}", "actor": "startup", "created_at": self.clock()}
-        elif rules_row is not None:
-            self.rules = self.validate_rules(rules_row["text"])
-            self.rules_meta = {k: rules_row[k] for k in ("source", "actor", "created_at")} | {"version": rules_row["id"]}
+        loaded = load_rules_state(self.store, self.settings, self.clock, self.validate_rules)
+        if loaded is not None:
+            self.rules, self.rules_meta = loaded
         now = self.clock()
         for row in self.store.read_now(sql.all_runs):
-            desired = DesiredState(
-                generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
-                checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), reason=row["reason"],
-            )
-            window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
-                               world_size=row["world_size"], created=row["registered_at"])
-            st = RunState(
-                id=row["id"], run=row["run"], job=row["job"], world_size=row["world_size"], ranks=json.loads(row["ranks"]),
-                agent_version=row["agent_version"], config=json.loads(row["config"]), registered_at=row["registered_at"],
-                live_since=max(row["registered_at"], row["resumed_at"] or -math.inf), window=window, desired=desired, published=desired, published_json=desired.model_dump_json().encode(),
-                applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
-                finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
-            )
-            reports = self.store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
-            first_seq = (row["last_seq"] or 0) - len(reports)
-            window.count = max(first_seq, 0)
-            rank_from = len(reports) - s.rank_window_reports
-            for i, rep in enumerate(reports):
-                ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
-                window.append_raw(json.loads(rep["vals"]), ranks, rep["step_last"], rep["received"])
-            if row["last_report_at"] is not None:
-                window.touch(row["last_report_at"])
+            st = load_run(self.store, self.settings, row)
             self.runs[st.run] = st
         by_id = {st.id: st for st in self.runs.values()}
         for alert in self.store.read_now(sql.firing_alerts):
@@ -222,7 +94,7 @@ class Controller:
             if run_id in by_id:
                 by_id[run_id].book.restore(rule, firing=False, fired_at=[at])
         self.bindings = self.store.read_now(sql.agent_bindings)
-        self._am_seen = set(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - 7 * 86400)))
+        self._am_seen = set(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
 
     def _rule_kind(self, job: str, name: str) -> str:
         for r in self.rules.for_job(job):
@@ -246,8 +118,7 @@ class Controller:
         ]
 
     async def stop(self) -> None:
-        for q in list(self._subscribers):
-            q.put_nowait(None)
+        self.events_hub.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -257,6 +128,43 @@ class Controller:
                 pass
         self._tasks = []
         self.store.close()
+
+    # == the transaction path ========================================================================
+    async def _commit(self, tx: Transaction, op: Op, *, after: Callable[[Written], None] | None = None,
+                      single_statement: bool = False) -> Written:
+        """Write ``op`` in the next group commit. After the commit: wake the webhook worker for
+        the outbox rows it wrote, publish its events, then ``after`` (the caller's own
+        publishing). If the commit fails: ``tx.rollback()`` and raise. A caller cancelled while
+        waiting (its client went away) does not change the outcome: the operation still commits
+        or fails, and is published or taken back then."""
+        def run(c: sqlite3.Connection) -> Written:
+            w = op(c) or Written()
+            if w.events:
+                w.published = sql.get_events(c, w.events)
+            return w
+
+        def published(w: Written) -> Written:
+            if w.outbox:
+                self.deliverer.wake(w.outbox)
+            self.events_hub.publish(w.published)
+            if after is not None:
+                after(w)
+            return w
+
+        def orphaned(ok: bool, value: Any) -> None:
+            published(value) if ok else tx.rollback()
+
+        fut = self.store.submit(run, single_statement=single_statement, orphaned=orphaned)
+        try:
+            w = await fut
+        except asyncio.CancelledError:
+            if not fut.cancelled():  # the outcome arrived just before the cancellation
+                orphaned(fut.exception() is None, fut.exception() or fut.result())
+            raise  # else the store hands the outcome to orphaned() after the commit
+        except BaseException:
+            tx.rollback()
+            raise
+        return published(w)
 
     # == helpers ====================================================================================
     def get(self, run: str) -> RunState:
@@ -275,25 +183,6 @@ class Controller:
         if bound is not None and bound != run:
             raise Forbidden(f"this agent token is bound to run {bound!r}, not {run!r}")
 
-    def _publish_events(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            for q in list(self._subscribers):
-                try:
-                    q.put_nowait(ev)
-                except asyncio.QueueFull:  # a consumer too slow: drop it, it reconnects with Last-Event-ID
-                    self._subscribers.discard(q)
-
-    def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=_EVENT_QUEUE)
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
-        self._subscribers.discard(q)
-
-    def is_subscribed(self, q: asyncio.Queue[dict[str, Any] | None]) -> bool:
-        return q in self._subscribers
-
     # == registration =================================================================================
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
         self.check_agent(principal, reg.run, registering=True)
@@ -305,60 +194,73 @@ class Controller:
         while (registering := self._registering.get(reg.run)) is not None:
             await asyncio.shield(registering)  # a concurrent first registration of this run
         st = self.runs.get(reg.run)
-        bind = principal.kind == "agent" and principal.bound_run is None and principal.token_digest not in self.bindings
+        digest = principal.token_digest
+        bind = principal.kind == "agent" and principal.bound_run is None and digest not in self.bindings
         if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
             # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
             raise Forbidden(f"run {reg.run!r} belongs to another agent token; to hand it to this one, "
                             f"configure it as TOKEN:{reg.run} in TRAINGUARD_AGENT_TOKENS")
+        if st is not None and st.job != reg.job:
+            raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
+        tx = Transaction()
         if bind:
-            self.bindings[principal.token_digest] = reg.run
+            self.bindings[digest] = reg.run
+            tx.on_rollback(lambda: self.bindings.pop(digest, None))
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
         data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
-        if st is None:
-            def op(c: sqlite3.Connection) -> tuple[int, int]:
-                run_id = sql.insert_run(c, run=reg.run, job=reg.job, **fields)
-                if bind:
-                    sql.bind_agent(c, principal.token_digest, reg.run, now)
-                return run_id, sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor, reason="registered", generation=0, data=data)
-            done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
-            try:
-                run_id, event_id = await self.store.submit(op)
-            except BaseException:
-                if bind:
-                    self.bindings.pop(principal.token_digest, None)
-                raise
-            finally:
-                del self._registering[reg.run]
-                done.set_result(None)
-            d = DesiredState()
-            st = RunState(
-                id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
-                config=reg.config, registered_at=now, live_since=now,
-                window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
-                                 world_size=reg.world_size, created=now),
-                desired=d, published=d, published_json=d.model_dump_json().encode(),
-            )
-            self.runs[reg.run] = st
-        else:
-            if st.job != reg.job:
-                raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
-            st.world_size, st.ranks, st.agent_version, st.config = reg.world_size, ranks, reg.agent_version, reg.config
+        first = st is None
+        if st is not None:
+            old_world = st.world_size
             st.window.resize_world(reg.world_size)
-            st.registered_at = st.live_since = now  # a restarted job is live again, finished or not
-            st.finished_at, st.finished_step, st.finish_reason = None, None, ""
-            run_id = st.id
+            tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
+            tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
+                      registered_at=now, live_since=now,  # a restarted job is live again, finished or not
+                      finished_at=None, finished_step=None, finish_reason="")
+        generation = 0 if st is None else st.desired.generation
 
-            def op(c: sqlite3.Connection) -> tuple[int, int]:
+        def op(c: sqlite3.Connection) -> Written:
+            run_id = sql.insert_run(c, run=reg.run, job=reg.job, **fields) if first else st.id
+            if not first:
                 sql.update_run_registration(c, run_id, **fields)
-                if bind:
-                    sql.bind_agent(c, principal.token_digest, reg.run, now)
-                return run_id, sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor, reason="re-registered", generation=st.desired.generation, data=data)
-            _, event_id = await self.store.submit(op)
-        self._publish_events([{"id": event_id, "run": st.run, "job": st.job, "time": now, "kind": "registered",
-                               "actor": principal.actor, "reason": "registered", "generation": st.published.generation, "data": data}])
+            if bind:
+                sql.bind_agent(c, digest, reg.run, now)
+            event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
+                                     reason="registered" if first else "re-registered", generation=generation, data=data)
+            return Written(events=[event], value=run_id)
+
+        if not first:
+            await self._commit(tx, op)
+            return RunRegistered(job=st.job, run=st.run, desired=st.published)
+        done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
+        try:
+            await self._commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now))
+        finally:
+            del self._registering[reg.run]
+            done.set_result(None)
+        st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.published)
 
+    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float) -> None:
+        d = DesiredState()
+        self.runs[reg.run] = RunState(
+            id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
+            config=reg.config, registered_at=now, live_since=now,
+            window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
+                             world_size=reg.world_size, created=now),
+            desired=d, published=d, published_json=d.model_dump_json().encode(),
+        )
+
     # == reports ======================================================================================
+    async def ingest_json(self, run: str, body: bytes, principal: Principal) -> bytes:
+        """The report endpoint's work, shared by its fast path (:mod:`service.ingress`) and its
+        route: parse ``body`` (pydantic's ``ValidationError`` propagates), ingest, and record the
+        latency. Answers ``ReportAccepted`` as JSON bytes."""
+        t0 = time.perf_counter()
+        report = Report.model_validate_json(body)
+        answer = await self.ingest(run, report, principal)
+        self.metrics.ingest_latency.observe(time.perf_counter() - t0)
+        return answer
+
     async def ingest(self, run: str, report: Report, principal: Principal) -> bytes:
         """Persist and evaluate one report; answers ``ReportAccepted`` as JSON bytes."""
         st = self.runs.get(run)
@@ -375,18 +277,24 @@ class Controller:
                 self.metrics.rejected.labels("invalid").inc()
                 raise Invalid(f"ranks.{name} has {len(vec)} values; the run's world_size is {st.world_size}")
         now = self.clock()
+        tx = Transaction()
+        saved = st.window.save_next(ranks=bool(ranks))
         st.window.append_raw(report.values, ranks, report.step_last, now)
-        st.reported_generation = report.applied_generation
-        seq = st.window.count
+        tx.on_rollback(lambda: st.window.rollback(saved))
+        tx.assign(st, reported_generation=report.applied_generation)
+        run_id, seq = st.id, st.window.count
         rules = self.rules.for_job(st.job)
         outcome = decide(evaluate(rules, st.window, now), st.book, st.desired, now, complete=True)
         self.metrics.evaluations.inc(len(rules))
-        run_id = st.id
+
+        def insert(c: sqlite3.Connection) -> None:
+            sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS)
+
         if not outcome.fired and not outcome.resolved:
             self._count_suppressed(outcome)
-            await self.store.submit(lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS), single_statement=True)
+            await self._commit(tx, insert, single_statement=True)
         else:
-            await self._commit_outcome(st, outcome, now, lambda c: sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS))
+            await self._commit_outcome(st, outcome, now, tx, insert)
         self.metrics.reports.inc()
         names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode() if outcome.fired else b"[]"
         return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
@@ -396,77 +304,48 @@ class Controller:
         for f, why in outcome.suppressed:
             self.metrics.suppressed.labels(f.rule.name, why).inc()
 
-    async def _commit_outcome(self, st: RunState, outcome: Outcome, now: float, extra: Callable[[sqlite3.Connection], Any] | None = None) -> None:
-        """Write the alerts, desired-state changes, events and outbox rows of ``outcome`` in one
-        transaction, then publish them."""
+    async def _commit_outcome(self, st: RunState, outcome: Outcome, now: float, tx: Transaction,
+                              extra: Callable[[sqlite3.Connection], Any] | None = None) -> None:
+        """Write the alerts, desired-state changes, events and outbox rows of ``outcome`` (which
+        has fired or resolved something) in one transaction with ``extra``, then publish them."""
         self._count_suppressed(outcome)
-        if not outcome.fired and not outcome.resolved:
-            if extra is not None:
-                await self.store.submit(extra)
-            return
+        tx.on_rollback(lambda: st.book.undo(outcome.book_prior))
         before = st.desired
-        st.desired = outcome.desired
-        run_id, run, job = st.id, st.run, st.job
-        external = self.settings.external_url
+        tx.assign(st, desired=outcome.desired)
+        run_id, run, external = st.id, st.run, self.settings.external_url
         step = st.window.last_step  # the step of the report that fired (absence: the last one seen)
 
-        def op(c: sqlite3.Connection) -> dict[str, Any]:
+        def op(c: sqlite3.Connection) -> Written:
             if extra is not None:
                 extra(c)
             hooks = sql.active_webhooks(c)
-            out: dict[str, Any] = {"events": [], "alerts": [], "outbox": 0}
+            out = Written(value=[])
             for fa in outcome.fired:
-                rule = fa.finding.rule
-                diag = DIAGNOSES[rule.diagnosis].as_dict()
-                gen = fa.desired.generation if fa.desired else None
-                alert_id = sql.insert_alert(
-                    c, run_id, rule=rule.name, severity=rule.severity, summary=fa.finding.summary, values=fa.finding.values,
-                    diagnosis=diag, actions=_actions(rule), generation=gen, notify=fa.notify, now=now,
-                    fingerprint=fingerprint(run, rule.name, now),
-                )
-                alert = sql.get_alert(c, alert_id)
-                out["alerts"].append(alert | {"kind": rule.kind})
-                out["events"].append(sql.insert_event(c, run_id, now=now, kind="alert", actor=f"rule:{rule.name}", reason=fa.finding.summary,
-                                                      generation=gen, data={"alert_id": alert_id, "rule": rule.name, "severity": rule.severity, "values": fa.finding.values,
-                                                            "step": step}))
-                if fa.desired is not None:
-                    sql.update_desired(c, run_id, fa.desired)
-                    out["events"].append(sql.insert_event(c, run_id, now=now, kind="desired", actor=f"rule:{rule.name}", reason=fa.desired.reason,
-                                                          generation=fa.desired.generation, data={"desired": fa.desired.model_dump(), "alert_id": alert_id}))
-                if fa.notify:
-                    for h in hooks:
-                        if SEVERITY_RANK[rule.severity] >= SEVERITY_RANK[h["min_severity"]]:
-                            sql.insert_outbox(c, webhook_id=h["id"], alert_id=alert_id, body=render(h["format"], alert, external_url=external), now=now)
-                            out["outbox"] += 1
+                alert = record_fired(c, run_id, run, fa, now, step=step, hooks=hooks, external_url=external, out=out)
+                out.value.append(alert | {"kind": fa.finding.rule.kind})
             for name in outcome.resolved:
-                events, outbox = _resolve_alerts(c, run_id, name, now, actor=f"rule:{name}", reason="condition cleared",
-                                                 hooks=hooks, external_url=external)
-                out["events"] += events
-                out["outbox"] += outbox
-            out["events"] = sql.get_events(c, out["events"])
+                record_resolved(c, run_id, name, now, actor=f"rule:{name}", reason="condition cleared",
+                                hooks=hooks, external_url=external, out=out)
             return out
 
-        try:
-            result = await self.store.submit(op)
-        except BaseException:
-            if st.desired is outcome.desired:
-                st.desired = before
-            raise
-        for alert in result["alerts"]:
-            st.firing[alert["rule"]] = self._firing_entry(alert, kind=alert["kind"])
-            self.metrics.alerts.labels(alert["rule"], alert["severity"]).inc()
-        for name in outcome.resolved:
-            st.firing.pop(name, None)
-        prev = before
-        for fa in outcome.fired:
-            if fa.desired is not None:
-                for action in _action_names(prev, fa.desired):
-                    self.metrics.actions.labels(action, "rule").inc()
-                prev = fa.desired
-        st.publish(outcome.desired)
-        self._publish_events(result["events"])
-        if result["outbox"]:
-            self.deliverer.wake(result["outbox"])
+        def after(w: Written) -> None:
+            for alert in w.value:
+                st.firing[alert["rule"]] = self._firing_entry(alert, kind=alert["kind"])
+                self.metrics.alerts.labels(alert["rule"], alert["severity"]).inc()
+            for name in outcome.resolved:
+                st.firing.pop(name, None)
+            prev = before
+            for fa in outcome.fired:
+                if fa.desired is not None:
+                    self._count_actions(prev, fa.desired, "rule")
+                    prev = fa.desired
+            st.publish(outcome.desired)
+
+        await self._commit(tx, op, after=after)
+
+    def _count_actions(self, before: DesiredState, after: DesiredState, source: str) -> None:
+        for action in action_names(before, after):
+            self.metrics.actions.labels(action, source).inc()
 
     # == desired state ==================================================================================
     async def wait_desired(self, run: str, after: int, wait: float, principal: Principal) -> bytes:
@@ -497,16 +376,16 @@ class Controller:
         now = self.clock()
         if ack.generation <= st.applied_generation and st.applied_step is not None:
             return {"applied_generation": st.applied_generation, "applied_step": st.applied_step, "recorded": False}
-        st.applied_generation, st.applied_step, st.applied_at = ack.generation, ack.step, now
+        tx = Transaction()
+        tx.assign(st, applied_generation=ack.generation, applied_step=ack.step, applied_at=now)
         run_id = st.id
 
-        def op(c: sqlite3.Connection) -> int:
+        def op(c: sqlite3.Connection) -> Written:
             sql.update_applied(c, run_id, ack.generation, ack.step, now)
-            return sql.insert_event(c, run_id, now=now, kind="applied", actor=principal.actor, reason=f"applied at step {ack.step}",
-                                    generation=ack.generation, data={"step": ack.step})
-        event_id = await self.store.submit(op)
-        self._publish_events([{"id": event_id, "run": st.run, "job": st.job, "time": now, "kind": "applied", "actor": principal.actor,
-                               "reason": f"applied at step {ack.step}", "generation": ack.generation, "data": {"step": ack.step}}])
+            return Written(events=[sql.insert_event(c, run_id, now=now, kind="applied", actor=principal.actor,
+                                                    reason=f"applied at step {ack.step}", generation=ack.generation,
+                                                    data={"step": ack.step})])
+        await self._commit(tx, op)
         return {"applied_generation": ack.generation, "applied_step": ack.step, "recorded": True}
 
     # == lifecycle ===================================================================================
@@ -518,33 +397,23 @@ class Controller:
         if st.finished_at is not None:
             return self._finished_answer(st, changed=False)
         now = self.clock()
-        st.finished_at, st.finished_step, st.finish_reason = now, fin.step, fin.reason
-        resolve = self._firing_absence(st)
+        tx = Transaction()
+        tx.assign(st, finished_at=now, finished_step=fin.step, finish_reason=fin.reason)
+        resolve = st.firing_absence()
         run_id, external = st.id, self.settings.external_url
         data = {"step": fin.step, "reason": fin.reason}
 
-        def op(c: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+        def op(c: sqlite3.Connection) -> Written:
             sql.update_finished(c, run_id, now=now, step=fin.step, reason=fin.reason)
-            ids = [sql.insert_event(c, run_id, now=now, kind="finished", actor=principal.actor, reason=f"finished at step {fin.step}: {fin.reason}",
-                                    generation=None, data=data)]
+            out = Written(events=[sql.insert_event(c, run_id, now=now, kind="finished", actor=principal.actor,
+                                                   reason=f"finished at step {fin.step}: {fin.reason}", generation=None, data=data)])
             hooks = sql.active_webhooks(c) if resolve else []
-            outbox = 0
             for name in resolve:
-                events, n = _resolve_alerts(c, run_id, name, now, actor=principal.actor, reason="run finished", hooks=hooks, external_url=external)
-                ids += events
-                outbox += n
-            return sql.get_events(c, ids), outbox
+                record_resolved(c, run_id, name, now, actor=principal.actor, reason="run finished", hooks=hooks,
+                                external_url=external, out=out)
+            return out
 
-        try:
-            events, outbox = await self.store.submit(op)
-        except BaseException:
-            if st.finished_at == now:
-                st.finished_at, st.finished_step, st.finish_reason = None, None, ""
-            raise
-        self._forget_alerts(st, resolve)
-        if outbox:
-            self.deliverer.wake(outbox)
-        self._publish_events(events)
+        await self._commit(tx, op, after=lambda w: st.forget_alerts(resolve))
         return self._finished_answer(st, changed=True)
 
     @staticmethod
@@ -552,27 +421,19 @@ class Controller:
         return {"run": st.run, "status": st.status, "finished_at": st.finished_at, "finished_step": st.finished_step,
                 "finish_reason": st.finish_reason, "changed": changed}
 
-    @staticmethod
-    def _firing_absence(st: RunState) -> list[str]:
-        return [name for name, a in st.firing.items() if a["kind"] == "absence"]
-
-    @staticmethod
-    def _forget_alerts(st: RunState, names: list[str]) -> None:
-        """Drop alerts resolved from outside the rules (committed) from the run's firing set."""
-        for name in names:
-            st.firing.pop(name, None)
-            st.book.resolve(name)
-
     # == operator commands ===============================================================================
     async def command(
         self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
-        idempotency: tuple[str, str, str] | None = None, extra: Callable[[sqlite3.Connection], Any] | None = None,
+        factor: float | None = None, idempotency: tuple[str, str, str] | None = None,
+        extra: Callable[[sqlite3.Connection], Any] | None = None,
     ) -> tuple[int, bytes]:
-        """Apply an operator (or Alertmanager) command. ``idempotency`` is (principal, key,
-        request hash): a repeat answers the stored response, another body under the key is a
-        Conflict. Returns (HTTP status, JSON body)."""
+        """Apply a command (:data:`~trainguard.protocol.wire.COMMANDS`) from an operator or
+        Alertmanager; ``lr_scale`` takes an absolute ``scale`` or a ``factor`` of the current
+        multiplier. ``idempotency`` is (principal, key, request hash): a repeat answers the stored
+        response, another body under the key is a Conflict. Returns (HTTP status, JSON body)."""
+        args = (run, command, reason, actor, source, scale, factor)
         if idempotency is None:
-            return await self._command(run, command, reason, actor, source, scale, None, extra)
+            return await self._command(*args, None, extra)
         principal, key, req_hash = idempotency
         entry = self._idem_locks.setdefault((principal, key), [asyncio.Lock(), 0])
         entry[1] += 1
@@ -583,121 +444,64 @@ class Controller:
                     if row["request_hash"] != req_hash:
                         raise Conflict(f"Idempotency-Key {key!r} was used with another request")
                     return row["status"], bytes(row["body"])
-                return await self._command(run, command, reason, actor, source, scale, idempotency, extra)
+                return await self._command(*args, idempotency, extra)
         finally:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._idem_locks[(principal, key)]
 
     async def _command(self, run: str, command: str, reason: str, actor: str, source: str, scale: float | None,
-                       idempotency: tuple[str, str, str] | None, extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
+                       factor: float | None, idempotency: tuple[str, str, str] | None,
+                       extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
         try:
-            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale)
+            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor)
         except ValueError as e:
             raise Invalid(str(e)) from None
-        before, live_since = st.desired, st.live_since
-        resolve_absence = self._firing_absence(st) if command == "stop" else []
-        unpaused = new is not None and _live(new) and not _live(before)
-        result_state = new or st.desired
+        before = st.desired
+        resolve_absence = st.firing_absence() if command == "stop" else []
         body = json.dumps({"run": run, "command": command, "changed": new is not None,
-                           "desired": result_state.model_dump()}).encode()
+                           "desired": (new or before).model_dump()}).encode()
+        tx = Transaction()
         if new is not None:
-            st.desired = new
+            tx.assign(st, desired=new)
+        unpaused = new is not None and live(new) and not live(before)
         if unpaused:
-            st.live_since = now  # the run reports again from now on: absence counts from here
-        run_id = st.id
-        external = self.settings.external_url
+            tx.assign(st, live_since=now)  # the run reports again from now on: absence counts from here
+        run_id, external = st.id, self.settings.external_url
 
-        def op(c: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+        def op(c: sqlite3.Connection) -> Written:
             if extra is not None:
                 extra(c)
-            ids, outbox = [], 0
+            out = Written()
             if new is not None:
                 sql.update_desired(c, run_id, new)
-                ids.append(sql.insert_event(c, run_id, now=now, kind="desired", actor=actor, reason=new.reason, generation=new.generation,
-                                            data={"desired": new.model_dump(), "command": command}))
+                out.events.append(sql.insert_event(c, run_id, now=now, kind="desired", actor=actor, reason=new.reason,
+                                                   generation=new.generation, data={"desired": new.model_dump(), "command": command}))
             if unpaused:
                 sql.update_resumed(c, run_id, now)
-            if resolve_absence:
-                hooks = sql.active_webhooks(c)
-                for name in resolve_absence:
-                    events, n = _resolve_alerts(c, run_id, name, now, actor=actor, reason="run stopped", hooks=hooks, external_url=external)
-                    ids += events
-                    outbox += n
+            hooks = sql.active_webhooks(c) if resolve_absence else []
+            for name in resolve_absence:
+                record_resolved(c, run_id, name, now, actor=actor, reason="run stopped", hooks=hooks, external_url=external, out=out)
             if idempotency is not None:
-                sql.put_idempotent(c, idempotency[0], idempotency[1], idempotency[2], 200, body, now)
-            return sql.get_events(c, ids), outbox
+                sql.put_idempotent(c, *idempotency, 200, body, now)
+            return out
 
-        try:
-            events, outbox = await self.store.submit(op)
-        except BaseException:
-            if new is not None and st.desired is new:
-                st.desired = before
-                st.live_since = live_since
-            raise
-        self._forget_alerts(st, resolve_absence)
-        if outbox:
-            self.deliverer.wake(outbox)
-        if new is not None:
-            for action in _action_names(before, new):
-                self.metrics.actions.labels(action, source).inc()
-            st.publish(new)
-        self._publish_events(events)
+        def after(_: Written) -> None:
+            st.forget_alerts(resolve_absence)
+            if new is not None:
+                self._count_actions(before, new, source)
+                st.publish(new)
+
+        await self._commit(tx, op, after=after)
         return 200, body
 
     # == Alertmanager in ================================================================================
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
-        """Act on the firing alerts of an Alertmanager webhook (version 4) payload that carry a
-        ``trainguard_action`` label and a run label (``run`` or ``trainguard_run``). Each alert
-        (fingerprint + startsAt) acts once."""
-        results = []
-        for alert in payload.get("alerts", []):
-            labels = alert.get("labels") or {}
-            fp = str(alert.get("fingerprint") or hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16])
-            starts = str(alert.get("startsAt", ""))
-            action = labels.get("trainguard_action")
-            run = labels.get("trainguard_run") or labels.get("run")
-            res: dict[str, Any] = {"fingerprint": fp, "startsAt": starts, "run": run, "action": action}
-            if alert.get("status") != "firing" or not action:
-                results.append(res | {"outcome": "ignored", "detail": "not firing or no trainguard_action label"})
-                continue
-            command = action.replace("_", "-")
-            if command not in COMMANDS or not run:
-                results.append(res | {"outcome": "error", "detail": f"unknown action {action!r} or no run label"})
-                continue
-            if (fp, starts) in self._am_seen:
-                results.append(res | {"outcome": "duplicate"})
-                continue
-            scale = None
-            if command == "lr-scale":
-                try:
-                    if "trainguard_lr_scale" in labels:
-                        scale = float(labels["trainguard_lr_scale"])
-                    elif run in self.runs:
-                        scale = self.runs[run].desired.lr_scale * float(labels.get("trainguard_lr_factor", "0.5"))
-                except ValueError:
-                    results.append(res | {"outcome": "error", "detail": "trainguard_lr_scale / trainguard_lr_factor is not a number"})
-                    continue
-            ann = alert.get("annotations") or {}
-            reason = f"alertmanager {labels.get('alertname', '?')}: {ann.get('summary') or ann.get('description') or action}"
-            self._am_seen.add((fp, starts))
-            now = self.clock()
-            try:
-                status, body = await self.command(
-                    run, command, reason=reason[:2000], actor=f"alertmanager:{labels.get('alertname', '?')}", source="alertmanager",
-                    scale=scale, extra=lambda c, fp=fp, starts=starts: sql.mark_alertmanager_seen(c, fp, starts, now),
-                )
-            except (NotFound, Invalid) as e:
-                self._am_seen.discard((fp, starts))
-                results.append(res | {"outcome": "error", "detail": str(e)})
-                continue
-            except BaseException:
-                self._am_seen.discard((fp, starts))
-                raise
-            results.append(res | {"outcome": "applied", "result": json.loads(body)})
-        return results
+        """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each
+        (fingerprint + startsAt) once: see :func:`service.alertmanager.act`."""
+        return await act(payload, self._am_seen, self.command, self.clock)
 
     # == rules ====================================================================================
     def validate_rules(self, text: str) -> RuleSet:
@@ -718,7 +522,7 @@ class Controller:
         counted from the later of the last report and the moment the run became live."""
         now = self.clock()
         for st in list(self.runs.values()):
-            if st.finished_at is not None or not _live(st.desired):
+            if st.finished_at is not None or not live(st.desired):
                 continue
             absence = tuple(r for r in self.rules.for_job(st.job) if isinstance(r, AbsenceRule))
             if not absence:
@@ -727,13 +531,15 @@ class Controller:
             self.metrics.evaluations.inc(len(absence))
             if outcome.fired or outcome.resolved:
                 try:
-                    await self._commit_outcome(st, outcome, now)
+                    await self._commit_outcome(st, outcome, now, Transaction())
                 except Exception:
                     log.exception("could not record absence alerts of run %s", st.run)
+            else:
+                self._count_suppressed(outcome)
         if now - self._last_prune > 3600:
             self._last_prune = now
             keep = self.settings.report_retention_s
-            await self.store.submit(lambda c: sql.prune(c, reports_before=now - keep, keys_before=now - 7 * 86400))
+            await self.store.submit(lambda c: sql.prune(c, reports_before=now - keep, keys_before=now - _KEYS_KEPT_S))
 
     async def _ticker(self) -> None:
         while True:
@@ -744,24 +550,6 @@ class Controller:
                 log.exception("absence ticker failed")
 
     # == reads ===================================================================================
-    def run_summary(self, st: RunState) -> dict[str, Any]:
-        return {
-            "run": st.run, "job": st.job, "status": st.status, "world_size": st.world_size,
-            "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
-            "last_step": st.window.last_step, "reports": st.window.count,
-            "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
-            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
-        }
-
-    def run_detail(self, st: RunState) -> dict[str, Any]:
-        return self.run_summary(st) | {
-            "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
-            "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
-            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
-            "last_values": st.window.latest_values(),
-            "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
-        }
-
     def metrics_snapshot(self) -> dict[str, Any]:
         runs: dict[str, int] = {s: 0 for s in ("running", "paused", "stopped", "silent", "registered", "finished")}
         firing: dict[str, int] = {s: 0 for s in SEVERITY_RANK}
@@ -771,14 +559,3 @@ class Controller:
                 firing[a["severity"]] = firing.get(a["severity"], 0) + 1
         return {"runs": runs, "firing": firing, "outbox_pending": self.deliverer.pending, "waiters": self.waiters,
                 "commits": self.store.commits}
-
-
-def nan_safe(value: Any) -> Any:
-    """Replace NaN/±Inf floats by the wire's strings (for JSON answers built from stored values)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: nan_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_safe(v) for v in value]
-    return value

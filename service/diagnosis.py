@@ -1,8 +1,9 @@
-"""The source document's diagnosis knowledge, attached to every alert.
+"""What an alert means and what to do about it, attached to every alert.
 
-Section 5.1 of the seed ("Loss异常波动处理流程") gives a symptom → likely cause → remedy table and a
-five-step triage procedure; section 6.1 a stability checklist; 3.1 the data-quality thresholds;
-5.2 the memory traps; 5.3 the cross-rank consistency check. A rule names one entry of
+The entries follow the stability guide: its section 5.1 symptom ->
+likely cause -> remedy table and five-step loss triage, the 6.1 checklist, the 3.1 data-quality
+thresholds, the 5.2 memory traps, the 5.3 cross-rank consistency check, and the 2.2/2.3 optimizer
+and mixed-precision notes. The user-facing text explains in plain words; these comments cite. A rule names one entry of
 :data:`DIAGNOSES` and its alerts carry that entry verbatim, with the values that triggered them.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["Diagnosis", "DIAGNOSES", "LOSS_TRIAGE", "STABILITY_CHECKLIST", "diagnosis"]
 
-#: Seed 5.1: the triage procedure for an abnormal loss, in the document's order.
+#: The stability guide, 5.1: the triage procedure for an abnormal loss, in the document's order.
 LOSS_TRIAGE: tuple[str, ...] = (
     "Check gradient statistics (mean / variance / max / min).",
     "Verify the size of parameter updates (delta W should be about lr * gradient).",
@@ -21,7 +22,7 @@ LOSS_TRIAGE: tuple[str, ...] = (
     "Lower the learning rate 10x and watch how the behaviour changes.",
 )
 
-#: Seed 6.1: the checklist enforced before a large training run.
+#: The stability guide, 6.1: the checklist enforced before a large training run.
 STABILITY_CHECKLIST: tuple[str, ...] = (
     "Gradient value range check (should be < 1e3).",
     "Parameter initialisation distribution check (mean / variance).",
@@ -36,13 +37,13 @@ class Diagnosis:
     """What a symptom usually means and what to do about it."""
 
     symptom: str
-    """The symptom as the seed names it."""
+    """The symptom, in the words an operator would use."""
     likely_causes: tuple[str, ...]
     """Likely causes, most likely first."""
     suggested_actions: tuple[str, ...]
     """What to do, in order."""
     source: str
-    """Where in the seed this comes from."""
+    """Why this matters, in plain words (shown with the alert)."""
 
     def as_dict(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -52,86 +53,92 @@ DIAGNOSES: dict[str, Diagnosis] = {
     "loss_nan": Diagnosis(
         symptom="Loss suddenly became NaN/Inf",
         likely_causes=(
-            "Gradient explosion (seed 5.1), e.g. an LR schedule that does not fit the optimizer",
+            "Gradient explosion, e.g. an LR schedule that does not fit the optimizer",
             "Mixed-precision overflow (FP16 moment buffers, loss scale too high)",
         ),
         suggested_actions=("Lower the learning rate", "Clip gradients harder", *LOSS_TRIAGE[2:3]),
-        source="seed 5.1 symptom table, row 1; 2.3",
+        source="A NaN loss almost always follows exploding gradients or an overflow under mixed precision; "
+               "every step after it is wasted, so the run is paused.",
     ),
     "loss_oscillation": Diagnosis(
         symptom="Loss oscillates periodically",
         likely_causes=("Batch size too large",),
         suggested_actions=("Adjust the batch size dynamically", "Increase momentum"),
-        source="seed 5.1 symptom table, row 2",
+        source="A loss that swings back and forth in a regular rhythm usually means the batch size is too large for the learning rate.",
     ),
     "loss_plateau": Diagnosis(
         symptom="Loss does not decrease for a long time",
         likely_causes=("Learning rate too small", "Poor data quality"),
         suggested_actions=("Check the data", "Adjust the LR schedule"),
-        source="seed 5.1 symptom table, row 3",
+        source="A loss that stays flat usually means the model is not learning: a learning rate too small or data too poor.",
     ),
     "loss_rise_after_fall": Diagnosis(
         symptom="Loss rises suddenly after falling",
         likely_causes=("Abnormal optimizer state", "Mixed-precision problems"),
         suggested_actions=("Reset the optimizer state", "Check mixed precision", *LOSS_TRIAGE),
-        source="seed 5.1 symptom table, row 4; 5.1 triage",
+        source="A loss that climbs after training went well usually points to a corrupted optimizer state or a mixed-precision problem.",
     ),
     "grad_explosion": Diagnosis(
-        symptom="Gradient norm out of range (seed checklist: should be < 1e3) or spiking",
+        symptom="Gradient norm out of range (should stay below 1e3) or spiking",
         likely_causes=(
             "Learning rate too high for the optimizer's state (gradient explosion precedes a NaN loss)",
-            "Gradient scaling factor mismatched with the learning rate under AMP (seed 2.3)",
+            "Gradient scaling factor mismatched with the learning rate under AMP",
         ),
         suggested_actions=("Lower the learning rate", "Clip gradients harder", *LOSS_TRIAGE[:2]),
-        source="seed 6.1 checklist item 1; 5.1 symptom table, row 1",
+        source="Gradient values above 1e3, or a sudden jump over their recent median, usually precede divergence "
+               "and a NaN loss.",
     ),
     "update_ratio": Diagnosis(
         symptom="Parameter updates too large relative to the parameters",
-        likely_causes=("Learning rate too high", "Weight decay amplified at low precision (seed 2.3)"),
+        likely_causes=("Learning rate too high", "Weight decay amplified at low precision"),
         suggested_actions=(LOSS_TRIAGE[1], "Lower the learning rate"),
-        source="seed 5.1 triage step 2; 6.2",
+        source="Each step should change the weights by roughly 1e-4 to 1e-2 of their size; much more means the "
+               "optimizer is overshooting.",
     ),
     "optimizer_state": Diagnosis(
         symptom="Non-finite values in the optimizer state",
-        likely_causes=("FP16 momentum buffers overflowed (seed 2.3)", "Abnormal optimizer state"),
-        suggested_actions=("Reset the optimizer state", "Check mixed precision", "Raise eps (seed 2.2)"),
-        source="seed 2.3; 5.1 symptom table, row 4",
+        likely_causes=("FP16 momentum buffers overflowed", "Abnormal optimizer state"),
+        suggested_actions=("Reset the optimizer state", "Check mixed precision",
+                           "Above 10B parameters, lower Adam's eps from 1e-6 to 1e-8 (a large eps stalls the updates of "
+                           "the feed-forward layers)"),
+        source="Once a moment buffer holds Inf or NaN, every update it touches is corrupted; under mixed precision "
+               "the FP16 momentum buffers overflow most easily.",
     ),
     "data_quality": Diagnosis(
         symptom="Data quality out of bounds (duplicates > 5%, token KL > 0.1, control characters > 0.01%, length shift p < 0.05)",
         likely_causes=("Data pipeline or sampling distribution changed", "A shard with duplicated or corrupted text"),
         suggested_actions=("Check the data sampling distribution", "Inspect the current data shard", "Adjust the cleaning threshold"),
-        source="seed 3.1; 5.1 triage step 4",
+        source="Duplicated, shifted or corrupted text changes what the model learns long before the loss shows it.",
     ),
     "straggler": Diagnosis(
         symptom="One rank's step time is far above the others'",
         likely_causes=("Slow or throttled device or host", "Network congestion on one node", "Data loading bottleneck on one rank"),
         suggested_actions=("Inspect the slow rank's host", "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)"),
-        source="seed 5.3; 3.3",
+        source="Every rank waits for the slowest one at each collective, so one slow rank slows the whole job.",
     ),
     "desync": Diagnosis(
         symptom="Ranks disagree on a gradient/parameter fingerprint (should differ by < 1e-5)",
         likely_causes=("Parameters not synchronised across ranks", "Gradients not all-reduced"),
         suggested_actions=("torch.distributed.barrier() and re-broadcast parameters", "all_reduce the gradients", "Restore from the last consistent checkpoint"),
-        source="seed 5.3",
+        source="Data-parallel ranks must hold the same weights; once they differ, the ranks train different models.",
     ),
     "memory_growth": Diagnosis(
         symptom="Memory grows monotonically",
         likely_causes=("Oversized intermediate activations", "Gradient buffers not released", "Duplicated tensor copies", "Computation graph kept alive (retain_graph)"),
-        suggested_actions=("Locate the leak layer by layer (seed 5.2)", "Check for tensors kept across steps"),
-        source="seed 5.2",
+        suggested_actions=("Locate the leak layer by layer (backward one layer at a time)", "Check for tensors kept across steps"),
+        source="Memory that only grows is a leak: the job runs out of memory later, often hours in.",
     ),
     "hung": Diagnosis(
         symptom="No report from the run",
         likely_causes=("Job hung (a collective waiting on a dead rank)", "Job crashed or was preempted", "Network between the job and the controller"),
         suggested_actions=("Check the job's processes and logs", "Check the leader rank's connectivity to the controller"),
-        source="trainguard (absence of reports)",
+        source="A live run reports at every interval; silence means it is hung, crashed or cut off.",
     ),
     "generic": Diagnosis(
         symptom="A monitored value crossed its rule",
         likely_causes=("See the triggering values",),
         suggested_actions=LOSS_TRIAGE,
-        source="seed 5.1 triage",
+        source="The standard triage for an abnormal loss, in order.",
     ),
 }
 

@@ -13,15 +13,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    AbsenceRule, CheckpointAction, Finding, LrScaleAction, NotifyAction, PauseAction, StopAction, evaluate,
+    AbsenceRule, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, StopAction,
 )
 from trainguard.service.window import RunWindow
-from trainguard.protocol.wire import DesiredState, Report
+from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
 
 __all__ = ["AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
 
 _REASON_MAX = 2000
+#: The commands that are also rule actions (``lr_scale`` is built from its scale or factor).
+_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction()}
 
 
 @dataclass(slots=True)
@@ -36,6 +41,8 @@ class Transition:
     fire: list[Finding] = field(default_factory=list)
     resolve: list[str] = field(default_factory=list)
     suppressed: list[tuple[Finding, str]] = field(default_factory=list)
+    prior: list[tuple[str, bool, float]] = field(default_factory=list)
+    """(rule, firing, last_fired) before each change this transition made: :meth:`AlertBook.undo`."""
 
 
 class AlertBook:
@@ -68,6 +75,7 @@ class AlertBook:
                 continue
             if not f.active:
                 if t is not None and t.firing:
+                    out.prior.append((name, True, t.last_fired))
                     t.firing = False
                     out.resolve.append(name)
                 continue
@@ -82,6 +90,7 @@ class AlertBook:
             elif f.rule.cap and len(t.fired) >= f.rule.cap:
                 out.suppressed.append((f, "cap"))
             else:
+                out.prior.append((name, False, t.last_fired))
                 t.firing = True
                 t.last_fired = now
                 t.fired.append(now)
@@ -90,9 +99,19 @@ class AlertBook:
             seen = {f.rule.name for f in findings}
             for name, t in self._tracks.items():
                 if t.firing and name not in seen:
+                    out.prior.append((name, True, t.last_fired))
                     t.firing = False
                     out.resolve.append(name)
         return out
+
+    def undo(self, prior: list[tuple[str, bool, float]]) -> None:
+        """Take back a transition whose alerts could not be recorded (the commit failed): the
+        rules' firing state, last fire time and cap count become what they were before it."""
+        for name, firing, last_fired in reversed(prior):
+            t = self._tracks[name]
+            if t.last_fired != last_fired and t.fired and t.fired[-1] == t.last_fired:
+                t.fired.pop()  # the fire this transition counted
+            t.firing, t.last_fired = firing, last_fired
 
     def resolve(self, name: str) -> bool:
         """Resolve ``name`` from outside the rules (e.g. the run was stopped); True if it fired."""
@@ -129,29 +148,35 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) 
     )
 
 
-def command_state(desired: DesiredState, command: str, reason: str, scale: float | None = None) -> DesiredState | None:
-    """The desired state after an operator command; ``None`` when it changes nothing.
+def command_state(
+    desired: DesiredState, command: str, reason: str, *, scale: float | None = None, factor: float | None = None,
+) -> DesiredState | None:
+    """The desired state after a command from an operator or Alertmanager; ``None`` when it
+    changes nothing. Every command except ``resume`` is carried out by the rules' own actions
+    (:func:`apply_actions`), so an LR factor is clamped exactly as a rule's is.
 
+    ``lr_scale`` takes either an absolute ``scale`` or a ``factor`` of the current one;
     ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``.
+    Raises ``ValueError`` for an unknown command or a bad scale.
     """
-    paused, stop, seq, lr = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
-    if command == "pause":
-        paused = True
-    elif command == "resume":
-        paused = stop = False
-    elif command == "stop":
-        stop = True
-    elif command == "checkpoint":
-        seq += 1
-    elif command == "lr-scale":
-        if scale is None or not (0 < scale <= 1e6) or not math.isfinite(scale):
-            raise ValueError("lr-scale needs a finite scale in (0, 1e6]")
-        lr = scale
+    if command == "resume":
+        if not (desired.paused or desired.stop):
+            return None
+        return desired.model_copy(update={"generation": desired.generation + 1, "paused": False, "stop": False,
+                                          "reason": _reason(reason)})
+    if command == "lr_scale":
+        if (scale is None) == (factor is None):
+            raise ValueError("lr_scale needs exactly one of a scale or a factor")
+        try:
+            action: Any = LrScaleAction(value=scale, factor=factor)
+        except ValidationError:
+            raise ValueError(f"lr_scale needs a finite scale in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}] "
+                             f"or a finite factor in (0, {LR_SCALE_MAX:g}]") from None
+    elif command in _COMMAND_ACTIONS:
+        action = _COMMAND_ACTIONS[command]
     else:
-        raise ValueError(f"unknown command {command!r}")
-    if (paused, stop, seq, lr) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
-        return None
-    return DesiredState(generation=desired.generation + 1, paused=paused, lr_scale=lr, checkpoint_seq=seq, stop=stop, reason=_reason(reason))
+        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS)}")
+    return apply_actions(desired, (action,), reason)
 
 
 @dataclass(slots=True)
@@ -172,6 +197,8 @@ class Outcome:
     resolved: list[str]
     suppressed: list[tuple[Finding, str]]
     desired: DesiredState
+    book_prior: list[tuple[str, bool, float]] = field(default_factory=list)
+    """What :meth:`AlertBook.undo` needs to take this outcome back."""
 
 
 def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now: float, *, complete: bool) -> Outcome:
@@ -183,7 +210,7 @@ def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now:
         new = apply_actions(desired, f.rule.actions, f"{f.rule.name}: {f.summary}")
         fired.append(FiredAlert(f, new))
         desired = new or desired
-    return Outcome(fired, tr.resolve, tr.suppressed, desired)
+    return Outcome(fired, tr.resolve, tr.suppressed, desired, tr.prior)
 
 
 @dataclass(slots=True)

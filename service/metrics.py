@@ -7,7 +7,7 @@ agent; dashboards and tests read names from here. A histogram ``X`` exposes ``X_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -15,8 +15,9 @@ from prometheus_client.registry import Collector
 
 from trainguard.protocol.catalog import MetricSpec
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainguard.service.controller import Controller
+#: A function giving the controller's state for the scrape-time gauges (``Controller.metrics_snapshot``),
+#: or ``None`` before the controller exists.
+Snapshot = Callable[[], "dict[str, Any] | None"]
 
 __all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics"]
 
@@ -61,14 +62,13 @@ def _help(name: str) -> str:
 class _StateCollector(Collector):
     """Gauges computed at scrape time from what the controller already holds."""
 
-    def __init__(self, state: Callable[[], "Controller | None"]) -> None:
+    def __init__(self, state: Snapshot) -> None:
         self._state = state
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        ctl = self._state()
-        if ctl is None:
+        snap = self._state()
+        if snap is None:
             return
-        snap = ctl.metrics_snapshot()
         g = GaugeMetricFamily("trainguard_controller_runs", _help("trainguard_controller_runs"), labels=["status"])
         for status, n in sorted(snap["runs"].items()):
             g.add_metric([status], n)
@@ -85,7 +85,7 @@ class _StateCollector(Collector):
 class ControllerMetrics:
     """The controller's counters and histograms on an injected registry."""
 
-    def __init__(self, registry: CollectorRegistry, state: Callable[[], "Controller | None"]) -> None:
+    def __init__(self, registry: CollectorRegistry, state: Snapshot) -> None:
         self.registry = registry
         h = _help
         self.reports = Counter("trainguard_controller_reports", h("trainguard_controller_reports_total"), registry=registry)

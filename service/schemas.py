@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import httpx
@@ -9,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
 
-__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult"]
+__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe"]
 
 
 class CommandResult(BaseModel):
@@ -106,3 +107,14 @@ class AlertmanagerPayload(BaseModel):
         if v != "4":
             raise ValueError("only Alertmanager webhook payload version 4 is understood")
         return v
+
+
+def nan_safe(value: Any) -> Any:
+    """Replace NaN/±Inf floats by the wire's strings (for JSON answers built from stored values)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: nan_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_safe(v) for v in value]
+    return value

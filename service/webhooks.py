@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal
 
 import httpx
 
-from trainguard.service import store as sql
+from trainguard.service import statements as sql
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
 

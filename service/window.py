@@ -12,7 +12,7 @@ rules evaluate over.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -140,6 +140,32 @@ class RunWindow:
                     self._ranks[rrow, i] = vec
             self._rank_mask[rrow] = [name in ranks for name in VECTORS]
             self.rank_count += 1
+
+    def save_next(self, *, ranks: bool) -> tuple[Any, ...]:
+        """What the next :meth:`append_raw` (with per-rank ``ranks`` or not) overwrites, for
+        :meth:`rollback`."""
+        row, rrow = self.count % self.capacity, self.rank_count % self.rank_capacity
+        rank_row = (self._ranks[rrow].copy(), self._rank_mask[rrow].copy()) if ranks else None
+        return (self.count, self.rank_count, self._last_received, self._values2[:, row].copy(),
+                self._present2[:, row].copy(), self._received[row], self._step[row], rank_row)
+
+    def rollback(self, saved: tuple[Any, ...]) -> bool:
+        """Take back the append made right after :meth:`save_next` returned ``saved`` (its report
+        could not be stored). Only the newest append can be taken back: False if another came
+        after it (group commits fail as a whole and are taken back newest first)."""
+        count, rank_count, last_received, values, present, received, step, rank_row = saved
+        if self.count != count + 1:
+            return False
+        row, n = count % self.capacity, values.shape[1]
+        self._values2[:, row, :n], self._values2[:, row, n:] = values, math.nan
+        self._present2[:, row, :n], self._present2[:, row, n:] = present, False
+        self._received[row], self._step[row] = received, step
+        if rank_row is not None and self.rank_count == rank_count + 1 and rank_row[0].shape == self._ranks.shape[1:]:
+            rrow = rank_count % self.rank_capacity
+            self._ranks[rrow], self._rank_mask[rrow] = rank_row
+            self.rank_count = rank_count
+        self.count, self._last_received = count, last_received
+        return True
 
     def resize_world(self, world_size: int) -> None:
         """A re-registration with another world size: drop the per-rank history only."""

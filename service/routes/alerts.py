@@ -9,10 +9,10 @@ from typing import Annotated, Any, AsyncIterator, Literal
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from trainguard.service import store as sql
-from trainguard.service.controller import Controller, nan_safe
+from trainguard.service.controller import Controller
 from trainguard.protocol.wire import MAX_INT
 from trainguard.service.deps import ControllerDep, ReadDep
+from trainguard.service.schemas import nan_safe
 
 __all__ = ["router"]
 
@@ -29,7 +29,7 @@ async def alerts(
     ctl: ControllerDep, _: ReadDep, state: Literal["firing", "resolved"] | None = None, run: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100, before: Annotated[int | None, Query(ge=1, le=MAX_INT, description="Page: ids below this.")] = None,
 ) -> Response:
-    return _json(await ctl.store.read(lambda c: sql.list_alerts(c, state=state, run=run, limit=limit, before=before)))
+    return _json(await ctl.records.alerts(state=state, run=run, limit=limit, before=before))
 
 
 @router.get("/runs/{run}/events", summary="A run's audit log: every change of desired state, alert and ack")
@@ -37,7 +37,7 @@ async def run_events(
     run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
     ctl.get(run)
-    return _json(await ctl.store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit)))
+    return _json(await ctl.records.events(run=run, after=after, limit=limit))
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -45,12 +45,12 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator[bytes]:
-    queue = ctl.subscribe()  # before the replay, so nothing falls between the two
+    queue = ctl.events_hub.subscribe()  # before the replay, so nothing falls between the two
     try:
         yield b"retry: 2000\n\n"
         last = after
         while True:
-            page = await ctl.store.read(lambda c: sql.list_events(c, run=run, after=last, limit=1000))
+            page = await ctl.records.events(run=run, after=last, limit=1000)
             for ev in page:
                 yield _sse(ev)
                 last = ev["id"]
@@ -60,7 +60,7 @@ async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator
             try:
                 ev = await asyncio.wait_for(queue.get(), _HEARTBEAT_S)
             except TimeoutError:
-                if not ctl.is_subscribed(queue):
+                if not ctl.events_hub.is_subscribed(queue):
                     return  # dropped as too slow: the client reconnects with Last-Event-ID
                 yield b": keep-alive\n\n"
                 continue
@@ -71,7 +71,7 @@ async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator
             last = ev["id"]
             yield _sse(ev)
     finally:
-        ctl.unsubscribe(queue)
+        ctl.events_hub.unsubscribe(queue)
 
 
 @router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)")

@@ -9,8 +9,7 @@ from fastapi import APIRouter, Request
 from trainguard.service.deps import ControllerDep, ReadDep, RulesDep
 from trainguard.service.engine import simulate
 from trainguard.service.rules import RulesError
-from trainguard.service.schemas import RulesTestRequest
-from trainguard.service.controller import nan_safe
+from trainguard.service.schemas import RulesTestRequest, nan_safe
 from trainguard.protocol.wire import DesiredState
 
 __all__ = ["router"]

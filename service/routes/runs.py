@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from trainguard.service.controller import Controller, nan_safe
+from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
-from trainguard.service.schemas import AckResult, CommandResult, FinishResult
+from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
 from trainguard.protocol.wire import (
-    Ack, CommandRequest, DesiredState, LrScaleRequest, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    LR_SCALE_MAX, LR_SCALE_MIN, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -44,15 +43,11 @@ async def post_report(run: RunPath, request: Request, principal: AgentDep) -> Re
     # Well-formed reports with a valid token are answered by service.ingress.ReportIngress before
     # they get here; this route documents the endpoint and answers everything it refuses.
     ctl: Controller = request.app.state.controller
-    body = await request.body()
-    t0 = time.perf_counter()
     try:
-        report = Report.model_validate_json(body)
+        answer = await ctl.ingest_json(run, await request.body(), principal)
     except ValidationError as e:
         ctl.metrics.rejected.labels("invalid").inc()
         raise _validation_error(e) from None
-    answer = await ctl.ingest(run, report, principal)
-    ctl.metrics.ingest_latency.observe(time.perf_counter() - t0)
     return Response(answer, media_type=_JSON)
 
 
@@ -82,13 +77,13 @@ async def finish(run: RunPath, body: RunFinished, ctl: ControllerDep, principal:
 
 @router.get("/runs", summary="List runs")
 async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, status: str | None = None) -> list[dict]:
-    out = [ctl.run_summary(st) for st in ctl.runs.values() if (job is None or st.job == job)]
+    out = [st.summary() for st in ctl.runs.values() if (job is None or st.job == job)]
     return [r for r in out if status is None or r["status"] == status]
 
 
 @router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")
 async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
-    return Response(json.dumps(nan_safe(ctl.run_detail(ctl.get(run)))), media_type=_JSON)
+    return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
 
 
 async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None) -> Response:
@@ -119,7 +114,8 @@ for _cmd, _summary in (
     _command_route(_cmd, _summary)
 
 
-@router.post("/runs/{run}/lr-scale", response_model=CommandResult, summary="Set the LR multiplier", tags=["commands"])
+@router.post("/runs/{run}/lr-scale", response_model=CommandResult, tags=["commands"],
+             summary=f"Set the LR multiplier (command lr_scale; in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}])")
 async def lr_scale(run: RunPath, body: LrScaleRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
-    return await _command(run, "lr-scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
+    return await _command(run, "lr_scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
 

@@ -7,8 +7,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from trainguard.service import store as sql
-from trainguard.service.controller import NotFound
 from trainguard.service.deps import ControllerDep, WebhooksDep
 from trainguard.service.schemas import Webhook, WebhookCreate, WebhookCreated
 from trainguard.protocol.wire import MAX_INT
@@ -26,28 +24,23 @@ def _out(row: dict) -> dict:
 @router.post("/webhooks", status_code=201, response_model=WebhookCreated, summary="Subscribe a URL to alert notifications")
 async def create(body: WebhookCreate, ctl: ControllerDep, _: WebhooksDep) -> WebhookCreated:
     secret = body.secret or secrets.token_urlsafe(32)
-    now = ctl.clock()
-    wid = await ctl.store.submit(lambda c: sql.insert_webhook(
-        c, url=body.url, format=body.format, secret=secret, min_severity=body.min_severity, send_resolved=body.send_resolved, now=now))
+    wid, now = await ctl.records.add_webhook(url=body.url, format=body.format, secret=secret, min_severity=body.min_severity,
+                                     send_resolved=body.send_resolved)
     return WebhookCreated(id=wid, url=body.url, format=body.format, min_severity=body.min_severity,
                           send_resolved=body.send_resolved, created_at=now, secret=secret)
 
 
 @router.get("/webhooks", response_model=list[Webhook], summary="Webhooks (secrets are not shown)")
 async def list_webhooks(ctl: ControllerDep, _: WebhooksDep) -> list[dict]:
-    return [_out(r) for r in await ctl.store.read(sql.active_webhooks)]
+    return [_out(r) for r in await ctl.records.webhooks()]
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, summary="Delete a webhook (pending messages are cancelled)")
 async def delete(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep) -> Response:
-    if not await ctl.store.submit(lambda c: sql.delete_webhook(c, webhook_id)):
-        raise NotFound(f"webhook {webhook_id} does not exist")
+    await ctl.records.delete_webhook(webhook_id)
     return Response(status_code=204)
 
 
 @router.get("/webhooks/{webhook_id}/deliveries", summary="Delivery attempts, newest first")
 async def deliveries(webhook_id: WebhookId, ctl: ControllerDep, _: WebhooksDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
-    rows = await ctl.store.read(lambda c: (sql.get_webhook(c, webhook_id), sql.list_deliveries(c, webhook_id, limit)))
-    if rows[0] is None and not rows[1]:
-        raise NotFound(f"webhook {webhook_id} does not exist")
-    return rows[1]
+    return await ctl.records.deliveries(webhook_id, limit)

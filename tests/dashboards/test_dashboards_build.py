@@ -129,14 +129,14 @@ def _thresholds(d: dict, title: str) -> tuple[list, str]:
     return defaults["thresholds"]["steps"], defaults["custom"]["thresholdsStyle"]["mode"]
 
 
-def test_update_ratio_band_and_seed_thresholds_are_drawn(dashboards):
+def test_update_ratio_band_and_alert_thresholds_are_drawn(dashboards):
     steps, mode = _thresholds(dashboards["training-stability.json"], "Update ratio ||ΔW|| / ||W||")
     assert mode == "line+area"
     assert [(s["value"], s["color"]) for s in steps] == [
         (None, "transparent"), (1e-4, "green"), (1e-2, "transparent")]
-    seed = {"Duplicate ratio": 0.05, "Token distribution KL divergence": 0.1,
+    limits = {"Duplicate ratio": 0.05, "Token distribution KL divergence": 0.1,
             "Special / control token ratio": 1e-4, "Length distribution shift (KS p-value)": 0.05}
-    for title, value in seed.items():
+    for title, value in limits.items():
         steps, mode = _thresholds(dashboards["data-quality.json"], title)
         assert mode == "line" and steps[1]["value"] == value, title
 

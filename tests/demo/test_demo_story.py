@@ -30,7 +30,7 @@ def test_demo_story(tmp_path) -> None:
     # the NaN at step 115 is carried by the report of that interval and pauses the run
     nan_alert = first["loss_nonfinite"]
     assert nan_alert["severity"] == "critical"
-    # with the seed's symptom table: NaN loss -> gradient explosion -> lower the LR / clip harder
+    # with the stability guide's symptom table: NaN loss -> gradient explosion -> lower the LR / clip harder
     assert any("explosion" in c.lower() for c in nan_alert["diagnosis"]["likely_causes"])
     assert any("learning rate" in a.lower() for a in nan_alert["diagnosis"]["suggested_actions"])
     assert nan_alert["step"] == math.ceil(cfg.nan_step / cfg.report_every) * cfg.report_every

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from trainguard.service.rules import AbsenceRule, evaluate
+from trainguard.service.evaluate import evaluate
+from trainguard.service.rules import AbsenceRule
 from trainguard.service.window import RunWindow
 from tests.service.conftest import register, wait_until
 

@@ -32,7 +32,7 @@ def series(metric, values, t0=0.0, dt=1.0, **extra):
     return [make_report(i, t0 + i * dt, {metric: v, **extra}) for i, v in enumerate(values)]
 
 
-# -- the seed's defaults ------------------------------------------------------------------------
+# -- the default rules' thresholds ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "metric, value, rule",
     [

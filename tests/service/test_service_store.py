@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from fastapi.testclient import TestClient
 
-from trainguard.service import store as sql
+from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, Store
@@ -108,3 +108,33 @@ def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(tmp_path: Path
     assert not closer.is_alive() and out["n"] == 0  # the read finished on an open connection
     with pytest.raises(StoreError, match="closed"):
         store.read_now(lambda conn: 1)
+
+
+def test_a_cancelled_caller_gets_its_outcome_through_orphaned(tmp_path: Path) -> None:
+    """A queued write runs although its caller stopped waiting; ``orphaned`` receives the outcome
+    (the controller publishes or takes back its in-memory change from it). Failures resolve
+    newest first."""
+    import asyncio
+
+    store = Store(tmp_path / "o.db")
+    store.start()
+    outcomes: list[tuple[str, bool, object]] = []
+
+    def boom(c: sqlite3.Connection) -> None:
+        raise sqlite3.IntegrityError("refused")
+
+    async def main() -> None:
+        ok = store.submit(lambda c: sql.insert_rules_version(c, "x", "api", "t", 1.0),
+                          orphaned=lambda good, value: outcomes.append(("ok", good, value)))
+        bad = store.submit(boom, orphaned=lambda good, value: outcomes.append(("bad", good, type(value).__name__)))
+        ok.cancel()
+        bad.cancel()
+        await asyncio.sleep(0)  # the loop's turn ends: the group commit runs
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.run(main())
+        assert outcomes == [("ok", True, 1), ("bad", False, "IntegrityError")]
+        assert store.read_now(sql.latest_rules)["text"] == "x"  # committed although nobody waited
+    finally:
+        store.close()

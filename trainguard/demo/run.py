@@ -143,7 +143,7 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = 10
-    # A schedule that "does not fit the optimizer" for a while: the seed's opening story.
+    # A schedule that "does not fit the optimizer" for a while: the stability guide's opening story.
     # LambdaLR's argument is the number of steps taken: the LR of step s + 1.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s + 1))
@@ -472,7 +472,7 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
     for a in result.alerts:
         print(f"  step {a['step']!s:>5}  {a['severity']:<8} {a['rule']:<28} {a['summary']}")
         diag = a.get("diagnosis") or {}
-        if a["generation"] is not None and diag:  # the alerts that acted: the seed's diagnosis
+        if a["generation"] is not None and diag:  # the alerts that acted: their diagnosis
             print(f"{'':14}likely: {'; '.join(diag.get('likely_causes', []))}")
             print(f"{'':14}try:    {'; '.join(diag.get('suggested_actions', []))}")
     print("actions (changes of desired state):")

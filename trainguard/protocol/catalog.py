@@ -93,13 +93,13 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )
 
-#: Data-quality metrics (``observe_batch`` / ``DataMonitor``; seed section 3.1).
+#: Data-quality metrics (``observe_batch`` / ``DataMonitor``; thresholds from the stability guide, 3.1).
 DATA_METRICS: tuple[MetricSpec, ...] = (
-    _g("trainguard_data_duplicate_ratio", "1", "Share of sequences in the sliding window whose exact token content was already seen in the window. Seed threshold 0.05."),
+    _g("trainguard_data_duplicate_ratio", "1", "Share of sequences in the sliding window whose exact token content was already seen in the window. Above 0.05 (5% duplicated text) an alert warns."),
     _g("trainguard_data_near_duplicate_ratio", "1", "Share of sequences in the window whose MinHash signature over token shingles matches an earlier one in the window (near-duplicates)."),
-    _g("trainguard_data_token_kl_divergence", "nats", "KL(current window || reference) of the unigram token distribution. Seed threshold 0.1."),
-    _g("trainguard_data_special_token_ratio", "1", "Share of tokens in the window that are control/special/unknown ids. Seed threshold 1e-4 (0.01%)."),
-    _g("trainguard_data_length_shift_pvalue", "1", "Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the reference window and the current window. Seed threshold p < 0.05."),
+    _g("trainguard_data_token_kl_divergence", "nats", "KL(current window || reference) of the unigram token distribution. Above 0.1 the data the model sees has drifted and an alert fires."),
+    _g("trainguard_data_special_token_ratio", "1", "Share of tokens in the window that are control/special/unknown ids. Above 1e-4 (0.01%) the text is likely corrupted and an alert fires."),
+    _g("trainguard_data_length_shift_pvalue", "1", "Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the reference window and the current window. Below 0.05 the length distribution has shifted and an alert fires."),
     _c("trainguard_data_tokens_total", "tokens", "Non-padding tokens observed."),
     _c("trainguard_data_sequences_total", "sequences", "Sequences observed."),
     _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision (kept or dropped).", ("decision",)),

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 __all__ = [
     "API_PREFIX",
     "MAX_INT",
+    "COMMANDS",
+    "Command",
+    "LR_SCALE_MIN",
+    "LR_SCALE_MAX",
     "Name",
     "WireModel",
     "RankEndpoint",
@@ -37,6 +41,17 @@ __all__ = [
 ]
 
 API_PREFIX = "/v1"
+
+# -- the command vocabulary -------------------------------------------------------------------
+#: What an operator, a rule or Alertmanager can ask of a run, each in one spelling. The same words
+#: are Alertmanager's ``trainguard_action`` label values and the controller's action metric labels;
+#: only URLs and CLI subcommands write ``lr_scale`` as ``lr-scale`` (``POST /v1/runs/{run}/lr-scale``).
+Command = Literal["pause", "resume", "checkpoint", "stop", "lr_scale"]
+COMMANDS: tuple[Command, ...] = ("pause", "resume", "checkpoint", "stop", "lr_scale")
+#: The range every LR multiplier is held in: an operator's value must lie in it, and a rule's or
+#: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
+LR_SCALE_MIN = 1e-4
+LR_SCALE_MAX = 1e6
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
@@ -204,7 +219,7 @@ class CommandRequest(WireModel):
 class LrScaleRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/lr-scale``."""
 
-    scale: float = Field(gt=0.0, le=1e6, allow_inf_nan=False)
+    scale: float = Field(ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
 
 
 def dumps(model: WireModel) -> bytes:

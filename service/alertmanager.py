@@ -1,0 +1,96 @@
+"""Alertmanager in: what an alert of a webhook (version 4) payload asks the controller to do.
+
+An alert acts when it is firing and carries a ``trainguard_action`` label naming a command
+(:data:`~trainguard.protocol.wire.COMMANDS`) and a run label (``trainguard_run`` or ``run``).
+``lr_scale`` takes ``trainguard_lr_scale`` (an absolute multiplier) or ``trainguard_lr_factor``
+(times the run's current multiplier, 0.5 when absent). The controller carries the command out
+through the same action code as its own rules, so a factor is clamped to
+[``LR_SCALE_MIN``, ``LR_SCALE_MAX``] exactly as a rule's is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from trainguard.service import statements as sql
+from trainguard.service.errors import Invalid, NotFound
+from trainguard.protocol.wire import COMMANDS
+
+__all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR"]
+
+DEFAULT_LR_FACTOR = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class AlertCommand:
+    """One alert's command."""
+
+    run: str
+    command: str
+    scale: float | None
+    factor: float | None
+    reason: str
+    actor: str
+
+
+def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | None]:
+    """The result entry of ``alert`` (fingerprint, startsAt, run, action; with an ``outcome`` when
+    the alert does not act) and its command (``None`` when it does not act)."""
+    labels = alert.get("labels") or {}
+    fp = str(alert.get("fingerprint") or hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16])
+    action = labels.get("trainguard_action")
+    run = labels.get("trainguard_run") or labels.get("run")
+    res: dict[str, Any] = {"fingerprint": fp, "startsAt": str(alert.get("startsAt", "")), "run": run, "action": action}
+    if alert.get("status") != "firing" or not action:
+        return res | {"outcome": "ignored", "detail": "not firing or no trainguard_action label"}, None
+    if action not in COMMANDS or not run:
+        return res | {"outcome": "error", "detail": f"unknown action {action!r} (actions are {', '.join(COMMANDS)}) or no run label"}, None
+    scale = factor = None
+    if action == "lr_scale":
+        try:
+            if "trainguard_lr_scale" in labels:
+                scale = float(labels["trainguard_lr_scale"])
+            else:
+                factor = float(labels.get("trainguard_lr_factor", DEFAULT_LR_FACTOR))
+        except ValueError:
+            return res | {"outcome": "error", "detail": "trainguard_lr_scale / trainguard_lr_factor is not a number"}, None
+    name = labels.get("alertname", "?")
+    ann = alert.get("annotations") or {}
+    reason = f"alertmanager {name}: {ann.get('summary') or ann.get('description') or action}"
+    return res, AlertCommand(run=run, command=action, scale=scale, factor=factor, reason=reason[:2000], actor=f"alertmanager:{name}")
+
+
+async def act(payload: dict[str, Any], seen: set[tuple[str, str]], command: Callable[..., Awaitable[tuple[int, bytes]]],
+              clock: Callable[[], float]) -> list[dict[str, Any]]:
+    """Carry out each acting alert of ``payload`` with ``command`` (``Controller.command``) once:
+    ``seen`` holds the (fingerprint, startsAt) pairs already acted on, and the same transaction
+    that changes the run records the pair. Returns one result per alert."""
+    results = []
+    for alert in payload.get("alerts", []):
+        res, cmd = parse_alert(alert)
+        if cmd is None:
+            results.append(res)
+            continue
+        key = (res["fingerprint"], res["startsAt"])
+        if key in seen:
+            results.append(res | {"outcome": "duplicate"})
+            continue
+        seen.add(key)
+        now = clock()
+        try:
+            _, body = await command(
+                cmd.run, cmd.command, reason=cmd.reason, actor=cmd.actor, source="alertmanager", scale=cmd.scale,
+                factor=cmd.factor, extra=lambda c, key=key: sql.mark_alertmanager_seen(c, *key, now),
+            )
+        except (NotFound, Invalid) as e:
+            seen.discard(key)
+            results.append(res | {"outcome": "error", "detail": str(e)})
+            continue
+        except BaseException:
+            seen.discard(key)
+            raise
+        results.append(res | {"outcome": "applied", "result": json.loads(body)})
+    return results

@@ -1,0 +1,67 @@
+"""Start-up: the controller's state read back from the database (rules, runs and their windows)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from pathlib import Path
+from typing import Any, Callable
+
+from trainguard.service import statements as sql
+from trainguard.service.config import Settings
+from trainguard.service.rules import RuleSet
+from trainguard.service.runstate import RunState
+from trainguard.service.store import Store
+from trainguard.service.window import VECTORS, RunWindow
+from trainguard.protocol.wire import DesiredState
+
+__all__ = ["load_rules_state", "load_run"]
+
+
+def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float],
+                     validate: Callable[[str], RuleSet]) -> tuple[RuleSet, dict[str, Any]] | None:
+    """The active rules and their metadata: the ``--rules`` file (recorded as a new version when
+    it changed), else the rules last stored with ``PUT /v1/rules``; ``None``: the defaults."""
+    rules_row = store.read_now(sql.latest_rules)
+    path: Path | None = settings.rules
+    if path is not None:
+        text = path.read_text(encoding="utf-8")
+        rules = validate(text)
+        if rules_row is None or rules_row["text"] != text or rules_row["source"] != f"file:{path}":
+            vid = store.write_now(lambda c: sql.insert_rules_version(c, text, f"file:{path}", "startup", clock()))
+        else:
+            vid = rules_row["id"]
+        return rules, {"version": vid, "source": f"file:{path}", "actor": "startup", "created_at": clock()}
+    if rules_row is not None:
+        meta = {k: rules_row[k] for k in ("source", "actor", "created_at")} | {"version": rules_row["id"]}
+        return validate(rules_row["text"]), meta
+    return None
+
+
+def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
+    """A run as stored, with its rule window refilled from its recent reports."""
+    s = settings
+    desired = DesiredState(
+        generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
+        checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), reason=row["reason"],
+    )
+    window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
+                       world_size=row["world_size"], created=row["registered_at"])
+    st = RunState(
+        id=row["id"], run=row["run"], job=row["job"], world_size=row["world_size"], ranks=json.loads(row["ranks"]),
+        agent_version=row["agent_version"], config=json.loads(row["config"]), registered_at=row["registered_at"],
+        live_since=max(row["registered_at"], row["resumed_at"] or -math.inf), window=window, desired=desired,
+        published=desired, published_json=desired.model_dump_json().encode(),
+        applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
+        finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
+    )
+    reports = store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
+    window.count = max((row["last_seq"] or 0) - len(reports), 0)
+    rank_from = len(reports) - s.rank_window_reports
+    for i, rep in enumerate(reports):
+        ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
+        window.append_raw(json.loads(rep["vals"]), ranks, rep["step_last"], rep["received"])
+    if row["last_report_at"] is not None:
+        window.touch(row["last_report_at"])
+    return st

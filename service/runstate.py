@@ -1,0 +1,115 @@
+"""What the controller holds in memory per run (:class:`RunState`), and small facts about
+desired states."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.service.engine import AlertBook
+from trainguard.service.window import RunWindow
+from trainguard.protocol.wire import DesiredState
+
+__all__ = ["RunState", "live", "action_names"]
+
+
+@dataclass(slots=True, eq=False)
+class RunState:
+    id: int
+    run: str
+    job: str
+    world_size: int
+    ranks: list[dict[str, Any]]
+    agent_version: str
+    config: dict[str, Any]
+    registered_at: float
+    live_since: float
+    """When the run last became live (registered, re-registered, unpaused): absence rules count
+    silence from the later of this and the last report."""
+    window: RunWindow
+    desired: DesiredState
+    published: DesiredState
+    published_json: bytes
+    applied_generation: int = 0
+    applied_step: int | None = None
+    applied_at: float | None = None
+    reported_generation: int = 0
+    book: AlertBook = field(default_factory=AlertBook)
+    firing: dict[str, dict[str, Any]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float | None = None
+    """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
+    re-registration. A finished run is not expected to report."""
+    finished_step: int | None = None
+    finish_reason: str = ""
+
+    def publish(self, desired: DesiredState) -> None:
+        """Show a committed desired state to the agents (long-polls wake up)."""
+        if desired.generation >= self.published.generation:
+            self.published = desired
+            self.published_json = desired.model_dump_json().encode()
+            self.changed.set()
+            self.changed = asyncio.Event()
+
+    @property
+    def status(self) -> str:
+        if self.finished_at is not None:
+            return "finished"
+        if self.desired.stop:
+            return "stopped"
+        if self.desired.paused:
+            return "paused"
+        if any(a["kind"] == "absence" for a in self.firing.values()):
+            return "silent"
+        return "running" if self.window.count else "registered"
+
+    def summary(self) -> dict[str, Any]:
+        """The run as ``GET /v1/runs`` lists it."""
+        st = self
+        return {
+            "run": st.run, "job": st.job, "status": st.status, "world_size": st.world_size,
+            "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
+            "last_step": st.window.last_step, "reports": st.window.count,
+            "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
+            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
+        }
+
+    def detail(self) -> dict[str, Any]:
+        """The run as ``GET /v1/runs/{run}`` shows it."""
+        st = self
+        return self.summary() | {
+            "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
+            "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
+            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
+            "last_values": st.window.latest_values(),
+            "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
+        }
+
+    def firing_absence(self) -> list[str]:
+        return [name for name, a in self.firing.items() if a["kind"] == "absence"]
+
+    def forget_alerts(self, names: list[str]) -> None:
+        """Drop alerts resolved from outside the rules (committed) from the firing set."""
+        for name in names:
+            self.firing.pop(name, None)
+            self.book.resolve(name)
+
+
+def live(d: DesiredState) -> bool:
+    """Whether a run in desired state ``d`` is expected to report."""
+    return not (d.paused or d.stop)
+
+
+def action_names(before: DesiredState, after: DesiredState) -> list[str]:
+    """The commands that lead from ``before`` to ``after`` (labels of the actions metric)."""
+    out = []
+    if after.paused != before.paused:
+        out.append("pause" if after.paused else "resume")
+    if after.stop != before.stop:
+        out.append("stop" if after.stop else "resume")
+    if after.lr_scale != before.lr_scale:
+        out.append("lr_scale")
+    if after.checkpoint_seq != before.checkpoint_seq:
+        out.append("checkpoint")
+    return out

@@ -1,0 +1,49 @@
+"""Alertmanager's actions (service.alertmanager) go through the rules' own action code: an LR
+factor is clamped to [LR_SCALE_MIN, LR_SCALE_MAX] exactly as a rule's is."""
+
+from __future__ import annotations
+
+from trainguard.protocol.wire import LR_SCALE_MIN
+from trainguard.service.alertmanager import DEFAULT_LR_FACTOR, parse_alert
+from tests.service.conftest import register
+
+
+def _payload(*alerts: dict) -> dict:
+    return {"version": "4", "status": "firing", "receiver": "trainguard", "groupLabels": {}, "commonLabels": {},
+            "commonAnnotations": {}, "externalURL": "", "groupKey": "{}", "truncatedAlerts": 0, "alerts": list(alerts)}
+
+
+def _halve(i: int) -> dict:
+    return {"status": "firing", "labels": {"alertname": "GradNormHigh", "run": "run-1", "trainguard_action": "lr_scale"},
+            "annotations": {"summary": "grad norm high"}, "startsAt": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z",
+            "fingerprint": "grad-norm-high"}
+
+
+def test_repeated_alertmanager_halvings_stop_at_the_floor(app_factory) -> None:
+    with app_factory() as c:
+        register(c)
+        expected, generation = 1.0, 0
+        for i in range(20):
+            res = c.post("/v1/alertmanager", json=_payload(_halve(i))).json()["results"]
+            assert [r["outcome"] for r in res] == ["applied"]
+            new = max(expected * DEFAULT_LR_FACTOR, LR_SCALE_MIN)  # the rule path's clamp, computed here
+            generation += new != expected
+            expected = new
+            desired = c.get("/v1/runs/run-1").json()["desired"]
+            assert desired["lr_scale"] == expected and desired["generation"] == generation
+        assert expected == LR_SCALE_MIN and generation == 14  # 0.5**13 > 1e-4 > 0.5**14
+
+
+def test_one_spelling_of_the_lr_command() -> None:
+    res, cmd = parse_alert(_halve(0) | {"labels": _halve(0)["labels"] | {"trainguard_action": "lr-scale"}})
+    assert cmd is None and res["outcome"] == "error" and "lr_scale" in res["detail"]
+    res, cmd = parse_alert(_halve(0) | {"labels": _halve(0)["labels"] | {"trainguard_lr_factor": "0.25"}})
+    assert cmd is not None and (cmd.command, cmd.scale, cmd.factor) == ("lr_scale", None, 0.25)
+
+
+def test_operator_scale_outside_the_range_is_refused(app_factory) -> None:
+    with app_factory() as c:
+        register(c)
+        assert c.post("/v1/runs/run-1/lr-scale", json={"scale": LR_SCALE_MIN / 2}).status_code == 422
+        r = c.post("/v1/runs/run-1/lr-scale", json={"scale": LR_SCALE_MIN})
+        assert r.status_code == 200 and r.json()["command"] == "lr_scale" and r.json()["desired"]["lr_scale"] == LR_SCALE_MIN
