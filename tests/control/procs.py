@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from trainguard.protocol.wire import RankValues
-from trainguard.service.store import decode_ranks
+from trainguard.service.statements import decode_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
