@@ -24,8 +24,10 @@ TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 
 
-def until(pred, timeout: float = 5.0, interval: float = 0.005) -> bool:  # type: ignore[no-untyped-def]
-    """Poll ``pred`` until it is true or ``timeout`` seconds passed; its last value."""
+def until(pred, timeout: float = 30.0, interval: float = 0.005) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it is true or ``timeout`` seconds passed; its last value. The default
+    deadline is generous: it costs nothing when the condition comes true, and a loaded machine
+    may take seconds for what takes milliseconds on an idle one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():

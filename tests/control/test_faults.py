@@ -95,7 +95,7 @@ def _recovers(loop: Loop, ctl: ControllerProcess, generation: int) -> None:
 def test_fault_mid_run(controller: ControllerProcess, mode: str) -> None:
     with FaultProxy(controller.port) as proxy:
         loop = Loop(proxy.url, f"fault-{mode}", **({"request_timeout_s": SLOW_S + 1.0} if mode == "slow" else {}))
-        assert loop.agent.control.client.up
+        assert until(lambda: loop.agent.control.client.up, 30.0)  # registered (attach waits at most 0.5 s)
         normal = loop.steps(30)
         if mode == "slow":
             proxy.set_mode("pass", latency_s=SLOW_S)
@@ -162,7 +162,7 @@ def test_close_returns_within_its_deadline_when_the_finish_is_black_holed(contro
         loop = Loop(proxy.url, "finish-blackhole", request_timeout_s=request_timeout)
         loop.steps(10)
         client = loop.agent.control.client
-        assert until(lambda: client.pending() == (0, 0) and client.reports_sent >= 10, 10.0)
+        assert until(lambda: client.pending() == (0, 0) and client.reports_sent >= 10, 30.0)
         seen: dict[str, object] = {}
         real_close = client.close
 

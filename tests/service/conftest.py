@@ -95,7 +95,7 @@ def receiver_factory() -> Iterator[Callable[[list[int]], Receiver]]:
         r.close()
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, every: float = 0.02) -> Any:
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.02) -> Any:
     """Poll ``predicate`` until it is truthy; fail the test after ``timeout`` seconds."""
     import time
 
