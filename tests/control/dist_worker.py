@@ -68,7 +68,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> dict:
     """Train one run until the controller stops it (or ``max_steps``); return this rank's log."""
     rng = random.Random(f"{run}/{rank}")
-    model = DDP(_model())
+    model = DDP(_model())  # its set-up collectives run under the long start-up timeout
+    if "pg_timeout_s" in cfg:  # every rank is here: from now on the short timeout the scenario asks for
+        dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))
     opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     checkpoints: list[int] = []
@@ -116,10 +119,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ.get("DIST_INIT_METHOD", "env://"), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    dist.barrier()  # every rank is up: from now on the short timeout the scenario asks for
-    if "pg_timeout_s" in cfg:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))
+                            world_size=world, timeout=timedelta(seconds=180))
     out = Path(cfg["out"])
     if cfg["scenario"] == "trials":
         logs = [run_one(cfg, rank, f"{cfg['prefix']}-{k}") for k in range(cfg["trials"])]

@@ -66,7 +66,7 @@ def _check_lr(log: dict) -> list[int]:
 
 def _drive(ctl: ControllerProcess, ranks: Ranks, run: str, rng: random.Random) -> list[str]:
     """Random commands at random moments, then stop. Returns what was sent."""
-    until(lambda: ranks.exited() or ctl.run_detail(run) is not None, 90.0, 0.02)
+    until(lambda: ranks.exited() or ctl.run_detail(run) is not None, 300.0, 0.02)
     assert ctl.run_detail(run) is not None, f"{run} never registered:\n{ranks.output()}"
     sent = []
     for _ in range(rng.randint(2, 5)):
@@ -88,6 +88,7 @@ def _drive(ctl: ControllerProcess, ranks: Ranks, run: str, rng: random.Random) -
     return sent + ["stop"]
 
 
+@pytest.mark.timeout(900)  # a deadline for a loaded machine; ~1 minute on an idle one
 @pytest.mark.parametrize("world,trials", [(2, 30), (4, 20)])
 def test_random_commands_apply_at_the_same_step_on_every_rank(
     controller: ControllerProcess, tmp_path: Path, world: int, trials: int
@@ -99,7 +100,7 @@ def test_random_commands_apply_at_the_same_step_on_every_rank(
     try:
         for k in range(trials):
             _drive(controller, ranks, f"{prefix}-{k}", rng)
-        codes = ranks.wait(120)
+        codes = ranks.wait(600)
     finally:
         ranks.kill()
     assert codes == [0] * world, ranks.output()
@@ -123,6 +124,7 @@ def test_random_commands_apply_at_the_same_step_on_every_rank(
     assert paused_somewhere > 0 and checkpoints > 0  # the random commands did exercise both
 
 
+@pytest.mark.timeout(600)
 def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(
     controller: ControllerProcess, tmp_path: Path
 ) -> None:
@@ -132,13 +134,13 @@ def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(
                       "naive_pause_s": 3 * timeout_s, "jitter_s": 0.002}, tmp_path)
     try:
         until(lambda: ranks.exited() or ((d := controller.run_detail(run)) is not None and d["desired"]["paused"]),
-              90.0, 0.02)
+              300.0, 0.02)
         assert not ranks.exited() and controller.run_detail(run)["desired"]["paused"], ranks.output()
         time.sleep(3 * timeout_s)  # paused 3x longer than the process group's timeout
         cli = subprocess.run([TRAINGUARD, "resume", run, "--reason", "checked", "--url", controller.url],
                              capture_output=True, text=True, timeout=30)
         assert cli.returncode == 0, cli.stderr
-        codes = ranks.wait(60)
+        codes = ranks.wait(300)
     finally:
         ranks.kill()
     assert codes == [0, 0], ranks.output()
@@ -160,6 +162,7 @@ def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(
     assert neg["after_s"] < 3 * timeout_s
 
 
+@pytest.mark.timeout(600)
 def test_a_paused_run_restarted_on_two_ranks_waits_in_attach_until_resumed(
     controller: ControllerProcess, tmp_path: Path
 ) -> None:
@@ -173,13 +176,13 @@ def test_a_paused_run_restarted_on_two_ranks_waits_in_attach_until_resumed(
                       "pg_timeout_s": timeout_s}, tmp_path)
     try:
         # the restarted leader registered and applied the paused state at step 0 (its ack)
-        assert until(lambda: ranks.exited() or controller.acks(run) == [(2, 0)], 90.0, 0.05), ranks.output()
+        assert until(lambda: ranks.exited() or controller.acks(run) == [(2, 0)], 300.0, 0.05), ranks.output()
         assert not ranks.exited(), ranks.output()
         time.sleep(1.5 * timeout_s)  # paused longer than the group's timeout: the waits are not collectives
         assert not ranks.exited(), ranks.output()  # every rank still waiting in attach
         resumed_at = time.time()
         assert controller.command(run, "resume")["desired"]["generation"] == 3
-        codes = ranks.wait(60)
+        codes = ranks.wait(300)
     finally:
         ranks.kill()
     assert codes == [0, 0], ranks.output()
