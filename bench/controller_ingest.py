@@ -43,6 +43,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -251,6 +252,8 @@ def main() -> int:
                 raise SystemExit(f"the controller did not start: {line!r}")
             url = line.split("listening on ")[1].split()[0]
             port = int(url.rsplit(":", 1)[1])
+            # drain what it prints from now on: a full pipe would block the server mid-benchmark
+            threading.Thread(target=lambda out=server.stdout: [None for _ in out], daemon=True).start()
             runs = [f"bench-run-{i:04d}" for i in range(args.runs)]
             _wait_ready(url)
             with httpx.Client(base_url=url, timeout=30) as c:

@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from trainguard.service.metrics import CONTROLLER_METRICS
 from tests.service.conftest import register
 
+pytestmark = pytest.mark.timing
+
 OP, RO, AG, AG_BOUND = "operator-token-1", "readonly-token-1", "agent-token-1", "agent-token-2"
 TOKENS = dict(operator_tokens=(OP, f"{RO}:read"), agent_tokens=(AG, f"{AG_BOUND}:run-b"))
 
