@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from trainguard.service.auth import TokenTable
 from trainguard.service.config import Settings
 from trainguard.service.controller import Controller
-from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.ingress import ReportIngress
 from trainguard.service.limits import BodyLimit
 from trainguard.service.metrics import ControllerMetrics
@@ -28,7 +28,7 @@ from trainguard.service.webhooks import WebhookDeliverer
 
 __all__ = ["create_app"]
 
-_STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, StoreError: 503}
+_STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, TooMany: 429, StoreError: 503}
 
 
 def create_app(

@@ -18,11 +18,11 @@ import time
 from typing import Any, Callable
 
 from trainguard.service import statements as sql
-from trainguard.service.alertmanager import act
+from trainguard.service.alertmanager import SeenKeys, act
 from trainguard.service.auth import Principal
 from trainguard.service.config import Settings
 from trainguard.service.engine import Outcome, command_state, decide
-from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
@@ -67,9 +67,11 @@ class Controller:
         """Alerts, the audit log and webhooks as stored (what the routes read and write)."""
         self.events_hub = EventHub()
         """The audit events published after each commit (the SSE stream subscribes to it)."""
-        self._am_seen: set[tuple[str, str]] = set()
+        self._am_seen = SeenKeys()
         self._idem_locks: dict[tuple[str, str], list[Any]] = {}  # key -> [lock, users]
         self._registering: dict[str, asyncio.Future[None]] = {}
+        #: Runs registered by each agent token (by digest): bounded by ``settings.max_runs_per_token``.
+        self.token_runs: dict[str, set[str]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_prune = 0.0
 
@@ -94,7 +96,9 @@ class Controller:
             if run_id in by_id:
                 by_id[run_id].book.restore(rule, firing=False, fired_at=[at])
         self.bindings = self.store.read_now(sql.agent_bindings)
-        self._am_seen = set(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
+        for digest, run in self.bindings.items():
+            self.token_runs.setdefault(digest, set()).add(run)
+        self._am_seen = SeenKeys(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
 
     def _rule_kind(self, job: str, name: str) -> str:
         for r in self.rules.for_job(job):
@@ -191,10 +195,16 @@ class Controller:
         bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
         if bad:
             raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
+        if reg.world_size > self.settings.max_world_size:
+            self.metrics.registrations_rejected.labels("world_size_limit").inc()
+            raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
+                          "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
         while (registering := self._registering.get(reg.run)) is not None:
             await asyncio.shield(registering)  # a concurrent first registration of this run
         st = self.runs.get(reg.run)
         digest = principal.token_digest
+        if st is None:
+            self._check_run_limits(digest)
         bind = principal.kind == "agent" and principal.bound_run is None and digest not in self.bindings
         if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
             # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
@@ -233,14 +243,26 @@ class Controller:
             return RunRegistered(job=st.job, run=st.run, desired=st.published)
         done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
         try:
-            await self._commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now))
+            await self._commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now, digest))
         finally:
             del self._registering[reg.run]
             done.set_result(None)
         st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.published)
 
-    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float) -> None:
+    def _check_run_limits(self, digest: str) -> None:
+        """429 when a new run would exceed the controller's or the registering token's limit."""
+        if len(self.runs) + len(self._registering) >= self.settings.max_runs:
+            self.metrics.registrations_rejected.labels("runs_limit").inc()
+            raise TooMany(f"the controller holds {len(self.runs)} runs, its limit (TRAINGUARD_MAX_RUNS)")
+        owned = self.token_runs.get(digest, ())
+        if len(owned) >= self.settings.max_runs_per_token:
+            self.metrics.registrations_rejected.labels("token_runs_limit").inc()
+            raise TooMany(f"this token registered {len(owned)} runs, its limit (TRAINGUARD_MAX_RUNS_PER_TOKEN)")
+
+    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float,
+                 digest: str = "") -> None:
+        self.token_runs.setdefault(digest, set()).add(reg.run)
         d = DesiredState()
         self.runs[reg.run] = RunState(
             id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
@@ -268,9 +290,19 @@ class Controller:
             self.metrics.rejected.labels("unknown_run").inc()
             raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
         self.check_agent(principal, run)
+        if st.finished_at is not None:
+            self.metrics.rejected.labels("finished").inc()
+            raise Conflict(f"run {run!r} finished at step {st.finished_step}; register it again (POST /v1/runs) to report")
         if report.job != st.job:
             self.metrics.rejected.labels("conflict").inc()
             raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")
+        cols, limit = st.window.columns, self.settings.max_series_per_run
+        if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
+            new = sum(1 for k in report.values if k not in cols)
+            if len(cols) + new > limit:
+                self.metrics.rejected.labels("series_limit").inc()
+                raise Invalid(f"this report would give run {run!r} {len(cols) + new} distinct metric names; the limit is "
+                              f"{limit} per run (TRAINGUARD_MAX_SERIES_PER_RUN)")
         ranks = rank_vectors(report.ranks)
         for name, vec in ranks.items():
             if len(vec) != st.world_size:

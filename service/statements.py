@@ -288,7 +288,7 @@ def mark_alertmanager_seen(conn: sqlite3.Connection, fingerprint: str, starts_at
 
 
 def alertmanager_seen(conn: sqlite3.Connection, since: float) -> list[tuple[str, str]]:
-    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=?", (since,))]
+    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=? ORDER BY received_at", (since,))]
 
 
 def insert_rules_version(conn: sqlite3.Connection, text: str, source: str, actor: str, now: float) -> int:

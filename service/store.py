@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -225,6 +226,8 @@ class Store:
         self._offloaded = False
         self.failed: BaseException | None = None
         self.commits = 0
+        #: Why the last commit failed; ``None`` after a successful one (readiness reads it).
+        self.write_error: str | None = None
         self._migrate()
 
     # -- connections -------------------------------------------------------------------------
@@ -233,6 +236,9 @@ class Store:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, isolation_level=None)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only: the file holds webhook secrets (and SQLite gives the -wal and -shm files
+            # the database file's permissions).
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -430,8 +436,10 @@ class Store:
                         results.append((False, e))
                 conn.execute("COMMIT")
                 self.commits += 1
-            except Exception as e:  # the commit itself failed (disk full, I/O error)
+                self.write_error = None
+            except Exception as e:  # the commit itself failed (disk full, I/O error, lock wait timed out)
                 log.exception("database commit failed")
+                self.write_error = f"{type(e).__name__}: {e}"
                 try:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -15,7 +17,32 @@ __all__ = ["router"]
 router = APIRouter(tags=["system"])
 
 
-@router.get("/healthz", summary="Liveness: 200 while the database writer runs")
+#: Longest a readiness probe waits for its test write.
+READY_WRITE_S = 1.0
+
+
+@router.get("/readyz", summary="Readiness: 200 while a write commits (503 while writes fail or wait for a lock)",
+            description="Commits an empty transaction and answers 200 when it commits within a second; 503 with the "
+            "reason otherwise. /healthz is liveness only (the process and its database writer run).")
+async def readyz(ctl: ControllerDep) -> Response:
+    if not ctl.store.alive:
+        return _status(503, "database writer stopped")
+    probe = ctl.store.submit(lambda c: None, single_statement=True)
+    probe.add_done_callback(lambda f: f.cancelled() or f.exception())  # an outcome after the answer is not an error
+    try:
+        await asyncio.wait_for(asyncio.shield(probe), READY_WRITE_S)
+    except TimeoutError:
+        return _status(503, "database writes are waiting for a lock held by another connection")
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return _status(503, f"database writes fail: {e}")
+    return _status(200, "ok")
+
+
+def _status(code: int, status: str) -> Response:
+    return Response(json.dumps({"status": status}).encode(), status_code=code, media_type="application/json")
+
+
+@router.get("/healthz", summary="Liveness: 200 while the database writer runs (writes may still fail: see /readyz)")
 async def healthz(ctl: ControllerDep) -> Response:
     ok = ctl.store.alive
     body = b'{"status":"ok"}' if ok else b'{"status":"database writer stopped"}'
