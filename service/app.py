@@ -19,7 +19,7 @@ from trainguard.service.config import Settings
 from trainguard.service.controller import Controller
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.ingress import ReportIngress
-from trainguard.service.limits import BodyLimit
+from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, webhooks
 from trainguard.service.rules import RulesError
@@ -68,6 +68,7 @@ def create_app(
     app.state.controller = controller
     app.state.tokens = tokens
     app.state.settings = settings
+    app.state.simulations = rules.SimulationGate(rules.SIMULATIONS_RUNNING, rules.SIMULATIONS_WAITING)
     for module in (runs, alerts, rules, webhooks, system):
         app.include_router(module.router)
 
@@ -95,4 +96,5 @@ def create_app(
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Authenticate, tokens=tokens)  # outermost: no body is read before the token is known
     return app
