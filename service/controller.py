@@ -28,7 +28,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
-from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, load_rules
+from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
@@ -63,6 +63,8 @@ class Controller:
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
+        #: Set by :meth:`begin_shutdown`: long-polls answer at once.
+        self.closing = False
         self.records = Records(store, clock)
         """Alerts, the audit log and webhooks as stored (what the routes read and write)."""
         self.events_hub = EventHub()
@@ -120,6 +122,45 @@ class Controller:
             asyncio.create_task(self._ticker(), name="trainguard-ticker"),
             asyncio.create_task(self.deliverer.run(), name="trainguard-webhooks"),
         ]
+
+    def begin_shutdown(self) -> None:
+        """The server is shutting down: answer long-polls now and end the event streams, so that
+        no idle request holds the shutdown up."""
+        self.closing = True
+        self.events_hub.close()
+        for st in list(self.runs.values()):
+            st.changed.set()
+
+    def reload_rules_file(self) -> bool:
+        """Re-read the ``--rules`` file (SIGHUP). An unreadable or invalid file is logged and the
+        active rules stay. Returns whether new rules apply."""
+        path = self.settings.rules
+        if path is None:
+            log.warning("SIGHUP: no rules file was given (--rules); nothing to reload")
+            return False
+        try:
+            text = path.read_text(encoding="utf-8")
+            rules = self.validate_rules(text)
+        except (OSError, UnicodeDecodeError) as e:
+            log.error("SIGHUP: cannot read %s, the active rules stay: %s", path, e)
+            return False
+        except RulesError as e:
+            log.error("SIGHUP: %s is invalid, the active rules stay: %s", path, "; ".join(e.reasons))
+            return False
+        now = self.clock()
+        source = f"file:{path}"
+
+        def stored(fut: asyncio.Future[int]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                log.error("SIGHUP: the new rules apply but could not be recorded: %r", None if fut.cancelled() else fut.exception())
+                return
+            self.rules_meta = {"version": fut.result(), "source": source, "actor": "sighup", "created_at": now}
+
+        self.rules = rules
+        self.rules_meta = {"version": self.rules_meta.get("version", 0), "source": source, "actor": "sighup", "created_at": now}
+        self.store.submit(lambda c: sql.insert_rules_version(c, text, source, "sighup", now)).add_done_callback(stored)
+        log.warning("SIGHUP: rules reloaded from %s (%d rules)", path, len(rules.base))
+        return True
 
     async def stop(self) -> None:
         self.events_hub.close()
@@ -388,7 +429,7 @@ class Controller:
             deadline = asyncio.get_running_loop().time() + wait
             self.waiters += 1
             try:
-                while st.published.generation <= after:
+                while st.published.generation <= after and not self.closing:
                     remaining = deadline - asyncio.get_running_loop().time()
                     if remaining <= 0:
                         break

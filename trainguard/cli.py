@@ -54,12 +54,12 @@ def _print(value: Any) -> None:
 
 # -- serve ------------------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from trainguard.service.app import create_app
     from trainguard.service.config import Settings
     from trainguard.service.rules import RulesError
+    from trainguard.service.server import ControllerServer, make_config
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db), ("rules", args.rules)) if v is not None}
     try:
@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, workers=1)
+    config = make_config(app, settings, log_level=args.log_level, access_log=args.access_log)
     # Listen before saying so: connections made right after the line below wait in the backlog
     # until the app has started, instead of being refused.
     sock.listen(config.backlog)
@@ -92,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     # otherwise walk it all (~12 ms with the default rules and 200 runs) every few thousand reports.
     gc.collect()
     gc.freeze()
-    uvicorn.Server(config).run(sockets=[sock])
+    ControllerServer(config, app.state.controller).run(sockets=[sock])
     return 0
 
 
