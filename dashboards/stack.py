@@ -72,8 +72,13 @@ def prometheus_config(
             {
                 "job_name": RANKS_JOB,
                 "metrics_path": "/metrics",
-                # Ranks export their own job/run/rank labels: keep them as they are.
-                "honor_labels": True,
+                # The labels naming a target (job, run, rank, instance) come from discovery (the
+                # controller's answer), never from what the target serves: an exporter serving
+                # trainguard_loss{run="another-run"} must not make an alert about another run.
+                # Labels the ranks also export lose the conflict (Prometheus renames them
+                # exported_*) and are dropped.
+                "honor_labels": False,
+                "metric_relabel_configs": [{"action": "labeldrop", "regex": "exported_(job|run|rank|instance)"}],
                 "http_sd_configs": [{
                     "url": f"http://{controller}/v1/sd/targets",
                     "refresh_interval": sd_refresh_interval,

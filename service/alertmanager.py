@@ -103,15 +103,24 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
 
 
 async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Awaitable[tuple[int, bytes]]],
-              clock: Callable[[], float]) -> list[dict[str, Any]]:
+              clock: Callable[[], float], targets: Callable[[str], set[str] | None] = lambda run: None) -> list[dict[str, Any]]:
     """Carry out each acting alert of ``payload`` with ``command`` (``Controller.command``) once:
     ``seen`` holds the (fingerprint, startsAt) pairs already acted on, and the same transaction
-    that changes the run records the pair. Returns one result per alert."""
+    that changes the run records the pair. An alert with an ``instance`` label acts only when
+    ``targets(run)`` (the run's registered ``host:port`` targets, ``None``: unknown run) holds it.
+    Returns one result per alert."""
     results = []
     for alert in payload.get("alerts", []):
         res, cmd = parse_alert(alert)
         if cmd is None:
             results.append(res)
+            continue
+        instance = (alert.get("labels") or {}).get("instance")
+        known = targets(cmd.run)
+        if instance is not None and known is not None and instance not in known:
+            # An alert about one target acts on that target's own run only (its run label comes
+            # from discovery; this guards configurations that let a target set it).
+            results.append(res | {"outcome": "error", "detail": f"instance {instance!r} is not a target of run {cmd.run!r}"})
             continue
         key = (res["fingerprint"], res["startsAt"])
         if key in seen:

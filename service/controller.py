@@ -29,7 +29,7 @@ from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
-from trainguard.service.runstate import RunState, action_names, live
+from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
@@ -574,7 +574,12 @@ class Controller:
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
         """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each
         (fingerprint + startsAt) once: see :func:`service.alertmanager.act`."""
-        return await act(payload, self._am_seen, self.command, self.clock)
+        return await act(payload, self._am_seen, self.command, self.clock, self._targets)
+
+    def _targets(self, run: str) -> set[str] | None:
+        """The ``host:port`` Prometheus scrapes for each rank of ``run`` (as /v1/sd/targets names them)."""
+        st = self.runs.get(run)
+        return None if st is None else {target_address(r["host"], r["port"]) for r in st.ranks}
 
     # == rules ====================================================================================
     def validate_rules(self, text: str) -> RuleSet:

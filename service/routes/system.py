@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from trainguard.service.runstate import target_address
 from trainguard.service.deps import CommandDep, ControllerDep, ReadDep
 from trainguard.service.schemas import AlertmanagerPayload
 
@@ -61,9 +62,7 @@ async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
         if st.desired.stop or st.finished_at is not None:
             continue  # its ranks are gone: scraping them would only raise "target down" alerts
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
-            host = r["host"]
-            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            out.append({"targets": [f"{host}:{r['port']}"], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
+            out.append({"targets": [target_address(r["host"], r["port"])], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
     return out
 
 

@@ -192,7 +192,7 @@ def test_generated_stack_files_wire_the_services_together(rendered):
     prom = yaml.safe_load(rendered["prometheus/prometheus.yml"])
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     ranks = jobs["trainguard-ranks"]
-    assert ranks["honor_labels"] is True
+    assert ranks["honor_labels"] is False  # target labels come from discovery (see test_prometheus_labels.py)
     sd = ranks["http_sd_configs"][0]
     assert sd["url"] == "http://controller:8000/v1/sd/targets"
     assert sd["authorization"]["credentials_file"] == "/run/secrets/trainguard_operator_token"

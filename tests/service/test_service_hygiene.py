@@ -89,3 +89,20 @@ def test_alertmanager_dedup_memory_is_bounded_and_the_database_still_dedups(app_
         assert c.post("/v1/alertmanager", json=_am("fp0")).json()["results"][0]["outcome"] == "duplicate"
         assert c.post("/v1/alertmanager", json=_am("fp9")).json()["results"][0]["outcome"] == "duplicate"
         assert c.get("/v1/runs/run-1").json()["desired"]["generation"] == generation
+
+
+def test_alertmanager_pause_acts_only_on_the_run_whose_target_fired(app_factory) -> None:
+    with app_factory() as c:
+        register(c, run="run-a", world_size=1)  # its rank is 127.0.0.1:9100
+        register(c, run="run-b", world_size=1)
+        def alert(run: str, instance: str, fp: str) -> dict:
+            return {"version": "4", "status": "firing", "alerts": [{
+                "status": "firing", "startsAt": "2026-01-01T00:00:00Z", "fingerprint": fp,
+                "labels": {"alertname": "TrainguardLossNonFinite", "run": run, "instance": instance, "trainguard_action": "pause"}}]}
+        # run-b's label on an alert about a target that is not run-b's: refused
+        c.app.state.controller.runs["run-b"].ranks = [{"rank": 0, "local_rank": 0, "host": "10.0.0.2", "port": 9100}]
+        res = c.post("/v1/alertmanager", json=alert("run-b", "127.0.0.1:9100", "f1")).json()["results"][0]
+        assert res["outcome"] == "error" and "not a target of run 'run-b'" in res["detail"]
+        assert c.get("/v1/runs/run-b").json()["desired"]["paused"] is False
+        res = c.post("/v1/alertmanager", json=alert("run-a", "127.0.0.1:9100", "f2")).json()["results"][0]
+        assert res["outcome"] == "applied" and c.get("/v1/runs/run-a").json()["desired"]["paused"] is True
