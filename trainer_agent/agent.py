@@ -10,7 +10,7 @@
         scaler.update(); optimizer.zero_grad()
         agent.end_step(loss, tokens=batch["input_ids"].numel())   # (3)
 
-Where each metric is measured (metric names, units and formulas: ``trainer_agent/catalog.py``):
+Where each metric is measured (metric names, units and formulas: ``trainguard/protocol/catalog.py``):
 
 (1) **End of every backward pass** (an autograd engine callback queued by the first gradient hook
     of the pass; it runs after DDP has finished its all-reduce): per-tensor norms of the
@@ -27,10 +27,19 @@ Where each metric is measured (metric names, units and formulas: ``trainer_agent
     hooks: ``end_step`` counts the step in ``trainguard_amp_skipped_steps_total`` (no device read
     needed to know it).
 (3) **end_step**: the step's (loss, gradient norm) row of the report interval, step time and
-    tokens/s; on a report step (``step % report_every == 0``) the interval's rows give the
-    non-finite accounting, and all device values are concatenated into one float64 vector and
-    copied to the host — on CUDA with a non-blocking copy into pinned memory, read at a later
-    ``end_step`` once the copy's event has completed.
+    tokens/s; on a report step (``ReportSchedule.is_report``) the interval's rows give the
+    non-finite accounting, every rank enters the report step's one collective (its row of
+    per-rank values, and the controller's desired state), and all device values are concatenated
+    into one float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned
+    memory, read at a later ``end_step`` once the copy's event has completed.
+(4) **Forward hooks** on the model: the wall time inside forward on report steps
+    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``).
+
+Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
+(2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
+``schedule`` (which steps report), ``forward_timer`` (4), ``data_relay`` (data quality),
+``control`` and ``actuators`` (acting for the controller), ``client`` (HTTP). This module is the
+facade that wires them, registers the hooks, times them and keeps their errors out of the loop.
 
 Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
 attach, bucket after bucket of one (device, dtype), so every reduction over them is one fused
@@ -65,13 +74,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import threading
 import time
-from collections import deque
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -81,96 +88,27 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from trainguard.protocol.wire import Name
-from trainer_agent import stats
 from trainer_agent.config import AgentConfig
-from trainer_agent.exporter import AgentCollector, MetricsServer, sample_key
+from trainer_agent.data_relay import DataRelay
+from trainer_agent.exporter import AgentCollector, MetricsServer
+from trainer_agent.forward_timer import ForwardTimer
+from trainer_agent.params import ParamIndex
+from trainer_agent.ranks import RANK_FIELDS, RankExchange
+from trainer_agent.report import HostStep, ReportPipeline
+from trainer_agent.schedule import ReportSchedule
+from trainer_agent.step_stats import StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
 
 log = logging.getLogger(__name__)
 
-#: Per-rank values gathered from every rank at each report step when ``world_size > 1``; on every
-#: rank ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
-RANK_FIELDS: tuple[str, ...] = (
-    "loss",
-    "grad_norm",
-    "micro_sq_sum",
-    "micro_count",
-    "nonfinite_steps_total",
-    "step_duration_seconds",
-    "tokens_per_second",
-)
-
 _NAME = TypeAdapter(Name)
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-#: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
-_MAX_IN_FLIGHT = 4
-#: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
-_HELD_GRAD_BYTES = 32 << 20
-
-
-class _StepState:
-    """What the hooks learn during one optimizer step; reset by ``end_step``."""
-
-    __slots__ = (
-        "backwards",
-        "micro_norms",
-        "grad_norms",
-        "grad_norm",
-        "grad_nonfinite",
-        "scale",
-        "stepped",
-        "snapshot_taken",
-        "before_sq",
-        "delta_sq",
-        "param_sq",
-        "lrs",
-    )
-
-    def __init__(self) -> None:
-        self.backwards = 0
-        #: Per backward pass: ||incoming gradient|| over all parameters (float64 device scalar,
-        #: times the loss scale).
-        self.micro_norms: list[torch.Tensor] = []
-        #: Per-parameter ||accumulated grad|| at the end of the last backward (float32/64 device
-        #: vector in the agent's parameter order, times the loss scale; 0 without a gradient).
-        self.grad_norms: torch.Tensor | None = None
-        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar).
-        self.grad_norm: torch.Tensor | None = None
-        self.grad_nonfinite: torch.Tensor | None = None
-        #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
-        self.scale: torch.Tensor | None = None
-        self.stepped = False
-        self.snapshot_taken = False
-        self.before_sq: torch.Tensor | None = None
-        self.delta_sq: torch.Tensor | None = None
-        self.param_sq: torch.Tensor | None = None
-        #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
-        self.lrs: list[float | torch.Tensor] | None = None
-
-
-class _Report:
-    """One report in flight from the device to the host."""
-
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks")
-
-    def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
-                 host: dict[str, float], ranks: int) -> None:
-        self.step = step
-        self.keys = keys
-        self.buffer = buffer
-        self.event = event
-        self.host = host
-        self.ranks = ranks
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
 
 
 class Agent:
     """Measures a training loop and exports the results; see the module docstring.
 
-    Attributes for the control plane (``trainer_agent/control.py``):
+    Attributes for the control plane and for tests:
 
     - ``step``: optimizer steps completed (``end_step`` calls).
     - ``grad_norm_device``: 0-dim float64 device tensor, the pre-clip global gradient norm of the
@@ -199,151 +137,98 @@ class Agent:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.config = config
-        self.job = job
-        self.run = run
-        self.model = model
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.lr_scheduler = lr_scheduler
+        self.config, self.job, self.run = config, job, run
+        self.model, self.optimizer, self.scaler, self.lr_scheduler = model, optimizer, scaler, lr_scheduler
         self._clock = clock
         self._lock = threading.Lock()
         self._errors = 0
         self._logged_kinds: set[str] = set()
         self._closed = False
-
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world_size = 0, 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if self.world_size > 1 else 0))
-        self._data_parallel = self.world_size > 1
-
-        self._setup_params(model, optimizer)
-        self._per_layer = config.per_layer == "all" or (config.per_layer == "rank0" and self.rank == 0)
-
         self.step = 0
-        self.grad_norm_device: torch.Tensor | None = None
         self.loss_device: torch.Tensor | None = None
-        self.rank_values: dict[str, list[float]] = {}
         self.overhead_seconds_total = 0.0
-        # Non-finite steps before the current report interval (device scalar: no sync).
-        self._nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
-        # One row per step of the report interval, (loss, pre-clip gradient norm or 0), on the
-        # device: a step costs one small copy; the report derives from the rows the interval's
-        # non-finite steps, its first non-finite loss (the loss the report then carries, so a NaN
-        # between two reports is not lost) and its largest finite gradient norm. Zeroed (all
-        # finite) after each report. 16 bytes per step of report_every.
-        self._interval = torch.zeros(config.report_every, 2, dtype=torch.float64, device=self.device)
-        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._step_row: torch.Tensor | None = None
-        self._scaled_grad_norm: torch.Tensor | None = None
-        self._amp_skipped = 0
-        self._snapshot: list[list[torch.Tensor]] | None = None  # per bucket, like _param_buckets
-        # Version counters of the parameters when the CPU update pass last copied W_after into
-        # the snapshot (None: the snapshot is not the current weights).
-        self._snapshot_versions: tuple[int, ...] | None = None
-        self._norm_cache: dict = {}
-        self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
-        self._state = _StepState()
-        self._in_backward = False
-        self._hook_norms: list[torch.Tensor] = []
-        # Incoming gradients held for one fused norm per bucket (see _grad_hook), their bytes.
-        self._held_grads: list[list[torch.Tensor]] = [[] for _ in self._param_buckets]
-        self._held_bytes = 0
-        self._bucket_of = [k for k, bucket in enumerate(self._param_buckets) for _ in bucket]
         self._step_overhead = 0.0
         self._last_end = clock()
-        self._pending: deque[_Report] = deque()  # reports in flight, oldest first
-        self._gathered_step = -1  # the step whose report entered the ranks' all-gather last
-        self._layer_keys: dict[str, list[str]] = {}
+        self._step_row: torch.Tensor | None = None
+        self._amp_skipped = 0
         self._published: dict[str, float] = {}
-        self._data_values: dict[str, float] = {}
-
-        self.data_monitor = data_monitor
-        self._data_feed: Any = None
-        if self.data_monitor is None and config.vocab_size is not None:
-            from trainer_agent.data import DataMonitor
-
-            self.data_monitor = DataMonitor(config.vocab_size, special_ids=config.special_ids)
-        if self.data_monitor is not None:
-            from trainer_agent.data import DataFeed
-
-            self._data_feed = DataFeed(self.data_monitor)
-
         self.control: Any = None
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
+        self.forward: ForwardTimer | None = None
+        self.schedule = ReportSchedule(config.report_every, config.sync_every)
+        self._build_measurement(model, optimizer)
+        self.data = DataRelay.build(data_monitor, config, self._error)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
         try:
-            self._handles = [
-                optimizer.register_step_pre_hook(self._pre_step),
-                optimizer.register_step_post_hook(self._post_step),
-            ]
-            self._handles += [p.register_hook(functools.partial(self._grad_hook, i)) for i, p in enumerate(self._params)]
-            self.registry.register(self._collector)
-            if config.metrics_port is not None:
-                port = config.metrics_port + self.local_rank if config.metrics_port else 0
-                if port > 65535:
-                    raise ValueError(f"metrics_port {config.metrics_port} + local rank {self.local_rank} is past "
-                                     f"65535: choose a lower base port")
-                try:
-                    self._server = MetricsServer(self.registry, host=config.metrics_host, port=port)
-                except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
-                    self._error("metrics_server", exc)
-
+            self._register_hooks(model, optimizer)
+            self._start_export()
             if config.controller is not None or config.skip_nonfinite:
-                from trainer_agent.control import ControlPlane
-
                 # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
                 # controller holds paused waits in here, before its first step, with /metrics served.
-                self.control = ControlPlane(agent=self, on_checkpoint=on_checkpoint, on_error=self._error)
+                self.control = self._build_control(on_checkpoint)
         except BaseException:
             # A refused configuration or registry leaves no hooks, thread or port behind.
             self.close()
             raise
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ wiring
 
-    def _setup_params(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        seen: set[int] = set()
-        params: list[torch.Tensor] = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        if not params:
-            raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
-        # Bucket after bucket of one (device, dtype): one fused call per bucket, every step.
-        params = [params[i] for bucket in stats.buckets(params) for i in bucket]
-        self._params = params
-        self._param_buckets: list[list[torch.Tensor]] = []
-        for p in params:
-            if not self._param_buckets or (p.device, p.dtype) != (self._param_buckets[-1][0].device,
-                                                                  self._param_buckets[-1][0].dtype):
-                self._param_buckets.append([])
-            self._param_buckets[-1].append(p)
-        # Stand-in for a missing gradient (norm 0) that keeps its bucket's fused path.
-        self._grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self._param_buckets]
-        self.device = params[0].device
-        self._numel = sum(p.numel() for p in params)
-        depth = self.config.layer_depth
-        layers: dict[str, int] = {}
-        ids = []
-        for p in params:
-            name = names.get(id(p), "unnamed")
-            while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
-                name = name.split(".", 1)[1]
-            module = name.rsplit(".", 1)[0] if "." in name else name
-            layer = ".".join(module.split(".")[:depth])
-            ids.append(layers.setdefault(layer, len(layers)))
-        self.layers: list[str] = list(layers)
-        self._layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+    def _build_measurement(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        cfg = self.config
+        self.params = ParamIndex(model, optimizer, cfg.layer_depth)
+        self.device = self.params.device
+        self.layers = self.params.layers
+        self.meter = StepMeter(self.params, cfg, self.schedule, scaler=self.scaler,
+                               data_parallel=self.world_size > 1, step=lambda: self.step,
+                               on_error=self._error, clock=self._clock)
+        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1)
+        per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
+        self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
+                                      report_every=cfg.report_every, grad_noise=cfg.grad_noise,
+                                      per_layer=per_layer, clock=self._clock)
 
-    # ------------------------------------------------------------------ errors and timing
+    def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self._handles += [p.register_hook(functools.partial(self._grad_hook, i))
+                          for i, p in enumerate(self.params.params)]
+        self.forward = ForwardTimer(model, self.schedule, self.device, step=lambda: self.step,
+                                    clock=self._clock, on_error=self._error)
+        self._handles += self.forward.handles
+        self.registry.register(self._collector)
+
+    def _start_export(self) -> None:
+        cfg = self.config
+        if cfg.metrics_port is None:
+            return
+        port = cfg.metrics_port + self.local_rank if cfg.metrics_port else 0
+        if port > 65535:
+            raise ValueError(f"metrics_port {cfg.metrics_port} + local rank {self.local_rank} is past "
+                             f"65535: choose a lower base port")
+        try:
+            self._server = MetricsServer(self.registry, host=cfg.metrics_host, port=port)
+        except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
+            self._error("metrics_server", exc)
+
+    def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
+        from trainer_agent.control import ControlContext, ControlPlane
+
+        ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
+                             local_rank=self.local_rank, config=self.config, schedule=self.schedule,
+                             optimizer=self.optimizer, metrics_url=self.metrics_url,
+                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm)
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
+
+    # ------------------------------------------------------------------ errors
 
     def _error(self, kind: str, exc: BaseException) -> None:
         with self._lock:
@@ -354,110 +239,16 @@ class Agent:
             log.warning("trainguard agent: %s failed; training goes on, further %s errors are only "
                         "counted in trainguard_agent_errors_total", kind, kind, exc_info=exc)
 
-    def _is_report(self, step: int) -> bool:
-        return step % self.config.report_every == 0
-
-    # ------------------------------------------------------------------ (1) backward
+    # ------------------------------------------------------------------ (1) backward, (2) step hooks
 
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
-        """Tensor hook of every trainable parameter (``index`` in ``_params``): sees the incoming
-        gradient of one backward pass before it is accumulated into ``.grad`` (and before any
-        DDP all-reduce).
-
-        For the noise scale its norm is needed. When the parameter already holds a ``.grad``
-        (accumulation into it, in place) the tensor is held and normed with the others of its
-        bucket in one fused call, when ``_HELD_GRAD_BYTES`` are held or at the end of the pass:
-        the extra memory is bounded by that. Into an empty ``.grad`` autograd moves the incoming
-        tensor without a copy only if nothing else references it, so that one is normed at once.
-        """
         t0 = self._clock()
         try:
-            if not self._in_backward:
-                self._in_backward = True
-                self._hook_norms = []
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
-            if self.config.grad_noise and (self._data_parallel or self._state.backwards >= 1):
-                if self._params[index].grad is None:
-                    self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=stats.norm_dtype(grad.dtype)))
-                else:
-                    self._held_grads[self._bucket_of[index]].append(grad)
-                    self._held_bytes += grad.numel() * grad.element_size()
-                    if self._held_bytes >= _HELD_GRAD_BYTES:
-                        self._norm_held_grads()
+            self.meter.on_grad(index, grad)
         except Exception as exc:  # never raise into backward
             self._error("gradient_hook", exc)
         finally:
             self._step_overhead += self._clock() - t0
-
-    def _norm_held_grads(self) -> None:
-        for held in self._held_grads:
-            if held:
-                self._hook_norms += torch._foreach_norm(held, 2, dtype=stats.norm_dtype(held[0].dtype))
-        self._release_held_grads()
-
-    def _release_held_grads(self) -> None:
-        for held in self._held_grads:
-            held.clear()
-        self._held_bytes = 0
-
-    def _backward_end_outer(self) -> None:
-        # Re-queue, so that this runs after callbacks queued later in the same backward pass,
-        # in particular DDP's, which finishes the gradient all-reduce.
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-        except Exception as exc:
-            self._in_backward = False
-            self._error("backward_end", exc)
-
-    def _backward_end(self) -> None:
-        t0 = self._clock()
-        try:
-            self._in_backward = False
-            self._norm_held_grads()
-            st = self._state
-            first = st.backwards == 0
-            self._measure_grads(st)
-            if self.config.grad_noise:
-                if first and not self._data_parallel:
-                    # The first backward of a step accumulates into zeroed gradients.
-                    assert st.grad_norms is not None
-                    st.micro_norms.append(self._scaled_grad_norm)
-                elif self._hook_norms:
-                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
-                                                                   dtype=torch.float64))
-            st.backwards += 1
-        except Exception as exc:
-            self._error("backward_end", exc)
-        finally:
-            self._hook_norms = []
-            self._release_held_grads()
-            self._step_overhead += self._clock() - t0
-
-    def _measure_grads(self, st: _StepState) -> None:
-        """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
-        element count) into ``st``; sets ``grad_norm_device``. One fused norm per bucket."""
-        grads = [[p.grad if p.grad is not None else zero for p in bucket]
-                 for bucket, zero in zip(self._param_buckets, self._grad_zeros)]
-        st.grad_norms = stats.bucket_norms(grads, self.device)
-        st.scale = self._scale_tensor()
-        if self._is_report(self.step + 1):
-            st.grad_nonfinite = stats.nonfinite_count([g for b in grads for g in b], self.device, st.grad_norms)
-        self._scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
-        st.grad_norm = self.grad_norm_device = self._unscale(self._scaled_grad_norm, st.scale)
-
-    def _scale_tensor(self) -> torch.Tensor | None:
-        scaler = self.scaler
-        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
-            return None
-        # GradScaler keeps its scale in the device tensor `_scale` (get_scale() would sync);
-        # update() changes it in place, so keep a copy of the value the gradients carry.
-        return scaler._scale.detach().to(self.device, torch.float64, copy=True).reshape(())
-
-    @staticmethod
-    def _unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
-        return value if scale is None else value / scale**power
-
-    # ------------------------------------------------------------------ (2) optimizer step
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t0 = self._clock()
@@ -468,66 +259,17 @@ class Agent:
                 self._error("control_before_step", exc)
         try:
             with torch.no_grad():  # the hook runs outside the optimizer's no_grad: record no graph
-                self._pre_step_measure(optimizer)
+                self.meter.before_step(optimizer)
         except Exception as exc:
             self._error("optimizer_pre_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
 
-    def _pre_step_measure(self, optimizer: torch.optim.Optimizer) -> None:
-        st = self._state
-        st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-                  for g in optimizer.param_groups]
-        if st.grad_norms is None:
-            # No backward pass went through the agent's hooks (gradients set by hand):
-            # measure what the optimizer is about to use.
-            self._measure_grads(st)
-        mode = self.config.update_ratio
-        if mode == "every" or (mode == "report" and self._is_report(self.step + 1)):
-            versions = self._versions()
-            if self._snapshot is None:
-                self._snapshot = [[torch.empty_like(p, memory_format=torch.contiguous_format) for p in b]
-                                  for b in self._param_buckets]
-            # The CPU update pass of a measured step leaves W_after in the snapshot: if no
-            # parameter changed since (autograd's version counters, read on the host, count
-            # in-place writes), it already holds W_before.
-            if self._snapshot_versions != versions:
-                for snap, bucket in zip(self._snapshot, self._param_buckets):
-                    torch._foreach_copy_(snap, bucket)
-            self._snapshot_versions = None  # the post-step hook consumes it
-            st.snapshot_taken = True
-            # ||W_before|| is the last measured ||W_after|| under the same condition.
-            if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
-                st.before_sq = self._param_sq_prev[0]
-
-    def _post_step_measure(self) -> None:
-        st = self._state
-        st.stepped = True
-        self._param_sq_prev = None
-        if st.snapshot_taken:
-            assert self._snapshot is not None
-            # Refresh the snapshot with W_after when the next step is measured too.
-            next_measured = self.config.update_ratio == "every" or self.config.report_every == 1
-            st.delta_sq, st.param_sq, before_sq, refreshed = stats.update_sq_norms(
-                self._snapshot, self._param_buckets, self.device, self._norm_cache,
-                before_norms=st.before_sq is None, refresh=next_measured)
-            if st.before_sq is None:
-                st.before_sq = before_sq
-            versions = self._versions()
-            self._param_sq_prev = (st.param_sq, versions)
-            self._snapshot_versions = versions if refreshed else None
-        elif self._is_report(self.step + 1):
-            st.param_sq = stats.bucket_norms(self._param_buckets, self.device).to(torch.float64).square()
-            self._param_sq_prev = (st.param_sq, self._versions())
-
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self._params)
-
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t0 = self._clock()
         try:
             with torch.no_grad():  # the hook runs outside the optimizer's no_grad: record no graph
-                self._post_step_measure()
+                self.meter.after_step()
         except Exception as exc:
             self._error("optimizer_post_step", exc)
         finally:
@@ -545,11 +287,11 @@ class Agent:
         ``DataFeed`` copies device tensors non-blocking into pinned memory and a worker thread
         observes them; a bad batch (e.g. an id outside the vocabulary) is counted in
         ``trainguard_agent_errors_total``."""
-        if self._data_feed is None:
+        if self.data is None:
             return
         t0 = self._clock()
         try:
-            self._data_feed.submit(input_ids, attention_mask)
+            self.data.submit(input_ids, attention_mask)
         except Exception as exc:
             self._error("data_monitor", exc)
         finally:
@@ -562,37 +304,32 @@ class Agent:
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
         device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
         t0 = self._clock()
-        summary: dict[str, float] = {}
+        agreed: list[int] | None = None
         try:
             with torch.no_grad():
-                summary = self._end_step(loss, tokens, t0)
+                agreed = self._end_step(loss, tokens, t0)
         except Exception as exc:
             self._error("end_step", exc)
-            self._join_report_gather()
+            agreed = self._join_exchange()
         finally:
-            self._state = _StepState()
-            self._in_backward = False
-            self._release_held_grads()  # a backward pass that raised never reached its end
-            self.grad_norm_device = None
-            now = self._clock()
-            self._step_overhead += now - t0
+            self.meter.reset()
+            if self.forward is not None:
+                self.forward.reset()
+            self._step_overhead += self._clock() - t0 + self.meter.overhead
             self.overhead_seconds_total += self._step_overhead
-            self._step_overhead = 0.0
+            self._step_overhead = self.meter.overhead = 0.0
         if self.control is not None:
             try:
-                self.control.on_end_step(self.step, summary)
+                self.control.on_end_step(self.step, agreed)
             except Exception as exc:
                 self._error("control_end_step", exc)
 
-    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> dict[str, float]:
-        st = self._state
+    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
+        st = self.meter.state
         self.step += 1
-        step = self.step
-        duration = t0 - self._last_end
-        self._last_end = t0
+        duration, self._last_end = t0 - self._last_end, t0
         if self.scaler is not None and self.scaler.is_enabled() and not st.stepped and st.backwards:
             self._amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
-
         if isinstance(loss, torch.Tensor):
             loss_t = loss.detach().to(self.device, torch.float64)
             if loss_t.dim():
@@ -600,256 +337,71 @@ class Agent:
         else:
             loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.device)  # a fill, no copy
         self.loss_device = loss_t
-        grad_norm = st.grad_norm
-        # The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
-        row = torch.stack([loss_t, grad_norm if grad_norm is not None else self._zero])
-        self._interval[(step - 1) % self.config.report_every].copy_(row)
-        self._step_row = row
+        self._step_row = self.reports.record_step(self.step, loss_t, st.grad_norm)
+        self._publish()
+        if not self.schedule.is_report(self.step):
+            return None
+        forward_s = self.forward.take() if self.forward is not None else float("nan")
+        host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped)
+        overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
+        agreed = self.reports.build(st, loss_t, host, overhead, self._proposal())
+        self._publish()
+        return agreed
 
-        published = self._publish()
-        if self._is_report(step):
-            if len(self._pending) >= _MAX_IN_FLIGHT:
-                # SYNC: only when the device runs _MAX_IN_FLIGHT reports behind the host.
-                published = self._publish(block=True, limit=1) or published
-            self._pending.append(self._build_report(st, step, loss_t, grad_norm, duration, tokens, t0))
-            published = self._publish() or published
-        return published
+    def _proposal(self) -> list[int] | None:
+        return self.control.proposal() if self.control is not None else None
 
-    def _build_report(self, st: _StepState, step: int, loss_t: torch.Tensor,
-                      grad_norm: torch.Tensor | None, duration: float, tokens: int | None,
-                      t0: float) -> _Report:
-        dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
-        vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
-        host: dict[str, float] = {"trainguard_step": float(step)}
-        rows = self._interval
-        finite = rows * 0 == 0  # x * 0 is NaN exactly where x is NaN or +-Inf
-        loss_finite = finite[:, 0]
-        self._nonfinite_steps += self._interval_nonfinite(finite)
-        # A non-finite loss anywhere in the interval is the interval's loss: the first one.
-        # (index_select: indexing with a device tensor could read it on the host)
-        first_bad = rows[:, 0].index_select(0, torch.argmin(loss_finite.to(torch.uint8)).reshape(1))[0]
-        dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
-        dev["trainguard_nonfinite_steps_total"] = self._nonfinite_steps.clone()
-        if grad_norm is not None:
-            dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = torch.where(finite[:, 1], rows[:, 1], 0.0).amax()
-        rows.zero_()  # after its last reader above (device order)
-        if st.grad_nonfinite is not None:
-            dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
-
-        param_sq = st.param_sq
-        if param_sq is None:
-            param_sq = stats.bucket_norms(self._param_buckets, self.device).to(torch.float64).square()
-        param_sq_sum = param_sq.sum()
-        dev["trainguard_param_norm"] = param_sq_sum.sqrt()
-        dev["trainguard_param_scale"] = (param_sq_sum / self._numel).sqrt()
-        if st.delta_sq is not None and st.before_sq is not None:
-            delta = st.delta_sq.sum().sqrt()
-            dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
-            if grad_norm is not None:
-                dev["trainguard_effective_lr"] = delta / grad_norm
-
-        lrs = st.lrs if st.lrs is not None else self._last_lrs()
-        self._lrs = lrs
-        for i, lr in enumerate(lrs):
-            key = sample_key("trainguard_learning_rate", group=str(i))
-            if isinstance(lr, torch.Tensor):
-                dev[key] = lr.to(self.device, torch.float64).reshape(())
-            else:
-                host[key] = lr
-
-        state_tensors = [t for s in self.optimizer.state.values() for t in s.values()
-                         if isinstance(t, torch.Tensor)]
-        dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
-
-        scale_now = self._scale_tensor()
-        if scale_now is not None:
-            dev["trainguard_loss_scale"] = scale_now
-        host["trainguard_amp_skipped_steps_total"] = float(self._amp_skipped)
-        host["trainguard_step_duration_seconds"] = duration
-        if tokens is not None:
-            host["trainguard_tokens_per_second"] = tokens / duration if duration > 0 else math.inf
-        host.update(self._memory())
-
-        if self._per_layer:
-            self._layer_metrics(st, param_sq, vectors)
-
-        micro_count = len(st.micro_norms)
-        micro_sum = (torch.linalg.vector_norm(torch.stack(st.micro_norms)).square() if st.micro_norms
-                     else self._zero)
-        micro_sum = self._unscale(micro_sum, st.scale, power=2)
-        host["trainguard_agent_overhead_seconds"] = self._step_overhead + (self._clock() - t0)
-
-        gathered = None
-        small_sum, total_count = micro_sum, micro_count
-        if self._data_parallel:
-            local = torch.stack([
-                loss_t, grad_norm if grad_norm is not None else torch.full_like(loss_t, math.nan),
-                micro_sum, torch.full_like(loss_t, micro_count), self._nonfinite_steps.clone(),
-                torch.full_like(loss_t, duration),
-                torch.full_like(loss_t, host.get("trainguard_tokens_per_second", math.nan)),
-            ])
-            gathered = self._all_gather(local).to(self.device)
-            small_sum = gathered[:, RANK_FIELDS.index("micro_sq_sum")].sum()
-            total_count = micro_count * self.world_size  # every rank runs the same loop
-        if self.config.grad_noise and total_count >= 2 and grad_norm is not None:
-            # Small gradients k*h_j have the expectation of the accumulated gradient H.
-            micro_size = tokens / micro_count if tokens else 1.0
-            small_sq = micro_count**2 * small_sum / total_count
-            b_simple, trace = stats.noise_scale(small_sq, grad_norm * grad_norm, total_count, micro_size)
-            dev["trainguard_grad_noise_scale"] = b_simple
-            dev["trainguard_grad_variance"] = trace
-
-        keys = list(dev)
-        pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
-                               for v in dev.values()])]
-        for vector_keys, values in vectors:
-            keys += vector_keys
-            pieces.append(values.to(torch.float64))
-        if gathered is not None:
-            pieces.append(gathered.reshape(-1))
-        ranks = self.world_size if gathered is not None else 0
-        vec = torch.cat(pieces)
-        if vec.device.type == "cuda":
-            buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-            buffer.copy_(vec, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            return _Report(step, keys, buffer, event, host, ranks)
-        return _Report(step, keys, vec, None, host, ranks)
-
-    def _layer_metrics(self, st: _StepState, param_sq: torch.Tensor,
-                       vectors: list[tuple[list[str], torch.Tensor]]) -> None:
-        n = len(self.layers)
-
-        def add(metric: str, values: torch.Tensor) -> None:
-            keys = self._layer_keys.get(metric)
-            if keys is None:
-                keys = self._layer_keys[metric] = [sample_key(metric, layer=layer) for layer in self.layers]
-            vectors.append((keys, values))
-
-        if st.grad_norms is not None:
-            g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), self._layer_ids, n).sqrt()
-            add("trainguard_layer_grad_norm", self._unscale(g, st.scale))
-        add("trainguard_layer_param_norm", stats.segment_sum(param_sq, self._layer_ids, n).sqrt())
-        if st.delta_sq is not None and st.before_sq is not None:
-            delta = stats.segment_sum(st.delta_sq, self._layer_ids, n).sqrt()
-            before = stats.segment_sum(st.before_sq, self._layer_ids, n).sqrt()
-            add("trainguard_layer_update_ratio", delta / before)
-
-    def _join_report_gather(self) -> None:
-        """After an error in ``_end_step``: if this report step's all-gather was not entered,
-        enter it with a NaN row, so an error on one rank never leaves the others waiting in the
-        collective (nor pairs their gather with this rank's next collective)."""
-        if not (self._data_parallel and self._is_report(self.step) and self._gathered_step != self.step):
-            return
+    def _join_exchange(self) -> list[int] | None:
+        """After an error in ``_end_step`` on a report step: enter the step's collective with a
+        NaN row if it was not entered (see ``ReportPipeline.join_exchange``)."""
+        if not self.schedule.is_report(self.step):
+            return None
         try:
-            self._all_gather(torch.full((len(RANK_FIELDS),), math.nan, dtype=torch.float64, device=self.device))
+            return self.reports.join_exchange(self.step, self._proposal())
         except Exception as exc:
             self._error("end_step", exc)
-
-    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
-        self._gathered_step = self.step  # entered (even if it fails): never entered twice per step
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
-        src = local.to(device)
-        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
-        dist.all_gather_single(out, src)
-        return out.view(self.world_size, src.numel())
-
-    def _last_lrs(self) -> list[float | torch.Tensor]:
-        previous = getattr(self, "_lrs", None)
-        if previous is not None:
-            return previous
-        return [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-                for g in self.optimizer.param_groups]
-
-    def _memory(self) -> dict[str, float]:
-        if self.device.type == "cuda":
-            # Allocator statistics kept on the host: no device sync.
-            allocated = float(torch.cuda.memory_allocated(self.device))
-            reserved = float(torch.cuda.memory_reserved(self.device))
-            peak = float(torch.cuda.max_memory_allocated(self.device))
-        else:
-            allocated, peak = stats.host_memory()
-            reserved = allocated
-        return {
-            "trainguard_memory_allocated_bytes": allocated,
-            "trainguard_memory_reserved_bytes": reserved,
-            "trainguard_memory_peak_bytes": peak,
-        }
+            return None
 
     # ------------------------------------------------------------------ publication
 
-    def _publish(self, block: bool = False, limit: int | None = None) -> dict[str, float]:
-        """Turn the reports in flight whose copies have completed into host values, oldest
-        first; with ``block``, wait for the oldest ``limit`` (default: all) of them. Returns the
-        newest published values, or {} when nothing was published."""
-        published: dict[str, float] = {}
-        waits = len(self._pending) if limit is None else limit
-        while self._pending and ((block and waits > 0) or self._pending[0].ready()):
-            waits -= 1
-            published = self._publish_one(self._pending.popleft())
-        return published
+    def _publish(self, block: bool = False) -> None:
+        """Reports whose copy completed become host values (all of them with ``block``)."""
+        self.reports.publish(block=block, on_published=self._on_published)
 
-    def _publish_one(self, report: _Report) -> dict[str, float]:
-        if report.event is not None:
-            report.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
-        flat = report.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
-        n = len(report.keys)
-        values = dict(zip(report.keys, flat[:n]))
-        if report.ranks:
-            width = len(RANK_FIELDS)
-            rows = [flat[n + r * width: n + (r + 1) * width] for r in range(report.ranks)]
-            self.rank_values = {f: [row[i] for row in rows] for i, f in enumerate(RANK_FIELDS)}
-        else:
-            self.rank_values = {
-                "loss": [values["trainguard_loss"]],
-                "grad_norm": [values.get("trainguard_grad_norm", math.nan)],
-                "nonfinite_steps_total": [values["trainguard_nonfinite_steps_total"]],
-                "step_duration_seconds": [report.host["trainguard_step_duration_seconds"]],
-                "tokens_per_second": [report.host.get("trainguard_tokens_per_second", math.nan)],
-            }
-        values.update(report.host)
-        self._refresh_data_values()
+    def _on_published(self, values: dict[str, float], rank_values: dict[str, list[float]]) -> None:
+        if self.data is not None:
+            self.data.refresh()
         with self._lock:
             self._published = values
-        return dict(values)
-
-    def _refresh_data_values(self) -> None:
-        if self._data_feed is not None:
-            try:
-                self._data_values = {k: float(v) for k, v in self._data_feed.values().items()}
-            except Exception as exc:
-                self._error("data_monitor", exc)
+        if self.control is not None:
+            self.control.on_report(self._current_values(), rank_values)
 
     def _current_values(self) -> dict[str, float]:
         """Host values only: called by the /metrics collector from the HTTP thread."""
         with self._lock:
             values = dict(self._published)
             errors = self._errors
-        values.update(self._data_values)
+        if self.data is not None:
+            values.update(self.data.values)
+            errors += self.data.errors
         if self.control is not None:
             try:
                 values.update(self.control.values())
             except Exception as exc:
                 self._error("control_values", exc)
-                with self._lock:
-                    errors = self._errors
-        if self._data_feed is not None:
-            errors += self._data_feed.errors  # bad batches, counted by the feed's worker thread
-            errors += self._data_feed.dropped  # batches the data monitor fell too far behind to see
+                errors += 1
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 
-    def _interval_nonfinite(self, finite: torch.Tensor | None = None) -> torch.Tensor:
-        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0)."""
-        if finite is None:
-            finite = self._interval * 0 == 0
-        return (~finite.all(dim=1)).sum()
-
     # ------------------------------------------------------------------ public API
+
+    @property
+    def rank_values(self) -> dict[str, list[float]]:
+        return self.reports.rank_values
+
+    @property
+    def grad_norm_device(self) -> torch.Tensor | None:
+        return self.meter.grad_norm
 
     @property
     def step_finite_device(self) -> torch.Tensor | None:
@@ -863,9 +415,8 @@ class Agent:
         control values and the live error count. Waits for a report still being copied."""
         try:
             self._publish(block=True)  # SYNC (CUDA): only if a report copy is still in flight
-            if self._data_feed is not None:
-                self._data_feed.flush(timeout=1.0)  # batches submitted so far (worker thread)
-                self._refresh_data_values()
+            if self.data is not None:
+                self.data.refresh(flush=True)  # batches submitted so far (worker thread)
         except Exception as exc:
             self._error("publish", exc)
         return self._current_values()
@@ -887,16 +438,20 @@ class Agent:
             return False
 
     def state_dict(self) -> dict[str, Any]:
-        """The agent's counters and control state, for the training checkpoint."""
+        """The agent's counters and control state, for the training checkpoint; with an
+        ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the
+        agent restores the schedule to the same step, e.g. when rolling back to a checkpoint)."""
         state: dict[str, Any] = {
             "version": 1,
             "step": self.step,
             # SYNC: checkpoint time only; reads one device scalar.
-            "nonfinite_steps_total": float((self._nonfinite_steps + self._interval_nonfinite()).item()),
+            "nonfinite_steps_total": float((self.reports.nonfinite_steps + self.reports.interval_nonfinite()).item()),
             "amp_skipped_steps_total": self._amp_skipped,
         }
         if self.control is not None:
             state["control"] = self.control.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -912,11 +467,13 @@ class Agent:
         if step < 0 or skipped < 0 or not nonfinite >= 0:
             raise ValueError("malformed trainguard agent state dict: negative counters")
         self.step = step
-        self._nonfinite_steps.fill_(nonfinite)
-        self._interval.zero_()  # steps before the restore are not part of the restored run
+        self.reports.nonfinite_steps.fill_(nonfinite)
+        self.reports.interval.zero_()  # steps before the restore are not part of the restored run
         self._amp_skipped = skipped
         if self.control is not None and "control" in state:
             self.control.load_state_dict(state["control"])
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def close(self, timeout: float | None = None) -> None:
         """Publish the last report, remove the hooks, stop the control plane and the /metrics
@@ -932,8 +489,10 @@ class Agent:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._data_feed is not None:
-            self._data_feed.close(max(0.0, deadline - time.monotonic()))
+        if self.forward is not None:
+            self.forward.remove()
+        if self.data is not None:
+            self.data.close(max(0.0, deadline - time.monotonic()))
         if self.control is not None:
             try:
                 self.control.close(max(0.0, deadline - time.monotonic()))
@@ -964,7 +523,8 @@ def attach(
 ) -> Agent:
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
 
-    ``controller``/``token`` override the config's. Mistakes in the arguments raise
+    ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
+    restored with the agent's ``state_dict``. Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
@@ -985,6 +545,8 @@ def attach(
     if controller is not None or token is not None:
         config = replace(config, controller=controller if controller is not None else config.controller,
                          token=token if token is not None else config.token)
+    if lr_scheduler is not None and not (hasattr(lr_scheduler, "state_dict") and hasattr(lr_scheduler, "load_state_dict")):
+        raise ValueError(f"lr_scheduler must have state_dict() and load_state_dict(), got {type(lr_scheduler).__name__}")
     if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
         raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
     return Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,

@@ -23,7 +23,7 @@ def _env(name: str) -> str | None:
 
 @dataclass(kw_only=True, slots=True)
 class AgentConfig:
-    """How the training agent measures, exports and (later) talks to the controller."""
+    """How the training agent measures, exports and talks to the controller."""
 
     report_every: int = 10
     """Steps between two host reads of the device statistics. Step metrics that are only
@@ -83,7 +83,10 @@ class AgentConfig:
     """Steps between two agreements of all ranks on the controller's newest desired state."""
 
     skip_nonfinite: bool = False
-    """Skip the optimizer update locally when the step's loss or gradients are non-finite."""
+    """Skip the optimizer update on every rank when any rank's gradients hold a NaN or Inf (its
+    global gradient norm is non-finite): parameters and optimizer state stay as they were. A
+    non-finite loss whose gradients are finite is not skipped (it is counted in
+    ``trainguard_nonfinite_steps_total``). Costs one device read per optimizer step."""
 
     request_timeout_s: float = 2.0
     """Timeout of every request to the controller, in seconds."""

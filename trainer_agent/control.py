@@ -13,23 +13,27 @@ Where it hooks in (``Agent`` calls these; none of them raises into the loop):
 ``__init__``               leader registers the run; all ranks agree on the registration's
                            desired state and apply it before the first step (a restarted run
                            resumes paused / at its lr_scale)
-optimizer ``step`` wrapper only with ``skip_nonfinite``: one device sync and one all-reduce of a
-                           flag per optimizer step; a non-finite step is not taken at all
+optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSkip``): one device
+                           sync and one all-reduce of a flag per optimizer step; a step with
+                           non-finite gradients is not taken at all
 ``before_optimizer_step``  group LR := scheduler LR x lr_scale (optimizer pre-hook)
 ``after_optimizer_step``   group LR restored, so the scheduler keeps its own state (post-hook)
-``on_end_step(step, …)``   every ``sync_every`` steps the agreement collective; every
-                           ``report_every`` steps the same collective also gathers the per-rank
-                           report values; the leader queues the report; the agreed state is
-                           applied; a pause blocks here
+``proposal()``            on a report step, the leader's desired state, carried by the report
+                           step's one collective (``trainer_agent/ranks.py``)
+``on_end_step(step, …)``   on report steps the state agreed in that collective, on the other
+                           ``sync_every`` steps a broadcast; the agreed state is applied; a pause
+                           blocks here
+``on_report(values, …)``   leader: a published report (with every rank's row) goes to the
+                           controller
 =========================  ====================================================================
 
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
-Every ``sync_every`` steps all ranks take part in one collective on a side *gloo* process group of
-CPU tensors (no device sync): a broadcast of five int64 (``generation, paused, lr_scale`` as the
-bits of a float64, ``checkpoint_seq, stop``), or on report steps an all-gather that carries the same
-five ints from the leader plus six float64 report values from every rank (published step, step
-time, loss, grad norm, grad and param fingerprints). All ranks then apply the same state at the same
-step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
+On report steps the state travels in the report step's one collective (the
+agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
+other ``sync_every`` steps all ranks take part in a broadcast of the same five int64
+(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop``) on a side
+*gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
+same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
 so re-applying changes nothing, and a checkpoint is taken once per new ``checkpoint_seq``.
 
 **Pause.** ``on_end_step`` blocks on every rank with no collective outstanding. The leader waits on
@@ -38,22 +42,12 @@ c10d store (``pause/<episode>/<i>``); the other ranks poll those keys (``check``
 Every rank applies the same sequence of states at the same (paused) step and leaves when one has
 ``paused=false`` or ``stop=true``. No process-group timeout can expire meanwhile.
 
-**Skipping non-finite steps** (``skip_nonfinite=True``). The optimizer instance's ``step`` is
-wrapped; before the real step each rank reads whether its gradient norm is finite — the agent's
-global norm measured at the end of backward (after DDP's all-reduce), in float64, so it is finite
-exactly when every gradient element is, and no extra pass over the gradients is needed; SYNC: one
-device-to-host read per optimizer step — and the ranks all-reduce (max) that flag on the side group.
-(Gradients a user changes by hand after backward are not re-read; a rank whose own gradients are
-finite still skips when another rank's are not.) If any rank
-saw a non-finite gradient, no rank calls the real ``step``: parameters and optimizer state stay
-bit-identical and the agent's step hooks do not fire (as for a GradScaler skip). The LR scheduler
-keeps its own schedule. A loss that is non-finite while every gradient is finite is not skipped:
-the loss reaches the agent only after the step (``end_step``), and such a loss does not depend on
-any parameter the step would change.
+**Skipping non-finite steps** (``skip_nonfinite=True``): ``trainer_agent/actuators.py``.
 
-**Fingerprints.** The report's per-rank ``grad_fingerprint``/``param_fingerprint`` are the global
-L2 norms of the gradients and parameters each rank published: data-parallel replicas in sync
-compute them bit-identically, so ranks whose fingerprints differ have diverged.
+**Fingerprints.** The report's per-rank ``grad_fingerprint``/``param_fingerprint`` are not hashes:
+they are the global L2 norms of each rank's gradients and parameters (``grad_fingerprint`` equals
+``grad_norm``). Data-parallel replicas in sync compute them bit-identically, so ranks whose values
+differ have diverged; replicas that diverged with equal norms are not told apart.
 """
 
 from __future__ import annotations
@@ -62,32 +56,52 @@ import itertools
 import logging
 import math
 import socket
-import struct
 import sys
 import time
-import types
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import wraps
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
 from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
+from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
+from trainer_agent.config import AgentConfig
+from trainer_agent.ranks import STATE_LEN, WIRE_VECTORS, decode_state, encode_state
+from trainer_agent.schedule import ReportSchedule
 
-__all__ = ["ControlPlane", "Applied"]
+__all__ = ["ControlPlane", "ControlContext", "Applied"]
 
 log = logging.getLogger(__name__)
 
-_STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
-_VALUE_FIELDS = ("published_step", "step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint")
 _instances = itertools.count()  # same sequence on every rank: ControlPlanes are built in lockstep
+
+
+@dataclass(frozen=True, slots=True)
+class ControlContext:
+    """What the control plane needs from the agent: identity, configuration, the optimizer it acts
+    on, and two readers of the step in progress (host int; device scalar, no read)."""
+
+    job: str
+    run: str
+    rank: int
+    world_size: int
+    local_rank: int
+    config: AgentConfig
+    schedule: ReportSchedule
+    optimizer: torch.optim.Optimizer
+    metrics_url: str | None
+    step: Callable[[], int]
+    """Optimizer steps completed (``end_step`` calls)."""
+    grad_norm: Callable[[], torch.Tensor | None]
+    """The pre-clip global gradient norm of the step in progress (0-dim float64 device tensor),
+    valid in the optimizer's pre-hook; None before the first backward of the step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,24 +118,6 @@ class Applied:
     """Wall-clock time (``time.time()``) at which it was applied."""
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(i: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", i))[0]
-
-
-def _encode(d: DesiredState) -> list[int]:
-    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop)]
-
-
-def _decode(v: list[int]) -> DesiredState:
-    return DesiredState(
-        generation=v[0], paused=bool(v[1]), lr_scale=_bits_float(v[2]), checkpoint_seq=v[3], stop=bool(v[4])
-    )
-
-
 def _group_timeout() -> timedelta:
     """The default process group's timeout, so the side group fails no sooner and no later."""
     try:
@@ -134,16 +130,15 @@ def _group_timeout() -> timedelta:
 class ControlPlane:
     """Reports to the controller, agrees with the other ranks on its commands, and applies them.
 
-    ``agent`` provides ``config``, ``job``, ``run``, ``rank``, ``world_size``, ``optimizer``,
-    ``step``, ``grad_norm_device``, ``metrics_url`` and ``_current_values()`` (host values of the
-    last published report). The keyword arguments after it inject what talks to the world; their
-    defaults are the real thing: a new gloo group, the default c10d store, an HTTP transport.
+    ``ctx`` says who this rank is and what to act on. The keyword arguments after it inject what
+    talks to the world; their defaults are the real thing: a new gloo group, the default c10d
+    store, an HTTP transport.
     """
 
     def __init__(
         self,
+        ctx: ControlContext,
         *,
-        agent: Any,
         on_checkpoint: Callable[[int], Any] | None = None,
         group: Any = None,
         store: Any = None,
@@ -154,20 +149,21 @@ class ControlPlane:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        cfg = agent.config
         if on_checkpoint is not None and not callable(on_checkpoint):
             raise ValueError("on_checkpoint must be callable as on_checkpoint(step)")
         if not pause_poll_s > 0:
             raise ValueError(f"pause_poll_s must be > 0, got {pause_poll_s}")
-        self._agent = agent
+        cfg = ctx.config
+        self._ctx = ctx
         self._cfg = cfg
         self._on_checkpoint = on_checkpoint
-        self._on_error = on_error or getattr(agent, "_error", None) or (lambda kind, exc: log.exception(kind))
+        self._on_error = on_error or (lambda kind, exc: log.exception(kind))
         self._clock, self._wall = clock, wall_clock
         self._pause_poll_s = pause_poll_s
-        self.rank, self.world_size = int(agent.rank), int(agent.world_size)
+        self.rank, self.world_size = ctx.rank, ctx.world_size
         self.leader = self.rank == 0
-        self._controlled = cfg.controller is not None
+        self.controlled = cfg.controller is not None
+        """True with a controller: the report step's collective carries the desired state."""
         self._instance = next(_instances)
 
         # applied state (identical on every rank)
@@ -176,59 +172,26 @@ class ControlPlane:
         self._paused = False
         self._stop = False
         self._checkpoint_seq = 0
-        self._skipped = 0
         self._pause_episodes = 0
         self.history: deque[Applied] = deque(maxlen=4096)
         """The generations applied on this rank, oldest first (bounded)."""
 
-        self._saved_lrs: list[Any] | None = None
-        self._last_summary: dict[str, float] = {}
-        self._last_reported_step = int(agent.step)
+        self._last_reported_step = ctx.step()
         self._broken = False
         self._closed = False
 
-        self._group = group
-        self._store = store
-        self._own_group = False
-        if self.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=_group_timeout())
-            self._own_group = True
-        if self.world_size > 1 and self._store is None and self._controlled:
-            base = dist.distributed_c10d._get_default_store()
-            self._store = dist.PrefixStore(f"trainguard/{agent.run}/{self._instance}/", base)
-
+        self._setup_group(group, store)
         self._client: ControllerClient | None = None
-        endpoints = self._endpoints() if self._controlled else []
-        if self._controlled and self.leader:
-            registration = RunRegistration(
-                job=agent.job,
-                run=agent.run,
-                world_size=self.world_size,
-                ranks=endpoints,
-                agent_version=_version(),
-                config={
-                    "report_every": cfg.report_every,
-                    "sync_every": cfg.sync_every,
-                    "skip_nonfinite": cfg.skip_nonfinite,
-                },
-            )
-            self._client = ControllerClient(
-                cfg.controller,
-                registration=registration,
-                token=cfg.token,
-                request_timeout_s=cfg.request_timeout_s,
-                long_poll_s=long_poll_s,
-                max_buffered_reports=cfg.max_buffered_reports,
-                transport=transport,
-                clock=clock,
-            )
-            self._client.start()
+        endpoints = self._endpoints() if self.controlled else []
+        if self.controlled and self.leader:
+            self._client = self._start_client(endpoints, transport, long_poll_s)
 
-        self._orig_step: Any = None
+        self.lr = LrScale(ctx.optimizer)
+        self.skip: NonfiniteSkip | None = None
         if cfg.skip_nonfinite:
-            self._wrap_optimizer_step(agent.optimizer)
-
-        if self._controlled:
+            self.skip = NonfiniteSkip(ctx.optimizer, world_size=self.world_size, group=self._group,
+                                      grad_norm=ctx.grad_norm, on_error=self._on_error)
+        if self.controlled:
             self._start()
 
     # ------------------------------------------------------------------ public surface
@@ -262,8 +225,8 @@ class ControlPlane:
             "trainguard_lr_scale": self._lr_scale,
             "trainguard_applied_generation": float(self._generation),
         }
-        if self._cfg.skip_nonfinite:
-            out["trainguard_skipped_steps_total"] = float(self._skipped)
+        if self.skip is not None:
+            out["trainguard_skipped_steps_total"] = float(self.skip.skipped)
         if self._client is not None:
             out["trainguard_agent_controller_up"] = 1.0 if self._client.up else 0.0
             out["trainguard_agent_reports_dropped_total"] = float(self._client.reports_dropped)
@@ -276,7 +239,7 @@ class ControlPlane:
             "lr_scale": self._lr_scale,
             "applied_generation": self._generation,
             "checkpoint_seq": self._checkpoint_seq,
-            "skipped_steps_total": self._skipped,
+            "skipped_steps_total": self.skip.skipped if self.skip is not None else 0,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -296,8 +259,9 @@ class ControlPlane:
         if generation >= self._generation:
             self._generation, self._lr_scale = generation, lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
-        self._skipped = skipped
-        self._last_reported_step = int(self._agent.step)  # the agent restores its step first
+        if self.skip is not None:
+            self.skip.skipped = skipped
+        self._last_reported_step = self._ctx.step()  # the agent restores its step first
 
     def close(self, timeout: float = 5.0) -> bool:
         """Unwrap the optimizer, flush and stop the client within ``timeout`` seconds, and
@@ -309,10 +273,11 @@ class ControlPlane:
         reported silent; best effort, within the same deadline."""
         deadline = self._clock() + max(timeout, 0.0)
         self._closed = True
-        self._unwrap_optimizer_step()
+        if self.skip is not None:
+            self.skip.unwrap()
         ok = True
         if self._client is not None:
-            finish = RunFinished(step=max(int(self._agent.step), 0), reason=self._finish_reason())
+            finish = RunFinished(step=max(self._ctx.step(), 0), reason=self._finish_reason())
             ok = self._client.close(max(deadline - self._clock(), 0.0), finish=finish)
         if self._own_group and self._group is not None:
             try:
@@ -328,67 +293,126 @@ class ControlPlane:
             return f"error: {type(exc).__name__}"[:200]
         return "stopped" if self._stop else "completed"
 
-    # ------------------------------------------------------------------ LR scale (step hooks)
+    # ------------------------------------------------------------------ the agent's calls
 
     def before_optimizer_step(self) -> None:
         """Optimizer pre-hook: each group's LR becomes scheduler LR x lr_scale for this step."""
-        if self._saved_lrs is not None:  # the last post-hook did not run (the step raised)
-            self.after_optimizer_step()
-        scale = self._lr_scale
-        if scale == 1.0:
-            return
-        groups = self._agent.optimizer.param_groups
-        self._saved_lrs = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * scale
+        self.lr.before_step(self._lr_scale)
 
     def after_optimizer_step(self) -> None:
-        """Optimizer post-hook: restore the scheduler's LR objects (floats or tensors) as they were."""
-        saved, self._saved_lrs = self._saved_lrs, None
-        if saved is None:
-            return
-        for g, lr in zip(self._agent.optimizer.param_groups, saved):
-            g["lr"] = lr
+        """Optimizer post-hook: the scheduler's LR objects restored."""
+        self.lr.after_step()
 
-    # ------------------------------------------------------------------ end of step
+    def proposal(self) -> list[int] | None:
+        """The desired state this rank puts in the report step's collective: the leader's newest
+        (its client's, or what is applied), None on the other ranks and without a controller."""
+        if not self.controlled or not self.leader:
+            return None
+        d = self._client.desired if self._client is not None else None
+        if d is not None and d.generation > self._generation:
+            return encode_state(d)
+        return self._applied_encoded()
 
-    def on_end_step(self, step: int, summary: Mapping[str, float]) -> None:
-        """Report (leader), agree (all ranks) and apply; blocks only while paused."""
-        if summary:
-            self._last_summary = dict(summary)
-        if not self._controlled or self._broken or self._closed:
+    def _applied_encoded(self) -> list[int]:
+        return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
+                                         checkpoint_seq=self._checkpoint_seq, stop=self._stop))
+
+    def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
+        """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
+        the state the report step's collective carried (None if it failed on this rank)."""
+        if not self.controlled or self._broken or self._closed:
             return
-        cfg = self._cfg
-        gather = step % cfg.report_every == 0
-        if not (gather or step % cfg.sync_every == 0):
+        schedule = self._ctx.schedule
+        if not schedule.agrees(step):
             return
         try:
-            state, rows = self._agree(gather)
+            if schedule.is_report(step):
+                if agreed is None:
+                    raise RuntimeError("the report step's collective carried no desired state")
+                state = agreed
+            else:
+                state = self._broadcast(self.proposal() if self.leader else [0] * STATE_LEN)
         except Exception as exc:  # noqa: BLE001 - fail open: the job goes on without control
             self._broken = True
             self._on_error("control_agreement", exc)
             log.error("trainguard: ranks could not agree on the controller's state (%r); control "
                       "is off for the rest of this run, training goes on", exc)
             return
-        if gather and self.leader:
-            try:
-                self._send_report(step, rows)
-            except Exception as exc:  # noqa: BLE001 - a lost report must not keep the leader from applying
-                self._on_error("control_report", exc)
         self._apply(state, step)
 
+    def on_report(self, values: Mapping[str, float], rank_values: Mapping[str, list[float]]) -> None:
+        """Leader: send a published report (every rank's row included) to the controller."""
+        if self._client is None or self._closed:
+            return
+        try:
+            self._send_report(values, rank_values)
+        except Exception as exc:  # noqa: BLE001 - a lost report must not break the loop
+            self._on_error("control_report", exc)
+
+    def _send_report(self, values: Mapping[str, float], rank_values: Mapping[str, list[float]]) -> None:
+        assert self._client is not None
+        published = int(values["trainguard_step"])
+        if published <= self._last_reported_step:
+            return  # already sent (or a report from before a restore)
+        nan = [math.nan] * self.world_size
+        report = Report(
+            job=self._ctx.job,
+            step_first=self._last_reported_step + 1,
+            step_last=published,
+            time=self._wall(),
+            values={k: float(v) for k, v in values.items() if k in BY_NAME and not BY_NAME[k].labels},
+            ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
+            applied_generation=self._generation,
+        )
+        self._last_reported_step = published
+        self._client.submit_report(report)
+
     # ------------------------------------------------------------------ internals: start
+
+    def _setup_group(self, group: Any, store: Any) -> None:
+        """The side gloo group (broadcasts, the skip flag) and the store (pause), unless injected."""
+        self._group, self._store, self._own_group = group, store, False
+        if self.world_size > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=_group_timeout())
+            self._own_group = True
+        if self.world_size > 1 and self._store is None and self.controlled:
+            base = dist.distributed_c10d._get_default_store()
+            self._store = dist.PrefixStore(f"trainguard/{self._ctx.run}/{self._instance}/", base)
+
+    def _start_client(self, endpoints: list[RankEndpoint], transport: Any, long_poll_s: float) -> ControllerClient:
+        cfg, ctx = self._cfg, self._ctx
+        registration = RunRegistration(
+            job=ctx.job,
+            run=ctx.run,
+            world_size=self.world_size,
+            ranks=endpoints,
+            agent_version=_version(),
+            config={"report_every": cfg.report_every, "sync_every": cfg.sync_every,
+                    "skip_nonfinite": cfg.skip_nonfinite},
+        )
+        client = ControllerClient(
+            cfg.controller,
+            registration=registration,
+            token=cfg.token,
+            request_timeout_s=cfg.request_timeout_s,
+            long_poll_s=long_poll_s,
+            max_buffered_reports=cfg.max_buffered_reports,
+            transport=transport,
+            clock=self._clock,
+        )
+        client.start()
+        return client
 
     def _endpoints(self) -> list[RankEndpoint]:
         """Every rank's /metrics endpoint, gathered on the side group (once, at start)."""
         mine: tuple[str, int, int] | None = None
-        url = getattr(self._agent, "metrics_url", None)
+        url = self._ctx.metrics_url
         if url:
             parsed = urlparse(url)
             host = parsed.hostname or "127.0.0.1"
             if host in ("0.0.0.0", "::"):
                 host = socket.getfqdn()
-            mine = (host, int(parsed.port or 0), int(getattr(self._agent, "local_rank", 0)))
+            mine = (host, int(parsed.port or 0), self._ctx.local_rank)
         found: list[Any] = [mine]
         if self.world_size > 1:
             found = [None] * self.world_size
@@ -407,83 +431,21 @@ class ControlPlane:
         if self._client is not None:
             initial = self._client.wait_registered(self._cfg.request_timeout_s) or initial
         try:
-            state = self._broadcast(_encode(initial))
+            state = self._broadcast(encode_state(initial))
         except Exception as exc:  # noqa: BLE001 - fail open
             self._broken = True
             self._on_error("control_agreement", exc)
             return
         self._checkpoint_seq = state[3]
-        self._apply(state, int(self._agent.step))
+        self._apply(state, self._ctx.step())
 
-    # ------------------------------------------------------------------ internals: agreement
-
-    def _leader_state(self) -> list[int]:
-        """The state the leader proposes: its client's newest, or what is applied."""
-        d = self._client.desired if self._client is not None else None
-        if d is not None and d.generation > self._generation:
-            return _encode(d)
-        return [self._generation, int(self._paused), _float_bits(self._lr_scale), self._checkpoint_seq, int(self._stop)]
-
-    def _broadcast(self, leader_state: list[int]) -> list[int]:
+    def _broadcast(self, leader_state: list[int] | None) -> list[int]:
         if self.world_size == 1:
+            assert leader_state is not None
             return leader_state
-        t = torch.tensor(leader_state if self.leader else [0] * _STATE_LEN, dtype=torch.int64)
+        t = torch.tensor(leader_state if self.leader else [0] * STATE_LEN, dtype=torch.int64)
         dist.broadcast(t, src=0, group=self._group)  # gloo, CPU tensor: no device sync
         return t.tolist()
-
-    def _agree(self, gather: bool) -> tuple[list[int], list[list[float]]]:
-        """One collective: the leader's state to everyone and, when ``gather``, every rank's report
-        values to everyone (the leader uses them)."""
-        state = self._leader_state() if self.leader else [0] * _STATE_LEN
-        if not gather:
-            return self._broadcast(state), []
-        values = self._local_values()
-        if self.world_size == 1:
-            return state, [values]
-        row = torch.empty(_STATE_LEN + len(values), dtype=torch.int64)
-        row[:_STATE_LEN] = torch.tensor(state, dtype=torch.int64)
-        row[_STATE_LEN:] = torch.tensor(values, dtype=torch.float64).view(torch.int64)
-        out = torch.empty(self.world_size * row.numel(), dtype=torch.int64)
-        dist.all_gather_single(out, row, group=self._group)  # gloo, CPU: no device sync
-        out = out.view(self.world_size, row.numel())
-        rows = out[:, _STATE_LEN:].contiguous().view(torch.float64).tolist()
-        return out[0, :_STATE_LEN].tolist(), rows
-
-    def _local_values(self) -> list[float]:
-        """This rank's report values, from the last report it published (host floats)."""
-        s = self._last_summary
-        nan = math.nan
-        return [
-            s.get("trainguard_step", -1.0),
-            s.get("trainguard_step_duration_seconds", nan),
-            s.get("trainguard_loss", nan),
-            s.get("trainguard_grad_norm", nan),
-            s.get("trainguard_grad_norm", nan),
-            s.get("trainguard_param_norm", nan),
-        ]
-
-    def _send_report(self, step: int, rows: list[list[float]]) -> None:
-        assert self._client is not None
-        published = int(rows[0][0])
-        if published <= self._last_reported_step:
-            return  # nothing newer published yet (CUDA: the report copy is still in flight)
-        current = self._agent._current_values()  # host values only: no device read
-        values = {k: float(v) for k, v in current.items() if k in BY_NAME and not BY_NAME[k].labels}
-        # ranks whose last published report is another step than the leader's: NaN
-        cols = [[r[i] if int(r[0]) == published else math.nan for r in rows] for i in range(len(_VALUE_FIELDS))]
-        report = Report(
-            job=self._agent.job,
-            step_first=self._last_reported_step + 1,
-            step_last=published,
-            time=self._wall(),
-            values=values,
-            ranks=RankValues(
-                step_time_s=cols[1], loss=cols[2], grad_norm=cols[3], grad_fingerprint=cols[4], param_fingerprint=cols[5]
-            ),
-            applied_generation=self._generation,
-        )
-        self._last_reported_step = published
-        self._client.submit_report(report)
 
     # ------------------------------------------------------------------ internals: applying
 
@@ -491,7 +453,7 @@ class ControlPlane:
         """Apply the agreed state (encoded) at ``step``; wait here if it pauses the run."""
         if state[0] <= self._generation:
             return  # the usual case: nothing new (a generation is applied once)
-        self._set(_decode(state), step)
+        self._set(decode_state(state), step)
         if self._paused and not self._stop:
             self._pause(step)
 
@@ -533,7 +495,7 @@ class ControlPlane:
                 if new is None:
                     continue
                 if self.world_size > 1:
-                    self._store.set(f"pause/{episode}/{i}", ",".join(map(str, _encode(new))))
+                    self._store.set(f"pause/{episode}/{i}", ",".join(map(str, encode_state(new))))
             else:
                 new = self._next_published_state(episode, i)
                 if new is None:
@@ -554,7 +516,7 @@ class ControlPlane:
         key = f"pause/{episode}/{i}"
         while not self._closed:
             if self._store.check([key]):
-                return _decode([int(x) for x in self._store.get(key).decode().split(",")])
+                return decode_state([int(x) for x in self._store.get(key).decode().split(",")])
             time.sleep(self._pause_poll_s)
         return None
 
@@ -569,60 +531,6 @@ class ControlPlane:
                 self._store.delete_key(key)
             except Exception:  # noqa: BLE001 - a store without delete_key keeps a few bytes more
                 return
-
-    # ------------------------------------------------------------------ skipping non-finite steps
-
-    def _wrap_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        had_own = "step" in vars(optimizer)
-        inner = optimizer.step
-        plane = self
-
-        @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
-        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if plane._skip_this_step():
-                return None
-            return inner(*args, **kwargs)
-
-        # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-        self._orig_step = (optimizer, had_own, inner)
-
-    def _unwrap_optimizer_step(self) -> None:
-        if self._orig_step is None:
-            return
-        optimizer, had_own, inner = self._orig_step
-        self._orig_step = None
-        if had_own:
-            optimizer.step = inner
-        else:
-            vars(optimizer).pop("step", None)
-
-    def _skip_this_step(self) -> bool:
-        """True (on every rank) if any rank's gradients hold a NaN/Inf."""
-        bad = 0
-        try:
-            norm = self._agent.grad_norm_device
-            if norm is None:
-                grads = [p.grad for g in self._agent.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
-                        if grads else None)
-            if norm is not None:
-                bad = int(not bool(torch.isfinite(norm)))  # SYNC: one device read per optimizer step
-        except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
-            self._on_error("skip_nonfinite", exc)
-        if self.world_size > 1:
-            # Every rank reaches this all-reduce, whatever happened above on it.
-            try:
-                flag = torch.tensor([bad], dtype=torch.int64)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # gloo, CPU tensor
-                bad = int(flag.item())
-            except Exception as exc:  # noqa: BLE001 - fail open: take the step
-                self._on_error("skip_nonfinite", exc)
-                return False
-        if bad:
-            self._skipped += 1
-        return bool(bad)
-
 
 def _version() -> str:
     from trainer_agent import __version__

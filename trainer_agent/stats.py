@@ -264,3 +264,20 @@ def host_memory() -> tuple[float, float]:
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     peak_bytes = peak if sys.platform == "darwin" else peak * 1024
     return float(rss), float(max(peak_bytes, rss))
+
+
+def memory(device: torch.device) -> dict[str, float]:
+    """The memory gauges of ``device`` (host values only: no device sync)."""
+    if device.type == "cuda":
+        # Allocator statistics kept on the host: no device sync.
+        allocated = float(torch.cuda.memory_allocated(device))
+        reserved = float(torch.cuda.memory_reserved(device))
+        peak = float(torch.cuda.max_memory_allocated(device))
+    else:
+        allocated, peak = host_memory()
+        reserved = allocated
+    return {
+        "trainguard_memory_allocated_bytes": allocated,
+        "trainguard_memory_reserved_bytes": reserved,
+        "trainguard_memory_peak_bytes": peak,
+    }

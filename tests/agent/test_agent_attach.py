@@ -30,3 +30,28 @@ def test_failed_attach_removes_its_hooks_and_threads() -> None:
         assert not leaked, leaked
     finally:
         first.close()
+
+
+def test_lr_scheduler_is_saved_and_restored_with_the_agent_state() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    agent = ta.attach(model, opt, job="j", run="r", lr_scheduler=sched, config=ta.AgentConfig(metrics_port=None))
+    try:
+        for _ in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            agent.end_step(0.0)
+        saved = agent.state_dict()
+        assert saved["lr_scheduler"] == sched.state_dict() and saved["lr_scheduler"]["last_epoch"] == 3
+        for _ in range(4):
+            sched.step()
+        assert sched.last_epoch == 7
+        agent.load_state_dict(saved)
+        assert sched.last_epoch == 3 and sched.get_last_lr() == [0.5]  # 1.0 * 0.5 ** (3 // 2)
+    finally:
+        agent.close()
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        ta.attach(model, opt, job="j", run="r", lr_scheduler=object())

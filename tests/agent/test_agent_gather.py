@@ -27,7 +27,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=8))
     import trainer_agent as ta
-    from trainer_agent.agent import Agent
+    from trainer_agent.report import ReportPipeline
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
@@ -35,7 +35,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     agent = ta.attach(ddp, opt, job="ddp", run="ddp-err",
                       config=ta.AgentConfig(metrics_port=None, report_every=2, per_layer="rank0"))
-    original = Agent._layer_metrics
+    original = ReportPipeline._layer_metrics
     calls = {"n": 0}
 
     def failing_once(self, *args, **kwargs):  # only rank 0 computes per-layer metrics
@@ -44,7 +44,7 @@ def _worker(rank: int, init: str, out: str) -> None:
             raise RuntimeError("injected per-layer failure")
         return original(self, *args, **kwargs)
 
-    Agent._layer_metrics = failing_once
+    ReportPipeline._layer_metrics = failing_once
     losses = []
     for step in range(4):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))

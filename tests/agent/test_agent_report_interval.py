@@ -85,7 +85,7 @@ def test_batches_the_data_monitor_drops_count_as_agent_errors() -> None:
         for _ in range(40):
             agent.observe_batch(torch.randint(0, 16, (2, 8)))
         gate.set()
-        dropped = agent._data_feed.dropped
+        dropped = agent.data.feed.dropped
         assert dropped > 0
         loss = model(torch.randn(3, 4)).sum()
         loss.backward()

@@ -20,19 +20,18 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-class _FlakyAgent:
-    """Delegates to the agent; reading ``grad_norm_device`` raises the first time."""
+class _FlakyReader:
+    """Wraps the skip actuator's gradient-norm reader; raises the first time."""
 
-    def __init__(self, agent) -> None:
-        self._agent = agent
+    def __init__(self, read) -> None:
+        self._read = read
         self._reads = 0
 
-    def __getattr__(self, name):
-        if name == "grad_norm_device":
-            self._reads += 1
-            if self._reads == 1:
-                raise RuntimeError("injected failure reading the gradient norm")
-        return getattr(self._agent, name)
+    def __call__(self):
+        self._reads += 1
+        if self._reads == 1:
+            raise RuntimeError("injected failure reading the gradient norm")
+        return self._read()
 
 
 def _worker(rank: int, init: str, out: str) -> None:
@@ -47,7 +46,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     agent = ta.attach(model, opt, job="skip", run="skip-err",
                       config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
     if rank == 1:
-        agent.control._agent = _FlakyAgent(agent)  # fails at step 1, on rank 1 only
+        agent.control.skip.grad_norm = _FlakyReader(agent.control.skip.grad_norm)  # step 1, rank 1 only
     durations = []
     for step in range(1, 4):
         t0 = time.monotonic()

@@ -181,6 +181,20 @@ def test_straggler_needs_three_reports_and_names_the_rank():
     assert v["rank"] == 3 and v["ratio"] == pytest.approx(2.5 / float(np.median(slow)))
 
 
+def test_forward_time_straggler_fires_on_forward_time_while_step_times_are_equal():
+    """Under DDP the all-reduce equalises step times: only the forward time shows the slow rank."""
+    equal = [1.0, 1.0, 1.0, 1.0]
+    fwd = [0.20, 0.21, 0.19, 0.61]  # rank 3: 0.61 / median 0.205 = 2.98 >= 1.5
+    reps = [make_report(i, float(i), {}, step_time_s=equal, forward_s=fwd) for i in range(4)]
+    steps = run(DEFAULTS, reps)
+    assert [fired(s) for s in steps] == [[], [], ["forward_time_straggler"], []]  # 3 reports, then cooldown
+    v = steps[2].fired[0].finding.values
+    assert v["rank"] == 3 and v["ratio"] == pytest.approx(0.61 / float(np.median(fwd)))
+    even = [0.20, 0.21, 0.19, 0.22]
+    calm = [make_report(i, float(i), {}, step_time_s=equal, forward_s=even) for i in range(4)]
+    assert all(fired(s) == [] for s in run(DEFAULTS, calm))
+
+
 @pytest.mark.parametrize("delta, expect", [(1e-3, True), (1e-7, False)])
 def test_fingerprint_desync(delta, expect):
     fp = [123.456] * 8

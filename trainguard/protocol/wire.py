@@ -159,8 +159,16 @@ class RankValues(WireModel):
     step_time_s: list[Value] = Field(default_factory=list)
     loss: list[Value] = Field(default_factory=list)
     grad_norm: list[Value] = Field(default_factory=list)
-    grad_fingerprint: list[Value] = Field(default_factory=list)
-    param_fingerprint: list[Value] = Field(default_factory=list)
+    grad_fingerprint: list[Value] = Field(
+        default_factory=list,
+        description="Each rank's global gradient norm (the same value as grad_norm, not an element-wise "
+                    "hash): replicas in sync agree on it bit for bit.")
+    param_fingerprint: list[Value] = Field(
+        default_factory=list,
+        description="Each rank's global parameter norm: replicas in sync agree on it bit for bit.")
+    forward_s: list[Value] = Field(
+        default_factory=list,
+        description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
 
 
 class Report(WireModel):

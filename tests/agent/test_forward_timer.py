@@ -1,0 +1,88 @@
+"""ForwardTimer: forward_s per rank, against a model whose forward sleeps a known time.
+
+The sleep is the measured workload (a lower bound: ``time.sleep`` never returns early), not a
+synchronisation. Assertions are bounds and orderings with generous margins."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.control.spawn import spawn_ranks
+
+SLEEP = 0.05
+
+
+class Sleepy(nn.Module):
+    def __init__(self, sleep: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.sleep = sleep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sleep:
+            time.sleep(self.sleep)
+        return self.lin(x)
+
+
+def test_forward_seconds_sums_micro_batches_on_report_steps_only() -> None:
+    import trainer_agent as ta
+
+    model = Sleepy(SLEEP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="fwd", run="fwd-1", config=ta.AgentConfig(metrics_port=None, report_every=2))
+    try:
+        for step in range(1, 5):
+            model.sleep = 10 * SLEEP if step % 2 else SLEEP  # odd steps are not reported: not measured
+            for _ in range(3 if step == 4 else 1):  # step 4: three micro-batches
+                model(torch.randn(5, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(0.0)
+            if step == 2:
+                two = agent.latest()["trainguard_forward_seconds"]
+        four = agent.latest()["trainguard_forward_seconds"]
+        assert SLEEP <= two < 10 * SLEEP  # step 2's one forward, not step 1's long one
+        assert 3 * SLEEP <= four < 10 * SLEEP  # step 4's three forwards summed, not step 3's
+        assert agent.rank_values["forward_seconds"] == [four]
+    finally:
+        agent.close()
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    import trainer_agent as ta
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Sleepy(SLEEP if rank == 1 else 0.0))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    agent = ta.attach(ddp, opt, job="fwd", run="fwd-ddp", config=ta.AgentConfig(metrics_port=None, report_every=2))
+    for _ in range(4):
+        ddp(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+    latest = agent.latest()
+    torch.save({"rank_values": agent.rank_values, "latest": latest}, f"{out}/rank{rank}.pt")
+    agent.close()
+    del agent, ddp
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_forward_seconds_names_the_slow_rank_although_step_times_are_equal(tmp_path) -> None:
+    out = spawn_ranks(_worker, 2, tmp_path)
+    for r in range(2):
+        fwd = out[r]["rank_values"]["forward_seconds"]
+        assert fwd[1] >= SLEEP and fwd[1] > 5 * fwd[0], fwd  # rank 1 sleeps in forward, rank 0 does not
+        assert out[r]["latest"]["trainguard_forward_seconds"] == fwd[r]

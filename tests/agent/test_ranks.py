@@ -1,0 +1,61 @@
+"""RankExchange: packing of the report step's row (desired state + RANK_FIELDS) and unpacking,
+single process; the 2-rank gather is exercised in test_forward_timer.py and test_agent_gather.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainguard.protocol.wire import DesiredState, RankValues
+from trainer_agent.ranks import RANK_FIELDS, STATE_LEN, WIRE_VECTORS, RankExchange, decode_state, encode_state
+
+
+def test_state_round_trips_bit_for_bit() -> None:
+    d = DesiredState(generation=7, paused=True, lr_scale=0.1 + 0.2, checkpoint_seq=3, stop=False)
+    assert decode_state(encode_state(d)) == d
+    assert len(encode_state(d)) == STATE_LEN
+
+
+def test_row_with_state_carries_the_leader_state_and_fields() -> None:
+    ex = RankExchange(1, with_state=True)
+    d = DesiredState(generation=2, lr_scale=0.25, checkpoint_seq=1, stop=True)
+    fields = torch.arange(len(RANK_FIELDS), dtype=torch.float64) * 1.5
+    fields[1] = math.nan  # NaN survives the packing
+    gathered = ex.gather(ex.pack(fields, encode_state(d)))
+    assert gathered.shape == (1, STATE_LEN + len(RANK_FIELDS))
+    assert decode_state(ex.state(gathered)) == d
+    rows = RankExchange.unpack_rows(ex.fields(gathered).reshape(-1).tolist(), 1)
+    assert rows["loss"] == [0.0] and math.isnan(rows["grad_norm"][0])
+    assert rows[RANK_FIELDS[-1]] == [1.5 * (len(RANK_FIELDS) - 1)]
+
+
+def test_a_non_leader_row_sends_zeros_and_a_failed_row_keeps_a_valid_state() -> None:
+    ex = RankExchange(2, with_state=True)
+    zeros = ex.pack(torch.ones(len(RANK_FIELDS), dtype=torch.float64), None)
+    assert zeros[:STATE_LEN].view(torch.int64).tolist() == [0] * STATE_LEN
+    d = DesiredState(generation=4, paused=True)
+    nan = ex.nan_row(torch.device("cpu"), encode_state(d))
+    assert decode_state(nan[:STATE_LEN].view(torch.int64).tolist()) == d
+    assert torch.isnan(nan[STATE_LEN:]).all()
+
+
+def test_rows_without_state_are_the_fields_only() -> None:
+    ex = RankExchange(1, with_state=False)
+    row = ex.pack(torch.zeros(len(RANK_FIELDS)), None)
+    assert row.shape == (len(RANK_FIELDS),) and ex.state(row.reshape(1, -1)) is None
+    with pytest.raises(ValueError, match="fields"):
+        ex.pack(torch.zeros(3), None)
+
+
+def test_unpack_rows_is_rank_major() -> None:
+    w = len(RANK_FIELDS)
+    flat = [100.0 * r + i for r in range(3) for i in range(w)]
+    rows = RankExchange.unpack_rows(flat, 3)
+    assert rows[RANK_FIELDS[2]] == [2.0, 102.0, 202.0]
+
+
+def test_every_wire_vector_maps_to_a_rank_field() -> None:
+    assert set(WIRE_VECTORS) == set(RankValues.model_fields)
+    assert set(WIRE_VECTORS.values()) <= set(RANK_FIELDS)

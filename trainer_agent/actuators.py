@@ -1,0 +1,125 @@
+"""The actuators: what the control plane changes in training. Everything else in the agent observes.
+
+- :class:`LrScale`: the optimizer's LR times the agreed ``lr_scale`` for the step, restored after
+  it (the scheduler keeps its own state).
+- :class:`NonfiniteSkip`: the optimizer's ``step`` wrapped so that a step whose gradients hold a
+  NaN/Inf on any rank is not taken on any rank.
+
+Pause and checkpoint act through the control plane's ``on_end_step`` (blocking there, calling
+``on_checkpoint(step)``); see ``trainer_agent/control.py``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LrScale", "NonfiniteSkip"]
+
+
+class LrScale:
+    """Multiplies every param group's LR by ``scale`` between the optimizer's pre- and post-hook."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._saved: list[Any] | None = None
+
+    def before_step(self, scale: float) -> None:
+        """Optimizer pre-hook: each group's LR becomes scheduler LR x ``scale`` for this step."""
+        if self._saved is not None:  # the last post-hook did not run (the step raised)
+            self.after_step()
+        if scale == 1.0:
+            return
+        groups = self._optimizer.param_groups
+        self._saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * scale
+
+    def after_step(self) -> None:
+        """Optimizer post-hook: restore the scheduler's LR objects (floats or tensors) as they were."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        for g, lr in zip(self._optimizer.param_groups, saved):
+            g["lr"] = lr
+
+
+class NonfiniteSkip:
+    """Wraps ``optimizer.step``: before the real step every rank reads whether its global gradient
+    norm (``grad_norm()``, measured by the agent at the end of backward, after DDP's all-reduce, in
+    float64: finite exactly when every gradient element is) is finite — SYNC: one device read per
+    optimizer step — and the ranks all-reduce (max) that flag on ``group``. If any rank saw a
+    non-finite gradient, no rank takes the step: parameters and optimizer state stay bit-identical.
+    A non-finite *loss* with finite gradients is not skipped (the loss reaches the agent only after
+    the step; it is counted in ``trainguard_nonfinite_steps_total``).
+
+    ``grad_norm`` is an attribute so that a test can inject a failing reader."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, world_size: int, group: Any,
+                 grad_norm: Callable[[], torch.Tensor | None],
+                 on_error: Callable[[str, BaseException], None]) -> None:
+        self.optimizer = optimizer
+        self.world_size = world_size
+        self.group = group
+        self.grad_norm = grad_norm
+        self._on_error = on_error
+        self.skipped = 0
+        self._orig: tuple[Any, bool, Any] | None = None
+        self._wrap()
+
+    def _wrap(self) -> None:
+        optimizer = self.optimizer
+        had_own = "step" in vars(optimizer)
+        inner = optimizer.step
+        skip = self
+
+        @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if skip.skip_this_step():
+                return None
+            return inner(*args, **kwargs)
+
+        # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        self._orig = (optimizer, had_own, inner)
+
+    def unwrap(self) -> None:
+        if self._orig is None:
+            return
+        optimizer, had_own, inner = self._orig
+        self._orig = None
+        if had_own:
+            optimizer.step = inner
+        else:
+            vars(optimizer).pop("step", None)
+
+    def skip_this_step(self) -> bool:
+        """True (on every rank) if any rank's gradients hold a NaN/Inf."""
+        bad = 0
+        try:
+            norm = self.grad_norm()
+            if norm is None:
+                grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
+                        if grads else None)
+            if norm is not None:
+                bad = int(not bool(torch.isfinite(norm)))  # SYNC: one device read per optimizer step
+        except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
+            self._on_error("skip_nonfinite", exc)
+        if self.world_size > 1:
+            # Every rank reaches this all-reduce, whatever happened above on it.
+            try:
+                flag = torch.tensor([bad], dtype=torch.int64)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # gloo, CPU tensor
+                bad = int(flag.item())
+            except Exception as exc:  # noqa: BLE001 - fail open: take the step
+                self._on_error("skip_nonfinite", exc)
+                return False
+        if bad:
+            self.skipped += 1
+        return bool(bad)

@@ -1,0 +1,145 @@
+"""The one collective of a report step: every rank's row, and the controller's desired state.
+
+On a report step with several ranks, every rank enters exactly one all-gather (the *exchange*).
+Its row is ``[desired state (5 int64 as float64 bits)] + [RANK_FIELDS (float64)]``: the state part
+is the leader's proposal (the other ranks send zeros there and read the leader's), the fields are
+this rank's values of the report. The state part is present only when a control plane agrees on a
+controller's state across several ranks (every rank is configured alike, so every row has the same
+width); a single rank applies its own proposal.
+
+Adding a per-rank value to the report: append its name to ``RANK_FIELDS``, put its value in the
+row where ``trainer_agent/report.py`` builds it, and, if the controller reads it, add the vector to
+``trainguard.protocol.wire.RankValues`` and to ``WIRE_VECTORS`` below.
+
+The row lives where the default process group's backend wants it: on the CUDA device for NCCL (no
+sync to build or gather it), on the CPU for gloo (for CUDA parameters under gloo, moving the row to
+the CPU is a SYNC, once per report step).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainguard.protocol.wire import DesiredState
+
+__all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]
+
+#: Per-rank values gathered at each report step; on every rank ``Agent.rank_values[field][r]`` is
+#: rank ``r``'s value of that report.
+RANK_FIELDS: tuple[str, ...] = (
+    "loss",
+    "grad_norm",
+    "micro_sq_sum",
+    "micro_count",
+    "nonfinite_steps_total",
+    "step_duration_seconds",
+    "tokens_per_second",
+    "param_norm",
+    "forward_seconds",
+)
+
+#: The per-rank vectors of a controller report (``RankValues`` field -> ``RANK_FIELDS`` name).
+#: ``grad_fingerprint`` is the rank's global gradient norm (not an element-wise fingerprint):
+#: replicas in sync compute it bit-identically, so it tells diverged gradients apart only when
+#: their norms differ.
+WIRE_VECTORS: dict[str, str] = {
+    "step_time_s": "step_duration_seconds",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "grad_fingerprint": "grad_norm",
+    "param_fingerprint": "param_norm",
+    "forward_s": "forward_seconds",
+}
+
+STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0]
+
+
+def encode_state(d: DesiredState) -> list[int]:
+    """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
+    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop)]
+
+
+def decode_state(v: Sequence[int]) -> DesiredState:
+    """Inverse of :func:`encode_state`; ``ValueError`` for values no leader can have sent."""
+    return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
+                        checkpoint_seq=int(v[3]), stop=bool(v[4]))
+
+
+class RankExchange:
+    """Packs, gathers and unpacks the report step's rows (see the module docstring).
+
+    ``with_state``: the rows carry the desired-state part. ``group``: the process group (default:
+    the default group)."""
+
+    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None) -> None:
+        self.world_size = world_size
+        self.with_state = with_state
+        self.group = group
+        self.offset = STATE_LEN if with_state else 0
+        self.width = self.offset + len(RANK_FIELDS)
+
+    def pack(self, fields: torch.Tensor, state: Sequence[int] | None) -> torch.Tensor:
+        """One row: ``state`` (the leader's proposal; None on the other ranks) then ``fields``
+        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device)."""
+        if fields.shape != (len(RANK_FIELDS),):
+            raise ValueError(f"a rank row has {len(RANK_FIELDS)} fields, got shape {tuple(fields.shape)}")
+        fields = fields.to(torch.float64)
+        if not self.with_state:
+            return fields
+        bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
+        # non_blocking: a copy from pageable memory is staged at once; no wait on the device
+        return torch.cat([bits.view(torch.float64).to(fields.device, non_blocking=True), fields])
+
+    def nan_row(self, device: torch.device, state: Sequence[int] | None) -> torch.Tensor:
+        """The row of a rank whose report failed: NaN fields, a valid state part."""
+        return self.pack(torch.full((len(RANK_FIELDS),), math.nan, dtype=torch.float64, device=device), state)
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's row, shape (world_size, width), on the collective's device. One
+        ``all_gather_single``; with one rank, the row itself."""
+        if self.world_size == 1:
+            return row.reshape(1, -1)
+        backend = dist.get_backend(self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
+        src = row.to(device)
+        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
+        dist.all_gather_single(out, src, group=self.group)
+        return out.view(self.world_size, src.numel())
+
+    def fields(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The ``RANK_FIELDS`` columns of the gathered rows (a view, same device)."""
+        return gathered[:, self.offset:]
+
+    def state(self, gathered: torch.Tensor) -> list[int] | None:
+        """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)
+        this reads the device: a SYNC, once per report step of a controlled multi-rank run."""
+        if not self.with_state:
+            return None
+        return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist()
+
+    def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
+        """The state every rank applies: the leader's part of the rows, or, without a state part
+        (one rank, or no controller), this rank's own ``proposal``."""
+        if self.with_state:
+            return self.state(gathered)
+        return list(proposal) if proposal is not None else None
+
+    @staticmethod
+    def unpack_rows(flat: Sequence[float], ranks: int) -> dict[str, list[float]]:
+        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)``."""
+        width = len(RANK_FIELDS)
+        return {f: [float(flat[r * width + i]) for r in range(ranks)] for i, f in enumerate(RANK_FIELDS)}

@@ -1,0 +1,292 @@
+"""(3) The report pipeline: the step's row of the report interval, the report built on the device,
+the report step's collective, and the device-to-host copy published at a later ``end_step``.
+
+On a report step (``ReportSchedule.is_report``) every device value of the report is concatenated
+into one float64 vector, together with the ranks' gathered rows, and copied to the host: on CUDA
+with a non-blocking copy into pinned memory, read at a later ``end_step`` once the copy's event has
+completed; on the CPU the vector is the host copy. Host-device syncs: only where a comment says
+``SYNC``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer_agent import stats
+from trainer_agent.exporter import sample_key
+from trainer_agent.params import ParamIndex
+from trainer_agent.ranks import RANK_FIELDS, RankExchange
+from trainer_agent.step_stats import StepMeter, StepState, unscale
+
+__all__ = ["HostStep", "InFlight", "ReportPipeline", "MAX_IN_FLIGHT"]
+
+#: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
+MAX_IN_FLIGHT = 4
+
+
+@dataclass(frozen=True, slots=True)
+class HostStep:
+    """What the host knows about the step being reported (no device value)."""
+
+    step: int
+    duration: float
+    tokens: int | None
+    forward_seconds: float
+    amp_skipped: int
+
+
+class InFlight:
+    """One report on its way from the device to the host."""
+
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks")
+
+    def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
+                 host: dict[str, float], ranks: int) -> None:
+        self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def read(self) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """(values, rank values) on the host."""
+        if self.event is not None:
+            self.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
+        flat = self.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
+        n = len(self.keys)
+        values = dict(zip(self.keys, flat[:n]))
+        values.update(self.host)
+        return values, RankExchange.unpack_rows(flat[n:], self.ranks)
+
+
+class ReportPipeline:
+    """Builds, gathers, copies and publishes reports; keeps the report interval's rows."""
+
+    def __init__(self, index: ParamIndex, meter: StepMeter, exchange: RankExchange, *,
+                 optimizer: torch.optim.Optimizer, report_every: int, grad_noise: bool,
+                 per_layer: bool, clock: Callable[[], float]) -> None:
+        self.index = index
+        self.meter = meter
+        self.exchange = exchange
+        self.optimizer = optimizer
+        self.device = index.device
+        self.grad_noise = grad_noise
+        self.per_layer = per_layer
+        self._clock = clock
+        self.world_size = exchange.world_size
+        # Non-finite steps before the current report interval (device scalar: no sync).
+        self.nonfinite_steps = torch.zeros((), dtype=torch.float64, device=self.device)
+        # One row per step of the report interval, (loss, pre-clip gradient norm or 0), on the
+        # device: a step costs one small copy; the report derives from the rows the interval's
+        # non-finite steps, its first non-finite loss (the loss the report then carries, so a NaN
+        # between two reports is not lost) and its largest finite gradient norm. Zeroed (all
+        # finite) after each report. 16 bytes per step of report_every.
+        self.interval = torch.zeros(report_every, 2, dtype=torch.float64, device=self.device)
+        self.zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.pending: deque[InFlight] = deque()  # reports in flight, oldest first
+        self.gathered_step = -1  # the step whose rows entered the exchange last
+        self.rank_values: dict[str, list[float]] = {}
+        self._layer_keys: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------------ every step
+
+    def record_step(self, step: int, loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """The step's row of the interval: (loss, grad norm); a step without one counts it as 0."""
+        row = torch.stack([loss_t, grad_norm if grad_norm is not None else self.zero])
+        self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
+        return row
+
+    def interval_nonfinite(self, finite: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0)."""
+        if finite is None:
+            finite = self.interval * 0 == 0
+        return (~finite.all(dim=1)).sum()
+
+    # ------------------------------------------------------------------ report steps
+
+    def build(self, st: StepState, loss_t: torch.Tensor, host_step: HostStep, overhead: float,
+              state: Sequence[int] | None) -> list[int] | None:
+        """Build the report of ``host_step.step``, enter the exchange with ``state`` (the leader's
+        proposal, or None), queue the copy. Returns the agreed desired state (None without one)."""
+        if len(self.pending) >= MAX_IN_FLIGHT:
+            self.publish(block=True, limit=1)  # SYNC: only when the device runs that far behind
+        dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
+        vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
+        host = self._host_values(host_step)
+        self._interval_values(dev, loss_t, st.grad_norm)
+        param_sq = self._param_values(dev, st)
+        self._optimizer_values(dev, host, st)
+        if self.per_layer:
+            self._layer_metrics(st, param_sq, vectors)
+        host["trainguard_agent_overhead_seconds"] = overhead
+        fields, micro_count = self._rank_fields(dev, st, host)
+        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state))
+        rows = self.exchange.fields(gathered).to(self.device)
+        self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
+        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host))
+        return self.exchange.agreed(gathered, state)
+
+    def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
+        self.gathered_step = step  # entered (even if it fails): never entered twice per step
+        return self.exchange.gather(row)
+
+    def join_exchange(self, step: int, state: Sequence[int] | None) -> list[int] | None:
+        """After an error while building the report of ``step``: if its exchange was not entered,
+        enter it with a NaN row (and a valid state part), so an error on one rank never leaves
+        the others waiting in the collective (nor pairs theirs with this rank's next one)."""
+        if self.gathered_step == step:
+            return None
+        return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state)), state)
+
+    def _host_values(self, h: HostStep) -> dict[str, float]:
+        host = {"trainguard_step": float(h.step),
+                "trainguard_amp_skipped_steps_total": float(h.amp_skipped),
+                "trainguard_step_duration_seconds": h.duration,
+                "trainguard_forward_seconds": h.forward_seconds}
+        if h.tokens is not None:
+            host["trainguard_tokens_per_second"] = h.tokens / h.duration if h.duration > 0 else math.inf
+        host.update(stats.memory(self.device))
+        return host
+
+    def _interval_values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor,
+                         grad_norm: torch.Tensor | None) -> None:
+        rows = self.interval
+        finite = rows * 0 == 0  # x * 0 is NaN exactly where x is NaN or +-Inf
+        loss_finite = finite[:, 0]
+        self.nonfinite_steps += self.interval_nonfinite(finite)
+        # A non-finite loss anywhere in the interval is the interval's loss: the first one.
+        # (index_select: indexing with a device tensor could read it on the host)
+        first_bad = rows[:, 0].index_select(0, torch.argmin(loss_finite.to(torch.uint8)).reshape(1))[0]
+        dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
+        dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps.clone()
+        if grad_norm is not None:
+            dev["trainguard_grad_norm"] = grad_norm
+            dev["trainguard_grad_norm_max"] = torch.where(finite[:, 1], rows[:, 1], 0.0).amax()
+        rows.zero_()  # after its last reader above (device order)
+
+    def _param_values(self, dev: dict[str, torch.Tensor], st: StepState) -> torch.Tensor:
+        if st.grad_nonfinite is not None:
+            dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
+        param_sq = st.param_sq if st.param_sq is not None else self.index.sq_norms()
+        param_sq_sum = param_sq.sum()
+        dev["trainguard_param_norm"] = param_sq_sum.sqrt()
+        dev["trainguard_param_scale"] = (param_sq_sum / self.index.numel).sqrt()
+        if st.delta_sq is not None and st.before_sq is not None:
+            delta = st.delta_sq.sum().sqrt()
+            dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
+            if st.grad_norm is not None:
+                dev["trainguard_effective_lr"] = delta / st.grad_norm
+        return param_sq
+
+    def _optimizer_values(self, dev: dict[str, torch.Tensor], host: dict[str, float], st: StepState) -> None:
+        for i, lr in enumerate(self.meter.lrs(st, self.optimizer)):
+            key = sample_key("trainguard_learning_rate", group=str(i))
+            if isinstance(lr, torch.Tensor):
+                dev[key] = lr.to(self.device, torch.float64).reshape(())
+            else:
+                host[key] = lr
+        state_tensors = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
+        scale_now = self.meter.scale_tensor()
+        if scale_now is not None:
+            dev["trainguard_loss_scale"] = scale_now
+
+    def _layer_metrics(self, st: StepState, param_sq: torch.Tensor,
+                       vectors: list[tuple[list[str], torch.Tensor]]) -> None:
+        layers, ids = self.index.layers, self.index.layer_ids
+        n = len(layers)
+
+        def add(metric: str, values: torch.Tensor) -> None:
+            keys = self._layer_keys.get(metric)
+            if keys is None:
+                keys = self._layer_keys[metric] = [sample_key(metric, layer=layer) for layer in layers]
+            vectors.append((keys, values))
+
+        if st.grad_norms is not None:
+            g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), ids, n).sqrt()
+            add("trainguard_layer_grad_norm", unscale(g, st.scale))
+        add("trainguard_layer_param_norm", stats.segment_sum(param_sq, ids, n).sqrt())
+        if st.delta_sq is not None and st.before_sq is not None:
+            delta = stats.segment_sum(st.delta_sq, ids, n).sqrt()
+            before = stats.segment_sum(st.before_sq, ids, n).sqrt()
+            add("trainguard_layer_update_ratio", delta / before)
+
+    def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
+                     host: dict[str, float]) -> tuple[torch.Tensor, int]:
+        """This rank's ``RANK_FIELDS`` row (float64 device vector, in that order)."""
+        loss = dev["trainguard_loss"]
+        micro_count = len(st.micro_norms)
+        micro_sum = (torch.linalg.vector_norm(torch.stack(st.micro_norms)).square() if st.micro_norms
+                     else self.zero)
+        full = _filler(loss)
+        by_field = {
+            "loss": loss,
+            "grad_norm": dev.get("trainguard_grad_norm", full(math.nan)),
+            "micro_sq_sum": unscale(micro_sum, st.scale, power=2),
+            "micro_count": full(micro_count),
+            "nonfinite_steps_total": dev["trainguard_nonfinite_steps_total"],
+            "step_duration_seconds": full(host["trainguard_step_duration_seconds"]),
+            "tokens_per_second": full(host.get("trainguard_tokens_per_second", math.nan)),
+            "param_norm": dev["trainguard_param_norm"],
+            "forward_seconds": full(host["trainguard_forward_seconds"]),
+        }
+        return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
+
+    def _noise_scale(self, dev: dict[str, torch.Tensor], st: StepState, rows: torch.Tensor,
+                     micro_count: int, tokens: int | None) -> None:
+        grad_norm = st.grad_norm
+        total_count = micro_count * self.world_size  # every rank runs the same loop
+        if not (self.grad_noise and total_count >= 2 and grad_norm is not None):
+            return
+        small_sum = rows[:, RANK_FIELDS.index("micro_sq_sum")].sum()
+        # Small gradients k*h_j have the expectation of the accumulated gradient H.
+        micro_size = tokens / micro_count if tokens else 1.0
+        small_sq = micro_count**2 * small_sum / total_count
+        b_simple, trace = stats.noise_scale(small_sq, grad_norm * grad_norm, total_count, micro_size)
+        dev["trainguard_grad_noise_scale"] = b_simple
+        dev["trainguard_grad_variance"] = trace
+
+    def _pack(self, step: int, dev: dict[str, torch.Tensor], vectors: list[tuple[list[str], torch.Tensor]],
+              rows: torch.Tensor, host: dict[str, float]) -> InFlight:
+        keys = list(dev)
+        pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
+                               for v in dev.values()])]
+        for vector_keys, values in vectors:
+            keys += vector_keys
+            pieces.append(values.to(torch.float64))
+        pieces.append(rows.reshape(-1))
+        vec = torch.cat(pieces)
+        if vec.device.type == "cuda":
+            buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            buffer.copy_(vec, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return InFlight(step, keys, buffer, event, host, rows.shape[0])
+        return InFlight(step, keys, vec, None, host, rows.shape[0])
+
+    # ------------------------------------------------------------------ publication
+
+    def publish(self, block: bool = False, limit: int | None = None,
+                on_published: Callable[[dict[str, float], dict[str, list[float]]], None] | None = None,
+                ) -> dict[str, float]:
+        """Turn the reports in flight whose copies have completed into host values, oldest first;
+        with ``block``, wait for the oldest ``limit`` (default: all) of them. Calls
+        ``on_published(values, rank_values)`` per report; returns the newest values ({} if none)."""
+        published: dict[str, float] = {}
+        waits = len(self.pending) if limit is None else limit
+        while self.pending and ((block and waits > 0) or self.pending[0].ready()):
+            waits -= 1
+            published, self.rank_values = self.pending.popleft().read()
+            if on_published is not None:
+                on_published(published, self.rank_values)
+        return published
+
+
+def _filler(like: torch.Tensor) -> Callable[[float], torch.Tensor]:
+    """``full(x)``: a 0-dim float64 tensor of ``x`` on ``like``'s device (a fill: no copy)."""
+    return lambda x: torch.full_like(like, x)

@@ -1,0 +1,259 @@
+"""What the agent measures during one optimizer step, in the hooks: (1) backward, (2) optimizer step.
+
+:class:`StepMeter` holds the hook bodies; the :class:`~trainer_agent.agent.Agent` facade registers
+them, times them and keeps their errors out of the training loop. Every value stays on the device
+(no host-device sync here). The report pipeline (``trainer_agent/report.py``) reads the finished
+:class:`StepState` at ``end_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer_agent import stats
+from trainer_agent.config import AgentConfig
+from trainer_agent.params import ParamIndex
+from trainer_agent.schedule import ReportSchedule
+
+__all__ = ["StepState", "StepMeter", "HELD_GRAD_BYTES"]
+
+#: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
+HELD_GRAD_BYTES = 32 << 20
+
+
+class StepState:
+    """What the hooks learn during one optimizer step; replaced by ``end_step``."""
+
+    __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_nonfinite", "scale",
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs")
+
+    def __init__(self) -> None:
+        self.backwards = 0
+        #: Per backward pass: ||incoming gradient|| over all parameters (float64 device scalar,
+        #: times the loss scale).
+        self.micro_norms: list[torch.Tensor] = []
+        #: Per-parameter ||accumulated grad|| at the end of the last backward (device vector in the
+        #: agent's parameter order, times the loss scale; 0 without a gradient).
+        self.grad_norms: torch.Tensor | None = None
+        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar).
+        self.grad_norm: torch.Tensor | None = None
+        self.grad_nonfinite: torch.Tensor | None = None
+        #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
+        self.scale: torch.Tensor | None = None
+        self.stepped = False
+        self.snapshot_taken = False
+        self.before_sq: torch.Tensor | None = None
+        self.delta_sq: torch.Tensor | None = None
+        self.param_sq: torch.Tensor | None = None
+        #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
+        self.lrs: list[float | torch.Tensor] | None = None
+
+
+def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
+    return value if scale is None else value / scale**power
+
+
+class StepMeter:
+    """Gradient and update measurements of the step in progress (``state``).
+
+    ``step`` is a callable returning the steps completed so far (the facade's counter); the step
+    in progress is ``step() + 1``.
+    """
+
+    def __init__(self, index: ParamIndex, config: AgentConfig, schedule: ReportSchedule, *,
+                 scaler: Any, data_parallel: bool, step: Callable[[], int],
+                 on_error: Callable[[str, BaseException], None], clock: Callable[[], float]) -> None:
+        self.index = index
+        self.config = config
+        self.schedule = schedule
+        self.scaler = scaler
+        self.data_parallel = data_parallel
+        self._step = step
+        self._on_error = on_error
+        self._clock = clock
+        self.state = StepState()
+        #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
+        self.overhead = 0.0
+        #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
+        self.scaled_grad_norm: torch.Tensor | None = None
+        self.last_lrs: list[float | torch.Tensor] | None = None
+        self._in_backward = False
+        self._hook_norms: list[torch.Tensor] = []
+        # Incoming gradients held for one fused norm per bucket (see on_grad), their bytes.
+        self._held: list[list[torch.Tensor]] = [[] for _ in index.buckets]
+        self._held_bytes = 0
+        self._snapshot: list[list[torch.Tensor]] | None = None  # per bucket, like index.buckets
+        # Version counters when the CPU update pass last copied W_after into the snapshot (None:
+        # the snapshot is not the current weights).
+        self._snapshot_versions: tuple[int, ...] | None = None
+        self._norm_cache: dict = {}
+        self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The step's pre-clip global gradient norm so far (device scalar), None before the first
+        backward of the step."""
+        return self.state.grad_norm
+
+    def reset(self) -> StepState:
+        """Start the next step; returns the finished step's state."""
+        finished, self.state = self.state, StepState()
+        self._in_backward = False
+        self._hook_norms = []
+        self._release_held()  # a backward pass that raised never reached its end
+        return finished
+
+    # ------------------------------------------------------------------ (1) backward
+
+    def on_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Tensor hook of ``index.params[index]``: the incoming gradient of one backward pass,
+        before it is accumulated into ``.grad`` (and before any DDP all-reduce).
+
+        For the noise scale its norm is needed. When the parameter already holds a ``.grad``
+        (accumulation into it, in place) the tensor is held and normed with the others of its
+        bucket in one fused call, when ``HELD_GRAD_BYTES`` are held or at the end of the pass.
+        Into an empty ``.grad`` autograd moves the incoming tensor without a copy only if nothing
+        else references it, so that one is normed at once."""
+        if not self._in_backward:
+            self._in_backward = True
+            self._hook_norms = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
+        if self.config.grad_noise and (self.data_parallel or self.state.backwards >= 1):
+            if self.index.params[index].grad is None:
+                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=stats.norm_dtype(grad.dtype)))
+            else:
+                self._held[self.index.bucket_of[index]].append(grad)
+                self._held_bytes += grad.numel() * grad.element_size()
+                if self._held_bytes >= HELD_GRAD_BYTES:
+                    self._norm_held()
+
+    def _norm_held(self) -> None:
+        for held in self._held:
+            if held:
+                self._hook_norms += torch._foreach_norm(held, 2, dtype=stats.norm_dtype(held[0].dtype))
+        self._release_held()
+
+    def _release_held(self) -> None:
+        for held in self._held:
+            held.clear()
+        self._held_bytes = 0
+
+    def _backward_end_outer(self) -> None:
+        # Re-queue, so that this runs after callbacks queued later in the same backward pass,
+        # in particular DDP's, which finishes the gradient all-reduce.
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        except Exception as exc:
+            self._in_backward = False
+            self._on_error("backward_end", exc)
+
+    def _backward_end(self) -> None:
+        t0 = self._clock()
+        try:
+            self._in_backward = False
+            self._norm_held()
+            st = self.state
+            first = st.backwards == 0
+            self.measure_grads()
+            if self.config.grad_noise:
+                if first and not self.data_parallel:
+                    # The first backward of a step accumulates into zeroed gradients.
+                    st.micro_norms.append(self.scaled_grad_norm)
+                elif self._hook_norms:
+                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
+                                                                   dtype=torch.float64))
+            st.backwards += 1
+        except Exception as exc:
+            self._on_error("backward_end", exc)
+        finally:
+            self._hook_norms = []
+            self._release_held()
+            self.overhead += self._clock() - t0
+
+    def measure_grads(self) -> None:
+        """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
+        element count) into the state. One fused norm per bucket."""
+        st = self.state
+        grads = self.index.grads()
+        st.grad_norms = stats.bucket_norms(grads, self.index.device)
+        st.scale = self.scale_tensor()
+        if self.schedule.is_report(self._step() + 1):
+            st.grad_nonfinite = stats.nonfinite_count([g for b in grads for g in b], self.index.device,
+                                                      st.grad_norms)
+        self.scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
+        st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+            return None
+        # GradScaler keeps its scale in the device tensor `_scale` (get_scale() would sync);
+        # update() changes it in place, so keep a copy of the value the gradients carry.
+        return scaler._scale.detach().to(self.index.device, torch.float64, copy=True).reshape(())
+
+    # ------------------------------------------------------------------ (2) optimizer step
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot."""
+        st = self.state
+        st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
+                  for g in optimizer.param_groups]
+        if st.grad_norms is None:
+            # No backward pass went through the hooks (gradients set by hand): measure what the
+            # optimizer is about to use.
+            self.measure_grads()
+        mode = self.config.update_ratio
+        if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
+            self._take_snapshot(st)
+
+    def _take_snapshot(self, st: StepState) -> None:
+        versions = self.index.versions()
+        if self._snapshot is None:
+            self._snapshot = [[torch.empty_like(p, memory_format=torch.contiguous_format) for p in b]
+                              for b in self.index.buckets]
+        # The CPU update pass of a measured step leaves W_after in the snapshot: if no parameter
+        # changed since (autograd's version counters, read on the host, count in-place writes),
+        # it already holds W_before.
+        if self._snapshot_versions != versions:
+            for snap, bucket in zip(self._snapshot, self.index.buckets):
+                torch._foreach_copy_(snap, bucket)
+        self._snapshot_versions = None  # the post-step hook consumes it
+        st.snapshot_taken = True
+        # ||W_before|| is the last measured ||W_after|| under the same condition.
+        if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
+            st.before_sq = self._param_sq_prev[0]
+
+    def after_step(self) -> None:
+        """Optimizer post-hook body (under ``no_grad``): ||W_after - W_before||, ||W_after||."""
+        st = self.state
+        st.stepped = True
+        self._param_sq_prev = None
+        if st.snapshot_taken:
+            assert self._snapshot is not None
+            # Refresh the snapshot with W_after when the next step is measured too.
+            next_measured = self.config.update_ratio == "every" or self.config.report_every == 1
+            st.delta_sq, st.param_sq, before_sq, refreshed = stats.update_sq_norms(
+                self._snapshot, self.index.buckets, self.index.device, self._norm_cache,
+                before_norms=st.before_sq is None, refresh=next_measured)
+            if st.before_sq is None:
+                st.before_sq = before_sq
+            versions = self.index.versions()
+            self._param_sq_prev = (st.param_sq, versions)
+            self._snapshot_versions = versions if refreshed else None
+        elif self.schedule.is_report(self._step() + 1):
+            st.param_sq = self.index.sq_norms()
+            self._param_sq_prev = (st.param_sq, self.index.versions())
+
+    def lrs(self, st: StepState, optimizer: torch.optim.Optimizer) -> list[float | torch.Tensor]:
+        """The LRs the finished step ``st`` used (the last ones seen when no step was taken)."""
+        lrs = st.lrs
+        if lrs is None:
+            lrs = self.last_lrs
+        if lrs is None:
+            lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
+                   for g in optimizer.param_groups]
+        self.last_lrs = lrs
+        return lrs
