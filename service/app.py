@@ -21,7 +21,7 @@ from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, To
 from trainguard.service.ingress import ReportIngress
 from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
-from trainguard.service.routes import alerts, rules, runs, system, webhooks
+from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, webhooks
 from trainguard.service.rules import RulesError
 from trainguard.service.store import Store, StoreError
 from trainguard.service.webhooks import WebhookDeliverer
@@ -38,9 +38,9 @@ def create_app(
     """Build the controller app. Injected: the store (default: SQLite at ``settings.db``), the
     clock (default ``time.time``), the webhooks' HTTP transport, the metrics registry."""
     settings = settings or Settings()
-    tokens = TokenTable(settings.operator_tokens, settings.agent_tokens)
-    store = store or Store(settings.db)
     clock = clock or time.time
+    tokens = TokenTable(settings.operator_tokens, settings.agent_tokens, clock=clock)
+    store = store or Store(settings.db)
     holder: dict[str, Controller] = {}
     metrics = ControllerMetrics(registry or CollectorRegistry(),
                                 lambda: holder["ctl"].metrics_snapshot() if "ctl" in holder else None)
@@ -50,7 +50,9 @@ def create_app(
     )
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
     controller.reserved_runs = tokens.reserved_runs
+    controller.tokens = tokens
     controller.load()
+    controller.load_tokens()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,7 +71,7 @@ def create_app(
     app.state.tokens = tokens
     app.state.settings = settings
     app.state.simulations = rules.SimulationGate(rules.SIMULATIONS_RUNNING, rules.SIMULATIONS_WAITING)
-    for module in (runs, alerts, rules, webhooks, system):
+    for module in (runs, alerts, rules, webhooks, token_routes, system):
         app.include_router(module.router)
 
     async def known_error(request: Request, exc: Exception) -> JSONResponse:

@@ -11,15 +11,17 @@ in-memory change back. ``RunState.desired`` is the newest state (possibly still 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import logging
+import secrets
 import sqlite3
 import time
 from typing import Any, Callable
 
 from trainguard.service import statements as sql
 from trainguard.service.alertmanager import SeenKeys, act
-from trainguard.service.auth import Principal
+from trainguard.service.auth import Principal, TokenTable, token_hash
 from trainguard.service.config import Settings
 from trainguard.service.engine import Outcome, command_state, decide
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
@@ -60,6 +62,8 @@ class Controller:
         self.bindings: dict[str, str] = {}
         #: Runs that configured ``TOKEN:RUN`` agent tokens own (set by the app from its TokenTable).
         self.reserved_runs: frozenset[str] = frozenset()
+        #: The app's token table (tokens created at runtime are added to it).
+        self.tokens = TokenTable((), ())
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
@@ -74,6 +78,8 @@ class Controller:
         self._registering: dict[str, asyncio.Future[None]] = {}
         #: Runs registered by each agent token (by digest): bounded by ``settings.max_runs_per_token``.
         self.token_runs: dict[str, set[str]] = {}
+        #: Owner (token digest) of each run registered with a token created at runtime.
+        self.owners: dict[str, str] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_prune = 0.0
 
@@ -98,7 +104,8 @@ class Controller:
             if run_id in by_id:
                 by_id[run_id].book.restore(rule, firing=False, fired_at=[at])
         self.bindings = self.store.read_now(sql.agent_bindings)
-        for digest, run in self.bindings.items():
+        self.owners = self.store.read_now(sql.run_owners)
+        for digest, run in [*self.bindings.items(), *((d, r) for r, d in self.owners.items())]:
             self.token_runs.setdefault(digest, set()).add(run)
         self._am_seen = SeenKeys(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
 
@@ -218,9 +225,20 @@ class Controller:
             raise NotFound(f"run {run!r} is not registered")
         return st
 
-    def check_agent(self, principal: Principal, run: str, *, registering: bool = False) -> None:
-        """403 unless ``principal`` may act as the agent of ``run``."""
+    def check_agent(self, principal: Principal, run: str, *, registering: bool = False, job: str | None = None) -> None:
+        """403 unless ``principal`` may act as the agent of ``run`` (of ``job``, when registering)."""
         if principal.kind != "agent":
+            return
+        if principal.job_pattern is not None:  # a token created at runtime, for the runs of some jobs
+            owner = self.owners.get(run)
+            if owner is not None and owner != principal.token_digest:
+                raise Forbidden(f"run {run!r} belongs to the token that registered it")
+            if owner is None and not registering:
+                raise Forbidden(f"this token did not register run {run!r}: register it first (POST /v1/runs)")
+            if registering and job is not None and not fnmatch.fnmatchcase(job, principal.job_pattern):
+                raise Forbidden(f"this token may register runs of jobs matching {principal.job_pattern!r}, not {job!r}")
+            if registering and owner is None and (run in self.runs or run in self.reserved_runs):
+                raise Forbidden(f"run {run!r} belongs to another agent token")
             return
         bound = principal.bound_run or self.bindings.get(principal.token_digest)
         if bound is None and not registering:
@@ -230,7 +248,7 @@ class Controller:
 
     # == registration =================================================================================
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
-        self.check_agent(principal, reg.run, registering=True)
+        self.check_agent(principal, reg.run, registering=True, job=reg.job)
         now = self.clock()
         ranks = [r.model_dump() for r in reg.ranks]
         bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
@@ -246,7 +264,8 @@ class Controller:
         digest = principal.token_digest
         if st is None:
             self._check_run_limits(digest)
-        bind = principal.kind == "agent" and principal.bound_run is None and digest not in self.bindings
+        bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
+                and digest not in self.bindings)
         if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
             # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
             raise Forbidden(f"run {reg.run!r} belongs to another agent token; to hand it to this one, "
@@ -257,6 +276,10 @@ class Controller:
         if bind:
             self.bindings[digest] = reg.run
             tx.on_rollback(lambda: self.bindings.pop(digest, None))
+        own = principal.job_pattern is not None and reg.run not in self.owners
+        if own:
+            self.owners[reg.run] = digest
+            tx.on_rollback(lambda: self.owners.pop(reg.run, None))
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
         data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
         first = st is None
@@ -275,6 +298,8 @@ class Controller:
                 sql.update_run_registration(c, run_id, **fields)
             if bind:
                 sql.bind_agent(c, digest, reg.run, now)
+            if own:
+                sql.own_run(c, reg.run, digest, now)
             event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
                                      reason="registered" if first else "re-registered", generation=generation, data=data)
             return Written(events=[event], value=run_id)
@@ -580,6 +605,37 @@ class Controller:
         """The ``host:port`` Prometheus scrapes for each rank of ``run`` (as /v1/sd/targets names them)."""
         st = self.runs.get(run)
         return None if st is None else {target_address(r["host"], r["port"]) for r in st.ranks}
+
+    # == tokens ===================================================================================
+    async def create_token(self, *, name: str, scopes: frozenset[str], job_pattern: str | None, ttl_s: float | None,
+                           creator: str) -> dict[str, Any]:
+        """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once."""
+        token = "tg_" + secrets.token_urlsafe(32)
+        digest = token_hash(token)
+        now = self.clock()
+        expires = None if ttl_s is None else now + ttl_s
+        tid = await self.store.submit(lambda c: sql.insert_token(
+            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=creator, now=now,
+            expires_at=expires))
+        self.tokens.add_stored(digest, scopes, job_pattern=job_pattern, expires_at=expires)
+        log.warning("token %d (%s, scopes %s, jobs %s) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, creator)
+        return {"id": tid, "token": token, "name": name, "scopes": sorted(scopes), "job_pattern": job_pattern,
+                "creator": creator, "created_at": now, "expires_at": expires}
+
+    async def revoke_token(self, token_id: int, actor: str) -> dict[str, Any]:
+        now = self.clock()
+        digest = await self.store.submit(lambda c: sql.revoke_token(c, token_id, actor=actor, now=now))
+        if digest is None:
+            raise NotFound(f"no live token with id {token_id}")
+        self.tokens.remove_stored(digest)
+        log.warning("token %d revoked by %s", token_id, actor)
+        return {"id": token_id, "revoked_at": now, "revoked_by": actor}
+
+    def load_tokens(self) -> None:
+        """Admit the stored live tokens (at start-up)."""
+        for row in self.store.read_now(lambda c: sql.active_tokens(c, self.clock())):
+            self.tokens.add_stored(row["token_hash"], frozenset(row["scopes"]), job_pattern=row["job_pattern"],
+                                   expires_at=row["expires_at"])
 
     # == rules ====================================================================================
     def validate_rules(self, text: str) -> RuleSet:

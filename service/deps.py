@@ -10,7 +10,7 @@ from trainguard.service.auth import AGENT_SCOPE, Principal, TokenTable
 from trainguard.service.controller import Controller
 from trainguard.service.limits import PRINCIPAL_KEY
 
-__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep"]
+__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep", "TokensDep"]
 
 
 async def get_controller(request: Request) -> Controller:
@@ -40,3 +40,4 @@ ReadDep = Annotated[Principal, Depends(_require("read"))]
 CommandDep = Annotated[Principal, Depends(_require("command"))]
 RulesDep = Annotated[Principal, Depends(_require("rules"))]
 WebhooksDep = Annotated[Principal, Depends(_require("webhooks"))]
+TokensDep = Annotated[Principal, Depends(_require("tokens"))]

@@ -185,6 +185,28 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN finish_reason TEXT;
     ALTER TABLE runs ADD COLUMN resumed_at REAL;
     """,
+    # 4: tokens created at runtime (POST /v1/tokens), kept as SHA-256 digests with their scopes,
+    # job pattern, creator and expiry; a revoked one keeps its row (who revoked it, when). The
+    # owner of each run registered with such a token.
+    """
+    CREATE TABLE tokens (
+        id INTEGER PRIMARY KEY,
+        token_hash TEXT NOT NULL UNIQUE,
+        name TEXT NOT NULL,
+        scopes TEXT NOT NULL,
+        job_pattern TEXT,
+        creator TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL,
+        revoked_at REAL,
+        revoked_by TEXT
+    );
+    CREATE TABLE run_owners (
+        run TEXT PRIMARY KEY,
+        token_hash TEXT NOT NULL,
+        owned_at REAL NOT NULL
+    );
+    """,
 )
 
 
