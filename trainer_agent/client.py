@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+import httpcore
 import httpx
 from httpcore._backends.sync import SyncBackend
 from pydantic import ValidationError
@@ -73,17 +74,25 @@ class _AbortableBackend(SyncBackend):
         super().__init__()
         self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._final = False
 
     def connect_tcp(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self._final:
+            raise httpcore.ConnectError("the client is closing")
         stream = super().connect_tcp(*args, **kwargs)
         sock = stream.get_extra_info("socket")
         if sock is not None:
             with self._lock:
                 self._socks.add(sock)
+                final = self._final
+            if final:  # closed while connecting
+                sock.shutdown(socket.SHUT_RDWR)
         return stream
 
-    def abort(self) -> None:
+    def abort(self, *, final: bool = False) -> None:
+        """Cut every connection; ``final``: and every later one (the client is closing)."""
         with self._lock:
+            self._final = self._final or final
             socks = list(self._socks)
         for sock in socks:
             try:
@@ -253,10 +262,10 @@ class ControllerClient:
         if not self._threads:
             return True
         sender, poller = self._threads
-        self._aborters["poller"].abort()
+        self._aborters["poller"].abort(final=True)
         sender.join(max(deadline - self._clock(), 0.0))
         if sender.is_alive():
-            self._aborters["sender"].abort()
+            self._aborters["sender"].abort(final=True)
         for t in (sender, poller):
             t.join(max(deadline - self._clock(), 0.05))
         return not (sender.is_alive() or poller.is_alive())
