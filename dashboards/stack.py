@@ -18,7 +18,8 @@ __all__ = [
     "ALERTMANAGER_IMAGE",
     "CONTROLLER_JOB",
     "RANKS_JOB",
-    "TOKEN_SECRET",
+    "PROMETHEUS_TOKEN_SECRET",
+    "ALERTMANAGER_TOKEN_SECRET",
     "prometheus_config",
     "alertmanager_config",
     "grafana_datasources",
@@ -33,9 +34,10 @@ CONTROLLER_JOB = "trainguard-controller"
 #: Prometheus scrape job of the ranks; the targets' own ``job`` label (the training job's name,
 #: from the controller's http_sd answer) replaces it, so ``job`` means the training job everywhere.
 RANKS_JOB = "trainguard-ranks"
-#: Where the compose file mounts the operator token (a compose secret) in the Prometheus and
-#: Alertmanager containers.
-TOKEN_SECRET = "/run/secrets/trainguard_operator_token"
+#: Each gets a token with only the scope it needs (compose secrets): Prometheus reads (http_sd
+#: targets), Alertmanager commands (POST /v1/alertmanager).
+PROMETHEUS_TOKEN_SECRET = "/run/secrets/trainguard_prometheus_token"
+ALERTMANAGER_TOKEN_SECRET = "/run/secrets/trainguard_alertmanager_token"
 
 
 def _auth(token_file: str | None) -> dict:
