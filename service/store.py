@@ -185,7 +185,13 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN finish_reason TEXT;
     ALTER TABLE runs ADD COLUMN resumed_at REAL;
     """,
-    # 4: tokens created at runtime (POST /v1/tokens), kept as SHA-256 digests with their scopes,
+    # 4: the number of gradient accumulation steps a command set (0: the run's own) and the rule
+    # the LR follows it by.
+    """
+    ALTER TABLE runs ADD COLUMN accumulation_steps INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN accumulation_lr_rule TEXT NOT NULL DEFAULT 'none';
+    """,
+    # 5: tokens created at runtime (POST /v1/tokens), kept as SHA-256 digests with their scopes,
     # job pattern, creator and expiry; a revoked one keeps its row (who revoked it, when). The
     # owner of each run registered with such a token.
     """

@@ -99,7 +99,7 @@ class ControllerProcess:
 class Ranks:
     """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``."""
 
-    def __init__(self, world: int, cfg: dict, out: Path) -> None:
+    def __init__(self, world: int, cfg: dict, out: Path, worker: str = WORKER) -> None:
         self.out = out
         port = free_port()
         self.procs = []
@@ -107,7 +107,7 @@ class Ranks:
             env = _env()
             env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             log = open(out / f"worker-{cfg['scenario']}-rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
-            self.procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "out": str(out)})],
+            self.procs.append((subprocess.Popen([sys.executable, worker, json.dumps({**cfg, "out": str(out)})],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))
 
     def wait(self, timeout: float) -> list[int]:

@@ -249,7 +249,8 @@ def test_state_dict_round_trip_and_bad_input() -> None:
         ctl.command(RUN, lr_scale=0.5, checkpoint_seq=2)
         agent = _attach(model, opt, ctl)
         state = agent.state_dict()["control"]
-        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "skipped_steps_total": 0}
+        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "skipped_steps_total": 0,
+                         "accumulation": [0, "none"]}
         agent.close(1.0)
     with FakeController() as ctl:  # a fresh controller (generation 0): the checkpoint restores
         agent = _attach(model, opt, ctl)

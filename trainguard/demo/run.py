@@ -397,6 +397,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         _say(cfg, f"controller: {ctl.url}  (SQLite: {workdir / 'trainguard.db'})" if ctl.proc else f"controller: {ctl.url}")
         if ctl.proc and ctl.operator_token:
             _say(cfg, f"operator token for this demo: {ctl.operator_token}  (e.g. trainguard status {run} --url {ctl.url} --token ...)")
+        # the console takes the operator token on its sign-in page (never in the URL)
+        _say(cfg, f"console: {ctl.url}/ui/runs/{run}  (sign in with the operator token{' above' if ctl.proc else ''})"
+             if ctl.operator_token else f"console: {ctl.url}/ui/runs/{run}")
         if cfg.prometheus:
             prom = _start_prometheus(cfg, ctl, workdir)
         _say(cfg, f"run {run}: {cfg.world_size} gloo ranks, {cfg.steps} steps; faults: data burst at steps "
