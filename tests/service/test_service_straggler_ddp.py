@@ -1,7 +1,8 @@
 """Straggler detection under data parallelism, end to end: a real 2-rank DDP job (gloo, CPU) with
-the agent attached reports to a real controller; rank 1 is slow in its forward pass. The gradient
-all-reduce makes both ranks' step times equal, so the step-time rule cannot see it; the forward-time
-rule names the run."""
+the agent attached reports to a real controller; rank 1 is slow either in its forward pass
+(compute-slow) or in getting its next batch (data-slow). The gradient all-reduce makes both ranks'
+step times equal, so the step-time rule cannot see either; the forward-time rule names the first,
+the input-wait rule the second."""
 
 from __future__ import annotations
 
@@ -41,11 +42,15 @@ def _worker(rank: int, init: str, out: str) -> None:
     import trainer_agent as ta
 
     torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(Sleepy(SLOW_S if rank == 1 else 0.0))
+    ddp = nn.parallel.DistributedDataParallel(Sleepy(0.0))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mode = os.environ["STRAGGLER_MODE"]
+    ddp.module.sleep = SLOW_S if rank == 1 and mode == "compute" else 0.0
     agent = ta.attach(ddp, opt, job="ddp-straggler", run="ddp-straggler-1",
                       config=ta.AgentConfig(metrics_port=None, report_every=1))
     for _ in range(STEPS):
+        if rank == 1 and mode == "data":
+            time.sleep(SLOW_S)  # a loader that cannot keep up (the workload, not a synchronisation)
         ddp(torch.randn(8, 4)).square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -58,16 +63,21 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 
 @pytest.mark.distributed
-def test_a_compute_slow_rank_fires_the_forward_rule_not_the_step_time_rule(tmp_path, serve, monkeypatch) -> None:
+@pytest.mark.parametrize("mode,rule,vector", [("compute", "forward_time_straggler", "forward_seconds"),
+                                              ("data", "input_wait_straggler", "input_wait_seconds")])
+def test_a_slow_rank_fires_its_rule_not_the_step_time_rule(tmp_path, serve, monkeypatch, mode, rule, vector) -> None:
     srv = serve(tmp_path / "tg.db")
     monkeypatch.setenv("TRAINGUARD_CONTROLLER", srv.url)
+    monkeypatch.setenv("STRAGGLER_MODE", mode)
     (tmp_path / "ranks").mkdir()
     out = spawn_ranks(_worker, 2, tmp_path / "ranks", timeout=180)
-    fwd = out[0]["rank_values"]["forward_seconds"]
+    per_rank = out[0]["rank_values"].get(vector)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         reports = c.get("/v1/runs/ddp-straggler-1").json()["reports"]
         rules = {a["rule"] for a in c.get("/v1/alerts", params={"run": "ddp-straggler-1"}).json()}
     assert reports >= 3
-    assert "forward_time_straggler" in rules, rules
+    assert rule in rules, (rules, out[0]["rank_values"])
     assert "step_time_straggler" not in rules, rules
-    assert fwd[1] >= SLOW_S > fwd[0]  # the last reported step: rank 1's forward is the slow one
+    other = {"forward_time_straggler", "input_wait_straggler"} - {rule}
+    assert not rules & other, rules  # the other kind of slowness is not claimed
+    assert per_rank is not None and per_rank[1] >= SLOW_S > per_rank[0], per_rank  # rank 1 is the slow one
