@@ -226,7 +226,7 @@ class Agent:
                              f"65535: choose a lower base port")
         try:
             self._server = MetricsServer(self.registry, host=cfg.metrics_host, port=port)
-        except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
+        except OSError as exc:  # e.g. the host address cannot be bound: train without /metrics, say so
             self._error("metrics_server", exc)
 
     def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
