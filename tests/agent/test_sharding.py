@@ -5,7 +5,9 @@ Every step metric the agent reports is checked against a float64 reference the t
 ``full_tensor()`` gathers (gradients before the step, weights before and after it, optimizer
 state), and ``grad_norm`` against ``clip_grad_norm_``'s total norm. The last step carries a NaN in
 one gradient element (on the ranks that hold it): the non-finite counts must count it once.
-``skip_nonfinite``: a NaN on a single rank's shard skips the step on every rank.
+``skip_nonfinite``: a NaN on a single rank's shard skips the step on every rank. Under FSDP2 with a
+real controller, pause / resume / lr-scale / checkpoint / stop at random moments apply at the same
+step on every rank, with the LR each rank used equal to the scheduler's times the applied scale.
 """
 
 from __future__ import annotations
@@ -204,3 +206,32 @@ def test_skip_nonfinite_skips_the_same_step_on_every_rank(mode: str, world: int,
         assert r["finite"]
         assert r["latest"]["trainguard_skipped_steps_total"] == 1.0
         assert r["latest"]["trainguard_agent_errors_total"] == 0.0
+
+
+def test_controller_commands_apply_at_the_same_step_on_every_fsdp_rank(tmp_path) -> None:
+    import json
+    import random
+
+    from tests.control.procs import ControllerProcess, Ranks
+    from tests.control.test_control_distributed import _check_lr, _check_same_on_every_rank, _drive
+
+    ctl = ControllerProcess(tmp_path / "ctl.db").start()
+    trials, prefix = 4, "fsdp-trials"
+    ranks = Ranks(2, {"scenario": "trials", "parallel": "fsdp", "controller": ctl.url, "prefix": prefix,
+                      "trials": trials, "max_steps": 4000, "jitter_s": 0.004}, tmp_path)
+    rng = random.Random(7)
+    try:
+        for k in range(trials):
+            _drive(ctl, ranks, f"{prefix}-{k}", rng)
+        codes = ranks.wait(180)
+    finally:
+        ranks.kill()
+        ctl.kill()
+    assert codes == [0, 0], ranks.output()
+    per_rank = [json.loads((tmp_path / f"trials-rank{r}.json").read_text()) for r in range(2)]
+    for k in range(trials):
+        logs = [per_rank[r][k] for r in range(2)]
+        _check_same_on_every_rank(logs)
+        for log in logs:
+            assert _check_lr(log) == []
+            assert log["stopped"] and log["history"][-1][5], log["run"]
