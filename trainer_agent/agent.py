@@ -121,7 +121,9 @@ class Agent:
     - ``step``: optimizer steps completed (``end_step`` calls).
     - ``grad_norm_device``: 0-dim float64 device tensor, the pre-clip global gradient norm of the
       step in progress (set at the end of each backward pass, so it is valid in
-      ``before_optimizer_step``), or ``None`` before the first backward of the step.
+      ``before_optimizer_step``), or ``None`` before the first backward of the step. With sharded
+      parameters (DTensors) it is the norm of this rank's shards only (finite exactly when they
+      are); the global norm is formed at the report, with no collective inside the step.
     - ``loss_device``: 0-dim float64 device tensor of the loss of the last ``end_step``.
     - ``step_finite_device``: 0-dim bool device tensor, loss and gradients of the last ``end_step``
       were finite.
