@@ -36,6 +36,9 @@ __all__ = [
     "RunFinished",
     "CommandRequest",
     "LrScaleRequest",
+    "AccumulationRequest",
+    "LrRule",
+    "MAX_ACCUMULATION_STEPS",
     "Severity",
     "dumps",
 ]
@@ -133,6 +136,15 @@ class RunRegistration(WireModel):
         return ranks
 
 
+#: How the LR follows a change of the number of accumulation steps k (relative to the run's own k0,
+#: the global batch size changing by k / k0): "linear" multiplies it by k / k0, "sqrt" by
+#: sqrt(k / k0), "none" leaves it.
+LrRule = Literal["none", "sqrt", "linear"]
+
+#: Largest number of gradient accumulation steps a command may set.
+MAX_ACCUMULATION_STEPS = 65536
+
+
 class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
@@ -143,6 +155,8 @@ class DesiredState(WireModel):
     checkpoint_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
     reason: str = Field(default="", max_length=2000)
+    accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
+    accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
 
 
 class RunRegistered(WireModel):
@@ -169,6 +183,8 @@ class RankValues(WireModel):
     forward_s: list[Value] = Field(
         default_factory=list,
         description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
+    input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
+    data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
 
 
 class Report(WireModel):
@@ -228,6 +244,14 @@ class LrScaleRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/lr-scale``."""
 
     scale: float = Field(ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+
+
+class AccumulationRequest(CommandRequest):
+    """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
+    every rank uses from the next agreed step boundary, and how the LR follows it."""
+
+    steps: int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
+    lr_rule: LrRule = "sqrt"
 
 
 def dumps(model: WireModel) -> bytes:
