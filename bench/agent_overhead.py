@@ -1,6 +1,7 @@
 """What the training agent costs a training step, on the CPU.
 
     .venv/bin/python bench/agent_overhead.py            # ~2-3 minutes
+    .venv/bin/python bench/agent_overhead.py --distributed   # DDP and FSDP2, 2 gloo ranks
 
 A GPT-like model of ~27M parameters trains with AdamW in four identical copies, one step each per
 round, interleaved so that all four see the same machine: a plain step, a step with the agent in
@@ -17,6 +18,13 @@ plain copy's steps. The agent's cost is per parameter, the step's per token: the
 scale with 1 / (tokens per step); the default 16 x 128 tokens is a small step for a 27M model. The physical floor is the
 number of bytes the metrics must read or write per step divided by the memory bandwidth measured
 here with a large copy.
+
+``--distributed``: 2 gloo ranks on the CPU (a smaller model by default, d=256 x 4 blocks) train
+six copies interleaved: DDP and FSDP2 (``fully_shard`` per block and at the root), each plain,
+with the default agent and with every metric every step. The agent's cost (its own
+``overhead_seconds_total``, including its report-step collectives) is given as a share of the
+plain step of the same parallelism, DDP beside FSDP2; rank 0 prints, each rank's figures are the
+same program's.
 """
 
 from __future__ import annotations
@@ -126,6 +134,89 @@ def bandwidth_gbs(device: torch.device, sync) -> float:
     return 2 * a.numel() * 4 / min(times) / 1e9
 
 
+class Sharded(GPT):
+    """The GPT with ``forward`` = loss: FSDP2 (and the agent's output hook) act on ``forward``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.loss(ids)
+
+
+def _distributed_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = Sharded(vocab=8192, d=args.d_model, layers=args.layers, seq=args.seq)
+    n = sum(p.numel() for p in base.parameters())
+    mesh = init_device_mesh("cpu", (world,))
+    configs = {
+        "plain": None,
+        "default": ta.AgentConfig(metrics_port=None),
+        "every metric every step": ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every",
+                                                  per_layer="all"),
+    }
+    runs = {}
+    for kind in ("DDP", "FSDP2"):
+        for name, cfg in configs.items():
+            model = copy.deepcopy(base)
+            if kind == "DDP":
+                model = nn.parallel.DistributedDataParallel(model)
+            else:
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+            agent = ta.attach(model, opt, job="bench", run="bench-1", config=cfg) if cfg else None
+            runs[(kind, name)] = {"model": model, "opt": opt, "agent": agent, "cost": [], "step": []}
+    gen = torch.Generator().manual_seed(1 + rank)
+    for i in range(args.warmup + args.steps):
+        ids = torch.randint(0, 8192, (args.batch, args.seq + 1), generator=gen)
+        for run in runs.values():
+            model, opt, agent = run["model"], run["opt"], run["agent"]
+            before = agent.overhead_seconds_total if agent else 0.0
+            t0 = time.perf_counter()
+            loss = model(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if agent:
+                agent.end_step(loss, tokens=ids.shape[0] * (ids.shape[1] - 1))
+            t1 = time.perf_counter()
+            if i >= args.warmup:
+                run["cost"].append((agent.overhead_seconds_total if agent else 0.0) - before)
+                run["step"].append(t1 - t0)
+    if rank == 0:
+        print(f"model {n / 1e6:.1f}M parameters, {world} gloo ranks, batch {args.batch}x{args.seq} tokens per "
+              f"rank, {args.threads} thread(s) per rank, {args.steps} measured rounds after {args.warmup} warm-up")
+        print(f"{'parallelism':12s} {'configuration':26s} {'cost/step':>10s} {'% of step':>10s}  plain step (median)")
+    for (kind, name), run in runs.items():
+        agent = run["agent"]
+        if agent is None:
+            continue
+        assert agent.latest()["trainguard_agent_errors_total"] == 0
+        plain = statistics.median(runs[(kind, "plain")]["step"])
+        cycle = agent.config.report_every
+        cost = run["cost"]
+        whole = len(cost) // cycle * cycle or len(cost)
+        mean = sum(cost[:whole]) / whole
+        if rank == 0:
+            print(f"{kind:12s} {name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}%  {plain * 1e3:.0f} ms")
+        agent.close()
+    dist.destroy_process_group()
+
+
+def distributed_main(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_distributed_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="measured rounds (after warm-up)")
@@ -135,9 +226,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: whole steps are then timed with a "
                     "synchronize at their end (the agent's device work is asynchronous there)")
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=None, help="default 512 (256 with --distributed)")
+    ap.add_argument("--layers", type=int, default=None, help="default 6 (4 with --distributed)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="DDP beside FSDP2 on 2 gloo ranks (see the module docstring)")
     args = ap.parse_args()
+    if args.distributed:
+        args.d_model = args.d_model or 256
+        args.layers = args.layers or 4
+        distributed_main(args)
+        return
+    args.d_model = args.d_model or 512
+    args.layers = args.layers or 6
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

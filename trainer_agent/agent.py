@@ -63,8 +63,16 @@ k^2 mean_j ||h_j||^2 and |G_big|^2 = ||H||^2, both divided by the loss scale^2. 
 ``k`` or not, and any loss scale, multiply both alike, so B_simple does not change; it is in
 tokens when ``end_step`` gets ``tokens`` (b = tokens / k per micro-batch), else in micro-batches.
 tr(Sigma) is in units of ``trainguard_grad_norm``^2 x those. DDP's averaging all-reduce is
-assumed (sharded gradients, as under FSDP, are not supported). Absent with one micro-batch on
-one rank.
+assumed. Absent with one micro-batch on one rank, and with sharded parameters (FSDP2, HSDP,
+tensor parallel), where no rank sees a full incoming gradient per micro-batch: absent rather than
+wrong.
+
+Sharded and parallel parameters (DTensors: FSDP2's ``fully_shard``, HSDP, tensor parallel, and
+their combinations): every step value is measured on the local shards and the report step adds
+the ranks' shares up in one ``all_reduce`` (``trainer_agent/sharding.py``), so ``grad_norm``
+equals ``clip_grad_norm_``'s total norm and every per-layer value is the global one. FSDP2 sets
+the sharded gradients without running their tensor hooks, so a hook on the model's output starts
+the end-of-backward measurement.
 
 Host-device synchronisation happens only where a comment says ``SYNC``. The ``/metrics``
 collector and ``latest()`` read host values only (``latest()`` may wait for a report copy that is
@@ -121,7 +129,9 @@ class Agent:
     - ``step``: optimizer steps completed (``end_step`` calls).
     - ``grad_norm_device``: 0-dim float64 device tensor, the pre-clip global gradient norm of the
       step in progress (set at the end of each backward pass, so it is valid in
-      ``before_optimizer_step``), or ``None`` before the first backward of the step.
+      ``before_optimizer_step``), or ``None`` before the first backward of the step. With sharded
+      parameters (DTensors) it is the norm of this rank's shards only (finite exactly when they
+      are); the global norm is formed at the report, with no collective inside the step.
     - ``loss_device``: 0-dim float64 device tensor of the loss of the last ``end_step``.
     - ``step_finite_device``: 0-dim bool device tensor, loss and gradients of the last ``end_step``
       were finite.
@@ -207,7 +217,7 @@ class Agent:
         exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
-                                      report_every=cfg.report_every, grad_noise=cfg.grad_noise,
+                                      report_every=cfg.report_every, grad_noise=self.meter.grad_noise,
                                       per_layer=per_layer, clock=self._clock)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -217,6 +227,8 @@ class Agent:
         ]
         self._handles += [p.register_hook(functools.partial(self._grad_hook, i))
                           for i, p in enumerate(self.params.params)]
+        if self.params.sharding is not None:
+            self._handles.append(model.register_forward_hook(self.meter.watch_output))
         self.forward = ForwardTimer(model, self.schedule, self.device, step=lambda: self.step,
                                     clock=self._clock, on_error=self._error)
         self._handles += self.forward.handles
@@ -233,7 +245,7 @@ class Agent:
                              f"65535: choose a lower base port")
         try:
             self._server = MetricsServer(self.registry, host=cfg.metrics_host, port=port)
-        except OSError as exc:  # e.g. the port is taken: train without /metrics, say so
+        except OSError as exc:  # e.g. the host address cannot be bound: train without /metrics, say so
             self._error("metrics_server", exc)
 
     def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
@@ -363,7 +375,7 @@ class Agent:
         else:
             loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.device)  # a fill, no copy
         self.loss_device = loss_t
-        self._step_row = self.reports.record_step(self.step, loss_t, st.grad_norm)
+        self._step_row = self.reports.record_step(self.step, loss_t, st.grad_share)
         self._publish()
         if not self.schedule.is_report(self.step):
             return None

@@ -9,6 +9,8 @@ Scraping never touches a device: ``collect()`` only reads a dict.
 
 from __future__ import annotations
 
+import errno
+import logging
 import re
 import threading
 import time
@@ -22,6 +24,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from trainguard.protocol.catalog import BASE_LABELS, spec
 
 __all__ = ["sample_key", "parse_key", "AgentCollector", "MetricsServer"]
+
+log = logging.getLogger(__name__)
 
 _KEY = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(?:,|$)')
@@ -85,10 +89,25 @@ class AgentCollector(Collector):
 
 
 class MetricsServer:
-    """``/metrics`` of one registry on ``host:port`` (port 0: a free one), shut down by ``close``."""
+    """``/metrics`` of one registry on ``host:port`` (port 0: a free one), shut down by ``close``.
+
+    When ``port`` is taken (several jobs on one host asking for the same port) the server binds a
+    free port instead and logs it once (``fell_back`` is then True): ``port`` and ``url`` are
+    always the port actually bound, which is what the agent registers with the controller, so
+    the controller's service discovery lists it."""
 
     def __init__(self, registry: CollectorRegistry, *, host: str, port: int) -> None:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        self.fell_back = False
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            if port == 0 or exc.errno != errno.EADDRINUSE:
+                raise
+            server, thread = start_http_server(0, addr=host, registry=registry)
+            self.fell_back = True
+            log.warning("trainguard agent: metrics port %d on %s is in use (another job on this host?); "
+                        "serving /metrics on port %d instead, registered with the controller as such",
+                        port, host, server.server_address[1])
         self._server: WSGIServer = server
         self._thread: threading.Thread = thread
         self.host = host

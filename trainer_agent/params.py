@@ -2,8 +2,13 @@
 
 Ordered once, at attach, bucket after bucket, so that every reduction over them is one fused
 ``torch._foreach_*`` call per bucket and its results line up with the per-layer index without a
-scatter. Sharded parameters (FSDP2) would plug in here: the rest of the agent reads parameters only
-through :class:`ParamIndex`.
+scatter. The rest of the agent reads parameters only through :class:`ParamIndex`.
+
+Parameters held as DTensors (FSDP2, HSDP, tensor parallel) are measured on their local shards:
+``buckets``, ``grads()`` and ``versions()`` are local tensors, and ``sharding`` (a
+:class:`~trainer_agent.sharding.Sharding`) says which share of each per-parameter sum this rank
+contributes to the global value formed at a report. Without any DTensor ``sharding`` is None and
+every value is this rank's own (one process, or DDP's replicated gradients).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 from torch import nn
 
 from trainer_agent import stats
+from trainer_agent.sharding import Sharding, is_dtensor, local
 
 __all__ = ["ParamIndex"]
 
@@ -27,6 +33,10 @@ class ParamIndex:
       tensor, the layer of each parameter.
     - ``grad_zeros``: a 0-dim zero per bucket, stand-in for a missing gradient (norm 0) that keeps
       its bucket's fused path.
+    - ``sharding``: the shares of this rank when parameters are DTensors, else None.
+
+    ``params`` are the optimizer's parameters (DTensors or not); ``buckets`` hold their local
+    tensors (the same tensors for plain parameters).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layer_depth: int) -> None:
@@ -40,17 +50,22 @@ class ParamIndex:
                     params.append(p)
         if not params:
             raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
-        self.params = [params[i] for bucket in stats.buckets(params) for i in bucket]
+        locals_ = [local(p) for p in params]
+        order = [i for bucket in stats.buckets(locals_) for i in bucket]
+        self.params = [params[i] for i in order]
         self.buckets: list[list[torch.Tensor]] = []
-        for p in self.params:
+        for i in order:
+            p = locals_[i]
             last = self.buckets[-1][0] if self.buckets else None
             if last is None or (p.device, p.dtype) != (last.device, last.dtype):
                 self.buckets.append([])
             self.buckets[-1].append(p)
         self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
-        self.device = self.params[0].device
-        self.numel = sum(p.numel() for p in self.params)
+        self.device = self.buckets[0][0].device
+        self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
+        self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
+                         else None)
         layers: dict[str, int] = {}
         ids = [layers.setdefault(_layer(names.get(id(p), "unnamed"), layer_depth), len(layers))
                for p in self.params]
@@ -59,12 +74,16 @@ class ParamIndex:
 
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none)."""
-        return [[p.grad if p.grad is not None else zero for p in bucket]
-                for bucket, zero in zip(self.buckets, self.grad_zeros)]
+        grads: list[list[torch.Tensor]] = [[] for _ in self.buckets]
+        for p, k in zip(self.params, self.bucket_of):
+            g = p.grad
+            grads[k].append(self.grad_zeros[k] if g is None else local(g))
+        return grads
 
     def versions(self) -> tuple[int, ...]:
-        """Autograd's version counters (host ints): they move on every in-place write."""
-        return tuple(p._version for p in self.params)
+        """Autograd's version counters of the (local) tensors (host ints): they move on every
+        in-place write."""
+        return tuple(p._version for bucket in self.buckets for p in bucket)
 
     def sq_norms(self) -> torch.Tensor:
         """Per-parameter ||W||^2 (float64 device vector in this order)."""

@@ -6,6 +6,13 @@ into one float64 vector, together with the ranks' gathered rows, and copied to t
 with a non-blocking copy into pinned memory, read at a later ``end_step`` once the copy's event has
 completed; on the CPU the vector is the host copy. Host-device syncs: only where a comment says
 ``SYNC``.
+
+With sharded parameters (``ParamIndex.sharding``: FSDP2, HSDP, tensor parallel) each rank holds
+only its shares of the per-parameter sums (``trainer_agent/sharding.py``). The report step adds
+them up over the ranks in one more collective, an ``all_reduce`` of one float64 vector (the
+interval's per-step squared gradient norms, the per-parameter squared gradient, weight, update
+and W_before norms, the non-finite counts), before anything is derived from them; every metric is
+then the global one, equal on every rank. Steps that are not report steps issue no collective.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from trainer_agent import stats
 from trainer_agent.exporter import sample_key
 from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
+from trainer_agent.sharding import local
 from trainer_agent.step_stats import StepMeter, StepState, unscale
 
 __all__ = ["HostStep", "InFlight", "ReportPipeline", "MAX_IN_FLIGHT"]
@@ -99,13 +107,18 @@ class ReportPipeline:
         self.zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self.pending: deque[InFlight] = deque()  # reports in flight, oldest first
         self.gathered_step = -1  # the step whose rows entered the exchange last
+        self.summed_step = -1  # the step whose shares entered the sharded sum last
+        # Optimizer-state non-finite count summed over the ranks (sharded parameters only).
+        self._state_nonfinite: torch.Tensor | None = None
         self.rank_values: dict[str, list[float]] = {}
         self._layer_keys: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ every step
 
     def record_step(self, step: int, loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
-        """The step's row of the interval: (loss, grad norm); a step without one counts it as 0."""
+        """The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
+        With sharded parameters ``grad_norm`` is the step's ``StepState.grad_share`` (a share of
+        the squared norm), turned into the global norm at the report."""
         row = torch.stack([loss_t, grad_norm if grad_norm is not None else self.zero])
         self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
         return row
@@ -125,6 +138,8 @@ class ReportPipeline:
         Returns the agreed desired state (None without one)."""
         if len(self.pending) >= MAX_IN_FLIGHT:
             self.publish(block=True, limit=1)  # SYNC: only when the device runs that far behind
+        if self.index.sharding is not None:
+            self.sum_shards(host_step.step, st)
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
         vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
         host = self._host_values(host_step)
@@ -143,6 +158,69 @@ class ReportPipeline:
         self.pending[-1].overlap = self.exchange.overlap
         return agreed
 
+    def _shard_width(self) -> int:
+        return self.interval.shape[0] + 4 * len(self.index.params) + 4
+
+    def sum_shards(self, step: int, st: StepState) -> None:
+        """Sharded parameters: replace this rank's shares in ``st`` and in the interval's gradient
+        column by their sums over the ranks (one ``all_reduce``; see the module docstring). If
+        building the vector fails, the collective is still entered (with NaN) and the error
+        raised afterwards, so no other rank waits alone."""
+        sharding = self.index.sharding
+        assert sharding is not None
+        n = len(self.index.params)
+        error: Exception | None = None
+        try:
+            vector = self._shares(st, n)
+        except Exception as exc:  # noqa: BLE001 - re-raised after the collective
+            error = exc
+            vector = torch.full((self._shard_width(),), math.nan, dtype=torch.float64, device=self.device)
+        self.summed_step = step  # entered (even if it fails): never entered twice per step
+        total = sharding.sum_over_ranks(vector)
+        if error is not None:
+            raise error
+        r = self.interval.shape[0]
+        grad_sq, param_sq, delta_sq, before_sq = total[r:r + 4 * n].view(4, n).unbind(0)
+        grad_nonfinite, state_nonfinite, have_grads, have_update = total[r + 4 * n:].unbind(0)
+        world = sharding.world_size
+        self.interval[:, 1] = total[:r].sqrt()
+        self._state_nonfinite = state_nonfinite
+        st.param_sq = param_sq
+        if st.grad_norms is not None:
+            # The meter's flags agree on every rank (same schedule, same steps taken): a rank
+            # that lacks a value lacks it everywhere; have_* only guards the derivation.
+            st.grad_norms = torch.where(have_grads == world, grad_sq, math.nan).sqrt()
+            st.grad_norm = unscale(st.grad_norms.square().sum().sqrt(), st.scale)
+            st.grad_nonfinite = grad_nonfinite
+        if st.delta_sq is not None and st.before_sq is not None:
+            st.delta_sq = torch.where(have_update == world, delta_sq, math.nan)
+            st.before_sq = before_sq
+
+    def _shares(self, st: StepState, n: int) -> torch.Tensor:
+        sharding = self.index.sharding
+        assert sharding is not None
+        zeros = torch.zeros(n, dtype=torch.float64, device=self.device)
+        param_sq = st.param_sq if st.param_sq is not None else self.index.sq_norms()
+        have_update = st.delta_sq is not None and st.before_sq is not None
+        columns = [
+            st.grad_norms.to(torch.float64).square() if st.grad_norms is not None else zeros,
+            param_sq,
+            st.delta_sq if have_update else zeros,
+            st.before_sq if have_update else zeros,
+        ]
+        kept = sharding.kept
+        params = self.index.params
+        state_tensors = [local(t) for i in kept for t in self.optimizer.state.get(params[i], {}).values()
+                         if isinstance(t, torch.Tensor)]
+        scalars = torch.stack([
+            st.grad_nonfinite if st.grad_nonfinite is not None else self.zero,
+            stats.nonfinite_count(state_tensors, self.device).to(torch.float64),
+            self.zero + (st.grad_norms is not None),
+            self.zero + have_update,
+        ])
+        scalars[:2] *= sharding.count_share
+        return torch.cat([self.interval[:, 1], sharding.shares(torch.stack(columns)).reshape(-1), scalars])
+
     def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
         return self.exchange.gather(row)
@@ -153,6 +231,10 @@ class ReportPipeline:
         the others waiting in the collective (nor pairs theirs with this rank's next one)."""
         if self.gathered_step == step:
             return None
+        if self.index.sharding is not None and self.summed_step != step:
+            self.summed_step = step
+            self.index.sharding.sum_over_ranks(
+                torch.full((self._shard_width(),), math.nan, dtype=torch.float64, device=self.device))
         return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state)), state)
 
     def _host_values(self, h: HostStep) -> dict[str, float]:
@@ -206,8 +288,11 @@ class ReportPipeline:
                 dev[key] = lr.to(self.device, torch.float64).reshape(())
             else:
                 host[key] = lr
-        state_tensors = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
+        if self._state_nonfinite is not None:  # sharded: summed over the ranks in sum_shards
+            dev["trainguard_optimizer_state_nonfinite"] = self._state_nonfinite
+        else:
+            state_tensors = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
         scale_now = self.meter.scale_tensor()
         if scale_now is not None:
             dev["trainguard_loss_scale"] = scale_now

@@ -49,13 +49,15 @@ def norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """L2 norm of every tensor, in float32 (float64 if any bucket is float64), as one vector on
-    ``device`` (bucket after bucket): one ``torch._foreach_norm`` and one ``torch.stack`` per
-    (device, dtype) bucket."""
+def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device, *,
+                 wide: bool = False) -> torch.Tensor:
+    """L2 norm of every tensor, in float32 (float64 if any bucket is float64, or with ``wide``:
+    accumulated in float64, where no float32/16 input can overflow the sum of squares), as one
+    vector on ``device`` (bucket after bucket): one ``torch._foreach_norm`` and one
+    ``torch.stack`` per (device, dtype) bucket."""
     parts = []
     for bucket in tensor_buckets:
-        norms = torch._foreach_norm(bucket, 2, dtype=norm_dtype(bucket[0].dtype))
+        norms = torch._foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
         if bucket[0].device != device:  # parameters on several devices: asynchronous copies
             norms = [n.to(device, non_blocking=True) for n in norms]
         parts.append(torch.stack(norms))

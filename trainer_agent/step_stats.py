@@ -27,7 +27,7 @@ HELD_GRAD_BYTES = 32 << 20
 class StepState:
     """What the hooks learn during one optimizer step; replaced by ``end_step``."""
 
-    __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_nonfinite", "scale",
+    __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_share", "grad_nonfinite", "scale",
                  "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs")
 
     def __init__(self) -> None:
@@ -38,8 +38,14 @@ class StepState:
         #: Per-parameter ||accumulated grad|| at the end of the last backward (device vector in the
         #: agent's parameter order, times the loss scale; 0 without a gradient).
         self.grad_norms: torch.Tensor | None = None
-        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar).
+        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar). With sharded
+        #: parameters (``ParamIndex.sharding``): the norm of this rank's local shards only (finite
+        #: exactly when they are); the global norm is formed at the report.
         self.grad_norm: torch.Tensor | None = None
+        #: The value the report interval's row carries for this step: ``grad_norm`` without
+        #: sharding; with sharding, this rank's share of the global squared norm (unscaled), which
+        #: the report sums over the ranks.
+        self.grad_share: torch.Tensor | None = None
         self.grad_nonfinite: torch.Tensor | None = None
         #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
         self.scale: torch.Tensor | None = None
@@ -71,6 +77,14 @@ class StepMeter:
         self.schedule = schedule
         self.scaler = scaler
         self.data_parallel = data_parallel
+        #: The noise-scale measurement: needs each rank's full incoming gradient, which sharded
+        #: parameters (FSDP2's reduce-scattered gradients) do not have: off with sharding.
+        self.grad_noise = config.grad_noise and index.sharding is None
+        #: Norms of the (scaled) gradients accumulate in float64 under an enabled GradScaler: the
+        #: square of a scaled float32 gradient can overflow float32 (scale 2^127), never float64
+        #: (the largest float32 squared is ~1e77), so the unscaled norm stays right for any finite
+        #: scale; without a scaler float32 accumulation (the fused fast path) is kept.
+        self.wide = scaler is not None and scaler.is_enabled()
         self._step = step
         self._on_error = on_error
         self._clock = clock
@@ -117,23 +131,50 @@ class StepMeter:
         bucket in one fused call, when ``HELD_GRAD_BYTES`` are held or at the end of the pass.
         Into an empty ``.grad`` autograd moves the incoming tensor without a copy only if nothing
         else references it, so that one is normed at once."""
-        if not self._in_backward:
-            self._in_backward = True
-            self._hook_norms = []
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
-        if self.config.grad_noise and (self.data_parallel or self.state.backwards >= 1):
+        self.begin_backward()
+        if self.grad_noise and (self.data_parallel or self.state.backwards >= 1):
             if self.index.params[index].grad is None:
-                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=stats.norm_dtype(grad.dtype)))
+                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=self._dtype(grad.dtype)))
             else:
                 self._held[self.index.bucket_of[index]].append(grad)
                 self._held_bytes += grad.numel() * grad.element_size()
                 if self._held_bytes >= HELD_GRAD_BYTES:
                     self._norm_held()
 
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if self.wide else stats.norm_dtype(dtype)
+
+    def begin_backward(self) -> None:
+        """Called by the first gradient hook of a backward pass (or the model output's hook):
+        queues the end-of-backward measurement once per pass."""
+        if not self._in_backward:
+            self._in_backward = True
+            self._hook_norms = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
+
+    def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on the model, for sharded parameters: FSDP2 hands the gradients to its
+        sharded parameters at the end of backward without running their tensor hooks, so a hook
+        on the model's output (the first tensor requiring a gradient) starts the end-of-backward
+        measurement instead; it runs after FSDP2's reduce-scatter (queued later, see
+        ``_backward_end_outer``)."""
+        if not torch.is_grad_enabled():
+            return
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad)
+                return
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        try:
+            self.begin_backward()
+        except Exception as exc:  # never raise into backward
+            self._on_error("gradient_hook", exc)
+
     def _norm_held(self) -> None:
         for held in self._held:
             if held:
-                self._hook_norms += torch._foreach_norm(held, 2, dtype=stats.norm_dtype(held[0].dtype))
+                self._hook_norms += torch._foreach_norm(held, 2, dtype=self._dtype(held[0].dtype))
         self._release_held()
 
     def _release_held(self) -> None:
@@ -158,7 +199,7 @@ class StepMeter:
             st = self.state
             first = st.backwards == 0
             self.measure_grads()
-            if self.config.grad_noise:
+            if self.grad_noise:
                 if first and not self.data_parallel:
                     # The first backward of a step accumulates into zeroed gradients.
                     st.micro_norms.append(self.scaled_grad_norm)
@@ -178,13 +219,23 @@ class StepMeter:
         element count) into the state. One fused norm per bucket."""
         st = self.state
         grads = self.index.grads()
-        st.grad_norms = stats.bucket_norms(grads, self.index.device)
+        st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
         st.scale = self.scale_tensor()
+        sharding = self.index.sharding
         if self.schedule.is_report(self._step() + 1):
-            st.grad_nonfinite = stats.nonfinite_count([g for b in grads for g in b], self.index.device,
-                                                      st.grad_norms)
+            flat = [g for b in grads for g in b]
+            norms = st.grad_norms
+            if sharding is not None:  # count each element once: the kept replica's shards only
+                flat = [flat[i] for i in sharding.kept]
+                norms = norms.index_select(0, sharding.kept_index)
+            st.grad_nonfinite = stats.nonfinite_count(flat, self.index.device, norms)
         self.scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
         st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
+        if sharding is None:
+            st.grad_share = st.grad_norm
+        else:
+            sq = st.grad_norms.to(torch.float64).square()
+            st.grad_share = unscale(sharding.shares(sq).sum(), st.scale, power=2)
 
     def scale_tensor(self) -> torch.Tensor | None:
         scaler = self.scaler

@@ -195,7 +195,7 @@ def test_data_monitor_gets_batches_and_bad_batches_are_counted() -> None:
         agent.close()
 
 
-def test_taken_port_is_counted_not_raised() -> None:
+def test_taken_port_falls_back_to_a_free_one() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -204,8 +204,61 @@ def test_taken_port_is_counted_not_raised() -> None:
         agent = ta.attach(model, opt, job="j", run="r",
                           config=ta.AgentConfig(metrics_port=taken.getsockname()[1], report_every=1))
         try:
-            assert agent.metrics_url is None
+            assert agent.metrics_url is not None
+            assert f":{taken.getsockname()[1]}/" not in agent.metrics_url
             tiny_loop(agent, model, opt, 1)
-            assert agent.latest()["trainguard_agent_errors_total"] == 1
+            with urllib.request.urlopen(agent.metrics_url, timeout=5) as r:
+                assert b"trainguard_step" in r.read()
+            assert agent.latest()["trainguard_agent_errors_total"] == 0
         finally:
             agent.close()
+
+
+def test_an_address_that_cannot_be_bound_is_counted_not_raised() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # 192.0.2.1 (TEST-NET-1, never a local address): bind fails with EADDRNOTAVAIL
+    agent = ta.attach(model, opt, job="j", run="r",
+                      config=ta.AgentConfig(metrics_port=0, metrics_host="192.0.2.1", report_every=1))
+    try:
+        assert agent.metrics_url is None
+        tiny_loop(agent, model, opt, 1)
+        assert agent.latest()["trainguard_agent_errors_total"] == 1
+    finally:
+        agent.close()
+
+
+def test_two_jobs_asking_for_the_same_port_both_serve_and_both_are_discovered(tmp_path, caplog) -> None:
+    import httpx
+
+    from tests.control.procs import ControllerProcess, until
+
+    ctl = ControllerProcess(tmp_path / "ctl.db").start()
+    agents: list[ta.Agent] = []
+    try:
+        port = 0  # the first job binds a free port; the second job is configured with that port
+        for job in ("job-a", "job-b"):
+            model = nn.Linear(3, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            agents.append(ta.attach(model, opt, job=job, run=f"{job}-1", controller=ctl.url,
+                                    config=ta.AgentConfig(metrics_port=port, report_every=1)))
+            port = port or int(agents[0].metrics_url.rsplit(":", 1)[1].split("/")[0])
+        fallbacks = [r for r in caplog.records if "is in use" in r.getMessage()]
+        assert len(fallbacks) == 1 and str(port) in fallbacks[0].getMessage()
+        ports = [int(a.metrics_url.rsplit(":", 1)[1].split("/")[0]) for a in agents]
+        assert ports[0] == port and ports[1] != port  # the second one fell back to a free port
+        for a in agents:
+            with urllib.request.urlopen(a.metrics_url, timeout=5) as r:
+                assert b"trainguard_agent_errors_total" in r.read()
+            assert a.latest()["trainguard_agent_errors_total"] == 0.0
+
+        def targets() -> dict[str, str]:
+            found = httpx.get(ctl.url + "/v1/sd/targets", timeout=5).json()
+            return {t["labels"]["job"]: t["targets"][0] for t in found}
+
+        assert until(lambda: len(targets()) == 2, 30.0)
+        assert targets() == {"job-a": f"127.0.0.1:{ports[0]}", "job-b": f"127.0.0.1:{ports[1]}"}
+    finally:
+        for a in agents:
+            a.close()
+        ctl.kill()

@@ -23,6 +23,9 @@ The JSON names the scenario and where to write this rank's log (``out``/<name>-r
 
 Each log records, per optimizer step, the LR the optimizer used and the scheduler's LR, the
 generations this rank applied (``ControlPlane.history``), the on_checkpoint calls and step times.
+
+``"parallel": "fsdp"`` in the JSON shards the model with FSDP2 (``fully_shard`` per layer and at
+the root) instead of wrapping it in DDP.
 """
 
 from __future__ import annotations
@@ -65,10 +68,22 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True) * 0.1
 
 
+def _parallel(cfg: dict, model: torch.nn.Module) -> torch.nn.Module:
+    if cfg.get("parallel", "ddp") == "ddp":
+        return DDP(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> dict:
     """Train one run until the controller stops it (or ``max_steps``); return this rank's log."""
     rng = random.Random(f"{run}/{rank}")
-    model = DDP(_model())  # its set-up collectives run under the long start-up timeout
+    model = _parallel(cfg, _model())  # its set-up collectives run under the long start-up timeout
     if "pg_timeout_s" in cfg:  # every rank is here: from now on the short timeout the scenario asks for
         dist.barrier()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))

@@ -1,0 +1,105 @@
+"""Parameters held as DTensors (FSDP2's ``fully_shard``, HSDP, tensor parallel): which share of a
+global sum each rank contributes, and the one collective that adds the shares up at a report.
+
+A DTensor's global squared norm is the sum of its local shards' squared norms over the mesh
+dimensions it is *sharded* on (``Shard`` placements); along a dimension it is *replicated* on
+(``Replicate``) every rank holds the same values, which must be counted once. Each rank therefore
+keeps, per parameter, its local partial sum times a *share*: 1 on the one replica whose mesh
+coordinate is 0 along every replicated dimension, 0 elsewhere. Summing the shares of every rank
+(one ``all_reduce`` over the default process group) gives exactly the global value, for every
+placement at once: FSDP2 (``Shard(0)`` on a 1-D mesh), HSDP (``Replicate, Shard(0)``), tensor
+parallel (``Shard(0)``/``Shard(1)`` and replicated parameters), and their combinations. This is the
+sum that ``torch.nn.utils.clip_grad_norm_`` computes for DTensor gradients. A plain tensor among
+DTensors is taken as replicated on every rank (e.g. a layer left out of a tensor-parallel plan):
+rank 0 contributes it. A mesh smaller than the world (replicated over the remaining ranks by an
+outer data-parallel wrapper) is counted in ``world / mesh size`` equal copies, each weighted by
+their inverse.
+
+A gradient is assumed to carry its parameter's placements (as under FSDP2 and the row/column-wise
+tensor-parallel plans). ``Partial`` placements (pending sums) are refused at attach with a
+``ValueError``: a norm of a pending sum cannot be formed from local values. Pipeline stages (each
+rank holding different plain tensors) are not supported.
+
+Local values are read through ``DTensor.to_local()`` semantics without autograd (the
+``_local_tensor`` attribute): no communication, no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_dtensor", "local", "Sharding"]
+
+try:  # torch >= 2.5: the public DTensor package
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - a torch built without distributed support
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (no copy, no communication); any other tensor as it is."""
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+class Sharding:
+    """The shares of one rank for the parameters ``params`` (the agent's order); see the module
+    docstring.
+
+    - ``share``: float64 device vector, this rank's weight of each parameter's local partial sums.
+    - ``count_share``: the weight of this rank's non-finite counts.
+    - ``kept``: host list, indices of the parameters this rank contributes at all (share > 0);
+      ``kept_index``: the same as a device long tensor.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("parameters are DTensors but torch.distributed is not initialized")
+        self.world_size = dist.get_world_size()
+        rank = dist.get_rank()
+        shares: list[float] = []
+        for i, p in enumerate(params):
+            if not is_dtensor(p):
+                shares.append(1.0 if rank == 0 else 0.0)
+                continue
+            mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+            if any(pl.is_partial() for pl in placements):
+                raise ValueError(f"parameter {i} has a Partial placement {placements}: its norm cannot be "
+                                 "formed from local values")
+            coordinate = mesh.get_coordinate()
+            if coordinate is None:  # this rank is outside the parameter's mesh: holds nothing of it
+                shares.append(0.0)
+                continue
+            first = all(coordinate[d] == 0 for d, pl in enumerate(placements) if not pl.is_shard())
+            shares.append(mesh.size() / self.world_size if first else 0.0)
+        self.share = torch.tensor(shares, dtype=torch.float64, device=device)
+        self.kept = [i for i, s in enumerate(shares) if s > 0]
+        self.kept_index = torch.tensor(self.kept, dtype=torch.long, device=device)
+        #: The weight of this rank's non-finite counts (taken over its kept tensors): the share of
+        #: its first kept parameter (1 when the mesh spans the world; one mesh assumed).
+        self.count_share = shares[self.kept[0]] if self.kept else 0.0
+        self.device = device
+        backend = dist.get_backend()
+        self._collective_device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                   else torch.device("cpu"))
+
+    def shares(self, per_param: torch.Tensor) -> torch.Tensor:
+        """``per_param`` (float64, parameter order) weighted by this rank's shares. A masked-out
+        entry becomes 0 even when it is NaN/Inf (that replica's value is counted where it is kept)."""
+        return torch.where(self.share > 0, per_param * self.share, 0.0)
+
+    def sum_over_ranks(self, vector: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``vector`` (float64) over every rank: one ``all_reduce`` on the
+        default process group, on the device its backend wants (for CUDA values under gloo the
+        copy to the CPU is a SYNC, once per report step). Returns the sum on ``self.device``."""
+        src = vector.to(self._collective_device)
+        if src is vector:
+            src = vector.clone()
+        dist.all_reduce(src)
+        return src.to(self.device, non_blocking=True)
