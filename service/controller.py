@@ -280,6 +280,7 @@ class Controller:
         tx = Transaction()
         saved = st.window.save_next(ranks=bool(ranks))
         st.window.append_raw(report.values, ranks, report.step_last, now)
+        st.window.desync = tuple(report.desync)
         tx.on_rollback(lambda: st.window.rollback(saved))
         tx.assign(st, reported_generation=report.applied_generation)
         run_id, seq = st.id, st.window.count

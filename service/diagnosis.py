@@ -122,6 +122,40 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=("torch.distributed.barrier() and re-broadcast parameters", "all_reduce the gradients", "Restore from the last consistent checkpoint"),
         source="Data-parallel ranks must hold the same weights; once they differ, the ranks train different models.",
     ),
+    "grad_desync": Diagnosis(
+        symptom="Data-parallel ranks applied different gradients (a layer's gradients differ by more than 1e-5 relative)",
+        likely_causes=(
+            "Silent data corruption on one device (a faulty GPU or memory computing wrong values without an error)",
+            "A rank that skipped or only partly ran the gradient all-reduce (e.g. no_sync left on, a gradient "
+            "written after the all-reduce, a parameter unused on some ranks)",
+            "Non-deterministic operations or different kernels on the ranks (mixed hardware or library versions)",
+        ),
+        suggested_actions=(
+            "Look at the named ranks and layers: the same rank again and again points at its hardware",
+            "Re-run the step on the suspect rank and compare (the agent's gradient verification)",
+            "Check the training loop for gradient changes after backward() on some ranks only",
+            "Restore from the last checkpoint where the ranks agreed and exclude a suspect device",
+        ),
+        source="Under data parallelism every rank must apply the same all-reduced gradient; a rank that does "
+               "not silently trains a different model, and a device that computes wrong values corrupts the run "
+               "without any error.",
+    ),
+    "param_desync": Diagnosis(
+        symptom="Data-parallel ranks hold different parameters (a layer differs by more than 1e-5 relative)",
+        likely_causes=(
+            "Earlier gradient differences between ranks that accumulated into the weights",
+            "Silent data corruption in one device's memory",
+            "Parameters changed on some ranks only (a checkpoint loaded on one rank, an in-place edit, "
+            "parameters not broadcast at start)",
+        ),
+        suggested_actions=(
+            "Restore every rank from the same checkpoint",
+            "Broadcast the parameters from rank 0 (torch.distributed.broadcast) and watch whether they drift again",
+            "If one rank drifts again, check its hardware",
+        ),
+        source="Data-parallel ranks must hold the same weights; once they differ, the ranks train different models "
+               "and the averaged gradient no longer belongs to any of them.",
+    ),
     "memory_growth": Diagnosis(
         symptom="Memory grows monotonically",
         likely_causes=("Oversized intermediate activations", "Gradient buffers not released", "Duplicated tensor copies", "Computation graph kept alive (retain_graph)"),

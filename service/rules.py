@@ -24,8 +24,9 @@ Kinds: ``threshold`` (metric op value for N consecutive reports), ``spike`` (new
 the rolling median or EMA of the previous window: ratio or z-score), ``nonfinite`` (NaN/Inf in a
 value or in any rank's vector), ``trend`` (not decreasing over a window, or growing monotonically),
 ``cross_rank`` (``spread``: max/median across ranks, names the straggler; ``mismatch``: ranks whose
-fingerprint differs from the median by more than a relative tolerance) and ``absence`` (no report
-for T seconds).
+fingerprint differs from the median by more than a relative tolerance), ``desync`` (ranks whose
+per-layer element-wise fingerprints differ from the others', naming the ranks and the layers) and
+``absence`` (no report for T seconds). More diagnostic kinds: :mod:`service.triage_rules`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
     "Action", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
-    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "AbsenceRule",
+    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "AbsenceRule",
 ]
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s"]
+Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
+                 "grad_desync", "param_desync"]
 assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
 
 
@@ -219,6 +221,17 @@ class CrossRankRule(_RuleBase):
     for_reports: int = Field(default=1, ge=1, le=1024)
 
 
+class DesyncRule(_RuleBase):
+    """Any rank whose ``vector`` (``grad_desync`` or ``param_desync``: its largest relative
+    difference from the other ranks over the layers' element-wise fingerprints) exceeds
+    ``rel_tol`` (the stability guide, 5.3: 1e-5). Names the ranks and, from the report's
+    ``desync`` list, the layers. NaN (a rank whose report failed, or one rank) is no verdict."""
+
+    kind: Literal["desync"]
+    vector: Literal["grad_desync", "param_desync"]
+    rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
+
+
 class AbsenceRule(_RuleBase):
     """No report for ``seconds``, counted from the later of the last report and the moment the
     run last became live (registered, re-registered or unpaused: a paused run sends nothing)."""
@@ -228,7 +241,7 @@ class AbsenceRule(_RuleBase):
 
 
 Rule = Annotated[
-    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, AbsenceRule],
+    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, DesyncRule, AbsenceRule],
     Field(discriminator="kind"),
 ]
 _RULE = TypeAdapter(Rule)
@@ -275,6 +288,8 @@ class RuleSet:
                     reports = max(reports, r.for_reports)
                 elif isinstance(r, CrossRankRule):
                     ranks = max(ranks, r.for_reports)
+                elif hasattr(r, "window") and isinstance(r.window, int):
+                    reports = max(reports, r.window + 1)
         return reports, ranks
 
 

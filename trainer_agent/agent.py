@@ -91,6 +91,7 @@ from trainguard.protocol.wire import Name
 from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
+from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
@@ -188,11 +189,18 @@ class Agent:
         self.meter = StepMeter(self.params, cfg, self.schedule, scaler=self.scaler,
                                data_parallel=self.world_size > 1, step=lambda: self.step,
                                on_error=self._error, clock=self._clock)
-        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1)
+        fingerprint = None
+        if cfg.fingerprint and self.world_size > 1:
+            fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
+                                        len(self.layers), device=self.device)
+            self.meter.fingerprint = fingerprint
+        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1,
+                                extra_width=fingerprint.width() if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=cfg.grad_noise,
-                                      per_layer=per_layer, clock=self._clock)
+                                      per_layer=per_layer, clock=self._clock, fingerprint=fingerprint,
+                                      desync_rel_tol=cfg.desync_rel_tol)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._handles = [
@@ -225,7 +233,8 @@ class Agent:
         ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
-                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm)
+                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
+                             desync=lambda: self.reports.desync)
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
 
     # ------------------------------------------------------------------ errors
@@ -373,6 +382,11 @@ class Agent:
             self.data.refresh()
         with self._lock:
             self._published = values
+        if self.reports.desync and self.rank == 0:
+            log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
+                        int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
+                        "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
+                                  for d in self.reports.desync[:8]))
         if self.control is not None:
             self.control.on_report(self._current_values(), rank_values)
 
@@ -398,6 +412,13 @@ class Agent:
     @property
     def rank_values(self) -> dict[str, list[float]]:
         return self.reports.rank_values
+
+    @property
+    def desync(self) -> list[DesyncFinding]:
+        """Layers whose gradient or parameter fingerprints differed across ranks by more than
+        ``config.desync_rel_tol`` at the last published report (worst first; empty when in sync
+        or with one rank)."""
+        return self.reports.desync
 
     @property
     def grad_norm_device(self) -> torch.Tensor | None:

@@ -43,17 +43,18 @@ RANK_FIELDS: tuple[str, ...] = (
     "forward_seconds",
 )
 
-#: The per-rank vectors of a controller report (``RankValues`` field -> ``RANK_FIELDS`` name).
-#: ``grad_fingerprint`` is the rank's global gradient norm (not an element-wise fingerprint):
-#: replicas in sync compute it bit-identically, so it tells diverged gradients apart only when
-#: their norms differ.
+#: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
+#: The fingerprints and their comparison (``grad_desync``, ``param_desync``) come from
+#: ``trainer_agent/fingerprint.py`` under data parallelism (NaN with one rank).
 WIRE_VECTORS: dict[str, str] = {
     "step_time_s": "step_duration_seconds",
     "loss": "loss",
     "grad_norm": "grad_norm",
-    "grad_fingerprint": "grad_norm",
-    "param_fingerprint": "param_norm",
+    "grad_fingerprint": "grad_fingerprint",
+    "param_fingerprint": "param_fingerprint",
     "forward_s": "forward_seconds",
+    "grad_desync": "grad_desync",
+    "param_desync": "param_desync",
 }
 
 STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
@@ -84,19 +85,29 @@ class RankExchange:
     ``with_state``: the rows carry the desired-state part. ``group``: the process group (default:
     the default group)."""
 
-    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None,
+                 extra_width: int = 0) -> None:
         self.world_size = world_size
         self.with_state = with_state
         self.group = group
         self.offset = STATE_LEN if with_state else 0
-        self.width = self.offset + len(RANK_FIELDS)
+        self.extra_width = extra_width
+        self.width = self.offset + len(RANK_FIELDS) + extra_width
 
-    def pack(self, fields: torch.Tensor, state: Sequence[int] | None) -> torch.Tensor:
-        """One row: ``state`` (the leader's proposal; None on the other ranks) then ``fields``
-        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device)."""
+    def pack(self, fields: torch.Tensor, state: Sequence[int] | None, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """One row: ``state`` (the leader's proposal; None on the other ranks), ``fields``
+        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device), then
+        ``extra`` (``extra_width`` float64 values, e.g. the fingerprints of
+        ``trainer_agent/fingerprint.py``; NaN when None)."""
         if fields.shape != (len(RANK_FIELDS),):
             raise ValueError(f"a rank row has {len(RANK_FIELDS)} fields, got shape {tuple(fields.shape)}")
         fields = fields.to(torch.float64)
+        if self.extra_width:
+            if extra is None:
+                extra = torch.full((self.extra_width,), math.nan, dtype=torch.float64, device=fields.device)
+            if extra.shape != (self.extra_width,):
+                raise ValueError(f"a rank row's extra part has {self.extra_width} values, got {tuple(extra.shape)}")
+            fields = torch.cat([fields, extra.to(fields.device, torch.float64)])
         if not self.with_state:
             return fields
         bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
@@ -122,7 +133,11 @@ class RankExchange:
 
     def fields(self, gathered: torch.Tensor) -> torch.Tensor:
         """The ``RANK_FIELDS`` columns of the gathered rows (a view, same device)."""
-        return gathered[:, self.offset:]
+        return gathered[:, self.offset:self.offset + len(RANK_FIELDS)]
+
+    def extra(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The extra part of the gathered rows (a view, shape (world_size, extra_width))."""
+        return gathered[:, self.offset + len(RANK_FIELDS):]
 
     def state(self, gathered: torch.Tensor) -> list[int] | None:
         """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)

@@ -28,7 +28,7 @@ class StepState:
     """What the hooks learn during one optimizer step; replaced by ``end_step``."""
 
     __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_nonfinite", "scale",
-                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs")
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp")
 
     def __init__(self) -> None:
         self.backwards = 0
@@ -50,6 +50,9 @@ class StepState:
         self.param_sq: torch.Tensor | None = None
         #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
         self.lrs: list[float | torch.Tensor] | None = None
+        #: Report steps with a fingerprinter: (layers, K + 1) projections and norms of the
+        #: gradients the optimizer used (``trainer_agent/fingerprint.py``).
+        self.grad_fp: torch.Tensor | None = None
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -75,6 +78,8 @@ class StepMeter:
         self._on_error = on_error
         self._clock = clock
         self.state = StepState()
+        #: Set by the agent under data parallelism (``trainer_agent/fingerprint.py``).
+        self.fingerprint: Any = None
         #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
         self.overhead = 0.0
         #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
@@ -205,6 +210,9 @@ class StepMeter:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
+        if self.fingerprint is not None and self.schedule.is_report(self._step() + 1):
+            # The gradients this step applies (all-reduced, unscaled and clipped), per layer.
+            st.grad_fp = self.fingerprint.layer_values(self.index.grads())
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
             self._take_snapshot(st)

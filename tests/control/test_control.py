@@ -287,7 +287,7 @@ def test_reports_carry_nan_and_contiguous_step_ranges() -> None:
         assert [(r.step_first, r.step_last) for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
         assert math.isnan(reps[2].values["trainguard_loss"]) and math.isnan(reps[2].ranks.loss[0])
         assert reps[1].values["trainguard_loss"] == reps[1].ranks.loss[0] and reps[1].ranks.loss[0] > 0
-        assert reps[1].ranks.param_fingerprint[0] == reps[1].values["trainguard_param_norm"]
+        assert math.isnan(reps[1].ranks.param_fingerprint[0]) and math.isnan(reps[1].ranks.grad_desync[0])  # one rank: nothing to compare
         assert all(len(getattr(r.ranks, f)) == 1 for r in reps for f in ("step_time_s", "grad_norm", "forward_s"))
         assert all(r.ranks.forward_s[0] == r.values["trainguard_forward_seconds"] >= 0 for r in reps)
         assert "trainguard_lr_scale" in reps[0].values and not any("{" in k for k in reps[0].values)
