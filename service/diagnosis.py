@@ -62,8 +62,10 @@ DIAGNOSES: dict[str, Diagnosis] = {
     ),
     "loss_oscillation": Diagnosis(
         symptom="Loss oscillates periodically",
-        likely_causes=("Batch size too large",),
-        suggested_actions=("Adjust the batch size dynamically", "Increase momentum"),
+        likely_causes=("Batch size too large", "Learning rate too high for the batch size",
+                       "A periodic pattern in the data order (e.g. shards of different difficulty in turn)"),
+        suggested_actions=("Adjust the batch size dynamically", "Increase momentum", "Lower the learning rate",
+                           "Check that the data is shuffled across shards"),
         source="A loss that swings back and forth in a regular rhythm usually means the batch size is too large for the learning rate.",
     ),
     "loss_plateau": Diagnosis(
@@ -94,6 +96,53 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=(LOSS_TRIAGE[1], "Lower the learning rate"),
         source="Each step should change the weights by roughly 1e-4 to 1e-2 of their size; much more means the "
                "optimizer is overshooting.",
+    ),
+    "update_size_high": Diagnosis(
+        symptom="The weights moved far more than the optimizer's update rule allows",
+        likely_causes=(
+            "Something other than the optimizer writes the weights (a second optimizer, an average written back, code "
+            "editing parameters)",
+            "The learning rate actually applied differs from the one the optimizer reports",
+        ),
+        suggested_actions=(LOSS_TRIAGE[1], "Look for code that writes parameters outside optimizer.step()"),
+        source="Each step should change the weights by about the learning rate times the gradient (for Adam-like "
+               "optimizers, at most about the learning rate per weight); a larger change comes from somewhere else.",
+    ),
+    "update_size_low": Diagnosis(
+        symptom="The weights barely move compared with what the optimizer should do",
+        likely_causes=(
+            "An epsilon that dominates Adam's denominator (e.g. eps too large for small gradients)",
+            "Frozen or masked parameters, or a learning rate that is effectively 0",
+            "Gradient clipping that removes almost the whole update",
+        ),
+        suggested_actions=(LOSS_TRIAGE[1], "Check the optimizer's eps, the learning-rate schedule and the clipping threshold"),
+        source="When the measured update is a tiny fraction of learning rate times gradient, training has quietly "
+               "stopped for those weights.",
+    ),
+    "amp_loss_scale_collapse": Diagnosis(
+        symptom="The mixed-precision loss scale collapsed to its minimum",
+        likely_causes=(
+            "Overflow to inf/NaN in every step under fp16, so the scaler keeps halving the scale",
+            "Activations or gradients that have grown beyond the fp16 range (a diverging run)",
+        ),
+        suggested_actions=(
+            LOSS_TRIAGE[2],
+            "Switch to bf16, or keep the overflowing operations (softmax, normalisation, loss) in fp32",
+            "Restore the last good checkpoint and lower the learning rate",
+        ),
+        source="When the loss scale falls to its floor, small gradients underflow to zero and every overflowing step is "
+               "thrown away: large fp16 runs have failed exactly this way.",
+    ),
+    "amp_skips": Diagnosis(
+        symptom="The mixed-precision loss scaler skips many steps",
+        likely_causes=("Frequent inf/NaN gradients under fp16", "A loss scale growth interval that is too short"),
+        suggested_actions=(
+            LOSS_TRIAGE[2],
+            "Use a GradScaler with init_scale 2**10 and growth_interval 2000",
+            "Look for the layer whose gradients overflow (per-layer gradient maxima)",
+        ),
+        source="A few skipped steps are how the scaler finds its scale; a rising share of skipped steps means the "
+               "model no longer fits the fp16 range and training is losing updates.",
     ),
     "optimizer_state": Diagnosis(
         symptom="Non-finite values in the optimizer state",

@@ -12,8 +12,10 @@ from typing import Any, Callable
 import numpy as np
 
 from trainguard.service.rules import (
-    AbsenceRule, CrossRankRule, DesyncRule, NonFiniteRule, SpikeRule, ThresholdRule, TrendRule,
+    AbsenceRule, CrossRankRule, DesyncRule, NonFiniteRule, OscillationRule, RateRule, SpikeRule, ThresholdRule,
+    TrendRule,
 )
+from trainguard.service import triage
 from trainguard.service.window import RuleWindow
 
 __all__ = ["Finding", "evaluate"]
@@ -294,6 +296,8 @@ def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -
 _EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
     ThresholdRule: _threshold, SpikeRule: _spike, NonFiniteRule: _nonfinite,
     TrendRule: _trend, CrossRankRule: _cross_rank, DesyncRule: _desync, AbsenceRule: _absence,
+    RateRule: lambda r, w, now: triage.rate(r, w, now, Finding),
+    OscillationRule: lambda r, w, now: triage.oscillation(r, w, now, Finding),
 }
 
 

@@ -26,7 +26,8 @@ value or in any rank's vector), ``trend`` (not decreasing over a window, or grow
 ``cross_rank`` (``spread``: max/median across ranks, names the straggler; ``mismatch``: ranks whose
 fingerprint differs from the median by more than a relative tolerance), ``desync`` (ranks whose
 per-layer element-wise fingerprints differ from the others', naming the ranks and the layers) and
-``absence`` (no report for T seconds). More diagnostic kinds: :mod:`service.triage_rules`.
+``absence`` (no report for T seconds). ``rate`` (a counter's increase per step) and ``oscillation`` (a periodic swing; evaluated in
+:mod:`service.triage`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
     "Action", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
-    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "AbsenceRule",
+    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule", "OscillationRule", "AbsenceRule",
 ]
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
@@ -232,6 +233,33 @@ class DesyncRule(_RuleBase):
     rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
 
 
+class RateRule(_RuleBase):
+    """A counter's increase per unit of ``per`` over the newest ``window`` + 1 reports:
+    ``(metric[-1] - metric[0]) / (per[-1] - per[0]) > value`` (e.g. the share of steps whose
+    update the mixed-precision loss scaler skipped)."""
+
+    kind: Literal["rate"]
+    metric: MetricName
+    per: MetricName = "trainguard_step"
+    window: int = Field(default=10, ge=1, le=65536)
+    value: float = Field(ge=0, allow_inf_nan=False)
+
+
+class OscillationRule(_RuleBase):
+    """A periodic swing of ``metric`` over the newest ``window`` reports: after removing the
+    least-squares line, the strongest frequency (with its two neighbours) holds at least
+    ``min_power`` of the variance, its period lies between ``min_period`` reports and half the
+    window, and the swing's amplitude (sqrt(2) x the residual's standard deviation) is at least
+    ``min_rel_amplitude`` of the metric's mean."""
+
+    kind: Literal["oscillation"]
+    metric: MetricName
+    window: int = Field(default=64, ge=8, le=65536)
+    min_power: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    min_period: float = Field(default=2.0, ge=2, allow_inf_nan=False)
+    min_rel_amplitude: float = Field(default=0.01, ge=0, allow_inf_nan=False)
+
+
 class AbsenceRule(_RuleBase):
     """No report for ``seconds``, counted from the later of the last report and the moment the
     run last became live (registered, re-registered or unpaused: a paused run sends nothing)."""
@@ -241,7 +269,8 @@ class AbsenceRule(_RuleBase):
 
 
 Rule = Annotated[
-    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, DesyncRule, AbsenceRule],
+    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, DesyncRule, RateRule,
+          OscillationRule, AbsenceRule],
     Field(discriminator="kind"),
 ]
 _RULE = TypeAdapter(Rule)
@@ -288,7 +317,7 @@ class RuleSet:
                     reports = max(reports, r.for_reports)
                 elif isinstance(r, CrossRankRule):
                     ranks = max(ranks, r.for_reports)
-                elif hasattr(r, "window") and isinstance(r.window, int):
+                elif isinstance(r, (RateRule, OscillationRule)):
                     reports = max(reports, r.window + 1)
         return reports, ranks
 

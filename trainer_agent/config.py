@@ -70,6 +70,10 @@ class AgentConfig:
     the optimizer's pre-hook) and parameters with random +-1 projections, carry them in the report
     step's collective and compare them across ranks (``trainer_agent/fingerprint.py``)."""
 
+    triage: bool = True
+    """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min
+    and the predicted update size (``trainer_agent/triage.py``; the stability guide, 5.1)."""
+
     desync_rel_tol: float = 1e-5
     """Largest relative difference of a layer's fingerprints across ranks that counts as in sync
     (the difference over the layer's norm)."""
@@ -122,6 +126,8 @@ class AgentConfig:
             raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
         if not isinstance(self.grad_noise, bool):
             raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
+        if not isinstance(self.triage, bool):
+            raise ValueError(f"triage must be a bool, got {self.triage!r}")
         if not isinstance(self.fingerprint, bool):
             raise ValueError(f"fingerprint must be a bool, got {self.fingerprint!r}")
         if isinstance(self.desync_rel_tol, bool) or not isinstance(self.desync_rel_tol, (int, float)) \

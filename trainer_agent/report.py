@@ -21,6 +21,7 @@ import torch
 from trainer_agent import stats
 from trainer_agent.exporter import sample_key
 from trainer_agent.fingerprint import DesyncFinding, Fingerprinter, desync, findings
+from trainer_agent.triage import LAYER_STATS, UpdateModel
 from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.step_stats import StepMeter, StepState, unscale
@@ -83,6 +84,7 @@ class ReportPipeline:
                  desync_rel_tol: float = 1e-5) -> None:
         self.index = index
         self.fingerprint = fingerprint
+        self.update_model = UpdateModel(optimizer, index.params, index.device)
         self.desync_rel_tol = desync_rel_tol
         #: Layers whose fingerprints differed across ranks at the last published report.
         self.desync: list[DesyncFinding] = []
@@ -201,6 +203,12 @@ class ReportPipeline:
             dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
             if st.grad_norm is not None:
                 dev["trainguard_effective_lr"] = delta / st.grad_norm
+            if st.grad_stats is not None and st.lrs is not None:
+                expected = self.update_model.expected(st.lrs, st.grad_stats[1], st.before_sq)
+                if expected is not None:
+                    dev["trainguard_update_size_ratio"] = delta / expected
+        if st.grad_stats is not None:
+            dev["trainguard_grad_max_abs"] = st.grad_stats[2]
         return param_sq
 
     def _optimizer_values(self, dev: dict[str, torch.Tensor], host: dict[str, float], st: StepState) -> None:
@@ -231,6 +239,9 @@ class ReportPipeline:
             g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), ids, n).sqrt()
             add("trainguard_layer_grad_norm", unscale(g, st.scale))
         add("trainguard_layer_param_norm", stats.segment_sum(param_sq, ids, n).sqrt())
+        if st.grad_stats is not None:
+            for column, metric in enumerate(LAYER_STATS):
+                add(metric, st.grad_stats[0][:, column])
         if st.delta_sq is not None and st.before_sq is not None:
             delta = stats.segment_sum(st.delta_sq, ids, n).sqrt()
             before = stats.segment_sum(st.before_sq, ids, n).sqrt()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer_agent import stats
+from trainer_agent import stats, triage
 from trainer_agent.config import AgentConfig
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
@@ -28,7 +28,8 @@ class StepState:
     """What the hooks learn during one optimizer step; replaced by ``end_step``."""
 
     __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_nonfinite", "scale",
-                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp")
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp",
+                 "grad_stats")
 
     def __init__(self) -> None:
         self.backwards = 0
@@ -53,6 +54,8 @@ class StepState:
         #: Report steps with a fingerprinter: (layers, K + 1) projections and norms of the
         #: gradients the optimizer used (``trainer_agent/fingerprint.py``).
         self.grad_fp: torch.Tensor | None = None
+        #: Report steps: ``trainer_agent.triage.grad_stats`` of the gradients the optimizer used.
+        self.grad_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -210,9 +213,13 @@ class StepMeter:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
-        if self.fingerprint is not None and self.schedule.is_report(self._step() + 1):
+        report = self.schedule.is_report(self._step() + 1)
+        if self.fingerprint is not None and report:
             # The gradients this step applies (all-reduced, unscaled and clipped), per layer.
             st.grad_fp = self.fingerprint.layer_values(self.index.grads())
+        if self.config.triage and report:
+            st.grad_stats = triage.grad_stats(self.index.params, self.index.layer_ids, len(self.index.layers),
+                                              self.index.device)
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
             self._take_snapshot(st)

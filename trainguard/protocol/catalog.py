@@ -90,6 +90,12 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer (module prefix at the configured depth).", ("layer",)),
     _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",)),
     _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",)),
+    _g("trainguard_layer_grad_mean", "1", "Mean of one layer's gradient elements as the optimizer applies them (after unscaling and clipping), on report steps.", ("layer",)),
+    _g("trainguard_layer_grad_std", "1", "Standard deviation of one layer's gradient elements as the optimizer applies them.", ("layer",)),
+    _g("trainguard_layer_grad_max_abs", "1", "Largest absolute gradient element of one layer as the optimizer applies it.", ("layer",)),
+    _g("trainguard_layer_grad_min_abs", "1", "Smallest absolute gradient element of one layer as the optimizer applies it (0 when some element gets no gradient signal).", ("layer",)),
+    _g("trainguard_grad_max_abs", "1", "Largest absolute gradient element over the model as the optimizer applies it. Gradient values should stay below 1e3."),
+    _g("trainguard_update_size_ratio", "1", "Measured update ||W_after - W_before|| over the size the optimizer's rule predicts: lr x (||g|| + weight_decay x ||W||) / (1 - momentum) for SGD, lr x (sqrt(n) + weight_decay x ||W||) for Adam-like optimizers (n parameters). About 1 or below when healthy; far above, something else changes the weights; far below, the updates vanish."),
     _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )
