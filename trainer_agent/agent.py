@@ -413,6 +413,29 @@ class Agent:
     def rank_values(self) -> dict[str, list[float]]:
         return self.reports.rank_values
 
+    def preflight(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
+                  declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
+                  fatal: bool | tuple[str, ...] | None = None) -> Any:
+        """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/preflight.py``):
+        one forward/backward and a simulated optimizer step that leave the weights, gradients,
+        optimizer state, buffers and RNG states unchanged. ``loss_fn(model, batch)`` returns the
+        loss (default: ``model(batch)``, or its ``.loss``); ``declared_params``: the model size the
+        optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
+        Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
+        ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
+        ``ValueError`` for bad arguments or after the first step."""
+        from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
+
+        report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
+                               timeout=self.config.request_timeout_s)
+        client = self.control.client if self.control is not None else None
+        if client is not None:
+            why = client.post_preflight(to_wire(report, self.rank))
+            if why is not None:
+                log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
+        raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
+        return report
+
     @property
     def desync(self) -> list[DesyncFinding]:
         """Layers whose gradient or parameter fingerprints differed across ranks by more than

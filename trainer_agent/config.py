@@ -74,6 +74,11 @@ class AgentConfig:
     """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min
     and the predicted update size (``trainer_agent/triage.py``; the stability guide, 5.1)."""
 
+    preflight_fatal: bool | tuple[str, ...] = False
+    """Which failed pre-flight checks (``Agent.preflight``) raise ``RuntimeError`` before
+    training starts: True for every check, or a tuple of check names (e.g. ``("nonfinite",
+    "ranks_agree")``); False: failures are only reported."""
+
     desync_rel_tol: float = 1e-5
     """Largest relative difference of a layer's fingerprints across ranks that counts as in sync
     (the difference over the layer's norm)."""
@@ -126,6 +131,10 @@ class AgentConfig:
             raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
         if not isinstance(self.grad_noise, bool):
             raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
+        if not isinstance(self.preflight_fatal, bool):
+            self.preflight_fatal = tuple(self.preflight_fatal)
+            if not all(isinstance(n, str) for n in self.preflight_fatal):
+                raise ValueError(f"preflight_fatal must be a bool or check names, got {self.preflight_fatal!r}")
         if not isinstance(self.triage, bool):
             raise ValueError(f"triage must be a bool, got {self.triage!r}")
         if not isinstance(self.fingerprint, bool):

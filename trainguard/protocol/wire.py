@@ -36,6 +36,8 @@ __all__ = [
     "DesiredState",
     "Ack",
     "RunFinished",
+    "PreflightCheck",
+    "PreflightResult",
     "CommandRequest",
     "LrScaleRequest",
     "Severity",
@@ -244,6 +246,22 @@ class RunFinished(WireModel):
 
     step: int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
+
+
+class PreflightCheck(WireModel):
+    """One pre-flight check's outcome."""
+
+    name: str = Field(min_length=1, max_length=64)
+    status: Literal["pass", "warn", "fail", "skip"]
+    detail: str = Field(default="", max_length=2000)
+
+
+class PreflightResult(WireModel):
+    """``POST /v1/runs/{run}/preflight``: the checks run on a real batch before the first step."""
+
+    rank: int = Field(default=0, ge=0)
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+    checks: list[PreflightCheck] = Field(max_length=64)
 
 
 class CommandRequest(WireModel):
