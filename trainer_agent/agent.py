@@ -159,6 +159,9 @@ class Agent:
         self._amp_skipped = 0
         self._published: dict[str, float] = {}
         self.control: Any = None
+        self._memory_trace: Any = None
+        #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
+        self.memory_report: list[Any] | None = None
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
@@ -327,6 +330,14 @@ class Agent:
             self._step_overhead += self._clock() - t0 + self.meter.overhead
             self.overhead_seconds_total += self._step_overhead
             self._step_overhead = self.meter.overhead = 0.0
+        if self._memory_trace is not None:
+            try:
+                if self._memory_trace.on_end_step():
+                    self._memory_trace = None
+            except Exception as exc:
+                self._error("memory_trace", exc)
+                self._memory_trace.stop()
+                self._memory_trace = None
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -436,6 +447,24 @@ class Agent:
         raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
         return report
 
+    def trace_memory(self, steps: int = 3) -> None:
+        """Attribute memory retained across steps to the layers or the training loop for the next
+        ``steps`` steps (``trainer_agent/memory_trace.py``; expensive while it runs). The result
+        goes to the log and to ``memory_report``. ``ValueError`` for a bad ``steps``; a trace
+        already running is replaced."""
+        from trainer_agent.memory_trace import MemoryTrace
+
+        if self._memory_trace is not None:
+            self._memory_trace.stop()
+        self.memory_report = None
+        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done)
+
+    def _memory_done(self, report: list[Any]) -> None:
+        self.memory_report = report
+        log.warning("trainguard memory trace (rank %d): memory kept alive across steps, per step: %s", self.rank,
+                    "; ".join(f"{r.owner}: {r.bytes_per_step / 2**20:.2f} MiB in {r.tensors} tensor(s)"
+                              for r in report[:8]) or "nothing")
+
     @property
     def desync(self) -> list[DesyncFinding]:
         """Layers whose gradient or parameter fingerprints differed across ranks by more than
@@ -525,6 +554,9 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._memory_trace is not None:
+            self._memory_trace.stop()
+            self._memory_trace = None
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout is None else timeout)
         try:
             self._publish(block=True)  # SYNC: the last report
