@@ -168,6 +168,11 @@ class Agent:
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer)
         self.data = DataRelay.build(data_monitor, config, self._error)
+        self.gpu = None  # GPU health via NVML, read at scrape time (trainer_agent/gpu_health.py)
+        if self.device.type == "cuda":
+            from trainer_agent.gpu_health import GpuHealth
+
+            self.gpu = GpuHealth.open(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
         try:
@@ -414,6 +419,12 @@ class Agent:
                 values.update(self.control.values())
             except Exception as exc:
                 self._error("control_values", exc)
+                errors += 1
+        if self.gpu is not None:
+            try:
+                values.update(self.gpu.read())
+            except Exception as exc:
+                self._error("gpu_health", exc)
                 errors += 1
         values["trainguard_agent_errors_total"] = float(errors)
         return values

@@ -96,6 +96,13 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_layer_grad_min_abs", "1", "Smallest absolute gradient element of one layer as the optimizer applies it (0 when some element gets no gradient signal).", ("layer",)),
     _g("trainguard_grad_max_abs", "1", "Largest absolute gradient element over the model as the optimizer applies it. Gradient values should stay below 1e3."),
     _g("trainguard_update_size_ratio", "1", "Measured update ||W_after - W_before|| over the size the optimizer's rule predicts: lr x (||g|| + weight_decay x ||W||) / (1 - momentum) for SGD, lr x (sqrt(n) + weight_decay x ||W||) for Adam-like optimizers (n parameters). About 1 or below when healthy; far above, something else changes the weights; far below, the updates vanish."),
+    _g("trainguard_gpu_utilization_ratio", "1", "Share of the last sample period in which a kernel ran on this rank's GPU (NVML; absent without a GPU or NVML)."),
+    _g("trainguard_gpu_memory_used_bytes", "bytes", "Memory in use on this rank's GPU, all processes (NVML)."),
+    _g("trainguard_gpu_memory_total_bytes", "bytes", "Memory of this rank's GPU (NVML)."),
+    _g("trainguard_gpu_temperature_celsius", "celsius", "Temperature of this rank's GPU (NVML)."),
+    _g("trainguard_gpu_sm_clock_hertz", "hertz", "Current SM clock of this rank's GPU (NVML): a clock far below the others' points at throttling."),
+    _g("trainguard_gpu_throttle_reasons", "bitmask", "NVML's clock throttle reasons of this rank's GPU as a bitmask (0: none; e.g. thermal or power slowdown)."),
+    _c("trainguard_gpu_ecc_uncorrected_errors_total", "errors", "Uncorrected ECC memory errors of this rank's GPU since the driver loaded (NVML, volatile count): silent data corruption is likely."),
     _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )
