@@ -21,7 +21,7 @@ from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
 from trainguard.service.ingress import ReportIngress
 from trainguard.service.limits import BodyLimit
 from trainguard.service.metrics import ControllerMetrics
-from trainguard.service.routes import alerts, rules, runs, system, webhooks
+from trainguard.service.routes import alerts, rules, runs, system, ui, webhooks
 from trainguard.service.rules import RulesError
 from trainguard.service.store import Store, StoreError
 from trainguard.service.webhooks import WebhookDeliverer
@@ -61,7 +61,7 @@ def create_app(
             await controller.stop()
 
     app = FastAPI(
-        title="trainguard controller", version="0.1.0", lifespan=lifespan,
+        title="trainguard controller", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Runs, reports, rules, alerts and desired state of training runs. Agents register runs and post "
         "reports; operators read status and command runs; rules and Alertmanager act too.",
     )
@@ -70,6 +70,7 @@ def create_app(
     app.state.settings = settings
     for module in (runs, alerts, rules, webhooks, system):
         app.include_router(module.router)
+    ui.install(app)  # the operator console at /ui and the API docs at /docs, every asset served locally
 
     async def known_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_STATUS[type(exc)])

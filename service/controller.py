@@ -446,15 +446,17 @@ class Controller:
     async def command(
         self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
         factor: float | None = None, idempotency: tuple[str, str, str] | None = None,
-        extra: Callable[[sqlite3.Connection], Any] | None = None,
+        extra: Callable[[sqlite3.Connection], Any] | None = None, accumulation: tuple[int, str] | None = None,
     ) -> tuple[int, bytes]:
         """Apply a command (:data:`~trainguard.protocol.wire.COMMANDS`) from an operator or
         Alertmanager; ``lr_scale`` takes an absolute ``scale`` or a ``factor`` of the current
         multiplier. ``idempotency`` is (principal, key, request hash): a repeat answers the stored
-        response, another body under the key is a Conflict. Returns (HTTP status, JSON body)."""
+        response, another body under the key is a Conflict. ``accumulation`` (operators only):
+        (steps, LR rule) of the ``accumulation`` command, refused (Conflict) for a run whose agent
+        did not opt in. Returns (HTTP status, JSON body)."""
         args = (run, command, reason, actor, source, scale, factor)
         if idempotency is None:
-            return await self._command(*args, None, extra)
+            return await self._command(*args, None, extra, accumulation)
         principal, key, req_hash = idempotency
         entry = self._idem_locks.setdefault((principal, key), [asyncio.Lock(), 0])
         entry[1] += 1
@@ -465,7 +467,7 @@ class Controller:
                     if row["request_hash"] != req_hash:
                         raise Conflict(f"Idempotency-Key {key!r} was used with another request")
                     return row["status"], bytes(row["body"])
-                return await self._command(*args, idempotency, extra)
+                return await self._command(*args, idempotency, extra, accumulation)
         finally:
             entry[1] -= 1
             if entry[1] == 0:
@@ -473,11 +475,16 @@ class Controller:
 
     async def _command(self, run: str, command: str, reason: str, actor: str, source: str, scale: float | None,
                        factor: float | None, idempotency: tuple[str, str, str] | None,
-                       extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
+                       extra: Callable[[sqlite3.Connection], Any] | None,
+                       accumulation: tuple[int, str] | None = None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
+        if command == "accumulation" and not isinstance(st.config.get("accumulation_steps"), int):
+            raise Conflict(f"run {run!r} does not let the controller set its accumulation steps "
+                           "(attach the agent with accumulation_steps=N to opt in)")
         try:
-            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor)
+            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor,
+                                accumulation=accumulation)
         except ValueError as e:
             raise Invalid(str(e)) from None
         before = st.desired

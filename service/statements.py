@@ -47,8 +47,10 @@ def update_run_registration(conn: sqlite3.Connection, run_id: int, *, world_size
 
 def update_desired(conn: sqlite3.Connection, run_id: int, d: Any) -> None:
     conn.execute(
-        "UPDATE runs SET generation=?, paused=?, lr_scale=?, checkpoint_seq=?, stop=?, reason=? WHERE id=?",
-        (d.generation, int(d.paused), d.lr_scale, d.checkpoint_seq, int(d.stop), d.reason, run_id),
+        "UPDATE runs SET generation=?, paused=?, lr_scale=?, checkpoint_seq=?, stop=?, reason=?, accumulation_steps=?,"
+        " accumulation_lr_rule=? WHERE id=?",
+        (d.generation, int(d.paused), d.lr_scale, d.checkpoint_seq, int(d.stop), d.reason, d.accumulation_steps,
+         d.accumulation_lr_rule, run_id),
     )
 
 
@@ -184,6 +186,19 @@ def list_events(conn: sqlite3.Connection, *, run: str | None, after: int, limit:
     else:
         rows = conn.execute(_EVENT_SELECT + " WHERE r.run=? AND e.id>? ORDER BY e.id LIMIT ?", (run, after, limit))
     return [event_dict(r) for r in rows]
+
+
+def list_events_before(conn: sqlite3.Connection, *, run: str | None, before: int | None, limit: int) -> list[dict[str, Any]]:
+    """Audit events with ids below ``before`` (from the newest when ``None``), newest first."""
+    where, args = [], []
+    if run is not None:
+        where.append("r.run=?")
+        args.append(run)
+    if before is not None:
+        where.append("e.id<?")
+        args.append(before)
+    sql = _EVENT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY e.id DESC LIMIT ?"
+    return [event_dict(r) for r in conn.execute(sql, (*args, limit))]
 
 
 def get_events(conn: sqlite3.Connection, ids: list[int]) -> list[dict[str, Any]]:

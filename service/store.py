@@ -184,6 +184,12 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN finish_reason TEXT;
     ALTER TABLE runs ADD COLUMN resumed_at REAL;
     """,
+    # 4: the number of gradient accumulation steps a command set (0: the run's own) and the rule
+    # the LR follows it by.
+    """
+    ALTER TABLE runs ADD COLUMN accumulation_steps INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN accumulation_lr_rule TEXT NOT NULL DEFAULT 'none';
+    """,
 )
 
 

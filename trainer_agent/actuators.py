@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_agent import optim
+
 __all__ = ["LrScale", "NonfiniteSkip"]
 
 
@@ -56,7 +58,10 @@ class NonfiniteSkip:
     optimizer step — and the ranks all-reduce (max) that flag on ``group``. If any rank saw a
     non-finite gradient, no rank takes the step: parameters and optimizer state stay bit-identical.
     A non-finite *loss* with finite gradients is not skipped (the loss reaches the agent only after
-    the step; it is counted in ``trainguard_nonfinite_steps_total``).
+    the step; it is counted in ``trainguard_nonfinite_steps_total``). A step called with a closure
+    (``step(closure)``: Lightning, LBFGS) evaluates the closure first and decides on the gradients
+    it produced; a skipped one returns the closure's result, the closure having run exactly once
+    (``trainer_agent/optim.py``).
 
     ``grad_norm`` is an attribute so that a test can inject a failing reader."""
 
@@ -80,9 +85,8 @@ class NonfiniteSkip:
 
         @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if skip.skip_this_step():
-                return None
-            return inner(*args, **kwargs)
+            # With a closure, it runs first: the decision is on the gradients it produces.
+            return optim.guarded_step(inner, args, kwargs, skip.skip_this_step)
 
         # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -41,18 +41,24 @@ class HostStep:
     tokens: int | None
     forward_seconds: float
     amp_skipped: int
+    input_wait: float = math.nan
+    """Mean wait per step for the batch since the last report (``trainer_agent/inputs.py``)."""
+    micro_batches: int = 0
+    """Backward passes of the step on this rank (the batch size without ``tokens``)."""
+    world_size: int = 1
 
 
 class InFlight:
     """One report on its way from the device to the host."""
 
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "desync")
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "overlap", "desync_len", "decode", "desync")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
-                 host: dict[str, float], ranks: int, desync_len: int = 0,
+                 host: dict[str, float], ranks: int, overlap: list[float] | None = None, desync_len: int = 0,
                  decode: Callable[[list[float]], tuple[dict[str, list[float]], list[DesyncFinding]]] | None = None,
                  ) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
+        self.overlap = overlap  # the leader's cross-rank data overlap of this report (host floats)
         self.desync_len, self.decode = desync_len, decode
         #: Layers whose fingerprints differ across ranks (set by ``read``).
         self.desync: list[DesyncFinding] = []
@@ -72,6 +78,8 @@ class InFlight:
         if self.decode is not None:
             vectors, self.desync = self.decode(flat[n:n + self.desync_len])
             rank_values.update(vectors)
+        if self.overlap is not None:
+            rank_values["data_overlap"] = self.overlap
         return values, rank_values
 
 
@@ -127,9 +135,10 @@ class ReportPipeline:
     # ------------------------------------------------------------------ report steps
 
     def build(self, st: StepState, loss_t: torch.Tensor, host_step: HostStep, overhead: float,
-              state: Sequence[int] | None) -> list[int] | None:
+              state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> list[int] | None:
         """Build the report of ``host_step.step``, enter the exchange with ``state`` (the leader's
-        proposal, or None), queue the copy. Returns the agreed desired state (None without one)."""
+        proposal, or None) and ``sketch`` (this rank's sequences, or None), queue the copy.
+        Returns the agreed desired state (None without one)."""
         if len(self.pending) >= MAX_IN_FLIGHT:
             self.publish(block=True, limit=1)  # SYNC: only when the device runs that far behind
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
@@ -143,15 +152,17 @@ class ReportPipeline:
         host["trainguard_agent_overhead_seconds"] = overhead
         fields, micro_count = self._rank_fields(dev, st, host)
         extra = self._fingerprints(st)
-        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, extra))
+        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         rows = self.exchange.fields(gathered).to(self.device)
         self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
         compared = None
         if self.fingerprint is not None:
             fp = self.fingerprint
             compared = desync(self.exchange.extra(gathered).to(self.device), fp.layers, fp.k)
+        agreed = self.exchange.agreed(gathered, state)
         self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared))
-        return self.exchange.agreed(gathered, state)
+        self.pending[-1].overlap = self.exchange.overlap
+        return agreed
 
     def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
@@ -172,6 +183,10 @@ class ReportPipeline:
                 "trainguard_forward_seconds": h.forward_seconds}
         if h.tokens is not None:
             host["trainguard_tokens_per_second"] = h.tokens / h.duration if h.duration > 0 else math.inf
+        if not math.isnan(h.input_wait):
+            host["trainguard_input_wait_seconds"] = h.input_wait
+        if h.tokens or h.micro_batches:
+            host["trainguard_global_batch_size"] = float((h.tokens or h.micro_batches) * h.world_size)
         host.update(stats.memory(self.device))
         return host
 
@@ -265,6 +280,7 @@ class ReportPipeline:
             "tokens_per_second": full(host.get("trainguard_tokens_per_second", math.nan)),
             "param_norm": dev["trainguard_param_norm"],
             "forward_seconds": full(host["trainguard_forward_seconds"]),
+            "input_wait_seconds": full(host.get("trainguard_input_wait_seconds", math.nan)),
         }
         return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
 
@@ -315,7 +331,7 @@ class ReportPipeline:
             event = torch.cuda.Event()
             event.record()
             vec = buffer
-        return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len, decode)
+        return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode)
 
     # ------------------------------------------------------------------ publication
 

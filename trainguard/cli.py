@@ -121,6 +121,8 @@ def _command(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"reason": args.reason or ""}
     if args.command == "lr-scale":
         body["scale"] = args.scale
+    if args.command == "accumulation":
+        body["steps"], body["lr_rule"] = args.steps, args.lr_rule
     key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
     with _client(args) as c:
         _print(_check(c.post(f"/v1/runs/{args.run}/{args.command}", json=body, headers={"Idempotency-Key": key})))
@@ -219,11 +221,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("run")
     s.set_defaults(func=_status)
     for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
-                           ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier")):
+                           ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier"),
+                           ("accumulation", "set the gradient accumulation steps of a run that allows it")):
         s = sub.add_parser(name, parents=[client], help=helptext)
         s.add_argument("run")
         if name == "lr-scale":
             s.add_argument("scale", type=float, help="absolute multiplier of the scheduler's LR, e.g. 0.5")
+        if name == "accumulation":
+            s.add_argument("steps", type=int, help="micro-batches per optimizer step on every rank")
+            s.add_argument("--lr-rule", choices=("sqrt", "linear", "none"), default="sqrt",
+                           help="how the LR follows the change of batch size against the run's own steps: "
+                                "x sqrt(new/own), x new/own, or unchanged (default sqrt)")
         s.add_argument("--reason", default="", help="why (recorded in the audit log)")
         s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
         s.set_defaults(func=_command, command=name)

@@ -123,7 +123,7 @@ def test_services_health_checks_volumes_and_ports(compose):
 
 def test_no_secret_has_a_default(compose):
     text = COMPOSE.read_text()
-    for variable in ("TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"):
+    for variable in ("TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD", "TRAINGUARD_WEBHOOK_SECRET"):
         uses = re.findall(r"\$\{" + variable + r"([^}]*)\}", text)
         assert uses and all(u.startswith(":?") for u in uses), variable
     env = compose["services"]["controller"]["environment"]
@@ -138,4 +138,4 @@ def test_no_secret_has_a_default(compose):
                    if line and not line.startswith("#"))
     assert {"TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"} <= example.keys()
     assert example["TRAINGUARD_OPERATOR_TOKEN"] == example["TRAINGUARD_AGENT_TOKEN"] == ""
-    assert example["GRAFANA_ADMIN_PASSWORD"] == ""
+    assert example["GRAFANA_ADMIN_PASSWORD"] == example["TRAINGUARD_WEBHOOK_SECRET"] == ""

@@ -69,6 +69,7 @@ from trainer_agent.data.names import (
     TOKENS_TOTAL,
 )
 from trainer_agent.data.signals import _Batch, _Hasher, _as_numpy, _flatten, _text_batch, ks_2samp
+from trainer_agent.sketch import SKETCH_K, BottomK
 
 # ---------------------------------------------------------------------------------------------
 # The monitor.
@@ -257,6 +258,8 @@ class DataMonitor:
         self.sequences_total = 0
         self._version = 0
         self._cache: tuple[int, dict[str, float]] = (-1, {})
+        # Bottom-k sketch of the exact hashes since the last take_sketch() (cross-rank overlap).
+        self._sketch = BottomK(SKETCH_K)
         if registry is not None:
             registry.register(_MonitorCollector(self))
 
@@ -298,6 +301,7 @@ class DataMonitor:
                  controls: np.ndarray | None) -> None:
         n = self.config.window
         nseq = batch.lengths.size
+        self._sketch.update(exact)
         keep = min(nseq, n)  # only the last `window` sequences of a huge batch reach the window
         slots = (self._pos + np.arange(keep)) % n
         self._hashes[slots] = exact[nseq - keep:]
@@ -321,6 +325,11 @@ class DataMonitor:
         self._observe_lengths(batch.lengths)
         self.sequences_total += nseq
         self._version += 1
+
+    def take_sketch(self) -> np.ndarray:
+        """The bottom-k sketch (``trainer_agent.sketch``, k = ``SKETCH_K``) of the exact hashes of
+        the sequences observed since the previous call, as an int64 row; starts a new interval."""
+        return self._sketch.take()
 
     def _observe_lengths(self, lengths: np.ndarray) -> None:
         if self._len_ref is not None:

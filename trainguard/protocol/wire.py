@@ -40,6 +40,9 @@ __all__ = [
     "PreflightResult",
     "CommandRequest",
     "LrScaleRequest",
+    "AccumulationRequest",
+    "LrRule",
+    "MAX_ACCUMULATION_STEPS",
     "Severity",
     "dumps",
 ]
@@ -137,6 +140,15 @@ class RunRegistration(WireModel):
         return ranks
 
 
+#: How the LR follows a change of the number of accumulation steps k (relative to the run's own k0,
+#: the global batch size changing by k / k0): "linear" multiplies it by k / k0, "sqrt" by
+#: sqrt(k / k0), "none" leaves it.
+LrRule = Literal["none", "sqrt", "linear"]
+
+#: Largest number of gradient accumulation steps a command may set.
+MAX_ACCUMULATION_STEPS = 65536
+
+
 class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
@@ -147,6 +159,8 @@ class DesiredState(WireModel):
     checkpoint_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
     reason: str = Field(default="", max_length=2000)
+    accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
+    accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
 
 
 class RunRegistered(WireModel):
@@ -183,6 +197,8 @@ class RankValues(WireModel):
     forward_s: list[Value] = Field(
         default_factory=list,
         description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
+    input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
+    data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
 
 
 class DesyncLayer(WireModel):
@@ -274,6 +290,14 @@ class LrScaleRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/lr-scale``."""
 
     scale: float = Field(ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+
+
+class AccumulationRequest(CommandRequest):
+    """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
+    every rank uses from the next agreed step boundary, and how the LR follows it."""
+
+    steps: int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
+    lr_rule: LrRule = "sqrt"
 
 
 def dumps(model: WireModel) -> bytes:
