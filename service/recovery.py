@@ -62,7 +62,17 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
     rank_from = len(reports) - s.rank_window_reports
     for i, rep in enumerate(reports):
         ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
-        window.append_raw(json.loads(rep["vals"]), ranks, rep["step_last"], rep["received"])
+        values = json.loads(rep["vals"])
+        if len(window.columns) + len(values) > s.max_series_per_run:
+            # A database written before the series limit (or under a higher one): keep the names
+            # seen first, so that a restart holds no more than a running controller would.
+            room, kept = s.max_series_per_run - len(window.columns), {}
+            for k, v in values.items():
+                if k in window.columns or room > 0:
+                    room -= k not in window.columns
+                    kept[k] = v
+            values = kept
+        window.append_raw(values, ranks, rep["step_last"], rep["received"])
     if row["last_report_at"] is not None:
         window.touch(row["last_report_at"])
     return st

@@ -362,12 +362,16 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
         data = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as e:
         raise RulesError([f"not valid YAML: {e}"]) from None
+    except RecursionError:
+        raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RulesError(["the rules file must be a mapping with a 'rules' list"])
     try:
         file = RulesFile.model_validate(data)
+    except RecursionError:
+        raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
     except ValidationError as e:
         raise RulesError([_fmt(err) for err in e.errors()]) from None
     reasons: list[str] = []

@@ -11,7 +11,7 @@ from trainguard.service.engine import AlertBook
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["RunState", "live", "action_names"]
+__all__ = ["RunState", "live", "action_names", "target_address"]
 
 
 @dataclass(slots=True, eq=False)
@@ -120,3 +120,9 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
     if after.checkpoint_seq != before.checkpoint_seq:
         out.append("checkpoint")
     return out
+
+
+def target_address(host: str, port: int) -> str:
+    """``host:port`` of a rank's /metrics as service discovery gives it to Prometheus (IPv6 in brackets)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{host}:{port}"

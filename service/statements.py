@@ -303,7 +303,7 @@ def mark_alertmanager_seen(conn: sqlite3.Connection, fingerprint: str, starts_at
 
 
 def alertmanager_seen(conn: sqlite3.Connection, since: float) -> list[tuple[str, str]]:
-    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=?", (since,))]
+    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=? ORDER BY received_at", (since,))]
 
 
 def insert_rules_version(conn: sqlite3.Connection, text: str, source: str, actor: str, now: float) -> int:
@@ -321,6 +321,48 @@ def bind_agent(conn: sqlite3.Connection, token_digest: str, run: str, now: float
 
 def agent_bindings(conn: sqlite3.Connection) -> dict[str, str]:
     return {r[0]: r[1] for r in conn.execute("SELECT token_hash, run FROM agent_bindings")}
+
+
+_TOKEN_COLUMNS = "id, name, scopes, job_pattern, creator, created_at, expires_at, revoked_at, revoked_by"
+
+
+def insert_token(conn: sqlite3.Connection, *, token_hash: str, name: str, scopes: list[str], job_pattern: str | None,
+                 creator: str, now: float, expires_at: float | None) -> int:
+    cur = conn.execute(
+        "INSERT INTO tokens (token_hash, name, scopes, job_pattern, creator, created_at, expires_at) VALUES (?,?,?,?,?,?,?)",
+        (token_hash, name, "+".join(sorted(scopes)), job_pattern, creator, now, expires_at))
+    return int(cur.lastrowid)
+
+
+def _token_row(r: sqlite3.Row) -> dict[str, Any]:
+    return dict(r) | {"scopes": r["scopes"].split("+")}
+
+
+def list_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    return [_token_row(r) for r in conn.execute(f"SELECT {_TOKEN_COLUMNS} FROM tokens ORDER BY id")]
+
+
+def active_tokens(conn: sqlite3.Connection, now: float) -> list[dict[str, Any]]:
+    rows = conn.execute(f"SELECT token_hash, {_TOKEN_COLUMNS} FROM tokens WHERE revoked_at IS NULL "
+                        "AND (expires_at IS NULL OR expires_at > ?)", (now,))
+    return [_token_row(r) for r in rows]
+
+
+def revoke_token(conn: sqlite3.Connection, token_id: int, *, actor: str, now: float) -> str | None:
+    """Revoke token ``token_id``; its hash, or ``None`` when there is no such live token."""
+    row = conn.execute("SELECT token_hash FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()
+    if row is None:
+        return None
+    conn.execute("UPDATE tokens SET revoked_at=?, revoked_by=? WHERE id=?", (now, actor, token_id))
+    return str(row[0])
+
+
+def own_run(conn: sqlite3.Connection, run: str, token_hash: str, now: float) -> None:
+    conn.execute("INSERT OR IGNORE INTO run_owners (run, token_hash, owned_at) VALUES (?,?,?)", (run, token_hash, now))
+
+
+def run_owners(conn: sqlite3.Connection) -> dict[str, str]:
+    return {r[0]: r[1] for r in conn.execute("SELECT run, token_hash FROM run_owners")}
 
 
 def prune(conn: sqlite3.Connection, *, reports_before: float, keys_before: float) -> int:

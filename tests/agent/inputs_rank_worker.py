@@ -1,6 +1,6 @@
 """One gloo rank of tests/agent/test_inputs_distributed.py. Run as a script:
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python inputs_rank_worker.py '<json>'
+    RANK=r WORLD_SIZE=n DIST_INIT_METHOD=file:///tmp/x/store python inputs_rank_worker.py '<json>'
 
 Trains a tiny next-token model under DDP on batches of a ``TokenLoader`` over the shards in
 ``cfg["shards"]``, with an agent reporting to ``cfg["controller"]``. ``sampler_rank`` (default: the
@@ -15,6 +15,7 @@ step. Writes ``out/<run>-rank<r>.json``.
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 import os
 import sys
 import time
@@ -34,8 +35,9 @@ torch.set_num_threads(1)
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=os.environ.get("DIST_INIT_METHOD", "env://"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=180))
     vocab = cfg["vocab"]
     sampler_rank = cfg.get("sampler_rank", rank)
     loader = TokenLoader(TokenBatches(cfg["shards"], batch_size=4, seq_len=16, seed=cfg.get("seed", 0),

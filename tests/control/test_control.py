@@ -288,7 +288,8 @@ def test_state_dict_round_trip_and_bad_input(ctl: ControllerProcess) -> None:
     opt.step()
     agent.end_step(1.0)
     state = agent.state_dict()["control"]
-    assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "skipped_steps_total": 0}
+    assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "skipped_steps_total": 0,
+                     "accumulation": [0, "none"]}
     agent.close(1.0)
 
     agent = _attach(model, opt, ctl, "state-b")  # a run the controller has at generation 0: the checkpoint restores

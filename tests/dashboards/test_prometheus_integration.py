@@ -173,11 +173,21 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
                       controller=stack["controller"], token=stack["agent"],
                       config=ta.AgentConfig(report_every=1, metrics_port=0, update_ratio="every",
                                             skip_nonfinite=True))
+    # The sequences come through the agent's own sharded reader (so its panel has data): random
+    # token sequences written into shards, read back in a seeded order, watched by the agent.
+    from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
+
     generator = torch.Generator().manual_seed(1)
+    shards = write_shards(stack["logs"] / "shards",
+                          (torch.randint(1, VOCAB, (SEQ + 1,), generator=generator).numpy() for _ in range(4096)),
+                          vocab_size=VOCAB, tokens_per_shard=1024 * (SEQ + 1), monitor=False)
+    loader = TokenLoader(TokenBatches(shards, batch_size=BATCH, seq_len=SEQ + 1, seed=1), num_workers=0)
+    agent.watch_loader(loader)
 
     def samples():
         while True:
-            yield torch.randint(1, VOCAB, (SEQ + 1,), generator=generator)
+            for rows in loader:
+                yield from rows["input_ids"]
 
     stream = iter(QualityFilter(samples(), registry=agent.registry,
                                 labels={"job": JOB, "run": RUN, "rank": "0"}))

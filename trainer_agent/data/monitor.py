@@ -1,5 +1,5 @@
-"""Data-quality monitoring inside the training rank (seed section 3.1) and dynamic data cleaning
-(seed section 3.2).
+"""Data-quality monitoring inside the training rank and dynamic data cleaning (the stability
+guide, sections 3.1 and 3.2).
 
 ``DataMonitor`` watches a stream of token batches (or raw texts) and keeps, over a sliding window
 of the last ``window`` sequences, the signals below. ``values()`` returns them as
@@ -11,16 +11,16 @@ metric                                    definition
 ``trainguard_data_duplicate_ratio``       (sequences in the window - distinct contents in the
                                           window) / sequences in the window: the share of
                                           window sequences whose exact content occurred earlier
-                                          in the window. Seed threshold 0.05.
+                                          in the window. Alert above 0.05.
 ``trainguard_data_near_duplicate_ratio``  share of window sequences sharing at least one MinHash
                                           LSH band with an earlier window sequence.
 ``trainguard_data_token_kl_divergence``   KL(window || reference) of unigram distributions,
                                           nats (smoothing: see ``DataMonitorConfig.kl_epsilon``).
-                                          Seed threshold 0.1.
+                                          Alert above 0.1.
 ``trainguard_data_special_token_ratio``   special ids / tokens in the window (raw text: control
-                                          and format characters / characters). Seed 1e-4.
+                                          and format characters / characters). Alert above 1e-4.
 ``trainguard_data_length_shift_pvalue``   two-sample Kolmogorov-Smirnov p-value, reference
-                                          lengths vs window lengths. Seed threshold p < 0.05.
+                                          lengths vs window lengths. Alert when p < 0.05.
 ``trainguard_data_tokens_total``          non-padding tokens observed (token batches only).
 ``trainguard_data_sequences_total``       sequences (or texts) observed.
 ========================================  ====================================================

@@ -21,12 +21,12 @@ from trainer_agent.data.signals import _Hasher, _as_numpy, _flatten
 from trainer_agent.data.monitor import _base_labels
 
 # ---------------------------------------------------------------------------------------------
-# Dynamic cleaning (seed section 3.2).
+# Dynamic cleaning (the stability guide, section 3.2).
 
 
 def dynamic_threshold(step: float, initial: float = 0.8, final: float = 0.95,
                       decay_steps: float = 10_000) -> float:
-    """The seed's cleaning threshold: ``final - (final - initial) * exp(-step / decay_steps)``.
+    """The cleaning threshold that rises as training goes on: ``final - (final - initial) * exp(-step / decay_steps)``.
 
     Starts at ``initial`` (keep more noisy data early, for robustness) and rises towards
     ``final``."""
@@ -43,7 +43,7 @@ class DefaultQualityScore:
         score = (1 - special share of the sample) * (duplicate_score if duplicate else 1)
 
     A sample is a duplicate when its exact non-padding content occurred among the last ``window``
-    samples scored. With the default ``duplicate_score=0.9`` and the seed's schedule (0.8 -> 0.95),
+    samples scored. With the default ``duplicate_score=0.9`` and the default schedule (0.8 -> 0.95),
     duplicates are kept early in training and dropped once the threshold passes 0.9 (about step
     11,000); samples with more than 5-20% special tokens are dropped throughout.
 

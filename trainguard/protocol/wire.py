@@ -74,7 +74,7 @@ Value = float
 
 
 class WireModel(BaseModel):
-    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str."""
+    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str (integers are strict: a step sent as "1" or 1.0 is refused)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -87,10 +87,10 @@ class WireModel(BaseModel):
 class RankEndpoint(WireModel):
     """Where Prometheus scrapes one rank's ``/metrics``."""
 
-    rank: int = Field(ge=0, description="Global rank.")
-    local_rank: int = Field(ge=0, description="Rank within its node.")
+    rank: int = Field(strict=True, ge=0, description="Global rank.")
+    local_rank: int = Field(strict=True, ge=0, description="Rank within its node.")
     host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
-    port: int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
+    port: int = Field(strict=True, ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
 
 
 #: Deepest nesting of lists and objects in a registration's ``config``.
@@ -117,7 +117,7 @@ class RunRegistration(WireModel):
 
     job: Name
     run: Name
-    world_size: int = Field(ge=1, le=1_000_000)
+    world_size: int = Field(strict=True, ge=1, le=1_000_000)
     ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
     agent_version: str = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
@@ -153,10 +153,10 @@ class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
 
-    generation: int = Field(default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
+    generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
     paused: bool = False
     lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
-    checkpoint_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
+    checkpoint_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
     reason: str = Field(default="", max_length=2000)
     accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
@@ -223,12 +223,12 @@ class Report(WireModel):
     """
 
     job: Name
-    step_first: int = Field(ge=0, le=MAX_INT)
-    step_last: int = Field(ge=0, le=MAX_INT)
+    step_first: int = Field(strict=True, ge=0, le=MAX_INT)
+    step_last: int = Field(strict=True, ge=0, le=MAX_INT)
     time: float = Field(allow_inf_nan=False, description="Unix time at the leader when sent.")
     values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
-    applied_generation: int = Field(default=0, ge=0, le=MAX_INT)
+    applied_generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT)
     desync: list[DesyncLayer] = Field(
         default_factory=list, max_length=MAX_DESYNC_LAYERS,
         description="Layers whose fingerprints differ across ranks by more than the agent's tolerance, worst first.")
@@ -252,15 +252,15 @@ class ReportAccepted(WireModel):
 class Ack(WireModel):
     """``POST /v1/runs/{run}/acks``: every rank applied ``generation`` at ``step``."""
 
-    generation: int = Field(ge=0, le=MAX_INT)
-    step: int = Field(ge=0, le=MAX_INT)
+    generation: int = Field(strict=True, ge=0, le=MAX_INT)
+    step: int = Field(strict=True, ge=0, le=MAX_INT)
 
 
 class RunFinished(WireModel):
     """``POST /v1/runs/{run}/finish``: the run ended (the leader's ``agent.close()``); the
     controller stops expecting reports from it until it registers again."""
 
-    step: int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
+    step: int = Field(strict=True, ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
 
 
