@@ -36,7 +36,7 @@ from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
-from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, RunRegistered, RunRegistration
+from trainguard.protocol.wire import Ack, DesiredState, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller"]
 
@@ -378,6 +378,7 @@ class Controller:
         tx = Transaction()
         saved = st.window.save_next(ranks=bool(ranks))
         st.window.append_raw(report.values, ranks, report.step_last, now)
+        st.window.desync = tuple(report.desync)
         tx.on_rollback(lambda: st.window.rollback(saved))
         tx.assign(st, reported_generation=report.applied_generation)
         run_id, seq = st.id, st.window.count
@@ -487,6 +488,26 @@ class Controller:
         return {"applied_generation": ack.generation, "applied_step": ack.step, "recorded": True}
 
     # == lifecycle ===================================================================================
+    async def preflight(self, run: str, result: PreflightResult, principal: Principal) -> dict[str, Any]:
+        """Record the run's pre-flight result: shown in its status, and as an event (persisted)."""
+        st = self.get(run)
+        self.check_agent(principal, run)
+        now = self.clock()
+        counts = {s: sum(c.status == s for c in result.checks) for s in ("pass", "warn", "fail", "skip")}
+        data = result.model_dump() | {"received": now, "counts": counts}
+        run_id = st.id
+        failed = [c.name for c in result.checks if c.status == "fail"]
+
+        def op(c: sqlite3.Connection) -> Written:
+            reason = f"pre-flight: {counts['fail']} failed, {counts['warn']} warned" + (f" ({', '.join(failed[:8])})" if failed else "")
+            return Written(events=[sql.insert_event(c, run_id, now=now, kind="preflight", actor=principal.actor,
+                                                    reason=reason, generation=None, data=data)])
+
+        tx = Transaction()
+        tx.assign(st, preflight=data)
+        await self._commit(tx, op)
+        return {"run": run, "counts": counts}
+
     async def finish(self, run: str, fin: RunFinished, principal: Principal) -> dict[str, Any]:
         """The run ended (its agent closed): record it, resolve its absence alerts, and let the
         ticker skip it until it registers again. A repeat answers the first finish unchanged."""

@@ -62,8 +62,10 @@ DIAGNOSES: dict[str, Diagnosis] = {
     ),
     "loss_oscillation": Diagnosis(
         symptom="Loss oscillates periodically",
-        likely_causes=("Batch size too large",),
-        suggested_actions=("Adjust the batch size dynamically", "Increase momentum"),
+        likely_causes=("Batch size too large", "Learning rate too high for the batch size",
+                       "A periodic pattern in the data order (e.g. shards of different difficulty in turn)"),
+        suggested_actions=("Adjust the batch size dynamically", "Increase momentum", "Lower the learning rate",
+                           "Check that the data is shuffled across shards"),
         source="A loss that swings back and forth in a regular rhythm usually means the batch size is too large for the learning rate.",
     ),
     "loss_plateau": Diagnosis(
@@ -94,6 +96,53 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=(LOSS_TRIAGE[1], "Lower the learning rate"),
         source="Each step should change the weights by roughly 1e-4 to 1e-2 of their size; much more means the "
                "optimizer is overshooting.",
+    ),
+    "update_size_high": Diagnosis(
+        symptom="The weights moved far more than the optimizer's update rule allows",
+        likely_causes=(
+            "Something other than the optimizer writes the weights (a second optimizer, an average written back, code "
+            "editing parameters)",
+            "The learning rate actually applied differs from the one the optimizer reports",
+        ),
+        suggested_actions=(LOSS_TRIAGE[1], "Look for code that writes parameters outside optimizer.step()"),
+        source="Each step should change the weights by about the learning rate times the gradient (for Adam-like "
+               "optimizers, at most about the learning rate per weight); a larger change comes from somewhere else.",
+    ),
+    "update_size_low": Diagnosis(
+        symptom="The weights barely move compared with what the optimizer should do",
+        likely_causes=(
+            "An epsilon that dominates Adam's denominator (e.g. eps too large for small gradients)",
+            "Frozen or masked parameters, or a learning rate that is effectively 0",
+            "Gradient clipping that removes almost the whole update",
+        ),
+        suggested_actions=(LOSS_TRIAGE[1], "Check the optimizer's eps, the learning-rate schedule and the clipping threshold"),
+        source="When the measured update is a tiny fraction of learning rate times gradient, training has quietly "
+               "stopped for those weights.",
+    ),
+    "amp_loss_scale_collapse": Diagnosis(
+        symptom="The mixed-precision loss scale collapsed to its minimum",
+        likely_causes=(
+            "Overflow to inf/NaN in every step under fp16, so the scaler keeps halving the scale",
+            "Activations or gradients that have grown beyond the fp16 range (a diverging run)",
+        ),
+        suggested_actions=(
+            LOSS_TRIAGE[2],
+            "Switch to bf16, or keep the overflowing operations (softmax, normalisation, loss) in fp32",
+            "Restore the last good checkpoint and lower the learning rate",
+        ),
+        source="When the loss scale falls to its floor, small gradients underflow to zero and every overflowing step is "
+               "thrown away: large fp16 runs have failed exactly this way.",
+    ),
+    "amp_skips": Diagnosis(
+        symptom="The mixed-precision loss scaler skips many steps",
+        likely_causes=("Frequent inf/NaN gradients under fp16", "A loss scale growth interval that is too short"),
+        suggested_actions=(
+            LOSS_TRIAGE[2],
+            "Use a GradScaler with init_scale 2**10 and growth_interval 2000",
+            "Look for the layer whose gradients overflow (per-layer gradient maxima)",
+        ),
+        source="A few skipped steps are how the scaler finds its scale; a rising share of skipped steps means the "
+               "model no longer fits the fp16 range and training is losing updates.",
     ),
     "optimizer_state": Diagnosis(
         symptom="Non-finite values in the optimizer state",
@@ -133,6 +182,40 @@ DIAGNOSES: dict[str, Diagnosis] = {
         likely_causes=("Parameters not synchronised across ranks", "Gradients not all-reduced"),
         suggested_actions=("torch.distributed.barrier() and re-broadcast parameters", "all_reduce the gradients", "Restore from the last consistent checkpoint"),
         source="Data-parallel ranks must hold the same weights; once they differ, the ranks train different models.",
+    ),
+    "grad_desync": Diagnosis(
+        symptom="Data-parallel ranks applied different gradients (a layer's gradients differ by more than 1e-5 relative)",
+        likely_causes=(
+            "Silent data corruption on one device (a faulty GPU or memory computing wrong values without an error)",
+            "A rank that skipped or only partly ran the gradient all-reduce (e.g. no_sync left on, a gradient "
+            "written after the all-reduce, a parameter unused on some ranks)",
+            "Non-deterministic operations or different kernels on the ranks (mixed hardware or library versions)",
+        ),
+        suggested_actions=(
+            "Look at the named ranks and layers: the same rank again and again points at its hardware",
+            "Re-run the step on the suspect rank and compare (the agent's gradient verification)",
+            "Check the training loop for gradient changes after backward() on some ranks only",
+            "Restore from the last checkpoint where the ranks agreed and exclude a suspect device",
+        ),
+        source="Under data parallelism every rank must apply the same all-reduced gradient; a rank that does "
+               "not silently trains a different model, and a device that computes wrong values corrupts the run "
+               "without any error.",
+    ),
+    "param_desync": Diagnosis(
+        symptom="Data-parallel ranks hold different parameters (a layer differs by more than 1e-5 relative)",
+        likely_causes=(
+            "Earlier gradient differences between ranks that accumulated into the weights",
+            "Silent data corruption in one device's memory",
+            "Parameters changed on some ranks only (a checkpoint loaded on one rank, an in-place edit, "
+            "parameters not broadcast at start)",
+        ),
+        suggested_actions=(
+            "Restore every rank from the same checkpoint",
+            "Broadcast the parameters from rank 0 (torch.distributed.broadcast) and watch whether they drift again",
+            "If one rank drifts again, check its hardware",
+        ),
+        source="Data-parallel ranks must hold the same weights; once they differ, the ranks train different models "
+               "and the averaged gradient no longer belongs to any of them.",
     ),
     "memory_growth": Diagnosis(
         symptom="Memory grows monotonically",

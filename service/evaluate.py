@@ -12,8 +12,10 @@ from typing import Any, Callable
 import numpy as np
 
 from trainguard.service.rules import (
-    AbsenceRule, CrossRankRule, NonFiniteRule, SpikeRule, ThresholdRule, TrendRule,
+    AbsenceRule, CrossRankRule, DesyncRule, NonFiniteRule, OscillationRule, RateRule, SpikeRule, ThresholdRule,
+    TrendRule,
 )
+from trainguard.service import triage
 from trainguard.service.window import RuleWindow
 
 __all__ = ["Finding", "evaluate"]
@@ -277,6 +279,33 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     return Finding(rule, True, summary, values)
 
 
+def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
+    hist = w.rank_history(rule.vector, 1)
+    if not len(hist):
+        return Finding(rule, None)
+    row = hist[-1]
+    judged = ~np.isnan(row)
+    if not judged.any():
+        return Finding(rule, None)
+    with np.errstate(invalid="ignore"):
+        ranks = np.flatnonzero(judged & (row > rule.rel_tol))
+    if not len(ranks):
+        return Finding(rule, False)
+    kind = rule.vector.removesuffix("_desync")
+    layers = [{"layer": d.layer, "rel_diff": _num(d.rel_diff), "ranks": list(d.ranks)}
+              for d in getattr(w, "desync", ()) if d.kind == kind]
+    what = "gradients" if kind == "grad" else "parameters"
+    where = f" in layer(s) {', '.join(repr(x['layer']) for x in layers[:4])}" if layers else ""
+    worst = float(np.max(row[ranks]))
+    return Finding(
+        rule, True,
+        f"rank(s) {ranks[:8].tolist()} disagree with the other ranks on their {what}{where}: "
+        f"relative difference {worst:.3g} (tolerance {rule.rel_tol:g})",
+        {"vector": rule.vector, "rel_tol": rule.rel_tol, "ranks": ranks[:16].tolist(),
+         "values": {int(r): _num(float(row[r])) for r in ranks[:16].tolist()}, "layers": layers[:16]},
+    )
+
+
 def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Finding:
     since = max(w.last_received, live_since)
     silent = now - since
@@ -289,7 +318,9 @@ def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -
 
 _EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
     ThresholdRule: _threshold, SpikeRule: _spike, NonFiniteRule: _nonfinite,
-    TrendRule: _trend, CrossRankRule: _cross_rank, AbsenceRule: _absence,
+    TrendRule: _trend, CrossRankRule: _cross_rank, DesyncRule: _desync, AbsenceRule: _absence,
+    RateRule: lambda r, w, now: triage.rate(r, w, now, Finding),
+    OscillationRule: lambda r, w, now: triage.oscillation(r, w, now, Finding),
 }
 
 

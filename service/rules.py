@@ -25,7 +25,10 @@ the rolling median or EMA of the previous window: ratio or z-score), ``nonfinite
 value or in any rank's vector), ``trend`` (not decreasing over a window, or growing monotonically),
 ``cross_rank`` (``spread``: max/median across ranks, names the straggler; ``mismatch``: ranks whose
 fingerprint differs from the median by more than a relative tolerance; ``above``: ranks whose value
-reaches a limit, e.g. ranks that see the same data) and ``absence`` (no report for T seconds).
+reaches a limit, e.g. ranks that see the same data), ``desync`` (ranks whose per-layer element-wise
+fingerprints differ from the others', naming the ranks and the layers), ``rate`` (a counter's
+increase per step), ``oscillation`` (a periodic swing; both evaluated in :mod:`service.triage`)
+and ``absence`` (no report for T seconds).
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
     "Action", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
-    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "AbsenceRule",
+    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule", "OscillationRule", "AbsenceRule",
 ]
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
-                 "input_wait_s", "data_overlap"]
+                 "input_wait_s", "data_overlap", "grad_desync", "param_desync"]
 assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
 
 
@@ -232,6 +235,44 @@ class CrossRankRule(_RuleBase):
         return self
 
 
+class DesyncRule(_RuleBase):
+    """Any rank whose ``vector`` (``grad_desync`` or ``param_desync``: its largest relative
+    difference from the other ranks over the layers' element-wise fingerprints) exceeds
+    ``rel_tol`` (the stability guide, 5.3: 1e-5). Names the ranks and, from the report's
+    ``desync`` list, the layers. NaN (a rank whose report failed, or one rank) is no verdict."""
+
+    kind: Literal["desync"]
+    vector: Literal["grad_desync", "param_desync"]
+    rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
+
+
+class RateRule(_RuleBase):
+    """A counter's increase per unit of ``per`` over the newest ``window`` + 1 reports:
+    ``(metric[-1] - metric[0]) / (per[-1] - per[0]) > value`` (e.g. the share of steps whose
+    update the mixed-precision loss scaler skipped)."""
+
+    kind: Literal["rate"]
+    metric: MetricName
+    per: MetricName = "trainguard_step"
+    window: int = Field(default=10, ge=1, le=65536)
+    value: float = Field(ge=0, allow_inf_nan=False)
+
+
+class OscillationRule(_RuleBase):
+    """A periodic swing of ``metric`` over the newest ``window`` reports: after removing the
+    least-squares line, the strongest frequency (with its two neighbours) holds at least
+    ``min_power`` of the variance, its period lies between ``min_period`` reports and half the
+    window, and the swing's amplitude (sqrt(2) x the residual's standard deviation) is at least
+    ``min_rel_amplitude`` of the metric's mean."""
+
+    kind: Literal["oscillation"]
+    metric: MetricName
+    window: int = Field(default=64, ge=8, le=65536)
+    min_power: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    min_period: float = Field(default=2.0, ge=2, allow_inf_nan=False)
+    min_rel_amplitude: float = Field(default=0.01, ge=0, allow_inf_nan=False)
+
+
 class AbsenceRule(_RuleBase):
     """No report for ``seconds``, counted from the later of the last report and the moment the
     run last became live (registered, re-registered or unpaused: a paused run sends nothing)."""
@@ -241,7 +282,8 @@ class AbsenceRule(_RuleBase):
 
 
 Rule = Annotated[
-    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, AbsenceRule],
+    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, DesyncRule, RateRule,
+          OscillationRule, AbsenceRule],
     Field(discriminator="kind"),
 ]
 _RULE = TypeAdapter(Rule)
@@ -288,6 +330,8 @@ class RuleSet:
                     reports = max(reports, r.for_reports)
                 elif isinstance(r, CrossRankRule):
                     ranks = max(ranks, r.for_reports)
+                elif isinstance(r, (RateRule, OscillationRule)):
+                    reports = max(reports, r.window + 1)
         return reports, ranks
 
 

@@ -43,6 +43,8 @@ class RunState:
     re-registration. A finished run is not expected to report."""
     finished_step: int | None = None
     finish_reason: str = ""
+    #: The run's pre-flight result (``PreflightResult`` as a dict; kept in memory only).
+    preflight: dict[str, Any] | None = None
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
@@ -88,6 +90,7 @@ class RunState:
             "batch_size": {"current": last.get("trainguard_global_batch_size"),
                            "recommended": last.get("trainguard_recommended_batch_size")},
             "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
+            "preflight": st.preflight,
         }
 
     def firing_absence(self) -> list[str]:

@@ -66,7 +66,7 @@ class RunWindow:
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
         "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
-        "_keys", "_cols",
+        "_keys", "_cols", "desync",
     )
 
     def __init__(self, *, capacity: int, rank_capacity: int, world_size: int, created: float) -> None:
@@ -80,6 +80,8 @@ class RunWindow:
         self.rank_count = 0
         self._written = 0
         """Reports appended to this object (``count`` may start higher: a reload sets it)."""
+        #: The newest report's ``desync`` list (layers whose fingerprints differ across ranks).
+        self.desync: tuple[Any, ...] = ()
         self.columns: dict[str, int] = {}
         self._set_values(np.full((2, capacity, 16), math.nan), np.zeros((2, capacity, 16), dtype=bool))
         self._received = np.zeros(capacity)
@@ -118,6 +120,7 @@ class RunWindow:
     def append(self, report: Report, received: float) -> None:
         """Add ``report``, received at controller time ``received``; overwrites the oldest."""
         self.append_raw(report.values, rank_vectors(report.ranks), report.step_last, received)
+        self.desync = tuple(report.desync)
 
     def append_raw(
         self, values: dict[str, float], ranks: dict[str, np.ndarray], step_last: int, received: float

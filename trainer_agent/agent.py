@@ -106,6 +106,7 @@ from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
 from trainer_agent.batch_size import BatchSizeAdvisor
+from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
@@ -184,12 +185,20 @@ class Agent:
         self._amp_skipped = 0
         self._published: dict[str, float] = {}
         self.control: Any = None
+        self._memory_trace: Any = None
+        #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
+        self.memory_report: list[Any] | None = None
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer)
         self.data = DataRelay.build(data_monitor, config, self._error)
+        self.gpu = None  # GPU health via NVML, read at scrape time (trainer_agent/gpu_health.py)
+        if self.device.type == "cuda":
+            from trainer_agent.gpu_health import GpuHealth
+
+            self.gpu = GpuHealth.open(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
         try:
@@ -214,11 +223,20 @@ class Agent:
         self.meter = StepMeter(self.params, cfg, self.schedule, scaler=self.scaler,
                                data_parallel=self.world_size > 1, step=lambda: self.step,
                                on_error=self._error, clock=self._clock)
-        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1)
+        fingerprint = None
+        # Fingerprints compare what every rank holds in full (data parallelism). Sharded parameters
+        # differ across ranks by design, so under FSDP2/TP there is no fingerprint to compare.
+        if cfg.fingerprint and self.world_size > 1 and self.params.sharding is None:
+            fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
+                                        len(self.layers), device=self.device)
+            self.meter.fingerprint = fingerprint
+        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1,
+                                extra_width=fingerprint.width() if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=self.meter.grad_noise,
-                                      per_layer=per_layer, clock=self._clock)
+                                      per_layer=per_layer, clock=self._clock, fingerprint=fingerprint,
+                                      desync_rel_tol=cfg.desync_rel_tol)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._handles = [
@@ -255,6 +273,7 @@ class Agent:
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
                              step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
+                             desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base)
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
 
@@ -354,6 +373,14 @@ class Agent:
             self._step_overhead += self._clock() - t0 + self.meter.overhead
             self.overhead_seconds_total += self._step_overhead
             self._step_overhead = self.meter.overhead = 0.0
+        if self._memory_trace is not None:
+            try:
+                if self._memory_trace.on_end_step():
+                    self._memory_trace = None
+            except Exception as exc:
+                self._error("memory_trace", exc)
+                self._memory_trace.stop()
+                self._memory_trace = None
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -424,6 +451,11 @@ class Agent:
             self.data.refresh()
         with self._lock:
             self._published = values
+        if self.reports.desync and self.rank == 0:
+            log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
+                        int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
+                        "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
+                                  for d in self.reports.desync[:8]))
         if self.control is not None:
             self.control.on_report(self._current_values(), rank_values)
 
@@ -452,6 +484,12 @@ class Agent:
                 except Exception as exc:
                     self._error(kind, exc)
                     errors += 1
+        if self.gpu is not None:
+            try:
+                values.update(self.gpu.read())
+            except Exception as exc:
+                self._error("gpu_health", exc)
+                errors += 1
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 
@@ -460,6 +498,54 @@ class Agent:
     @property
     def rank_values(self) -> dict[str, list[float]]:
         return self.reports.rank_values
+
+    def preflight(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
+                  declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
+                  fatal: bool | tuple[str, ...] | None = None) -> Any:
+        """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/preflight.py``):
+        one forward/backward and a simulated optimizer step that leave the weights, gradients,
+        optimizer state, buffers and RNG states unchanged. ``loss_fn(model, batch)`` returns the
+        loss (default: ``model(batch)``, or its ``.loss``); ``declared_params``: the model size the
+        optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
+        Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
+        ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
+        ``ValueError`` for bad arguments or after the first step."""
+        from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
+
+        report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
+                               timeout=self.config.request_timeout_s)
+        client = self.control.client if self.control is not None else None
+        if client is not None:
+            why = client.post_preflight(to_wire(report, self.rank))
+            if why is not None:
+                log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
+        raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
+        return report
+
+    def trace_memory(self, steps: int = 3) -> None:
+        """Attribute memory retained across steps to the layers or the training loop for the next
+        ``steps`` steps (``trainer_agent/memory_trace.py``; expensive while it runs). The result
+        goes to the log and to ``memory_report``. ``ValueError`` for a bad ``steps``; a trace
+        already running is replaced."""
+        from trainer_agent.memory_trace import MemoryTrace
+
+        if self._memory_trace is not None:
+            self._memory_trace.stop()
+        self.memory_report = None
+        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done)
+
+    def _memory_done(self, report: list[Any]) -> None:
+        self.memory_report = report
+        log.warning("trainguard memory trace (rank %d): memory kept alive across steps, per step: %s", self.rank,
+                    "; ".join(f"{r.owner}: {r.bytes_per_step / 2**20:.2f} MiB in {r.tensors} tensor(s)"
+                              for r in report[:8]) or "nothing")
+
+    @property
+    def desync(self) -> list[DesyncFinding]:
+        """Layers whose gradient or parameter fingerprints differed across ranks by more than
+        ``config.desync_rel_tol`` at the last published report (worst first; empty when in sync
+        or with one rank)."""
+        return self.reports.desync
 
     @property
     def grad_norm_device(self) -> torch.Tensor | None:
@@ -557,6 +643,9 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._memory_trace is not None:
+            self._memory_trace.stop()
+            self._memory_trace = None
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout is None else timeout)
         try:
             self._publish(block=True)  # SYNC: the last report

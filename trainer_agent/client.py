@@ -46,6 +46,7 @@ from trainguard.protocol.wire import (
     API_PREFIX,
     Ack,
     DesiredState,
+    PreflightResult,
     Report,
     ReportAccepted,
     RunFinished,
@@ -271,6 +272,20 @@ class ControllerClient:
         return not (sender.is_alive() or poller.is_alive())
 
     # -- threads -------------------------------------------------------------------------------
+    def post_preflight(self, result: PreflightResult) -> str | None:
+        """Send the pre-flight result once, synchronously (it runs before training: there is no
+        step to block). None when the controller accepted it, else why not (never raises)."""
+        transport = self._transport or httpx.HTTPTransport()
+        http = httpx.Client(transport=transport, timeout=self._timeout, headers=self._headers)
+        try:
+            self._exchange(http, "POST", f"/runs/{self.run}/preflight", dumps(result), None)
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as text
+            return str(exc) or type(exc).__name__
+        finally:
+            if self._transport is None:  # an injected transport is shared with the other threads
+                http.close()
+
     def _new_http(self, timeout: httpx.Timeout, which: str) -> httpx.Client:
         # httpcore writes a request's head and body separately: without TCP_NODELAY, Nagle holds
         # the body until the server's delayed ACK (~40 ms) arrives.

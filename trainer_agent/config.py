@@ -65,6 +65,24 @@ class AgentConfig:
     fused, one norm call per bucket of at most 32 MiB of held gradients, where a gradient is
     accumulated into an existing ``.grad``; one norm per tensor where ``.grad`` is empty."""
 
+    fingerprint: bool = True
+    """With several data-parallel ranks: on report steps, fingerprint every layer's gradients (in
+    the optimizer's pre-hook) and parameters with random +-1 projections, carry them in the report
+    step's collective and compare them across ranks (``trainer_agent/fingerprint.py``)."""
+
+    triage: bool = True
+    """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min
+    and the predicted update size (``trainer_agent/triage.py``; the stability guide, 5.1)."""
+
+    preflight_fatal: bool | tuple[str, ...] = False
+    """Which failed pre-flight checks (``Agent.preflight``) raise ``RuntimeError`` before
+    training starts: True for every check, or a tuple of check names (e.g. ``("nonfinite",
+    "ranks_agree")``); False: failures are only reported."""
+
+    desync_rel_tol: float = 1e-5
+    """Largest relative difference of a layer's fingerprints across ranks that counts as in sync
+    (the difference over the layer's norm)."""
+
     vocab_size: int | None = None
     """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
     ``DataMonitor(vocab_size, special_ids)`` and feeds it the batches of ``observe_batch``."""
@@ -113,6 +131,17 @@ class AgentConfig:
             raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
         if not isinstance(self.grad_noise, bool):
             raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
+        if not isinstance(self.preflight_fatal, bool):
+            self.preflight_fatal = tuple(self.preflight_fatal)
+            if not all(isinstance(n, str) for n in self.preflight_fatal):
+                raise ValueError(f"preflight_fatal must be a bool or check names, got {self.preflight_fatal!r}")
+        if not isinstance(self.triage, bool):
+            raise ValueError(f"triage must be a bool, got {self.triage!r}")
+        if not isinstance(self.fingerprint, bool):
+            raise ValueError(f"fingerprint must be a bool, got {self.fingerprint!r}")
+        if isinstance(self.desync_rel_tol, bool) or not isinstance(self.desync_rel_tol, (int, float)) \
+                or not 0 <= self.desync_rel_tol < float("inf"):
+            raise ValueError(f"desync_rel_tol must be a finite number >= 0, got {self.desync_rel_tol!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.vocab_size is not None:

@@ -53,10 +53,10 @@ of every group is multiplied, on top of ``lr_scale``, by ``batch_lr_factor(k, k0
 (``linear``), ``sqrt(k/k0)`` (``sqrt``) or 1 (``none``). A run that did not opt in is refused by the
 controller and ignores the field.
 
-**Fingerprints.** The report's per-rank ``grad_fingerprint``/``param_fingerprint`` are not hashes:
-they are the global L2 norms of each rank's gradients and parameters (``grad_fingerprint`` equals
-``grad_norm``). Data-parallel replicas in sync compute them bit-identically, so ranks whose values
-differ have diverged; replicas that diverged with equal norms are not told apart.
+**Fingerprints.** Under data parallelism the report's per-rank ``grad_fingerprint`` /
+``param_fingerprint`` are element-wise random projections of each rank's gradients and parameters,
+``grad_desync`` / ``param_desync`` each rank's largest relative difference from the others per
+layer, and ``desync`` names the layers (``trainer_agent/fingerprint.py``). With one rank they are NaN.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -78,7 +78,9 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol.catalog import BY_NAME
-from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues, Report, RunFinished, RunRegistration
+from trainguard.protocol.wire import (
+    MAX_DESYNC_LAYERS, Ack, DesiredState, DesyncLayer, RankEndpoint, RankValues, Report, RunFinished, RunRegistration,
+)
 from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
 from trainer_agent.config import AgentConfig
@@ -111,6 +113,9 @@ class ControlContext:
     grad_norm: Callable[[], torch.Tensor | None]
     """The pre-clip global gradient norm of the step in progress (0-dim float64 device tensor),
     valid in the optimizer's pre-hook; None before the first backward of the step."""
+    desync: Callable[[], Sequence[Any]] = lambda: ()
+    """Layers whose fingerprints differed across ranks at the last published report
+    (``trainer_agent.fingerprint.DesyncFinding``)."""
     accumulation_steps: int | None = None
     """The run's own accumulation steps when it lets the controller change them (else None)."""
 
@@ -412,6 +417,8 @@ class ControlPlane:
             values={k: float(v) for k, v in values.items() if k in BY_NAME and not BY_NAME[k].labels},
             ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
             applied_generation=self._generation,
+            desync=[DesyncLayer(kind=d.kind, layer=d.layer[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))
+                    for d in self._ctx.desync()[:MAX_DESYNC_LAYERS]],
         )
         self._last_reported_step = published
         self._client.submit_report(report)

@@ -48,19 +48,20 @@ RANK_FIELDS: tuple[str, ...] = (
     "input_wait_seconds",
 )
 
-#: The per-rank vectors of a controller report (``RankValues`` field -> ``RANK_FIELDS`` name).
-#: ``grad_fingerprint`` is the rank's global gradient norm (not an element-wise fingerprint):
-#: replicas in sync compute it bit-identically, so it tells diverged gradients apart only when
-#: their norms differ.
+#: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
+#: The fingerprints and their comparison (``grad_desync``, ``param_desync``) come from
+#: ``trainer_agent/fingerprint.py`` under data parallelism (NaN with one rank).
 WIRE_VECTORS: dict[str, str] = {
     "step_time_s": "step_duration_seconds",
     "loss": "loss",
     "grad_norm": "grad_norm",
-    "grad_fingerprint": "grad_norm",
-    "param_fingerprint": "param_norm",
+    "grad_fingerprint": "grad_fingerprint",
+    "param_fingerprint": "param_fingerprint",
     "forward_s": "forward_seconds",
     "input_wait_s": "input_wait_seconds",
     "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
+    "grad_desync": "grad_desync",
+    "param_desync": "param_desync",
 }
 
 STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule
@@ -97,24 +98,35 @@ class RankExchange:
     ``with_state``: the rows carry the desired-state part. ``group``: the process group (default:
     the default group)."""
 
-    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None,
+                 extra_width: int = 0) -> None:
         self.world_size = world_size
         self.with_state = with_state
         self.group = group
         self.offset = STATE_LEN if with_state else 0
-        self.sketch_at = self.offset + len(RANK_FIELDS)
+        self.extra_width = extra_width
+        self.sketch_at = self.offset + len(RANK_FIELDS) + extra_width
         self.width = self.sketch_at + (SKETCH_K if with_state else 0)
         self.overlap: list[float] | None = None
         """After :meth:`agreed` on a row set with sketches: each rank's largest estimated overlap
         with another rank's data (None when no rank observed data)."""
 
-    def pack(self, fields: torch.Tensor, state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> torch.Tensor:
+    def pack(self, fields: torch.Tensor, state: Sequence[int] | None, sketch: Sequence[int] | None = None, *,
+             extra: torch.Tensor | None = None) -> torch.Tensor:
         """One row: ``state`` (the leader's proposal; None on the other ranks), ``fields``
-        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device), then
-        ``sketch`` (``SKETCH_K`` int64; None: empty)."""
+        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device),
+        ``extra`` (``extra_width`` float64 values, e.g. the fingerprints of
+        ``trainer_agent/fingerprint.py``; NaN when None), then ``sketch`` (``SKETCH_K`` int64;
+        None: empty)."""
         if fields.shape != (len(RANK_FIELDS),):
             raise ValueError(f"a rank row has {len(RANK_FIELDS)} fields, got shape {tuple(fields.shape)}")
         fields = fields.to(torch.float64)
+        if self.extra_width:
+            if extra is None:
+                extra = torch.full((self.extra_width,), math.nan, dtype=torch.float64, device=fields.device)
+            if extra.shape != (self.extra_width,):
+                raise ValueError(f"a rank row's extra part has {self.extra_width} values, got {tuple(extra.shape)}")
+            fields = torch.cat([fields, extra.to(fields.device, torch.float64)])
         if not self.with_state:
             return fields
         bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
@@ -143,7 +155,11 @@ class RankExchange:
 
     def fields(self, gathered: torch.Tensor) -> torch.Tensor:
         """The ``RANK_FIELDS`` columns of the gathered rows (a view, same device)."""
-        return gathered[:, self.offset:self.sketch_at]
+        return gathered[:, self.offset:self.offset + len(RANK_FIELDS)]
+
+    def extra(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The extra part of the gathered rows (a view, shape (world_size, extra_width))."""
+        return gathered[:, self.offset + len(RANK_FIELDS):self.sketch_at]
 
     def state(self, gathered: torch.Tensor) -> list[int] | None:
         """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)

@@ -27,6 +27,8 @@ import torch
 
 from trainer_agent import stats
 from trainer_agent.exporter import sample_key
+from trainer_agent.fingerprint import DesyncFinding, Fingerprinter, desync, findings
+from trainer_agent.triage import LAYER_STATS, UpdateModel
 from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.sharding import local
@@ -57,12 +59,17 @@ class HostStep:
 class InFlight:
     """One report on its way from the device to the host."""
 
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "overlap")
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "overlap", "desync_len", "decode", "desync")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
-                 host: dict[str, float], ranks: int, overlap: list[float] | None = None) -> None:
+                 host: dict[str, float], ranks: int, overlap: list[float] | None = None, desync_len: int = 0,
+                 decode: Callable[[list[float]], tuple[dict[str, list[float]], list[DesyncFinding]]] | None = None,
+                 ) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
         self.overlap = overlap  # the leader's cross-rank data overlap of this report (host floats)
+        self.desync_len, self.decode = desync_len, decode
+        #: Layers whose fingerprints differ across ranks (set by ``read``).
+        self.desync: list[DesyncFinding] = []
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -75,7 +82,10 @@ class InFlight:
         n = len(self.keys)
         values = dict(zip(self.keys, flat[:n]))
         values.update(self.host)
-        rank_values = RankExchange.unpack_rows(flat[n:], self.ranks)
+        rank_values = RankExchange.unpack_rows(flat[n + self.desync_len:], self.ranks)
+        if self.decode is not None:
+            vectors, self.desync = self.decode(flat[n:n + self.desync_len])
+            rank_values.update(vectors)
         if self.overlap is not None:
             rank_values["data_overlap"] = self.overlap
         return values, rank_values
@@ -86,8 +96,14 @@ class ReportPipeline:
 
     def __init__(self, index: ParamIndex, meter: StepMeter, exchange: RankExchange, *,
                  optimizer: torch.optim.Optimizer, report_every: int, grad_noise: bool,
-                 per_layer: bool, clock: Callable[[], float]) -> None:
+                 per_layer: bool, clock: Callable[[], float], fingerprint: Fingerprinter | None = None,
+                 desync_rel_tol: float = 1e-5) -> None:
         self.index = index
+        self.fingerprint = fingerprint
+        self.update_model = UpdateModel(optimizer, index.params, index.device)
+        self.desync_rel_tol = desync_rel_tol
+        #: Layers whose fingerprints differed across ranks at the last published report.
+        self.desync: list[DesyncFinding] = []
         self.meter = meter
         self.exchange = exchange
         self.optimizer = optimizer
@@ -150,11 +166,16 @@ class ReportPipeline:
             self._layer_metrics(st, param_sq, vectors)
         host["trainguard_agent_overhead_seconds"] = overhead
         fields, micro_count = self._rank_fields(dev, st, host)
-        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch))
+        extra = self._fingerprints(st)
+        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         rows = self.exchange.fields(gathered).to(self.device)
         self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
+        compared = None
+        if self.fingerprint is not None:
+            fp = self.fingerprint
+            compared = desync(self.exchange.extra(gathered).to(self.device), fp.layers, fp.k)
         agreed = self.exchange.agreed(gathered, state)
-        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host))
+        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared))
         self.pending[-1].overlap = self.exchange.overlap
         return agreed
 
@@ -279,6 +300,12 @@ class ReportPipeline:
             dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
             if st.grad_norm is not None:
                 dev["trainguard_effective_lr"] = delta / st.grad_norm
+            if st.grad_stats is not None and st.lrs is not None:
+                expected = self.update_model.expected(st.lrs, st.grad_stats[1], st.before_sq)
+                if expected is not None:
+                    dev["trainguard_update_size_ratio"] = delta / expected
+        if st.grad_stats is not None:
+            dev["trainguard_grad_max_abs"] = st.grad_stats[2]
         return param_sq
 
     def _optimizer_values(self, dev: dict[str, torch.Tensor], host: dict[str, float], st: StepState) -> None:
@@ -312,6 +339,9 @@ class ReportPipeline:
             g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), ids, n).sqrt()
             add("trainguard_layer_grad_norm", unscale(g, st.scale))
         add("trainguard_layer_param_norm", stats.segment_sum(param_sq, ids, n).sqrt())
+        if st.grad_stats is not None:
+            for column, metric in enumerate(LAYER_STATS):
+                add(metric, st.grad_stats[0][:, column])
         if st.delta_sq is not None and st.before_sq is not None:
             delta = stats.segment_sum(st.delta_sq, ids, n).sqrt()
             before = stats.segment_sum(st.before_sq, ids, n).sqrt()
@@ -339,6 +369,16 @@ class ReportPipeline:
         }
         return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
 
+    def _fingerprints(self, st: StepState) -> torch.Tensor | None:
+        """This rank's fingerprint part of the row: the gradients the optimizer used (measured in
+        its pre-hook; NaN when no step was taken) and the parameters now, per layer."""
+        fp = self.fingerprint
+        if fp is None:
+            return None
+        params = fp.layer_values(self.index.buckets)
+        grads = st.grad_fp if st.grad_fp is not None else torch.full_like(params, math.nan)
+        return torch.cat([grads.reshape(-1), params.reshape(-1)])
+
     def _noise_scale(self, dev: dict[str, torch.Tensor], st: StepState, rows: torch.Tensor,
                      micro_count: int, tokens: int | None) -> None:
         grad_norm = st.grad_norm
@@ -354,22 +394,29 @@ class ReportPipeline:
         dev["trainguard_grad_variance"] = trace
 
     def _pack(self, step: int, dev: dict[str, torch.Tensor], vectors: list[tuple[list[str], torch.Tensor]],
-              rows: torch.Tensor, host: dict[str, float]) -> InFlight:
+              rows: torch.Tensor, host: dict[str, float], compared: torch.Tensor | None = None) -> InFlight:
         keys = list(dev)
         pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
                                for v in dev.values()])]
         for vector_keys, values in vectors:
             keys += vector_keys
             pieces.append(values.to(torch.float64))
+        decode, desync_len = None, 0
+        if compared is not None:
+            pieces.append(compared)
+            desync_len = compared.numel()
+            world, names, tol = rows.shape[0], self.index.layers, self.desync_rel_tol
+            decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
         pieces.append(rows.reshape(-1))
         vec = torch.cat(pieces)
+        event = None
         if vec.device.type == "cuda":
             buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
             buffer.copy_(vec, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            return InFlight(step, keys, buffer, event, host, rows.shape[0])
-        return InFlight(step, keys, vec, None, host, rows.shape[0])
+            vec = buffer
+        return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode)
 
     # ------------------------------------------------------------------ publication
 
@@ -383,7 +430,9 @@ class ReportPipeline:
         waits = len(self.pending) if limit is None else limit
         while self.pending and ((block and waits > 0) or self.pending[0].ready()):
             waits -= 1
-            published, self.rank_values = self.pending.popleft().read()
+            report = self.pending.popleft()
+            published, self.rank_values = report.read()
+            self.desync = report.desync
             if on_published is not None:
                 on_published(published, self.rank_values)
         return published

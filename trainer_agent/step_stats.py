@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer_agent import stats
+from trainer_agent import stats, triage
 from trainer_agent.config import AgentConfig
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
@@ -28,7 +28,7 @@ class StepState:
     """What the hooks learn during one optimizer step; replaced by ``end_step``."""
 
     __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_share", "grad_nonfinite", "scale",
-                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs")
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp", "grad_stats")
 
     def __init__(self) -> None:
         self.backwards = 0
@@ -56,6 +56,11 @@ class StepState:
         self.param_sq: torch.Tensor | None = None
         #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
         self.lrs: list[float | torch.Tensor] | None = None
+        #: Report steps with a fingerprinter: (layers, K + 1) projections and norms of the
+        #: gradients the optimizer used (``trainer_agent/fingerprint.py``).
+        self.grad_fp: torch.Tensor | None = None
+        #: Report steps: ``trainer_agent.triage.grad_stats`` of the gradients the optimizer used.
+        self.grad_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -89,6 +94,8 @@ class StepMeter:
         self._on_error = on_error
         self._clock = clock
         self.state = StepState()
+        #: Set by the agent under data parallelism (``trainer_agent/fingerprint.py``).
+        self.fingerprint: Any = None
         #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
         self.overhead = 0.0
         #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
@@ -256,6 +263,15 @@ class StepMeter:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
+        report = self.schedule.is_report(self._step() + 1)
+        if self.fingerprint is not None and report:
+            # The gradients this step applies (all-reduced, unscaled and clipped), per layer.
+            st.grad_fp = self.fingerprint.layer_values(self.index.grads())
+        # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
+        # not the layer's, so they are left out (absent, never wrong).
+        if self.config.triage and report and self.index.sharding is None:
+            st.grad_stats = triage.grad_stats(self.index.params, self.index.layer_ids, len(self.index.layers),
+                                              self.index.device)
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
             self._take_snapshot(st)

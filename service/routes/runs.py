@@ -15,7 +15,7 @@ from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
 from trainguard.protocol.wire import (
-    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -73,6 +73,11 @@ async def post_ack(run: RunPath, ack: Ack, ctl: ControllerDep, principal: AgentD
 )
 async def finish(run: RunPath, body: RunFinished, ctl: ControllerDep, principal: AgentDep) -> FinishResult:
     return FinishResult(**await ctl.finish(run, body, principal))
+
+
+@router.post("/runs/{run}/preflight", summary="The run's pre-flight checks (agent), shown in its status")
+async def post_preflight(run: RunPath, body: PreflightResult, ctl: ControllerDep, principal: AgentDep) -> dict:
+    return await ctl.preflight(run, body, principal)
 
 
 @router.get("/runs", summary="List runs")

@@ -59,8 +59,24 @@ def test_unpack_rows_is_rank_major() -> None:
 
 
 def test_every_wire_vector_maps_to_a_rank_field() -> None:
+    from trainer_agent.fingerprint import findings
+
     assert set(WIRE_VECTORS) == set(RankValues.model_fields)
-    assert set(WIRE_VECTORS.values()) - {"data_overlap"} <= set(RANK_FIELDS)  # the leader computes that one
+    fingerprint_vectors, _ = findings([0.0] * 8, 1, ["x"], 1e-5)
+    # the leader computes data_overlap; the fingerprint comparison gives the desync vectors
+    assert set(WIRE_VECTORS.values()) - {"data_overlap"} <= set(RANK_FIELDS) | set(fingerprint_vectors)
+
+
+def test_extra_part_travels_between_the_fields_and_the_sketch() -> None:
+    ex = RankExchange(1, with_state=True, extra_width=3)
+    row = ex.pack(torch.arange(len(RANK_FIELDS), dtype=torch.float64), None, extra=torch.tensor([7.0, 8.0, 9.0]))
+    gathered = ex.gather(row)
+    assert ex.fields(gathered).tolist()[0] == list(map(float, range(len(RANK_FIELDS))))
+    assert ex.extra(gathered).tolist() == [[7.0, 8.0, 9.0]]
+    assert gathered.shape[1] == ex.width == STATE_LEN + len(RANK_FIELDS) + 3 + SKETCH_K
+    assert torch.isnan(ex.extra(ex.gather(ex.nan_row(torch.device("cpu"), None)))).all()
+    with pytest.raises(ValueError, match="extra part"):
+        ex.pack(torch.zeros(len(RANK_FIELDS), dtype=torch.float64), None, extra=torch.zeros(2))
 
 
 def test_sketches_ride_in_the_rows_and_the_leader_reads_the_overlap() -> None:

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from trainguard.protocol.wire import (
-    Ack, DesiredState, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration, dumps,
+    Ack, DesiredState, PreflightResult, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration, dumps,
 )
 
 
@@ -32,6 +32,7 @@ class FakeController:
         self.registrations: list[RunRegistration] = []
         self.reports: list[Report] = []
         self.acks: list[Ack] = []
+        self.preflights: list[PreflightResult] = []
         self.finishes: list[RunFinished] = []
         self.jobs: dict[str, tuple[str, int]] = {}  # run -> (job, world_size)
         self.requests = 0
@@ -77,6 +78,11 @@ class FakeController:
                         owner.registrations.append(reg)
                         d = owner.desired.setdefault(reg.run, DesiredState())
                     self._send(200, dumps(RunRegistered(job=reg.job, run=reg.run, desired=d)))
+                elif len(parts) == 4 and parts[:2] == ["v1", "runs"] and parts[3] == "preflight":
+                    with owner.lock:
+                        owner.preflights.append(PreflightResult.model_validate_json(body))
+                        owner.lock.notify_all()
+                    self._send(200, b"{}")
                 elif len(parts) == 4 and parts[:2] == ["v1", "runs"] and parts[3] in ("reports", "acks", "finish"):
                     run = parts[2]
                     with owner.lock:

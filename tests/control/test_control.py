@@ -327,7 +327,7 @@ def test_reports_carry_nan_and_contiguous_step_ranges(ctl: ControllerProcess) ->
     assert [r["steps"] for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
     assert math.isnan(reps[3]["values"]["trainguard_loss"]) and math.isnan(reps[3]["ranks"]["loss"][0])
     assert reps[1]["values"]["trainguard_loss"] == reps[1]["ranks"]["loss"][0] and reps[1]["ranks"]["loss"][0] > 0
-    assert reps[1]["ranks"]["param_fingerprint"][0] == reps[1]["values"]["trainguard_param_norm"]
+    assert math.isnan(reps[1]["ranks"]["param_fingerprint"][0])  # one rank: no fingerprints to compare
     assert all(len(r["ranks"][f]) == 1 for r in reps for f in ("step_time_s", "grad_norm", "forward_s"))
     assert all(r["ranks"]["forward_s"][0] == r["values"]["trainguard_forward_seconds"] >= 0 for r in reps)
     assert "trainguard_lr_scale" in reps[0]["values"] and not any("{" in k for k in reps[0]["values"])

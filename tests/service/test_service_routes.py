@@ -306,3 +306,20 @@ def test_absence_ticker_with_injected_clock(app_factory):
         c.post("/v1/runs/run-1/reports", json=report_body())
         assert c.get("/v1/runs/run-1").json()["firing"] == []
         assert c.get("/v1/alerts", params={"state": "resolved"}).json()[0]["rule"] == "run_silent"
+
+
+def test_preflight_result_is_shown_in_the_run_status_and_recorded(app_factory):
+    body = {"rank": 0, "seconds": 0.25, "checks": [
+        {"name": "nonfinite", "status": "pass", "detail": "finite"},
+        {"name": "adam_eps", "status": "warn", "detail": "eps 1e-6 on 13B"},
+        {"name": "ranks_agree", "status": "fail", "detail": "layer 'blocks.3' on rank(s) [1]"}]}
+    with app_factory() as c:
+        register(c)
+        r = c.post("/v1/runs/run-1/preflight", json=body)
+        assert r.status_code == 200 and r.json()["counts"] == {"pass": 1, "warn": 1, "fail": 1, "skip": 0}
+        shown = c.get("/v1/runs/run-1").json()["preflight"]
+        assert [ch["status"] for ch in shown["checks"]] == ["pass", "warn", "fail"] and shown["seconds"] == 0.25
+        (event,) = [e for e in c.get("/v1/runs/run-1/events").json() if e["kind"] == "preflight"]
+        assert "1 failed" in event["reason"] and "ranks_agree" in event["reason"]
+        assert c.post("/v1/runs/run-1/preflight", json=body | {"checks": [{"name": "x", "status": "maybe"}]}).status_code == 422
+        assert c.post("/v1/runs/nope/preflight", json=body).status_code == 404

@@ -13,7 +13,7 @@ import scipy.stats
 
 from trainguard.service.engine import simulate
 from trainguard.service.rules import RulesError, default_rules_text, load_rules
-from trainguard.protocol.wire import DesiredState
+from trainguard.protocol.wire import DesyncLayer, DesiredState
 from tests.service.conftest import make_report
 
 DEFAULTS = load_rules(default_rules_text())
@@ -195,15 +195,31 @@ def test_forward_time_straggler_fires_on_forward_time_while_step_times_are_equal
     assert all(fired(s) == [] for s in run(DEFAULTS, calm))
 
 
-@pytest.mark.parametrize("delta, expect", [(1e-3, True), (1e-7, False)])
-def test_fingerprint_desync(delta, expect):
-    fp = [123.456] * 8
-    fp[5] = 123.456 * (1 + delta)
-    (step,) = run(DEFAULTS, [make_report(0, 0.0, {}, param_fingerprint=fp)], world_size=8)
-    assert (fired(step) == ["rank_desync"]) is expect
+@pytest.mark.parametrize("vector, rel, expect", [
+    ("grad_desync", 1e-4, True), ("grad_desync", 1e-7, False),
+    ("param_desync", 2e-5, True), ("param_desync", 0.0, False),
+])
+def test_desync_rules_name_the_ranks_and_layers(vector, rel, expect):
+    kind = vector.removesuffix("_desync")
+    diff = [0.0] * 8
+    diff[5] = rel
+    layers = [DesyncLayer(kind=kind, layer="blocks.3", rel_diff=rel, ranks=[5])] if expect else []
+    report = make_report(0, 0.0, {}, **{vector: diff}).model_copy(update={"desync": layers})
+    (step,) = run(DEFAULTS, [report], world_size=8)
+    assert fired(step) == ([vector] if expect else [])
     if expect:
-        assert step.fired[0].finding.values["ranks"] == [5]
-        assert step.fired[0].finding.rule.severity == "critical"
+        finding = step.fired[0].finding
+        assert finding.values["ranks"] == [5]
+        assert finding.values["layers"] == [{"layer": "blocks.3", "rel_diff": rel, "ranks": [5]}]
+        assert "blocks.3" in finding.summary and finding.rule.severity == "critical"
+
+
+def test_desync_rule_ignores_nan_and_flags_inf():
+    nan = make_report(0, 0.0, {}, grad_desync=[math.nan] * 4)
+    inf = make_report(1, 1.0, {}, grad_desync=[0.0, 0.0, math.inf, 0.0])
+    steps = run(DEFAULTS, [nan, inf])
+    assert fired(steps[0]) == [] and fired(steps[1]) == ["grad_desync"]
+    assert steps[1].fired[0].finding.values["ranks"] == [2]
 
 
 def test_absence_fires_during_silence_and_resolves_on_next_report():

@@ -29,11 +29,15 @@ __all__ = [
     "RunRegistration",
     "RunRegistered",
     "RankValues",
+    "DesyncLayer",
+    "MAX_DESYNC_LAYERS",
     "Report",
     "ReportAccepted",
     "DesiredState",
     "Ack",
     "RunFinished",
+    "PreflightCheck",
+    "PreflightResult",
     "CommandRequest",
     "LrScaleRequest",
     "AccumulationRequest",
@@ -175,16 +179,39 @@ class RankValues(WireModel):
     grad_norm: list[Value] = Field(default_factory=list)
     grad_fingerprint: list[Value] = Field(
         default_factory=list,
-        description="Each rank's global gradient norm (the same value as grad_norm, not an element-wise "
-                    "hash): replicas in sync agree on it bit for bit.")
+        description="Each rank's element-wise fingerprint of the gradients its optimizer applied (a fixed "
+                    "random +-1 projection of every element): replicas in sync agree on it bit for bit.")
     param_fingerprint: list[Value] = Field(
         default_factory=list,
-        description="Each rank's global parameter norm: replicas in sync agree on it bit for bit.")
+        description="Each rank's element-wise fingerprint of its parameters: replicas in sync agree on it "
+                    "bit for bit.")
+    grad_desync: list[Value] = Field(
+        default_factory=list,
+        description="Per rank, the largest relative difference of any layer's gradient fingerprint from the "
+                    "other ranks' (difference over the layer's gradient norm; 0 in sync, inf when only "
+                    "some ranks are non-finite).")
+    param_desync: list[Value] = Field(
+        default_factory=list,
+        description="Per rank, the largest relative difference of any layer's parameter fingerprint from "
+                    "the other ranks' (difference over the layer's parameter norm).")
     forward_s: list[Value] = Field(
         default_factory=list,
         description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
     input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
     data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
+
+
+class DesyncLayer(WireModel):
+    """A layer whose fingerprints differ across ranks (gradients or parameters)."""
+
+    kind: Literal["grad", "param"]
+    layer: str = Field(max_length=512)
+    rel_diff: Value
+    ranks: list[int] = Field(default_factory=list, max_length=64)
+
+
+#: Most desynchronised layers a report names.
+MAX_DESYNC_LAYERS = 32
 
 
 class Report(WireModel):
@@ -202,6 +229,9 @@ class Report(WireModel):
     values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
     applied_generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT)
+    desync: list[DesyncLayer] = Field(
+        default_factory=list, max_length=MAX_DESYNC_LAYERS,
+        description="Layers whose fingerprints differ across ranks by more than the agent's tolerance, worst first.")
 
     @field_validator("step_last")
     @classmethod
@@ -232,6 +262,22 @@ class RunFinished(WireModel):
 
     step: int = Field(strict=True, ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
+
+
+class PreflightCheck(WireModel):
+    """One pre-flight check's outcome."""
+
+    name: str = Field(min_length=1, max_length=64)
+    status: Literal["pass", "warn", "fail", "skip"]
+    detail: str = Field(default="", max_length=2000)
+
+
+class PreflightResult(WireModel):
+    """``POST /v1/runs/{run}/preflight``: the checks run on a real batch before the first step."""
+
+    rank: int = Field(default=0, ge=0)
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+    checks: list[PreflightCheck] = Field(max_length=64)
 
 
 class CommandRequest(WireModel):

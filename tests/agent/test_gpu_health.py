@@ -1,0 +1,93 @@
+"""GPU health (``trainer_agent/gpu_health.py``) against a fake NVML module: every reading, the
+queries a GPU does not support left out, and no GPU metrics on the CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+import trainer_agent as ta
+from trainguard.protocol.catalog import BY_NAME
+from trainer_agent.gpu_health import GpuHealth
+
+
+class NotSupported(Exception):
+    pass
+
+
+class FakeNvml:
+    NVML_TEMPERATURE_GPU, NVML_CLOCK_SM = 0, 1
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
+
+    def __init__(self, ecc: bool = True) -> None:
+        self.ecc, self.inits, self.handles = ecc, 0, []
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        self.handles.append(i)
+        return f"gpu{i}"
+
+    def nvmlDeviceGetUtilizationRates(self, h: str) -> SimpleNamespace:
+        return SimpleNamespace(gpu=87, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, h: str) -> SimpleNamespace:
+        return SimpleNamespace(used=30 << 30, total=80 << 30, free=50 << 30)
+
+    def nvmlDeviceGetTemperature(self, h: str, sensor: int) -> int:
+        assert sensor == self.NVML_TEMPERATURE_GPU
+        return 71
+
+    def nvmlDeviceGetClockInfo(self, h: str, clock: int) -> int:
+        assert clock == self.NVML_CLOCK_SM
+        return 1410
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: str) -> int:
+        return 0x20 | 0x40  # SW thermal + HW thermal slowdown
+
+    def nvmlDeviceGetTotalEccErrors(self, h: str, kind: int, counter: int) -> int:
+        if not self.ecc:
+            raise NotSupported("ECC not supported")
+        assert (kind, counter) == (self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, self.NVML_VOLATILE_ECC)
+        return 2
+
+
+def test_readings_of_a_fake_nvml() -> None:
+    fake = FakeNvml()
+    gpu = GpuHealth.open(3, fake)
+    assert gpu is not None and fake.handles == [3]
+    assert gpu.read() == {
+        "trainguard_gpu_utilization_ratio": 0.87,
+        "trainguard_gpu_memory_used_bytes": float(30 << 30),
+        "trainguard_gpu_memory_total_bytes": float(80 << 30),
+        "trainguard_gpu_temperature_celsius": 71.0,
+        "trainguard_gpu_sm_clock_hertz": 1.41e9,
+        "trainguard_gpu_throttle_reasons": float(0x60),
+        "trainguard_gpu_ecc_uncorrected_errors_total": 2.0,
+    }
+    assert all(k in BY_NAME for k in gpu.read())
+
+
+def test_an_unsupported_query_is_left_out_and_a_missing_nvml_gives_none() -> None:
+    gpu = GpuHealth.open(0, FakeNvml(ecc=False))
+    assert "trainguard_gpu_ecc_uncorrected_errors_total" not in gpu.read()
+    assert "trainguard_gpu_temperature_celsius" in gpu.read()
+
+    class Broken:
+        def nvmlInit(self) -> None:
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    assert GpuHealth.open(0, Broken()) is None
+
+
+def test_no_gpu_metrics_on_the_cpu() -> None:
+    model = nn.Linear(3, 1)
+    agent = ta.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), job="g", run="g-1",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    model(torch.ones(2, 3)).sum().backward()
+    agent.end_step(1.0)
+    assert agent.gpu is None and not any(k.startswith("trainguard_gpu_") for k in agent.latest())
+    agent.close()

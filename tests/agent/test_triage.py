@@ -1,0 +1,117 @@
+"""Triage statistics (``trainer_agent/triage.py``) through a real agent: per-layer gradient
+statistics against a naive float64 reference, the update-size ratio against the optimizers'
+update rules, and a real GradScaler driven to its floor, fed into the controller's default rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import trainer_agent as ta
+from trainguard.protocol.wire import Report
+from trainguard.service.engine import simulate
+from trainguard.service.rules import default_rules_text, load_rules
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _step(model, opt, agent, seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+    loss = model(x).square().mean() * scale
+    loss.backward()
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    agent.end_step(loss)
+    return grads
+
+
+def test_layer_gradient_statistics_match_a_naive_reference() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="t", run="t-1",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
+    grads = _step(model, opt, agent, 1)
+    got = agent.latest()
+    agent.close()
+    for layer in ("0", "2"):
+        g = torch.cat([grads[f"{layer}.weight"].reshape(-1), grads[f"{layer}.bias"]])
+        key = lambda m: f'{m}{{layer="{layer}"}}'  # noqa: E731
+        assert got[key("trainguard_layer_grad_mean")] == pytest.approx(float(g.mean()), rel=1e-5, abs=1e-9)
+        assert got[key("trainguard_layer_grad_std")] == pytest.approx(float(g.std(unbiased=False)), rel=1e-4)
+        assert got[key("trainguard_layer_grad_max_abs")] == pytest.approx(float(g.abs().max()), rel=1e-6)
+        assert got[key("trainguard_layer_grad_min_abs")] == pytest.approx(float(g.abs().min()), rel=1e-6)
+    every = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert got["trainguard_grad_max_abs"] == pytest.approx(float(every.abs().max()), rel=1e-6)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 1.0),                    # delta W = lr g exactly
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.1),      # first step: (1 - momentum) of the bound
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-12), 1.0),       # first step: every weight moves by lr
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e3), None),        # eps dominates: the update nearly vanishes
+])
+def test_update_size_ratio_follows_the_update_rule(make, expected) -> None:
+    model = _model()
+    opt = make(model.parameters())
+    agent = ta.attach(model, opt, job="t", run="t-1",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    before = [p.detach().double().clone() for p in model.parameters()]
+    grads = _step(model, opt, agent, 2)
+    ratio = agent.latest()["trainguard_update_size_ratio"]
+    agent.close()
+    delta = math.sqrt(sum(float((p.detach().double() - b).square().sum()) for p, b in zip(model.parameters(), before)))
+    g = math.sqrt(sum(float(v.square().sum()) for v in grads.values()))
+    n = sum(p.numel() for p in model.parameters())
+    if isinstance(opt, torch.optim.SGD):
+        independent = delta / (0.1 * g / (1 - opt.param_groups[0]["momentum"]))
+    else:
+        independent = delta / (1e-3 * math.sqrt(n))
+    assert ratio == pytest.approx(independent, rel=1e-4)
+    if expected is not None:
+        assert ratio == pytest.approx(expected, rel=1e-3)
+    else:
+        assert ratio < 1e-3
+
+
+def _reports(values: list[dict[str, float]]) -> list[Report]:
+    return [Report(job="amp", step_first=int(v["trainguard_step"]), step_last=int(v["trainguard_step"]), time=float(i),
+                   values={k: x for k, x in v.items() if "{" not in k}) for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_grad_scaler_driven_to_its_floor_trips_the_amp_rules(overflow) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2000)
+    agent = ta.attach(model, opt, job="amp", run="amp-1", scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    seen = []
+    for step in range(8):
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        if overflow:
+            loss = loss * math.inf  # inf gradients: the scaler skips the step and halves its scale
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss)
+        seen.append(agent.latest())
+    agent.close()
+    scales = [v["trainguard_loss_scale"] for v in seen]
+    rules = load_rules(default_rules_text()).for_job("amp")
+    fired = {f.finding.rule.name for s in simulate(rules, _reports(seen), world_size=1) for f in s.fired}
+    if overflow:
+        assert scales[:5] == [8.0, 4.0, 2.0, 1.0, 0.5]  # the scale after each step: halved per overflow
+        assert seen[-1]["trainguard_amp_skipped_steps_total"] == 8.0
+        assert {"amp_loss_scale_floor", "amp_skip_rate"} <= fired
+    else:
+        assert set(scales) == {16.0} and seen[-1]["trainguard_amp_skipped_steps_total"] == 0.0
+        assert not fired & {"amp_loss_scale_floor", "amp_skip_rate"}

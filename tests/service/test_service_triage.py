@@ -1,0 +1,92 @@
+"""The triage rule kinds (``service/triage.py``) and the default rules built on them, table-driven:
+each with a case that trips it and a healthy one that does not. Expected values by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trainguard.service.engine import simulate
+from trainguard.service.rules import default_rules_text, load_rules
+from trainguard.service.triage import periodogram_peak
+from tests.service.conftest import make_report
+
+DEFAULTS = load_rules(default_rules_text())
+
+
+def fired(steps) -> list[list[str]]:
+    return [[f.finding.rule.name for f in s.fired] for s in steps]
+
+
+def reports(rows: list[dict[str, float]], every: int = 10):
+    return [make_report(i * every, float(i), row) for i, row in enumerate(rows)]
+
+
+@pytest.mark.parametrize("skipped_per_report, expect", [
+    ([0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0], False),   # 1 skip in 110 steps: the scaler finding its scale
+    ([0, 0, 1, 2, 2, 3, 5, 6, 7, 9, 10, 10], True),  # 55 of 110 steps skipped: 0.5 > 0.05
+])
+def test_amp_skip_rate(skipped_per_report, expect):
+    total = np.cumsum(skipped_per_report).tolist()
+    rows = [{"trainguard_step": float(10 * i), "trainguard_amp_skipped_steps_total": float(t)} for i, t in enumerate(total)]
+    steps = simulate(DEFAULTS.for_job("j"), reports(rows), world_size=1)
+    names = [n for f in fired(steps) for n in f]
+    assert ("amp_skip_rate" in names) is expect
+    if expect:
+        first = next(s for s in steps if s.fired)
+        rate = first.fired[0].finding.values["rate"]
+        i = first.index
+        lo = max(0, i - 10)
+        assert rate == pytest.approx((total[i] - total[lo]) / (10.0 * (i - lo)))
+
+
+@pytest.mark.parametrize("scales, expect", [
+    ([65536.0, 32768.0, 65536.0, 65536.0], [[], [], [], []]),
+    ([1024.0, 16.0, 2.0, 1.0], [[], [], [], ["amp_loss_scale_floor"]]),
+])
+def test_amp_loss_scale_floor(scales, expect):
+    steps = simulate(DEFAULTS.for_job("j"), reports([{"trainguard_loss_scale": s} for s in scales]), world_size=1)
+    assert fired(steps) == expect
+
+
+def _loss(kind: str, n: int = 64) -> list[float]:
+    rng = np.random.default_rng(3)
+    t = np.arange(n)
+    trend = 3.0 - 0.01 * t
+    if kind == "periodic":
+        return (trend + 0.15 * np.sin(2 * np.pi * t / 8) + rng.normal(0, 0.01, n)).tolist()
+    if kind == "tiny_periodic":  # a 0.1 % ripple: below the amplitude floor
+        return (trend + 0.003 * np.sin(2 * np.pi * t / 8)).tolist()
+    return (trend + rng.normal(0, 0.05, n)).tolist()  # healthy: falling with noise
+
+
+@pytest.mark.parametrize("kind, expect", [("periodic", True), ("healthy", False), ("tiny_periodic", False)])
+def test_loss_oscillation(kind, expect):
+    steps = simulate(DEFAULTS.for_job("j"), reports([{"trainguard_loss": v} for v in _loss(kind)]), world_size=1)
+    names = [n for f in fired(steps) for n in f]
+    assert ("loss_oscillation" in names) is expect
+    if expect:
+        values = steps[-1].fired[0].finding.values
+        assert values["period_reports"] == pytest.approx(8.0)
+        assert values["autocorrelation"] > 0.8
+
+
+def test_periodogram_peak_of_a_pure_sine_and_of_a_line():
+    t = np.arange(64, dtype=np.float64)
+    share, period, acf = periodogram_peak(5.0 + np.sin(2 * np.pi * t / 16))
+    assert share > 0.95 and period == 16.0 and acf == pytest.approx(48 / 64, abs=0.05)  # the line fit leaks a little
+    assert periodogram_peak(2.0 - 0.1 * t)[1] == math.inf  # nothing left around the trend
+
+
+@pytest.mark.parametrize("metric, values, rule", [
+    ("trainguard_grad_max_abs", [10.0, 1001.0], "grad_value_high"),
+    ("trainguard_update_size_ratio", [1.0, 5.0, 5.0, 5.0], "update_size_high"),
+    ("trainguard_update_size_ratio", [5e-4] * 10, "update_size_low"),
+])
+def test_triage_thresholds(metric, values, rule):
+    steps = simulate(DEFAULTS.for_job("j"), reports([{metric: v} for v in values]), world_size=1)
+    assert fired(steps)[-1] == [rule] and all(f == [] for f in fired(steps)[:-1])
+    healthy = simulate(DEFAULTS.for_job("j"), reports([{metric: 1.0 if "ratio" in metric else 10.0} for _ in values]), world_size=1)
+    assert all(f == [] for f in fired(healthy))

@@ -1,0 +1,189 @@
+"""Element-wise fingerprints of gradients and parameters, and their comparison across ranks.
+
+The stability guide (5.3) asks that data-parallel replicas agree on their gradients to better than
+1e-5 (relative). A global norm cannot tell two gradients apart that differ element-wise but have
+the same norm (silent data corruption on one device, a rank that skipped an all-reduce); a random
+projection can. For every layer the agent computes ``K`` projections
+
+    f_k(layer) = sum_i w_k[i] * x[i]          (x: the layer's gradient or parameter elements)
+
+with weights ``w_k[i] = s_k[row] * r_k[col]`` in {-1, +1}: each tensor, flattened, is viewed as
+rows of ``TILE`` elements (``G``, shape (m, TILE), plus a tail of fewer than ``TILE``), and
+``f_k = s_k^T G r_k + r_k[:tail] . tail``. The signs come from a fixed generator seed (the same on
+every rank and in every process), one tile ``r`` shared by all tensors and one short ``s`` per
+tensor (``m`` = numel / TILE values), so the weights cost ``TILE + numel / TILE`` values, not one
+per element, and one pass reads each tensor once (a matrix-vector product: bandwidth-bound, like a
+norm). Because every weight has magnitude 1, changing one element by ``d`` moves ``f_k`` by exactly
+``d``: the relative difference ``|f_k(rank a) - f_k(rank b)| / ||x_layer||`` is the size of the
+perturbation relative to the layer's norm (E[f_k^2] = ||x||^2), whatever element it hit.
+
+Replicas in sync run the same kernels on the same values and get bit-identical fingerprints.
+
+The ranks' fingerprints travel in the report step's one collective (``trainer_agent/ranks.py``,
+the row's tail); :func:`desync` compares them on the device: a rank's difference is taken against
+both middle values of the ranks (the median for an odd count), so with one bad rank among three
+or more only that rank is named, and with two ranks both are (nothing tells which one is wrong).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainer_agent import stats
+
+__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings"]
+
+#: Elements per row of the rank-1 sign pattern.
+TILE = 4096
+#: Seed of the sign patterns: the same on every rank.
+SEED = 0x5EED_F1A9
+
+
+def _signs(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randint(0, 2, shape, generator=gen, dtype=torch.int8).to(torch.float32).mul_(2).sub_(1)
+
+
+class Fingerprinter:
+    """Per-layer projections and norms of a list of tensors laid out like ``numels``.
+
+    ``numels``: the numel of each tensor (the agent's parameter order); ``layer_ids``: device long
+    tensor, the layer of each; ``layers``: how many layers. ``projections``: ``K``.
+    """
+
+    def __init__(self, numels: Sequence[int], layer_ids: torch.Tensor, layers: int, *,
+                 projections: int = 2, device: torch.device) -> None:
+        if projections < 1:
+            raise ValueError(f"projections must be >= 1, got {projections}")
+        self.k = projections
+        self.layers = layers
+        self.layer_ids = layer_ids
+        self.device = device
+        gen = torch.Generator().manual_seed(SEED)
+        self._r = {torch.float32: _signs(gen, (TILE, projections)).to(device)}
+        self._numels = list(numels)
+        self._s: list[torch.Tensor | None] = []
+        for n in numels:
+            m = n // TILE if n >= TILE else 0
+            self._s.append(_signs(gen, (m, projections)).to(device) if m else None)
+
+    def _r_for(self, dtype: torch.dtype) -> torch.Tensor:
+        r = self._r.get(dtype)
+        if r is None:
+            r = self._r[dtype] = self._r[torch.float32].to(dtype)
+        return r
+
+    def project(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(len(tensors), K) float64 projections, in the order of ``tensors`` (a 0-dim tensor
+        stands for a missing gradient: projections 0)."""
+        out = []
+        for x, s, numel in zip(tensors, self._s, self._numels):
+            if x.numel() != numel:  # the 0-dim stand-in of a missing gradient
+                out.append(torch.zeros(self.k, dtype=torch.float64, device=self.device))
+                continue
+            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+            flat = x.detach().reshape(-1)
+            if flat.dtype != dtype:
+                flat = flat.to(dtype)  # bf16/fp16: project in float32 (a bf16 sum has ~3 digits)
+            r = self._r_for(dtype)
+            n = flat.numel()
+            if s is None:
+                out.append((flat @ r[:n]).to(torch.float64))
+                continue
+            m = s.shape[0]
+            main = flat[: m * TILE].view(m, TILE) @ r  # (m, K)
+            f = (main * s.to(dtype)).sum(0)
+            tail = n - m * TILE
+            if tail:
+                f = f + flat[m * TILE:] @ r[:tail]
+            out.append(f.to(torch.float64))
+        return torch.stack(out)
+
+    def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """(layers, K + 1) float64 device tensor: the K projections of each layer and its L2 norm
+        (one fused norm per bucket)."""
+        flat = [t for b in buckets for t in b]
+        proj = self.project(flat)
+        norms = stats.bucket_norms(buckets, self.device).to(torch.float64)
+        cols = torch.cat([proj, (norms * norms).unsqueeze(1)], dim=1)
+        per_layer = torch.zeros(self.layers, self.k + 1, dtype=torch.float64, device=self.device)
+        per_layer.index_add_(0, self.layer_ids, cols)
+        per_layer[:, self.k].sqrt_()
+        return per_layer
+
+    def width(self) -> int:
+        """Values of one rank's fingerprint part of the report row: gradients and parameters."""
+        return 2 * self.layers * (self.k + 1)
+
+
+def desync(rows: torch.Tensor, layers: int, k: int) -> torch.Tensor:
+    """Compare the gathered fingerprint parts ``rows`` (world, 2 * layers * (k + 1)) on the
+    device. Returns one float64 vector::
+
+        [grad: per rank max rel. diff (W), per rank worst layer (W), per rank projection 0 summed (W),
+               per layer max rel. diff over ranks (layers)]
+        [param: the same]
+
+    The relative difference of rank r in a layer is ``max_k |f_k(r) - ref_k| / ||x_layer||``
+    against both middle values ``ref`` of the ranks, over the median rank's norm; identical
+    values (non-finite included) differ by 0, a non-finite value against a finite one by inf."""
+    world = rows.shape[0]
+    parts = rows.reshape(world, 2, layers, k + 1)
+    out = []
+    for kind in range(2):
+        f = parts[:, kind, :, :k]  # (W, L, K)
+        norm = parts[:, kind, :, k]  # (W, L)
+        s_f = f.sort(dim=0).values
+        s_n = norm.sort(dim=0).values
+        lo, hi = s_f[(world - 1) // 2], s_f[world // 2]
+        den = s_n[(world - 1) // 2].clamp_min(1e-30)
+        rel = torch.maximum(_rel(f, lo, den), _rel(f, hi, den)).amax(dim=2)  # (W, L)
+        worst, layer = rel.max(dim=1)
+        out += [worst, layer.to(torch.float64), f[:, :, 0].sum(dim=1), rel.amax(dim=0)]
+    return torch.cat(out)
+
+
+def _rel(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    same = (f == ref) | (torch.isnan(f) & torch.isnan(ref))
+    diff = (f - ref).abs() / den.unsqueeze(-1)
+    diff = torch.where(torch.isnan(diff), math.inf, diff)
+    return torch.where(same, 0.0, diff)
+
+
+@dataclass(frozen=True, slots=True)
+class DesyncFinding:
+    """One layer whose fingerprint differs across ranks by more than the tolerance."""
+
+    kind: str  # "grad" or "param"
+    layer: str
+    rel_diff: float
+    ranks: tuple[int, ...]
+
+
+def findings(flat: Sequence[float], world: int, layer_names: Sequence[str], tol: float
+             ) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+    """Host side of :func:`desync`'s vector: the per-rank vectors (``grad_desync``,
+    ``grad_desync_layer``, ``grad_fingerprint`` and the ``param_`` ones) and the layers above
+    ``tol`` (worst first; a layer names the ranks whose worst layer it is, or every rank above
+    ``tol`` when none is)."""
+    n_layers = len(layer_names)
+    per = 3 * world + n_layers
+    vectors: dict[str, list[float]] = {}
+    found: list[DesyncFinding] = []
+    for i, kind in enumerate(("grad", "param")):
+        seg = list(flat[i * per:(i + 1) * per])
+        worst, layer, fp, by_layer = (seg[:world], seg[world:2 * world], seg[2 * world:3 * world],
+                                      seg[3 * world:])
+        vectors[f"{kind}_desync"] = worst
+        vectors[f"{kind}_desync_layer"] = layer
+        vectors[f"{kind}_fingerprint"] = fp
+        bad_ranks = tuple(r for r in range(world) if worst[r] > tol)
+        for j, v in enumerate(by_layer):
+            if v > tol:
+                named = tuple(r for r in bad_ranks if int(layer[r]) == j) or bad_ranks
+                found.append(DesyncFinding(kind, layer_names[j], v, named))
+    found.sort(key=lambda d: -d.rel_diff)
+    return vectors, found

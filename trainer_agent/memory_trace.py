@@ -1,0 +1,182 @@
+"""Memory-leak localisation (the stability guide, 5.2): for a few steps, which layer (or the
+training loop) keeps memory alive from one step to the next.
+
+    agent.trace_memory(steps=3)      # on command, e.g. when the memory_growth alert fired
+    ...                              # the next 3 + 1 end_step calls trace; then
+    agent.memory_report              # [MemoryOwner(owner, bytes_per_step, tensors), ...], worst first
+
+While tracing (on the process's thread; a ``TorchDispatchMode``), every new storage an operator
+allocates is tagged with where it was created: the innermost module whose forward is running
+(module hooks keep the stack), or ``<training loop>`` outside any forward. Tensors saved for
+backward are recorded too (``saved_tensors_hooks``). At each ``end_step`` the live tensors are
+counted (``gc.get_objects()``, storages de-duplicated): a storage created during an earlier traced
+step and still alive was retained across steps. Retained storages of tensors that autograd saved
+for backward mean a computation graph outlived its step: something the loop keeps (the guide's
+example, a loss appended to a list without ``.item()`` or ``.detach()``) holds the whole graph,
+whatever layer created its activations, so they are charged to ``<training loop: graph kept
+alive>``, as is every retained tensor that still has a ``grad_fn`` (after ``backward()`` a kept
+loss holds the graph's nodes, whose saved activations autograd has already freed unless the
+graph was retained). Other retained storages are charged to the module that created them (e.g. a layer that
+caches its activations). ``bytes_per_step`` is the growth: retained bytes over traced steps.
+
+The weights, gradients and optimizer state are created before or outside the traced forward passes
+and are stable from step to step: they never count as growth (a storage created during the trace
+that the optimizer keeps, e.g. Adam's moments on its first step, is charged once to the loop).
+
+Tracing is expensive (every operator goes through Python): a few steps only. On CUDA the
+backward pass runs on autograd's device threads, so its allocations are not seen; the forward
+passes and the loop are.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["MemoryOwner", "MemoryTrace", "LOOP", "GRAPH"]
+
+LOOP = "<training loop>"
+GRAPH = "<training loop: graph kept alive>"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryOwner:
+    owner: str
+    bytes_per_step: float
+    tensors: int
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. sparse or meta tensors
+        return None
+    return s.data_ptr(), s.nbytes()
+
+
+class _Tagger(TorchDispatchMode):
+    def __init__(self, trace: MemoryTrace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {p[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and (p := _storage(t))}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                p = _storage(t)
+                if p is not None and p[0] and p[0] not in inputs:
+                    self.trace.created[p[0]] = (self.trace.where(), p[1], self.trace.step)
+        return out
+
+
+class MemoryTrace:
+    """Traces ``steps`` steps of ``model`` (see the module docstring). ``on_end_step`` is called
+    at each ``end_step``: the first call starts the census, ``steps`` further calls count."""
+
+    def __init__(self, model: nn.Module, steps: int, on_done: Callable[[list[MemoryOwner]], None]) -> None:
+        if type(steps) is not int or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        self.steps = steps
+        self.step = 0
+        self.created: dict[int, tuple[str, int, int]] = {}
+        self._saved: list[tuple[weakref.ref, int]] = []
+        self._stack: list[str] = []
+        self._on_done = on_done
+        self._retained: dict[str, tuple[int, int]] = {}
+        names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+        self._handles = []
+        for module, name in names.items():
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._stack.append(n)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o: self._pop(), always_call=True))
+        self._mode = _Tagger(self)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._mode.__enter__()
+        self._saved_hooks.__enter__()
+        self.active = True
+
+    def _pop(self) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def where(self) -> str:
+        return self._stack[-1] if self._stack else LOOP
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            self._saved.append((weakref.ref(t), self.step))
+        except TypeError:
+            pass
+        return t
+
+    def on_end_step(self) -> bool:
+        """Count what the finished step left alive; True when the trace is over."""
+        self.step += 1
+        if self.step <= self.steps:
+            return False
+        self._census()
+        self.stop()
+        report = [MemoryOwner(owner, nbytes / self.steps, count)
+                  for owner, (nbytes, count) in self._retained.items() if nbytes > 0]
+        report.sort(key=lambda r: -r.bytes_per_step)
+        self._on_done(report)
+        return True
+
+    def _census(self) -> None:
+        # Storages of tensors saved for backward that are still alive: their graph outlived its step.
+        graph = {p[0] for ref, step in self._saved if (t := ref()) is not None and (p := _storage(t))}
+        seen: set[int] = set()
+        retained: dict[str, list[int]] = {}
+        self._mode.__exit__(None, None, None)  # the census's own tensors are not tagged
+        try:
+            gc.collect()
+            for obj in gc.get_objects():
+                if not issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups on foreign objects
+                    continue
+                p = _storage(obj)
+                if p is None or p[0] in seen:
+                    continue
+                seen.add(p[0])
+                tag = self.created.get(p[0])
+                if tag is None or tag[2] >= self.step - 1:
+                    continue  # not created during the trace, or in the step that just ended
+                # A tensor with a graph (e.g. a kept loss) or one a live graph saved: the loop's doing.
+                owner = GRAPH if p[0] in graph or obj.grad_fn is not None else tag[0]
+                slot = retained.setdefault(owner, [0, 0])
+                slot[0] += tag[1]
+                slot[1] += 1
+            # Saved tensors that are not Python-visible elsewhere (held only by the graph).
+            for ref, step in self._saved:
+                t = ref()
+                if t is None or step >= self.step - 1:
+                    continue
+                p = _storage(t)
+                if p is None or p[0] in seen or p[0] not in self.created:
+                    continue
+                seen.add(p[0])
+                slot = retained.setdefault(GRAPH, [0, 0])
+                slot[0] += p[1]
+                slot[1] += 1
+        finally:
+            self._mode.__enter__()
+        self._retained = {k: (v[0], v[1]) for k, v in retained.items()}
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        self._saved_hooks.__exit__(None, None, None)
+        self._mode.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._saved = []
+        self.created = {}
