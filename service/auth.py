@@ -29,6 +29,14 @@ AGENT_SCOPE = "agent"
 _MIN_TOKEN = 8
 
 
+def authorization_header(scope: dict) -> str | None:
+    """The ``Authorization`` header of an ASGI ``scope`` (the first one), or None."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value.decode("latin-1")
+    return None
+
+
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 

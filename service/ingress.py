@@ -23,7 +23,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from trainguard.service.auth import AGENT_SCOPE, TokenTable
+from trainguard.service.auth import AGENT_SCOPE, TokenTable, authorization_header
 from trainguard.service.controller import Controller
 from trainguard.service.limits import PRINCIPAL_KEY, replay
 from trainguard.protocol.wire import API_PREFIX
@@ -58,12 +58,7 @@ class ReportIngress:
             return
         principal = scope.get(PRINCIPAL_KEY)
         if principal is None:
-            authorization = None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    authorization = value.decode("latin-1")
-                    break
-            principal = self.tokens.authenticate(authorization)
+            principal = self.tokens.authenticate(authorization_header(scope))
         if principal is None or AGENT_SCOPE not in principal.scopes:
             await self.app(scope, receive, send)  # the route's dependency answers 401/403
             return

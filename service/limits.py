@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trainguard.service.auth import authorization_header
+
 __all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay"]
 
 #: Where :class:`Authenticate` leaves the caller's principal in the ASGI scope (the routes'
@@ -89,12 +91,7 @@ class Authenticate:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        authorization = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-                break
-        principal = self.tokens.authenticate(authorization)
+        principal = self.tokens.authenticate(authorization_header(scope))
         if principal is None:
             body = b'{"detail":"missing or unknown bearer token (send \'Authorization: Bearer <token>\')"}'
             await send({"type": "http.response.start", "status": 401, "headers": [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from datetime import timedelta
 
 import pytest
@@ -16,20 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
+from tests.tools.sleepy import Sleepy
 
 SLEEP = 0.05
 
-
-class Sleepy(nn.Module):
-    def __init__(self, sleep: float) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.sleep = sleep
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sleep:
-            time.sleep(self.sleep)
-        return self.lin(x)
 
 
 def test_forward_seconds_sums_micro_batches_on_report_steps_only() -> None:

@@ -18,21 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
+from tests.tools.sleepy import Sleepy
 
 SLOW_S = 0.05
 STEPS = 12
 
-
-class Sleepy(nn.Module):
-    def __init__(self, sleep: float) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.sleep = sleep
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sleep:
-            time.sleep(self.sleep)  # the slow rank's extra compute (the workload, not a synchronisation)
-        return self.lin(x)
 
 
 def _worker(rank: int, init: str, out: str) -> None:
