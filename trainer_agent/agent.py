@@ -38,7 +38,8 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
 Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
 (2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
 ``schedule`` (which steps report), ``forward_timer`` (4), ``data_relay`` (data quality),
-``control`` and ``actuators`` (acting for the controller), ``client`` (HTTP). This module is the
+``control``, ``actuators``, ``spike_guard`` and ``snapshots`` (acting for the controller, skipping
+spikes, rolling back), ``client`` (HTTP). This module is the
 facade that wires them, registers the hooks, times them and keeps their errors out of the loop.
 
 Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
@@ -96,6 +97,7 @@ from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
+from trainer_agent.snapshots import SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
@@ -134,6 +136,8 @@ class Agent:
         lr_scheduler: Any = None,
         data_monitor: Any = None,
         on_checkpoint: Callable[..., Any] | None = None,
+        snapshot_save: Callable[[int], Any] | None = None,
+        snapshot_load: Callable[[Any], None] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -158,6 +162,13 @@ class Agent:
         self._amp_skipped = 0
         self._published: dict[str, float] = {}
         self.control: Any = None
+        self.snapshots: SnapshotStore | None = None
+        if config.snapshot_every is not None:
+            self.snapshots = SnapshotStore(model, optimizer, every=config.snapshot_every, keep=config.snapshot_keep,
+                                           extra_state=self._snapshot_extra, load_extra=self._load_snapshot_extra,
+                                           save=snapshot_save, load=snapshot_load)
+        elif snapshot_save is not None or snapshot_load is not None:
+            raise ValueError("snapshot_save/snapshot_load need AgentConfig(snapshot_every=N)")
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
@@ -169,7 +180,7 @@ class Agent:
         try:
             self._register_hooks(model, optimizer)
             self._start_export()
-            if config.controller is not None or config.skip_nonfinite:
+            if config.controller is not None or config.skips_steps:
                 # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
                 # controller holds paused waits in here, before its first step, with /metrics served.
                 self.control = self._build_control(on_checkpoint)
@@ -226,7 +237,31 @@ class Agent:
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
                              step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm)
-        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
+        on_rollback = self.snapshots.restore if self.snapshots is not None else None
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error)
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """What a snapshot holds besides the model and optimizer state."""
+        guard = self._spike_guard()
+        return {
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "spike_guard": guard.state_dict() if guard is not None else None,
+        }
+
+    def _load_snapshot_extra(self, extra: dict[str, Any]) -> None:
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.scaler is not None and extra["scaler"] is not None:
+            self.scaler.load_state_dict(extra["scaler"])
+        guard = self._spike_guard()
+        if guard is not None and extra["spike_guard"] is not None:
+            guard.load_state_dict(extra["spike_guard"])
+            guard.consecutive = 0  # the restored state is a healthy one
+
+    def _spike_guard(self) -> Any:
+        skip = getattr(self.control, "skip", None)
+        return skip.guard if skip is not None else None
 
     # ------------------------------------------------------------------ errors
 
@@ -318,6 +353,11 @@ class Agent:
             self._step_overhead += self._clock() - t0 + self.meter.overhead
             self.overhead_seconds_total += self._step_overhead
             self._step_overhead = self.meter.overhead = 0.0
+        if self.snapshots is not None and self.snapshots.due(self.step):
+            try:
+                self.snapshots.take(self.step)
+            except Exception as exc:
+                self._error("snapshot", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -384,6 +424,11 @@ class Agent:
         if self.data is not None:
             values.update(self.data.values)
             errors += self.data.errors
+        if self.snapshots is not None:
+            newest = self.snapshots.newest_step
+            if newest is not None:
+                values["trainguard_snapshot_step"] = float(newest)
+            values["trainguard_rollbacks_total"] = float(self.snapshots.rollbacks)
         if self.control is not None:
             try:
                 values.update(self.control.values())
@@ -517,6 +562,8 @@ def attach(
     lr_scheduler: Any = None,
     data_monitor: Any = None,
     on_checkpoint: Callable[..., Any] | None = None,
+    snapshot_save: Callable[[int], Any] | None = None,
+    snapshot_load: Callable[[Any], None] | None = None,
     controller: str | None = None,
     token: str | None = None,
     registry: CollectorRegistry | None = None,
@@ -524,7 +571,9 @@ def attach(
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
 
     ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
-    restored with the agent's ``state_dict``. Mistakes in the arguments raise
+    restored with the agent's ``state_dict`` and with the in-memory snapshots a rollback restores
+    (``AgentConfig.snapshot_every``; ``snapshot_save``/``snapshot_load`` replace the host copies of
+    the model and optimizer state, see ``trainer_agent/snapshots.py``). Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
@@ -551,4 +600,5 @@ def attach(
         raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
     return Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
                  lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                 on_checkpoint=on_checkpoint, registry=registry)
+                 on_checkpoint=on_checkpoint, snapshot_save=snapshot_save, snapshot_load=snapshot_load,
+                 registry=registry)

@@ -30,11 +30,14 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 On report steps the state travels in the report step's one collective (the
 agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
-other ``sync_every`` steps all ranks take part in a broadcast of the same five int64
-(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop``) on a side
+other ``sync_every`` steps all ranks take part in a broadcast of the same seven int64
+(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop, rollback_seq,
+rollback_step``) on a side
 *gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
 same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
-so re-applying changes nothing, and a checkpoint is taken once per new ``checkpoint_seq``.
+so re-applying changes nothing, a checkpoint is taken once per new ``checkpoint_seq`` and a
+rollback (``on_rollback(rollback_step)``: ``trainer_agent/snapshots.py``) carried out once per new
+``rollback_seq``.
 
 **Pause.** ``on_end_step`` blocks on every rank with no collective outstanding. The leader waits on
 its client for a newer generation and publishes each one it applies under a fresh key of the
@@ -73,8 +76,10 @@ from trainguard.protocol.wire import Ack, DesiredState, RankEndpoint, RankValues
 from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
 from trainer_agent.config import AgentConfig
+from trainer_agent.exporter import sample_key
 from trainer_agent.ranks import STATE_LEN, WIRE_VECTORS, decode_state, encode_state
 from trainer_agent.schedule import ReportSchedule
+from trainer_agent.spike_guard import SpikeGuard
 
 __all__ = ["ControlPlane", "ControlContext", "Applied"]
 
@@ -116,6 +121,10 @@ class Applied:
     stop: bool
     time: float
     """Wall-clock time (``time.time()``) at which it was applied."""
+    rollback_seq: int = 0
+    restored_step: int | None = None
+    """The step of the snapshot a rollback of this generation restored (None: no rollback, or
+    no snapshot old enough)."""
 
 
 def _group_timeout() -> timedelta:
@@ -140,6 +149,7 @@ class ControlPlane:
         ctx: ControlContext,
         *,
         on_checkpoint: Callable[[int], Any] | None = None,
+        on_rollback: Callable[[int], int | None] | None = None,
         group: Any = None,
         store: Any = None,
         transport: Any = None,
@@ -157,6 +167,7 @@ class ControlPlane:
         self._ctx = ctx
         self._cfg = cfg
         self._on_checkpoint = on_checkpoint
+        self._on_rollback = on_rollback
         self._on_error = on_error or (lambda kind, exc: log.exception(kind))
         self._clock, self._wall = clock, wall_clock
         self._pause_poll_s = pause_poll_s
@@ -172,6 +183,8 @@ class ControlPlane:
         self._paused = False
         self._stop = False
         self._checkpoint_seq = 0
+        self._rollback_seq = 0
+        self._rollback_step = 0
         self._pause_episodes = 0
         self.history: deque[Applied] = deque(maxlen=4096)
         """The generations applied on this rank, oldest first (bounded)."""
@@ -188,9 +201,10 @@ class ControlPlane:
 
         self.lr = LrScale(ctx.optimizer)
         self.skip: NonfiniteSkip | None = None
-        if cfg.skip_nonfinite:
+        if cfg.skips_steps:
+            guard = SpikeGuard(cfg.spike) if cfg.spike_guard_on else None
             self.skip = NonfiniteSkip(ctx.optimizer, world_size=self.world_size, group=self._group,
-                                      grad_norm=ctx.grad_norm, on_error=self._on_error)
+                                      grad_norm=ctx.grad_norm, on_error=self._on_error, guard=guard)
         if self.controlled:
             self._start()
 
@@ -226,7 +240,10 @@ class ControlPlane:
             "trainguard_applied_generation": float(self._generation),
         }
         if self.skip is not None:
-            out["trainguard_skipped_steps_total"] = float(self.skip.skipped)
+            for reason, n in self.skip.skipped_by_reason.items():
+                out[sample_key("trainguard_skipped_steps_total", reason=reason)] = float(n)
+            if self.skip.guard is not None:
+                out["trainguard_consecutive_skipped_steps"] = float(self.skip.guard.consecutive)
         if self._client is not None:
             out["trainguard_agent_controller_up"] = 1.0 if self._client.up else 0.0
             out["trainguard_agent_reports_dropped_total"] = float(self._client.reports_dropped)
@@ -239,7 +256,10 @@ class ControlPlane:
             "lr_scale": self._lr_scale,
             "applied_generation": self._generation,
             "checkpoint_seq": self._checkpoint_seq,
+            "rollback_seq": self._rollback_seq,
             "skipped_steps_total": self.skip.skipped if self.skip is not None else 0,
+            "skipped_by_reason": dict(self.skip.skipped_by_reason) if self.skip is not None else {},
+            "spike_guard": self.skip.guard.state_dict() if self.skip is not None and self.skip.guard is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -259,8 +279,13 @@ class ControlPlane:
         if generation >= self._generation:
             self._generation, self._lr_scale = generation, lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
+        self._rollback_seq = max(self._rollback_seq, int(state.get("rollback_seq", 0)))
         if self.skip is not None:
-            self.skip.skipped = skipped
+            by_reason = state.get("skipped_by_reason") or {"nonfinite": skipped}
+            for reason in self.skip.skipped_by_reason:
+                self.skip.skipped_by_reason[reason] = int(by_reason.get(reason, 0))
+            if self.skip.guard is not None and state.get("spike_guard") is not None:
+                self.skip.guard.load_state_dict(state["spike_guard"])
         self._last_reported_step = self._ctx.step()  # the agent restores its step first
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -315,7 +340,8 @@ class ControlPlane:
 
     def _applied_encoded(self) -> list[int]:
         return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
-                                         checkpoint_seq=self._checkpoint_seq, stop=self._stop))
+                                         checkpoint_seq=self._checkpoint_seq, stop=self._stop,
+                                         rollback_seq=self._rollback_seq, rollback_step=self._rollback_step))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -388,7 +414,8 @@ class ControlPlane:
             ranks=endpoints,
             agent_version=_version(),
             config={"report_every": cfg.report_every, "sync_every": cfg.sync_every,
-                    "skip_nonfinite": cfg.skip_nonfinite},
+                    "skip_nonfinite": cfg.skip_nonfinite, "skip_spikes": cfg.spike_guard_on,
+                    "snapshot_every": cfg.snapshot_every, "snapshot_keep": cfg.snapshot_keep},
         )
         client = ControllerClient(
             cfg.controller,
@@ -437,6 +464,7 @@ class ControlPlane:
             self._on_error("control_agreement", exc)
             return
         self._checkpoint_seq = state[3]
+        self._rollback_seq, self._rollback_step = state[5], state[6]  # served before this process started
         self._apply(state, self._ctx.step())
 
     def _broadcast(self, leader_state: list[int] | None) -> list[int]:
@@ -461,10 +489,14 @@ class ControlPlane:
         """Apply a newer ``state``'s values (not the pause wait)."""
         checkpoint = state.checkpoint_seq > self._checkpoint_seq
         stopping = state.stop and not self._stop
+        rollback = state.rollback_seq > self._rollback_seq
         self._generation = state.generation
         self._lr_scale = state.lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, state.checkpoint_seq)
         self._paused = state.paused
+        self._rollback_seq = max(self._rollback_seq, state.rollback_seq)
+        self._rollback_step = state.rollback_step
+        restored = self._roll_back(state.rollback_step, step) if rollback else None
         if (checkpoint or stopping) and self._on_checkpoint is not None:
             try:
                 self._on_checkpoint(step)
@@ -473,12 +505,30 @@ class ControlPlane:
         if stopping:
             self._stop = True
         self.history.append(
-            Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall())
+            Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
+                    state.rollback_seq, restored)
         )
         if self._client is not None:
             self._client.submit_ack(Ack(generation=state.generation, step=step))
         if state.reason and self.leader:
             log.info("trainguard: applied generation %d at step %d: %s", state.generation, step, state.reason)
+
+    def _roll_back(self, target: int, step: int) -> int | None:
+        """Restore the newest snapshot at or before ``target`` (every rank, this same step)."""
+        if self._on_rollback is None:
+            log.error("trainguard: rollback to step %d asked at step %d, but this run keeps no "
+                      "snapshots (AgentConfig.snapshot_every)", target, step)
+            return None
+        try:
+            restored = self._on_rollback(target)
+        except Exception as exc:  # noqa: BLE001 - a failed restore must not break agreement
+            self._on_error("rollback", exc)
+            return None
+        if restored is None:
+            log.error("trainguard: rollback asked at step %d, but no snapshot is as old as step %d", step, target)
+        elif self.leader:
+            log.warning("trainguard: rolled back at step %d to the snapshot of step %d", step, restored)
+        return restored
 
     def _pause(self, step: int) -> None:
         """Block until a generation with paused=false (or stop) is applied. No collective is

@@ -1,7 +1,7 @@
 """The one collective of a report step: every rank's row, and the controller's desired state.
 
 On a report step with several ranks, every rank enters exactly one all-gather (the *exchange*).
-Its row is ``[desired state (5 int64 as float64 bits)] + [RANK_FIELDS (float64)]``: the state part
+Its row is ``[desired state (STATE_LEN int64 as float64 bits)] + [RANK_FIELDS (float64)]``: the state part
 is the leader's proposal (the other ranks send zeros there and read the leader's), the fields are
 this rank's values of the report. The state part is present only when a control plane agrees on a
 controller's state across several ranks (every rank is configured alike, so every row has the same
@@ -56,7 +56,7 @@ WIRE_VECTORS: dict[str, str] = {
     "forward_s": "forward_seconds",
 }
 
-STATE_LEN = 5  # generation, paused, lr_scale bits, checkpoint_seq, stop
+STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, rollback_seq, rollback_step
 
 
 def _float_bits(x: float) -> int:
@@ -69,13 +69,15 @@ def _bits_float(i: int) -> float:
 
 def encode_state(d: DesiredState) -> list[int]:
     """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
-    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop)]
+    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
+            d.rollback_seq, d.rollback_step]
 
 
 def decode_state(v: Sequence[int]) -> DesiredState:
     """Inverse of :func:`encode_state`; ``ValueError`` for values no leader can have sent."""
     return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
-                        checkpoint_seq=int(v[3]), stop=bool(v[4]))
+                        checkpoint_seq=int(v[3]), stop=bool(v[4]), rollback_seq=int(v[5]),
+                        rollback_step=int(v[6]))
 
 
 class RankExchange:

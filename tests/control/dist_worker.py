@@ -100,7 +100,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     agent.close(3.0)
     return {"run": run, "rank": rank, "steps": steps, "history": history, "checkpoints": checkpoints,
             "stopped": agent.should_stop, "close_s": time.monotonic() - t0,
-            "skipped": agent.latest().get("trainguard_skipped_steps_total", 0.0)}
+            "skipped": agent.latest().get('trainguard_skipped_steps_total{reason="nonfinite"}', 0.0)}
 
 
 def main() -> None:

@@ -146,7 +146,7 @@ def test_skip_nonfinite_leaves_params_and_adam_state_bit_identical(scheduler_fir
     assert sched.last_epoch == 8 and opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**8, rel=1e-12)
     assert int(opt.state_dict()["state"][0]["step"]) == 6
     latest = agent.latest()
-    assert latest["trainguard_skipped_steps_total"] == 2.0
+    assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 2.0
     assert latest["trainguard_nonfinite_steps_total"] == 2.0
     assert agent.state_dict()["control"]["skipped_steps_total"] == 2
     agent.close(1.0)
@@ -249,7 +249,9 @@ def test_state_dict_round_trip_and_bad_input() -> None:
         ctl.command(RUN, lr_scale=0.5, checkpoint_seq=2)
         agent = _attach(model, opt, ctl)
         state = agent.state_dict()["control"]
-        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "skipped_steps_total": 0}
+        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "rollback_seq": 0,
+                         "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
+                         "spike_guard": {"norms": [], "consecutive": 0}}
         agent.close(1.0)
     with FakeController() as ctl:  # a fresh controller (generation 0): the checkpoint restores
         agent = _attach(model, opt, ctl)
