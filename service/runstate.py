@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.service.engine import AlertBook
+from trainguard.service.incidents import RunRecovery
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState
 
@@ -43,6 +44,8 @@ class RunState:
     re-registration. A finished run is not expected to report."""
     finished_step: int | None = None
     finish_reason: str = ""
+    recovery: RunRecovery = field(default_factory=RunRecovery)
+    """Snapshots, incidents and the LR ramp (in memory; see ``service/incidents.py``)."""
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
@@ -112,4 +115,6 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
         out.append("lr_scale")
     if after.checkpoint_seq != before.checkpoint_seq:
         out.append("checkpoint")
+    if after.rollback_seq != before.rollback_seq:
+        out.append("rollback")
     return out

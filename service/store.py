@@ -184,6 +184,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN finish_reason TEXT;
     ALTER TABLE runs ADD COLUMN resumed_at REAL;
     """,
+    # 4: rollback in the desired state (absolute, like checkpoint_seq).
+    """
+    ALTER TABLE runs ADD COLUMN rollback_seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN rollback_step INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 

@@ -44,7 +44,8 @@ async def put_rules(request: Request, ctl: ControllerDep, principal: RulesDep) -
 async def test_rules(body: RulesTestRequest, ctl: ControllerDep, _: ReadDep) -> dict[str, Any]:
     rules = ctl.validate_rules(body.rules) if body.rules is not None else ctl.rules
     steps = simulate(rules.for_job(body.job), body.reports, world_size=body.world_size, desired=body.desired,
-                     capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports)
+                     capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports,
+                     policy=rules.file.recovery)
     out = []
     for s in steps:
         out.append({
@@ -55,6 +56,7 @@ async def test_rules(body: RulesTestRequest, ctl: ControllerDep, _: ReadDep) -> 
             "resolved": s.resolved,
             "suppressed": [{"rule": f.rule.name, "reason": why} for f, why in s.suppressed],
             "desired": s.desired.model_dump(),
+            "recovery": [{"generation": d.generation, "reason": d.reason} for d in s.recovery],
         })
     final = steps[-1].desired if steps else (body.desired or DesiredState())
     return nan_safe({"steps": out, "desired": final.model_dump()})

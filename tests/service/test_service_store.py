@@ -43,7 +43,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 4
     lifecycle = conn.execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
     assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
