@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, RollbackAction, StopAction,
+    ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, RollbackAction, StopAction,
 )
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
@@ -158,7 +158,7 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
         elif isinstance(a, AdaptiveLrAction):
             new, note = ctx.adaptive_scale(a, scale) if ctx is not None else (None, "no measurement")
             if new is None:
-                new, note = min(max(scale * 0.5, a.min), a.max), f"{note}: halved"
+                new, note = min(max(scale * ADAPTIVE_FALLBACK_FACTOR, a.min), a.max), f"{note}: halved"
             scale = new
             notes.append(f"adaptive lr_scale {scale:.4g} ({note})")
         elif isinstance(a, RollbackAction):

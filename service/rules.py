@@ -42,7 +42,7 @@ from trainguard.service.window import VECTORS, RuleWindow
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
+    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
     "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "AbsenceRule",
 ]
 
@@ -104,6 +104,11 @@ class LrScaleAction(_Model):
     def apply(self, current: float) -> float:
         new = self.value if self.value is not None else current * self.factor  # type: ignore[operator]
         return min(max(new, self.min), self.max)
+
+
+#: What ``adaptive_lr`` multiplies the scale by when it has no measurement to compute from (and
+#: the factor Prometheus-side alerts, which cannot measure, ask Alertmanager for).
+ADAPTIVE_FALLBACK_FACTOR = 0.5
 
 
 class AdaptiveLrAction(_Model):
