@@ -122,6 +122,8 @@ class RunRecovery:
         self._last_step: int | None = None
         self._measured: float | None = None
         self._measured_scale: float | None = None
+        self._lr: float | None = None
+        self._healthy_lr: deque[float] = deque(maxlen=self.policy.baseline_reports)
         self.ramp = self._new_ramp()
 
     def _new_ramp(self) -> LrRamp:
@@ -138,7 +140,7 @@ class RunRecovery:
         """Everything mutable, for an undo (``Transaction.on_rollback``)."""
         return {k: copy.deepcopy(getattr(self, k)) for k in (
             "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_healthy_in_a_row", "_last_step",
-            "_measured", "_measured_scale", "ramp")} | {"open_id": self.open.id if self.open else None}
+            "_measured", "_measured_scale", "_lr", "_healthy_lr", "ramp")} | {"open_id": self.open.id if self.open else None}
 
     def restore(self, saved: dict[str, Any]) -> None:
         open_id = saved.pop("open_id")
@@ -162,9 +164,15 @@ class RunRecovery:
         # must not compound: each computes from that scale, and none raises the current one).
         at = self._measured_scale if self._measured_scale is not None else current
         new = corrected_scale(at, measured, base, lo=action.min, hi=action.max)
-        if new is None:
-            return None, "no healthy baseline of the update ratio yet" if base is None else "no finite update ratio"
-        return min(new, current), f"update ratio {measured:.3g} at lr_scale {at:.4g} vs healthy baseline {base:.3g}"
+        if new is not None:
+            return min(new, current), f"update ratio {measured:.3g} at lr_scale {at:.4g} vs healthy baseline {base:.3g}"
+        # No usable update ratio (e.g. the step of the report was skipped): the LR the user's own
+        # schedule set, against its healthy level, says how far the LR itself jumped.
+        lr_base = baseline(self._healthy_lr)
+        lr_new = corrected_scale(1.0, self._lr, lr_base, lo=action.min, hi=action.max)
+        if lr_new is not None and lr_new < 1.0:
+            return min(lr_new, current), f"the schedule's LR {self._lr:.3g} vs its healthy level {lr_base:.3g}"
+        return None, "no healthy baseline of the update ratio yet" if base is None else "no finite update ratio"
 
     def rollback_target(self) -> tuple[int | None, str]:
         confirm = self.policy.snapshot_confirm_reports
@@ -182,6 +190,8 @@ class RunRecovery:
         """The report's measurement, for the actions the rules take on it."""
         v = values.get(self.policy.metric)
         self._measured = None if v is None else float(v)
+        lr = values.get("trainguard_scheduler_lr")
+        self._lr = float(lr) if lr is not None and math.isfinite(lr) and lr > 0 else None
         at = values.get("trainguard_lr_scale")
         self._measured_scale = float(at) if at is not None and math.isfinite(at) and at > 0 else None
 
@@ -253,9 +263,11 @@ class RunRecovery:
                 changes.append(RecoveryChange(new, "recovery:ramp"))
         elif fired:
             self.ramp.reset()
-        if (healthy and self.open is None and desired.lr_scale == 1.0 and not changes and measured is not None
-                and math.isfinite(measured) and measured > 0):
-            self._healthy_metric.append(measured)
+        if healthy and self.open is None and desired.lr_scale == 1.0 and not changes:
+            if measured is not None and math.isfinite(measured) and measured > 0:
+                self._healthy_metric.append(measured)
+            if self._lr is not None:
+                self._healthy_lr.append(self._lr)
         self._last_step = step
         return changes
 

@@ -134,3 +134,20 @@ def test_ladder_escalates_from_adaptive_lr_to_rollback_to_pause() -> None:
     # The snapshot of step 200 was followed by no healthy report (the onset is at 201-210): not good.
     # That of 150 was followed by two (160, 170): the newest good one.
     assert final.paused and final.rollback_step == 150
+
+
+def test_without_an_update_ratio_the_schedules_lr_jump_sets_the_scale() -> None:
+    # The report after the onset has no update ratio (its step was skipped by the spike guard):
+    # the LR the user's schedule set (x200) against its healthy level gives the scale.
+    reports = []
+    for i in range(30):
+        step = (i + 1) * EVERY
+        jumped = step > 200
+        values = {"trainguard_loss": 2.0, "trainguard_grad_norm_max": 80.0 if jumped else 1.0,
+                  "trainguard_scheduler_lr": 2e-3 * (200 if jumped else 1), "trainguard_lr_scale": 1.0}
+        if not jumped:
+            values["trainguard_update_ratio"] = BASE
+        reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
+    steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery)
+    d = steps[20].desired
+    assert d.lr_scale == pytest.approx(1 / 200) and "the schedule's LR" in d.reason

@@ -110,6 +110,7 @@ DATA_METRICS: tuple[MetricSpec, ...] = (
 CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_paused", "1", "1 while the run is paused by the controller, else 0."),
     _g("trainguard_lr_scale", "1", "Multiplier the controller applies to the scheduler's LR."),
+    _g("trainguard_scheduler_lr", "1", "Largest learning rate of the optimizer's param groups as the user's own schedule set it (before lr_scale), read at the last report."),
     _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied on this rank."),
     _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
     _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
