@@ -2,7 +2,7 @@
 their escalation ladder, and the LR ramp. Pure: :class:`RunRecovery` is fed each report after the
 rules have decided, and answers the desired-state changes to make; the controller commits them.
 
-**Healthy report.** No rule other than ``info`` ones is active on it, the loss is finite, and the
+**Healthy report.** No rule that acts (one with an action other than ``notify``) is active on it, the loss is finite, and the
 agent's spike guard has not skipped ``skip_limit`` steps in a row. While an incident is open, the
 signals are *back* when the report is healthy and the ``metric`` (the update ratio) is not above
 ``degrade_ratio`` x its baseline. The baseline is the median of the metric over the last
@@ -197,8 +197,8 @@ class RunRecovery:
 
     def healthy(self, values: dict[str, float], findings: list[Any]) -> bool:
         """See the module docstring."""
-        for f in findings:
-            if f.active and f.rule.severity != "info" and f.rule.kind != "absence":
+        for f in findings:  # only the rules that act: a notify-only rule (e.g. data quality) informs
+            if f.active and f.rule.kind != "absence" and any(a.type != "notify" for a in f.rule.actions):
                 return False
         loss = values.get("trainguard_loss")
         if loss is not None and not math.isfinite(loss):
