@@ -43,6 +43,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -218,6 +219,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=1, help="load generator processes")
     p.add_argument("--connections", type=int, default=16, help="keep-alive connections per load generator")
     p.add_argument("--rate", type=float, default=None, help="open loop: total reports/s to offer (default: closed loop, as fast as answered)")
+    p.add_argument("--console-streams", type=int, default=0,
+                   help="operator-console pages kept open meanwhile: live run streams (/ui/api/runs/RUN/stream) read to the end, one per run")
     p.add_argument("--pin", action="store_true", help="pin the server to the first allowed core and the load generators to the others")
     args = p.parse_args()
     for name in ("runs", "world_size", "reports", "clients", "connections"):
@@ -249,6 +252,8 @@ def main() -> int:
                 raise SystemExit(f"the controller did not start: {line!r}")
             url = line.split("listening on ")[1].split()[0]
             port = int(url.rsplit(":", 1)[1])
+            # drain what it prints from now on: a full pipe would block the server mid-benchmark
+            threading.Thread(target=lambda out=server.stdout: [None for _ in out], daemon=True).start()
             runs = [f"bench-run-{i:04d}" for i in range(args.runs)]
             _wait_ready(url)
             with httpx.Client(base_url=url, timeout=30) as c:
@@ -256,6 +261,7 @@ def main() -> int:
                     reg = {"job": "bench-job", "run": run, "world_size": args.world_size,
                            "ranks": [{"rank": r, "local_rank": r % 8, "host": _LOOPBACK, "port": 9000 + r} for r in range(args.world_size)]}
                     c.post("/v1/runs", json=reg).raise_for_status()
+            watchers = _ConsoleWatchers(url, runs[: args.console_streams])
             per = math.ceil(args.reports / args.clients)
             rate = args.rate / args.clients if args.rate else None
             start_at = time.time() + 2.0  # every load generator has built its bodies and connected by then
@@ -270,6 +276,7 @@ def main() -> int:
                 cpu0 = _cpu_seconds(server.pid)
                 results = pending.get()
             cpu = _cpu_seconds(server.pid) - cpu0
+            watchers.close()
             with httpx.Client(base_url=url, timeout=30) as c:
                 metrics = c.get("/metrics").text
                 commits = _commits(metrics) - commits0
@@ -278,7 +285,37 @@ def main() -> int:
             server.terminate()
             server.wait(30)
     _print(args, results, cpu, metrics, alerts, commits)
+    if args.console_streams:
+        print(f"  console streams  {args.console_streams} open, {watchers.bytes / 1e6:.1f} MB of events read")
     return 0
+
+
+class _ConsoleWatchers:
+    """Console run pages kept open: one thread per run reading its live event stream."""
+
+    def __init__(self, url: str, runs: list[str]) -> None:
+        import threading
+
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._watch, args=(url, run), daemon=True) for run in runs]
+        for t in self._threads:
+            t.start()
+
+    def _watch(self, url: str, run: str) -> None:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=60)) as c:
+            c.get("/ui/api/session").raise_for_status()  # no tokens: an anonymous console session
+            with c.stream("GET", f"/ui/api/runs/{run}/stream") as resp:
+                resp.raise_for_status()
+                for chunk in resp.iter_bytes():
+                    self.bytes += len(chunk)
+                    if self._stop.is_set():
+                        return
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(70)
 
 
 def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: str, alerts: int, commits: float) -> None:

@@ -28,7 +28,8 @@ from trainguard.dashboards.common import DATASOURCE_NAME, DATASOURCE_UID
 from trainguard.dashboards.promql import metric_names, variable_query_metric
 from trainguard.dashboards.rules import ALERT_RULES, RECORDING_RULES, rule_groups
 from trainguard.dashboards.stack import (
-    TOKEN_SECRET,
+    ALERTMANAGER_TOKEN_SECRET,
+    PROMETHEUS_TOKEN_SECRET,
     alertmanager_config,
     grafana_dashboard_provider,
     grafana_datasources,
@@ -129,11 +130,11 @@ def render() -> dict[str, str]:
     files["grafana/provisioning/dashboards/trainguard.yml"] = _yaml(
         grafana_dashboard_provider(path=GRAFANA_DASHBOARDS_PATH))
     files["prometheus/prometheus.yml"] = _yaml(prometheus_config(
-        controller="controller:8000", token_file=TOKEN_SECRET, rule_files=["rules.yml"],
+        controller="controller:8000", token_file=PROMETHEUS_TOKEN_SECRET, rule_files=["rules.yml"],
         alertmanager="alertmanager:9093"))
     files["prometheus/rules.yml"] = _yaml(rule_groups())
     files["alertmanager/alertmanager.yml"] = _yaml(alertmanager_config(
-        controller="controller:8000", sink="webhook-sink:9000", token_file=TOKEN_SECRET))
+        controller="controller:8000", sink="webhook-sink:9000", token_file=ALERTMANAGER_TOKEN_SECRET))
     return files
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "query",
     "with_ref_ids",
     "timeseries",
+    "right_axis",
     "state_timeline",
     "stat",
     "RankHeatmap",
@@ -343,3 +344,14 @@ def dashboard(*, uid: str, title: str, description: str, tags: Sequence[str],
         timezone="browser",
         editable=True,
     ).auto_panel_ids()
+
+
+def right_axis(series_regex: str, *, draw: str = "line") -> dict:
+    """A field override moving the series whose display name matches to the right axis."""
+    return {
+        "matcher": {"id": "byRegexp", "options": series_regex},
+        "properties": [
+            {"id": "custom.axisPlacement", "value": "right"},
+            {"id": "custom.drawStyle", "value": draw},
+        ],
+    }

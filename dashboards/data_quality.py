@@ -1,14 +1,20 @@
 """Dashboard 2, data quality: what the model is being fed. The four data signals with their alert
-thresholds drawn as red lines, throughput in tokens/s, and the QualityFilter's
-kept/dropped samples.
+thresholds drawn as red lines, throughput in tokens/s, the QualityFilter's kept/dropped samples,
+how long each rank waits for its batches, and the batch size the gradient noise scale recommends.
 """
 
 from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from trainguard.dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, timeseries
-from trainguard.dashboards.thresholds import DUPLICATE_RATIO_MAX, LENGTH_SHIFT_P_MIN, SPECIAL_TOKEN_RATIO_MAX, TOKEN_KL_MAX
+from trainguard.dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, right_axis, timeseries
+from trainguard.dashboards.thresholds import (
+    DUPLICATE_RATIO_MAX,
+    INPUT_WAIT_MIN,
+    LENGTH_SHIFT_P_MIN,
+    SPECIAL_TOKEN_RATIO_MAX,
+    TOKEN_KL_MAX,
+)
 
 UID = "trainguard-data-quality"
 TITLE = "trainguard / Data quality"
@@ -89,10 +95,42 @@ def build() -> Dashboard:
             unit="percentunit",
         ),
     ])
+    feeding = Section("Input pipeline and batch size", [
+        timeseries(
+            "Input wait per step",
+            "Mean time per step each rank waited for its batch (from the end of one step to the "
+            "next forward pass). One rank far above the others is held back by its data, not its "
+            f"computation; the rule fires from {INPUT_WAIT_MIN * 1e3:g} ms (red line).",
+            [query(f"trainguard_input_wait_seconds{{{SEL}}}", "rank {{rank}}")],
+            unit="s", band=above(INPUT_WAIT_MIN),
+        ),
+        timeseries(
+            "Token loader",
+            "Batches the token loader holds ready ahead of the loop (left; 0 = the loop waits) "
+            "and tokens per second it delivered (right). Only with trainguard's TokenLoader.",
+            [
+                query(f"trainguard_input_prefetch_depth{{{SEL}}}", "ready, rank {{rank}}"),
+                query(f"trainguard_input_tokens_per_second{{{SEL}}}", "tokens/s, rank {{rank}}"),
+            ],
+            overrides=[right_axis("tokens/s.*")],
+        ),
+        timeseries(
+            "Batch size: current and recommended",
+            "The global batch size of the step and the one the gradient noise scale recommends "
+            "(its running estimate, McCandlish et al. 2018), in tokens (or micro-batches when "
+            "end_step gets no token count). Recommended well above current: larger batches would "
+            "still speed training up per step; well below: the extra batch is mostly wasted.",
+            [
+                query(f"trainguard_global_batch_size{{{SEL}, rank=\"0\"}}", "current ({{run}})"),
+                query(f"trainguard_recommended_batch_size{{{SEL}, rank=\"0\"}}", "recommended ({{run}})"),
+            ],
+            log=True,
+        ),
+    ])
     return dashboard(
         uid=UID,
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["data"],
-        sections=[signals, throughput],
+        sections=[signals, throughput, feeding],
     )

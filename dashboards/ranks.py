@@ -38,11 +38,22 @@ def build() -> Dashboard:
             maxDataPoints=200,
             span=12,
         ),
+        RankHeatmap(
+            title="Forward time per rank (heatmap)",
+            description="Wall time in the model's forward pass, one row per rank. Under data "
+                        "parallelism every rank waits for the slowest in the gradient all-reduce, so "
+                        "step times are equal; a slow rank shows here as a persistently darker row.",
+            dataSource=DATASOURCE,
+            targets=with_ref_ids(
+                [query(f"trainguard_forward_seconds{{{SEL}}}", "rank {{rank}}")]),
+            maxDataPoints=200,
+            span=12,
+        ),
         timeseries(
-            "Stragglers: slowest rank / median rank",
-            f"max over ranks of the step time divided by its median over ranks. The controller's "
-            f"straggler rule fires above {STRAGGLER_RATIO:g} (red line).",
-            [query(f"trainguard:step_duration_seconds:max_over_median{{{JOB_RUN}}}", "{{run}}")],
+            "Stragglers: slowest rank / median rank (forward time)",
+            f"max over ranks of the forward-pass time divided by its median over ranks. The "
+            f"straggler alert fires above {STRAGGLER_RATIO:g} (red line).",
+            [query(f"trainguard:forward_seconds:max_over_median{{{JOB_RUN}}}", "{{run}}")],
             band=Band(((STRAGGLER_RATIO, "red"),)),
         ),
         timeseries(

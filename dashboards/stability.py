@@ -14,6 +14,7 @@ from trainguard.dashboards.common import (
     Section,
     dashboard,
     query,
+    right_axis,
     stat,
     state_timeline,
     timeseries,
@@ -26,17 +27,6 @@ TITLE = "trainguard / Training stability"
 #: The update ratio's healthy band (DESIGN.md; the stability guide, 6.1): about 1e-4 to 1e-2.
 UPDATE_RATIO_BAND = (1e-4, 1e-2)
 TOP_LAYERS = 5
-
-
-def _right_axis(series_regex: str, *, draw: str = "line") -> dict:
-    """A field override moving the series whose display name matches to the right axis."""
-    return {
-        "matcher": {"id": "byRegexp", "options": series_regex},
-        "properties": [
-            {"id": "custom.axisPlacement", "value": "right"},
-            {"id": "custom.drawStyle", "value": draw},
-        ],
-    }
 
 
 def build() -> Dashboard:
@@ -121,7 +111,7 @@ def build() -> Dashboard:
                 query(f"trainguard_grad_variance{{{SEL}}}", "tr(Sigma), rank {{rank}}"),
             ],
             log=True,
-            overrides=[_right_axis("tr\\(Sigma\\).*")],
+            overrides=[right_axis("tr\\(Sigma\\).*")],
         ),
     ])
     lr = Section("Learning rate and control", [
@@ -150,7 +140,7 @@ def build() -> Dashboard:
                       "skipped, rank {{rank}}"),
             ],
             log=True,
-            overrides=[_right_axis("skipped.*", draw="bars")],
+            overrides=[right_axis("skipped.*", draw="bars")],
         ),
         state_timeline(
             "Paused",

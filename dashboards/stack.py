@@ -18,7 +18,8 @@ __all__ = [
     "ALERTMANAGER_IMAGE",
     "CONTROLLER_JOB",
     "RANKS_JOB",
-    "TOKEN_SECRET",
+    "PROMETHEUS_TOKEN_SECRET",
+    "ALERTMANAGER_TOKEN_SECRET",
     "prometheus_config",
     "alertmanager_config",
     "grafana_datasources",
@@ -33,9 +34,10 @@ CONTROLLER_JOB = "trainguard-controller"
 #: Prometheus scrape job of the ranks; the targets' own ``job`` label (the training job's name,
 #: from the controller's http_sd answer) replaces it, so ``job`` means the training job everywhere.
 RANKS_JOB = "trainguard-ranks"
-#: Where the compose file mounts the operator token (a compose secret) in the Prometheus and
-#: Alertmanager containers.
-TOKEN_SECRET = "/run/secrets/trainguard_operator_token"
+#: Each gets a token with only the scope it needs (compose secrets): Prometheus reads (http_sd
+#: targets), Alertmanager commands (POST /v1/alertmanager).
+PROMETHEUS_TOKEN_SECRET = "/run/secrets/trainguard_prometheus_token"
+ALERTMANAGER_TOKEN_SECRET = "/run/secrets/trainguard_alertmanager_token"
 
 
 def _auth(token_file: str | None) -> dict:
@@ -72,8 +74,13 @@ def prometheus_config(
             {
                 "job_name": RANKS_JOB,
                 "metrics_path": "/metrics",
-                # Ranks export their own job/run/rank labels: keep them as they are.
-                "honor_labels": True,
+                # The labels naming a target (job, run, rank, instance) come from discovery (the
+                # controller's answer), never from what the target serves: an exporter serving
+                # trainguard_loss{run="another-run"} must not make an alert about another run.
+                # Labels the ranks also export lose the conflict (Prometheus renames them
+                # exported_*) and are dropped.
+                "honor_labels": False,
+                "metric_relabel_configs": [{"action": "labeldrop", "regex": "exported_(job|run|rank|instance)"}],
                 "http_sd_configs": [{
                     "url": f"http://{controller}/v1/sd/targets",
                     "refresh_interval": sd_refresh_interval,

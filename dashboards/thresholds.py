@@ -17,6 +17,7 @@ __all__ = [
     "SPECIAL_TOKEN_RATIO_MAX",
     "LENGTH_SHIFT_P_MIN",
     "STRAGGLER_RATIO",
+    "INPUT_WAIT_MIN",
     "ABSENCE",
 ]
 
@@ -48,6 +49,9 @@ SPECIAL_TOKEN_RATIO_MAX = float(_RULES["data_special_token_ratio"].value)
 LENGTH_SHIFT_P_MIN = float(_RULES["data_length_shift"].value)
 #: Straggler: the slowest rank's step time over the median rank's (rule ``step_time_straggler``).
 STRAGGLER_RATIO = float(_RULES["step_time_straggler"].ratio)
+#: A rank waiting for its batch at least this long per step (and well above the median rank) is
+#: held back by its data (rule ``input_wait_straggler``), seconds.
+INPUT_WAIT_MIN = float(_RULES["input_wait_straggler"].min_value)
 #: No progress for this long means the run is hung (rule ``run_silent``), as a PromQL duration.
 _silent_s = int(_RULES["run_silent"].seconds)
 ABSENCE = f"{_silent_s // 60}m" if _silent_s % 60 == 0 else f"{_silent_s}s"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a development environment from this repository's own files:
 #   - Debian's Prometheus, Alertmanager and promtool (integration tests run them on loopback),
+#   - Debian's Chromium (the console's browser tests drive it headless through Playwright; nothing
+#     downloads a browser),
 #   - a virtual environment in .venv with trainguard, its extras for the agent, the controller, the dashboards and the
 #     framework integrations (Hugging Face, Lightning), and the test tools, at the exact versions of
 #     constraints.txt.
@@ -12,12 +14,13 @@ need_apt=()
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ "${#need_apt[@]}" -gt 0 ] && [ "${TRAINGUARD_SKIP_APT:-0}" != "1" ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager >/dev/null
+        prometheus prometheus-alertmanager chromium >/dev/null
 fi
 # Debian's packages start the daemons where systemd runs; the tests start their own instances on
 # free loopback ports, so a system instance is never needed.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -19,9 +20,47 @@ from trainguard.service import statements as sql
 from trainguard.service.errors import Invalid, NotFound
 from trainguard.protocol.wire import COMMANDS
 
-__all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR"]
+__all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR", "SeenKeys", "SEEN_KEPT"]
 
 DEFAULT_LR_FACTOR = 0.5
+#: Alerts (fingerprint, startsAt) acted on that are remembered in memory; older ones are still
+#: found in the database (the table the same transaction writes), so a repeat never acts twice.
+SEEN_KEPT = 10_000
+
+
+class SeenKeys:
+    """The newest ``capacity`` (fingerprint, startsAt) pairs acted on: a bounded cache in front
+    of the ``alertmanager_seen`` table, which is the truth."""
+
+    def __init__(self, keys: list[tuple[str, str]] = (), capacity: int = SEEN_KEPT) -> None:  # type: ignore[assignment]
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+        for key in keys:
+            self.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: tuple[str, str]) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: tuple[str, str]) -> None:
+        self._keys.pop(key, None)
+
+
+class _AlreadyActed(Exception):
+    """The database already holds the alert (the memory cache had let it go): nothing changes."""
+
+
+def _mark_seen(c: Any, key: tuple[str, str], now: float) -> None:
+    if not sql.mark_alertmanager_seen(c, *key, now):
+        raise _AlreadyActed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +102,25 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
     return res, AlertCommand(run=run, command=action, scale=scale, factor=factor, reason=reason[:2000], actor=f"alertmanager:{name}")
 
 
-async def act(payload: dict[str, Any], seen: set[tuple[str, str]], command: Callable[..., Awaitable[tuple[int, bytes]]],
-              clock: Callable[[], float]) -> list[dict[str, Any]]:
+async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Awaitable[tuple[int, bytes]]],
+              clock: Callable[[], float], targets: Callable[[str], set[str] | None] = lambda run: None) -> list[dict[str, Any]]:
     """Carry out each acting alert of ``payload`` with ``command`` (``Controller.command``) once:
     ``seen`` holds the (fingerprint, startsAt) pairs already acted on, and the same transaction
-    that changes the run records the pair. Returns one result per alert."""
+    that changes the run records the pair. An alert with an ``instance`` label acts only when
+    ``targets(run)`` (the run's registered ``host:port`` targets, ``None``: unknown run) holds it.
+    Returns one result per alert."""
     results = []
     for alert in payload.get("alerts", []):
         res, cmd = parse_alert(alert)
         if cmd is None:
             results.append(res)
+            continue
+        instance = (alert.get("labels") or {}).get("instance")
+        known = targets(cmd.run)
+        if instance is not None and known is not None and instance not in known:
+            # An alert about one target acts on that target's own run only (its run label comes
+            # from discovery; this guards configurations that let a target set it).
+            results.append(res | {"outcome": "error", "detail": f"instance {instance!r} is not a target of run {cmd.run!r}"})
             continue
         key = (res["fingerprint"], res["startsAt"])
         if key in seen:
@@ -83,8 +131,11 @@ async def act(payload: dict[str, Any], seen: set[tuple[str, str]], command: Call
         try:
             _, body = await command(
                 cmd.run, cmd.command, reason=cmd.reason, actor=cmd.actor, source="alertmanager", scale=cmd.scale,
-                factor=cmd.factor, extra=lambda c, key=key: sql.mark_alertmanager_seen(c, *key, now),
+                factor=cmd.factor, extra=lambda c, key=key: _mark_seen(c, key, now),
             )
+        except _AlreadyActed:
+            results.append(res | {"outcome": "duplicate"})
+            continue
         except (NotFound, Invalid) as e:
             seen.discard(key)
             results.append(res | {"outcome": "error", "detail": str(e)})

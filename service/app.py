@@ -17,18 +17,18 @@ from prometheus_client import CollectorRegistry
 from trainguard.service.auth import TokenTable
 from trainguard.service.config import Settings
 from trainguard.service.controller import Controller
-from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.ingress import ReportIngress
-from trainguard.service.limits import BodyLimit
+from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
-from trainguard.service.routes import alerts, rules, runs, system, webhooks
+from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
 from trainguard.service.store import Store, StoreError
 from trainguard.service.webhooks import WebhookDeliverer
 
 __all__ = ["create_app"]
 
-_STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, StoreError: 503}
+_STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, TooMany: 429, StoreError: 503}
 
 
 def create_app(
@@ -38,9 +38,9 @@ def create_app(
     """Build the controller app. Injected: the store (default: SQLite at ``settings.db``), the
     clock (default ``time.time``), the webhooks' HTTP transport, the metrics registry."""
     settings = settings or Settings()
-    tokens = TokenTable(settings.operator_tokens, settings.agent_tokens)
-    store = store or Store(settings.db)
     clock = clock or time.time
+    tokens = TokenTable(settings.operator_tokens, settings.agent_tokens, clock=clock)
+    store = store or Store(settings.db)
     holder: dict[str, Controller] = {}
     metrics = ControllerMetrics(registry or CollectorRegistry(),
                                 lambda: holder["ctl"].metrics_snapshot() if "ctl" in holder else None)
@@ -50,7 +50,9 @@ def create_app(
     )
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
     controller.reserved_runs = tokens.reserved_runs
+    controller.tokens = tokens
     controller.load()
+    controller.load_tokens()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,15 +63,17 @@ def create_app(
             await controller.stop()
 
     app = FastAPI(
-        title="trainguard controller", version="0.1.0", lifespan=lifespan,
+        title="trainguard controller", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Runs, reports, rules, alerts and desired state of training runs. Agents register runs and post "
         "reports; operators read status and command runs; rules and Alertmanager act too.",
     )
     app.state.controller = controller
     app.state.tokens = tokens
     app.state.settings = settings
-    for module in (runs, alerts, rules, webhooks, system):
+    app.state.simulations = rules.SimulationGate(rules.SIMULATIONS_RUNNING, rules.SIMULATIONS_WAITING)
+    for module in (runs, alerts, rules, webhooks, token_routes, system):
         app.include_router(module.router)
+    ui.install(app)  # the operator console at /ui and the API docs at /docs, every asset served locally
 
     async def known_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_STATUS[type(exc)])
@@ -95,4 +99,5 @@ def create_app(
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Authenticate, tokens=tokens)  # outermost: no body is read before the token is known
     return app

@@ -5,7 +5,11 @@ Operator entries are ``TOKEN`` (every operator scope) or ``TOKEN:scope+scope`` w
 ``TOKEN`` — bound to the first run it registers (the binding is stored and survives restarts) —
 or ``TOKEN:RUN``, bound to ``RUN`` from the start. Tokens may not contain ``:`` or ``,``.
 
-Missing or unknown token: 401. Known token without the scope, or an agent token used for another
+Tokens created at runtime (``POST /v1/tokens``, :meth:`TokenTable.add_stored`) carry their own
+scopes, an expiry, and for agent tokens a job pattern (``fnmatch``, e.g. ``llm-7b*``): such a
+token may register any run of a matching job, and a run it registered stays its own.
+
+Missing, unknown, expired or revoked token: 401. Known token without the scope, or an agent token used for another
 run: 403. With no token configured at all (loopback only, see :mod:`service.config`) every request
 is allowed as the anonymous operator-and-agent.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash"]
 
-OPERATOR_SCOPES: frozenset[str] = frozenset({"read", "command", "rules", "webhooks"})
+OPERATOR_SCOPES: frozenset[str] = frozenset({"read", "command", "rules", "webhooks", "tokens"})
 AGENT_SCOPE = "agent"
 _MIN_TOKEN = 8
 
@@ -39,6 +45,9 @@ class Principal:
     token_digest: str = ""
     bound_run: str | None = None
     """For agent tokens of the ``TOKEN:RUN`` form."""
+    job_pattern: str | None = None
+    """For agent tokens created at runtime: the jobs whose runs it may register (``fnmatch``)."""
+    expires_at: float | None = None
 
     @property
     def actor(self) -> str:
@@ -51,8 +60,13 @@ ANONYMOUS = Principal("anonymous", OPERATOR_SCOPES | {AGENT_SCOPE}, "")
 class TokenTable:
     """The configured tokens, by digest."""
 
-    def __init__(self, operator_entries: tuple[str, ...], agent_entries: tuple[str, ...]) -> None:
+    def __init__(self, operator_entries: tuple[str, ...], agent_entries: tuple[str, ...],
+                 clock: Callable[[], float] = time.time) -> None:
         self._by_digest: dict[bytes, Principal] = {}
+        #: Tokens created at runtime, by digest (looked up, not compared one by one: a dict probe
+        #: on a SHA-256 digest reveals nothing about the token).
+        self._stored: dict[bytes, Principal] = {}
+        self._clock = clock
         for entry in operator_entries:
             token, _, scopes_text = entry.partition(":")
             scopes = frozenset(s for s in scopes_text.split("+") if s) if scopes_text else OPERATOR_SCOPES
@@ -93,4 +107,21 @@ class TokenTable:
         for known, principal in self._by_digest.items():
             if hmac.compare_digest(known, digest):
                 found = principal
+        if found is None:
+            found = self._stored.get(digest)
+            if found is not None and found.expires_at is not None and found.expires_at <= self._clock():
+                return None
         return found
+
+    def add_stored(self, token_hash: str, scopes: frozenset[str], *, job_pattern: str | None,
+                   expires_at: float | None) -> Principal:
+        """Admit a token created at runtime (by its hex digest); agent scope makes it an agent."""
+        digest = bytes.fromhex(token_hash)
+        kind = "agent" if AGENT_SCOPE in scopes else "operator"
+        p = Principal(kind, scopes, token_hash[:12], token_hash, None,
+                      (job_pattern or "*") if kind == "agent" else None, expires_at)
+        self._stored[digest] = p
+        return p
+
+    def remove_stored(self, token_hash: str) -> None:
+        self._stored.pop(bytes.fromhex(token_hash), None)

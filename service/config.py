@@ -58,6 +58,21 @@ class Settings(BaseSettings):
     rank_window_reports: int = Field(
         default=8, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run."
     )
+    max_series_per_run: int = Field(
+        default=1024, ge=16, le=65536,
+        description="Distinct metric names one run may report; a report adding names beyond it is refused (422).",
+    )
+    max_runs: int = Field(default=10_000, ge=1, description="Registered runs the controller holds; more are refused (429).")
+    max_runs_per_token: int = Field(
+        default=1000, ge=1, description="Runs one agent token may register; more are refused (429).")
+    max_world_size: int = Field(
+        default=32_768, ge=1, le=1_000_000, description="Largest world_size (ranks per run) a registration may declare.")
+    header_timeout_s: float = Field(default=10.0, gt=0, le=600, description="A request's line and headers must arrive within this.")
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="A request's whole body must arrive within this (else 408).")
+    keepalive_timeout_s: float = Field(default=5.0, ge=1, le=600, description="An idle keep-alive connection is closed after this.")
+    max_connections: int = Field(default=4096, ge=8, description="Open connections beyond this are closed at once.")
+    shutdown_timeout_s: float = Field(
+        default=10.0, ge=1, le=600, description="On SIGTERM, requests still running after this are cancelled.")
     longpoll_max_s: float = Field(default=60.0, gt=0, le=3600, description="Longest long-poll wait.")
     tick_s: float = Field(default=1.0, gt=0, le=60, description="Period of the absence-rule ticker.")
     webhook_timeout_s: float = Field(default=5.0, gt=0, le=120, description="Timeout of one delivery.")

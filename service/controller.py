@@ -11,26 +11,28 @@ in-memory change back. ``RunState.desired`` is the newest state (possibly still 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import logging
+import secrets
 import sqlite3
 import time
 from typing import Any, Callable
 
 from trainguard.service import statements as sql
-from trainguard.service.alertmanager import act
-from trainguard.service.auth import Principal
+from trainguard.service.alertmanager import SeenKeys, act
+from trainguard.service.auth import Principal, TokenTable, token_hash
 from trainguard.service.config import Settings
 from trainguard.service.engine import Outcome, RollbackRefused, command_state, decide
-from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound
+from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.incidents import RecoveryChange, RunRecovery, snapshot_keep
-from trainguard.service.rules import AbsenceRule, RuleSet, default_rules_text, load_rules
-from trainguard.service.runstate import RunState, action_names, live
+from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
+from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
@@ -61,16 +63,24 @@ class Controller:
         self.bindings: dict[str, str] = {}
         #: Runs that configured ``TOKEN:RUN`` agent tokens own (set by the app from its TokenTable).
         self.reserved_runs: frozenset[str] = frozenset()
+        #: The app's token table (tokens created at runtime are added to it).
+        self.tokens = TokenTable((), ())
         self.rules: RuleSet = load_rules(default_rules_text())
         self.rules_meta: dict[str, Any] = {"version": 0, "source": "default", "actor": "", "created_at": None}
         self.waiters = 0
+        #: Set by :meth:`begin_shutdown`: long-polls answer at once.
+        self.closing = False
         self.records = Records(store, clock)
         """Alerts, the audit log and webhooks as stored (what the routes read and write)."""
         self.events_hub = EventHub()
         """The audit events published after each commit (the SSE stream subscribes to it)."""
-        self._am_seen: set[tuple[str, str]] = set()
+        self._am_seen = SeenKeys()
         self._idem_locks: dict[tuple[str, str], list[Any]] = {}  # key -> [lock, users]
         self._registering: dict[str, asyncio.Future[None]] = {}
+        #: Runs registered by each agent token (by digest): bounded by ``settings.max_runs_per_token``.
+        self.token_runs: dict[str, set[str]] = {}
+        #: Owner (token digest) of each run registered with a token created at runtime.
+        self.owners: dict[str, str] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_prune = 0.0
 
@@ -95,7 +105,10 @@ class Controller:
             if run_id in by_id:
                 by_id[run_id].book.restore(rule, firing=False, fired_at=[at])
         self.bindings = self.store.read_now(sql.agent_bindings)
-        self._am_seen = set(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
+        self.owners = self.store.read_now(sql.run_owners)
+        for digest, run in [*self.bindings.items(), *((d, r) for r, d in self.owners.items())]:
+            self.token_runs.setdefault(digest, set()).add(run)
+        self._am_seen = SeenKeys(self.store.read_now(lambda c: sql.alertmanager_seen(c, now - _KEYS_KEPT_S)))
 
     def _rule_kind(self, job: str, name: str) -> str:
         for r in self.rules.for_job(job):
@@ -117,6 +130,45 @@ class Controller:
             asyncio.create_task(self._ticker(), name="trainguard-ticker"),
             asyncio.create_task(self.deliverer.run(), name="trainguard-webhooks"),
         ]
+
+    def begin_shutdown(self) -> None:
+        """The server is shutting down: answer long-polls now and end the event streams, so that
+        no idle request holds the shutdown up."""
+        self.closing = True
+        self.events_hub.close()
+        for st in list(self.runs.values()):
+            st.changed.set()
+
+    def reload_rules_file(self) -> bool:
+        """Re-read the ``--rules`` file (SIGHUP). An unreadable or invalid file is logged and the
+        active rules stay. Returns whether new rules apply."""
+        path = self.settings.rules
+        if path is None:
+            log.warning("SIGHUP: no rules file was given (--rules); nothing to reload")
+            return False
+        try:
+            text = path.read_text(encoding="utf-8")
+            rules = self.validate_rules(text)
+        except (OSError, UnicodeDecodeError) as e:
+            log.error("SIGHUP: cannot read %s, the active rules stay: %s", path, e)
+            return False
+        except RulesError as e:
+            log.error("SIGHUP: %s is invalid, the active rules stay: %s", path, "; ".join(e.reasons))
+            return False
+        now = self.clock()
+        source = f"file:{path}"
+
+        def stored(fut: asyncio.Future[int]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                log.error("SIGHUP: the new rules apply but could not be recorded: %r", None if fut.cancelled() else fut.exception())
+                return
+            self.rules_meta = {"version": fut.result(), "source": source, "actor": "sighup", "created_at": now}
+
+        self.rules = rules
+        self.rules_meta = {"version": self.rules_meta.get("version", 0), "source": source, "actor": "sighup", "created_at": now}
+        self.store.submit(lambda c: sql.insert_rules_version(c, text, source, "sighup", now)).add_done_callback(stored)
+        log.warning("SIGHUP: rules reloaded from %s (%d rules)", path, len(rules.base))
+        return True
 
     async def stop(self) -> None:
         self.events_hub.close()
@@ -174,9 +226,20 @@ class Controller:
             raise NotFound(f"run {run!r} is not registered")
         return st
 
-    def check_agent(self, principal: Principal, run: str, *, registering: bool = False) -> None:
-        """403 unless ``principal`` may act as the agent of ``run``."""
+    def check_agent(self, principal: Principal, run: str, *, registering: bool = False, job: str | None = None) -> None:
+        """403 unless ``principal`` may act as the agent of ``run`` (of ``job``, when registering)."""
         if principal.kind != "agent":
+            return
+        if principal.job_pattern is not None:  # a token created at runtime, for the runs of some jobs
+            owner = self.owners.get(run)
+            if owner is not None and owner != principal.token_digest:
+                raise Forbidden(f"run {run!r} belongs to the token that registered it")
+            if owner is None and not registering:
+                raise Forbidden(f"this token did not register run {run!r}: register it first (POST /v1/runs)")
+            if registering and job is not None and not fnmatch.fnmatchcase(job, principal.job_pattern):
+                raise Forbidden(f"this token may register runs of jobs matching {principal.job_pattern!r}, not {job!r}")
+            if registering and owner is None and (run in self.runs or run in self.reserved_runs):
+                raise Forbidden(f"run {run!r} belongs to another agent token")
             return
         bound = principal.bound_run or self.bindings.get(principal.token_digest)
         if bound is None and not registering:
@@ -186,17 +249,24 @@ class Controller:
 
     # == registration =================================================================================
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
-        self.check_agent(principal, reg.run, registering=True)
+        self.check_agent(principal, reg.run, registering=True, job=reg.job)
         now = self.clock()
         ranks = [r.model_dump() for r in reg.ranks]
         bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
         if bad:
             raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
+        if reg.world_size > self.settings.max_world_size:
+            self.metrics.registrations_rejected.labels("world_size_limit").inc()
+            raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
+                          "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
         while (registering := self._registering.get(reg.run)) is not None:
             await asyncio.shield(registering)  # a concurrent first registration of this run
         st = self.runs.get(reg.run)
         digest = principal.token_digest
-        bind = principal.kind == "agent" and principal.bound_run is None and digest not in self.bindings
+        if st is None:
+            self._check_run_limits(digest)
+        bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
+                and digest not in self.bindings)
         if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
             # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
             raise Forbidden(f"run {reg.run!r} belongs to another agent token; to hand it to this one, "
@@ -207,6 +277,10 @@ class Controller:
         if bind:
             self.bindings[digest] = reg.run
             tx.on_rollback(lambda: self.bindings.pop(digest, None))
+        own = principal.job_pattern is not None and reg.run not in self.owners
+        if own:
+            self.owners[reg.run] = digest
+            tx.on_rollback(lambda: self.owners.pop(reg.run, None))
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
         data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
         first = st is None
@@ -226,6 +300,8 @@ class Controller:
                 sql.update_run_registration(c, run_id, **fields)
             if bind:
                 sql.bind_agent(c, digest, reg.run, now)
+            if own:
+                sql.own_run(c, reg.run, digest, now)
             event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
                                      reason="registered" if first else "re-registered", generation=generation, data=data)
             return Written(events=[event], value=run_id)
@@ -235,14 +311,26 @@ class Controller:
             return RunRegistered(job=st.job, run=st.run, desired=st.published)
         done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
         try:
-            await self._commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now))
+            await self._commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now, digest))
         finally:
             del self._registering[reg.run]
             done.set_result(None)
         st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.published)
 
-    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float) -> None:
+    def _check_run_limits(self, digest: str) -> None:
+        """429 when a new run would exceed the controller's or the registering token's limit."""
+        if len(self.runs) + len(self._registering) >= self.settings.max_runs:
+            self.metrics.registrations_rejected.labels("runs_limit").inc()
+            raise TooMany(f"the controller holds {len(self.runs)} runs, its limit (TRAINGUARD_MAX_RUNS)")
+        owned = self.token_runs.get(digest, ())
+        if len(owned) >= self.settings.max_runs_per_token:
+            self.metrics.registrations_rejected.labels("token_runs_limit").inc()
+            raise TooMany(f"this token registered {len(owned)} runs, its limit (TRAINGUARD_MAX_RUNS_PER_TOKEN)")
+
+    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float,
+                 digest: str = "") -> None:
+        self.token_runs.setdefault(digest, set()).add(reg.run)
         d = DesiredState()
         self.runs[reg.run] = RunState(
             id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
@@ -271,9 +359,19 @@ class Controller:
             self.metrics.rejected.labels("unknown_run").inc()
             raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
         self.check_agent(principal, run)
+        if st.finished_at is not None:
+            self.metrics.rejected.labels("finished").inc()
+            raise Conflict(f"run {run!r} finished at step {st.finished_step}; register it again (POST /v1/runs) to report")
         if report.job != st.job:
             self.metrics.rejected.labels("conflict").inc()
             raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")
+        cols, limit = st.window.columns, self.settings.max_series_per_run
+        if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
+            new = sum(1 for k in report.values if k not in cols)
+            if len(cols) + new > limit:
+                self.metrics.rejected.labels("series_limit").inc()
+                raise Invalid(f"this report would give run {run!r} {len(cols) + new} distinct metric names; the limit is "
+                              f"{limit} per run (TRAINGUARD_MAX_SERIES_PER_RUN)")
         ranks = rank_vectors(report.ranks)
         for name, vec in ranks.items():
             if len(vec) != st.world_size:
@@ -388,7 +486,7 @@ class Controller:
             deadline = asyncio.get_running_loop().time() + wait
             self.waiters += 1
             try:
-                while st.published.generation <= after:
+                while st.published.generation <= after and not self.closing:
                     remaining = deadline - asyncio.get_running_loop().time()
                     if remaining <= 0:
                         break
@@ -457,15 +555,17 @@ class Controller:
     async def command(
         self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
         factor: float | None = None, idempotency: tuple[str, str, str] | None = None,
-        extra: Callable[[sqlite3.Connection], Any] | None = None,
+        extra: Callable[[sqlite3.Connection], Any] | None = None, accumulation: tuple[int, str] | None = None,
     ) -> tuple[int, bytes]:
         """Apply a command (:data:`~trainguard.protocol.wire.COMMANDS`) from an operator or
         Alertmanager; ``lr_scale`` takes an absolute ``scale`` or a ``factor`` of the current
         multiplier. ``idempotency`` is (principal, key, request hash): a repeat answers the stored
-        response, another body under the key is a Conflict. Returns (HTTP status, JSON body)."""
+        response, another body under the key is a Conflict. ``accumulation`` (operators only):
+        (steps, LR rule) of the ``accumulation`` command, refused (Conflict) for a run whose agent
+        did not opt in. Returns (HTTP status, JSON body)."""
         args = (run, command, reason, actor, source, scale, factor)
         if idempotency is None:
-            return await self._command(*args, None, extra)
+            return await self._command(*args, None, extra, accumulation)
         principal, key, req_hash = idempotency
         entry = self._idem_locks.setdefault((principal, key), [asyncio.Lock(), 0])
         entry[1] += 1
@@ -476,7 +576,7 @@ class Controller:
                     if row["request_hash"] != req_hash:
                         raise Conflict(f"Idempotency-Key {key!r} was used with another request")
                     return row["status"], bytes(row["body"])
-                return await self._command(*args, idempotency, extra)
+                return await self._command(*args, idempotency, extra, accumulation)
         finally:
             entry[1] -= 1
             if entry[1] == 0:
@@ -484,12 +584,16 @@ class Controller:
 
     async def _command(self, run: str, command: str, reason: str, actor: str, source: str, scale: float | None,
                        factor: float | None, idempotency: tuple[str, str, str] | None,
-                       extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
+                       extra: Callable[[sqlite3.Connection], Any] | None,
+                       accumulation: tuple[int, str] | None = None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
+        if command == "accumulation" and not isinstance(st.config.get("accumulation_steps"), int):
+            raise Conflict(f"run {run!r} does not let the controller set its accumulation steps "
+                           "(attach the agent with accumulation_steps=N to opt in)")
         try:
             new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor,
-                                ctx=st.recovery)
+                                ctx=st.recovery, accumulation=accumulation)
         except RollbackRefused as e:
             raise Conflict(str(e)) from None
         except ValueError as e:
@@ -536,7 +640,43 @@ class Controller:
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
         """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each
         (fingerprint + startsAt) once: see :func:`service.alertmanager.act`."""
-        return await act(payload, self._am_seen, self.command, self.clock)
+        return await act(payload, self._am_seen, self.command, self.clock, self._targets)
+
+    def _targets(self, run: str) -> set[str] | None:
+        """The ``host:port`` Prometheus scrapes for each rank of ``run`` (as /v1/sd/targets names them)."""
+        st = self.runs.get(run)
+        return None if st is None else {target_address(r["host"], r["port"]) for r in st.ranks}
+
+    # == tokens ===================================================================================
+    async def create_token(self, *, name: str, scopes: frozenset[str], job_pattern: str | None, ttl_s: float | None,
+                           creator: str) -> dict[str, Any]:
+        """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once."""
+        token = "tg_" + secrets.token_urlsafe(32)
+        digest = token_hash(token)
+        now = self.clock()
+        expires = None if ttl_s is None else now + ttl_s
+        tid = await self.store.submit(lambda c: sql.insert_token(
+            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=creator, now=now,
+            expires_at=expires))
+        self.tokens.add_stored(digest, scopes, job_pattern=job_pattern, expires_at=expires)
+        log.warning("token %d (%s, scopes %s, jobs %s) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, creator)
+        return {"id": tid, "token": token, "name": name, "scopes": sorted(scopes), "job_pattern": job_pattern,
+                "creator": creator, "created_at": now, "expires_at": expires}
+
+    async def revoke_token(self, token_id: int, actor: str) -> dict[str, Any]:
+        now = self.clock()
+        digest = await self.store.submit(lambda c: sql.revoke_token(c, token_id, actor=actor, now=now))
+        if digest is None:
+            raise NotFound(f"no live token with id {token_id}")
+        self.tokens.remove_stored(digest)
+        log.warning("token %d revoked by %s", token_id, actor)
+        return {"id": token_id, "revoked_at": now, "revoked_by": actor}
+
+    def load_tokens(self) -> None:
+        """Admit the stored live tokens (at start-up)."""
+        for row in self.store.read_now(lambda c: sql.active_tokens(c, self.clock())):
+            self.tokens.add_stored(row["token_hash"], frozenset(row["scopes"]), job_pattern=row["job_pattern"],
+                                   expires_at=row["expires_at"])
 
     # == rules ====================================================================================
     def validate_rules(self, text: str) -> RuleSet:

@@ -8,8 +8,9 @@ from fastapi import Depends, HTTPException, Request
 
 from trainguard.service.auth import AGENT_SCOPE, Principal, TokenTable
 from trainguard.service.controller import Controller
+from trainguard.service.limits import PRINCIPAL_KEY
 
-__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep"]
+__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep", "TokensDep"]
 
 
 async def get_controller(request: Request) -> Controller:
@@ -21,7 +22,7 @@ def _require(*scopes: str) -> Callable[[Request], Awaitable[Principal]]:
 
     async def dep(request: Request) -> Principal:
         tokens: TokenTable = request.app.state.tokens
-        principal = tokens.authenticate(request.headers.get("authorization"))
+        principal = request.scope.get(PRINCIPAL_KEY) or tokens.authenticate(request.headers.get("authorization"))
         if principal is None:
             raise HTTPException(401, "missing or unknown bearer token (send 'Authorization: Bearer <token>')",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -39,3 +40,4 @@ ReadDep = Annotated[Principal, Depends(_require("read"))]
 CommandDep = Annotated[Principal, Depends(_require("command"))]
 RulesDep = Annotated[Principal, Depends(_require("rules"))]
 WebhooksDep = Annotated[Principal, Depends(_require("webhooks"))]
+TokensDep = Annotated[Principal, Depends(_require("tokens"))]

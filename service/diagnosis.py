@@ -116,6 +116,18 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=("Inspect the slow rank's host", "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)"),
         source="Every rank waits for the slowest one at each collective, so one slow rank slows the whole job.",
     ),
+    "input_bound": Diagnosis(
+        symptom="One rank waits for its input data far longer than the others (data-slow, not compute-slow)",
+        likely_causes=("Too few data loader workers or too little prefetch on that rank", "Slow storage or network file system on that node", "Heavy per-sample preprocessing in the training process"),
+        suggested_actions=("Raise num_workers and prefetch (4-8 batches ahead)", "Read memory-mapped token shards instead of decoding text on the fly", "Check the node's disk and file-system latency"),
+        source="A rank that waits for its data holds every other rank at the next collective, so the whole job runs at the speed of its slowest loader.",
+    ),
+    "data_shared": Diagnosis(
+        symptom="Ranks are reading the same data",
+        likely_causes=("Every rank's sampler starts from the same random state with the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),
+        suggested_actions=("Give each rank its own shard of the data (sampler rank = the process's rank)", "Derive each worker's random state from the run's base value, the epoch, the rank and the worker id", "Restart from the last checkpoint once fixed: the steps since saw less data than counted"),
+        source="Data-parallel ranks should each read their own share of the data; ranks that read the same samples train on less data than counted and overfit to it.",
+    ),
     "desync": Diagnosis(
         symptom="Ranks disagree on a gradient/parameter fingerprint (should differ by < 1e-5)",
         likely_causes=("Parameters not synchronised across ranks", "Gradients not all-reduced"),

@@ -178,15 +178,15 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
         return None
     if notes:
         reason = f"{reason} — {'; '.join(notes)}"
-    return DesiredState(
+    return desired.model_copy(update=dict(  # other fields (accumulation) carry over
         generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop,
         rollback_seq=rb_seq, rollback_step=rb_step, reason=_reason(reason)
-    )
+    ))
 
 
 def command_state(
     desired: DesiredState, command: str, reason: str, *, scale: float | None = None, factor: float | None = None,
-    ctx: ActionContext | None = None,
+    ctx: ActionContext | None = None, accumulation: tuple[int, str] | None = None,
 ) -> DesiredState | None:
     """The desired state after a command from an operator or Alertmanager; ``None`` when it
     changes nothing. Every command except ``resume`` is carried out by the rules' own actions
@@ -194,8 +194,17 @@ def command_state(
 
     ``lr_scale`` takes either an absolute ``scale`` or a ``factor`` of the current one;
     ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``.
+    ``accumulation`` (operators only) sets ``accumulation`` = (steps, LR rule).
     Raises ``ValueError`` for an unknown command or a bad scale.
     """
+    if command == "accumulation":
+        if accumulation is None:
+            raise ValueError("accumulation needs the number of steps and an LR rule")
+        steps, rule = accumulation
+        if (steps, rule) == (desired.accumulation_steps, desired.accumulation_lr_rule):
+            return None
+        return desired.model_copy(update={"generation": desired.generation + 1, "accumulation_steps": steps,
+                                          "accumulation_lr_rule": rule, "reason": _reason(reason)})
     if command == "resume":
         if not (desired.paused or desired.stop):
             return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NotFound", "Conflict", "Forbidden", "Invalid"]
+__all__ = ["NotFound", "Conflict", "Forbidden", "Invalid", "TooMany"]
 
 
 class NotFound(LookupError):
@@ -19,3 +19,7 @@ class Forbidden(Exception):
 
 class Invalid(ValueError):
     """422."""
+
+
+class TooMany(Exception):
+    """429: a limit on what one client may create (runs, series)."""

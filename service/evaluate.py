@@ -197,9 +197,26 @@ def _spread(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str
     med = _median(row[finite])
     top = int(np.argmax(vals))
     if med <= 0:
+        if not (rule.min_value > 0 and row[top] > 0):
+            return None, {}
+        ratio = math.inf
+    else:
+        ratio = float(row[top]) / med
+    hit = ratio >= rule.ratio and float(row[top]) >= rule.min_value
+    return hit, {"max": float(row[top]), "median": med, "ratio": ratio, "limit": rule.ratio, "rank": top}
+
+
+def _above(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str, Any]]:
+    finite = np.isfinite(row)
+    if not finite.any():
         return None, {}
-    ratio = float(row[top]) / med
-    return ratio >= rule.ratio, {"max": float(row[top]), "median": med, "ratio": ratio, "limit": rule.ratio, "rank": top}
+    assert rule.value is not None
+    with np.errstate(invalid="ignore"):
+        ranks = np.flatnonzero(finite & (row >= rule.value))
+    return bool(len(ranks)), {
+        "limit": rule.value, "ranks": ranks[:16].tolist(), "count": int(len(ranks)),
+        "values": {int(r): _num(float(row[r])) for r in ranks[:16].tolist()},
+    }
 
 
 def _mismatch(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str, Any]]:
@@ -217,22 +234,27 @@ def _mismatch(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[s
     }
 
 
+_CHECKS = {"spread": _spread, "mismatch": _mismatch, "above": _above}
+
+
 def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
     """Each row's verdict, as :func:`_spread` / :func:`_mismatch` give it; all rows at once when
     every value is finite (the usual case), row by row otherwise."""
     k, n = hist.shape
-    if n >= 2 and np.isfinite(hist).all():
+    if n >= 2 and np.isfinite(hist).all() and rule.check != "above":
         if rule.check == "mismatch" and hist.min() == hist.max():
             return [False] * k  # every rank agrees exactly (data-parallel fingerprints): nothing differs
         s = np.sort(hist, axis=1)
         med = s[:, n // 2] if n % 2 else 0.5 * (s[:, n // 2 - 1] + s[:, n // 2])
         if rule.check == "spread":
+            if rule.min_value > 0 and not (med > 0).all():
+                return [_spread(rule, row)[0] for row in hist]
             judged = med > 0
-            hit = s[:, -1] / np.where(judged, med, 1.0) >= rule.ratio
+            hit = (s[:, -1] / np.where(judged, med, 1.0) >= rule.ratio) & (s[:, -1] >= rule.min_value)
             return [bool(h) if j else None for h, j in zip(hit.tolist(), judged.tolist())]
         tol = rule.rel_tol * np.maximum(np.abs(med), 1e-30)
         return (np.abs(hist - med[:, None]) > tol[:, None]).any(axis=1).tolist()
-    check = _spread if rule.check == "spread" else _mismatch
+    check = _CHECKS[rule.check]
     return [check(rule, row)[0] for row in hist]
 
 
@@ -245,10 +267,11 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
         return Finding(rule, None)
     if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
         return Finding(rule, False)
-    check = _spread if rule.check == "spread" else _mismatch
-    values = {"vector": rule.vector, "check": rule.check, **check(rule, hist[-1])[1]}
+    values = {"vector": rule.vector, "check": rule.check, **_CHECKS[rule.check](rule, hist[-1])[1]}
     if rule.check == "spread":
         summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"
+    elif rule.check == "above":
+        summary = f"rank(s) {values['ranks'][:8]} have {rule.vector} >= {rule.value:g} ({values['count']} in all)"
     else:
         summary = f"{values['differing']} rank(s) disagree on {rule.vector} (first: {values['ranks'][:8]}; rel. tolerance {rule.rel_tol:g})"
     return Finding(rule, True, summary, values)

@@ -17,6 +17,7 @@ class EventHub:
 
     def __init__(self) -> None:
         self._subscribers: set[Queue] = set()
+        self.closed = False
 
     def publish(self, events: list[dict[str, Any]]) -> None:
         for ev in events:
@@ -28,6 +29,9 @@ class EventHub:
 
     def subscribe(self) -> Queue:
         q: Queue = asyncio.Queue(maxsize=QUEUE_SIZE)
+        if self.closed:
+            q.put_nowait(None)  # subscribed during shutdown: the stream ends at once
+            return q
         self._subscribers.add(q)
         return q
 
@@ -39,6 +43,7 @@ class EventHub:
 
     def close(self) -> None:
         """Tell every subscriber the stream ends (``None``)."""
+        self.closed = True
         for q in list(self._subscribers):
             try:
                 q.put_nowait(None)

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 
 from trainguard.service.auth import AGENT_SCOPE, TokenTable
 from trainguard.service.controller import Controller
-from trainguard.service.limits import replay
+from trainguard.service.limits import PRINCIPAL_KEY, replay
 from trainguard.protocol.wire import API_PREFIX
 
 __all__ = ["ReportIngress", "MAX_RUN_NAME"]
@@ -56,12 +56,14 @@ class ReportIngress:
         if run is None:
             await self.app(scope, receive, send)
             return
-        authorization = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-                break
-        principal = self.tokens.authenticate(authorization)
+        principal = scope.get(PRINCIPAL_KEY)
+        if principal is None:
+            authorization = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+                    break
+            principal = self.tokens.authenticate(authorization)
         if principal is None or AGENT_SCOPE not in principal.scopes:
             await self.app(scope, receive, send)  # the route's dependency answers 401/403
             return

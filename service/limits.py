@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["BodyLimit", "replay"]
+__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay"]
+
+#: Where :class:`Authenticate` leaves the caller's principal in the ASGI scope (the routes'
+#: dependencies and the report fast path read it instead of hashing the token again).
+PRINCIPAL_KEY = "trainguard.principal"
 
 
 class BodyLimit:
@@ -70,3 +74,33 @@ def replay(body: bytes, receive: Any) -> Any:
         return await receive()
 
     return receive_again
+
+
+class Authenticate:
+    """Answer 401 to an API request (``/v1/...``) without a known token before anything reads
+    its body: an unauthenticated caller costs a hash, never a parse. Scopes are checked later,
+    by each route. ``tokens`` is a :class:`~trainguard.service.auth.TokenTable`."""
+
+    def __init__(self, app: Any, tokens: Any) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        principal = self.tokens.authenticate(authorization)
+        if principal is None:
+            body = b'{"detail":"missing or unknown bearer token (send \'Authorization: Bearer <token>\')"}'
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        scope[PRINCIPAL_KEY] = principal
+        await self.app(scope, receive, send)

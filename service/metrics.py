@@ -36,7 +36,8 @@ class ControllerMetric(MetricSpec):
 
 CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
     ControllerMetric("trainguard_controller_reports_total", "counter", "reports", "Reports ingested (persisted and evaluated)."),
-    ControllerMetric("trainguard_controller_reports_rejected_total", "counter", "reports", "Reports refused, by reason (invalid, unknown_run, conflict).", ("reason",)),
+    ControllerMetric("trainguard_controller_reports_rejected_total", "counter", "reports", "Reports refused, by reason (invalid, unknown_run, conflict, finished, series_limit).", ("reason",)),
+    ControllerMetric("trainguard_controller_registrations_rejected_total", "counter", "registrations", "Run registrations refused by a limit, by reason (runs_limit, token_runs_limit, world_size_limit).", ("reason",)),
     ControllerMetric("trainguard_controller_rule_evaluations_total", "counter", "evaluations", "Rule evaluations (one per rule per report, plus absence checks)."),
     ControllerMetric("trainguard_controller_alerts_total", "counter", "alerts", "Alerts fired, by rule and severity.", ("rule", "severity")),
     ControllerMetric("trainguard_controller_alerts_suppressed_total", "counter", "alerts", "Alerts held back by a rule's cooldown or cap.", ("rule", "reason")),
@@ -90,6 +91,7 @@ class ControllerMetrics:
         h = _help
         self.reports = Counter("trainguard_controller_reports", h("trainguard_controller_reports_total"), registry=registry)
         self.rejected = Counter("trainguard_controller_reports_rejected", h("trainguard_controller_reports_rejected_total"), ["reason"], registry=registry)
+        self.registrations_rejected = Counter("trainguard_controller_registrations_rejected", h("trainguard_controller_registrations_rejected_total"), ["reason"], registry=registry)
         self.evaluations = Counter("trainguard_controller_rule_evaluations", h("trainguard_controller_rule_evaluations_total"), registry=registry)
         self.alerts = Counter("trainguard_controller_alerts", h("trainguard_controller_alerts_total"), ["rule", "severity"], registry=registry)
         self.suppressed = Counter("trainguard_controller_alerts_suppressed", h("trainguard_controller_alerts_suppressed_total"), ["rule", "reason"], registry=registry)

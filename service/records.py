@@ -28,6 +28,10 @@ class Records:
         """Audit events after id ``after``, oldest first (of one run, or all)."""
         return await self._store.read(lambda c: sql.list_events(c, run=run, after=after, limit=limit))
 
+    async def events_newest(self, *, run: str | None, before: int | None, limit: int) -> list[dict[str, Any]]:
+        """Audit events with ids below ``before`` (from the newest when ``None``), newest first."""
+        return await self._store.read(lambda c: sql.list_events_before(c, run=run, before=before, limit=limit))
+
     async def add_webhook(self, *, url: str, format: str, secret: str, min_severity: str, send_resolved: bool) -> tuple[int, float]:
         """Subscribe a webhook; returns (id, created_at)."""
         now = self._clock()

@@ -47,6 +47,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
         checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), rollback_seq=row["rollback_seq"],
         rollback_step=row["rollback_step"], reason=row["reason"],
+        accumulation_steps=row["accumulation_steps"], accumulation_lr_rule=row["accumulation_lr_rule"],
     )
     window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
                        world_size=row["world_size"], created=row["registered_at"])
@@ -64,7 +65,17 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
     rank_from = len(reports) - s.rank_window_reports
     for i, rep in enumerate(reports):
         ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
-        window.append_raw(json.loads(rep["vals"]), ranks, rep["step_last"], rep["received"])
+        values = json.loads(rep["vals"])
+        if len(window.columns) + len(values) > s.max_series_per_run:
+            # A database written before the series limit (or under a higher one): keep the names
+            # seen first, so that a restart holds no more than a running controller would.
+            room, kept = s.max_series_per_run - len(window.columns), {}
+            for k, v in values.items():
+                if k in window.columns or room > 0:
+                    room -= k not in window.columns
+                    kept[k] = v
+            values = kept
+        window.append_raw(values, ranks, rep["step_last"], rep["received"])
     if row["last_report_at"] is not None:
         window.touch(row["last_report_at"])
     return st

@@ -24,8 +24,8 @@ Kinds: ``threshold`` (metric op value for N consecutive reports), ``spike`` (new
 the rolling median or EMA of the previous window: ratio or z-score), ``nonfinite`` (NaN/Inf in a
 value or in any rank's vector), ``trend`` (not decreasing over a window, or growing monotonically),
 ``cross_rank`` (``spread``: max/median across ranks, names the straggler; ``mismatch``: ranks whose
-fingerprint differs from the median by more than a relative tolerance) and ``absence`` (no report
-for T seconds).
+fingerprint differs from the median by more than a relative tolerance; ``above``: ranks whose value
+reaches a limit, e.g. ranks that see the same data) and ``absence`` (no report for T seconds).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ __all__ = [
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s"]
+Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
+                 "input_wait_s", "data_overlap"]
 assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
 
 
@@ -267,17 +268,29 @@ class TrendRule(_RuleBase):
 class CrossRankRule(_RuleBase):
     """Across the ranks of one report, for each of the newest ``for_reports`` reports.
 
-    ``check: spread`` fires when max / median of the finite values >= ratio (a straggler for
-    ``step_time_s``). ``check: mismatch`` fires when some rank is non-finite or differs from the
-    median by more than rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
+    ``check: spread`` fires when max / median of the finite values >= ratio and the max is at least
+    ``min_value`` (a straggler for ``step_time_s``; for ``input_wait_s`` a rank that waits for its
+    data while the others do not; a median of 0 then counts as an infinite ratio).
+    ``check: mismatch`` fires when some rank is non-finite or differs from the median by more than
+    rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
+    ``check: above`` fires when some rank's finite value is >= ``value`` and names those ranks
+    (``data_overlap``: ranks that see the same data).
     """
 
     kind: Literal["cross_rank"]
     vector: Vector
-    check: Literal["spread", "mismatch"]
+    check: Literal["spread", "mismatch", "above"]
     ratio: float = Field(default=1.5, gt=1.0, allow_inf_nan=False)
     rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
+    min_value: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    value: float | None = Field(default=None, allow_inf_nan=False)
     for_reports: int = Field(default=1, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _limit(self) -> "CrossRankRule":
+        if (self.check == "above") != (self.value is not None):
+            raise ValueError("'value' is required by check: above, and only by it")
+        return self
 
 
 class AbsenceRule(_RuleBase):
@@ -367,12 +380,16 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
         data = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as e:
         raise RulesError([f"not valid YAML: {e}"]) from None
+    except RecursionError:
+        raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RulesError(["the rules file must be a mapping with a 'rules' list"])
     try:
         file = RulesFile.model_validate(data)
+    except RecursionError:
+        raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
     except ValidationError as e:
         raise RulesError([_fmt(err) for err in e.errors()]) from None
     reasons: list[str] = []

@@ -12,7 +12,7 @@ from trainguard.service.incidents import RunRecovery
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["RunState", "live", "action_names"]
+__all__ = ["RunState", "live", "action_names", "target_address"]
 
 
 @dataclass(slots=True, eq=False)
@@ -81,11 +81,15 @@ class RunState:
     def detail(self) -> dict[str, Any]:
         """The run as ``GET /v1/runs/{run}`` shows it."""
         st = self
+        last = st.window.latest_values()
         return self.summary() | {
             "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
             "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
             "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
-            "last_values": st.window.latest_values(),
+            "last_values": last,
+            # the noise scale's recommendation next to the batch size in use (None until reported)
+            "batch_size": {"current": last.get("trainguard_global_batch_size"),
+                           "recommended": last.get("trainguard_recommended_batch_size")},
             "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
         }
 
@@ -118,3 +122,9 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
     if after.rollback_seq != before.rollback_seq:
         out.append("rollback")
     return out
+
+
+def target_address(host: str, port: int) -> str:
+    """``host:port`` of a rank's /metrics as service discovery gives it to Prometheus (IPv6 in brackets)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{host}:{port}"

@@ -6,7 +6,7 @@ import math
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
 
@@ -79,6 +79,15 @@ class RulesTestRequest(BaseModel):
     world_size: int = Field(default=1, ge=1, le=1_000_000)
     desired: DesiredState | None = None
     reports: list[Report] = Field(max_length=10_000, description="Replayed in order; each report's time is the clock.")
+
+    @model_validator(mode="after")
+    def _vectors_fit(self) -> "RulesTestRequest":
+        for i, report in enumerate(self.reports):
+            for name in type(report.ranks).model_fields:
+                vec = getattr(report.ranks, name)
+                if vec and len(vec) != self.world_size:  # (an empty vector is an absent one)
+                    raise ValueError(f"reports[{i}].ranks.{name} has {len(vec)} values; world_size is {self.world_size}")
+        return self
 
 
 class AlertmanagerAlert(BaseModel):

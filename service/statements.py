@@ -48,9 +48,9 @@ def update_run_registration(conn: sqlite3.Connection, run_id: int, *, world_size
 def update_desired(conn: sqlite3.Connection, run_id: int, d: Any) -> None:
     conn.execute(
         "UPDATE runs SET generation=?, paused=?, lr_scale=?, checkpoint_seq=?, stop=?, rollback_seq=?, rollback_step=?,"
-        " reason=? WHERE id=?",
+        " reason=?, accumulation_steps=?, accumulation_lr_rule=? WHERE id=?",
         (d.generation, int(d.paused), d.lr_scale, d.checkpoint_seq, int(d.stop), d.rollback_seq, d.rollback_step, d.reason,
-         run_id),
+         d.accumulation_steps, d.accumulation_lr_rule, run_id),
     )
 
 
@@ -188,6 +188,19 @@ def list_events(conn: sqlite3.Connection, *, run: str | None, after: int, limit:
     return [event_dict(r) for r in rows]
 
 
+def list_events_before(conn: sqlite3.Connection, *, run: str | None, before: int | None, limit: int) -> list[dict[str, Any]]:
+    """Audit events with ids below ``before`` (from the newest when ``None``), newest first."""
+    where, args = [], []
+    if run is not None:
+        where.append("r.run=?")
+        args.append(run)
+    if before is not None:
+        where.append("e.id<?")
+        args.append(before)
+    sql = _EVENT_SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY e.id DESC LIMIT ?"
+    return [event_dict(r) for r in conn.execute(sql, (*args, limit))]
+
+
 def get_events(conn: sqlite3.Connection, ids: list[int]) -> list[dict[str, Any]]:
     if not ids:
         return []
@@ -290,7 +303,7 @@ def mark_alertmanager_seen(conn: sqlite3.Connection, fingerprint: str, starts_at
 
 
 def alertmanager_seen(conn: sqlite3.Connection, since: float) -> list[tuple[str, str]]:
-    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=?", (since,))]
+    return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=? ORDER BY received_at", (since,))]
 
 
 def insert_rules_version(conn: sqlite3.Connection, text: str, source: str, actor: str, now: float) -> int:
@@ -308,6 +321,48 @@ def bind_agent(conn: sqlite3.Connection, token_digest: str, run: str, now: float
 
 def agent_bindings(conn: sqlite3.Connection) -> dict[str, str]:
     return {r[0]: r[1] for r in conn.execute("SELECT token_hash, run FROM agent_bindings")}
+
+
+_TOKEN_COLUMNS = "id, name, scopes, job_pattern, creator, created_at, expires_at, revoked_at, revoked_by"
+
+
+def insert_token(conn: sqlite3.Connection, *, token_hash: str, name: str, scopes: list[str], job_pattern: str | None,
+                 creator: str, now: float, expires_at: float | None) -> int:
+    cur = conn.execute(
+        "INSERT INTO tokens (token_hash, name, scopes, job_pattern, creator, created_at, expires_at) VALUES (?,?,?,?,?,?,?)",
+        (token_hash, name, "+".join(sorted(scopes)), job_pattern, creator, now, expires_at))
+    return int(cur.lastrowid)
+
+
+def _token_row(r: sqlite3.Row) -> dict[str, Any]:
+    return dict(r) | {"scopes": r["scopes"].split("+")}
+
+
+def list_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    return [_token_row(r) for r in conn.execute(f"SELECT {_TOKEN_COLUMNS} FROM tokens ORDER BY id")]
+
+
+def active_tokens(conn: sqlite3.Connection, now: float) -> list[dict[str, Any]]:
+    rows = conn.execute(f"SELECT token_hash, {_TOKEN_COLUMNS} FROM tokens WHERE revoked_at IS NULL "
+                        "AND (expires_at IS NULL OR expires_at > ?)", (now,))
+    return [_token_row(r) for r in rows]
+
+
+def revoke_token(conn: sqlite3.Connection, token_id: int, *, actor: str, now: float) -> str | None:
+    """Revoke token ``token_id``; its hash, or ``None`` when there is no such live token."""
+    row = conn.execute("SELECT token_hash FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()
+    if row is None:
+        return None
+    conn.execute("UPDATE tokens SET revoked_at=?, revoked_by=? WHERE id=?", (now, actor, token_id))
+    return str(row[0])
+
+
+def own_run(conn: sqlite3.Connection, run: str, token_hash: str, now: float) -> None:
+    conn.execute("INSERT OR IGNORE INTO run_owners (run, token_hash, owned_at) VALUES (?,?,?)", (run, token_hash, now))
+
+
+def run_owners(conn: sqlite3.Connection) -> dict[str, str]:
+    return {r[0]: r[1] for r in conn.execute("SELECT run, token_hash FROM run_owners")}
 
 
 def prune(conn: sqlite3.Connection, *, reports_before: float, keys_before: float) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -184,13 +185,45 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN finish_reason TEXT;
     ALTER TABLE runs ADD COLUMN resumed_at REAL;
     """,
-    # 4: rollback in the desired state (absolute, like checkpoint_seq).
+    # 4: the number of gradient accumulation steps a command set (0: the run's own) and the rule
+    # the LR follows it by.
+    """
+    ALTER TABLE runs ADD COLUMN accumulation_steps INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN accumulation_lr_rule TEXT NOT NULL DEFAULT 'none';
+    """,
+    # 5: tokens created at runtime (POST /v1/tokens), kept as SHA-256 digests with their scopes,
+    # job pattern, creator and expiry; a revoked one keeps its row (who revoked it, when). The
+    # owner of each run registered with such a token.
+    """
+    CREATE TABLE tokens (
+        id INTEGER PRIMARY KEY,
+        token_hash TEXT NOT NULL UNIQUE,
+        name TEXT NOT NULL,
+        scopes TEXT NOT NULL,
+        job_pattern TEXT,
+        creator TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL,
+        revoked_at REAL,
+        revoked_by TEXT
+    );
+    CREATE TABLE run_owners (
+        run TEXT PRIMARY KEY,
+        token_hash TEXT NOT NULL,
+        owned_at REAL NOT NULL
+    );
+    """,
+    # 6: rollback in the desired state (absolute, like checkpoint_seq).
     """
     ALTER TABLE runs ADD COLUMN rollback_seq INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE runs ADD COLUMN rollback_step INTEGER NOT NULL DEFAULT 0;
     """,
 )
 
+
+
+def _is_busy(e: sqlite3.OperationalError) -> bool:
+    return getattr(e, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(e)
 
 
 class StoreError(RuntimeError):
@@ -207,7 +240,7 @@ class Store:
         if str(path) == ":memory:":
             raise ValueError("the store needs a file (readers and the writer share it)")
         self._conn = self._connect(readonly=False)
-        self._lock = threading.Lock()  # the writer connection is used by one caller at a time
+        self._lock = threading.RLock()  # the writer connection is used by one caller at a time
         self._started = False
         self._closed = False
         self._stop = threading.Event()
@@ -221,8 +254,13 @@ class Store:
         self._active_reads = 0
         self._reads_idle = threading.Condition(self._readers_lock)
         self._pending: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]] = []
+        #: A batch is being committed in a worker thread (the write lock was held elsewhere):
+        #: later submissions queue behind it, in order, while the event loop keeps serving.
+        self._offloaded = False
         self.failed: BaseException | None = None
         self.commits = 0
+        #: Why the last commit failed; ``None`` after a successful one (readiness reads it).
+        self.write_error: str | None = None
         self._migrate()
 
     # -- connections -------------------------------------------------------------------------
@@ -231,6 +269,9 @@ class Store:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, isolation_level=None)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only: the file holds webhook secrets (and SQLite gives the -wal and -shm files
+            # the database file's permissions).
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -303,6 +344,10 @@ class Store:
         if self._started:
             return
         self._conn.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints (which fsync) run in their own thread
+        # On the loop's thread the writer never waits for a lock: a batch that finds the write
+        # lock taken (another process, a backup, an operator's sqlite3 shell) goes to a worker
+        # thread that waits up to busy_timeout_ms, so every other route keeps answering meanwhile.
+        self._conn.execute("PRAGMA busy_timeout=0")
         self._started = True
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="trainguard-wal-checkpoint", daemon=True)
         self._checkpointer.start()
@@ -338,10 +383,44 @@ class Store:
         return fut
 
     def _flush(self) -> None:
+        if self._offloaded:
+            return  # the worker's completion flushes what queued meanwhile
         batch, self._pending = self._pending, []
         if not batch:
             return
-        results = self._commit([(op, single) for op, _fut, single, _orphaned in batch])
+        results = self._commit([(op, single) for op, _fut, single, _orphaned in batch], wait=False)
+        if results is None:  # the write lock is held elsewhere: wait for it off the event loop
+            self._offloaded = True
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(None, self._commit_waiting, [(op, single) for op, _fut, single, _orphaned in batch])
+            work.add_done_callback(lambda f: self._offloaded_done(batch, f))
+            return
+        self._resolve(batch, results)
+
+    def _commit_waiting(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]]) -> list[tuple[bool, Any]]:
+        """:meth:`_commit` in a worker thread, waiting up to ``busy_timeout_ms`` for the write lock."""
+        with self._lock:
+            self._conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_ms)}")
+            try:
+                results = self._commit(batch, wait=True)
+            finally:
+                self._conn.execute("PRAGMA busy_timeout=0")
+        assert results is not None
+        return results
+
+    def _offloaded_done(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                        work: asyncio.Future[list[tuple[bool, Any]]]) -> None:
+        self._offloaded = False
+        try:
+            results = work.result()
+        except BaseException as e:  # noqa: BLE001 - the executor itself failed: every caller gets a 503
+            results = [(False, StoreError(f"database commit failed: {e!r}"))] * len(batch)
+        self._resolve(batch, results)
+        if self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _resolve(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                 results: list[tuple[bool, Any]]) -> None:
         # Successes resolve in submission order (their events are published in id order);
         # failures after them, newest first, so that the callers take back their in-memory
         # changes in the reverse order of making them (see service.transaction).
@@ -359,12 +438,20 @@ class Store:
             elif orphaned is not None:
                 orphaned(False, error)
 
-    def _commit(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]]) -> list[tuple[bool, Any]]:
+    def _commit(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]], *,
+                wait: bool = True) -> list[tuple[bool, Any]] | None:
+        """Run ``batch`` in one transaction. With ``wait=False`` (the event loop's thread, busy
+        timeout 0) answer ``None`` at once when another connection holds the write lock."""
         conn = self._conn
         results: list[tuple[bool, Any]] = []
         with self._lock:
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as e:
+                    if not wait and _is_busy(e):
+                        return None
+                    raise
                 for op, single in batch:
                     if single:
                         try:
@@ -382,8 +469,10 @@ class Store:
                         results.append((False, e))
                 conn.execute("COMMIT")
                 self.commits += 1
-            except Exception as e:  # the commit itself failed (disk full, I/O error)
+                self.write_error = None
+            except Exception as e:  # the commit itself failed (disk full, I/O error, lock wait timed out)
                 log.exception("database commit failed")
+                self.write_error = f"{type(e).__name__}: {e}"
                 try:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
@@ -409,7 +498,7 @@ class Store:
         if self._closed:
             return
         if self._pending:
-            results = self._commit([(op, single) for op, _fut, single, _orphaned in self._pending])
+            results = self._commit_waiting([(op, single) for op, _fut, single, _orphaned in self._pending])
             self._pending = []
             del results
         deadline = time.monotonic() + timeout

@@ -29,7 +29,7 @@ from trainguard.service import statements as sql
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
 
-__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer"]
+__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url"]
 
 log = logging.getLogger("trainguard.webhooks")
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
@@ -210,7 +210,11 @@ class WebhookDeliverer:
             if outcome != "delivered":
                 reason = "timeout" if error.startswith("timeout") else ("5xx" if status and status >= 500 else ("4xx" if status else "error"))
                 self._metrics.failures.labels(reason).inc()
-                log.warning("webhook %s delivery %s attempt %d: %s", row["url"], row["id"], attempt, error)
+                # The URL's path and query are secrets for some receivers (a Slack incoming webhook's
+                # path is its credential): logs name the webhook by id and host only.
+                shown = redact_url(row["url"])
+                log.warning("webhook %s (%s) delivery %s attempt %d: %s", row["webhook_id"], shown, row["id"], attempt,
+                            error.replace(row["url"], shown))
             self._metrics.deliveries.labels(outcome).inc()
             now = self._clock()
             next_at = now + self._delay(attempt) if outcome == "retry" else None
@@ -220,3 +224,13 @@ class WebhookDeliverer:
             ))
             if outcome != "retry":
                 self.pending = max(0, self.pending - 1)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without what may be a credential: user info, path and query (``https://host/…``)."""
+    try:
+        u = httpx.URL(url)
+        port = f":{u.port}" if u.port else ""
+        return f"{u.scheme}://{u.host}{port}/…"
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as nothing at all
+        return "<invalid URL>"

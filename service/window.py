@@ -65,7 +65,7 @@ class RunWindow:
 
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
-        "_received", "_step", "_ranks", "_rank_mask", "rank_count", "_last_received",
+        "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
         "_keys", "_cols",
     )
 
@@ -78,6 +78,8 @@ class RunWindow:
         self.count = 0
         """Reports appended since creation (also the sequence number of the newest)."""
         self.rank_count = 0
+        self._written = 0
+        """Reports appended to this object (``count`` may start higher: a reload sets it)."""
         self.columns: dict[str, int] = {}
         self._set_values(np.full((2, capacity, 16), math.nan), np.zeros((2, capacity, 16), dtype=bool))
         self._received = np.zeros(capacity)
@@ -99,6 +101,7 @@ class RunWindow:
     def _set_ranks(self, world_size: int) -> None:
         self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
         self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
+        self._rank_seq = np.zeros(self.rank_capacity, dtype=np.int64)
 
     # -- writing ---------------------------------------------------------------------------
     def _column(self, name: str) -> int:
@@ -131,6 +134,7 @@ class RunWindow:
         self._received[row] = received
         self._step[row] = step_last
         self.count += 1
+        self._written += 1
         self._last_received = received
         if ranks:
             rrow = self.rank_count % self.rank_capacity
@@ -139,6 +143,7 @@ class RunWindow:
                 if vec is not None:
                     self._ranks[rrow, i] = vec
             self._rank_mask[rrow] = [name in ranks for name in VECTORS]
+            self._rank_seq[rrow] = self.count
             self.rank_count += 1
 
     def save_next(self, *, ranks: bool) -> tuple[Any, ...]:
@@ -240,6 +245,35 @@ class RunWindow:
             for name, col in self.columns.items()
             if self._present[row, col]
         }
+
+
+    # -- reading for people (the console) ----------------------------------------------------------
+    def rows(self, after: int = 0) -> list[tuple[int, int, float, dict[str, float]]]:
+        """The reports appended after sequence number ``after`` that the window still holds, oldest
+        first, as ``(seq, step_last, received, values)``; ``seq`` counts from 1 and ``values`` holds
+        only the metrics that report carried (NaN stays NaN)."""
+        first = max(after, self.count - min(self._written, self.capacity)) + 1
+        names = list(self.columns.items())
+        out = []
+        for seq in range(first, self.count + 1):
+            row = (seq - 1) % self.capacity
+            values, present = self._values[row], self._present[row]
+            out.append((seq, int(self._step[row]), float(self._received[row]),
+                        {name: float(values[col]) for name, col in names if present[col]}))
+        return out
+
+    def rank_rows(self, after: int = 0) -> list[tuple[int, dict[str, list[float]]]]:
+        """The per-rank vectors of reports after sequence number ``after`` still held, oldest first,
+        as ``(seq, {vector: one value per rank})``; ``seq`` is the report's, as in :meth:`rows`."""
+        n = min(self.rank_count, self.rank_capacity)
+        out = []
+        for k in range(self.rank_count - n, self.rank_count):
+            row = k % self.rank_capacity
+            seq = int(self._rank_seq[row])
+            if seq > after:
+                mask = self._rank_mask[row]
+                out.append((seq, {name: self._ranks[row, i].tolist() for i, name in enumerate(VECTORS) if mask[i]}))
+        return out
 
 
 def rank_vectors(ranks: RankValues) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_agent import optim
 from trainer_agent.spike_guard import SpikeGuard
 
 __all__ = ["LrScale", "NonfiniteSkip", "SKIP_REASONS"]
@@ -64,7 +65,10 @@ class NonfiniteSkip:
     optimizer step — and the ranks all-reduce (max) that flag on ``group``. If any rank saw a
     non-finite gradient, no rank takes the step: parameters and optimizer state stay bit-identical.
     A non-finite *loss* with finite gradients is not skipped (the loss reaches the agent only after
-    the step; it is counted in ``trainguard_nonfinite_steps_total``).
+    the step; it is counted in ``trainguard_nonfinite_steps_total``). A step called with a closure
+    (``step(closure)``: Lightning, LBFGS) evaluates the closure first and decides on the gradients
+    it produced; a skipped one returns the closure's result, the closure having run exactly once
+    (``trainer_agent/optim.py``).
 
     With a ``guard`` (``AgentConfig.skip_spikes``), the same device read gives the norm's value
     and the guard's verdict joins the flag (1: spike, 2: non-finite; the all-reduce takes the
@@ -95,9 +99,8 @@ class NonfiniteSkip:
 
         @wraps(getattr(inner, "__func__", inner))  # keeps an LR scheduler's '_wrapped_by_lr_sched' mark
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if skip.skip_this_step():
-                return None
-            return inner(*args, **kwargs)
+            # With a closure, it runs first: the decision is on the gradients it produces.
+            return optim.guarded_step(inner, args, kwargs, skip.skip_this_step)
 
         # A bound method, as LR schedulers expect (they wrap ``optimizer.step.__func__``).
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

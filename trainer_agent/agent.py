@@ -33,13 +33,17 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     into one float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned
     memory, read at a later ``end_step`` once the copy's event has completed.
 (4) **Forward hooks** on the model: the wall time inside forward on report steps
-    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``).
+    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``), and the time each step
+    waited for its batch, from the end of ``end_step`` to the next forward
+    (``trainguard_input_wait_seconds``, ``trainer_agent/inputs.py``).
 
 Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
 (2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
-``schedule`` (which steps report), ``forward_timer`` (4), ``data_relay`` (data quality),
-``control``, ``actuators``, ``spike_guard`` and ``snapshots`` (acting for the controller, skipping
-spikes, rolling back), ``client`` (HTTP). This module is the
+``schedule`` (which steps report), ``forward_timer`` and ``inputs`` (4), ``data_relay`` (data
+quality; its sketch of the sequences seen rides in the report step's row, ``sketch``),
+``batch_size`` (the recommended batch size from the noise scale), ``control``, ``actuators``,
+``spike_guard`` and ``snapshots`` (acting for the controller, skipping spikes, rolling back),
+``client`` (HTTP). This module is the
 facade that wires them, registers the hooks, times them and keeps their errors out of the loop.
 
 Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
@@ -74,6 +78,7 @@ in ``trainguard_agent_errors_total``, and training goes on.
 from __future__ import annotations
 
 import functools
+import math
 import logging
 import os
 import threading
@@ -89,10 +94,13 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from trainguard.protocol.wire import Name
+from trainer_agent import optim
 from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
+from trainer_agent.batch_size import BatchSizeAdvisor
 from trainer_agent.forward_timer import ForwardTimer
+from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
@@ -140,7 +148,15 @@ class Agent:
         snapshot_load: Callable[[Any], None] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        accumulation_steps: int | None = None,
     ) -> None:
+        if accumulation_steps is not None and (type(accumulation_steps) is not int or accumulation_steps < 1):
+            raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+        #: The run's own accumulation steps when it lets the controller change them (else None).
+        self.accumulation_base = accumulation_steps
+        self.batch_size_advisor = BatchSizeAdvisor()
+        self._loader: Any = None
+        self.input_wait: InputWait | None = None
         self.config, self.job, self.run = config, job, run
         self.model, self.optimizer, self.scaler, self.lr_scheduler = model, optimizer, scaler, lr_scheduler
         self._clock = clock
@@ -215,6 +231,7 @@ class Agent:
         self.forward = ForwardTimer(model, self.schedule, self.device, step=lambda: self.step,
                                     clock=self._clock, on_error=self._error)
         self._handles += self.forward.handles
+        self.input_wait = InputWait(model, self._clock)
         self.registry.register(self._collector)
 
     def _start_export(self) -> None:
@@ -236,7 +253,8 @@ class Agent:
         ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
-                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm)
+                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
+                             accumulation_steps=self.accumulation_base)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error)
 
@@ -285,8 +303,13 @@ class Agent:
         finally:
             self._step_overhead += self._clock() - t0
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         t0 = self._clock()
+        replaced = None
+        try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/optim.py
+            replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))
+        except Exception as exc:
+            self._error("optimizer_closure", exc)
         if self.control is not None:
             try:
                 self.control.before_optimizer_step()
@@ -299,6 +322,7 @@ class Agent:
             self._error("optimizer_pre_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+        return replaced
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t0 = self._clock()
@@ -363,6 +387,8 @@ class Agent:
                 self.control.on_end_step(self.step, agreed)
             except Exception as exc:
                 self._error("control_end_step", exc)
+        if self.input_wait is not None:
+            self.input_wait.step_ended()  # last: a pause above is not input wait
 
     def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
         st = self.meter.state
@@ -382,11 +408,23 @@ class Agent:
         if not self.schedule.is_report(self.step):
             return None
         forward_s = self.forward.take() if self.forward is not None else float("nan")
-        host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped)
+        wait = self.input_wait.take() if self.input_wait is not None else float("nan")
+        host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
+                        micro_batches=st.backwards, world_size=self.world_size)
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
-        agreed = self.reports.build(st, loss_t, host, overhead, self._proposal())
+        sketch = self._sketch() if self.reports.exchange.with_state else None
+        agreed = self.reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
         self._publish()
         return agreed
+
+    def _sketch(self) -> Any:
+        """This rank's sketch of the sequences it observed since the last report (None without a
+        data monitor); an error leaves it out (the rank's row still enters the collective)."""
+        try:
+            return self.data.take_sketch() if self.data is not None else None
+        except Exception as exc:
+            self._error("data_sketch", exc)
+            return None
 
     def _proposal(self) -> list[int] | None:
         return self.control.proposal() if self.control is not None else None
@@ -409,12 +447,23 @@ class Agent:
         self.reports.publish(block=block, on_published=self._on_published)
 
     def _on_published(self, values: dict[str, float], rank_values: dict[str, list[float]]) -> None:
+        self._advise_batch_size(values)
         if self.data is not None:
             self.data.refresh()
         with self._lock:
             self._published = values
         if self.control is not None:
             self.control.on_report(self._current_values(), rank_values)
+
+    def _advise_batch_size(self, values: dict[str, float]) -> None:
+        """Feed the report's noise scale to the batch-size advisor; its running recommendation
+        joins the report's values (host floats only)."""
+        b = values.get("trainguard_grad_noise_scale")
+        if b is not None:
+            self.batch_size_advisor.update(b, values.get("trainguard_grad_variance", math.nan))
+        recommended = self.batch_size_advisor.recommended()
+        if not math.isnan(recommended):
+            values["trainguard_recommended_batch_size"] = recommended
 
     def _current_values(self) -> dict[str, float]:
         """Host values only: called by the /metrics collector from the HTTP thread."""
@@ -429,12 +478,13 @@ class Agent:
             if newest is not None:
                 values["trainguard_snapshot_step"] = float(newest)
             values["trainguard_rollbacks_total"] = float(self.snapshots.rollbacks)
-        if self.control is not None:
-            try:
-                values.update(self.control.values())
-            except Exception as exc:
-                self._error("control_values", exc)
-                errors += 1
+        for kind, source in (("loader_values", self._loader), ("control_values", self.control)):
+            if source is not None:
+                try:
+                    values.update(source.values())
+                except Exception as exc:
+                    self._error(kind, exc)
+                    errors += 1
         values["trainguard_agent_errors_total"] = float(errors)
         return values
 
@@ -465,6 +515,20 @@ class Agent:
         except Exception as exc:
             self._error("publish", exc)
         return self._current_values()
+
+    def watch_loader(self, loader: Any) -> None:
+        """Export the reader metrics of ``loader`` (``trainer_agent.dataset.TokenLoader``, or
+        anything with a thread-safe ``values()`` of catalogue metrics) with this rank's."""
+        self._loader = _checked_loader(loader)
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per optimizer step the loop should run now: the run's own
+        (``attach(accumulation_steps=...)``) until the controller's ``accumulation`` command
+        changes it, at the same step on every rank (None when the run did not opt in)."""
+        if self.control is not None and self.control.accumulation_steps is not None:
+            return self.control.accumulation_steps
+        return self.accumulation_base
 
     @property
     def metrics_url(self) -> str | None:
@@ -536,6 +600,8 @@ class Agent:
         self._handles = []
         if self.forward is not None:
             self.forward.remove()
+        if self.input_wait is not None:
+            self.input_wait.remove()
         if self.data is not None:
             self.data.close(max(0.0, deadline - time.monotonic()))
         if self.control is not None:
@@ -553,7 +619,7 @@ class Agent:
 
 def attach(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Any,
     *,
     job: str,
     run: str,
@@ -567,19 +633,31 @@ def attach(
     controller: str | None = None,
     token: str | None = None,
     registry: CollectorRegistry | None = None,
+    loader: Any = None,
+    accumulation_steps: int | None = None,
 ) -> Agent:
     """Attach an agent to ``model`` and ``optimizer``; see the module docstring.
+
+    ``optimizer`` is a ``torch.optim.Optimizer`` or a framework's wrapper of one: accelerate's
+    ``AcceleratedOptimizer`` (what the Hugging Face ``Trainer`` hands to callbacks), Lightning's
+    ``LightningOptimizer``, or any object holding the real optimizer in ``.optimizer``. The agent
+    hooks the real optimizer (``Agent.optimizer``), so steps through the wrapper are seen.
+    ``optimizer.step(closure)`` is supported (trainer_agent/optim.py): the step's gradient is the
+    closure's first evaluation.
 
     ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
     restored with the agent's ``state_dict`` and with the in-memory snapshots a rollback restores
     (``AgentConfig.snapshot_every``; ``snapshot_save``/``snapshot_load`` replace the host copies of
-    the model and optimizer state, see ``trainer_agent/snapshots.py``). Mistakes in the arguments raise
+    the model and optimizer state, see ``trainer_agent/snapshots.py``). ``loader``: a
+    ``TokenLoader`` whose reader metrics (prefetch depth, tokens/s read) this rank exports.
+    ``accumulation_steps``: the run's own micro-batches per optimizer step, given to let the
+    controller change them (the loop then reads ``agent.accumulation_steps`` before each step).
+    Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer = optim.unwrap_optimizer(optimizer)  # ValueError naming what was passed
     for what, value in (("job", job), ("run", run)):
         try:
             _NAME.validate_python(value)
@@ -598,7 +676,18 @@ def attach(
         raise ValueError(f"lr_scheduler must have state_dict() and load_state_dict(), got {type(lr_scheduler).__name__}")
     if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
         raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
-    return Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
-                 lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                 on_checkpoint=on_checkpoint, snapshot_save=snapshot_save, snapshot_load=snapshot_load,
-                 registry=registry)
+    if loader is not None:
+        _checked_loader(loader)
+    agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
+                  lr_scheduler=lr_scheduler, data_monitor=data_monitor,
+                  on_checkpoint=on_checkpoint, snapshot_save=snapshot_save, snapshot_load=snapshot_load,
+                  registry=registry, accumulation_steps=accumulation_steps)
+    if loader is not None:
+        agent.watch_loader(loader)
+    return agent
+
+
+def _checked_loader(loader: Any) -> Any:
+    if not callable(getattr(loader, "values", None)):
+        raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+    return loader

@@ -32,11 +32,14 @@ import random
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+import httpcore
 import httpx
+from httpcore._backends.sync import SyncBackend
 from pydantic import ValidationError
 
 from trainguard.protocol.wire import (
@@ -57,6 +60,45 @@ __all__ = ["ControllerClient", "backoff_delay"]
 log = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=WireModel)
+
+#: Largest answer read from the controller (its answers are a few hundred bytes): a bigger one is
+#: a failure, and is not read past this.
+MAX_ANSWER_BYTES = 1 << 20
+
+
+class _AbortableBackend(SyncBackend):
+    """httpcore's network backend, remembering its sockets so that another thread can end a
+    request blocked in one (``shutdown`` wakes a blocked ``recv``; ``close`` does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._final = False
+
+    def connect_tcp(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self._final:
+            raise httpcore.ConnectError("the client is closing")
+        stream = super().connect_tcp(*args, **kwargs)
+        sock = stream.get_extra_info("socket")
+        if sock is not None:
+            with self._lock:
+                self._socks.add(sock)
+                final = self._final
+            if final:  # closed while connecting
+                sock.shutdown(socket.SHUT_RDWR)
+        return stream
+
+    def abort(self, *, final: bool = False) -> None:
+        """Cut every connection; ``final``: and every later one (the client is closing)."""
+        with self._lock:
+            self._final = self._final or final
+            socks = list(self._socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
@@ -137,6 +179,7 @@ class ControllerClient:
         self._finish: RunFinished | None = None
         self._close_deadline = 0.0
         self._threads: list[threading.Thread] = []
+        self._aborters = {"sender": _AbortableBackend(), "poller": _AbortableBackend()}
         self._failures_logged: set[str] = set()
 
         self.up = False
@@ -208,34 +251,43 @@ class ControllerClient:
 
     def close(self, timeout: float = 5.0, *, finish: RunFinished | None = None) -> bool:
         """Stop: the sender flushes what is queued (no retries), then posts ``finish`` if given
-        and the run is registered (once, within the deadline), and is joined within ``timeout``
-        seconds; True when it finished in time. The poller is told to stop and not waited for:
-        a long-poll in flight cannot be interrupted, and it is a daemon thread that ends when
-        that request does (bounded by its timeout) without touching the network again."""
+        and the run is registered (once, within the deadline). Every thread this client started
+        has ended when it returns True, within ``timeout`` seconds: the poller's long-poll is cut
+        at once, and a sender still in a request at the deadline has its connection cut."""
         deadline = self._clock() + max(timeout, 0.0)
         with self._cond:
             self._closing = True
             self._finish, self._close_deadline = finish, deadline
             self._cond.notify_all()
-        sender = self._threads[0] if self._threads else None
-        if sender is None:
+        if not self._threads:
             return True
+        sender, poller = self._threads
+        self._aborters["poller"].abort(final=True)
         sender.join(max(deadline - self._clock(), 0.0))
-        return not sender.is_alive()
+        if sender.is_alive():
+            self._aborters["sender"].abort(final=True)
+        for t in (sender, poller):
+            t.join(max(deadline - self._clock(), 0.05))
+        return not (sender.is_alive() or poller.is_alive())
 
     # -- threads -------------------------------------------------------------------------------
-    def _new_http(self, timeout: httpx.Timeout) -> httpx.Client:
+    def _new_http(self, timeout: httpx.Timeout, which: str) -> httpx.Client:
         # httpcore writes a request's head and body separately: without TCP_NODELAY, Nagle holds
         # the body until the server's delayed ACK (~40 ms) arrives.
-        transport = self._transport or httpx.HTTPTransport(
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-        )
+        transport = self._transport
+        if transport is None:
+            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+            # (httpx has no public way to pass a network backend to its pool)
+            transport._pool._network_backend = self._aborters[which]
+            http = httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
+            http.trainguard_aborter = self._aborters[which]  # type: ignore[attr-defined]
+            return http
         return httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
 
     def _send_loop(self) -> None:
         failures = 0
         unknown = 0  # 404s since an item was last accepted
-        with self._new_http(self._timeout) as http:
+        with self._new_http(self._timeout, "sender") as http:
             while True:
                 with self._cond:
                     while not (self._closing or not self._registered or self._acks or self._reports):
@@ -338,7 +390,7 @@ class ControllerClient:
 
     def _poll_loop(self) -> None:
         failures = 0
-        with self._new_http(self._poll_timeout) as http:
+        with self._new_http(self._poll_timeout, "poller") as http:
             while True:
                 with self._cond:
                     while not self._closing and not self._registered:
@@ -384,26 +436,24 @@ class ControllerClient:
         timeout: httpx.Timeout | None = None,
     ) -> _M | None:
         try:
-            resp = http.request(method, self._base + path, content=body, params=params,
-                                timeout=timeout or httpx.USE_CLIENT_DEFAULT)
+            status, content = self._request(http, method, path, body, params, timeout or http.timeout)
         except Exception:
             self.up = False
             raise
-        status = resp.status_code
         if status == 404:
             self.up = True  # it answered: it just does not know the run
             raise _Unknown()
         if 400 <= status < 500 and status not in (408, 425, 429):
             self.up = False
-            raise _Refused(f"{status} {resp.text[:200]}")
+            raise _Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
         if not 200 <= status < 300:
             self.up = False
-            raise httpx.HTTPStatusError(f"controller answered {status}", request=resp.request, response=resp)
+            raise ValueError(f"controller answered {status}")
         if answer_type is None or status in (204, 304):
             self.up = True
             return None
         try:
-            answer = answer_type.model_validate_json(resp.content)
+            answer = answer_type.model_validate_json(content)
         except ValidationError as exc:
             self.up = False
             raise ValueError(f"unreadable answer from the controller: {exc.error_count()} errors") from None
@@ -411,6 +461,37 @@ class ControllerClient:
             log.info("trainguard: controller %s reachable again", self._base)
         self.up = True
         return answer
+
+    def _request(self, http: httpx.Client, method: str, path: str, body: bytes | None,
+                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes]:
+        """One exchange: (status, body). The whole exchange is bounded by the timeout's connect
+        plus read time (a server trickling bytes cannot hold it longer: its connection is cut),
+        and the body by :data:`MAX_ANSWER_BYTES`."""
+        total = (timeout.connect or 0.0) + (timeout.read or 0.0) + (timeout.write or 0.0)
+        aborter: _AbortableBackend | None = getattr(http, "trainguard_aborter", None)
+        timer = threading.Timer(total, aborter.abort) if aborter is not None and total > 0 else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            request = http.build_request(method, self._base + path, content=body, params=params, timeout=timeout)
+            resp = http.send(request, stream=True)
+            try:
+                length = resp.headers.get("content-length", "")
+                if length.isdigit() and int(length) > MAX_ANSWER_BYTES:
+                    raise ValueError(f"the controller's answer of {length} bytes exceeds {MAX_ANSWER_BYTES}")
+                chunks, size = [], 0
+                for chunk in resp.iter_bytes():
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
+                        raise ValueError(f"the controller's answer exceeds {MAX_ANSWER_BYTES} bytes")
+                    chunks.append(chunk)
+                return resp.status_code, b"".join(chunks)
+            finally:
+                resp.close()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _observe(self, desired: DesiredState) -> bool:
         """Keep ``desired`` if it is newer; caller holds the condition's lock."""

@@ -30,9 +30,9 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 On report steps the state travels in the report step's one collective (the
 agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
-other ``sync_every`` steps all ranks take part in a broadcast of the same seven int64
-(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop, rollback_seq,
-rollback_step``) on a side
+other ``sync_every`` steps all ranks take part in a broadcast of the same nine int64
+(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop,
+accumulation_steps, accumulation_lr_rule, rollback_seq, rollback_step``) on a side
 *gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
 same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
 so re-applying changes nothing, a checkpoint is taken once per new ``checkpoint_seq`` and a
@@ -46,6 +46,14 @@ Every rank applies the same sequence of states at the same (paused) step and lea
 ``paused=false`` or ``stop=true``. No process-group timeout can expire meanwhile.
 
 **Skipping non-finite steps** (``skip_nonfinite=True``): ``trainer_agent/actuators.py``.
+
+**Accumulation steps** (runs attached with ``accumulation_steps=k0``, the run's own). The
+controller's ``accumulation`` command sets ``k`` (0: back to ``k0``) and a rule; every rank applies it
+at the same agreed step boundary: ``accumulation_steps`` becomes ``k`` (the training loop reads
+``agent.accumulation_steps`` before each optimizer step and runs that many micro-batches) and the LR
+of every group is multiplied, on top of ``lr_scale``, by ``batch_lr_factor(k, k0, rule)``: ``k/k0``
+(``linear``), ``sqrt(k/k0)`` (``sqrt``) or 1 (``none``). A run that did not opt in is refused by the
+controller and ignores the field.
 
 **Fingerprints.** The report's per-rank ``grad_fingerprint``/``param_fingerprint`` are not hashes:
 they are the global L2 norms of each rank's gradients and parameters (``grad_fingerprint`` equals
@@ -77,7 +85,7 @@ from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
 from trainer_agent.config import AgentConfig
 from trainer_agent.exporter import sample_key
-from trainer_agent.ranks import STATE_LEN, WIRE_VECTORS, decode_state, encode_state
+from trainer_agent.ranks import LR_RULES, STATE_LEN, WIRE_VECTORS, decode_state, encode_state
 from trainer_agent.schedule import ReportSchedule
 from trainer_agent.spike_guard import SpikeGuard
 
@@ -107,6 +115,8 @@ class ControlContext:
     grad_norm: Callable[[], torch.Tensor | None]
     """The pre-clip global gradient norm of the step in progress (0-dim float64 device tensor),
     valid in the optimizer's pre-hook; None before the first backward of the step."""
+    accumulation_steps: int | None = None
+    """The run's own accumulation steps when it lets the controller change them (else None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,16 @@ class Applied:
     restored_step: int | None = None
     """The step of the snapshot a rollback of this generation restored (None: no rollback, or
     no snapshot old enough)."""
+    accumulation_steps: int = 0
+    """Accumulation steps in force from this step (0: the run did not opt in)."""
+
+
+def batch_lr_factor(steps: int, own: int, rule: str) -> float:
+    """The LR multiplier for ``steps`` accumulation steps against the run's ``own``: the global
+    batch changes by steps / own; ``linear`` scales the LR by that ratio, ``sqrt`` by its square
+    root, ``none`` not at all."""
+    ratio = steps / own
+    return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
 
 
 def _group_timeout() -> timedelta:
@@ -186,6 +206,11 @@ class ControlPlane:
         self._rollback_seq = 0
         self._rollback_step = 0
         self._pause_episodes = 0
+        #: The run's own accumulation steps (None: the run did not opt in to the command).
+        self.own_accumulation: int | None = ctx.accumulation_steps
+        self._accumulation = self.own_accumulation
+        self._accumulation_desired = (0, "none")  # as last applied: (steps, rule)
+        self._batch_lr_factor = 1.0
         self.history: deque[Applied] = deque(maxlen=4096)
         """The generations applied on this rank, oldest first (bounded)."""
 
@@ -232,6 +257,16 @@ class ControlPlane:
         """The leader's controller client (None on other ranks and without a controller)."""
         return self._client
 
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Accumulation steps every rank uses now (None when the run did not opt in)."""
+        return self._accumulation
+
+    @property
+    def batch_lr_factor(self) -> float:
+        """LR multiplier of the accumulation command's rule (1 unless the steps changed)."""
+        return self._batch_lr_factor
+
     def values(self) -> dict[str, float]:
         """The control metrics of this rank (host values; safe from the /metrics thread)."""
         out = {
@@ -243,6 +278,8 @@ class ControlPlane:
         if lrs and not any(isinstance(lr, torch.Tensor) and lr.device.type != "cpu" for lr in lrs):
             # host floats (or CPU tensors): no device read. Outside the step hooks: the scheduler's LR.
             out["trainguard_scheduler_lr"] = max(float(lr) for lr in lrs) if self.lr._saved is None else math.nan
+        if self._accumulation is not None:
+            out["trainguard_accumulation_steps"] = float(self._accumulation)
         if self.skip is not None:
             for reason, n in self.skip.skipped_by_reason.items():
                 out[sample_key("trainguard_skipped_steps_total", reason=reason)] = float(n)
@@ -264,6 +301,7 @@ class ControlPlane:
             "skipped_steps_total": self.skip.skipped if self.skip is not None else 0,
             "skipped_by_reason": dict(self.skip.skipped_by_reason) if self.skip is not None else {},
             "spike_guard": self.skip.guard.state_dict() if self.skip is not None and self.skip.guard is not None else None,
+            "accumulation": list(self._accumulation_desired),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -280,8 +318,16 @@ class ControlPlane:
             raise ValueError(f"malformed trainguard control state: {exc!r}") from None
         if not (math.isfinite(lr_scale) and lr_scale > 0) or generation < 0 or seq < 0 or skipped < 0:
             raise ValueError(f"malformed trainguard control state: {dict(state)!r}")
+        accumulation = state.get("accumulation", (0, "none"))
+        try:
+            steps, rule = int(accumulation[0]), str(accumulation[1])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r} ({exc})") from None
+        if steps < 0 or rule not in LR_RULES:
+            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r}")
         if generation >= self._generation:
             self._generation, self._lr_scale = generation, lr_scale
+            self._set_accumulation(steps, rule)
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
         self._rollback_seq = max(self._rollback_seq, int(state.get("rollback_seq", 0)))
         if self.skip is not None:
@@ -326,7 +372,7 @@ class ControlPlane:
 
     def before_optimizer_step(self) -> None:
         """Optimizer pre-hook: each group's LR becomes scheduler LR x lr_scale for this step."""
-        self.lr.before_step(self._lr_scale)
+        self.lr.before_step(self._lr_scale * self._batch_lr_factor)
 
     def after_optimizer_step(self) -> None:
         """Optimizer post-hook: the scheduler's LR objects restored."""
@@ -343,9 +389,11 @@ class ControlPlane:
         return self._applied_encoded()
 
     def _applied_encoded(self) -> list[int]:
+        steps, rule = self._accumulation_desired
         return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
                                          checkpoint_seq=self._checkpoint_seq, stop=self._stop,
-                                         rollback_seq=self._rollback_seq, rollback_step=self._rollback_step))
+                                         rollback_seq=self._rollback_seq, rollback_step=self._rollback_step,
+                                         accumulation_steps=steps, accumulation_lr_rule=rule))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -419,7 +467,8 @@ class ControlPlane:
             agent_version=_version(),
             config={"report_every": cfg.report_every, "sync_every": cfg.sync_every,
                     "skip_nonfinite": cfg.skip_nonfinite, "skip_spikes": cfg.spike_guard_on,
-                    "snapshot_every": cfg.snapshot_every, "snapshot_keep": cfg.snapshot_keep},
+                    "snapshot_every": cfg.snapshot_every, "snapshot_keep": cfg.snapshot_keep,
+                    **({"accumulation_steps": self.own_accumulation} if self.own_accumulation is not None else {})},
         )
         client = ControllerClient(
             cfg.controller,
@@ -501,6 +550,7 @@ class ControlPlane:
         self._rollback_seq = max(self._rollback_seq, state.rollback_seq)
         self._rollback_step = state.rollback_step
         restored = self._roll_back(state.rollback_step, step) if rollback else None
+        self._set_accumulation(state.accumulation_steps, state.accumulation_lr_rule)
         if (checkpoint or stopping) and self._on_checkpoint is not None:
             try:
                 self._on_checkpoint(step)
@@ -510,7 +560,7 @@ class ControlPlane:
             self._stop = True
         self.history.append(
             Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
-                    state.rollback_seq, restored)
+                    rollback_seq=state.rollback_seq, restored_step=restored, accumulation_steps=self._accumulation or 0)
         )
         if self._client is not None:
             self._client.submit_ack(Ack(generation=state.generation, step=step))
@@ -533,6 +583,16 @@ class ControlPlane:
         elif self.leader:
             log.warning("trainguard: rolled back at step %d to the snapshot of step %d", step, restored)
         return restored
+
+    def _set_accumulation(self, steps: int, rule: str) -> None:
+        """Accumulation steps ``steps`` (0: the run's own) with the LR following by ``rule``; a run
+        that did not opt in keeps its own loop and LR."""
+        self._accumulation_desired = (steps, rule)
+        own = self.own_accumulation
+        if own is None:
+            return
+        self._accumulation = steps or own
+        self._batch_lr_factor = batch_lr_factor(self._accumulation, own, rule) if steps else 1.0
 
     def _pause(self, step: int) -> None:
         """Block until a generation with paused=false (or stop) is applied. No collective is

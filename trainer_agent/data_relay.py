@@ -48,6 +48,12 @@ class DataRelay:
         except Exception as exc:
             self._on_error("data_monitor", exc)
 
+    def take_sketch(self) -> Any:
+        """The monitor's bottom-k sketch of the sequences observed since the last call (None for
+        a monitor that keeps none). Batches still queued in the feed count in the next one."""
+        take = getattr(self.monitor, "take_sketch", None)
+        return take() if take is not None else None
+
     @property
     def errors(self) -> int:
         """Bad batches (counted by the feed's worker) and batches dropped because the monitor fell

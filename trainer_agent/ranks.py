@@ -1,11 +1,14 @@
 """The one collective of a report step: every rank's row, and the controller's desired state.
 
 On a report step with several ranks, every rank enters exactly one all-gather (the *exchange*).
-Its row is ``[desired state (STATE_LEN int64 as float64 bits)] + [RANK_FIELDS (float64)]``: the state part
-is the leader's proposal (the other ranks send zeros there and read the leader's), the fields are
-this rank's values of the report. The state part is present only when a control plane agrees on a
-controller's state across several ranks (every rank is configured alike, so every row has the same
-width); a single rank applies its own proposal.
+Its row is ``[desired state (STATE_LEN int64 as float64 bits)] + [RANK_FIELDS (float64)] + [sketch
+(SKETCH_K int64 as float64 bits)]``: the state part is the leader's proposal (the other ranks send
+zeros there and read the leader's), the fields are this rank's values of the report, the sketch is
+the bottom-k sketch of the sequences this rank observed since its last report
+(``trainer_agent/sketch.py``; the leader turns the sketches into the report's ``data_overlap``).
+The state and sketch parts are present only when a control plane agrees on a controller's state
+across several ranks (every rank is configured alike, so every row has the same width); a single
+rank applies its own proposal.
 
 Adding a per-rank value to the report: append its name to ``RANK_FIELDS``, put its value in the
 row where ``trainer_agent/report.py`` builds it, and, if the controller reads it, add the vector to
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol.wire import DesiredState
+from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
 
 __all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]
 
@@ -41,6 +45,7 @@ RANK_FIELDS: tuple[str, ...] = (
     "tokens_per_second",
     "param_norm",
     "forward_seconds",
+    "input_wait_seconds",
 )
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``RANK_FIELDS`` name).
@@ -54,9 +59,14 @@ WIRE_VECTORS: dict[str, str] = {
     "grad_fingerprint": "grad_norm",
     "param_fingerprint": "param_norm",
     "forward_s": "forward_seconds",
+    "input_wait_s": "input_wait_seconds",
+    "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
 }
 
-STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, rollback_seq, rollback_step
+STATE_LEN = 9  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
+#               rollback_seq, rollback_step
+LR_RULES = ("none", "sqrt", "linear")
+_EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 
 
 def _float_bits(x: float) -> int:
@@ -70,14 +80,16 @@ def _bits_float(i: int) -> float:
 def encode_state(d: DesiredState) -> list[int]:
     """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
     return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
-            d.rollback_seq, d.rollback_step]
+            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.rollback_seq, d.rollback_step]
 
 
 def decode_state(v: Sequence[int]) -> DesiredState:
     """Inverse of :func:`encode_state`; ``ValueError`` for values no leader can have sent."""
+    if not 0 <= int(v[6]) < len(LR_RULES):
+        raise ValueError(f"no LR rule number {v[6]}")
     return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
-                        checkpoint_seq=int(v[3]), stop=bool(v[4]), rollback_seq=int(v[5]),
-                        rollback_step=int(v[6]))
+                        checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
+                        accumulation_lr_rule=LR_RULES[int(v[6])], rollback_seq=int(v[7]), rollback_step=int(v[8]))
 
 
 class RankExchange:
@@ -91,22 +103,30 @@ class RankExchange:
         self.with_state = with_state
         self.group = group
         self.offset = STATE_LEN if with_state else 0
-        self.width = self.offset + len(RANK_FIELDS)
+        self.sketch_at = self.offset + len(RANK_FIELDS)
+        self.width = self.sketch_at + (SKETCH_K if with_state else 0)
+        self.overlap: list[float] | None = None
+        """After :meth:`agreed` on a row set with sketches: each rank's largest estimated overlap
+        with another rank's data (None when no rank observed data)."""
 
-    def pack(self, fields: torch.Tensor, state: Sequence[int] | None) -> torch.Tensor:
-        """One row: ``state`` (the leader's proposal; None on the other ranks) then ``fields``
-        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device)."""
+    def pack(self, fields: torch.Tensor, state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> torch.Tensor:
+        """One row: ``state`` (the leader's proposal; None on the other ranks), ``fields``
+        (float64 vector of ``len(RANK_FIELDS)`` on any device; the row is on its device), then
+        ``sketch`` (``SKETCH_K`` int64; None: empty)."""
         if fields.shape != (len(RANK_FIELDS),):
             raise ValueError(f"a rank row has {len(RANK_FIELDS)} fields, got shape {tuple(fields.shape)}")
         fields = fields.to(torch.float64)
         if not self.with_state:
             return fields
         bits = torch.tensor(list(state) if state is not None else [0] * STATE_LEN, dtype=torch.int64)
+        sketch_bits = torch.tensor(list(sketch) if sketch is not None and len(sketch) == SKETCH_K else _EMPTY_SKETCH,
+                                   dtype=torch.int64)
         # non_blocking: a copy from pageable memory is staged at once; no wait on the device
-        return torch.cat([bits.view(torch.float64).to(fields.device, non_blocking=True), fields])
+        return torch.cat([bits.view(torch.float64).to(fields.device, non_blocking=True), fields,
+                          sketch_bits.view(torch.float64).to(fields.device, non_blocking=True)])
 
     def nan_row(self, device: torch.device, state: Sequence[int] | None) -> torch.Tensor:
-        """The row of a rank whose report failed: NaN fields, a valid state part."""
+        """The row of a rank whose report failed: NaN fields, a valid state part, no sketch."""
         return self.pack(torch.full((len(RANK_FIELDS),), math.nan, dtype=torch.float64, device=device), state)
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
@@ -124,14 +144,19 @@ class RankExchange:
 
     def fields(self, gathered: torch.Tensor) -> torch.Tensor:
         """The ``RANK_FIELDS`` columns of the gathered rows (a view, same device)."""
-        return gathered[:, self.offset:]
+        return gathered[:, self.offset:self.sketch_at]
 
     def state(self, gathered: torch.Tensor) -> list[int] | None:
         """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)
         this reads the device: a SYNC, once per report step of a controlled multi-rank run."""
         if not self.with_state:
             return None
-        return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist()
+        # one copy of the state and every rank's sketch (int64 bits) to the host
+        host = torch.cat([gathered[0, :STATE_LEN], gathered[:, self.sketch_at:].reshape(-1)]).cpu().contiguous()
+        bits = host.view(torch.int64)
+        best, _ = overlaps(bits[STATE_LEN:].reshape(self.world_size, SKETCH_K).numpy(), SKETCH_K)
+        self.overlap = None if all(math.isnan(b) for b in best.tolist()) else best.tolist()
+        return bits[:STATE_LEN].tolist()
 
     def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
         """The state every rank applies: the leader's part of the rows, or, without a state part

@@ -39,16 +39,22 @@ class HostStep:
     tokens: int | None
     forward_seconds: float
     amp_skipped: int
+    input_wait: float = math.nan
+    """Mean wait per step for the batch since the last report (``trainer_agent/inputs.py``)."""
+    micro_batches: int = 0
+    """Backward passes of the step on this rank (the batch size without ``tokens``)."""
+    world_size: int = 1
 
 
 class InFlight:
     """One report on its way from the device to the host."""
 
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks")
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "overlap")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
-                 host: dict[str, float], ranks: int) -> None:
+                 host: dict[str, float], ranks: int, overlap: list[float] | None = None) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
+        self.overlap = overlap  # the leader's cross-rank data overlap of this report (host floats)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -61,7 +67,10 @@ class InFlight:
         n = len(self.keys)
         values = dict(zip(self.keys, flat[:n]))
         values.update(self.host)
-        return values, RankExchange.unpack_rows(flat[n:], self.ranks)
+        rank_values = RankExchange.unpack_rows(flat[n:], self.ranks)
+        if self.overlap is not None:
+            rank_values["data_overlap"] = self.overlap
+        return values, rank_values
 
 
 class ReportPipeline:
@@ -110,9 +119,10 @@ class ReportPipeline:
     # ------------------------------------------------------------------ report steps
 
     def build(self, st: StepState, loss_t: torch.Tensor, host_step: HostStep, overhead: float,
-              state: Sequence[int] | None) -> list[int] | None:
+              state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> list[int] | None:
         """Build the report of ``host_step.step``, enter the exchange with ``state`` (the leader's
-        proposal, or None), queue the copy. Returns the agreed desired state (None without one)."""
+        proposal, or None) and ``sketch`` (this rank's sequences, or None), queue the copy.
+        Returns the agreed desired state (None without one)."""
         if len(self.pending) >= MAX_IN_FLIGHT:
             self.publish(block=True, limit=1)  # SYNC: only when the device runs that far behind
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
@@ -125,11 +135,13 @@ class ReportPipeline:
             self._layer_metrics(st, param_sq, vectors)
         host["trainguard_agent_overhead_seconds"] = overhead
         fields, micro_count = self._rank_fields(dev, st, host)
-        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state))
+        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch))
         rows = self.exchange.fields(gathered).to(self.device)
         self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
+        agreed = self.exchange.agreed(gathered, state)
         self.pending.append(self._pack(host_step.step, dev, vectors, rows, host))
-        return self.exchange.agreed(gathered, state)
+        self.pending[-1].overlap = self.exchange.overlap
+        return agreed
 
     def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
@@ -150,6 +162,10 @@ class ReportPipeline:
                 "trainguard_forward_seconds": h.forward_seconds}
         if h.tokens is not None:
             host["trainguard_tokens_per_second"] = h.tokens / h.duration if h.duration > 0 else math.inf
+        if not math.isnan(h.input_wait):
+            host["trainguard_input_wait_seconds"] = h.input_wait
+        if h.tokens or h.micro_batches:
+            host["trainguard_global_batch_size"] = float((h.tokens or h.micro_batches) * h.world_size)
         host.update(stats.memory(self.device))
         return host
 
@@ -234,6 +250,7 @@ class ReportPipeline:
             "tokens_per_second": full(host.get("trainguard_tokens_per_second", math.nan)),
             "param_norm": dev["trainguard_param_norm"],
             "forward_seconds": full(host["trainguard_forward_seconds"]),
+            "input_wait_seconds": full(host.get("trainguard_input_wait_seconds", math.nan)),
         }
         return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
 

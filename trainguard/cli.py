@@ -11,6 +11,8 @@
     trainguard events RUN --follow
     trainguard alerts --state firing
     trainguard rules check rules.yaml
+    trainguard token create --job 'llm-7b*' --scope agent --ttl 30d --name "llm fleet"
+    trainguard token list | trainguard token revoke ID
 
 Client commands take ``--url`` (env ``TRAINGUARD_URL``, default http://127.0.0.1:8000) and
 ``--token`` (env ``TRAINGUARD_TOKEN``). ``trainguard demo ...`` and ``trainguard dashboards build
@@ -56,12 +58,12 @@ def _print(value: Any) -> None:
 
 # -- serve ------------------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from trainguard.service.app import create_app
     from trainguard.service.config import Settings
     from trainguard.service.rules import RulesError
+    from trainguard.service.server import ControllerServer, make_config
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db), ("rules", args.rules)) if v is not None}
     try:
@@ -84,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, workers=1)
+    config = make_config(app, settings, log_level=args.log_level, access_log=args.access_log)
     # Listen before saying so: connections made right after the line below wait in the backlog
     # until the app has started, instead of being refused.
     sock.listen(config.backlog)
@@ -94,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     # otherwise walk it all (~12 ms with the default rules and 200 runs) every few thousand reports.
     gc.collect()
     gc.freeze()
-    uvicorn.Server(config).run(sockets=[sock])
+    ControllerServer(config, app.state.controller).run(sockets=[sock])
     return 0
 
 
@@ -123,6 +125,8 @@ def _command(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"reason": args.reason or ""}
     if args.command == "lr-scale":
         body["scale"] = args.scale
+    if args.command == "accumulation":
+        body["steps"], body["lr_rule"] = args.steps, args.lr_rule
     key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
     with _client(args) as c:
         _print(_check(c.post(f"/v1/runs/{args.run}/{args.command}", json=body, headers={"Idempotency-Key": key})))
@@ -206,6 +210,57 @@ def _rules_check(args: argparse.Namespace) -> int:
     return 0
 
 
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(text: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``3600s`` or plain seconds -> seconds."""
+    unit = text[-1:].lower()
+    number = text[:-1] if unit in _TTL_UNITS else text
+    try:
+        value = float(number) * _TTL_UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 3600s)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return value
+
+
+def _token(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.token_cmd == "create":
+            body: dict[str, Any] = {"name": args.name, "scopes": args.scope.split("+"), "ttl_s": args.ttl}
+            if args.job is not None:
+                body["job"] = args.job
+            made = _check(c.post("/v1/tokens", json=body))
+            if args.json:
+                _print(made)
+            else:
+                expires = "never" if made["expires_at"] is None else _when(made["expires_at"])
+                print(f"token {made['id']} ({'+'.join(made['scopes'])}, jobs {made['job_pattern'] or '-'}, expires {expires}):")
+                print(made["token"])
+                print("It is shown only this once: store it now.", file=sys.stderr)
+        elif args.token_cmd == "list":
+            rows = _check(c.get("/v1/tokens"))
+            if args.json:
+                _print(rows)
+                return 0
+            print(f"{'ID':>4} {'NAME':<20} {'SCOPES':<22} {'JOBS':<14} {'EXPIRES':<19} {'STATE':<8} CREATOR")
+            for t in rows:
+                state = "revoked" if t["revoked_at"] else "live"
+                expires = "never" if t["expires_at"] is None else _when(t["expires_at"])
+                print(f"{t['id']:>4} {t['name'][:20]:<20} {'+'.join(t['scopes']):<22} {(t['job_pattern'] or '-'):<14} {expires:<19} {state:<8} {t['creator']}")
+        else:
+            _print(_check(c.delete(f"/v1/tokens/{args.id}")))
+    return 0
+
+
+def _when(t: float) -> str:
+    from datetime import datetime
+
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from trainguard.demo.run import main as demo_main
 
@@ -245,11 +300,17 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
     for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
                            ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier"),
-                           ("rollback", "roll every rank back to the newest good in-memory snapshot")):
+                           ("rollback", "roll every rank back to the newest good in-memory snapshot"),
+                           ("accumulation", "set the gradient accumulation steps of a run that allows it")):
         s = sub.add_parser(name, parents=[client], help=helptext)
         s.add_argument("run")
         if name == "lr-scale":
             s.add_argument("scale", type=float, help="absolute multiplier of the scheduler's LR, e.g. 0.5")
+        if name == "accumulation":
+            s.add_argument("steps", type=int, help="micro-batches per optimizer step on every rank")
+            s.add_argument("--lr-rule", choices=("sqrt", "linear", "none"), default="sqrt",
+                           help="how the LR follows the change of batch size against the run's own steps: "
+                                "x sqrt(new/own), x new/own, or unchanged (default sqrt)")
         s.add_argument("--reason", default="", help="why (recorded in the audit log)")
         s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
         s.set_defaults(func=_command, command=name)
@@ -270,6 +331,20 @@ def _parser() -> argparse.ArgumentParser:
     r = rsub.add_parser("check", help="validate a rules file offline")
     r.add_argument("file")
     r.set_defaults(func=_rules_check)
+
+    s = sub.add_parser("token", help="tokens for a fleet: create, list, revoke (needs a token with the tokens scope)")
+    tsub = s.add_subparsers(dest="token_cmd", required=True)
+    t = tsub.add_parser("create", parents=[client], help="create a token (printed once)")
+    t.add_argument("--scope", required=True, help="'agent', or operator scopes joined by '+' (read+command)")
+    t.add_argument("--job", default=None, help="agent tokens: jobs whose runs it may register, e.g. 'llm-7b*'")
+    t.add_argument("--ttl", type=parse_ttl, default=None, help="lifetime: 30d, 12h, 90m, 3600s (default: none)")
+    t.add_argument("--name", default="", help="what it is for")
+    t.set_defaults(func=_token)
+    t = tsub.add_parser("list", parents=[client], help="list tokens (never the tokens themselves)")
+    t.set_defaults(func=_token)
+    t = tsub.add_parser("revoke", parents=[client], help="revoke a token by id")
+    t.add_argument("id", type=int)
+    t.set_defaults(func=_token)
 
     s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainguard.demo.run)")
     s.add_argument("args", nargs=argparse.REMAINDER)

@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Annotated, Any, AsyncIterator, Literal
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import HTTPException, APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from trainguard.service.controller import Controller
@@ -79,7 +79,11 @@ async def stream(
     ctl: ControllerDep, _: ReadDep, run: str | None = None, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
-    if last_event_id and last_event_id.isdigit():
+    if last_event_id:
+        # Only ASCII digits, at most 19 of them (str.isdigit() admits "²", which int() refuses,
+        # and int() refuses more than 4,300 digits): anything else is a client error.
+        if len(last_event_id) > 19 or not last_event_id.isascii() or not last_event_id.isdigit():
+            raise HTTPException(400, "Last-Event-ID must be the id of an event (a decimal number of at most 19 digits)")
         after = max(after, min(int(last_event_id), MAX_INT))
     return StreamingResponse(_stream(ctl, run, after), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from trainguard.service.deps import ControllerDep, ReadDep, RulesDep
 from trainguard.service.engine import simulate
@@ -12,7 +16,7 @@ from trainguard.service.rules import RulesError
 from trainguard.service.schemas import RulesTestRequest, nan_safe
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["router"]
+__all__ = ["router", "SimulationGate", "SIMULATIONS_RUNNING", "SIMULATIONS_WAITING"]
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 
@@ -40,8 +44,37 @@ async def put_rules(request: Request, ctl: ControllerDep, principal: RulesDep) -
     return _rules_body(ctl)
 
 
-@router.post("/rules/test", summary="Replay reports through rules: alerts and desired states, no side effects")
-async def test_rules(body: RulesTestRequest, ctl: ControllerDep, _: ReadDep) -> dict[str, Any]:
+# (the body is parsed in the worker thread, so the schema is given here; Report and DesiredState
+# are in the components through the other routes)
+_TEST_SCHEMA = {k: v for k, v in RulesTestRequest.model_json_schema(ref_template="#/components/schemas/{model}").items()
+                if k != "$defs"}
+
+#: Simulations running at once (each in a worker thread); more callers wait, up to
+#: :data:`SIMULATIONS_WAITING`, beyond which they are answered 429.
+SIMULATIONS_RUNNING = 2
+SIMULATIONS_WAITING = 8
+
+
+@router.post(
+    "/rules/test", summary="Replay reports through rules: alerts and desired states, no side effects",
+    description=f"Runs in a worker thread, {SIMULATIONS_RUNNING} at a time; with {SIMULATIONS_WAITING} more waiting, "
+    "further calls are answered 429 (retry later). Reports keep flowing meanwhile.",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _TEST_SCHEMA}}}},
+)
+async def test_rules(request: Request, ctl: ControllerDep, _: ReadDep) -> Response:
+    gate: SimulationGate = request.app.state.simulations
+    raw = await request.body()
+    async with gate:
+        try:
+            answer = await asyncio.to_thread(_simulate, ctl, raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False, include_context=False, include_input=False)) from None
+    return Response(answer, media_type="application/json")
+
+
+def _simulate(ctl: Any, raw: bytes) -> bytes:
+    """Parse, validate and replay (in a worker thread: none of it touches the controller's state)."""
+    body = RulesTestRequest.model_validate_json(raw)
     rules = ctl.validate_rules(body.rules) if body.rules is not None else ctl.rules
     steps = simulate(rules.for_job(body.job), body.reports, world_size=body.world_size, desired=body.desired,
                      capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports,
@@ -59,4 +92,27 @@ async def test_rules(body: RulesTestRequest, ctl: ControllerDep, _: ReadDep) -> 
             "recovery": [{"generation": d.generation, "reason": d.reason} for d in s.recovery],
         })
     final = steps[-1].desired if steps else (body.desired or DesiredState())
-    return nan_safe({"steps": out, "desired": final.model_dump()})
+    return json.dumps(nan_safe({"steps": out, "desired": final.model_dump()})).encode()
+
+
+class SimulationGate:
+    """At most ``running`` holders at once and ``waiting`` callers queued; beyond: 429."""
+
+    def __init__(self, running: int, waiting: int) -> None:
+        self._sem = asyncio.Semaphore(running)
+        self._limit = running + waiting
+        self.inside = 0
+
+    async def __aenter__(self) -> None:
+        if self.inside >= self._limit:
+            raise HTTPException(429, "too many rule simulations in progress; retry later", headers={"Retry-After": "1"})
+        self.inside += 1
+        try:
+            await self._sem.acquire()
+        except BaseException:
+            self.inside -= 1
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._sem.release()
+        self.inside -= 1

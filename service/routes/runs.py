@@ -15,7 +15,7 @@ from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
 from trainguard.protocol.wire import (
-    LR_SCALE_MAX, LR_SCALE_MIN, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -95,12 +95,14 @@ async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
     return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
 
 
-async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None) -> Response:
+async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None,
+                   accumulation: tuple[int, str] | None = None) -> Response:
     idem = None
     if key:
         digest = hashlib.sha256(b"%s\x00%s\x00%s" % (command.encode(), run.encode(), body)).hexdigest()
         idem = (principal.actor, key, digest)
-    status, answer = await ctl.command(run, command, reason=reason, actor=principal.actor, scale=scale, idempotency=idem)
+    status, answer = await ctl.command(run, command, reason=reason, actor=principal.actor, scale=scale, idempotency=idem,
+                                       accumulation=accumulation)
     return Response(answer, status_code=status, media_type=_JSON)
 
 
@@ -128,4 +130,11 @@ for _cmd, _summary in (
              summary=f"Set the LR multiplier (command lr_scale; in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}])")
 async def lr_scale(run: RunPath, body: LrScaleRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
     return await _command(run, "lr_scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
+
+
+@router.post("/runs/{run}/accumulation", response_model=CommandResult, tags=["commands"],
+             summary="Set the gradient accumulation steps (runs that opted in), the LR following by a rule")
+async def accumulation(run: RunPath, body: AccumulationRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
+    return await _command(run, "accumulation", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key,
+                          accumulation=(body.steps, body.lr_rule))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from trainguard.service.runstate import target_address
 from trainguard.service.deps import CommandDep, ControllerDep, ReadDep
 from trainguard.service.schemas import AlertmanagerPayload
 
@@ -15,7 +18,32 @@ __all__ = ["router"]
 router = APIRouter(tags=["system"])
 
 
-@router.get("/healthz", summary="Liveness: 200 while the database writer runs")
+#: Longest a readiness probe waits for its test write.
+READY_WRITE_S = 1.0
+
+
+@router.get("/readyz", summary="Readiness: 200 while a write commits (503 while writes fail or wait for a lock)",
+            description="Commits an empty transaction and answers 200 when it commits within a second; 503 with the "
+            "reason otherwise. /healthz is liveness only (the process and its database writer run).")
+async def readyz(ctl: ControllerDep) -> Response:
+    if not ctl.store.alive:
+        return _status(503, "database writer stopped")
+    probe = ctl.store.submit(lambda c: None, single_statement=True)
+    probe.add_done_callback(lambda f: f.cancelled() or f.exception())  # an outcome after the answer is not an error
+    try:
+        await asyncio.wait_for(asyncio.shield(probe), READY_WRITE_S)
+    except TimeoutError:
+        return _status(503, "database writes are waiting for a lock held by another connection")
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return _status(503, f"database writes fail: {e}")
+    return _status(200, "ok")
+
+
+def _status(code: int, status: str) -> Response:
+    return Response(json.dumps({"status": status}).encode(), status_code=code, media_type="application/json")
+
+
+@router.get("/healthz", summary="Liveness: 200 while the database writer runs (writes may still fail: see /readyz)")
 async def healthz(ctl: ControllerDep) -> Response:
     ok = ctl.store.alive
     body = b'{"status":"ok"}' if ok else b'{"status":"database writer stopped"}'
@@ -34,9 +62,7 @@ async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
         if st.desired.stop or st.finished_at is not None:
             continue  # its ranks are gone: scraping them would only raise "target down" alerts
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
-            host = r["host"]
-            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            out.append({"targets": [f"{host}:{r['port']}"], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
+            out.append({"targets": [target_address(r["host"], r["port"])], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
     return out
 
 

@@ -14,8 +14,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.control.spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -66,9 +67,7 @@ def _sq(tensors) -> float:
 
 
 def test_ddp_noise_scale_and_rank_values(tmp_path) -> None:
-    mp.start_processes(_worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=WORLD,
-                       join=True, start_method="spawn")
-    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    out = spawn_ranks(_worker, WORLD, tmp_path)
     last = out[0]["results"][-1]
     reduced = last["reduced"]
     # DDP averages: the reduced gradient is the mean of the ranks' local gradients.
@@ -93,3 +92,118 @@ def test_ddp_noise_scale_and_rank_values(tmp_path) -> None:
     assert out[0]["url"] != out[1]["url"]
     assert 'trainguard_layer_grad_norm{layer="0"}' in got  # "module." of DDP is not a layer
     assert not any("layer=" in k for k in out[1]["latest"])  # per_layer="rank0" by default
+
+
+ACCUM, STEPS, LR = 3, 4, 0.1
+
+
+def _accum_worker(rank: int, init: str, out: str) -> None:
+    """DDP with gradient accumulation: ACCUM micro-batches per step, all but the last under
+    ``no_sync()``, each loss divided by ACCUM. Saves, per step, what a reference needs: the
+    parameters before and after, the accumulated all-reduced gradient, every rank's incoming
+    micro-batch gradients (seen by tensor hooks), the loss given to end_step."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    import trainer_agent as ta
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    micro: list[dict[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: micro[-1].__setitem__(name, g.detach().double().clone()))
+    agent = ta.attach(ddp, opt, job="ddp", run="ddp-accum",
+                      config=ta.AgentConfig(metrics_port=None, report_every=2, layer_depth=1, update_ratio="every"))
+    steps = []
+    for step in range(1, STEPS + 1):
+        micro.clear()
+        before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        loss_sum = 0.0
+        for k in range(ACCUM):
+            g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+            x = torch.randn(8, 6, generator=g)
+            micro.append({})
+            if k < ACCUM - 1:
+                with ddp.no_sync():
+                    loss = ddp(x).square().mean() / ACCUM
+                    loss.backward()
+            else:
+                loss = ddp(x).square().mean() / ACCUM
+                loss.backward()
+            loss_sum += float(loss)
+        reduced = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(torch.tensor(loss_sum), tokens=TOKENS)
+        after = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        gathered: list[list[dict[str, torch.Tensor]]] = [None] * WORLD  # type: ignore[list-item]
+        dist.all_gather_object(gathered, list(micro))
+        steps.append({"loss": loss_sum, "before": before, "after": after, "reduced": reduced, "micro": gathered})
+    latest, rank_values = agent.latest(), agent.rank_values
+    agent.close()
+    del agent, ddp
+    gc.collect()
+    dist.destroy_process_group()
+    torch.save({"latest": latest, "rank_values": rank_values, "steps": steps}, f"{out}/rank{rank}.pt")
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(_sq(tensors))
+
+
+def test_ddp_with_gradient_accumulation_every_metric_against_a_float64_reference(tmp_path) -> None:
+    out = spawn_ranks(_accum_worker, WORLD, tmp_path)
+    steps = out[0]["steps"]
+    got = out[0]["latest"]
+    last = steps[-1]
+    names = list(last["reduced"])
+    # DDP's accumulated, averaged gradient: the mean over ranks of the sum of the micro-batch gradients
+    for n in names:
+        expected = sum(m[n] for rank_micro in last["micro"] for m in rank_micro) / WORLD
+        assert torch.allclose(last["reduced"][n], expected, rtol=1e-6, atol=1e-9), n
+    grad_norms = [_norm(s["reduced"].values()) for s in steps]
+    assert got["trainguard_grad_norm"] == pytest.approx(grad_norms[-1], rel=1e-6)
+    assert got["trainguard_grad_norm_max"] == pytest.approx(max(grad_norms[-2:]), rel=1e-6)  # the report's 2 steps
+    w_after, w_before = list(last["after"].values()), list(last["before"].values())
+    delta = [a - b for a, b in zip(w_after, w_before)]
+    n_params = sum(t.numel() for t in w_after)
+    assert got["trainguard_param_norm"] == pytest.approx(_norm(w_after), rel=1e-6)
+    assert got["trainguard_param_scale"] == pytest.approx(_norm(w_after) / math.sqrt(n_params), rel=1e-6)
+    assert got["trainguard_update_ratio"] == pytest.approx(_norm(delta) / _norm(w_before), rel=1e-5)
+    assert got["trainguard_effective_lr"] == pytest.approx(_norm(delta) / grad_norms[-1], rel=1e-5)
+    assert got["trainguard_effective_lr"] == pytest.approx(LR, rel=1e-5)  # plain SGD moves lr x g
+    assert got['trainguard_learning_rate{group="0"}'] == LR
+    for layer, prefix in (("0", "0."), ("2", "2.")):
+        layer_names = [n for n in names if n.startswith(prefix)]
+        assert got[f'trainguard_layer_grad_norm{{layer="{layer}"}}'] == pytest.approx(
+            _norm(last["reduced"][n] for n in layer_names), rel=1e-6)
+        assert got[f'trainguard_layer_param_norm{{layer="{layer}"}}'] == pytest.approx(
+            _norm(last["after"][n] for n in layer_names), rel=1e-6)
+        assert got[f'trainguard_layer_update_ratio{{layer="{layer}"}}'] == pytest.approx(
+            _norm(last["after"][n] - last["before"][n] for n in layer_names)
+            / _norm(last["before"][n] for n in layer_names), rel=1e-5)
+    # McCandlish, appendix A.1, with the ACCUM x WORLD micro-batches as the small batches: each
+    # micro-batch's own gradient is ACCUM x its incoming one (the loss was divided by ACCUM).
+    smalls = [[ACCUM * m[n] for n in names] for rank_micro in last["micro"] for m in rank_micro]
+    assert len(smalls) == ACCUM * WORLD
+    b_small = TOKENS / ACCUM
+    b_big = len(smalls) * b_small
+    g_small = sum(_sq(s) for s in smalls) / len(smalls)
+    g_big = _sq(last["reduced"].values())
+    g2 = (b_big * g_big - b_small * g_small) / (b_big - b_small)
+    s = (g_small - g_big) / (1 / b_small - 1 / b_big)
+    assert got["trainguard_grad_variance"] == pytest.approx(s, rel=1e-5)
+    assert got["trainguard_grad_noise_scale"] == pytest.approx(s / g2, rel=1e-5)
+    assert got["trainguard_loss"] == pytest.approx(last["loss"], rel=1e-6)
+    assert got["trainguard_step"] == STEPS
+    assert got["trainguard_nonfinite_grads"] == 0 and got["trainguard_nonfinite_steps_total"] == 0
+    for r in range(WORLD):
+        rv = out[r]["rank_values"]
+        assert rv["loss"] == pytest.approx([o["steps"][-1]["loss"] for o in out], rel=1e-6)
+        assert rv["grad_norm"] == pytest.approx([grad_norms[-1]] * WORLD, rel=1e-6)
+        assert rv["micro_count"] == [float(ACCUM)] * WORLD
+        # each rank's sum of squared micro-batch gradient norms (as incoming: loss / ACCUM)
+        assert rv["micro_sq_sum"] == pytest.approx(
+            [sum(_sq(m.values()) for m in last["micro"][q]) for q in range(WORLD)], rel=1e-5)

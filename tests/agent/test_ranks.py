@@ -1,15 +1,17 @@
-"""RankExchange: packing of the report step's row (desired state + RANK_FIELDS) and unpacking,
+"""RankExchange: packing of the report step's row (desired state + RANK_FIELDS + sketch) and unpacking,
 single process; the 2-rank gather is exercised in test_forward_timer.py and test_agent_gather.py."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from trainguard.protocol.wire import DesiredState, RankValues
 from trainer_agent.ranks import RANK_FIELDS, STATE_LEN, WIRE_VECTORS, RankExchange, decode_state, encode_state
+from trainer_agent.sketch import SKETCH_K, BottomK
 
 
 def test_state_round_trips_bit_for_bit() -> None:
@@ -24,7 +26,7 @@ def test_row_with_state_carries_the_leader_state_and_fields() -> None:
     fields = torch.arange(len(RANK_FIELDS), dtype=torch.float64) * 1.5
     fields[1] = math.nan  # NaN survives the packing
     gathered = ex.gather(ex.pack(fields, encode_state(d)))
-    assert gathered.shape == (1, STATE_LEN + len(RANK_FIELDS))
+    assert gathered.shape == (1, STATE_LEN + len(RANK_FIELDS) + SKETCH_K)  # an empty sketch part
     assert decode_state(ex.state(gathered)) == d
     rows = RankExchange.unpack_rows(ex.fields(gathered).reshape(-1).tolist(), 1)
     assert rows["loss"] == [0.0] and math.isnan(rows["grad_norm"][0])
@@ -58,4 +60,22 @@ def test_unpack_rows_is_rank_major() -> None:
 
 def test_every_wire_vector_maps_to_a_rank_field() -> None:
     assert set(WIRE_VECTORS) == set(RankValues.model_fields)
-    assert set(WIRE_VECTORS.values()) <= set(RANK_FIELDS)
+    assert set(WIRE_VECTORS.values()) - {"data_overlap"} <= set(RANK_FIELDS)  # the leader computes that one
+
+
+def test_sketches_ride_in_the_rows_and_the_leader_reads_the_overlap() -> None:
+    ex = RankExchange(3, with_state=True)
+    shared, other = BottomK(SKETCH_K), BottomK(SKETCH_K)
+    shared.update(np.arange(1, 200, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    other.update(np.arange(500, 700, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    a = shared.take()
+    d = DesiredState(generation=3, accumulation_steps=8, accumulation_lr_rule="sqrt")
+    fields = torch.zeros(len(RANK_FIELDS), dtype=torch.float64)
+    gathered = torch.stack([ex.pack(fields, encode_state(d), a.tolist()), ex.pack(fields, None, a.tolist()),
+                            ex.pack(fields, None, other.take().tolist())])
+    assert decode_state(ex.state(gathered)) == d
+    assert ex.overlap == [1.0, 1.0, 0.0]  # ranks 0 and 1 saw the same sequences
+    assert ex.fields(gathered).shape == (3, len(RANK_FIELDS))
+    empty = torch.stack([ex.pack(fields, encode_state(d))] * 3)
+    ex.state(empty)
+    assert ex.overlap is None  # no rank observed data

@@ -34,6 +34,12 @@ FORBIDDEN = {
                       "trainguard.demo", "trainguard.cli", "transformers", "lightning", "accelerate"},
 }
 
+#: The one module each framework may be imported from (the opt-in callbacks; extras hf, lightning).
+FRAMEWORK_MODULES = {
+    "trainer_agent.integrations.hf": {"transformers", "accelerate"},
+    "trainer_agent.integrations.lightning": {"lightning"},
+}
+
 
 def _modules() -> dict[str, Path]:
     out = {}
@@ -119,8 +125,9 @@ def test_forbidden_third_party_imports(package):
     bad = []
     for mod, path in MODULES.items():
         if mod == package or mod.startswith(package + "."):
+            forbidden = FORBIDDEN[package] - FRAMEWORK_MODULES.get(mod, set())
             for name in _imports(mod, path, top_level_only=False):
-                if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
                     bad.append(f"{mod} -> {name}")
     assert not bad, bad
 
@@ -171,5 +178,26 @@ def test_protocol_imports_without_torch_or_fastapi():
             "import trainguard.protocol.wire, trainguard.protocol.catalog\n"
             "print(sorted(m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_only_the_framework_callbacks_import_their_framework_modules():
+    """Nothing but the user imports ``trainer_agent.integrations.hf``/``.lightning``: importing the
+    agent never pulls a framework in."""
+    bad = [f"{mod} -> {name}" for mod, path in MODULES.items() if mod not in FRAMEWORK_MODULES
+           for name in _imports(mod, path, top_level_only=False)
+           if any(name == f or name.startswith(f + ".") for f in FRAMEWORK_MODULES)]
+    assert not bad, bad
+
+
+def test_importing_the_agent_imports_no_training_framework():
+    agent_modules = sorted(m for m in MODULES if m.startswith("trainer_agent") and m not in FRAMEWORK_MODULES)
+    code = ("import sys\n"
+            f"for m in {agent_modules!r}: __import__(m)\n"
+            "import trainer_agent as ta; ta.attach, ta.AgentConfig, ta.DataMonitor\n"
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'lightning_fabric')"
+            " if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -1,6 +1,9 @@
 """One rank of the multi-process control tests (gloo, CPU). Run as a script:
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py '<json>'
+    RANK=r WORLD_SIZE=n DIST_INIT_METHOD=file:///tmp/x/store python dist_worker.py '<json>'
+
+(``DIST_INIT_METHOD`` is the process group's init method; without it, ``env://`` with
+MASTER_ADDR/MASTER_PORT.)
 
 The JSON names the scenario and where to write this rank's log (``out``/<name>-rank<r>.json):
 
@@ -8,6 +11,9 @@ The JSON names the scenario and where to write this rank's log (``out``/<name>-r
     For each of ``trials`` runs ``<prefix>-<k>``: attach an agent to a small DDP model and train
     until the controller says stop (the test drives pause/resume/lr-scale/checkpoint/stop at
     random moments), with a random per-rank sleep per step. All trials share one process group.
+``restart``
+    Attach to a run that is paused already (a restarted job): every rank waits in ``attach``
+    (the non-leaders on the store) until the test resumes it, then trains ``max_steps`` steps.
 ``pause``
     Train with ``skip_nonfinite``; at ``nan_step`` every rank's batch holds a NaN, so the
     controller's default rule pauses the run; the test resumes it with ``trainguard resume``
@@ -62,7 +68,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> dict:
     """Train one run until the controller stops it (or ``max_steps``); return this rank's log."""
     rng = random.Random(f"{run}/{rank}")
-    model = DDP(_model())
+    model = DDP(_model())  # its set-up collectives run under the long start-up timeout
+    if "pg_timeout_s" in cfg:  # every rank is here: from now on the short timeout the scenario asks for
+        dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))
     opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     checkpoints: list[int] = []
@@ -72,9 +81,11 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
                               metrics_port=None, request_timeout_s=2.0,
                               skip_nonfinite=cfg.get("skip_nonfinite", False)),
     )
+    attached_at = time.time()  # attach returns only once the run is not paused
     steps: list[list[float]] = []  # step, lr used, scheduler lr, scheduler epoch, end time, step s
     used: list[float] = []
     opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
+    attach_state = [agent.control.applied_generation, agent.control.paused, agent.control.lr_scale, agent.step]
     t_last = time.monotonic()
     step = 0
     while not agent.should_stop and step < cfg["max_steps"]:
@@ -99,6 +110,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     t0 = time.monotonic()
     agent.close(3.0)
     return {"run": run, "rank": rank, "steps": steps, "history": history, "checkpoints": checkpoints,
+            "attached_at": attached_at, "attach_state": attach_state,
             "stopped": agent.should_stop, "close_s": time.monotonic() - t0,
             "skipped": agent.latest().get('trainguard_skipped_steps_total{reason="nonfinite"}', 0.0)}
 
@@ -106,14 +118,15 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    dist.barrier()  # every rank is up: from now on the short timeout the scenario asks for
-    if "pg_timeout_s" in cfg:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg["pg_timeout_s"]))
+    dist.init_process_group("gloo", init_method=os.environ.get("DIST_INIT_METHOD", "env://"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=180))
     out = Path(cfg["out"])
     if cfg["scenario"] == "trials":
         logs = [run_one(cfg, rank, f"{cfg['prefix']}-{k}") for k in range(cfg["trials"])]
         (out / f"trials-rank{rank}.json").write_text(json.dumps(logs))
+    elif cfg["scenario"] == "restart":
+        log = run_one(cfg, rank, cfg["prefix"])
+        (out / f"restart-rank{rank}.json").write_text(json.dumps(log))
     elif cfg["scenario"] == "pause":
         log = run_one(cfg, rank, cfg["prefix"], nan_step=cfg["nan_step"])
         (out / f"pause-rank{rank}.json").write_text(json.dumps(log))

@@ -1,17 +1,27 @@
 """A minimal in-process controller speaking the agent's half of the API (register, report, ack,
-long-poll), on a real loopback socket, for the client's unit and fault tests. It records what it
-received; ``command()`` changes the desired state the way an operator would (new generation).
-The real controller (``service``) is used by the multi-process and end-to-end tests."""
+long-poll, finish), on a real loopback socket, for the client's fault tests (behind the fault
+proxy). It records what it received; ``command()`` changes the desired state the way an operator
+would (new generation). Every other test uses the real controller (``trainguard serve``).
+
+It refuses what the real API refuses, so a client test cannot pass on a state the real controller
+never produces: reports, acks, polls and finishes for a run never registered (404), a run
+registered again under another job or a report naming another job (409), per-rank vectors whose
+length is not the world size (422), an ack of a generation never published (409); ``command()``
+on an unregistered run or with an lr_scale outside (0, 1e6] raises ``ValueError``, and a command
+that changes nothing publishes no new generation."""
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from trainguard.protocol.wire import Ack, DesiredState, Report, ReportAccepted, RunRegistered, RunRegistration, dumps
+from trainguard.protocol.wire import (
+    Ack, DesiredState, Report, ReportAccepted, RunFinished, RunRegistered, RunRegistration, dumps,
+)
 
 
 class FakeController:
@@ -22,6 +32,8 @@ class FakeController:
         self.registrations: list[RunRegistration] = []
         self.reports: list[Report] = []
         self.acks: list[Ack] = []
+        self.finishes: list[RunFinished] = []
+        self.jobs: dict[str, tuple[str, int]] = {}  # run -> (job, world_size)
         self.requests = 0
         owner = self
 
@@ -58,21 +70,43 @@ class FakeController:
                 if parts == ["v1", "runs"]:
                     reg = RunRegistration.model_validate_json(body)
                     with owner.lock:
+                        if owner.jobs.get(reg.run, (reg.job,))[0] != reg.job:
+                            self._send(409, b'{"detail":"run registered for another job"}')
+                            return
+                        owner.jobs[reg.run] = (reg.job, reg.world_size)
                         owner.registrations.append(reg)
                         d = owner.desired.setdefault(reg.run, DesiredState())
                     self._send(200, dumps(RunRegistered(job=reg.job, run=reg.run, desired=d)))
-                elif len(parts) == 4 and parts[:2] == ["v1", "runs"] and parts[3] in ("reports", "acks"):
+                elif len(parts) == 4 and parts[:2] == ["v1", "runs"] and parts[3] in ("reports", "acks", "finish"):
                     run = parts[2]
                     with owner.lock:
-                        if run not in owner.desired:
+                        if run not in owner.jobs:
                             self._send(404, b'{"detail":"unknown run"}')
                             return
+                        job, world = owner.jobs[run]
                         if parts[3] == "reports":
-                            owner.reports.append(Report.model_validate_json(body))
+                            report = Report.model_validate_json(body)
+                            if report.job != job:
+                                self._send(409, b'{"detail":"the report names another job"}')
+                                return
+                            if any(v and len(v) != world for v in report.ranks.model_dump().values()):
+                                self._send(422, b'{"detail":"a rank vector is not world_size long"}')
+                                return
+                            owner.reports.append(report)
                             answer = dumps(ReportAccepted(desired=owner.desired[run]))
-                        else:
-                            owner.acks.append(Ack.model_validate_json(body))
+                        elif parts[3] == "acks":
+                            ack = Ack.model_validate_json(body)
+                            if ack.generation > owner.desired[run].generation:
+                                self._send(409, b'{"detail":"generation never published"}')
+                                return
+                            owner.acks.append(ack)
                             answer = b"{}"
+                        else:
+                            fin = RunFinished.model_validate_json(body)
+                            owner.finishes.append(fin)
+                            answer = json.dumps({"run": run, "status": "finished", "finished_at": 0.0,
+                                                 "finished_step": fin.step, "finish_reason": fin.reason,
+                                                 "changed": len(owner.finishes) == 1}).encode()
                         owner.lock.notify_all()
                     self._send(200, answer)
                 else:
@@ -92,7 +126,7 @@ class FakeController:
                 after = int(q.get("after", ["0"])[0])
                 wait = float(q.get("wait", ["0"])[0])
                 with owner.lock:
-                    if parts[2] not in owner.desired:
+                    if parts[2] not in owner.jobs:
                         self._send(404, b'{"detail":"unknown run"}')
                         return
                     owner.lock.wait_for(lambda: owner.desired[parts[2]].generation > after, timeout=wait)
@@ -107,9 +141,17 @@ class FakeController:
         self._thread.start()
 
     def command(self, run: str, **changes: object) -> DesiredState:
-        """Change the desired state of ``run`` (absolute values) and bump its generation."""
+        """Change the desired state of a registered ``run`` (absolute values) and bump its
+        generation; a change to nothing new publishes nothing (as the real controller)."""
+        scale = changes.get("lr_scale", 1.0)
+        if not isinstance(scale, (int, float)) or not (0 < scale <= 1e6 and math.isfinite(scale)):
+            raise ValueError(f"lr_scale must be a finite number in (0, 1e6], got {scale!r}")
         with self.lock:
-            cur = self.desired.setdefault(run, DesiredState())
+            if run not in self.jobs:
+                raise ValueError(f"run {run!r} is not registered (the real API answers 404)")
+            cur = self.desired[run]
+            if all(getattr(cur, k) == v for k, v in changes.items() if k != "reason"):
+                return cur
             new = cur.model_copy(update={**changes, "generation": cur.generation + 1})
             self.desired[run] = DesiredState.model_validate(json.loads(dumps(new)))
             self.lock.notify_all()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -15,15 +16,18 @@ from pathlib import Path
 
 import httpx
 
-from tests.tools.faultproxy import free_port
+from trainguard.protocol.wire import RankValues
+from trainguard.service.statements import decode_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 
 
-def until(pred, timeout: float = 5.0, interval: float = 0.005) -> bool:  # type: ignore[no-untyped-def]
-    """Poll ``pred`` until it is true or ``timeout`` seconds passed; its last value."""
+def until(pred, timeout: float = 30.0, interval: float = 0.005) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` until it is true or ``timeout`` seconds passed; its last value. The default
+    deadline is generous: it costs nothing when the condition comes true, and a loaded machine
+    may take seconds for what takes milliseconds on an idle one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -95,19 +99,37 @@ class ControllerProcess:
         r = httpx.get(f"{self.url}/v1/runs/{run}", timeout=10.0)
         return r.json() if r.status_code == 200 else None
 
+    def acks(self, run: str) -> list[tuple[int, int]]:
+        """(generation, step) of every ack recorded for ``run`` (from its audit log)."""
+        events = httpx.get(f"{self.url}/v1/runs/{run}/events", timeout=10.0).json()
+        return [(e["generation"], e["data"]["step"]) for e in events if e["kind"] == "applied"]
+
+    def reports(self, run: str) -> list[dict]:
+        """The reports stored for ``run``, read from the controller's database: ``steps``
+        (first, last), ``values`` and ``ranks`` (per-rank vectors as lists)."""
+        with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=10.0) as con:
+            con.row_factory = sqlite3.Row
+            world = con.execute("SELECT world_size FROM runs WHERE run=?", (run,)).fetchone()
+            rows = con.execute("SELECT r.* FROM reports r JOIN runs u ON u.id = r.run_id WHERE u.run=? ORDER BY r.seq",
+                               (run,)).fetchall()
+        names = tuple(RankValues.model_fields)
+        return [{"steps": (r["step_first"], r["step_last"]), "values": json.loads(r["vals"]),
+                 "ranks": {k: v.tolist() for k, v in decode_ranks(r, world[0], names).items()}} for r in rows]
+
 
 class Ranks:
-    """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``."""
+    """``world`` processes of ``dist_worker.py`` with one JSON config; logs go to ``out``. The
+    ranks meet through a file store in ``out`` (no port to pick, so none to collide on)."""
 
-    def __init__(self, world: int, cfg: dict, out: Path) -> None:
+    def __init__(self, world: int, cfg: dict, out: Path, worker: str = WORKER) -> None:
         self.out = out
-        port = free_port()
+        store = out / f"store-{cfg['scenario']}"
         self.procs = []
         for rank in range(world):
             env = _env()
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), DIST_INIT_METHOD=f"file://{store}")
             log = open(out / f"worker-{cfg['scenario']}-rank{rank}.log", "w")  # noqa: SIM115 - closed in wait()
-            self.procs.append((subprocess.Popen([sys.executable, WORKER, json.dumps({**cfg, "out": str(out)})],
+            self.procs.append((subprocess.Popen([sys.executable, worker, json.dumps({**cfg, "out": str(out)})],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))
 
     def wait(self, timeout: float) -> list[int]:

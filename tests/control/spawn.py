@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def spawn_ranks(worker: Callable[..., None], world: int, tmp_path: Path, timeout: float = 60.0) -> list[Any]:
+def spawn_ranks(worker: Callable[..., None], world: int, tmp_path: Path, timeout: float = 240.0) -> list[Any]:
     """Run ``worker(rank, init_method, out_dir)`` in ``world`` spawned processes; each must save
     ``out_dir/rank{r}.pt``. Kills the ranks and fails when they have not finished by ``timeout``."""
     ctx = mp.start_processes(worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=world,

@@ -1,6 +1,9 @@
-"""ControlPlane in one process, through the real agent (``ta.attach``) and a loopback controller:
-lr_scale against independent scheduler references, skipped non-finite steps bit for bit,
-checkpoint/stop/idempotency, pause with /metrics answering, restart, state_dict, reports."""
+"""ControlPlane in one process, through the real agent (``ta.attach``) and a real ``trainguard
+serve`` process (one per module; each test has runs of its own): lr_scale against independent
+scheduler references, skipped non-finite steps bit for bit, checkpoint/stop, pause with /metrics
+answering, restart, state_dict, reports. Commands go through the operator API, acks are read from
+the run's audit log and reports from the controller's database, so the agent meets only states
+the real API can produce."""
 
 from __future__ import annotations
 
@@ -10,17 +13,21 @@ import threading
 import time
 import urllib.request
 import warnings
-
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from tests.control.fake_controller import FakeController
-from tests.control.procs import until
+from tests.control.procs import ControllerProcess, until
 
-RUN = "run-ctl"
+pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    proc = ControllerProcess(tmp_path_factory.mktemp("control") / "trainguard.db").start()
+    yield proc
+    proc.kill()
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -33,20 +40,28 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(16, 6, generator=g)
 
 
-def _attach(model, opt, ctl: FakeController | None, **cfg):  # type: ignore[no-untyped-def]
+def _attach(model, opt, ctl: ControllerProcess | None, run: str = "unused", on_checkpoint=None, **cfg):  # type: ignore[no-untyped-def]
     cfg.setdefault("report_every", 1)
     cfg.setdefault("metrics_port", None)
-    return ta.attach(model, opt, job="job-ctl", run=RUN,
-                     config=ta.AgentConfig(controller=ctl.url if ctl else None, **cfg))
+    agent = ta.attach(model, opt, job="job-ctl", run=run, on_checkpoint=on_checkpoint,
+                      config=ta.AgentConfig(controller=ctl.url if ctl else None, **cfg))
+    if ctl is not None:  # the operator API knows only registered runs
+        assert until(lambda: agent.control.client.desired is not None and ctl.run_detail(run) is not None, 30.0)
+    return agent
+
+
+def _command(ctl: ControllerProcess, run: str, command: str, **body: object) -> int:
+    """An operator command through the REST API; the generation it published."""
+    return int(ctl.command(run, command, **body)["desired"]["generation"])
 
 
 def _wait_seen(agent, generation: int) -> None:  # type: ignore[no-untyped-def]
     """Block the test until the leader's client has seen ``generation`` (deterministic steps)."""
-    assert until(lambda: (d := agent.control.client.desired) is not None and d.generation >= generation)
+    assert until(lambda: (d := agent.control.client.desired) is not None and d.generation >= generation, 30.0)
 
 
 @pytest.mark.parametrize("schedule", ["warm_restarts", "lambda"])
-def test_lr_scale_multiplies_the_scheduler_lr_and_leaves_the_schedule_alone(schedule: str) -> None:
+def test_lr_scale_multiplies_the_scheduler_lr_and_leaves_the_schedule_alone(ctl: ControllerProcess, schedule: str) -> None:
     def make(params):  # type: ignore[no-untyped-def]
         opt = torch.optim.SGD(params, lr=0.1)
         if schedule == "warm_restarts":
@@ -63,44 +78,43 @@ def test_lr_scale_multiplies_the_scheduler_lr_and_leaves_the_schedule_alone(sche
         ref_opt.step()
         ref_sched.step()
 
-    with FakeController() as ctl:
-        model = _model()
-        opt, sched = make(model.parameters())
-        agent = _attach(model, opt, ctl)
-        used: list[float] = []
-        opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
-        scales = {3: 0.5, 9: 0.25, 12: 1.0}  # command after end_step of these steps
-        for step in range(1, 17):
-            x = _batch(step)
-            before = [p.detach().clone().double() for p in model.parameters()]
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            grads = [p.grad.detach().clone().double() for p in model.parameters()]
-            opt.step()
-            # plain SGD: W_after = W_before - lr_used * g, checked in float64
-            for b, g, p in zip(before, grads, model.parameters()):
-                torch.testing.assert_close(p.detach().double(), b - used[-1] * g, rtol=1e-6, atol=1e-7)
-            opt.zero_grad()
-            sched.step()
-            agent.end_step(loss)
-            if step in scales:
-                ctl.command(RUN, lr_scale=scales[step])
-                _wait_seen(agent, ctl.desired[RUN].generation)
-        applied = {a.step: a.lr_scale for a in agent.control.history}
-        assert applied == {4: 0.5, 10: 0.25, 13: 1.0}  # the next step boundary after each command
-        scale = 1.0
-        for step in range(1, 17):
-            # the LR of step s is applied at end_step(s-1)
-            scale = applied.get(step - 1, scale)
-            assert used[step - 1] == ref_lrs[step - 1] * scale, step
-        assert sched.get_last_lr() == ref_sched.get_last_lr()  # the schedule never saw the scale
-        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
-        latest = agent.latest()
-        assert latest['trainguard_learning_rate{group="0"}'] == used[-1]
-        assert latest["trainguard_lr_scale"] == 1.0
-        assert latest["trainguard_applied_generation"] == 3.0
-        assert until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(1, 4), (2, 10), (3, 13)])
-        agent.close(2.0)
+    run = f"lr-{schedule}"
+    model = _model()
+    opt, sched = make(model.parameters())
+    agent = _attach(model, opt, ctl, run)
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+    scales = {3: 0.5, 9: 0.25, 12: 1.0}  # command after end_step of these steps
+    for step in range(1, 17):
+        x = _batch(step)
+        before = [p.detach().clone().double() for p in model.parameters()]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        grads = [p.grad.detach().clone().double() for p in model.parameters()]
+        opt.step()
+        # plain SGD: W_after = W_before - lr_used * g, checked in float64
+        for b, g, p in zip(before, grads, model.parameters()):
+            torch.testing.assert_close(p.detach().double(), b - used[-1] * g, rtol=1e-6, atol=1e-7)
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(loss)
+        if step in scales:
+            _wait_seen(agent, _command(ctl, run, "lr-scale", scale=scales[step]))
+    applied = {a.step: a.lr_scale for a in agent.control.history}
+    assert applied == {4: 0.5, 10: 0.25, 13: 1.0}  # the next step boundary after each command
+    scale = 1.0
+    for step in range(1, 17):
+        # the LR of step s is applied at end_step(s-1)
+        scale = applied.get(step - 1, scale)
+        assert used[step - 1] == ref_lrs[step - 1] * scale, step
+    assert sched.get_last_lr() == ref_sched.get_last_lr()  # the schedule never saw the scale
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    latest = agent.latest()
+    assert latest['trainguard_learning_rate{group="0"}'] == used[-1]
+    assert latest["trainguard_lr_scale"] == 1.0
+    assert latest["trainguard_applied_generation"] == 3.0
+    assert until(lambda: ctl.acks(run) == [(1, 4), (2, 10), (3, 13)], 30.0), ctl.acks(run)
+    agent.close(2.0)
 
 
 @pytest.mark.parametrize("scheduler_first", [True, False])
@@ -153,169 +167,196 @@ def test_skip_nonfinite_leaves_params_and_adam_state_bit_identical(scheduler_fir
     assert "step" not in vars(opt) or scheduler_first  # unwrapped (a scheduler's own wrapper may stay)
 
 
-def test_checkpoint_once_per_seq_then_stop_on_every_call() -> None:
+def test_checkpoint_once_per_seq_then_stop_on_every_call(ctl: ControllerProcess) -> None:
     calls: list[int] = []
-    with FakeController() as ctl:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        agent = ta.attach(model, opt, job="job-ctl", run=RUN, on_checkpoint=calls.append,
-                          config=ta.AgentConfig(controller=ctl.url, report_every=1, metrics_port=None))
-        commands = {2: {"checkpoint_seq": 1}, 4: {"lr_scale": 0.5}, 6: {"checkpoint_seq": 2},
-                    8: {"checkpoint_seq": 2, "reason": "same seq again"}, 10: {"stop": True}}
-        step = 0
-        while not agent.should_stop and step < 30:
-            step += 1
-            loss = model(_batch(step)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            agent.end_step(loss)
-            if step in commands:
-                ctl.command(RUN, **commands[step])
-                _wait_seen(agent, ctl.desired[RUN].generation)
-        assert calls == [3, 7, 11]  # seq 1 at 3, seq 2 at 7, nothing for a repeat, stop at 11
-        assert step == 11 and agent.should_stop
-        assert [(a.generation, a.step) for a in agent.control.history] == [(1, 3), (2, 5), (3, 7), (4, 9), (5, 11)]
-        agent.close(2.0)
-
-
-def test_pause_blocks_end_step_while_metrics_answer_then_resume() -> None:
-    with FakeController() as ctl:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        agent = _attach(model, opt, ctl, metrics_port=0)
-        scraped: list[float] = []
-
-        def operator() -> None:
-            until(lambda: agent.control.paused, 5.0)
-            with urllib.request.urlopen(agent.metrics_url, timeout=5) as r:
-                for fam in text_string_to_metric_families(r.read().decode()):
-                    if fam.name == "trainguard_paused":
-                        scraped.extend(s.value for s in fam.samples)
-            time.sleep(0.3)
-            ctl.command(RUN, paused=False, lr_scale=0.5)
-
-        op = threading.Thread(target=operator)
-        blocked = 0.0
-        for step in range(1, 7):
-            loss = model(_batch(step)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t0 = time.monotonic()
-            agent.end_step(loss)
-            if step == 3:
-                blocked = time.monotonic() - t0  # the pause
-            if step == 2:
-                ctl.command(RUN, paused=True, reason="test")
-                _wait_seen(agent, 1)
-                op.start()
-        op.join()
-        assert scraped == [1.0]
-        assert blocked >= 0.3
-        assert [(a.generation, a.step, a.paused) for a in agent.control.history] == [(1, 3, True), (2, 3, False)]
-        assert agent.latest()["trainguard_paused"] == 0.0 and agent.control.lr_scale == 0.5
-        agent.close(2.0)
-
-
-def test_restarted_run_applies_the_registration_state_before_its_first_step() -> None:
-    calls: list[int] = []
-    with FakeController() as ctl:
-        ctl.command(RUN, lr_scale=0.25, checkpoint_seq=3)
-        ctl.command(RUN, paused=True)  # the run was paused when its job died
-        threading.Timer(0.4, lambda: ctl.command(RUN, paused=False)).start()
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        t0 = time.monotonic()
-        agent = ta.attach(model, opt, job="job-ctl", run=RUN, on_checkpoint=calls.append,
-                          config=ta.AgentConfig(controller=ctl.url, report_every=1, metrics_port=None))
-        assert time.monotonic() - t0 >= 0.35  # attach waited, paused, before step 1
-        assert agent.step == 0 and not agent.control.paused
-        assert agent.control.applied_generation == 3 and agent.control.lr_scale == 0.25
-        assert calls == []  # checkpoints requested before the restart are not taken again
-        used = []
-        opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
-        model(_batch(1)).sum().backward()
+    run = "checkpoints"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = _attach(model, opt, ctl, run, on_checkpoint=calls.append)
+    # step 8: a new generation with the same checkpoint_seq (2) must not checkpoint again
+    commands = {2: ("checkpoint", {}), 4: ("lr-scale", {"scale": 0.5}), 6: ("checkpoint", {}),
+                8: ("lr-scale", {"scale": 0.25}), 10: ("stop", {})}
+    step = 0
+    while not agent.should_stop and step < 30:
+        step += 1
+        loss = model(_batch(step)).pow(2).mean()
+        loss.backward()
         opt.step()
-        assert used == [0.1 * 0.25]
-        assert until(lambda: [(a.generation, a.step) for a in ctl.acks] == [(2, 0), (3, 0)])
-        agent.close(2.0)
+        opt.zero_grad()
+        agent.end_step(loss)
+        if step in commands:
+            what, body = commands[step]
+            _wait_seen(agent, _command(ctl, run, what, **body))
+    assert calls == [3, 7, 11]  # seq 1 at 3, seq 2 at 7, nothing for the same seq, stop at 11
+    assert step == 11 and agent.should_stop
+    assert [(a.generation, a.step, a.checkpoint_seq) for a in agent.control.history] == [
+        (1, 3, 1), (2, 5, 1), (3, 7, 2), (4, 9, 2), (5, 11, 2)]
+    agent.close(2.0)
+    assert ctl.run_detail(run)["status"] in ("stopped", "finished")
 
 
-def test_state_dict_round_trip_and_bad_input() -> None:
+def test_pause_blocks_end_step_while_metrics_answer_then_resume(ctl: ControllerProcess) -> None:
+    run = "pause"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = _attach(model, opt, ctl, run, metrics_port=0)
+    scraped: list[float] = []
+    resumed_at: list[float] = []
+
+    def operator() -> None:
+        assert until(lambda: agent.control.paused, 30.0)
+        with urllib.request.urlopen(agent.metrics_url, timeout=5) as r:
+            for fam in text_string_to_metric_families(r.read().decode()):
+                if fam.name == "trainguard_paused":
+                    scraped.extend(s.value for s in fam.samples)
+        resumed_at.append(time.monotonic())
+        _command(ctl, run, "resume")
+
+    op = threading.Thread(target=operator)
+    returned_at = 0.0
+    for step in range(1, 7):
+        loss = model(_batch(step)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        if step == 3:
+            returned_at = time.monotonic()  # end_step(3) applied the pause and returned
+        if step == 2:
+            _wait_seen(agent, _command(ctl, run, "pause"))
+            op.start()
+        if step == 4:
+            _wait_seen(agent, _command(ctl, run, "lr-scale", scale=0.5))
+    op.join(30)
+    assert scraped == [1.0]  # /metrics answered while the step was blocked
+    assert resumed_at and returned_at > resumed_at[0]  # end_step(3) returned only after the resume
+    assert [(a.generation, a.step, a.paused) for a in agent.control.history] == [(1, 3, True), (2, 3, False), (3, 5, False)]
+    assert agent.latest()["trainguard_paused"] == 0.0 and agent.control.lr_scale == 0.5
+    assert until(lambda: ctl.acks(run) == [(1, 3), (2, 3), (3, 5)], 30.0), ctl.acks(run)
+    agent.close(2.0)
+
+
+def test_restarted_run_applies_the_registration_state_before_its_first_step(ctl: ControllerProcess) -> None:
+    run = "restart"
+    calls: list[int] = []
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with FakeController() as ctl:
-        ctl.command(RUN, lr_scale=0.5, checkpoint_seq=2)
-        agent = _attach(model, opt, ctl)
-        state = agent.state_dict()["control"]
-        assert state == {"lr_scale": 0.5, "applied_generation": 1, "checkpoint_seq": 2, "rollback_seq": 0,
-                         "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
-                         "spike_guard": {"norms": [], "consecutive": 0}}
-        agent.close(1.0)
-    with FakeController() as ctl:  # a fresh controller (generation 0): the checkpoint restores
-        agent = _attach(model, opt, ctl)
-        agent.load_state_dict({**agent.state_dict(), "control": {**state, "applied_generation": 4}})
-        assert agent.state_dict()["control"] == {**state, "applied_generation": 4}
-        agent.load_state_dict({**agent.state_dict(), "step": 100})  # a restart at step 100
-        ctl.command(RUN, lr_scale=2.0)  # generation 1 < 4 from the checkpoint: never goes backwards
-        _wait_seen(agent, 1)
-        model(_batch(1)).sum().backward()
+    first = _attach(model, opt, ctl, run)  # the job before it died: it never reaches a step boundary again
+    assert _command(ctl, run, "lr-scale", scale=0.25) == 1
+    assert _command(ctl, run, "checkpoint") == 2
+    assert _command(ctl, run, "pause") == 3  # the run was paused when its job died
+    first.close(2.0)
+    assert ctl.acks(run) == []
+
+    attached: list[object] = []
+    returned_at: list[float] = []
+
+    def restart() -> None:  # attach blocks while the run is paused
+        attached.append(ta.attach(model, opt, job="job-ctl", run=run, on_checkpoint=calls.append,
+                                  config=ta.AgentConfig(controller=ctl.url, report_every=1, metrics_port=None)))
+        returned_at.append(time.monotonic())
+
+    t = threading.Thread(target=restart)
+    t.start()
+    # the restarted leader applied the paused state at registration and acked it at step 0
+    assert until(lambda: ctl.acks(run) == [(3, 0)], 30.0), ctl.acks(run)
+    resumed_at = time.monotonic()
+    assert _command(ctl, run, "resume") == 4
+    t.join(30)
+    assert not t.is_alive() and returned_at[0] > resumed_at  # attach returned only after the resume
+    (agent,) = attached
+    assert agent.step == 0 and not agent.control.paused  # type: ignore[attr-defined]
+    assert agent.control.applied_generation == 4 and agent.control.lr_scale == 0.25  # type: ignore[attr-defined]
+    assert calls == []  # checkpoints requested before the restart are not taken again
+    used = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+    model(_batch(1)).sum().backward()
+    opt.step()
+    assert used == [0.1 * 0.25]
+    assert until(lambda: ctl.acks(run) == [(3, 0), (4, 0)], 30.0), ctl.acks(run)
+    agent.close(2.0)  # type: ignore[attr-defined]
+
+
+def test_state_dict_round_trip_and_bad_input(ctl: ControllerProcess) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = _attach(model, opt, ctl, "state-a")
+    _command(ctl, "state-a", "lr-scale", scale=0.5)
+    _command(ctl, "state-a", "checkpoint")
+    _wait_seen(agent, _command(ctl, "state-a", "checkpoint"))
+    model(_batch(1)).sum().backward()
+    opt.step()
+    agent.end_step(1.0)
+    state = agent.state_dict()["control"]
+    assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "rollback_seq": 0,
+                     "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
+                     "spike_guard": {"norms": [], "consecutive": 0}, "accumulation": [0, "none"]}
+    agent.close(1.0)
+
+    agent = _attach(model, opt, ctl, "state-b")  # a run the controller has at generation 0: the checkpoint restores
+    agent.load_state_dict({**agent.state_dict(), "control": {**state, "applied_generation": 4}})
+    assert agent.state_dict()["control"] == {**state, "applied_generation": 4}
+    agent.load_state_dict({**agent.state_dict(), "step": 100})  # a restart at step 100
+    _wait_seen(agent, _command(ctl, "state-b", "lr-scale", scale=2.0))  # generation 1 < 4: never goes backwards
+    model(_batch(1)).sum().backward()
+    opt.step()
+    agent.end_step(1.0)
+    assert agent.control.lr_scale == 0.5 and agent.control.applied_generation == 4
+    assert until(lambda: [r["steps"] for r in ctl.reports("state-b")] == [(101, 101)], 30.0), ctl.reports("state-b")
+    with pytest.raises(ValueError, match="control state"):
+        agent.control.load_state_dict({"lr_scale": 0.0, "applied_generation": 1, "checkpoint_seq": 0,
+                                       "skipped_steps_total": 0})
+    with pytest.raises(ValueError, match="control state"):
+        agent.control.load_state_dict({"lr_scale": 1.0})
+    agent.close(1.0)
+
+
+def test_reports_carry_nan_and_contiguous_step_ranges(ctl: ControllerProcess) -> None:
+    run = "reports"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = _attach(model, opt, ctl, run, report_every=2)
+    for step in range(1, 9):
+        loss = model(_batch(step)).pow(2).mean()
+        loss.backward()
         opt.step()
-        agent.end_step(1.0)
-        assert agent.control.lr_scale == 0.5 and agent.control.applied_generation == 4
-        assert until(lambda: [(r.step_first, r.step_last) for r in ctl.reports] == [(101, 101)])
-        with pytest.raises(ValueError, match="control state"):
-            agent.control.load_state_dict({"lr_scale": 0.0, "applied_generation": 1, "checkpoint_seq": 0,
-                                           "skipped_steps_total": 0})
-        with pytest.raises(ValueError, match="control state"):
-            agent.control.load_state_dict({"lr_scale": 1.0})
-        agent.close(1.0)
+        opt.zero_grad()
+        # a NaN loss in the last report: the default rule's pause comes after the last step
+        agent.end_step(loss * math.nan if step == 8 else loss)
+    assert until(lambda: len(ctl.reports(run)) == 4, 30.0), ctl.reports(run)
+    reps = ctl.reports(run)
+    assert [r["steps"] for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
+    assert math.isnan(reps[3]["values"]["trainguard_loss"]) and math.isnan(reps[3]["ranks"]["loss"][0])
+    assert reps[1]["values"]["trainguard_loss"] == reps[1]["ranks"]["loss"][0] and reps[1]["ranks"]["loss"][0] > 0
+    assert reps[1]["ranks"]["param_fingerprint"][0] == reps[1]["values"]["trainguard_param_norm"]
+    assert all(len(r["ranks"][f]) == 1 for r in reps for f in ("step_time_s", "grad_norm", "forward_s"))
+    assert all(r["ranks"]["forward_s"][0] == r["values"]["trainguard_forward_seconds"] >= 0 for r in reps)
+    assert "trainguard_lr_scale" in reps[0]["values"] and not any("{" in k for k in reps[0]["values"])
+    # the NaN reached the controller's rules: its default rule paused the run
+    assert until(lambda: ctl.run_detail(run)["desired"]["paused"], 30.0)
+    agent.close(1.0)
 
 
-def test_reports_carry_nan_and_contiguous_step_ranges() -> None:
-    with FakeController() as ctl:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        agent = _attach(model, opt, ctl, report_every=2)
-        for step in range(1, 9):
-            loss = model(_batch(step)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            agent.end_step(loss * math.nan if step == 6 else loss)
-        assert until(lambda: len(ctl.reports) == 4)
-        reps = ctl.reports
-        assert [(r.step_first, r.step_last) for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
-        assert math.isnan(reps[2].values["trainguard_loss"]) and math.isnan(reps[2].ranks.loss[0])
-        assert reps[1].values["trainguard_loss"] == reps[1].ranks.loss[0] and reps[1].ranks.loss[0] > 0
-        assert reps[1].ranks.param_fingerprint[0] == reps[1].values["trainguard_param_norm"]
-        assert all(len(getattr(r.ranks, f)) == 1 for r in reps for f in ("step_time_s", "grad_norm", "forward_s"))
-        assert all(r.ranks.forward_s[0] == r.values["trainguard_forward_seconds"] >= 0 for r in reps)
-        assert "trainguard_lr_scale" in reps[0].values and not any("{" in k for k in reps[0].values)
-        agent.close(1.0)
+def test_a_report_that_fails_to_build_does_not_keep_the_leader_from_applying(ctl: ControllerProcess) -> None:
+    run = "report-fails"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = _attach(model, opt, ctl, run)  # report_every=1: every step is a report step
+    try:
+        def boom(step, rows):  # type: ignore[no-untyped-def]
+            raise RuntimeError("injected: the report could not be built")
 
-
-def test_a_report_that_fails_to_build_does_not_keep_the_leader_from_applying() -> None:
-    with FakeController() as ctl:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        agent = _attach(model, opt, ctl)  # report_every=1: every step is a report step
-        try:
-            def boom(step, rows):  # type: ignore[no-untyped-def]
-                raise RuntimeError("injected: the report could not be built")
-
-            agent.control._send_report = boom
-            ctl.command(RUN, lr_scale=0.25)
-            _wait_seen(agent, 1)
-            loss = model(_batch(1)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            agent.end_step(loss)
-            # the generation was applied at this step although its report failed (and was counted)
-            assert agent.latest()["trainguard_lr_scale"] == 0.25
-            assert agent.latest()["trainguard_applied_generation"] == 1
-            assert agent.latest()["trainguard_agent_errors_total"] >= 1
-        finally:
-            agent.close(2.0)
+        agent.control._send_report = boom
+        _wait_seen(agent, _command(ctl, run, "lr-scale", scale=0.25))
+        loss = model(_batch(1)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        # the generation was applied at this step although its report failed (and was counted)
+        assert agent.latest()["trainguard_lr_scale"] == 0.25
+        assert agent.latest()["trainguard_applied_generation"] == 1
+        assert agent.latest()["trainguard_agent_errors_total"] >= 1
+        assert until(lambda: ctl.acks(run) == [(1, 1)], 30.0), ctl.acks(run)
+    finally:
+        agent.close(2.0)

@@ -1,6 +1,10 @@
-"""The control plane with CUDA parameters (skipped without a GPU): the non-finite guard with fused
-and foreach Adam (bit-identical, exactly one host-device sync per optimizer step), lr_scale with a
-tensor LR, and reports built from the agent's asynchronously copied values."""
+"""The control plane with fused/foreach optimizers: the non-finite guard with fused and foreach
+Adam (bit-identical; on CUDA exactly one host-device sync per optimizer step), lr_scale with a
+tensor LR, and reports built from the agent's asynchronously copied values.
+
+Every test runs on the CPU (the same code paths: fused/foreach kernels, tensor LR, the guard's
+device-side flag) and again on CUDA where a GPU is present; only the sync count needs CUDA.
+``TRAINGUARD_TEST_DEVICE=cpu`` or ``cuda`` runs one device only."""
 
 from __future__ import annotations
 
@@ -13,25 +17,27 @@ import pytest
 import torch
 
 import trainer_agent as ta
-from tests.control.fake_controller import FakeController
-from tests.control.procs import until
+from tests.control.procs import ControllerProcess, until
 
-DEVICE = os.environ.get("TRAINGUARD_TEST_DEVICE", "cuda")  # 'cpu' exercises the same code paths here
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+_ONLY = os.environ.get("TRAINGUARD_TEST_DEVICE")
+_NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = [pytest.param(d, marks=[_NEEDS_GPU] if d == "cuda" else [])
+           for d in ("cpu", "cuda") if _ONLY in (None, d)]
 
 
-def _model() -> torch.nn.Module:
+def _model(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(DEVICE)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device)
 
 
-def _x(step: int) -> torch.Tensor:
-    return torch.randn(16, 32, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+def _x(step: int, device: str) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(step)).to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
-def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str) -> None:
-    model = _model()
+def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str, device: str) -> None:
+    model = _model(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **{impl: True})
     agent = ta.attach(model, opt, job="cuda", run=f"skip-{impl}",
                       config=ta.AgentConfig(skip_nonfinite=True, report_every=1000, update_ratio="off",
@@ -40,19 +46,19 @@ def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str) -> None:
         handle = None
         if step == 4:
             handle = model[2].weight.register_hook(lambda g: g * math.nan)
-        loss = model(_x(step)).pow(2).mean()
+        loss = model(_x(step, device)).pow(2).mean()
         loss.backward()
         if handle is not None:
             handle.remove()
         params = [p.detach().clone() for p in model.parameters()]
         state = copy.deepcopy(opt.state_dict()["state"])
-        if DEVICE == "cuda":
+        if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
-        if DEVICE == "cuda":
+        if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
             syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
             assert len(syncs) == 1, [str(w.message) for w in caught]  # the guard's one read
@@ -71,32 +77,43 @@ def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str) -> None:
     agent.close(2.0)
 
 
-def test_lr_scale_with_a_tensor_lr_and_reports_from_async_copies() -> None:
-    with FakeController() as ctl:
-        model = _model()
-        lr = torch.tensor(0.01, device=DEVICE) if DEVICE == "cuda" else 0.01
-        opt = torch.optim.Adam(model.parameters(), lr=lr, fused=DEVICE == "cuda")
-        agent = ta.attach(model, opt, job="cuda", run="lr-cuda",
-                          config=ta.AgentConfig(controller=ctl.url, report_every=2, metrics_port=None))
-        original = opt.param_groups[0]["lr"]
-        used: list[float] = []
-        opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
-        for step in range(1, 13):
-            loss = model(_x(step)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            assert opt.param_groups[0]["lr"] is original  # the scheduler's object, restored
-            opt.zero_grad()
-            agent.end_step(loss)
-            if step == 4:
-                ctl.command("lr-cuda", lr_scale=0.5)
-                assert until(lambda: agent.control.client.desired.generation == 1)
-        at = [a.step for a in agent.control.history]
-        assert at == [5]  # the next agreement (sync_every=1) after the command
-        assert used == [pytest.approx(0.01, rel=1e-6)] * 5 + [pytest.approx(0.005, rel=1e-6)] * 7
-        assert until(lambda: ctl.reports and ctl.reports[-1].step_last >= 10)
-        ranges = [(r.step_first, r.step_last) for r in ctl.reports]
-        assert all(b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:])) and ranges[0][0] == 1
-        assert all(math.isfinite(r.values["trainguard_loss"]) and r.ranks.loss == [r.values["trainguard_loss"]]
-                   for r in ctl.reports)
-        agent.close(2.0)
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    proc = ControllerProcess(tmp_path_factory.mktemp("control-devices") / "trainguard.db").start()
+    yield proc
+    proc.kill()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("device", DEVICES)
+def test_lr_scale_with_a_tensor_lr_and_reports_from_async_copies(ctl: ControllerProcess, device: str) -> None:
+    run = f"lr-tensor-{device}"
+    model = _model(device)
+    lr = torch.tensor(0.01, device=device)  # fused Adam takes a tensor LR on the CPU too
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    agent = ta.attach(model, opt, job="cuda", run=run,
+                      config=ta.AgentConfig(controller=ctl.url, report_every=2, metrics_port=None))
+    assert until(lambda: ctl.run_detail(run) is not None, 30.0)
+    original = opt.param_groups[0]["lr"]
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
+    for step in range(1, 13):
+        loss = model(_x(step, device)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        assert opt.param_groups[0]["lr"] is original  # the scheduler's object, restored
+        opt.zero_grad()
+        agent.end_step(loss)
+        if step == 4:
+            ctl.command(run, "lr-scale", scale=0.5)
+            assert until(lambda: agent.control.client.desired.generation == 1, 30.0)
+    at = [a.step for a in agent.control.history]
+    assert at == [5]  # the next agreement (sync_every=1) after the command
+    assert used == [pytest.approx(0.01, rel=1e-6)] * 5 + [pytest.approx(0.005, rel=1e-6)] * 7
+    assert until(lambda: (reps := ctl.reports(run)) and reps[-1]["steps"][1] >= 12, 30.0)
+    reports = ctl.reports(run)
+    assert [r["steps"] for r in reports] == [(s, s + 1) for s in range(1, 13, 2)]
+    assert all(math.isfinite(r["values"]["trainguard_loss"]) and r["ranks"]["loss"] == [r["values"]["trainguard_loss"]]
+               for r in reports)
+    assert ctl.acks(run) == [(1, 5)]
+    agent.close(2.0)

@@ -13,7 +13,7 @@ import yaml
 
 from trainguard.dashboards import build
 from trainguard.dashboards.common import GRAFANA_IMAGE
-from trainguard.dashboards.stack import ALERTMANAGER_IMAGE, PROMETHEUS_IMAGE, TOKEN_SECRET
+from trainguard.dashboards.stack import ALERTMANAGER_IMAGE, ALERTMANAGER_TOKEN_SECRET, PROMETHEUS_IMAGE, PROMETHEUS_TOKEN_SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -121,21 +121,46 @@ def test_services_health_checks_volumes_and_ports(compose):
     assert f"http://127.0.0.1:{port}/metrics" in " ".join(trainer["healthcheck"]["test"])
 
 
+TOKENS = ("TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_PROMETHEUS_TOKEN", "TRAINGUARD_ALERTMANAGER_TOKEN",
+          "TRAINGUARD_DEMO_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN")
+
+
 def test_no_secret_has_a_default(compose):
     text = COMPOSE.read_text()
-    for variable in ("TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"):
+    for variable in (*TOKENS, "GRAFANA_ADMIN_PASSWORD", "TRAINGUARD_WEBHOOK_SECRET"):
         uses = re.findall(r"\$\{" + variable + r"([^}]*)\}", text)
         assert uses and all(u.startswith(":?") for u in uses), variable
     env = compose["services"]["controller"]["environment"]
-    assert env["TRAINGUARD_OPERATOR_TOKENS"].startswith("${TRAINGUARD_OPERATOR_TOKEN:?")
     assert env["TRAINGUARD_AGENT_TOKENS"].startswith("${TRAINGUARD_AGENT_TOKEN:?")
-    secret = compose["secrets"]["trainguard_operator_token"]
-    assert secret == {"environment": "TRAINGUARD_OPERATOR_TOKEN"}
-    assert TOKEN_SECRET == "/run/secrets/trainguard_operator_token"
-    for name in ("prometheus", "alertmanager"):
-        assert compose["services"][name]["secrets"] == ["trainguard_operator_token"]
     example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
-    assert {"TRAINGUARD_OPERATOR_TOKEN", "TRAINGUARD_AGENT_TOKEN", "GRAFANA_ADMIN_PASSWORD"} <= example.keys()
-    assert example["TRAINGUARD_OPERATOR_TOKEN"] == example["TRAINGUARD_AGENT_TOKEN"] == ""
-    assert example["GRAFANA_ADMIN_PASSWORD"] == ""
+    assert {*TOKENS, "GRAFANA_ADMIN_PASSWORD"} <= example.keys()
+    assert all(example[t] == "" for t in TOKENS)
+    assert example["GRAFANA_ADMIN_PASSWORD"] == example["TRAINGUARD_WEBHOOK_SECRET"] == ""
+
+
+def test_each_client_holds_only_the_scopes_it_needs(compose):
+    """Prometheus reads, Alertmanager commands, the demo trainer's operator side reads and
+    commands: the controller's token table, parsed as the controller parses it, says so."""
+    from trainguard.service.auth import TokenTable
+
+    values = {"TRAINGUARD_OPERATOR_TOKEN": "op-token-000", "TRAINGUARD_PROMETHEUS_TOKEN": "prom-token-00",
+              "TRAINGUARD_ALERTMANAGER_TOKEN": "am-token-0000", "TRAINGUARD_DEMO_OPERATOR_TOKEN": "demo-token-00",
+              "TRAINGUARD_AGENT_TOKEN": "agent-token-0"}
+    env = compose["services"]["controller"]["environment"]
+    expand = lambda text: re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: values[m.group(1)], text)  # noqa: E731
+    table = TokenTable(tuple(expand(env["TRAINGUARD_OPERATOR_TOKENS"]).split(",")), tuple(expand(env["TRAINGUARD_AGENT_TOKENS"]).split(",")))
+    scopes = {k: table.authenticate(f"Bearer {v}").scopes for k, v in values.items()}
+    assert scopes["TRAINGUARD_PROMETHEUS_TOKEN"] == {"read"}
+    assert scopes["TRAINGUARD_ALERTMANAGER_TOKEN"] == {"command"}
+    assert scopes["TRAINGUARD_DEMO_OPERATOR_TOKEN"] == {"read", "command"}
+    assert scopes["TRAINGUARD_AGENT_TOKEN"] == {"agent"}
+    trainer = compose["services"]["trainer"]["environment"]
+    assert trainer["TRAINGUARD_TOKEN"].startswith("${TRAINGUARD_AGENT_TOKEN:?")
+    assert trainer["TRAINGUARD_OPERATOR_TOKEN"].startswith("${TRAINGUARD_DEMO_OPERATOR_TOKEN:?")
+    assert compose["secrets"]["trainguard_prometheus_token"] == {"environment": "TRAINGUARD_PROMETHEUS_TOKEN"}
+    assert compose["secrets"]["trainguard_alertmanager_token"] == {"environment": "TRAINGUARD_ALERTMANAGER_TOKEN"}
+    assert compose["services"]["prometheus"]["secrets"] == ["trainguard_prometheus_token"]
+    assert compose["services"]["alertmanager"]["secrets"] == ["trainguard_alertmanager_token"]
+    assert PROMETHEUS_TOKEN_SECRET == "/run/secrets/trainguard_prometheus_token"
+    assert ALERTMANAGER_TOKEN_SECRET == "/run/secrets/trainguard_alertmanager_token"

@@ -192,10 +192,10 @@ def test_generated_stack_files_wire_the_services_together(rendered):
     prom = yaml.safe_load(rendered["prometheus/prometheus.yml"])
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     ranks = jobs["trainguard-ranks"]
-    assert ranks["honor_labels"] is True
+    assert ranks["honor_labels"] is False  # target labels come from discovery (see test_prometheus_labels.py)
     sd = ranks["http_sd_configs"][0]
     assert sd["url"] == "http://controller:8000/v1/sd/targets"
-    assert sd["authorization"]["credentials_file"] == "/run/secrets/trainguard_operator_token"
+    assert sd["authorization"]["credentials_file"] == "/run/secrets/trainguard_prometheus_token"
     assert jobs["trainguard-controller"]["static_configs"] == [{"targets": ["controller:8000"]}]
     am = yaml.safe_load(rendered["alertmanager/alertmanager.yml"])
     urls = {r["name"]: r["webhook_configs"][0]["url"] for r in am["receivers"]}

@@ -19,8 +19,7 @@ import math
 import os
 import secrets
 import shutil
-import signal
-import socket
+import re
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from trainguard.dashboards import build
 from trainguard.dashboards.rules import RECORDING_RULES, rule_groups
 from trainguard.dashboards.stack import prometheus_config
 from trainguard.demo.webhook_sink import make_server
+from tests.tools.listening import start_listening, stop
 
 PROMETHEUS = shutil.which("prometheus")
 TRAINGUARD = Path(sys.executable).parent / "trainguard"
@@ -62,12 +62,6 @@ pytestmark = [
     pytest.mark.timeout(150),
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (scripts/setup.sh)"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -94,16 +88,6 @@ def _request(method: str, url: str, token: str, body: dict | None = None) -> tup
         return err.code, json.loads(err.read() or b"{}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 class TinyLM(nn.Module):
     """Embedding, two residual MLP blocks and a tied head: per-layer metrics see ``blocks.0`` and
     ``blocks.1`` at the agent's default depth."""
@@ -126,19 +110,18 @@ def stack(tmp_path):
     """A controller process, two webhook sinks (one failing) and a Prometheus scraping both the
     controller and, through http_sd, every registered rank."""
     operator, agent_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-    port = _free_port()
     env = {**os.environ, "TRAINGUARD_OPERATOR_TOKENS": operator, "TRAINGUARD_AGENT_TOKENS": agent_token}
-    logs = [open(tmp_path / name, "wb") for name in ("controller.log", "prometheus.log")]
     sink_log = open(os.devnull, "w")
-    controller = subprocess.Popen(
-        [str(TRAINGUARD), "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(tmp_path / "tg.db")],
-        env=env, stdout=subprocess.DEVNULL, stderr=logs[0])
-    procs = [controller]
+    procs: list[subprocess.Popen] = []
     sinks = [make_server("127.0.0.1", 0, status=s, log=sink_log) for s in (204, 500)]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in sinks]
     for t in threads:
         t.start()
     try:
+        controller, port = start_listening(
+            [str(TRAINGUARD), "serve", "--host", "127.0.0.1", "--port", "0", "--db", str(tmp_path / "tg.db")],
+            tmp_path / "controller.log", env=env)
+        procs.append(controller)
         base = f"http://127.0.0.1:{port}"
         _wait_http(f"{base}/healthz", 30, controller)
         for sink in sinks:
@@ -151,12 +134,10 @@ def stack(tmp_path):
                                    rule_files=["rules.yml"], scrape_interval=SCRAPE,
                                    sd_refresh_interval=SCRAPE)
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        prom_port = _free_port()
-        prometheus = subprocess.Popen(
+        prometheus, prom_port = start_listening(
             [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-             "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=logs[1])
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", "--web.listen-address=127.0.0.1:0", "--log.level=info"],
+            tmp_path / "prometheus.log")
         procs.append(prometheus)
         prom = f"http://127.0.0.1:{prom_port}"
         _wait_http(f"{prom}/-/ready", 30, prometheus)
@@ -164,19 +145,18 @@ def stack(tmp_path):
                "sinks": sinks, "logs": tmp_path}
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop(proc)
         for sink in sinks:
             sink.shutdown()
             sink.server_close()
         for t in threads:
             t.join(timeout=5)
-        for f in (*logs, sink_log):
-            f.close()
+        sink_log.close()
 
 
-def _train(stack) -> tuple[float, float, object]:
-    """Train TinyLM with the agent attached for TRAIN_SECONDS; returns (start, end, agent) with the
-    agent still serving /metrics."""
+def _train(stack) -> tuple[float, float, object, set[float]]:
+    """Train TinyLM with the agent attached for TRAIN_SECONDS; returns (start, end, agent, the
+    gradient norms the agent computed, one per step) with the agent still serving /metrics."""
     import trainer_agent as ta
     from trainer_agent.data import DataMonitor, QualityFilter
 
@@ -193,20 +173,34 @@ def _train(stack) -> tuple[float, float, object]:
                       controller=stack["controller"], token=stack["agent"],
                       config=ta.AgentConfig(report_every=1, metrics_port=0, update_ratio="every",
                                             skip_nonfinite=True))
+    # The sequences come through the agent's own sharded reader (so its panel has data): random
+    # token sequences written into shards, read back in a seeded order, watched by the agent.
+    from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
+
     generator = torch.Generator().manual_seed(1)
+    shards = write_shards(stack["logs"] / "shards",
+                          (torch.randint(1, VOCAB, (SEQ + 1,), generator=generator).numpy() for _ in range(4096)),
+                          vocab_size=VOCAB, tokens_per_shard=1024 * (SEQ + 1), monitor=False)
+    loader = TokenLoader(TokenBatches(shards, batch_size=BATCH, seq_len=SEQ + 1, seed=1), num_workers=0)
+    agent.watch_loader(loader)
 
     def samples():
         while True:
-            yield torch.randint(1, VOCAB, (SEQ + 1,), generator=generator)
+            for rows in loader:
+                yield from rows["input_ids"]
 
     stream = iter(QualityFilter(samples(), registry=agent.registry,
                                 labels={"job": JOB, "run": RUN, "rank": "0"}))
     start = time.time()
     step = 0
-    commanded = False
+    grad_norms: set[float] = set()
+    commanded_at: float | None = None
     burst: torch.Tensor | None = None
-    while time.time() - start < TRAIN_SECONDS:
+    # Train TRAIN_SECONDS, and on until Prometheus has scraped the rank both before and 4 s after
+    # the operator's command (discovery through the controller may be slow on a busy machine).
+    while (time.time() - start < TRAIN_SECONDS or commanded_at is None or time.time() - commanded_at < 4):
         elapsed = time.time() - start
+        assert elapsed < 90, "Prometheus never scraped the rank"
         batch = torch.stack([next(stream) for _ in range(BATCH)])
         if any(lo <= elapsed / TRAIN_SECONDS < hi for lo, hi in BURSTS):
             burst = batch if burst is None else burst  # one batch, over and over
@@ -224,18 +218,20 @@ def _train(stack) -> tuple[float, float, object]:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         agent.end_step(loss.detach(), tokens=batch.numel())
+        grad_norms.add(agent.latest()["trainguard_grad_norm_max"])  # report_every=1: this step's
         step += 1
-        if not commanded and elapsed > TRAIN_SECONDS / 4:
+        if commanded_at is None and elapsed > TRAIN_SECONDS / 4 and _query(
+                stack["prometheus"], f'trainguard_applied_generation{{run="{RUN}"}}', time.time()):
             status, body = _request("POST", f"{stack['controller']}/v1/runs/{RUN}/lr-scale",
                                     stack["operator"], {"scale": 0.5, "reason": "integration test"})
             assert status == 200, body
             status, body = _request("POST", f"{stack['controller']}/v1/runs/{RUN}/reports",
                                     stack["agent"], {"not": "a report"})
             assert 400 <= status < 500, body
-            commanded = True
+            commanded_at = time.time()
         time.sleep(0.02)  # ~30 steps/s: many scrapes see many different steps
     assert step > 50
-    return start, time.time(), agent
+    return start, time.time(), agent, grad_norms
 
 
 def _substitute(expr: str) -> str:
@@ -253,15 +249,98 @@ def _query_range(prom: str, expr: str, start: float, end: float) -> list[dict]:
     return answer["data"]["result"]
 
 
+def _query(prom: str, expr: str, t: float) -> list[dict]:
+    """An instant query at time ``t`` (ms precision, as Prometheus stores it)."""
+    params = urllib.parse.urlencode({"query": expr, "time": f"{t:.3f}"})
+    with urllib.request.urlopen(f"{prom}/api/v1/query?{params}", timeout=10) as resp:
+        answer = json.loads(resp.read())
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def _wait_settled(prom: str, last_step: float, end: float) -> None:
+    """Poll until Prometheus scraped the final step and evaluated its rules after training ended
+    (instead of sleeping for 'long enough')."""
+    def settled() -> bool:
+        now = time.time()
+        step = _query(prom, f'trainguard_step{{run="{RUN}"}}', now)
+        rule = _query(prom, f'timestamp(trainguard:grad_norm:max{{run="{RUN}"}})', now)
+        return (bool(step) and float(step[0]["value"][1]) == last_step
+                and bool(rule) and float(rule[0]["value"][1]) > end)
+    deadline = time.monotonic() + 60
+    while not settled():
+        assert time.monotonic() < deadline, "Prometheus did not scrape the last step / evaluate its rules"
+        time.sleep(0.2)
+
+
+def _key(metric: dict, by: tuple[str, ...] | None) -> tuple:
+    """A series' identity without its name (what rate/increase keep), or its ``by`` labels."""
+    if by is not None:
+        return tuple((k, metric.get(k, "")) for k in by)
+    return tuple(sorted((k, v) for k, v in metric.items() if k != "__name__"))
+
+
+def _naive_increase(samples: list[tuple[int, float]], t: int, window: int, *, rate: bool) -> float | None:
+    """Prometheus 2.x's extrapolated increase/rate of a counter over ``[t - window, t]`` (times in
+    integer milliseconds, as Prometheus keeps them), written out from its documented rules:
+    counter resets add the value before the reset; the sampled span is extrapolated towards the
+    window's edges by at most half an average sample interval (or to the edge when it is within
+    1.1 intervals), and not to below zero."""
+    if len(samples) < 2:
+        return None
+    (t0, v0), (t1, v1) = samples[0], samples[-1]
+    result = v1 - v0
+    previous = 0.0
+    for _, v in samples:
+        if v < previous:
+            result += previous
+        previous = v
+    to_start, to_end, span = (t0 - (t - window)) / 1000, (t - t1) / 1000, (t1 - t0) / 1000
+    average = span / (len(samples) - 1)
+    if result > 0 and v0 >= 0:
+        to_start = min(to_start, span * (v0 / result))
+    extended = span + (to_start if to_start < average * 1.1 else average / 2)
+    extended += to_end if to_end < average * 1.1 else average / 2
+    result *= extended / span
+    return result / (window / 1000) if rate else result
+
+
+#: Panel expressions checked value by value: F(selector[Ns]), optionally summed (after _substitute).
+_RATE_PANEL = re.compile(r"^(?:sum (?:by \(([\w, ]+)\) )?\()?(rate|increase)\(([^\[\]]+)\[(\d+)s\]\)\)?$")
+
+
+def _check_rate_panel(prom: str, expr: str, t: float) -> int:
+    """Prometheus's value of a rate/increase panel at ``t`` against the same computed here from
+    the raw samples; returns how many series were compared."""
+    m = _RATE_PANEL.match(expr)
+    assert m, expr
+    t = round(t, 3)  # the query's time, as Prometheus reads it
+    summed = expr.startswith("sum")
+    by = tuple(x.strip() for x in m.group(1).split(",")) if m.group(1) else (() if summed else None)
+    raw = _query(prom, f"{m.group(3)}[{m.group(4)}s]", t)
+    expected: dict[tuple, float] = {}
+    for series in raw:
+        samples = [(round(float(ts) * 1000), float(v)) for ts, v in series["values"]]
+        value = _naive_increase(samples, round(t * 1000), int(m.group(4)) * 1000, rate=m.group(2) == "rate")
+        if value is not None:
+            k = _key(series["metric"], by)
+            expected[k] = expected.get(k, 0.0) + value
+    got = {_key(r["metric"], by if summed else None): float(r["value"][1]) for r in _query(prom, expr, t)}
+    assert got.keys() == expected.keys(), (expr, t, got, expected)
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (expr, t, k)
+    return len(expected)
+
+
 def _finite_points(result: list[dict]) -> int:
     return sum(1 for series in result for _, v in series["values"] if math.isfinite(float(v)))
 
 
 def test_every_panel_and_recording_rule_returns_data(stack):
-    start, end, agent = _train(stack)
+    start, end, agent, grad_norms = _train(stack)
     try:
-        time.sleep(4)  # the last scrapes and rule evaluations
         prom = stack["prometheus"]
+        _wait_settled(prom, agent.latest()["trainguard_step"], end)
         with urllib.request.urlopen(f"{prom}/api/v1/targets", timeout=10) as resp:
             targets = json.loads(resp.read())["data"]["activeTargets"]
         ranks = [t for t in targets if t["labels"].get("run") == RUN]
@@ -295,5 +374,36 @@ def test_every_panel_and_recording_rule_returns_data(stack):
         firing = _query_range(prom, f'ALERTS{{alertname="TrainguardDataDuplicates", alertstate="firing", run="{RUN}"}}',
                               start, time.time())
         assert firing and firing[0]["metric"]["trainguard_action"] == "notify"
+
+        # Values, not just data. The gradient norms Prometheus scraped are ones the agent computed;
+        # the panel shows the newest scraped one, a max over an interval is the max of the scraped
+        # ones in it, and the threshold rule's recording (trainguard:grad_norm:max, which the
+        # GradNormHigh alert compares with 1e3) holds, at each evaluation, one of the two newest.
+        selector = _substitute('trainguard_grad_norm_max{job=~"$job", run=~"$run", rank=~"$rank"}')
+        assert any(expr == selector for _, expr in queries)  # the panel's own expression
+        now, span = time.time(), f"{int(time.time() - start) + 30}s"
+        (series,) = _query(prom, f"{selector}[{span}]", now)
+        scraped = [(float(ts), float(v)) for ts, v in series["values"]]
+        assert len(scraped) >= TRAIN_SECONDS / 2 and {v for _, v in scraped} <= grad_norms
+        first = scraped[0][0]  # the rank is discovered through the controller: a moment after start
+        times = [first + f * (end - first) for f in (0.3, 0.55, 0.8, 1.0)]
+        for t in times:
+            newest = [v for ts, v in scraped if ts <= t][-1]
+            assert float(_query(prom, selector, t)[0]["value"][1]) == newest
+            in_window = [v for ts, v in scraped if t - 8 <= ts <= t]
+            assert float(_query(prom, f"max_over_time({selector}[8s])", t)[0]["value"][1]) == max(in_window)
+        (recorded,) = _query(prom, f'trainguard:grad_norm:max{{run="{RUN}"}}[{span}]', now)
+        for ts, v in recorded["values"]:
+            before = [sv for sts, sv in scraped if sts <= float(ts)]
+            assert before and float(v) in before[-2:], (ts, v)  # a scrape may land during an evaluation
+        # Rate and increase panels (tokens, sequences, filtered samples, non-finite and skipped
+        # steps, the controller's ingest, rejections, alerts, actions, webhooks) at several moments.
+        compared = 0
+        for _, expr in queries:
+            if _RATE_PANEL.match(expr):
+                compared += sum(_check_rate_panel(prom, expr, t) for t in times)
+        assert compared >= 40, compared
+        tokens = _query(prom, f'trainguard_data_tokens_total{{run="{RUN}"}}[{span}]', now)
+        assert tokens and all(float(v) % (BATCH * (SEQ + 1)) == 0 for _, v in tokens[0]["values"])  # whole batches
     finally:
         agent.close(timeout=5.0)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from trainguard.dashboards import build
-from trainguard.dashboards.stack import TOKEN_SECRET
+from trainguard.dashboards.stack import ALERTMANAGER_TOKEN_SECRET, PROMETHEUS_TOKEN_SECRET
 
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")
@@ -36,7 +36,7 @@ def test_check_config_with_the_token_file_and_rules_present(tmp_path):
     a temporary file: what Prometheus sees in the compose stack."""
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    text = (GENERATED / "prometheus/prometheus.yml").read_text().replace(TOKEN_SECRET, str(token))
+    text = (GENERATED / "prometheus/prometheus.yml").read_text().replace(PROMETHEUS_TOKEN_SECRET, str(token))
     (tmp_path / "prometheus.yml").write_text(text)
     shutil.copy(GENERATED / "prometheus/rules.yml", tmp_path / "rules.yml")
     out = _run(PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")).stdout
@@ -112,7 +112,7 @@ def test_alertmanager_config_and_routing(tmp_path):
     token = tmp_path / "token"
     token.write_text("t0ken\n")
     config = tmp_path / "alertmanager.yml"
-    config.write_text((GENERATED / "alertmanager/alertmanager.yml").read_text().replace(TOKEN_SECRET, str(token)))
+    config.write_text((GENERATED / "alertmanager/alertmanager.yml").read_text().replace(ALERTMANAGER_TOKEN_SECRET, str(token)))
     _run(AMTOOL, "check-config", str(config))
     routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), "--verify.receivers",
                   "trainguard-controller,webhook-sink", "alertname=TrainguardLossNonFinite",

@@ -3,9 +3,12 @@ alert, shows them, refuses bad bodies, and can play a failing receiver."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -103,3 +106,61 @@ def test_arguments_and_non_alertmanager_payloads():
     with pytest.raises(ValueError, match="status"):
         make_server("127.0.0.1", 0, status=99)
     assert alert_lines([1, 2]) == ["payload: [1, 2]"]
+
+
+SECRET = "sink-secret-0123456789"
+
+
+def _signed_post(url: str, body: bytes, *, secret: str = SECRET, ts: int | None = None,
+                 signature: str | None = None) -> int:
+    """POST signed as the README documents: sha256=HMAC_SHA256(secret, "{timestamp}." + body)."""
+    ts = int(time.time()) if ts is None else ts
+    sig = signature or "sha256=" + hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    req = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "X-Trainguard-Timestamp": str(ts), "X-Trainguard-Signature": sig})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.fixture
+def signed_sink():
+    log = io.StringIO()
+    server = make_server("127.0.0.1", 0, secret=SECRET, log=log)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}", log
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_signed_sink_takes_only_deliveries_signed_with_its_secret(signed_sink):
+    server, url, log = signed_sink
+    body = json.dumps(PAYLOAD).encode()
+    assert _signed_post(url + "/controller", body) == 204
+    assert _signed_post(url + "/controller", body, secret="another-secret-xxxxxx") == 401
+    assert _signed_post(url + "/controller", body + b" ") == 204  # whitespace is part of what is signed
+    tampered = json.dumps({**PAYLOAD, "status": "resolved"}).encode()
+    ts = int(time.time())
+    sig = "sha256=" + hmac.new(SECRET.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    assert _signed_post(url + "/controller", tampered, ts=ts, signature=sig) == 401  # the body changed
+    assert _signed_post(url + "/controller", body, ts=int(time.time()) - 3600) == 401  # a replay an hour later
+    assert _signed_post(url + "/controller", body, signature="sha256=") == 401
+    assert _post(url + "/controller", body) == 401  # no signature at all
+    assert _post(url + "/alerts", body) == 204  # Alertmanager's path: Alertmanager does not sign
+    items = server.inbox.newest_first()
+    assert [(i["path"], i["signed"]) for i in items] == [("/alerts", False), ("/controller", True), ("/controller", True)]
+    assert server.inbox.received == 3
+    refused = [line for line in log.getvalue().splitlines() if "refused" in line]
+    assert len(refused) == 5 and "signature does not match" in refused[0] and "missing" in refused[-1]
+    assert any("away from now" in line for line in refused)
+
+
+def test_signed_sink_arguments():
+    with pytest.raises(ValueError, match="secret"):
+        make_server("127.0.0.1", 0, secret="")
+    with pytest.raises(ValueError, match="max_age_s"):
+        make_server("127.0.0.1", 0, secret=SECRET, max_age_s=0)

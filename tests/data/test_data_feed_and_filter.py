@@ -78,7 +78,7 @@ def test_feed_drops_when_full_and_flush_times_out_while_busy():
 
 
 @pytest.mark.parametrize("step", [0, 1, 500, 6931.47, 10_000, 50_000, 1e9])
-def test_dynamic_threshold_matches_the_seed_formula(step):
+def test_dynamic_threshold_matches_its_formula(step):
     assert dynamic_threshold(step) == pytest.approx(0.95 - (0.95 - 0.8) * math.exp(-step / 10_000), abs=1e-15)
     assert dynamic_threshold(step, 0.5, 0.9, 100) == pytest.approx(0.9 - 0.4 * math.exp(-step / 100), abs=1e-15)
 

@@ -6,9 +6,20 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from trainer_agent.data import DataFeed
+
+pytestmark = pytest.mark.timing
+
+
+def _taken(feed: DataFeed) -> bool:
+    """Wait until the worker took what was queued (it is now inside observe_batch)."""
+    deadline = time.monotonic() + 10
+    while feed._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return feed._queue.qsize() == 0
 
 
 class _SlowMonitor:
@@ -28,13 +39,11 @@ def test_close_with_a_full_queue_still_stops_the_worker() -> None:
     monitor = _SlowMonitor()
     feed = DataFeed(monitor, max_pending=1)  # type: ignore[arg-type]
     assert feed.submit(torch.ones(2, 3, dtype=torch.long))
-    deadline = time.monotonic() + 5
-    while feed._queue.qsize() and time.monotonic() < deadline:  # the worker took the first batch
-        time.sleep(0.01)
+    assert _taken(feed)  # the worker took the first batch
     assert feed.submit(torch.ones(2, 3, dtype=torch.long))  # queued: the queue is now full
     t0 = time.monotonic()
     assert feed.close(timeout=0.2) is False  # no room for the stop signal within the deadline
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # the monitor is held for 10 s: a close that waited would last that
     monitor.release.set()
     feed._thread.join(5)
     assert not feed._thread.is_alive()
@@ -55,13 +64,15 @@ class _TimedMonitor:
 
 
 def test_close_keeps_one_deadline_for_the_hand_off_and_the_wait() -> None:
-    feed = DataFeed(_TimedMonitor(0.4), max_pending=1)  # type: ignore[arg-type]
+    feed = DataFeed(_TimedMonitor(2.0), max_pending=1)  # type: ignore[arg-type]
     batch = torch.ones(2, 3, dtype=torch.long)
-    assert feed.submit(batch)  # the worker takes it and works 0.4 s
-    time.sleep(0.05)
+    assert feed.submit(batch)  # the worker takes it and works 2 s
+    assert _taken(feed)
     assert feed.submit(batch)  # queued: the queue is full
     t0 = time.monotonic()
-    stopped = feed.close(timeout=0.6)  # the stop signal waits ~0.35 s for room, then the join
+    stopped = feed.close(timeout=3.0)  # the stop signal waits < 2 s for room, then the join
     elapsed = time.monotonic() - t0
-    assert elapsed < 0.6 + 0.15, elapsed  # one deadline, not one for each wait
-    assert stopped is False  # the second batch needs until ~0.8 s
+    # One deadline for both waits: the second batch ends at ~4 s, after it, so the join gives up
+    # at 3 s. A deadline for each wait (< 2 s + 3 s) would see the worker stop at ~4 s instead.
+    assert stopped is False
+    assert elapsed < 3.0 + 0.9, elapsed

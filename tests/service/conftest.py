@@ -95,7 +95,7 @@ def receiver_factory() -> Iterator[Callable[[list[int]], Receiver]]:
         r.close()
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, every: float = 0.02) -> Any:
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.02) -> Any:
     """Poll ``predicate`` until it is truthy; fail the test after ``timeout`` seconds."""
     import time
 
@@ -112,19 +112,27 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, every: float
 class Served:
     """A real ``trainguard serve`` process on a free loopback port."""
 
-    def __init__(self, db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None) -> None:
+    def __init__(self, db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None, port: int = 0) -> None:
         import os
         import subprocess
         import sys
+        import threading
 
         self.env = dict(os.environ) | (env or {})
-        cmd = [sys.executable, "-m", "trainguard.cli", "serve", "--port", "0", "--db", str(db), "--log-level", "warning", *(extra or [])]
+        cmd = [sys.executable, "-m", "trainguard.cli", "serve", "--port", str(port), "--db", str(db), "--log-level", "warning", *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         line = self.proc.stdout.readline()  # "trainguard controller listening on http://127.0.0.1:PORT ..."
         if "listening on" not in line:
             self.proc.kill()
             raise AssertionError(f"trainguard serve did not start: {line}{self.proc.stdout.read()}")
         self.url = line.split("listening on ")[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1].strip("/"))
+        self.output: list[str] = []  # what it printed after starting (drained: a full pipe would block it)
+        threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
+
+    def _drain(self, out) -> None:  # type: ignore[no-untyped-def]
+        with out:
+            self.output.extend(out)
 
     def kill(self) -> None:
         import signal
@@ -140,16 +148,14 @@ class Served:
             except Exception:
                 self.proc.kill()
                 self.proc.wait(10)
-        if self.proc.stdout:
-            self.proc.stdout.close()
 
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Served]]:
     started: list[Served] = []
 
-    def start(db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Served:
-        started.append(Served(db, env, extra))
+    def start(db: Path, env: dict[str, str] | None = None, extra: list[str] | None = None, port: int = 0) -> Served:
+        started.append(Served(db, env, extra, port))
         return started[-1]
 
     yield start

@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from trainguard.service.metrics import CONTROLLER_METRICS
 from tests.service.conftest import register
 
+pytestmark = pytest.mark.timing
+
 OP, RO, AG, AG_BOUND = "operator-token-1", "readonly-token-1", "agent-token-1", "agent-token-2"
 TOKENS = dict(operator_tokens=(OP, f"{RO}:read"), agent_tokens=(AG, f"{AG_BOUND}:run-b"))
 
@@ -28,7 +30,8 @@ def test_register_report_poll_ack_flow(app_factory):
     with app_factory() as c:
         reg = register(c)
         assert reg["desired"] == {"generation": 0, "paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False,
-                                 "rollback_seq": 0, "rollback_step": 0, "reason": ""}
+                                  "rollback_seq": 0, "rollback_step": 0, "reason": "",
+                                  "accumulation_steps": 0, "accumulation_lr_rule": "none"}
         r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}))
         assert r.status_code == 200
         acc = r.json()

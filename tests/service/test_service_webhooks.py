@@ -1,13 +1,25 @@
-"""Webhooks out against a real local HTTP receiver: signature, retries on 5xx, none on 4xx."""
+"""Webhooks out against a real local HTTP receiver: signature, retries on 5xx, none on 4xx.
+Signatures are checked by code that does not share the controller's: rebuilt here from the
+README's recipe, and by the demo webhook sink (what a user copies)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import io
 import json
+import threading
 
-from trainguard.service.webhooks import verify
+from trainguard.demo.webhook_sink import make_server
 from tests.service.conftest import register, wait_until
 
 SECRET = "s3cret-s3cret-s3cret"
+
+
+def _documented_signature(secret: str, headers: dict[str, str], body: bytes) -> bool:
+    """The README's recipe: X-Trainguard-Signature = sha256=HMAC_SHA256(secret, "{X-Trainguard-Timestamp}." + body)."""
+    mac = hmac.new(secret.encode(), headers["x-trainguard-timestamp"].encode() + b"." + body, hashlib.sha256)
+    return hmac.compare_digest("sha256=" + mac.hexdigest(), headers["x-trainguard-signature"])
 
 
 def _report(values):
@@ -30,8 +42,9 @@ def test_500_then_200_is_retried_signed_and_recorded(app_factory, receiver_facto
     first, second = rx.requests
     assert first[1] == second[1]  # the same message, sent again
     headers, body = second
-    assert verify(SECRET, int(headers["x-trainguard-timestamp"]), body, headers["x-trainguard-signature"])
-    assert not verify("another-secret-xxxxx", int(headers["x-trainguard-timestamp"]), body, headers["x-trainguard-signature"])
+    assert _documented_signature(SECRET, headers, body)
+    assert not _documented_signature("another-secret-xxxxx", headers, body)
+    assert headers["x-trainguard-delivery"] == first[0]["x-trainguard-delivery"]  # the same on a retry
     payload = json.loads(body)
     assert payload["version"] == "4" and payload["status"] == "firing"
     (alert,) = payload["alerts"]
@@ -70,3 +83,27 @@ def test_min_severity_and_delete(app_factory, receiver_factory):
         assert c.delete(f"/v1/webhooks/{hook['id']}").status_code == 404
         assert c.get("/v1/webhooks").json() == []
     assert len(rx.requests) == 1
+
+
+def test_the_demo_sink_takes_what_the_controller_signs_and_refuses_another_secret(app_factory):
+    sinks = []
+    for secret in (SECRET, "not-the-webhook-secret"):
+        server = make_server("127.0.0.1", 0, secret=secret, log=io.StringIO())
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        sinks.append(server)
+    try:
+        with app_factory(webhook_backoff_s=0.05) as c:
+            hooks = [c.post("/v1/webhooks", json={"url": f"http://127.0.0.1:{s.server_address[1]}/controller",
+                                                  "secret": SECRET, "min_severity": "info"}).json() for s in sinks]
+            register(c)
+            c.post("/v1/runs/run-1/reports", json=_report({"trainguard_loss": "NaN"}))
+            good, bad = (wait_until(lambda h=h: c.get(f"/v1/webhooks/{h['id']}/deliveries").json()) for h in hooks)
+        assert [(d["outcome"], d["status_code"]) for d in good] == [("delivered", 204)]
+        assert [(d["outcome"], d["status_code"]) for d in bad] == [("failed", 401)]  # a 4xx: not retried
+        (item,) = sinks[0].inbox.newest_first()
+        assert item["signed"] and item["payload"]["alerts"][0]["labels"]["alertname"] == "loss_nonfinite"
+        assert sinks[1].inbox.received == 0
+    finally:
+        for s in sinks:
+            s.shutdown()
+            s.server_close()

@@ -50,3 +50,39 @@ def test_window_reads_match_a_naive_history(capacity: int, rank_capacity: int, s
                 assert got.shape == (len(rows), world)
                 assert all(_same(a, b) for a, b in zip(rows, got))
         assert w.latest_values().keys() == history[-1].keys()
+
+
+@pytest.mark.parametrize("capacity, rank_capacity, skip", [(8, 3, 0.0), (8, 3, 0.4), (5, 1, 0.5)])
+def test_rows_and_rank_rows_give_each_held_report_with_its_sequence_number_and_step(capacity: int, rank_capacity: int, skip: float) -> None:
+    rng = random.Random(7 + capacity + rank_capacity)
+    world = 2
+    w = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world, created=0.0)
+    history: list[tuple[int, int, float, dict[str, float]]] = []  # (seq, step, received, values)
+    rank_history: list[tuple[int, dict[str, list[float]]]] = []
+    for seq in range(1, 41):
+        step = 10 * seq + rng.randrange(3)
+        values = {n: rng.choice([rng.gauss(0, 1), math.nan, -math.inf]) for n in ("a", "b", "c") if rng.random() >= skip}
+        ranks = {v: [rng.gauss(0, 1) for _ in range(world)] for v in VECTORS if rng.random() >= skip}
+        w.append_raw(values, {k: np.asarray(v) for k, v in ranks.items()}, step, seq + 0.5)
+        history.append((seq, step, seq + 0.5, values))
+        if ranks:
+            rank_history.append((seq, ranks))
+        for after in (0, seq - 3, seq - 1, seq, seq + 2):
+            want = [h for h in history[-capacity:] if h[0] > after]
+            got = w.rows(after)
+            assert [g[:3] for g in got] == [h[:3] for h in want]
+            for (_, _, _, gv), (_, _, _, hv) in zip(got, want):
+                assert sorted(gv) == sorted(hv) and _same([hv[k] for k in sorted(hv)], np.asarray([gv[k] for k in sorted(hv)]))
+            want_ranks = [r for r in rank_history[-rank_capacity:] if r[0] > after]
+            assert w.rank_rows(after) == want_ranks
+
+
+def test_rows_keep_their_sequence_numbers_across_a_reload() -> None:
+    # the controller reloads a window by setting count to the first reloaded report's seq - 1
+    w = RunWindow(capacity=4, rank_capacity=2, world_size=1, created=0.0)
+    w.count = 100
+    for i in range(3):
+        w.append_raw({"loss": float(i)}, {"loss": np.asarray([float(i)])}, 7 + i, 1.0 + i)
+    assert [(seq, step) for seq, step, _, _ in w.rows()] == [(101, 7), (102, 8), (103, 9)]
+    assert [seq for seq, _ in w.rank_rows()] == [102, 103]
+    assert w.rows(102) == [(103, 9, 3.0, {"loss": 2.0})]

@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Literal
 
-__all__ = ["FaultProxy", "Mode", "free_port"]
+__all__ = ["FaultProxy", "Mode"]
 
 Mode = Literal["pass", "blackhole", "reset", "down", "http500", "garbage", "junk"]
 _MODES: tuple[str, ...] = ("pass", "blackhole", "reset", "down", "http500", "garbage", "junk")
@@ -55,13 +55,6 @@ _GARBAGE = (
     b"connection: close\r\n\r\n{not json at all\x00"
 )
 _JUNK = b"\x16\x03\x01\x00\xa5 this is not an HTTP answer \xff\xfe\r\n\r\n"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for processes that need a number)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _hard_close(sock: socket.socket) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from trainer_agent.data.feed import DataFeed
 from trainer_agent.data.monitor import DataMonitor, DataMonitorConfig
-from trainer_agent.data.quality_filter import DefaultQualityScore, QualityFilter, dynamic_threshold
+from trainer_agent.data.quality_filter import DefaultQualityScore, QualityFilter, dynamic_threshold, sample_identity
 from trainer_agent.data.signals import ks_2samp
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "QualityFilter",
     "dynamic_threshold",
     "ks_2samp",
+    "sample_identity",
 ]

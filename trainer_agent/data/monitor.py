@@ -1,5 +1,5 @@
-"""Data-quality monitoring inside the training rank (seed section 3.1) and dynamic data cleaning
-(seed section 3.2).
+"""Data-quality monitoring inside the training rank and dynamic data cleaning (the stability
+guide, sections 3.1 and 3.2).
 
 ``DataMonitor`` watches a stream of token batches (or raw texts) and keeps, over a sliding window
 of the last ``window`` sequences, the signals below. ``values()`` returns them as
@@ -11,16 +11,16 @@ metric                                    definition
 ``trainguard_data_duplicate_ratio``       (sequences in the window - distinct contents in the
                                           window) / sequences in the window: the share of
                                           window sequences whose exact content occurred earlier
-                                          in the window. Seed threshold 0.05.
+                                          in the window. Alert above 0.05.
 ``trainguard_data_near_duplicate_ratio``  share of window sequences sharing at least one MinHash
                                           LSH band with an earlier window sequence.
 ``trainguard_data_token_kl_divergence``   KL(window || reference) of unigram distributions,
                                           nats (smoothing: see ``DataMonitorConfig.kl_epsilon``).
-                                          Seed threshold 0.1.
+                                          Alert above 0.1.
 ``trainguard_data_special_token_ratio``   special ids / tokens in the window (raw text: control
-                                          and format characters / characters). Seed 1e-4.
+                                          and format characters / characters). Alert above 1e-4.
 ``trainguard_data_length_shift_pvalue``   two-sample Kolmogorov-Smirnov p-value, reference
-                                          lengths vs window lengths. Seed threshold p < 0.05.
+                                          lengths vs window lengths. Alert when p < 0.05.
 ``trainguard_data_tokens_total``          non-padding tokens observed (token batches only).
 ``trainguard_data_sequences_total``       sequences (or texts) observed.
 ========================================  ====================================================
@@ -69,6 +69,7 @@ from trainer_agent.data.names import (
     TOKENS_TOTAL,
 )
 from trainer_agent.data.signals import _Batch, _Hasher, _as_numpy, _flatten, _text_batch, ks_2samp
+from trainer_agent.sketch import SKETCH_K, BottomK
 
 # ---------------------------------------------------------------------------------------------
 # The monitor.
@@ -257,6 +258,8 @@ class DataMonitor:
         self.sequences_total = 0
         self._version = 0
         self._cache: tuple[int, dict[str, float]] = (-1, {})
+        # Bottom-k sketch of the exact hashes since the last take_sketch() (cross-rank overlap).
+        self._sketch = BottomK(SKETCH_K)
         if registry is not None:
             registry.register(_MonitorCollector(self))
 
@@ -298,6 +301,7 @@ class DataMonitor:
                  controls: np.ndarray | None) -> None:
         n = self.config.window
         nseq = batch.lengths.size
+        self._sketch.update(exact)
         keep = min(nseq, n)  # only the last `window` sequences of a huge batch reach the window
         slots = (self._pos + np.arange(keep)) % n
         self._hashes[slots] = exact[nseq - keep:]
@@ -321,6 +325,11 @@ class DataMonitor:
         self._observe_lengths(batch.lengths)
         self.sequences_total += nseq
         self._version += 1
+
+    def take_sketch(self) -> np.ndarray:
+        """The bottom-k sketch (``trainer_agent.sketch``, k = ``SKETCH_K``) of the exact hashes of
+        the sequences observed since the previous call, as an int64 row; starts a new interval."""
+        return self._sketch.take()
 
     def _observe_lengths(self, lengths: np.ndarray) -> None:
         if self._len_ref is not None:

@@ -24,8 +24,8 @@ import json
 import math
 import os
 import secrets
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -120,7 +120,7 @@ class DemoResult:
 
 
 # -- one rank ----------------------------------------------------------------------------------
-def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller: str, token: str,
+def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller: str, token: str,
                run: str, log_dir: str) -> None:
     """Train on one rank. Runs in a spawned process."""
     import torch
@@ -133,8 +133,8 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], master_port: int, controller
 
     cfg = DemoConfig(**cfg_dict)
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    os.environ.update(LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cfg.world_size)
 
     faults = FaultPlan(burst=cfg.burst, lr_blowup=cfg.lr_blowup, lr_blowup_factor=cfg.lr_blowup_factor,
                        nan_step=cfg.nan_step)
@@ -219,10 +219,18 @@ def _status_line(step: int, total: int, v: dict[str, float]) -> str:
 
 
 # -- the orchestrator --------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bound_port(log: Path, proc: subprocess.Popen[bytes], pattern: str, what: str) -> int:
+    """The port a process started on port 0 reports in its log (none is picked in advance, so no
+    other process can take it in between)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log.read_text(errors="replace"))
+        if m:
+            return int(m.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited at start; see {log}:\n{log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not report its port within 30 s; see {log}")
 
 
 def _say(cfg: DemoConfig, msg: str) -> None:
@@ -240,17 +248,17 @@ class _Controller:
             self.agent_token = cfg.agent_token or os.environ.get("TRAINGUARD_TOKEN", "")
             self.operator_token = cfg.operator_token or os.environ.get("TRAINGUARD_OPERATOR_TOKEN")
             return
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
         self.agent_token = "agent-" + secrets.token_hex(16)
         self.operator_token = "operator-" + secrets.token_hex(16)
         env = dict(os.environ, TRAINGUARD_AGENT_TOKENS=self.agent_token,
                    TRAINGUARD_OPERATOR_TOKENS=self.operator_token)
         self.log_path = workdir / "controller.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "trainguard.cli", "serve", "--host", "127.0.0.1", "--port", "0",
              "--db", str(workdir / "trainguard.db")],
             env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
+        port = _bound_port(self.log_path, self.proc, r"listening on http://127\.0\.0\.1:(\d+)", "the controller")
+        self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -295,11 +303,11 @@ def _start_prometheus(cfg: DemoConfig, ctl: _Controller, workdir: Path) -> subpr
                              rule_files=[str(rules)] if rules.exists() else [], scrape_interval="2s",
                              sd_refresh_interval="5s")
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(conf))
-    port = _free_port()
     proc = subprocess.Popen(
         [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'prometheus-data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
+         "--web.listen-address=127.0.0.1:0"],
         stdout=(workdir / "prometheus.log").open("wb"), stderr=subprocess.STDOUT)
+    port = _bound_port(workdir / "prometheus.log", proc, r'msg="Listening on" address=127\.0\.0\.1:(\d+)', "Prometheus")
     _say(cfg, f"Prometheus: http://127.0.0.1:{port}/graph?g0.expr=trainguard_grad_norm  (log: {workdir / 'prometheus.log'})")
     return proc
 
@@ -354,6 +362,20 @@ def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> Non
                     pass
 
 
+def _wait_acked(ctl: _Controller, run: str, generation: int, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the controller recorded the leader's ack of ``generation``: the last
+    ack is sent from the leader's client thread at close(), after its rank finished."""
+    deadline = time.monotonic() + timeout
+    with ctl.client() as http:
+        while time.monotonic() < deadline:
+            try:
+                if http.get(f"/v1/runs/{run}").json().get("applied_generation", 0) >= generation:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.05)
+
+
 def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Alerts and actions of the run, each with its step, from the controller's audit log."""
     with ctl.client() as http:
@@ -397,17 +419,21 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         _say(cfg, f"controller: {ctl.url}  (SQLite: {workdir / 'trainguard.db'})" if ctl.proc else f"controller: {ctl.url}")
         if ctl.proc and ctl.operator_token:
             _say(cfg, f"operator token for this demo: {ctl.operator_token}  (e.g. trainguard status {run} --url {ctl.url} --token ...)")
+        # the console takes the operator token on its sign-in page (never in the URL)
+        _say(cfg, f"console: {ctl.url}/ui/runs/{run}  (sign in with the operator token{' above' if ctl.proc else ''})"
+             if ctl.operator_token else f"console: {ctl.url}/ui/runs/{run}")
         if cfg.prometheus:
             prom = _start_prometheus(cfg, ctl, workdir)
         _say(cfg, f"run {run}: {cfg.world_size} gloo ranks, {cfg.steps} steps; faults: data burst at steps "
                   f"{cfg.burst[0]}-{cfg.burst[1] - 1}, LR x{cfg.lr_blowup_factor:g} at steps {cfg.lr_blowup[0]}-"
                   f"{cfg.lr_blowup[1] - 1}, NaN loss at step {cfg.nan_step}")
         ctx = mp.get_context("spawn")
-        master_port = _free_port()
+        store = workdir / f"gloo-store-{run}"  # the ranks meet through a file: no port to pick
+        store.unlink(missing_ok=True)
         cfg_dict = asdict(cfg)
         for rank in range(cfg.world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(rank, cfg_dict, master_port, ctl.url, ctl.agent_token, run, str(workdir)))
+                            args=(rank, cfg_dict, f"file://{store}", ctl.url, ctl.agent_token, run, str(workdir)))
             p.start()
             procs.append(p)
         _watch(cfg, ctl, run, procs)
@@ -417,7 +443,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if failed:
             raise RuntimeError(f"rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
         logs = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
-        time.sleep(0.3)  # the leader's last ack is sent from its client thread at close()
+        if ctl.operator_token:
+            _wait_acked(ctl, run, max((e["generation"] for log in logs for e in log), default=0))
         alerts, actions = _collect(ctl, run) if ctl.operator_token else ([], [])
         result = DemoResult(run=run, steps_completed=[log[-1]["step"] if log else 0 for log in logs],
                             alerts=alerts, actions=actions, rank_logs=logs)

@@ -12,13 +12,26 @@ keeps the newest ``--keep`` payloads in memory:
     POST /<anything>   receive a payload (answered ``--status``; 204 by default)
 
 ``--status 500`` makes it a failing receiver, to exercise a sender's retries.
+
+Signatures: with ``--secret`` (or ``TRAINGUARD_WEBHOOK_SECRET``), every ``POST`` under
+``--signed-prefix`` (``/controller`` by default: point the controller's webhook there) must carry
+the controller's signature, rebuilt here from the documented recipe::
+
+    X-Trainguard-Signature: sha256=hex(HMAC_SHA256(secret, "{X-Trainguard-Timestamp}." + body))
+
+and a timestamp at most ``--max-age`` seconds (300) away from this machine's clock (a captured
+delivery cannot be replayed later). Anything else is answered 401 and not kept. Other paths
+(Alertmanager's ``/alerts``: Alertmanager does not sign) are taken as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import html
 import json
+import os
 import sys
 import threading
 import time
@@ -28,9 +41,29 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Inbox", "make_server", "main"]
+__all__ = ["Inbox", "make_server", "main", "signature_problem"]
 
 MAX_BODY_BYTES = 1 << 20
+MAX_AGE_S = 300.0
+
+
+def signature_problem(secret: str, timestamp: str | None, signature: str | None, body: bytes, *,
+                      now: float, max_age_s: float = MAX_AGE_S) -> str | None:
+    """Why a delivery is not signed with ``secret`` (``None`` when it is): the signature must be
+    ``sha256=`` + hex HMAC-SHA256 of ``"{timestamp}." + body``, the timestamp (Unix seconds)
+    within ``max_age_s`` of ``now``. Compared in constant time."""
+    if not timestamp or not signature:
+        return "missing X-Trainguard-Timestamp or X-Trainguard-Signature"
+    try:
+        ts = int(timestamp)
+    except ValueError:
+        return "X-Trainguard-Timestamp is not an integer"
+    if abs(now - ts) > max_age_s:
+        return f"timestamp {ts} is more than {max_age_s:g} s away from now"
+    expected = "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected.encode(), signature.encode()):
+        return "signature does not match"
+    return None
 
 
 class Inbox:
@@ -43,8 +76,8 @@ class Inbox:
         self._lock = threading.Lock()
         self.received = 0
 
-    def add(self, path: str, payload: Any) -> dict[str, Any]:
-        item = {"received_at": time.time(), "path": path, "payload": payload}
+    def add(self, path: str, payload: Any, *, signed: bool = False) -> dict[str, Any]:
+        item = {"received_at": time.time(), "path": path, "signed": signed, "payload": payload}
         with self._lock:
             self._items.append(item)
             self.received += 1
@@ -88,11 +121,17 @@ def _page(inbox: Inbox) -> str:
     )
 
 
-def make_server(host: str, port: int, *, keep: int = 200, status: int = 204,
-                log=sys.stdout) -> ThreadingHTTPServer:
-    """A server bound to (host, port) (port 0: a free one); ``server.inbox`` holds what came."""
+def make_server(host: str, port: int, *, keep: int = 200, status: int = 204, log=sys.stdout,
+                secret: str | None = None, signed_prefix: str = "/controller", max_age_s: float = MAX_AGE_S,
+                clock=time.time) -> ThreadingHTTPServer:
+    """A server bound to (host, port) (port 0: a free one); ``server.inbox`` holds what came.
+    With ``secret``, POSTs under ``signed_prefix`` must be signed (see :func:`signature_problem`)."""
     if not 200 <= status <= 599:
         raise ValueError(f"status must be an HTTP status code, got {status}")
+    if secret is not None and not secret:
+        raise ValueError("secret must not be empty (leave it out to take unsigned deliveries)")
+    if max_age_s <= 0:
+        raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
     inbox = Inbox(keep)
 
     class Handler(BaseHTTPRequestHandler):
@@ -126,12 +165,21 @@ def make_server(host: str, port: int, *, keep: int = 200, status: int = 204,
                 self._send(413, b"body too large\n", "text/plain")
                 return
             body = self.rfile.read(length)
+            signed = secret is not None and self.path.startswith(signed_prefix)
+            if signed:
+                problem = signature_problem(secret, self.headers.get("X-Trainguard-Timestamp"),  # type: ignore[arg-type]
+                                            self.headers.get("X-Trainguard-Signature"), body, now=clock(),
+                                            max_age_s=max_age_s)
+                if problem is not None:
+                    print(f"[webhook-sink] {self.path} refused: {problem}", file=log, flush=True)
+                    self._send(401, f"bad signature: {problem}\n".encode(), "text/plain")
+                    return
             try:
                 payload = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 self._send(400, f"body is not JSON: {exc}\n".encode(), "text/plain")
                 return
-            inbox.add(self.path, payload)
+            inbox.add(self.path, payload, signed=signed)
             for line in alert_lines(payload):
                 print(f"[webhook-sink] {self.path} {line}", file=log, flush=True)
             self._send(status, b"", "text/plain")
@@ -152,10 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--keep", type=int, default=200, help="payloads kept for the page")
     parser.add_argument("--status", type=int, default=204, help="HTTP status answered to POSTs")
+    parser.add_argument("--secret", default=os.environ.get("TRAINGUARD_WEBHOOK_SECRET") or None,
+                        help="the webhook's secret: POSTs under --signed-prefix must be signed with it "
+                             "(default: $TRAINGUARD_WEBHOOK_SECRET; unset: signatures are not checked)")
+    parser.add_argument("--signed-prefix", default="/controller", help="paths whose POSTs must be signed")
+    parser.add_argument("--max-age", type=float, default=MAX_AGE_S, help="oldest signed timestamp taken, seconds")
     args = parser.parse_args(argv)
-    server = make_server(args.host, args.port, keep=args.keep, status=args.status)
+    server = make_server(args.host, args.port, keep=args.keep, status=args.status, secret=args.secret,
+                         signed_prefix=args.signed_prefix, max_age_s=args.max_age)
     host, port = server.server_address[:2]
-    print(f"[webhook-sink] listening on http://{host}:{port}/", flush=True)
+    checked = f"signatures checked under {args.signed_prefix}" if args.secret else "signatures NOT checked (no --secret)"
+    print(f"[webhook-sink] listening on http://{host}:{port}/ ({checked})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

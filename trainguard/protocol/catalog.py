@@ -17,6 +17,7 @@ __all__ = [
     "STEP_METRICS",
     "DATA_METRICS",
     "CONTROL_METRICS",
+    "INPUT_METRICS",
     "AGENT_METRICS",
     "BY_NAME",
     "spec",
@@ -103,7 +104,7 @@ DATA_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_data_length_shift_pvalue", "1", "Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the reference window and the current window. Below 0.05 the length distribution has shifted and an alert fires."),
     _c("trainguard_data_tokens_total", "tokens", "Non-padding tokens observed."),
     _c("trainguard_data_sequences_total", "sequences", "Sequences observed."),
-    _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision (kept or dropped).", ("decision",)),
+    _c("trainguard_data_filtered_total", "samples", "Samples seen by a QualityFilter, by decision: kept, dropped (quality score below the cleaning threshold) or downsampled (well learned by the model according to the per-sample losses fed back, and left out by the draw).", ("decision",)),
 )
 
 #: Control-loop metrics (reporting to and acting for the controller).
@@ -118,9 +119,20 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run."),
     _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
     _c("trainguard_rollbacks_total", "rollbacks", "Rollbacks to an in-memory snapshot carried out on this rank."),
+    _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force on this rank (runs that let the controller change them; the LR follows by the command's rule)."),
 )
 
-AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_METRICS
+#: Input metrics: what feeds the model and how much of it per step (``trainer_agent/inputs.py``,
+#: ``trainer_agent/dataset.py``, ``trainer_agent/batch_size.py``; the stability guide, 3.3 and 4.2).
+INPUT_METRICS: tuple[MetricSpec, ...] = (
+    _g("trainguard_input_wait_seconds", "seconds", "Mean time per step this rank waited for its batch over the steps since the previous report: from the end of one end_step to the first forward pass of the model after it (loader, collation, host-to-device copy). High on one rank only: that rank is held back by its data, not its computation."),
+    _g("trainguard_input_prefetch_depth", "batches", "Batches the token loader has ready ahead of the training loop (its prefetch queue) when scraped; 0 means the loop is waiting for data. Only with trainguard's TokenLoader."),
+    _g("trainguard_input_tokens_per_second", "tokens/s", "Non-padding tokens the training loop received from the token loader per second, between two reads of this value. Only with trainguard's TokenLoader."),
+    _g("trainguard_global_batch_size", "tokens or micro-batches", "The step's global batch size in the noise scale's unit: tokens passed to end_step x ranks, or (without tokens=) backward passes x ranks."),
+    _g("trainguard_recommended_batch_size", "tokens or micro-batches", "Recommended global batch size: the running gradient noise scale, ratio of the moving averages (decay 0.95 per report) of tr(Sigma) and of |G|^2 (McCandlish et al. 2018: beyond it a larger batch buys little progress per step; below it steps are noise-dominated). Same unit as trainguard_grad_noise_scale."),
+)
+
+AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_METRICS + INPUT_METRICS
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in AGENT_METRICS}
 assert len(BY_NAME) == len(AGENT_METRICS), "duplicate metric name in the catalogue"

@@ -36,6 +36,9 @@ __all__ = [
     "RunFinished",
     "CommandRequest",
     "LrScaleRequest",
+    "AccumulationRequest",
+    "LrRule",
+    "MAX_ACCUMULATION_STEPS",
     "Severity",
     "dumps",
 ]
@@ -67,7 +70,7 @@ Value = float
 
 
 class WireModel(BaseModel):
-    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str."""
+    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str (integers are strict: a step sent as "1" or 1.0 is refused)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -80,10 +83,10 @@ class WireModel(BaseModel):
 class RankEndpoint(WireModel):
     """Where Prometheus scrapes one rank's ``/metrics``."""
 
-    rank: int = Field(ge=0, description="Global rank.")
-    local_rank: int = Field(ge=0, description="Rank within its node.")
+    rank: int = Field(strict=True, ge=0, description="Global rank.")
+    local_rank: int = Field(strict=True, ge=0, description="Rank within its node.")
     host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
-    port: int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
+    port: int = Field(strict=True, ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
 
 
 #: Deepest nesting of lists and objects in a registration's ``config``.
@@ -110,7 +113,7 @@ class RunRegistration(WireModel):
 
     job: Name
     run: Name
-    world_size: int = Field(ge=1, le=1_000_000)
+    world_size: int = Field(strict=True, ge=1, le=1_000_000)
     ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
     agent_version: str = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
@@ -133,18 +136,29 @@ class RunRegistration(WireModel):
         return ranks
 
 
+#: How the LR follows a change of the number of accumulation steps k (relative to the run's own k0,
+#: the global batch size changing by k / k0): "linear" multiplies it by k / k0, "sqrt" by
+#: sqrt(k / k0), "none" leaves it.
+LrRule = Literal["none", "sqrt", "linear"]
+
+#: Largest number of gradient accumulation steps a command may set.
+MAX_ACCUMULATION_STEPS = 65536
+
+
 class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
 
-    generation: int = Field(default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
+    generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
     paused: bool = False
     lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
-    checkpoint_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
+    checkpoint_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
     rollback_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A rollback is due when this exceeds the last one applied.")
     rollback_step: int = Field(default=0, ge=0, le=MAX_INT, description="The rollback restores the newest snapshot taken at or before this step.")
     reason: str = Field(default="", max_length=2000)
+    accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
+    accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
 
 
 class RunRegistered(WireModel):
@@ -171,6 +185,8 @@ class RankValues(WireModel):
     forward_s: list[Value] = Field(
         default_factory=list,
         description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
+    input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
+    data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
 
 
 class Report(WireModel):
@@ -182,12 +198,12 @@ class Report(WireModel):
     """
 
     job: Name
-    step_first: int = Field(ge=0, le=MAX_INT)
-    step_last: int = Field(ge=0, le=MAX_INT)
+    step_first: int = Field(strict=True, ge=0, le=MAX_INT)
+    step_last: int = Field(strict=True, ge=0, le=MAX_INT)
     time: float = Field(allow_inf_nan=False, description="Unix time at the leader when sent.")
     values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
-    applied_generation: int = Field(default=0, ge=0, le=MAX_INT)
+    applied_generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT)
 
     @field_validator("step_last")
     @classmethod
@@ -208,15 +224,15 @@ class ReportAccepted(WireModel):
 class Ack(WireModel):
     """``POST /v1/runs/{run}/acks``: every rank applied ``generation`` at ``step``."""
 
-    generation: int = Field(ge=0, le=MAX_INT)
-    step: int = Field(ge=0, le=MAX_INT)
+    generation: int = Field(strict=True, ge=0, le=MAX_INT)
+    step: int = Field(strict=True, ge=0, le=MAX_INT)
 
 
 class RunFinished(WireModel):
     """``POST /v1/runs/{run}/finish``: the run ended (the leader's ``agent.close()``); the
     controller stops expecting reports from it until it registers again."""
 
-    step: int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
+    step: int = Field(strict=True, ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
 
 
@@ -230,6 +246,14 @@ class LrScaleRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/lr-scale``."""
 
     scale: float = Field(ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+
+
+class AccumulationRequest(CommandRequest):
+    """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
+    every rank uses from the next agreed step boundary, and how the LR follows it."""
+
+    steps: int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
+    lr_rule: LrRule = "sqrt"
 
 
 def dumps(model: WireModel) -> bytes:

@@ -1,0 +1,58 @@
+"""Tokens created at runtime: create (shown once), list, revoke. Needs the ``tokens`` scope."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trainguard.service import statements as sql
+from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES
+from trainguard.service.deps import ControllerDep, TokensDep
+from trainguard.protocol.wire import MAX_INT
+
+__all__ = ["router", "TokenCreate"]
+
+router = APIRouter(prefix="/v1", tags=["tokens"])
+TokenId = Annotated[int, Path(ge=1, le=MAX_INT)]
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="", max_length=200, description="What the token is for (shown in listings and logs).")
+    scopes: list[str] = Field(min_length=1, max_length=8, description=f"'{AGENT_SCOPE}' alone, or operator scopes "
+                              f"({', '.join(sorted(OPERATOR_SCOPES))}).")
+    job: str | None = Field(default=None, min_length=1, max_length=128,
+                            description="Agent tokens: the jobs whose runs it may register, a shell-style pattern "
+                            "('llm-7b*'); default every job.")
+    ttl_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86400, description="Lifetime in seconds; default none.")
+
+    @field_validator("scopes")
+    @classmethod
+    def _known(cls, scopes: list[str]) -> list[str]:
+        unknown = set(scopes) - OPERATOR_SCOPES - {AGENT_SCOPE}
+        if unknown:
+            raise ValueError(f"unknown scope(s) {sorted(unknown)}; known: {sorted(OPERATOR_SCOPES | {AGENT_SCOPE})}")
+        if AGENT_SCOPE in scopes and len(set(scopes)) > 1:
+            raise ValueError("an agent token has the agent scope only")
+        return sorted(set(scopes))
+
+
+@router.post("/tokens", status_code=201, summary="Create a token (the answer shows it once; only its hash is kept)")
+async def create(body: TokenCreate, ctl: ControllerDep, principal: TokensDep) -> dict[str, Any]:
+    if body.job is not None and AGENT_SCOPE not in body.scopes:
+        raise HTTPException(422, "a job pattern applies to agent tokens only")
+    return await ctl.create_token(name=body.name, scopes=frozenset(body.scopes), job_pattern=body.job, ttl_s=body.ttl_s,
+                                  creator=principal.actor)
+
+
+@router.get("/tokens", summary="Tokens created at runtime (never the tokens themselves): scopes, jobs, creator, expiry, revocation")
+async def list_tokens(ctl: ControllerDep, _: TokensDep) -> list[dict[str, Any]]:
+    return await ctl.store.read(sql.list_tokens)
+
+
+@router.delete("/tokens/{token_id}", summary="Revoke a token (it stops working at once)")
+async def revoke(token_id: TokenId, ctl: ControllerDep, principal: TokensDep) -> dict[str, Any]:
+    return await ctl.revoke_token(token_id, principal.actor)

@@ -1,0 +1,348 @@
+// One run: status, actions, alerts with their diagnoses, live charts of the controller's window
+// (updated over the event stream), the per-rank view and the run's audit log.
+import { ApiError, Stream, can, get, num, post } from "./api.js";
+import { Chart, fmt } from "./charts.js";
+import { h, statusBadge, when } from "./dom.js";
+
+// Job-level charts: the report values they draw (the agent's metric names).
+const CHARTS = [
+  { id: "loss", title: "Loss", series: [{ key: "trainguard_loss", label: "loss" }] },
+  { id: "grad_norm", title: "Gradient norm (before clipping)", series: [
+    { key: "trainguard_grad_norm", label: "at the report" }, { key: "trainguard_grad_norm_max", label: "largest since the last report" }] },
+  { id: "update_ratio", title: "Update ratio ‖ΔW‖ / ‖W‖ (log)", log: true, series: [{ key: "trainguard_update_ratio", label: "update ratio" }] },
+  { id: "effective_lr", title: "Effective learning rate ‖ΔW‖ / ‖g‖ (log)", log: true, series: [{ key: "trainguard_effective_lr", label: "effective LR" }] },
+  { id: "lr_scale", title: "LR multiplier (lr_scale)", series: [{ key: "trainguard_lr_scale", label: "lr_scale" }] },
+  { id: "step_time", title: "Step time (s)", series: [{ key: "trainguard_step_duration_seconds", label: "step time" }] },
+  { id: "tokens_per_second", title: "Tokens per second", series: [{ key: "trainguard_tokens_per_second", label: "tokens/s" }] },
+  { id: "data_duplicates", title: "Data: duplicated sequences (ratio)", series: [
+    { key: "trainguard_data_duplicate_ratio", label: "exact" }, { key: "trainguard_data_near_duplicate_ratio", label: "near" }] },
+  { id: "data_kl", title: "Data: token distribution shift (KL)", series: [{ key: "trainguard_data_token_kl_divergence", label: "KL" }] },
+  { id: "data_special", title: "Data: control and special tokens (ratio)", series: [{ key: "trainguard_data_special_token_ratio", label: "ratio" }] },
+  { id: "data_length", title: "Data: length shift (p-value)", series: [{ key: "trainguard_data_length_shift_pvalue", label: "p-value" }] },
+];
+// Per-rank vectors the leader gathers with every report.
+const RANK_CHARTS = [
+  { id: "rank_step_time", vector: "step_time_s", title: "Step time per rank (s)" },
+  { id: "rank_grad_norm", vector: "grad_norm", title: "Gradient norm per rank" },
+  { id: "rank_loss", vector: "loss", title: "Loss per rank" },
+];
+const RANK_COLUMNS = ["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint"];
+
+const CHANGES = {
+  pause: { verb: "Pause", what: "Every rank stops before the same step and waits there, keeping its state, until resumed." },
+  resume: { verb: "Resume", what: "Every rank continues from the step it waits at." },
+  "lr-scale": { verb: "Change the LR multiplier of", what: "Every rank multiplies its scheduler's learning rate by the new value from the same step on." },
+  checkpoint: { verb: "Checkpoint", what: "Every rank saves a checkpoint at the same step (the run's on_checkpoint callback)." },
+  stop: { verb: "Stop", what: "Every rank stops at the same step and the training loop ends; resume undoes it only while the job still runs." },
+};
+
+function after(desired, command, scale) {
+  const d = { ...desired, generation: desired.generation + 1 };
+  if (command === "pause") d.paused = true;
+  if (command === "resume") { d.paused = false; d.stop = false; }
+  if (command === "lr-scale") d.lr_scale = scale;
+  if (command === "checkpoint") d.checkpoint_seq = desired.checkpoint_seq + 1;
+  if (command === "stop") d.stop = true;
+  return d;
+}
+
+export class RunPage {
+  constructor(root, run, { onAuth }) {
+    this.root = root;
+    this.run = run;
+    this.onAuth = onAuth;
+    this.rows = [];
+    this.ranks = [];
+    this.events = [];
+    this.alerts = [];
+    this.detail = null;
+    this.pending = null; // {command, generation}
+    this.closed = false;
+    this.load();
+  }
+
+  async load() {
+    let data;
+    try {
+      data = await get(`/ui/api/runs/${encodeURIComponent(this.run)}`);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) return this.onAuth();
+      this.root.replaceChildren(h("p", { class: "error" }, err.message));
+      return;
+    }
+    if (this.closed) return;
+    this.build();
+    this.capacity = data.run.window_capacity;
+    this.rankCapacity = data.run.rank_window_capacity;
+    this.addWindow(data.window);
+    this.events = data.events;
+    this.alerts = data.alerts;
+    this.setDetail(data.run);
+    this.renderAlerts();
+    this.renderEvents();
+    this.redraw();
+    const lastEvent = () => (this.events.length ? this.events[this.events.length - 1].id : 0);
+    const lastSeq = () => (this.rows.length ? this.rows[this.rows.length - 1].seq : 0);
+    this.stream = new Stream(() => `/ui/api/runs/${encodeURIComponent(this.run)}/stream?seq=${lastSeq()}&after=${lastEvent()}`, {
+      report: (w) => { this.addWindow(w); this.redraw(); },
+      run: (d) => this.setDetail(d),
+      audit: (ev) => this.onEvent(ev),
+    });
+  }
+
+  build() {
+    this.header = h("div", { class: "run-head" });
+    this.actions = h("div", { class: "actions", id: "actions" });
+    this.result = h("p", { class: "action-result", id: "action-result", role: "status" });
+    this.alertsEl = h("section", { class: "alerts", id: "alerts" });
+    this.chartsEl = h("div", { class: "charts", id: "charts" });
+    this.rankChartsEl = h("div", { class: "charts", id: "rank-charts" });
+    this.rankTable = h("table", { class: "ranks", id: "rank-table" });
+    this.eventsBody = h("tbody");
+    this.root.replaceChildren(
+      this.header, this.actions, this.result, this.alertsEl,
+      h("h2", {}, "Training signals"),
+      h("p", { class: "legend" }, h("span", { class: "mk mk-alert" }), " alert  ", h("span", { class: "mk mk-desired" }),
+        " desired state changed  ", h("span", { class: "mk mk-applied" }), " applied by every rank  ",
+        h("span", { class: "mk-nan" }, "×"), " NaN or infinite value"),
+      this.chartsEl,
+      h("h2", {}, "Per rank"),
+      h("p", { class: "muted" }, "The newest reports' per-rank values, as the leader gathered them. A rank far slower than the others is a straggler; ranks whose fingerprints differ are out of sync."),
+      this.rankTable, this.rankChartsEl,
+      h("h2", {}, "Audit log of this run"),
+      h("table", { class: "events", id: "run-events" },
+        h("thead", {}, h("tr", {}, ["#", "time", "kind", "generation", "actor", "what"].map((t) => h("th", {}, t)))), this.eventsBody));
+    this.charts = CHARTS.map((spec) => new Chart(this.chartsEl, spec));
+    this.rankCharts = RANK_CHARTS.map((spec) => new Chart(this.rankChartsEl, { ...spec, series: [] }));
+  }
+
+  addWindow(w) {
+    const lastSeq = this.rows.length ? this.rows[this.rows.length - 1].seq : 0;
+    for (const r of w.rows) if (r.seq > lastSeq) this.rows.push(r);
+    if (this.rows.length > this.capacity) this.rows.splice(0, this.rows.length - this.capacity);
+    const lastRank = this.ranks.length ? this.ranks[this.ranks.length - 1].seq : 0;
+    for (const r of w.ranks) if (r.seq > lastRank) this.ranks.push(r);
+    if (this.ranks.length > this.rankCapacity) this.ranks.splice(0, this.ranks.length - this.rankCapacity);
+  }
+
+  // The step of an audit event on the chart's axis: its own step when it has one, else the step of
+  // the last report received before it.
+  stepOf(ev) {
+    if (ev.data && typeof ev.data.step === "number") return ev.data.step;
+    let step = null;
+    for (const r of this.rows) { if (r.received <= ev.time) step = r.step; else break; }
+    return step;
+  }
+
+  markers() {
+    const out = [];
+    for (const ev of this.events) {
+      if (!["alert", "desired", "applied"].includes(ev.kind)) continue;
+      const step = this.stepOf(ev);
+      if (step !== null) out.push({ step, kind: ev.kind, label: ev.reason });
+    }
+    return out;
+  }
+
+  redraw() {
+    if (this.frame) return;
+    this.frame = requestAnimationFrame(() => {
+      this.frame = null;
+      if (this.closed) return;
+      const steps = this.rows.map((r) => r.step);
+      const markers = this.markers();
+      this.charts.forEach((chart, i) => {
+        const cols = CHARTS[i].series.map((s) => this.rows.map((r) => (s.key in r.values ? num(r.values[s.key]) : null)));
+        chart.setData(steps, cols, markers);
+      });
+      const stepBySeq = new Map(this.rows.map((r) => [r.seq, r.step]));
+      const rankRows = this.ranks.filter((r) => stepBySeq.has(r.seq));
+      const world = this.detail ? this.detail.world_size : 0;
+      this.rankCharts.forEach((chart, i) => {
+        const vec = RANK_CHARTS[i].vector;
+        if (!chart.plot && world) chart.spec.series = Array.from({ length: world }, (_, r) => ({ label: `rank ${r}` }));
+        if (!chart.spec.series.length) return;
+        const cols = chart.spec.series.map((_, r) => rankRows.map((row) => (row.vectors[vec] && r < row.vectors[vec].length ? num(row.vectors[vec][r]) : null)));
+        chart.setData(rankRows.map((row) => stepBySeq.get(row.seq)), cols, markers);
+      });
+      this.renderRankTable();
+    });
+  }
+
+  renderRankTable() {
+    const newest = this.ranks[this.ranks.length - 1];
+    if (!newest) { this.rankTable.replaceChildren(h("caption", {}, "No per-rank values yet.")); return; }
+    const v = newest.vectors;
+    const world = Math.max(0, ...RANK_COLUMNS.map((c) => (v[c] ? v[c].length : 0)));
+    const times = (v.step_time_s || []).map(num).filter(Number.isFinite).sort((a, b) => a - b);
+    const median = times.length ? times[Math.floor((times.length - 1) / 2)] : null;
+    const rows = [];
+    for (let r = 0; r < world; r++) {
+      const t = v.step_time_s ? num(v.step_time_s[r]) : null;
+      rows.push(h("tr", { dataset: { rank: r } }, h("td", {}, `rank ${r}`),
+        ...RANK_COLUMNS.map((c) => h("td", { class: "num" }, v[c] ? fmt(num(v[c][r])) : "–")),
+        h("td", { class: "num" }, median && Number.isFinite(t) ? `${fmt(t / median)}×` : "–")));
+    }
+    const step = this.rows.find((r) => r.seq === newest.seq);
+    this.rankTable.replaceChildren(
+      h("caption", {}, step ? `At step ${step.step}` : "Newest report"),
+      h("thead", {}, h("tr", {}, h("th", {}, "rank"), ...RANK_COLUMNS.map((c) => h("th", {}, c.replaceAll("_", " "))), h("th", {}, "step time / median"))),
+      h("tbody", {}, rows));
+  }
+
+  setDetail(d) {
+    this.detail = d;
+    const des = d.desired;
+    this.header.replaceChildren(
+      h("h1", {}, this.run, " ", statusBadge(d.status)),
+      h("dl", { class: "facts" }, ...[
+        ["job", d.job], ["step", d.last_step ?? "–", "run-step"], ["ranks", d.world_size], ["reports", d.reports],
+        ["paused", des.paused ? "yes" : "no", "run-paused"], ["LR multiplier", fmt(des.lr_scale), "run-lr-scale"],
+        ["checkpoints asked", des.checkpoint_seq], ["stop", des.stop ? "yes" : "no"],
+        ["desired / applied generation", `${d.desired_generation} / ${d.applied_generation}` +
+          (d.applied_step !== null && d.applied_step !== undefined ? ` (at step ${d.applied_step})` : ""), "run-generations"],
+      ].map(([k, v, id]) => h("div", {}, h("dt", {}, k), h("dd", { id }, v)))));
+    this.renderActions();
+    this.checkPending();
+  }
+
+  renderActions() {
+    if (!can("command")) { this.actions.replaceChildren(); this.actions.hidden = true; return; }
+    const des = this.detail.desired;
+    const button = (command, label, cls) => h("button", { type: "button", class: cls || "", dataset: { action: command },
+      disabled: this.sending ? true : null, onclick: () => this.confirm(command) }, label);
+    this.actions.hidden = false;
+    this.actions.replaceChildren(
+      des.paused || des.stop ? button("resume", "Resume") : button("pause", "Pause"),
+      button("lr-scale", "LR multiplier…"), button("checkpoint", "Checkpoint"),
+      des.stop ? null : button("stop", "Stop", "danger"));
+  }
+
+  confirm(command) {
+    const dialog = document.getElementById("confirm");
+    const des = this.detail.desired;
+    const scaleInput = document.getElementById("confirm-scale");
+    const scaleLabel = document.getElementById("confirm-scale-label");
+    scaleLabel.hidden = command !== "lr-scale";
+    scaleInput.required = command === "lr-scale";
+    scaleInput.value = command === "lr-scale" ? String(des.lr_scale / 2) : "";
+    document.getElementById("confirm-reason").value = "";
+    const fill = () => {
+      const scale = Number(scaleInput.value);
+      const next = after(des, command, scale);
+      document.getElementById("confirm-title").textContent = `${CHANGES[command].verb} run ${this.run}?`;
+      document.getElementById("confirm-body").textContent = CHANGES[command].what;
+      const rows = ["paused", "lr_scale", "checkpoint_seq", "stop", "generation"].filter((k) => next[k] !== des[k])
+        .map((k) => h("tr", {}, h("td", {}, k), h("td", {}, String(des[k])), h("td", {}, String(next[k]))));
+      document.getElementById("confirm-changes").replaceChildren(...rows);
+    };
+    fill();
+    scaleInput.oninput = fill;
+    dialog.returnValue = "";
+    dialog.onclose = () => {
+      if (dialog.returnValue !== "ok") return;
+      const body = { reason: document.getElementById("confirm-reason").value };
+      if (command === "lr-scale") body.scale = Number(scaleInput.value);
+      this.send(command, body);
+    };
+    dialog.showModal();
+  }
+
+  async send(command, body) {
+    this.setResult("sending", `${command}: sending…`);
+    this.pending = { command, generation: null, done: false };
+    this.sending = true; // the buttons wait for the answer, not for the acknowledgement
+    this.renderActions();
+    try {
+      const res = await post(`/ui/api/runs/${encodeURIComponent(this.run)}/${command}`, body);
+      if (!res.changed) {
+        this.pending.done = true;
+        this.setResult("unchanged", `${command}: the run is already in that state (no new generation).`);
+      } else {
+        this.pending.generation = res.desired.generation;
+        this.setResult("pending", `${command} sent as generation ${res.desired.generation}; waiting for every rank to apply it…`);
+      }
+    } catch (err) {
+      this.pending.done = true;
+      if (err instanceof ApiError && err.status === 401) return this.onAuth();
+      this.setResult("error", `${command} refused: ${err.message} (HTTP ${err.status || "?"})`);
+    } finally {
+      this.sending = false;
+    }
+    this.renderActions();
+    this.checkPending();
+  }
+
+  checkPending() {
+    const p = this.pending;
+    if (!p || p.done || p.generation === null || !this.detail) return;
+    if (this.detail.applied_generation >= p.generation && this.detail.applied_step !== null) {
+      p.done = true;
+      this.setResult("applied", `${p.command} applied at step ${this.detail.applied_step} on every rank (generation ${this.detail.applied_generation}).`,
+        this.detail.applied_step);
+      this.renderActions();
+    }
+  }
+
+  setResult(state, text, step) {
+    this.result.dataset.state = state;
+    if (step !== undefined) this.result.dataset.step = String(step); else delete this.result.dataset.step;
+    this.result.textContent = text;
+  }
+
+  onEvent(ev) {
+    const last = this.events.length ? this.events[this.events.length - 1].id : 0;
+    if (ev.id <= last) return;
+    this.events.push(ev);
+    if (this.events.length > 500) this.events.shift();
+    this.eventsBody.prepend(this.eventRow(ev));
+    if (ev.kind === "alert" || ev.kind === "resolved") this.refreshAlerts();
+    this.redraw();
+  }
+
+  async refreshAlerts() {
+    try {
+      this.alerts = await get(`/ui/api/runs/${encodeURIComponent(this.run)}/alerts`);
+      this.renderAlerts();
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) this.onAuth();
+    }
+  }
+
+  alertCard(a) {
+    const d = a.diagnosis || {};
+    const values = Object.entries(a.values || {}).map(([k, v]) => h("li", {}, `${k} = ${typeof v === "number" ? fmt(v) : String(v)}`));
+    return h("article", { class: `alert sev-${a.severity} state-${a.state}`, dataset: { rule: a.rule, state: a.state, alertId: a.id } },
+      h("header", {}, h("span", { class: `badge sev-${a.severity}` }, a.severity), " ", h("strong", {}, a.rule), " · ",
+        a.state === "firing" ? `firing since ${when(a.starts_at)}` : `resolved ${when(a.ends_at)}`),
+      h("p", { class: "summary" }, a.summary),
+      d.symptom ? h("p", { class: "diagnosis" }, h("strong", {}, "What it looks like: "), d.symptom) : null,
+      d.likely_causes && d.likely_causes.length ? h("div", { class: "diagnosis" }, h("strong", {}, "Likely causes"), h("ul", {}, d.likely_causes.map((c) => h("li", {}, c)))) : null,
+      d.suggested_actions && d.suggested_actions.length ? h("div", { class: "diagnosis" }, h("strong", {}, "What to do"), h("ol", {}, d.suggested_actions.map((c) => h("li", {}, c)))) : null,
+      values.length ? h("details", {}, h("summary", {}, "Values that triggered it"), h("ul", {}, values)) : null);
+  }
+
+  renderAlerts() {
+    const firing = this.alerts.filter((a) => a.state === "firing");
+    const resolved = this.alerts.filter((a) => a.state !== "firing");
+    this.alertsEl.replaceChildren(
+      h("h2", {}, `Firing alerts (${firing.length})`),
+      firing.length ? h("div", { id: "firing" }, firing.map((a) => this.alertCard(a))) : h("p", { class: "muted", id: "firing" }, "None: every rule is quiet."),
+      resolved.length ? h("details", { class: "resolved" }, h("summary", {}, `Resolved alerts (${resolved.length})`), resolved.map((a) => this.alertCard(a))) : null);
+  }
+
+  eventRow(ev) {
+    return h("tr", { dataset: { kind: ev.kind, id: ev.id } }, h("td", { class: "num" }, ev.id), h("td", {}, when(ev.time)),
+      h("td", {}, h("span", { class: `badge kind-${ev.kind}` }, ev.kind)), h("td", { class: "num" }, ev.generation ?? "–"),
+      h("td", {}, ev.actor), h("td", {}, ev.reason));
+  }
+
+  renderEvents() {
+    this.eventsBody.replaceChildren(...this.events.slice().reverse().map((ev) => this.eventRow(ev)));
+  }
+
+  close() {
+    this.closed = true;
+    if (this.stream) this.stream.close();
+  }
+}

@@ -1,0 +1,241 @@
+"""trainer_agent/optim.py: optimizers as frameworks hand them out (unwrapped to the real one, or a
+ValueError naming what was passed), and optimizer steps driven by a closure (``step(closure)``,
+as Lightning and LBFGS call it): the skip decision and the LR scale use the gradients the closure
+produced, a skipped step runs the closure exactly once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import trainer_agent as ta
+from trainer_agent.optim import unwrap_optimizer
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+
+
+def _attach(model, opt, **cfg):  # type: ignore[no-untyped-def]
+    cfg.setdefault("metrics_port", None)
+    cfg.setdefault("report_every", 1)
+    return ta.attach(model, opt, job="job-optim", run="run-optim", config=ta.AgentConfig(**cfg))
+
+
+# ---------------------------------------------------------------------------- unwrapping
+
+
+class _Wrapper:
+    """A framework-style wrapper: not an Optimizer, the real one in ``.optimizer``."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.optimizer = inner
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        return self.optimizer.step(closure)
+
+
+class _HalfBuilt(torch.optim.Optimizer):
+    """Passes ``isinstance(x, Optimizer)`` but never ran ``Optimizer.__init__`` (no step hooks),
+    like accelerate's AcceleratedOptimizer; holds the real optimizer in ``.optimizer``."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.optimizer = inner
+
+    @property
+    def param_groups(self):  # type: ignore[no-untyped-def]
+        return self.optimizer.param_groups
+
+
+def test_unwrap_returns_the_real_optimizer_through_nested_wrappers() -> None:
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    assert unwrap_optimizer(opt) is opt
+    assert unwrap_optimizer(_Wrapper(opt)) is opt
+    assert unwrap_optimizer(_HalfBuilt(_Wrapper(opt))) is opt
+    opt.optimizer = "a setting that is not an optimizer"  # an optimizer with an unrelated .optimizer
+    assert unwrap_optimizer(opt) is opt and unwrap_optimizer(_Wrapper(opt)) is opt
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        (None, "NoneType"),
+        ("adam", "str"),
+        (_Wrapper("sgd"), "_Wrapper"),
+        (_HalfBuilt(None), "_HalfBuilt"),
+        (nn.Linear(2, 2), "Linear"),
+    ],
+)
+def test_anything_else_is_a_value_error_naming_the_type(bad, named) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=named):
+        unwrap_optimizer(bad)
+    with pytest.raises(ValueError, match=named):
+        ta.attach(_model(), bad, job="j", run="r", config=ta.AgentConfig(metrics_port=None))
+
+
+def test_a_wrapper_that_wraps_itself_is_refused_not_looped() -> None:
+    w = _Wrapper(None)
+    w.optimizer = w
+    with pytest.raises(ValueError, match="_Wrapper"):
+        unwrap_optimizer(w)
+
+
+def test_attach_through_accelerates_and_lightnings_wrappers_hooks_the_real_optimizer() -> None:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    accelerator = Accelerator(cpu=True)
+    for wrap in (accelerator.prepare_optimizer, LightningOptimizer):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = wrap(opt)
+        assert isinstance(wrapped, (AcceleratedOptimizer, LightningOptimizer))
+        agent = _attach(model, wrapped)
+        assert agent.optimizer is opt and opt._optimizer_step_pre_hooks
+        x, y = _batch(0)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        ref = math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters()))
+        # a LightningOptimizer steps only inside a Lightning Trainer (test_lightning.py does that)
+        (wrapped if isinstance(wrapped, AcceleratedOptimizer) else opt).step()
+        agent.end_step(loss)
+        assert agent.latest()["trainguard_grad_norm"] == pytest.approx(ref, rel=1e-6)  # float32 per-tensor norms
+        agent.close(1.0)
+        assert not opt._optimizer_step_pre_hooks
+
+
+# ---------------------------------------------------------------------------- closures
+
+
+def _closure_loop(model, opt, agent, steps, nan_at=(), lr_probe=None):  # type: ignore[no-untyped-def]
+    """A hand-written ``opt.step(closure)`` loop; returns per step (weights before, weights after,
+    closure calls)."""
+    out = []
+    for step in range(1, steps + 1):
+        x, y = _batch(step)
+        if step in nan_at:
+            x = x.clone()
+            x[0, 0] = math.nan
+        calls = []
+
+        def closure(x=x, y=y, calls=calls):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = opt.step(closure)
+        after = [p.detach().clone() for p in model.parameters()]
+        agent.end_step(loss)
+        out.append((before, after, len(calls)))
+    return out
+
+
+def test_skip_nonfinite_decides_on_the_gradients_the_closure_produced() -> None:
+    model = _model(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    agent = _attach(model, opt, skip_nonfinite=True)
+    steps = _closure_loop(model, opt, agent, 5, nan_at={3})
+    for step, (before, after, calls) in enumerate(steps, start=1):
+        assert calls == 1, step  # the closure ran exactly once, skipped or not
+        if step == 3:
+            assert all(torch.equal(a, b) for a, b in zip(before, after))  # bitwise unchanged
+        else:
+            assert all(not torch.equal(a, b) for a, b in zip(before, after)), step
+            assert all(torch.isfinite(a).all() for a in after)
+    latest = agent.latest()
+    assert latest["trainguard_skipped_steps_total"] == 1.0
+    assert latest["trainguard_nonfinite_steps_total"] == 1.0
+    agent.close(1.0)
+
+
+def _reference_sgd(model, steps, lr, momentum):  # type: ignore[no-untyped-def]
+    """The same loop without an agent, the LR of each step given: float64-free plain torch."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    out = []
+    for step in range(1, steps + 1):
+        x, y = _batch(step)
+        opt.param_groups[0]["lr"] = lr(step) if callable(lr) else lr
+
+        def closure(x=x, y=y):  # type: ignore[no-untyped-def]
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_lr_scale_applies_to_closure_steps() -> None:
+    model = _model(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    agent = _attach(model, opt, skip_nonfinite=True)
+    seen_lr = []
+    opt.register_step_pre_hook(lambda o, a, k: seen_lr.append(o.param_groups[0]["lr"]))
+    agent.control._lr_scale = 0.5  # as an applied generation leaves it (tests/control cover the agreement)
+    steps = _closure_loop(model, opt, agent, 3)
+    assert seen_lr == [0.025, 0.025, 0.025] and opt.param_groups[0]["lr"] == 0.05
+    ref = _reference_sgd(_model(2), 3, 0.025, 0.9)
+    for (_, after, _), want in zip(steps, ref):
+        assert all(torch.equal(a, b) for a, b in zip(after, want))
+    agent.close(1.0)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_lbfgs_metrics_are_those_of_the_first_evaluation(skip_nonfinite: bool) -> None:
+    """LBFGS evaluates its closure several times per step; the agent's step is the first
+    evaluation (the gradient the step starts from), not the line search's."""
+    model = _model(3)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=4)
+    agent = _attach(model, opt, skip_nonfinite=skip_nonfinite)
+    x, y = _batch(0)
+    calls = []
+
+    def closure():  # type: ignore[no-untyped-def]
+        calls.append(1)
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        return loss
+
+    # the reference gradient norm at the starting point, float64
+    ref_model = _model(3)
+    ref_loss = (ref_model(x) - y).square().mean()
+    ref_loss.backward()
+    ref_norm = math.sqrt(sum(p.grad.double().square().sum().item() for p in ref_model.parameters()))
+    loss = opt.step(closure)
+    agent.end_step(loss)
+    latest = agent.latest()
+    assert len(calls) > 1  # the line search did evaluate again
+    assert latest["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+    assert latest["trainguard_loss"] == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert "trainguard_grad_noise_scale" not in latest  # one gradient, no micro-batches
+    assert latest["trainguard_agent_errors_total"] == 0.0
+    agent.close(1.0)
+
+
+def test_lbfgs_skips_a_nonfinite_step_and_evaluates_once() -> None:
+    model = _model(4)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    agent = _attach(model, opt, skip_nonfinite=True)
+    steps = _closure_loop(model, opt, agent, 3, nan_at={2})
+    before, after, calls = steps[1]
+    assert calls == 1 and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert steps[2][2] > 1 and all(torch.isfinite(p).all() for p in steps[2][1])
+    assert not all(torch.equal(a, b) for a, b in zip(steps[2][0], steps[2][1]))
+    assert agent.latest()["trainguard_skipped_steps_total"] == 1.0
+    agent.close(1.0)

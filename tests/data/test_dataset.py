@@ -1,0 +1,304 @@
+"""The sharded token dataset (trainer_agent/dataset.py): the on-disk format and its quality
+report, the order (a permutation, disjoint across ranks and workers), exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer_agent.dataset import (
+    Permutation,
+    ShardWriter,
+    TokenBatches,
+    TokenLoader,
+    TokenShard,
+    worker_seed,
+    write_shards,
+)
+
+VOCAB = 1000
+
+
+def _sequences(n: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` sequences of distinct content: the first token is the sequence number (mod VOCAB)
+    and the second its quotient, so every sequence is unique."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(3, 40))
+        s = rng.integers(0, VOCAB, size=length)
+        s[0], s[1] = i % VOCAB, i // VOCAB
+        out.append(s)
+    return out
+
+
+def _key(row: torch.Tensor, mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(row[mask.bool()].tolist())
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> tuple[list, list[np.ndarray]]:
+    seqs = _sequences(500)
+    infos = write_shards(tmp_path / "ds", seqs, vocab_size=VOCAB, tokens_per_shard=2000)
+    return infos, seqs
+
+
+def test_written_shards_read_back_with_their_quality_report(tmp_path: Path) -> None:
+    seqs = _sequences(200)
+    dup = [seqs[i] for i in range(10)]  # 10 exact repeats of earlier sequences
+    infos = write_shards(tmp_path, seqs + dup, vocab_size=VOCAB, tokens_per_shard=10**9, special_ids=(7,))
+    assert len(infos) == 1
+    shard = TokenShard(infos[0].path)
+    everything = seqs + dup
+    assert len(shard) == 210 and shard.tokens == sum(s.size for s in everything)
+    for i in (0, 57, 209):
+        np.testing.assert_array_equal(shard.sequence(i), everything[i])
+    assert shard.data.dtype == np.dtype("<u2")
+    meta = json.loads((tmp_path / "shard-00000.json").read_text())
+    # independent reference: 10 of the 210 sequences repeat an earlier content
+    assert meta["quality"]["trainguard_data_duplicate_ratio"] == pytest.approx(10 / 210)
+    flat = np.concatenate(everything)
+    assert meta["quality"]["trainguard_data_special_token_ratio"] == pytest.approx(np.mean(flat == 7))
+    assert meta["quality"]["trainguard_data_sequences_total"] == 210
+    # the byte-level index: offsets in bytes
+    idx = np.fromfile(tmp_path / "shard-00000.idx", dtype="<i8").reshape(-1, 2)
+    assert idx[1, 0] == 2 * everything[0].size and idx[5, 1] == everything[5].size
+
+
+def test_text_goes_in_as_utf8_bytes_and_shards_split_by_size(tmp_path: Path) -> None:
+    texts = [f"sample {i} — ünïcode" for i in range(50)]
+    infos = write_shards(tmp_path, texts, vocab_size=256, tokens_per_shard=300)
+    assert len(infos) > 1 and all(i.tokens >= 300 for i in infos[:-1])
+    first = TokenShard(infos[0].path)
+    assert bytes(first.sequence(3).astype(np.uint8)) == texts[3].encode()
+    assert sum(i.sequences for i in infos) == 50
+
+
+def test_large_vocabulary_uses_uint32(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path / "big", vocab_size=100_000, monitor=False) as w:
+        w.add([99_999, 70_000, 1])
+    shard = TokenShard(tmp_path / "big")
+    assert shard.data.dtype == np.dtype("<u4") and shard.sequence(0).tolist() == [99_999, 70_000, 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([1, VOCAB], "outside the vocabulary"),
+    ([-1, 2], "outside the vocabulary"),
+    ([], "empty sequence"),
+    ([1.5, 2.0], "integers"),
+    ([[1, 2], [3, 4]], "1-D"),
+])
+def test_writer_refuses_bad_sequences(tmp_path: Path, bad: list, message: str) -> None:
+    w = ShardWriter(tmp_path / "s", vocab_size=VOCAB)
+    w.add([1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        w.add(bad)
+    w.add([4, 5])  # the writer is unchanged by the refused sequence
+    info = w.close()
+    assert info.sequences == 2 and TokenShard(info.path).sequence(1).tolist() == [4, 5]
+
+
+def test_writer_failures_leave_no_partial_shard(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no sequence"):
+        ShardWriter(tmp_path / "empty", vocab_size=VOCAB).close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError):
+        with ShardWriter(tmp_path / "s", vocab_size=VOCAB) as w:
+            w.add([1, 2])
+            raise RuntimeError("the caller failed")
+    assert list(tmp_path.iterdir()) == []
+    with ShardWriter(tmp_path / "s", vocab_size=VOCAB) as w:
+        w.add([1])
+    with pytest.raises(ValueError, match="exists"):
+        ShardWriter(tmp_path / "s", vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ShardWriter(tmp_path / "t", vocab_size=0)
+    with pytest.raises(ValueError, match="no sequence"):
+        write_shards(tmp_path / "none", [], vocab_size=VOCAB)
+
+
+def test_reader_refuses_foreign_or_corrupt_shards(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a readable"):
+        TokenShard(tmp_path / "missing")
+    (tmp_path / "foreign.json").write_text('{"format": "something"}')
+    with pytest.raises(ValueError, match="not a trainguard-token-shard"):
+        TokenShard(tmp_path / "foreign")
+    with ShardWriter(tmp_path / "s", vocab_size=VOCAB, monitor=False) as w:
+        w.add([1, 2, 3])
+        w.add([4, 5])
+    idx = tmp_path / "s.idx"
+    good = idx.read_bytes()
+    idx.write_bytes(good[:-8])
+    with pytest.raises(ValueError, match="expected 2"):
+        TokenShard(tmp_path / "s")
+    entries = np.frombuffer(good, dtype="<i8").copy().reshape(2, 2)
+    entries[1] = (6, 100)  # past the end of the .bin
+    idx.write_bytes(entries.tobytes())
+    shard = TokenShard(tmp_path / "s")
+    with pytest.raises(ValueError, match="corrupt index"):
+        shard.sequence(1)
+    assert shard.sequence(0).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="outside"):
+        shard.sequence(2)
+
+
+def test_a_huge_sparse_shard_opens_in_constant_memory(tmp_path: Path) -> None:
+    tokens = 1 << 31  # 4 GiB of uint16, sparse: only its last sequence is written
+    base = tmp_path / "huge"
+    with open(base.with_name("huge.bin"), "wb") as f:
+        f.truncate(tokens * 2)
+        f.seek(tokens * 2 - 6)
+        f.write(np.array([11, 12, 13], dtype="<u2").tobytes())
+    n = 1 << 20
+    with open(base.with_name("huge.idx"), "wb") as f:
+        f.truncate(n * 16)
+        f.seek((n - 1) * 16)
+        f.write(np.array([tokens * 2 - 6, 3], dtype="<i8").tobytes())
+    base.with_name("huge.json").write_text(json.dumps(
+        {"format": "trainguard-token-shard", "version": 1, "dtype": "<u2", "vocab_size": 100,
+         "sequences": n, "tokens": tokens, "quality": {}}))
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    shard = TokenShard(base)
+    assert shard.sequence(n - 1).tolist() == [11, 12, 13]
+    assert rss() - before < 32 << 20  # a few pages, not the 4 GiB file nor the 16 MiB index
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
+def test_permutation_is_a_bijection(n: int) -> None:
+    values = Permutation(n, key=42)(np.arange(n))
+    assert sorted(values.tolist()) == list(range(n))
+    if n >= 17:
+        assert values.tolist() != list(range(n))
+        assert Permutation(n, key=43)(np.arange(n)).tolist() != values.tolist()
+
+
+def test_worker_seeds_are_distinct_and_reproducible() -> None:
+    grid = [(s, e, r, w) for s in (0, 1) for e in range(3) for r in range(8) for w in range(4)]
+    seeds = [worker_seed(*g) for g in grid]
+    assert len(set(seeds)) == len(grid)
+    assert seeds == [worker_seed(*g) for g in grid]
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_no_two_rank_worker_pairs_read_the_same_sequence_in_an_epoch(shards) -> None:  # type: ignore[no-untyped-def]
+    infos, seqs = shards
+    world, workers, bs = 3, 2, 8
+    seen: dict[tuple[int, ...], tuple[int, int]] = {}
+    total = 0
+    for rank in range(world):
+        ds = TokenBatches(infos, batch_size=bs, seq_len=64, seed=5, rank=rank, world_size=world)
+        for worker in range(workers):
+            for b in ds.worker_batches(1, 0, worker, workers):
+                batch = ds.batch(1, b)
+                for row, mask in zip(batch["input_ids"], batch["attention_mask"]):
+                    key = _key(row, mask)
+                    assert key not in seen, f"rank {rank} worker {worker} repeats {seen.get(key)}"
+                    seen[key] = (rank, worker)
+                    total += 1
+    assert total == world * bs * (500 // (world * bs))
+    contents = {tuple(s.tolist()) for s in seqs}
+    assert set(seen) <= contents
+
+
+def _drain(loader: TokenLoader, n: int) -> list[dict]:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["attention_mask"], y["attention_mask"])
+
+
+def test_order_is_deterministic_and_follows_the_batch_numbers(shards) -> None:  # type: ignore[no-untyped-def]
+    infos, _ = shards
+    make = lambda seed: TokenLoader(  # noqa: E731
+        TokenBatches(infos, batch_size=4, seq_len=32, seed=seed, rank=1, world_size=2), num_workers=2, prefetch=3)
+    a, b = list(make(9)), list(make(9))
+    _same(a, b)
+    ds = TokenBatches(infos, batch_size=4, seq_len=32, seed=9, rank=1, world_size=2)
+    _same(a, [ds.batch(0, i) for i in range(ds.batches_per_epoch)])
+    other = list(make(10))
+    assert not all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, other))
+    # sequences longer than seq_len are truncated, shorter ones padded; tokens counts the mask
+    assert all(x["tokens"] == int(x["attention_mask"].sum()) for x in a)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_resume_from_state_dict(shards, workers: int) -> None:  # type: ignore[no-untyped-def]
+    infos, _ = shards
+    make = lambda: TokenLoader(  # noqa: E731
+        TokenBatches(infos, batch_size=8, seq_len=48, seed=3, rank=0, world_size=2), num_workers=workers, prefetch=4)
+    per_epoch = 500 // 16
+    reference = make()
+    never_stopped = list(reference) + list(reference)  # two whole epochs
+    assert len(never_stopped) == 2 * per_epoch and reference.epoch == 2
+
+    first = make()
+    head = _drain(first, 7)
+    state = first.state_dict()
+    assert (state["epoch"], state["batch"]) == (0, 7)
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = list(resumed) + list(resumed)  # rest of epoch 0, then epoch 1
+    _same(head + tail[: 2 * per_epoch - 7], never_stopped)
+
+    # a stop inside the second epoch, resumed by a fresh loader
+    second = make()
+    second.load_state_dict({**state, "epoch": 1, "batch": per_epoch - 2})
+    _same(list(second), never_stopped[-2:])
+
+
+def test_load_state_dict_refuses_another_configuration(shards) -> None:  # type: ignore[no-untyped-def]
+    infos, _ = shards
+    loader = TokenLoader(TokenBatches(infos, batch_size=8, seq_len=48, seed=3, rank=0, world_size=2), num_workers=0)
+    state = loader.state_dict()
+    for change in ({"seed": 4}, {"rank": 1}, {"batch_size": 4}, {"version": 2}, {"batch": -1}, {"batch": 10**6},
+                   {"epoch": "x"}):
+        with pytest.raises(ValueError):
+            loader.load_state_dict({**state, **change})
+    with pytest.raises(ValueError, match="rank"):
+        TokenBatches(infos, batch_size=8, seq_len=48, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="no batch"):
+        TokenBatches(infos, batch_size=400, seq_len=48, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        TokenBatches(infos, batch_size=0, seq_len=48)
+
+
+def test_reader_values_count_the_tokens_received(shards) -> None:  # type: ignore[no-untyped-def]
+    infos, _ = shards
+    now = [0.0]
+    loader = TokenLoader(TokenBatches(infos, batch_size=8, seq_len=48, rank=0, world_size=1),
+                         num_workers=0, prefetch=2, clock=lambda: now[0])
+    got = _drain(loader, 5)
+    now[0] = 2.0
+    values = loader.values()
+    assert values["trainguard_input_tokens_per_second"] == sum(b["tokens"] for b in got) / 2.0
+    assert values["trainguard_input_prefetch_depth"] == 0.0  # not iterating: no queue
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_corrupt_index_raises_in_the_training_loop(tmp_path: Path, workers: int) -> None:
+    write_shards(tmp_path, _sequences(64), vocab_size=VOCAB, tokens_per_shard=10**9, monitor=False)
+    idx = tmp_path / "shard-00000.idx"
+    entries = np.fromfile(idx, dtype="<i8").reshape(-1, 2)
+    entries[:, 1] = 10**9  # every length past the end of the .bin
+    entries.tofile(idx)
+    loader = TokenLoader(TokenBatches(tmp_path, batch_size=4, seq_len=8, rank=0, world_size=1), num_workers=workers)
+    with pytest.raises(ValueError, match="corrupt index"):
+        next(iter(loader))
+    assert loader.batch == 0  # nothing was received

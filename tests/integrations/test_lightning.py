@@ -1,0 +1,276 @@
+"""trainer_agent/integrations/lightning.py with a real Lightning ``Trainer`` (CPU, a tiny token
+model): trainguard's loss and grad norm equal references the module computes itself, with and
+without gradient accumulation (a short last window included); a NaN step under
+``skip_nonfinite`` is skipped and training goes on; an operator's lr-scale, pause, checkpoint and
+stop through a real controller process act on the run."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as L  # noqa: E402
+
+import trainer_agent as ta  # noqa: E402
+from tests.control.procs import ControllerProcess, until  # noqa: E402
+from trainer_agent.integrations.lightning import TrainguardCallback  # noqa: E402
+
+VOCAB, SEQ, BATCH = 32, 8, 2
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i]}
+
+
+class _TinyLM(L.LightningModule):
+    """Next-token prediction; records its own reference per optimizer step: the mean of its
+    micro-batches' training_step losses and the float64 norm of the gradients the step uses."""
+
+    def __init__(self, nan_at_step: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.out = nn.Linear(16, VOCAB)
+        self.nan_at_step = nan_at_step
+        self.micro: list[float] = []
+        self.ref: dict[int, tuple[float, float]] = {}
+        self.weights_before: list[torch.Tensor] = []
+        self.unchanged: dict[int, bool] = {}
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        ids = batch["input_ids"]
+        logits = self.out(self.emb(ids[:, :-1]))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        if self.nan_at_step is not None and self.global_step + 1 == self.nan_at_step:
+            loss = loss * math.nan
+        self.micro.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):  # type: ignore[no-untyped-def]
+        norm = math.sqrt(sum(p.grad.double().square().sum().item() for p in self.parameters()))
+        self.ref[self.global_step + 1] = (sum(self.micro) / len(self.micro), norm)
+        self.micro = []
+        self.weights_before = [p.detach().clone() for p in self.parameters()]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        step = self.global_step
+        if self.weights_before and step not in self.unchanged:
+            self.unchanged[step] = all(torch.equal(a, p) for a, p in zip(self.weights_before, self.parameters()))
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Record(L.Callback):
+    """After trainguard's callback: trainguard's values at each optimizer step, and the LR the
+    optimizer applied at each step (a pre-step hook registered after the agent's)."""
+
+    def __init__(self, guard: TrainguardCallback) -> None:
+        self.guard = guard
+        self.ours: dict[int, dict[str, float]] = {}
+        self.applied_lr: list[float] = []
+        self.on_step: list = []
+
+    def on_fit_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        real = trainer.optimizers[0]
+        assert self.guard.agent.optimizer is real and pl_module.optimizers().optimizer is real
+        real.register_step_pre_hook(lambda o, a, k: self.applied_lr.append(o.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        step = trainer.global_step
+        if step and step not in self.ours:
+            self.ours[step] = self.guard.agent.latest()
+            for action in self.on_step:
+                action(step)
+
+
+def _trainer(tmp_path: Path, callbacks: list, accumulation: int, **kw) -> L.Trainer:  # type: ignore[no-untyped-def]
+    return L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=accumulation, callbacks=callbacks,
+                     enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                     default_root_dir=str(tmp_path), num_sanity_val_steps=0, **kw)
+
+
+def _fit(trainer: L.Trainer, module: L.LightningModule, n: int) -> None:
+    loader = torch.utils.data.DataLoader(_Tokens(n), batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(module, loader)
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_loss_and_grad_norm_equal_the_modules_own_reference(tmp_path: Path, accumulation: int) -> None:
+    guard = TrainguardCallback(job="pl-job", run=f"pl-acc{accumulation}",
+                               config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    module = _TinyLM()
+    # 10 micro-batches in one epoch: with accumulation 4 the windows are 4, 4 and 2
+    _fit(_trainer(tmp_path, [guard, record], accumulation, max_epochs=1), module, 10 * BATCH)
+    windows = [1] * 10 if accumulation == 1 else [4, 4, 2]
+    assert sorted(record.ours) == sorted(module.ref) == list(range(1, len(windows) + 1))
+    for step, window in enumerate(windows, start=1):
+        ours, (ref_loss, ref_norm) = record.ours[step], module.ref[step]
+        assert ours["trainguard_step"] == step
+        assert ours["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6), step
+        assert ours["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5), step
+        assert ours["trainguard_tokens_per_second"] * ours["trainguard_step_duration_seconds"] == pytest.approx(
+            BATCH * SEQ * window)
+    latest = guard.agent.latest()
+    assert latest["trainguard_agent_errors_total"] == 0.0 and latest["trainguard_nonfinite_steps_total"] == 0.0
+    assert guard.agent._closed
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path: Path, accumulation: int) -> None:
+    guard = TrainguardCallback(job="pl-job", run="pl-nan",
+                               config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    record = _Record(guard)
+    module = _TinyLM(nan_at_step=3)
+    trainer = _trainer(tmp_path, [guard, record], accumulation, max_steps=6)
+    _fit(trainer, module, 6 * accumulation * BATCH)
+    assert trainer.global_step == 6
+    assert module.unchanged == {1: False, 2: False, 3: True, 4: False, 5: False, 6: False}
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert math.isnan(module.ref[3][1]) and all(math.isfinite(module.ref[s][1]) for s in (1, 2, 4, 5, 6))
+    assert math.isnan(record.ours[3]["trainguard_loss"])
+    latest = guard.agent.latest()
+    assert latest["trainguard_skipped_steps_total"] == 1.0
+    assert latest["trainguard_nonfinite_steps_total"] == 1.0
+    assert latest["trainguard_agent_errors_total"] == 0.0
+
+
+@pytest.mark.integration
+def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
+    ctl = ControllerProcess(tmp_path / "trainguard.db").start()
+    try:
+        run = "pl-ops"
+        guard = TrainguardCallback(job="pl-job", run=run,
+                                   config=ta.AgentConfig(controller=ctl.url, metrics_port=None, report_every=1))
+        record = _Record(guard)
+        steps_seen_paused: list[int] = []
+
+        def command(name: str, **body: object) -> None:
+            generation = ctl.command(run, name, **body)["desired"]["generation"]
+            assert until(lambda: (d := guard.agent.control.client.desired) is not None
+                         and d.generation >= generation, 20.0)
+
+        def resume_when_paused() -> None:
+            assert until(lambda: guard.agent.control.paused, 30.0)
+            steps_seen_paused.append(len(record.applied_lr))
+            ctl.command(run, "resume")
+
+        def operator(step: int) -> None:
+            if step == 2:
+                command("lr-scale", scale=0.5)  # applied at the end of step 3
+            elif step == 4:
+                threading.Thread(target=resume_when_paused, daemon=True).start()
+                command("pause")  # applied at the end of step 5, which waits there for the resume
+            elif step == 6:
+                command("checkpoint")  # applied at step 7
+            elif step == 8:
+                command("stop")  # applied at step 9: the Trainer stops (after a checkpoint)
+
+        record.on_step.append(operator)
+        trainer = _trainer(tmp_path, [guard, record], 2, max_steps=20)
+        _fit(trainer, _TinyLM(), 40 * BATCH)
+        history = [(a.step, a.paused, a.lr_scale, a.stop) for a in guard.agent.control.history]
+        assert history == [(3, False, 0.5, False), (5, True, 0.5, False), (5, False, 0.5, False),
+                           (7, False, 0.5, False), (9, False, 0.5, True)]
+        assert trainer.global_step == 9
+        assert steps_seen_paused == [5]
+        assert len(record.applied_lr) == 9
+        for k, applied in enumerate(record.applied_lr, start=1):
+            scheduled = 0.1 / (1.0 + 0.1 * (k - 1))
+            assert applied == pytest.approx(scheduled * (0.5 if k >= 4 else 1.0), rel=1e-12), k
+        saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+        assert saved == ["trainguard-step=7.ckpt", "trainguard-step=9.ckpt"]
+        assert torch.load(tmp_path / "checkpoints" / "trainguard-step=7.ckpt", weights_only=False)["global_step"] == 7
+        detail = ctl.run_detail(run)
+        assert detail is not None and detail["status"] == "finished"
+    finally:
+        ctl.kill()
+
+
+def _ddp_worker(rank: int, init: str, out: str) -> None:
+    """One of 2 DDP ranks (gloo, CPU) in a process group this test starts; Lightning joins it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    guard = TrainguardCallback(job="pl-job", run="pl-ddp",
+                               config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    record = _Record(guard)
+    module = _TinyLM(nan_at_step=3 if rank == 0 else None)  # non-finite gradients on rank 0 only
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2, max_steps=5,
+                        callbacks=[guard, record], enable_progress_bar=False, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=out)
+    loader = torch.utils.data.DataLoader(_Tokens(40 * BATCH), batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    torch.save({"ours": record.ours, "ref": module.ref, "unchanged": module.unchanged,
+                "weights": [p.detach().clone() for p in module.parameters()], "latest": guard.agent.latest(),
+                "global_step": trainer.global_step}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_skip_the_same_nonfinite_step(tmp_path: Path) -> None:
+    from tests.control.spawn import spawn_ranks
+
+    out = spawn_ranks(_ddp_worker, 2, tmp_path, timeout=240.0)
+    for o in out:
+        assert o["global_step"] == 5
+        assert o["unchanged"] == {1: False, 2: False, 3: True, 4: False, 5: False}  # both ranks skipped 3
+        assert o["latest"]["trainguard_skipped_steps_total"] == 1.0
+        assert o["latest"]["trainguard_agent_errors_total"] == 0.0
+        assert all(torch.isfinite(w).all() for w in o["weights"])
+        for step in (1, 2, 4, 5):  # the rank's own loss; the gradient norm after DDP's all-reduce
+            ref_loss, ref_norm = o["ref"][step]
+            assert o["ours"][step]["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6)
+            assert o["ours"][step]["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["weights"], out[1]["weights"]))
+    assert math.isnan(out[0]["ours"][3]["trainguard_loss"]) and math.isfinite(out[1]["ours"][3]["trainguard_loss"])
+
+
+def test_a_resumed_fit_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None:
+    def fit(max_steps: int, ckpt_path: str | None = None) -> tuple[TrainguardCallback, _Record, L.Trainer]:
+        guard = TrainguardCallback(job="pl-job", run="pl-resume",
+                                   config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+        record = _Record(guard)
+        trainer = _trainer(tmp_path, [guard, record], 1, max_steps=max_steps)
+        loader = torch.utils.data.DataLoader(_Tokens(20 * BATCH), batch_size=BATCH)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_TinyLM(nan_at_step=2), loader, ckpt_path=ckpt_path)
+        return guard, record, trainer
+
+    guard, _, trainer = fit(3)
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    assert guard.agent.step == 3
+    guard, record, trainer = fit(5, str(tmp_path / "three.ckpt"))
+    assert trainer.global_step == 5 and guard.agent.step == 5
+    assert [record.ours[s]["trainguard_step"] for s in (4, 5)] == [4.0, 5.0]
+    latest = guard.agent.latest()
+    assert latest["trainguard_skipped_steps_total"] == 1.0  # step 2's skip, restored with the control state
+    assert latest["trainguard_nonfinite_steps_total"] == 1.0

@@ -1,0 +1,74 @@
+"""Limits on what one client may make the controller hold: metric names per run (also after a
+restart), runs in all and per agent token, ranks per run. Beyond them: a 4xx that says which
+limit, and a counter by reason; what is held stays bounded."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.testclient import TestClient
+
+from tests.service.conftest import register
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
+
+
+def _counter(c: TestClient, name: str, reason: str) -> float:
+    m = re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', c.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _report(step: int, names: range) -> dict:
+    return {"job": "job-a", "step_first": step, "step_last": step, "time": float(step),
+            "values": {f"m_{i}": float(i) for i in names}}
+
+
+def test_metric_names_per_run_are_bounded_and_the_bound_survives_a_restart(app_factory, tmp_path) -> None:
+    with app_factory(max_series_per_run=64) as c:
+        register(c, world_size=1)
+        register(c, run="run-2", world_size=1)
+        ctl = c.app.state.controller
+        assert c.post("/v1/runs/run-1/reports", json=_report(1, range(0, 60))).status_code == 200
+        step = 2
+        for start in range(60, 60 + 4096 * 5, 4096):  # a flood of fresh names
+            r = c.post("/v1/runs/run-1/reports", json=_report(step, range(start, start + 4096)))
+            assert r.status_code == 422 and "TRAINGUARD_MAX_SERIES_PER_RUN" in r.json()["detail"]
+            step += 1
+        window = ctl.runs["run-1"].window
+        assert len(window.columns) == 60 and window._values.shape[1] <= 2 * 64
+        assert _counter(c, "trainguard_controller_reports_rejected_total", "series_limit") == 5
+        # up to the limit is fine; the known names always are; another run is unaffected
+        assert c.post("/v1/runs/run-1/reports", json=_report(step, range(0, 64))).status_code == 200
+        assert c.post("/v1/runs/run-1/reports", json=_report(step + 1, range(0, 65))).status_code == 422
+        assert c.post("/v1/runs/run-2/reports", json=_report(1, range(1000, 1064))).status_code == 200
+    # a database holding more names than the limit (written under a higher one) loads bounded
+    with app_factory(max_series_per_run=1024) as c:
+        assert c.post("/v1/runs/run-1/reports", json=_report(100, range(500, 1400))).status_code == 200
+    app = create_app(Settings(db=tmp_path / "tg.db", max_series_per_run=64))
+    with TestClient(app):
+        assert len(app.state.controller.runs["run-1"].window.columns) == 64
+
+
+def test_runs_in_all_and_per_token_are_bounded(app_factory) -> None:
+    with app_factory(max_runs=3) as c:
+        for i in range(3):
+            register(c, run=f"run-{i}", world_size=1)
+        r = c.post("/v1/runs", json={"job": "job-a", "run": "run-9", "world_size": 1, "ranks": []})
+        assert r.status_code == 429 and "TRAINGUARD_MAX_RUNS" in r.json()["detail"]
+        assert len(c.app.state.controller.runs) == 3
+        register(c, run="run-0", world_size=1)  # re-registering a held run is always allowed
+        assert _counter(c, "trainguard_controller_registrations_rejected_total", "runs_limit") == 1
+    with app_factory(max_runs_per_token=2) as c:  # (no tokens: every caller is the anonymous one)
+        register(c, run="a-1", world_size=1)
+        register(c, run="a-2", world_size=1)
+        r = c.post("/v1/runs", json={"job": "job-a", "run": "a-3", "world_size": 1, "ranks": []})
+        assert r.status_code == 429 and "TRAINGUARD_MAX_RUNS_PER_TOKEN" in r.json()["detail"]
+
+
+def test_ranks_per_run_are_bounded(app_factory) -> None:
+    with app_factory(max_world_size=8) as c:
+        r = c.post("/v1/runs", json={"job": "job-a", "run": "big", "world_size": 9, "ranks": []})
+        assert r.status_code == 422 and "TRAINGUARD_MAX_WORLD_SIZE" in r.json()["detail"]
+        register(c, run="ok", world_size=8)
+        assert "big" not in c.app.state.controller.runs
+        assert _counter(c, "trainguard_controller_registrations_rejected_total", "world_size_limit") == 1

@@ -1,0 +1,60 @@
+"""The default rules on the data side (service/rules.py, default_rules.yaml): a rank that waits
+for its input (spread with a floor), and ranks that see the same data (check: above)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.service.conftest import make_report
+from trainguard.service.engine import simulate
+from trainguard.service.rules import RulesError, default_rules_text, load_rules
+
+DEFAULTS = load_rules(default_rules_text())
+
+
+def _fired(reports, world_size=4):  # type: ignore[no-untyped-def]
+    return [[f.finding for f in s.fired] for s in simulate(DEFAULTS.for_job("job-a"), reports, world_size=world_size)]
+
+
+def test_input_wait_straggler_names_the_data_slow_rank() -> None:
+    healthy = [0.001, 0.0012, 0.0009, 0.0011]
+    slow = [0.001, 0.0012, 0.0009, 0.4]
+    reps = [make_report(i, float(i), {}, input_wait_s=(slow if i > 0 else healthy)) for i in range(4)]
+    found = _fired(reps)
+    assert [[f.rule.name for f in s] for s in found] == [[], [], [], ["input_wait_straggler"]]
+    v = found[3][0].values
+    assert v["rank"] == 3 and v["ratio"] == pytest.approx(0.4 / float(np.median(slow)))
+    assert found[3][0].rule.diagnosis == "input_bound"
+
+
+def test_input_wait_spread_below_the_floor_or_with_a_zero_median() -> None:
+    tiny = [0.0001, 0.0001, 0.0001, 0.03]  # 300x the median but 30 ms < the 50 ms floor
+    assert _fired([make_report(i, float(i), {}, input_wait_s=tiny) for i in range(4)])[-1] == []
+    zeros = [0.0, 0.0, 0.0, 0.2]  # median 0: an infinite ratio, above the floor
+    found = _fired([make_report(i, float(i), {}, input_wait_s=zeros) for i in range(3)])[-1]  # 3rd report
+    assert [f.rule.name for f in found] == ["input_wait_straggler"] and math.isinf(found[0].values["ratio"])
+    all_zero = [0.0] * 4
+    assert _fired([make_report(i, float(i), {}, input_wait_s=all_zero) for i in range(4)])[-1] == []
+
+
+def test_ranks_reading_the_same_data_are_named() -> None:
+    overlap = [0.97, 0.01, 0.97, math.nan]  # ranks 0 and 2 share their data; rank 3 saw none
+    (found,) = _fired([make_report(0, 0.0, {}, data_overlap=overlap)])
+    assert [f.rule.name for f in found] == ["data_shared_across_ranks"]
+    assert found[0].values["ranks"] == [0, 2] and found[0].values["values"] == {0: 0.97, 2: 0.97}
+    assert "[0, 2]" in found[0].summary
+    (quiet,) = _fired([make_report(0, 0.0, {}, data_overlap=[0.02, 0.01, 0.03, 0.0])])
+    assert quiet == []
+    (none,) = _fired([make_report(0, 0.0, {}, data_overlap=[math.nan] * 4)])
+    assert none == []
+
+
+def test_above_needs_its_value() -> None:
+    base = {"name": "x", "kind": "cross_rank", "vector": "data_overlap", "severity": "info", "actions": ["notify"]}
+    with pytest.raises(RulesError, match="value"):
+        load_rules(f"version: 1\nrules:\n  - {base | {'check': 'above'}}\n".replace("'", '"'))
+    with pytest.raises(RulesError, match="value"):
+        load_rules(f"version: 1\nrules:\n  - {base | {'check': 'spread', 'value': 1.0}}\n".replace("'", '"'))

@@ -1,0 +1,105 @@
+"""Tokens created at runtime: hashed, scoped, job-limited, expiring, revocable, audited; an agent
+token registers any run of its jobs and each run stays with the token that registered it; the
+environment's tokens keep working; all of it survives a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+
+from fastapi.testclient import TestClient
+
+from trainguard.service.app import create_app
+from trainguard.service.config import Settings
+
+OP, ENV_AGENT = "operator-token-0001", "env-agent-token-0001"
+
+
+def _h(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def _reg(c: TestClient, token: str, run: str, job: str) -> int:
+    body = {"job": job, "run": run, "world_size": 1, "ranks": []}
+    return c.post("/v1/runs", json=body, headers=_h(token)).status_code
+
+
+def _report(c: TestClient, token: str, run: str, job: str, step: int = 1) -> int:
+    body = {"job": job, "step_first": step, "step_last": step, "time": 1.0, "values": {"trainguard_loss": 1.0}}
+    return c.post(f"/v1/runs/{run}/reports", json=body, headers=_h(token)).status_code
+
+
+def test_fleet_tokens(tmp_path) -> None:
+    now = [1_000.0]
+    settings = Settings(db=tmp_path / "tg.db", operator_tokens=(OP, "reader-token-01:read"), agent_tokens=(ENV_AGENT,))
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        assert c.post("/v1/tokens", json={"scopes": ["agent"]}, headers=_h("reader-token-01")).status_code == 403
+        r = c.post("/v1/tokens", json={"name": "llm fleet", "scopes": ["agent"], "job": "llm-7b*", "ttl_s": 3600}, headers=_h(OP))
+        assert r.status_code == 201, r.text
+        t1 = r.json()
+        assert t1["expires_at"] == 4_600.0 and t1["job_pattern"] == "llm-7b*"
+        t2 = c.post("/v1/tokens", json={"scopes": ["agent"], "job": "llm-7b*"}, headers=_h(OP)).json()
+        tok1, tok2 = t1["token"], t2["token"]
+        # any run of the matching jobs, not another job
+        assert _reg(c, tok1, "llm-7b-a", "llm-7b") == 200
+        assert _reg(c, tok1, "llm-7b-b", "llm-7b-sweep") == 200
+        assert _reg(c, tok1, "gpt-x", "gpt") == 403
+        assert _report(c, tok1, "llm-7b-a", "llm-7b") == 200 and _report(c, tok1, "llm-7b-b", "llm-7b-sweep") == 200
+        # a run stays with the token that registered it
+        assert _reg(c, tok2, "llm-7b-c", "llm-7b") == 200
+        assert _report(c, tok1, "llm-7b-c", "llm-7b") == 403 and _reg(c, tok1, "llm-7b-c", "llm-7b") == 403
+        assert _report(c, tok2, "llm-7b-a", "llm-7b") == 403
+        # nor can it take a run an environment token registered, and the environment token still works
+        assert _reg(c, ENV_AGENT, "env-run", "llm-7b-env") == 200
+        assert _reg(c, tok1, "env-run", "llm-7b-env") == 403
+        assert _report(c, ENV_AGENT, "env-run", "llm-7b-env") == 200
+        # listing: who, what, when; never the token or its hash
+        listed = c.get("/v1/tokens", headers=_h(OP)).json()
+        assert [t["id"] for t in listed] == [t1["id"], t2["id"]]
+        assert listed[0]["creator"] == "operator:" + hashlib.sha256(OP.encode()).hexdigest()[:12]
+        assert all(tok1 not in str(t) and "token_hash" not in t for t in listed)
+        # revocation stops it at once
+        assert c.delete(f"/v1/tokens/{t2['id']}", headers=_h(OP)).status_code == 200
+        assert _report(c, tok2, "llm-7b-c", "llm-7b") == 401
+        assert c.delete(f"/v1/tokens/{t2['id']}", headers=_h(OP)).status_code == 404
+    rows = sqlite3.connect(tmp_path / "tg.db").execute("SELECT token_hash, revoked_by FROM tokens ORDER BY id").fetchall()
+    assert rows[0][0] == hashlib.sha256(tok1.encode()).hexdigest() and rows[1][1].startswith("operator:")
+    # after a restart: the live token works, ownership holds; past its expiry it does not
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        assert _report(c, tok1, "llm-7b-a", "llm-7b", step=2) == 200
+        assert _report(c, tok2, "llm-7b-c", "llm-7b") == 401
+        now[0] = 4_601.0
+        assert _report(c, tok1, "llm-7b-a", "llm-7b", step=3) == 401
+
+
+def test_token_requests_are_validated(app_factory) -> None:
+    with app_factory(operator_tokens=(OP,)) as c:
+        for body in ({"scopes": ["root"]}, {"scopes": ["agent", "read"]}, {"scopes": ["read"], "job": "x*"}, {"scopes": []},
+                     {"scopes": ["agent"], "ttl_s": -1}):
+            assert c.post("/v1/tokens", json=body, headers=_h(OP)).status_code == 422, body
+        r = c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(OP)).json()
+        assert c.get("/v1/runs", headers=_h(r["token"])).status_code == 200
+        assert c.post("/v1/runs/x/pause", headers=_h(r["token"])).status_code == 403
+
+
+def test_cli_creates_lists_and_revokes_tokens_against_a_served_controller(tmp_path, serve, capsys) -> None:
+    import httpx
+
+    from trainguard.cli import main
+
+    srv = serve(tmp_path / "tg.db", env={"TRAINGUARD_OPERATOR_TOKENS": OP})
+    common = ["--url", srv.url, "--token", OP]
+    assert main(["token", "create", "--job", "llm-7b*", "--scope", "agent", "--ttl", "30d", "--name", "fleet", *common]) == 0
+    out = capsys.readouterr().out.splitlines()
+    token = out[1]
+    assert out[0].startswith("token 1 (agent, jobs llm-7b*, expires ")
+    with httpx.Client(base_url=srv.url, timeout=30, headers=_h(token)) as c:
+        assert c.post("/v1/runs", json={"job": "llm-7b", "run": "r-1", "world_size": 1, "ranks": []}).status_code == 200
+        created = c.get("/v1/tokens").status_code
+    assert created == 403  # an agent token cannot manage tokens
+    assert main(["token", "list", "--json", *common]) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    assert rows[0]["name"] == "fleet" and rows[0]["expires_at"] - rows[0]["created_at"] == 30 * 86400
+    assert main(["token", "revoke", "1", *common]) == 0
+    capsys.readouterr()
+    assert httpx.get(srv.url + "/v1/runs/r-1/desired", headers=_h(token)).status_code == 401

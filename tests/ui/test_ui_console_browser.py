@@ -1,0 +1,279 @@
+"""The console in a real browser (Debian's Chromium, headless) against a real controller process:
+a reporting run appears, its charts draw the window's points and follow new reports, an alert
+appears with its diagnosis without a reload, a pause confirmed in the page is applied by the real
+agent and the page shows the step, a read-only token gets no actions and is refused, and nothing
+leaves 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainer_agent as ta
+from tests.control.procs import ROOT, until
+from tests.ui.conftest import OPERATOR, READER, Controller, Page, ScriptedAgent, agent_token
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# Chart points are read from the data-points attribute each chart keeps (finite points drawn, all
+# series together) and checked against the canvas's pixels in the series colour.
+_COUNT_SERIES_PIXELS = """(sel) => {
+  const c = document.querySelector(sel + ' canvas');
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4)
+    if (Math.abs(d[i] - 37) < 40 && Math.abs(d[i + 1] - 99) < 40 && Math.abs(d[i + 2] - 235) < 40 && d[i + 3] > 128) n++;
+  return n;
+}"""
+
+
+def _values(step: int) -> dict[str, float]:
+    return {"trainguard_loss": 3.0 / (1.0 + 0.1 * step), "trainguard_grad_norm": 1.0 + 0.05 * step,
+            "trainguard_grad_norm_max": 1.2 + 0.05 * step, "trainguard_update_ratio": 1e-3, "trainguard_lr_scale": 1.0,
+            "trainguard_step_duration_seconds": 0.1, "trainguard_tokens_per_second": 5000.0}
+
+
+def _ranks(step: int) -> dict[str, list[float]]:
+    return {"step_time_s": [0.1, 0.1 + 0.001 * step], "grad_norm": [1.0, 1.1], "loss": [1.0, 1.0]}
+
+
+def _wait_points(page: Page, chart: str, condition: str) -> None:
+    """Wait until the chart exists and its point count meets ``condition`` (e.g. ">= 20")."""
+    page.page.wait_for_function(f"() => {{ const e = document.querySelector('[data-chart=\"{chart}\"]'); return !!e && +e.dataset.points {condition}; }}")
+
+
+def _points(page: Page, chart: str) -> int:
+    return int(page.page.get_attribute(f'[data-chart="{chart}"]', "data-points") or -1)
+
+
+def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page: Page, controller: Controller) -> None:
+    agent = ScriptedAgent(controller.url, "run-charts")
+    for step in range(1, 13):
+        agent.report(step, _values(step), _ranks(step))
+    page.sign_in(OPERATOR)
+    row = page.page.wait_for_selector('tr[data-run="run-charts"]')
+    assert "running" in row.inner_text() and "12" in row.inner_text()
+    agent.report(13, _values(13), _ranks(13))  # the runs page follows without a reload
+    page.page.wait_for_function("() => document.querySelector('tr[data-run=\"run-charts\"] td:nth-child(4)')?.textContent === '13'")
+
+    page.page.click('tr[data-run="run-charts"] a')
+    page.page.wait_for_selector('[data-chart="loss"][data-points="13"]')
+    page.page.evaluate("() => { window.notReloaded = true; }")
+    run = controller.run("run-charts")
+    assert run["reports"] == 13
+    assert _points(page, "grad_norm") == 2 * 13  # two series, every report carries both
+    assert _points(page, "rank_step_time") == 2 * 8  # two ranks over the rank window (8 reports)
+    assert _points(page, "data_kl") == 0  # not reported: nothing drawn
+    assert page.page.evaluate(_COUNT_SERIES_PIXELS, '[data-chart="loss"]') > 100  # the line is on the canvas
+    assert page.page.evaluate(_COUNT_SERIES_PIXELS, '[data-chart="data_kl"]') == 0
+
+    for step in range(14, 17):
+        agent.report(step, _values(step), _ranks(step))
+    page.page.wait_for_selector('[data-chart="loss"][data-points="16"]')
+    assert page.page.evaluate("() => window.notReloaded === true")
+    page.page.wait_for_function("() => document.querySelector('#run-step')?.textContent === '16'")
+    agent.close()
+
+
+def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, controller: Controller) -> None:
+    agent = ScriptedAgent(controller.url, "run-alert")
+    for step in range(1, 4):
+        agent.report(step, _values(step), _ranks(step))
+    page.sign_in(READER, "/ui/runs/run-alert")
+    page.page.wait_for_selector('[data-chart="loss"][data-points="3"]')
+    assert page.page.query_selector("#firing [data-rule]") is None
+    page.page.evaluate("() => { window.notReloaded = true; }")
+
+    agent.report(4, _values(4) | {"trainguard_loss": math.nan}, _ranks(4))
+    card = page.page.wait_for_selector("#firing article[data-rule]")
+    alerts = controller.operator.get("/v1/alerts", params={"run": "run-alert"}).json()
+    assert len(alerts) == 1
+    alert = alerts[0]
+    assert card.get_attribute("data-rule") == alert["rule"] and card.get_attribute("data-alert-id") == str(alert["id"])
+    text = card.inner_text()
+    diagnosis = alert["diagnosis"]
+    for line in [alert["summary"], diagnosis["symptom"], *diagnosis["likely_causes"], *diagnosis["suggested_actions"]]:
+        assert line in text, line
+    assert "seed" not in text.lower() and "source document" not in text.lower()
+    page.page.wait_for_selector('[data-chart="loss"][data-nonfinite="1"][data-points="3"]')  # the NaN is marked, not dropped
+    page.page.wait_for_selector('#run-events tr[data-kind="alert"]')
+    assert page.page.evaluate("() => window.notReloaded === true")
+    agent.close()
+
+
+class _Training:
+    """A real agent on a small model, trained in a thread until told to stop: the step counter of
+    the loop is kept apart from the agent's, to check the step the page shows."""
+
+    def __init__(self, url: str, run: str) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.agent = ta.attach(self.model, self.opt, job="job-ui", run=run, controller=url, token=agent_token(run),
+                               config=ta.AgentConfig(report_every=1, metrics_port=None))
+        self.entered = 0  # end_step calls begun
+        self.returned = 0  # end_step calls finished
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        while not self.stop.is_set() and not self.agent.should_stop:
+            x = torch.randn(32, 8, generator=g)
+            loss = ((self.model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.entered += 1
+            self.agent.end_step(loss, tokens=32)
+            self.returned += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.agent.close()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def test_pause_confirmed_in_the_page_holds_the_training_loop_at_the_step_the_page_shows(page: Page, controller: Controller) -> None:
+    training = _Training(controller.url, "run-pause")
+    try:
+        assert until(lambda: not training.thread.is_alive() or (controller.operator.get("/v1/runs/run-pause").status_code == 200
+                     and (controller.run("run-pause")["reports"] or 0) >= 20), 60.0)
+        assert training.thread.is_alive()
+        page.sign_in(OPERATOR, "/ui/runs/run-pause")
+        _wait_points(page, "loss", ">= 20")
+        _wait_points(page, "update_ratio", ">= 20")
+
+        page.page.click('[data-action="pause"]')
+        dialog = page.page.wait_for_selector("dialog#confirm[open]")
+        assert "run-pause" in page.page.inner_text("#confirm-title")
+        changes = [r.inner_text().split("\t") for r in page.page.query_selector_all("#confirm-changes tr")]
+        generation = controller.run("run-pause")["desired_generation"]
+        assert changes == [["paused", "false", "true"], ["generation", str(generation), str(generation + 1)]]
+        page.page.fill("#confirm-reason", "checking the loss")
+        page.page.click("#confirm-ok")
+        assert not dialog.is_visible()
+        result = page.page.wait_for_selector('#action-result[data-state="applied"]', timeout=60_000)
+        step = int(result.get_attribute("data-step"))
+
+        # the training loop is held inside the end_step call of that step, on every rank (one here)
+        assert until(lambda: training.entered == step and training.returned == step - 1, 30.0), (step, training.entered)
+        run = controller.run("run-pause")
+        assert run["desired"]["paused"] and run["desired"]["reason"] == "checking the loss"
+        assert run["applied_generation"] == generation + 1 and run["applied_step"] == step
+        assert result.inner_text() == f"pause applied at step {step} on every rank (generation {generation + 1})."
+        page.page.wait_for_selector('.run-head [data-status="paused"]')
+        assert page.page.inner_text("#run-paused") == "yes"
+        assert page.page.query_selector('[data-action="resume"]') is not None
+    finally:
+        controller.operator.post("/v1/runs/run-pause/resume", json={"reason": "test over"})
+        training.close()
+
+
+def _confirm(page: Page, action: str) -> Any:
+    """Press an action, confirm it, and wait for every rank's acknowledgement; the result line."""
+    page.page.click(f'[data-action="{action}"]')
+    page.page.wait_for_selector("dialog#confirm[open]")
+    page.page.click("#confirm-ok")
+    return page.page.wait_for_selector(f'#action-result[data-state="applied"]:text-matches("^{action} applied")', timeout=60_000)
+
+
+def test_pause_and_stop_from_the_page_are_applied_by_every_rank_of_a_two_rank_job_at_the_step_shown(
+    page: Page, controller: Controller, tmp_path: Path,
+) -> None:
+    cfg = {"controller": controller.url, "token": agent_token("run-ranks"), "run": "run-ranks", "out": str(tmp_path),
+           "max_steps": 100_000, "sleep_s": 0.01}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | {
+        "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    logs = [(tmp_path / f"rank{r}.log").open("w") for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("console_worker.py")), json.dumps(cfg)],
+                              env=env | {"RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        assert until(lambda: any(p.poll() is not None for p in ranks) or (
+            controller.operator.get("/v1/runs/run-ranks").status_code == 200 and controller.run("run-ranks")["reports"] >= 60), 120.0)
+        assert all(p.poll() is None for p in ranks), [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
+        page.sign_in(OPERATOR, "/ui/runs/run-ranks")
+        _wait_points(page, "rank_step_time", "=== 16")
+        shots = [tmp_path / "console-healthy.png", tmp_path / "console-paused.png"]
+        page.page.screenshot(path=str(shots[0]), full_page=True)
+
+        paused = int(_confirm(page, "pause").get_attribute("data-step"))
+        page.page.wait_for_selector('.run-head [data-status="paused"]')
+        page.page.screenshot(path=str(shots[1]), full_page=True)
+        if os.environ.get("TRAINGUARD_CONSOLE_SCREENSHOTS"):  # e.g. =docs, to refresh the README's pictures
+            for shot in shots:
+                shutil.copy(shot, Path(os.environ["TRAINGUARD_CONSOLE_SCREENSHOTS"]) / shot.name)
+        stopped = int(_confirm(page, "stop").get_attribute("data-step"))
+        assert [p.wait(60) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    # each rank's own record of what it applied: the pause at the step the page showed, on both
+    # ranks, and the stop at that same step (the ranks were waiting there)
+    run = controller.run("run-ranks")
+    pause_gen, stop_gen = run["desired_generation"] - 1, run["desired_generation"]
+    for r in range(2):
+        history = json.loads((tmp_path / f"console-rank{r}.json").read_text())["history"]
+        by_gen = {h["generation"]: h for h in history}
+        assert by_gen[pause_gen]["paused"] and by_gen[pause_gen]["step"] == paused, (r, history)
+        assert by_gen[stop_gen]["stop"] and by_gen[stop_gen]["step"] == stopped == paused, (r, history)
+
+
+def test_a_read_only_token_sees_no_action_buttons_and_its_requests_are_refused(page: Page, controller: Controller) -> None:
+    agent = ScriptedAgent(controller.url, "run-readonly")
+    for step in range(1, 4):
+        agent.report(step, _values(step), _ranks(step))
+    page.sign_in(READER, "/ui/runs/run-readonly")
+    page.page.wait_for_selector('[data-chart="loss"][data-points="3"]')
+    assert page.page.query_selector_all("[data-action]") == []
+    assert not page.page.is_visible("#actions")
+    statuses = page.page.evaluate("""async () => {
+      const { csrf } = await (await fetch('/ui/api/session')).json();
+      const out = [];
+      for (const [cmd, body] of [['pause', {}], ['stop', {}], ['lr-scale', {scale: 0.5}], ['checkpoint', {}]]) {
+        const r = await fetch('/ui/api/runs/run-readonly/' + cmd, {method: 'POST', headers: {'Content-Type': 'application/json', 'X-CSRF-Token': csrf}, body: JSON.stringify(body)});
+        out.push(r.status);
+      }
+      return out;
+    }""")
+    assert statuses == [403, 403, 403, 403]
+    assert controller.run("run-readonly")["desired_generation"] == 0
+    agent.close()
+
+
+def test_the_console_works_with_no_network_but_loopback(page: Page, controller: Controller) -> None:
+    agent = ScriptedAgent(controller.url, "run-offline")
+    for step in range(1, 6):
+        agent.report(step, _values(step), _ranks(step))
+    page.sign_in(OPERATOR)
+    page.page.wait_for_selector('tr[data-run="run-offline"]')
+    page.page.click('tr[data-run="run-offline"] a')
+    page.page.wait_for_selector('[data-chart="loss"][data-points="5"]')
+    page.page.click('nav a[data-nav="audit"]')
+    page.page.wait_for_selector('#audit tr[data-kind="registered"]')
+    page.page.goto(controller.url + "/docs")
+    assert "trainguard controller" in page.page.wait_for_selector(".swagger-ui .info .title").inner_text()  # Swagger UI rendered the API
+    assert page.requests and page.refused == [], page.refused
+    assert all(url.startswith(controller.url + "/") for url in page.requests), page.requests
+    # the tokens never travel in a URL nor land in the controller's log (the access log is on)
+    log = controller.log.read_text()
+    assert "/ui/login" in log
+    for token in (OPERATOR, READER):
+        assert not any(token in url for url in page.requests) and token not in log
+    agent.close()

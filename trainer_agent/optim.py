@@ -1,0 +1,154 @@
+"""Optimizers as training frameworks hand them out, and optimizer steps driven by a closure.
+
+**Wrapped optimizers.** Frameworks give user code a wrapper around the real optimizer:
+accelerate's ``AcceleratedOptimizer`` (what the Hugging Face ``Trainer`` passes to its callbacks),
+Lightning's ``LightningOptimizer`` (``LightningModule.optimizers()``). The step hooks the agent needs
+live on the real ``torch.optim.Optimizer``, which every such wrapper holds in ``.optimizer``:
+:func:`unwrap_optimizer` follows ``.optimizer`` down to it. The wrapper's ``step`` ends in the real
+optimizer's ``step``, so the hooks fire whichever of the two the loop calls.
+
+**Closures** (``optimizer.step(closure)``: Lightning calls every step this way; LBFGS needs it).
+The closure computes the gradients *inside* ``step``, after the optimizer's pre-step hooks have run.
+Two things follow, handled here:
+
+- Skipping a non-finite step (``AgentConfig.skip_nonfinite``) must decide on the gradients the
+  closure produces, so :func:`guarded_step` evaluates the closure first, then decides, then calls
+  the real ``step`` with a :class:`StepClosure` that hands the optimizer that first result instead of
+  evaluating again. A skipped step returns the closure's result without calling the real ``step``:
+  the closure ran exactly once, as frameworks that check it require (Lightning raises "The closure
+  hasn't been executed" otherwise).
+- An optimizer may evaluate its closure more than once per step (LBFGS's line search). The step's
+  gradient is that of the first evaluation (the point the step starts from); later evaluations run
+  with the agent's gradient measurement set aside, so they are not counted as micro-batches (the
+  noise scale would be wrong) and do not replace the step's gradient norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+
+#: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
+_MAX_DEPTH = 8
+_NOT_RUN = object()
+
+
+def _usable(optimizer: object) -> bool:
+    """A torch optimizer that ran ``Optimizer.__init__`` (it has the step-hook registries)."""
+    return (isinstance(optimizer, torch.optim.Optimizer)
+            and isinstance(getattr(optimizer, "_optimizer_step_pre_hooks", None), dict)
+            and isinstance(getattr(optimizer, "param_groups", None), list))
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """The real ``torch.optim.Optimizer`` behind ``optimizer``: the innermost usable one along the
+    chain ``optimizer``, ``optimizer.optimizer``, ... (a framework's wrappers, nested or not).
+    ``ValueError`` naming the types passed when there is none."""
+    chain: list[str] = []
+    found: torch.optim.Optimizer | None = None
+    current = optimizer
+    for _ in range(_MAX_DEPTH):
+        chain.append(type(current).__name__)
+        if _usable(current):
+            found = current  # type: ignore[assignment]
+        inner = getattr(current, "optimizer", None)
+        if inner is None or inner is current:
+            break
+        current = inner
+    if found is not None:
+        return found
+    raise ValueError(
+        f"optimizer must be a torch.optim.Optimizer, or a framework's wrapper holding one in .optimizer "
+        f"(accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer); got {' wrapping '.join(chain)}")
+
+
+def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any],
+                at: int = 0) -> tuple[Any, Callable[[Any], tuple[tuple, dict]]]:
+    """The closure passed to ``step(closure=None)`` (by name, or positionally at ``args[at]``),
+    and a function that returns ``(args, kwargs)`` with another closure in its place."""
+    if "closure" in kwargs:
+        return kwargs["closure"], lambda c: (args, {**kwargs, "closure": c})
+    if len(args) > at:
+        return args[at], lambda c: ((*args[:at], c, *args[at + 1:]), kwargs)
+    return None, lambda c: (args, kwargs)
+
+
+@contextlib.contextmanager
+def unmeasured(meter: Any) -> Iterator[None]:
+    """Backward passes inside this block leave the step in progress as it was: the agent's
+    gradient hooks write into a throwaway step state of ``meter`` (``step_stats.StepMeter``), and
+    the step's own state (gradient norms, micro-batch count) is put back after."""
+    state = meter.state
+    meter.state = type(state)()
+    try:
+        yield
+    finally:
+        meter.state = state
+
+
+class StepClosure:
+    """The closure of one optimizer step as the optimizer sees it. Its first evaluation is the
+    step's (measured by the agent); with :meth:`evaluate_first` that evaluation happens before the
+    optimizer's ``step`` and the optimizer's first call receives its result. Later evaluations run
+    under ``set_aside()`` (:func:`unmeasured`), which the agent's pre-step hook provides."""
+
+    def __init__(self, closure: Callable[[], Any],
+                 set_aside: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        self.closure = closure
+        self.set_aside = set_aside
+        self.evaluations = 0
+        self._held: Any = _NOT_RUN
+
+    def evaluate_first(self) -> Any:
+        """Evaluate the closure now (with gradients enabled, as optimizers do); the result is
+        handed to the optimizer's first call."""
+        with torch.enable_grad():
+            result = self.closure()
+        self.evaluations = 1
+        self._held = result
+        return result
+
+    def __call__(self) -> Any:
+        if self._held is not _NOT_RUN:
+            result, self._held = self._held, _NOT_RUN
+            return result
+        self.evaluations += 1
+        if self.evaluations == 1 or self.set_aside is None:
+            return self.closure()
+        with self.set_aside():
+            return self.closure()
+
+
+def with_step_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
+                      set_aside: Callable[[], contextlib.AbstractContextManager]) -> tuple[tuple, dict] | None:
+    """For an optimizer pre-step hook (its ``args`` start with the optimizer): ``(args, kwargs)``
+    with the closure wrapped in a :class:`StepClosure` whose later evaluations run under
+    ``set_aside``, or None when there is no closure, or it is a StepClosure already (it gets
+    ``set_aside`` then)."""
+    closure, replace = _closure_of(args, kwargs, at=1)
+    if closure is None:
+        return None
+    if isinstance(closure, StepClosure):
+        closure.set_aside = closure.set_aside or set_aside
+        return None
+    return replace(StepClosure(closure, set_aside))
+
+
+def guarded_step(step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 skip: Callable[[], bool]) -> Any:
+    """``step(*args, **kwargs)`` unless ``skip()`` says no. With a closure, the closure is
+    evaluated first, so ``skip`` sees its gradients; a skipped step returns the closure's result."""
+    closure, replace = _closure_of(args, kwargs)
+    if closure is None:
+        return None if skip() else step(*args, **kwargs)
+    wrapped = closure if isinstance(closure, StepClosure) else StepClosure(closure)
+    result = wrapped.evaluate_first()  # a user's exception propagates, as from the optimizer
+    if skip():
+        return result
+    args, kwargs = replace(wrapped)
+    return step(*args, **kwargs)
