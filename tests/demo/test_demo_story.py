@@ -24,12 +24,10 @@ def test_demo_story(tmp_path) -> None:
     for rule in ("data_duplicate_ratio", "data_special_token_ratio", "data_token_kl", "data_length_shift"):
         assert rule in first, f"{rule} did not fire; alerts: {[a['rule'] for a in result.alerts]}"
         assert cfg.burst[0] <= first[rule]["step"] <= cfg.burst[1] + cfg.report_every
-    # the LR blow-up (steps 75..89) gives a gradient spike, answered by an LR scale computed from
-    # the measured update ratio against its healthy level (adaptive LR)
+    # the LR blow-up (steps 75..89) gives a gradient spike, answered by halving the LR
     spike = first["grad_norm_spike"]
     assert cfg.lr_blowup[0] <= spike["step"] <= cfg.lr_blowup[1]
-    # the NaN at step 115 is carried by the report of that interval: the rule rolls back, but the
-    # demo keeps no snapshots, so the rollback is refused with its reason and the run paused
+    # the NaN at step 115 is carried by the report of that interval and pauses the run
     nan_alert = first["loss_nonfinite"]
     assert nan_alert["severity"] == "critical"
     # with the stability guide's symptom table: NaN loss -> gradient explosion -> lower the LR / clip harder
@@ -39,9 +37,9 @@ def test_demo_story(tmp_path) -> None:
 
     by_actor = {a["actor"]: a for a in result.actions}
     lr_action = by_actor["rule:grad_norm_spike"]
-    assert 0 < lr_action["desired"]["lr_scale"] < 0.5 and "adaptive lr_scale" in lr_action["desired"]["reason"]
+    assert lr_action["desired"]["lr_scale"] == 0.5
     pause = by_actor["rule:loss_nonfinite"]
-    assert pause["desired"]["paused"] is True and "rollback refused" in pause["desired"]["reason"]
+    assert pause["desired"]["paused"] is True
     resume = next(a for a in result.actions if a["actor"].startswith("operator:"))
     assert resume["desired"]["paused"] is False and resume["generation"] > pause["generation"]
     # each action applied at the step boundary after the report that carried its cause
@@ -54,20 +52,15 @@ def test_demo_story(tmp_path) -> None:
     for entries in zip(*result.rank_logs):
         assert len({e["generation"] for e in entries}) == 1
         assert len({e["lr_scale"] for e in entries}) == 1
-    # a generation applied in end_step of step S takes effect from step S + 1; the scale of each
-    # generation is the one its desired state (rule, recovery ramp or operator) set
-    scales = {0: 1.0} | {a["generation"]: a["desired"]["lr_scale"] for a in result.actions}
+    # a generation applied in end_step of step S takes effect from step S + 1
     for log in result.rank_logs:
         scale_in_effect = 1.0
-        skipped = []
         for e in log:
-            assert e["lr_scale"] == scales[e["generation"]], e
-            if math.isnan(e["lr_used"]):
-                skipped.append(e["step"])  # not taken: non-finite or a gradient-norm spike
+            assert e["lr_scale"] == (0.5 if e["step"] >= lr_action["applied_step"] else 1.0), e
+            if e["step"] == cfg.nan_step:
+                assert math.isnan(e["lr_used"]), "the non-finite step was not skipped"
             else:
                 assert e["lr_used"] == pytest.approx(e["lr_sched"] * scale_in_effect, rel=1e-12), e
             scale_in_effect = e["lr_scale"]
-        assert cfg.nan_step in skipped, "the non-finite step was not skipped"
-        assert all(s == cfg.nan_step or cfg.lr_blowup[0] <= s <= cfg.lr_blowup[1] + cfg.report_every for s in skipped)
     # the NaN step was skipped on every rank (skip_nonfinite), so the weights stayed finite
     assert all(math.isfinite(e["loss"]) for e in result.rank_logs[0] if e["step"] > cfg.nan_step)
