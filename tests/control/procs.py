@@ -46,15 +46,17 @@ class ControllerProcess:
     """``trainguard serve`` on a free loopback port with its own SQLite file; ``kill()`` sends
     SIGKILL, ``start()`` starts it again on the same database (a new port unless given)."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, rules: Path | None = None) -> None:
         self.db = db
+        self.rules = rules
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.port = 0
 
     def start(self, port: int = 0) -> ControllerProcess:
         self.proc = subprocess.Popen(
-            [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)],
+            [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)]
+            + (["--rules", str(self.rules)] if self.rules is not None else []),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
         )
         assert self.proc.stdout is not None

@@ -14,18 +14,27 @@ import time
 import urllib.request
 import warnings
 import pytest
+import yaml
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, until
+from tests.control.procs import ROOT, ControllerProcess, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    proc = ControllerProcess(tmp_path_factory.mktemp("control") / "trainguard.db").start()
+    # The built-in rules without the ones that set lr_scale on their own (recovery's ladder and
+    # ramp, the update-ratio rule): these tests check the operator's commands step by step, and a
+    # schedule's own LR jump (warm restarts) must not add a generation of the controller's.
+    tmp = tmp_path_factory.mktemp("control")
+    rules = yaml.safe_load((ROOT / "service" / "default_rules.yaml").read_text())
+    rules["recovery"] = {"enabled": False}
+    rules["rules"] = [r for r in rules["rules"] if r["name"] != "update_ratio_spike"]
+    (tmp / "rules.yaml").write_text(yaml.safe_dump(rules))
+    proc = ControllerProcess(tmp / "trainguard.db", rules=tmp / "rules.yaml").start()
     yield proc
     proc.kill()
 
@@ -285,12 +294,15 @@ def test_state_dict_round_trip_and_bad_input(ctl: ControllerProcess) -> None:
     _command(ctl, "state-a", "checkpoint")
     _wait_seen(agent, _command(ctl, "state-a", "checkpoint"))
     model(_batch(1)).sum().backward()
+    # the spike guard (on with a controller) keeps the step's global gradient norm, here in float64
+    gnorm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
     opt.step()
     agent.end_step(1.0)
     state = agent.state_dict()["control"]
     assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "rollback_seq": 0,
                      "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
-                     "spike_guard": {"norms": [], "consecutive": 0}, "accumulation": [0, "none"]}
+                     "spike_guard": {"norms": [pytest.approx(gnorm, rel=1e-6)], "consecutive": 0},
+                     "accumulation": [0, "none"]}
     agent.close(1.0)
 
     agent = _attach(model, opt, ctl, "state-b")  # a run the controller has at generation 0: the checkpoint restores
