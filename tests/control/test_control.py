@@ -14,27 +14,19 @@ import time
 import urllib.request
 import warnings
 import pytest
-import yaml
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from tests.control.procs import ROOT, ControllerProcess, until
+from tests.control.procs import ControllerProcess, operator_only_rules, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    # The built-in rules without the ones that set lr_scale on their own (recovery's ladder and
-    # ramp, the update-ratio rule): these tests check the operator's commands step by step, and a
-    # schedule's own LR jump (warm restarts) must not add a generation of the controller's.
     tmp = tmp_path_factory.mktemp("control")
-    rules = yaml.safe_load((ROOT / "service" / "default_rules.yaml").read_text())
-    rules["recovery"] = {"enabled": False}
-    rules["rules"] = [r for r in rules["rules"] if r["name"] != "update_ratio_spike"]
-    (tmp / "rules.yaml").write_text(yaml.safe_dump(rules))
-    proc = ControllerProcess(tmp / "trainguard.db", rules=tmp / "rules.yaml").start()
+    proc = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
     yield proc
     proc.kill()
 
