@@ -36,7 +36,8 @@ SLOW_S = 3.0  # the proxy's delay per request in the slow mode
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    ctl = ControllerProcess(tmp_path_factory.mktemp("faults") / "trainguard.db").start()
+    tmp = tmp_path_factory.mktemp("faults")
+    ctl = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
     yield ctl
     ctl.kill()
 
