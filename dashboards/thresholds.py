@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.service.rules import LrScaleAction, default_rules_text, load_rules
+from trainguard.service.rules import ADAPTIVE_FALLBACK_FACTOR, AdaptiveLrAction, LrScaleAction, default_rules_text, load_rules
 
 __all__ = [
     "GRAD_NORM_LIMIT",
@@ -25,7 +25,10 @@ _RULES: dict[str, Any] = {r.name: r for r in load_rules(default_rules_text()).ba
 
 
 def _lr_factor(rule: Any) -> float:
-    (factor,) = {a.factor for a in rule.actions if isinstance(a, LrScaleAction) and a.factor is not None}
+    """The rule's LR factor; for ``adaptive_lr`` the factor it falls back to without a measurement
+    (Prometheus cannot compute the adaptive scale: its alerts ask for that factor)."""
+    (factor,) = {a.factor if isinstance(a, LrScaleAction) else ADAPTIVE_FALLBACK_FACTOR for a in rule.actions
+                 if (isinstance(a, LrScaleAction) and a.factor is not None) or isinstance(a, AdaptiveLrAction)}
     return float(factor)
 
 

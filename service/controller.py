@@ -23,13 +23,14 @@ from trainguard.service import statements as sql
 from trainguard.service.alertmanager import SeenKeys, act
 from trainguard.service.auth import Principal, TokenTable, token_hash
 from trainguard.service.config import Settings
-from trainguard.service.engine import Outcome, command_state, decide
+from trainguard.service.engine import Outcome, RollbackRefused, command_state, decide
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
+from trainguard.service.incidents import RecoveryChange, RunRecovery, snapshot_keep
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
@@ -290,6 +291,7 @@ class Controller:
             tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                       registered_at=now, live_since=now,  # a restarted job is live again, finished or not
                       finished_at=None, finished_step=None, finish_reason="")
+            st.recovery.snapshot_keep = snapshot_keep(reg.config)
         generation = 0 if st is None else st.desired.generation
 
         def op(c: sqlite3.Connection) -> Written:
@@ -336,6 +338,7 @@ class Controller:
             window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
                              world_size=reg.world_size, created=now),
             desired=d, published=d, published_json=d.model_dump_json().encode(),
+            recovery=RunRecovery(snapshot_keep=snapshot_keep(reg.config)),
         )
 
     # == reports ======================================================================================
@@ -383,17 +386,28 @@ class Controller:
         tx.assign(st, reported_generation=report.applied_generation)
         run_id, seq = st.id, st.window.count
         rules = self.rules.for_job(st.job)
-        outcome = decide(evaluate(rules, st.window, now), st.book, st.desired, now, complete=True)
+        rec = st.recovery
+        rec.set_policy(self.rules.file.recovery)
+        rec_saved = rec.save()
+        tx.on_rollback(lambda: rec.restore(rec_saved))
+        rec.before_decide(report.values)
+        findings = evaluate(rules, st.window, now)
+        outcome = decide(findings, st.book, st.desired, now, complete=True, ctx=rec)
         self.metrics.evaluations.inc(len(rules))
+        changes = rec.after_report(step=report.step_last, values=report.values, findings=findings, before=st.desired,
+                                   desired=outcome.desired,
+                                   fired=[(fa.finding.rule.name, fa.desired) for fa in outcome.fired if fa.desired],
+                                   now=now)
+        incidents = rec.changed_incidents(rec_saved)
 
         def insert(c: sqlite3.Connection) -> None:
             sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS)
 
-        if not outcome.fired and not outcome.resolved:
+        if not outcome.fired and not outcome.resolved and not changes and not incidents:
             self._count_suppressed(outcome)
             await self._commit(tx, insert, single_statement=True)
         else:
-            await self._commit_outcome(st, outcome, now, tx, insert)
+            await self._commit_outcome(st, outcome, now, tx, insert, changes=changes, incidents=incidents)
         self.metrics.reports.inc()
         names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode() if outcome.fired else b"[]"
         return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
@@ -404,13 +418,19 @@ class Controller:
             self.metrics.suppressed.labels(f.rule.name, why).inc()
 
     async def _commit_outcome(self, st: RunState, outcome: Outcome, now: float, tx: Transaction,
-                              extra: Callable[[sqlite3.Connection], Any] | None = None) -> None:
+                              extra: Callable[[sqlite3.Connection], Any] | None = None, *,
+                              changes: list[RecoveryChange] | None = None,
+                              incidents: list[dict[str, Any]] | None = None) -> None:
         """Write the alerts, desired-state changes, events and outbox rows of ``outcome`` (which
-        has fired or resolved something) in one transaction with ``extra``, then publish them."""
+        has fired or resolved something), and the recovery's own ``changes`` (escalation rungs,
+        LR ramp) and ``incidents`` that changed, in one transaction with ``extra``, then publish
+        them."""
         self._count_suppressed(outcome)
         tx.on_rollback(lambda: st.book.undo(outcome.book_prior))
         before = st.desired
-        tx.assign(st, desired=outcome.desired)
+        changes, incidents = changes or [], incidents or []
+        final = changes[-1].desired if changes else outcome.desired
+        tx.assign(st, desired=final)
         run_id, run, external = st.id, st.run, self.settings.external_url
         step = st.window.last_step  # the step of the report that fired (absence: the last one seen)
 
@@ -425,6 +445,15 @@ class Controller:
             for name in outcome.resolved:
                 record_resolved(c, run_id, name, now, actor=f"rule:{name}", reason="condition cleared",
                                 hooks=hooks, external_url=external, out=out)
+            for ch in changes:
+                sql.update_desired(c, run_id, ch.desired)
+                out.events.append(sql.insert_event(c, run_id, now=now, kind="desired", actor=ch.actor,
+                                                   reason=ch.desired.reason, generation=ch.desired.generation,
+                                                   data={"desired": ch.desired.model_dump()}))
+            for inc in incidents:
+                out.events.append(sql.insert_event(c, run_id, now=now, kind="incident", actor="recovery",
+                                                   reason=f"incident {inc['id']}: {inc['outcome']}", generation=None,
+                                                   data={"incident": inc}))
             return out
 
         def after(w: Written) -> None:
@@ -438,7 +467,10 @@ class Controller:
                 if fa.desired is not None:
                     self._count_actions(prev, fa.desired, "rule")
                     prev = fa.desired
-            st.publish(outcome.desired)
+            for ch in changes:
+                self._count_actions(prev, ch.desired, "recovery")
+                prev = ch.desired
+            st.publish(final)
 
         await self._commit(tx, op, after=after)
 
@@ -582,7 +614,9 @@ class Controller:
                            "(attach the agent with accumulation_steps=N to opt in)")
         try:
             new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor,
-                                accumulation=accumulation)
+                                ctx=st.recovery, accumulation=accumulation)
+        except RollbackRefused as e:
+            raise Conflict(str(e)) from None
         except ValueError as e:
             raise Invalid(str(e)) from None
         before = st.desired

@@ -11,18 +11,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    AbsenceRule, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, StopAction,
+    ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, RollbackAction, StopAction,
 )
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
 
-__all__ = ["AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
+__all__ = ["ActionContext", "RollbackRefused", "AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
 
 _REASON_MAX = 2000
 #: The commands that are also rule actions (``lr_scale`` is built from its scale or factor).
@@ -126,10 +126,26 @@ def _reason(text: str) -> str:
     return text if len(text) <= _REASON_MAX else text[: _REASON_MAX - 1] + "…"
 
 
-def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) -> DesiredState | None:
+class ActionContext(Protocol):
+    """What the measured actions need from the run (``service/incidents.py``'s ``RunRecovery``)."""
+
+    def adaptive_scale(self, action: AdaptiveLrAction, current: float) -> tuple[float | None, str]:
+        """The scale that brings the action's metric back to its baseline (None: no baseline or
+        measurement), and a note saying how it was computed."""
+
+    def rollback_target(self) -> tuple[int | None, str]:
+        """The step of the newest good snapshot, or None and why there is none."""
+
+
+def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
+                  ctx: ActionContext | None = None) -> DesiredState | None:
     """The desired state after ``actions``, with the generation bumped; ``None`` when nothing
-    changes (notify only, or already paused/stopped)."""
+    changes (notify only, or already paused/stopped). ``adaptive_lr`` and ``rollback`` read the
+    run's measurements and snapshots from ``ctx``: without it (or a baseline) ``adaptive_lr``
+    halves the scale, and ``rollback`` is refused and pauses the run."""
     paused, stop, seq, scale = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
+    rb_seq, rb_step = desired.rollback_seq, desired.rollback_step
+    notes: list[str] = []
     for a in actions:
         if isinstance(a, PauseAction):
             paused = True
@@ -139,18 +155,38 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) 
             seq += 1
         elif isinstance(a, LrScaleAction):
             scale = a.apply(scale)
+        elif isinstance(a, AdaptiveLrAction):
+            new, note = ctx.adaptive_scale(a, scale) if ctx is not None else (None, "no measurement")
+            if new is None:
+                new, note = min(max(scale * ADAPTIVE_FALLBACK_FACTOR, a.min), a.max), f"{note}: halved"
+            scale = new
+            notes.append(f"adaptive lr_scale {scale:.4g} ({note})")
+        elif isinstance(a, RollbackAction):
+            target, why = ctx.rollback_target() if ctx is not None else (None, "no snapshot is known")
+            if target is None:
+                paused = True
+                notes.append(f"rollback refused: {why}; paused for a human")
+            else:
+                rb_seq, rb_step = rb_seq + 1, target
+                scale = min(max(scale * a.lr_factor, LR_SCALE_MIN), LR_SCALE_MAX)
+                notes.append(f"rollback to the snapshot of step {target}" +
+                             (f", lr_scale {scale:.4g}" if a.lr_factor != 1.0 else ""))
         else:
             assert isinstance(a, NotifyAction)
-    if (paused, stop, seq, scale) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
+    if (paused, stop, seq, scale, rb_seq) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale,
+                                              desired.rollback_seq):
         return None
+    if notes:
+        reason = f"{reason} — {'; '.join(notes)}"
     return desired.model_copy(update=dict(  # other fields (accumulation) carry over
-        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop, reason=_reason(reason)
+        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop,
+        rollback_seq=rb_seq, rollback_step=rb_step, reason=_reason(reason)
     ))
 
 
 def command_state(
     desired: DesiredState, command: str, reason: str, *, scale: float | None = None, factor: float | None = None,
-    accumulation: tuple[int, str] | None = None,
+    ctx: ActionContext | None = None, accumulation: tuple[int, str] | None = None,
 ) -> DesiredState | None:
     """The desired state after a command from an operator or Alertmanager; ``None`` when it
     changes nothing. Every command except ``resume`` is carried out by the rules' own actions
@@ -182,11 +218,20 @@ def command_state(
         except ValidationError:
             raise ValueError(f"lr_scale needs a finite scale in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}] "
                              f"or a finite factor in (0, {LR_SCALE_MAX:g}]") from None
+    elif command == "rollback":
+        target, why = ctx.rollback_target() if ctx is not None else (None, "no snapshot is known")
+        if target is None:
+            raise RollbackRefused(f"rollback refused: {why}")
+        action = RollbackAction()
     elif command in _COMMAND_ACTIONS:
         action = _COMMAND_ACTIONS[command]
     else:
         raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS)}")
-    return apply_actions(desired, (action,), reason)
+    return apply_actions(desired, (action,), reason, ctx)
+
+
+class RollbackRefused(ValueError):
+    """An operator's rollback with no good snapshot to go back to (409 with the reason)."""
 
 
 @dataclass(slots=True)
@@ -211,13 +256,14 @@ class Outcome:
     """What :meth:`AlertBook.undo` needs to take this outcome back."""
 
 
-def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now: float, *, complete: bool) -> Outcome:
+def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now: float, *, complete: bool,
+           ctx: ActionContext | None = None) -> Outcome:
     """Alerts fired/resolved by ``findings`` and the resulting desired state (one new generation
     per alert that changes it). Mutates only ``book``."""
     tr = book.transition(findings, now, complete=complete)
     fired = []
     for f in tr.fire:
-        new = apply_actions(desired, f.rule.actions, f"{f.rule.name}: {f.summary}")
+        new = apply_actions(desired, f.rule.actions, f"{f.rule.name}: {f.summary}", ctx)
         fired.append(FiredAlert(f, new))
         desired = new or desired
     return Outcome(fired, tr.resolve, tr.suppressed, desired, tr.prior)
@@ -233,29 +279,43 @@ class SimStep:
     resolved: list[str]
     suppressed: list[tuple[Finding, str]]
     desired: DesiredState
+    recovery: list[DesiredState] = field(default_factory=list)
+    """Changes the recovery state made after the rules (escalation rungs, ramp steps)."""
 
 
 def simulate(
     rules: tuple[Any, ...], reports: list[Report], *, world_size: int, desired: DesiredState | None = None,
-    capacity: int = 128, rank_capacity: int = 8,
+    capacity: int = 128, rank_capacity: int = 8, policy: Any = None, snapshot_keep: int = 2,
 ) -> list[SimStep]:
     """Replay ``reports`` (in order, ``report.time`` as the clock) through ``rules``.
 
     Before each report, absence rules are evaluated at that report's time, as the controller's
     ticker would have done during the silence; then the report is appended and every rule is
-    evaluated. No I/O.
+    evaluated, and the run's recovery state (``service/incidents.py``, with ``policy``: the rules
+    file's ``recovery`` section) sees it: adaptive LR and rollback actions, escalation and the
+    LR ramp act as in the controller. No I/O.
     """
+    from trainguard.service.incidents import RunRecovery  # it builds on this module
+
     desired = desired or DesiredState()
     if not reports:
         return []
     window = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world_size, created=reports[0].time)
     book = AlertBook()
+    recovery = RunRecovery(policy, snapshot_keep=snapshot_keep)
     absence = tuple(r for r in rules if isinstance(r, AbsenceRule))
     steps = []
     for i, report in enumerate(reports):
-        gap = decide(evaluate(absence, window, report.time), book, desired, report.time, complete=False)
+        gap = decide(evaluate(absence, window, report.time), book, desired, report.time, complete=False, ctx=recovery)
         window.append(report, report.time)
-        out = decide(evaluate(rules, window, report.time), book, gap.desired, report.time, complete=True)
-        steps.append(SimStep(i, report.step_last, gap.fired + out.fired, gap.resolved + out.resolved, gap.suppressed + out.suppressed, out.desired))
-        desired = out.desired
+        recovery.before_decide(report.values)
+        findings = evaluate(rules, window, report.time)
+        out = decide(findings, book, gap.desired, report.time, complete=True, ctx=recovery)
+        fired = [(fa.finding.rule.name, fa.desired) for fa in gap.fired + out.fired if fa.desired is not None]
+        changes = recovery.after_report(step=report.step_last, values=report.values, findings=findings, before=desired,
+                                        desired=out.desired, fired=fired, now=report.time)
+        final = changes[-1].desired if changes else out.desired
+        steps.append(SimStep(i, report.step_last, gap.fired + out.fired, gap.resolved + out.resolved,
+                             gap.suppressed + out.suppressed, final, [c.desired for c in changes]))
+        desired = final
     return steps

@@ -45,8 +45,10 @@ from trainguard.service.window import VECTORS, RuleWindow
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
-    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule", "OscillationRule", "AbsenceRule",
+    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "Rule", "RulesFile",
+    "RuleSet", "RulesError", "load_rules", "default_rules_text",
+    "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule",
+    "OscillationRule", "AbsenceRule",
 ]
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
@@ -110,10 +112,71 @@ class LrScaleAction(_Model):
         return min(max(new, self.min), self.max)
 
 
+#: What ``adaptive_lr`` multiplies the scale by when it has no measurement to compute from (and
+#: the factor Prometheus-side alerts, which cannot measure, ask Alertmanager for).
+ADAPTIVE_FALLBACK_FACTOR = 0.5
+
+
+class AdaptiveLrAction(_Model):
+    """Set ``lr_scale`` from the measurement (``service/adaptive_lr.py``): current scale x the
+    healthy baseline of ``metric`` (median of the last healthy reports before the onset) / its
+    value now, clamped to [min, max]. Without a baseline yet it halves the scale. Once the run is
+    stable the controller ramps the scale back towards 1.0 (the ``recovery`` section)."""
+
+    type: Literal["adaptive_lr"] = "adaptive_lr"
+    metric: MetricName = "trainguard_update_ratio"
+    min: float = Field(default=LR_SCALE_MIN, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+    max: float = Field(default=1.0, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AdaptiveLrAction":
+        if self.min > self.max:
+            raise ValueError("adaptive_lr: min must be <= max")
+        return self
+
+
+class RollbackAction(_Model):
+    """Roll every rank back to the newest good in-memory snapshot (one followed by healthy
+    reports, so taken before the onset), multiplying ``lr_scale`` by ``lr_factor``. Without a good
+    snapshot the rollback is refused, the reason recorded, and the run paused for a human."""
+
+    type: Literal["rollback"] = "rollback"
+    lr_factor: float = Field(default=1.0, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False)
+
+
 Action = Annotated[
-    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction],
+    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction, AdaptiveLrAction, RollbackAction],
     Field(discriminator="type"),
 ]
+
+#: The rungs of the escalation ladder. ``skip`` is taken by the agent itself (its spike guard);
+#: the controller takes the others.
+Rung = Literal["skip", "adaptive_lr", "rollback", "pause"]
+
+
+class RecoveryPolicy(_Model):
+    """The ``recovery`` section of a rules file: the escalation ladder of an incident and the LR
+    ramp (``service/incidents.py``)."""
+
+    enabled: bool = True
+    ladder: tuple[Rung, ...] = ("skip", "adaptive_lr", "rollback", "pause")
+    window_reports: int = Field(default=3, ge=1, le=1000, description="Unhealthy reports a rung gets before the next one is taken.")
+    recover_reports: int = Field(default=5, ge=1, le=1000, description="Healthy reports in a row that close an incident as recovered.")
+    rollback_lr_factor: float = Field(default=0.5, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False, description="lr_scale factor taken with the rollback rung.")
+    skip_limit: int = Field(default=4, ge=1, description="Steps skipped in a row (at a report) that make the report unhealthy.")
+    snapshot_confirm_reports: int = Field(default=2, ge=1, le=1000, description="Healthy reports after a snapshot that make it good.")
+    metric: MetricName = Field(default="trainguard_update_ratio", description="The measurement adaptive LR and the ramp follow.")
+    baseline_reports: int = Field(default=16, ge=1, le=4096, description="Healthy reports whose median is the metric's baseline.")
+    degrade_ratio: float = Field(default=1.5, gt=1.0, allow_inf_nan=False, description="The metric above this x its baseline is unhealthy.")
+    ramp_steps: int = Field(default=400, ge=1, description="Steps over which lr_scale climbs back to 1.0 once the run is stable.")
+    stable_reports: int = Field(default=3, ge=1, le=1000, description="Healthy reports in a row before the ramp starts.")
+
+    @field_validator("ladder")
+    @classmethod
+    def _ordered(cls, ladder: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(ladder)) != len(ladder):
+            raise ValueError("ladder rungs must be distinct")
+        return ladder
 
 
 # -- rules -----------------------------------------------------------------------------------
@@ -293,6 +356,7 @@ class RulesFile(_Model):
     """The rules file as written."""
 
     version: Literal[1] = 1
+    recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
     rules: tuple[Rule, ...] = ()
     jobs: dict[Name, tuple[dict[str, Any], ...]] = Field(default_factory=dict)
 

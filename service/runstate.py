@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.service.engine import AlertBook
+from trainguard.service.incidents import RunRecovery
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState
 
@@ -45,6 +46,8 @@ class RunState:
     finish_reason: str = ""
     #: The run's pre-flight result (``PreflightResult`` as a dict; kept in memory only).
     preflight: dict[str, Any] | None = None
+    recovery: RunRecovery = field(default_factory=RunRecovery)
+    """Snapshots, incidents and the LR ramp (in memory; see ``service/incidents.py``)."""
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
@@ -119,6 +122,8 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
         out.append("lr_scale")
     if after.checkpoint_seq != before.checkpoint_seq:
         out.append("checkpoint")
+    if after.rollback_seq != before.rollback_seq:
+        out.append("rollback")
     return out
 
 

@@ -213,6 +213,11 @@ MIGRATIONS: tuple[str, ...] = (
         owned_at REAL NOT NULL
     );
     """,
+    # 6: rollback in the desired state (absolute, like checkpoint_seq).
+    """
+    ALTER TABLE runs ADD COLUMN rollback_seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN rollback_step INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 

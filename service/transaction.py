@@ -98,8 +98,11 @@ def record_fired(c: sqlite3.Connection, run_id: int, run: str, fa: FiredAlert, n
     alert as stored."""
     rule = fa.finding.rule
     gen = fa.desired.generation if fa.desired else None
+    summary = fa.finding.summary
+    if fa.desired is not None and " — " in fa.desired.reason:  # what a measured action did (e.g. a refused rollback)
+        summary = f"{summary} — {fa.desired.reason.split(' — ', 1)[1]}"
     alert_id = sql.insert_alert(
-        c, run_id, rule=rule.name, severity=rule.severity, summary=fa.finding.summary, values=fa.finding.values,
+        c, run_id, rule=rule.name, severity=rule.severity, summary=summary, values=fa.finding.values,
         diagnosis=DIAGNOSES[rule.diagnosis].as_dict(), actions=[a.model_dump(exclude_none=True) for a in rule.actions],
         generation=gen, notify=fa.notify, now=now, fingerprint=fingerprint(run, rule.name, now),
     )

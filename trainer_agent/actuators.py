@@ -3,7 +3,8 @@
 - :class:`LrScale`: the optimizer's LR times the agreed ``lr_scale`` for the step, restored after
   it (the scheduler keeps its own state).
 - :class:`NonfiniteSkip`: the optimizer's ``step`` wrapped so that a step whose gradients hold a
-  NaN/Inf on any rank is not taken on any rank.
+  NaN/Inf on any rank — or, with a :class:`~trainer_agent.spike_guard.SpikeGuard`, whose gradient
+  norm spikes on any rank — is not taken on any rank.
 
 Pause and checkpoint act through the control plane's ``on_end_step`` (blocking there, calling
 ``on_checkpoint(step)``); see ``trainer_agent/control.py``.
@@ -11,6 +12,7 @@ Pause and checkpoint act through the control plane's ``on_end_step`` (blocking t
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from functools import wraps
@@ -20,8 +22,13 @@ import torch
 import torch.distributed as dist
 
 from trainer_agent import optim
+from trainer_agent.spike_guard import SpikeGuard
 
-__all__ = ["LrScale", "NonfiniteSkip"]
+__all__ = ["LrScale", "NonfiniteSkip", "SKIP_REASONS"]
+
+#: Why a step was skipped (``trainguard_skipped_steps_total{reason}``), by the flag value the
+#: ranks all-reduce (max: a non-finite gradient on any rank wins over a spike on another).
+SKIP_REASONS: dict[int, str] = {1: "spike", 2: "nonfinite"}
 
 
 class LrScale:
@@ -63,17 +70,24 @@ class NonfiniteSkip:
     it produced; a skipped one returns the closure's result, the closure having run exactly once
     (``trainer_agent/optim.py``).
 
+    With a ``guard`` (``AgentConfig.skip_spikes``), the same device read gives the norm's value
+    and the guard's verdict joins the flag (1: spike, 2: non-finite; the all-reduce takes the
+    max): a spike is skipped exactly like a non-finite step, at the same step on every rank, with
+    no further sync or collective.
+
     ``grad_norm`` is an attribute so that a test can inject a failing reader."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, world_size: int, group: Any,
                  grad_norm: Callable[[], torch.Tensor | None],
-                 on_error: Callable[[str, BaseException], None]) -> None:
+                 on_error: Callable[[str, BaseException], None],
+                 guard: SpikeGuard | None = None) -> None:
         self.optimizer = optimizer
         self.world_size = world_size
         self.group = group
         self.grad_norm = grad_norm
+        self.guard = guard
         self._on_error = on_error
-        self.skipped = 0
+        self.skipped_by_reason = {reason: 0 for reason in SKIP_REASONS.values()}
         self._orig: tuple[Any, bool, Any] | None = None
         self._wrap()
 
@@ -102,9 +116,15 @@ class NonfiniteSkip:
         else:
             vars(optimizer).pop("step", None)
 
+    @property
+    def skipped(self) -> int:
+        """Steps skipped, whatever the reason."""
+        return sum(self.skipped_by_reason.values())
+
     def skip_this_step(self) -> bool:
-        """True (on every rank) if any rank's gradients hold a NaN/Inf."""
+        """True (on every rank) if any rank's gradients hold a NaN/Inf, or spike (with a guard)."""
         bad = 0
+        value = math.nan
         try:
             norm = self.grad_norm()
             if norm is None:
@@ -112,7 +132,11 @@ class NonfiniteSkip:
                 norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
                         if grads else None)
             if norm is not None:
-                bad = int(not bool(torch.isfinite(norm)))  # SYNC: one device read per optimizer step
+                value = float(norm)  # SYNC: one device read per optimizer step
+                if not math.isfinite(value):
+                    bad = 2
+                elif self.guard is not None and self.guard.is_spike(value):
+                    bad = 1
         except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
             self._on_error("skip_nonfinite", exc)
         if self.world_size > 1:
@@ -123,7 +147,12 @@ class NonfiniteSkip:
                 bad = int(flag.item())
             except Exception as exc:  # noqa: BLE001 - fail open: take the step
                 self._on_error("skip_nonfinite", exc)
-                return False
+                bad = 0
         if bad:
-            self.skipped += 1
+            self.skipped_by_reason[SKIP_REASONS[bad]] += 1
+        if self.guard is not None:
+            if bad:
+                self.guard.skipped()
+            else:
+                self.guard.taken(value)
         return bool(bad)

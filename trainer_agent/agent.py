@@ -41,8 +41,9 @@ Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bod
 (2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
 ``schedule`` (which steps report), ``forward_timer`` and ``inputs`` (4), ``data_relay`` (data
 quality; its sketch of the sequences seen rides in the report step's row, ``sketch``),
-``batch_size`` (the recommended batch size from the noise scale),
-``control`` and ``actuators`` (acting for the controller), ``client`` (HTTP). This module is the
+``batch_size`` (the recommended batch size from the noise scale), ``control``, ``actuators``,
+``spike_guard`` and ``snapshots`` (acting for the controller, skipping spikes, rolling back),
+``client`` (HTTP). This module is the
 facade that wires them, registers the hooks, times them and keeps their errors out of the loop.
 
 Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
@@ -113,6 +114,7 @@ from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
+from trainer_agent.snapshots import SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
@@ -153,6 +155,8 @@ class Agent:
         lr_scheduler: Any = None,
         data_monitor: Any = None,
         on_checkpoint: Callable[..., Any] | None = None,
+        snapshot_save: Callable[[int], Any] | None = None,
+        snapshot_load: Callable[[Any], None] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
         accumulation_steps: int | None = None,
@@ -188,6 +192,13 @@ class Agent:
         self._memory_trace: Any = None
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
+        self.snapshots: SnapshotStore | None = None
+        if config.snapshot_every is not None:
+            self.snapshots = SnapshotStore(model, optimizer, every=config.snapshot_every, keep=config.snapshot_keep,
+                                           extra_state=self._snapshot_extra, load_extra=self._load_snapshot_extra,
+                                           save=snapshot_save, load=snapshot_load)
+        elif snapshot_save is not None or snapshot_load is not None:
+            raise ValueError("snapshot_save/snapshot_load need AgentConfig(snapshot_every=N)")
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
@@ -204,7 +215,7 @@ class Agent:
         try:
             self._register_hooks(model, optimizer)
             self._start_export()
-            if config.controller is not None or config.skip_nonfinite:
+            if config.controller is not None or config.skips_steps:
                 # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
                 # controller holds paused waits in here, before its first step, with /metrics served.
                 self.control = self._build_control(on_checkpoint)
@@ -275,7 +286,31 @@ class Agent:
                              step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
                              desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base)
-        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
+        on_rollback = self.snapshots.restore if self.snapshots is not None else None
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error)
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """What a snapshot holds besides the model and optimizer state."""
+        guard = self._spike_guard()
+        return {
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "spike_guard": guard.state_dict() if guard is not None else None,
+        }
+
+    def _load_snapshot_extra(self, extra: dict[str, Any]) -> None:
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.scaler is not None and extra["scaler"] is not None:
+            self.scaler.load_state_dict(extra["scaler"])
+        guard = self._spike_guard()
+        if guard is not None and extra["spike_guard"] is not None:
+            guard.load_state_dict(extra["spike_guard"])
+            guard.consecutive = 0  # the restored state is a healthy one
+
+    def _spike_guard(self) -> Any:
+        skip = getattr(self.control, "skip", None)
+        return skip.guard if skip is not None else None
 
     # ------------------------------------------------------------------ errors
 
@@ -381,6 +416,11 @@ class Agent:
                 self._error("memory_trace", exc)
                 self._memory_trace.stop()
                 self._memory_trace = None
+        if self.snapshots is not None and self.snapshots.due(self.step):
+            try:
+                self.snapshots.take(self.step)
+            except Exception as exc:
+                self._error("snapshot", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -477,6 +517,11 @@ class Agent:
         if self.data is not None:
             values.update(self.data.values)
             errors += self.data.errors
+        if self.snapshots is not None:
+            newest = self.snapshots.newest_step
+            if newest is not None:
+                values["trainguard_snapshot_step"] = float(newest)
+            values["trainguard_rollbacks_total"] = float(self.snapshots.rollbacks)
         for kind, source in (("loader_values", self._loader), ("control_values", self.control)):
             if source is not None:
                 try:
@@ -684,6 +729,8 @@ def attach(
     lr_scheduler: Any = None,
     data_monitor: Any = None,
     on_checkpoint: Callable[..., Any] | None = None,
+    snapshot_save: Callable[[int], Any] | None = None,
+    snapshot_load: Callable[[Any], None] | None = None,
     controller: str | None = None,
     token: str | None = None,
     registry: CollectorRegistry | None = None,
@@ -700,10 +747,13 @@ def attach(
     closure's first evaluation.
 
     ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
-    restored with the agent's ``state_dict``. ``loader``: a ``TokenLoader`` whose reader metrics
-    (prefetch depth, tokens/s read) this rank exports. ``accumulation_steps``: the run's own
-    micro-batches per optimizer step, given to let the controller change them (the loop then reads
-    ``agent.accumulation_steps`` before each step). Mistakes in the arguments raise
+    restored with the agent's ``state_dict`` and with the in-memory snapshots a rollback restores
+    (``AgentConfig.snapshot_every``; ``snapshot_save``/``snapshot_load`` replace the host copies of
+    the model and optimizer state, see ``trainer_agent/snapshots.py``). ``loader``: a
+    ``TokenLoader`` whose reader metrics (prefetch depth, tokens/s read) this rank exports.
+    ``accumulation_steps``: the run's own micro-batches per optimizer step, given to let the
+    controller change them (the loop then reads ``agent.accumulation_steps`` before each step).
+    Mistakes in the arguments raise
     ``ValueError`` here, before training starts.
     """
     if not isinstance(model, nn.Module):
@@ -731,7 +781,8 @@ def attach(
         _checked_loader(loader)
     agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
                   lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                  on_checkpoint=on_checkpoint, registry=registry, accumulation_steps=accumulation_steps)
+                  on_checkpoint=on_checkpoint, snapshot_save=snapshot_save, snapshot_load=snapshot_load,
+                  registry=registry, accumulation_steps=accumulation_steps)
     if loader is not None:
         agent.watch_loader(loader)
     return agent

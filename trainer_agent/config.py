@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer_agent.spike_guard import SpikeGuardConfig
+
 __all__ = ["AgentConfig", "PerLayer", "UpdateRatioMode"]
 
 PerLayer = Literal["rank0", "all", "off"]
@@ -106,6 +108,29 @@ class AgentConfig:
     non-finite loss whose gradients are finite is not skipped (it is counted in
     ``trainguard_nonfinite_steps_total``). Costs one device read per optimizer step."""
 
+    skip_spikes: bool | None = None
+    """Skip (like a non-finite step, on every rank, at the same step) a step whose global
+    gradient norm is far above its rolling window: median + 6 robust sigmas and 5x the median
+    over the last 128 steps taken (``spike``; ``trainer_agent/spike_guard.py``), counted in
+    ``trainguard_skipped_steps_total{reason="spike"}``. Implies skipping non-finite steps.
+    ``None`` (default): on when a controller is configured — a controlled run has someone to
+    escalate to when skipping is not enough (after ``spike.max_consecutive`` skips in a row the
+    guard takes the step and the controller's rules act) — off otherwise, so that a run without
+    a controller trains exactly as written. Costs one device read per optimizer step (the
+    non-finite check's). Use :attr:`spike_guard_on` for the resolved value."""
+
+    spike: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+    """Thresholds of the spike guard."""
+
+    snapshot_every: int | None = None
+    """Steps between two in-memory snapshots of the training state (model, optimizer, LR
+    scheduler, GradScaler, the agent's own state) that a ``rollback`` from the controller
+    restores (``trainer_agent/snapshots.py``). ``None``: no snapshots, a rollback is refused."""
+
+    snapshot_keep: int = 2
+    """Snapshots kept (the newest ones); each costs host memory of the model's and optimizer's
+    size."""
+
     request_timeout_s: float = 2.0
     """Timeout of every request to the controller, in seconds."""
 
@@ -144,6 +169,13 @@ class AgentConfig:
             raise ValueError(f"desync_rel_tol must be a finite number >= 0, got {self.desync_rel_tol!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
+        if self.skip_spikes is not None and not isinstance(self.skip_spikes, bool):
+            raise ValueError(f"skip_spikes must be None or a bool, got {self.skip_spikes!r}")
+        if not isinstance(self.spike, SpikeGuardConfig):
+            raise ValueError(f"spike must be a SpikeGuardConfig, got {type(self.spike).__name__}")
+        if self.snapshot_every is not None:
+            _positive_int("snapshot_every", self.snapshot_every)
+        _positive_int("snapshot_keep", self.snapshot_keep)
         if self.vocab_size is not None:
             _positive_int("vocab_size", self.vocab_size)
         self.special_ids = tuple(self.special_ids)
@@ -156,6 +188,17 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+    @property
+    def spike_guard_on(self) -> bool:
+        """``skip_spikes`` resolved: explicit, else on exactly when a controller is configured."""
+        return self.skip_spikes if self.skip_spikes is not None else self.controller is not None
+
+    @property
+    def skips_steps(self) -> bool:
+        """The optimizer step is wrapped to skip steps (non-finite, and spikes when guarded)."""
+        return self.skip_nonfinite or self.spike_guard_on
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -30,12 +30,14 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 On report steps the state travels in the report step's one collective (the
 agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
-other ``sync_every`` steps all ranks take part in a broadcast of the same seven int64
+other ``sync_every`` steps all ranks take part in a broadcast of the same nine int64
 (``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop,
-accumulation_steps, accumulation_lr_rule``) on a side
+accumulation_steps, accumulation_lr_rule, rollback_seq, rollback_step``) on a side
 *gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
 same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
-so re-applying changes nothing, and a checkpoint is taken once per new ``checkpoint_seq``.
+so re-applying changes nothing, a checkpoint is taken once per new ``checkpoint_seq`` and a
+rollback (``on_rollback(rollback_step)``: ``trainer_agent/snapshots.py``) carried out once per new
+``rollback_seq``.
 
 **Pause.** ``on_end_step`` blocks on every rank with no collective outstanding. The leader waits on
 its client for a newer generation and publishes each one it applies under a fresh key of the
@@ -84,8 +86,10 @@ from trainguard.protocol.wire import (
 from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
 from trainer_agent.config import AgentConfig
+from trainer_agent.exporter import sample_key
 from trainer_agent.ranks import LR_RULES, STATE_LEN, WIRE_VECTORS, decode_state, encode_state
 from trainer_agent.schedule import ReportSchedule
+from trainer_agent.spike_guard import SpikeGuard
 
 __all__ = ["ControlPlane", "ControlContext", "Applied"]
 
@@ -132,6 +136,10 @@ class Applied:
     stop: bool
     time: float
     """Wall-clock time (``time.time()``) at which it was applied."""
+    rollback_seq: int = 0
+    restored_step: int | None = None
+    """The step of the snapshot a rollback of this generation restored (None: no rollback, or
+    no snapshot old enough)."""
     accumulation_steps: int = 0
     """Accumulation steps in force from this step (0: the run did not opt in)."""
 
@@ -166,6 +174,7 @@ class ControlPlane:
         ctx: ControlContext,
         *,
         on_checkpoint: Callable[[int], Any] | None = None,
+        on_rollback: Callable[[int], int | None] | None = None,
         group: Any = None,
         store: Any = None,
         transport: Any = None,
@@ -183,6 +192,7 @@ class ControlPlane:
         self._ctx = ctx
         self._cfg = cfg
         self._on_checkpoint = on_checkpoint
+        self._on_rollback = on_rollback
         self._on_error = on_error or (lambda kind, exc: log.exception(kind))
         self._clock, self._wall = clock, wall_clock
         self._pause_poll_s = pause_poll_s
@@ -198,6 +208,8 @@ class ControlPlane:
         self._paused = False
         self._stop = False
         self._checkpoint_seq = 0
+        self._rollback_seq = 0
+        self._rollback_step = 0
         self._pause_episodes = 0
         #: The run's own accumulation steps (None: the run did not opt in to the command).
         self.own_accumulation: int | None = ctx.accumulation_steps
@@ -219,9 +231,10 @@ class ControlPlane:
 
         self.lr = LrScale(ctx.optimizer)
         self.skip: NonfiniteSkip | None = None
-        if cfg.skip_nonfinite:
+        if cfg.skips_steps:
+            guard = SpikeGuard(cfg.spike) if cfg.spike_guard_on else None
             self.skip = NonfiniteSkip(ctx.optimizer, world_size=self.world_size, group=self._group,
-                                      grad_norm=ctx.grad_norm, on_error=self._on_error)
+                                      grad_norm=ctx.grad_norm, on_error=self._on_error, guard=guard)
         if self.controlled:
             self._start()
 
@@ -266,10 +279,17 @@ class ControlPlane:
             "trainguard_lr_scale": self._lr_scale,
             "trainguard_applied_generation": float(self._generation),
         }
+        lrs = [g["lr"] for g in self._ctx.optimizer.param_groups]
+        if lrs and not any(isinstance(lr, torch.Tensor) and lr.device.type != "cpu" for lr in lrs):
+            # host floats (or CPU tensors): no device read. Outside the step hooks: the scheduler's LR.
+            out["trainguard_scheduler_lr"] = max(float(lr) for lr in lrs) if self.lr._saved is None else math.nan
         if self._accumulation is not None:
             out["trainguard_accumulation_steps"] = float(self._accumulation)
         if self.skip is not None:
-            out["trainguard_skipped_steps_total"] = float(self.skip.skipped)
+            for reason, n in self.skip.skipped_by_reason.items():
+                out[sample_key("trainguard_skipped_steps_total", reason=reason)] = float(n)
+            if self.skip.guard is not None:
+                out["trainguard_consecutive_skipped_steps"] = float(self.skip.guard.consecutive)
         if self._client is not None:
             out["trainguard_agent_controller_up"] = 1.0 if self._client.up else 0.0
             out["trainguard_agent_reports_dropped_total"] = float(self._client.reports_dropped)
@@ -282,7 +302,10 @@ class ControlPlane:
             "lr_scale": self._lr_scale,
             "applied_generation": self._generation,
             "checkpoint_seq": self._checkpoint_seq,
+            "rollback_seq": self._rollback_seq,
             "skipped_steps_total": self.skip.skipped if self.skip is not None else 0,
+            "skipped_by_reason": dict(self.skip.skipped_by_reason) if self.skip is not None else {},
+            "spike_guard": self.skip.guard.state_dict() if self.skip is not None and self.skip.guard is not None else None,
             "accumulation": list(self._accumulation_desired),
         }
 
@@ -311,8 +334,13 @@ class ControlPlane:
             self._generation, self._lr_scale = generation, lr_scale
             self._set_accumulation(steps, rule)
         self._checkpoint_seq = max(self._checkpoint_seq, seq)
+        self._rollback_seq = max(self._rollback_seq, int(state.get("rollback_seq", 0)))
         if self.skip is not None:
-            self.skip.skipped = skipped
+            by_reason = state.get("skipped_by_reason") or {"nonfinite": skipped}
+            for reason in self.skip.skipped_by_reason:
+                self.skip.skipped_by_reason[reason] = int(by_reason.get(reason, 0))
+            if self.skip.guard is not None and state.get("spike_guard") is not None:
+                self.skip.guard.load_state_dict(state["spike_guard"])
         self._last_reported_step = self._ctx.step()  # the agent restores its step first
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -369,6 +397,7 @@ class ControlPlane:
         steps, rule = self._accumulation_desired
         return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
                                          checkpoint_seq=self._checkpoint_seq, stop=self._stop,
+                                         rollback_seq=self._rollback_seq, rollback_step=self._rollback_step,
                                          accumulation_steps=steps, accumulation_lr_rule=rule))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
@@ -444,7 +473,8 @@ class ControlPlane:
             ranks=endpoints,
             agent_version=_version(),
             config={"report_every": cfg.report_every, "sync_every": cfg.sync_every,
-                    "skip_nonfinite": cfg.skip_nonfinite,
+                    "skip_nonfinite": cfg.skip_nonfinite, "skip_spikes": cfg.spike_guard_on,
+                    "snapshot_every": cfg.snapshot_every, "snapshot_keep": cfg.snapshot_keep,
                     **({"accumulation_steps": self.own_accumulation} if self.own_accumulation is not None else {})},
         )
         client = ControllerClient(
@@ -494,6 +524,7 @@ class ControlPlane:
             self._on_error("control_agreement", exc)
             return
         self._checkpoint_seq = state[3]
+        self._rollback_seq, self._rollback_step = state[5], state[6]  # served before this process started
         self._apply(state, self._ctx.step())
 
     def _broadcast(self, leader_state: list[int] | None) -> list[int]:
@@ -518,10 +549,14 @@ class ControlPlane:
         """Apply a newer ``state``'s values (not the pause wait)."""
         checkpoint = state.checkpoint_seq > self._checkpoint_seq
         stopping = state.stop and not self._stop
+        rollback = state.rollback_seq > self._rollback_seq
         self._generation = state.generation
         self._lr_scale = state.lr_scale
         self._checkpoint_seq = max(self._checkpoint_seq, state.checkpoint_seq)
         self._paused = state.paused
+        self._rollback_seq = max(self._rollback_seq, state.rollback_seq)
+        self._rollback_step = state.rollback_step
+        restored = self._roll_back(state.rollback_step, step) if rollback else None
         self._set_accumulation(state.accumulation_steps, state.accumulation_lr_rule)
         if (checkpoint or stopping) and self._on_checkpoint is not None:
             try:
@@ -532,12 +567,29 @@ class ControlPlane:
             self._stop = True
         self.history.append(
             Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
-                    self._accumulation or 0)
+                    rollback_seq=state.rollback_seq, restored_step=restored, accumulation_steps=self._accumulation or 0)
         )
         if self._client is not None:
             self._client.submit_ack(Ack(generation=state.generation, step=step))
         if state.reason and self.leader:
             log.info("trainguard: applied generation %d at step %d: %s", state.generation, step, state.reason)
+
+    def _roll_back(self, target: int, step: int) -> int | None:
+        """Restore the newest snapshot at or before ``target`` (every rank, this same step)."""
+        if self._on_rollback is None:
+            log.error("trainguard: rollback to step %d asked at step %d, but this run keeps no "
+                      "snapshots (AgentConfig.snapshot_every)", target, step)
+            return None
+        try:
+            restored = self._on_rollback(target)
+        except Exception as exc:  # noqa: BLE001 - a failed restore must not break agreement
+            self._on_error("rollback", exc)
+            return None
+        if restored is None:
+            log.error("trainguard: rollback asked at step %d, but no snapshot is as old as step %d", step, target)
+        elif self.leader:
+            log.warning("trainguard: rolled back at step %d to the snapshot of step %d", step, restored)
+        return restored
 
     def _set_accumulation(self, steps: int, rule: str) -> None:
         """Accumulation steps ``steps`` (0: the run's own) with the LR following by ``rule``; a run

@@ -6,6 +6,8 @@
     trainguard pause RUN --reason "loss spike, investigating"
     trainguard resume RUN | checkpoint RUN | stop RUN
     trainguard lr-scale RUN 0.5
+    trainguard rollback RUN
+    trainguard incidents RUN
     trainguard events RUN --follow
     trainguard alerts --state firing
     trainguard rules check rules.yaml
@@ -129,6 +131,29 @@ def _command(args: argparse.Namespace) -> int:
     with _client(args) as c:
         _print(_check(c.post(f"/v1/runs/{args.run}/{args.command}", json=body, headers={"Idempotency-Key": key})))
     return 0
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        body = _check(c.get(f"/v1/runs/{args.run}/incidents"))
+    if args.json:
+        _print(body)
+        return 0
+    print(format_incidents(body["incidents"]))
+    return 0
+
+
+def format_incidents(incidents: list[dict[str, Any]]) -> str:
+    """Incidents as lines of text: onset, each rung (step, by whom, why), outcome."""
+    if not incidents:
+        return "no incidents"
+    lines = []
+    for inc in incidents:
+        end = "" if inc["closed_step"] is None else f" at step {inc['closed_step']}"
+        lines.append(f"incident {inc['id']}: onset step {inc['onset_step']} ({inc['trigger']}) -> {inc['outcome']}{end}")
+        for r in inc["rungs"]:
+            lines.append(f"  step {r['step']:>7}  {r['rung']:<12} {r['actor']}: {r['reason']}")
+    return "\n".join(lines)
 
 
 def _fmt_event(ev: dict[str, Any]) -> str:
@@ -275,6 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
     for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
                            ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier"),
+                           ("rollback", "roll every rank back to the newest good in-memory snapshot"),
                            ("accumulation", "set the gradient accumulation steps of a run that allows it")):
         s = sub.add_parser(name, parents=[client], help=helptext)
         s.add_argument("run")
@@ -288,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--reason", default="", help="why (recorded in the audit log)")
         s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
         s.set_defaults(func=_command, command=name)
+    s = sub.add_parser("incidents", parents=[client], help="a run's incidents and the escalation rungs taken")
+    s.add_argument("run")
+    s.set_defaults(func=_incidents)
     s = sub.add_parser("events", parents=[client], help="a run's audit log")
     s.add_argument("run")
     s.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (Server-Sent Events)")

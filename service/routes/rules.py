@@ -77,7 +77,8 @@ def _simulate(ctl: Any, raw: bytes) -> bytes:
     body = RulesTestRequest.model_validate_json(raw)
     rules = ctl.validate_rules(body.rules) if body.rules is not None else ctl.rules
     steps = simulate(rules.for_job(body.job), body.reports, world_size=body.world_size, desired=body.desired,
-                     capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports)
+                     capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports,
+                     policy=rules.file.recovery)
     out = []
     for s in steps:
         out.append({
@@ -88,6 +89,7 @@ def _simulate(ctl: Any, raw: bytes) -> bytes:
             "resolved": s.resolved,
             "suppressed": [{"rule": f.rule.name, "reason": why} for f, why in s.suppressed],
             "desired": s.desired.model_dump(),
+            "recovery": [{"generation": d.generation, "reason": d.reason} for d in s.recovery],
         })
     final = steps[-1].desired if steps else (body.desired or DesiredState())
     return json.dumps(nan_safe({"steps": out, "desired": final.model_dump()})).encode()

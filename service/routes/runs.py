@@ -86,6 +86,15 @@ async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, stat
     return [r for r in out if status is None or r["status"] == status]
 
 
+@router.get("/runs/{run}/incidents", summary="A run's incidents, newest first: onset, rungs of the escalation ladder, outcome")
+async def get_incidents(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
+    st = ctl.get(run)
+    body = {"run": run, "incidents": [i.as_dict() for i in reversed(st.recovery.incidents)],
+            "snapshots": [{"step": s.step, "good": s.good(st.recovery.policy.snapshot_confirm_reports)}
+                          for s in st.recovery.snapshots]}
+    return Response(json.dumps(nan_safe(body)), media_type=_JSON)
+
+
 @router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")
 async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
     return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
@@ -117,6 +126,7 @@ for _cmd, _summary in (
     ("resume", "Resume a paused (or stopped) run"),
     ("checkpoint", "Request a checkpoint (bumps checkpoint_seq)"),
     ("stop", "Stop the run"),
+    ("rollback", "Roll every rank back to the newest good in-memory snapshot (409 with the reason when there is none)"),
 ):
     _command_route(_cmd, _summary)
 

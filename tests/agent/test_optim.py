@@ -156,7 +156,7 @@ def test_skip_nonfinite_decides_on_the_gradients_the_closure_produced() -> None:
             assert all(not torch.equal(a, b) for a, b in zip(before, after)), step
             assert all(torch.isfinite(a).all() for a in after)
     latest = agent.latest()
-    assert latest["trainguard_skipped_steps_total"] == 1.0
+    assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
     assert latest["trainguard_nonfinite_steps_total"] == 1.0
     agent.close(1.0)
 
@@ -237,5 +237,5 @@ def test_lbfgs_skips_a_nonfinite_step_and_evaluates_once() -> None:
     assert calls == 1 and all(torch.equal(a, b) for a, b in zip(before, after))
     assert steps[2][2] > 1 and all(torch.isfinite(p).all() for p in steps[2][1])
     assert not all(torch.equal(a, b) for a, b in zip(steps[2][0], steps[2][1]))
-    assert agent.latest()["trainguard_skipped_steps_total"] == 1.0
+    assert agent.latest()['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
     agent.close(1.0)

@@ -127,7 +127,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     return {"run": run, "rank": rank, "steps": steps, "history": history, "checkpoints": checkpoints,
             "attached_at": attached_at, "attach_state": attach_state,
             "stopped": agent.should_stop, "close_s": time.monotonic() - t0,
-            "skipped": agent.latest().get("trainguard_skipped_steps_total", 0.0)}
+            "skipped": agent.latest().get('trainguard_skipped_steps_total{reason="nonfinite"}', 0.0)}
 
 
 def main() -> None:

@@ -42,19 +42,35 @@ def _env() -> dict[str, str]:
     return env
 
 
+def operator_only_rules(directory: Path) -> Path:
+    """A rules file in ``directory``: the built-in rules without the ones that set lr_scale on
+    their own (recovery's ladder and LR ramp, the update-ratio rule), for tests that check an
+    operator's commands generation by generation."""
+    import yaml
+
+    rules = yaml.safe_load((ROOT / "service" / "default_rules.yaml").read_text())
+    rules["recovery"] = {"enabled": False}
+    rules["rules"] = [r for r in rules["rules"] if r["name"] != "update_ratio_spike"]
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    return path
+
+
 class ControllerProcess:
     """``trainguard serve`` on a free loopback port with its own SQLite file; ``kill()`` sends
     SIGKILL, ``start()`` starts it again on the same database (a new port unless given)."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, rules: Path | None = None) -> None:
         self.db = db
+        self.rules = rules
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.port = 0
 
     def start(self, port: int = 0) -> ControllerProcess:
         self.proc = subprocess.Popen(
-            [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)],
+            [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)]
+            + (["--rules", str(self.rules)] if self.rules is not None else []),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
         )
         assert self.proc.stdout is not None

@@ -18,14 +18,15 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, until
+from tests.control.procs import ControllerProcess, operator_only_rules, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    proc = ControllerProcess(tmp_path_factory.mktemp("control") / "trainguard.db").start()
+    tmp = tmp_path_factory.mktemp("control")
+    proc = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
     yield proc
     proc.kill()
 
@@ -160,7 +161,7 @@ def test_skip_nonfinite_leaves_params_and_adam_state_bit_identical(scheduler_fir
     assert sched.last_epoch == 8 and opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**8, rel=1e-12)
     assert int(opt.state_dict()["state"][0]["step"]) == 6
     latest = agent.latest()
-    assert latest["trainguard_skipped_steps_total"] == 2.0
+    assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 2.0
     assert latest["trainguard_nonfinite_steps_total"] == 2.0
     assert agent.state_dict()["control"]["skipped_steps_total"] == 2
     agent.close(1.0)
@@ -285,10 +286,14 @@ def test_state_dict_round_trip_and_bad_input(ctl: ControllerProcess) -> None:
     _command(ctl, "state-a", "checkpoint")
     _wait_seen(agent, _command(ctl, "state-a", "checkpoint"))
     model(_batch(1)).sum().backward()
+    # the spike guard (on with a controller) keeps the step's global gradient norm, here in float64
+    gnorm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
     opt.step()
     agent.end_step(1.0)
     state = agent.state_dict()["control"]
-    assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "skipped_steps_total": 0,
+    assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "rollback_seq": 0,
+                     "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
+                     "spike_guard": {"norms": [pytest.approx(gnorm, rel=1e-6)], "consecutive": 0},
                      "accumulation": [0, "none"]}
     agent.close(1.0)
 

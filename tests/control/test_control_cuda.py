@@ -73,7 +73,7 @@ def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str, device: 
             assert all(changed)
         opt.zero_grad()
         agent.end_step(loss)
-    assert agent.latest()["trainguard_skipped_steps_total"] == 1.0
+    assert agent.latest()['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
     agent.close(2.0)
 
 

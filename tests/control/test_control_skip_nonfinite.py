@@ -68,7 +68,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 def test_error_on_one_rank_keeps_the_skip_all_reduce(tmp_path) -> None:
     out = spawn_ranks(_worker, WORLD, tmp_path)
-    assert [o["latest"]["trainguard_skipped_steps_total"] for o in out] == [1.0, 1.0]
+    assert [o["latest"]['trainguard_skipped_steps_total{reason="nonfinite"}'] for o in out] == [1.0, 1.0]
     assert out[0]["latest"]["trainguard_agent_errors_total"] == 0.0
     assert out[1]["latest"]["trainguard_agent_errors_total"] == 1.0
     assert max(d for o in out for d in o["durations"]) < 5.0  # nobody waited for a collective timeout

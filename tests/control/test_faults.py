@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
 from trainguard.protocol.wire import RunFinished
-from tests.control.procs import TRAINGUARD, ControllerProcess, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, operator_only_rules, until
 from tests.tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,8 @@ SLOW_S = 3.0  # the proxy's delay per request in the slow mode
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    ctl = ControllerProcess(tmp_path_factory.mktemp("faults") / "trainguard.db").start()
+    tmp = tmp_path_factory.mktemp("faults")
+    ctl = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
     yield ctl
     ctl.kill()
 
@@ -189,7 +190,7 @@ def test_close_returns_within_its_deadline_when_the_finish_is_black_holed(contro
 
 
 def test_killed_and_restarted_controller_loses_no_command(tmp_path: Path) -> None:
-    ctl = ControllerProcess(tmp_path / "trainguard.db").start()
+    ctl = ControllerProcess(tmp_path / "trainguard.db", rules=operator_only_rules(tmp_path)).start()
     try:
         with FaultProxy(ctl.port) as proxy:
             loop = Loop(proxy.url, "fault-kill")

@@ -150,7 +150,7 @@ def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path: Path, accumulation
     assert math.isnan(module.ref[3][1]) and all(math.isfinite(module.ref[s][1]) for s in (1, 2, 4, 5, 6))
     assert math.isnan(record.ours[3]["trainguard_loss"])
     latest = guard.agent.latest()
-    assert latest["trainguard_skipped_steps_total"] == 1.0
+    assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
     assert latest["trainguard_nonfinite_steps_total"] == 1.0
     assert latest["trainguard_agent_errors_total"] == 0.0
 
@@ -242,7 +242,7 @@ def test_ddp_ranks_skip_the_same_nonfinite_step(tmp_path: Path) -> None:
     for o in out:
         assert o["global_step"] == 5
         assert o["unchanged"] == {1: False, 2: False, 3: True, 4: False, 5: False}  # both ranks skipped 3
-        assert o["latest"]["trainguard_skipped_steps_total"] == 1.0
+        assert o["latest"]['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
         assert o["latest"]["trainguard_agent_errors_total"] == 0.0
         assert all(torch.isfinite(w).all() for w in o["weights"])
         for step in (1, 2, 4, 5):  # the rank's own loss; the gradient norm after DDP's all-reduce
@@ -272,5 +272,5 @@ def test_a_resumed_fit_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None
     assert trainer.global_step == 5 and guard.agent.step == 5
     assert [record.ours[s]["trainguard_step"] for s in (4, 5)] == [4.0, 5.0]
     latest = guard.agent.latest()
-    assert latest["trainguard_skipped_steps_total"] == 1.0  # step 2's skip, restored with the control state
+    assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0  # step 2's skip, restored with the control state
     assert latest["trainguard_nonfinite_steps_total"] == 1.0

@@ -29,7 +29,8 @@ def report_body(step: int = 1, values: dict | None = None, job: str = "job-a", *
 def test_register_report_poll_ack_flow(app_factory):
     with app_factory() as c:
         reg = register(c)
-        assert reg["desired"] == {"generation": 0, "paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False, "reason": "",
+        assert reg["desired"] == {"generation": 0, "paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False,
+                                  "rollback_seq": 0, "rollback_step": 0, "reason": "",
                                   "accumulation_steps": 0, "accumulation_lr_rule": "none"}
         r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}))
         assert r.status_code == 200
@@ -45,7 +46,7 @@ def test_register_report_poll_ack_flow(app_factory):
         assert [a["rule"] for a in st["firing_alerts"]] == ["grad_norm_high"]
         assert st["firing_alerts"][0]["diagnosis"]["source"].startswith("Gradient values above 1e3")
         kinds = [e["kind"] for e in c.get("/v1/runs/run-1/events").json()]
-        assert kinds == ["registered", "alert", "desired", "applied"]
+        assert kinds == ["registered", "alert", "desired", "incident", "applied"]  # the LR rung opened an incident
         alerts = c.get("/v1/alerts", params={"state": "firing", "run": "run-1"}).json()
         assert len(alerts) == 1 and alerts[0]["values"]["value"] == 3000.0
 

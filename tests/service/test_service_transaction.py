@@ -78,7 +78,7 @@ def test_nan_report_refused_under_a_write_lock_pauses_when_retried(locked_app) -
     assert len(loss) == 2 and loss[0] == 2.0 and math.isnan(loss[1])  # the retried report counted once
     assert c.get("/v1/runs/run-1").json()["reports"] == 2
     kinds = [e["kind"] for e in c.get("/v1/runs/run-1/events").json()]
-    assert kinds == ["registered", "alert", "desired"]
+    assert kinds == ["registered", "alert", "desired", "incident"]  # the refused rollback paused: escalated
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT seq, step_last FROM reports ORDER BY seq").fetchall() == [(1, 1), (2, 2)]
 

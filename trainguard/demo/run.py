@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +37,12 @@ from typing import Any, Sequence
 
 import httpx
 
+from trainguard.cli import format_incidents
 from trainguard.demo.model import FaultPlan
+
+#: The demo's rules: halve the LR on a gradient spike, pause on a NaN loss (an operator resumes);
+#: recovery without a human (the built-in rules' ladder) is off, and the agent's spike guard too.
+DEMO_RULES = Path(__file__).with_name("rules.yaml")
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "main"]
 
@@ -69,6 +75,10 @@ class DemoConfig:
     """How far the bad schedule overshoots."""
     nan_step: int = _FAULTS.nan_step
     """Step whose loss turns NaN on the last rank."""
+    snapshot_every: int | None = None
+    """Steps between the agent's in-memory snapshots (what a rollback restores; None: none)."""
+    snapshot_keep: int = 4
+    """Snapshots kept per rank (the newest)."""
     resume_after_s: float = 2.0
     """How long the operator looks at a paused run before resuming it."""
     controller: str | None = None
@@ -117,6 +127,8 @@ class DemoResult:
     """Every change of desired state: generation, actor, what changed, step applied on all ranks."""
     rank_logs: list[list[dict[str, Any]]] = field(default_factory=list)
     """Per rank: one entry per step (step, loss, lr used, lr_scale, paused wait)."""
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    """The run's incidents, oldest first: onset, the rungs of the escalation ladder, outcome."""
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -160,7 +172,8 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
         controller=controller, token=token,
         config=ta.AgentConfig(report_every=cfg.report_every, skip_nonfinite=True,
                               metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host,
-                              layer_depth=2),
+                              layer_depth=2, skip_spikes=False, snapshot_every=cfg.snapshot_every,
+                              snapshot_keep=cfg.snapshot_keep),
     )
     log: list[dict[str, Any]] = []
     step = 0  # steps completed; the step being trained is step + 1, the agent's numbering
@@ -255,7 +268,7 @@ class _Controller:
         self.log_path = workdir / "controller.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-             "--db", str(workdir / "trainguard.db")],
+             "--db", str(workdir / "trainguard.db"), "--rules", str(DEMO_RULES)],
             env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
         port = _bound_port(self.log_path, self.proc, r"listening on http://127\.0\.0\.1:(\d+)", "the controller")
         self.url = f"http://127.0.0.1:{port}"
@@ -376,10 +389,12 @@ def _wait_acked(ctl: _Controller, run: str, generation: int, timeout: float = 10
             time.sleep(0.05)
 
 
-def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Alerts and actions of the run, each with its step, from the controller's audit log."""
+def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Alerts and actions of the run, each with its step, from the controller's audit log, and
+    the run's incidents (oldest first)."""
     with ctl.client() as http:
         events = http.get(f"/v1/runs/{run}/events", params={"limit": 5000}).json()
+        incidents = list(reversed(http.get(f"/v1/runs/{run}/incidents").json()["incidents"]))
         diagnoses = {a["id"]: a.get("diagnosis") or {}
                      for a in http.get("/v1/alerts", params={"run": run, "limit": 1000}).json()}
     applied: dict[int, int] = {}
@@ -402,7 +417,7 @@ def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dic
             actions.append({"generation": gen, "actor": ev["actor"], "change": _changes(before, new),
                             "desired": new, "applied_step": step})
             before = new
-    return alerts, actions
+    return alerts, actions, incidents
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
@@ -445,9 +460,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         logs = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
         if ctl.operator_token:
             _wait_acked(ctl, run, max((e["generation"] for log in logs for e in log), default=0))
-        alerts, actions = _collect(ctl, run) if ctl.operator_token else ([], [])
+        alerts, actions, incidents = _collect(ctl, run) if ctl.operator_token else ([], [], [])
         result = DemoResult(run=run, steps_completed=[log[-1]["step"] if log else 0 for log in logs],
-                            alerts=alerts, actions=actions, rank_logs=logs)
+                            alerts=alerts, actions=actions, rank_logs=logs, incidents=incidents)
         _print_summary(cfg, result)
         if cfg.keep_running:
             _say(cfg, f"\nthe controller ({ctl.url}){' and Prometheus' if prom else ''} keep running: Ctrl-C to stop")
@@ -481,6 +496,8 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
     print("actions (changes of desired state):")
     for a in result.actions:
         print(f"  gen {a['generation']:>3}  applied at step {a['applied_step']!s:>5}  by {a['actor']:<28} {a['change']}")
+    print("incidents (the escalation ladder, rung by rung):")
+    print(textwrap.indent(format_incidents(result.incidents), "  "))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

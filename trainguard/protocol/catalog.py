@@ -124,10 +124,14 @@ DATA_METRICS: tuple[MetricSpec, ...] = (
 CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_paused", "1", "1 while the run is paused by the controller, else 0."),
     _g("trainguard_lr_scale", "1", "Multiplier the controller applies to the scheduler's LR."),
+    _g("trainguard_scheduler_lr", "1", "Largest learning rate of the optimizer's param groups as the user's own schedule set it (before lr_scale), read at the last report."),
     _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied on this rank."),
     _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
     _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
-    _c("trainguard_skipped_steps_total", "steps", "Steps skipped by the local non-finite guard (skip_nonfinite=True)."),
+    _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank) or spike (the gradient norm far above its recent values).", ("reason",)),
+    _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run."),
+    _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
+    _c("trainguard_rollbacks_total", "rollbacks", "Rollbacks to an in-memory snapshot carried out on this rank."),
     _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force on this rank (runs that let the controller change them; the LR follows by the command's rule)."),
 )
 

@@ -53,8 +53,8 @@ API_PREFIX = "/v1"
 #: What an operator, a rule or Alertmanager can ask of a run, each in one spelling. The same words
 #: are Alertmanager's ``trainguard_action`` label values and the controller's action metric labels;
 #: only URLs and CLI subcommands write ``lr_scale`` as ``lr-scale`` (``POST /v1/runs/{run}/lr-scale``).
-Command = Literal["pause", "resume", "checkpoint", "stop", "lr_scale"]
-COMMANDS: tuple[Command, ...] = ("pause", "resume", "checkpoint", "stop", "lr_scale")
+Command = Literal["pause", "resume", "checkpoint", "stop", "lr_scale", "rollback"]
+COMMANDS: tuple[Command, ...] = ("pause", "resume", "checkpoint", "stop", "lr_scale", "rollback")
 #: The range every LR multiplier is held in: an operator's value must lie in it, and a rule's or
 #: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
 LR_SCALE_MIN = 1e-4
@@ -158,6 +158,8 @@ class DesiredState(WireModel):
     lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
     checkpoint_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
+    rollback_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A rollback is due when this exceeds the last one applied.")
+    rollback_step: int = Field(default=0, ge=0, le=MAX_INT, description="The rollback restores the newest snapshot taken at or before this step.")
     reason: str = Field(default="", max_length=2000)
     accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
     accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")

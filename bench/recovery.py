@@ -1,0 +1,179 @@
+"""Recovery without a human: faults injected into small training runs, and what trainguard did.
+
+Starts one ``trainguard serve`` (temporary SQLite file, default rules) on loopback. Each case is a
+small byte-level GPT (``trainguard.demo.model.TinyGPT``) trained on CPU with AdamW and the user's
+own LR schedule (warm-up, then constant), one process, the agent attached with the controller
+(``skip_spikes`` on by default with a controller; ``snapshot_every``/``snapshot_keep`` set). Cases:
+
+- ``healthy-sN``: no fault, seeds N.
+- ``lr-xK``: the user's schedule multiplies the LR by K from ``--onset`` on, for good.
+- ``burst``: the batches of ``--burst`` steps from the onset are random bytes (corrupted data).
+- ``poison``: one batch at the onset has its loss weighted x1e4 (a mis-scaled sample).
+- ``nan``: one batch at the onset has a NaN loss.
+
+Printed per case: the detection lag (steps from the onset to the first action: a skipped step or
+an applied desired-state change), the rungs the controller took (from ``GET
+/v1/runs/{run}/incidents``), whether it recovered (final loss — mean of the last 20 steps — within
+1.2x the healthy runs' median, and the run not paused), steps skipped by the spike guard, steps
+lost to rollbacks (restore step - snapshot step, summed), the final lr_scale. For the healthy
+runs: actions taken (should be 0).
+
+    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+import trainer_agent as ta
+from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+
+
+def _start_controller(db: Path) -> tuple[subprocess.Popen[str], str]:
+    exe = str(Path(sys.executable).with_name("trainguard"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", "0", "--db", str(db)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, m.group(1)
+    raise SystemExit("trainguard serve did not start")
+
+
+def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, *, seed: int = 0,
+             lr_mult: float = 1.0, burst: int = 0, poison: bool = False, nan: bool = False) -> dict:
+    torch.manual_seed(seed)
+    model = TinyGPT(seq_len=args.seq_len, d_model=64, n_layers=2, n_heads=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    onset = args.onset
+
+    def schedule(step: int) -> float:  # the user's own schedule: warm-up, constant, and the fault
+        warm = min(1.0, (step + 1) / 50)
+        return warm * (lr_mult if step >= onset else 1.0)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    run = f"{name}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url,
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, snapshot_every=50, snapshot_keep=4))
+    losses: list[float] = []
+    first_action: int | None = None
+    done = threading.Event()
+    was_paused: list[bool] = []
+
+    def stop_when_paused() -> None:
+        # A pause blocks the loop in end_step (every rank waits there); the bench plays the
+        # human who ends the run, and counts it as not recovered.
+        with httpx.Client(base_url=url, timeout=5) as c:
+            while not done.wait(0.2):
+                r = c.get(f"/v1/runs/{run}")
+                if r.status_code == 200 and r.json()["status"] == "paused":
+                    was_paused.append(True)
+                    c.post(f"/v1/runs/{run}/stop", json={"reason": "bench: paused for a human"})
+                    return
+
+    watcher = threading.Thread(target=stop_when_paused, daemon=True)
+    watcher.start()
+    g = torch.Generator().manual_seed(seed + 7)
+    for step in range(args.steps):
+        ids, mask = corpus.batch(step + seed * 100_000, 0)
+        if burst and onset <= step < onset + burst:
+            ids = torch.randint(1, 256, ids.shape, generator=g)
+        loss = next_byte_loss(model, ids, mask)
+        weighted = loss
+        if poison and step == onset:
+            weighted = loss * 1e4
+        if nan and step == onset:
+            weighted = loss * float("nan")
+        weighted.backward()
+        skipped_before = agent.control.skip.skipped
+        gens_before = agent.control.applied_generation
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(loss.detach())
+        acted = agent.control.skip.skipped > skipped_before or agent.control.applied_generation > gens_before
+        if acted and first_action is None:
+            first_action = step
+        losses.append(float(loss.detach()))
+        if agent.should_stop:
+            break
+    done.set()
+    watcher.join()
+    history = list(agent.control.history)
+    skipped = dict(agent.control.skip.skipped_by_reason)
+    paused = bool(was_paused)
+    scale = agent.control.lr_scale
+    agent.close(5.0)
+    with httpx.Client(base_url=url, timeout=10) as c:
+        incidents = c.get(f"/v1/runs/{run}/incidents").json()["incidents"]
+    lost = sum(h.step - h.restored_step for h in history if h.restored_step is not None)
+    rungs = [r["rung"] for inc in reversed(incidents) for r in inc["rungs"]]
+    finite = [x for x in losses[-20:] if x == x]
+    print(f"  {name}: {len(losses)} steps, final loss {statistics.fmean(x for x in losses[-20:] if x == x):.3f}, "
+          f"rungs {rungs}", file=sys.stderr, flush=True)
+    return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan"), "paused": paused,
+            "first_action": first_action, "actions": len(history) + sum(skipped.values()), "skipped": skipped,
+            "rungs": rungs, "lost": lost, "scale": scale, "steps": len(losses),
+            "outcomes": [inc["outcome"] for inc in reversed(incidents)]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--onset", type=int, default=200)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--burst", type=int, default=30)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=args.seq_len, batch_size=args.batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _start_controller(Path(tmp) / "tg.db")
+        try:
+            t0 = time.monotonic()
+            healthy = [run_case(f"healthy-s{s}", url, args, corpus, seed=s) for s in range(args.seeds)]
+            faulty = [run_case(f"lr-x{k}", url, args, corpus, lr_mult=k) for k in (10, 100, 1000)]
+            faulty.append(run_case("burst", url, args, corpus, burst=args.burst))
+            faulty.append(run_case("poison", url, args, corpus, poison=True))
+            faulty.append(run_case("nan", url, args, corpus, nan=True))
+            wall = time.monotonic() - t0
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    ref = statistics.median(r["final_loss"] for r in healthy)
+    print(f"healthy median final loss {ref:.3f} (mean of the last 20 steps); recovered = final loss <= "
+          f"{1.2 * ref:.3f} and not paused\n")
+    print(f"{'case':<12} {'lag':>4} {'recovered':>9} {'final':>7} {'scale':>8} {'skipped':>8} {'lost':>5}  rungs / outcome")
+    for r in healthy + faulty:
+        fault = not r["name"].startswith("healthy")
+        lag = "" if r["first_action"] is None or not fault else r["first_action"] - args.onset
+        rec = r["final_loss"] <= 1.2 * ref and not r["paused"]
+        sk = f"{r['skipped']['spike']}+{r['skipped']['nonfinite']}"
+        print(f"{r['name']:<12} {lag!s:>4} {('yes' if rec else 'NO'):>9} {r['final_loss']:>7.3f} {r['scale']:>8.4g} "
+              f"{sk:>8} {r['lost']:>5}  {' > '.join(r['rungs']) or '-'} / {','.join(r['outcomes']) or '-'}")
+    n_rec = sum(1 for r in faulty if r["final_loss"] <= 1.2 * ref and not r["paused"])
+    false_actions = sum(r["actions"] for r in healthy)
+    print(f"\nfaulty runs recovered with no human: {n_rec}/{len(faulty)}; actions on healthy runs: {false_actions}; "
+          f"wall {wall:.0f} s")
+    print("skipped = spike+nonfinite steps skipped by the agent; lost = steps rolled back; lag = steps from the "
+          "onset to the first action")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Recovery without a human: the snapshots a run holds, the health of its reports, incidents and
+their escalation ladder, and the LR ramp. Pure: :class:`RunRecovery` is fed each report after the
+rules have decided, and answers the desired-state changes to make; the controller commits them.
+
+**Healthy report.** No rule that acts (one with an action other than ``notify``) is active on it, the loss is finite, and the
+agent's spike guard has not skipped ``skip_limit`` steps in a row. While an incident is open, the
+signals are *back* when the report is healthy and the ``metric`` (the update ratio) is not above
+``degrade_ratio`` x its baseline. The baseline is the median of the metric over the last
+``baseline_reports`` healthy reports taken outside incidents at ``lr_scale`` 1.0 (the run as its
+user set it up): so it stays the pre-onset value while a reduced scale is in force.
+
+**Snapshots.** Every report carries ``trainguard_snapshot_step``, the agent's newest in-memory
+snapshot. The controller keeps the last ``snapshot_keep`` (the run's registration config) of
+those steps, as the agent does. A snapshot becomes *good* after ``snapshot_confirm_reports``
+healthy reports following the one that first carried it; an unhealthy report before then taints
+it for good (the anomaly may have begun before it was taken). A rollback goes to the newest good
+snapshot: taken before the onset by construction. With none, it is refused with the reason.
+
+**Incidents and the ladder** (``recovery`` section of the rules file). An incident opens when a
+rule's actions change the desired state, or when a report shows the agent's spike guard skipping
+steps in a row (the ladder's first rung, ``skip``, taken by the agent itself). While it is open,
+each rung gets ``window_reports`` unhealthy reports to work; then the next rung of the ladder is
+taken: ``adaptive_lr`` (scale from the measurement), ``rollback`` (with ``rollback_lr_factor``),
+``pause`` (and a human is paged: the incident ends *escalated*). ``recover_reports`` healthy
+reports in a row end it *recovered*. Every rung is a desired-state change with its reason.
+
+**Ramp.** Outside incidents, ``service/adaptive_lr.LrRamp`` brings a reduced ``lr_scale`` back
+towards 1.0 while the reports stay healthy.
+
+The record is in memory (and in the audit events the controller writes for every rung and
+outcome); a controller restart starts it afresh.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
+from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
+from trainguard.service.engine import apply_actions
+from trainguard.service.rules import AdaptiveLrAction, PauseAction, RecoveryPolicy, RollbackAction
+
+__all__ = ["Incident", "RunRecovery", "RecoveryChange", "rungs_of", "snapshot_keep"]
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class Incident:
+    """One anomaly of a run, from its onset to its outcome."""
+
+    id: int
+    onset_step: int
+    onset_time: float
+    trigger: str
+    rungs: list[dict[str, Any]] = field(default_factory=list)
+    outcome: str = "open"
+    """``open``, ``recovered`` or ``escalated`` (a human was paged)."""
+    closed_step: int | None = None
+    closed_time: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "onset_step": self.onset_step, "onset_time": self.onset_time, "trigger": self.trigger,
+                "rungs": list(self.rungs), "outcome": self.outcome, "closed_step": self.closed_step,
+                "closed_time": self.closed_time}
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryChange:
+    """A desired state the recovery logic asks for, and what to record with it."""
+
+    desired: DesiredState
+    actor: str
+    """``recovery:ladder`` or ``recovery:ramp``."""
+
+
+def snapshot_keep(config: dict[str, Any]) -> int:
+    """The snapshots a run keeps, from its registration config (the agent sends its own)."""
+    v = config.get("snapshot_keep")
+    return v if type(v) is int and 1 <= v <= 1_000_000 else 2
+
+
+def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
+    """The ladder rungs a desired-state change amounts to."""
+    out = []
+    if after.lr_scale < before.lr_scale and after.rollback_seq == before.rollback_seq:
+        out.append("adaptive_lr")
+    if after.rollback_seq > before.rollback_seq:
+        out.append("rollback")
+    if after.paused and not before.paused:
+        out.append("pause")
+    return out
+
+
+@dataclass(slots=True)
+class _Snap:
+    step: int
+    healthy_after: int = 0
+    tainted: bool = False
+
+    def good(self, confirm: int) -> bool:
+        return not self.tainted and self.healthy_after >= confirm
+
+
+class RunRecovery:
+    """The recovery state of one run (see the module docstring)."""
+
+    def __init__(self, policy: RecoveryPolicy | None = None, *, snapshot_keep: int = 2) -> None:
+        self.policy = policy or RecoveryPolicy()
+        self.snapshot_keep = max(int(snapshot_keep), 1)
+        self.snapshots: deque[_Snap] = deque()
+        self.incidents: deque[Incident] = deque(maxlen=100)
+        self.open: Incident | None = None
+        self._healthy_metric: deque[float] = deque(maxlen=self.policy.baseline_reports)
+        self._reports_since_rung = 0
+        self._healthy_in_a_row = 0
+        self._last_step: int | None = None
+        self._measured: float | None = None
+        self._measured_scale: float | None = None
+        self._lr: float | None = None
+        self._healthy_lr: deque[float] = deque(maxlen=self.policy.baseline_reports)
+        self.ramp = self._new_ramp()
+
+    def _new_ramp(self) -> LrRamp:
+        p = self.policy
+        return LrRamp(ramp_steps=p.ramp_steps, stable_reports=p.stable_reports, degrade_ratio=p.degrade_ratio)
+
+    def set_policy(self, policy: RecoveryPolicy) -> None:
+        if policy != self.policy:
+            self.policy = policy
+            self._healthy_metric = deque(self._healthy_metric, maxlen=policy.baseline_reports)
+            self.ramp = self._new_ramp()
+
+    def save(self) -> dict[str, Any]:
+        """Everything mutable, for an undo (``Transaction.on_rollback``)."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in (
+            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_healthy_in_a_row", "_last_step",
+            "_measured", "_measured_scale", "_lr", "_healthy_lr", "ramp")} | {"open_id": self.open.id if self.open else None}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        open_id = saved.pop("open_id")
+        for k, v in saved.items():
+            setattr(self, k, v)
+        self.open = next((i for i in self.incidents if i.id == open_id), None)
+
+    def changed_incidents(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
+        """The incidents opened or changed since :meth:`save` returned ``saved`` (as dicts)."""
+        before = {i.id: i.as_dict() for i in saved["incidents"]}
+        return [d for d in (i.as_dict() for i in self.incidents) if before.get(d["id"]) != d]
+
+    # ------------------------------------------------------------------ ActionContext
+
+    def baseline(self) -> float | None:
+        return baseline(self._healthy_metric)
+
+    def adaptive_scale(self, action: AdaptiveLrAction, current: float) -> tuple[float | None, str]:
+        base, measured = self.baseline(), self._measured
+        # The measurement was made at the scale the agent reported (several actions on one report
+        # must not compound: each computes from that scale, and none raises the current one).
+        at = self._measured_scale if self._measured_scale is not None else current
+        new = corrected_scale(at, measured, base, lo=action.min, hi=action.max)
+        if new is not None:
+            return min(new, current), f"update ratio {measured:.3g} at lr_scale {at:.4g} vs healthy baseline {base:.3g}"
+        # No usable update ratio (e.g. the step of the report was skipped): the LR the user's own
+        # schedule set, against its healthy level, says how far the LR itself jumped.
+        lr_base = baseline(self._healthy_lr)
+        lr_new = corrected_scale(1.0, self._lr, lr_base, lo=action.min, hi=action.max)
+        if lr_new is not None and lr_new < 1.0:
+            return min(lr_new, current), f"the schedule's LR {self._lr:.3g} vs its healthy level {lr_base:.3g}"
+        return None, "no healthy baseline of the update ratio yet" if base is None else "no finite update ratio"
+
+    def rollback_target(self) -> tuple[int | None, str]:
+        confirm = self.policy.snapshot_confirm_reports
+        for snap in reversed(self.snapshots):
+            if snap.good(confirm):
+                return snap.step, f"snapshot of step {snap.step}"
+        if not self.snapshots:
+            return None, "the run reports no snapshot (AgentConfig.snapshot_every is not set, or none taken yet)"
+        return None, (f"no snapshot was followed by {confirm} healthy reports: the anomaly may predate every "
+                      f"snapshot held (steps {', '.join(str(s.step) for s in self.snapshots)})")
+
+    # ------------------------------------------------------------------ feeding
+
+    def before_decide(self, values: dict[str, float]) -> None:
+        """The report's measurement, for the actions the rules take on it."""
+        v = values.get(self.policy.metric)
+        self._measured = None if v is None else float(v)
+        lr = values.get("trainguard_scheduler_lr")
+        self._lr = float(lr) if lr is not None and math.isfinite(lr) and lr > 0 else None
+        at = values.get("trainguard_lr_scale")
+        self._measured_scale = float(at) if at is not None and math.isfinite(at) and at > 0 else None
+
+    def healthy(self, values: dict[str, float], findings: list[Any]) -> bool:
+        """See the module docstring."""
+        for f in findings:  # only the rules that act: a notify-only rule (e.g. data quality) informs
+            if f.active and f.rule.kind != "absence" and any(a.type != "notify" for a in f.rule.actions):
+                return False
+        loss = values.get("trainguard_loss")
+        if loss is not None and not math.isfinite(loss):
+            return False
+        if values.get("trainguard_consecutive_skipped_steps", 0.0) >= self.policy.skip_limit:
+            return False
+        return True
+
+    def degraded(self) -> bool:
+        """The metric of the last report is non-finite or above degrade_ratio x its baseline."""
+        base, measured = self.baseline(), self._measured
+        return base is not None and measured is not None and (not math.isfinite(measured)
+                                                              or measured > self.policy.degrade_ratio * base)
+
+    def after_report(self, *, step: int, values: dict[str, float], findings: list[Any], before: DesiredState,
+                     desired: DesiredState, fired: list[tuple[str, DesiredState]], now: float) -> list[RecoveryChange]:
+        """Feed one report after the rules decided. ``before``/``desired``: the desired state
+        before and after the rules' actions; ``fired``: (rule, desired state) of each alert whose
+        actions changed it. Returns the further changes to commit (newest last)."""
+        p = self.policy
+        healthy = self.healthy(values, findings)
+        self._track_snapshots(values, healthy)
+        measured = self._measured
+        changes: list[RecoveryChange] = []
+        prev_desired = before
+        for rule, new in fired:
+            rungs = rungs_of(prev_desired, new)
+            if rungs and self.open is None:
+                self._open(step, now, f"rule:{rule}")
+            if self.open is not None:
+                for rung in rungs:
+                    self._rung(rung, step, now, f"rule:{rule}", new)
+            if new.rollback_seq > prev_desired.rollback_seq:
+                self._drop_snapshots_after(new.rollback_step)
+            prev_desired = new
+        skipping = values.get("trainguard_consecutive_skipped_steps", 0.0)
+        if p.enabled and self.open is None and not healthy and skipping >= 1 and "skip" in p.ladder:
+            self._open(step, now, "skip")
+            self._rung("skip", step, now, "agent:spike_guard", None,
+                       f"the agent's spike guard skipped {skipping:.0f} steps in a row")
+        if self.open is not None:
+            if fired:
+                self._healthy_in_a_row = 0
+            elif healthy and not self.degraded():
+                self._healthy_in_a_row += 1
+                if self._healthy_in_a_row >= p.recover_reports:
+                    self._close("recovered", step, now)
+            else:
+                self._healthy_in_a_row = 0
+                self._reports_since_rung += 1
+                if p.enabled and self._reports_since_rung >= p.window_reports:
+                    change = self._escalate(step, now, desired)
+                    if change is not None:
+                        changes.append(change)
+                        desired = change.desired
+            self.ramp.reset()
+        elif p.enabled and not fired:
+            ramp = self.ramp.observe(step, healthy=healthy, measured=measured, base=self.baseline(), scale=desired.lr_scale)
+            if ramp is not None:
+                new = desired.model_copy(update={"generation": desired.generation + 1, "reason": ramp.reason,
+                                                 "lr_scale": min(max(ramp.scale, LR_SCALE_MIN), LR_SCALE_MAX)})
+                changes.append(RecoveryChange(new, "recovery:ramp"))
+        elif fired:
+            self.ramp.reset()
+        if healthy and self.open is None and desired.lr_scale == 1.0 and not changes:
+            if measured is not None and math.isfinite(measured) and measured > 0:
+                self._healthy_metric.append(measured)
+            if self._lr is not None:
+                self._healthy_lr.append(self._lr)
+        self._last_step = step
+        return changes
+
+    # ------------------------------------------------------------------ internals
+
+    def _track_snapshots(self, values: dict[str, float], healthy: bool) -> None:
+        confirm = self.policy.snapshot_confirm_reports
+        for snap in self.snapshots:
+            if not snap.good(confirm):
+                if healthy:
+                    snap.healthy_after += 1
+                else:
+                    snap.tainted = True
+        v = values.get("trainguard_snapshot_step")
+        if v is None or not math.isfinite(v):
+            return
+        newest = int(v)
+        self._drop_snapshots_after(newest)
+        if not self.snapshots or self.snapshots[-1].step < newest:
+            self.snapshots.append(_Snap(newest))
+            while len(self.snapshots) > self.snapshot_keep:
+                self.snapshots.popleft()
+
+    def _drop_snapshots_after(self, step: int) -> None:
+        while self.snapshots and self.snapshots[-1].step > step:
+            self.snapshots.pop()
+
+    def _open(self, step: int, now: float, trigger: str) -> None:
+        onset = self._last_step + 1 if self._last_step is not None else step
+        self.open = Incident(next(_ids), onset, now, trigger)
+        self.incidents.append(self.open)
+        self._healthy_in_a_row = 0
+        self._reports_since_rung = 0
+
+    def _rung(self, rung: str, step: int, now: float, actor: str, desired: DesiredState | None, reason: str = "") -> None:
+        assert self.open is not None
+        self.open.rungs.append({"rung": rung, "step": step, "time": now, "actor": actor,
+                                "reason": desired.reason if desired is not None else reason,
+                                "generation": desired.generation if desired is not None else None})
+        self._reports_since_rung = 0
+        if rung == "pause":
+            self._close("escalated", step, now)
+
+    def _close(self, outcome: str, step: int, now: float) -> None:
+        assert self.open is not None
+        self.open.outcome, self.open.closed_step, self.open.closed_time = outcome, step, now
+        self.open = None
+        self._healthy_in_a_row = 0
+
+    def _escalate(self, step: int, now: float, desired: DesiredState) -> RecoveryChange | None:
+        """Take the ladder's next rung after the highest one this incident took."""
+        assert self.open is not None
+        ladder = self.policy.ladder
+        taken = [ladder.index(r["rung"]) for r in self.open.rungs if r["rung"] in ladder]
+        for rung in ladder[(max(taken) + 1 if taken else 0):]:
+            new = self._rung_state(rung, desired)
+            if new is None:
+                continue  # a rung that changes nothing (e.g. adaptive LR at its baseline): the next
+            self._rung(rung, step, now, "recovery:ladder", new)
+            if rung == "rollback" and new.rollback_seq > desired.rollback_seq:
+                self._drop_snapshots_after(new.rollback_step)
+            elif rung == "rollback" and new.paused:  # refused: paused instead
+                if self.open is not None:
+                    self._close("escalated", step, now)
+            return RecoveryChange(new, "recovery:ladder")
+        return None
+
+    def _rung_state(self, rung: str, d: DesiredState) -> DesiredState | None:
+        why = (f"incident {self.open.id if self.open else '?'} (onset step "
+               f"{self.open.onset_step if self.open else '?'}): signals not back after "
+               f"{self.policy.window_reports} reports")
+        if rung == "adaptive_lr":
+            return apply_actions(d, (AdaptiveLrAction(metric=self.policy.metric),), f"{why}: adaptive LR", self)
+        if rung == "rollback":
+            return apply_actions(d, (RollbackAction(lr_factor=self.policy.rollback_lr_factor),), f"{why}: rollback", self)
+        if rung == "pause":
+            return apply_actions(d, (PauseAction(),), f"{why}: paused, a human is needed", self)
+        return None  # skip: the agent's own rung

@@ -1,0 +1,127 @@
+"""The spike guard: its threshold against a naive float64 reference, its bounded run of skips,
+and, on real training, no skip on healthy runs and a skipped step that changes nothing."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import trainer_agent as ta
+from trainer_agent.spike_guard import SpikeGuard, SpikeGuardConfig
+
+
+def _naive_threshold(norms: list[float], sigmas: float, ratio: float) -> float:
+    xs = sorted(norms)
+    n = len(xs)
+    med = (xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2)
+    dev = sorted(abs(x - med) for x in xs)
+    mad = (dev[n // 2] if n % 2 else (dev[n // 2 - 1] + dev[n // 2]) / 2)
+    return max(med + sigmas * 1.4826 * mad, ratio * med)
+
+
+def test_threshold_matches_a_naive_median_and_mad_over_the_window() -> None:
+    rng = random.Random(3)
+    guard = SpikeGuard(SpikeGuardConfig(window=16, min_history=8))
+    norms: list[float] = []
+    for i in range(40):
+        x = 1.0 + rng.random()
+        if i < 7:
+            assert guard.threshold() == math.inf  # not enough history yet
+        guard.taken(x)
+        norms.append(x)
+        if len(norms) >= 8:
+            assert guard.threshold() == pytest.approx(_naive_threshold(norms[-16:], 6.0, 5.0), rel=1e-12)
+
+
+def test_skipped_norms_stay_out_of_the_baseline_and_skips_in_a_row_are_bounded() -> None:
+    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4, max_consecutive=3))
+    for x in (1.0, 1.1, 0.9, 1.0, 1.05):
+        guard.taken(x)
+    before = guard.threshold()
+    decisions = []
+    for _ in range(5):
+        spike = guard.is_spike(50.0)
+        decisions.append(spike)
+        if spike:
+            guard.skipped()
+        else:
+            guard.taken(50.0)
+    assert decisions == [True, True, True, False, True]  # the 4th is taken: 3 in a row is the bound
+    assert guard.threshold() != before  # the taken one joined the baseline
+    guard.taken(float("nan"))  # a non-finite norm never joins it
+    assert all(math.isfinite(x) for x in guard.state_dict()["norms"])
+
+
+@pytest.mark.parametrize("bad", [{"window": 2}, {"min_history": 200}, {"sigmas": 0.5}, {"min_ratio": math.inf},
+                                 {"max_consecutive": 0}])
+def test_bad_thresholds_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SpikeGuardConfig(**bad)
+
+
+def test_skip_spikes_defaults_to_on_exactly_with_a_controller() -> None:
+    assert ta.AgentConfig(controller=None).spike_guard_on is False
+    assert ta.AgentConfig(controller="http://127.0.0.1:1").spike_guard_on is True
+    assert ta.AgentConfig(controller="http://127.0.0.1:1", skip_spikes=False).spike_guard_on is False
+    assert ta.AgentConfig(controller=None, skip_spikes=True).skips_steps is True
+    with pytest.raises(ValueError):
+        ta.AgentConfig(skip_spikes="yes")
+
+
+def _train(seed: int, steps: int, *, spike_at: int | None = None, registry=None):
+    """A small regression MLP trained with AdamW; at ``spike_at`` the batch is scaled x1000 (a
+    poisoned batch). Returns the agent and a record of the state around the spike step."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    agent = ta.attach(model, opt, job="spike", run=f"spike-{seed}", registry=registry,
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True, controller=None))
+    g = torch.Generator().manual_seed(seed + 100)
+    w_true = torch.randn(16, 1, generator=g)
+    seen = {}
+    for step in range(1, steps + 1):
+        x = torch.randn(64, 16, generator=g)
+        y = x @ w_true + 0.1 * torch.randn(64, 1, generator=g)
+        if step == spike_at:
+            x = x * 1000.0
+            seen["params"] = [p.detach().clone() for p in model.parameters()]
+            seen["state"] = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        if step == spike_at:
+            seen["params_after"] = [p.detach().clone() for p in model.parameters()]
+            seen["state_after"] = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    return agent, seen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_never_skips_on_healthy_runs(seed: int) -> None:
+    agent, _ = _train(seed, 300)
+    try:
+        assert agent.control.skip.skipped_by_reason == {"spike": 0, "nonfinite": 0}
+    finally:
+        agent.close()
+
+
+def test_a_poisoned_batch_is_skipped_and_changes_nothing() -> None:
+    agent, seen = _train(0, 120, spike_at=100)
+    try:
+        assert agent.control.skip.skipped_by_reason == {"spike": 1, "nonfinite": 0}
+        for a, b in zip(seen["params"], seen["params_after"]):
+            assert torch.equal(a, b)
+        for k, v in seen["state"].items():
+            for n, t in v.items():
+                assert torch.equal(t, seen["state_after"][k][n]), (k, n)
+        latest = agent.latest()
+        assert latest['trainguard_skipped_steps_total{reason="spike"}'] == 1.0
+        assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 0.0
+        assert latest["trainguard_consecutive_skipped_steps"] == 0.0  # steps were taken since
+    finally:
+        agent.close()

@@ -1,0 +1,73 @@
+"""End to end with a real ``trainguard serve`` and the agent in this process:
+
+- ``POST /v1/runs/{run}/rollback`` rolls the run back to the newest good snapshot (the weights
+  equal those recorded at that step), and is refused (409, with the reason) while the run has no
+  good snapshot; ``trainguard incidents`` / ``GET .../incidents`` list the snapshots.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import trainer_agent as ta
+from tests.control.procs import ControllerProcess, until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    ctl = ControllerProcess(tmp_path_factory.mktemp("ctl") / "trainguard.db").start()
+    yield ctl
+    ctl.kill()
+
+
+def _step(model, opt, sched, agent, g) -> float:
+    x = torch.randn(32, 8, generator=g)
+    loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+    agent.end_step(loss.detach())
+    return float(loss)
+
+
+def test_operator_rollback_goes_to_the_newest_good_snapshot(controller: ControllerProcess) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = "rb-e2e"
+    agent = ta.attach(model, opt, job="rb", run=run, controller=controller.url,
+                      config=ta.AgentConfig(metrics_port=None, report_every=5, snapshot_every=10, snapshot_keep=3))
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            _step(model, opt, None, agent, g)
+        r = httpx.post(f"{controller.url}/v1/runs/{run}/rollback", json={"reason": "too early"}, timeout=10)
+        assert r.status_code == 409 and "rollback refused" in r.json()["detail"]
+        recorded = {}
+        for step in range(4, 41):
+            _step(model, opt, None, agent, g)
+            if step % 10 == 0:
+                recorded[step] = [p.detach().clone() for p in model.parameters()]
+        assert until(lambda: controller.run_detail(run)["last_step"] == 40, 10.0)
+        inc = httpx.get(f"{controller.url}/v1/runs/{run}/incidents", timeout=10).json()
+        # A snapshot is taken at the end of its step, after that step's report: the report of step 40
+        # carries 30 (first carried by the report of 35, followed by one healthy report: not good yet).
+        assert inc["snapshots"] == [{"step": 10, "good": True}, {"step": 20, "good": True}, {"step": 30, "good": False}]
+        assert controller.command(run, "rollback")["desired"]["rollback_step"] == 20
+        for _ in range(200):
+            _step(model, opt, None, agent, g)
+            if any(h.restored_step is not None for h in agent.control.history):
+                break
+        applied = [h for h in agent.control.history if h.rollback_seq == 1]
+        assert applied and applied[0].restored_step == 20
+        for a, b in zip(recorded[20], model.parameters()):
+            assert torch.equal(a, b.detach())
+    finally:
+        agent.close(5.0)

@@ -1,0 +1,153 @@
+"""Adaptive LR, the LR ramp, rollback targets and the escalation ladder on report sequences
+replayed through the default rules (``engine.simulate``: no I/O).
+
+The run is a closed loop: each report's update ratio is the healthy value x the user's own LR
+multiplier at that step x the lr_scale the controller had asked for after the previous report
+(what the agent applies), so the tests see what the actions do to it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from trainguard.protocol.wire import LR_SCALE_MIN, DesiredState, Report
+from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
+from trainguard.service.engine import simulate
+from trainguard.service.rules import RecoveryPolicy, default_rules_text, load_rules
+
+BASE = 1e-3
+EVERY = 10
+RULES = load_rules(default_rules_text())
+
+
+def _loop(lr_mult, n: int, *, policy: RecoveryPolicy | None = None, loss=lambda i: 2.0, snapshot_every: int | None = None,
+          seed: int = 0):
+    rng = random.Random(seed)
+    policy = policy or RULES.file.recovery
+    reports: list[Report] = []
+    steps = []
+    for i in range(n):
+        scale = steps[-1].desired.lr_scale if steps else 1.0
+        step = (i + 1) * EVERY
+        values = {"trainguard_update_ratio": BASE * lr_mult(step) * scale * (1 + 0.05 * rng.random()),
+                  "trainguard_lr_scale": scale, "trainguard_loss": loss(i),
+                  "trainguard_grad_norm_max": 1.0 + 0.05 * rng.random(), "trainguard_grad_norm": 1.0}
+        if snapshot_every is not None:
+            values["trainguard_snapshot_step"] = float(step - step % snapshot_every)
+        reports.append(Report(job="j", step_first=step - EVERY + 1, step_last=step, time=float(i), values=values))
+        steps = simulate(RULES.base, reports, world_size=1, policy=policy, snapshot_keep=4)
+    return steps
+
+
+def test_corrected_scale_is_baseline_over_measured_clamped() -> None:
+    assert corrected_scale(1.0, 40e-3, 1e-3) == pytest.approx(1 / 40)
+    assert corrected_scale(0.5, 4e-3, 1e-3) == pytest.approx(0.125)  # measured at scale 0.5
+    assert corrected_scale(1.0, 1e9, 1e-3) == LR_SCALE_MIN  # clamped to the protocol's floor
+    assert corrected_scale(0.3, 0.5e-3, 1e-3) == 0.3  # at or below the baseline: never raised
+    assert corrected_scale(1.0, math.nan, 1e-3) is None and corrected_scale(1.0, 1.0, None) is None
+    assert baseline([1.0, math.nan, 3.0, 2.0, -1.0]) == 2.0
+
+
+def test_ramp_climbs_geometrically_to_one_and_steps_back_where_it_degrades() -> None:
+    ramp = LrRamp(ramp_steps=100, stable_reports=2, degrade_ratio=1.5, min_increase=0.1)
+    assert ramp.observe(10, healthy=True, measured=1.0, base=1.0, scale=0.1) is None  # 1 healthy report
+    assert ramp.observe(20, healthy=True, measured=1.0, base=1.0, scale=0.1) is None  # the ramp starts at step 20
+    up = ramp.observe(30, healthy=True, measured=1.0, base=1.0, scale=0.1)
+    assert up is not None and up.scale == pytest.approx(0.1 * 10 ** 0.1)  # (1/0.1)^(10/100): +26 %
+    back = ramp.observe(40, healthy=True, measured=1.6, base=1.0, scale=up.scale)
+    assert back is not None and back.scale == 0.1 and ramp.held
+    assert ramp.observe(50, healthy=True, measured=1.0, base=1.0, scale=0.1) is None  # held there
+    done = LrRamp(ramp_steps=100, stable_reports=1)
+    done.observe(0, healthy=True, measured=1.0, base=1.0, scale=0.5)
+    assert done.observe(5, healthy=True, measured=1.0, base=1.0, scale=0.5) is None  # +3.5 %: not worth a change
+    assert done.observe(100, healthy=True, measured=1.0, base=1.0, scale=0.5).scale == 1.0  # reaches 1.0 exactly
+
+
+@pytest.mark.parametrize("mult", [40, 200, 1000])
+def test_persistent_lr_blowup_ends_at_a_scale_that_trains(mult: int) -> None:
+    steps = _loop(lambda s: mult if s > 300 else 1.0, 70)
+    first = next(s for s in steps if s.desired.lr_scale < 1.0)
+    assert first.step_last == 310  # acted on at the first report after the onset
+    # one report later the update ratio is back at its healthy level: scale = baseline / measured
+    assert first.desired.lr_scale == pytest.approx(1.0 / mult, rel=0.1)
+    assert "adaptive lr_scale" in first.desired.reason
+    final = steps[-1].desired
+    assert 1.0 / mult * 0.9 <= final.lr_scale <= 1.5 / mult  # the ramp stopped where it degraded
+    assert not final.paused and final.rollback_seq == 0
+
+
+def test_transient_burst_ends_back_at_one() -> None:
+    policy = RULES.file.recovery.model_copy(update={"ramp_steps": 200})
+    steps = _loop(lambda s: 10.0 if 300 < s <= 330 else 1.0, 80, policy=policy)
+    assert min(s.desired.lr_scale for s in steps) == pytest.approx(0.1, rel=0.1)
+    assert steps[-1].desired.lr_scale == 1.0
+    ramps = [d for s in steps for d in s.recovery if "ramp" in d.reason]
+    assert len(ramps) >= 5  # it climbed back step by step
+
+
+def test_nan_loss_rolls_back_to_the_newest_good_snapshot() -> None:
+    steps = _loop(lambda s: 1.0, 30, loss=lambda i: math.nan if i == 24 else 2.0, snapshot_every=50)
+    fired = steps[24]
+    assert [f.finding.rule.name for f in fired.fired if f.desired is not None] == ["loss_nonfinite"]
+    d = fired.desired
+    # snapshots at 200 (reported from step 200) and 250 (reported at 250, confirmed by 2 healthy reports)
+    assert d.rollback_seq == 1 and d.rollback_step == 200 and not d.paused
+    assert "rollback to the snapshot of step 200" in d.reason
+
+
+def test_rollback_without_a_good_snapshot_is_refused_and_pauses() -> None:
+    steps = _loop(lambda s: 1.0, 10, loss=lambda i: math.nan if i == 8 else 2.0)
+    d = steps[8].desired
+    assert d.paused and d.rollback_seq == 0
+    assert "rollback refused: the run reports no snapshot" in d.reason
+
+
+def test_ladder_escalates_from_adaptive_lr_to_rollback_to_pause() -> None:
+    # The update ratio stays high whatever the scale (the cause is not the LR): adaptive LR cannot
+    # bring it back, so the ladder takes the rollback, then pauses for a human.
+    reports: list[Report] = []
+    steps = []
+    for i in range(40):
+        step = (i + 1) * EVERY
+        ratio = BASE * (30.0 if step > 200 else 1.0)  # not scaled: the LR does not explain it
+        values = {"trainguard_update_ratio": ratio, "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0,
+                  "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step - step % 50)}
+        reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
+        steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
+    changes = [(s.step_last, d) for s in steps for d in ([f.desired for f in s.fired if f.desired] + s.recovery)]
+    kinds = []
+    prev = DesiredState()
+    for _, d in changes:
+        if d.rollback_seq > prev.rollback_seq:
+            kinds.append("rollback")
+        elif d.paused and not prev.paused:
+            kinds.append("pause")
+        elif d.lr_scale < prev.lr_scale:
+            kinds.append("adaptive_lr")
+        prev = d
+    assert kinds == ["adaptive_lr", "rollback", "pause"]
+    at = {k: s for (s, _), k in zip(changes, kinds)}
+    assert at["rollback"] - at["adaptive_lr"] == 3 * EVERY and at["pause"] - at["rollback"] == 3 * EVERY
+    final = steps[-1].desired
+    # The snapshot of step 200 was followed by no healthy report (the onset is at 201-210): not good.
+    # That of 150 was followed by two (160, 170): the newest good one.
+    assert final.paused and final.rollback_step == 150
+
+
+def test_without_an_update_ratio_the_schedules_lr_jump_sets_the_scale() -> None:
+    # The report after the onset has no update ratio (its step was skipped by the spike guard):
+    # the LR the user's schedule set (x200) against its healthy level gives the scale.
+    reports = []
+    for i in range(30):
+        step = (i + 1) * EVERY
+        jumped = step > 200
+        values = {"trainguard_loss": 2.0, "trainguard_grad_norm_max": 80.0 if jumped else 1.0,
+                  "trainguard_scheduler_lr": 2e-3 * (200 if jumped else 1), "trainguard_lr_scale": 1.0}
+        if not jumped:
+            values["trainguard_update_ratio"] = BASE
+        reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
+    steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery)
+    d = steps[20].desired
+    assert d.lr_scale == pytest.approx(1 / 200) and "the schedule's LR" in d.reason

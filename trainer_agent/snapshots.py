@@ -1,0 +1,141 @@
+"""In-memory snapshots of the training state, and the rollback that restores one.
+
+``AgentConfig(snapshot_every=N, snapshot_keep=K)``: at the end of every N-th step the agent copies
+the model's and optimizer's state dicts, the LR scheduler's and GradScaler's, and its own spike
+guard baseline into host memory, and keeps the newest K. On CUDA the copies go non-blocking into
+pinned host memory (the step is not held up by the copy; a CUDA event says when it is complete,
+and a restore waits for it); on the CPU they are plain clones. The agent tells the controller the
+step of its newest snapshot in every report (``trainguard_snapshot_step``); the controller, which
+knows which of them were followed by healthy reports, picks the target of a rollback.
+
+A ``rollback`` (the desired state's ``rollback_seq`` grew) is applied by every rank at the same
+step (the control plane's agreement): each restores the newest snapshot taken at or before the
+desired state's ``rollback_step``. Every rank takes its snapshots at the same steps, so they all
+restore the same one. The data stream is not rewound: the batches seen since the snapshot are
+skipped, as PaLM's team did by hand. The agent's step counter and its counters are not rewound
+either (they count work done); the LR scheduler is, so the schedule resumes from the snapshot.
+Snapshots newer than the restored one are dropped.
+
+Large models: pass ``snapshot_save(step) -> handle`` and ``snapshot_load(handle)`` to ``attach``
+to keep the model and optimizer state where they belong, e.g. a ``torch.distributed.checkpoint``
+directory written with ``dcp.async_save`` for sharded (FSDP) state; the agent then keeps only the
+handle (and the scheduler's, scaler's and its own small state) per snapshot. The callbacks run on
+every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Snapshot", "SnapshotStore"]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    step: int
+    model: Any
+    """The model state (host copy) or the user's save handle."""
+    optimizer: Any
+    extra: dict[str, Any]
+    """LR scheduler, GradScaler and agent state (host copies)."""
+    ready: Any = None
+    """A CUDA event recorded after the non-blocking copies (None on the CPU)."""
+
+
+def _to_host(obj: Any, pinned: bool) -> Any:
+    """A copy of ``obj`` whose tensors are host tensors that share nothing with the originals."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj.detach().clone()
+        out = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pinned)
+        out.copy_(obj.detach(), non_blocking=pinned)
+        return out
+    if isinstance(obj, dict):
+        out = type(obj)((k, _to_host(v, pinned)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module state dict's per-module versions
+            out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_to_host(v, pinned) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_host(v, pinned) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class SnapshotStore:
+    """The newest ``keep`` snapshots of ``model``/``optimizer`` and the ``extra`` state.
+
+    ``extra_state()`` returns the small state saved with each snapshot (scheduler, scaler, agent);
+    ``load_extra(state)`` restores it. ``save``/``load`` replace the host copies of the model and
+    optimizer state (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int, keep: int,
+                 extra_state: Callable[[], dict[str, Any]], load_extra: Callable[[dict[str, Any]], None],
+                 save: Callable[[int], Any] | None = None, load: Callable[[Any], None] | None = None) -> None:
+        if (save is None) != (load is None):
+            raise ValueError("snapshot_save and snapshot_load go together: give both or neither")
+        self.model, self.optimizer = model, optimizer
+        self.every, self.keep = every, keep
+        self._extra_state, self._load_extra = extra_state, load_extra
+        self._save, self._load = save, load
+        self.snapshots: deque[Snapshot] = deque(maxlen=keep)
+        self.rollbacks = 0
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._cuda = device.type == "cuda"
+
+    @property
+    def newest_step(self) -> int | None:
+        return self.snapshots[-1].step if self.snapshots else None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def take(self, step: int) -> Snapshot:
+        """Snapshot the state after ``step`` (call at the end of the step, on every rank)."""
+        pinned = self._cuda
+        if self._save is not None:
+            model_state, optim_state = self._save(step), None
+        else:
+            model_state = _to_host(self.model.state_dict(), pinned)
+            optim_state = _to_host(self.optimizer.state_dict(), pinned)
+        extra = _to_host(self._extra_state(), pinned)
+        ready = None
+        if pinned:
+            ready = torch.cuda.Event()
+            ready.record()
+        snap = Snapshot(step, model_state, optim_state, extra, ready)
+        self.snapshots.append(snap)
+        return snap
+
+    def find(self, at_or_before: int) -> Snapshot | None:
+        """The newest snapshot taken at or before step ``at_or_before``."""
+        for snap in reversed(self.snapshots):
+            if snap.step <= at_or_before:
+                return snap
+        return None
+
+    def restore(self, at_or_before: int) -> int | None:
+        """Restore the newest snapshot at or before ``at_or_before``; its step, or None when no
+        snapshot is that old (nothing is changed then). Newer snapshots are dropped."""
+        snap = self.find(at_or_before)
+        if snap is None:
+            return None
+        if snap.ready is not None:
+            snap.ready.synchronize()  # SYNC: rollback only; the snapshot's copies are complete
+        if self._load is not None:
+            self._load(snap.model)
+        else:
+            self.model.load_state_dict(snap.model)  # copies into the parameters: the snapshot stays intact
+            # The optimizer keeps references to the state tensors it is given: hand it a copy.
+            self.optimizer.load_state_dict(_to_host(snap.optimizer, False))
+        self._load_extra(copy.deepcopy(snap.extra))
+        while self.snapshots and self.snapshots[-1].step > snap.step:
+            self.snapshots.pop()
+        self.rollbacks += 1
+        return snap.step

@@ -1,0 +1,112 @@
+"""The in-rank spike guard: is this step's gradient norm far above the recent ones?
+
+In the spirit of OLMo-core's skip-step optimizer (a step whose loss or gradient norm is more than
+6 sigma over the last 128 steps is not taken), with robust statistics: the median and the median
+absolute deviation (MAD) of the global gradient norms of the last ``window`` steps *taken*. A
+step is a spike when its norm exceeds both ``median + sigmas * 1.4826 * MAD`` (1.4826 x MAD is
+the standard deviation of a normal sample) and ``min_ratio * median`` (a run whose norms barely
+move has a tiny MAD; a 10 % bump is not a spike). Nothing is decided before ``min_history`` steps
+were taken.
+
+The decision is made at ``optimizer.step`` time, from the gradient norm the agent measured at the
+end of backward (already read by the non-finite check: no extra device read). The loss of the
+step is not known then (it reaches the agent in ``end_step``, after the step), so a loss spike
+with an ordinary gradient norm is not skipped here: the controller's ``loss_spike`` rule sees it
+in the next report and acts (adaptive LR, rollback). A bad batch whose loss spikes almost always
+spikes the gradient norm too, and that is skipped here.
+
+Skipped steps do not enter the window (the baseline stays that of the healthy steps). After
+``max_consecutive`` skipped steps in a row the guard stops skipping and takes the step: a
+persistent change (e.g. the user's own LR schedule jumped) is not something skipping can fix,
+and a guard that skips forever would stall the run silently. Such a run shows in
+``trainguard_consecutive_skipped_steps`` and the controller escalates (adaptive LR, rollback,
+pause). The guard's state is the same on every rank as long as the ranks see the same global
+gradient norms (data parallelism); the ranks agree on the decision anyway (the skip flag's
+all-reduce, ``trainer_agent/actuators.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+__all__ = ["SpikeGuard", "SpikeGuardConfig"]
+
+_MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpikeGuardConfig:
+    """Thresholds of :class:`SpikeGuard`."""
+
+    window: int = 128
+    """Gradient norms of the last steps taken that make the baseline."""
+    min_history: int = 32
+    """Steps taken before the guard may skip anything."""
+    sigmas: float = 6.0
+    """A spike is more than this many robust standard deviations above the median."""
+    min_ratio: float = 5.0
+    """... and more than this multiple of the median."""
+    max_consecutive: int = 16
+    """After this many skipped steps in a row the next one is taken whatever its norm."""
+
+    def __post_init__(self) -> None:
+        if type(self.window) is not int or self.window < 4:
+            raise ValueError(f"spike window must be an int >= 4, got {self.window!r}")
+        if type(self.min_history) is not int or not 4 <= self.min_history <= self.window:
+            raise ValueError(f"spike min_history must be an int in [4, window], got {self.min_history!r}")
+        for name in ("sigmas", "min_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
+                raise ValueError(f"spike {name} must be a finite number >= 1, got {v!r}")
+        if type(self.max_consecutive) is not int or self.max_consecutive < 1:
+            raise ValueError(f"spike max_consecutive must be a positive int, got {self.max_consecutive!r}")
+
+
+class SpikeGuard:
+    """Rolling robust baseline of the gradient norms of the steps taken; pure host code."""
+
+    def __init__(self, config: SpikeGuardConfig | None = None) -> None:
+        self.config = config or SpikeGuardConfig()
+        self._norms: deque[float] = deque(maxlen=self.config.window)
+        self.consecutive = 0
+        """Steps skipped in a row (any reason), reset by a step taken."""
+
+    def threshold(self) -> float:
+        """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
+        cfg = self.config
+        if len(self._norms) < cfg.min_history:
+            return math.inf
+        m = median(self._norms)
+        mad = median(abs(x - m) for x in self._norms)
+        return max(m + cfg.sigmas * _MAD_TO_SIGMA * mad, cfg.min_ratio * m)
+
+    def is_spike(self, norm: float) -> bool:
+        """True when the step with this (finite) global gradient norm should not be taken."""
+        if self.consecutive >= self.config.max_consecutive:
+            return False
+        return norm > self.threshold()
+
+    def taken(self, norm: float) -> None:
+        """The step was taken: its norm joins the baseline (a non-finite one does not)."""
+        self.consecutive = 0
+        if math.isfinite(norm):
+            self._norms.append(norm)
+
+    def skipped(self) -> None:
+        self.consecutive += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": list(self._norms), "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            norms = [float(x) for x in state["norms"]]
+            consecutive = int(state["consecutive"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed spike guard state: {exc!r}") from None
+        self._norms = deque(norms[-self.config.window:], maxlen=self.config.window)
+        self.consecutive = max(consecutive, 0)
