@@ -50,8 +50,10 @@ def test_skipped_norms_stay_out_of_the_baseline_and_skips_in_a_row_are_bounded()
             guard.skipped()
         else:
             guard.taken(50.0)
-    assert decisions == [True, True, True, False, True]  # the 4th is taken: 3 in a row is the bound
-    assert guard.threshold() != before  # the taken one joined the baseline
+    assert decisions == [True, True, True, False, False]  # the 4th is taken: 3 in a row is the bound
+    # ... and it starts a new baseline (a level shift): nothing is skipped until min_history steps
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [50.0, 50.0]
+    assert guard.threshold() != before
     guard.taken(float("nan"))  # a non-finite norm never joins it
     assert all(math.isfinite(x) for x in guard.state_dict()["norms"])
 
