@@ -393,6 +393,13 @@ class Agent:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
         device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
+        if self.snapshots is not None and self.snapshots.due(self.step + 1):
+            # Before this step's report is built: the report names the snapshot of its own step.
+            try:
+                skip = getattr(self.control, "skip", None)
+                self.snapshots.take_unless_skipped(self.step + 1, skip.skipped if skip is not None else 0)
+            except Exception as exc:
+                self._error("snapshot", exc)
         t0 = self._clock()
         agreed: list[int] | None = None
         try:
@@ -416,12 +423,6 @@ class Agent:
                 self._error("memory_trace", exc)
                 self._memory_trace.stop()
                 self._memory_trace = None
-        if self.snapshots is not None and self.snapshots.due(self.step):
-            try:
-                skip = getattr(self.control, "skip", None)
-                self.snapshots.take_unless_skipped(self.step, skip.skipped if skip is not None else 0)
-            except Exception as exc:
-                self._error("snapshot", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
