@@ -275,7 +275,8 @@ class RunRecovery:
             if new.rollback_seq > prev_desired.rollback_seq:
                 self._drop_snapshots_after(new.rollback_step)
             prev_desired = new
-        if p.enabled and not healthy and self._skipped_now and "skip" in p.ladder:
+        if p.enabled and not healthy and self._skipped_now and "skip" in p.ladder and not desired.paused:
+            # (a paused run is a human's: no incident opens on the reports it sends while paused)
             why = f"the agent skipped {self._skipped_now} step(s) it did not trust"
             if self.open is None:
                 self._open(step, now, "skip")

@@ -204,7 +204,7 @@ def test_skip_nonfinite_skips_the_same_step_on_every_rank(mode: str, world: int,
     for r in ranks:
         assert r["changed"] == [True, True, False, True]
         assert r["finite"]
-        assert r["latest"]["trainguard_skipped_steps_total"] == 1.0
+        assert r["latest"]['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
         assert r["latest"]["trainguard_agent_errors_total"] == 0.0
 
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.control.dist_worker import BASE_LR, lr_lambda
-from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, operator_only_rules, until
 
 pytestmark = pytest.mark.distributed
 
@@ -125,9 +125,17 @@ def test_random_commands_apply_at_the_same_step_on_every_rank(
 
 
 @pytest.mark.timeout(600)
-def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(
-    controller: ControllerProcess, tmp_path: Path
-) -> None:
+def test_nan_pauses_run_longer_than_the_group_timeout_until_an_operator_resumes(tmp_path: Path) -> None:
+    # A controller whose rules pause on a NaN loss (the built-in ones roll back, or let the
+    # agent's skip stand): the pause is what this test holds longer than the group's timeout.
+    controller = ControllerProcess(tmp_path / "trainguard.db", rules=operator_only_rules(tmp_path)).start()
+    try:
+        _nan_pause(controller, tmp_path)
+    finally:
+        controller.kill()
+
+
+def _nan_pause(controller: ControllerProcess, tmp_path: Path) -> None:
     timeout_s, run, nan_step = 2.0, "e2e-nan-pause", 6
     ranks = Ranks(2, {"scenario": "pause", "controller": controller.url, "prefix": run, "max_steps": 16,
                       "nan_step": nan_step, "skip_nonfinite": True, "pg_timeout_s": timeout_s,

@@ -34,7 +34,7 @@ def _step(model, opt, sched, agent, g) -> float:
     if sched is not None:
         sched.step()
     agent.end_step(loss.detach())
-    return float(loss)
+    return float(loss.detach())
 
 
 def test_operator_rollback_goes_to_the_newest_good_snapshot(controller: ControllerProcess) -> None:
@@ -57,17 +57,18 @@ def test_operator_rollback_goes_to_the_newest_good_snapshot(controller: Controll
                 recorded[step] = [p.detach().clone() for p in model.parameters()]
         assert until(lambda: controller.run_detail(run)["last_step"] == 40, 10.0)
         inc = httpx.get(f"{controller.url}/v1/runs/{run}/incidents", timeout=10).json()
-        # A snapshot is taken at the end of its step, after that step's report: the report of step 40
-        # carries 30 (first carried by the report of 35, followed by one healthy report: not good yet).
-        assert inc["snapshots"] == [{"step": 10, "good": True}, {"step": 20, "good": True}, {"step": 30, "good": False}]
-        assert controller.command(run, "rollback")["desired"]["rollback_step"] == 20
+        # The report of a step names the snapshot of that step. Three kept, spaced out (40, then the
+        # multiple of 20 below it, then the newest of the rest); a snapshot is good after 2 healthy
+        # reports: 20 (reports 25, 30) and 30 (35, 40), not yet 40.
+        assert inc["snapshots"] == [{"step": 20, "good": True}, {"step": 30, "good": True}, {"step": 40, "good": False}]
+        assert controller.command(run, "rollback")["desired"]["rollback_step"] == 30
         for _ in range(200):
             _step(model, opt, None, agent, g)
             if any(h.restored_step is not None for h in agent.control.history):
                 break
         applied = [h for h in agent.control.history if h.rollback_seq == 1]
-        assert applied and applied[0].restored_step == 20
-        for a, b in zip(recorded[20], model.parameters()):
+        assert applied and applied[0].restored_step == 30
+        for a, b in zip(recorded[30], model.parameters()):
             assert torch.equal(a, b.detach())
     finally:
         agent.close(5.0)

@@ -172,7 +172,7 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
     agent = ta.attach(model, optimizer, job=JOB, run=RUN, scaler=scaler, data_monitor=monitor,
                       controller=stack["controller"], token=stack["agent"],
                       config=ta.AgentConfig(report_every=1, metrics_port=0, update_ratio="every",
-                                            skip_nonfinite=True))
+                                            skip_nonfinite=True, snapshot_every=10))
     # The sequences come through the agent's own sharded reader (so its panel has data): random
     # token sequences written into shards, read back in a seeded order, watched by the agent.
     from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
@@ -191,6 +191,19 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
 
     stream = iter(QualityFilter(samples(), registry=agent.registry,
                                 labels={"job": JOB, "run": RUN, "rank": "0"}))
+    # The bursts may start an incident; with snapshots the recovery ladder can roll back. Should it
+    # still page a human (pause), this thread is the human: the loop would otherwise wait in
+    # end_step, and this test is about the dashboards.
+    done = threading.Event()
+
+    def resume_if_paused() -> None:
+        while not done.wait(0.5):
+            status, desired = _request("GET", f"{stack['controller']}/v1/runs/{RUN}/desired", stack["agent"])
+            if status == 200 and desired.get("paused"):
+                _request("POST", f"{stack['controller']}/v1/runs/{RUN}/resume", stack["operator"],
+                         {"reason": "integration test: the human resumes"})
+
+    threading.Thread(target=resume_if_paused, daemon=True).start()
     start = time.time()
     step = 0
     grad_norms: set[float] = set()
@@ -230,6 +243,7 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
             assert 400 <= status < 500, body
             commanded_at = time.time()
         time.sleep(0.02)  # ~30 steps/s: many scrapes see many different steps
+    done.set()
     assert step > 50
     return start, time.time(), agent, grad_norms
 
@@ -365,12 +379,21 @@ def test_every_panel_and_recording_rule_returns_data(stack):
         latest = agent.latest()
         step_now = _query_range(prom, f'trainguard_step{{run="{RUN}"}}', time.time() - 2, time.time())
         assert float(step_now[0]["values"][-1][1]) == latest["trainguard_step"]  # training has stopped
-        # The operator set 0.5; the controller's grad-norm spike rule may have halved it since.
+        # The operator set 0.5; the controller's rules and recovery may have lowered it since (and
+        # their ramp climbs back to 0.5 at most). Prometheus shows what the rank applied last; the
+        # controller's desired state may be one generation ahead (sent after the last step).
         status, desired = _request("GET", f"{stack['controller']}/v1/runs/{RUN}/desired", stack["agent"])
         assert status == 200, desired
-        scales = _query_range(prom, f'trainguard_lr_scale{{run="{RUN}"}}', start, time.time())
-        seen = [float(v) for _, v in scales[0]["values"]]
-        assert seen[-1] == desired["lr_scale"] <= 0.5
+        deadline = time.monotonic() + 30  # the final step's change may land after its scrape: the next one has it
+        while True:
+            scales = _query_range(prom, f'trainguard_lr_scale{{run="{RUN}"}}', start, time.time())
+            seen = [float(v) for _, v in scales[0]["values"]]
+            if seen[-1] == latest["trainguard_lr_scale"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert seen[-1] == latest["trainguard_lr_scale"] <= 0.5 and desired["lr_scale"] <= 0.5
+        if desired["generation"] == latest["trainguard_applied_generation"]:
+            assert desired["lr_scale"] == seen[-1]
         firing = _query_range(prom, f'ALERTS{{alertname="TrainguardDataDuplicates", alertstate="firing", run="{RUN}"}}',
                               start, time.time())
         assert firing and firing[0]["metric"]["trainguard_action"] == "notify"
