@@ -96,6 +96,13 @@ class RunState:
             "preflight": st.preflight,
         }
 
+    def incidents(self) -> dict[str, Any]:
+        """The run's incidents, newest first (onset, rungs, outcome), and the snapshots the
+        controller holds for it (``GET /v1/runs/{run}/incidents``, the console's run page)."""
+        rec = self.recovery
+        return {"incidents": [i.as_dict() for i in reversed(rec.incidents)],
+                "snapshots": [{"step": s.step, "good": s.good(rec.policy.snapshot_confirm_reports)} for s in rec.snapshots]}
+
     def firing_absence(self) -> list[str]:
         return [name for name, a in self.firing.items() if a["kind"] == "absence"]
 

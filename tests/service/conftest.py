@@ -167,15 +167,17 @@ def serve() -> Iterator[Callable[..., Served]]:
 LADDER_STEPS = {"adaptive_lr": 5, "rollback": 8, "pause": 11}
 
 
-def climb_ladder(client: Any, run: str = "run-1", job: str = "job-a", *, until: int = 11) -> None:
-    """Drive one incident of ``run`` up the default rules' ladder with reports up to step
-    ``until``: healthy reports that make the snapshot of step 2 good (steps 1-4), then a gradient
+def climb_ladder(client: Any, run: str = "run-1", job: str = "job-a", *, first: int = 1, until: int = 11,
+                 headers: dict[str, str] | None = None) -> None:
+    """Drive one incident of ``run`` up the default rules' ladder with the reports of steps
+    ``first`` to ``until``: healthy reports that make the snapshot of step 2 good (steps 1-4), then a gradient
     norm above the limit from step 5 on. The rule's adaptive LR opens the incident at step 5; with
     the signals not back after 3 reports the ladder rolls back to step 2 (step 8), then pauses
-    (step 11): escalated. ``client``: a TestClient or an httpx client of the controller."""
-    for step in range(1, until + 1):
+    (step 11): escalated. ``client``: a TestClient or an httpx client of the controller; ``headers``
+    (e.g. an agent token's) go with every report."""
+    for step in range(first, until + 1):
         grad = 1.0 if step < LADDER_STEPS["adaptive_lr"] else 3000.0
         body = {"job": job, "step_first": step, "step_last": step, "time": float(step),
                 "values": {"trainguard_grad_norm_max": grad, "trainguard_snapshot_step": 2.0 if step >= 2 else 0.0}}
-        resp = client.post(f"/v1/runs/{run}/reports", json=body)
+        resp = client.post(f"/v1/runs/{run}/reports", json=body, headers=headers or {})
         assert resp.status_code == 200, resp.text

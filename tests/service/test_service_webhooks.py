@@ -30,8 +30,8 @@ def _report(values):
 
 
 def _notify_only(c) -> None:
-    """The default rules with every action but notify removed: an alert opens no incident, so it
-    is the one message a webhook gets."""
+    """The default rules with the gradient rules only notifying: their alert changes nothing, opens
+    no incident, and is the one message a webhook gets."""
     text = default_rules_text()
     assert "actions: [adaptive_lr, notify]" in text
     assert c.put("/v1/rules", content=text.replace("actions: [adaptive_lr, notify]", "actions: [notify]")).status_code == 200
