@@ -15,10 +15,11 @@ A ×40 LR from the user's own schedule gives a ×40 update ratio and a scale of 
 next report tells whether it was enough (if not, the action fires again and corrects again).
 
 **Ramp back once stable.** After ``stable_reports`` healthy reports in a row, the scale grows
-geometrically towards 1.0, reaching it after ``ramp_steps`` steps (the factor per report follows
+geometrically towards its ceiling (1.0, or the scale an operator set), reaching it after ``ramp_steps`` steps (the factor per report follows
 the steps the report covered). When the metric comes back above ``degrade_ratio`` x baseline the
 ramp steps back to the last scale that was healthy and holds there: a persistent cause (the user's
-schedule stays ×1000) ends at a scale that trains, a transient one (a burst of bad data) ends at 1.0.
+schedule stays ×1000) ends at a scale that trains, a transient one (a burst of bad data) ends back
+at the ceiling.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class RampStep:
 class LrRamp:
     """The ramp of ``lr_scale`` back towards 1.0 (one per run).
 
-    :meth:`observe` takes each report's (step, healthy, metric value, baseline, current scale)
-    and returns the :class:`RampStep` to apply, if any. The ramp's target follows the steps since
-    it started: ``start x (1 / start) ** (steps / ramp_steps)``, reaching 1.0 after ``ramp_steps``;
-    a change is asked for when the target is ``min_increase`` above the current scale (or 1.0),
+    :meth:`observe` takes each report's (step, healthy, metric value, baseline, current scale,
+    ceiling) and returns the :class:`RampStep` to apply, if any. The ramp's target follows the
+    steps since it started: ``start x (ceiling / start) ** (steps / ramp_steps)``, reaching the
+    ceiling after ``ramp_steps``; a change is asked for when the target is ``min_increase`` above
+    the current scale (or the ceiling),
     so a slow ramp does not make a new desired state on every report. :meth:`reset` is called
     whenever the scale is set by something else (a rule, an operator, a rung)."""
 
@@ -85,7 +87,7 @@ class LrRamp:
         self.held = False
 
     def observe(self, step: int, *, healthy: bool, measured: float | None, base: float | None,
-                scale: float) -> RampStep | None:
+                scale: float, ceiling: float = 1.0) -> RampStep | None:
         degraded = measured is not None and (not math.isfinite(measured) or (
             base is not None and measured > self.degrade_ratio * base))
         if not healthy or degraded:
@@ -98,17 +100,17 @@ class LrRamp:
                                                       f"back to {self.last_good_scale:.4g}, held")
             return None
         self.healthy_in_a_row += 1
-        if scale >= 1.0 or self.held:
+        if scale >= ceiling or self.held:
             return None
         self.last_good_scale = scale
         if self.healthy_in_a_row < self.stable_reports:
             return None
         if self.start_scale is None:
             self.start_scale, self.start_step = scale, step
-        target = min(1.0, self.start_scale * (1.0 / self.start_scale) ** ((step - self.start_step) / self.ramp_steps))
-        if target < 1.0 and target < scale * (1.0 + self.min_increase):
+        target = min(ceiling, self.start_scale * (ceiling / self.start_scale) ** ((step - self.start_step) / self.ramp_steps))
+        if target < ceiling and target < scale * (1.0 + self.min_increase):
             return None
-        return RampStep(target, f"lr_scale ramp towards 1.0 ({self.healthy_in_a_row} healthy reports): "
+        return RampStep(target, f"lr_scale ramp towards {ceiling:g} ({self.healthy_in_a_row} healthy reports): "
                                 f"{scale:.4g} -> {target:.4g}")
 
 

@@ -30,7 +30,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
-from trainguard.service.incidents import RecoveryChange, RunRecovery, snapshot_keep
+from trainguard.service.incidents import RecoveryChange, RunRecovery, snapshot_policy
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
@@ -291,7 +291,7 @@ class Controller:
             tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                       registered_at=now, live_since=now,  # a restarted job is live again, finished or not
                       finished_at=None, finished_step=None, finish_reason="")
-            st.recovery.snapshot_keep = snapshot_keep(reg.config)
+            st.recovery.snapshot_every, st.recovery.snapshot_keep = snapshot_policy(reg.config)
         generation = 0 if st is None else st.desired.generation
 
         def op(c: sqlite3.Connection) -> Written:
@@ -338,7 +338,7 @@ class Controller:
             window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
                              world_size=reg.world_size, created=now),
             desired=d, published=d, published_json=d.model_dump_json().encode(),
-            recovery=RunRecovery(snapshot_keep=snapshot_keep(reg.config)),
+            recovery=RunRecovery.for_config(reg.config),
         )
 
     # == reports ======================================================================================
@@ -629,8 +629,12 @@ class Controller:
         body = json.dumps({"run": run, "command": command, "changed": new is not None,
                            "desired": (new or before).model_dump()}).encode()
         tx = Transaction()
+        operator_scale = source == "operator" and new is not None and new.lr_scale != before.lr_scale
         if new is not None:
             tx.assign(st, desired=new)
+        if operator_scale:
+            # A person set the scale: recovery's ramp climbs back to it, never above it.
+            tx.assign(st.recovery, ceiling=new.lr_scale)
         unpaused = new is not None and live(new) and not live(before)
         if unpaused:
             tx.assign(st, live_since=now)  # the run reports again from now on: absence counts from here
@@ -655,6 +659,8 @@ class Controller:
 
         def after(_: Written) -> None:
             st.forget_alerts(resolve_absence)
+            if operator_scale:
+                st.recovery.ramp.reset()
             if new is not None:
                 self._count_actions(before, new, source)
                 st.publish(new)

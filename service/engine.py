@@ -285,7 +285,8 @@ class SimStep:
 
 def simulate(
     rules: tuple[Any, ...], reports: list[Report], *, world_size: int, desired: DesiredState | None = None,
-    capacity: int = 128, rank_capacity: int = 8, policy: Any = None, snapshot_keep: int = 2,
+    capacity: int = 128, rank_capacity: int = 8, policy: Any = None, snapshot_every: int | None = None,
+    snapshot_keep: int = 3,
 ) -> list[SimStep]:
     """Replay ``reports`` (in order, ``report.time`` as the clock) through ``rules``.
 
@@ -302,7 +303,8 @@ def simulate(
         return []
     window = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world_size, created=reports[0].time)
     book = AlertBook()
-    recovery = RunRecovery(policy, snapshot_keep=snapshot_keep)
+    # The scale in force at the start is the operator's (the ramp climbs back to it, never above).
+    recovery = RunRecovery(policy, snapshot_every=snapshot_every, snapshot_keep=snapshot_keep, ceiling=desired.lr_scale)
     absence = tuple(r for r in rules if isinstance(r, AbsenceRule))
     steps = []
     for i, report in enumerate(reports):

@@ -10,8 +10,9 @@ signals are *back* when the report is healthy and the ``metric`` (the update rat
 user set it up): so it stays the pre-onset value while a reduced scale is in force.
 
 **Snapshots.** Every report carries ``trainguard_snapshot_step``, the agent's newest in-memory
-snapshot. The controller keeps the last ``snapshot_keep`` (the run's registration config) of
-those steps, as the agent does. A snapshot becomes *good* after ``snapshot_confirm_reports``
+snapshot. The controller keeps the steps the agent keeps: ``snapshot_keep`` of them (the run's
+registration config), spaced out by ``trainguard/protocol/retention.py`` as the agent spaces
+them. A snapshot becomes *good* after ``snapshot_confirm_reports``
 healthy reports following the one that first carried it; an unhealthy report before then taints
 it for good (the anomaly may have begun before it was taken). A rollback goes to the newest good
 snapshot: taken before the onset by construction. With none, it is refused with the reason.
@@ -19,13 +20,16 @@ snapshot: taken before the onset by construction. With none, it is refused with 
 **Incidents and the ladder** (``recovery`` section of the rules file). An incident opens when a
 rule's actions change the desired state, or when a report shows the agent's spike guard skipping
 steps in a row (the ladder's first rung, ``skip``, taken by the agent itself). While it is open,
-each rung gets ``window_reports`` unhealthy reports to work; then the next rung of the ladder is
+each rung gets ``window_reports`` unhealthy reports and ``window_steps`` steps to work (whichever
+is later: a run reporting every step still gets ``window_steps`` steps); then the next rung of the ladder is
 taken: ``adaptive_lr`` (scale from the measurement), ``rollback`` (with ``rollback_lr_factor``),
 ``pause`` (and a human is paged: the incident ends *escalated*). ``recover_reports`` healthy
 reports in a row end it *recovered*. Every rung is a desired-state change with its reason.
 
-**Ramp.** Outside incidents, ``service/adaptive_lr.LrRamp`` brings a reduced ``lr_scale`` back
-towards 1.0 while the reports stay healthy.
+**Ramp.** Outside incidents, ``service/adaptive_lr.LrRamp`` brings a ``lr_scale`` that rules or
+rungs reduced back up while the reports stay healthy: up to the scale an operator set last
+(:attr:`RunRecovery.ceiling`, 1.0 until an operator sets one), never above it. An operator's
+``lr_scale`` is theirs to change; recovery only undoes its own reductions.
 
 The record is in memory (and in the audit events the controller writes for every rung and
 outcome); a controller restart starts it afresh.
@@ -40,12 +44,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
 from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
 from trainguard.service.engine import apply_actions
 from trainguard.service.rules import AdaptiveLrAction, PauseAction, RecoveryPolicy, RollbackAction
 
-__all__ = ["Incident", "RunRecovery", "RecoveryChange", "rungs_of", "snapshot_keep"]
+__all__ = ["Incident", "RunRecovery", "RecoveryChange", "rungs_of", "snapshot_policy"]
 
 _ids = itertools.count(1)
 
@@ -79,10 +84,12 @@ class RecoveryChange:
     """``recovery:ladder`` or ``recovery:ramp``."""
 
 
-def snapshot_keep(config: dict[str, Any]) -> int:
-    """The snapshots a run keeps, from its registration config (the agent sends its own)."""
-    v = config.get("snapshot_keep")
-    return v if type(v) is int and 1 <= v <= 1_000_000 else 2
+def snapshot_policy(config: dict[str, Any]) -> tuple[int | None, int]:
+    """(every, keep) of a run's snapshots, from its registration config (the agent sends its
+    own; ``every`` None when it is not known)."""
+    every, keep = config.get("snapshot_every"), config.get("snapshot_keep")
+    return (every if type(every) is int and 1 <= every <= 1 << 40 else None,
+            keep if type(keep) is int and 1 <= keep <= 1024 else 3)
 
 
 def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
@@ -110,9 +117,14 @@ class _Snap:
 class RunRecovery:
     """The recovery state of one run (see the module docstring)."""
 
-    def __init__(self, policy: RecoveryPolicy | None = None, *, snapshot_keep: int = 2) -> None:
+    def __init__(self, policy: RecoveryPolicy | None = None, *, snapshot_every: int | None = None,
+                 snapshot_keep: int = 3, ceiling: float = 1.0) -> None:
         self.policy = policy or RecoveryPolicy()
+        self.snapshot_every = snapshot_every
         self.snapshot_keep = max(int(snapshot_keep), 1)
+        self.ceiling = ceiling
+        """The ``lr_scale`` an operator set last: the ramp climbs back to it, never above."""
+        self._rung_step = 0
         self.snapshots: deque[_Snap] = deque()
         self.incidents: deque[Incident] = deque(maxlen=100)
         self.open: Incident | None = None
@@ -125,6 +137,14 @@ class RunRecovery:
         self._lr: float | None = None
         self._healthy_lr: deque[float] = deque(maxlen=self.policy.baseline_reports)
         self.ramp = self._new_ramp()
+
+    @classmethod
+    def for_config(cls, config: dict[str, Any], *, ceiling: float = 1.0) -> "RunRecovery":
+        """The recovery state of a run registered with ``config``. ``ceiling``: the ``lr_scale``
+        in force when the state is (re)built, e.g. after a controller restart (who set it is not
+        known then, so recovery never raises the scale above it)."""
+        every, keep = snapshot_policy(config)
+        return cls(snapshot_every=every, snapshot_keep=keep, ceiling=ceiling)
 
     def _new_ramp(self) -> LrRamp:
         p = self.policy
@@ -139,7 +159,7 @@ class RunRecovery:
     def save(self) -> dict[str, Any]:
         """Everything mutable, for an undo (``Transaction.on_rollback``)."""
         return {k: copy.deepcopy(getattr(self, k)) for k in (
-            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_healthy_in_a_row", "_last_step",
+            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_rung_step", "_healthy_in_a_row", "_last_step",
             "_measured", "_measured_scale", "_lr", "_healthy_lr", "ramp")} | {"open_id": self.open.id if self.open else None}
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -249,21 +269,23 @@ class RunRecovery:
             else:
                 self._healthy_in_a_row = 0
                 self._reports_since_rung += 1
-                if p.enabled and self._reports_since_rung >= p.window_reports:
+                if (p.enabled and self._reports_since_rung >= p.window_reports
+                        and step - self._rung_step >= p.window_steps):
                     change = self._escalate(step, now, desired)
                     if change is not None:
                         changes.append(change)
                         desired = change.desired
             self.ramp.reset()
         elif p.enabled and not fired:
-            ramp = self.ramp.observe(step, healthy=healthy, measured=measured, base=self.baseline(), scale=desired.lr_scale)
+            ramp = self.ramp.observe(step, healthy=healthy, measured=measured, base=self.baseline(),
+                                     scale=desired.lr_scale, ceiling=self.ceiling)
             if ramp is not None:
                 new = desired.model_copy(update={"generation": desired.generation + 1, "reason": ramp.reason,
                                                  "lr_scale": min(max(ramp.scale, LR_SCALE_MIN), LR_SCALE_MAX)})
                 changes.append(RecoveryChange(new, "recovery:ramp"))
         elif fired:
             self.ramp.reset()
-        if healthy and self.open is None and desired.lr_scale == 1.0 and not changes:
+        if healthy and self.open is None and desired.lr_scale == self.ceiling and not changes:
             if measured is not None and math.isfinite(measured) and measured > 0:
                 self._healthy_metric.append(measured)
             if self._lr is not None:
@@ -288,6 +310,9 @@ class RunRecovery:
         self._drop_snapshots_after(newest)
         if not self.snapshots or self.snapshots[-1].step < newest:
             self.snapshots.append(_Snap(newest))
+            if self.snapshot_every is not None:
+                keep = set(retained((s.step for s in self.snapshots), every=self.snapshot_every, keep=self.snapshot_keep))
+                self.snapshots = deque(s for s in self.snapshots if s.step in keep)
             while len(self.snapshots) > self.snapshot_keep:
                 self.snapshots.popleft()
 
@@ -301,6 +326,7 @@ class RunRecovery:
         self.incidents.append(self.open)
         self._healthy_in_a_row = 0
         self._reports_since_rung = 0
+        self._rung_step = step
 
     def _rung(self, rung: str, step: int, now: float, actor: str, desired: DesiredState | None, reason: str = "") -> None:
         assert self.open is not None
@@ -308,6 +334,7 @@ class RunRecovery:
                                 "reason": desired.reason if desired is not None else reason,
                                 "generation": desired.generation if desired is not None else None})
         self._reports_since_rung = 0
+        self._rung_step = step
         if rung == "pause":
             self._close("escalated", step, now)
 

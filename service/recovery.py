@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from trainguard.service import statements as sql
 from trainguard.service.config import Settings
-from trainguard.service.incidents import RunRecovery, snapshot_keep as _snapshot_keep
+from trainguard.service.incidents import RunRecovery
 from trainguard.service.rules import RuleSet
 from trainguard.service.runstate import RunState
 from trainguard.service.store import Store
@@ -58,7 +58,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         published=desired, published_json=desired.model_dump_json().encode(),
         applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
         finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
-        recovery=RunRecovery(snapshot_keep=_snapshot_keep(json.loads(row["config"]))),
+        recovery=RunRecovery.for_config(json.loads(row["config"]), ceiling=desired.lr_scale),
     )
     reports = store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
     window.count = max((row["last_seq"] or 0) - len(reports), 0)

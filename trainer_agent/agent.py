@@ -418,7 +418,8 @@ class Agent:
                 self._memory_trace = None
         if self.snapshots is not None and self.snapshots.due(self.step):
             try:
-                self.snapshots.take(self.step)
+                skip = getattr(self.control, "skip", None)
+                self.snapshots.take_unless_skipped(self.step, skip.skipped if skip is not None else 0)
             except Exception as exc:
                 self._error("snapshot", exc)
         if self.control is not None:

@@ -127,9 +127,13 @@ class AgentConfig:
     scheduler, GradScaler, the agent's own state) that a ``rollback`` from the controller
     restores (``trainer_agent/snapshots.py``). ``None``: no snapshots, a rollback is refused."""
 
-    snapshot_keep: int = 2
-    """Snapshots kept (the newest ones); each costs host memory of the model's and optimizer's
-    size."""
+    snapshot_keep: int = 3
+    """Snapshots kept, spaced out geometrically (the newest, then gaps of up to 2, 4, 8... x
+    ``snapshot_every``; ``trainguard/protocol/retention.py``): the oldest is
+    ``(2**(keep-1) - 1)`` to twice that many intervals old. Choose it so that this covers an
+    incident from its onset to the controller's rollback rung (detection, then the ladder's
+    windows). Each costs host memory of the model's and optimizer's size (or, with
+    ``snapshot_save``, whatever the user's save keeps)."""
 
     request_timeout_s: float = 2.0
     """Timeout of every request to the controller, in seconds."""

@@ -2,7 +2,11 @@
 
 ``AgentConfig(snapshot_every=N, snapshot_keep=K)``: at the end of every N-th step the agent copies
 the model's and optimizer's state dicts, the LR scheduler's and GradScaler's, and its own spike
-guard baseline into host memory, and keeps the newest K. On CUDA the copies go non-blocking into
+guard baseline into host memory, and keeps K of them spaced out geometrically (the newest, then
+gaps of up to 2N, 4N, 8N...: ``trainguard/protocol/retention.py``), so that a rollback can still
+reach back before an incident that lasted longer than K x N steps. No snapshot is taken at the end
+of a snapshot interval in which the agent skipped a step (a gradient spike or a non-finite step):
+that state is suspect, and the older snapshots stay. On CUDA the copies go non-blocking into
 pinned host memory (the step is not held up by the copy; a CUDA event says when it is complete,
 and a restore waits for it); on the CPU they are plain clones. The agent tells the controller the
 step of its newest snapshot in every report (``trainguard_snapshot_step``); the controller, which
@@ -26,12 +30,13 @@ every rank at the same step.
 from __future__ import annotations
 
 import copy
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainguard.protocol.retention import retained
 
 __all__ = ["Snapshot", "SnapshotStore"]
 
@@ -69,7 +74,8 @@ def _to_host(obj: Any, pinned: bool) -> Any:
 
 
 class SnapshotStore:
-    """The newest ``keep`` snapshots of ``model``/``optimizer`` and the ``extra`` state.
+    """``keep`` snapshots of ``model``/``optimizer`` and the ``extra`` state, spaced out as
+    :func:`~trainguard.protocol.retention.retained` says.
 
     ``extra_state()`` returns the small state saved with each snapshot (scheduler, scaler, agent);
     ``load_extra(state)`` restores it. ``save``/``load`` replace the host copies of the model and
@@ -84,8 +90,12 @@ class SnapshotStore:
         self.every, self.keep = every, keep
         self._extra_state, self._load_extra = extra_state, load_extra
         self._save, self._load = save, load
-        self.snapshots: deque[Snapshot] = deque(maxlen=keep)
+        self.snapshots: list[Snapshot] = []
+        """Oldest first."""
         self.rollbacks = 0
+        self.withheld = 0
+        """Snapshots not taken because a step of their interval was skipped."""
+        self._skipped_at_due = 0
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._cuda = device.type == "cuda"
 
@@ -95,6 +105,16 @@ class SnapshotStore:
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+    def take_unless_skipped(self, step: int, skipped_total: int) -> Snapshot | None:
+        """Take the snapshot of ``step`` unless a step was skipped since the last one was due
+        (``skipped_total``: the agent's skipped steps so far; the same on every rank, the skip
+        decision being agreed)."""
+        last, self._skipped_at_due = self._skipped_at_due, skipped_total
+        if skipped_total != last:
+            self.withheld += 1
+            return None
+        return self.take(step)
 
     def take(self, step: int) -> Snapshot:
         """Snapshot the state after ``step`` (call at the end of the step, on every rank)."""
@@ -110,7 +130,9 @@ class SnapshotStore:
             ready = torch.cuda.Event()
             ready.record()
         snap = Snapshot(step, model_state, optim_state, extra, ready)
-        self.snapshots.append(snap)
+        self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
+        keep = set(retained((s.step for s in self.snapshots), every=self.every, keep=self.keep))
+        self.snapshots = [s for s in self.snapshots if s.step in keep]
         return snap
 
     def find(self, at_or_before: int) -> Snapshot | None:

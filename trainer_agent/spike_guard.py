@@ -17,8 +17,11 @@ spikes the gradient norm too, and that is skipped here.
 
 Skipped steps do not enter the window (the baseline stays that of the healthy steps). After
 ``max_consecutive`` skipped steps in a row the guard stops skipping and takes the step: a
-persistent change (e.g. the user's own LR schedule jumped) is not something skipping can fix,
-and a guard that skips forever would stall the run silently. Such a run shows in
+persistent change (e.g. the user's own LR schedule jumped, or the data mixture changed) is not
+something skipping can fix, and a guard that skips forever would stall the run silently. The
+guard then starts its baseline afresh from the steps that follow (a new regime: nothing is skipped
+for ``min_history`` steps), so a level shift costs ``max_consecutive`` skipped steps, not the
+hundreds of steps it would take a robust median to move. Such a run shows in
 ``trainguard_consecutive_skipped_steps`` and the controller escalates (adaptive LR, rollback,
 pause). The guard's state is the same on every rank as long as the ranks see the same global
 gradient norms (data parallelism); the ranks agree on the decision anyway (the skip flag's
@@ -74,6 +77,8 @@ class SpikeGuard:
         self._norms: deque[float] = deque(maxlen=self.config.window)
         self.consecutive = 0
         """Steps skipped in a row (any reason), reset by a step taken."""
+        self.restarts = 0
+        """Baselines started afresh after ``max_consecutive`` skips in a row."""
 
     def threshold(self) -> float:
         """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
@@ -91,7 +96,11 @@ class SpikeGuard:
         return norm > self.threshold()
 
     def taken(self, norm: float) -> None:
-        """The step was taken: its norm joins the baseline (a non-finite one does not)."""
+        """The step was taken: its norm joins the baseline (a non-finite one does not). Taken
+        after ``max_consecutive`` skips, it starts a new baseline."""
+        if self.consecutive >= self.config.max_consecutive:
+            self._norms.clear()
+            self.restarts += 1
         self.consecutive = 0
         if math.isfinite(norm):
             self._norms.append(norm)

@@ -50,8 +50,10 @@ def test_skipped_norms_stay_out_of_the_baseline_and_skips_in_a_row_are_bounded()
             guard.skipped()
         else:
             guard.taken(50.0)
-    assert decisions == [True, True, True, False, True]  # the 4th is taken: 3 in a row is the bound
-    assert guard.threshold() != before  # the taken one joined the baseline
+    assert decisions == [True, True, True, False, False]  # the 4th is taken: 3 in a row is the bound
+    # ... and it starts a new baseline (a level shift): nothing is skipped until min_history steps
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [50.0, 50.0]
+    assert guard.threshold() != before
     guard.taken(float("nan"))  # a non-finite norm never joins it
     assert all(math.isfinite(x) for x in guard.state_dict()["norms"])
 
@@ -72,14 +74,15 @@ def test_skip_spikes_defaults_to_on_exactly_with_a_controller() -> None:
         ta.AgentConfig(skip_spikes="yes")
 
 
-def _train(seed: int, steps: int, *, spike_at: int | None = None, registry=None):
+def _train(seed: int, steps: int, *, spike_at: int | None = None, registry=None, **config):
     """A small regression MLP trained with AdamW; at ``spike_at`` the batch is scaled x1000 (a
     poisoned batch). Returns the agent and a record of the state around the spike step."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     agent = ta.attach(model, opt, job="spike", run=f"spike-{seed}", registry=registry,
-                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True, controller=None))
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True, controller=None,
+                                            **config))
     g = torch.Generator().manual_seed(seed + 100)
     w_true = torch.randn(16, 1, generator=g)
     seen = {}
@@ -123,5 +126,23 @@ def test_a_poisoned_batch_is_skipped_and_changes_nothing() -> None:
         assert latest['trainguard_skipped_steps_total{reason="spike"}'] == 1.0
         assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 0.0
         assert latest["trainguard_consecutive_skipped_steps"] == 0.0  # steps were taken since
+    finally:
+        agent.close()
+
+
+def test_no_snapshot_is_taken_for_an_interval_with_a_skipped_step() -> None:
+    # Snapshots every 10 steps, 4 kept; the poisoned step 100 is skipped, so the snapshot due at
+    # 100 is not taken (that interval's state is suspect) and the older ones stay.
+    agent, _ = _train(0, 130, spike_at=100, snapshot_every=10, snapshot_keep=4)
+    try:
+        assert agent.control.skip.skipped_by_reason["spike"] == 1
+        held = [s.step for s in agent.snapshots.snapshots]
+        assert held == [80, 110, 120, 130] and agent.snapshots.withheld == 1  # 100 was never taken
+        # spaced out as the protocol's rule says, given the steps taken
+        from trainguard.protocol.retention import retained
+        kept: list[int] = []
+        for step in [s for s in range(10, 131, 10) if s != 100]:
+            kept = retained(kept + [step], every=10, keep=4)
+        assert held == kept
     finally:
         agent.close()

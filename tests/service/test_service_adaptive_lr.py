@@ -151,3 +151,63 @@ def test_without_an_update_ratio_the_schedules_lr_jump_sets_the_scale() -> None:
     steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery)
     d = steps[20].desired
     assert d.lr_scale == pytest.approx(1 / 200) and "the schedule's LR" in d.reason
+
+
+def test_the_ramp_climbs_back_to_the_operators_scale_never_above() -> None:
+    # An operator runs at 0.5; a burst of 10x updates is cut by adaptive LR, and the ramp brings the
+    # scale back to 0.5, not to 1.0. Without a burst the operator's 0.5 is left alone.
+    policy = RULES.file.recovery.model_copy(update={"ramp_steps": 200})
+    op = DesiredState(lr_scale=0.5)
+
+    def run(mult):
+        reports, steps = [], []
+        for i in range(80):
+            scale = steps[-1].desired.lr_scale if steps else 0.5
+            step = (i + 1) * EVERY
+            values = {"trainguard_update_ratio": BASE * mult(step) * scale, "trainguard_lr_scale": scale,
+                      "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_grad_norm": 1.0}
+            reports.append(Report(job="j", step_first=step - EVERY + 1, step_last=step, time=float(i), values=values))
+            steps = simulate(RULES.base, reports, world_size=1, policy=policy, desired=op)
+        return steps
+
+    burst = run(lambda s: 10.0 if 300 < s <= 330 else 1.0)
+    scales = [s.desired.lr_scale for s in burst]
+    assert min(scales) == pytest.approx(0.05, rel=0.1)  # 0.5 / 10
+    assert max(scales) == 0.5 and scales[-1] == 0.5
+    assert all(s.desired.lr_scale == 0.5 for s in run(lambda s: 1.0))
+
+
+def test_a_rung_gets_window_steps_when_the_run_reports_every_step() -> None:
+    # Reporting every step, 3 unhealthy reports are 3 steps: too little for an LR change to show.
+    # The next rung waits for window_steps (30) steps.
+    policy = RULES.file.recovery
+    reports, steps = [], []
+    for step in range(1, 140):
+        values = {"trainguard_update_ratio": BASE * (30.0 if step > 60 else 1.0), "trainguard_loss": 2.0,
+                  "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0, "trainguard_grad_norm_max": 1.0}
+        reports.append(Report(job="j", step_first=step, step_last=step, time=float(step), values=values))
+    steps = simulate(RULES.base, reports, world_size=1, policy=policy)
+    rungs = [(s.step_last, d) for s in steps for d in s.recovery]
+    assert rungs, "the ladder never escalated"
+    adaptive = next(s.step_last for s in steps if s.desired.lr_scale < 1.0)
+    assert rungs[0][0] - adaptive >= policy.window_steps
+
+
+def test_a_long_incident_still_has_a_snapshot_from_before_its_onset() -> None:
+    # Snapshots every 10 steps, 4 kept: the newest four would all postdate an incident that reaches
+    # its rollback rung 40 steps after its onset. Spaced out, the oldest is 70-140 steps old: one
+    # from before the onset, followed by healthy reports, is there for the rollback rung.
+    reports: list[Report] = []
+    steps = []
+    for i in range(40):
+        step = (i + 1) * EVERY
+        values = {"trainguard_update_ratio": BASE * (30.0 if step > 200 else 1.0), "trainguard_loss": 2.0,
+                  "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0,
+                  "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step)}
+        reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
+        steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_every=10, snapshot_keep=4)
+    rollback = next(s.desired for s in steps if s.desired.rollback_seq > 0)
+    assert not rollback.paused and rollback.rollback_step < 200  # before the onset (201-210)
+    lasting = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
+    refused = next(s.desired for s in lasting if s.desired.paused)  # the newest four only: refused
+    assert refused.rollback_seq == 0 and "rollback refused" in refused.reason
