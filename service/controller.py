@@ -766,11 +766,9 @@ class Controller:
             runs[st.status] += 1
             for a in list(st.firing.values()):
                 firing[a["severity"]] = firing.get(a["severity"], 0) + 1
-            rec = st.recovery
-            if rec.open is not None:
+            if st.recovery.open is not None:
                 open_incidents.append(st.run)
-            elif (rec.incidents and rec.incidents[-1].outcome == "escalated" and st.desired.paused
-                  and not st.desired.stop and st.finished_at is None):
+            if st.awaiting_human():
                 awaiting_human.append(st.run)
         return {"runs": runs, "firing": firing, "outbox_pending": self.deliverer.pending, "waiters": self.waiters,
                 "commits": self.store.commits, "incidents_open": open_incidents, "awaiting_human": awaiting_human}

@@ -46,7 +46,7 @@ def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_fact
         assert _counts(c) == ({"opened": 1.0, "recovered": 0.0, "escalated": 0.0},
                               {"skip": 0.0, "adaptive_lr": 1.0, "rollback": 1.0, "pause": 0.0})
 
-        climb_ladder(c, "run-1", first=LADDER_STEPS["rollback"] + 1, until=LADDER_STEPS["pause"])
+        climb_ladder(c, "run-1", after=LADDER_STEPS["rollback"])
         # run-2: an LR action opens an incident, five healthy reports close it (recovered)
         for step, grad in enumerate([3000.0] + [1.0] * 5, start=1):
             c.post("/v1/runs/run-2/reports", json={"job": "job-a", "step_first": step, "step_last": step, "time": 1.0,
@@ -59,6 +59,8 @@ def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_fact
         assert _runs(c, "trainguard_controller_incidents_open") == {}
         assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {"run-1": 1.0}
 
-        # an operator resumes run-1: nobody is waited for any more
+        # an operator resumes run-1: nobody is waited for any more, nor after a pause of their own
         assert c.post("/v1/runs/run-1/resume", json={"reason": "fixed the schedule"}).status_code == 200
+        assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}
+        assert c.post("/v1/runs/run-1/pause", json={"reason": "a look at the data"}).status_code == 200
         assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}

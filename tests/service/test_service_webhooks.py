@@ -78,10 +78,11 @@ def test_4xx_is_not_retried_and_slack_format(app_factory, receiver_factory):
         assert [(d["outcome"], d["status_code"]) for d in deliveries] == [("failed", 400)] * 2
         metrics = c.get("/metrics").text
         assert 'trainguard_controller_webhook_failures_total{reason="4xx"} 2.0' in metrics
+        (inc,) = c.get("/v1/runs/run-1/incidents").json()["incidents"]
     assert len(rx.requests) == 2
     alert, incident = sorted((json.loads(body)["text"] for _, body in rx.requests), key=lambda t: " incident " in t)
     assert "loss_nonfinite" in alert and "run-1" in alert and "pause" in alert
-    assert incident.startswith(":rotating_light: incident 1 on run run-1 (job job-a): escalated to a human")
+    assert incident.startswith(f":rotating_light: incident {inc['id']} on run run-1 (job job-a): escalated to a human")
     assert "• step 1: pause by rule:loss_nonfinite: " in incident and "rollback refused" in incident
     assert incident.endswith("\n/ui/runs/run-1")
 
@@ -211,5 +212,6 @@ def test_an_incident_climbing_the_ladder_is_sent_at_each_rung_and_pages_critical
     assert "escalated to a human (the run is paused)" in paged["alerts"][0]["annotations"]["summary"]
     description = paged["alerts"][0]["annotations"]["description"]  # one line per rung
     assert [line.split(": ")[:2] for line in description.splitlines()] == [
-        ["step 5", "adaptive_lr by rule:grad_norm_high"], ["step 8", "rollback by recovery:ladder"],
-        ["step 11", "pause by recovery:ladder"]]
+        [f"step {LADDER_STEPS['adaptive_lr']}", "adaptive_lr by rule:grad_norm_high"],
+        [f"step {LADDER_STEPS['rollback']}", "rollback by recovery:ladder"],
+        [f"step {LADDER_STEPS['pause']}", "pause by recovery:ladder"]]

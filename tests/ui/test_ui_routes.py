@@ -217,7 +217,7 @@ def test_the_run_endpoints_serve_its_incidents_as_the_api_lists_them(client_fact
     assert incident["outcome"] == "open" and [r["rung"] for r in incident["rungs"]] == ["adaptive_lr", "rollback"]
     assert client.get("/ui/api/runs/run-1").json()["incidents"] == [incident]
     assert client.get("/ui/api/runs/run-1/incidents").json() == {k: api[k] for k in ("incidents", "snapshots")}
-    climb_ladder(client, first=LADDER_STEPS["rollback"] + 1, headers=AGENT_AUTH)
+    climb_ladder(client, after=LADDER_STEPS["rollback"], headers=AGENT_AUTH)
     (escalated,) = client.get("/ui/api/runs/run-1/incidents").json()["incidents"]
     assert escalated["outcome"] == "escalated" and escalated["rungs"][-1]["rung"] == "pause"
     assert client.get("/ui/api/runs/nope/incidents").status_code == 404
