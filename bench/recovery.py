@@ -10,6 +10,9 @@ own LR schedule (warm-up, then constant), one process, the agent attached with t
 - ``burst``: the batches of ``--burst`` steps from the onset are random bytes (corrupted data).
 - ``poison``: one batch at the onset has its loss weighted x1e4 (a mis-scaled sample).
 - ``nan``: one batch at the onset has a NaN loss.
+- ``fp16-overflow``: mixed precision (float16 autocast on the CPU, a GradScaler); for 10 steps from
+  the onset the loss is weighted x1e4, so the scaled gradients overflow float16, the GradScaler
+  skips and halves its scale, and the steps it finally takes carry gradients 1e4x too large.
 
 Printed per case: the detection lag (steps from the onset to the first action: a skipped step or
 an applied desired-state change), the rungs the controller took (from ``GET
@@ -18,7 +21,7 @@ an applied desired-state change), the rungs the controller took (from ``GET
 lost to rollbacks (restore step - snapshot step, summed), the final lr_scale. For the healthy
 runs: actions taken (should be 0).
 
-    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3]
+    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3] [--report-every 10]
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def _start_controller(db: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, *, seed: int = 0,
-             lr_mult: float = 1.0, burst: int = 0, poison: bool = False, nan: bool = False) -> dict:
+             lr_mult: float = 1.0, burst: int = 0, poison: bool = False, nan: bool = False,
+             fp16_overflow: bool = False) -> dict:
     torch.manual_seed(seed)
     model = TinyGPT(seq_len=args.seq_len, d_model=64, n_layers=2, n_heads=4)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
@@ -67,9 +71,11 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
         return warm * (lr_mult if step >= onset else 1.0)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
     run = f"{name}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-    agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url,
-                      config=ta.AgentConfig(metrics_port=None, report_every=10, snapshot_every=50, snapshot_keep=4))
+    agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url, scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=None, report_every=args.report_every,
+                                            snapshot_every=50, snapshot_keep=4))
     losses: list[float] = []
     first_action: int | None = None
     done = threading.Event()
@@ -93,20 +99,32 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
         ids, mask = corpus.batch(step + seed * 100_000, 0)
         if burst and onset <= step < onset + burst:
             ids = torch.randint(1, 256, ids.shape, generator=g)
-        loss = next_byte_loss(model, ids, mask)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = next_byte_loss(model, ids, mask)
         weighted = loss
         if poison and step == onset:
             weighted = loss * 1e4
         if nan and step == onset:
             weighted = loss * float("nan")
-        weighted.backward()
+        if fp16_overflow and onset <= step < onset + 10:
+            weighted = loss * 1e4
         skipped_before = agent.control.skip.skipped
         gens_before = agent.control.applied_generation
-        opt.step()
+        amp_skipped = False
+        if scaler is not None:
+            scaler.scale(weighted).backward()
+            scale_before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            amp_skipped = scaler.get_scale() < scale_before  # the GradScaler skipped the step
+        else:
+            weighted.backward()
+            opt.step()
         opt.zero_grad()
         sched.step()
         agent.end_step(loss.detach())
-        acted = agent.control.skip.skipped > skipped_before or agent.control.applied_generation > gens_before
+        acted = (agent.control.skip.skipped > skipped_before or agent.control.applied_generation > gens_before
+                 or amp_skipped)
         if acted and first_action is None:
             first_action = step
         losses.append(float(loss.detach()))
@@ -140,6 +158,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--burst", type=int, default=30)
+    p.add_argument("--report-every", type=int, default=10,
+                   help="the agent's report interval: faults only the controller sees wait for a report")
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=args.seq_len, batch_size=args.batch)
@@ -152,6 +172,7 @@ def main() -> None:
             faulty.append(run_case("burst", url, args, corpus, burst=args.burst))
             faulty.append(run_case("poison", url, args, corpus, poison=True))
             faulty.append(run_case("nan", url, args, corpus, nan=True))
+            faulty.append(run_case("fp16-overflow", url, args, corpus, fp16_overflow=True))
             wall = time.monotonic() - t0
         finally:
             proc.terminate()
@@ -159,20 +180,23 @@ def main() -> None:
     ref = statistics.median(r["final_loss"] for r in healthy)
     print(f"healthy median final loss {ref:.3f} (mean of the last 20 steps); recovered = final loss <= "
           f"{1.2 * ref:.3f} and not paused\n")
-    print(f"{'case':<12} {'lag':>4} {'recovered':>9} {'final':>7} {'scale':>8} {'skipped':>8} {'lost':>5}  rungs / outcome")
+    print(f"{'case':<14} {'lag':>4} {'recovered':>9} {'final':>7} {'scale':>9} {'skipped':>8} {'lost':>5} {'cost':>5}  "
+          "rungs / outcome")
     for r in healthy + faulty:
         fault = not r["name"].startswith("healthy")
         lag = "" if r["first_action"] is None or not fault else r["first_action"] - args.onset
         rec = r["final_loss"] <= 1.2 * ref and not r["paused"]
         sk = f"{r['skipped']['spike']}+{r['skipped']['nonfinite']}"
-        print(f"{r['name']:<12} {lag!s:>4} {('yes' if rec else 'NO'):>9} {r['final_loss']:>7.3f} {r['scale']:>8.4g} "
-              f"{sk:>8} {r['lost']:>5}  {' > '.join(r['rungs']) or '-'} / {','.join(r['outcomes']) or '-'}")
+        cost = sum(r["skipped"].values()) + r["lost"]
+        print(f"{r['name']:<14} {lag!s:>4} {('yes' if rec else 'NO'):>9} {r['final_loss']:>7.3f} {r['scale']:>9.4g} "
+              f"{sk:>8} {r['lost']:>5} {cost:>5}  {' > '.join(r['rungs']) or '-'} / {','.join(r['outcomes']) or '-'}")
     n_rec = sum(1 for r in faulty if r["final_loss"] <= 1.2 * ref and not r["paused"])
     false_actions = sum(r["actions"] for r in healthy)
     print(f"\nfaulty runs recovered with no human: {n_rec}/{len(faulty)}; actions on healthy runs: {false_actions}; "
           f"wall {wall:.0f} s")
-    print("skipped = spike+nonfinite steps skipped by the agent; lost = steps rolled back; lag = steps from the "
-          "onset to the first action")
+    print("skipped = spike+nonfinite steps skipped by the agent; lost = steps rolled back; cost = skipped + lost; "
+          "lag = steps from the "
+          "onset to the first action (a step skipped by the agent or the GradScaler, or a desired state applied)")
 
 
 if __name__ == "__main__":

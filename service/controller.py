@@ -30,7 +30,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
-from trainguard.service.incidents import RecoveryChange, RunRecovery, snapshot_policy
+from trainguard.service.incidents import RecoveryChange, RunRecovery
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
@@ -291,7 +291,9 @@ class Controller:
             tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                       registered_at=now, live_since=now,  # a restarted job is live again, finished or not
                       finished_at=None, finished_step=None, finish_reason="")
-            st.recovery.snapshot_every, st.recovery.snapshot_keep = snapshot_policy(reg.config)
+            fresh = RunRecovery.for_config(reg.config)
+            st.recovery.snapshot_every, st.recovery.snapshot_keep = fresh.snapshot_every, fresh.snapshot_keep
+            st.recovery.skips_nonfinite = fresh.skips_nonfinite
         generation = 0 if st is None else st.desired.generation
 
         def op(c: sqlite3.Connection) -> Written:

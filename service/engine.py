@@ -136,6 +136,9 @@ class ActionContext(Protocol):
     def rollback_target(self) -> tuple[int | None, str]:
         """The step of the newest good snapshot, or None and why there is none."""
 
+    def skipped_now(self) -> int:
+        """Steps the agent skipped since the previous report (non-finite or spiking)."""
+
 
 def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
                   ctx: ActionContext | None = None) -> DesiredState | None:
@@ -162,8 +165,11 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
             scale = new
             notes.append(f"adaptive lr_scale {scale:.4g} ({note})")
         elif isinstance(a, RollbackAction):
+            skipped = ctx.skipped_now() if ctx is not None and a.unless_skipped else 0
             target, why = ctx.rollback_target() if ctx is not None else (None, "no snapshot is known")
-            if target is None:
+            if skipped:
+                notes.append(f"no rollback: the agent skipped {skipped} step(s) and left the weights as they were")
+            elif target is None:
                 paused = True
                 notes.append(f"rollback refused: {why}; paused for a human")
             else:
@@ -286,7 +292,7 @@ class SimStep:
 def simulate(
     rules: tuple[Any, ...], reports: list[Report], *, world_size: int, desired: DesiredState | None = None,
     capacity: int = 128, rank_capacity: int = 8, policy: Any = None, snapshot_every: int | None = None,
-    snapshot_keep: int = 3,
+    snapshot_keep: int = 3, skips_nonfinite: bool = False,
 ) -> list[SimStep]:
     """Replay ``reports`` (in order, ``report.time`` as the clock) through ``rules``.
 
@@ -304,7 +310,8 @@ def simulate(
     window = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world_size, created=reports[0].time)
     book = AlertBook()
     # The scale in force at the start is the operator's (the ramp climbs back to it, never above).
-    recovery = RunRecovery(policy, snapshot_every=snapshot_every, snapshot_keep=snapshot_keep, ceiling=desired.lr_scale)
+    recovery = RunRecovery(policy, snapshot_every=snapshot_every, snapshot_keep=snapshot_keep, ceiling=desired.lr_scale,
+                           skips_nonfinite=skips_nonfinite)
     absence = tuple(r for r in rules if isinstance(r, AbsenceRule))
     steps = []
     for i, report in enumerate(reports):

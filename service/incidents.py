@@ -2,7 +2,9 @@
 their escalation ladder, and the LR ramp. Pure: :class:`RunRecovery` is fed each report after the
 rules have decided, and answers the desired-state changes to make; the controller commits them.
 
-**Healthy report.** No rule that acts (one with an action other than ``notify``) is active on it, the loss is finite, and the
+**Healthy report.** No rule that acts (one with an action other than ``notify``) is active on it,
+nor one of the policy's ``health_rules`` (by default ``loss_spike``: a loss far above its recent
+level says the weights were hurt, although the rule itself only notifies), the loss is finite, and the
 agent's spike guard has not skipped ``skip_limit`` steps in a row. While an incident is open, the
 signals are *back* when the report is healthy and the ``metric`` (the update ratio) is not above
 ``degrade_ratio`` x its baseline. The baseline is the median of the metric over the last
@@ -118,13 +120,17 @@ class RunRecovery:
     """The recovery state of one run (see the module docstring)."""
 
     def __init__(self, policy: RecoveryPolicy | None = None, *, snapshot_every: int | None = None,
-                 snapshot_keep: int = 3, ceiling: float = 1.0) -> None:
+                 snapshot_keep: int = 3, ceiling: float = 1.0, skips_nonfinite: bool = False) -> None:
         self.policy = policy or RecoveryPolicy()
         self.snapshot_every = snapshot_every
         self.snapshot_keep = max(int(snapshot_keep), 1)
         self.ceiling = ceiling
+        self.skips_nonfinite = skips_nonfinite
+        """The agent skips steps with non-finite gradients (its registration config says so)."""
         """The ``lr_scale`` an operator set last: the ramp climbs back to it, never above."""
         self._rung_step = 0
+        self._skipped_total = 0.0
+        self._skipped_now = 0
         self.snapshots: deque[_Snap] = deque()
         self.incidents: deque[Incident] = deque(maxlen=100)
         self.open: Incident | None = None
@@ -144,7 +150,8 @@ class RunRecovery:
         in force when the state is (re)built, e.g. after a controller restart (who set it is not
         known then, so recovery never raises the scale above it)."""
         every, keep = snapshot_policy(config)
-        return cls(snapshot_every=every, snapshot_keep=keep, ceiling=ceiling)
+        skips = config.get("skip_nonfinite") is True or config.get("skip_spikes") is True
+        return cls(snapshot_every=every, snapshot_keep=keep, ceiling=ceiling, skips_nonfinite=skips)
 
     def _new_ramp(self) -> LrRamp:
         p = self.policy
@@ -159,7 +166,7 @@ class RunRecovery:
     def save(self) -> dict[str, Any]:
         """Everything mutable, for an undo (``Transaction.on_rollback``)."""
         return {k: copy.deepcopy(getattr(self, k)) for k in (
-            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_rung_step", "_healthy_in_a_row", "_last_step",
+            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row", "_last_step",
             "_measured", "_measured_scale", "_lr", "_healthy_lr", "ramp")} | {"open_id": self.open.id if self.open else None}
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -206,8 +213,20 @@ class RunRecovery:
 
     # ------------------------------------------------------------------ feeding
 
+    def skipped_now(self) -> int:
+        return self._skipped_now
+
     def before_decide(self, values: dict[str, float]) -> None:
         """The report's measurement, for the actions the rules take on it."""
+        # Steps the agent did not take since the last report: non-finite ones (when the run skips
+        # them: its registration says so) and the spike guard's run of skips at the report step.
+        nonfinite = values.get("trainguard_nonfinite_steps_total")
+        rose = 0
+        if nonfinite is not None and math.isfinite(nonfinite):
+            rose = max(int(nonfinite - self._skipped_total), 0) if self.skips_nonfinite else 0
+            self._skipped_total = nonfinite
+        spikes = values.get("trainguard_consecutive_skipped_steps", 0.0)
+        self._skipped_now = max(rose, int(spikes) if math.isfinite(spikes) else 0)
         v = values.get(self.policy.metric)
         self._measured = None if v is None else float(v)
         lr = values.get("trainguard_scheduler_lr")
@@ -217,8 +236,10 @@ class RunRecovery:
 
     def healthy(self, values: dict[str, float], findings: list[Any]) -> bool:
         """See the module docstring."""
-        for f in findings:  # only the rules that act: a notify-only rule (e.g. data quality) informs
-            if f.active and f.rule.kind != "absence" and any(a.type != "notify" for a in f.rule.actions):
+        signals = self.policy.health_rules
+        for f in findings:  # the rules that act, and the health rules: a notify-only rule (e.g. data quality) informs
+            if f.active and f.rule.kind != "absence" and (
+                    f.rule.name in signals or any(a.type != "notify" for a in f.rule.actions)):
                 return False
         loss = values.get("trainguard_loss")
         if loss is not None and not math.isfinite(loss):
@@ -254,11 +275,14 @@ class RunRecovery:
             if new.rollback_seq > prev_desired.rollback_seq:
                 self._drop_snapshots_after(new.rollback_step)
             prev_desired = new
-        skipping = values.get("trainguard_consecutive_skipped_steps", 0.0)
-        if p.enabled and self.open is None and not healthy and skipping >= 1 and "skip" in p.ladder:
-            self._open(step, now, "skip")
-            self._rung("skip", step, now, "agent:spike_guard", None,
-                       f"the agent's spike guard skipped {skipping:.0f} steps in a row")
+        if p.enabled and not healthy and self._skipped_now and "skip" in p.ladder:
+            why = f"the agent skipped {self._skipped_now} step(s) it did not trust"
+            if self.open is None:
+                self._open(step, now, "skip")
+                self._rung("skip", step, now, "agent", None, why)
+            elif not self.open.rungs or self.open.rungs[-1]["rung"] != "skip":  # noted; the controller's rung keeps its window
+                self.open.rungs.append({"rung": "skip", "step": step, "time": now, "actor": "agent", "reason": why,
+                                        "generation": None})
         if self.open is not None:
             if fired:
                 self._healthy_in_a_row = 0

@@ -142,6 +142,10 @@ class RollbackAction(_Model):
 
     type: Literal["rollback"] = "rollback"
     lr_factor: float = Field(default=1.0, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False)
+    unless_skipped: bool = Field(default=False, description=(
+        "No rollback when the agent skipped steps in the report's interval (a non-finite or spiking "
+        "step it did not take left the weights as they were): the incident starts at the skip rung, "
+        "and the ladder goes on to the rollback if the signals do not come back."))
 
 
 Action = Annotated[
@@ -161,7 +165,8 @@ class RecoveryPolicy(_Model):
     enabled: bool = True
     ladder: tuple[Rung, ...] = ("skip", "adaptive_lr", "rollback", "pause")
     window_reports: int = Field(default=3, ge=1, le=1000, description="Unhealthy reports a rung gets before the next one is taken.")
-    window_steps: int = Field(default=30, ge=0, le=1_000_000, description="Steps a rung gets at least before the next one is taken (for runs that report often).")
+    window_steps: int = Field(default=15, ge=0, le=1_000_000, description="Steps a rung gets at least before the next one is taken (for runs that report often).")
+    health_rules: tuple[RuleName, ...] = Field(default=("loss_spike",), max_length=256, description="Rules that only notify but whose alert makes a report unhealthy for the ladder (a loss far above its recent level: the weights were hurt).")
     recover_reports: int = Field(default=5, ge=1, le=1000, description="Healthy reports in a row that close an incident as recovered.")
     rollback_lr_factor: float = Field(default=0.5, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False, description="lr_scale factor taken with the rollback rung.")
     skip_limit: int = Field(default=4, ge=1, description="Steps skipped in a row (at a report) that make the report unhealthy.")

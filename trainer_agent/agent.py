@@ -114,7 +114,7 @@ from trainer_agent.params import ParamIndex
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
-from trainer_agent.snapshots import SnapshotStore
+from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
@@ -155,8 +155,7 @@ class Agent:
         lr_scheduler: Any = None,
         data_monitor: Any = None,
         on_checkpoint: Callable[..., Any] | None = None,
-        snapshot_save: Callable[[int], Any] | None = None,
-        snapshot_load: Callable[[Any], None] | None = None,
+        snapshot_backend: SnapshotBackend | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.perf_counter,
         accumulation_steps: int | None = None,
@@ -196,9 +195,9 @@ class Agent:
         if config.snapshot_every is not None:
             self.snapshots = SnapshotStore(model, optimizer, every=config.snapshot_every, keep=config.snapshot_keep,
                                            extra_state=self._snapshot_extra, load_extra=self._load_snapshot_extra,
-                                           save=snapshot_save, load=snapshot_load)
-        elif snapshot_save is not None or snapshot_load is not None:
-            raise ValueError("snapshot_save/snapshot_load need AgentConfig(snapshot_every=N)")
+                                           backend=snapshot_backend)
+        elif snapshot_backend is not None:
+            raise ValueError("snapshot_backend needs AgentConfig(snapshot_every=N)")
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
@@ -393,6 +392,13 @@ class Agent:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
         device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
+        if self.snapshots is not None and self.snapshots.due(self.step + 1):
+            # Before this step's report is built: the report names the snapshot of its own step.
+            try:
+                skip = getattr(self.control, "skip", None)
+                self.snapshots.take_unless_skipped(self.step + 1, skip.skipped if skip is not None else 0)
+            except Exception as exc:
+                self._error("snapshot", exc)
         t0 = self._clock()
         agreed: list[int] | None = None
         try:
@@ -416,12 +422,6 @@ class Agent:
                 self._error("memory_trace", exc)
                 self._memory_trace.stop()
                 self._memory_trace = None
-        if self.snapshots is not None and self.snapshots.due(self.step):
-            try:
-                skip = getattr(self.control, "skip", None)
-                self.snapshots.take_unless_skipped(self.step, skip.skipped if skip is not None else 0)
-            except Exception as exc:
-                self._error("snapshot", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -730,8 +730,7 @@ def attach(
     lr_scheduler: Any = None,
     data_monitor: Any = None,
     on_checkpoint: Callable[..., Any] | None = None,
-    snapshot_save: Callable[[int], Any] | None = None,
-    snapshot_load: Callable[[Any], None] | None = None,
+    snapshot_backend: SnapshotBackend | None = None,
     controller: str | None = None,
     token: str | None = None,
     registry: CollectorRegistry | None = None,
@@ -749,8 +748,8 @@ def attach(
 
     ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
     restored with the agent's ``state_dict`` and with the in-memory snapshots a rollback restores
-    (``AgentConfig.snapshot_every``; ``snapshot_save``/``snapshot_load`` replace the host copies of
-    the model and optimizer state, see ``trainer_agent/snapshots.py``). ``loader``: a
+    (``AgentConfig.snapshot_every``; ``snapshot_backend`` keeps the model and optimizer state
+    elsewhere than in host memory, see ``trainer_agent/snapshots.py``). ``loader``: a
     ``TokenLoader`` whose reader metrics (prefetch depth, tokens/s read) this rank exports.
     ``accumulation_steps``: the run's own micro-batches per optimizer step, given to let the
     controller change them (the loop then reads ``agent.accumulation_steps`` before each step).
@@ -782,7 +781,7 @@ def attach(
         _checked_loader(loader)
     agent = Agent(model, optimizer, job=job, run=run, config=config, scaler=scaler,
                   lr_scheduler=lr_scheduler, data_monitor=data_monitor,
-                  on_checkpoint=on_checkpoint, snapshot_save=snapshot_save, snapshot_load=snapshot_load,
+                  on_checkpoint=on_checkpoint, snapshot_backend=snapshot_backend,
                   registry=registry, accumulation_steps=accumulation_steps)
     if loader is not None:
         agent.watch_loader(loader)

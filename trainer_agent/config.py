@@ -133,7 +133,7 @@ class AgentConfig:
     ``(2**(keep-1) - 1)`` to twice that many intervals old. Choose it so that this covers an
     incident from its onset to the controller's rollback rung (detection, then the ladder's
     windows). Each costs host memory of the model's and optimizer's size (or, with
-    ``snapshot_save``, whatever the user's save keeps)."""
+    ``snapshot_backend``, whatever the backend keeps)."""
 
     request_timeout_s: float = 2.0
     """Timeout of every request to the controller, in seconds."""

@@ -20,11 +20,12 @@ skipped, as PaLM's team did by hand. The agent's step counter and its counters a
 either (they count work done); the LR scheduler is, so the schedule resumes from the snapshot.
 Snapshots newer than the restored one are dropped.
 
-Large models: pass ``snapshot_save(step) -> handle`` and ``snapshot_load(handle)`` to ``attach``
-to keep the model and optimizer state where they belong, e.g. a ``torch.distributed.checkpoint``
-directory written with ``dcp.async_save`` for sharded (FSDP) state; the agent then keeps only the
-handle (and the scheduler's, scaler's and its own small state) per snapshot. The callbacks run on
-every rank at the same step.
+Large models: pass ``attach(..., snapshot_backend=B)`` to keep the model and optimizer state where
+it belongs, e.g. a ``torch.distributed.checkpoint`` directory written asynchronously for sharded
+(FSDP) state. ``B.save(step)`` returns a handle, ``B.load(handle)`` restores it and
+``B.drop(handle)`` frees it when the snapshot is no longer kept (:class:`SnapshotBackend`); the agent
+keeps only the handle (and the scheduler's, scaler's and its own small state) per snapshot. The
+methods run on every rank at the same step.
 """
 
 from __future__ import annotations
@@ -32,13 +33,27 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from trainguard.protocol.retention import retained
 
-__all__ = ["Snapshot", "SnapshotStore"]
+__all__ = ["Snapshot", "SnapshotBackend", "SnapshotStore"]
+
+
+@runtime_checkable
+class SnapshotBackend(Protocol):
+    """Where the model and optimizer state of a snapshot is kept, instead of host memory."""
+
+    def save(self, step: int) -> Any:
+        """Save the state after ``step``; returns a handle for :meth:`load` and :meth:`drop`."""
+
+    def load(self, handle: Any) -> None:
+        """Restore the model and optimizer state saved under ``handle``."""
+
+    def drop(self, handle: Any) -> None:
+        """The snapshot is no longer kept: free what it holds (files, memory)."""
 
 
 @dataclass(slots=True)
@@ -78,18 +93,18 @@ class SnapshotStore:
     :func:`~trainguard.protocol.retention.retained` says.
 
     ``extra_state()`` returns the small state saved with each snapshot (scheduler, scaler, agent);
-    ``load_extra(state)`` restores it. ``save``/``load`` replace the host copies of the model and
+    ``load_extra(state)`` restores it. ``backend`` replaces the host copies of the model and
     optimizer state (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, every: int, keep: int,
                  extra_state: Callable[[], dict[str, Any]], load_extra: Callable[[dict[str, Any]], None],
-                 save: Callable[[int], Any] | None = None, load: Callable[[Any], None] | None = None) -> None:
-        if (save is None) != (load is None):
-            raise ValueError("snapshot_save and snapshot_load go together: give both or neither")
+                 backend: SnapshotBackend | None = None) -> None:
+        if backend is not None and not isinstance(backend, SnapshotBackend):
+            raise ValueError("snapshot_backend needs save(step), load(handle) and drop(handle) methods")
         self.model, self.optimizer = model, optimizer
         self.every, self.keep = every, keep
         self._extra_state, self._load_extra = extra_state, load_extra
-        self._save, self._load = save, load
+        self.backend = backend
         self.snapshots: list[Snapshot] = []
         """Oldest first."""
         self.rollbacks = 0
@@ -119,8 +134,8 @@ class SnapshotStore:
     def take(self, step: int) -> Snapshot:
         """Snapshot the state after ``step`` (call at the end of the step, on every rank)."""
         pinned = self._cuda
-        if self._save is not None:
-            model_state, optim_state = self._save(step), None
+        if self.backend is not None:
+            model_state, optim_state = self.backend.save(step), None
         else:
             model_state = _to_host(self.model.state_dict(), pinned)
             optim_state = _to_host(self.optimizer.state_dict(), pinned)
@@ -130,10 +145,20 @@ class SnapshotStore:
             ready = torch.cuda.Event()
             ready.record()
         snap = Snapshot(step, model_state, optim_state, extra, ready)
-        self.snapshots = [s for s in self.snapshots if s.step < step] + [snap]
-        keep = set(retained((s.step for s in self.snapshots), every=self.every, keep=self.keep))
-        self.snapshots = [s for s in self.snapshots if s.step in keep]
+        self._keep_only([s for s in self.snapshots if s.step < step] + [snap])
         return snap
+
+    def _keep_only(self, candidates: list[Snapshot]) -> None:
+        """Keep the retention rule's choice of ``candidates``; the backend frees the others."""
+        keep = set(retained((s.step for s in candidates), every=self.every, keep=self.keep))
+        kept = [s for s in candidates if s.step in keep]
+        if self.backend is not None:
+            gone = {id(s): s for s in self.snapshots + candidates}
+            for s in kept:
+                del gone[id(s)]
+            for s in gone.values():
+                self.backend.drop(s.model)
+        self.snapshots = kept
 
     def find(self, at_or_before: int) -> Snapshot | None:
         """The newest snapshot taken at or before step ``at_or_before``."""
@@ -150,14 +175,16 @@ class SnapshotStore:
             return None
         if snap.ready is not None:
             snap.ready.synchronize()  # SYNC: rollback only; the snapshot's copies are complete
-        if self._load is not None:
-            self._load(snap.model)
+        if self.backend is not None:
+            self.backend.load(snap.model)
         else:
             self.model.load_state_dict(snap.model)  # copies into the parameters: the snapshot stays intact
             # The optimizer keeps references to the state tensors it is given: hand it a copy.
             self.optimizer.load_state_dict(_to_host(snap.optimizer, False))
         self._load_extra(copy.deepcopy(snap.extra))
         while self.snapshots and self.snapshots[-1].step > snap.step:
-            self.snapshots.pop()
+            dropped = self.snapshots.pop()
+            if self.backend is not None:
+                self.backend.drop(dropped.model)
         self.rollbacks += 1
         return snap.step

@@ -1,5 +1,6 @@
-"""The README's demo as a test: the injected faults produce the expected alerts and actions at the
-expected steps, every rank applies them at the same step, and training finishes."""
+"""The README's demo as a test: the injected faults produce the expected alerts at the expected
+steps, the run recovers from the LR blow-up and the NaN with nobody intervening, every rank applies
+every change at the same step, and the final loss is close to that of the run without faults."""
 
 import math
 
@@ -7,15 +8,16 @@ import pytest
 
 from trainguard.demo.run import DemoConfig, run_demo
 
-pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.timeout(400)]
 
 
 def test_demo_story(tmp_path) -> None:
     cfg = DemoConfig(quiet=True, resume_after_s=0.5, workdir=str(tmp_path))
     result = run_demo(cfg)
 
-    # training finished on every rank
+    # training finished on every rank, and the healthy run beside it
     assert result.steps_completed == [cfg.steps] * cfg.world_size
+    assert len(result.healthy_losses) == cfg.steps
 
     first = {}
     for alert in result.alerts:
@@ -24,27 +26,37 @@ def test_demo_story(tmp_path) -> None:
     for rule in ("data_duplicate_ratio", "data_special_token_ratio", "data_token_kl", "data_length_shift"):
         assert rule in first, f"{rule} did not fire; alerts: {[a['rule'] for a in result.alerts]}"
         assert cfg.burst[0] <= first[rule]["step"] <= cfg.burst[1] + cfg.report_every
-    # the LR blow-up (steps 75..89) gives a gradient spike, answered by halving the LR
-    spike = first["grad_norm_spike"]
-    assert cfg.lr_blowup[0] <= spike["step"] <= cfg.lr_blowup[1]
-    # the NaN at step 115 is carried by the report of that interval and pauses the run
+
+    # Nobody intervened: every change of desired state came from a rule or the recovery ladder,
+    # and the run was never paused.
+    assert result.actions and all(a["actor"].startswith(("rule:", "recovery:")) for a in result.actions)
+    assert not any(a["desired"]["paused"] for a in result.actions)
+
+    # The LR blow-up (x100 from step 75 on, for good) is acted on at the first report after it:
+    # adaptive LR brings the update size back to its healthy level, about lr_scale 1/100.
+    first_action = result.actions[0]
+    onset = cfg.lr_blowup[0]
+    assert onset <= first_action["applied_step"] - 1 <= onset + cfg.report_every
+    assert 0.5 / cfg.lr_blowup_factor <= first_action["desired"]["lr_scale"] <= 2.0 / cfg.lr_blowup_factor
+    # The incident it opened climbed the ladder and ended recovered, without a pause.
+    (incident,) = [i for i in result.incidents if i["onset_step"] <= onset + cfg.report_every <= (i["closed_step"] or 10**9)]
+    rungs = [r["rung"] for r in incident["rungs"]]
+    assert rungs[0] == "adaptive_lr" and "pause" not in rungs and incident["outcome"] == "recovered"
+    assert all(i["outcome"] == "recovered" for i in result.incidents)
+    rollbacks = [a for a in result.actions if a["desired"].get("rollback_seq", 0) > 0]
+    for rb in rollbacks:  # a rollback goes back before the onset, to a snapshot on the agent's grid
+        assert rb["desired"]["rollback_step"] < onset and rb["desired"]["rollback_step"] % cfg.snapshot_every == 0
+
+    # The NaN at step 115 is carried by the report of that interval; the agent skipped the step on
+    # every rank, so the weights stayed as they were: noted as the agent's skip, no rollback for it.
     nan_alert = first["loss_nonfinite"]
     assert nan_alert["severity"] == "critical"
+    assert nan_alert["step"] == math.ceil(cfg.nan_step / cfg.report_every) * cfg.report_every
     # with the stability guide's symptom table: NaN loss -> gradient explosion -> lower the LR / clip harder
     assert any("explosion" in c.lower() for c in nan_alert["diagnosis"]["likely_causes"])
     assert any("learning rate" in a.lower() for a in nan_alert["diagnosis"]["suggested_actions"])
-    assert nan_alert["step"] == math.ceil(cfg.nan_step / cfg.report_every) * cfg.report_every
-
-    by_actor = {a["actor"]: a for a in result.actions}
-    lr_action = by_actor["rule:grad_norm_spike"]
-    assert lr_action["desired"]["lr_scale"] == 0.5
-    pause = by_actor["rule:loss_nonfinite"]
-    assert pause["desired"]["paused"] is True
-    resume = next(a for a in result.actions if a["actor"].startswith("operator:"))
-    assert resume["desired"]["paused"] is False and resume["generation"] > pause["generation"]
-    # each action applied at the step boundary after the report that carried its cause
-    assert lr_action["applied_step"] == spike["step"] + 1
-    assert pause["applied_step"] == nan_alert["step"] + 1
+    assert not [a for a in result.actions if a["actor"] == "rule:loss_nonfinite"]
+    assert any(r["rung"] == "skip" and r["step"] == nan_alert["step"] for i in result.incidents for r in i["rungs"])
 
     # every rank applied every generation at the same step, and used scheduler LR x lr_scale
     for log in result.rank_logs:
@@ -52,15 +64,16 @@ def test_demo_story(tmp_path) -> None:
     for entries in zip(*result.rank_logs):
         assert len({e["generation"] for e in entries}) == 1
         assert len({e["lr_scale"] for e in entries}) == 1
-    # a generation applied in end_step of step S takes effect from step S + 1
     for log in result.rank_logs:
-        scale_in_effect = 1.0
+        scale_in_effect = 1.0  # a generation applied in end_step of step S takes effect from step S + 1
         for e in log:
-            assert e["lr_scale"] == (0.5 if e["step"] >= lr_action["applied_step"] else 1.0), e
             if e["step"] == cfg.nan_step:
                 assert math.isnan(e["lr_used"]), "the non-finite step was not skipped"
-            else:
+            elif not math.isnan(e["lr_used"]):  # (other NaNs: steps the spike guard skipped)
                 assert e["lr_used"] == pytest.approx(e["lr_sched"] * scale_in_effect, rel=1e-12), e
             scale_in_effect = e["lr_scale"]
-    # the NaN step was skipped on every rank (skip_nonfinite), so the weights stayed finite
-    assert all(math.isfinite(e["loss"]) for e in result.rank_logs[0] if e["step"] > cfg.nan_step)
+    assert all(math.isfinite(e["loss"]) for log in result.rank_logs for e in log if e["step"] != cfg.nan_step)
+
+    # Recovered: the final loss is within 1.2x the run without faults (the benchmark's criterion).
+    healthy = result.healthy_final_loss()
+    assert healthy is not None and result.final_loss() <= 1.2 * healthy, (result.final_loss(), healthy)

@@ -118,8 +118,9 @@ class FaultPlan:
 
     burst: tuple[int, int] = (40, 55)
     """Steps [start, end) whose batches carry duplicated and corrupted sequences."""
-    lr_blowup: tuple[int, int] = (75, 90)
-    """Steps [start, end) where the LR schedule misbehaves (multiplied by ``lr_blowup_factor``)."""
+    lr_blowup: tuple[int, int | None] = (75, None)
+    """Steps [start, end) where the LR schedule misbehaves (multiplied by ``lr_blowup_factor``);
+    ``end`` None: from ``start`` on, for good (a schedule that does not fit the optimizer)."""
     lr_blowup_factor: float = 100.0
     """How far the misbehaving schedule overshoots."""
     nan_step: int = 115
@@ -128,14 +129,16 @@ class FaultPlan:
     def __post_init__(self) -> None:
         for name in ("burst", "lr_blowup"):
             start, end = getattr(self, name)
-            if not 0 <= start <= end:
+            if end is None and name == "lr_blowup":
+                end = start
+            if not (type(start) is int and type(end) is int and 0 <= start <= end):
                 raise ValueError(f"{name} must be (start, end) with 0 <= start <= end, got {(start, end)}")
         if self.lr_blowup_factor <= 0 or not math.isfinite(self.lr_blowup_factor):
             raise ValueError("lr_blowup_factor must be a positive finite number")
 
     def lr_multiplier(self, step: int) -> float:
         start, end = self.lr_blowup
-        return self.lr_blowup_factor if start <= step < end else 1.0
+        return self.lr_blowup_factor if start <= step and (end is None or step < end) else 1.0
 
     def in_burst(self, step: int) -> bool:
         return self.burst[0] <= step < self.burst[1]

@@ -5,12 +5,16 @@
 2. Trains a small GPT-like model on the CPU in ``--world-size`` gloo ranks (default 2) on the
    Python standard library's source, tokenised at byte level, with the agent attached to every
    rank, and injects at known steps (see :class:`~trainguard.demo.model.FaultPlan`):
-   a burst of duplicated and corrupted data, an LR schedule that blows up, and a NaN loss.
-3. The controller's default rules notify on the data burst, halve the LR on the gradient spike and
-   pause the run on the non-finite loss; the demo, acting as the operator, resumes it through the
-   REST API, and the run finishes.
-4. Prints a one-line status per report while it trains, and a summary of every alert and action
-   with the step it happened at.
+   a burst of duplicated and corrupted data, an LR schedule that jumps x100 and stays there, and a
+   NaN loss. Beside it, one more process trains the same model on the same data without the faults
+   and without trainguard: the healthy run to compare with.
+3. Nobody intervenes. The controller's built-in rules notify on the data burst; the agent's spike
+   guard skips the first blown-up steps, the controller's adaptive LR brings the update size back
+   to its healthy level, and the NaN rolls every rank back to the newest good in-memory snapshot.
+   Each incident's escalation ladder ends "recovered" (if one ever reaches its last rung, the run
+   pauses and the demo, standing in for the human who was paged, resumes it).
+4. Prints a one-line status per report while it trains, and a summary of every alert, action and
+   incident with the step it happened at, and the final loss against the healthy run's.
 
 With ``--prometheus`` and a ``prometheus`` binary on PATH it also starts Prometheus with the
 generated configuration (ranks discovered through the controller) and prints the query URL.
@@ -40,10 +44,6 @@ import httpx
 from trainguard.cli import format_incidents
 from trainguard.demo.model import FaultPlan
 
-#: The demo's rules: halve the LR on a gradient spike, pause on a NaN loss (an operator resumes);
-#: recovery without a human (the built-in rules' ladder) is off, and the agent's spike guard too.
-DEMO_RULES = Path(__file__).with_name("rules.yaml")
-
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "main"]
 
 JOB = "demo"
@@ -69,18 +69,21 @@ class DemoConfig:
     """Peak AdamW learning rate."""
     burst: tuple[int, int] = _FAULTS.burst
     """Steps [start, end) with duplicated and corrupted data."""
-    lr_blowup: tuple[int, int] = _FAULTS.lr_blowup
-    """Steps [start, end) where the LR schedule overshoots by ``lr_blowup_factor``."""
+    lr_blowup: tuple[int, int | None] = _FAULTS.lr_blowup
+    """Steps [start, end) where the LR schedule overshoots by ``lr_blowup_factor`` (end None: for good)."""
     lr_blowup_factor: float = _FAULTS.lr_blowup_factor
     """How far the bad schedule overshoots."""
     nan_step: int = _FAULTS.nan_step
     """Step whose loss turns NaN on the last rank."""
-    snapshot_every: int | None = None
+    snapshot_every: int | None = 10
     """Steps between the agent's in-memory snapshots (what a rollback restores; None: none)."""
     snapshot_keep: int = 4
-    """Snapshots kept per rank (the newest)."""
+    """Snapshots kept per rank (spaced out: the oldest is 70 to 140 steps old)."""
+    healthy_reference: bool = True
+    """Also train the run without faults and without trainguard, to compare the final losses."""
     resume_after_s: float = 2.0
-    """How long the operator looks at a paused run before resuming it."""
+    """If the ladder ever pages a human (pauses the run), how long the demo, standing in for
+    them, looks at it before resuming."""
     controller: str | None = None
     """URL of a running controller; None starts one on loopback."""
     agent_token: str | None = None
@@ -129,6 +132,20 @@ class DemoResult:
     """Per rank: one entry per step (step, loss, lr used, lr_scale, paused wait)."""
     incidents: list[dict[str, Any]] = field(default_factory=list)
     """The run's incidents, oldest first: onset, the rungs of the escalation ladder, outcome."""
+    healthy_losses: list[float] = field(default_factory=list)
+    """Per step, the loss of the run without faults (empty without ``healthy_reference``)."""
+
+    def final_loss(self, last: int = 10) -> float:
+        """Mean loss of the last ``last`` steps, over every rank (the global batch's loss)."""
+        return _tail_mean([sum(e["loss"] for e in es) / len(es) for es in zip(*self.rank_logs)], last)
+
+    def healthy_final_loss(self, last: int = 10) -> float | None:
+        return _tail_mean(self.healthy_losses, last) if self.healthy_losses else None
+
+
+def _tail_mean(xs: list[float], last: int) -> float:
+    tail = xs[-last:]
+    return sum(tail) / len(tail) if tail else math.nan
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -172,8 +189,7 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
         controller=controller, token=token,
         config=ta.AgentConfig(report_every=cfg.report_every, skip_nonfinite=True,
                               metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_host,
-                              layer_depth=2, skip_spikes=False, snapshot_every=cfg.snapshot_every,
-                              snapshot_keep=cfg.snapshot_keep),
+                              layer_depth=2, snapshot_every=cfg.snapshot_every, snapshot_keep=cfg.snapshot_keep),
     )
     log: list[dict[str, Any]] = []
     step = 0  # steps completed; the step being trained is step + 1, the agent's numbering
@@ -212,6 +228,34 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
         dist.destroy_process_group()
 
 
+def _healthy_main(cfg_dict: dict[str, Any], log_dir: str) -> None:
+    """The run without faults and without trainguard, in one process: each step averages the
+    losses of every rank's batch, which gives the gradient DDP gives the ranks (the mean of theirs).
+    Runs in a spawned process."""
+    import torch
+
+    from trainguard.demo.model import TinyGPT, ByteCorpus, next_byte_loss, stdlib_source_bytes
+
+    cfg = DemoConfig(**cfg_dict)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=cfg.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = 10
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
+    losses = []
+    for step in range(1, cfg.steps + 1):
+        loss = sum(next_byte_loss(model, *corpus.batch(step, rank)) for rank in range(cfg.world_size)) / cfg.world_size
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    Path(log_dir, "healthy.json").write_text(json.dumps(losses))
+
+
 def _fmt(v: float | None, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -227,7 +271,7 @@ def _status_line(step: int, total: int, v: dict[str, float]) -> str:
         f" kl {_fmt(v.get('trainguard_data_token_kl_divergence'), '.2f')}"
         f" ctrl {_fmt(v.get('trainguard_data_special_token_ratio'), '.1e')}"
         f" len-p {_fmt(v.get('trainguard_data_length_shift_pvalue'), '.2g')}"
-        f" | paused {int(v.get('trainguard_paused', 0))} lr_scale {_fmt(v.get('trainguard_lr_scale', 1.0), '.2f')}"
+        f" | paused {int(v.get('trainguard_paused', 0))} lr_scale {_fmt(v.get('trainguard_lr_scale', 1.0), '.3g')}"
     )
 
 
@@ -268,7 +312,7 @@ class _Controller:
         self.log_path = workdir / "controller.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-             "--db", str(workdir / "trainguard.db"), "--rules", str(DEMO_RULES)],
+             "--db", str(workdir / "trainguard.db")],
             env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
         port = _bound_port(self.log_path, self.proc, r"listening on http://127\.0\.0\.1:(\d+)", "the controller")
         self.url = f"http://127.0.0.1:{port}"
@@ -326,14 +370,20 @@ def _start_prometheus(cfg: DemoConfig, ctl: _Controller, workdir: Path) -> subpr
 
 
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
-    keys = ("paused", "lr_scale", "checkpoint_seq", "stop")
-    return ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in keys if before.get(k) != after.get(k))
+    keys = ("paused", "lr_scale", "checkpoint_seq", "stop", "rollback_seq")
+
+    def fmt(v: Any) -> str:
+        return format(v, ".4g") if isinstance(v, float) else str(v)
+    out = [f"{k} {fmt(before.get(k))} -> {fmt(after.get(k))}" for k in keys if before.get(k) != after.get(k)]
+    if after.get("rollback_seq", 0) != before.get("rollback_seq", 0):
+        out.append(f"(roll back to the snapshot of step {after.get('rollback_step')} or older)")
+    return ", ".join(out)
 
 
 def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> None:
     """Follow the run's audit log while the ranks train; resume a rule's pause as an operator."""
     last_event = 0
-    desired: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False}
+    desired: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False, "rollback_seq": 0}
     paused_since: float | None = None
     told_manual = False
     deadline = time.monotonic() + cfg.timeout_s
@@ -360,13 +410,17 @@ def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> Non
                     paused_since = time.monotonic() if new["paused"] else None
                 elif ev["kind"] == "applied":
                     _say(cfg, f"  ok generation {ev['generation']} applied on every rank at step {ev['data'].get('step')}")
+                elif ev["kind"] == "incident":
+                    inc = ev["data"]["incident"]
+                    rungs = " > ".join(r["rung"] for r in inc["rungs"]) or "-"
+                    _say(cfg, f"  ~~ incident {inc['id']} (onset step {inc['onset_step']}): {rungs} / {inc['outcome']}")
             if paused_since is not None and time.monotonic() - paused_since >= cfg.resume_after_s:
                 if not ctl.operator_token:
                     if not told_manual:
                         _say(cfg, f"  the run is paused; resume it with: trainguard resume {run} --url {ctl.url} --token <operator token>")
                         told_manual = True
                     continue
-                _say(cfg, "  operator: the NaN came from one bad step that the agent skipped; resuming through the REST API")
+                _say(cfg, "  the run is paused and a human was paged; standing in for them, the demo resumes it through the REST API")
                 try:
                     http.post(f"/v1/runs/{run}/resume", json={"reason": "demo operator: inspected, resuming"},
                               headers={"Idempotency-Key": f"demo-resume-{desired.get('generation', 0)}"})
@@ -402,7 +456,7 @@ def _collect(ctl: _Controller, run: str) -> tuple[list[dict[str, Any]], list[dic
         if ev["kind"] == "applied":
             applied.setdefault(ev["generation"], ev["data"].get("step"))
     alerts, actions = [], []
-    before: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False}
+    before: dict[str, Any] = {"paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False, "rollback_seq": 0}
     for ev in events:
         if ev["kind"] == "alert":
             d = ev["data"]
@@ -439,9 +493,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
              if ctl.operator_token else f"console: {ctl.url}/ui/runs/{run}")
         if cfg.prometheus:
             prom = _start_prometheus(cfg, ctl, workdir)
+        blowup = (f"from step {cfg.lr_blowup[0]} on" if cfg.lr_blowup[1] is None
+                  else f"at steps {cfg.lr_blowup[0]}-{cfg.lr_blowup[1] - 1}")
         _say(cfg, f"run {run}: {cfg.world_size} gloo ranks, {cfg.steps} steps; faults: data burst at steps "
-                  f"{cfg.burst[0]}-{cfg.burst[1] - 1}, LR x{cfg.lr_blowup_factor:g} at steps {cfg.lr_blowup[0]}-"
-                  f"{cfg.lr_blowup[1] - 1}, NaN loss at step {cfg.nan_step}")
+                  f"{cfg.burst[0]}-{cfg.burst[1] - 1}, LR x{cfg.lr_blowup_factor:g} {blowup}, "
+                  f"NaN loss at step {cfg.nan_step}")
         ctx = mp.get_context("spawn")
         store = workdir / f"gloo-store-{run}"  # the ranks meet through a file: no port to pick
         store.unlink(missing_ok=True)
@@ -451,18 +507,28 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                             args=(rank, cfg_dict, f"file://{store}", ctl.url, ctl.agent_token, run, str(workdir)))
             p.start()
             procs.append(p)
+        healthy = None
+        if cfg.healthy_reference:
+            healthy = ctx.Process(target=_healthy_main, daemon=True, args=(cfg_dict, str(workdir)))
+            healthy.start()
         _watch(cfg, ctl, run, procs)
         for p in procs:
             p.join(30)
+        if healthy is not None:
+            healthy.join(max(cfg.timeout_s, 30))
+            procs.append(healthy)
         failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
         if failed:
-            raise RuntimeError(f"rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
+            raise RuntimeError(f"process(es) {failed} failed (exit codes {[procs[r].exitcode for r in failed]}; "
+                               f"the last one is the healthy run when there is one)")
         logs = [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cfg.world_size)]
+        healthy_losses = json.loads(Path(workdir, "healthy.json").read_text()) if healthy is not None else []
         if ctl.operator_token:
             _wait_acked(ctl, run, max((e["generation"] for log in logs for e in log), default=0))
         alerts, actions, incidents = _collect(ctl, run) if ctl.operator_token else ([], [], [])
         result = DemoResult(run=run, steps_completed=[log[-1]["step"] if log else 0 for log in logs],
-                            alerts=alerts, actions=actions, rank_logs=logs, incidents=incidents)
+                            alerts=alerts, actions=actions, rank_logs=logs, incidents=incidents,
+                            healthy_losses=healthy_losses)
         _print_summary(cfg, result)
         if cfg.keep_running:
             _say(cfg, f"\nthe controller ({ctl.url}){' and Prometheus' if prom else ''} keep running: Ctrl-C to stop")
@@ -498,6 +564,13 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
         print(f"  gen {a['generation']:>3}  applied at step {a['applied_step']!s:>5}  by {a['actor']:<28} {a['change']}")
     print("incidents (the escalation ladder, rung by rung):")
     print(textwrap.indent(format_incidents(result.incidents), "  "))
+    humans = sum(1 for a in result.actions if a["actor"].startswith("operator:"))
+    final, healthy = result.final_loss(), result.healthy_final_loss()
+    line = f"final loss (mean of the last 10 steps over every rank): {final:.3f}"
+    if healthy is not None:
+        line += f"; the same run without the faults: {healthy:.3f} ({final / healthy:.2f}x)"
+    print(line)
+    print(f"human interventions: {humans}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
