@@ -1,6 +1,6 @@
 """Dashboard 4, the controller: is the decision side healthy? Reports ingested, rule evaluations,
-alerts by rule and severity, actions taken, webhook deliveries and failures, and the ingest
-latency (quantiles of the histogram).
+alerts by rule and severity, actions taken, incidents of the automatic recovery (outcomes, rungs,
+open ones), webhook deliveries and failures, and the ingest latency (quantiles of the histogram).
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ RATE = "[$__rate_interval]"
 def _rate(metric: str, by: str = "", fn: str = "rate") -> str:
     grouping = f" by ({by})" if by else ""
     return f"sum{grouping} ({fn}({metric}{{{C}}}{RATE}))"
+
+
+def _or_zero(expr: str) -> str:
+    """``expr`` (one label-less series), or 0 while the controller is scraped and ``expr`` has no
+    series (the incident gauges list only the runs in that state)."""
+    return f"{expr} or (sum(trainguard_controller_runs{{{C}}}) * 0)"
 
 
 def build() -> Dashboard:
@@ -92,6 +98,31 @@ def build() -> Dashboard:
             draw="bars", width=24,
         ),
     ])
+    incidents = Section("Incidents", [
+        timeseries(
+            "Incidents by outcome and rungs taken",
+            "Incidents of the automatic recovery per interval: opened, recovered without a human, "
+            "escalated to a human (the run paused); and the rungs of the escalation ladder taken "
+            "(skip, adaptive_lr, rollback, pause).",
+            [
+                query(_rate("trainguard_controller_incidents_total", "outcome", "increase"), "{{outcome}}"),
+                query(_rate("trainguard_controller_incident_rungs_total", "rung", "increase"), "rung: {{rung}}"),
+            ],
+            draw="bars",
+        ),
+        timeseries(
+            "Open incidents and runs waiting for a human",
+            "Runs with an open incident (the recovery ladder is working on them), and runs paused "
+            "after an escalated incident until someone resumes or stops them. Per run: the "
+            "Incident panel of the training-stability dashboard.",
+            [
+                query(_or_zero(f"sum(trainguard_controller_incidents_open{{{C}}})"), "open incidents"),
+                query(_or_zero(f"sum(trainguard_controller_incidents_awaiting_human{{{C}}})"),
+                      "runs waiting for a human"),
+            ],
+            interpolation="stepAfter",
+        ),
+    ])
     webhooks = Section("Webhooks", [
         timeseries(
             "Webhook deliveries",
@@ -117,5 +148,5 @@ def build() -> Dashboard:
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["controller"],
-        sections=[ingest, decisions, webhooks],
+        sections=[ingest, decisions, incidents, webhooks],
     )

@@ -3,7 +3,8 @@ rules, for teams that prefer alerting in Prometheus: Prometheus evaluates them, 
 the alerts to the controller's ``POST /v1/alertmanager``, and the controller acts on every alert
 whose labels name a ``run`` and a ``trainguard_action`` (``notify``, ``pause``, ``lr_scale`` ...).
 
-Each alert aggregates over ranks ``by (job, run)``, so one alert per run fires, never one per rank.
+Each alert aggregates over ranks ``by (job, run)``, so one alert per run fires, never one per rank
+(the controller's own series, which carry no training job, ``by (run)``).
 The thresholds are the controller's default rules' (``dashboards/thresholds.py``).
 """
 
@@ -85,6 +86,8 @@ class AlertRule:
     """How long the condition must hold before the alert fires."""
     extra_labels: dict[str, str] = field(default_factory=dict)
     """More labels, e.g. ``trainguard_lr_factor`` of an ``lr_scale`` action."""
+    description: str = "Run {{ $labels.run }} of job {{ $labels.job }}: value {{ $value }}."
+    """The ``description`` annotation."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -102,7 +105,7 @@ class AlertRule:
                           **self.extra_labels}
         rule["annotations"] = {
             "summary": self.summary,
-            "description": "Run {{ $labels.run }} of job {{ $labels.job }}: value {{ $value }}.",
+            "description": self.description,
         }
         return rule
 
@@ -141,6 +144,10 @@ RECORDING_RULES: tuple[Recording, ...] = (
               expr=f"min {BY_RUN} (trainguard_data_length_shift_pvalue)"),
     Recording(record="trainguard:step:changes_5m",
               expr=f"max {BY_RUN} (changes(trainguard_step[{ABSENCE}]))"),
+    # The controller's own series: by run only (they carry the controller's scrape job, and a
+    # run's name is unique in its controller).
+    Recording(record="trainguard:incidents_awaiting_human:max",
+              expr="max by (run) (trainguard_controller_incidents_awaiting_human)"),
 )
 
 ALERT_RULES: tuple[AlertRule, ...] = (
@@ -213,6 +220,16 @@ ALERT_RULES: tuple[AlertRule, ...] = (
              f"unless on (job, run) (max {BY_RUN} (trainguard_paused) > 0)",
         action="notify", severity="critical",
         summary="Run {{ $labels.run }} made no step for " + ABSENCE + " and is not paused: hung?",
+    ),
+    AlertRule(
+        name="TrainguardIncidentEscalated",
+        expr="trainguard:incidents_awaiting_human:max > 0",
+        action="notify", severity="critical",
+        summary="Run {{ $labels.run }} is paused: the automatic recovery did not bring it back and "
+                "escalated its incident to a human. Look at the rungs it took, fix the cause, then "
+                "resume the run.",
+        description="Run {{ $labels.run }}: `trainguard incidents {{ $labels.run }}` lists the incident's "
+                    "onset and rungs; its page in the console shows them next to the charts.",
     ),
     AlertRule(
         name="TrainguardRankDown",

@@ -1,7 +1,7 @@
 """Dashboard 1, training stability: is the optimisation healthy right now, and what did the
 controller do about it? Loss, gradient norm (global and the largest layers), update ratio against
 its healthy band, parameter norm and scale, learning rates, lr_scale, AMP loss scale and skipped
-steps, non-finite counts, gradient noise scale, paused state.
+steps, non-finite counts, gradient noise scale, paused state and the controller's incidents.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from grafanalib.core import Dashboard
 
 from trainguard.dashboards.common import (
+    JOB_RUN,
     SEL,
     Band,
     Section,
@@ -27,6 +28,8 @@ TITLE = "trainguard / Training stability"
 #: The update ratio's healthy band (DESIGN.md; the stability guide, 6.1): about 1e-4 to 1e-2.
 UPDATE_RATIO_BAND = (1e-4, 1e-2)
 TOP_LAYERS = 5
+#: The newest step of each selected run (any rank): present while the run's ranks are scraped.
+RUN_STEP = f"max by (run) (trainguard_step{{{JOB_RUN}}})"
 
 
 def build() -> Dashboard:
@@ -147,6 +150,18 @@ def build() -> Dashboard:
             "1 while the controller holds the run paused (every rank waits at the same step).",
             [query(f"trainguard_paused{{{SEL}}}", "rank {{rank}}")],
             states={0: ("running", "green"), 1: ("paused", "orange")},
+        ),
+        state_timeline(
+            "Incident",
+            "The controller's automatic recovery for the run: no incident, an incident open (the "
+            "escalation ladder is working on it), or escalated (the run paused, waiting for a "
+            "human). `trainguard incidents RUN` lists the rungs taken.",
+            # (the controller's series carry no training job: the runs of the selected jobs are
+            # the ones whose ranks report a step)
+            [query(f"(max by (run) (trainguard_controller_incidents_awaiting_human{{run=~\"$run\"}}) * 2"
+                   f" or max by (run) (trainguard_controller_incidents_open{{run=~\"$run\"}})"
+                   f" or {RUN_STEP} * 0) and on (run) {RUN_STEP}", "{{run}}")],
+            states={0: ("no incident", "green"), 1: ("recovering", "orange"), 2: ("waiting for a human", "red")},
         ),
     ])
     return dashboard(

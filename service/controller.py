@@ -34,8 +34,8 @@ from trainguard.service.incidents import RecoveryChange, RunRecovery
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
-from trainguard.service.transaction import Transaction, Written, record_fired, record_resolved
-from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
+from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
+from trainguard.service.webhooks import SEVERITY_RANK, IncidentUpdate, WebhookDeliverer, incident_update
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
 from trainguard.protocol.wire import Ack, DesiredState, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
 
@@ -400,7 +400,12 @@ class Controller:
                                    desired=outcome.desired,
                                    fired=[(fa.finding.rule.name, fa.desired) for fa in outcome.fired if fa.desired],
                                    now=now)
-        incidents = rec.changed_incidents(rec_saved)
+        changed = rec.changed_incidents(rec_saved)
+        if changed:  # each with what this report changed in it (the saved copies are the incidents before)
+            earlier = {i.id: i.as_dict() for i in rec_saved["incidents"]}
+            incidents = [(d, incident_update(earlier.get(d["id"]), d)) for d in changed]
+        else:
+            incidents = []
 
         def insert(c: sqlite3.Connection) -> None:
             sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS)
@@ -422,18 +427,18 @@ class Controller:
     async def _commit_outcome(self, st: RunState, outcome: Outcome, now: float, tx: Transaction,
                               extra: Callable[[sqlite3.Connection], Any] | None = None, *,
                               changes: list[RecoveryChange] | None = None,
-                              incidents: list[dict[str, Any]] | None = None) -> None:
+                              incidents: list[tuple[dict[str, Any], IncidentUpdate]] | None = None) -> None:
         """Write the alerts, desired-state changes, events and outbox rows of ``outcome`` (which
         has fired or resolved something), and the recovery's own ``changes`` (escalation rungs,
-        LR ramp) and ``incidents`` that changed, in one transaction with ``extra``, then publish
-        them."""
+        LR ramp) and ``incidents`` that changed (each with its change: an event and the webhooks'
+        messages), in one transaction with ``extra``, then publish them."""
         self._count_suppressed(outcome)
         tx.on_rollback(lambda: st.book.undo(outcome.book_prior))
         before = st.desired
         changes, incidents = changes or [], incidents or []
         final = changes[-1].desired if changes else outcome.desired
         tx.assign(st, desired=final)
-        run_id, run, external = st.id, st.run, self.settings.external_url
+        run_id, run, job, external = st.id, st.run, st.job, self.settings.external_url
         step = st.window.last_step  # the step of the report that fired (absence: the last one seen)
 
         def op(c: sqlite3.Connection) -> Written:
@@ -452,10 +457,8 @@ class Controller:
                 out.events.append(sql.insert_event(c, run_id, now=now, kind="desired", actor=ch.actor,
                                                    reason=ch.desired.reason, generation=ch.desired.generation,
                                                    data={"desired": ch.desired.model_dump()}))
-            for inc in incidents:
-                out.events.append(sql.insert_event(c, run_id, now=now, kind="incident", actor="recovery",
-                                                   reason=f"incident {inc['id']}: {inc['outcome']}", generation=None,
-                                                   data={"incident": inc}))
+            for inc, change in incidents:
+                record_incident(c, run_id, run, job, inc, change, now, hooks=hooks, external_url=external, out=out)
             return out
 
         def after(w: Written) -> None:
@@ -472,6 +475,8 @@ class Controller:
             for ch in changes:
                 self._count_actions(prev, ch.desired, "recovery")
                 prev = ch.desired
+            for _, change in incidents:
+                self.metrics.count_incident(change)
             st.publish(final)
 
         await self._commit(tx, op, after=after)
@@ -757,9 +762,15 @@ class Controller:
     def metrics_snapshot(self) -> dict[str, Any]:
         runs: dict[str, int] = {s: 0 for s in ("running", "paused", "stopped", "silent", "registered", "finished")}
         firing: dict[str, int] = {s: 0 for s in SEVERITY_RANK}
+        open_incidents: list[str] = []
+        awaiting_human: list[str] = []
         for st in list(self.runs.values()):
             runs[st.status] += 1
             for a in list(st.firing.values()):
                 firing[a["severity"]] = firing.get(a["severity"], 0) + 1
+            if st.recovery.open is not None:
+                open_incidents.append(st.run)
+            if st.awaiting_human():
+                awaiting_human.append(st.run)
         return {"runs": runs, "firing": firing, "outbox_pending": self.deliverer.pending, "waiters": self.waiters,
-                "commits": self.store.commits}
+                "commits": self.store.commits, "incidents_open": open_incidents, "awaiting_human": awaiting_human}

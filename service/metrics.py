@@ -7,19 +7,23 @@ agent; dashboards and tests read names from here. A histogram ``X`` exposes ``X_
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from trainguard.protocol.catalog import MetricSpec
+from trainguard.service.rules import Rung
+
+if TYPE_CHECKING:
+    from trainguard.service.webhooks import IncidentUpdate
 
 #: A function giving the controller's state for the scrape-time gauges (``Controller.metrics_snapshot``),
 #: or ``None`` before the controller exists.
 Snapshot = Callable[[], "dict[str, Any] | None"]
 
-__all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics"]
+__all__ = ["ControllerMetric", "CONTROLLER_METRICS", "ControllerMetrics", "INCIDENT_OUTCOMES"]
 
 
 class ControllerMetric(MetricSpec):
@@ -50,7 +54,13 @@ CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
     ControllerMetric("trainguard_controller_runs", "gauge", "runs", "Registered runs, by status (running, paused, stopped, silent, registered, finished).", ("status",)),
     ControllerMetric("trainguard_controller_longpoll_waiters", "gauge", "requests", "Long-polls of desired state currently waiting."),
     ControllerMetric("trainguard_controller_store_commits_total", "counter", "transactions", "Database transactions committed by the writer (group commits)."),
+    ControllerMetric("trainguard_controller_incidents_total", "counter", "incidents", "Incidents of the automatic recovery, by outcome: opened, recovered (without a human), escalated (the run was paused and a human paged).", ("outcome",)),
+    ControllerMetric("trainguard_controller_incident_rungs_total", "counter", "rungs", "Rungs of the escalation ladder taken in incidents, by rung (skip, adaptive_lr, rollback, pause).", ("rung",)),
+    ControllerMetric("trainguard_controller_incidents_open", "gauge", "incidents", "1 for each run with an open incident (the recovery ladder is working on it); only such runs are listed.", ("run",)),
+    ControllerMetric("trainguard_controller_incidents_awaiting_human", "gauge", "runs", "1 for each run paused by an escalated incident, until someone resumes, stops or otherwise commands it; only such runs are listed.", ("run",)),
 )
+#: Outcomes counted by ``trainguard_controller_incidents_total`` (each label is exported from the start, at 0).
+INCIDENT_OUTCOMES = ("opened", "recovered", "escalated")
 
 BY_NAME: dict[str, ControllerMetric] = {m.name: m for m in CONTROLLER_METRICS}
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -81,6 +91,13 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("trainguard_controller_webhook_outbox_pending", _help("trainguard_controller_webhook_outbox_pending"), value=snap["outbox_pending"])
         yield GaugeMetricFamily("trainguard_controller_longpoll_waiters", _help("trainguard_controller_longpoll_waiters"), value=snap["waiters"])
         yield CounterMetricFamily("trainguard_controller_store_commits", _help("trainguard_controller_store_commits_total"), value=snap["commits"])
+        # one series per run in that state, never one per registered run (at most TRAINGUARD_MAX_RUNS)
+        for name, key in (("trainguard_controller_incidents_open", "incidents_open"),
+                          ("trainguard_controller_incidents_awaiting_human", "awaiting_human")):
+            g = GaugeMetricFamily(name, _help(name), labels=["run"])
+            for run in sorted(snap[key]):
+                g.add_metric([run], 1)
+            yield g
 
 
 class ControllerMetrics:
@@ -98,5 +115,20 @@ class ControllerMetrics:
         self.actions = Counter("trainguard_controller_actions", h("trainguard_controller_actions_total"), ["action", "source"], registry=registry)
         self.deliveries = Counter("trainguard_controller_webhook_deliveries", h("trainguard_controller_webhook_deliveries_total"), ["outcome"], registry=registry)
         self.failures = Counter("trainguard_controller_webhook_failures", h("trainguard_controller_webhook_failures_total"), ["reason"], registry=registry)
+        self.incidents = Counter("trainguard_controller_incidents", h("trainguard_controller_incidents_total"), ["outcome"], registry=registry)
+        self.incident_rungs = Counter("trainguard_controller_incident_rungs", h("trainguard_controller_incident_rungs_total"), ["rung"], registry=registry)
+        for outcome in INCIDENT_OUTCOMES:  # known label values start at 0: a rate over them has data
+            self.incidents.labels(outcome)
+        for rung in get_args(Rung):
+            self.incident_rungs.labels(rung)
         self.ingest_latency = Histogram("trainguard_controller_ingest_latency_seconds", h("trainguard_controller_ingest_latency_seconds"), buckets=_LATENCY_BUCKETS, registry=registry)
         registry.register(_StateCollector(state))
+
+    def count_incident(self, change: IncidentUpdate) -> None:
+        """Count one committed change of an incident: its opening, its rungs, its outcome."""
+        if change.opened:
+            self.incidents.labels("opened").inc()
+        for rung in change.rungs:
+            self.incident_rungs.labels(rung).inc()
+        if change.closed is not None:
+            self.incidents.labels(change.closed).inc()

@@ -96,6 +96,23 @@ class RunState:
             "preflight": st.preflight,
         }
 
+    def incidents(self) -> dict[str, Any]:
+        """The run's incidents, newest first (onset, rungs, outcome), and the snapshots the
+        controller holds for it (``GET /v1/runs/{run}/incidents``, the console's run page)."""
+        rec = self.recovery
+        return {"incidents": [i.as_dict() for i in reversed(rec.incidents)],
+                "snapshots": [{"step": s.step, "good": s.good(rec.policy.snapshot_confirm_reports)} for s in rec.snapshots]}
+
+    def awaiting_human(self) -> bool:
+        """Whether the run is paused by an escalated incident and waits for a person: its newest
+        escalated incident's last rung set the desired state in force, and that state pauses the
+        run (an operator's resume, stop or other command since replaces it)."""
+        d = self.desired
+        if not d.paused or d.stop or self.finished_at is not None:
+            return False
+        escalated = next((i for i in reversed(self.recovery.incidents) if i.outcome == "escalated"), None)
+        return escalated is not None and bool(escalated.rungs) and escalated.rungs[-1]["generation"] == d.generation
+
     def firing_absence(self) -> list[str]:
         return [name for name, a in self.firing.items() if a["kind"] == "absence"]
 

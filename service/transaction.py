@@ -11,7 +11,8 @@ rule fires again on the next report), a command that could not be written did no
 
 A :class:`Transaction` collects the in-memory changes with their undos; the controller's
 ``_commit(tx, op)`` runs the operation and publishes or takes back. An operation returns a
-:class:`Written`. :func:`record_fired` and :func:`record_resolved` write the alerts of a decision.
+:class:`Written`. :func:`record_fired` and :func:`record_resolved` write the alerts of a decision,
+:func:`record_incident` a change of an incident.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any, Callable
 from trainguard.service import statements as sql
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.engine import FiredAlert
-from trainguard.service.webhooks import SEVERITY_RANK, fingerprint, render
+from trainguard.service.webhooks import (
+    SEVERITY_RANK, IncidentUpdate, fingerprint, incident_wanted, render, render_incident,
+)
 
-__all__ = ["Transaction", "Written", "record_fired", "record_resolved"]
+__all__ = ["Transaction", "Written", "record_fired", "record_resolved", "record_incident"]
 
 
 @dataclass(slots=True)
@@ -122,3 +125,19 @@ def record_fired(c: sqlite3.Connection, run_id: int, run: str, fa: FiredAlert, n
                                   body=render(h["format"], alert, external_url=external_url), now=now)
                 out.outbox += 1
     return alert
+
+
+def record_incident(c: sqlite3.Connection, run_id: int, run: str, job: str, incident: dict[str, Any],
+                    change: IncidentUpdate, now: float, *, hooks: list[dict[str, Any]], external_url: str,
+                    out: Written) -> None:
+    """Write one change of an incident (``incident`` as it is now, ``change`` from
+    :func:`~service.webhooks.incident_update`): its ``incident`` audit event and a message to
+    every webhook that wants it (:func:`~service.webhooks.incident_wanted`)."""
+    reason = f"incident {incident['id']}: {change.update}" + (f" ({', '.join(change.rungs)})" if change.rungs else "")
+    out.events.append(sql.insert_event(c, run_id, now=now, kind="incident", actor="recovery", reason=reason,
+                                       generation=None, data={"incident": incident, "update": change.update}))
+    for h in hooks:
+        if incident_wanted(h, incident):
+            sql.insert_outbox(c, webhook_id=h["id"], alert_id=None, now=now, body=render_incident(
+                h["format"], incident, run=run, job=job, update=change.update, external_url=external_url))
+            out.outbox += 1

@@ -1,7 +1,8 @@
 """Webhooks out: payloads, signatures, and the outbox-driven delivery worker.
 
 Alert notifications are written to the ``outbox`` table in the same transaction as the alert, one
-row per subscribed webhook, with the rendered body. :class:`WebhookDeliverer` sends due rows,
+row per subscribed webhook, with the rendered body; so are incidents (:func:`render_incident`),
+whenever one opens, takes a rung of the escalation ladder or closes. :class:`WebhookDeliverer` sends due rows,
 records every attempt in ``deliveries``, and retries with exponential backoff on 5xx, 408, 429,
 timeouts and connection errors — never on other 4xx. A row stays ``pending`` until an attempt's
 outcome is committed, so a controller killed mid-delivery sends it again after a restart
@@ -20,6 +21,7 @@ import hmac
 import json
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Literal
 
@@ -29,7 +31,8 @@ from trainguard.service import statements as sql
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
 
-__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url"]
+__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url",
+           "INCIDENT_SEVERITY", "IncidentUpdate", "incident_update", "incident_wanted", "render_incident"]
 
 log = logging.getLogger("trainguard.webhooks")
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
@@ -99,6 +102,95 @@ def render(format: str, alert: dict[str, Any], *, external_url: str = "") -> byt
     """The body sent to a webhook of ``format`` for ``alert`` (a row of the alerts table)."""
     payload = _alertmanager(alert, external_url) if format == "alertmanager" else _slack(alert)
     # Alert values may hold NaN/Inf: as strings, so that every JSON parser reads the body.
+    return json.dumps(_jsonable(payload), separators=(",", ":")).encode()
+
+
+#: The severity of an incident's message, by its outcome. While it is open the controller is acting
+#: on the run by itself (a warning); escalated, the run is paused and waits for a human (critical).
+#: A recovered incident is sent like a resolved alert: to the webhooks that got its opening and
+#: want resolved messages (``send_resolved``).
+INCIDENT_SEVERITY = {"open": "warning", "recovered": "warning", "escalated": "critical"}
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentUpdate:
+    """What one transaction changed in an incident."""
+
+    update: str
+    """``opened``, ``rung`` (a rung taken while open), ``recovered`` or ``escalated``."""
+    opened: bool
+    rungs: tuple[str, ...]
+    """The rungs taken in this transaction, in order."""
+    closed: str | None
+    """The outcome the incident closed with in this transaction, else ``None``."""
+
+
+def incident_update(before: dict[str, Any] | None, after: dict[str, Any]) -> IncidentUpdate:
+    """The change from ``before`` (``None``: the incident is new) to ``after`` (incident dicts)."""
+    taken = len(before["rungs"]) if before is not None else 0
+    rungs = tuple(r["rung"] for r in after["rungs"][taken:])
+    was_open = before is None or before["outcome"] == "open"
+    closed = after["outcome"] if after["outcome"] != "open" and was_open else None
+    update = closed or ("opened" if before is None else "rung")
+    return IncidentUpdate(update, before is None, rungs, closed)
+
+
+def incident_wanted(hook: dict[str, Any], incident: dict[str, Any]) -> bool:
+    """Whether webhook ``hook`` (a row) gets a message about ``incident`` in its present state."""
+    if SEVERITY_RANK[INCIDENT_SEVERITY[incident["outcome"]]] < SEVERITY_RANK[hook["min_severity"]]:
+        return False
+    return incident["outcome"] != "recovered" or bool(hook["send_resolved"])
+
+
+def _incident_text(incident: dict[str, Any], run: str, job: str) -> tuple[str, list[str]]:
+    """A one-line summary of an incident and one line per rung."""
+    outcome = {"open": "open", "recovered": "recovered without a human",
+               "escalated": "escalated to a human (the run is paused)"}[incident["outcome"]]
+    head = (f"incident {incident['id']} on run {run} (job {job}): {outcome}; onset at step {incident['onset_step']} "
+            f"({incident['trigger']})")
+    if incident["closed_step"] is not None:
+        head += f", closed at step {incident['closed_step']}"
+    rungs = [f"step {r['step']}: {r['rung']} by {r['actor']}: {r['reason']}" for r in incident["rungs"]]
+    return head, rungs
+
+
+def render_incident(format: str, incident: dict[str, Any], *, run: str, job: str, update: str,
+                    external_url: str = "") -> bytes:
+    """The body sent to a webhook of ``format`` about ``incident`` (``Incident.as_dict()``).
+
+    ``alertmanager`` format: an Alertmanager (version 4) message with one alert (``alertname``
+    ``incident``; labels ``job``, ``run``, ``severity``, ``incident`` (its id); firing while open
+    or escalated, resolved once recovered), and beside it ``kind`` (``"incident"``), ``update``
+    (what this message reports: ``opened``, ``rung``, ``recovered``, ``escalated``), ``run``,
+    ``job``, ``incident`` (onset, rungs, outcome: as ``GET /v1/runs/{run}/incidents`` lists it) and
+    ``link`` (the run's page in the console; a path when no external URL is configured).
+    ``slack`` format: ``{"text": ...}`` with the summary, each rung and the link."""
+    base = external_url.rstrip("/")
+    link = f"{base}/ui/runs/{run}"
+    head, rungs = _incident_text(incident, run, job)
+    if format == "slack":
+        icon = {"open": ":hammer_and_wrench:", "recovered": ":white_check_mark:",
+                "escalated": ":rotating_light:"}[incident["outcome"]]
+        payload: dict[str, Any] = {"text": "\n".join([f"{icon} {head}", *(f"• {r}" for r in rungs), link])}
+    else:
+        severity = INCIDENT_SEVERITY[incident["outcome"]]
+        status = "resolved" if incident["outcome"] == "recovered" else "firing"
+        labels = {"alertname": "incident", "job": job, "run": run, "severity": severity, "incident": str(incident["id"])}
+        annotations = {"summary": head, "description": "\n".join(rungs), "update": update}
+        am_alert = {
+            "status": status, "labels": labels, "annotations": annotations,
+            "startsAt": rfc3339(incident["onset_time"]),
+            "endsAt": rfc3339(incident["closed_time"] if status == "resolved" else None),
+            "generatorURL": f"{base}/v1/runs/{run}/incidents" if base else "",
+            "fingerprint": fingerprint(run, f"incident {incident['id']}", incident["onset_time"]),
+        }
+        group = {"alertname": "incident", "run": run}
+        payload = {
+            "version": "4", "groupKey": f"{{}}:{{alertname=\"incident\", run=\"{run}\"}}", "truncatedAlerts": 0,
+            "status": status, "receiver": "trainguard", "groupLabels": group, "commonLabels": labels,
+            "commonAnnotations": annotations, "externalURL": base, "alerts": [am_alert],
+            "kind": "incident", "update": update, "run": run, "job": job, "incident": incident, "link": link,
+        }
     return json.dumps(_jsonable(payload), separators=(",", ":")).encode()
 
 

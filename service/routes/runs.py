@@ -88,11 +88,7 @@ async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, stat
 
 @router.get("/runs/{run}/incidents", summary="A run's incidents, newest first: onset, rungs of the escalation ladder, outcome")
 async def get_incidents(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
-    st = ctl.get(run)
-    body = {"run": run, "incidents": [i.as_dict() for i in reversed(st.recovery.incidents)],
-            "snapshots": [{"step": s.step, "good": s.good(st.recovery.policy.snapshot_confirm_reports)}
-                          for s in st.recovery.snapshots]}
-    return Response(json.dumps(nan_safe(body)), media_type=_JSON)
+    return Response(json.dumps(nan_safe({"run": run} | ctl.get(run).incidents())), media_type=_JSON)
 
 
 @router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")

@@ -297,12 +297,20 @@ async def api_runs(request: Request, _: ReadSession) -> Response:
 @router.get("/ui/api/runs/{run}")
 async def api_run(run: str, request: Request, _: ReadSession) -> Response:
     """A run's status, its window (reports and per-rank vectors), its recent alerts with their
-    diagnoses and its recent audit events."""
+    diagnoses, its incidents (onset, rungs, outcome; newest first) and its recent audit events."""
     ctl = _controller(request)
     st = ctl.get(run)
     alerts = await _alerts(ctl, run)
     events = (await ctl.records.events_newest(run=run, before=None, limit=_EVENTS_KEPT))[::-1]
-    return _json({"run": _detail(st), "window": _window(st, 0), "alerts": alerts, "events": events})
+    return _json({"run": _detail(st), "window": _window(st, 0), "alerts": alerts,
+                  "incidents": st.incidents()["incidents"], "events": events})
+
+
+@router.get("/ui/api/runs/{run}/incidents")
+async def api_incidents(run: str, request: Request, _: ReadSession) -> Response:
+    """A run's incidents, newest first (the page reloads them when an ``incident`` event arrives),
+    and the snapshots the controller holds for it."""
+    return _json(_controller(request).get(run).incidents())
 
 
 @router.get("/ui/api/runs/{run}/alerts")

@@ -1,5 +1,6 @@
-// One run: status, actions, alerts with their diagnoses, live charts of the controller's window
-// (updated over the event stream), the per-rank view and the run's audit log.
+// One run: status, actions, alerts with their diagnoses, the incidents of the automatic recovery
+// (onset, rungs, outcome), live charts of the controller's window (updated over the event stream),
+// the per-rank view and the run's audit log.
 import { ApiError, Stream, can, get, num, post } from "./api.js";
 import { Chart, fmt } from "./charts.js";
 import { h, statusBadge, when } from "./dom.js";
@@ -55,6 +56,7 @@ export class RunPage {
     this.ranks = [];
     this.events = [];
     this.alerts = [];
+    this.incidents = [];
     this.detail = null;
     this.pending = null; // {command, generation}
     this.closed = false;
@@ -77,8 +79,10 @@ export class RunPage {
     this.addWindow(data.window);
     this.events = data.events;
     this.alerts = data.alerts;
+    this.incidents = data.incidents;
     this.setDetail(data.run);
     this.renderAlerts();
+    this.renderIncidents();
     this.renderEvents();
     this.redraw();
     const lastEvent = () => (this.events.length ? this.events[this.events.length - 1].id : 0);
@@ -95,12 +99,13 @@ export class RunPage {
     this.actions = h("div", { class: "actions", id: "actions" });
     this.result = h("p", { class: "action-result", id: "action-result", role: "status" });
     this.alertsEl = h("section", { class: "alerts", id: "alerts" });
+    this.incidentsEl = h("section", { class: "incidents", id: "incidents" });
     this.chartsEl = h("div", { class: "charts", id: "charts" });
     this.rankChartsEl = h("div", { class: "charts", id: "rank-charts" });
     this.rankTable = h("table", { class: "ranks", id: "rank-table" });
     this.eventsBody = h("tbody");
     this.root.replaceChildren(
-      this.header, this.actions, this.result, this.alertsEl,
+      this.header, this.actions, this.result, this.alertsEl, this.incidentsEl,
       h("h2", {}, "Training signals"),
       h("p", { class: "legend" }, h("span", { class: "mk mk-alert" }), " alert  ", h("span", { class: "mk mk-desired" }),
         " desired state changed  ", h("span", { class: "mk mk-applied" }), " applied by every rank  ",
@@ -297,6 +302,7 @@ export class RunPage {
     if (this.events.length > 500) this.events.shift();
     this.eventsBody.prepend(this.eventRow(ev));
     if (ev.kind === "alert" || ev.kind === "resolved") this.refreshAlerts();
+    if (ev.kind === "incident") this.refreshIncidents();
     this.redraw();
   }
 
@@ -307,6 +313,35 @@ export class RunPage {
     } catch (err) {
       if (err instanceof ApiError && err.status === 401) this.onAuth();
     }
+  }
+
+  async refreshIncidents() {
+    try {
+      this.incidents = (await get(`/ui/api/runs/${encodeURIComponent(this.run)}/incidents`)).incidents;
+      this.renderIncidents();
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) this.onAuth();
+    }
+  }
+
+  // An incident of the automatic recovery: its onset, each rung of the escalation ladder taken (step,
+  // by whom, why) and its outcome.
+  incidentCard(i) {
+    const label = { open: "open: recovering", recovered: "recovered", escalated: "escalated to a human" }[i.outcome] || i.outcome;
+    return h("article", { class: `incident outcome-${i.outcome}`, dataset: { incidentId: i.id, outcome: i.outcome } },
+      h("header", {}, h("span", { class: `badge outcome-${i.outcome}` }, label), " ", h("strong", {}, `incident ${i.id}`),
+        ` · onset at step ${i.onset_step} (${i.trigger}), ${when(i.onset_time)}`,
+        i.closed_step !== null && i.closed_step !== undefined ? ` · closed at step ${i.closed_step}` : null),
+      h("ol", { class: "rungs" }, i.rungs.map((r) => h("li", { dataset: { rung: r.rung, step: r.step } },
+        h("strong", {}, r.rung), ` at step ${r.step} by ${r.actor}: ${r.reason}`))));
+  }
+
+  renderIncidents() {
+    const open = this.incidents.filter((i) => i.outcome === "open").length;
+    this.incidentsEl.replaceChildren(
+      h("h2", {}, `Incidents (${this.incidents.length}${open ? `, ${open} open` : ""})`),
+      this.incidents.length ? h("div", { id: "incident-list" }, this.incidents.map((i) => this.incidentCard(i)))
+        : h("p", { class: "muted", id: "incident-list" }, "None: the automatic recovery has not acted on this run."));
   }
 
   alertCard(a) {

@@ -55,7 +55,12 @@ BURSTS = ((0.35, 0.55), (0.75, 1.0))
 SPECIAL_ID = 0
 
 #: Queries not required to have data, each with the reason (outside the dashboards).
-NOT_REQUIRED: set[str] = set()
+NOT_REQUIRED: set[str] = {
+    # The controller lists a run in trainguard_controller_incidents_awaiting_human only while its
+    # incident is escalated (the run paused for a human): a run that trains on has none. (The
+    # dashboards' incident panels show 0 then, and have data.)
+    f'trainguard:incidents_awaiting_human:max{{run="{RUN}"}}',
+}
 
 pytestmark = [
     pytest.mark.integration,

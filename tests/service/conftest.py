@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
+from trainguard.service.rules import default_rules_text, load_rules
 from trainguard.protocol.wire import Report
 
 
@@ -161,3 +162,32 @@ def serve() -> Iterator[Callable[..., Served]]:
     yield start
     for s in started:
         s.stop()
+
+
+_LADDER = load_rules(default_rules_text()).file.recovery
+#: Steps between two reports of :func:`climb_ladder`: a rung's window of reports and its window of
+#: steps end at the same report.
+LADDER_STRIDE = max(1, -(-_LADDER.window_steps // _LADDER.window_reports))
+_OPENS = 5  # the report whose gradient norm opens the incident
+#: The steps at which :func:`climb_ladder`'s incident opens, rolls back, and pauses (escalated).
+LADDER_STEPS = {rung: (_OPENS + i * _LADDER.window_reports) * LADDER_STRIDE
+                for i, rung in enumerate(("adaptive_lr", "rollback", "pause"))}
+
+
+def climb_ladder(client: Any, run: str = "run-1", job: str = "job-a", *, after: int = 0,
+                 until: int = LADDER_STEPS["pause"], headers: dict[str, str] | None = None) -> None:
+    """Drive one incident of ``run`` up the default rules' ladder with a report every
+    ``LADDER_STRIDE`` steps, from the first after step ``after`` to step ``until``: healthy reports
+    that make the snapshot of the second report's step good, then a gradient norm above the limit
+    from the fifth report on. The rule's adaptive LR opens the incident; with the signals not back
+    after a rung's window the ladder rolls back to that snapshot, then pauses: escalated
+    (:data:`LADDER_STEPS`). ``client``: a TestClient or an httpx client of the controller;
+    ``headers`` (e.g. an agent token's) go with every report."""
+    snapshot = 2 * LADDER_STRIDE
+    for step in range(after - after % LADDER_STRIDE + LADDER_STRIDE, until + 1, LADDER_STRIDE):
+        values = {"trainguard_grad_norm_max": 1.0 if step < LADDER_STEPS["adaptive_lr"] else 3000.0}
+        if step >= snapshot:
+            values["trainguard_snapshot_step"] = float(snapshot)
+        body = {"job": job, "step_first": step, "step_last": step, "time": float(step), "values": values}
+        resp = client.post(f"/v1/runs/{run}/reports", json=body, headers=headers or {})
+        assert resp.status_code == 200, resp.text

@@ -31,7 +31,8 @@ def test_a_stored_bad_url_does_not_stop_delivery_to_other_webhooks(app_factory: 
             db.execute("UPDATE webhooks SET url=? WHERE id=?", ("http://host:abc/hook", bad))
         db.close()
         register(c)
-        report = {"job": "job-a", "step_first": 1, "step_last": 1, "time": 1.0, "values": {"trainguard_grad_norm_max": 5000.0}}
+        # (notify-only rules: one message per alert, no incident)
+        report = {"job": "job-a", "step_first": 1, "step_last": 1, "time": 1.0, "values": {"trainguard_data_duplicate_ratio": 0.5}}
         assert c.post("/v1/runs/run-1/reports", json=report).status_code == 200
         bad_rows = wait_until(lambda: c.get(f"/v1/webhooks/{bad}/deliveries").json())
         assert [(d["outcome"], d["status_code"]) for d in bad_rows] == [("failed", None)]
@@ -39,8 +40,8 @@ def test_a_stored_bad_url_does_not_stop_delivery_to_other_webhooks(app_factory: 
         good_rows = wait_until(lambda: c.get(f"/v1/webhooks/{good}/deliveries").json())
         assert [(d["outcome"], d["status_code"]) for d in good_rows] == [("delivered", 200)]
         # The worker is still alive: a later alert (another rule) is delivered too.
-        report2 = report | {"step_first": 2, "step_last": 2, "values": {"trainguard_data_duplicate_ratio": 0.5}}
+        report2 = report | {"step_first": 2, "step_last": 2, "values": {"trainguard_data_token_kl_divergence": 0.5}}
         assert c.post("/v1/runs/run-1/reports", json=report2).status_code == 200
         wait_until(lambda: len(c.get(f"/v1/webhooks/{good}/deliveries").json()) == 2)
     rules = [json.loads(body)["alerts"][0]["labels"]["alertname"] for _, body in rx.requests]
-    assert rules == ["grad_norm_high", "data_duplicate_ratio"]
+    assert rules == ["data_duplicate_ratio", "data_token_kl"]

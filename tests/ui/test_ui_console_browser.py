@@ -1,6 +1,6 @@
 """The console in a real browser (Debian's Chromium, headless) against a real controller process:
 a reporting run appears, its charts draw the window's points and follow new reports, an alert
-appears with its diagnosis without a reload, a pause confirmed in the page is applied by the real
+appears with its diagnosis and its incident (onset, rungs, outcome) without a reload, a pause confirmed in the page is applied by the real
 agent and the page shows the step, a read-only token gets no actions and is refused, and nothing
 leaves 127.0.0.1."""
 
@@ -92,6 +92,7 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     page.sign_in(READER, "/ui/runs/run-alert")
     page.page.wait_for_selector('[data-chart="loss"][data-points="3"]')
     assert page.page.query_selector("#firing [data-rule]") is None
+    assert page.page.inner_text("#incidents h2") == "Incidents (0)"
     page.page.evaluate("() => { window.notReloaded = true; }")
 
     agent.report(4, _values(4) | {"trainguard_loss": math.nan}, _ranks(4))
@@ -107,6 +108,15 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     assert "seed" not in text.lower() and "source document" not in text.lower()
     page.page.wait_for_selector('[data-chart="loss"][data-nonfinite="1"][data-points="3"]')  # the NaN is marked, not dropped
     page.page.wait_for_selector('#run-events tr[data-kind="alert"]')
+    # the rule's refused rollback (no snapshot) paused the run: its incident, escalated, appears too
+    card = page.page.wait_for_selector('#incident-list article[data-outcome="escalated"]')
+    (incident,) = controller.operator.get("/v1/runs/run-alert/incidents").json()["incidents"]
+    assert card.get_attribute("data-incident-id") == str(incident["id"]) and incident["onset_step"] == 4
+    rungs = card.query_selector_all("ol.rungs li")
+    assert [(li.get_attribute("data-rung"), li.get_attribute("data-step")) for li in rungs] == [
+        (r["rung"], str(r["step"])) for r in incident["rungs"]] == [("pause", "4")]
+    assert incident["rungs"][0]["reason"] in rungs[0].inner_text() and "escalated to a human" in card.inner_text()
+    page.page.wait_for_selector('#run-events tr[data-kind="incident"]')
     assert page.page.evaluate("() => window.notReloaded === true")
     agent.close()
 

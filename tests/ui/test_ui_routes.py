@@ -1,5 +1,6 @@
 """The console's endpoints without a browser: sign-in and its cookie, CSRF and Origin checks,
-scopes, sign-out, the anonymous session without tokens, the window it serves, the local /docs."""
+scopes, sign-out, the anonymous session without tokens, the window and incidents it serves, the
+local /docs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.routes.ui import COOKIE, CSRF_HEADER, ConsoleSessions
 from trainguard.service.auth import ANONYMOUS
+from tests.service.conftest import LADDER_STEPS, climb_ladder
 
 OPERATOR, READER, AGENT = "operator-token-123", "reader-token-123", "agent-token-123"
 HOOKS = "hooks-token-123"
@@ -202,6 +204,23 @@ def test_the_run_endpoint_serves_the_window_nan_included(client_factory: Callabl
     alerts = body["alerts"]
     assert alerts and alerts[0]["state"] in ("firing", "resolved") and alerts[0]["diagnosis"]["symptom"]
     assert [e["kind"] for e in body["events"]][:1] == ["registered"]
+
+
+def test_the_run_endpoints_serve_its_incidents_as_the_api_lists_them(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    climb_ladder(client, until=LADDER_STEPS["rollback"], headers=AGENT_AUTH)  # open: adaptive LR, then a rollback
+    assert client.get("/ui/api/runs/run-1/incidents").status_code == 401  # the console's own session, not a token
+    _login(client, READER)
+    api = client.get("/v1/runs/run-1/incidents", headers={"Authorization": f"Bearer {READER}"}).json()
+    (incident,) = api["incidents"]
+    assert incident["outcome"] == "open" and [r["rung"] for r in incident["rungs"]] == ["adaptive_lr", "rollback"]
+    assert client.get("/ui/api/runs/run-1").json()["incidents"] == [incident]
+    assert client.get("/ui/api/runs/run-1/incidents").json() == {k: api[k] for k in ("incidents", "snapshots")}
+    climb_ladder(client, after=LADDER_STEPS["rollback"], headers=AGENT_AUTH)
+    (escalated,) = client.get("/ui/api/runs/run-1/incidents").json()["incidents"]
+    assert escalated["outcome"] == "escalated" and escalated["rungs"][-1]["rung"] == "pause"
+    assert client.get("/ui/api/runs/nope/incidents").status_code == 404
 
 
 def _report_json(step: int, values: dict[str, float], ranks: dict[str, list[float]]) -> str:

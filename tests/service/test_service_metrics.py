@@ -1,0 +1,66 @@
+"""The controller's own metrics of incidents (``service/metrics.py``), read from ``GET /metrics``
+while a run's incident climbs the ladder and another's recovers."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainguard.service.metrics import BY_NAME, INCIDENT_OUTCOMES
+from trainguard.service.rules import RecoveryPolicy
+from tests.service.conftest import LADDER_STEPS, climb_ladder, register
+
+
+def _samples(c) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    families = text_string_to_metric_families(c.get("/metrics").text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples
+            if "incident" in s.name and not s.name.endswith("_created")}
+
+
+def _counts(c) -> tuple[dict[str, float], dict[str, float]]:
+    samples = _samples(c)
+    outcomes = {dict(labels)["outcome"]: v for (name, labels), v in samples.items() if name == "trainguard_controller_incidents_total"}
+    rungs = {dict(labels)["rung"]: v for (name, labels), v in samples.items() if name == "trainguard_controller_incident_rungs_total"}
+    return outcomes, rungs
+
+
+def _runs(c, gauge: str) -> dict[str, float]:
+    return {dict(labels)["run"]: v for (name, labels), v in _samples(c).items() if name == gauge}
+
+
+def test_incident_counters_start_at_zero_for_every_outcome_and_rung(app_factory):
+    with app_factory() as c:
+        outcomes, rungs = _counts(c)
+        assert outcomes == dict.fromkeys(INCIDENT_OUTCOMES, 0.0)
+        assert rungs == dict.fromkeys(RecoveryPolicy().ladder, 0.0)  # every rung the rules may name
+        assert _runs(c, "trainguard_controller_incidents_open") == {}
+        assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}
+    assert {"outcome"} == set(BY_NAME["trainguard_controller_incidents_total"].labels)
+
+
+def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_factory):
+    with app_factory() as c:
+        register(c, "run-1")
+        register(c, "run-2")
+        climb_ladder(c, "run-1", until=LADDER_STEPS["rollback"])  # open, rolled back, not yet paused
+        assert _runs(c, "trainguard_controller_incidents_open") == {"run-1": 1.0}
+        assert _counts(c) == ({"opened": 1.0, "recovered": 0.0, "escalated": 0.0},
+                              {"skip": 0.0, "adaptive_lr": 1.0, "rollback": 1.0, "pause": 0.0})
+
+        climb_ladder(c, "run-1", after=LADDER_STEPS["rollback"])
+        # run-2: an LR action opens an incident, five healthy reports close it (recovered)
+        for step, grad in enumerate([3000.0] + [1.0] * 5, start=1):
+            c.post("/v1/runs/run-2/reports", json={"job": "job-a", "step_first": step, "step_last": step, "time": 1.0,
+                                                   "values": {"trainguard_grad_norm_max": grad}})
+        incidents = {run: c.get(f"/v1/runs/{run}/incidents").json()["incidents"] for run in ("run-1", "run-2")}
+        assert [i["outcome"] for i in incidents["run-1"]] == ["escalated"]
+        assert [i["outcome"] for i in incidents["run-2"]] == ["recovered"]
+        assert _counts(c) == ({"opened": 2.0, "recovered": 1.0, "escalated": 1.0},
+                              {"skip": 0.0, "adaptive_lr": 2.0, "rollback": 1.0, "pause": 1.0})
+        assert _runs(c, "trainguard_controller_incidents_open") == {}
+        assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {"run-1": 1.0}
+
+        # an operator resumes run-1: nobody is waited for any more, nor after a pause of their own
+        assert c.post("/v1/runs/run-1/resume", json={"reason": "fixed the schedule"}).status_code == 200
+        assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}
+        assert c.post("/v1/runs/run-1/pause", json={"reason": "a look at the data"}).status_code == 200
+        assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}
