@@ -13,7 +13,8 @@ in three identical copies, interleaved round by round so that all three see the 
 Per copy with the agent, ``end_step`` is timed on snapshot steps and on the other steps: the
 difference is what a snapshot holds the step up. For the DCP backend that is the staging copy (the
 write runs on a thread); the write's own duration, from ``end_step`` to the write's completion, is
-given beside it, and the steps taken while a write was in flight (they share the CPU with it). The
+given beside it, and the steps taken while a write was in flight (they share the CPU with it; the
+copy's snapshot step comes first in its turn, and its turn ends when the write is done). The
 floor is a plain ``clone()`` of every parameter and optimizer state tensor: a snapshot cannot cost
 less than that copy. Host memory: the bytes of the tensors one in-memory snapshot holds, and the
 resident set's growth over the first snapshot (for DCP: while the first write is in flight, and
@@ -149,12 +150,19 @@ def main() -> None:
         print(f"model: {args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f}M parameters, AdamW, "
               f"batch {args.batch}, {args.threads} thread(s), snapshot every {args.every} steps; "
               f"loadavg {open('/proc/loadavg').read().split()[:3]}")
+        # The DCP copy's snapshot comes first in its turn, so that the turn's other steps run while
+        # its write is in flight; the turn ends when the write is done, so that it does not run
+        # beside the other copies' steps or the clone floor.
+        for _ in range(args.every - 1):
+            copies[2].step()
         floor_s: list[float] = []
         floor_bytes = 0
         for r in range(args.rounds):
             for c in copies:
                 for _ in range(args.every):
                     c.step()
+                if c.backend is not None:
+                    c.backend.close()
             if r > 0:  # the optimizer state exists from the first step on
                 s, floor_bytes = _clone_floor(copies[0].model, copies[0].opt)
                 floor_s.append(s)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -105,7 +106,7 @@ class DcpSnapshots:
             future.result(timeout=self.timeout_s)
         except TimeoutError:
             raise TimeoutError(f"the snapshot write to {handle} did not finish within {self.timeout_s} s") from None
-        except Exception as exc:  # the write failed: the snapshot is unusable
+        except (Exception, CheckpointException) as exc:  # the write failed (DCP's error is a BaseException)
             self._failed[handle] = exc
             self.failed_writes += 1
         del self._writes[handle]
@@ -123,8 +124,11 @@ class DcpSnapshots:
         self._failed.pop(handle, None)
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         # The default stager copies the state before async_save returns; the write runs on a thread.
-        response = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=handle,
-                                  process_group=self._group, no_dist=self._group is None)
+        try:
+            response = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=handle,
+                                      process_group=self._group, no_dist=self._group is None)
+        except CheckpointException as exc:  # a BaseException, as in load
+            raise RuntimeError(f"saving the snapshot {handle} failed: {exc}") from exc
         self._writes[handle] = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         return handle
 
@@ -136,7 +140,10 @@ class DcpSnapshots:
             raise RuntimeError(f"the snapshot write to {handle} failed: {self._failed[handle]!r}")
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=handle, process_group=self._group, no_dist=self._group is None)
+        try:
+            dcp.load(state, checkpoint_id=handle, process_group=self._group, no_dist=self._group is None)
+        except CheckpointException as exc:  # a BaseException: it would get past the agent's error counting
+            raise RuntimeError(f"loading the snapshot {handle} failed: {exc}") from exc
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def drop(self, handle: str) -> None:

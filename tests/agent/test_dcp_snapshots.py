@@ -119,6 +119,24 @@ def test_a_drop_while_the_write_is_pending_removes_the_directory_for_good(tmp_pa
     assert os.listdir(tmp_path / "snaps") == []
 
 
+def test_a_failed_write_is_counted_and_its_snapshot_refuses_to_load(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, torch.Generator().manual_seed(1))
+    snaps = DcpSnapshots(tmp_path / "snaps", model, opt)
+    (tmp_path / "snaps" / "step-000000005").write_text("in the way")  # the write cannot make its directory
+    bad = snaps.save(5)
+    saved = _state(model, opt)
+    good = snaps.save(10)  # the failed write does not fail the next save
+    assert snaps.failed_writes == 1
+    _step(model, opt, torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match="failed"):
+        snaps.load(bad)
+    snaps.load(good)
+    assert _equal(_state(model, opt), saved)
+    snaps.close()
+
+
 def test_mistakes_are_value_errors(tmp_path: Path) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
