@@ -15,8 +15,9 @@ difference is what a snapshot holds the step up. For the DCP backend that is the
 write runs on a thread); the write's own duration, from ``end_step`` to the write's completion, is
 given beside it, and the steps taken while a write was in flight (they share the CPU with it; the
 copy's snapshot step comes first in its turn, and its turn ends when the write is done). The
-floor is a plain ``clone()`` of every parameter and optimizer state tensor: a snapshot cannot cost
-less than that copy. Host memory: the bytes of the tensors one in-memory snapshot holds, and the
+floor is a plain ``clone()`` of every parameter and optimizer state tensor, the copies held as the
+snapshots are (the last two), so that each lands in fresh memory as a snapshot does: a snapshot
+cannot cost less than that copy. Host memory: the bytes of the tensors one in-memory snapshot holds, and the
 resident set's growth over the first snapshot (for DCP: while the first write is in flight, and
 once it is done). Figures are medians over the rounds; ratios are to the plain step's median.
 """
@@ -65,6 +66,18 @@ class Copy:
         self.model = _model(width, layers)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.backend = ta.DcpSnapshots(directory, self.model, self.opt) if directory else None
+        self.save_s: list[float] = []
+        if self.backend is not None:  # time the backend's save alone (the staging copy), inside end_step
+            save = self.backend.save
+
+            def timed_save(step: int) -> str:
+                t0 = time.perf_counter()
+                try:
+                    return save(step)
+                finally:
+                    self.save_s.append(time.perf_counter() - t0)
+
+            self.backend.save = timed_save  # type: ignore[method-assign]
         self.agent = None
         if every is not None:
             self.agent = ta.attach(self.model, self.opt, job="bench", run=f"bench-{name}", snapshot_backend=self.backend,
@@ -119,12 +132,17 @@ class Copy:
                 self.rss["written"] = _rss()
 
 
-def _clone_floor(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, int]:
+def _clone_floor(model: nn.Module, opt: torch.optim.Optimizer, held: list[list[torch.Tensor]]) -> tuple[float, int]:
+    """Clone every parameter and optimizer state tensor; the copies are kept as the in-memory
+    snapshots are (``held``: the last two), so that each clone, like a snapshot, lands in memory
+    that is not the previous copy's."""
     tensors = [p.detach() for p in model.parameters()]
     tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     t0 = time.perf_counter()
     copies = [t.clone() for t in tensors]
     elapsed = time.perf_counter() - t0
+    held.append(copies)
+    del held[:-2]
     return elapsed, sum(c.numel() * c.element_size() for c in copies)
 
 
@@ -157,6 +175,7 @@ def main() -> None:
             copies[2].step()
         floor_s: list[float] = []
         floor_bytes = 0
+        floor_held: list[list[torch.Tensor]] = []
         for r in range(args.rounds):
             for c in copies:
                 for _ in range(args.every):
@@ -164,7 +183,7 @@ def main() -> None:
                 if c.backend is not None:
                     c.backend.close()
             if r > 0:  # the optimizer state exists from the first step on
-                s, floor_bytes = _clone_floor(copies[0].model, copies[0].opt)
+                s, floor_bytes = _clone_floor(copies[0].model, copies[0].opt, floor_held)
                 floor_s.append(s)
             print(f"round {r + 1}/{args.rounds}: plain step {statistics.median(copies[0].step_s):.3f} s", flush=True)
         copies[2].backend.close()
@@ -190,6 +209,10 @@ def main() -> None:
                 write = statistics.median(c.write_s)
                 during = statistics.median(c.step_during_write_s) if c.step_during_write_s else float("nan")
                 steps = statistics.median(c.step_s)
+                staged = statistics.median(c.save_s)
+                print(f"  of which DcpSnapshots.save (get_state_dict, the staging copy, starting the write): "
+                      f"{staged * 1e3:.0f} ms = {staged / floor:.2f} x the clone floor; the rest of end_step "
+                      f"runs beside the starting write thread")
                 print(f"  async write (end_step to the write's completion): median {write * 1e3:.0f} ms "
                       f"= {write / plain:.2f} x plain step (all: {', '.join(f'{w:.2f}' for w in c.write_s)} s)")
                 print(f"  its own steps: {steps * 1e3:.0f} ms with no write in flight, {during * 1e3:.0f} ms with one "
