@@ -21,7 +21,7 @@ an applied desired-state change), the rungs the controller took (from ``GET
 lost to rollbacks (restore step - snapshot step, summed), the final lr_scale. For the healthy
 runs: actions taken (should be 0).
 
-    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3]
+    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3] [--report-every 10]
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
     scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
     run = f"{name}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url, scaler=scaler,
-                      config=ta.AgentConfig(metrics_port=None, report_every=10, snapshot_every=50, snapshot_keep=4))
+                      config=ta.AgentConfig(metrics_port=None, report_every=args.report_every,
+                                            snapshot_every=50, snapshot_keep=4))
     losses: list[float] = []
     first_action: int | None = None
     done = threading.Event()
@@ -109,11 +110,13 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
             weighted = loss * 1e4
         skipped_before = agent.control.skip.skipped
         gens_before = agent.control.applied_generation
-        amp_before = agent.latest().get("trainguard_amp_skipped_steps_total", 0.0)
+        amp_skipped = False
         if scaler is not None:
             scaler.scale(weighted).backward()
+            scale_before = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
+            amp_skipped = scaler.get_scale() < scale_before  # the GradScaler skipped the step
         else:
             weighted.backward()
             opt.step()
@@ -121,7 +124,7 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
         sched.step()
         agent.end_step(loss.detach())
         acted = (agent.control.skip.skipped > skipped_before or agent.control.applied_generation > gens_before
-                 or agent.latest().get("trainguard_amp_skipped_steps_total", 0.0) > amp_before)
+                 or amp_skipped)
         if acted and first_action is None:
             first_action = step
         losses.append(float(loss.detach()))
@@ -155,6 +158,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--burst", type=int, default=30)
+    p.add_argument("--report-every", type=int, default=10,
+                   help="the agent's report interval: faults only the controller sees wait for a report")
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=args.seq_len, batch_size=args.batch)

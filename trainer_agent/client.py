@@ -436,6 +436,9 @@ class ControllerClient:
                     failures += 1  # the sender registers again; a repeated 404 backs off
                     self._sleep(failures)
                 except Exception as exc:  # noqa: BLE001 - fail open
+                    with self._cond:
+                        if self._closing:
+                            return  # close() cut the long-poll: not a failure of the controller
                     self._note_failure(f"poll-{type(exc).__name__}", f"controller poll failed: {exc!r}")
                     failures += 1
                     self._sleep(failures)

@@ -211,3 +211,28 @@ def test_a_long_incident_still_has_a_snapshot_from_before_its_onset() -> None:
     lasting = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
     refused = next(s.desired for s in lasting if s.desired.paused)  # the newest four only: refused
     assert refused.rollback_seq == 0 and "rollback refused" in refused.reason
+
+
+def test_the_controller_takes_an_operators_scale_as_the_ramps_ceiling(app_factory) -> None:
+    # Through the real controller: an operator sets 0.5; a 10x update ratio is cut by adaptive LR;
+    # the ramp (400 steps with the built-in rules) brings the scale back up to 0.5 and stops there.
+    from tests.service.conftest import register
+
+    now = [1_000.0]
+
+    def report(c, step: int, mult: float) -> float:
+        scale = c.get("/v1/runs/run-1/desired").json()["lr_scale"]
+        values = {"trainguard_update_ratio": BASE * mult * scale, "trainguard_lr_scale": scale,
+                  "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_grad_norm": 1.0}
+        body = Report(job="job-a", step_first=step - EVERY + 1, step_last=step, time=now[0], values=values)
+        assert c.post("/v1/runs/run-1/reports", content=body.model_dump_json()).status_code == 200
+        now[0] += 1.0
+        return scale
+
+    with app_factory(clock=lambda: now[0]) as c:
+        register(c, world_size=1)
+        assert c.post("/v1/runs/run-1/lr-scale", json={"scale": 0.5, "reason": "operator"}).status_code == 200
+        seen = [report(c, (i + 1) * EVERY, 10.0 if 300 < (i + 1) * EVERY <= 330 else 1.0)
+                for i in range(90)]
+        assert min(seen) == pytest.approx(0.05, rel=0.1)
+        assert max(seen) == 0.5 and seen[-1] == 0.5
