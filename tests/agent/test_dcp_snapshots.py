@@ -3,8 +3,9 @@
 - One process: a save is a copy taken before ``save`` returns (the weights changed right after it
   do not leak into the snapshot), a load right after the save (its write still pending) restores
   the model and optimizer state bitwise, a drop right after a save removes the directory for good.
-- FSDP2 on 2 gloo ranks, the agent attached with the backend: the step directories on disk are
-  exactly the snapshots the retention rule keeps, and ``restore`` brings back on each rank the
+- FSDP2 on 2 gloo ranks, the agent attached with the backend, the writes running beside the next
+  steps: the step directories on disk (listed at two steps) are exactly the snapshots the
+  retention rule keeps, and ``restore`` brings back on each rank the
   local shards of the parameters and of the optimizer state that rank had right after the
   snapshot's step, bitwise.
 """
@@ -163,6 +164,7 @@ def test_mistakes_are_value_errors(tmp_path: Path) -> None:
 
 
 EVERY, KEEP, STEPS = 5, 3, 30
+LISTED = (15, 30)
 
 
 def _fsdp_worker(rank: int, init: str, out: str) -> None:
@@ -189,8 +191,9 @@ def _fsdp_worker(rank: int, init: str, out: str) -> None:
         agent.end_step(_step(model, opt, g))
         if step % EVERY == 0:
             recorded[step] = _state(model, opt)
-            snaps.close()  # the write is done: the directories are final
-            dist.barrier()  # and every rank's drops are done
+        if step in LISTED:  # elsewhere the writes run beside the next steps (and FSDP's collectives)
+            snaps.close()  # this rank's write is done
+            dist.barrier()  # and every rank's drops are done: the directories are final
             on_disk[step] = sorted(os.listdir(Path(out) / "snaps"))
     kept = [s.step for s in agent.snapshots.snapshots]
     target = kept[0]
@@ -216,8 +219,9 @@ def test_fsdp2_snapshots_on_disk_are_the_kept_ones_and_restore_each_ranks_shards
     kept: list[int] = []
     for step in range(EVERY, STEPS + 1, EVERY):
         kept = retained(kept + [step], every=EVERY, keep=KEEP)
-        for o in out:
-            assert o["on_disk"][step] == [f"step-{s:09d}" for s in kept], step
+        if step in LISTED:
+            for o in out:
+                assert o["on_disk"][step] == [f"step-{s:09d}" for s in kept], step
     target = kept[0]
     assert len(kept) == KEEP and target < STEPS
     for rank, o in enumerate(out):
