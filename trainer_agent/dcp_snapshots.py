@@ -10,14 +10,17 @@ gives the sharded FSDP2/DTensor state as it is, a plain module's state whole) an
 first rank, DCP's ``.metadata``. The agent calls the three methods on every rank of the group at the
 same step (:class:`trainer_agent.snapshots.SnapshotBackend`):
 
-- ``save(step)``: ``dcp.async_save`` copies the state (the staging copy, on the training thread: the
-  only time the step is held), then a background thread writes the files. At most one write is in
+- ``save(step)``: ``dcp.async_save`` copies the state (DCP's default stager: a copy into fresh host
+  memory, on the training thread; the step waits for it), then a background thread writes the files
+  and frees the copy. The writer shares the CPU and the GIL with the training thread while it runs
+  (``bench/snapshots.py`` measures both). At most one write is in
   flight: a save waits for the previous one to finish first, so a write slower than the snapshot
   interval holds the next snapshot step (back-pressure, instead of staged copies piling up in host
   memory). A failed write does not fail the next save; loading that snapshot raises.
 - ``load(handle)``: waits for the pending write (every write, not only that handle's: the load's own
   collectives must not interleave with a write's on the same group), then ``dcp.load`` into the
-  state dicts and ``set_state_dict``. Each rank reads only its own shards.
+  state dicts and ``set_state_dict``. Each rank reads only its own shards. ``dcp.load`` reads into
+  the live tensors: a load that fails half-way (a damaged file) leaves the state partly restored.
 - ``drop(handle)``: waits for that handle's write, then the group's first rank removes the directory;
   the other ranks remove nothing. That is safe because a write's future completes on a rank only
   after DCP has gathered every rank's write results on the group's first rank and written the
@@ -32,7 +35,8 @@ collective call: every rank of the default group calls it, in the same order as 
 ``new_group`` calls. Without ``torch.distributed`` (a single process) no group is used.
 
 Give each run a directory of its own: a step directory found there is overwritten, and ``drop``
-removes it.
+removes it. Call :meth:`close` on every rank before the process group is destroyed: it waits for the
+last write, whose collectives need the group.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class DcpSnapshots:
         distributed = dist.is_available() and dist.is_initialized()
         if process_group is not None and not distributed:
             raise ValueError("process_group given but torch.distributed is not initialised")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"directory {str(self.directory)!r} exists and is not a directory")
