@@ -685,7 +685,9 @@ class Agent:
 
     def close(self, timeout: float | None = None) -> None:
         """Publish the last report, remove the hooks, stop the control plane and the /metrics
-        server. Returns within about ``timeout`` seconds (default ``config.close_timeout_s``)."""
+        server. Returns within about ``timeout`` seconds (default ``config.close_timeout_s``),
+        plus the time a snapshot backend's ``close()`` (if it has one) takes to finish a pending
+        write."""
         if self._closed:
             return
         self._closed = True
@@ -706,6 +708,12 @@ class Agent:
             self.input_wait.remove()
         if self.data is not None:
             self.data.close(max(0.0, deadline - time.monotonic()))
+        backend = self.snapshots.backend if self.snapshots is not None else None
+        if backend is not None and callable(getattr(backend, "close", None)):
+            try:  # a pending snapshot write ends before the process (and its process group) does
+                backend.close()
+            except Exception as exc:
+                self._error("snapshot_close", exc)
         if self.control is not None:
             try:
                 self.control.close(max(0.0, deadline - time.monotonic()))
