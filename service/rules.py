@@ -52,7 +52,7 @@ __all__ = [
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
-                 "input_wait_s", "data_overlap", "grad_desync", "param_desync"]
+                 "input_wait_s", "data_overlap", "grad_desync", "param_desync", "verify_mismatch", "gpu_xid"]
 assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
 
 

@@ -186,6 +186,8 @@ class Agent:
         self._published: dict[str, float] = {}
         self.control: Any = None
         self._memory_trace: Any = None
+        self.verifier: Any = None  # trainer_agent/verify.py, built with the measurement
+        self._verify_requested = False
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
         self._server: MetricsServer | None = None
@@ -230,6 +232,12 @@ class Agent:
             fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
                                         len(self.layers), device=self.device)
             self.meter.fingerprint = fingerprint
+        if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
+            from trainer_agent.verify import GradientVerifier
+
+            self.verifier = GradientVerifier(self, every=cfg.verify_every, rel_tol=cfg.verify_rel_tol)
+            if cfg.verify_every == 1:
+                self.verifier.arm()
         exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1,
                                 extra_width=fingerprint.width() if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
@@ -275,7 +283,15 @@ class Agent:
                              step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
                              desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base)
-        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error)
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_error=self._error, on_diagnose=self._diagnose)
+
+    def _diagnose(self, command: str, step: int) -> None:
+        """The controller's diagnostic commands, applied at ``step`` on every rank."""
+        if command == "verify":
+            if self.verifier is not None:
+                self.verifier.arm()  # the next step, on every rank
+        elif command == "memory_trace":
+            self.trace_memory(self.config.memory_trace_steps)
 
     # ------------------------------------------------------------------ errors
 
@@ -293,6 +309,11 @@ class Agent:
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         t0 = self._clock()
         try:
+            verifier = self.verifier
+            if verifier is not None and verifier.armed:
+                if verifier.recomputing:
+                    return  # the agent's own recompute is not the step's
+                verifier.on_grad(index, grad)
             self.meter.on_grad(index, grad)
         except Exception as exc:  # never raise into backward
             self._error("gradient_hook", exc)
@@ -329,6 +350,8 @@ class Agent:
             self._error("optimizer_post_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+        if self.verifier is not None:
+            self.verifier.after_optimizer_step()
         if self.control is not None:
             try:
                 self.control.after_optimizer_step()
@@ -381,6 +404,14 @@ class Agent:
                 self._error("memory_trace", exc)
                 self._memory_trace.stop()
                 self._memory_trace = None
+        if self.verifier is not None:
+            try:
+                self.verifier.on_end_step(self.step)
+                if self._verify_requested:
+                    self._verify_requested = False
+                    self.verifier.arm()
+            except Exception as exc:
+                self._error("verify", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -409,12 +440,24 @@ class Agent:
         forward_s = self.forward.take() if self.forward is not None else float("nan")
         wait = self.input_wait.take() if self.input_wait is not None else float("nan")
         host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
-                        micro_batches=st.backwards, world_size=self.world_size)
+                        micro_batches=st.backwards, world_size=self.world_size,
+                        verify_mismatch=self.verifier.take() if self.verifier is not None else math.nan,
+                        gpu_xid=self._take_xid())
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
         sketch = self._sketch() if self.reports.exchange.with_state else None
         agreed = self.reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
         self._publish()
         return agreed
+
+    def _take_xid(self) -> float:
+        """The last XID error of this rank's GPU since the last report (NaN: none or no NVML)."""
+        if self.gpu is None:
+            return math.nan
+        try:
+            return self.gpu.take_xid()
+        except Exception as exc:
+            self._error("gpu_health", exc)
+            return math.nan
 
     def _sketch(self) -> Any:
         """This rank's sketch of the sequences it observed since the last report (None without a
@@ -484,6 +527,8 @@ class Agent:
                 except Exception as exc:
                     self._error(kind, exc)
                     errors += 1
+        if self.verifier is not None:
+            values.update(self.verifier.values())
         if self.gpu is not None:
             try:
                 values.update(self.gpu.read())
@@ -521,6 +566,35 @@ class Agent:
                 log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
         raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
         return report
+
+    def verify_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> Any:
+        """Call once per step after the backward pass(es) and before ``optimizer.step()``; when the
+        step is due (``AgentConfig.verify_every``, ``request_verify``, the controller's ``verify``
+        command) recompute its gradient on ``batch`` (the step's last micro-batch) and compare it
+        with the one it produced (``trainer_agent/verify.py``); every rank calls it. ``loss_fn(model,
+        batch)`` returns the loss the loop called ``backward`` on, before the GradScaler's scale
+        (default ``model(batch)``, or its ``.loss``). Returns a ``VerifyResult``, or None when the
+        step is not due or the check failed (counted in ``trainguard_agent_errors_total``).
+        Weights, gradients, optimizer state, buffers and the RNG stream are left as they were.
+        ``ValueError`` when called after ``optimizer.step()`` of a due step."""
+        verifier = self.verifier
+        if verifier is None or not verifier.armed:
+            return None
+        t0 = self._clock()
+        try:
+            return verifier.verify(batch, loss_fn)
+        except ValueError:
+            raise
+        except Exception as exc:
+            self._error("verify", exc)
+            return None
+        finally:
+            self._step_overhead += self._clock() - t0
+
+    def request_verify(self) -> None:
+        """Check the next step's gradient (the step that starts after the current one ends); call
+        it on every rank at the same step."""
+        self._verify_requested = True
 
     def trace_memory(self, steps: int = 3) -> None:
         """Attribute memory retained across steps to the layers or the training loop for the next
@@ -646,6 +720,10 @@ class Agent:
         if self._memory_trace is not None:
             self._memory_trace.stop()
             self._memory_trace = None
+        if self.verifier is not None:
+            self.verifier.close()
+        if self.gpu is not None:
+            self.gpu.close()
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout is None else timeout)
         try:
             self._publish(block=True)  # SYNC: the last report

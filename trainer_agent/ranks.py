@@ -1,7 +1,7 @@
 """The one collective of a report step: every rank's row, and the controller's desired state.
 
 On a report step with several ranks, every rank enters exactly one all-gather (the *exchange*).
-Its row is ``[desired state (7 int64 as float64 bits)] + [RANK_FIELDS (float64)] + [sketch
+Its row is ``[desired state (STATE_LEN int64 as float64 bits)] + [RANK_FIELDS (float64)] + [sketch
 (SKETCH_K int64 as float64 bits)]``: the state part is the leader's proposal (the other ranks send
 zeros there and read the leader's), the fields are this rank's values of the report, the sketch is
 the bottom-k sketch of the sequences this rank observed since its last report
@@ -46,6 +46,8 @@ RANK_FIELDS: tuple[str, ...] = (
     "param_norm",
     "forward_seconds",
     "input_wait_seconds",
+    "verify_mismatch",
+    "gpu_xid",
 )
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
@@ -62,9 +64,12 @@ WIRE_VECTORS: dict[str, str] = {
     "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
     "grad_desync": "grad_desync",
     "param_desync": "param_desync",
+    "verify_mismatch": "verify_mismatch",  # trainer_agent/verify.py: NaN without a check in the interval
+    "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: NaN without an XID error in the interval
 }
 
-STATE_LEN = 7  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule
+STATE_LEN = 9  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
+#               memory_trace_seq, verify_seq
 LR_RULES = ("none", "sqrt", "linear")
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 
@@ -80,7 +85,7 @@ def _bits_float(i: int) -> float:
 def encode_state(d: DesiredState) -> list[int]:
     """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
     return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
-            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule)]
+            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.memory_trace_seq, d.verify_seq]
 
 
 def decode_state(v: Sequence[int]) -> DesiredState:
@@ -89,7 +94,7 @@ def decode_state(v: Sequence[int]) -> DesiredState:
         raise ValueError(f"no LR rule number {v[6]}")
     return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
                         checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
-                        accumulation_lr_rule=LR_RULES[int(v[6])])
+                        accumulation_lr_rule=LR_RULES[int(v[6])], memory_trace_seq=int(v[7]), verify_seq=int(v[8]))
 
 
 class RankExchange:

@@ -54,6 +54,11 @@ class HostStep:
     micro_batches: int = 0
     """Backward passes of the step on this rank (the batch size without ``tokens``)."""
     world_size: int = 1
+    verify_mismatch: float = math.nan
+    """Relative difference of the last gradient recompute check since the last report
+    (``trainer_agent/verify.py``; NaN: none)."""
+    gpu_xid: float = math.nan
+    """Last critical XID code of this rank's GPU since the last report (NaN: none)."""
 
 
 class InFlight:
@@ -269,6 +274,10 @@ class ReportPipeline:
             host["trainguard_input_wait_seconds"] = h.input_wait
         if h.tokens or h.micro_batches:
             host["trainguard_global_batch_size"] = float((h.tokens or h.micro_batches) * h.world_size)
+        if not math.isnan(h.verify_mismatch):  # a check in this interval (trainer_agent/verify.py)
+            host["trainguard_verify_rel_diff"] = h.verify_mismatch
+        if not math.isnan(h.gpu_xid):
+            host["trainguard_gpu_last_xid"] = h.gpu_xid
         host.update(stats.memory(self.device))
         return host
 
@@ -366,6 +375,8 @@ class ReportPipeline:
             "param_norm": dev["trainguard_param_norm"],
             "forward_seconds": full(host["trainguard_forward_seconds"]),
             "input_wait_seconds": full(host.get("trainguard_input_wait_seconds", math.nan)),
+            "verify_mismatch": full(host.get("trainguard_verify_rel_diff", math.nan)),
+            "gpu_xid": full(host.get("trainguard_gpu_last_xid", math.nan)),
         }
         return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
 
