@@ -17,16 +17,17 @@ from pydantic import ValidationError
 
 from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    AbsenceRule, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, StopAction,
+    AbsenceRule, CheckpointAction, LrScaleAction, MemoryTraceAction, NotifyAction, PauseAction, StopAction, VerifyAction,
 )
 from trainguard.service.window import RunWindow
-from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
+from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
 
 __all__ = ["AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
 
 _REASON_MAX = 2000
 #: The commands that are also rule actions (``lr_scale`` is built from its scale or factor).
-_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction()}
+_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction(),
+                    "memory_trace": MemoryTraceAction(), "verify": VerifyAction()}
 
 
 @dataclass(slots=True)
@@ -130,6 +131,7 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) 
     """The desired state after ``actions``, with the generation bumped; ``None`` when nothing
     changes (notify only, or already paused/stopped)."""
     paused, stop, seq, scale = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
+    diagnose = {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}
     for a in actions:
         if isinstance(a, PauseAction):
             paused = True
@@ -139,12 +141,16 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str) 
             seq += 1
         elif isinstance(a, LrScaleAction):
             scale = a.apply(scale)
+        elif isinstance(a, (MemoryTraceAction, VerifyAction)):
+            diagnose[f"{a.type}_seq"] += 1
         else:
             assert isinstance(a, NotifyAction)
-    if (paused, stop, seq, scale) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale):
+    if (paused, stop, seq, scale) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale) \
+            and diagnose == {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}:
         return None
     return desired.model_copy(update=dict(  # other fields (accumulation) carry over
-        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop, reason=_reason(reason)
+        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop, reason=_reason(reason),
+        **diagnose,
     ))
 
 
@@ -185,7 +191,7 @@ def command_state(
     elif command in _COMMAND_ACTIONS:
         action = _COMMAND_ACTIONS[command]
     else:
-        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS)}")
+        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS + DIAGNOSTIC_COMMANDS)}")
     return apply_actions(desired, (action,), reason)
 
 

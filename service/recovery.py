@@ -46,6 +46,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
         checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), reason=row["reason"],
         accumulation_steps=row["accumulation_steps"], accumulation_lr_rule=row["accumulation_lr_rule"],
+        memory_trace_seq=row["memory_trace_seq"], verify_seq=row["verify_seq"],
     )
     window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
                        world_size=row["world_size"], created=row["registered_at"])

@@ -45,7 +45,7 @@ from trainguard.service.window import VECTORS, RuleWindow
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
+    "Action", "Rule", "MemoryTraceAction", "VerifyAction", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
     "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule", "OscillationRule", "AbsenceRule",
 ]
 
@@ -87,6 +87,19 @@ class StopAction(_Model):
     type: Literal["stop"] = "stop"
 
 
+class MemoryTraceAction(_Model):
+    """Ask the agent to attribute memory kept alive across steps to layers or the loop (a few
+    steps); its result is stored with the run and shown with the alert."""
+
+    type: Literal["memory_trace"] = "memory_trace"
+
+
+class VerifyAction(_Model):
+    """Ask every rank to recompute the next step's gradient and compare (silent data corruption)."""
+
+    type: Literal["verify"] = "verify"
+
+
 class LrScaleAction(_Model):
     """Set ``lr_scale`` to ``value``, or multiply the current one by ``factor``, clamped to
     [min, max]."""
@@ -111,7 +124,7 @@ class LrScaleAction(_Model):
 
 
 Action = Annotated[
-    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction],
+    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction, MemoryTraceAction, VerifyAction],
     Field(discriminator="type"),
 ]
 

@@ -45,6 +45,8 @@ class RunState:
     finish_reason: str = ""
     #: The run's pre-flight result (``PreflightResult`` as a dict; kept in memory only).
     preflight: dict[str, Any] | None = None
+    #: The last memory trace's result (``MemoryReport`` as a dict; kept in memory, and as an event).
+    memory_report: dict[str, Any] | None = None
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
@@ -91,6 +93,7 @@ class RunState:
                            "recommended": last.get("trainguard_recommended_batch_size")},
             "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
             "preflight": st.preflight,
+            "memory_report": st.memory_report,
         }
 
     def firing_absence(self) -> list[str]:
@@ -119,6 +122,10 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
         out.append("lr_scale")
     if after.checkpoint_seq != before.checkpoint_seq:
         out.append("checkpoint")
+    if after.memory_trace_seq != before.memory_trace_seq:
+        out.append("memory_trace")
+    if after.verify_seq != before.verify_seq:
+        out.append("verify")
     return out
 
 

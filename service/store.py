@@ -213,6 +213,11 @@ MIGRATIONS: tuple[str, ...] = (
         owned_at REAL NOT NULL
     );
     """,
+    # 6: diagnostic requests of the desired state: a memory trace, a gradient recompute check.
+    """
+    ALTER TABLE runs ADD COLUMN memory_trace_seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN verify_seq INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 

@@ -554,8 +554,10 @@ class Agent:
         optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
         Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
         ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
+        Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
+        after the checks: the script stops there, and the command prints the table.
         ``ValueError`` for bad arguments or after the first step."""
-        from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
+        from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly, raise_if_fatal, run_preflight, to_wire
 
         report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
                                timeout=self.config.request_timeout_s)
@@ -564,6 +566,8 @@ class Agent:
             why = client.post_preflight(to_wire(report, self.rank))
             if why is not None:
                 log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
+        if os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0"):
+            raise PreflightOnly(report, self.rank)  # ``trainguard preflight``: the checks only
         raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
         return report
 
@@ -613,6 +617,16 @@ class Agent:
         log.warning("trainguard memory trace (rank %d): memory kept alive across steps, per step: %s", self.rank,
                     "; ".join(f"{r.owner}: {r.bytes_per_step / 2**20:.2f} MiB in {r.tensors} tensor(s)"
                               for r in report[:8]) or "nothing")
+        client = self.control.client if self.control is not None else None
+        if client is not None:  # the leader: the run's status and the memory_growth alert show it
+            from trainguard.protocol.wire import MemoryOwnerEntry, MemoryReport
+
+            trace = self._memory_trace
+            client.post_memory_report(MemoryReport(
+                rank=self.rank, step=self.step, steps=trace.steps if trace is not None else 1,
+                device="cuda" if self.device.type == "cuda" else "cpu",
+                owners=[MemoryOwnerEntry(owner=r.owner[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
+                        for r in report[:32]]))
 
     @property
     def desync(self) -> list[DesyncFinding]:

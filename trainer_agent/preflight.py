@@ -57,7 +57,7 @@ from trainguard.protocol.wire import PreflightCheck, PreflightResult
 from trainer_agent.fingerprint import Fingerprinter, desync, findings
 from trainer_agent.triage import ADAPTIVE
 
-__all__ = ["Check", "PreflightReport", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
+__all__ = ["Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,21 @@ Status = Literal["pass", "warn", "fail", "skip"]
 GRAD_LIMIT = 1e3
 #: Above this many parameters Adam's eps should be 1e-8 (the stability guide, 2.2).
 BIG_MODEL_PARAMS = 10e9
+
+
+#: Set (to 1) by ``trainguard preflight``: ``Agent.preflight`` ends the process's script right
+#: after the checks by raising :class:`PreflightOnly`, before any training step.
+PREFLIGHT_ONLY_ENV = "TRAINGUARD_PREFLIGHT_ONLY"
+
+
+class PreflightOnly(BaseException):
+    """Raised by ``Agent.preflight`` under ``trainguard preflight``: carries the report out of the
+    user's script (a ``BaseException``, so the script's ``except Exception`` does not catch it;
+    its ``finally`` blocks, e.g. ``agent.close()``, still run)."""
+
+    def __init__(self, report: PreflightReport, rank: int) -> None:
+        super().__init__("trainguard preflight: the checks ran; training is not started")
+        self.report, self.rank = report, rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,15 @@ class PreflightReport:
 
     def summary(self) -> str:
         lines = [f"{c.status.upper():4} {c.name}: {c.detail}" for c in self.checks]
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The checks as a table, with a count per status on the last line."""
+        width = max((len(c.name) for c in self.checks), default=5)
+        lines = [f"{'CHECK':<{width}}  STATUS  DETAIL"]
+        lines += [f"{c.name:<{width}}  {c.status.upper():<6}  {c.detail}" for c in self.checks]
+        counts = {s: sum(c.status == s for c in self.checks) for s in ("pass", "warn", "fail", "skip")}
+        lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({self.seconds:.2f} s)")
         return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 6
     lifecycle = conn.execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
     assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     # version 4: an old run keeps its own accumulation steps, the LR untouched
