@@ -187,7 +187,6 @@ class Agent:
         self.control: Any = None
         self._memory_trace: Any = None
         self.verifier: Any = None  # trainer_agent/verify.py, built with the measurement
-        self._verify_requested = False
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
         self._server: MetricsServer | None = None
@@ -407,9 +406,6 @@ class Agent:
         if self.verifier is not None:
             try:
                 self.verifier.on_end_step(self.step)
-                if self._verify_requested:
-                    self._verify_requested = False
-                    self.verifier.arm()
             except Exception as exc:
                 self._error("verify", exc)
         if self.control is not None:
@@ -596,9 +592,10 @@ class Agent:
             self._step_overhead += self._clock() - t0
 
     def request_verify(self) -> None:
-        """Check the next step's gradient (the step that starts after the current one ends); call
-        it on every rank at the same step."""
-        self._verify_requested = True
+        """Check the gradient of the next step whose forward pass starts after this call; call it
+        on every rank at the same point of the loop."""
+        if self.verifier is not None:
+            self.verifier.arm()
 
     def trace_memory(self, steps: int = 3) -> None:
         """Attribute memory retained across steps to the layers or the training loop for the next

@@ -125,7 +125,10 @@ class GradientVerifier:
     def on_end_step(self, step: int) -> None:
         """After ``end_step`` of ``step``: a due step not checked is dropped; arm the next if due."""
         if self.armed:
-            self.disarm()
+            if self._rng is None:
+                self._stepped = False  # armed after the step's forward: the next step is the one checked
+            else:
+                self.disarm()  # a due step the loop did not check: dropped
         if self.every is not None and (step + 1) % self.every == 0:
             self.arm()
 
