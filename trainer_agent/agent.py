@@ -110,6 +110,7 @@ from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
+from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
@@ -186,6 +187,8 @@ class Agent:
         self._published: dict[str, float] = {}
         self.control: Any = None
         self._memory_trace: Any = None
+        #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
+        self._preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")
         self.verifier: Any = None  # trainer_agent/verify.py, built with the measurement
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
@@ -320,6 +323,8 @@ class Agent:
             self._step_overhead += self._clock() - t0
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        if self._preflight_only:  # ``trainguard preflight`` on a script that trains before any pre-flight
+            raise PreflightOnly(None, self.rank)
         t0 = self._clock()
         replaced = None
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/optim.py
@@ -553,7 +558,7 @@ class Agent:
         Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
         after the checks: the script stops there, and the command prints the table.
         ``ValueError`` for bad arguments or after the first step."""
-        from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly, raise_if_fatal, run_preflight, to_wire
+        from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
 
         report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
                                timeout=self.config.request_timeout_s)
@@ -562,7 +567,7 @@ class Agent:
             why = client.post_preflight(to_wire(report, self.rank))
             if why is not None:
                 log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
-        if os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0"):
+        if self._preflight_only:
             raise PreflightOnly(report, self.rank)  # ``trainguard preflight``: the checks only
         raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
         return report

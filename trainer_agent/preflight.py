@@ -78,9 +78,10 @@ class PreflightOnly(BaseException):
     user's script (a ``BaseException``, so the script's ``except Exception`` does not catch it;
     its ``finally`` blocks, e.g. ``agent.close()``, still run)."""
 
-    def __init__(self, report: PreflightReport, rank: int) -> None:
-        super().__init__("trainguard preflight: the checks ran; training is not started")
-        self.report, self.rank = report, rank
+    def __init__(self, report: PreflightReport | None, rank: int) -> None:
+        super().__init__("trainguard preflight: the checks ran; training is not started" if report is not None else
+                         "trainguard preflight: the script started training without calling agent.preflight")
+        self.report, self.rank = report, rank  # report None: an optimizer step came first
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,8 +247,9 @@ def _demo(args: argparse.Namespace) -> int:
 def preflight(argv: Sequence[str]) -> int:
     """``trainguard preflight SCRIPT [args]`` / ``-m MODULE [args]``: run the training script up to
     its ``agent.preflight(batch, ...)`` call, print the checks as a table and stop before the first
-    training step. Exit status 0 (everything passed or warned), 1 (a check failed), 2 (the script
-    never called ``agent.preflight``, or failed before it)."""
+    training step (a script that reaches an optimizer step without a pre-flight is stopped there).
+    Exit status 0 (everything passed or warned), 1 (a check failed), 2 (the script never called
+    ``agent.preflight``, or failed before it)."""
     import runpy
     import traceback
 
@@ -278,6 +279,10 @@ def preflight(argv: Sequence[str]) -> int:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     except PreflightOnly as done:
+        if done.report is None:
+            print(f"trainguard preflight: {target} started training without calling agent.preflight(batch, ...); "
+                  "stopped before its first optimizer step", file=sys.stderr)
+            return 2
         if done.rank == 0:
             print(done.report.table(), flush=True)
         return 1 if done.report.failed else 0
