@@ -19,7 +19,8 @@ in the gradient hooks, for every parameter, ``K`` element-wise random projection
 that pass produced on this rank *before* any all-reduce (``trainer_agent/fingerprint.py``: every
 weight is +-1, so one element changed by ``d`` moves a projection by exactly ``d``). With several
 micro-batches the last forward/backward is the one compared, so ``batch`` is the step's last
-micro-batch. ``verify_step`` then runs the forward and backward of ``loss_fn(model, batch)`` again
+micro-batch. The loss must go through the attached model's ``forward`` (``model(...)``): a loss
+computed by a method beside it runs no forward hook, and the check is refused (an agent error). ``verify_step`` then runs the forward and backward of ``loss_fn(model, batch)`` again
 from the recorded RNG states (dropout draws the same mask), under DDP inside ``model.no_sync()``
 (the local gradient, no all-reduce: each rank checks its own device), with the GradScaler's scale
 applied as the loop did, and compares the projections layer by layer:
@@ -101,6 +102,7 @@ class GradientVerifier:
         self._stepped = False
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._handle: Any = None
+        self._grads_seen = False
         self.checks = 0
         self.mismatches = 0
         self.last: VerifyResult | None = None
@@ -112,7 +114,7 @@ class GradientVerifier:
         """Record the next step's forward RNG state and incoming gradients."""
         if self.armed:
             return
-        self.armed, self._stepped, self._rng = True, False, None
+        self.armed, self._stepped, self._rng, self._grads_seen = True, False, None, False
         self._handle = self.agent.model.register_forward_pre_hook(self._pre_forward)
 
     def disarm(self) -> None:
@@ -125,8 +127,8 @@ class GradientVerifier:
     def on_end_step(self, step: int) -> None:
         """After ``end_step`` of ``step``: a due step not checked is dropped; arm the next if due."""
         if self.armed:
-            if self._rng is None:
-                self._stepped = False  # armed after the step's forward: the next step is the one checked
+            if self._rng is None and not self._grads_seen:
+                self._stepped = False  # no pass since armed (e.g. a skipped step): the next one is checked
             else:
                 self.disarm()  # a due step the loop did not check: dropped
         if self.every is not None and (step + 1) % self.every == 0:
@@ -143,6 +145,7 @@ class GradientVerifier:
 
     def on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.armed and not self.recomputing:
+            self._grads_seen = True
             self._first[index] = self.fp.project_one(index, grad)
 
     def after_optimizer_step(self) -> None:
@@ -159,6 +162,11 @@ class GradientVerifier:
         """Recompute and compare (see the module docstring); None when this step is not due."""
         if self.armed and self._stepped:
             raise ValueError("verify_step must be called after the step's backward and before optimizer.step()")
+        if self.armed and self._rng is None and self._grads_seen:
+            self.disarm()
+            raise RuntimeError("the step had gradients but the model's forward hooks never ran: compute the loss by "
+                               "calling the attached model (model(...)), not a method beside its forward, so the "
+                               "random state of the pass can be replayed")
         if not self.due:
             return None
         from trainer_agent.preflight import forward_backward

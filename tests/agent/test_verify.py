@@ -217,3 +217,29 @@ def test_ddp_the_rank_whose_device_erred_is_named(tmp_path) -> None:
         assert faulty["mismatch"][0] == [0.0, 0.0] and faulty["mismatch"][2] == [0.0, 0.0]
     # the check changed nothing the ranks hold in common: they stay in sync
     assert all(torch.equal(a, b) for a, b in zip(out[0]["faulty"]["params"], out[1]["faulty"]["params"]))
+
+
+def test_a_loss_computed_beside_forward_is_refused_not_misjudged() -> None:
+    """Without the model's forward hooks the random state cannot be replayed: counted as an error."""
+
+    class Beside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return (self.lin(batch[0]) - batch[1]).square().mean()
+
+    model = Beside()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="v", run="v-1", config=ta.AgentConfig(metrics_port=None, verify_every=1))
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    for _ in range(2):
+        model.loss(batch).backward()
+        assert agent.verify_step(batch, lambda m, b: m.loss(b)) is None
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+    values = agent.latest()
+    assert values["trainguard_agent_errors_total"] == 2.0 and values["trainguard_verify_steps_total"] == 0.0
+    agent.close()
