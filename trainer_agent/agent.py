@@ -612,7 +612,7 @@ class Agent:
         if self._memory_trace is not None:
             self._memory_trace.stop()
         self.memory_report = None
-        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done)
+        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done, device=self.device)
 
     def _memory_done(self, report: list[Any]) -> None:
         self.memory_report = report
@@ -624,11 +624,15 @@ class Agent:
             from trainguard.protocol.wire import MemoryOwnerEntry, MemoryReport
 
             trace = self._memory_trace
+            forward = trace.cuda_forward if trace is not None else {}
             client.post_memory_report(MemoryReport(
                 rank=self.rank, step=self.step, steps=trace.steps if trace is not None else 1,
                 device="cuda" if self.device.type == "cuda" else "cpu",
                 owners=[MemoryOwnerEntry(owner=r.owner[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
-                        for r in report[:32]]))
+                        for r in report[:32]],
+                allocator_growth_bytes_per_step=trace.cuda_growth_per_step if trace is not None else None,
+                layer_forward_bytes=[MemoryOwnerEntry(owner=k[:512], bytes_per_step=max(v, 0.0), tensors=0)
+                                     for k, v in list(forward.items())[:32]]))
 
     @property
     def desync(self) -> list[DesyncFinding]:

@@ -315,6 +315,13 @@ class MemoryReport(WireModel):
     steps: int = Field(ge=1, description="Steps traced.")
     owners: list[MemoryOwnerEntry] = Field(default_factory=list, max_length=32)
     device: Literal["cpu", "cuda"] = "cpu"
+    allocator_growth_bytes_per_step: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="CUDA: growth of torch.cuda.memory_allocated per traced step (None on the CPU).")
+    layer_forward_bytes: list[MemoryOwnerEntry] = Field(
+        default_factory=list, max_length=32,
+        description="CUDA: bytes each module's own forward left allocated per step (saved activations and "
+                    "its output), worst first; tensors is 0.")
 
 
 class CommandRequest(WireModel):
