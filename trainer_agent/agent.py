@@ -577,8 +577,9 @@ class Agent:
         step is due (``AgentConfig.verify_every``, ``request_verify``, the controller's ``verify``
         command) recompute its gradient on ``batch`` (the step's last micro-batch) and compare it
         with the one it produced (``trainer_agent/verify.py``); every rank calls it. ``loss_fn(model,
-        batch)`` returns the loss the loop called ``backward`` on, before the GradScaler's scale
-        (default ``model(batch)``, or its ``.loss``). Returns a ``VerifyResult``, or None when the
+        batch)`` returns the loss the loop called ``backward`` on (inside the same autocast, divided
+        by the accumulation steps if the loop does), before the GradScaler's scale (default
+        ``model(batch)``, or its ``.loss``). Not under sharded parameters (always None). Returns a ``VerifyResult``, or None when the
         step is not due or the check failed (counted in ``trainguard_agent_errors_total``).
         Weights, gradients, optimizer state, buffers and the RNG stream are left as they were.
         ``ValueError`` when called after ``optimizer.step()`` of a due step."""

@@ -43,6 +43,9 @@ optimizer is not involved, and the agent's own step measurements ignore the reco
 with checks follows the same weights, bit for bit, as one without (tested). The cost of a check is
 one forward and backward pass; its result is read once (a SYNC, on checked steps only).
 
+Not under sharded parameters (FSDP2, tensor parallel): a rank's gradient shards come out of a
+reduce-scatter, so there is no local gradient of the whole layer to recompute.
+
 Results: ``trainguard_verify_steps_total``, ``trainguard_verify_mismatches_total``,
 ``trainguard_verify_rel_diff`` on this rank's /metrics; the report's per-rank ``verify_mismatch``
 vector (the controller's critical ``gradient_recompute_mismatch`` rule names the rank); a warning
