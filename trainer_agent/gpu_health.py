@@ -100,11 +100,14 @@ class GpuHealth:
                 self.last_xid = self._xid_pending = code
 
     def take_xid(self) -> float:
-        """The last XID code seen since the previous call (NaN: none), after a poll."""
+        """The last XID code seen since the previous call after a poll: 0 when none, NaN when this
+        GPU's XID events cannot be watched (so the controller's rule resolves on a quiet report)."""
+        if self._events is None:
+            return math.nan
         self.poll_xid()
         with self._xid_lock:
             code, self._xid_pending = self._xid_pending, None
-        return math.nan if code is None else float(code)
+        return 0.0 if code is None else float(code)
 
     def close(self) -> None:
         if self._events is not None:

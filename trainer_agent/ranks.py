@@ -65,7 +65,7 @@ WIRE_VECTORS: dict[str, str] = {
     "grad_desync": "grad_desync",
     "param_desync": "param_desync",
     "verify_mismatch": "verify_mismatch",  # trainer_agent/verify.py: NaN without a check in the interval
-    "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: NaN without an XID error in the interval
+    "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: 0 without an XID error in the interval, NaN without NVML
 }
 
 STATE_LEN = 9  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,

@@ -75,9 +75,12 @@ def test_a_gradient_recompute_mismatch_names_the_rank() -> None:
 
 def test_an_xid_error_names_the_rank_and_its_code() -> None:
     nan = math.nan
-    reps = [make_report(0, 0.0, {}, gpu_xid=[nan, nan]), make_report(1, 1.0, {}, gpu_xid=[79.0, nan])]
-    found = _fired(reps, world_size=2)
-    assert [[f.rule.name for f in s] for s in found] == [[], ["gpu_xid"]]
+    reps = [make_report(0, 0.0, {}, gpu_xid=[nan, nan]), make_report(1, 1.0, {}, gpu_xid=[79.0, nan]),
+            make_report(2, 2.0, {}, gpu_xid=[0.0, nan])]  # 0: no XID since the last report
+    steps = simulate(DEFAULTS.for_job("job-a"), reps, world_size=2)
+    assert [[f.finding.rule.name for f in s.fired] for s in steps] == [[], ["gpu_xid"], []]
+    assert steps[2].resolved == ["gpu_xid"]
+    found = [[f.finding for f in s.fired] for s in steps]
     f = found[1][0]
     assert f.values["ranks"] == [0] and f.values["values"] == {0: 79.0} and f.rule.severity == "critical"
     from trainguard.service.diagnosis import DIAGNOSES

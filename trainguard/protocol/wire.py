@@ -217,7 +217,7 @@ class RankValues(WireModel):
                     "and the same step's gradient recomputed on the same batch (NaN: no check in the interval).")
     gpu_xid: list[Value] = Field(
         default_factory=list,
-        description="Per rank, the last critical XID error code its GPU's driver reported in the interval (NaN: none).")
+        description="Per rank, the last critical XID error code its GPU's driver reported in the interval (0: none; NaN: not watched, e.g. no GPU).")
 
 
 class DesyncLayer(WireModel):
