@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from trainguard.dashboards.thresholds import (
     ABSENCE,
     DUPLICATE_RATIO_MAX,
+    FORWARD_MIN,
     GRAD_NORM_LIMIT,
     GRAD_NORM_SPIKE_RATIO,
     LENGTH_SHIFT_P_MIN,
@@ -201,7 +202,8 @@ ALERT_RULES: tuple[AlertRule, ...] = (
     ),
     AlertRule(
         name="TrainguardStraggler",
-        expr=f"trainguard:forward_seconds:max_over_median > {STRAGGLER_RATIO:g}",
+        expr=f"trainguard:forward_seconds:max_over_median > {STRAGGLER_RATIO:g} "
+             f"and on (job, run) max {BY_RUN} (trainguard_forward_seconds) >= {FORWARD_MIN:g}",
         for_="1m",
         action="notify", severity="warning",
         summary="Slowest rank spends {{ $value }}x the median rank's time in the forward pass on run "

@@ -46,6 +46,9 @@ SPECIAL_TOKEN_RATIO_MAX = float(_RULES["data_special_token_ratio"].value)
 LENGTH_SHIFT_P_MIN = float(_RULES["data_length_shift"].value)
 #: Straggler: the slowest rank's step time over the median rank's (rule ``step_time_straggler``).
 STRAGGLER_RATIO = float(_RULES["step_time_straggler"].ratio)
+#: Forward passes shorter than this (seconds) are not judged by the straggler rule: at that scale
+#: scheduling alone can double one rank's forward (rule ``forward_time_straggler``).
+FORWARD_MIN = float(_RULES["forward_time_straggler"].min_value)
 #: A rank waiting for its batch at least this long per step (and well above the median rank) is
 #: held back by its data (rule ``input_wait_straggler``), seconds.
 INPUT_WAIT_MIN = float(_RULES["input_wait_straggler"].min_value)

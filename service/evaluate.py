@@ -260,6 +260,11 @@ def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
     return [check(rule, row)[0] for row in hist]
 
 
+def _slowest(hist: np.ndarray) -> np.ndarray:
+    """The rank with the largest finite value in each row (what ``_spread`` names)."""
+    return np.argmax(np.where(np.isfinite(hist), hist, -np.inf), axis=1)
+
+
 def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
@@ -269,6 +274,8 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
         return Finding(rule, None)
     if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
         return Finding(rule, False)
+    if rule.check == "spread" and len(hist) > 1 and len(set(_slowest(hist).tolist())) > 1:
+        return Finding(rule, False)  # a different rank on top each time is noise, not a straggler
     values = {"vector": rule.vector, "check": rule.check, **_CHECKS[rule.check](rule, hist[-1])[1]}
     if rule.check == "spread":
         summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"

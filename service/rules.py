@@ -225,7 +225,9 @@ class CrossRankRule(_RuleBase):
 
     ``check: spread`` fires when max / median of the finite values >= ratio and the max is at least
     ``min_value`` (a straggler for ``step_time_s``; for ``input_wait_s`` a rank that waits for its
-    data while the others do not; a median of 0 then counts as an infinite ratio).
+    data while the others do not; a median of 0 then counts as an infinite ratio), with the same
+    rank the slowest in each of the ``for_reports`` reports (one rank that stays slow, not
+    scheduling noise that lands on a different rank each time).
     ``check: mismatch`` fires when some rank is non-finite or differs from the median by more than
     rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
     ``check: above`` fires when some rank's finite value is >= ``value`` and names those ranks

@@ -195,6 +195,40 @@ def test_forward_time_straggler_fires_on_forward_time_while_step_times_are_equal
     assert all(fired(s) == [] for s in run(DEFAULTS, calm))
 
 
+_F, _S = 0.020, 0.110  # a fast rank's forward (s) and one made slow by a 90 ms sleep
+
+
+@pytest.mark.parametrize("vector, rule, rows, expect", [
+    # 4 ranks, one slow: with an even count the median is the mean of the two middle (fast) ranks,
+    # so a single slow rank does not move it
+    ("forward_s", "forward_time_straggler", [[_F, _F * 1.1, _S, _F * 0.9]] * 3, 2),
+    ("forward_s", "forward_time_straggler", [[_F, _F, _F, _S], [math.nan, _F, _F, _S], [_F, _F, _F, _S]], 3),
+    # sub-10 ms forwards: 2x the median is scheduling noise, not judged
+    ("forward_s", "forward_time_straggler", [[0.0003, 0.0003, 0.0006, 0.0003]] * 3, None),
+    # above the floor and 2x the median each time, but a different rank on top each time
+    ("forward_s", "forward_time_straggler",
+     [[2 * _F, _F, _F, _F], [_F, 2 * _F, _F, _F], [_F, _F, 2 * _F, _F]], None),
+    ("forward_s", "forward_time_straggler", [[_F, _F, _S, _F], [_F, _F, _S, _F], [_F, _F, _F, _S]], None),
+    # 2 ranks: the median is the mean of both, so the slow rank must take >= 3x the other
+    ("forward_s", "forward_time_straggler", [[_F, 3.5 * _F]] * 3, 1),
+    ("forward_s", "forward_time_straggler", [[_F, 2.5 * _F]] * 3, None),
+    # a data-slow rank of 4, and a wait that moves from rank to rank
+    ("input_wait_s", "input_wait_straggler", [[0.001, 0.002, 0.001, 0.1]] * 3, 3),
+    ("input_wait_s", "input_wait_straggler",
+     [[0.001, 0.1, 0.001, 0.001], [0.001, 0.001, 0.1, 0.001], [0.1, 0.001, 0.001, 0.001]], None),
+])
+def test_cross_rank_spread_names_one_rank_that_stays_slow(vector, rule, rows, expect) -> None:
+    world = len(rows[0])
+    steps = run(DEFAULTS, [make_report(i, float(i), {}, **{vector: row}) for i, row in enumerate(rows)], world_size=world)
+    found = [f.finding for f in steps[-1].fired if f.finding.rule.name == rule]
+    if expect is None:
+        assert found == []
+        return
+    (f,) = found
+    last = [v for v in rows[-1] if not math.isnan(v)]
+    assert f.values["rank"] == expect and f.values["ratio"] == pytest.approx(max(last) / statistics.median(last))
+
+
 @pytest.mark.parametrize("vector, rel, expect", [
     ("grad_desync", 1e-4, True), ("grad_desync", 1e-7, False),
     ("param_desync", 2e-5, True), ("param_desync", 0.0, False),

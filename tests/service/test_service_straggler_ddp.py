@@ -1,8 +1,13 @@
-"""Straggler detection under data parallelism, end to end: a real 2-rank DDP job (gloo, CPU) with
-the agent attached reports to a real controller; rank 1 is slow either in its forward pass
-(compute-slow) or in getting its next batch (data-slow). The gradient all-reduce makes both ranks'
-step times equal, so the step-time rule cannot see either; the forward-time rule names the first,
-the input-wait rule the second."""
+"""Straggler detection under data parallelism, end to end: a real DDP job of 2 or 4 ranks (gloo,
+CPU, one process per rank) with the agent attached reports to a real controller; one rank is slow
+either in its forward pass (compute-slow) or in getting its next batch (data-slow), or none is.
+The gradient all-reduce makes every rank's step time equal, so the step-time rule cannot see
+either; the forward-time rule names the compute-slow rank, the input-wait rule the data-slow one,
+and a run without a slow rank raises neither.
+
+With 4 ranks on a 2-core machine the ranks are oversubscribed: the injected sleep is large against
+the scheduling noise, and the test asserts on which rule fired and the rank it names, never on the
+measured times beyond the sleep's lower bound."""
 
 from __future__ import annotations
 
@@ -20,26 +25,28 @@ from torch import nn
 from tests.control.spawn import spawn_ranks
 from tests.tools.sleepy import Sleepy
 
-SLOW_S = 0.05
+SLOW_S = 0.1
 STEPS = 12
-
+STRAGGLER_RULES = {"step_time_straggler", "forward_time_straggler", "input_wait_straggler"}
 
 
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
+    world = int(os.environ["STRAGGLER_WORLD"])
+    mode = os.environ["STRAGGLER_MODE"]
+    slow = rank == int(os.environ["STRAGGLER_RANK"])
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     import trainer_agent as ta
 
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(Sleepy(0.0))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    mode = os.environ["STRAGGLER_MODE"]
-    ddp.module.sleep = SLOW_S if rank == 1 and mode == "compute" else 0.0
+    ddp.module.sleep = SLOW_S if slow and mode == "compute" else 0.0
     agent = ta.attach(ddp, opt, job="ddp-straggler", run="ddp-straggler-1",
                       config=ta.AgentConfig(metrics_port=None, report_every=1))
     for _ in range(STEPS):
-        if rank == 1 and mode == "data":
+        if slow and mode == "data":
             time.sleep(SLOW_S)  # a loader that cannot keep up (the workload, not a synchronisation)
         ddp(torch.randn(8, 4)).square().mean().backward()
         opt.step()
@@ -53,21 +60,31 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode,rule,vector", [("compute", "forward_time_straggler", "forward_seconds"),
-                                              ("data", "input_wait_straggler", "input_wait_seconds")])
-def test_a_slow_rank_fires_its_rule_not_the_step_time_rule(tmp_path, serve, monkeypatch, mode, rule, vector) -> None:
+@pytest.mark.parametrize("world,slow_rank,mode,rule,vector", [
+    (2, 1, "compute", "forward_time_straggler", "forward_seconds"),
+    (2, 1, "data", "input_wait_straggler", "input_wait_seconds"),
+    (4, 2, "compute", "forward_time_straggler", "forward_seconds"),
+    (4, 3, "data", "input_wait_straggler", "input_wait_seconds"),
+    (4, -1, "none", None, None),
+])
+def test_a_slow_rank_fires_its_rule_naming_it_and_no_other(tmp_path, serve, monkeypatch, world, slow_rank, mode, rule, vector) -> None:
     srv = serve(tmp_path / "tg.db")
     monkeypatch.setenv("TRAINGUARD_CONTROLLER", srv.url)
+    monkeypatch.setenv("STRAGGLER_WORLD", str(world))
     monkeypatch.setenv("STRAGGLER_MODE", mode)
+    monkeypatch.setenv("STRAGGLER_RANK", str(slow_rank))
     (tmp_path / "ranks").mkdir()
-    out = spawn_ranks(_worker, 2, tmp_path / "ranks", timeout=180)
-    per_rank = out[0]["rank_values"].get(vector)
+    out = spawn_ranks(_worker, world, tmp_path / "ranks", timeout=180)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         reports = c.get("/v1/runs/ddp-straggler-1").json()["reports"]
-        rules = {a["rule"] for a in c.get("/v1/alerts", params={"run": "ddp-straggler-1"}).json()}
+        alerts = [a for a in c.get("/v1/alerts", params={"run": "ddp-straggler-1"}).json() if a["rule"] in STRAGGLER_RULES]
+    seen = out[0]["rank_values"]
     assert reports >= 3
-    assert rule in rules, (rules, out[0]["rank_values"])
-    assert "step_time_straggler" not in rules, rules
-    other = {"forward_time_straggler", "input_wait_straggler"} - {rule}
-    assert not rules & other, rules  # the other kind of slowness is not claimed
-    assert per_rank is not None and per_rank[1] >= SLOW_S > per_rank[0], per_rank  # rank 1 is the slow one
+    fired = {a["rule"] for a in alerts}
+    if rule is None:
+        assert not fired, ([(a["rule"], a["values"]) for a in alerts], seen)  # no slow rank: nothing is claimed
+        return
+    assert fired == {rule}, ([(a["rule"], a["values"]) for a in alerts], seen)  # not the step-time rule, nor the other kind of slowness
+    assert {a["values"]["rank"] for a in alerts} == {slow_rank}, (alerts, seen)
+    per_rank = seen.get(vector)
+    assert per_rank is not None and len(per_rank) == world and per_rank[slow_rank] >= SLOW_S, per_rank
