@@ -23,6 +23,7 @@ from trainguard.service import statements as sql
 from trainguard.service.alertmanager import SeenKeys, act
 from trainguard.service.auth import Principal, TokenTable, token_hash
 from trainguard.service.config import Settings
+from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.engine import Outcome, RollbackRefused, command_state, decide
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.events import EventHub
@@ -37,7 +38,7 @@ from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, IncidentUpdate, WebhookDeliverer, incident_update
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
-from trainguard.protocol.wire import Ack, DesiredState, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
+from trainguard.protocol.wire import Ack, DesiredState, MemoryReport, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller"]
 
@@ -546,6 +547,31 @@ class Controller:
         tx.assign(st, preflight=data)
         await self._commit(tx, op)
         return {"run": run, "counts": counts}
+
+    async def memory_report(self, run: str, report: MemoryReport, principal: Principal) -> dict[str, Any]:
+        """Record a memory trace's result: shown in the run's status and on its firing
+        ``memory_growth``-diagnosed alerts, and kept as an event (persisted)."""
+        st = self.get(run)
+        self.check_agent(principal, run)
+        now = self.clock()
+        data = report.model_dump() | {"received": now}
+        run_id = st.id
+        top = "; ".join(f"{o.owner}: {o.bytes_per_step / 2**20:.2f} MiB/step" for o in report.owners[:4]) or "nothing retained"
+
+        def op(c: sqlite3.Connection) -> Written:
+            return Written(events=[sql.insert_event(c, run_id, now=now, kind="memory_report", actor=principal.actor,
+                                                    reason=f"memory trace of {report.steps} step(s) at step {report.step}: {top}",
+                                                    generation=None, data=data)])
+
+        def after(_: Written) -> None:
+            for alert in st.firing.values():
+                if alert["rule"] == "memory_growth" or alert["diagnosis"].get("symptom") == DIAGNOSES["memory_growth"].symptom:
+                    alert["memory_report"] = data
+
+        tx = Transaction()
+        tx.assign(st, memory_report=data)
+        await self._commit(tx, op, after=after)
+        return {"run": run, "owners": len(report.owners)}
 
     async def finish(self, run: str, fin: RunFinished, principal: Principal) -> dict[str, Any]:
         """The run ended (its agent closed): record it, resolve its absence alerts, and let the

@@ -220,8 +220,39 @@ DIAGNOSES: dict[str, Diagnosis] = {
     "memory_growth": Diagnosis(
         symptom="Memory grows monotonically",
         likely_causes=("Oversized intermediate activations", "Gradient buffers not released", "Duplicated tensor copies", "Computation graph kept alive (retain_graph)"),
-        suggested_actions=("Locate the leak layer by layer (backward one layer at a time)", "Check for tensors kept across steps"),
+        suggested_actions=("Read the memory trace the agent ran when this fired (the run's memory_report: the layers or the "
+                           "training loop that keep memory alive from one step to the next)",
+                           "A loop that keeps losses or outputs with their graphs: keep loss.item() or loss.detach()",
+                           "Check for tensors kept across steps (caches, lists of activations)"),
         source="Memory that only grows is a leak: the job runs out of memory later, often hours in.",
+    ),
+    "gradient_recompute_mismatch": Diagnosis(
+        symptom="A rank recomputed a step's gradient on the same batch and got a different one",
+        likely_causes=("Silent data corruption on that rank's GPU: a faulty arithmetic unit or memory returning wrong "
+                       "values without an error",
+                       "A kernel whose result depends on more than its inputs (uninitialised memory, a race)",
+                       "The model reads state that changes between the two passes (a layer that counts its calls)"),
+        suggested_actions=("Check the named rank's GPU: its XID errors and ECC counters, and run the vendor's diagnostics on it",
+                           "Restart from the last checkpoint without the suspect device (training on it may have spread bad values "
+                           "to every rank through the all-reduce)",
+                           "If it repeats on other devices, look for nondeterminism in the model's own code"),
+        source="The same inputs, weights and random state must give the same gradient (to about 1e-7 with "
+               "nondeterministic GPU kernels); a larger difference means the hardware computed something else.",
+    ),
+    "gpu_xid": Diagnosis(
+        symptom="The GPU driver reported a critical XID error on a rank",
+        likely_causes=("79: the GPU fell off the bus (hardware, power or PCIe failure)",
+                       "48: a double-bit ECC error (GPU memory returned corrupted data)",
+                       "63 / 64: memory row remapping recorded / failed (the GPU memory is degrading)",
+                       "94 / 95: contained / uncontained ECC error",
+                       "13 / 31 / 43: a fault in the application's own kernels (illegal address, exception)",
+                       "74: an NVLink error between GPUs"),
+        suggested_actions=("Hardware codes (79, 48, 64, 95, 74): drain the node, restart from the last checkpoint on other GPUs",
+                           "63 and 94: the driver contained the fault; reset the GPU when the job allows and watch for repeats",
+                           "Application codes (13, 31, 43): look for out-of-range indices or custom kernels; run once with "
+                           "CUDA_LAUNCH_BLOCKING=1 to find the failing operation"),
+        source="XID errors are the driver's own report of a GPU fault; the hardware ones are followed by crashes or "
+               "silently wrong results.",
     ),
     "hung": Diagnosis(
         symptom="No report from the run",

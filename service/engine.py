@@ -17,16 +17,18 @@ from pydantic import ValidationError
 
 from trainguard.service.evaluate import Finding, evaluate
 from trainguard.service.rules import (
-    ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, NotifyAction, PauseAction, RollbackAction, StopAction,
+    ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, MemoryTraceAction, NotifyAction,
+    PauseAction, RollbackAction, StopAction, VerifyAction,
 )
 from trainguard.service.window import RunWindow
-from trainguard.protocol.wire import COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
+from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
 
 __all__ = ["ActionContext", "RollbackRefused", "AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
 
 _REASON_MAX = 2000
 #: The commands that are also rule actions (``lr_scale`` is built from its scale or factor).
-_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction()}
+_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction(),
+                    "memory_trace": MemoryTraceAction(), "verify": VerifyAction()}
 
 
 @dataclass(slots=True)
@@ -149,6 +151,7 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
     paused, stop, seq, scale = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
     rb_seq, rb_step = desired.rollback_seq, desired.rollback_step
     notes: list[str] = []
+    diagnose = {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}
     for a in actions:
         if isinstance(a, PauseAction):
             paused = True
@@ -177,16 +180,19 @@ def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
                 scale = min(max(scale * a.lr_factor, LR_SCALE_MIN), LR_SCALE_MAX)
                 notes.append(f"rollback to the snapshot of step {target}" +
                              (f", lr_scale {scale:.4g}" if a.lr_factor != 1.0 else ""))
+        elif isinstance(a, (MemoryTraceAction, VerifyAction)):
+            diagnose[f"{a.type}_seq"] += 1
         else:
             assert isinstance(a, NotifyAction)
     if (paused, stop, seq, scale, rb_seq) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale,
-                                              desired.rollback_seq):
+                                              desired.rollback_seq) \
+            and diagnose == {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}:
         return None
     if notes:
         reason = f"{reason} — {'; '.join(notes)}"
     return desired.model_copy(update=dict(  # other fields (accumulation) carry over
         generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop,
-        rollback_seq=rb_seq, rollback_step=rb_step, reason=_reason(reason)
+        rollback_seq=rb_seq, rollback_step=rb_step, reason=_reason(reason), **diagnose,
     ))
 
 
@@ -232,7 +238,7 @@ def command_state(
     elif command in _COMMAND_ACTIONS:
         action = _COMMAND_ACTIONS[command]
     else:
-        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS)}")
+        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS + DIAGNOSTIC_COMMANDS)}")
     return apply_actions(desired, (action,), reason, ctx)
 
 

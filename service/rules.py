@@ -45,8 +45,8 @@ from trainguard.service.window import VECTORS, RuleWindow
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "Rule", "RulesFile",
-    "RuleSet", "RulesError", "load_rules", "default_rules_text",
+    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "MemoryTraceAction",
+    "VerifyAction", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
     "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule",
     "OscillationRule", "AbsenceRule",
 ]
@@ -54,7 +54,7 @@ __all__ = [
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
-                 "input_wait_s", "data_overlap", "grad_desync", "param_desync"]
+                 "input_wait_s", "data_overlap", "grad_desync", "param_desync", "verify_mismatch", "gpu_xid"]
 assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
 
 
@@ -87,6 +87,19 @@ class CheckpointAction(_Model):
 
 class StopAction(_Model):
     type: Literal["stop"] = "stop"
+
+
+class MemoryTraceAction(_Model):
+    """Ask the agent to attribute memory kept alive across steps to layers or the loop (a few
+    steps); its result is stored with the run and shown with the alert."""
+
+    type: Literal["memory_trace"] = "memory_trace"
+
+
+class VerifyAction(_Model):
+    """Ask every rank to recompute the next step's gradient and compare (silent data corruption)."""
+
+    type: Literal["verify"] = "verify"
 
 
 class LrScaleAction(_Model):
@@ -149,7 +162,8 @@ class RollbackAction(_Model):
 
 
 Action = Annotated[
-    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction, AdaptiveLrAction, RollbackAction],
+    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction, AdaptiveLrAction, RollbackAction,
+          MemoryTraceAction, VerifyAction],
     Field(discriminator="type"),
 ]
 

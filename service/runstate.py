@@ -48,6 +48,8 @@ class RunState:
     preflight: dict[str, Any] | None = None
     recovery: RunRecovery = field(default_factory=RunRecovery)
     """Snapshots, incidents and the LR ramp (in memory; see ``service/incidents.py``)."""
+    #: The last memory trace's result (``MemoryReport`` as a dict; kept in memory, and as an event).
+    memory_report: dict[str, Any] | None = None
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
@@ -94,6 +96,7 @@ class RunState:
                            "recommended": last.get("trainguard_recommended_batch_size")},
             "firing_alerts": sorted(st.firing.values(), key=lambda a: a["id"]),
             "preflight": st.preflight,
+            "memory_report": st.memory_report,
         }
 
     def incidents(self) -> dict[str, Any]:
@@ -141,6 +144,10 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
         out.append("checkpoint")
     if after.rollback_seq != before.rollback_seq:
         out.append("rollback")
+    if after.memory_trace_seq != before.memory_trace_seq:
+        out.append("memory_trace")
+    if after.verify_seq != before.verify_seq:
+        out.append("verify")
     return out
 
 

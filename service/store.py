@@ -218,9 +218,12 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN rollback_seq INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE runs ADD COLUMN rollback_step INTEGER NOT NULL DEFAULT 0;
     """,
+    # 7: diagnostic requests of the desired state: a memory trace, a gradient recompute check.
+    """
+    ALTER TABLE runs ADD COLUMN memory_trace_seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN verify_seq INTEGER NOT NULL DEFAULT 0;
+    """,
 )
-
-
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:
     return getattr(e, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(e)

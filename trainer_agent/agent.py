@@ -111,6 +111,7 @@ from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
+from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
@@ -189,6 +190,9 @@ class Agent:
         self._published: dict[str, float] = {}
         self.control: Any = None
         self._memory_trace: Any = None
+        #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
+        self._preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")
+        self.verifier: Any = None  # trainer_agent/verify.py, built with the measurement
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
         self.snapshots: SnapshotStore | None = None
@@ -240,6 +244,12 @@ class Agent:
             fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
                                         len(self.layers), device=self.device)
             self.meter.fingerprint = fingerprint
+        if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
+            from trainer_agent.verify import GradientVerifier
+
+            self.verifier = GradientVerifier(self, every=cfg.verify_every, rel_tol=cfg.verify_rel_tol)
+            if cfg.verify_every == 1:
+                self.verifier.arm()
         exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1,
                                 extra_width=fingerprint.width() if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
@@ -286,7 +296,8 @@ class Agent:
                              desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
-        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error)
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error,
+                            on_diagnose=self._diagnose)
 
     def _snapshot_extra(self) -> dict[str, Any]:
         """What a snapshot holds besides the model and optimizer state."""
@@ -311,6 +322,14 @@ class Agent:
         skip = getattr(self.control, "skip", None)
         return skip.guard if skip is not None else None
 
+    def _diagnose(self, command: str, step: int) -> None:
+        """The controller's diagnostic commands, applied at ``step`` on every rank."""
+        if command == "verify":
+            if self.verifier is not None:
+                self.verifier.arm()  # the next step, on every rank
+        elif command == "memory_trace":
+            self.trace_memory(self.config.memory_trace_steps)
+
     # ------------------------------------------------------------------ errors
 
     def _error(self, kind: str, exc: BaseException) -> None:
@@ -327,6 +346,11 @@ class Agent:
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         t0 = self._clock()
         try:
+            verifier = self.verifier
+            if verifier is not None and verifier.armed:
+                if verifier.recomputing:
+                    return  # the agent's own recompute is not the step's
+                verifier.on_grad(index, grad)
             self.meter.on_grad(index, grad)
         except Exception as exc:  # never raise into backward
             self._error("gradient_hook", exc)
@@ -334,6 +358,8 @@ class Agent:
             self._step_overhead += self._clock() - t0
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        if self._preflight_only:  # ``trainguard preflight`` on a script that trains before any pre-flight
+            raise PreflightOnly(None, self.rank)
         t0 = self._clock()
         replaced = None
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/optim.py
@@ -363,6 +389,8 @@ class Agent:
             self._error("optimizer_post_step", exc)
         finally:
             self._step_overhead += self._clock() - t0
+        if self.verifier is not None:
+            self.verifier.after_optimizer_step()
         if self.control is not None:
             try:
                 self.control.after_optimizer_step()
@@ -422,6 +450,11 @@ class Agent:
                 self._error("memory_trace", exc)
                 self._memory_trace.stop()
                 self._memory_trace = None
+        if self.verifier is not None:
+            try:
+                self.verifier.on_end_step(self.step)
+            except Exception as exc:
+                self._error("verify", exc)
         if self.control is not None:
             try:
                 self.control.on_end_step(self.step, agreed)
@@ -450,12 +483,24 @@ class Agent:
         forward_s = self.forward.take() if self.forward is not None else float("nan")
         wait = self.input_wait.take() if self.input_wait is not None else float("nan")
         host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
-                        micro_batches=st.backwards, world_size=self.world_size)
+                        micro_batches=st.backwards, world_size=self.world_size,
+                        verify_mismatch=self.verifier.take() if self.verifier is not None else math.nan,
+                        gpu_xid=self._take_xid())
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
         sketch = self._sketch() if self.reports.exchange.with_state else None
         agreed = self.reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
         self._publish()
         return agreed
+
+    def _take_xid(self) -> float:
+        """The last XID error of this rank's GPU since the last report (NaN: none or no NVML)."""
+        if self.gpu is None:
+            return math.nan
+        try:
+            return self.gpu.take_xid()
+        except Exception as exc:
+            self._error("gpu_health", exc)
+            return math.nan
 
     def _sketch(self) -> Any:
         """This rank's sketch of the sequences it observed since the last report (None without a
@@ -530,6 +575,8 @@ class Agent:
                 except Exception as exc:
                     self._error(kind, exc)
                     errors += 1
+        if self.verifier is not None:
+            values.update(self.verifier.values())
         if self.gpu is not None:
             try:
                 values.update(self.gpu.read())
@@ -555,6 +602,8 @@ class Agent:
         optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
         Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
         ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
+        Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
+        after the checks: the script stops there, and the command prints the table.
         ``ValueError`` for bad arguments or after the first step."""
         from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
 
@@ -565,8 +614,41 @@ class Agent:
             why = client.post_preflight(to_wire(report, self.rank))
             if why is not None:
                 log.warning("trainguard: the controller did not take the pre-flight result: %s", why)
+        if self._preflight_only:
+            raise PreflightOnly(report, self.rank)  # ``trainguard preflight``: the checks only
         raise_if_fatal(report, self.config.preflight_fatal if fatal is None else fatal)
         return report
+
+    def verify_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> Any:
+        """Call once per step after the backward pass(es) and before ``optimizer.step()``; when the
+        step is due (``AgentConfig.verify_every``, ``request_verify``, the controller's ``verify``
+        command) recompute its gradient on ``batch`` (the step's last micro-batch) and compare it
+        with the one it produced (``trainer_agent/verify.py``); every rank calls it. ``loss_fn(model,
+        batch)`` returns the loss the loop called ``backward`` on (inside the same autocast, divided
+        by the accumulation steps if the loop does), before the GradScaler's scale (default
+        ``model(batch)``, or its ``.loss``). Not under sharded parameters (always None). Returns a ``VerifyResult``, or None when the
+        step is not due or the check failed (counted in ``trainguard_agent_errors_total``).
+        Weights, gradients, optimizer state, buffers and the RNG stream are left as they were.
+        ``ValueError`` when called after ``optimizer.step()`` of a due step."""
+        verifier = self.verifier
+        if verifier is None or not verifier.armed:
+            return None
+        t0 = self._clock()
+        try:
+            return verifier.verify(batch, loss_fn)
+        except ValueError:
+            raise
+        except Exception as exc:
+            self._error("verify", exc)
+            return None
+        finally:
+            self._step_overhead += self._clock() - t0
+
+    def request_verify(self) -> None:
+        """Check the gradient of the next step whose forward pass starts after this call; call it
+        on every rank at the same point of the loop."""
+        if self.verifier is not None:
+            self.verifier.arm()
 
     def trace_memory(self, steps: int = 3) -> None:
         """Attribute memory retained across steps to the layers or the training loop for the next
@@ -578,13 +660,27 @@ class Agent:
         if self._memory_trace is not None:
             self._memory_trace.stop()
         self.memory_report = None
-        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done)
+        self._memory_trace = MemoryTrace(self.model, steps, self._memory_done, device=self.device)
 
     def _memory_done(self, report: list[Any]) -> None:
         self.memory_report = report
         log.warning("trainguard memory trace (rank %d): memory kept alive across steps, per step: %s", self.rank,
                     "; ".join(f"{r.owner}: {r.bytes_per_step / 2**20:.2f} MiB in {r.tensors} tensor(s)"
                               for r in report[:8]) or "nothing")
+        client = self.control.client if self.control is not None else None
+        if client is not None:  # the leader: the run's status and the memory_growth alert show it
+            from trainguard.protocol.wire import MemoryOwnerEntry, MemoryReport
+
+            trace = self._memory_trace
+            forward = trace.cuda_forward if trace is not None else {}
+            client.post_memory_report(MemoryReport(
+                rank=self.rank, step=self.step, steps=trace.steps if trace is not None else 1,
+                device="cuda" if self.device.type == "cuda" else "cpu",
+                owners=[MemoryOwnerEntry(owner=r.owner[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
+                        for r in report[:32]],
+                allocator_growth_bytes_per_step=trace.cuda_growth_per_step if trace is not None else None,
+                layer_forward_bytes=[MemoryOwnerEntry(owner=k[:512], bytes_per_step=max(v, 0.0), tensors=0)
+                                     for k, v in list(forward.items())[:32]]))
 
     @property
     def desync(self) -> list[DesyncFinding]:
@@ -694,6 +790,10 @@ class Agent:
         if self._memory_trace is not None:
             self._memory_trace.stop()
             self._memory_trace = None
+        if self.verifier is not None:
+            self.verifier.close()
+        if self.gpu is not None:
+            self.gpu.close()
         deadline = time.monotonic() + (self.config.close_timeout_s if timeout is None else timeout)
         try:
             self._publish(block=True)  # SYNC: the last report

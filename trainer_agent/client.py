@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -46,6 +46,7 @@ from trainguard.protocol.wire import (
     API_PREFIX,
     Ack,
     DesiredState,
+    MemoryReport,
     PreflightResult,
     Report,
     ReportAccepted,
@@ -275,10 +276,25 @@ class ControllerClient:
     def post_preflight(self, result: PreflightResult) -> str | None:
         """Send the pre-flight result once, synchronously (it runs before training: there is no
         step to block). None when the controller accepted it, else why not (never raises)."""
+        return self._post_once("preflight", result)
+
+    def post_memory_report(self, report: MemoryReport) -> threading.Thread:
+        """Send a memory trace's result once, from a thread of its own (the training loop never
+        waits on it; bounded by the request timeout). A failure is logged."""
+        def send() -> None:
+            why = self._post_once("memory-report", report)
+            if why is not None:
+                log.warning("trainguard: the controller did not take the memory trace's result: %s", why)
+
+        thread = threading.Thread(target=send, name="trainguard-memory-report", daemon=True)
+        thread.start()
+        return thread
+
+    def _post_once(self, what: str, body: Any) -> str | None:
         transport = self._transport or httpx.HTTPTransport()
         http = httpx.Client(transport=transport, timeout=self._timeout, headers=self._headers)
         try:
-            self._exchange(http, "POST", f"/runs/{self.run}/preflight", dumps(result), None)
+            self._exchange(http, "POST", f"/runs/{self.run}/{what}", dumps(body), None)
             return None
         except Exception as exc:  # noqa: BLE001 - reported to the caller as text
             return str(exc) or type(exc).__name__

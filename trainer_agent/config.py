@@ -85,6 +85,21 @@ class AgentConfig:
     """Largest relative difference of a layer's fingerprints across ranks that counts as in sync
     (the difference over the layer's norm)."""
 
+    verify_every: int | None = None
+    """Recompute the gradient of every ``verify_every``-th step on the same batch and compare it
+    with the one the step produced, on every rank (``trainer_agent/verify.py``; the loop calls
+    ``agent.verify_step(batch, loss_fn)`` each step, a no-op unless due). None: only on request
+    (``agent.request_verify()`` or the controller's ``verify`` command). Costs one forward and
+    backward pass per checked step."""
+
+    verify_rel_tol: float = 1e-5
+    """Largest relative difference per layer between a step's gradient and its recomputation that
+    counts as equal (GPU kernels that are not deterministic differ by ~1e-7)."""
+
+    memory_trace_steps: int = 3
+    """Steps a memory trace started by the controller (its ``memory_trace`` command or rule
+    action) follows (``trainer_agent/memory_trace.py``)."""
+
     vocab_size: int | None = None
     """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
     ``DataMonitor(vocab_size, special_ids)`` and feeds it the batches of ``observe_batch``."""
@@ -171,6 +186,12 @@ class AgentConfig:
         if isinstance(self.desync_rel_tol, bool) or not isinstance(self.desync_rel_tol, (int, float)) \
                 or not 0 <= self.desync_rel_tol < float("inf"):
             raise ValueError(f"desync_rel_tol must be a finite number >= 0, got {self.desync_rel_tol!r}")
+        if self.verify_every is not None:
+            _positive_int("verify_every", self.verify_every)
+        _positive_int("memory_trace_steps", self.memory_trace_steps)
+        if isinstance(self.verify_rel_tol, bool) or not isinstance(self.verify_rel_tol, (int, float)) \
+                or not 0 <= self.verify_rel_tol < float("inf"):
+            raise ValueError(f"verify_rel_tol must be a finite number >= 0, got {self.verify_rel_tol!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.skip_spikes is not None and not isinstance(self.skip_spikes, bool):

@@ -30,9 +30,10 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 On report steps the state travels in the report step's one collective (the
 agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
-other ``sync_every`` steps all ranks take part in a broadcast of the same nine int64
+other ``sync_every`` steps all ranks take part in a broadcast of the same ``STATE_LEN`` int64
 (``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop,
-accumulation_steps, accumulation_lr_rule, rollback_seq, rollback_step``) on a side
+accumulation_steps, accumulation_lr_rule, rollback_seq, rollback_step, memory_trace_seq,
+verify_seq``) on a side
 *gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
 same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
 so re-applying changes nothing, a checkpoint is taken once per new ``checkpoint_seq`` and a
@@ -44,6 +45,10 @@ its client for a newer generation and publishes each one it applies under a fres
 c10d store (``pause/<episode>/<i>``); the other ranks poll those keys (``check`` + a short sleep).
 Every rank applies the same sequence of states at the same (paused) step and leaves when one has
 ``paused=false`` or ``stop=true``. No process-group timeout can expire meanwhile.
+
+**Diagnostic requests.** A newer ``memory_trace_seq`` or ``verify_seq`` calls ``on_diagnose(kind,
+step)`` once on every rank at the agreed step: the agent starts a memory trace, or arms the next
+step's gradient recompute check (``trainer_agent/verify.py``).
 
 **Skipping non-finite steps** (``skip_nonfinite=True``): ``trainer_agent/actuators.py``.
 
@@ -175,6 +180,7 @@ class ControlPlane:
         *,
         on_checkpoint: Callable[[int], Any] | None = None,
         on_rollback: Callable[[int], int | None] | None = None,
+        on_diagnose: Callable[[str, int], Any] | None = None,
         group: Any = None,
         store: Any = None,
         transport: Any = None,
@@ -193,6 +199,8 @@ class ControlPlane:
         self._cfg = cfg
         self._on_checkpoint = on_checkpoint
         self._on_rollback = on_rollback
+        self._on_diagnose = on_diagnose
+        """Called with (``"memory_trace"`` or ``"verify"``, step) when a newer request is applied."""
         self._on_error = on_error or (lambda kind, exc: log.exception(kind))
         self._clock, self._wall = clock, wall_clock
         self._pause_poll_s = pause_poll_s
@@ -210,6 +218,7 @@ class ControlPlane:
         self._checkpoint_seq = 0
         self._rollback_seq = 0
         self._rollback_step = 0
+        self._diagnostic_seqs = {"memory_trace": 0, "verify": 0}  # the last request of each served
         self._pause_episodes = 0
         #: The run's own accumulation steps (None: the run did not opt in to the command).
         self.own_accumulation: int | None = ctx.accumulation_steps
@@ -398,7 +407,9 @@ class ControlPlane:
         return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
                                          checkpoint_seq=self._checkpoint_seq, stop=self._stop,
                                          rollback_seq=self._rollback_seq, rollback_step=self._rollback_step,
-                                         accumulation_steps=steps, accumulation_lr_rule=rule))
+                                         accumulation_steps=steps, accumulation_lr_rule=rule,
+                                         memory_trace_seq=self._diagnostic_seqs["memory_trace"],
+                                         verify_seq=self._diagnostic_seqs["verify"]))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -524,7 +535,11 @@ class ControlPlane:
             self._on_error("control_agreement", exc)
             return
         self._checkpoint_seq = state[3]
-        self._rollback_seq, self._rollback_step = state[5], state[6]  # served before this process started
+        # Rollbacks and diagnostic requests made before this process started were meant for the
+        # process that ran then.
+        initial_state = decode_state(state)
+        self._rollback_seq, self._rollback_step = initial_state.rollback_seq, initial_state.rollback_step
+        self._diagnostic_seqs = {"memory_trace": initial_state.memory_trace_seq, "verify": initial_state.verify_seq}
         self._apply(state, self._ctx.step())
 
     def _broadcast(self, leader_state: list[int] | None) -> list[int]:
@@ -565,6 +580,7 @@ class ControlPlane:
                 self._on_error("on_checkpoint", exc)
         if stopping:
             self._stop = True
+        self._diagnose(state, step)
         self.history.append(
             Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
                     rollback_seq=state.rollback_seq, restored_step=restored, accumulation_steps=self._accumulation or 0)
@@ -590,6 +606,17 @@ class ControlPlane:
         elif self.leader:
             log.warning("trainguard: rolled back at step %d to the snapshot of step %d", step, restored)
         return restored
+
+    def _diagnose(self, state: DesiredState, step: int) -> None:
+        """Newer diagnostic requests (memory trace, gradient recompute check): once each."""
+        for kind, seq in (("memory_trace", state.memory_trace_seq), ("verify", state.verify_seq)):
+            if seq > self._diagnostic_seqs[kind]:
+                self._diagnostic_seqs[kind] = seq
+                if self._on_diagnose is not None:
+                    try:
+                        self._on_diagnose(kind, step)
+                    except Exception as exc:  # noqa: BLE001 - never break the agreement
+                        self._on_error(f"diagnose_{kind}", exc)
 
     def _set_accumulation(self, steps: int, rule: str) -> None:
         """Accumulation steps ``steps`` (0: the run's own) with the LR following by ``rule``; a run

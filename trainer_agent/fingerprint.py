@@ -35,7 +35,7 @@ import torch
 
 from trainer_agent import stats
 
-__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings"]
+__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings", "rel_diff"]
 
 #: Elements per row of the rank-1 sign pattern.
 TILE = 4096
@@ -79,28 +79,28 @@ class Fingerprinter:
     def project(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(len(tensors), K) float64 projections, in the order of ``tensors`` (a 0-dim tensor
         stands for a missing gradient: projections 0)."""
-        out = []
-        for x, s, numel in zip(tensors, self._s, self._numels):
-            if x.numel() != numel:  # the 0-dim stand-in of a missing gradient
-                out.append(torch.zeros(self.k, dtype=torch.float64, device=self.device))
-                continue
-            dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-            flat = x.detach().reshape(-1)
-            if flat.dtype != dtype:
-                flat = flat.to(dtype)  # bf16/fp16: project in float32 (a bf16 sum has ~3 digits)
-            r = self._r_for(dtype)
-            n = flat.numel()
-            if s is None:
-                out.append((flat @ r[:n]).to(torch.float64))
-                continue
-            m = s.shape[0]
-            main = flat[: m * TILE].view(m, TILE) @ r  # (m, K)
-            f = (main * s.to(dtype)).sum(0)
-            tail = n - m * TILE
-            if tail:
-                f = f + flat[m * TILE:] @ r[:tail]
-            out.append(f.to(torch.float64))
-        return torch.stack(out)
+        return torch.stack([self.project_one(i, x) for i, x in enumerate(tensors)])
+
+    def project_one(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """(K,) float64 projections of ``x``, laid out as tensor ``i`` (0 for a 0-dim stand-in)."""
+        s, numel = self._s[i], self._numels[i]
+        if x.numel() != numel:  # the 0-dim stand-in of a missing gradient
+            return torch.zeros(self.k, dtype=torch.float64, device=self.device)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        flat = x.detach().reshape(-1)
+        if flat.dtype != dtype:
+            flat = flat.to(dtype)  # bf16/fp16: project in float32 (a bf16 sum has ~3 digits)
+        r = self._r_for(dtype)
+        n = flat.numel()
+        if s is None:
+            return (flat @ r[:n]).to(torch.float64)
+        m = s.shape[0]
+        main = flat[: m * TILE].view(m, TILE) @ r  # (m, K)
+        f = (main * s.to(dtype)).sum(0)
+        tail = n - m * TILE
+        if tail:
+            f = f + flat[m * TILE:] @ r[:tail]
+        return f.to(torch.float64)
 
     def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """(layers, K + 1) float64 device tensor: the K projections of each layer and its L2 norm
@@ -144,6 +144,12 @@ def desync(rows: torch.Tensor, layers: int, k: int) -> torch.Tensor:
         worst, layer = rel.max(dim=1)
         out += [worst, layer.to(torch.float64), f[:, :, 0].sum(dim=1), rel.amax(dim=0)]
     return torch.cat(out)
+
+
+def rel_diff(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``|f - ref| / den`` (den broadcast over the last axis), 0 where both are equal (NaN
+    included), inf where only one is NaN or the difference is over a zero norm."""
+    return _rel(f, ref, den)
 
 
 def _rel(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,11 @@ class ForwardTimer:
         self._events: list[tuple[Any, Any]] = []
         self._previous: list[tuple[Any, Any]] = []  # CUDA: the last report step's pairs
         self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        #: True while the agent runs forward passes of its own (a gradient recompute check): not timed.
+        self.excluded = False
 
     def _measured(self) -> bool:
-        return self._schedule.is_report(self._step() + 1)
+        return not self.excluded and self._schedule.is_report(self._step() + 1)
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         try:

@@ -24,8 +24,16 @@ and are stable from step to step: they never count as growth (a storage created 
 that the optimizer keeps, e.g. Adam's moments on its first step, is charged once to the loop).
 
 Tracing is expensive (every operator goes through Python): a few steps only. On CUDA the
-backward pass runs on autograd's device threads, so its allocations are not seen; the forward
+backward pass runs on autograd's device threads, so its allocations are not tagged; the forward
 passes and the loop are.
+
+**CUDA allocator accounting** (only when the model's parameters are on a CUDA device): around
+every module's forward the trace also reads ``torch.cuda.memory_allocated`` and charges each
+module the bytes its own forward left allocated (its total minus its children's: the activations
+it saved for backward and its output), averaged per traced step (``MemoryTrace.cuda_forward``),
+and records the allocator's level at every ``end_step``: ``cuda_growth_per_step`` is its growth
+per traced step, which the retained owners above should account for. Reading the counter is a
+host-side query of the caching allocator (no device sync).
 """
 
 from __future__ import annotations
@@ -82,7 +90,8 @@ class MemoryTrace:
     """Traces ``steps`` steps of ``model`` (see the module docstring). ``on_end_step`` is called
     at each ``end_step``: the first call starts the census, ``steps`` further calls count."""
 
-    def __init__(self, model: nn.Module, steps: int, on_done: Callable[[list[MemoryOwner]], None]) -> None:
+    def __init__(self, model: nn.Module, steps: int, on_done: Callable[[list[MemoryOwner]], None], *,
+                 device: torch.device | None = None) -> None:
         if type(steps) is not int or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         self.steps = steps
@@ -97,11 +106,36 @@ class MemoryTrace:
         for module, name in names.items():
             self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._stack.append(n)))
             self._handles.append(module.register_forward_hook(lambda m, a, o: self._pop(), always_call=True))
+        #: CUDA only: bytes each module's own forward left allocated, per traced step (worst first
+        #: once the trace is over), and the allocator's growth per traced step.
+        self.cuda_forward: dict[str, float] = {}
+        self.cuda_growth_per_step: float | None = None
+        self._cuda = device if device is not None and device.type == "cuda" else None
+        if self._cuda is not None:
+            self._cuda_levels: list[int] = []
+            self._cuda_stack: list[list[int]] = []  # [allocated before, children's bytes]
+            for module, name in names.items():
+                self._handles.append(module.register_forward_pre_hook(lambda m, a: self._cuda_enter()))
+                self._handles.append(module.register_forward_hook(
+                    lambda m, a, o, n=name: self._cuda_exit(n), always_call=True))
         self._mode = _Tagger(self)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._mode.__enter__()
         self._saved_hooks.__enter__()
         self.active = True
+
+    def _cuda_enter(self) -> None:
+        self._cuda_stack.append([torch.cuda.memory_allocated(self._cuda), 0])
+
+    def _cuda_exit(self, name: str) -> None:
+        if not self._cuda_stack:
+            return
+        before, children = self._cuda_stack.pop()
+        total = torch.cuda.memory_allocated(self._cuda) - before
+        if self._cuda_stack:
+            self._cuda_stack[-1][1] += total
+        if self.step >= 1:  # the steps that count (the first end_step starts the census)
+            self.cuda_forward[name] = self.cuda_forward.get(name, 0.0) + (total - children)
 
     def _pop(self) -> None:
         if self._stack:
@@ -120,8 +154,14 @@ class MemoryTrace:
     def on_end_step(self) -> bool:
         """Count what the finished step left alive; True when the trace is over."""
         self.step += 1
+        if self._cuda is not None:
+            self._cuda_levels.append(torch.cuda.memory_allocated(self._cuda))
         if self.step <= self.steps:
             return False
+        if self._cuda is not None:
+            self.cuda_growth_per_step = (self._cuda_levels[-1] - self._cuda_levels[0]) / self.steps
+            self.cuda_forward = dict(sorted(((k, v / self.steps) for k, v in self.cuda_forward.items()),
+                                            key=lambda kv: -kv[1]))
         self._census()
         self.stop()
         report = [MemoryOwner(owner, nbytes / self.steps, count)

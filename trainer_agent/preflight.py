@@ -57,7 +57,7 @@ from trainguard.protocol.wire import PreflightCheck, PreflightResult
 from trainer_agent.fingerprint import Fingerprinter, desync, findings
 from trainer_agent.triage import ADAPTIVE
 
-__all__ = ["Check", "PreflightReport", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
+__all__ = ["Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,22 @@ Status = Literal["pass", "warn", "fail", "skip"]
 GRAD_LIMIT = 1e3
 #: Above this many parameters Adam's eps should be 1e-8 (the stability guide, 2.2).
 BIG_MODEL_PARAMS = 10e9
+
+
+#: Set (to 1) by ``trainguard preflight``: ``Agent.preflight`` ends the process's script right
+#: after the checks by raising :class:`PreflightOnly`, before any training step.
+PREFLIGHT_ONLY_ENV = "TRAINGUARD_PREFLIGHT_ONLY"
+
+
+class PreflightOnly(BaseException):
+    """Raised by ``Agent.preflight`` under ``trainguard preflight``: carries the report out of the
+    user's script (a ``BaseException``, so the script's ``except Exception`` does not catch it;
+    its ``finally`` blocks, e.g. ``agent.close()``, still run)."""
+
+    def __init__(self, report: PreflightReport | None, rank: int) -> None:
+        super().__init__("trainguard preflight: the checks ran; training is not started" if report is not None else
+                         "trainguard preflight: the script started training without calling agent.preflight")
+        self.report, self.rank = report, rank  # report None: an optimizer step came first
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +115,15 @@ class PreflightReport:
         lines = [f"{c.status.upper():4} {c.name}: {c.detail}" for c in self.checks]
         return "\n".join(lines)
 
+    def table(self) -> str:
+        """The checks as a table, with a count per status on the last line."""
+        width = max((len(c.name) for c in self.checks), default=5)
+        lines = [f"{'CHECK':<{width}}  STATUS  DETAIL"]
+        lines += [f"{c.name:<{width}}  {c.status.upper():<6}  {c.detail}" for c in self.checks]
+        counts = {s: sum(c.status == s for c in self.checks) for s in ("pass", "warn", "fail", "skip")}
+        lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({self.seconds:.2f} s)")
+        return "\n".join(lines)
+
 
 def _loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", out)
@@ -109,21 +134,30 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _forward_backward(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None
+def forward_backward(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, *,
+                      replay_rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None,
+                      scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One forward/backward on ``batch``; returns (loss, each parameter's gradient). Restores the
-    parameters' ``.grad``, the module buffers and the RNG states; resets the agent's step state."""
+    parameters' ``.grad``, the module buffers and the RNG states; resets the agent's step state.
+    ``replay_rng``: (CPU, CUDA) RNG states to run the pass from (a recompute of a step's pass);
+    ``scale``: applied to the loss before ``backward`` (the GradScaler's scale)."""
     model, params = agent.model, agent.params.params
     saved_grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda_on = torch.cuda.is_available() and torch.cuda.is_initialized()
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda_on else None
     try:
+        if replay_rng is not None:
+            torch.set_rng_state(replay_rng[0])
+            if replay_rng[1] is not None and cuda_on:
+                torch.cuda.set_rng_state_all(replay_rng[1])
         for p in params:
             p.grad = None
         out = loss_fn(model, batch) if loss_fn is not None else model(batch)
         loss = _loss_of(out)
-        loss.backward()
+        (scale(loss) if scale is not None else loss).backward()
         grads = [p.grad for p in params]
         return loss.detach(), grads
     finally:
@@ -135,9 +169,10 @@ def _forward_backward(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any]
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        agent.meter.reset()
-        if agent.forward is not None:
-            agent.forward.reset()
+        if replay_rng is None:
+            agent.meter.reset()
+            if agent.forward is not None:
+                agent.forward.reset()
 
 
 def _simulate_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -391,7 +426,7 @@ def run_preflight(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], An
     if agent.step != 0:
         raise ValueError(f"preflight runs before the first training step (this agent is at step {agent.step})")
     t0 = time.perf_counter()
-    loss, grads = _forward_backward(agent, batch, loss_fn)
+    loss, grads = forward_backward(agent, batch, loss_fn)
     with torch.no_grad():
         checks = _grad_checks(agent, loss, grads)
         checks.append(_update_check(agent, grads))

@@ -46,6 +46,8 @@ RANK_FIELDS: tuple[str, ...] = (
     "param_norm",
     "forward_seconds",
     "input_wait_seconds",
+    "verify_mismatch",
+    "gpu_xid",
 )
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
@@ -62,10 +64,12 @@ WIRE_VECTORS: dict[str, str] = {
     "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
     "grad_desync": "grad_desync",
     "param_desync": "param_desync",
+    "verify_mismatch": "verify_mismatch",  # trainer_agent/verify.py: NaN without a check in the interval
+    "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: 0 without an XID error in the interval, NaN without NVML
 }
 
-STATE_LEN = 9  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
-#               rollback_seq, rollback_step
+STATE_LEN = 11  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
+#               rollback_seq, rollback_step, memory_trace_seq, verify_seq
 LR_RULES = ("none", "sqrt", "linear")
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 
@@ -81,7 +85,8 @@ def _bits_float(i: int) -> float:
 def encode_state(d: DesiredState) -> list[int]:
     """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
     return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
-            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.rollback_seq, d.rollback_step]
+            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.rollback_seq, d.rollback_step,
+            d.memory_trace_seq, d.verify_seq]
 
 
 def decode_state(v: Sequence[int]) -> DesiredState:
@@ -90,7 +95,8 @@ def decode_state(v: Sequence[int]) -> DesiredState:
         raise ValueError(f"no LR rule number {v[6]}")
     return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
                         checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
-                        accumulation_lr_rule=LR_RULES[int(v[6])], rollback_seq=int(v[7]), rollback_step=int(v[8]))
+                        accumulation_lr_rule=LR_RULES[int(v[6])], rollback_seq=int(v[7]), rollback_step=int(v[8]),
+                        memory_trace_seq=int(v[9]), verify_seq=int(v[10]))
 
 
 class RankExchange:

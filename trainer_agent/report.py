@@ -54,6 +54,11 @@ class HostStep:
     micro_batches: int = 0
     """Backward passes of the step on this rank (the batch size without ``tokens``)."""
     world_size: int = 1
+    verify_mismatch: float = math.nan
+    """Relative difference of the last gradient recompute check since the last report
+    (``trainer_agent/verify.py``; NaN: none)."""
+    gpu_xid: float = math.nan
+    """Last critical XID code of this rank's GPU since the last report (0: none; NaN: not watched)."""
 
 
 class InFlight:
@@ -165,7 +170,7 @@ class ReportPipeline:
         if self.per_layer:
             self._layer_metrics(st, param_sq, vectors)
         host["trainguard_agent_overhead_seconds"] = overhead
-        fields, micro_count = self._rank_fields(dev, st, host)
+        fields, micro_count = self._rank_fields(dev, st, host, host_step.gpu_xid)
         extra = self._fingerprints(st)
         gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         rows = self.exchange.fields(gathered).to(self.device)
@@ -269,6 +274,10 @@ class ReportPipeline:
             host["trainguard_input_wait_seconds"] = h.input_wait
         if h.tokens or h.micro_batches:
             host["trainguard_global_batch_size"] = float((h.tokens or h.micro_batches) * h.world_size)
+        if not math.isnan(h.verify_mismatch):  # a check in this interval (trainer_agent/verify.py)
+            host["trainguard_verify_rel_diff"] = h.verify_mismatch
+        if h.gpu_xid > 0:  # an XID error in this interval
+            host["trainguard_gpu_last_xid"] = h.gpu_xid
         host.update(stats.memory(self.device))
         return host
 
@@ -348,7 +357,7 @@ class ReportPipeline:
             add("trainguard_layer_update_ratio", delta / before)
 
     def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
-                     host: dict[str, float]) -> tuple[torch.Tensor, int]:
+                     host: dict[str, float], gpu_xid: float = math.nan) -> tuple[torch.Tensor, int]:
         """This rank's ``RANK_FIELDS`` row (float64 device vector, in that order)."""
         loss = dev["trainguard_loss"]
         micro_count = len(st.micro_norms)
@@ -366,6 +375,8 @@ class ReportPipeline:
             "param_norm": dev["trainguard_param_norm"],
             "forward_seconds": full(host["trainguard_forward_seconds"]),
             "input_wait_seconds": full(host.get("trainguard_input_wait_seconds", math.nan)),
+            "verify_mismatch": full(host.get("trainguard_verify_rel_diff", math.nan)),
+            "gpu_xid": full(gpu_xid),
         }
         return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
 

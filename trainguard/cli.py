@@ -10,6 +10,8 @@
     trainguard incidents RUN
     trainguard events RUN --follow
     trainguard alerts --state firing
+    trainguard memory-trace RUN | verify RUN
+    trainguard preflight train.py [args...] | trainguard preflight -m package.train [args...]
     trainguard rules check rules.yaml
     trainguard token create --job 'llm-7b*' --scope agent --ttl 30d --name "llm fleet"
     trainguard token list | trainguard token revoke ID
@@ -267,6 +269,65 @@ def _demo(args: argparse.Namespace) -> int:
     return int(demo_main(list(args.args)) or 0)
 
 
+def preflight(argv: Sequence[str]) -> int:
+    """``trainguard preflight SCRIPT [args]`` / ``-m MODULE [args]``: run the training script up to
+    its ``agent.preflight(batch, ...)`` call, print the checks as a table and stop before the first
+    training step (a script that reaches an optimizer step without a pre-flight is stopped there).
+    Exit status 0 (everything passed or warned), 1 (a check failed), 2 (the script never called
+    ``agent.preflight``, or failed before it)."""
+    import runpy
+    import traceback
+
+    from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
+
+    argv = list(argv)
+    module = argv[:1] == ["-m"]
+    if module:
+        argv = argv[1:]
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: trainguard preflight SCRIPT [args...] | trainguard preflight -m MODULE [args...]\n\n"
+              "Runs the script until its agent.preflight(batch, ...) call, prints the checks and stops before "
+              "training.\nExit status: 0 passed (warnings allowed), 1 a check failed, 2 no pre-flight ran.",
+              file=sys.stderr if not argv else sys.stdout)
+        return 2 if not argv else 0
+    target, rest = argv[0], argv[1:]
+    saved_argv, saved_env = sys.argv, os.environ.get(PREFLIGHT_ONLY_ENV)
+    os.environ[PREFLIGHT_ONLY_ENV] = "1"
+    sys.argv = [target, *rest]
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            if not os.path.isfile(target):
+                print(f"trainguard preflight: no such script: {target}", file=sys.stderr)
+                return 2
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except PreflightOnly as done:
+        if done.report is None:
+            print(f"trainguard preflight: {target} started training without calling agent.preflight(batch, ...); "
+                  "stopped before its first optimizer step", file=sys.stderr)
+            return 2
+        if done.rank == 0:
+            print(done.report.table(), flush=True)
+        return 1 if done.report.failed else 0
+    except SystemExit as e:
+        print(f"trainguard preflight: {target} exited ({e.code}) before calling agent.preflight", file=sys.stderr)
+        return 2
+    except Exception:  # noqa: BLE001 - the script's own error, shown as it is
+        traceback.print_exc()
+        print(f"trainguard preflight: {target} failed before its pre-flight ran", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = saved_argv
+        if saved_env is None:
+            os.environ.pop(PREFLIGHT_ONLY_ENV, None)
+        else:
+            os.environ[PREFLIGHT_ONLY_ENV] = saved_env
+    print(f"trainguard preflight: {target} finished without calling agent.preflight(batch, ...)", file=sys.stderr)
+    return 2
+
+
 def _dashboards(args: argparse.Namespace) -> int:
     if args.action != "build":
         raise SystemExit("usage: trainguard dashboards build [args...]")
@@ -301,7 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
                            ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier"),
                            ("rollback", "roll every rank back to the newest good in-memory snapshot"),
-                           ("accumulation", "set the gradient accumulation steps of a run that allows it")):
+                           ("accumulation", "set the gradient accumulation steps of a run that allows it"),
+                           ("memory-trace", "trace which layers or the loop keep memory alive (result in 'status')"),
+                           ("verify", "recompute the next step's gradient on every rank and compare")):
         s = sub.add_parser(name, parents=[client], help=helptext)
         s.add_argument("run")
         if name == "lr-scale":
@@ -349,6 +412,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainguard.demo.run)")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(func=_demo)
+    s = sub.add_parser("preflight", help="run a training script's pre-flight checks only: 'trainguard preflight train.py [args...]'")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=lambda a: preflight(a.args))
     s = sub.add_parser("dashboards", help="dashboards as code: 'trainguard dashboards build [args...]'")
     s.add_argument("action", choices=["build"])
     s.add_argument("args", nargs=argparse.REMAINDER)
@@ -364,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainguard.demo.run import main as demo_main
 
         return int(demo_main(argv[1:]) or 0)
+    if argv[:1] == ["preflight"]:
+        return preflight(argv[1:])
     if argv[:2] == ["dashboards", "build"]:
         from trainguard.dashboards.build import main as build_main
 

@@ -15,7 +15,7 @@ from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
 from trainguard.protocol.wire import (
-    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -80,6 +80,11 @@ async def post_preflight(run: RunPath, body: PreflightResult, ctl: ControllerDep
     return await ctl.preflight(run, body, principal)
 
 
+@router.post("/runs/{run}/memory-report", summary="A memory trace's result (agent), shown in the run's status and alert")
+async def post_memory_report(run: RunPath, body: MemoryReport, ctl: ControllerDep, principal: AgentDep) -> dict:
+    return await ctl.memory_report(run, body, principal)
+
+
 @router.get("/runs", summary="List runs")
 async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, status: str | None = None) -> list[dict]:
     out = [st.summary() for st in ctl.runs.values() if (job is None or st.job == job)]
@@ -107,13 +112,13 @@ async def _command(run: str, command: str, body: bytes, reason: str, ctl: Contro
     return Response(answer, status_code=status, media_type=_JSON)
 
 
-def _command_route(command: str, summary: str) -> None:
+def _command_route(command: str, summary: str, url: str | None = None) -> None:
     async def handler(run: RunPath, ctl: ControllerDep, principal: CommandDep, request: Request, idempotency_key: IdemKey = None,
                       body: CommandRequest | None = None) -> Response:
         body = body or CommandRequest()
         return await _command(run, command, body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key)
 
-    router.add_api_route(f"/runs/{{run}}/{command}", handler, methods=["POST"], response_model=CommandResult, summary=summary,
+    router.add_api_route(f"/runs/{{run}}/{url or command}", handler, methods=["POST"], response_model=CommandResult, summary=summary,
                          name=f"command_{command}", tags=["commands"])
 
 
@@ -125,6 +130,9 @@ for _cmd, _summary in (
     ("rollback", "Roll every rank back to the newest good in-memory snapshot (409 with the reason when there is none)"),
 ):
     _command_route(_cmd, _summary)
+_command_route("memory_trace", "Trace which layers or the training loop keep memory alive across steps (a few steps); "
+               "the result appears in the run's memory_report", url="memory-trace")
+_command_route("verify", "Recompute the next step's gradient on every rank and compare (silent data corruption)")
 
 
 @router.post("/runs/{run}/lr-scale", response_model=CommandResult, tags=["commands"],

@@ -66,3 +66,29 @@ def test_cuda_steps_do_not_sync() -> None:
         assert got["trainguard_data_sequences_total"] == 6 * 2 * 4
     finally:
         agent.close()
+
+
+def test_cuda_memory_trace_charges_forward_allocations_and_growth() -> None:
+    """The allocator branch of the memory trace: a layer caching its CUDA activations is charged
+    with them per step, and the allocator's growth per step equals the cache's."""
+    from tests.agent.test_memory_trace import Cache
+
+    torch.manual_seed(0)
+    width, rows = 256, 64
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), Cache(), torch.nn.Linear(width, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="m", run="m-1", config=ta.AgentConfig(metrics_port=None))
+    agent.trace_memory(steps=3)
+    trace = agent._memory_trace
+    for _ in range(4):
+        loss = model(torch.randn(rows, width, device="cuda")).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+    activation = rows * width * 4
+    assert agent.memory_report[0].owner == "1" and agent.memory_report[0].bytes_per_step == activation
+    assert trace.cuda_growth_per_step == pytest.approx(activation, rel=0.1)
+    # the Tanh's forward leaves its output allocated (kept by the cache); the Cache's own forward allocates nothing
+    assert trace.cuda_forward["1"] >= activation and abs(trace.cuda_forward["2"]) < activation
+    agent.close()

@@ -3,6 +3,7 @@ queries a GPU does not support left out, and no GPU metrics on the CPU."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -90,4 +91,90 @@ def test_no_gpu_metrics_on_the_cpu() -> None:
     model(torch.ones(2, 3)).sum().backward()
     agent.end_step(1.0)
     assert agent.gpu is None and not any(k.startswith("trainguard_gpu_") for k in agent.latest())
+    agent.close()
+
+
+class NvmlError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+class FakeNvmlEvents(FakeNvml):
+    """NVML with an XID event queue: ``nvmlEventSetWait`` answers queued events, then the
+    timeout error (10) as the real library does when nothing is queued within the timeout."""
+
+    NVML_ERROR_TIMEOUT = 10
+    nvmlEventTypeXidCriticalError = 0x8
+    nvmlEventTypeSingleBitEccError = 0x1
+
+    def __init__(self, registers: bool = True) -> None:
+        super().__init__()
+        self.registers = registers
+        self.queue: list[SimpleNamespace] = []
+        self.waits: list[int] = []
+        self.registered: list[tuple[str, int]] = []
+        self.freed = 0
+
+    def xid(self, code: int) -> None:
+        self.queue.append(SimpleNamespace(eventType=self.nvmlEventTypeXidCriticalError, eventData=code, device="gpu0"))
+
+    def nvmlEventSetCreate(self) -> str:
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, h: str, types: int, events: str) -> None:
+        if not self.registers:
+            raise NvmlError(3)  # NVML_ERROR_NOT_SUPPORTED
+        self.registered.append((h, types))
+
+    def nvmlEventSetWait(self, events: str, timeout_ms: int) -> SimpleNamespace:
+        self.waits.append(timeout_ms)
+        if not self.queue:
+            raise NvmlError(self.NVML_ERROR_TIMEOUT)
+        return self.queue.pop(0)
+
+    def nvmlEventSetFree(self, events: str) -> None:
+        self.freed += 1
+
+
+def test_xid_events_are_counted_without_blocking() -> None:
+    fake = FakeNvmlEvents()
+    gpu = GpuHealth.open(0, fake)
+    assert gpu.watches_xid and fake.registered == [("gpu0", fake.nvmlEventTypeXidCriticalError)]
+    first = gpu.read()
+    assert first["trainguard_gpu_xid_errors_total"] == 0.0 and "trainguard_gpu_last_xid" not in first
+    fake.xid(48)
+    fake.queue.append(SimpleNamespace(eventType=fake.nvmlEventTypeSingleBitEccError, eventData=0, device="gpu0"))
+    fake.xid(79)
+    got = gpu.read()
+    assert got["trainguard_gpu_xid_errors_total"] == 2.0 and got["trainguard_gpu_last_xid"] == 79.0
+    assert set(fake.waits) == {0}  # never waits
+    assert gpu.take_xid() == 79.0 and gpu.take_xid() == 0.0  # once per report interval; 0: none since
+    assert all(k in BY_NAME for k in got)
+    gpu.close()
+    assert fake.freed == 1
+
+
+def test_a_driver_without_events_leaves_xid_out() -> None:
+    gpu = GpuHealth.open(0, FakeNvmlEvents(registers=False))
+    assert gpu is not None and not gpu.watches_xid
+    assert "trainguard_gpu_xid_errors_total" not in gpu.read() and math.isnan(gpu.take_xid())
+
+
+def test_an_xid_reaches_the_report_vector_of_its_rank() -> None:
+    model = nn.Linear(3, 1)
+    agent = ta.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), job="g", run="g-1",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    fake = FakeNvmlEvents()
+    agent.gpu = GpuHealth.open(0, fake)  # a CPU run with a GPU's NVML, as on a GPU node
+    seen = []
+    for step in range(3):
+        if step == 1:
+            fake.xid(79)
+        model(torch.ones(2, 3)).sum().backward()
+        agent.end_step(1.0)
+        values = agent.latest()
+        seen.append(agent.rank_values["gpu_xid"][0])
+    assert seen == [0.0, 79.0, 0.0]
+    assert values["trainguard_gpu_xid_errors_total"] == 1.0 and values["trainguard_gpu_last_xid"] == 79.0
     agent.close()

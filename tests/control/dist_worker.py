@@ -22,7 +22,8 @@ The JSON names the scenario and where to write this rank's log (``out``/<name>-r
     other ranks enter a collective, which must fail with the group's timeout.
 
 Each log records, per optimizer step, the LR the optimizer used and the scheduler's LR, the
-generations this rank applied (``ControlPlane.history``), the on_checkpoint calls and step times.
+generations this rank applied (``ControlPlane.history``), the on_checkpoint calls and step times,
+and the gradient recompute checks the controller's ``verify`` command asked for.
 
 ``"parallel": "fsdp"`` in the JSON shards the model with FSDP2 (``fully_shard`` per layer and at
 the root) instead of wrapping it in DDP.
@@ -99,6 +100,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     attached_at = time.time()  # attach returns only once the run is not paused
     steps: list[list[float]] = []  # step, lr used, scheduler lr, scheduler epoch, end time, step s
     used: list[float] = []
+    verified: list[list] = []  # step, rel_diff, bitwise, mismatch of each gradient recompute check
     opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
     attach_state = [agent.control.applied_generation, agent.control.paused, agent.control.lr_scale, agent.step]
     t_last = time.monotonic()
@@ -110,6 +112,9 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
             x[0, 0] = math.nan
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        checked = agent.verify_step((x, y), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        if checked is not None:  # the controller's verify command: the step after the one it was applied at
+            verified.append([checked.step, checked.rel_diff, checked.bitwise, checked.mismatch])
         used.clear()
         sched_lr, epoch = sched.get_last_lr()[0], sched.last_epoch
         opt.step()
@@ -125,7 +130,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     t0 = time.monotonic()
     agent.close(3.0)
     return {"run": run, "rank": rank, "steps": steps, "history": history, "checkpoints": checkpoints,
-            "attached_at": attached_at, "attach_state": attach_state,
+            "attached_at": attached_at, "attach_state": attach_state, "verified": verified,
             "stopped": agent.should_stop, "close_s": time.monotonic() - t0,
             "skipped": agent.latest().get('trainguard_skipped_steps_total{reason="nonfinite"}', 0.0)}
 

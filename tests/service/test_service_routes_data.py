@@ -40,3 +40,36 @@ def test_accumulation_command_needs_a_run_that_opted_in(app_factory) -> None:  #
         # survives a later lr-scale command (the other fields carry over)
         after = c.post("/v1/runs/run-2/lr-scale", json={"scale": 0.5}).json()["desired"]
         assert (after["accumulation_steps"], after["lr_scale"]) == (8, 0.5)
+
+
+def test_diagnostic_commands_bump_their_sequence_and_survive_a_restart(app_factory) -> None:  # type: ignore[no-untyped-def]
+    with app_factory() as c:
+        register(c, world_size=2)
+        first = c.post("/v1/runs/run-1/memory-trace", json={"reason": "where does it leak"}).json()["desired"]
+        assert (first["memory_trace_seq"], first["verify_seq"], first["generation"]) == (1, 0, 1)
+        second = c.post("/v1/runs/run-1/verify", json={}).json()["desired"]
+        # every request is new (a counter, like checkpoint): a repeat bumps it again
+        third = c.post("/v1/runs/run-1/verify", json={}).json()["desired"]
+        assert (second["verify_seq"], third["verify_seq"], third["memory_trace_seq"], third["generation"]) == (1, 2, 1, 3)
+        kept = c.post("/v1/runs/run-1/lr-scale", json={"scale": 0.5}).json()["desired"]
+        assert (kept["memory_trace_seq"], kept["verify_seq"]) == (1, 2)
+    with app_factory() as c:  # the same database
+        desired = c.get("/v1/runs/run-1").json()["desired"]
+        assert (desired["memory_trace_seq"], desired["verify_seq"], desired["lr_scale"]) == (1, 2, 0.5)
+
+
+def test_a_memory_report_is_shown_in_the_status_and_recorded(app_factory) -> None:  # type: ignore[no-untyped-def]
+    with app_factory() as c:
+        register(c, world_size=2)
+        body = {"rank": 0, "step": 42, "steps": 3, "device": "cpu",
+                "owners": [{"owner": "<training loop: graph kept alive>", "bytes_per_step": 1048576.0, "tensors": 3},
+                           {"owner": "blocks.3", "bytes_per_step": 4096.0, "tensors": 1}]}
+        assert c.post("/v1/runs/run-1/memory-report", json=body).status_code == 200
+        shown = c.get("/v1/runs/run-1").json()["memory_report"]
+        assert shown["owners"] == body["owners"] and shown["step"] == 42
+        (event,) = [e for e in c.get("/v1/runs/run-1/events").json() if e["kind"] == "memory_report"]
+        assert "<training loop: graph kept alive>: 1.00 MiB/step" in event["reason"]
+        for bad in ({**body, "owners": [{"owner": "x", "bytes_per_step": -1.0, "tensors": 1}]},
+                    {**body, "steps": 0}, {**body, "device": "tpu"}):
+            assert c.post("/v1/runs/run-1/memory-report", json=bad).status_code == 422
+        assert c.post("/v1/runs/nope/memory-report", json=body).status_code == 404

@@ -58,3 +58,31 @@ def test_above_needs_its_value() -> None:
         load_rules(f"version: 1\nrules:\n  - {base | {'check': 'above'}}\n".replace("'", '"'))
     with pytest.raises(RulesError, match="value"):
         load_rules(f"version: 1\nrules:\n  - {base | {'check': 'spread', 'value': 1.0}}\n".replace("'", '"'))
+
+
+def test_a_gradient_recompute_mismatch_names_the_rank() -> None:
+    nan = math.nan
+    reps = [make_report(0, 0.0, {}, verify_mismatch=[0.0, 0.0, 0.0, 0.0]),
+            make_report(1, 1.0, {}, verify_mismatch=[nan, nan, nan, nan]),  # no check in this interval
+            make_report(2, 2.0, {}, verify_mismatch=[0.0, 3e-7, 0.0, 0.0]),  # GPU kernel noise
+            make_report(3, 3.0, {}, verify_mismatch=[0.0, 0.0, 2e-3, 0.0])]
+    found = _fired(reps)
+    assert [[f.rule.name for f in s] for s in found] == [[], [], [], ["gradient_recompute_mismatch"]]
+    f = found[3][0]
+    assert f.values["ranks"] == [2] and f.values["values"] == {2: 2e-3} and f.rule.severity == "critical"
+    assert f.rule.diagnosis == "gradient_recompute_mismatch" and "rank(s) [2]" in f.summary
+
+
+def test_an_xid_error_names_the_rank_and_its_code() -> None:
+    nan = math.nan
+    reps = [make_report(0, 0.0, {}, gpu_xid=[nan, nan]), make_report(1, 1.0, {}, gpu_xid=[79.0, nan]),
+            make_report(2, 2.0, {}, gpu_xid=[0.0, nan])]  # 0: no XID since the last report
+    steps = simulate(DEFAULTS.for_job("job-a"), reps, world_size=2)
+    assert [[f.finding.rule.name for f in s.fired] for s in steps] == [[], ["gpu_xid"], []]
+    assert steps[2].resolved == ["gpu_xid"]
+    found = [[f.finding for f in s.fired] for s in steps]
+    f = found[1][0]
+    assert f.values["ranks"] == [0] and f.values["values"] == {0: 79.0} and f.rule.severity == "critical"
+    from trainguard.service.diagnosis import DIAGNOSES
+
+    assert any(c.startswith("79: the GPU fell off the bus") for c in DIAGNOSES[f.rule.diagnosis].likely_causes)

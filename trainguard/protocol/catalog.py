@@ -104,6 +104,11 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_gpu_sm_clock_hertz", "hertz", "Current SM clock of this rank's GPU (NVML): a clock far below the others' points at throttling."),
     _g("trainguard_gpu_throttle_reasons", "bitmask", "NVML's clock throttle reasons of this rank's GPU as a bitmask (0: none; e.g. thermal or power slowdown)."),
     _c("trainguard_gpu_ecc_uncorrected_errors_total", "errors", "Uncorrected ECC memory errors of this rank's GPU since the driver loaded (NVML, volatile count): silent data corruption is likely."),
+    _c("trainguard_gpu_xid_errors_total", "errors", "Critical XID errors the GPU driver reported for this rank's GPU since the agent started (NVML events): e.g. 79 the GPU fell off the bus, 48 a double-bit ECC error, 63/64 a memory row remapping, 94/95 a contained/uncontained ECC error, 13/31/43 a fault of the application's kernels."),
+    _g("trainguard_gpu_last_xid", "code", "The last critical XID error code reported for this rank's GPU (absent until one is)."),
+    _c("trainguard_verify_steps_total", "steps", "Steps whose gradient this rank recomputed on the same batch to check it (AgentConfig.verify_every, or on command)."),
+    _c("trainguard_verify_mismatches_total", "steps", "Recomputed steps whose gradient differed from the one the step produced by more than the tolerance (relative 1e-5 by default): a sign of silent data corruption on this rank's device."),
+    _g("trainguard_verify_rel_diff", "1", "Largest relative difference over the layers between the last checked step's gradient and its recomputation: max over projections |f(first) - f(again)| / ||g_layer|| (0: bit-identical)."),
     _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )

@@ -20,6 +20,10 @@ __all__ = [
     "API_PREFIX",
     "MAX_INT",
     "COMMANDS",
+    "DIAGNOSTIC_COMMANDS",
+    "DiagnosticCommand",
+    "MemoryReport",
+    "MemoryOwnerEntry",
     "Command",
     "LR_SCALE_MIN",
     "LR_SCALE_MAX",
@@ -55,6 +59,12 @@ API_PREFIX = "/v1"
 #: only URLs and CLI subcommands write ``lr_scale`` as ``lr-scale`` (``POST /v1/runs/{run}/lr-scale``).
 Command = Literal["pause", "resume", "checkpoint", "stop", "lr_scale", "rollback"]
 COMMANDS: tuple[Command, ...] = ("pause", "resume", "checkpoint", "stop", "lr_scale", "rollback")
+#: Commands that ask the agent for a diagnosis instead of acting on training: ``memory_trace``
+#: (attribute memory kept alive across steps to layers or the loop, a few steps) and ``verify``
+#: (recompute one step's gradient on every rank and compare it with the one the step produced).
+#: Operators and rule actions; URLs spell them ``memory-trace`` and ``verify``.
+DiagnosticCommand = Literal["memory_trace", "verify"]
+DIAGNOSTIC_COMMANDS: tuple[DiagnosticCommand, ...] = ("memory_trace", "verify")
 #: The range every LR multiplier is held in: an operator's value must lie in it, and a rule's or
 #: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
 LR_SCALE_MIN = 1e-4
@@ -163,6 +173,8 @@ class DesiredState(WireModel):
     reason: str = Field(default="", max_length=2000)
     accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
     accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
+    memory_trace_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
+    verify_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
 
 
 class RunRegistered(WireModel):
@@ -201,6 +213,13 @@ class RankValues(WireModel):
         description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
     input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
     data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
+    verify_mismatch: list[Value] = Field(
+        default_factory=list,
+        description="Per rank, the largest relative difference, over the layers, between the gradient a step produced "
+                    "and the same step's gradient recomputed on the same batch (NaN: no check in the interval).")
+    gpu_xid: list[Value] = Field(
+        default_factory=list,
+        description="Per rank, the last critical XID error code its GPU's driver reported in the interval (0: none; NaN: not watched, e.g. no GPU).")
 
 
 class DesyncLayer(WireModel):
@@ -280,6 +299,31 @@ class PreflightResult(WireModel):
     rank: int = Field(default=0, ge=0)
     seconds: float = Field(ge=0, allow_inf_nan=False)
     checks: list[PreflightCheck] = Field(max_length=64)
+
+
+class MemoryOwnerEntry(WireModel):
+    """Who keeps memory alive across steps: a layer, or the training loop."""
+
+    owner: str = Field(max_length=512)
+    bytes_per_step: float = Field(ge=0, allow_inf_nan=False)
+    tensors: int = Field(ge=0)
+
+
+class MemoryReport(WireModel):
+    """``POST /v1/runs/{run}/memory-report``: the result of a memory trace on one rank, worst first."""
+
+    rank: int = Field(default=0, ge=0)
+    step: int = Field(strict=True, ge=0, le=MAX_INT, description="The step at which the trace ended.")
+    steps: int = Field(ge=1, description="Steps traced.")
+    owners: list[MemoryOwnerEntry] = Field(default_factory=list, max_length=32)
+    device: Literal["cpu", "cuda"] = "cpu"
+    allocator_growth_bytes_per_step: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="CUDA: growth of torch.cuda.memory_allocated per traced step (None on the CPU).")
+    layer_forward_bytes: list[MemoryOwnerEntry] = Field(
+        default_factory=list, max_length=32,
+        description="CUDA: bytes each module's own forward left allocated per step (saved activations and "
+                    "its output), worst first; tensors is 0.")
 
 
 class CommandRequest(WireModel):
