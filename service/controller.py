@@ -401,12 +401,8 @@ class Controller:
                                    desired=outcome.desired,
                                    fired=[(fa.finding.rule.name, fa.desired) for fa in outcome.fired if fa.desired],
                                    now=now)
-        changed = rec.changed_incidents(rec_saved)
-        if changed:  # each with what this report changed in it (the saved copies are the incidents before)
-            earlier = {i.id: i.as_dict() for i in rec_saved["incidents"]}
-            incidents = [(d, incident_update(earlier.get(d["id"]), d)) for d in changed]
-        else:
-            incidents = []
+        # each incident this report opened or changed, with what it changed in it
+        incidents = [(d, incident_update(before, d)) for before, d in rec.changed_incidents(rec_saved)]
 
         def insert(c: sqlite3.Connection) -> None:
             sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS)

@@ -163,22 +163,52 @@ class RunRecovery:
             self._healthy_metric = deque(self._healthy_metric, maxlen=policy.baseline_reports)
             self.ramp = self._new_ramp()
 
+    _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",
+                "_last_step", "_measured", "_measured_scale", "_lr")
+
     def save(self) -> dict[str, Any]:
-        """Everything mutable, for an undo (``Transaction.on_rollback``)."""
-        return {k: copy.deepcopy(getattr(self, k)) for k in (
-            "snapshots", "incidents", "_healthy_metric", "_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row", "_last_step",
-            "_measured", "_measured_scale", "_lr", "_healthy_lr", "ramp")} | {"open_id": self.open.id if self.open else None}
+        """Everything a report may change, for an undo (``Transaction.on_rollback``). Called on
+        every report, so it copies only what can change: closed incidents never do, the open one
+        and the snapshots' health counts may."""
+        open_ = self.open
+        return {
+            "scalars": {k: getattr(self, k) for k in self._SCALARS},
+            "snapshots": [(snap, snap.healthy_after, snap.tainted) for snap in self.snapshots],
+            "incidents": list(self.incidents),
+            "open": None if open_ is None else (open_, open_.as_dict()),
+            "healthy_metric": list(self._healthy_metric),
+            "healthy_lr": list(self._healthy_lr),
+            "ramp": copy.copy(self.ramp),
+        }
 
     def restore(self, saved: dict[str, Any]) -> None:
-        open_id = saved.pop("open_id")
-        for k, v in saved.items():
+        for k, v in saved["scalars"].items():
             setattr(self, k, v)
-        self.open = next((i for i in self.incidents if i.id == open_id), None)
+        for snap, healthy_after, tainted in saved["snapshots"]:
+            snap.healthy_after, snap.tainted = healthy_after, tainted
+        self.snapshots = deque(snap for snap, _, _ in saved["snapshots"])
+        self.incidents = deque(saved["incidents"], maxlen=self.incidents.maxlen)
+        self.open = None
+        if saved["open"] is not None:
+            self.open, d = saved["open"]
+            self.open.rungs = list(d["rungs"])
+            self.open.outcome, self.open.closed_step, self.open.closed_time = d["outcome"], d["closed_step"], d["closed_time"]
+        self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
+        self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
+        self.ramp = saved["ramp"]
 
-    def changed_incidents(self, saved: dict[str, Any]) -> list[dict[str, Any]]:
-        """The incidents opened or changed since :meth:`save` returned ``saved`` (as dicts)."""
-        before = {i.id: i.as_dict() for i in saved["incidents"]}
-        return [d for d in (i.as_dict() for i in self.incidents) if before.get(d["id"]) != d]
+    def changed_incidents(self, saved: dict[str, Any]) -> list[tuple[dict[str, Any] | None, dict[str, Any]]]:
+        """The incidents opened or changed since :meth:`save` returned ``saved``: (the incident
+        before, None for a new one; the incident now), as dicts."""
+        known = {id(i) for i in saved["incidents"]}
+        was_open, before = saved["open"] if saved["open"] is not None else (None, None)
+        out: list[tuple[dict[str, Any] | None, dict[str, Any]]] = []
+        for inc in self.incidents:
+            if id(inc) not in known:
+                out.append((None, inc.as_dict()))
+            elif inc is was_open and (now := inc.as_dict()) != before:
+                out.append((before, now))
+        return out
 
     # ------------------------------------------------------------------ ActionContext
 

@@ -7,6 +7,7 @@ multiplier at that step x the lr_scale the controller had asked for after the pr
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -236,3 +237,51 @@ def test_the_controller_takes_an_operators_scale_as_the_ramps_ceiling(app_factor
                 for i in range(90)]
         assert min(seen) == pytest.approx(0.05, rel=0.1)
         assert max(seen) == 0.5 and seen[-1] == 0.5
+
+
+def test_an_undone_report_leaves_the_recovery_state_as_it_was() -> None:
+    # A failed commit undoes the report (Transaction.on_rollback -> RunRecovery.restore): the
+    # incidents (the open one too), the snapshots' health and the ramp are as before it.
+    from trainguard.service.engine import decide, evaluate
+    from trainguard.service.engine import AlertBook
+    from trainguard.service.incidents import RunRecovery
+    from trainguard.service.window import RunWindow
+
+    rec = RunRecovery(RULES.file.recovery, snapshot_every=10, snapshot_keep=4)
+    window = RunWindow(capacity=128, rank_capacity=8, world_size=1, created=0.0)
+    book, desired = AlertBook(), DesiredState()
+
+    def feed(i: int, mult: float) -> None:
+        nonlocal desired
+        step = (i + 1) * EVERY
+        values = {"trainguard_update_ratio": BASE * mult * desired.lr_scale, "trainguard_lr_scale": desired.lr_scale,
+                  "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step)}
+        report = Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values)
+        window.append(report, report.time)
+        rec.before_decide(values)
+        findings = evaluate(RULES.base, window, report.time)
+        out = decide(findings, book, desired, report.time, complete=True, ctx=rec)
+        changes = rec.after_report(step=step, values=values, findings=findings, before=desired, desired=out.desired,
+                                   fired=[(f.finding.rule.name, f.desired) for f in out.fired if f.desired], now=report.time)
+        desired = changes[-1].desired if changes else out.desired
+
+    def state() -> tuple:
+        return ([i.as_dict() for i in rec.incidents], [(s.step, s.healthy_after, s.tainted) for s in rec.snapshots],
+                rec.open.id if rec.open else None, list(rec._healthy_metric), vars(rec.ramp).copy())
+
+    for i in range(21):
+        feed(i, 30.0 if i >= 20 else 1.0)  # the last report opens an incident (adaptive LR)
+    assert rec.open is not None
+    undone_incident_changes = 0
+    for j in range(21, 40):  # each report is undone once, then fed for good
+        before, saved, book_before = state(), rec.save(), copy.deepcopy(book)
+        window_saved, desired_before = window.save_next(ranks=False), desired
+        feed(j, 30.0)
+        assert state() != before  # (it did change something)
+        undone_incident_changes += bool(rec.changed_incidents(saved))
+        rec.restore(saved)
+        window.rollback(window_saved)
+        book, desired = book_before, desired_before
+        assert state() == before
+        feed(j, 30.0)
+    assert undone_incident_changes >= 1  # a change of the open incident was among the undone ones
