@@ -115,6 +115,7 @@ from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
+from trainer_agent.sharding import replica_units
 from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
@@ -238,11 +239,22 @@ class Agent:
                                data_parallel=self.world_size > 1, step=lambda: self.step,
                                on_error=self._error, clock=self._clock)
         fingerprint = None
-        # Fingerprints compare what every rank holds in full (data parallelism). Sharded parameters
-        # differ across ranks by design, so under FSDP2/TP there is no fingerprint to compare.
-        if cfg.fingerprint and self.world_size > 1 and self.params.sharding is None:
-            fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
-                                        len(self.layers), device=self.device)
+        # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded
+        # parameters, what the placements replicate: the local shards of the ranks that differ
+        # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
+        # Plain FSDP replicates nothing: no fingerprint.
+        if cfg.fingerprint and self.world_size > 1:
+            if self.params.sharding is None:
+                fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
+                                            len(self.layers), device=self.device, names=self.layers)
+            else:
+                units = replica_units(self.params.params, self.params.layer_ids.tolist(), self.layers,
+                                      self.world_size, self.device)
+                if units is not None:
+                    unit_of, names, groups = units
+                    fingerprint = Fingerprinter([t.numel() for b in self.params.buckets for t in b],
+                                                torch.tensor(unit_of), len(names), device=self.device,
+                                                names=names, groups=groups)
             self.meter.fingerprint = fingerprint
         if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
             from trainer_agent.verify import GradientVerifier

@@ -26,12 +26,13 @@ Local values are read through ``DTensor.to_local()`` semantics without autograd 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_dtensor", "local", "Sharding"]
+__all__ = ["is_dtensor", "local", "Sharding", "replica_classes", "replica_units"]
 
 try:  # torch >= 2.5: the public DTensor package
     from torch.distributed.tensor import DTensor
@@ -103,3 +104,65 @@ class Sharding:
             src = vector.clone()
         dist.all_reduce(src)
         return src.to(self.device, non_blocking=True)
+
+
+def replica_classes(p: torch.Tensor, world: int) -> tuple[int, ...]:
+    """For every global rank, the class of ranks that hold the same local tensor of ``p`` (-1: a
+    rank outside the parameter's mesh, which holds none of it). Ranks whose mesh coordinates agree
+    on every ``Shard`` dimension hold the same shard: along the ``Replicate`` dimensions they are
+    replicas (HSDP's replicate dimension, a tensor-parallel norm, TP inside data parallelism). A
+    plain tensor among DTensors is replicated on every rank: one class. Read from the mesh's rank
+    layout: no communication."""
+    if not is_dtensor(p):
+        return (0,) * world
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    layout = mesh.mesh
+    shard_dims = [d for d, pl in enumerate(placements) if pl.is_shard()]
+    classes = [-1] * world
+    for coord in itertools.product(*(range(n) for n in layout.shape)):
+        r = int(layout[coord])
+        key = 0
+        for d in shard_dims:
+            key = key * layout.shape[d] + coord[d]
+        if 0 <= r < world:
+            classes[r] = key
+    return tuple(classes)
+
+
+def replica_units(params: Sequence[torch.Tensor], layer_of: Sequence[int], layer_names: Sequence[str],
+                  world: int, device: torch.device
+                  ) -> tuple[list[int], list[str], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """What the replicas of sharded parameters can compare (``trainer_agent/fingerprint.py``): the
+    parameters of one layer with the same :func:`replica_classes` form a *unit*, compared within
+    each class of two or more ranks. Returns ``(unit of each parameter (-1: no replica to compare
+    with), unit names, groups for fingerprint.desync)``, or None when no parameter has a replica
+    (plain FSDP: every rank holds a different shard of everything). The same on every rank: the
+    placements and the mesh are."""
+    units: dict[tuple[int, tuple[int, ...]], int] = {}
+    unit_of: list[int] = []
+    for p, layer in zip(params, layer_of):
+        classes = replica_classes(p, world)
+        counts = [classes.count(c) for c in set(classes) if c >= 0]
+        unit_of.append(units.setdefault((layer, classes), len(units)) if max(counts, default=0) >= 2 else -1)
+    if not units:
+        return None
+    names = [layer_names[layer] for layer, _ in units]
+    by_layout: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (classes, class size) -> units
+    for (_, classes), u in units.items():
+        for size in {classes.count(c) for c in set(classes) if c >= 0 and classes.count(c) >= 2}:
+            by_layout.setdefault((classes, size), []).append(u)
+    groups = []
+    for (classes, size), us in by_layout.items():
+        members = [[r for r in range(world) if classes[r] == c] for c in sorted(set(classes))
+                   if c >= 0 and classes.count(c) == size]
+        groups.append((torch.tensor(us, dtype=torch.long, device=device),
+                       torch.tensor(members, dtype=torch.long, device=device)))
+    names = [n if sum(1 for m in names if m == n) == 1 else f"{n} ({_kind(params, unit_of, u)})"
+             for u, n in enumerate(names)]
+    return unit_of, names, groups
+
+
+def _kind(params: Sequence[torch.Tensor], unit_of: Sequence[int], unit: int) -> str:
+    """A short description of a unit's placements, to tell apart two units of one layer."""
+    p = params[unit_of.index(unit)]
+    return "replicated" if not is_dtensor(p) else ",".join(str(pl) for pl in p.placements)  # type: ignore[attr-defined]
