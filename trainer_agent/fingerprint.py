@@ -23,6 +23,17 @@ The ranks' fingerprints travel in the report step's one collective (``trainer_ag
 the row's tail); :func:`desync` compares them on the device: a rank's difference is taken against
 both middle values of the ranks (the median for an odd count), so with one bad rank among three
 or more only that rank is named, and with two ranks both are (nothing tells which one is wrong).
+
+Sharded parameters (DTensors: HSDP, tensor parallel, TP inside data parallelism) are compared
+where their placements replicate them (``trainer_agent/sharding.py``, ``replica_units``): the
+ranks whose mesh coordinates agree on every ``Shard`` dimension hold the same local shard. Each
+rank projects its *local* tensors (the weights of a tensor depend only on its index and its local
+size, so identical shards give identical fingerprints); a *unit* is one layer's parameters with
+the same replica layout, and :func:`desync` compares each unit within each group of replicas, on
+the rows the report's gather already carries (no further collective). A gradient whose placements
+are not its parameter's (a ``Partial`` sum still pending, as for a sequence-parallel norm) is left
+out of the gradient comparison. Plain FSDP (every rank a different shard) has nothing to compare:
+no fingerprint.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ tensor-parallel plans). ``Partial`` placements (pending sums) are refused at att
 ``ValueError``: a norm of a pending sum cannot be formed from local values. Pipeline stages (each
 rank holding different plain tensors) are not supported.
 
+The same placements say which ranks must hold *identical* local tensors (the replicas along the
+``Replicate`` dimensions): :func:`replica_units` groups them for the cross-rank fingerprints of
+``trainer_agent/fingerprint.py``, read from the mesh's rank layout, with no communication.
+
 Local values are read through ``DTensor.to_local()`` semantics without autograd (the
 ``_local_tensor`` attribute): no communication, no copy.
 """

@@ -94,7 +94,7 @@ class StepMeter:
         self._on_error = on_error
         self._clock = clock
         self.state = StepState()
-        #: Set by the agent under data parallelism (``trainer_agent/fingerprint.py``).
+        #: Set by the agent under data parallelism, or with replicated shards (``trainer_agent/fingerprint.py``).
         self.fingerprint: Any = None
         #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
         self.overhead = 0.0
