@@ -30,7 +30,7 @@ Local values are read through ``DTensor.to_local()`` semantics without autograd 
 
 from __future__ import annotations
 
-import itertools
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -120,16 +120,17 @@ def replica_classes(p: torch.Tensor, world: int) -> tuple[int, ...]:
     if not is_dtensor(p):
         return (0,) * world
     mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
-    layout = mesh.mesh
-    shard_dims = [d for d, pl in enumerate(placements) if pl.is_shard()]
+    layout = mesh.mesh  # the global rank at each mesh coordinate
+    key = torch.zeros(layout.shape, dtype=torch.long)
+    for d, pl in enumerate(placements):
+        if pl.is_shard():  # the coordinate along d tells the shards apart
+            shape = [1] * layout.dim()
+            shape[d] = layout.shape[d]
+            key = key * layout.shape[d] + torch.arange(layout.shape[d]).view(shape)
     classes = [-1] * world
-    for coord in itertools.product(*(range(n) for n in layout.shape)):
-        r = int(layout[coord])
-        key = 0
-        for d in shard_dims:
-            key = key * layout.shape[d] + coord[d]
+    for r, k in zip(layout.reshape(-1).tolist(), key.reshape(-1).tolist()):
         if 0 <= r < world:
-            classes[r] = key
+            classes[r] = k
     return tuple(classes)
 
 
@@ -144,8 +145,12 @@ def replica_units(params: Sequence[torch.Tensor], layer_of: Sequence[int], layer
     placements and the mesh are."""
     units: dict[tuple[int, tuple[int, ...]], int] = {}
     unit_of: list[int] = []
+    layouts: dict[tuple[int, tuple[object, ...]], tuple[int, ...]] = {}  # one per (mesh, placements)
     for p, layer in zip(params, layer_of):
-        classes = replica_classes(p, world)
+        spec = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else (0, ())  # type: ignore[attr-defined]
+        classes = layouts.get(spec)
+        if classes is None:
+            classes = layouts[spec] = replica_classes(p, world)
         counts = [classes.count(c) for c in set(classes) if c >= 0]
         unit_of.append(units.setdefault((layer, classes), len(units)) if max(counts, default=0) >= 2 else -1)
     if not units:
@@ -161,8 +166,8 @@ def replica_units(params: Sequence[torch.Tensor], layer_of: Sequence[int], layer
                    if c >= 0 and classes.count(c) == size]
         groups.append((torch.tensor(us, dtype=torch.long, device=device),
                        torch.tensor(members, dtype=torch.long, device=device)))
-    names = [n if sum(1 for m in names if m == n) == 1 else f"{n} ({_kind(params, unit_of, u)})"
-             for u, n in enumerate(names)]
+    seen = Counter(names)  # one layer, two layouts (TP inside DP: a sharded weight, a replicated bias)
+    names = [n if seen[n] == 1 else f"{n} ({_kind(params, unit_of, u)})" for u, n in enumerate(names)]
     return unit_of, names, groups
 
 

@@ -82,6 +82,35 @@ def test_desync_names_the_differing_ranks(fs, bad, expected) -> None:
         assert found == []
 
 
+def test_desync_compares_each_replica_group_only() -> None:
+    """4 ranks, two units: unit 0 replicated as HSDP 2x2 (ranks {0, 2} and {1, 3} hold the same
+    shards, the pairs different ones), unit 1 replicated on every rank."""
+    groups = [(torch.tensor([0]), torch.tensor([[0, 2], [1, 3]])), (torch.tensor([1]), torch.arange(4).view(1, 4))]
+    unit0 = [2.0, 7.0, 2.0, 7.0 + 4e-4]          # rank 3 differs from its replica, rank 1
+    unit1 = [3.0, 3.0, 3.0 + 4e-7, 3.0]          # in tolerance
+    rows = torch.tensor([[unit0[r], 4.0, unit1[r], 4.0, 1.0, 1.0, 1.0, 1.0] for r in range(4)], dtype=torch.float64)
+    vec = desync(rows, layers=2, k=1, groups=groups)
+    vectors, found = findings(vec.tolist(), 4, ["blocks.0", "norm"], 1e-5)
+    assert [(d.kind, d.layer, d.ranks) for d in found] == [("grad", "blocks.0", (1, 3))]
+    assert found[0].rel_diff == pytest.approx(1e-4, rel=1e-3)
+    assert vectors["grad_desync"] == pytest.approx([0.0, 1e-4, 1e-7, 1e-4], rel=1e-3, abs=1e-12)
+    assert vectors["grad_desync_layer"] == [0.0, 0.0, 1.0, 0.0]
+    # Compared with the whole world instead, the pairs' different shards would be a desync.
+    _, everyone = findings(desync(rows, layers=2, k=1).tolist(), 4, ["blocks.0", "norm"], 1e-5)
+    assert everyone[0].rel_diff > 1.0
+
+
+def test_left_out_tensors_are_neither_projected_nor_normed() -> None:
+    fp = Fingerprinter([3, 5, 4], torch.tensor([0, -1, 0]), 1, projections=2, device=torch.device("cpu"))
+    everything = Fingerprinter([3, 5, 4], torch.tensor([0, 1, 0]), 2, projections=2, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(n, generator=g) for n in (3, 5, 4)]
+    assert torch.equal(fp.layer_values([xs]), everything.layer_values([xs])[:1])
+    only_first = fp.layer_values([xs], skip={2})
+    assert torch.equal(only_first[0, :2], everything.project([xs[0]] + [torch.zeros(())] * 2)[0])
+    assert only_first[0, 2] == pytest.approx(float(xs[0].double().norm()), rel=1e-6)
+
+
 WORLD = 3
 # (step, what rank 2 perturbs, relative size): reports every 2 steps.
 PLAN = {4: ("grad", 1e-7), 6: ("grad", 1e-4), 8: ("param", 1e-4)}
