@@ -107,7 +107,7 @@ from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
 from trainer_agent.batch_size import BatchSizeAdvisor
-from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
+from trainer_agent.fingerprint import DesyncFinding, for_ranks
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
@@ -115,7 +115,6 @@ from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule
-from trainer_agent.sharding import replica_units
 from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
@@ -244,17 +243,7 @@ class Agent:
         # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
         # Plain FSDP replicates nothing: no fingerprint.
         if cfg.fingerprint and self.world_size > 1:
-            if self.params.sharding is None:
-                fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
-                                            len(self.layers), device=self.device, names=self.layers)
-            else:
-                units = replica_units(self.params.params, self.params.layer_ids.tolist(), self.layers,
-                                      self.world_size, self.device)
-                if units is not None:
-                    unit_of, names, groups = units
-                    fingerprint = Fingerprinter([t.numel() for b in self.params.buckets for t in b],
-                                                torch.tensor(unit_of), len(names), device=self.device,
-                                                names=names, groups=groups)
+            fingerprint = for_ranks(self.params, self.world_size)
             self.meter.fingerprint = fingerprint
         if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
             from trainer_agent.verify import GradientVerifier

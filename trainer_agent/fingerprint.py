@@ -41,12 +41,14 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from trainer_agent import stats
+from trainer_agent.sharding import replica_units
 
-__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings", "rel_diff"]
+__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings", "for_ranks", "rel_diff"]
 
 #: Elements per row of the rank-1 sign pattern.
 TILE = 4096
@@ -152,6 +154,21 @@ class Fingerprinter:
     def width(self) -> int:
         """Values of one rank's fingerprint part of the report row: gradients and parameters."""
         return 2 * self.layers * (self.k + 1)
+
+
+def for_ranks(index: Any, world: int) -> Fingerprinter | None:
+    """The fingerprinter comparing the ranks of ``index`` (a ``ParamIndex``): every layer on every
+    rank without sharding; with DTensors, the replicas of each shard (``replica_units``); None
+    when nothing is replicated (plain FSDP)."""
+    if index.sharding is None:
+        return Fingerprinter([p.numel() for p in index.params], index.layer_ids, len(index.layers),
+                             device=index.device, names=index.layers)
+    units = replica_units(index.params, index.layer_ids.tolist(), index.layers, world, index.device)
+    if units is None:
+        return None
+    unit_of, names, groups = units
+    return Fingerprinter([t.numel() for b in index.buckets for t in b], torch.tensor(unit_of), len(names),
+                         device=index.device, names=names, groups=groups)
 
 
 def desync(rows: torch.Tensor, layers: int, k: int,

@@ -225,7 +225,21 @@ def _sharded_worker(mode: str, rank: int, init: str, out: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     agent = ta.attach(model, opt, job="fp", run=f"fp-{mode}",
                       config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
-    seen = {}
+    # Pre-flight: the replicas start from the same parameters; then one rank's norm weight moved
+    # by 1e-3 of the layer (restored afterwards) must fail the check, naming the layer.
+    x0 = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(rank))
+    checks = {"clean": agent.preflight(x0, loss_fn=lambda m, b: m(b).square().mean(), clip_grad_norm=None)}
+    weight = model[0].weight._local_tensor
+    kept = weight[1].clone()
+    if rank == bad_rank:
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in _replicated_locals(mode, model[0])))
+        with torch.no_grad():
+            weight[1] += 1e-3 * norm
+    checks["moved"] = agent.preflight(x0, loss_fn=lambda m, b: m(b).square().mean(), clip_grad_norm=None)
+    with torch.no_grad():
+        weight[1] = kept
+    seen = {0: {k: next((c.status, c.values) for c in r.checks if c.name == "ranks_agree")
+                for k, r in checks.items()}}
     for step in range(1, 6):
         # Each rank its own batch (data parallelism; under TP its own part of the sequence).
         x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -264,6 +278,10 @@ def test_sharded_replicas_perturbed_rank_and_layer_are_named(mode: str, tmp_path
     for seen in out:  # every rank compares the gathered fingerprints alike
         assert seen == out[0]
     seen = out[0]
+    pre = seen.pop(0)
+    assert pre["clean"][0] == "pass"
+    assert pre["moved"][0] == "fail"
+    assert [(d["kind"], d["layer"], tuple(d["ranks"])) for d in pre["moved"][1]["layers"]] == [("param", "0", group)]
     assert {errors for _, _, errors in seen.values()} == {0.0}
     found, vectors, _ = seen[1]                               # in sync: the replicas bit-identical
     assert found == []
