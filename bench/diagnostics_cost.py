@@ -7,7 +7,10 @@ The GPT-like model of ``bench/agent_overhead.py`` (~27M parameters, 16 x 128 tok
 trains with AdamW. Per round, interleaved on the same machine: one plain training step; the work a
 report step adds under data parallelism for the fingerprints (``Fingerprinter.layer_values`` over
 the gradients and over the parameters, and ``desync`` on two ranks' rows); the triage statistics
-(``triage.grad_stats``). Medians over the rounds. The per-step cost of a report's work is its time
+(``triage.grad_stats``); the comparison of sharded parameters' replicas (``desync`` with replica
+groups, on 8 ranks laid out as HSDP 2 x 4, against the data-parallel comparison of the same rows;
+the projections themselves cost what the data-parallel ones cost on each rank's local shards, a
+fraction of the model). Medians over the rounds. The per-step cost of a report's work is its time
 divided by ``report_every`` (default 10), printed as a share of the plain step. Then the pre-flight
 (one forward/backward, one simulated AdamW step, every check) against the plain step.
 """
@@ -57,7 +60,9 @@ def main() -> None:
         return time.perf_counter() - t0
 
     step()
-    steps, prints, stats_t = [], [], []
+    steps, prints, stats_t, hsdp_t, dp_t = [], [], [], [], []
+    # HSDP 2 x 4 on 8 ranks: ranks r and r + 4 hold the same shards (one replica group per shard).
+    groups = [(torch.arange(fp.layers), torch.tensor([[r, r + 4] for r in range(4)]))]
     for _ in range(args.rounds):
         steps.append(step())
         with torch.no_grad():  # as in the agent's hooks
@@ -67,6 +72,13 @@ def main() -> None:
             row = torch.cat([g.reshape(-1), w.reshape(-1)])
             desync(torch.stack([row, row]), fp.layers, fp.k).tolist()
             prints.append(time.perf_counter() - t0)
+            rows8 = torch.stack([row] * 8)
+            t0 = time.perf_counter()
+            desync(rows8, fp.layers, fp.k, groups).tolist()
+            hsdp_t.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            desync(rows8, fp.layers, fp.k).tolist()
+            dp_t.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             triage.grad_stats(params.params, params.layer_ids, len(params.layers), params.device)[0].tolist()
             stats_t.append(time.perf_counter() - t0)
@@ -76,6 +88,9 @@ def main() -> None:
     print(f"plain step (median):                 {s * 1e3:8.1f} ms")
     print(f"fingerprints per report (median):    {f * 1e3:8.1f} ms = {f / s:.2%} of a step; "
           f"per step at report_every={args.report_every}: {f / args.report_every / s:.3%}")
+    h, d = statistics.median(hsdp_t), statistics.median(dp_t)
+    print(f"replica comparison, 8 ranks HSDP 2x4: {h * 1e3:8.3f} ms = {h / s:.4%} of a step "
+          f"({h / d:.2f}x the data-parallel comparison of the same rows, {d * 1e3:.3f} ms)")
     print(f"triage statistics per report:        {t * 1e3:8.1f} ms = {t / s:.2%} of a step; "
           f"per step: {t / args.report_every / s:.3%}")
     model.zero_grad(set_to_none=True)

@@ -107,7 +107,7 @@ from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
 from trainer_agent.batch_size import BatchSizeAdvisor
-from trainer_agent.fingerprint import DesyncFinding, Fingerprinter
+from trainer_agent.fingerprint import DesyncFinding, for_ranks
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
@@ -238,11 +238,12 @@ class Agent:
                                data_parallel=self.world_size > 1, step=lambda: self.step,
                                on_error=self._error, clock=self._clock)
         fingerprint = None
-        # Fingerprints compare what every rank holds in full (data parallelism). Sharded parameters
-        # differ across ranks by design, so under FSDP2/TP there is no fingerprint to compare.
-        if cfg.fingerprint and self.world_size > 1 and self.params.sharding is None:
-            fingerprint = Fingerprinter([p.numel() for p in self.params.params], self.params.layer_ids,
-                                        len(self.layers), device=self.device)
+        # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded
+        # parameters, what the placements replicate: the local shards of the ranks that differ
+        # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
+        # Plain FSDP replicates nothing: no fingerprint.
+        if cfg.fingerprint and self.world_size > 1:
+            fingerprint = for_ranks(self.params, self.world_size)
             self.meter.fingerprint = fingerprint
         if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
             from trainer_agent.verify import GradientVerifier

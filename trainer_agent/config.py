@@ -70,7 +70,10 @@ class AgentConfig:
     fingerprint: bool = True
     """With several data-parallel ranks: on report steps, fingerprint every layer's gradients (in
     the optimizer's pre-hook) and parameters with random +-1 projections, carry them in the report
-    step's collective and compare them across ranks (``trainer_agent/fingerprint.py``)."""
+    step's collective and compare them across ranks (``trainer_agent/fingerprint.py``). With
+    sharded parameters (DTensors) only replicas are compared: ranks whose shards the placements
+    say are identical (HSDP's replicate dimension, tensor parallel's replicated parameters); off
+    under plain FSDP, which replicates nothing."""
 
     triage: bool = True
     """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min

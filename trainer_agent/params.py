@@ -80,6 +80,16 @@ class ParamIndex:
             grads[k].append(self.grad_zeros[k] if g is None else local(g))
         return grads
 
+    def pending_grads(self) -> set[int]:
+        """Indices of the DTensor gradients whose placements are not their parameter's (e.g. the
+        ``Partial`` gradient of a sequence-parallel norm, summed over the ranks only inside the
+        optimizer's update): their local values are pending sums, not the parameter's layout.
+        Empty without sharding (no loop)."""
+        if self.sharding is None:
+            return set()
+        return {i for i, p in enumerate(self.params)
+                if is_dtensor(p.grad) and p.grad.placements != p.placements}  # type: ignore[union-attr]
+
     def versions(self) -> tuple[int, ...]:
         """Autograd's version counters of the (local) tensors (host ints): they move on every
         in-place write."""

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
-from trainer_agent.fingerprint import Fingerprinter, desync, findings
+from trainer_agent.fingerprint import desync, findings, for_ranks
 from trainer_agent.triage import ADAPTIVE
 
 __all__ = ["Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
@@ -369,7 +369,10 @@ def _ranks_check(agent: Any) -> Check:
     if agent.world_size < 2:
         return Check("ranks_agree", "skip", "one rank")
     params = agent.params
-    fp = Fingerprinter([p.numel() for p in params.params], params.layer_ids, len(agent.layers), device=agent.device)
+    fp = for_ranks(params, agent.world_size)
+    if fp is None:
+        return Check("ranks_agree", "skip", "no parameter is replicated across ranks (every rank holds "
+                     "different shards): nothing to compare")
     mine = fp.layer_values(params.buckets)
     row = torch.cat([torch.zeros_like(mine).reshape(-1), mine.reshape(-1)])
     backend = dist.get_backend()
@@ -377,8 +380,8 @@ def _ranks_check(agent: Any) -> Check:
     row = row.to(device)
     out = torch.empty(agent.world_size * row.numel(), dtype=row.dtype, device=device)
     dist.all_gather_single(out, row)
-    compared = desync(out.view(agent.world_size, -1), fp.layers, fp.k)
-    vectors, found = findings(compared.tolist(), agent.world_size, agent.layers, agent.config.desync_rel_tol)
+    compared = desync(out.view(agent.world_size, -1), fp.layers, fp.k, fp.groups)
+    vectors, found = findings(compared.tolist(), agent.world_size, fp.names, agent.config.desync_rel_tol)
     params_found = [d for d in found if d.kind == "param"]
     if params_found:
         return Check("ranks_agree", "fail",
@@ -386,6 +389,9 @@ def _ranks_check(agent: Any) -> Check:
                          f"layer {d.layer!r} on rank(s) {list(d.ranks)} (relative difference {d.rel_diff:.3g})"
                          for d in params_found[:5]),
                      {"layers": [asdict(d) for d in params_found[:32]]})
+    if fp.groups is not None:
+        return Check("ranks_agree", "pass", "every replica of each parameter shard holds the same values "
+                     "(element-wise fingerprints)")
     return Check("ranks_agree", "pass", f"all {agent.world_size} ranks hold the same parameters (element-wise fingerprints)")
 
 

@@ -52,7 +52,8 @@ RANK_FIELDS: tuple[str, ...] = (
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
 #: The fingerprints and their comparison (``grad_desync``, ``param_desync``) come from
-#: ``trainer_agent/fingerprint.py`` under data parallelism (NaN with one rank).
+#: ``trainer_agent/fingerprint.py`` under data parallelism and for replicated shards (NaN with one
+#: rank, and under plain FSDP).
 WIRE_VECTORS: dict[str, str] = {
     "step_time_s": "step_duration_seconds",
     "loss": "loss",

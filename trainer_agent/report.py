@@ -178,7 +178,7 @@ class ReportPipeline:
         compared = None
         if self.fingerprint is not None:
             fp = self.fingerprint
-            compared = desync(self.exchange.extra(gathered).to(self.device), fp.layers, fp.k)
+            compared = desync(self.exchange.extra(gathered).to(self.device), fp.layers, fp.k, fp.groups)
         agreed = self.exchange.agreed(gathered, state)
         self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared))
         self.pending[-1].overlap = self.exchange.overlap
@@ -416,7 +416,8 @@ class ReportPipeline:
         if compared is not None:
             pieces.append(compared)
             desync_len = compared.numel()
-            world, names, tol = rows.shape[0], self.index.layers, self.desync_rel_tol
+            assert self.fingerprint is not None
+            world, names, tol = rows.shape[0], self.fingerprint.names, self.desync_rel_tol
             decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
         pieces.append(rows.reshape(-1))
         vec = torch.cat(pieces)

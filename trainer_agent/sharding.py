@@ -20,18 +20,23 @@ tensor-parallel plans). ``Partial`` placements (pending sums) are refused at att
 ``ValueError``: a norm of a pending sum cannot be formed from local values. Pipeline stages (each
 rank holding different plain tensors) are not supported.
 
+The same placements say which ranks must hold *identical* local tensors (the replicas along the
+``Replicate`` dimensions): :func:`replica_units` groups them for the cross-rank fingerprints of
+``trainer_agent/fingerprint.py``, read from the mesh's rank layout, with no communication.
+
 Local values are read through ``DTensor.to_local()`` semantics without autograd (the
 ``_local_tensor`` attribute): no communication, no copy.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_dtensor", "local", "Sharding"]
+__all__ = ["is_dtensor", "local", "Sharding", "replica_classes", "replica_units"]
 
 try:  # torch >= 2.5: the public DTensor package
     from torch.distributed.tensor import DTensor
@@ -103,3 +108,70 @@ class Sharding:
             src = vector.clone()
         dist.all_reduce(src)
         return src.to(self.device, non_blocking=True)
+
+
+def replica_classes(p: torch.Tensor, world: int) -> tuple[int, ...]:
+    """For every global rank, the class of ranks that hold the same local tensor of ``p`` (-1: a
+    rank outside the parameter's mesh, which holds none of it). Ranks whose mesh coordinates agree
+    on every ``Shard`` dimension hold the same shard: along the ``Replicate`` dimensions they are
+    replicas (HSDP's replicate dimension, a tensor-parallel norm, TP inside data parallelism). A
+    plain tensor among DTensors is replicated on every rank: one class. Read from the mesh's rank
+    layout: no communication."""
+    if not is_dtensor(p):
+        return (0,) * world
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    layout = mesh.mesh  # the global rank at each mesh coordinate
+    key = torch.zeros(layout.shape, dtype=torch.long)
+    for d, pl in enumerate(placements):
+        if pl.is_shard():  # the coordinate along d tells the shards apart
+            shape = [1] * layout.dim()
+            shape[d] = layout.shape[d]
+            key = key * layout.shape[d] + torch.arange(layout.shape[d]).view(shape)
+    classes = [-1] * world
+    for r, k in zip(layout.reshape(-1).tolist(), key.reshape(-1).tolist()):
+        if 0 <= r < world:
+            classes[r] = k
+    return tuple(classes)
+
+
+def replica_units(params: Sequence[torch.Tensor], layer_of: Sequence[int], layer_names: Sequence[str],
+                  world: int, device: torch.device
+                  ) -> tuple[list[int], list[str], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """What the replicas of sharded parameters can compare (``trainer_agent/fingerprint.py``): the
+    parameters of one layer with the same :func:`replica_classes` form a *unit*, compared within
+    each class of two or more ranks. Returns ``(unit of each parameter (-1: no replica to compare
+    with), unit names, groups for fingerprint.desync)``, or None when no parameter has a replica
+    (plain FSDP: every rank holds a different shard of everything). The same on every rank: the
+    placements and the mesh are."""
+    units: dict[tuple[int, tuple[int, ...]], int] = {}
+    unit_of: list[int] = []
+    layouts: dict[tuple[int, tuple[object, ...]], tuple[int, ...]] = {}  # one per (mesh, placements)
+    for p, layer in zip(params, layer_of):
+        spec = (id(p.device_mesh), tuple(p.placements)) if is_dtensor(p) else (0, ())  # type: ignore[attr-defined]
+        classes = layouts.get(spec)
+        if classes is None:
+            classes = layouts[spec] = replica_classes(p, world)
+        counts = [classes.count(c) for c in set(classes) if c >= 0]
+        unit_of.append(units.setdefault((layer, classes), len(units)) if max(counts, default=0) >= 2 else -1)
+    if not units:
+        return None
+    names = [layer_names[layer] for layer, _ in units]
+    by_layout: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (classes, class size) -> units
+    for (_, classes), u in units.items():
+        for size in {classes.count(c) for c in set(classes) if c >= 0 and classes.count(c) >= 2}:
+            by_layout.setdefault((classes, size), []).append(u)
+    groups = []
+    for (classes, size), us in by_layout.items():
+        members = [[r for r in range(world) if classes[r] == c] for c in sorted(set(classes))
+                   if c >= 0 and classes.count(c) == size]
+        groups.append((torch.tensor(us, dtype=torch.long, device=device),
+                       torch.tensor(members, dtype=torch.long, device=device)))
+    seen = Counter(names)  # one layer, two layouts (TP inside DP: a sharded weight, a replicated bias)
+    names = [n if seen[n] == 1 else f"{n} ({_kind(params, unit_of, u)})" for u, n in enumerate(names)]
+    return unit_of, names, groups
+
+
+def _kind(params: Sequence[torch.Tensor], unit_of: Sequence[int], unit: int) -> str:
+    """A short description of a unit's placements, to tell apart two units of one layer."""
+    p = params[unit_of.index(unit)]
+    return "replicated" if not is_dtensor(p) else ",".join(str(pl) for pl in p.placements)  # type: ignore[attr-defined]

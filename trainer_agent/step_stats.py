@@ -94,7 +94,7 @@ class StepMeter:
         self._on_error = on_error
         self._clock = clock
         self.state = StepState()
-        #: Set by the agent under data parallelism (``trainer_agent/fingerprint.py``).
+        #: Set by the agent under data parallelism, or with replicated shards (``trainer_agent/fingerprint.py``).
         self.fingerprint: Any = None
         #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
         self.overhead = 0.0
@@ -266,7 +266,7 @@ class StepMeter:
         report = self.schedule.is_report(self._step() + 1)
         if self.fingerprint is not None and report:
             # The gradients this step applies (all-reduced, unscaled and clipped), per layer.
-            st.grad_fp = self.fingerprint.layer_values(self.index.grads())
+            st.grad_fp = self.fingerprint.layer_values(self.index.grads(), skip=self.index.pending_grads())
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
         if self.config.triage and report and self.index.sharding is None:

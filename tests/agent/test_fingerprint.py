@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -81,6 +82,35 @@ def test_desync_names_the_differing_ranks(fs, bad, expected) -> None:
         assert found == []
 
 
+def test_desync_compares_each_replica_group_only() -> None:
+    """4 ranks, two units: unit 0 replicated as HSDP 2x2 (ranks {0, 2} and {1, 3} hold the same
+    shards, the pairs different ones), unit 1 replicated on every rank."""
+    groups = [(torch.tensor([0]), torch.tensor([[0, 2], [1, 3]])), (torch.tensor([1]), torch.arange(4).view(1, 4))]
+    unit0 = [2.0, 7.0, 2.0, 7.0 + 4e-4]          # rank 3 differs from its replica, rank 1
+    unit1 = [3.0, 3.0, 3.0 + 4e-7, 3.0]          # in tolerance
+    rows = torch.tensor([[unit0[r], 4.0, unit1[r], 4.0, 1.0, 1.0, 1.0, 1.0] for r in range(4)], dtype=torch.float64)
+    vec = desync(rows, layers=2, k=1, groups=groups)
+    vectors, found = findings(vec.tolist(), 4, ["blocks.0", "norm"], 1e-5)
+    assert [(d.kind, d.layer, d.ranks) for d in found] == [("grad", "blocks.0", (1, 3))]
+    assert found[0].rel_diff == pytest.approx(1e-4, rel=1e-3)
+    assert vectors["grad_desync"] == pytest.approx([0.0, 1e-4, 1e-7, 1e-4], rel=1e-3, abs=1e-12)
+    assert vectors["grad_desync_layer"] == [0.0, 0.0, 1.0, 0.0]
+    # Compared with the whole world instead, the pairs' different shards would be a desync.
+    _, everyone = findings(desync(rows, layers=2, k=1).tolist(), 4, ["blocks.0", "norm"], 1e-5)
+    assert everyone[0].rel_diff > 1.0
+
+
+def test_left_out_tensors_are_neither_projected_nor_normed() -> None:
+    fp = Fingerprinter([3, 5, 4], torch.tensor([0, -1, 0]), 1, projections=2, device=torch.device("cpu"))
+    everything = Fingerprinter([3, 5, 4], torch.tensor([0, 1, 0]), 2, projections=2, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(n, generator=g) for n in (3, 5, 4)]
+    assert torch.equal(fp.layer_values([xs]), everything.layer_values([xs])[:1])
+    only_first = fp.layer_values([xs], skip={2})
+    assert torch.equal(only_first[0, :2], everything.project([xs[0]] + [torch.zeros(())] * 2)[0])
+    assert only_first[0, 2] == pytest.approx(float(xs[0].double().norm()), rel=1e-6)
+
+
 WORLD = 3
 # (step, what rank 2 perturbs, relative size): reports every 2 steps.
 PLAN = {4: ("grad", 1e-7), 6: ("grad", 1e-4), 8: ("param", 1e-4)}
@@ -144,3 +174,132 @@ def test_ddp_perturbed_rank_and_layer_are_named(tmp_path) -> None:
     params = [d for d in seen[8][0] if d[0] == "param"]
     assert params[0][:3] == ("param", "0", (2,))
     assert params[0][3] == pytest.approx(1e-4, rel=1e-2)
+
+
+# ---------------------------------------------------------------- sharded parameters (DTensors)
+# Under HSDP (mesh 2x2: replicate x shard) and tensor parallel (2 ranks) only the replicas of a
+# shard are compared. The plan perturbs, on one rank, the local gradient of layer "3" (reduced
+# over the replicas: the same on every replica) and then the local parameter of layer "0" (the
+# LayerNorm), each by a size relative to the norm of the layer's replicated local tensors.
+SHARDED_PLAN = {2: ("grad", 1e-7), 3: ("grad", 1e-4), 4: ("param", 1e-7), 5: ("param", 1e-4)}
+# The perturbing rank and the ranks holding the same shards as it (the mesh's replicate groups).
+SHARDED = {"hsdp": (4, 3, (1, 3)), "tp": (2, 1, (0, 1))}
+
+
+def _sharded_model(mode: str, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in (model[0], model[1], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:  # the norm's weight and bias and the row-wise layer's bias are replicated DTensors
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+                                         "3": RowwiseParallel()})
+    return model
+
+
+def _replicated_locals(mode: str, layer: nn.Module) -> list[torch.Tensor]:
+    """The local tensors of ``layer`` that the ranks' replicas share: under HSDP every parameter
+    (replicated along the replicate dimension), under TP those replicated on the whole mesh."""
+    return [p._local_tensor for p in layer.parameters()
+            if mode == "hsdp" or not any(pl.is_shard() for pl in p.placements)]
+
+
+def _sharded_worker(mode: str, rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    world, bad_rank, _ = SHARDED[mode]
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import trainer_agent as ta
+
+    model = _sharded_model(mode, world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="fp", run=f"fp-{mode}",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
+    # Pre-flight: the replicas start from the same parameters; then one rank's norm weight moved
+    # by 1e-3 of the layer (restored afterwards) must fail the check, naming the layer.
+    x0 = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(rank))
+    checks = {"clean": agent.preflight(x0, loss_fn=lambda m, b: m(b).square().mean(), clip_grad_norm=None)}
+    weight = model[0].weight._local_tensor
+    kept = weight[1].clone()
+    if rank == bad_rank:
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in _replicated_locals(mode, model[0])))
+        with torch.no_grad():
+            weight[1] += 1e-3 * norm
+    checks["moved"] = agent.preflight(x0, loss_fn=lambda m, b: m(b).square().mean(), clip_grad_norm=None)
+    with torch.no_grad():
+        weight[1] = kept
+    seen = {0: {k: next((c.status, c.values) for c in r.checks if c.name == "ranks_agree")
+                for k, r in checks.items()}}
+    for step in range(1, 6):
+        # Each rank its own batch (data parallelism; under TP its own part of the sequence).
+        x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).square().mean()
+        loss.backward()
+        what = SHARDED_PLAN.get(step)
+        with torch.no_grad():
+            if rank == bad_rank and what is not None and what[0] == "grad":
+                grads = [p.grad for p in model[3].parameters()
+                         if mode == "hsdp" or not any(pl.is_shard() for pl in p.placements)]
+                norm = math.sqrt(sum(float(g._local_tensor.double().square().sum()) for g in grads))
+                model[3].bias.grad._local_tensor[1] += what[1] * norm
+            opt.step()
+            if rank == bad_rank and what is not None and what[0] == "param":
+                norm = math.sqrt(sum(float(t.double().square().sum()) for t in _replicated_locals(mode, model[0])))
+                model[0].weight._local_tensor[1] += what[1] * norm
+        opt.zero_grad()
+        agent.end_step(loss)
+        latest = agent.latest()
+        seen[step] = ([(d.kind, d.layer, d.ranks, d.rel_diff) for d in agent.desync],
+                      {k: agent.rank_values[k] for k in ("grad_desync", "param_desync", "grad_fingerprint",
+                                                         "param_fingerprint")},
+                      latest["trainguard_agent_errors_total"])
+    agent.close()
+    del agent, model, opt
+    gc.collect()
+    dist.destroy_process_group()
+    torch.save(seen, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["tp", "hsdp"])
+def test_sharded_replicas_perturbed_rank_and_layer_are_named(mode: str, tmp_path) -> None:
+    world, bad_rank, group = SHARDED[mode]
+    out = spawn_ranks(partial(_sharded_worker, mode), world, tmp_path, timeout=240)
+    for seen in out:  # every rank compares the gathered fingerprints alike
+        assert seen == out[0]
+    seen = out[0]
+    pre = seen.pop(0)
+    assert pre["clean"][0] == "pass"
+    assert pre["moved"][0] == "fail"
+    assert [(d["kind"], d["layer"], tuple(d["ranks"])) for d in pre["moved"][1]["layers"]] == [("param", "0", group)]
+    assert {errors for _, _, errors in seen.values()} == {0.0}
+    found, vectors, _ = seen[1]                               # in sync: the replicas bit-identical
+    assert found == []
+    assert set(vectors["grad_desync"]) == set(vectors["param_desync"]) == {0.0}
+    for kind in ("grad_fingerprint", "param_fingerprint"):
+        assert len({vectors[kind][r] for r in group}) == 1
+        if mode == "hsdp":  # the other replica pair holds the other shards: different values
+            assert vectors[kind][0] != vectors[kind][1]
+    assert seen[2][0] == []                                   # 1e-7 of the layer: in tolerance
+    assert 0 < max(seen[2][1]["grad_desync"]) < 1e-5
+    grads = [d for d in seen[3][0] if d[0] == "grad"]          # 1e-4: found, ranks and layer named
+    assert [d[:3] for d in grads] == [("grad", "3", group)]   # two replicas: nothing says which
+    assert grads[0][3] == pytest.approx(1e-4, rel=1e-2)
+    assert bad_rank in group
+    others = [r for r in range(world) if r not in group]
+    assert all(seen[3][1]["grad_desync"][r] == 0.0 for r in others)
+    assert [d for d in seen[4][0] if d[1] == "0"] == []       # the norm's 1e-7: in tolerance
+    params = [d for d in seen[5][0] if d[:2] == ("param", "0")]
+    assert [d[:3] for d in params] == [("param", "0", group)]
+    assert params[0][3] == pytest.approx(1e-4, rel=1e-2)
+    assert all(seen[5][1]["param_desync"][r] == 0.0 for r in others)

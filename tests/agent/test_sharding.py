@@ -102,7 +102,11 @@ def _worker(mode: str, world: int, rank: int, init: str, out: str) -> None:
         state = [_full(t) for p in params for t in opt.state[p].values()]
         agent.end_step(loss)
         results.append({"names": names, "grads": grads, "before": before, "after": after,
-                        "state": state, "clip": clip, "latest": agent.latest()})
+                        "state": state, "clip": clip, "latest": agent.latest(),
+                        # HSDP and TP replicate some parameters (their fingerprints are compared,
+                        # tests/agent/test_fingerprint.py); plain FSDP replicates none.
+                        "fingerprinted": agent.reports.fingerprint is not None,
+                        "desync": agent.rank_values.get("grad_desync")})
     agent.close()
     dist.destroy_process_group()
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
@@ -145,6 +149,9 @@ def test_every_metric_equals_the_full_tensor_reference(mode: str, world: int, tm
             latest = row["latest"]
             assert latest["trainguard_agent_errors_total"] == 0.0
             assert "trainguard_grad_noise_scale" not in latest  # absent rather than wrong
+            assert row["fingerprinted"] == (mode != "fsdp")
+            # Plain FSDP compares nothing: no desync vector (NaN on the wire), never a false "in sync".
+            assert (row["desync"] is None) == (mode == "fsdp")
             if step < STEPS - 1:
                 assert _close(latest["trainguard_grad_norm"], row["clip"]), (mode, rank, step)
             else:  # the NaN step: clip_grad_norm_'s total norm and ours are both NaN
