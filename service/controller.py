@@ -292,9 +292,7 @@ class Controller:
             tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                       registered_at=now, live_since=now,  # a restarted job is live again, finished or not
                       finished_at=None, finished_step=None, finish_reason="")
-            fresh = RunRecovery.for_config(reg.config)
-            st.recovery.snapshot_every, st.recovery.snapshot_keep = fresh.snapshot_every, fresh.snapshot_keep
-            st.recovery.skips_nonfinite = fresh.skips_nonfinite
+            st.recovery.configure(reg.config)
         generation = 0 if st is None else st.desired.generation
 
         def op(c: sqlite3.Connection) -> Written:

@@ -149,9 +149,15 @@ class RunRecovery:
         """The recovery state of a run registered with ``config``. ``ceiling``: the ``lr_scale``
         in force when the state is (re)built, e.g. after a controller restart (who set it is not
         known then, so recovery never raises the scale above it)."""
-        every, keep = snapshot_policy(config)
-        skips = config.get("skip_nonfinite") is True or config.get("skip_spikes") is True
-        return cls(snapshot_every=every, snapshot_keep=keep, ceiling=ceiling, skips_nonfinite=skips)
+        rec = cls(ceiling=ceiling)
+        rec.configure(config)
+        return rec
+
+    def configure(self, config: dict[str, Any]) -> None:
+        """Take the snapshot policy and the skipping of a run's registration ``config`` (the
+        agent sends its own; a re-registration may change them)."""
+        self.snapshot_every, self.snapshot_keep = snapshot_policy(config)
+        self.skips_nonfinite = config.get("skip_nonfinite") is True or config.get("skip_spikes") is True
 
     def _new_ramp(self) -> LrRamp:
         p = self.policy
@@ -312,8 +318,7 @@ class RunRecovery:
                 self._open(step, now, "skip")
                 self._rung("skip", step, now, "agent", None, why)
             elif not self.open.rungs or self.open.rungs[-1]["rung"] != "skip":  # noted; the controller's rung keeps its window
-                self.open.rungs.append({"rung": "skip", "step": step, "time": now, "actor": "agent", "reason": why,
-                                        "generation": None})
+                self._rung("skip", step, now, "agent", None, why, restart_window=False)
         if self.open is not None:
             if fired:
                 self._healthy_in_a_row = 0
@@ -383,13 +388,15 @@ class RunRecovery:
         self._reports_since_rung = 0
         self._rung_step = step
 
-    def _rung(self, rung: str, step: int, now: float, actor: str, desired: DesiredState | None, reason: str = "") -> None:
+    def _rung(self, rung: str, step: int, now: float, actor: str, desired: DesiredState | None, reason: str = "",
+              *, restart_window: bool = True) -> None:
         assert self.open is not None
         self.open.rungs.append({"rung": rung, "step": step, "time": now, "actor": actor,
                                 "reason": desired.reason if desired is not None else reason,
                                 "generation": desired.generation if desired is not None else None})
-        self._reports_since_rung = 0
-        self._rung_step = step
+        if restart_window:
+            self._reports_since_rung = 0
+            self._rung_step = step
         if rung == "pause":
             self._close("escalated", step, now)
 

@@ -167,16 +167,9 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
 
     faults = FaultPlan(burst=cfg.burst, lr_blowup=cfg.lr_blowup, lr_blowup_factor=cfg.lr_blowup_factor,
                        nan_step=cfg.nan_step)
-    torch.manual_seed(0)  # same initial weights on every rank
-    model = TinyGPT(seq_len=cfg.seq_len)
+    # A schedule that "does not fit the optimizer": the stability guide's opening story.
+    model, optimizer, scheduler, corpus = _training_setup(cfg, faults)
     ddp = DDP(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = 10
-    # A schedule that "does not fit the optimizer" for a while: the stability guide's opening story.
-    # LambdaLR's argument is the number of steps taken: the LR of step s + 1.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s + 1))
-    corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
     window = 32 * cfg.batch_size  # sequences: about 32 steps, so the monitor reacts within the demo
     monitor = ta.DataMonitor(VOCAB_SIZE, special_ids=CONTROL_BYTE_IDS, window=window,
                              reference_tokens=16 * cfg.batch_size * (cfg.seq_len + 1))
@@ -228,22 +221,36 @@ def _rank_main(rank: int, cfg_dict: dict[str, Any], init_method: str, controller
         dist.destroy_process_group()
 
 
+def _training_setup(cfg: DemoConfig, faults: FaultPlan) -> tuple[Any, Any, Any, Any]:
+    """Model (the same initial weights in every process), AdamW, the LR schedule (warm-up, times
+    the fault plan's multiplier) and the corpus: what the ranks and the healthy run share."""
+    import torch
+
+    from trainguard.demo.model import ByteCorpus, TinyGPT, stdlib_source_bytes
+
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=cfg.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = 10
+    # LambdaLR's argument is the number of steps taken: the LR of step s + 1.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * faults.lr_multiplier(s + 1))
+    corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
+    return model, optimizer, scheduler, corpus
+
+
 def _healthy_main(cfg_dict: dict[str, Any], log_dir: str) -> None:
     """The run without faults and without trainguard, in one process: each step averages the
     losses of every rank's batch, which gives the gradient DDP gives the ranks (the mean of theirs).
     Runs in a spawned process."""
     import torch
 
-    from trainguard.demo.model import TinyGPT, ByteCorpus, next_byte_loss, stdlib_source_bytes
+    from trainguard.demo.model import next_byte_loss
 
     cfg = DemoConfig(**cfg_dict)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT(seq_len=cfg.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = 10
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    corpus = ByteCorpus(stdlib_source_bytes(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=1)
+    no_faults = FaultPlan(burst=(0, 0), lr_blowup=(0, 0), nan_step=0)
+    model, optimizer, scheduler, corpus = _training_setup(cfg, no_faults)
     losses = []
     for step in range(1, cfg.steps + 1):
         loss = sum(next_byte_loss(model, *corpus.batch(step, rank)) for rank in range(cfg.world_size)) / cfg.world_size
