@@ -1,25 +1,47 @@
 """Spawn gloo ranks for a test, with a deadline instead of an unbounded join (a hang fails the
-test instead of blocking the suite), and load what each rank saved."""
+test instead of blocking the suite), and load what each rank saved.
+
+A rank that is still running shortly before the deadline writes every thread's stack to stderr
+(``faulthandler``) and exits, so that a hang fails with the place where each rank waits instead of
+a bare timeout; pytest shows those stacks in the test's captured stderr."""
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_DUMP_MARGIN_S = 15.0  # the stacks are written this long before the parent gives up
+
+
+def _rank_main(rank: int, worker: Callable[..., None], init: str, out: str, dump_after: float) -> None:
+    faulthandler.dump_traceback_later(dump_after, exit=True, file=sys.stderr)
+    try:
+        worker(rank, init, out)
+        if dist.is_initialized():  # a worker that left its group: leave it together, then destroy
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def spawn_ranks(worker: Callable[..., None], world: int, tmp_path: Path, timeout: float = 240.0) -> list[Any]:
     """Run ``worker(rank, init_method, out_dir)`` in ``world`` spawned processes; each must save
-    ``out_dir/rank{r}.pt``. Kills the ranks and fails when they have not finished by ``timeout``."""
-    ctx = mp.start_processes(worker, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
+    ``out_dir/rank{r}.pt``. Fails when the ranks have not finished by ``timeout`` (each still
+    running writes its threads' stacks to stderr first), and kills what is left."""
+    dump_after = max(1.0, timeout - _DUMP_MARGIN_S)
+    ctx = mp.start_processes(_rank_main, args=(worker, f"file://{tmp_path}/store", str(tmp_path), dump_after),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks hung"
+            assert time.monotonic() < deadline, "the ranks hung (their stacks are in the captured stderr)"
     finally:
         for p in ctx.processes:
             if p.is_alive():
