@@ -97,7 +97,7 @@ class AlertBook:
                 t.last_fired = now
                 t.fired.append(now)
                 out.fire.append(f)
-        if complete:
+        if complete and any(t.firing for t in self._tracks.values()):
             seen = {f.rule.name for f in findings}
             for name, t in self._tracks.items():
                 if t.firing and name not in seen:

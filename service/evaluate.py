@@ -316,9 +316,9 @@ def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
 def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Finding:
     since = max(w.last_received, live_since)
     silent = now - since
+    active = silent >= rule.seconds
     return Finding(
-        rule, silent >= rule.seconds,
-        f"no report for {silent:.0f} s (limit {rule.seconds:g} s)",
+        rule, active, f"no report for {silent:.0f} s (limit {rule.seconds:g} s)" if active else "",
         {"silent_s": silent, "limit_s": rule.seconds, "last_report_at": w.last_received, "silent_since": since},
     )
 

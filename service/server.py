@@ -3,15 +3,21 @@ shutdown and a rules reload on SIGHUP.
 
 uvicorn by itself closes only connections that idle after a response (``timeout_keep_alive``): a
 connection that sends nothing, half a request line, half its headers or half of a promised body
-stays open, and enough of them exhaust the process's file descriptors. :class:`GuardedH11Protocol`
-adds what a front proxy (nginx's ``client_header_timeout`` / ``client_body_timeout``, HAProxy's
-``timeout http-request``) would:
+stays open, and enough of them exhaust the process's file descriptors. :class:`GuardedHttpProtocol`
+adds what a front proxy (nginx's ``client_header_timeout`` / ``client_body_timeout`` /
+``large_client_header_buffers``, HAProxy's ``timeout http-request``) would:
 
 * **request-head deadline** (``header_timeout_s``): from the first byte of a request (or from the
   connection, for the first request) to its last header line. Armed once per request, so a
   client trickling one byte a second does not extend it.
+* **request-head size** (``max_head_bytes``): a request line and headers longer than this get 431
+  and the connection is closed (the C parser itself buffers no head, but the URL and the header
+  list it hands over would grow without end).
 * **body deadline** (``body_timeout_s``): the whole body must arrive within it; else 408 and close.
 * **connection cap** (``max_connections``): connections beyond it are closed at once.
+
+It is uvicorn's httptools protocol (a C parser): with the pure-Python h11 parser an ~8 KB report
+cost about twice the server CPU (bench/controller_ingest.py).
 
 Shutdown (SIGTERM or SIGINT): the listener closes, long-polls answer at once, event streams end,
 bodies still arriving are answered 503, and requests still running get ``shutdown_timeout_s``
@@ -33,9 +39,9 @@ import socket
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["GuardedH11Protocol", "ControllerServer", "make_config"]
+__all__ = ["GuardedHttpProtocol", "ControllerServer", "make_config"]
 
 log = logging.getLogger("trainguard.server")
 
@@ -48,20 +54,23 @@ def _raw_answer(status: str, detail: str) -> bytes:
 
 _TIMEOUT_408 = _raw_answer("408 Request Timeout", "the request body did not arrive in time")
 _SHUTDOWN_503 = _raw_answer("503 Service Unavailable", "the controller is shutting down")
+_HEAD_431 = _raw_answer("431 Request Header Fields Too Large", "the request line and headers are too long")
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline, a body deadline and a connection cap
-    (class attributes, set by :func:`make_config`)."""
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request-head deadline and size limit, a body deadline
+    and a connection cap (class attributes, set by :func:`make_config`)."""
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0
     max_connections = 4096
+    max_head_bytes = 16 * 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_cycle: Any = None
+        self._head_bytes = 0
         self._body_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self.max_connections:
             log.warning("connection refused: %d connections open (limit %d)", len(self.connections) - 1, self.max_connections)
@@ -72,6 +81,7 @@ class GuardedH11Protocol(H11Protocol):
     def _arm_head(self) -> None:
         if self._head_timer is None:
             self._head_cycle = self.cycle
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_expired)
 
     def _head_expired(self) -> None:
@@ -88,9 +98,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.transport.is_closing():
+            return
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             self._arm_head()  # bytes of a next request, not complete yet
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self.transport.write(_HEAD_431)
+                self.transport.close()
             return
         if self._head_timer is not None and cycle is not self._head_cycle:
             self._head_timer.cancel()
@@ -147,11 +163,11 @@ class ControllerServer(uvicorn.Server):
 
 def make_config(app: Any, settings: Any, *, log_level: str, access_log: bool) -> uvicorn.Config:
     """The uvicorn configuration of ``trainguard serve`` for ``settings``."""
-    protocol = type("ControllerH11Protocol", (GuardedH11Protocol,), {
+    protocol = type("ControllerHttpProtocol", (GuardedHttpProtocol,), {
         "header_timeout_s": settings.header_timeout_s, "body_timeout_s": settings.body_timeout_s,
         "max_connections": settings.max_connections})
     return uvicorn.Config(
         app, log_level=log_level, access_log=access_log, workers=1, http=protocol,
         timeout_keep_alive=int(settings.keepalive_timeout_s), timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
-        h11_max_incomplete_event_size=16 * 1024, limit_concurrency=settings.max_connections,
+        limit_concurrency=settings.max_connections,
     )

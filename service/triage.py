@@ -5,6 +5,7 @@ stability guide's symptom table, row 2)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -40,14 +41,29 @@ def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
     )
 
 
-def periodogram_peak(values: np.ndarray) -> tuple[float, float, float]:
+@functools.lru_cache(maxsize=16)
+def _centred(n: int) -> tuple[np.ndarray, float]:
+    """0..n-1 minus its mean, and its sum of squares."""
+    t = np.arange(n, dtype=np.float64) - (n - 1) / 2.0
+    t.flags.writeable = False
+    return t, float(np.dot(t, t))
+
+
+def _detrended(values: np.ndarray) -> np.ndarray:
+    """``values`` minus their least-squares line over 0..n-1 (closed form: what
+    ``np.polyfit(t, values, 1)`` fits, without its SVD, which cost most of a report's rules)."""
+    n = len(values)
+    t, tt = _centred(n)  # centred: the slope does not depend on the mean
+    slope = float(np.dot(t, values)) / tt if n > 1 else 0.0
+    return values - float(values.mean()) - slope * t
+
+
+def periodogram_peak(values: np.ndarray, detrended: np.ndarray | None = None) -> tuple[float, float, float]:
     """(share of the detrended variance in the strongest frequency and its two neighbours,
     period in reports, lag-``period`` autocorrelation) of ``values`` after removing the
-    least-squares line."""
+    least-squares line (``detrended``, when the caller has it already)."""
     n = len(values)
-    t = np.arange(n, dtype=np.float64)
-    slope, intercept = np.polyfit(t, values, 1)
-    x = values - (slope * t + intercept)
+    x = _detrended(values) if detrended is None else detrended
     if not np.abs(x).max() > 1e-12 * max(float(np.abs(values).max()), 1e-300):
         return 0.0, math.inf, 0.0  # nothing around the line but rounding
     power = np.abs(np.fft.rfft(x)) ** 2
@@ -69,14 +85,15 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     vals = w.series(rule.metric, rule.window)
     if len(vals) < rule.window or not np.isfinite(vals).all():
         return finding(rule, None)
-    share, period, acf = periodogram_peak(vals)
+    resid = _detrended(vals)
     mean = abs(float(vals.mean()))
-    t = np.arange(len(vals), dtype=np.float64)
-    resid = vals - np.polyval(np.polyfit(t, vals, 1), t)
-    amplitude = float(np.sqrt(2.0) * resid.std())
+    amplitude = math.sqrt(2.0 * float(np.dot(resid, resid)) / len(resid))  # sqrt(2) x the residuals' std
     rel_amplitude = amplitude / mean if mean > 0 else math.inf
-    values = {"metric": rule.metric, "power_share": share, "period_reports": period, "autocorrelation": acf,
-              "amplitude": amplitude, "rel_amplitude": rel_amplitude, "window": len(vals)}
+    values = {"metric": rule.metric, "amplitude": amplitude, "rel_amplitude": rel_amplitude, "window": len(vals)}
+    if rel_amplitude < rule.min_rel_amplitude:
+        return finding(rule, False, "", values)  # too small to matter: no spectrum needed (the usual case)
+    share, period, acf = periodogram_peak(vals, resid)
+    values.update(power_share=share, period_reports=period, autocorrelation=acf)
     periodic = share >= rule.min_power and rule.min_period <= period <= len(vals) / 2
     if not (periodic and rel_amplitude >= rule.min_rel_amplitude):
         return finding(rule, False, "", values)

@@ -66,7 +66,7 @@ class RunWindow:
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
         "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
-        "_keys", "_cols", "desync",
+        "_keys", "_cols", "desync", "_seen_vectors",
     )
 
     def __init__(self, *, capacity: int, rank_capacity: int, world_size: int, created: float) -> None:
@@ -101,6 +101,7 @@ class RunWindow:
         self._present = present2.reshape(2 * self.capacity, -1)
 
     def _set_ranks(self, world_size: int) -> None:
+        self._seen_vectors: set[str] = set()  # vectors any report of this history carried
         self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
         self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
         self._rank_seq = np.zeros(self.rank_capacity, dtype=np.int64)
@@ -146,6 +147,8 @@ class RunWindow:
                 if vec is not None:
                     self._ranks[rrow, i] = vec
             self._rank_mask[rrow] = [name in ranks for name in VECTORS]
+            if not self._seen_vectors.issuperset(ranks):
+                self._seen_vectors.update(ranks)
             self._rank_seq[rrow] = self.count
             self.rank_count += 1
 
@@ -223,7 +226,7 @@ class RunWindow:
     def rank_history(self, vector: str, last: int) -> np.ndarray:
         i = _VECTOR_INDEX[vector]
         n = min(last, self.rank_count, self.rank_capacity)
-        if n < 1:
+        if n < 1 or vector not in self._seen_vectors:  # (most rules read vectors most jobs never send)
             out = self._ranks[0:0, i]
             out.flags.writeable = False
             return out

@@ -1,5 +1,5 @@
 """``trainguard serve`` as a process: connections that never finish their request are closed
-while real reports get through; SIGTERM exits within its deadline with an idle event stream, a
+while real reports get through, and a request head over the size limit gets 431; SIGTERM exits within its deadline with an idle event stream, a
 long-poll and a half-sent body open; SIGHUP reloads the rules file and keeps the old rules when
 the new file is invalid."""
 
@@ -70,6 +70,23 @@ def test_unfinished_requests_are_closed_and_reports_still_pass(tmp_path: Path, s
     assert closed
     for sock in socks + [s]:
         sock.close()
+
+
+def test_a_request_head_over_the_limit_gets_431_and_a_normal_one_still_passes(tmp_path: Path, serve) -> None:
+    srv = serve(tmp_path / "tg.db", env=FAST | {"TRAINGUARD_HEADER_TIMEOUT_S": "60"})
+    s = socket.create_connection(_addr(srv.url))
+    # 64 KB of headers that never end: without the limit the server waits for the rest (until the
+    # 60 s head deadline, then a silent close); with it the answer is 431 at once (or, when the
+    # server closed with our unread bytes in its buffer, a reset)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 4000) for i in range(16)))
+    try:
+        answer = _closed(s)
+    except ConnectionResetError:
+        answer = b"reset"
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 431") or answer == b"reset", answer[:100]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:  # 8 KB of headers are fine
+        assert c.get("/healthz", headers={"X-Pad": "a" * 8000}).status_code == 200
 
 
 def test_sigterm_exits_with_a_stream_a_long_poll_and_a_half_body_open(tmp_path: Path, serve) -> None:

@@ -90,3 +90,14 @@ def test_triage_thresholds(metric, values, rule):
     assert fired(steps)[-1] == [rule] and all(f == [] for f in fired(steps)[:-1])
     healthy = simulate(DEFAULTS.for_job("j"), reports([{metric: 1.0 if "ratio" in metric else 10.0} for _ in values]), world_size=1)
     assert all(f == [] for f in fired(healthy))
+
+
+def test_detrending_removes_the_same_line_as_a_least_squares_fit():
+    from trainguard.service.triage import _detrended
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 17, 64):
+        values = 5.0 + 0.7 * np.arange(n) + 3.0 * rng.normal(size=n)
+        t = np.arange(n, dtype=np.float64)
+        reference = values - np.polyval(np.polyfit(t, values, 1), t)
+        assert np.allclose(_detrended(values), reference, rtol=0, atol=1e-12)
