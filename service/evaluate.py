@@ -99,6 +99,13 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
     if latest is None or not math.isfinite(latest):
         return Finding(rule, None if latest is None else False)
     hist = w.series(rule.metric, rule.window + 1)[:-1]
+    if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
+            and len(hist) >= rule.min_history):
+        # Quick "no": every value finite (NaN and infinities would show in the min or the max) and
+        # the value below ratio x the window's minimum, hence below ratio x its median.
+        lo, hi = float(hist.min()), float(hist.max())
+        if 0 < lo and hi < math.inf and latest < rule.ratio * lo:
+            return Finding(rule, False)
     finite = np.isfinite(hist)
     if not finite.all():
         hist = hist[finite]
@@ -144,6 +151,8 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
         hist = w.rank_history(vec, 1)
         if len(hist):
             seen = True
+            if -math.inf < float(hist[-1].min()) and float(hist[-1].max()) < math.inf:
+                continue  # the usual case: a NaN or an infinity would show in the min or the max
             finite = np.isfinite(hist[-1])
             if finite.all():
                 continue
@@ -269,6 +278,13 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
         return Finding(rule, None)
+    if rule.check == "spread" and hist.shape[1] >= 2:
+        # Quick "no" on the newest row (the finding needs every row): every value finite and
+        # positive, and the max below ratio x the min (hence below ratio x the median) or below
+        # min_value.
+        lo, hi = float(hist[-1].min()), float(hist[-1].max())
+        if 0 < lo and hi < math.inf and (hi < rule.ratio * lo or hi < rule.min_value):
+            return Finding(rule, False)
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:
         return Finding(rule, None)

@@ -89,6 +89,11 @@ def test_nonfinite_loss_pauses(where, bad):
         assert list(values["ranks.loss"]) == [2]
 
 
+def test_large_finite_rank_losses_are_not_nonfinite():
+    (step,) = run(DEFAULTS, [make_report(3, 0.0, {LOSS: 2.0}, loss=[1e308, 1e308, 1e308, 2.0])])
+    assert "loss_nonfinite" not in fired(step)
+
+
 def test_spike_ratio_against_rolling_median():
     hist = [1.0, 1.2, 0.9, 1.1, 1.3, 0.8, 1.0, 1.05, 0.95, 1.15]
     med = statistics.median(hist)
@@ -351,3 +356,87 @@ def test_bad_rules_are_refused_with_reasons(text, reason):
 def test_window_capacity_is_checked():
     with pytest.raises(RulesError, match="TRAINGUARD_WINDOW_REPORTS"):
         load_rules("rules: [{name: a, kind: trend, metric: m, direction: increasing, window: 500}]", max_reports=128)
+
+
+def _naive_spike_ratio(hist: list[float], latest: float, ratio: float, min_history: int) -> bool | None:
+    """The ratio spike rule by its definition: the latest value over the median of the finite
+    values of its window (None: too little history, or a baseline or value <= 0)."""
+    finite = [v for v in hist if math.isfinite(v)]
+    if not math.isfinite(latest):
+        return False
+    if len(finite) < min_history:
+        return None
+    base = statistics.median(finite)
+    if base <= 0 or latest <= 0:
+        return None
+    return latest / base >= ratio
+
+
+def test_spike_ratio_verdicts_equal_the_definition_on_random_windows() -> None:
+    """Every verdict of the ratio spike rule (including its quick "no" for a value below ratio x
+    the window's minimum) against the definition, on windows with spikes, zeros, NaN and +-inf."""
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+
+    rule = next(r for r in DEFAULTS.for_job("job-a") if r.name == "grad_norm_spike")
+    assert rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up"
+    rng = np.random.default_rng(7)
+    specials = [math.nan, math.inf, -math.inf, 0.0, -1.0]
+    verdicts = {True: 0, False: 0, None: 0}
+    for trial in range(600):
+        n = int(rng.integers(1, rule.window + 3))
+        values = [float(v) for v in np.exp(rng.normal(0.0, float(rng.choice([0.05, 0.5, 1.2])), size=n))]
+        for _ in range(int(rng.integers(0, 3))):
+            if rng.random() < 0.3:
+                values[int(rng.integers(0, n))] = float(rng.choice(specials))
+        if rng.random() < 0.3:
+            values[-1] *= float(rng.choice([4.0, 6.0, 50.0]))
+        window = RunWindow(capacity=128, rank_capacity=4, world_size=1, created=0.0)
+        for i, v in enumerate(values):
+            window.append_raw({GN: float(v)}, {}, i, float(i))
+        (finding,) = evaluate((rule,), window, float(n))
+        expect = _naive_spike_ratio(values[-rule.window - 1:-1], values[-1], rule.ratio, rule.min_history)
+        assert finding.active is expect, (trial, values)
+        verdicts[expect] += 1
+    assert min(verdicts.values()) >= 30  # every verdict was exercised
+
+
+def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None:
+    """The step-time straggler rule (with its quick "no" on the newest row) against its
+    definition: in each of the last 3 reports max / median of the finite values >= ratio and max
+    >= min_value, the same rank on top each time."""
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+
+    rule = next(r for r in DEFAULTS.for_job("job-a") if r.name == "step_time_straggler")
+    rng = np.random.default_rng(11)
+    fired_count = quiet = 0
+    for trial in range(600):
+        world = int(rng.integers(1, 9))
+        slow = int(rng.integers(0, world))
+        rows = []
+        for _ in range(rule.for_reports):
+            row = list(rng.uniform(0.9, 1.1, size=world) * float(rng.choice([0.001, 1.0])))
+            if rng.random() < 0.85:
+                row[slow] *= float(rng.choice([1.2, 2.0, 3.0]))
+            if rng.random() < 0.15:
+                row[int(rng.integers(0, world))] = float(rng.choice([math.nan, math.inf, 0.0]))
+            rows.append(row)
+        window = RunWindow(capacity=16, rank_capacity=8, world_size=world, created=0.0)
+        for i, row in enumerate(rows):
+            window.append_raw({}, {"step_time_s": np.array(row)}, i, float(i))
+        (finding,) = evaluate((rule,), window, 3.0)
+
+        def hit(row: list[float]) -> bool:
+            finite = [v for v in row if math.isfinite(v)]
+            if len(finite) < 2:
+                return False
+            med, top = statistics.median(finite), max(finite)
+            return (top / med >= rule.ratio if med > 0 else rule.min_value > 0 and top > 0) and top >= rule.min_value
+
+        tops = {max(range(world), key=lambda r: row[r] if math.isfinite(row[r]) else -math.inf) for row in rows}
+        expect = all(hit(row) for row in rows) and len(tops) == 1
+        assert bool(finding.active) is expect, (trial, rows)
+        fired_count += expect
+        quiet += not expect
+    assert fired_count >= 20 and quiet >= 20
