@@ -153,11 +153,15 @@ RECORDING_RULES: tuple[Recording, ...] = (
 
 ALERT_RULES: tuple[AlertRule, ...] = (
     AlertRule(
+        # Notifies only: the controller's own loss_nonfinite rule acts on the same reports with
+        # the recovery ladder (a step the agent skipped leaves the weights intact; otherwise it rolls
+        # back, and pauses only without a snapshot). A pause from here would page a human for a
+        # NaN the run already recovered from.
         name="TrainguardLossNonFinite",
         expr="trainguard:loss:nonfinite > 0",
-        action="pause", severity="critical",
-        summary="Loss is NaN/Inf on run {{ $labels.run }}: pausing it (likely gradient "
-                "explosion; lower the LR or clip harder before resuming).",
+        action="notify", severity="critical",
+        summary="Loss is NaN/Inf on run {{ $labels.run }} (likely gradient explosion). The controller "
+                "skips the step or rolls back to its last good snapshot; see the run's incidents.",
     ),
     AlertRule(
         name="TrainguardOptimizerStateNonFinite",

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not in
 
 EVIL = (b'# TYPE trainguard_loss gauge\n'
         b'trainguard_loss{job="job-b",run="run-b",rank="0"} NaN\n'
+        b'# TYPE trainguard_optimizer_state_nonfinite gauge\n'
+        b'trainguard_optimizer_state_nonfinite{job="job-b",run="run-b",rank="0"} 7\n'
         b'# TYPE trainguard_loss_nonfinite_total counter\n'
         b'trainguard_loss_nonfinite_total{job="job-b",run="run-b",rank="0"} 5\n')
 
@@ -88,10 +90,13 @@ def test_target_labels_come_from_discovery_not_from_the_target(tmp_path: Path, s
         assert series[0]["metric"]["job"] == "job-a" and series[0]["metric"]["instance"] == f"127.0.0.1:{port_a}"
         assert not any(k.startswith("exported_") for k in series[0]["metric"])
         assert _query(prom, 'trainguard_loss{run="run-b"}') == []
-        # the alert that acts (pause) names the run whose target served the NaN
-        wait_until(lambda: _query(prom, 'ALERTS{alertname="TrainguardLossNonFinite"}'), timeout=60, every=0.5)
-        runs = {a["metric"]["run"] for a in _query(prom, 'ALERTS{alertname="TrainguardLossNonFinite"}')}
-        assert runs == {"run-a"}
+        # the alerts name the run whose target served the bad values: the one that pauses and the
+        # one that notifies
+        for alert in ("TrainguardOptimizerStateNonFinite", "TrainguardLossNonFinite"):
+            wait_until(lambda: _query(prom, f'ALERTS{{alertname="{alert}"}}'), timeout=60, every=0.5)
+            found = _query(prom, f'ALERTS{{alertname="{alert}"}}')
+            assert {a["metric"]["run"] for a in found} == {"run-a"}, alert
+        assert {a["metric"]["trainguard_action"] for a in _query(prom, 'ALERTS{alertname="TrainguardOptimizerStateNonFinite"}')} == {"pause"}
     finally:
         proc.terminate()
         proc.wait(30)

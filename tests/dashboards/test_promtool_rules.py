@@ -115,7 +115,7 @@ def test_alertmanager_config_and_routing(tmp_path):
     config.write_text((GENERATED / "alertmanager/alertmanager.yml").read_text().replace(ALERTMANAGER_TOKEN_SECRET, str(token)))
     _run(AMTOOL, "check-config", str(config))
     routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), "--verify.receivers",
-                  "trainguard-controller,webhook-sink", "alertname=TrainguardLossNonFinite",
+                  "trainguard-controller,webhook-sink", "alertname=TrainguardOptimizerStateNonFinite",
                   "trainguard_action=pause", "run=r1").stdout
     assert "trainguard-controller" in routed and "webhook-sink" in routed
     for labels in (["alertname=Other"], ["alertname=TrainguardDataDuplicates", "trainguard_action=notify", "run=r1"]):
