@@ -31,7 +31,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
-from trainguard.service.incidents import RecoveryChange, RunRecovery
+from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
 from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
@@ -95,6 +95,7 @@ class Controller:
         for row in self.store.read_now(sql.all_runs):
             st = load_run(self.store, self.settings, row)
             self.runs[st.run] = st
+        continue_ids_after(max((i.id for st in self.runs.values() for i in st.recovery.incidents), default=0))
         by_id = {st.id: st for st in self.runs.values()}
         for alert in self.store.read_now(sql.firing_alerts):
             st = self.runs.get(alert["run"])

@@ -52,9 +52,15 @@ from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
 from trainguard.service.engine import apply_actions
 from trainguard.service.rules import AdaptiveLrAction, PauseAction, RecoveryPolicy, RollbackAction
 
-__all__ = ["Incident", "RunRecovery", "RecoveryChange", "rungs_of", "snapshot_policy"]
+__all__ = ["Incident", "RunRecovery", "RecoveryChange", "continue_ids_after", "rungs_of", "snapshot_policy"]
 
 _ids = itertools.count(1)
+
+
+def continue_ids_after(last: int) -> None:
+    """Number new incidents after ``last`` (the highest id a restarted controller read back)."""
+    global _ids
+    _ids = itertools.count(max(last + 1, next(_ids)))
 
 
 @dataclass(slots=True)
@@ -202,6 +208,24 @@ class RunRecovery:
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
         self.ramp = saved["ramp"]
+
+    def restore_incidents(self, incidents: list[dict[str, Any]]) -> None:
+        """Take back the incidents a controller recorded before it restarted (oldest first, as
+        :func:`~service.statements.recent_incidents` reads them). An incident that was still open
+        stays open: its ladder resumes with a fresh window from its last rung."""
+        self.incidents = deque(maxlen=self.incidents.maxlen)
+        self.open = None
+        for d in incidents:
+            inc = Incident(int(d["id"]), int(d["onset_step"]), float(d["onset_time"]), str(d["trigger"]),
+                           rungs=[dict(r) for r in d.get("rungs", [])], outcome=str(d.get("outcome", "open")),
+                           closed_step=d.get("closed_step"), closed_time=d.get("closed_time"))
+            self.incidents.append(inc)
+        last = self.incidents[-1] if self.incidents else None
+        if last is not None and last.outcome == "open":
+            self.open = last
+            self._rung_step = int(last.rungs[-1]["step"]) if last.rungs else last.onset_step
+            self._reports_since_rung = 0
+            self._healthy_in_a_row = 0
 
     def changed_incidents(self, saved: dict[str, Any]) -> list[tuple[dict[str, Any] | None, dict[str, Any]]]:
         """The incidents opened or changed since :meth:`save` returned ``saved``: (the incident

@@ -61,6 +61,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
         recovery=RunRecovery.for_config(json.loads(row["config"]), ceiling=desired.lr_scale),
     )
+    st.recovery.restore_incidents(store.read_now(lambda c: sql.recent_incidents(c, st.id, st.recovery.incidents.maxlen or 100)))
     reports = store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
     window.count = max((row["last_seq"] or 0) - len(reports), 0)
     rank_from = len(reports) - s.rank_window_reports

@@ -102,6 +102,19 @@ def decode_ranks(row: sqlite3.Row, world_size: int, vector_names: tuple[str, ...
     return {name: arr[i].copy() for i, name in enumerate(present)}
 
 
+def recent_incidents(conn: sqlite3.Connection, run_id: int, limit: int) -> list[dict[str, Any]]:
+    """The last state of each of a run's newest ``limit`` incidents, oldest first, from its
+    ``incident`` audit events (each carries the whole incident as it was after that change)."""
+    latest: dict[int, dict[str, Any]] = {}
+    rows = conn.execute("SELECT data FROM events WHERE run_id = ? AND kind = 'incident' ORDER BY id DESC LIMIT ?",
+                        (run_id, 16 * limit))
+    for (data,) in rows:
+        incident = json.loads(data).get("incident")
+        if isinstance(incident, dict) and isinstance(incident.get("id"), int):
+            latest.setdefault(incident["id"], incident)  # newest first: the first seen is the last state
+    return [latest[i] for i in sorted(latest)[-limit:]]
+
+
 def insert_event(conn: sqlite3.Connection, run_id: int, *, now: float, kind: str, actor: str, reason: str,
                  generation: int | None, data: dict[str, Any]) -> int:
     cur = conn.execute(
