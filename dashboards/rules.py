@@ -24,7 +24,7 @@ from trainguard.dashboards.thresholds import (
     STRAGGLER_RATIO,
     TOKEN_KL_MAX,
 )
-from trainguard.protocol.wire import COMMANDS
+from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS
 
 __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
@@ -42,9 +42,10 @@ __all__ = [
 #: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
 #: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``: the
-#: protocol's commands except ``resume`` (an alert never resumes a run). ``lr_scale`` multiplies the
-#: run's lr_scale by ``trainguard_lr_factor``, clamped to [LR_SCALE_MIN, LR_SCALE_MAX] as a rule's is.
-CONTROLLER_ACTIONS: tuple[str, ...] = tuple(c for c in COMMANDS if c != "resume")
+#: protocol's commands except ``resume`` (an alert never resumes a run), and the diagnoses the
+#: agents run (``memory_trace``, ``verify``). ``lr_scale`` multiplies the run's lr_scale by
+#: ``trainguard_lr_factor``, clamped to [LR_SCALE_MIN, LR_SCALE_MAX] as a rule's is.
+CONTROLLER_ACTIONS: tuple[str, ...] = (*(c for c in COMMANDS if c != "resume"), *DIAGNOSTIC_COMMANDS)
 #: Every ``trainguard_action`` value: ``notify`` alerts go to people (the webhook sink), not to
 #: the controller.
 ACTIONS = ("notify", *CONTROLLER_ACTIONS)

@@ -1,7 +1,8 @@
 """Alertmanager in: what an alert of a webhook (version 4) payload asks the controller to do.
 
 An alert acts when it is firing and carries a ``trainguard_action`` label naming a command
-(:data:`~trainguard.protocol.wire.COMMANDS`) and a run label (``trainguard_run`` or ``run``).
+(:data:`~trainguard.protocol.wire.COMMANDS`, or a diagnosis the agent runs: ``memory_trace``,
+``verify``) and a run label (``trainguard_run`` or ``run``).
 ``lr_scale`` takes ``trainguard_lr_scale`` (an absolute multiplier) or ``trainguard_lr_factor``
 (times the run's current multiplier, 0.5 when absent). The controller carries the command out
 through the same action code as its own rules, so a factor is clamped to
@@ -18,7 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from trainguard.service import statements as sql
 from trainguard.service.errors import Invalid, NotFound
-from trainguard.protocol.wire import COMMANDS
+from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS
 
 __all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR", "SeenKeys", "SEEN_KEPT"]
 
@@ -75,6 +76,10 @@ class AlertCommand:
     actor: str
 
 
+#: The ``trainguard_action`` values an alert may carry to the controller.
+ACTIONS: tuple[str, ...] = (*COMMANDS, *DIAGNOSTIC_COMMANDS)
+
+
 def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | None]:
     """The result entry of ``alert`` (fingerprint, startsAt, run, action; with an ``outcome`` when
     the alert does not act) and its command (``None`` when it does not act)."""
@@ -85,8 +90,8 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
     res: dict[str, Any] = {"fingerprint": fp, "startsAt": str(alert.get("startsAt", "")), "run": run, "action": action}
     if alert.get("status") != "firing" or not action:
         return res | {"outcome": "ignored", "detail": "not firing or no trainguard_action label"}, None
-    if action not in COMMANDS or not run:
-        return res | {"outcome": "error", "detail": f"unknown action {action!r} (actions are {', '.join(COMMANDS)}) or no run label"}, None
+    if action not in ACTIONS or not run:
+        return res | {"outcome": "error", "detail": f"unknown action {action!r} (actions are {', '.join(ACTIONS)}) or no run label"}, None
     scale = factor = None
     if action == "lr_scale":
         try:

@@ -121,7 +121,7 @@ def test_alertmanager_config_and_routing(tmp_path):
     for labels in (["alertname=Other"], ["alertname=TrainguardDataDuplicates", "trainguard_action=notify", "run=r1"]):
         plain = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), *labels).stdout
         assert plain.split() == ["webhook-sink"], labels
-    for action in ("lr_scale", "checkpoint", "stop"):
+    for action in ("lr_scale", "checkpoint", "stop", "rollback", "memory_trace", "verify"):
         routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config),
                       "alertname=X", f"trainguard_action={action}", "run=r1").stdout
         assert sorted(routed.replace(",", " ").split()) == ["trainguard-controller", "webhook-sink"], action

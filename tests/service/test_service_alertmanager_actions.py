@@ -47,3 +47,24 @@ def test_operator_scale_outside_the_range_is_refused(app_factory) -> None:
         assert c.post("/v1/runs/run-1/lr-scale", json={"scale": LR_SCALE_MIN / 2}).status_code == 422
         r = c.post("/v1/runs/run-1/lr-scale", json={"scale": LR_SCALE_MIN})
         assert r.status_code == 200 and r.json()["command"] == "lr_scale" and r.json()["desired"]["lr_scale"] == LR_SCALE_MIN
+
+
+def test_alerts_ask_the_agents_for_a_diagnosis(app_factory) -> None:
+    """``trainguard_action`` memory_trace / verify raise the run's sequence numbers, once per
+    alert, with the alert named as the reason; a repeat of the same alert changes nothing."""
+    with app_factory() as c:
+        register(c)
+        for action, field in (("memory_trace", "memory_trace_seq"), ("verify", "verify_seq")):
+            alert = {"status": "firing", "labels": {"alertname": f"Check{action}", "run": "run-1", "trainguard_action": action},
+                     "annotations": {"summary": f"please {action}"}, "startsAt": "2026-01-01T00:00:00Z", "fingerprint": action}
+            before = c.get("/v1/runs/run-1").json()["desired"]
+            res = c.post("/v1/alertmanager", json=_payload(alert)).json()["results"]
+            assert [r["outcome"] for r in res] == ["applied"], res
+            after = c.get("/v1/runs/run-1").json()["desired"]
+            assert after[field] == before[field] + 1 and after["generation"] == before["generation"] + 1
+            assert after["reason"] == f"alertmanager Check{action}: please {action}"
+            assert {k: v for k, v in after.items() if k not in (field, "generation", "reason")} == \
+                {k: v for k, v in before.items() if k not in (field, "generation", "reason")}
+            res = c.post("/v1/alertmanager", json=_payload(alert)).json()["results"]
+            assert [r["outcome"] for r in res] == ["duplicate"]
+            assert c.get("/v1/runs/run-1").json()["desired"] == after
