@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -75,13 +74,11 @@ def _median(x: np.ndarray) -> float:
     return float(s[n // 2]) if n % 2 else 0.5 * (float(s[n // 2 - 1]) + float(s[n // 2]))
 
 
-@functools.lru_cache(maxsize=64)
-def _centred_steps(n: int) -> tuple[np.ndarray, float]:
-    """Report indices 0..n-1 minus their mean, and their sum of squares (least-squares slope)."""
-    t = np.arange(n, dtype=np.float64)
-    tc = t - t.mean()
-    tc.flags.writeable = False
-    return tc, float(np.dot(tc, tc))
+def _finite_range(x: np.ndarray) -> tuple[float, float] | None:
+    """(min, max) of ``x`` when every value is finite, else None: two reductions instead of an
+    ``isfinite`` pass (a NaN makes both NaN, an infinity shows as the min or the max)."""
+    lo, hi = float(x.min()), float(x.max())
+    return (lo, hi) if -math.inf < lo and hi < math.inf else None
 
 
 def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -101,10 +98,10 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
     hist = w.series(rule.metric, rule.window + 1)[:-1]
     if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
             and len(hist) >= rule.min_history):
-        # Quick "no": every value finite (NaN and infinities would show in the min or the max) and
-        # the value below ratio x the window's minimum, hence below ratio x its median.
-        lo, hi = float(hist.min()), float(hist.max())
-        if 0 < lo and hi < math.inf and latest < rule.ratio * lo:
+        # Quick "no": every value finite and the value below ratio x the window's minimum, hence
+        # below ratio x its median.
+        bounds = _finite_range(hist)
+        if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
             return Finding(rule, False)
     finite = np.isfinite(hist)
     if not finite.all():
@@ -151,8 +148,8 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
         hist = w.rank_history(vec, 1)
         if len(hist):
             seen = True
-            if -math.inf < float(hist[-1].min()) and float(hist[-1].max()) < math.inf:
-                continue  # the usual case: a NaN or an infinity would show in the min or the max
+            if _finite_range(hist[-1]) is not None:
+                continue  # the usual case
             finite = np.isfinite(hist[-1])
             if finite.all():
                 continue
@@ -174,7 +171,7 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
         return Finding(rule, None)
     n = len(vals)
     if rule.direction == "not_decreasing":
-        tc, tt = _centred_steps(n)
+        tc, tt = triage.centred_steps(n)
         mean = vals.mean()
         slope = float(np.dot(tc, vals - mean) / tt)
         fitted_drop = -slope * (n - 1)
@@ -282,8 +279,8 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
         # Quick "no" on the newest row (the finding needs every row): every value finite and
         # positive, and the max below ratio x the min (hence below ratio x the median) or below
         # min_value.
-        lo, hi = float(hist[-1].min()), float(hist[-1].max())
-        if 0 < lo and hi < math.inf and (hi < rule.ratio * lo or hi < rule.min_value):
+        bounds = _finite_range(hist[-1])
+        if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
             return Finding(rule, False)
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:

@@ -14,7 +14,7 @@ import numpy as np
 from trainguard.service.rules import OscillationRule, RateRule
 from trainguard.service.window import RuleWindow
 
-__all__ = ["rate", "oscillation", "periodogram_peak"]
+__all__ = ["rate", "oscillation", "periodogram_peak", "centred_steps"]
 
 
 def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
@@ -41,9 +41,9 @@ def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _centred(n: int) -> tuple[np.ndarray, float]:
-    """0..n-1 minus its mean, and its sum of squares."""
+@functools.lru_cache(maxsize=64)
+def centred_steps(n: int) -> tuple[np.ndarray, float]:
+    """Report indices 0..n-1 minus their mean, and their sum of squares (least-squares slope)."""
     t = np.arange(n, dtype=np.float64) - (n - 1) / 2.0
     t.flags.writeable = False
     return t, float(np.dot(t, t))
@@ -53,7 +53,7 @@ def _detrended(values: np.ndarray) -> np.ndarray:
     """``values`` minus their least-squares line over 0..n-1 (closed form: what
     ``np.polyfit(t, values, 1)`` fits, without its SVD, which cost most of a report's rules)."""
     n = len(values)
-    t, tt = _centred(n)  # centred: the slope does not depend on the mean
+    t, tt = centred_steps(n)  # centred: the slope does not depend on the mean
     slope = float(np.dot(t, values)) / tt if n > 1 else 0.0
     return values - float(values.mean()) - slope * t
 
@@ -95,7 +95,7 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     share, period, acf = periodogram_peak(vals, resid)
     values.update(power_share=share, period_reports=period, autocorrelation=acf)
     periodic = share >= rule.min_power and rule.min_period <= period <= len(vals) / 2
-    if not (periodic and rel_amplitude >= rule.min_rel_amplitude):
+    if not periodic:
         return finding(rule, False, "", values)
     return finding(
         rule, True,
