@@ -8,6 +8,7 @@ a bare timeout; pytest shows those stacks in the test's captured stderr."""
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,8 +20,21 @@ import torch.multiprocessing as mp
 
 _DUMP_MARGIN_S = 15.0  # the stacks are written this long before the parent gives up
 
+# Ranks start from a fork server that has imported torch once instead of a fresh interpreter each
+# (``spawn``), which re-imported torch for every rank: on a 2-core machine those imports were about
+# half the distributed tests' time. The fork server was started by an earlier test, so a rank gets
+# the test's environment and working directory from the parent (:func:`_rank_main`), as a spawned one would inherit it.
+# Where there is no fork server (Windows), plain spawn.
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+if _START_METHOD == "forkserver":
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
 
-def _rank_main(rank: int, worker: Callable[..., None], init: str, out: str, dump_after: float) -> None:
+
+def _rank_main(rank: int, worker: Callable[..., None], init: str, out: str, dump_after: float,
+               environ: dict[str, str], cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     faulthandler.dump_traceback_later(dump_after, exit=True, file=sys.stderr)
     try:
         worker(rank, init, out)
@@ -36,8 +50,8 @@ def spawn_ranks(worker: Callable[..., None], world: int, tmp_path: Path, timeout
     ``out_dir/rank{r}.pt``. Fails when the ranks have not finished by ``timeout`` (each still
     running writes its threads' stacks to stderr first), and kills what is left."""
     dump_after = max(1.0, timeout - _DUMP_MARGIN_S)
-    ctx = mp.start_processes(_rank_main, args=(worker, f"file://{tmp_path}/store", str(tmp_path), dump_after),
-                             nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(worker, f"file://{tmp_path}/store", str(tmp_path), dump_after, dict(os.environ), os.getcwd()),
+                             nprocs=world, join=False, start_method=_START_METHOD)
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):
