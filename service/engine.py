@@ -71,10 +71,10 @@ class AlertBook:
         firing rule that is no longer among them (removed or disabled) resolves too."""
         out = Transition()
         for f in findings:
-            name = f.rule.name
-            t = self._tracks.get(name)
             if f.active is None:
                 continue
+            name = f.rule.name
+            t = self._tracks.get(name)
             if not f.active:
                 if t is not None and t.firing:
                     out.prior.append((name, True, t.last_fired))

@@ -34,6 +34,38 @@ class Finding:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+#: Per rule, its findings without an alert: (rule, inactive, no data). A report's evaluation gives
+#: mostly these, and a frozen dataclass costs ~1 us to build; the shared instances are immutable and
+#: their (empty) values are never read (only a fired finding's summary and values are recorded).
+_SETTLED: dict[int, tuple[Any, Finding, Finding]] = {}
+_SETTLED_MAX = 4096  # rule objects of replaced rule sets (a reload) are dropped when it is full
+
+
+def _settled(rule: Any, active: bool | None) -> Finding:
+    """The shared finding of ``rule`` with verdict ``active`` False or None."""
+    entry = _SETTLED.get(id(rule))
+    if entry is None or entry[0] is not rule:  # (the entry holds its rule, so its id is not reused)
+        if len(_SETTLED) >= _SETTLED_MAX:
+            _SETTLED.clear()
+        entry = _SETTLED[id(rule)] = (rule, Finding(rule, False), Finding(rule, None))
+    return entry[1] if active is False else entry[2]
+
+
+def _no(rule: Any) -> Finding:
+    return _settled(rule, False)
+
+
+def _unknown(rule: Any) -> Finding:
+    return _settled(rule, None)
+
+
+def _finding(rule: Any, active: bool | None, summary: str = "", values: dict[str, Any] | None = None) -> Finding:
+    """A finding as the triage rule kinds build it: shared when it fires no alert."""
+    if active is not True:
+        return _settled(rule, active)
+    return Finding(rule, True, summary, values if values is not None else {})
+
+
 def _num(x: float) -> float | str:
     """A float for JSON-friendly alert values (NaN/Inf as the wire's strings)."""
     if math.isnan(x):
@@ -46,15 +78,15 @@ def _num(x: float) -> float | str:
 def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Finding:
     latest = w.latest(rule.metric)
     if latest is None:
-        return Finding(rule, None)
+        return _unknown(rule)
     if rule.for_reports == 1 and not _OPS[rule.op](latest, rule.value):
-        return Finding(rule, False)  # the common case, without building the series
+        return _no(rule)  # the common case, without building the series
     vals = w.series(rule.metric, rule.for_reports)
     if len(vals) < rule.for_reports:
-        return Finding(rule, False)
+        return _no(rule)
     cmp = _OPS[rule.op]
     if not all(cmp(v, rule.value) for v in vals.tolist()):
-        return Finding(rule, False)
+        return _no(rule)
     last = float(vals[-1])
     return Finding(
         rule, True,
@@ -94,7 +126,7 @@ def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
 def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
-        return Finding(rule, None if latest is None else False)
+        return _settled(rule, None if latest is None else False)
     hist = w.series(rule.metric, rule.window + 1)[:-1]
     if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
             and len(hist) >= rule.min_history):
@@ -102,12 +134,12 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
         # below ratio x its median.
         bounds = _finite_range(hist)
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
-            return Finding(rule, False)
+            return _no(rule)
     finite = np.isfinite(hist)
     if not finite.all():
         hist = hist[finite]
     if len(hist) < rule.min_history:
-        return Finding(rule, None)
+        return _unknown(rule)
     if rule.baseline == "median":
         base = _median(hist)
         # The MAD is only needed for z-scores (an alert's values never show it in ratio mode).
@@ -116,11 +148,11 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
         base, scale = _ema(hist, 2.0 / (rule.window + 1))
     if rule.mode == "ratio":
         if base <= 0 or latest <= 0:
-            return Finding(rule, None)
+            return _unknown(rule)
         up, down = latest / base, base / latest
         score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
         if not score >= rule.ratio:
-            return Finding(rule, False)
+            return _no(rule)
         extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
         summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
     else:
@@ -128,7 +160,7 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
         z = (latest - base) / scale
         score = z if rule.direction == "up" else -z if rule.direction == "down" else abs(z)
         if not score >= rule.z:
-            return Finding(rule, False)
+            return _no(rule)
         extra = {"zscore": z, "scale": scale, "limit": rule.z}
         summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
     values = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist), **extra}
@@ -157,18 +189,18 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
             if len(ranks):
                 bad[f"ranks.{vec}"] = {int(r): _num(float(hist[-1][r])) for r in ranks[:16].tolist()}
     if not seen:
-        return Finding(rule, None)
+        return _unknown(rule)
     if not bad:
-        return Finding(rule, False)
+        return _no(rule)
     return Finding(rule, True, "non-finite " + ", ".join(bad), {"nonfinite": bad})
 
 
 def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
     if w.latest(rule.metric) is None:
-        return Finding(rule, None)
+        return _unknown(rule)
     vals = w.series(rule.metric, rule.window)
     if len(vals) < rule.window or not np.isfinite(vals).all():
-        return Finding(rule, None)
+        return _unknown(rule)
     n = len(vals)
     if rule.direction == "not_decreasing":
         tc, tt = triage.centred_steps(n)
@@ -177,7 +209,7 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
         fitted_drop = -slope * (n - 1)
         need = rule.min_rel_change * abs(float(mean))
         if not fitted_drop <= need:
-            return Finding(rule, False)
+            return _no(rule)
         return Finding(
             rule, True,
             f"{rule.metric} fell by {fitted_drop:.6g} over {n} reports (least squares; needs > {need:.6g})",
@@ -186,10 +218,10 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
     first, last = float(vals[0]), float(vals[-1])
     growth = last - first
     if not (growth > 0 and growth >= rule.min_rel_change * abs(first)):
-        return Finding(rule, False)
+        return _no(rule)
     monotonic = bool((vals[1:] >= vals[:-1]).all())
     if not monotonic:
-        return Finding(rule, False)
+        return _no(rule)
     return Finding(
         rule, True,
         f"{rule.metric} grew monotonically from {first:.6g} to {last:.6g} over {n} reports",
@@ -274,21 +306,21 @@ def _slowest(hist: np.ndarray) -> np.ndarray:
 def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
-        return Finding(rule, None)
+        return _unknown(rule)
     if rule.check == "spread" and hist.shape[1] >= 2:
         # Quick "no" on the newest row (the finding needs every row): every value finite and
         # positive, and the max below ratio x the min (hence below ratio x the median) or below
         # min_value.
         bounds = _finite_range(hist[-1])
         if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
-            return Finding(rule, False)
+            return _no(rule)
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:
-        return Finding(rule, None)
+        return _unknown(rule)
     if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
-        return Finding(rule, False)
+        return _no(rule)
     if rule.check == "spread" and len(hist) > 1 and len(set(_slowest(hist).tolist())) > 1:
-        return Finding(rule, False)  # a different rank on top each time is noise, not a straggler
+        return _no(rule)  # a different rank on top each time is noise, not a straggler
     values = {"vector": rule.vector, "check": rule.check, **_CHECKS[rule.check](rule, hist[-1])[1]}
     if rule.check == "spread":
         summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"
@@ -302,15 +334,15 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
 def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
     hist = w.rank_history(rule.vector, 1)
     if not len(hist):
-        return Finding(rule, None)
+        return _unknown(rule)
     row = hist[-1]
     judged = ~np.isnan(row)
     if not judged.any():
-        return Finding(rule, None)
+        return _unknown(rule)
     with np.errstate(invalid="ignore"):
         ranks = np.flatnonzero(judged & (row > rule.rel_tol))
     if not len(ranks):
-        return Finding(rule, False)
+        return _no(rule)
     kind = rule.vector.removesuffix("_desync")
     layers = [{"layer": d.layer, "rel_diff": _num(d.rel_diff), "ranks": list(d.ranks)}
               for d in getattr(w, "desync", ()) if d.kind == kind]
@@ -329,9 +361,10 @@ def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
 def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Finding:
     since = max(w.last_received, live_since)
     silent = now - since
-    active = silent >= rule.seconds
+    if not silent >= rule.seconds:
+        return _no(rule)
     return Finding(
-        rule, active, f"no report for {silent:.0f} s (limit {rule.seconds:g} s)" if active else "",
+        rule, True, f"no report for {silent:.0f} s (limit {rule.seconds:g} s)",
         {"silent_s": silent, "limit_s": rule.seconds, "last_report_at": w.last_received, "silent_since": since},
     )
 
@@ -339,8 +372,8 @@ def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -
 _EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
     ThresholdRule: _threshold, SpikeRule: _spike, NonFiniteRule: _nonfinite,
     TrendRule: _trend, CrossRankRule: _cross_rank, DesyncRule: _desync, AbsenceRule: _absence,
-    RateRule: lambda r, w, now: triage.rate(r, w, now, Finding),
-    OscillationRule: lambda r, w, now: triage.oscillation(r, w, now, Finding),
+    RateRule: lambda r, w, now: triage.rate(r, w, now, _finding),
+    OscillationRule: lambda r, w, now: triage.oscillation(r, w, now, _finding),
 }
 
 

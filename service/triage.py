@@ -89,14 +89,14 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     mean = abs(float(vals.mean()))
     amplitude = math.sqrt(2.0 * float(np.dot(resid, resid)) / len(resid))  # sqrt(2) x the residuals' std
     rel_amplitude = amplitude / mean if mean > 0 else math.inf
-    values = {"metric": rule.metric, "amplitude": amplitude, "rel_amplitude": rel_amplitude, "window": len(vals)}
     if rel_amplitude < rule.min_rel_amplitude:
-        return finding(rule, False, "", values)  # too small to matter: no spectrum needed (the usual case)
+        return finding(rule, False)  # too small to matter: no spectrum needed (the usual case)
     share, period, acf = periodogram_peak(vals, resid)
-    values.update(power_share=share, period_reports=period, autocorrelation=acf)
     periodic = share >= rule.min_power and rule.min_period <= period <= len(vals) / 2
     if not periodic:
-        return finding(rule, False, "", values)
+        return finding(rule, False)
+    values = {"metric": rule.metric, "amplitude": amplitude, "rel_amplitude": rel_amplitude, "window": len(vals),
+              "power_share": share, "period_reports": period, "autocorrelation": acf}
     return finding(
         rule, True,
         f"{rule.metric} oscillates with a period of {period:.3g} reports ({share:.0%} of its variance around the "

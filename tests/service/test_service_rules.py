@@ -440,3 +440,27 @@ def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None
         fired_count += expect
         quiet += not expect
     assert fired_count >= 20 and quiet >= 20
+
+
+def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bounded():
+    """A report's evaluation gives mostly "no" and "no data" findings; they are built once per rule
+    object and kept for at most a bounded number of rule objects (every rules reload makes new
+    ones), while a firing finding is always new and carries its values."""
+    from trainguard.service import evaluate as ev
+    from trainguard.service.rules import ThresholdRule
+    from trainguard.service.window import RunWindow
+
+    window = RunWindow(capacity=8, rank_capacity=2, world_size=1, created=0.0)
+    window.append(make_report(1, 1.0, {"m": 1.0}), 1.0)
+    reloads = ev._SETTLED_MAX + 500
+    for i in range(reloads):  # one rule set per reload, each with new rule objects
+        low = ThresholdRule(name="low", kind="threshold", metric="m", op=">", value=2.0, severity="warning", actions=[{"type": "notify"}])
+        high = ThresholdRule(name="high", kind="threshold", metric="m", op=">", value=0.5, severity="warning", actions=[{"type": "notify"}])
+        gone = ThresholdRule(name="gone", kind="threshold", metric="absent", op=">", value=0.5, severity="warning", actions=[{"type": "notify"}])
+        no, fired, unknown = ev.evaluate((low, high, gone), window, 1.0)
+        again = ev.evaluate((low, high, gone), window, 1.0)
+        assert (no.rule, no.active, unknown.rule, unknown.active) == (low, False, gone, None)
+        assert again[0] is no and again[2] is unknown  # shared within a rule object
+        assert fired.active is True and fired.values["value"] == 1.0 and again[1] is not fired
+        assert len(ev._SETTLED) <= ev._SETTLED_MAX
+    assert len(ev._SETTLED) < ev._SETTLED_MAX  # it was emptied once full, not grown
