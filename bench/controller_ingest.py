@@ -2,7 +2,7 @@
 ``POST /v1/runs/{run}/reports``.
 
 Starts one ``trainguard serve`` process (one uvicorn worker, a temporary SQLite file in WAL mode,
-the default rules) on loopback, registers ``--runs`` runs of a ``--world-size``-rank job, then
+the built-in rules, or ``--rules FILE``) on loopback, registers ``--runs`` runs of a ``--world-size``-rank job, then
 starts ``--clients`` load generator processes. Each opens ``--connections`` keep-alive HTTP/1.1
 connections (raw asyncio streams, uvloop when installed) and posts pre-serialised requests
 round-robin over the runs, one request in flight per connection, reading every full response and
@@ -221,6 +221,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=None, help="open loop: total reports/s to offer (default: closed loop, as fast as answered)")
     p.add_argument("--console-streams", type=int, default=0,
                    help="operator-console pages kept open meanwhile: live run streams (/ui/api/runs/RUN/stream) read to the end, one per run")
+    p.add_argument("--rules", type=Path, default=None,
+                   help="a rules file for the controller (default: the built-in rules), e.g. an older rule set to compare like with like")
     p.add_argument("--pin", action="store_true", help="pin the server to the first allowed core and the load generators to the others")
     args = p.parse_args()
     for name in ("runs", "world_size", "reports", "clients", "connections"):
@@ -241,7 +243,7 @@ def main() -> int:
         env = dict(os.environ, TRAINGUARD_OPERATOR_TOKENS="", TRAINGUARD_AGENT_TOKENS="")
         server = subprocess.Popen(
             [sys.executable, "-m", "trainguard.cli", "serve", "--host", _LOOPBACK, "--port", "0", "--db", str(Path(tmp) / "bench.db"),
-             "--log-level", "warning"],
+             "--log-level", "warning", *(["--rules", str(args.rules.resolve())] if args.rules else [])],
             stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
         )
         try:

@@ -204,7 +204,7 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
     n = len(vals)
     if rule.direction == "not_decreasing":
         tc, tt = triage.centred_steps(n)
-        mean = vals.mean()
+        mean = triage.mean_of(vals)
         slope = float(np.dot(tc, vals - mean) / tt)
         fitted_drop = -slope * (n - 1)
         need = rule.min_rel_change * abs(float(mean))

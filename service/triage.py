@@ -14,7 +14,7 @@ import numpy as np
 from trainguard.service.rules import OscillationRule, RateRule
 from trainguard.service.window import RuleWindow
 
-__all__ = ["rate", "oscillation", "periodogram_peak", "centred_steps"]
+__all__ = ["rate", "oscillation", "periodogram_peak", "centred_steps", "mean_of"]
 
 
 def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
@@ -49,13 +49,20 @@ def centred_steps(n: int) -> tuple[np.ndarray, float]:
     return t, float(np.dot(t, t))
 
 
-def _detrended(values: np.ndarray) -> np.ndarray:
+def _detrended(values: np.ndarray, mean: float | None = None) -> np.ndarray:
     """``values`` minus their least-squares line over 0..n-1 (closed form: what
-    ``np.polyfit(t, values, 1)`` fits, without its SVD, which cost most of a report's rules)."""
+    ``np.polyfit(t, values, 1)`` fits, without its SVD, which cost most of a report's rules);
+    ``mean``: the values' mean, when the caller has it."""
     n = len(values)
     t, tt = centred_steps(n)  # centred: the slope does not depend on the mean
     slope = float(np.dot(t, values)) / tt if n > 1 else 0.0
-    return values - float(values.mean()) - slope * t
+    return values - (mean_of(values) if mean is None else mean) - slope * t
+
+
+def mean_of(values: np.ndarray) -> float:
+    """The mean of a small 1-D array (``ndarray.mean`` goes through a Python-level wrapper that
+    costs several times the sum)."""
+    return float(values.sum()) / len(values)
 
 
 def periodogram_peak(values: np.ndarray, detrended: np.ndarray | None = None) -> tuple[float, float, float]:
@@ -85,8 +92,9 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     vals = w.series(rule.metric, rule.window)
     if len(vals) < rule.window or not np.isfinite(vals).all():
         return finding(rule, None)
-    resid = _detrended(vals)
-    mean = abs(float(vals.mean()))
+    mean = mean_of(vals)
+    resid = _detrended(vals, mean)
+    mean = abs(mean)
     amplitude = math.sqrt(2.0 * float(np.dot(resid, resid)) / len(resid))  # sqrt(2) x the residuals' std
     rel_amplitude = amplitude / mean if mean > 0 else math.inf
     if rel_amplitude < rule.min_rel_amplitude:
