@@ -48,6 +48,7 @@ EOF
     echo "CPU burner: pid $burner_pid ($(nproc) threads)"
 fi
 
+echo "code: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)'); $(nproc) cores; $("$PY" -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"
 echo "selection: -m '$MARKS' $*; $N runs; logs in $LOG_DIR"
 passed=0
 total_start=$(date +%s)
