@@ -442,7 +442,8 @@ def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None
     assert fired_count >= 20 and quiet >= 20
 
 
-def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bounded():
+
+def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bounded(monkeypatch):
     """A report's evaluation gives mostly "no" and "no data" findings; they are built once per rule
     object and kept for at most a bounded number of rule objects (every rules reload makes new
     ones), while a firing finding is always new and carries its values."""
@@ -450,17 +451,26 @@ def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bound
     from trainguard.service.rules import ThresholdRule
     from trainguard.service.window import RunWindow
 
+    monkeypatch.setattr(ev, "_SETTLED", {})  # (other tests' rules fill the module's cache)
+    monkeypatch.setattr(ev, "_SETTLED_MAX", 64)
     window = RunWindow(capacity=8, rank_capacity=2, world_size=1, created=0.0)
     window.append(make_report(1, 1.0, {"m": 1.0}), 1.0)
-    reloads = ev._SETTLED_MAX + 500
-    for i in range(reloads):  # one rule set per reload, each with new rule objects
-        low = ThresholdRule(name="low", kind="threshold", metric="m", op=">", value=2.0, severity="warning", actions=[{"type": "notify"}])
-        high = ThresholdRule(name="high", kind="threshold", metric="m", op=">", value=0.5, severity="warning", actions=[{"type": "notify"}])
-        gone = ThresholdRule(name="gone", kind="threshold", metric="absent", op=">", value=0.5, severity="warning", actions=[{"type": "notify"}])
-        no, fired, unknown = ev.evaluate((low, high, gone), window, 1.0)
-        again = ev.evaluate((low, high, gone), window, 1.0)
-        assert (no.rule, no.active, unknown.rule, unknown.active) == (low, False, gone, None)
-        assert again[0] is no and again[2] is unknown  # shared within a rule object
-        assert fired.active is True and fired.values["value"] == 1.0 and again[1] is not fired
-        assert len(ev._SETTLED) <= ev._SETTLED_MAX
-    assert len(ev._SETTLED) < ev._SETTLED_MAX  # it was emptied once full, not grown
+
+    def rule_set() -> tuple[ThresholdRule, ...]:
+        return tuple(ThresholdRule(name=name, kind="threshold", metric=metric, op=">", value=value, severity="warning",
+                                   actions=[{"type": "notify"}])
+                     for name, metric, value in (("low", "m", 2.0), ("high", "m", 0.5), ("gone", "absent", 0.5)))
+
+    rules = rule_set()
+    no, fired, unknown = ev.evaluate(rules, window, 1.0)
+    again = ev.evaluate(rules, window, 1.0)
+    assert (no.rule, no.active, unknown.rule, unknown.active) == (rules[0], False, rules[2], None)
+    assert again[0] is no and again[2] is unknown  # shared within a rule object
+    assert fired.active is True and fired.values["value"] == 1.0 and again[1] is not fired and again[1].active is True
+    sizes = []
+    for _ in range(200):  # one rule set per reload, each with new rule objects
+        reloaded = rule_set()
+        verdicts = [(f.rule, f.active) for f in ev.evaluate(reloaded, window, 1.0)]
+        assert verdicts == [(reloaded[0], False), (reloaded[1], True), (reloaded[2], None)]
+        sizes.append(len(ev._SETTLED))
+    assert max(sizes) <= 64 and min(sizes[-100:]) < 64  # emptied when full, never grown past the bound
