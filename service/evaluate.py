@@ -44,7 +44,7 @@ _SETTLED_MAX = 4096  # rule objects of replaced rule sets (a reload) are dropped
 def _settled(rule: Any, active: bool | None) -> Finding:
     """The shared finding of ``rule`` with verdict ``active`` False or None."""
     entry = _SETTLED.get(id(rule))
-    if entry is None or entry[0] is not rule:  # (the entry holds its rule, so its id is not reused)
+    if entry is None:  # (an entry holds its rule alive, so no other rule can have that id meanwhile)
         if len(_SETTLED) >= _SETTLED_MAX:
             _SETTLED.clear()
         entry = _SETTLED[id(rule)] = (rule, Finding(rule, False), Finding(rule, None))
