@@ -79,6 +79,12 @@ class LrRamp:
         self.min_increase = min_increase
         self.reset()
 
+    def copy(self) -> "LrRamp":
+        """A shallow copy (an undo record: taken on every report, so cheaper than ``copy.copy``)."""
+        new = LrRamp.__new__(LrRamp)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def reset(self) -> None:
         self.healthy_in_a_row = 0
         self.start_scale: float | None = None

@@ -32,7 +32,7 @@ from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
-from trainguard.service.rules import AbsenceRule, RuleSet, RulesError, default_rules_text, load_rules
+from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
@@ -754,7 +754,7 @@ class Controller:
         for st in list(self.runs.values()):
             if st.finished_at is not None or not live(st.desired):
                 continue
-            absence = tuple(r for r in self.rules.for_job(st.job) if isinstance(r, AbsenceRule))
+            absence = self.rules.absence_for_job(st.job)
             if not absence:
                 continue
             outcome = decide(evaluate(absence, st.window, now, live_since=st.live_since), st.book, st.desired, now, complete=False)

@@ -15,6 +15,7 @@ from trainguard.service.rules import (
     TrendRule,
 )
 from trainguard.service import triage
+from trainguard.service.numerics import all_finite, finite_range, mean_of, median
 from trainguard.service.window import RuleWindow
 
 __all__ = ["Finding", "evaluate"]
@@ -34,35 +35,16 @@ class Finding:
     values: dict[str, Any] = field(default_factory=dict)
 
 
-#: Per rule, its findings without an alert: (rule, inactive, no data). A report's evaluation gives
-#: mostly these, and a frozen dataclass costs ~1 us to build; the shared instances are immutable and
-#: their (empty) values are never read (only a fired finding's summary and values are recorded).
-_SETTLED: dict[int, tuple[Any, Finding, Finding]] = {}
-_SETTLED_MAX = 4096  # rule objects of replaced rule sets (a reload) are dropped when it is full
+#: What an evaluation function returns: a firing :class:`Finding`, or ``False`` (the condition does
+#: not hold) or ``None`` (no data to judge). :func:`evaluate` turns the last two into the rule's
+#: shared findings (see :class:`_Plan`).
+Verdict = Any
 
 
-def _settled(rule: Any, active: bool | None) -> Finding:
-    """The shared finding of ``rule`` with verdict ``active`` False or None."""
-    entry = _SETTLED.get(id(rule))
-    if entry is None:  # (an entry holds its rule alive, so no other rule can have that id meanwhile)
-        if len(_SETTLED) >= _SETTLED_MAX:
-            _SETTLED.clear()
-        entry = _SETTLED[id(rule)] = (rule, Finding(rule, False), Finding(rule, None))
-    return entry[1] if active is False else entry[2]
-
-
-def _no(rule: Any) -> Finding:
-    return _settled(rule, False)
-
-
-def _unknown(rule: Any) -> Finding:
-    return _settled(rule, None)
-
-
-def _finding(rule: Any, active: bool | None, summary: str = "", values: dict[str, Any] | None = None) -> Finding:
-    """A finding as the triage rule kinds build it: shared when it fires no alert."""
+def _finding(rule: Any, active: bool | None, summary: str = "", values: dict[str, Any] | None = None) -> Verdict:
+    """A verdict as the triage rule kinds build it: a Finding only when it fires."""
     if active is not True:
-        return _settled(rule, active)
+        return active
     return Finding(rule, True, summary, values if values is not None else {})
 
 
@@ -75,18 +57,18 @@ def _num(x: float) -> float | str:
     return float(x)
 
 
-def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Finding:
+def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None:
-        return _unknown(rule)
+        return None
     if rule.for_reports == 1 and not _OPS[rule.op](latest, rule.value):
-        return _no(rule)  # the common case, without building the series
+        return False  # the common case, without building the series
     vals = w.series(rule.metric, rule.for_reports)
     if len(vals) < rule.for_reports:
-        return _no(rule)
+        return False
     cmp = _OPS[rule.op]
     if not all(cmp(v, rule.value) for v in vals.tolist()):
-        return _no(rule)
+        return False
     last = float(vals[-1])
     return Finding(
         rule, True,
@@ -99,20 +81,6 @@ def _threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Finding:
 _MAD_TO_SIGMA = 1.482602218505602
 
 
-def _median(x: np.ndarray) -> float:
-    """Median of a small 1-D array (np.median costs ~30 us of overhead per call; this ~3 us)."""
-    s = np.sort(x)
-    n = len(s)
-    return float(s[n // 2]) if n % 2 else 0.5 * (float(s[n // 2 - 1]) + float(s[n // 2]))
-
-
-def _finite_range(x: np.ndarray) -> tuple[float, float] | None:
-    """(min, max) of ``x`` when every value is finite, else None: two reductions instead of an
-    ``isfinite`` pass (a NaN makes both NaN, an infinity shows as the min or the max)."""
-    lo, hi = float(x.min()), float(x.max())
-    return (lo, hi) if -math.inf < lo and hi < math.inf else None
-
-
 def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
     mean, var = float(x[0]), 0.0
     for v in x[1:].tolist():
@@ -123,36 +91,37 @@ def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
+def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
-        return _settled(rule, None if latest is None else False)
+        return None if latest is None else False
     hist = w.series(rule.metric, rule.window + 1)[:-1]
     if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
             and len(hist) >= rule.min_history):
         # Quick "no": every value finite and the value below ratio x the window's minimum, hence
         # below ratio x its median.
-        bounds = _finite_range(hist)
+        bounds = finite_range(hist)
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
-            return _no(rule)
-    finite = np.isfinite(hist)
-    if not finite.all():
-        hist = hist[finite]
+            return False
+    if not all_finite(hist):
+        hist = hist[np.isfinite(hist)]
     if len(hist) < rule.min_history:
-        return _unknown(rule)
+        return None
     if rule.baseline == "median":
-        base = _median(hist)
+        base = median(hist)
+        if rule.mode == "zscore" and (latest <= base if rule.direction == "up" else latest >= base if rule.direction == "down" else False):
+            return False  # on the quiet side of the median: no z-score in that direction reaches z > 0
         # The MAD is only needed for z-scores (an alert's values never show it in ratio mode).
-        scale = _MAD_TO_SIGMA * _median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan
+        scale = _MAD_TO_SIGMA * median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan
     else:
         base, scale = _ema(hist, 2.0 / (rule.window + 1))
     if rule.mode == "ratio":
         if base <= 0 or latest <= 0:
-            return _unknown(rule)
+            return None
         up, down = latest / base, base / latest
         score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
         if not score >= rule.ratio:
-            return _no(rule)
+            return False
         extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
         summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
     else:
@@ -160,14 +129,14 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Finding:
         z = (latest - base) / scale
         score = z if rule.direction == "up" else -z if rule.direction == "down" else abs(z)
         if not score >= rule.z:
-            return _no(rule)
+            return False
         extra = {"zscore": z, "scale": scale, "limit": rule.z}
         summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
     values = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist), **extra}
     return Finding(rule, True, summary, values)
 
 
-def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
+def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Verdict:
     seen = False
     bad: dict[str, Any] = {}
     if rule.metric is not None:
@@ -180,7 +149,7 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
         hist = w.rank_history(vec, 1)
         if len(hist):
             seen = True
-            if _finite_range(hist[-1]) is not None:
+            if all_finite(hist[-1]):
                 continue  # the usual case
             finite = np.isfinite(hist[-1])
             if finite.all():
@@ -189,27 +158,27 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Finding:
             if len(ranks):
                 bad[f"ranks.{vec}"] = {int(r): _num(float(hist[-1][r])) for r in ranks[:16].tolist()}
     if not seen:
-        return _unknown(rule)
+        return None
     if not bad:
-        return _no(rule)
+        return False
     return Finding(rule, True, "non-finite " + ", ".join(bad), {"nonfinite": bad})
 
 
-def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
+def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
     if w.latest(rule.metric) is None:
-        return _unknown(rule)
+        return None
     vals = w.series(rule.metric, rule.window)
-    if len(vals) < rule.window or not np.isfinite(vals).all():
-        return _unknown(rule)
+    if len(vals) < rule.window or not all_finite(vals):
+        return None
     n = len(vals)
     if rule.direction == "not_decreasing":
         tc, tt = triage.centred_steps(n)
-        mean = triage.mean_of(vals)
+        mean = mean_of(vals)
         slope = float(np.dot(tc, vals - mean) / tt)
         fitted_drop = -slope * (n - 1)
         need = rule.min_rel_change * abs(float(mean))
         if not fitted_drop <= need:
-            return _no(rule)
+            return False
         return Finding(
             rule, True,
             f"{rule.metric} fell by {fitted_drop:.6g} over {n} reports (least squares; needs > {need:.6g})",
@@ -218,10 +187,10 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Finding:
     first, last = float(vals[0]), float(vals[-1])
     growth = last - first
     if not (growth > 0 and growth >= rule.min_rel_change * abs(first)):
-        return _no(rule)
+        return False
     monotonic = bool((vals[1:] >= vals[:-1]).all())
     if not monotonic:
-        return _no(rule)
+        return False
     return Finding(
         rule, True,
         f"{rule.metric} grew monotonically from {first:.6g} to {last:.6g} over {n} reports",
@@ -234,7 +203,7 @@ def _spread(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str
     if finite.sum() < 2:
         return None, {}
     vals = np.where(finite, row, -np.inf)
-    med = _median(row[finite])
+    med = median(row[finite])
     top = int(np.argmax(vals))
     if med <= 0:
         if not (rule.min_value > 0 and row[top] > 0):
@@ -263,7 +232,7 @@ def _mismatch(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[s
     finite = np.isfinite(row)
     if not finite.any() or len(row) < 2:
         return None, {}
-    ref = _median(row[finite])
+    ref = median(row[finite])
     tol = rule.rel_tol * max(abs(ref), 1e-30)
     with np.errstate(invalid="ignore"):
         off = ~finite | (np.abs(row - ref) > tol)
@@ -303,24 +272,24 @@ def _slowest(hist: np.ndarray) -> np.ndarray:
     return np.argmax(np.where(np.isfinite(hist), hist, -np.inf), axis=1)
 
 
-def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
+def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Verdict:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
-        return _unknown(rule)
+        return None
     if rule.check == "spread" and hist.shape[1] >= 2:
         # Quick "no" on the newest row (the finding needs every row): every value finite and
         # positive, and the max below ratio x the min (hence below ratio x the median) or below
         # min_value.
-        bounds = _finite_range(hist[-1])
+        bounds = finite_range(hist[-1])
         if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
-            return _no(rule)
+            return False
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:
-        return _unknown(rule)
+        return None
     if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
-        return _no(rule)
+        return False
     if rule.check == "spread" and len(hist) > 1 and len(set(_slowest(hist).tolist())) > 1:
-        return _no(rule)  # a different rank on top each time is noise, not a straggler
+        return False  # a different rank on top each time is noise, not a straggler
     values = {"vector": rule.vector, "check": rule.check, **_CHECKS[rule.check](rule, hist[-1])[1]}
     if rule.check == "spread":
         summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"
@@ -331,18 +300,18 @@ def _cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Finding:
     return Finding(rule, True, summary, values)
 
 
-def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
+def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Verdict:
     hist = w.rank_history(rule.vector, 1)
     if not len(hist):
-        return _unknown(rule)
+        return None
     row = hist[-1]
     judged = ~np.isnan(row)
     if not judged.any():
-        return _unknown(rule)
+        return None
     with np.errstate(invalid="ignore"):
         ranks = np.flatnonzero(judged & (row > rule.rel_tol))
     if not len(ranks):
-        return _no(rule)
+        return False
     kind = rule.vector.removesuffix("_desync")
     layers = [{"layer": d.layer, "rel_diff": _num(d.rel_diff), "ranks": list(d.ranks)}
               for d in getattr(w, "desync", ()) if d.kind == kind]
@@ -358,18 +327,18 @@ def _desync(rule: DesyncRule, w: RuleWindow, now: float) -> Finding:
     )
 
 
-def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Finding:
+def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -math.inf) -> Verdict:
     since = max(w.last_received, live_since)
     silent = now - since
     if not silent >= rule.seconds:
-        return _no(rule)
+        return False
     return Finding(
         rule, True, f"no report for {silent:.0f} s (limit {rule.seconds:g} s)",
         {"silent_s": silent, "limit_s": rule.seconds, "last_report_at": w.last_received, "silent_since": since},
     )
 
 
-_EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
+_EVAL: dict[type, Callable[[Any, RuleWindow, float], Verdict]] = {
     ThresholdRule: _threshold, SpikeRule: _spike, NonFiniteRule: _nonfinite,
     TrendRule: _trend, CrossRankRule: _cross_rank, DesyncRule: _desync, AbsenceRule: _absence,
     RateRule: lambda r, w, now: triage.rate(r, w, now, _finding),
@@ -377,12 +346,53 @@ _EVAL: dict[type, Callable[[Any, RuleWindow, float], Finding]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A rule set made ready to evaluate: per rule, its function, its "no" and "no data" findings
+    (built once and shared: a report's evaluation gives mostly these, and a frozen dataclass
+    costs ~1 us to build; their empty values are never read, only a fired finding's are
+    recorded) and, for a rule that reads only one per-rank vector, that vector (no data while
+    the run has never sent it, without a call)."""
+
+    rules: tuple[Any, ...]  # (held: the plans are keyed by the identity of this tuple)
+    steps: tuple[tuple[Callable[[Any, RuleWindow, float], Verdict], Any, Finding, Finding, str | None], ...]
+
+    @classmethod
+    def of(cls, rules: tuple[Any, ...]) -> "_Plan":
+        return cls(rules, tuple(
+            (_EVAL[type(r)], r, Finding(r, False), Finding(r, None), getattr(r, "vector", None)) for r in rules
+        ))
+
+
+#: Plans by the identity of their rules tuple (a rules reload makes a new tuple; the controller
+#: keeps one per job). Emptied when full.
+_PLANS: dict[int, _Plan] = {}
+_PLANS_MAX = 256
+
+
+def _plan(rules: tuple[Any, ...]) -> _Plan:
+    plan = _PLANS.get(id(rules))  # (a plan holds its tuple alive: no other object can have that id meanwhile)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[id(rules)] = _Plan.of(rules)
+    return plan
+
+
 def evaluate(rules: tuple[Any, ...], window: RuleWindow, now: float, *, live_since: float | None = None) -> list[Finding]:
-    """Every rule's verdict on ``window`` at time ``now``. Pure: no I/O, no mutation.
+    """Every rule's finding on ``window`` at time ``now``, in the order of ``rules``. Pure: no I/O,
+    no mutation.
 
     ``live_since``: when the run last became live (registered, re-registered, unpaused); absence
     rules count silence from the later of it and the last report. The controller's ticker passes
     it; a report's own evaluation need not (its arrival is the newest sign of life)."""
-    if live_since is None:
-        return [_EVAL[type(r)](r, window, now) for r in rules]
-    return [_absence(r, window, now, live_since) if type(r) is AbsenceRule else _EVAL[type(r)](r, window, now) for r in rules]
+    seen = window.vectors_seen
+    out: list[Finding] = []
+    append = out.append
+    for fn, rule, no, unknown, vector in _plan(rules).steps:
+        if vector is not None and vector not in seen:
+            append(unknown)
+            continue
+        v = fn(rule, window, now) if live_since is None or fn is not _absence else _absence(rule, window, now, live_since)
+        append(no if v is False else unknown if v is None else v)
+    return out

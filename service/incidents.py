@@ -39,7 +39,6 @@ outcome); a controller restart starts it afresh.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from collections import deque
@@ -190,7 +189,7 @@ class RunRecovery:
             "open": None if open_ is None else (open_, open_.as_dict()),
             "healthy_metric": list(self._healthy_metric),
             "healthy_lr": list(self._healthy_lr),
-            "ramp": copy.copy(self.ramp),
+            "ramp": self.ramp.copy(),
         }
 
     def restore(self, saved: dict[str, Any]) -> None:

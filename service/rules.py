@@ -400,10 +400,17 @@ class RuleSet:
     text: str
     by_job: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     base: tuple[Any, ...] = ()
+    absence_by_job: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    absence_base: tuple[Any, ...] = ()
 
     def for_job(self, job: str) -> tuple[Any, ...]:
         """The enabled rules that apply to ``job``."""
         return self.by_job.get(job, self.base)
+
+    def absence_for_job(self, job: str) -> tuple[Any, ...]:
+        """The enabled absence rules that apply to ``job`` (what the controller's clock evaluates;
+        the same tuple each time, so the evaluation's plan for it is made once)."""
+        return self.absence_by_job.get(job, self.absence_base)
 
     def capacity_needed(self) -> tuple[int, int]:
         """(reports, per-rank reports) the largest rule window needs."""
@@ -463,7 +470,11 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
     reasons: list[str] = []
     base = tuple(r for r in file.rules if r.enabled)
     by_job = {job: _resolve_job(file.rules, job, patches, reasons) for job, patches in file.jobs.items()}
-    rs = RuleSet(file=file, text=text.decode() if isinstance(text, bytes) else text, by_job=by_job, base=base)
+    def absence(rules: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(r for r in rules if isinstance(r, AbsenceRule))
+
+    rs = RuleSet(file=file, text=text.decode() if isinstance(text, bytes) else text, by_job=by_job, base=base,
+                 absence_by_job={job: absence(rules) for job, rules in by_job.items()}, absence_base=absence(base))
     reports, rank_reports = rs.capacity_needed()
     if max_reports is not None and reports > max_reports:
         reasons.append(f"a rule needs {reports} reports of history; the controller keeps {max_reports} (TRAINGUARD_WINDOW_REPORTS)")

@@ -72,7 +72,7 @@ def insert_report(conn: sqlite3.Connection, run_id: int, seq: int, report: Any, 
     if ranks:
         present = [i for i, name in enumerate(vector_names) if name in ranks]
         mask = sum(1 << i for i in present)
-        blob = np.stack([ranks[vector_names[i]] for i in present]).tobytes()
+        blob = b"".join([ranks[vector_names[i]].tobytes() for i in present])  # the rows of a (vectors, world) matrix
     conn.execute(
         "INSERT INTO reports (run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks)"
         " VALUES (?,?,?,?,?,?,?,?,?,?)",

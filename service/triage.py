@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from trainguard.service.numerics import all_finite, mean_of, power_spectrum
 from trainguard.service.rules import OscillationRule, RateRule
 from trainguard.service.window import RuleWindow
 
-__all__ = ["rate", "oscillation", "periodogram_peak", "centred_steps", "mean_of"]
+__all__ = ["rate", "oscillation", "periodogram_peak", "centred_steps"]
 
 
 def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
@@ -59,27 +60,21 @@ def _detrended(values: np.ndarray, mean: float | None = None) -> np.ndarray:
     return values - (mean_of(values) if mean is None else mean) - slope * t
 
 
-def mean_of(values: np.ndarray) -> float:
-    """The mean of a small 1-D array (``ndarray.mean`` goes through a Python-level wrapper that
-    costs several times the sum)."""
-    return float(values.sum()) / len(values)
-
-
 def periodogram_peak(values: np.ndarray, detrended: np.ndarray | None = None) -> tuple[float, float, float]:
     """(share of the detrended variance in the strongest frequency and its two neighbours,
     period in reports, lag-``period`` autocorrelation) of ``values`` after removing the
     least-squares line (``detrended``, when the caller has it already)."""
     n = len(values)
     x = _detrended(values) if detrended is None else detrended
-    if not np.abs(x).max() > 1e-12 * max(float(np.abs(values).max()), 1e-300):
+    if not np.maximum.reduce(np.abs(x)) > 1e-12 * max(float(np.maximum.reduce(np.abs(values))), 1e-300):
         return 0.0, math.inf, 0.0  # nothing around the line but rounding
-    power = np.abs(np.fft.rfft(x)) ** 2
+    power = power_spectrum(x)
     power[0] = 0.0
-    total = float(power.sum())
+    total = float(np.add.reduce(power))
     if total <= 0:
         return 0.0, math.inf, 0.0
-    k = int(np.argmax(power))
-    share = float(power[max(k - 1, 1):k + 2].sum()) / total
+    k = int(power.argmax())
+    share = float(np.add.reduce(power[max(k - 1, 1):k + 2])) / total
     period = n / k
     lag = int(round(period))
     acf = float(np.dot(x[:-lag], x[lag:]) / np.dot(x, x)) if 0 < lag < n else 0.0
@@ -90,7 +85,7 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     if w.latest(rule.metric) is None:
         return finding(rule, None)
     vals = w.series(rule.metric, rule.window)
-    if len(vals) < rule.window or not np.isfinite(vals).all():
+    if len(vals) < rule.window or not all_finite(vals):
         return finding(rule, None)
     mean = mean_of(vals)
     resid = _detrended(vals, mean)

@@ -47,6 +47,11 @@ class RuleWindow(Protocol):
     def rank_history(self, vector: str, last: int) -> np.ndarray:
         """The newest ``last`` reports' per-rank ``vector`` that were present, shape (k, world)."""
 
+    @property
+    def vectors_seen(self) -> "set[str] | frozenset[str]":
+        """The per-rank vectors any report in this history carried (``rank_history`` of any other
+        is empty)."""
+
 
 class RunWindow:
     """Ring buffers holding the newest ``capacity`` reports of one run.
@@ -66,7 +71,7 @@ class RunWindow:
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
         "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
-        "_keys", "_cols", "desync", "_seen_vectors",
+        "_keys", "_cols", "desync", "_seen_vectors", "_absent_at", "_absent_cols", "_rank_absent_at",
     )
 
     def __init__(self, *, capacity: int, rank_capacity: int, world_size: int, created: float) -> None:
@@ -83,6 +88,11 @@ class RunWindow:
         #: The newest report's ``desync`` list (layers whose fingerprints differ across ranks).
         self.desync: tuple[Any, ...] = ()
         self.columns: dict[str, int] = {}
+        self._absent_at: list[int] = []
+        """Per column, the sequence number of the newest report that lacked it (an upper bound
+        after a rollback): the newest ``n`` reports all carry the column when it is <= count - n,
+        which spares :meth:`series` a pass over the presence mask."""
+        self._absent_cols: list[int] = []  # the columns the last appended report lacked
         self._set_values(np.full((2, capacity, 16), math.nan), np.zeros((2, capacity, 16), dtype=bool))
         self._received = np.zeros(capacity)
         self._step = np.zeros(capacity, dtype=np.int64)
@@ -105,6 +115,7 @@ class RunWindow:
         self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
         self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
         self._rank_seq = np.zeros(self.rank_capacity, dtype=np.int64)
+        self._rank_absent_at = [0] * len(VECTORS)  # as ``_absent_at``, per vector, in rank_count
 
     # -- writing ---------------------------------------------------------------------------
     def _column(self, name: str) -> int:
@@ -116,6 +127,7 @@ class RunWindow:
                 self._set_values(np.concatenate([self._values2, np.full(grow, math.nan)], axis=2),
                                  np.concatenate([self._present2, np.zeros(grow, dtype=bool)], axis=2))
             self.columns[name] = col
+            self._absent_at.append(self.count)  # the reports so far lack it
         return col
 
     def append(self, report: Report, received: float) -> None:
@@ -130,27 +142,34 @@ class RunWindow:
         row = self.count % self.capacity
         keys = tuple(values)
         if keys != self._keys:
-            self._cols = np.array([self._column(name) for name in keys], dtype=np.intp)
+            cols = [self._column(name) for name in keys]
+            self._cols = np.array(cols, dtype=np.intp)
             self._keys = keys
+            carried = set(cols)
+            self._absent_cols = [c for c in range(len(self.columns)) if c not in carried]
         self._present2[:, row] = False
         self._values2[:, row, self._cols] = list(values.values())
         self._present2[:, row, self._cols] = True
         self._received[row] = received
         self._step[row] = step_last
         self.count += 1
+        for c in self._absent_cols:
+            self._absent_at[c] = self.count
         self._written += 1
         self._last_received = received
         if ranks:
             rrow = self.rank_count % self.rank_capacity
+            self.rank_count += 1
             for i, name in enumerate(VECTORS):
                 vec = ranks.get(name)
                 if vec is not None:
                     self._ranks[rrow, i] = vec
+                else:
+                    self._rank_absent_at[i] = self.rank_count
             self._rank_mask[rrow] = [name in ranks for name in VECTORS]
             if not self._seen_vectors.issuperset(ranks):
                 self._seen_vectors.update(ranks)
             self._rank_seq[rrow] = self.count
-            self.rank_count += 1
 
     def save_next(self, *, ranks: bool) -> tuple[Any, ...]:
         """What the next :meth:`append_raw` (with per-rank ``ranks`` or not) overwrites, for
@@ -214,8 +233,9 @@ class RunWindow:
         if col is None or not self.count or last < 1:
             return _EMPTY
         end = (self.count - 1) % self.capacity + self.capacity + 1
-        start = end - min(last, self.size)
-        if self._present[start:end, col].all():  # the common case: every recent report carries it
+        n = min(last, self.size)
+        start = end - n
+        if self._absent_at[col] <= self.count - n:  # the common case: every recent report carries it
             out = self._values[start:end, col]
         else:  # reports may skip a metric: take the newest ``last`` rows that carry it
             start = end - self.size
@@ -231,6 +251,11 @@ class RunWindow:
             out.flags.writeable = False
             return out
         first = (self.rank_count - n) % self.rank_capacity
+        every = self._rank_absent_at[i] <= self.rank_count - n  # each of the n reports carried it
+        if every and first + n <= self.rank_capacity:  # the common case: a view
+            out = self._ranks[first : first + n, i]
+            out.flags.writeable = False
+            return out
         if first + n <= self.rank_capacity:  # contiguous in the ring: a view
             rows, mask = self._ranks[first : first + n, i], self._rank_mask[first : first + n, i]
         else:  # wrapped: oldest part at the end of the ring, newest at its start
@@ -240,6 +265,10 @@ class RunWindow:
         out = rows if mask.all() else rows[mask]
         out.flags.writeable = False
         return out
+
+    @property
+    def vectors_seen(self) -> set[str]:
+        return self._seen_vectors
 
     def latest_values(self) -> dict[str, float]:
         """The newest report's job-level values (for status pages)."""

@@ -443,16 +443,16 @@ def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None
 
 
 
-def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bounded(monkeypatch):
+def test_findings_without_an_alert_are_shared_per_rule_set_and_their_memory_is_bounded(monkeypatch):
     """A report's evaluation gives mostly "no" and "no data" findings; they are built once per rule
-    object and kept for at most a bounded number of rule objects (every rules reload makes new
-    ones), while a firing finding is always new and carries its values."""
+    set (the plan of a rules tuple) and kept for at most a bounded number of rule sets (every rules
+    reload makes new ones), while a firing finding is always new and carries its values."""
     from trainguard.service import evaluate as ev
     from trainguard.service.rules import ThresholdRule
     from trainguard.service.window import RunWindow
 
-    monkeypatch.setattr(ev, "_SETTLED", {})  # (other tests' rules fill the module's cache)
-    monkeypatch.setattr(ev, "_SETTLED_MAX", 64)
+    monkeypatch.setattr(ev, "_PLANS", {})  # (other tests' rule sets fill the module's cache)
+    monkeypatch.setattr(ev, "_PLANS_MAX", 16)
     window = RunWindow(capacity=8, rank_capacity=2, world_size=1, created=0.0)
     window.append(make_report(1, 1.0, {"m": 1.0}), 1.0)
 
@@ -465,12 +465,12 @@ def test_findings_without_an_alert_are_shared_per_rule_and_their_memory_is_bound
     no, fired, unknown = ev.evaluate(rules, window, 1.0)
     again = ev.evaluate(rules, window, 1.0)
     assert (no.rule, no.active, unknown.rule, unknown.active) == (rules[0], False, rules[2], None)
-    assert again[0] is no and again[2] is unknown  # shared within a rule object
+    assert again[0] is no and again[2] is unknown  # shared within a rule set
     assert fired.active is True and fired.values["value"] == 1.0 and again[1] is not fired and again[1].active is True
     sizes = []
-    for _ in range(200):  # one rule set per reload, each with new rule objects
+    for _ in range(100):  # one rule set per reload, each with new rule objects
         reloaded = rule_set()
         verdicts = [(f.rule, f.active) for f in ev.evaluate(reloaded, window, 1.0)]
         assert verdicts == [(reloaded[0], False), (reloaded[1], True), (reloaded[2], None)]
-        sizes.append(len(ev._SETTLED))
-    assert max(sizes) <= 64 and min(sizes[-100:]) < 64  # emptied when full, never grown past the bound
+        sizes.append(len(ev._PLANS))
+    assert max(sizes) <= 16 and min(sizes[-50:]) < 16  # emptied when full, never grown past the bound

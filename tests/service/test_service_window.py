@@ -86,3 +86,50 @@ def test_rows_keep_their_sequence_numbers_across_a_reload() -> None:
     assert [(seq, step) for seq, step, _, _ in w.rows()] == [(101, 7), (102, 8), (103, 9)]
     assert [seq for seq, _ in w.rank_rows()] == [102, 103]
     assert w.rows(102) == [(103, 9, 3.0, {"loss": 2.0})]
+
+
+@pytest.mark.parametrize("capacity, rank_capacity, reload_at", [(8, 3, 0), (6, 2, 50), (16, 5, 0)])
+def test_reads_match_a_naive_history_through_gaps_rollbacks_and_a_reload(capacity: int, rank_capacity: int, reload_at: int) -> None:
+    # Metrics and vectors that every report carries, with runs of reports that lack some of them (a
+    # metric logged every k steps, one that appears late), and appends taken back (a failed commit):
+    # the reads that skip the presence mask when every recent report carried the name must agree
+    # with a naive history in each of these cases.
+    rng = random.Random(capacity + 31 * rank_capacity + reload_at)
+    world = 2
+    w = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world, created=0.0)
+    w.count = reload_at
+    history: list[dict[str, float]] = []
+    rank_history: list[dict[str, list[float]]] = []
+    gap_until = {"every": -1, "bursty": -1, "late": 40, "rare": -1}
+    vec_gap_until = {v: -1 for v in VECTORS}
+    for i in range(160):
+        for name in ("bursty", "rare"):
+            if i > gap_until[name] and rng.random() < (0.08 if name == "bursty" else 0.5):
+                gap_until[name] = i + rng.randrange(1, capacity + 2)
+        for v in VECTORS[:3]:
+            if i > vec_gap_until[v] and rng.random() < 0.1:
+                vec_gap_until[v] = i + rng.randrange(1, rank_capacity + 2)
+        values = {n: rng.choice([rng.gauss(0, 1), rng.gauss(0, 1), math.nan]) for n, until in gap_until.items() if i > until}
+        ranks = {v: [rng.gauss(0, 1) for _ in range(world)] for v in VECTORS[:4] if i > vec_gap_until[v]}
+        if i % 7 == 3:
+            ranks = {}  # a report without per-rank vectors
+        saved = w.save_next(ranks=bool(ranks))
+        w.append_raw(values, {k: np.asarray(v) for k, v in ranks.items()}, i, float(i))
+        if rng.random() < 0.15:  # its commit failed: the append is taken back
+            assert w.rollback(saved)
+        else:
+            history.append(values)
+            if ranks:
+                rank_history.append(ranks)
+        recent = history[-capacity:]
+        for n in gap_until:
+            carried = [r[n] for r in recent if n in r]
+            for last in (1, 2, 3, capacity - 1, capacity, capacity + 1):
+                got = w.series(n, last)
+                assert _same(carried[max(0, len(carried) - last):], got), (i, n, last)
+        rrecent = rank_history[-rank_capacity:]
+        for v in VECTORS[:5]:
+            for last in (1, 2, rank_capacity, rank_capacity + 1):
+                rows = [r[v] for r in rrecent[len(rrecent) - min(last, len(rrecent)):] if v in r]
+                got = w.rank_history(v, last)
+                assert got.shape == (len(rows), world) and all(_same(a, b) for a, b in zip(rows, got)), (i, v, last)
