@@ -1,5 +1,6 @@
 """Rule evaluation: each rule kind as a pure function of a :class:`~service.window.RuleWindow`
-(and, for absence rules, the time) giving a :class:`Finding`. No I/O."""
+(and, for absence rules, the time) giving a verdict, which :func:`evaluate` turns into a
+:class:`Finding` per rule. No I/O."""
 
 from __future__ import annotations
 
