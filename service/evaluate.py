@@ -152,12 +152,8 @@ def _nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Verdict:
             seen = True
             if all_finite(hist[-1]):
                 continue  # the usual case
-            finite = np.isfinite(hist[-1])
-            if finite.all():
-                continue
-            ranks = np.flatnonzero(~finite)
-            if len(ranks):
-                bad[f"ranks.{vec}"] = {int(r): _num(float(hist[-1][r])) for r in ranks[:16].tolist()}
+            ranks = np.flatnonzero(~np.isfinite(hist[-1]))  # (not empty: all_finite said some rank is not finite)
+            bad[f"ranks.{vec}"] = {int(r): _num(float(hist[-1][r])) for r in ranks[:16].tolist()}
     if not seen:
         return None
     if not bad:
