@@ -1,0 +1,123 @@
+"""The wheel that ``pip install trainguard`` installs: every package directory of the checkout is
+in it, under the import name pyproject's package-dir gives it, with the data files the code reads.
+
+The wheel is built from a copy of the files the Dockerfile copies (so nothing is written into the
+checkout), with pip and the environment's setuptools (no download).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Source folder -> the import name pyproject's package-dir installs it under.
+SOURCE_TO_IMPORT = {"trainguard": "trainguard", "service": "trainguard.service",
+                    "dashboards": "trainguard.dashboards", "trainer_agent": "trainer_agent"}
+#: What a build reads from the checkout (the Dockerfile copies the same).
+BUILD_INPUTS = ("pyproject.toml", "README.md", *SOURCE_TO_IMPORT)
+
+
+def package_dirs(root: Path = ROOT) -> dict[str, str]:
+    """Every folder under the four source folders that holds an ``__init__.py`` -> the path its
+    ``__init__.py`` must have inside the wheel."""
+    found = {}
+    for source, import_name in SOURCE_TO_IMPORT.items():
+        for init in sorted((root / source).rglob("__init__.py")):
+            relative = init.parent.relative_to(root / source)
+            if "__pycache__" in relative.parts:
+                continue
+            installed = Path(*import_name.split("."), relative, "__init__.py").as_posix()
+            found[init.parent.relative_to(root).as_posix()] = installed
+    return found
+
+
+def build_wheel(source_root: Path, out: Path) -> Path:
+    work = out / "src"
+    work.mkdir()
+    for name in BUILD_INPUTS:
+        src = source_root / name
+        if src.is_dir():
+            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, work / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(out / "dist"), str(work)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (out / "dist").glob("trainguard-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set[str]:
+    wheel = build_wheel(ROOT, tmp_path_factory.mktemp("wheel"))
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def test_the_checkout_has_the_package_dirs_this_test_walks():
+    dirs = package_dirs()
+    # the folders the README's imports and the extras rely on, found by the walk itself
+    assert {"trainer_agent/integrations", "trainer_agent/data", "service/routes", "trainguard/protocol",
+            "trainguard/demo", "dashboards"} <= dirs.keys()
+    assert dirs["service/routes"] == "trainguard/service/routes/__init__.py"
+    assert dirs["trainer_agent/integrations"] == "trainer_agent/integrations/__init__.py"
+
+
+def test_every_package_dir_is_in_the_wheel(wheel_names):
+    missing = sorted(src for src, installed in package_dirs().items() if installed not in wheel_names)
+    assert not missing, f"package directories missing from the wheel (pyproject.toml [tool.setuptools] packages): {missing}"
+    # and every module of each package, not only its __init__
+    for source, import_name in SOURCE_TO_IMPORT.items():
+        for module in (ROOT / source).rglob("*.py"):
+            if (module.parent / "__init__.py").is_file():
+                installed = Path(*import_name.split("."), module.relative_to(ROOT / source)).as_posix()
+                assert installed in wheel_names, installed
+
+
+def test_no_generic_top_level_name_is_installed(wheel_names):
+    top = {name.split("/")[0] for name in wheel_names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"trainguard", "trainer_agent"}
+
+
+@pytest.mark.parametrize("source_glob, installed_prefix", [
+    ("service/ui/*", "trainguard/service/ui/"),
+    ("service/ui/vendor/**/*", "trainguard/service/ui/vendor/"),
+    ("service/*.yaml", "trainguard/service/"),
+    ("dashboards/generated/**/*", "trainguard/dashboards/generated/"),
+    ("dashboards/promtool/*", "trainguard/dashboards/promtool/"),
+    ("trainguard/demo/*.yaml", "trainguard/demo/"),
+])
+def test_the_data_files_the_code_reads_are_in_the_wheel(wheel_names, source_glob, installed_prefix):
+    source_dir, _, pattern = source_glob.partition("/")
+    base = ROOT / source_dir
+    files = [p for p in base.glob(pattern) if p.is_file() and p.suffix not in (".py", ".pyc")]
+    if source_glob != "trainguard/demo/*.yaml":
+        assert files, source_glob
+    import_name = SOURCE_TO_IMPORT[source_dir]
+    for path in files:
+        installed = Path(*import_name.split("."), path.relative_to(base)).as_posix()
+        assert installed.startswith(installed_prefix) and installed in wheel_names, installed
+
+
+def test_the_check_fails_for_a_package_list_without_a_package(tmp_path):
+    """Built from a pyproject whose package list lacks trainer_agent.integrations (as 0.1.0's did),
+    the wheel misses that folder and the check names it."""
+    source = tmp_path / "checkout"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, source / name)
+    pyproject = (source / "pyproject.toml").read_text()
+    assert '"trainer_agent.integrations"' in pyproject
+    (source / "pyproject.toml").write_text(pyproject.replace('    "trainer_agent.integrations",\n', "", 1))
+    out = tmp_path / "out"
+    out.mkdir()
+    with zipfile.ZipFile(build_wheel(source, out)) as zf:
+        names = set(zf.namelist())
+    missing = [src for src, installed in package_dirs(source).items() if installed not in names]
+    assert missing == ["trainer_agent/integrations"]
