@@ -32,7 +32,7 @@ from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
-from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules
+from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules, require_rules
 from trainguard.service.runstate import RunState, action_names, live, target_address
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
@@ -737,8 +737,12 @@ class Controller:
     def validate_rules(self, text: str) -> RuleSet:
         return load_rules(text, max_reports=self.settings.window_reports, max_rank_reports=self.settings.rank_window_reports)
 
-    async def put_rules(self, text: str, actor: str) -> dict[str, Any]:
-        rules = self.validate_rules(text)  # RulesError -> 422 with the reasons; old rules stay
+    async def put_rules(self, text: str, actor: str, *, remove_all: bool = False) -> dict[str, Any]:
+        """Replace the rules. Parsing and validation run in a worker thread (a large file takes a
+        while and reports keep flowing meanwhile); a file without rules is refused unless it says
+        ``rules: []`` and ``remove_all`` confirms it (:func:`service.rules.require_rules`)."""
+        rules = await asyncio.to_thread(self.validate_rules, text)  # RulesError -> 422 with the reasons; old rules stay
+        require_rules(rules, remove_all=remove_all)
         now = self.clock()
         vid = await self.store.submit(lambda c: sql.insert_rules_version(c, text, "api", actor, now))
         self.rules = rules

@@ -33,6 +33,7 @@ and ``absence`` (no report for T seconds).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any, Literal, Union
@@ -45,11 +46,22 @@ from trainguard.service.window import VECTORS, RuleWindow
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "MemoryTraceAction",
+    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "CauseLadders", "MemoryTraceAction",
     "VerifyAction", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
     "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule",
-    "OscillationRule", "AbsenceRule",
+    "OscillationRule", "AbsenceRule", "MAX_RULES", "MAX_ACTIONS", "MAX_JOBS", "MAX_OVERRIDES", "MAX_NODES",
+    "REMOVE_ALL_PARAM", "require_rules",
 ]
+
+#: Limits of a rules file. Validation takes time in proportion to these, so a file within them is
+#: validated in well under a second; beyond them it is refused with the limit named. They bound
+#: the file *after* YAML aliases are expanded (``&anchor`` / ``*alias``): a 16 KB file whose
+#: aliases multiply through jobs, overrides and actions is refused before it is validated.
+MAX_RULES = 1000
+MAX_ACTIONS = 16  # per rule
+MAX_JOBS = 1000  # jobs with overrides
+MAX_OVERRIDES = 10_000  # overrides over all jobs
+MAX_NODES = 200_000  # YAML nodes (mappings, lists, scalars, keys included) with every alias expanded
 
 MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -168,8 +180,34 @@ Action = Annotated[
 ]
 
 #: The rungs of the escalation ladder. ``skip`` is taken by the agent itself (its spike guard);
-#: the controller takes the others.
-Rung = Literal["skip", "adaptive_lr", "rollback", "pause"]
+#: the controller takes the others. ``data_skip``: every rank skips the optimizer steps of the
+#: batches while the data stays out of bounds (the LR untouched); ``checkpoint``: a checkpoint;
+#: ``stop``: the run stops for a restart without the suspect node; ``experiment``: the bounded
+#: troubleshooting experiment of an incident of unknown cause (``service/incidents.py``).
+Rung = Literal["skip", "adaptive_lr", "rollback", "pause", "data_skip", "checkpoint", "stop", "experiment"]
+
+
+class CauseLadders(_Model):
+    """The rungs taken for each cause of an incident (``service/cause.py``). ``optimizer`` is the
+    ``ladder`` of the ``recovery`` section."""
+
+    data: tuple[Rung, ...] = ("skip", "data_skip", "rollback")
+    hardware: tuple[Rung, ...] = ("checkpoint", "pause")
+    unknown: tuple[Rung, ...] = ("skip", "experiment", "adaptive_lr", "rollback", "pause")
+
+    @model_validator(mode="after")
+    def _fits(self) -> "CauseLadders":
+        for cause, rungs, refused in (("data", self.data, {"adaptive_lr", "pause", "experiment"}),
+                                      ("hardware", self.hardware, {"adaptive_lr", "rollback", "experiment", "data_skip"}),
+                                      ("unknown", self.unknown, {"data_skip"})):
+            if len(set(rungs)) != len(rungs):
+                raise ValueError(f"ladders.{cause}: rungs must be distinct")
+            bad = sorted(refused & set(rungs))
+            if bad:
+                raise ValueError(f"ladders.{cause}: {', '.join(bad)} does not fit a fault of that cause")
+        if "pause" in self.hardware and "stop" in self.hardware:
+            raise ValueError("ladders.hardware: either pause (and page a human) or stop (for a restart without the node)")
+        return self
 
 
 class RecoveryPolicy(_Model):
@@ -190,6 +228,10 @@ class RecoveryPolicy(_Model):
     degrade_ratio: float = Field(default=1.5, gt=1.0, allow_inf_nan=False, description="The metric above this x its baseline is unhealthy.")
     ramp_steps: int = Field(default=400, ge=1, description="Steps over which lr_scale climbs back to 1.0 once the run is stable.")
     stable_reports: int = Field(default=3, ge=1, le=1000, description="Healthy reports in a row before the ramp starts.")
+    ladders: CauseLadders = Field(default_factory=CauseLadders, description="The rungs of an incident whose cause is data, hardware or unknown (an optimizer fault takes 'ladder').")
+    data_skip_steps: int = Field(default=8, ge=1, le=100_000, description="Steps a data_skip rung skips ahead; renewed while the window's data rules fire.")
+    data_skip_max_steps: int = Field(default=512, ge=1, le=1_000_000, description="Most steps one incident skips for its data (a change that lasts longer is the data's new normal).")
+    experiment_steps: int = Field(default=10, ge=2, le=10_000, description="Steps of the troubleshooting experiment of an incident of unknown cause.")
 
     @field_validator("ladder")
     @classmethod
@@ -203,7 +245,7 @@ class RecoveryPolicy(_Model):
 class _RuleBase(_Model):
     name: RuleName
     severity: Severity = "warning"
-    actions: tuple[Action, ...] = (NotifyAction(),)
+    actions: tuple[Action, ...] = Field(default=(NotifyAction(),), max_length=MAX_ACTIONS)
     cooldown_s: float = Field(default=300.0, ge=0, allow_inf_nan=False, description="After an alert, the rule cannot fire again for this long.")
     cap: int = Field(default=0, ge=0, description="At most this many alerts per cap_window_s (0: no cap).")
     cap_window_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
@@ -379,14 +421,13 @@ class RulesFile(_Model):
 
     version: Literal[1] = 1
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
-    rules: tuple[Rule, ...] = ()
-    jobs: dict[Name, tuple[dict[str, Any], ...]] = Field(default_factory=dict)
+    rules: tuple[Rule, ...] = Field(default=(), max_length=MAX_RULES)
+    jobs: dict[Name, tuple[dict[str, Any], ...]] = Field(default_factory=dict, max_length=MAX_JOBS)
 
     @field_validator("rules")
     @classmethod
     def _unique(cls, rules: tuple[Any, ...]) -> tuple[Any, ...]:
-        names = [r.name for r in rules]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = sorted(name for name, n in Counter(r.name for r in rules).items() if n > 1)
         if dup:
             raise ValueError(f"duplicate rule names: {', '.join(dup)}")
         return rules
@@ -448,12 +489,69 @@ def _fmt(err: Any) -> str:
     return f"{loc}: {err['msg']}" if loc else err["msg"]
 
 
+def _parse(text: str | bytes) -> Any:
+    """The YAML (or JSON) document, refused when it holds more than :data:`MAX_NODES` nodes with
+    its aliases expanded (counted on the composed node graph, before any object is built)."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        expanded = _expanded_nodes(node)
+        if expanded > MAX_NODES:
+            raise RulesError([f"the rules file holds more than {MAX_NODES:,} YAML nodes once its aliases are expanded "
+                              f"(the limit of a rules file); write the rules out without multiplying aliases"])
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _expanded_nodes(root: yaml.Node) -> int:
+    """How many nodes ``root`` has when every alias is written out, counting stops past
+    :data:`MAX_NODES` (iterative and memoised: linear in the distinct nodes; a node that holds
+    itself counts as too many)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    todo: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while todo:
+        node, done = todo.pop()
+        key = id(node)
+        if done:
+            children = _children(node)
+            sizes[key] = min(1 + sum(sizes[id(c)] for c in children), MAX_NODES + 1)
+            open_.discard(key)
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            return MAX_NODES + 1  # an alias to one of its own ancestors: infinitely large
+        open_.add(key)
+        todo.append((node, True))
+        todo.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
 def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_reports: int | None = None) -> RuleSet:
     """Parse and validate a rules file (YAML or JSON). ``RulesError`` lists every problem; the
-    capacity limits, when given, are those of the controller's windows."""
+    capacity limits, when given, are those of the controller's windows. The file must stay within
+    :data:`MAX_NODES`, :data:`MAX_RULES`, :data:`MAX_ACTIONS`, :data:`MAX_JOBS` and
+    :data:`MAX_OVERRIDES`."""
     try:
-        data = yaml.safe_load(text) if text else {}
+        data = _parse(text) if text else {}
     except yaml.YAMLError as e:
+        if "maximum nesting depth" in str(e):  # libyaml's own limit
+            raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
         raise RulesError([f"not valid YAML: {e}"]) from None
     except RecursionError:
         raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
@@ -461,6 +559,7 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
         data = {}
     if not isinstance(data, dict):
         raise RulesError(["the rules file must be a mapping with a 'rules' list"])
+    _check_counts(data)
     try:
         file = RulesFile.model_validate(data)
     except RecursionError:
@@ -483,6 +582,42 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
     if reasons:
         raise RulesError(reasons)
     return rs
+
+
+def _check_counts(data: dict[str, Any]) -> None:
+    """Refuse more rules, jobs or overrides than the limits before any of them is validated."""
+    reasons = []
+    rules, jobs = data.get("rules"), data.get("jobs")
+    if isinstance(rules, list) and len(rules) > MAX_RULES:
+        reasons.append(f"rules: {len(rules):,} rules; a rules file holds at most {MAX_RULES:,}")
+    if isinstance(jobs, dict):
+        if len(jobs) > MAX_JOBS:
+            reasons.append(f"jobs: overrides for {len(jobs):,} jobs; a rules file holds at most {MAX_JOBS:,}")
+        overrides = sum(len(p) for p in jobs.values() if isinstance(p, list))
+        if overrides > MAX_OVERRIDES:
+            reasons.append(f"jobs: {overrides:,} overrides in all; a rules file holds at most {MAX_OVERRIDES:,}")
+    if reasons:
+        raise RulesError(reasons)
+
+
+#: The query parameter of ``PUT /v1/rules`` that confirms a file with ``rules: []``.
+REMOVE_ALL_PARAM = "remove_all_rules"
+
+
+def require_rules(rules: RuleSet, *, remove_all: bool) -> None:
+    """Refuse replacing the rules by a file without any (an empty body, or one without a
+    ``rules`` list, would remove every rule, the built-in safety rules included), unless the file
+    says ``rules: []`` explicitly and ``remove_all`` confirms it."""
+    if rules.file.rules:
+        return
+    explicit = "rules" in rules.file.model_fields_set
+    if explicit and remove_all:
+        return
+    said = "says 'rules: []'" if explicit else "has no 'rules' list"
+    raise RulesError([
+        f"the file {said}: it would remove every rule, loss_nonfinite and the other safety rules included. "
+        "To turn one rule off, set 'enabled: false' on it; to really remove every rule, send 'rules: []' "
+        f"with ?{REMOVE_ALL_PARAM}=true"])
 
 
 def default_rules_text() -> str:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from trainguard.service.deps import ControllerDep, ReadDep, RulesDep
 from trainguard.service.engine import simulate
-from trainguard.service.rules import RulesError
+from trainguard.service.rules import MAX_ACTIONS, MAX_JOBS, MAX_NODES, MAX_OVERRIDES, MAX_RULES, REMOVE_ALL_PARAM, RulesError
 from trainguard.service.schemas import RulesTestRequest, nan_safe
 from trainguard.protocol.wire import DesiredState
 
@@ -32,15 +32,24 @@ async def get_rules(ctl: ControllerDep, _: ReadDep) -> dict[str, Any]:
 
 @router.put(
     "/rules", summary="Replace the rules (body: YAML or JSON text)",
+    description="Replaces every rule with the file in the body, once it validates (422 with every reason otherwise; "
+    "the active rules stay). Parsing and validation run in a worker thread. A file holds at most "
+    f"{MAX_RULES:,} rules, {MAX_ACTIONS} actions per rule, overrides for {MAX_JOBS:,} jobs, {MAX_OVERRIDES:,} overrides "
+    f"in all and {MAX_NODES:,} YAML nodes with its aliases expanded. A body without rules is refused (it would remove "
+    "every rule, the safety rules such as loss_nonfinite included): to turn a rule off set `enabled: false` on it; "
+    f"to really remove every rule send `rules: []` with `?{REMOVE_ALL_PARAM}=true`.",
     openapi_extra={"requestBody": {"required": True, "content": {"application/yaml": {"schema": {"type": "string"}}}}},
 )
-async def put_rules(request: Request, ctl: ControllerDep, principal: RulesDep) -> dict[str, Any]:
+async def put_rules(
+    request: Request, ctl: ControllerDep, principal: RulesDep,
+    remove_all: Annotated[bool, Query(alias=REMOVE_ALL_PARAM, description="Confirms a body with `rules: []`: every rule is removed.")] = False,
+) -> dict[str, Any]:
     raw = await request.body()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise RulesError(["the body is not UTF-8 text"]) from None
-    await ctl.put_rules(text, principal.actor)
+    await ctl.put_rules(text, principal.actor, remove_all=remove_all)
     return _rules_body(ctl)
 
 
