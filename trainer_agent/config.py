@@ -40,9 +40,14 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     """Address the ``/metrics`` endpoint binds to (``0.0.0.0`` to be scraped from other hosts)."""
 
-    layer_depth: int = 2
-    """Module-name components that make a layer: ``blocks.3.attn.qkv.weight`` belongs to layer
-    ``blocks.3`` at depth 2. Parameters of shallower modules use their full module path."""
+    layer_depth: int | None = None
+    """How parameters are grouped into the layers of the per-layer metrics, fingerprints and
+    desync findings. ``None``: by repeated block, a child of a ``ModuleList``/``Sequential``
+    with a sibling of its class (``model.layers.3`` in a Llama, ``transformer.h.3`` in GPT-2);
+    parameters outside every block by the module that holds them (``lm_head``). An int: the
+    module path cut at that many components instead (``blocks.3.attn.qkv.weight`` is in layer
+    ``blocks.3`` at depth 2; parameters of shallower modules use their full module path).
+    See ``trainer_agent.params.layer_names``."""
 
     per_layer: PerLayer = "rank0"
     """Which ranks export the per-layer metrics: ``"rank0"`` (bounds the series count),
@@ -166,7 +171,8 @@ class AgentConfig:
         _positive_int("report_every", self.report_every)
         _positive_int("sync_every", self.sync_every)
         _positive_int("max_buffered_reports", self.max_buffered_reports)
-        _positive_int("layer_depth", self.layer_depth)
+        if self.layer_depth is not None:
+            _positive_int("layer_depth", self.layer_depth)
         if self.metrics_port is not None:
             if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
                 raise ValueError(f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}")

@@ -19,7 +19,7 @@ from torch import nn
 from trainer_agent import stats
 from trainer_agent.sharding import Sharding, is_dtensor, local
 
-__all__ = ["ParamIndex"]
+__all__ = ["ParamIndex", "layer_names"]
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -29,7 +29,8 @@ class ParamIndex:
 
     - ``params``: flat list, bucket after bucket; ``buckets``: the same tensors per bucket;
       ``bucket_of[i]``: the bucket of ``params[i]``.
-    - ``layers``: layer names (module path cut at ``layer_depth``); ``layer_ids``: device long
+    - ``layers``: layer names (:func:`layer_names`: the repeated block a parameter belongs to, or
+      the module path cut at ``layer_depth`` when one is given); ``layer_ids``: device long
       tensor, the layer of each parameter.
     - ``grad_zeros``: a 0-dim zero per bucket, stand-in for a missing gradient (norm 0) that keeps
       its bucket's fused path.
@@ -39,8 +40,8 @@ class ParamIndex:
     tensors (the same tensors for plain parameters).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layer_depth: int) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layer_depth: int | None = None) -> None:
+        names = layer_names(model, layer_depth)
         seen: set[int] = set()
         params: list[torch.Tensor] = []
         for group in optimizer.param_groups:
@@ -67,8 +68,7 @@ class ParamIndex:
         self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
                          else None)
         layers: dict[str, int] = {}
-        ids = [layers.setdefault(_layer(names.get(id(p), "unnamed"), layer_depth), len(layers))
-               for p in self.params]
+        ids = [layers.setdefault(names.get(id(p), "unnamed"), len(layers)) for p in self.params]
         self.layers: list[str] = list(layers)
         self.layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
 
@@ -100,8 +100,52 @@ class ParamIndex:
         return stats.bucket_norms(self.buckets, self.device).to(torch.float64).square()
 
 
-def _layer(name: str, depth: int) -> str:
+def layer_names(model: nn.Module, layer_depth: int | None = None) -> dict[int, str]:
+    """The layer of each parameter of ``model`` (by ``id``), as the per-layer metrics, the
+    fingerprints and the desync findings name it.
+
+    By default a layer is a repeated block: a child of an ``nn.ModuleList`` or ``nn.Sequential``
+    that has a sibling of its own class (a transformer's blocks: ``transformer.h.3`` in GPT-2,
+    ``model.layers.3`` in Llama), the outermost one on the parameter's path (a block's experts
+    stay in their block). A parameter outside every repeated block belongs to the module that
+    holds it (``transformer.wte``, ``model.norm``, ``lm_head``). With ``layer_depth`` the
+    module path is cut at that many components instead (``blocks.3.attn.qkv.weight`` is in
+    ``blocks.3`` at depth 2; shallower modules keep their full path). Wrapper prefixes (DDP's
+    ``module.``, ``torch.compile``'s ``_orig_mod.``) are not part of a name."""
+    blocks = set() if layer_depth is not None else _repeated_blocks(model)
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        if layer_depth is not None:
+            module = _module_of(_unwrapped(name))
+            out[id(p)] = ".".join(module[:layer_depth])
+        else:  # blocks are paths in the wrapped model: unwrapped once found
+            module = _module_of(name)
+            layer = next((module[:i] for i in range(1, len(module) + 1) if ".".join(module[:i]) in blocks), module)
+            out[id(p)] = _unwrapped(".".join(layer))
+    return out
+
+
+def _module_of(name: str) -> list[str]:
+    """The path components of the module holding parameter ``name`` (a parameter of the root
+    module: its own name)."""
+    parts = name.split(".")
+    return parts[:-1] or parts
+
+
+def _repeated_blocks(model: nn.Module) -> set[str]:
+    """Module paths of the children of ModuleLists and Sequentials that have a sibling of their
+    class (FSDP2's ``fully_shard`` gives every wrapped block of one class the same new class)."""
+    out: set[str] = set()
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            classes = [type(child) for _, child in children]
+            out.update(f"{path}.{name}" if path else name for name, child in children
+                       if classes.count(type(child)) > 1)
+    return out
+
+
+def _unwrapped(name: str) -> str:
     while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
         name = name.split(".", 1)[1]
-    module = name.rsplit(".", 1)[0] if "." in name else name
-    return ".".join(module.split(".")[:depth])
+    return name

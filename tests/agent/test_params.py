@@ -1,0 +1,174 @@
+"""How the agent groups parameters into layers (``trainer_agent/params.py``): by repeated block by
+default, on the real Hugging Face GPT-2 and Llama classes (tiny configurations, nothing
+downloaded), ``layer_depth`` as the override, and the consumers of the names: the per-layer
+metrics and a 2-rank DDP desync finding that names the perturbed block."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.control.spawn import spawn_ranks
+from trainer_agent.params import ParamIndex, layer_names
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2))
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16))
+
+
+def grouped(model: nn.Module, layer_depth: int | None = None) -> dict[str, list[str]]:
+    """Layer name -> the parameter names in it."""
+    names = layer_names(model, layer_depth)
+    out: dict[str, list[str]] = {}
+    for n, p in model.named_parameters():
+        out.setdefault(names[id(p)], []).append(n)
+    return out
+
+
+def test_gpt2_blocks_are_layers() -> None:
+    model = tiny_gpt2()
+    layers = grouped(model)
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    # lm_head's weight is tied to wte: named_parameters lists it once, as transformer.wte.weight
+    assert sorted(layers) == sorted(["transformer.wte", "transformer.wpe", "transformer.ln_f", *blocks])
+    for i, block in enumerate(blocks):
+        assert layers[block] == [n for n, _ in model.transformer.h[i].named_parameters(prefix=block)]
+    # the old fixed depth still works as the override: every block is one layer
+    assert sorted(grouped(model, layer_depth=2)) == ["transformer.h", "transformer.ln_f", "transformer.wpe",
+                                                     "transformer.wte"]
+
+
+def test_llama_blocks_are_layers() -> None:
+    model = tiny_llama()
+    layers = grouped(model)
+    assert sorted(layers) == ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1",
+                              "model.layers.2", "model.norm"]
+    assert len(layers["model.layers.1"]) == len(list(model.model.layers[1].parameters()))
+    assert sorted(grouped(model, layer_depth=2)) == ["lm_head", "model.embed_tokens", "model.layers", "model.norm"]
+    assert sorted(grouped(model, layer_depth=4)) == sorted(
+        ["lm_head", "model.embed_tokens", "model.norm"]
+        + [f"model.layers.{i}.{part}" for i in range(3) for part in ("self_attn", "mlp")]
+        + [f"model.layers.{i}.{norm}" for i in range(3) for norm in ("input_layernorm", "post_attention_layernorm")])
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+class MoeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+        self.experts = nn.ModuleList([Expert(), Expert()])
+
+
+class Wrapper(nn.Module):  # stands for DDP / torch.compile: the model under a "module." prefix
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_outermost_block_wins_and_unlike_siblings_are_not_blocks() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), MoeBlock(), MoeBlock(), nn.LayerNorm(4))
+    # the two MoeBlocks are blocks (their experts stay in them); the embedding and the norm have no
+    # sibling of their class: their own module path
+    assert sorted(grouped(model)) == ["0", "1", "2", "3"]
+    assert grouped(model)["1"] == ["1.router.weight", "1.router.bias", "1.experts.0.fc.weight",
+                                   "1.experts.0.fc.bias", "1.experts.1.fc.weight", "1.experts.1.fc.bias"]
+    lone = nn.ModuleDict({"block": MoeBlock()})  # experts of a lone block: repeated blocks inside it
+    assert sorted(grouped(lone)) == ["block.experts.0", "block.experts.1", "block.router"]
+    assert grouped(Wrapper(tiny_llama())).keys() == grouped(tiny_llama()).keys()
+    assert grouped(Wrapper(tiny_llama()), layer_depth=1).keys() == {"model", "lm_head"}  # "module." is no layer
+
+
+def test_param_index_orders_layers_as_the_optimizer_holds_them() -> None:
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    index = ParamIndex(model, opt)
+    names = layer_names(model)
+    assert [index.layers[i] for i in index.layer_ids.tolist()] == [names[id(p)] for p in index.params]
+
+
+def test_per_layer_metrics_name_the_blocks() -> None:
+    import trainer_agent as ta
+
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, per_layer="all"))
+    try:
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        got = agent.latest()
+    finally:
+        agent.close()
+    for i in range(4):
+        block = f"transformer.h.{i}"
+        want = math.sqrt(sum(float(g.square().sum()) for n, g in grads.items() if n.startswith(block + ".")))
+        assert got[f'trainguard_layer_grad_norm{{layer="{block}"}}'] == pytest.approx(want, rel=1e-6)
+    assert not any('layer="transformer.h"' in k for k in got)
+
+
+WORLD = 2
+PERTURBED = "model.layers.1"
+
+
+def _ddp_worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    import trainer_agent as ta
+
+    model = tiny_llama()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    agent = ta.attach(ddp, opt, job="fp", run="fp-1", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    loss = ddp(input_ids=ids, labels=ids).loss
+    loss.backward()
+    if rank == 1:  # one element of one block's all-reduced gradient, by 1e-4 of that block's norm
+        block = model.model.layers[1]
+        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in block.parameters()))
+        block.mlp.down_proj.weight.grad[0, 0] += 1e-4 * norm
+    opt.step()
+    opt.zero_grad()
+    agent.end_step(loss)
+    agent.latest()
+    found = [(d.kind, d.layer, d.ranks) for d in agent.desync]
+    agent.close()
+    del agent, ddp
+    gc.collect()
+    dist.destroy_process_group()
+    torch.save(found, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_ddp_desync_names_the_block(tmp_path) -> None:
+    out = spawn_ranks(_ddp_worker, WORLD, tmp_path, timeout=180)
+    assert out[0] == out[1]
+    # with two ranks either one may be the odd one out; the block is named, not "model.layers"
+    assert [(kind, layer) for kind, layer, _ in out[0] if kind == "grad"] == [("grad", PERTURBED)]
