@@ -9,6 +9,9 @@ Tokens created at runtime (``POST /v1/tokens``, :meth:`TokenTable.add_stored`) c
 scopes, an expiry, and for agent tokens a job pattern (``fnmatch``, e.g. ``llm-7b*``): such a
 token may register any run of a matching job, and a run it registered stays its own.
 
+Who may create and revoke such tokens (the ``tokens`` scope, within limits) is
+:func:`may_grant` and :func:`may_revoke`; docs/security.md has the whole model.
+
 Missing, unknown, expired or revoked token: 401. Known token without the scope, or an agent token used for another
 run: 403. With no token configured at all (loopback only, see :mod:`service.config`) every request
 is allowed as the anonymous operator-and-agent.
@@ -22,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash"]
+__all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash", "may_grant", "may_revoke",
+           "is_administrator"]
 
 OPERATOR_SCOPES: frozenset[str] = frozenset({"read", "command", "rules", "webhooks", "tokens"})
 AGENT_SCOPE = "agent"
@@ -63,6 +67,40 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous", OPERATOR_SCOPES | {AGENT_SCOPE}, "")
+
+
+def is_administrator(principal: Principal) -> bool:
+    """Whether ``principal`` holds every operator scope (an environment token without a scope
+    list, a runtime token created with all of them, or the anonymous caller)."""
+    return principal.kind != "agent" and OPERATOR_SCOPES <= principal.scopes
+
+
+def may_grant(principal: Principal, scopes: frozenset[str], expires_at: float | None) -> str | None:
+    """Why ``principal`` may not create a token with ``scopes`` expiring at ``expires_at``, or
+    ``None`` when it may. A token grants at most what its creator holds: operator scopes only
+    from the creator's own, and no longer than the creator lives. The agent scope (an agent
+    token, bound to the runs it registers and never to another token's) may be granted by any
+    ``tokens`` holder."""
+    if "tokens" not in principal.scopes:
+        return "creating tokens needs the 'tokens' scope"
+    missing = sorted((scopes - {AGENT_SCOPE}) - principal.scopes)
+    if missing:
+        return (f"a token can only grant scopes it holds itself: this one lacks {', '.join(missing)} "
+                f"(it holds {', '.join(sorted(principal.scopes))})")
+    if principal.expires_at is not None and (expires_at is None or expires_at > principal.expires_at):
+        return (f"a token cannot outlive the token that creates it: this one expires at {principal.expires_at:.0f} "
+                "(give a ttl_s that ends by then)")
+    return None
+
+
+def may_revoke(principal: Principal, creator: str) -> str | None:
+    """Why ``principal`` may not revoke a token created by ``creator`` (an actor name), or
+    ``None`` when it may: a ``tokens`` holder revokes the tokens it created; an administrator
+    (every operator scope) revokes any."""
+    if is_administrator(principal) or creator == principal.actor:
+        return None
+    return (f"this token may revoke only the tokens it created (this one was created by {creator}); "
+            "a token with every operator scope may revoke any")
 
 
 class TokenTable:
@@ -130,6 +168,19 @@ class TokenTable:
                       (job_pattern or "*") if kind == "agent" else None, expires_at)
         self._stored[digest] = p
         return p
+
+    def is_live(self, principal: Principal) -> bool:
+        """Whether ``principal``'s token still authenticates (not revoked, not expired): what a
+        console session signed in with it checks on every request."""
+        if not self.enabled or principal is ANONYMOUS:
+            return True
+        if not principal.token_digest:
+            return False
+        digest = bytes.fromhex(principal.token_digest)
+        if digest in self._by_digest:
+            return True
+        stored = self._stored.get(digest)
+        return stored is not None and (stored.expires_at is None or stored.expires_at > self._clock())
 
     def remove_stored(self, token_hash: str) -> None:
         self._stored.pop(bytes.fromhex(token_hash), None)

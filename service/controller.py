@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from trainguard.service import statements as sql
 from trainguard.service.alertmanager import SeenKeys, act
-from trainguard.service.auth import Principal, TokenTable, token_hash
+from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
 from trainguard.service.config import Settings
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.engine import Outcome, RollbackRefused, command_state, decide
@@ -33,7 +33,7 @@ from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
 from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules, require_rules
-from trainguard.service.runstate import RunState, action_names, live, target_address
+from trainguard.service.runstate import RunState, action_names, live, target_address, valid_host
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, IncidentUpdate, WebhookDeliverer, incident_update
@@ -229,18 +229,27 @@ class Controller:
         return st
 
     def check_agent(self, principal: Principal, run: str, *, registering: bool = False, job: str | None = None) -> None:
-        """403 unless ``principal`` may act as the agent of ``run`` (of ``job``, when registering)."""
+        """403 unless ``principal`` may act as the agent of ``run`` (of ``job``, when registering).
+
+        A run has at most one owner, whatever kind of agent token claims it: the ``TOKEN:RUN``
+        entries naming it, else the token that registered it first (a configured token bound to
+        it, or a token created at runtime). Registration refuses a run another token owns
+        (:meth:`_claimed_by_other`), so on every later route the token's own claim suffices."""
         if principal.kind != "agent":
             return
+        if run in self.reserved_runs and principal.bound_run != run:
+            raise Forbidden(f"run {run!r} belongs to the agent token configured for it (TOKEN:{run} in TRAINGUARD_AGENT_TOKENS)")
         if principal.job_pattern is not None:  # a token created at runtime, for the runs of some jobs
             owner = self.owners.get(run)
-            if owner is not None and owner != principal.token_digest:
+            if owner == principal.token_digest:
+                return
+            if owner is not None:
                 raise Forbidden(f"run {run!r} belongs to the token that registered it")
-            if owner is None and not registering:
+            if not registering:
                 raise Forbidden(f"this token did not register run {run!r}: register it first (POST /v1/runs)")
-            if registering and job is not None and not fnmatch.fnmatchcase(job, principal.job_pattern):
+            if job is not None and not fnmatch.fnmatchcase(job, principal.job_pattern):
                 raise Forbidden(f"this token may register runs of jobs matching {principal.job_pattern!r}, not {job!r}")
-            if registering and owner is None and (run in self.runs or run in self.reserved_runs):
+            if run in self.runs or self._claimed_by_other(run, principal.token_digest):
                 raise Forbidden(f"run {run!r} belongs to another agent token")
             return
         bound = principal.bound_run or self.bindings.get(principal.token_digest)
@@ -248,10 +257,26 @@ class Controller:
             raise Forbidden("this agent token is not bound to a run yet: register the run first (POST /v1/runs)")
         if bound is not None and bound != run:
             raise Forbidden(f"this agent token is bound to run {bound!r}, not {run!r}")
+        if bound is None and self._claimed_by_other(run, principal.token_digest):
+            raise Forbidden(f"run {run!r} belongs to another agent token; to hand it to this one, "
+                            f"configure it as TOKEN:{run} in TRAINGUARD_AGENT_TOKENS")
+
+    def _claimed_by_other(self, run: str, digest: str) -> bool:
+        """Whether an agent token other than ``digest`` owns ``run`` (or is registering it)."""
+        if run in self.reserved_runs:
+            return True
+        owner = self.owners.get(run)
+        if owner is not None and owner != digest:
+            return True
+        return any(r == run and d != digest for d, r in self.bindings.items())
 
     # == registration =================================================================================
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
         self.check_agent(principal, reg.run, registering=True, job=reg.job)
+        bad_hosts = [r.rank for r in reg.ranks if not valid_host(r.host)]
+        if bad_hosts:
+            raise Invalid(f"ranks {bad_hosts[:8]}: host must be a host name or an IP address (letters, digits, '-', '_', "
+                          f"'.'; IPv6 in brackets or bare), not {next(r.host for r in reg.ranks if not valid_host(r.host))!r}")
         now = self.clock()
         ranks = [r.model_dump() for r in reg.ranks]
         bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
@@ -261,18 +286,18 @@ class Controller:
             self.metrics.registrations_rejected.labels("world_size_limit").inc()
             raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
                           "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
+        waited = False
         while (registering := self._registering.get(reg.run)) is not None:
             await asyncio.shield(registering)  # a concurrent first registration of this run
+            waited = True
+        if waited:  # the other registration may have claimed the run meanwhile
+            self.check_agent(principal, reg.run, registering=True, job=reg.job)
         st = self.runs.get(reg.run)
         digest = principal.token_digest
         if st is None:
             self._check_run_limits(digest)
         bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
                 and digest not in self.bindings)
-        if bind and (reg.run in self.reserved_runs or reg.run in self.bindings.values()):
-            # A run belongs to the agent token that registered it (or to its TOKEN:RUN entry).
-            raise Forbidden(f"run {reg.run!r} belongs to another agent token; to hand it to this one, "
-                            f"configure it as TOKEN:{reg.run} in TRAINGUARD_AGENT_TOKENS")
         if st is not None and st.job != reg.job:
             raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
         tx = Transaction()
@@ -704,23 +729,42 @@ class Controller:
 
     # == tokens ===================================================================================
     async def create_token(self, *, name: str, scopes: frozenset[str], job_pattern: str | None, ttl_s: float | None,
-                           creator: str) -> dict[str, Any]:
-        """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once."""
-        token = "tg_" + secrets.token_urlsafe(32)
-        digest = token_hash(token)
+                           creator: Principal) -> dict[str, Any]:
+        """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once;
+        403 when it would grant more than ``creator`` holds (:func:`service.auth.may_grant`)."""
         now = self.clock()
         expires = None if ttl_s is None else now + ttl_s
+        refused = may_grant(creator, scopes, expires)
+        if refused is not None:
+            raise Forbidden(refused)
+        token = "tg_" + secrets.token_urlsafe(32)
+        digest = token_hash(token)
+        actor = creator.actor
         tid = await self.store.submit(lambda c: sql.insert_token(
-            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=creator, now=now,
+            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=actor, now=now,
             expires_at=expires))
         self.tokens.add_stored(digest, scopes, job_pattern=job_pattern, expires_at=expires)
-        log.warning("token %d (%s, scopes %s, jobs %s) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, creator)
+        log.warning("token %d (%r, scopes %s, jobs %r) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, actor)
         return {"id": tid, "token": token, "name": name, "scopes": sorted(scopes), "job_pattern": job_pattern,
-                "creator": creator, "created_at": now, "expires_at": expires}
+                "creator": actor, "created_at": now, "expires_at": expires}
 
-    async def revoke_token(self, token_id: int, actor: str) -> dict[str, Any]:
+    async def revoke_token(self, token_id: int, principal: Principal) -> dict[str, Any]:
+        """Revoke a live token: 404 when there is none, 403 unless ``principal`` may
+        (:func:`service.auth.may_revoke`). It stops authenticating at once, and the console
+        sessions signed in with it end on their next request."""
         now = self.clock()
-        digest = await self.store.submit(lambda c: sql.revoke_token(c, token_id, actor=actor, now=now))
+        actor = principal.actor
+
+        def op(c: sqlite3.Connection) -> tuple[str | None, str | None]:
+            creator = sql.live_token_creator(c, token_id)
+            if creator is None:
+                return None, None
+            refused = may_revoke(principal, creator)
+            return (None, refused) if refused is not None else (sql.revoke_token(c, token_id, actor=actor, now=now), None)
+
+        digest, refused = await self.store.submit(op)
+        if refused is not None:
+            raise Forbidden(refused)
         if digest is None:
             raise NotFound(f"no live token with id {token_id}")
         self.tokens.remove_stored(digest)

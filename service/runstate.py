@@ -4,6 +4,8 @@ desired states."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +151,25 @@ def action_names(before: DesiredState, after: DesiredState) -> list[str]:
     if after.verify_seq != before.verify_seq:
         out.append("verify")
     return out
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?")
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` is a host name (dot-separated labels of letters, digits, ``-`` and ``_``;
+    at most 253 characters) or an IP address (IPv6 bare or in brackets): what may become a
+    Prometheus target. Anything with ``/``, ``?``, ``#``, ``@``, spaces or control characters is not."""
+    if not host or len(host) > 253:
+        return False
+    if _HOST_NAME.fullmatch(host):
+        return True
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare)
+    except ValueError:
+        return False
+    return ":" in bare or bare == host
 
 
 def target_address(host: str, port: int) -> str:

@@ -361,6 +361,12 @@ def active_tokens(conn: sqlite3.Connection, now: float) -> list[dict[str, Any]]:
     return [_token_row(r) for r in rows]
 
 
+def live_token_creator(conn: sqlite3.Connection, token_id: int) -> str | None:
+    """Who created live (not revoked) token ``token_id``, or ``None`` when there is no such token."""
+    row = conn.execute("SELECT creator FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def revoke_token(conn: sqlite3.Connection, token_id: int, *, actor: str, now: float) -> str | None:
     """Revoke token ``token_id``; its hash, or ``None`` when there is no such live token."""
     row = conn.execute("SELECT token_hash FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from trainguard.service.runstate import target_address
+from trainguard.service.runstate import target_address, valid_host
 from trainguard.service.deps import CommandDep, ControllerDep, ReadDep
 from trainguard.service.schemas import AlertmanagerPayload
 
@@ -62,6 +62,8 @@ async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
         if st.desired.stop or st.finished_at is not None:
             continue  # its ranks are gone: scraping them would only raise "target down" alerts
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
+            if not valid_host(r["host"]):
+                continue  # stored before registration checked hosts: never handed to Prometheus
             out.append({"targets": [target_address(r["host"], r["port"])], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
     return out
 

@@ -1,4 +1,7 @@
-"""Tokens created at runtime: create (shown once), list, revoke. Needs the ``tokens`` scope."""
+"""Tokens created at runtime: create (shown once), list, revoke. Needs the ``tokens`` scope, and
+grants no more than the caller holds (:func:`service.auth.may_grant`); a caller lists and revokes
+the tokens it created, an administrator (every operator scope) all of them
+(:func:`service.auth.may_revoke`)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainguard.service import statements as sql
-from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES
+from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES, is_administrator
 from trainguard.service.deps import ControllerDep, TokensDep
 from trainguard.protocol.wire import MAX_INT
 
@@ -29,6 +32,14 @@ class TokenCreate(BaseModel):
                             "('llm-7b*'); default every job.")
     ttl_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86400, description="Lifetime in seconds; default none.")
 
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, name: str) -> str:
+        bad = sorted({f"U+{ord(ch):04X}" for ch in name if not ch.isprintable()})
+        if bad:
+            raise ValueError(f"a token name must be printable text (it is logged and listed): it contains {', '.join(bad)}")
+        return name
+
     @field_validator("scopes")
     @classmethod
     def _known(cls, scopes: list[str]) -> list[str]:
@@ -45,14 +56,17 @@ async def create(body: TokenCreate, ctl: ControllerDep, principal: TokensDep) ->
     if body.job is not None and AGENT_SCOPE not in body.scopes:
         raise HTTPException(422, "a job pattern applies to agent tokens only")
     return await ctl.create_token(name=body.name, scopes=frozenset(body.scopes), job_pattern=body.job, ttl_s=body.ttl_s,
-                                  creator=principal.actor)
+                                  creator=principal)
 
 
-@router.get("/tokens", summary="Tokens created at runtime (never the tokens themselves): scopes, jobs, creator, expiry, revocation")
-async def list_tokens(ctl: ControllerDep, _: TokensDep) -> list[dict[str, Any]]:
-    return await ctl.store.read(sql.list_tokens)
+@router.get("/tokens", summary="Tokens created at runtime (never the tokens themselves nor their hashes): scopes, jobs, "
+            "creator, expiry, revocation; an administrator sees all, any other caller the ones it created")
+async def list_tokens(ctl: ControllerDep, principal: TokensDep) -> list[dict[str, Any]]:
+    rows = await ctl.store.read(sql.list_tokens)
+    return rows if is_administrator(principal) else [r for r in rows if r["creator"] == principal.actor]
 
 
-@router.delete("/tokens/{token_id}", summary="Revoke a token (it stops working at once)")
+@router.delete("/tokens/{token_id}", summary="Revoke a token (it stops working at once, its console sessions too): "
+               "one this caller created, or any for an administrator")
 async def revoke(token_id: TokenId, ctl: ControllerDep, principal: TokensDep) -> dict[str, Any]:
-    return await ctl.revoke_token(token_id, principal.actor)
+    return await ctl.revoke_token(token_id, principal)

@@ -3,6 +3,8 @@ agent token cannot take it over by registering it."""
 
 from __future__ import annotations
 
+import json
+
 from fastapi.testclient import TestClient
 
 from trainguard.service.app import create_app
@@ -46,3 +48,107 @@ def test_a_run_reserved_by_token_colon_run_cannot_be_claimed_by_an_unbound_token
     with TestClient(create_app(settings)) as c:
         assert c.post("/v1/runs", json=_reg("r2"), headers=_h(A)).status_code == 403
         assert c.post("/v1/runs", json=_reg("r2"), headers=_h(C)).status_code == 200
+
+
+def _agent_routes(c: TestClient, token: str, run: str) -> dict[str, int]:
+    """The status of every agent route for ``run`` with ``token``."""
+    h = _h(token)
+    return {
+        "register": c.post("/v1/runs", json=_reg(run) | {"job": "llm-7b"}, headers=h).status_code,
+        "report": c.post(f"/v1/runs/{run}/reports", headers=h | {"content-type": "application/json"},
+                         content=json.dumps(_report() | {"job": "llm-7b", "values": {"trainguard_loss": float("nan")}})).status_code,
+        "desired": c.get(f"/v1/runs/{run}/desired", headers=h).status_code,
+        "ack": c.post(f"/v1/runs/{run}/acks", json={"generation": 0, "step": 1}, headers=h).status_code,
+        "preflight": c.post(f"/v1/runs/{run}/preflight", json={"seconds": 0.5, "checks": []}, headers=h).status_code,
+        "finish": c.post(f"/v1/runs/{run}/finish", json={"step": 1, "reason": "hijacked"}, headers=h).status_code,
+    }
+
+
+def test_a_run_of_a_runtime_token_cannot_be_taken_by_a_configured_agent_token(tmp_path) -> None:
+    settings = Settings(db=str(tmp_path / "t.db"), operator_tokens=OP, agent_tokens=f"{A},{C}:r2")
+    with TestClient(create_app(settings)) as c:
+        fleet = c.post("/v1/tokens", json={"scopes": ["agent"], "job": "llm*"}, headers=_h(OP)).json()["token"]
+        assert c.post("/v1/runs", json=_reg("llm-a") | {"job": "llm-7b"}, headers=_h(fleet)).status_code == 200
+        # the unbound configured token, and a TOKEN:RUN token, get nothing of it
+        for token in (A, C):
+            r = c.post("/v1/runs", json=_reg("llm-a") | {"job": "llm-7b"}, headers=_h(token))
+            assert r.status_code == 403
+            assert r.json()["detail"] == {A: "run 'llm-a' belongs to another agent token; to hand it to this one, configure it "
+                                             "as TOKEN:llm-a in TRAINGUARD_AGENT_TOKENS",
+                                          C: "this agent token is bound to run 'r2', not 'llm-a'"}[token]
+            assert set(_agent_routes(c, token, "llm-a").values()) == {403}, token
+        run = c.get("/v1/runs/llm-a", headers=_h(OP)).json()
+        assert run["status"] == "registered" and run["reports"] == 0 and run["finished_at"] is None
+        assert not run["desired"]["paused"]
+        events = c.get("/v1/runs/llm-a/events", headers=_h(OP)).json()
+        assert [e["kind"] for e in events] == ["registered"]
+        # the refused attempts did not bind A: it registers a run of its own, and the owner carries on
+        assert c.post("/v1/runs", json=_reg("a-own"), headers=_h(A)).status_code == 200
+        assert _report_status(c, fleet, "llm-a") == 200
+
+
+def test_a_run_of_a_configured_token_cannot_be_taken_by_a_runtime_token(tmp_path) -> None:
+    settings = Settings(db=str(tmp_path / "t.db"), operator_tokens=OP, agent_tokens=f"{A}")
+    with TestClient(create_app(settings)) as c:
+        fleet = c.post("/v1/tokens", json={"scopes": ["agent"], "job": "*"}, headers=_h(OP)).json()["token"]
+        assert c.post("/v1/runs", json=_reg("llm-b") | {"job": "llm-7b"}, headers=_h(A)).status_code == 200
+        routes = _agent_routes(c, fleet, "llm-b")
+        assert set(routes.values()) == {403}, routes
+        assert _report_status(c, A, "llm-b") == 200
+
+
+def test_concurrent_first_registrations_by_two_kinds_of_token_give_the_run_to_one(tmp_path) -> None:
+    import asyncio
+
+    settings = Settings(db=str(tmp_path / "t.db"), operator_tokens=OP, agent_tokens=f"{A}")
+    with TestClient(create_app(settings)) as c:
+        fleet = c.post("/v1/tokens", json={"scopes": ["agent"], "job": "*"}, headers=_h(OP)).json()["token"]
+        ctl, tokens = c.app.state.controller, c.app.state.tokens
+        from trainguard.protocol.wire import RunRegistration
+
+        reg = RunRegistration.model_validate(_reg("race"))
+
+        async def both() -> list[object]:
+            return await asyncio.gather(*(ctl.register(reg, tokens.authenticate(f"Bearer {t}")) for t in (A, fleet)),
+                                        return_exceptions=True)
+
+        outcomes = c.portal.call(both)
+        assert [type(o).__name__ for o in outcomes] == ["RunRegistered", "Forbidden"]
+        assert [_report_status(c, t, "race") for t in (A, fleet)] == [200, 403]
+
+
+def test_a_run_named_by_token_colon_run_belongs_to_that_token_even_if_another_registered_it_first(tmp_path) -> None:
+    db = str(tmp_path / "t.db")
+    with TestClient(create_app(Settings(db=db, operator_tokens=OP, agent_tokens=A))) as c:
+        assert c.post("/v1/runs", json=_reg("r9"), headers=_h(A)).status_code == 200
+    # the operator hands r9 to C; A's binding (stored) no longer admits it
+    with TestClient(create_app(Settings(db=db, operator_tokens=OP, agent_tokens=f"{A},{C}:r9"))) as c:
+        r = c.post("/v1/runs/r9/reports", json=_report(), headers=_h(A))
+        assert r.status_code == 403
+        assert r.json()["detail"] == "run 'r9' belongs to the agent token configured for it (TOKEN:r9 in TRAINGUARD_AGENT_TOKENS)"
+        assert _report_status(c, C, "r9") == 200
+
+
+def _report_status(c: TestClient, token: str, run: str) -> int:
+    job = c.get(f"/v1/runs/{run}", headers=_h(OP)).json()["job"]
+    return c.post(f"/v1/runs/{run}/reports", json=_report() | {"job": job}, headers=_h(token)).status_code
+
+
+def test_a_rank_host_that_is_not_a_host_name_or_address_is_refused_and_never_a_target(tmp_path) -> None:
+    settings = Settings(db=str(tmp_path / "t.db"), operator_tokens=OP, agent_tokens=f"{A},{B}")
+    with TestClient(create_app(settings)) as c:
+        for host in ("evil.example/x?y#\n", "user@host", "a b", "host:9100", "[10.0.0.1]"):
+            body = _reg("r1")
+            body["ranks"][0]["host"] = host
+            r = c.post("/v1/runs", json=body, headers=_h(A))
+            assert r.status_code == 422, host
+            assert r.json()["detail"] == (f"ranks [0]: host must be a host name or an IP address (letters, digits, '-', "
+                                          f"'_', '.'; IPv6 in brackets or bare), not {host!r}")
+        assert c.get("/v1/runs", headers=_h(OP)).json() == []
+        good = _reg("r1")
+        good["world_size"] = 4
+        good["ranks"] = [{"rank": i, "local_rank": i, "host": h, "port": 9100}
+                         for i, h in enumerate(("node-1.cluster.local", "gpu_box", "fd00::7", "[fd00::8]"))]
+        assert c.post("/v1/runs", json=good, headers=_h(A)).status_code == 200
+        targets = [t["targets"][0] for t in c.get("/v1/sd/targets", headers=_h(OP)).json()]
+        assert targets == ["node-1.cluster.local:9100", "gpu_box:9100", "[fd00::7]:9100", "[fd00::8]:9100"]
