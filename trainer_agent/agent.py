@@ -595,13 +595,19 @@ class Agent:
 
     def preflight(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
                   declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
-                  fatal: bool | tuple[str, ...] | None = None) -> Any:
+                  fatal: bool | tuple[str, ...] | None = None, loader: Any = None,
+                  amp_dtype: torch.dtype | None = None, pad_id: int | None = None,
+                  max_length: int | None = None) -> Any:
         """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/preflight.py``):
         one forward/backward and a simulated optimizer step that leave the weights, gradients,
         optimizer state, buffers and RNG states unchanged. ``loss_fn(model, batch)`` returns the
         loss (default: ``model(batch)``, or its ``.loss``); ``declared_params``: the model size the
         optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
-        Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
+        ``loader``: the loader the loop reads (its throughput and prefetch depth are checked, its
+        position restored); ``amp_dtype``: the autocast dtype the loop trains in (float16 is
+        assumed with an enabled GradScaler); ``pad_id`` / ``max_length``: the padding token and the
+        longest sequence, for the loss-boundary inputs (``max_length`` defaults to the model
+        config's). Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
         ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
         Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
         after the checks: the script stops there, and the command prints the table.
@@ -609,7 +615,8 @@ class Agent:
         from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
 
         report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
-                               timeout=self.config.request_timeout_s)
+                               timeout=self.config.request_timeout_s, loader=loader, amp_dtype=amp_dtype,
+                               pad_id=pad_id, max_length=max_length)
         client = self.control.client if self.control is not None else None
         if client is not None:
             why = client.post_preflight(to_wire(report, self.rank))

@@ -32,6 +32,11 @@ Each check ends ``pass``, ``warn``, ``fail`` or ``skip`` (not applicable):
 ``metrics_endpoint``   this rank's /metrics answers (fail otherwise; skip without one)
 ``controller``         the controller accepted the run's registration (fail otherwise; skip
                        without a controller)
+``init_distribution``  ``loss_boundary``, ``amp_overflow``, ``input_pipeline``: how the weights
+                       start, the loss on extreme inputs, a pass in the mixed-precision dtype, the
+                       loader against the step (``trainer_agent/preflight_probes.py``)
+``cuda_launch_blocking``  ``nccl_sockets``, ``socket_buffers``: the launch, NCCL and kernel
+                       socket settings, read and never changed (``trainer_agent/environment.py``)
 =====================  =======================================================================
 
 The report goes to the log and, from rank 0, to the controller (``POST /v1/runs/{run}/preflight``,
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
@@ -54,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
+from trainer_agent import environment, preflight_probes as probes
 from trainer_agent.fingerprint import desync, findings, for_ranks
 from trainer_agent.triage import ADAPTIVE
 
@@ -421,10 +428,42 @@ def _endpoint_checks(agent: Any, timeout: float) -> list[Check]:
     return checks
 
 
+def _probe_checks(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, step_seconds: float,
+                  probe: Mapping[str, Any]) -> list[Check]:
+    def run(b: Any, scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        with torch.enable_grad():
+            return forward_backward(agent, b, loss_fn, scale=scale)
+
+    layer_names = agent.layers
+    layer_of = {id(p): layer_names[i] for p, i in zip(agent.params.params, agent.params.layer_ids.tolist())}
+    ids = probes._ids_of(batch)
+    found = [probes.init_check(agent.model, agent.params.params),
+             probes.loss_boundary_check(agent.model, batch, run, pad_id=probe.get("pad_id"),
+                                        max_length=probe.get("max_length")),
+             probes.amp_overflow_check(agent.model, batch, run, lambda p: layer_of.get(id(p), "?"), agent.params.params,
+                                       dtype=probe.get("amp_dtype"), scaler=agent.scaler),
+             probes.input_pipeline_check(probe.get("loader"), int(ids.numel()) if ids is not None else 0, step_seconds)]
+    found += environment.environment_checks(os.environ, environment.EnvFacts.of_process())
+    return [Check(name, status, detail, values) for name, status, detail, values in found]
+
+
+def _probe_options(loader: Any, amp_dtype: Any, pad_id: Any, max_length: Any) -> dict[str, Any]:
+    if amp_dtype is not None and amp_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"amp_dtype must be torch.float16 or torch.bfloat16, got {amp_dtype!r}")
+    for name, value in (("pad_id", pad_id), ("max_length", max_length)):
+        if value is not None and (type(value) is not int or value < (0 if name == "pad_id" else 1)):
+            raise ValueError(f"{name} must be {'an integer >= 0' if name == 'pad_id' else 'a positive integer'}, got {value!r}")
+    if loader is not None and not hasattr(loader, "__iter__"):
+        raise ValueError(f"loader must be iterable (a DataLoader, a TokenLoader), got {type(loader).__name__}")
+    return {"loader": loader, "amp_dtype": amp_dtype, "pad_id": pad_id, "max_length": max_length}
+
+
 def run_preflight(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
                   declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
-                  timeout: float = 2.0) -> PreflightReport:
+                  timeout: float = 2.0, loader: Any = None, amp_dtype: torch.dtype | None = None,
+                  pad_id: int | None = None, max_length: int | None = None) -> PreflightReport:
     """See the module docstring; ``Agent.preflight`` is the entry point."""
+    probe = _probe_options(loader, amp_dtype, pad_id, max_length)
     if declared_params is not None and (type(declared_params) is not int or declared_params < 1):
         raise ValueError(f"declared_params must be a positive int, got {declared_params!r}")
     if clip_grad_norm not in (None, "unknown") and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
@@ -433,6 +472,7 @@ def run_preflight(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], An
         raise ValueError(f"preflight runs before the first training step (this agent is at step {agent.step})")
     t0 = time.perf_counter()
     loss, grads = forward_backward(agent, batch, loss_fn)
+    step_seconds = time.perf_counter() - t0
     with torch.no_grad():
         checks = _grad_checks(agent, loss, grads)
         checks.append(_update_check(agent, grads))
@@ -440,6 +480,7 @@ def run_preflight(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], An
         checks += _config_checks(agent, declared_params, clip_grad_norm)
         checks.append(_ranks_check(agent))
         checks += _endpoint_checks(agent, timeout)
+        checks += _probe_checks(agent, batch, loss_fn, step_seconds, probe)
     report = PreflightReport(tuple(checks), time.perf_counter() - t0)
     level = logging.WARNING if report.failed or report.warned else logging.INFO
     log.log(level, "trainguard pre-flight (rank %d):\n%s", agent.rank, report.summary())
