@@ -1,7 +1,7 @@
 """trainer_agent/integrations/hf.py with a real ``transformers.Trainer`` (a tiny GPT-2 built from
 a config, in-memory token data, CPU): trainguard's loss and grad norm equal what the Trainer logs,
 with and without gradient accumulation; an operator's lr-scale, pause, checkpoint and stop through
-a real controller process act on the run."""
+a real controller process act on the run, and the Trainer's logs carry the LR the optimizer applied."""
 
 from __future__ import annotations
 
@@ -101,6 +101,13 @@ def test_loss_and_grad_norm_equal_the_trainers_logs(tmp_path: Path, accumulation
             2 * SEQ * accumulation)
     assert guard.agent.latest()["trainguard_agent_errors_total"] == 0.0
     assert guard.agent._closed and "training_step" not in vars(trainer)  # closed at train end, unwrapped
+    assert "log" not in vars(trainer)
+    # without a controller lr_scale is 1: the applied LR is the scheduler's, in the Trainer's own
+    # history (what report_to integrations get) as well
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(history) == steps
+    for h in history:
+        assert h["trainguard/applied_lr"] == h["learning_rate"] and h["trainguard/lr_scale"] == 1.0
 
 
 def test_a_resumed_train_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None:
@@ -168,6 +175,16 @@ def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
         for k, (applied, scheduled) in enumerate(zip(record.applied_lr, record.schedule_lr), start=1):
             assert scheduled == pytest.approx(1e-3 * (max_steps - (k - 1)) / max_steps, rel=1e-12)
             assert applied == pytest.approx(scheduled * (0.5 if k >= 4 else 1.0), rel=1e-12), k
+        # The Trainer logs its scheduler's LR for each step; trainguard's applied_lr beside it is the
+        # LR that step's optimizer applied, lr_scale included, in the log history too.
+        history = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+        assert sorted(record.logged) == list(range(1, 10))
+        for step, logged in record.logged.items():
+            assert history[step]["trainguard/applied_lr"] == logged["trainguard/applied_lr"]
+            assert logged["learning_rate"] == pytest.approx(record.schedule_lr[step - 1], rel=1e-12)
+            assert logged["trainguard/applied_lr"] == pytest.approx(record.applied_lr[step - 1], rel=1e-12), step
+            assert logged["trainguard/lr_scale"] == (0.5 if step >= 4 else 1.0)
+        assert record.logged[4]["trainguard/applied_lr"] == pytest.approx(0.5 * record.logged[4]["learning_rate"])
         saved = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
         assert saved == ["checkpoint-7", "checkpoint-9"]
         detail = ctl.run_detail(run)

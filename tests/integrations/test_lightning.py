@@ -2,7 +2,8 @@
 model): trainguard's loss and grad norm equal references the module computes itself, with and
 without gradient accumulation (a short last window included); a NaN step under
 ``skip_nonfinite`` is skipped and training goes on; an operator's lr-scale, pause, checkpoint and
-stop through a real controller process act on the run."""
+stop through a real controller process act on the run, and the loggers get the LR the optimizer
+applied."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from torch import nn
 pytest.importorskip("lightning")
 
 import lightning.pytorch as L  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
 import trainer_agent as ta  # noqa: E402
 from tests.control.procs import ControllerProcess, until  # noqa: E402
@@ -101,10 +104,35 @@ class _Record(L.Callback):
                 action(step)
 
 
-def _trainer(tmp_path: Path, callbacks: list, accumulation: int, **kw) -> L.Trainer:  # type: ignore[no-untyped-def]
+class _MemoryLogger(Logger):
+    """A Lightning logger keeping every ``log_metrics`` call: what W&B or TensorBoard would get."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None):  # type: ignore[no-untyped-def]
+        self.metrics.append(dict(metrics))
+
+
+def _trainer(tmp_path: Path, callbacks: list, accumulation: int, logger: Logger | bool = False,
+             **kw) -> L.Trainer:  # type: ignore[no-untyped-def]
     return L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=accumulation, callbacks=callbacks,
-                     enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
-                     default_root_dir=str(tmp_path), num_sanity_val_steps=0, **kw)
+                     enable_progress_bar=False, logger=logger, enable_checkpointing=False, enable_model_summary=False,
+                     default_root_dir=str(tmp_path), num_sanity_val_steps=0, log_every_n_steps=1, **kw)
 
 
 def _fit(trainer: L.Trainer, module: L.LightningModule, n: int) -> None:
@@ -187,7 +215,8 @@ def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
                 command("stop")  # applied at step 9: the Trainer stops (after a checkpoint)
 
         record.on_step.append(operator)
-        trainer = _trainer(tmp_path, [guard, record], 2, max_steps=20)
+        logger = _MemoryLogger()
+        trainer = _trainer(tmp_path, [guard, record], 2, logger=logger, max_steps=20)
         _fit(trainer, _TinyLM(), 40 * BATCH)
         history = [(a.step, a.paused, a.lr_scale, a.stop) for a in guard.agent.control.history]
         assert history == [(3, False, 0.5, False), (5, True, 0.5, False), (5, False, 0.5, False),
@@ -198,6 +227,13 @@ def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
         for k, applied in enumerate(record.applied_lr, start=1):
             scheduled = 0.1 / (1.0 + 0.1 * (k - 1))
             assert applied == pytest.approx(scheduled * (0.5 if k >= 4 else 1.0), rel=1e-12), k
+        # The logger got, at the end of each optimizer step, the LR that step's optimizer applied
+        # (the scheduler's LR x lr_scale): one entry per step.
+        logged = [m for m in logger.metrics if "trainguard/applied_lr" in m]
+        assert len(logged) == 9
+        for step, m in enumerate(logged, start=1):
+            assert m["trainguard/applied_lr"] == pytest.approx(record.applied_lr[step - 1], rel=1e-6), step
+            assert m["trainguard/lr_scale"] == (0.5 if step >= 4 else 1.0)
         saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
         assert saved == ["trainguard-step=7.ckpt", "trainguard-step=9.ckpt"]
         assert torch.load(tmp_path / "checkpoints" / "trainguard-step=7.ckpt", weights_only=False)["global_step"] == 7

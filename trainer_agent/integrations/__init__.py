@@ -36,6 +36,8 @@ class StepSession:
         self._loss: Any = None
         self._micro_batches = 0
         self._tokens: int | None = 0
+        self._applied: tuple[list[Any], float] | None = None
+        self._lr_hook: Any = None
 
     def attach(self, model: Any, optimizer: Any, **defaults: Any) -> Any:
         """Attach an agent (a new one after :meth:`close`: a second ``fit``/``train``);
@@ -48,6 +50,8 @@ class StepSession:
             self.checkpoint_requested = self._closed = False
             self.agent = attach(model, optimizer, job=self.job, run=self.run,
                                 on_checkpoint=self._on_checkpoint, **kwargs)
+            self._applied = None
+            self._lr_hook = self.agent.optimizer.register_step_pre_hook(self._record_applied_lr)
         return self.agent
 
     def _on_checkpoint(self, step: int) -> None:
@@ -76,6 +80,28 @@ class StepSession:
         self.agent.end_step(loss, tokens=tokens)
         return True
 
+    def _record_applied_lr(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer pre-hook, registered after the agent's (hooks run in that order): the param
+        groups' LRs as the step applies them (the scheduler's x the agent's multiplier)."""
+        control = self.agent.control
+        self._applied = ([g["lr"] for g in optimizer.param_groups], 1.0 if control is None else control.lr_scale)
+
+    def applied_lrs(self) -> dict[str, float]:
+        """The LR the last optimizer step applied, for the framework's own logs beside its
+        ``learning_rate`` (the scheduler's LR: while ``lr_scale`` is not 1 it is not the LR in use).
+
+        ``trainguard/applied_lr``: param group 0's LR in that step (the scheduler's LR x the
+        agreed ``lr_scale``, and an accumulation command's LR factor); ``trainguard/applied_lr_pg<i>``
+        the same for group ``i`` > 0; ``trainguard/lr_scale``: the ``lr_scale`` of that step. Empty
+        before the first step. A device-tensor LR is read on the host here (at a logging step)."""
+        if self._applied is None:
+            return {}
+        lrs, lr_scale = self._applied
+        out = {"trainguard/applied_lr" if i == 0 else f"trainguard/applied_lr_pg{i}": float(lr)
+               for i, lr in enumerate(lrs)}
+        out["trainguard/lr_scale"] = float(lr_scale)
+        return out
+
     @property
     def micro_batches(self) -> int:
         """Micro-batches seen since the last ``end_step``."""
@@ -94,6 +120,7 @@ class StepSession:
         """Close the agent (it stays readable: ``agent.latest()``)."""
         if self.agent is not None and not self._closed:
             self._closed = True
+            self._lr_hook.remove()
             self.agent.close()
 
 

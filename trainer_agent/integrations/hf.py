@@ -22,12 +22,20 @@ each micro-batch       the loss the Trainer's ``training_step`` returned (the Tr
 ``on_save``            ``agent.state_dict()`` into the checkpoint folder (``trainguard_agent.pt``);
                        a ``train(resume_from_checkpoint=...)`` from ``<output_dir>/checkpoint-<step>``
                        restores it, so the agent's step count goes on from the checkpoint's
+``Trainer.log``        each training log (the one with ``learning_rate``) gets the LR the last
+                       optimizer step applied, before the Trainer records it: ``trainguard/applied_lr``
+                       (``trainguard/applied_lr_pg<i>`` for further param groups) and that step's
+                       ``trainguard/lr_scale``. The Trainer's ``learning_rate`` is its scheduler's LR,
+                       not multiplied by ``lr_scale``; these keys reach ``state.log_history``, the
+                       console and every ``report_to`` integration (W&B, TensorBoard, ...)
 ``on_train_end``       ``agent.close()``
 =====================  ==============================================================================
 
 The callback API does not carry the loss, so at ``on_train_begin`` the callback finds the Trainer
 that called it (its caller's frame) and wraps that Trainer instance's ``training_step``; the
-wrapper only adds up the returned loss, a device tensor (no host read). Keyword arguments after
+wrapper only adds up the returned loss, a device tensor (no host read). It wraps the instance's
+``log`` too (``on_log`` would come after the reporting callbacks had sent the logs), and unwraps
+both at ``on_train_end``. Keyword arguments after
 ``run`` go to ``trainer_agent.attach`` (``config``, ``controller``, ``token``, ...). When ``train()``
 raises, the Trainer calls no end hook: close the agent in your ``finally`` (``callback.agent.close()``;
 a second close does nothing).
@@ -57,7 +65,7 @@ class TrainguardCallback(TrainerCallback):
 
     def __init__(self, *, job: str, run: str, **attach_kwargs: Any) -> None:
         self._session = StepSession(job, run, attach_kwargs)
-        self._wrapped: tuple[Trainer, bool, Any] | None = None
+        self._wrapped: list[tuple[Trainer, str, bool, Any]] = []
 
     @property
     def agent(self) -> Any:
@@ -73,6 +81,7 @@ class TrainguardCallback(TrainerCallback):
         if state.global_step > 0 and os.path.exists(saved):  # resumed from that checkpoint
             agent.load_state_dict(torch.load(saved, weights_only=True))
         self._wrap_training_step(trainer)
+        self._wrap_log(trainer)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The Trainer has just written ``checkpoint-<step>``: the agent's state goes beside it."""
@@ -89,7 +98,7 @@ class TrainguardCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._unwrap_training_step()
+        self._unwrap()
         self._session.close()
 
     # ------------------------------------------------------------------ the loss of each micro-batch
@@ -115,14 +124,27 @@ class TrainguardCallback(TrainerCallback):
             session.add_micro_batch(loss, tokens)
             return loss
 
-        self._wrapped = (trainer, "training_step" in vars(trainer), inner)
-        trainer.training_step = training_step  # type: ignore[method-assign]
+        self._replace(trainer, "training_step", training_step)
 
-    def _unwrap_training_step(self) -> None:
-        wrapped, self._wrapped = self._wrapped, None
-        if wrapped is not None:
-            trainer, had_own, inner = wrapped
+    def _wrap_log(self, trainer: Trainer) -> None:
+        inner = trainer.log
+        session = self._session
+
+        def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+            if "learning_rate" in logs:  # a training log: the LR in use beside the scheduler's
+                logs.update(session.applied_lrs())
+            return inner(logs, *args, **kwargs)
+
+        self._replace(trainer, "log", log)
+
+    def _replace(self, trainer: Trainer, name: str, wrapper: Any) -> None:
+        self._wrapped.append((trainer, name, name in vars(trainer), getattr(trainer, name)))
+        setattr(trainer, name, wrapper)
+
+    def _unwrap(self) -> None:
+        wrapped, self._wrapped = self._wrapped, []
+        for trainer, name, had_own, inner in reversed(wrapped):
             if had_own:
-                trainer.training_step = inner  # type: ignore[method-assign]
+                setattr(trainer, name, inner)
             else:
-                vars(trainer).pop("training_step", None)
+                vars(trainer).pop(name, None)

@@ -15,7 +15,12 @@
                          epoch may be shorter). The controller's ``stop`` sets ``trainer.should_stop``;
                          its ``checkpoint`` (and a stop) calls ``trainer.save_checkpoint`` into
                          ``checkpoint_dir`` (default: the ModelCheckpoint's folder, else
-                         ``<default_root_dir>/checkpoints``) as ``trainguard-step=<step>.ckpt``
+                         ``<default_root_dir>/checkpoints``) as ``trainguard-step=<step>.ckpt``.
+                         Then ``pl_module.log_dict`` (``on_step=True``) of the LR the step
+                         applied: ``trainguard/applied_lr`` (``trainguard/applied_lr_pg<i>`` for
+                         further param groups) and its ``trainguard/lr_scale``, to every logger
+                         (Lightning's ``LearningRateMonitor`` logs the scheduler's LR, not
+                         multiplied by ``lr_scale``)
 ``on_fit_end``           ``agent.close()`` (also on an exception)
 ``state_dict``           every Lightning checkpoint carries ``agent.state_dict()``; ``fit(ckpt_path=...)``
                          restores it, so the agent's step count goes on from the checkpoint's
@@ -97,6 +102,9 @@ class TrainguardCallback(Callback):
         session.end_step(normalised_by / count if count else 1.0)  # may block while paused
         if session.take_checkpoint_request():
             trainer.save_checkpoint(os.path.join(self._dirpath(trainer), f"trainguard-step={trainer.global_step}.ckpt"))
+        applied = session.applied_lrs()
+        if applied:
+            pl_module.log_dict(applied, on_step=True, on_epoch=False)
         if session.should_stop:
             trainer.should_stop = True
 
