@@ -231,8 +231,11 @@ class WebhookDeliverer:
         self._transport = transport
         self._wake = asyncio.Event()
         self._sem = asyncio.Semaphore(concurrency)
-        self.pending = 0
-        """Rows waiting for delivery (kept up to date in memory for /metrics)."""
+        # Counted before the controller serves anything: a count taken once the loop runs would
+        # also hold rows committed meanwhile, which their wake() counts again.
+        self.pending = store.read_now(sql.pending_outbox_count)
+        """Rows waiting for delivery (for /metrics): counted again whenever the worker goes idle,
+        and kept up to date in memory in between."""
 
     def wake(self, new_rows: int = 0) -> None:
         self.pending += new_rows
@@ -243,9 +246,12 @@ class WebhookDeliverer:
 
     async def run(self) -> None:
         """Deliver until cancelled."""
-        self.pending = await self._store.read(sql.pending_outbox_count)
         async with httpx.AsyncClient(transport=self._transport, timeout=self._timeout, follow_redirects=False) as client:
             while True:
+                # Cleared before the reads, never after them: rows committed while a read runs in
+                # its thread call wake() before that read's (older) answer arrives, and a clear()
+                # after it would lose that wake and leave the rows waiting up to a minute.
+                self._wake.clear()
                 now = self._clock()
                 due = await self._store.read(lambda c: sql.due_outbox(c, now, 64))
                 if due:
@@ -256,9 +262,10 @@ class WebhookDeliverer:
                     if errors:
                         await asyncio.sleep(self._backoff)  # such a row stays due: do not spin on it
                     continue
-                nxt = await self._store.read(sql.next_outbox_time)
+                nxt, count = await self._store.read(_idle)
+                if not self._wake.is_set():  # else rows woke it that the count may miss: counted next turn
+                    self.pending = count
                 wait = 60.0 if nxt is None else min(60.0, max(0.0, nxt - self._clock()))
-                self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=wait)
                 except TimeoutError:
@@ -316,6 +323,11 @@ class WebhookDeliverer:
             ))
             if outcome != "retry":
                 self.pending = max(0, self.pending - 1)
+
+
+def _idle(conn: Any) -> tuple[float | None, int]:
+    """When the next pending row is due, and how many are pending (one read: one snapshot)."""
+    return sql.next_outbox_time(conn), sql.pending_outbox_count(conn)
 
 
 def redact_url(url: str) -> str:

@@ -5,15 +5,23 @@ README's recipe, and by the demo webhook sink (what a user copies)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import io
 import json
 import threading
+import time
 from datetime import datetime, timezone
 
+from prometheus_client import CollectorRegistry
+
 from trainguard.demo.webhook_sink import make_server
+from trainguard.service import statements as sql
+from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.rules import default_rules_text
+from trainguard.service.store import Store
+from trainguard.service.webhooks import WebhookDeliverer
 from tests.service.conftest import LADDER_STEPS, climb_ladder, register, wait_until
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -216,3 +224,51 @@ def test_an_incident_climbing_the_ladder_is_sent_at_each_rung_and_pages_critical
         [f"step {LADDER_STEPS['adaptive_lr']}", "adaptive_lr by rule:grad_norm_high"],
         [f"step {LADDER_STEPS['rollback']}", "rollback by recovery:ladder"],
         [f"step {LADDER_STEPS['pause']}", "pause by recovery:ladder"]]
+
+
+def test_rows_committed_while_the_worker_reads_are_sent_at_once_and_counted_once(tmp_path, receiver_factory):
+    """The interleaving a busy machine makes likely, made certain: the worker finds no due row, and
+    while its next read runs in a thread, a transaction commits a row and wakes it. That wake must
+    not be lost (the row would wait for the worker's one-minute idle timer: the flake of the
+    incident test above under load), and the row must be counted once in the pending gauge."""
+    rx = receiver_factory([200])
+    store = Store(tmp_path / "tg.db")
+    hook = store.write_now(lambda c: sql.insert_webhook(c, url=rx.url, format="alertmanager", secret=SECRET,
+                                                        min_severity="info", send_resolved=True, now=time.time()))
+
+    async def scenario() -> tuple[int, list[int]]:
+        store.start()
+        deliverer = WebhookDeliverer(store, ControllerMetrics(CollectorRegistry(), lambda: None), clock=time.time,
+                                     timeout_s=30.0, max_attempts=3, backoff_s=0.05, backoff_max_s=1.0)
+        real_read, seen = store.read, {"no_due_rows": False, "committed": False}
+        pending_seen = []
+
+        async def read(op):
+            result = await real_read(op)  # this read's snapshot predates the commit below
+            if seen["no_due_rows"] and not seen["committed"]:
+                seen["committed"] = True
+                await store.submit(lambda c: sql.insert_outbox(c, webhook_id=hook, alert_id=None, body=b"{}", now=time.time()))
+                deliverer.wake(1)  # as the controller does after its commit
+                pending_seen.append(deliverer.pending)
+            seen["no_due_rows"] = result == []
+            return result
+
+        store.read = read  # type: ignore[method-assign]
+        task = asyncio.create_task(deliverer.run())
+        try:
+            # far below the worker's one-minute idle timer, far above one local delivery
+            deadline = time.monotonic() + 20.0
+            while not (len(rx.requests) == 1 and deliverer.pending == 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return deliverer.pending, pending_seen
+
+    try:
+        pending, pending_seen = asyncio.run(scenario())
+        assert store.read_now(sql.pending_outbox_count) == 0
+    finally:
+        store.close()
+    assert len(rx.requests) == 1 and rx.requests[0][1] == b"{}"
+    assert pending_seen == [1] and pending == 0
