@@ -45,6 +45,8 @@ __all__ = [
     "dashboard_queries",
     "rule_queries",
     "check_metric_names",
+    "stale_files",
+    "sync",
     "main",
 ]
 
@@ -154,21 +156,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when the files under --out are stale")
     args = parser.parse_args(argv)
-    files = render()
-    stale = stale_files(args.out, files)
-    if args.check:
+    return sync(args.out, render(), check=args.check, command="trainguard dashboards build")
+
+
+def sync(out: Path, files: dict[str, str], *, check: bool, command: str) -> int:
+    """Write ``files`` under ``out`` and delete files left over there (exit status 0); with
+    ``check``, write nothing and name each stale file (exit status 1 when any is, with the
+    ``command`` that regenerates them)."""
+    stale = stale_files(out, files)
+    if check:
         for rel in stale:
-            print(f"stale: {args.out / rel}", file=sys.stderr)
+            print(f"stale: {out / rel}", file=sys.stderr)
         if stale:
-            print("run `trainguard dashboards build` and commit the result", file=sys.stderr)
+            print(f"run `{command}` and commit the result", file=sys.stderr)
         return 1 if stale else 0
     for rel, text in files.items():
-        path = args.out / rel
+        path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     for rel in set(stale) - files.keys():
-        (args.out / rel).unlink()
-    print(f"wrote {len(files)} files under {args.out}")
+        (out / rel).unlink()
+    print(f"wrote {len(files)} files under {out}")
     return 0
 
 
