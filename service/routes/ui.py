@@ -9,7 +9,14 @@ the session's CSRF token in ``X-CSRF-Token`` (403 otherwise) and, when the brows
 ``Origin``, the controller's own. Without configured tokens (the controller then binds to loopback
 only) the console opens an anonymous session by itself: there is nothing to sign in with.
 
-Sessions live in the controller's memory (bounded, 12 hours each): a restart signs everyone out.
+A session is bound to the token it signed in with: once that token is revoked or expires, the
+session's next request (read, command or a stream's next tick) answers 401. Sessions live in the
+controller's memory (12 hours each, at most ``_SESSIONS_PER_TOKEN`` per token: a sign-in beyond
+that ends the same token's oldest session, never another token's): a restart signs everyone out.
+Failed sign-ins are rate limited per client address and in all (:class:`LoginLimiter`; 429 with
+``Retry-After``). Live updates (``/ui/api/stream``, ``/ui/api/runs/{run}/stream``) are built once
+per interval for every stream (:class:`StreamSnapshots`), sent at most every tick per connection,
+and capped per session and in all (429 beyond).
 The pages are one HTML shell and plain JavaScript modules under ``service/ui`` (no build step);
 the charts use the vendored uPlot.
 """
@@ -19,8 +26,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import math
 import secrets
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from importlib.resources import files
@@ -37,15 +47,30 @@ from pydantic import BaseModel, Field, ValidationError
 from trainguard.protocol.wire import MAX_INT, CommandRequest, LrScaleRequest
 from trainguard.service.auth import ANONYMOUS, Principal, TokenTable
 from trainguard.service.controller import Controller
+from trainguard.service.errors import TooMany
 from trainguard.service.schemas import nan_safe
 
-__all__ = ["router", "install", "ConsoleSessions", "COOKIE", "CSRF_HEADER"]
+__all__ = ["router", "install", "ConsoleSessions", "LoginLimiter", "StreamSnapshots", "COOKIE", "CSRF_HEADER"]
+
+log = logging.getLogger("trainguard.service.ui")
 
 UI_DIR = Path(str(files("trainguard.service") / "ui"))
 COOKIE = "trainguard_session"
 CSRF_HEADER = "X-CSRF-Token"
 _SESSION_TTL_S = 12 * 3600.0
 _MAX_SESSIONS = 1024
+#: Sessions one token may hold at once (one per browser or tab that signed in with it).
+_SESSIONS_PER_TOKEN = 16
+#: Live-update streams one session may hold (a page holds one), and all sessions together.
+_STREAMS_PER_SESSION = 6
+_STREAMS_TOTAL = 64
+#: Failed sign-ins: a burst of this many per client address, then one per this many seconds;
+#: and in all (every address together).
+_LOGIN_BURST, _LOGIN_REFILL_S = 10, 6.0
+_LOGIN_BURST_TOTAL, _LOGIN_REFILL_TOTAL_S = 100, 1.0
+_LOGIN_ADDRESSES = 4096
+#: Audit events sent in one write of a stream (the rest follow in the next).
+_EVENTS_PER_WRITE = 64
 _TICK_S = 0.5
 _RUNS_EVERY_S = 1.0
 _HEARTBEAT_S = 15.0
@@ -70,41 +95,142 @@ class Session:
     principal: Principal
     csrf: str
     expires: float
+    streams: int = 0
+    """Live-update streams open under this session."""
 
 
 class ConsoleSessions:
-    """Signed-in browsers: session id -> principal and CSRF token. Bounded: beyond ``capacity``
-    the oldest session is dropped; a session expires ``ttl_s`` after sign-in."""
+    """Signed-in browsers: session id -> principal and CSRF token.
 
-    def __init__(self, *, ttl_s: float = _SESSION_TTL_S, capacity: int = _MAX_SESSIONS,
+    A session expires ``ttl_s`` after sign-in. At most ``per_token`` sessions per token: a
+    sign-in beyond that ends that token's oldest session. In all at most ``capacity``: a sign-in
+    beyond that ends the token's own oldest session if it has one, else an expired one, else it
+    is refused (:class:`TooMany`) - it never ends another token's live session. Streams are
+    counted per session (``streams_per_session``) and in all (``streams_total``)."""
+
+    def __init__(self, *, ttl_s: float = _SESSION_TTL_S, capacity: int = _MAX_SESSIONS, per_token: int = _SESSIONS_PER_TOKEN,
+                 streams_per_session: int = _STREAMS_PER_SESSION, streams_total: int = _STREAMS_TOTAL,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if ttl_s <= 0 or capacity < 1:
-            raise ValueError("ttl_s must be > 0 and capacity >= 1")
-        self.ttl_s, self.capacity, self.clock = ttl_s, capacity, clock
+        if ttl_s <= 0 or min(capacity, per_token, streams_per_session, streams_total) < 1:
+            raise ValueError("ttl_s must be > 0, and capacity, per_token and the stream limits >= 1")
+        self.ttl_s, self.capacity, self.per_token, self.clock = ttl_s, capacity, per_token, clock
+        self.streams_per_session, self.streams_total = streams_per_session, streams_total
+        self.streams = 0
         self._by_id: OrderedDict[str, Session] = OrderedDict()
+        #: Each token's sessions (by digest; the anonymous caller by its actor), oldest first.
+        self._by_token: dict[str, OrderedDict[str, None]] = {}
+
+    @staticmethod
+    def _key(principal: Principal) -> str:
+        return principal.token_digest or principal.actor
 
     def open(self, principal: Principal) -> tuple[str, Session]:
-        while len(self._by_id) >= self.capacity:
-            self._by_id.popitem(last=False)
+        own = self._by_token.get(self._key(principal))
+        if own and len(own) >= self.per_token:
+            self.close(next(iter(own)))
+        if len(self._by_id) >= self.capacity:
+            if own:
+                self.close(next(iter(own)))
+            else:
+                self._drop_expired()
+            if len(self._by_id) >= self.capacity:
+                raise TooMany(f"the console holds {len(self._by_id)} sessions, its limit: sign out elsewhere "
+                              "or wait for sessions to expire")
         sid = secrets.token_urlsafe(32)
         session = self._by_id[sid] = Session(principal, secrets.token_urlsafe(32), self.clock() + self.ttl_s)
+        self._by_token.setdefault(self._key(principal), OrderedDict())[sid] = None
         return sid, session
+
+    def _drop_expired(self) -> None:
+        now = self.clock()
+        for sid in [sid for sid, s in self._by_id.items() if s.expires <= now]:
+            self.close(sid)
 
     def get(self, sid: str | None) -> Session | None:
         if not sid:
             return None
         session = self._by_id.get(sid)
         if session is not None and session.expires <= self.clock():
-            del self._by_id[sid]
+            self.close(sid)
             return None
         return session
 
     def close(self, sid: str | None) -> None:
-        if sid:
-            self._by_id.pop(sid, None)
+        if not sid:
+            return
+        session = self._by_id.pop(sid, None)
+        if session is not None:
+            key = self._key(session.principal)
+            own = self._by_token.get(key)
+            if own is not None:
+                own.pop(sid, None)
+                if not own:
+                    del self._by_token[key]
+
+    def open_stream(self, session: Session) -> Callable[[], None]:
+        """Count a stream of ``session`` (429 beyond the limits); answers its release (idempotent)."""
+        if session.streams >= self.streams_per_session:
+            raise TooMany(f"this console session has {session.streams} live-update streams open, its limit: close a page "
+                          "(or sign in again from another browser)")
+        if self.streams >= self.streams_total:
+            raise TooMany(f"the console serves {self.streams} live-update streams, its limit: try again later")
+        session.streams += 1
+        self.streams += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                session.streams -= 1
+                self.streams -= 1
+
+        return release
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+class LoginLimiter:
+    """Token buckets of failed sign-ins, per client address and in all: each failure takes one;
+    a bucket refills one per ``refill_s`` up to ``burst``. An empty bucket refuses sign-ins from
+    that address (or, for the total, from everyone) before the token is even checked, so guessing
+    learns nothing while it lasts. At most ``addresses`` addresses are tracked (the least recently
+    failed beyond that are forgotten; the total bucket still holds)."""
+
+    def __init__(self, *, burst: int = _LOGIN_BURST, refill_s: float = _LOGIN_REFILL_S, burst_total: int = _LOGIN_BURST_TOTAL,
+                 refill_total_s: float = _LOGIN_REFILL_TOTAL_S, addresses: int = _LOGIN_ADDRESSES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if min(burst, burst_total, addresses) < 1 or min(refill_s, refill_total_s) <= 0:
+            raise ValueError("bursts and addresses must be >= 1 and refill periods > 0")
+        self.burst, self.refill_s, self.burst_total, self.refill_total_s = burst, refill_s, burst_total, refill_total_s
+        self.addresses, self.clock = addresses, clock
+        self._by_address: OrderedDict[str, tuple[float, float]] = OrderedDict()  # address -> (level, at)
+        self._total = (float(burst_total), clock())
+
+    @staticmethod
+    def _level(bucket: tuple[float, float], burst: int, refill_s: float, now: float) -> float:
+        level, at = bucket
+        return min(float(burst), level + (now - at) / refill_s)
+
+    def retry_after(self, address: str) -> float:
+        """Seconds until ``address`` may try again (0: now)."""
+        now = self.clock()
+        mine = self._by_address.get(address)
+        wait = 0.0
+        if mine is not None:
+            wait = max(wait, (1.0 - self._level(mine, self.burst, self.refill_s, now)) * self.refill_s)
+        wait = max(wait, (1.0 - self._level(self._total, self.burst_total, self.refill_total_s, now)) * self.refill_total_s)
+        return wait
+
+    def failed(self, address: str) -> None:
+        now = self.clock()
+        mine = self._by_address.pop(address, None)
+        level = self._level(mine, self.burst, self.refill_s, now) if mine is not None else float(self.burst)
+        self._by_address[address] = (level - 1.0, now)
+        while len(self._by_address) > self.addresses:
+            self._by_address.popitem(last=False)
+        self._total = (self._level(self._total, self.burst_total, self.refill_total_s, now) - 1.0, now)
 
 
 def _sessions(request: Request) -> ConsoleSessions:
@@ -122,23 +248,55 @@ def _set_cookie(response: Response, request: Request, sid: str, ttl_s: float) ->
                         secure=_secure(request))
 
 
+def _origin_key(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
+    """``(scheme, host, port)`` of an origin, the port made explicit for http and https; ``None``
+    when it does not parse."""
+    try:
+        parts = urlsplit(f"{scheme}://{netloc}")
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    scheme = scheme.lower()
+    return scheme, parts.hostname.lower(), port if port is not None else {"http": 80, "https": 443}.get(scheme)
+
+
 def _check_origin(request: Request) -> None:
-    """Refuse a state-changing request whose ``Origin`` is another site's (SameSite=Strict already
-    keeps the cookie off cross-site requests; this also covers browsers that ignore it)."""
+    """Refuse a state-changing request whose ``Origin`` is another site's: scheme, host and port
+    must all be the controller's (as the browser reached it, or TRAINGUARD_EXTERNAL_URL's).
+    SameSite=Strict already keeps the cookie off cross-site requests; this also covers browsers
+    that ignore it."""
     origin = request.headers.get("origin")
     if origin is None:
         return
-    allowed = {request.headers.get("host", "")}
+    allowed = {_origin_key(request.url.scheme, request.headers.get("host", ""))}
     external = request.app.state.settings.external_url
     if external:  # behind a proxy that rewrites Host, the public address the browser uses
-        allowed.add(urlsplit(external).netloc)
-    if urlsplit(origin).netloc not in allowed:
-        raise HTTPException(403, "cross-origin request refused (behind a proxy, set TRAINGUARD_EXTERNAL_URL to the public address)")
+        parts = urlsplit(external)
+        allowed.add(_origin_key(parts.scheme, parts.netloc))
+    parts = urlsplit(origin)
+    key = _origin_key(parts.scheme, parts.netloc) if parts.scheme in ("http", "https") else None
+    if key is None or key not in allowed:
+        raise HTTPException(403, "cross-origin request refused: the Origin's scheme, host and port must be this "
+                            "controller's (behind a proxy, set TRAINGUARD_EXTERNAL_URL to the public address)")
+
+
+def _live_session(request: Request) -> Session | None:
+    """The request's session while it and the token it signed in with are valid; a session whose
+    token was revoked or expired ends here."""
+    sessions = _sessions(request)
+    sid = request.cookies.get(COOKIE)
+    session = sessions.get(sid)
+    if session is not None and not request.app.state.tokens.is_live(session.principal):
+        sessions.close(sid)
+        return None
+    return session
 
 
 def _session_dep(scope: str | None, *, csrf: bool) -> Callable[[Request], Awaitable[Session]]:
     async def dep(request: Request) -> Session:
-        session = _sessions(request).get(request.cookies.get(COOKIE))
+        session = _live_session(request)
         if session is None:
             raise HTTPException(401, "not signed in to the console (POST /ui/login with an operator token)")
         if csrf:
@@ -208,7 +366,7 @@ async def session_info(request: Request) -> Response:
     """The caller's session; without configured tokens, opens an anonymous one."""
     tokens: TokenTable = request.app.state.tokens
     sessions = _sessions(request)
-    session = sessions.get(request.cookies.get(COOKIE))
+    session = _live_session(request)
     if session is not None:
         return _json(_session_body(session, tokens.enabled))
     if tokens.enabled:
@@ -230,14 +388,25 @@ async def login(request: Request) -> Response:
     except ValidationError:
         raise HTTPException(422, "send the token as JSON: {\"token\": \"...\"}") from None
     tokens: TokenTable = request.app.state.tokens
+    limiter: LoginLimiter = request.app.state.console_logins
+    address = request.client.host if request.client else ""
+    wait = limiter.retry_after(address)
+    if wait > 0:
+        retry = max(1, math.ceil(wait))
+        raise HTTPException(429, f"too many failed sign-ins; try again in {retry} s", headers={"Retry-After": str(retry)})
     principal = tokens.authenticate(f"Bearer {body.token}")
     if principal is None:
+        limiter.failed(address)
+        log.warning("console sign-in with an unknown token from %r", address)
         raise HTTPException(401, "unknown token")
     if principal.kind == "agent":
         raise HTTPException(403, "agent tokens cannot sign in to the console: use an operator token")
     sessions = _sessions(request)
     sessions.close(request.cookies.get(COOKIE))
-    sid, session = sessions.open(principal)
+    try:
+        sid, session = sessions.open(principal)
+    except TooMany as e:
+        raise HTTPException(429, str(e)) from None
     response = _json(_session_body(session, tokens.enabled))
     _set_cookie(response, request, sid, sessions.ttl_s)
     return response
@@ -337,77 +506,192 @@ def _sse(kind: str, data: Any, event_id: int | None = None) -> bytes:
     return f"{head}event: {kind}\ndata: {json.dumps(nan_safe(data), separators=(',', ':'))}\n\n".encode()
 
 
-async def _updates(ctl: Controller, run: str | None, seq: int, after: int) -> AsyncIterator[bytes]:
+class StreamSnapshots:
+    """What the console's streams send, built once for all of them: the runs list at most every
+    ``_RUNS_EVERY_S``, a run's status at most every ``_TICK_S``, a window update once per
+    ``(run, from, to)`` and an audit event once. Each stream compares versions, so twenty streams
+    of the same page cost one build and twenty small writes, not twenty builds."""
+
+    _AUDIT_KEPT = 1024
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        #: ``None`` or (rebuild at, version, compared text, event bytes); per run for the status.
+        self._runs: tuple[float, int, str, bytes] | None = None
+        self._run: dict[str, tuple[float, int, str, bytes]] = {}
+        self._window: dict[str, tuple[int, int, bytes]] = {}  # run -> (after seq, to seq, event bytes)
+        self._audit: OrderedDict[int, bytes] = OrderedDict()
+
+    @staticmethod
+    def _next(old: tuple[float, int, str, bytes] | None, due: float, kind: str, state: Any) -> tuple[float, int, str, bytes]:
+        text = json.dumps(nan_safe(state), sort_keys=True, separators=(",", ":"))
+        if old is not None and old[2] == text:
+            return due, old[1], old[2], old[3]
+        return due, (old[1] + 1 if old is not None else 1), text, f"event: {kind}\ndata: {text}\n\n".encode()
+
+    def runs(self, ctl: Controller) -> tuple[int, bytes]:
+        """The runs list's version and its ``runs`` event."""
+        now, old = self.clock(), self._runs
+        if old is None or now >= old[0]:
+            old = self._runs = self._next(old, now + _RUNS_EVERY_S, "runs", _runs(ctl))
+        return old[1], old[3]
+
+    def run(self, ctl: Controller, st: Any) -> tuple[int, bytes]:
+        """Run ``st``'s status version and its ``run`` event."""
+        now, old = self.clock(), self._run.get(st.run)
+        if old is None or now >= old[0]:
+            old = self._run[st.run] = self._next(old, now + _TICK_S, "run", _detail(st))
+            if len(self._run) > len(ctl.runs) + 64:  # runs gone since
+                for name in [n for n in self._run if n not in ctl.runs]:
+                    self._run.pop(name, None)
+                    self._window.pop(name, None)
+        return old[1], old[3]
+
+    def window(self, st: Any, seq: int) -> bytes:
+        """The ``report`` event of run ``st``'s reports after ``seq`` (empty when there are none)."""
+        count = st.window.count
+        if count <= seq:
+            return b""
+        cached = self._window.get(st.run)
+        if cached is not None and cached[0] == seq and cached[1] == count:
+            return cached[2]
+        update = _window(st, seq)
+        chunk = _sse("report", update) if update["rows"] or update["ranks"] else b""
+        self._window[st.run] = (seq, count, chunk)
+        return chunk
+
+    def audit(self, ev: dict[str, Any]) -> bytes:
+        chunk = self._audit.get(ev["id"])
+        if chunk is None:
+            chunk = self._audit[ev["id"]] = _sse("audit", ev, ev["id"])
+            if len(self._audit) > self._AUDIT_KEPT:
+                self._audit.popitem(last=False)
+        return chunk
+
+
+async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, snapshots: StreamSnapshots | None = None,
+                   alive: Callable[[], bool] = lambda: True, release: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
     """Server-Sent Events for the console. With ``run``: ``report`` (new window rows after report
     ``seq``), ``audit`` (the run's audit events after id ``after``) and ``run`` (its status, when it
-    changed). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events)."""
+    changed). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events).
+
+    Per connection, the status and reports are looked at once per ``_TICK_S`` (the runs list
+    changes at most every ``_RUNS_EVERY_S``) and audit events are sent in writes of at most
+    ``_EVENTS_PER_WRITE``, whatever the rate of events: each costs a lookup of what
+    ``snapshots`` built for every stream. The stream ends when ``alive()`` says its session ended
+    (sign-out, expiry, its token revoked), when it falls behind the event hub, and at shutdown;
+    ``release`` is called then."""
+    snapshots = snapshots or StreamSnapshots()
     hub = ctl.events_hub
     queue = hub.subscribe()  # before the replay, so nothing falls between the two
+    loop = asyncio.get_running_loop()
     try:
         yield b"retry: 2000\n\n"
         if after:
             for ev in await _events_after(ctl, run, after):
-                yield _sse("audit", ev, ev["id"])
+                yield snapshots.audit(ev)
                 after = ev["id"]
-        last_state = ""
-        quiet = 0.0
-        # the runs list (every run's status) is compared at most every _RUNS_EVERY_S; one run's
-        # status and new reports every tick
-        loop = asyncio.get_running_loop()
-        next_runs = 0.0
-        while True:
-            state: Any = None
-            if run is not None:
-                st = ctl.get(run)
-                if st.window.count > seq:
-                    update = _window(st, seq)
-                    seq = st.window.count
-                    if update["rows"] or update["ranks"]:
-                        yield _sse("report", update)
-                state = _detail(st)
-            elif loop.time() >= next_runs:
-                next_runs = loop.time() + _RUNS_EVERY_S
-                state = _runs(ctl)
-            text = json.dumps(nan_safe(state), sort_keys=True) if state is not None else last_state
-            if text != last_state:
-                last_state = text
-                yield _sse("run" if run is not None else "runs", state)
+        sent = 0  # the version of the status this stream sent last
+        next_state = written = loop.time()
+        while alive():
+            now = loop.time()
+            if now >= next_state:
+                next_state = now + _TICK_S
+                out = []
+                if run is not None:
+                    st = ctl.runs.get(run)
+                    if st is None:
+                        return
+                    out.append(snapshots.window(st, seq))
+                    seq = max(seq, st.window.count)
+                    version, chunk = snapshots.run(ctl, st)
+                else:
+                    version, chunk = snapshots.runs(ctl)
+                if version != sent:
+                    sent = version
+                    out.append(chunk)
+                if any(out):
+                    written = now
+                    yield b"".join(out)
             try:
-                ev = await asyncio.wait_for(queue.get(), _TICK_S)
+                ev = await asyncio.wait_for(queue.get(), max(next_state - loop.time(), 0.0))
             except TimeoutError:
                 if not hub.is_subscribed(queue):
                     return  # dropped as too slow: the page reconnects from its cursors
-                quiet += _TICK_S
-                if quiet >= _HEARTBEAT_S:
-                    quiet = 0.0
+                if loop.time() - written >= _HEARTBEAT_S:
+                    written = loop.time()
                     yield b": keep-alive\n\n"
                 continue
-            if ev is None:
-                return  # the controller is shutting down
-            if ev["id"] > after and (run is None or ev["run"] == run):
-                after = ev["id"]
-                yield _sse("audit", ev, ev["id"])
+            batch = [ev]
+            while ev is not None and len(batch) < _EVENTS_PER_WRITE and not queue.empty():
+                batch.append(ev := queue.get_nowait())
+            out = []
+            for ev in batch:
+                if ev is None:
+                    break  # the controller is shutting down
+                if ev["id"] > after and (run is None or ev["run"] == run):
+                    after = ev["id"]
+                    out.append(snapshots.audit(ev))
+            if out:
+                written = loop.time()
+                yield b"".join(out)
+            if batch[-1] is None:
+                return
     finally:
         hub.unsubscribe(queue)
+        release()
 
 
-def _stream(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _stream(request: Request, session: Session, run: str | None, seq: int, after: int) -> StreamingResponse:
+    """A stream for ``session`` (429 beyond the limits), ended when the session or its token ends."""
+    sessions = _sessions(request)
+    release = sessions.open_stream(session)
+    sid, tokens = request.cookies.get(COOKIE), request.app.state.tokens
+
+    def alive() -> bool:
+        return sessions.get(sid) is session and tokens.is_live(session.principal)
+
+    body = _updates(_controller(request), run, seq, after, snapshots=request.app.state.console_streams, alive=alive,
+                    release=release)
+    weakref.finalize(body, release)  # a stream the server never started still gives its place back
+    return _EventStream(body, release)
+
+
+class _EventStream(StreamingResponse):
+    """An event stream that gives its place back as soon as the response ends, however it ends
+    (a client that goes away cancels the response while the body waits at a ``yield``, and the
+    body itself is only closed when it is collected)."""
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 @router.get("/ui/api/stream")
-async def api_stream(request: Request, _: ReadSession, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0) -> StreamingResponse:
-    return _stream(_updates(_controller(request), None, 0, after))
+async def api_stream(request: Request, session: ReadSession, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0) -> StreamingResponse:
+    return _open(request, session, None, 0, after)
 
 
 @router.get("/ui/api/runs/{run}/stream")
 async def api_run_stream(
-    run: str, request: Request, _: ReadSession, seq: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+    run: str, request: Request, session: ReadSession, seq: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
 ) -> StreamingResponse:
-    ctl = _controller(request)
-    ctl.get(run)
-    return _stream(_updates(ctl, run, seq, after))
+    _controller(request).get(run)
+    return _open(request, session, run, seq, after)
+
+
+def _open(request: Request, session: Session, run: str | None, seq: int, after: int) -> StreamingResponse:
+    try:
+        return _stream(request, session, run, seq, after)
+    except TooMany as e:
+        raise HTTPException(429, str(e), headers={"Retry-After": "5"}) from None
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -434,6 +718,8 @@ def install(app: FastAPI) -> None:
     """Add the console (routes, static assets, sessions) and the local API docs page to ``app``
     (built with ``docs_url=None``)."""
     app.state.console_sessions = ConsoleSessions()
+    app.state.console_logins = LoginLimiter()
+    app.state.console_streams = StreamSnapshots()
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=UI_DIR), name="ui-static")
 

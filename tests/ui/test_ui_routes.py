@@ -312,11 +312,12 @@ def test_the_run_stream_replays_events_after_its_cursor_then_sends_new_reports_a
         gen = _updates(ctl, "run-1", seq, after)
 
         async def read() -> None:
-            async for chunk in gen:
-                if b"event: " in chunk:
-                    out.append(_parse_sse(chunk))
-                    if len(out) == n:
-                        return
+            async for chunk in gen:  # a write may hold several events
+                for event in chunk.split(b"\n\n"):
+                    if b"event: " in event:
+                        out.append(_parse_sse(event))
+                        if len(out) == n:
+                            return
 
         try:
             await asyncio.wait_for(read(), 30)
