@@ -62,7 +62,7 @@ from torch import nn
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
 from trainer_agent import environment, preflight_probes as probes
 from trainer_agent.fingerprint import desync, findings, for_ranks
-from trainer_agent.triage import ADAPTIVE
+from trainer_agent import triage
 
 __all__ = ["Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
 
@@ -259,26 +259,21 @@ def _update_check(agent: Any, grads: list[torch.Tensor | None]) -> Check:
     after = _simulate_step(opt, params, grads)
     if after is None:
         return Check("update_size", "skip", f"{type(opt).__name__} cannot be copied to simulate a step")
-    adaptive = isinstance(opt, ADAPTIVE)
-    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    predicted = triage.bound_sq(opt, params, grads)
+    if predicted is None:
+        return Check("update_size", "skip", f"{type(opt).__name__}'s update rule is not one trainguard knows "
+                     f"({triage.KNOWN_RULES}): no predicted update size to compare with")
+    rule = triage.update_rule(opt)
     d_sq = [float((a.double() - p.detach().double()).square().sum()) for a, p in zip(after, params)]
     w_sq = [float(p.detach().double().square().sum()) for p in params]
-    bound_sq = []
-    for p, g in zip(params, grads):
-        group = group_of[id(p)]
-        lr = float(group["lr"])
-        if adaptive:
-            bound_sq.append(lr * lr * p.numel())
-        else:
-            gn = float(g.double().square().sum()) if g is not None else 0.0
-            bound_sq.append(lr * lr * gn / (1.0 - float(group.get("momentum", 0.0) or 0.0)) ** 2)
-    d, w, b = (_layer_sums(v, agent) for v in (d_sq, w_sq, bound_sq))
+    d, w, b = (_layer_sums(v, agent) for v in (d_sq, w_sq, predicted))
     rows = {}
     for i, layer in enumerate(agent.layers):
         ratio = math.sqrt(d[i] / b[i]) if b[i] > 0 else (0.0 if d[i] == 0 else math.inf)
         rel = math.sqrt(d[i] / w[i]) if w[i] > 0 else (0.0 if d[i] == 0 else math.inf)
         rows[layer] = {"update": math.sqrt(d[i]), "predicted": math.sqrt(b[i]), "ratio": ratio, "update_ratio": rel}
-    rule = "lr x sqrt(n)" if adaptive else "lr x ||g|| / (1 - momentum)"
+    rule = {"adaptive": "lr x sqrt(n)", "sgd": "lr x ||g|| / (1 - momentum)", "trust_ratio": "lr x ||W|| (trust ratio)",
+            "adafactor": "rho_t x d x max(eps2 sqrt(n), ||W||) (relative step)"}[rule]
     off = {k: v for k, v in rows.items() if not v["ratio"] <= 3.0 + 1e-3}
     big = {k: v for k, v in rows.items() if not v["update_ratio"] <= 1e-2}
     if off or big:
@@ -325,20 +320,46 @@ def _data_check(agent: Any, batch: Any) -> Check:
     return Check("data", "warn" if problems else "pass", "; ".join(problems) or "token ids, special tokens and repeats look sane", values)
 
 
+def _gradient_scale_eps(opt: torch.optim.Optimizer) -> tuple[list[float], str]:
+    """The optimizer's eps on the scale of |g| (what it adds to sqrt(v)), per group, and how it was
+    read; an empty list for a rule without one."""
+    rule = triage.update_rule(opt)
+    if rule in ("adaptive", "trust_ratio"):
+        return [float(g["eps"]) for g in opt.param_groups if isinstance(g.get("eps"), (int, float))], "eps"
+    if rule != "adafactor":
+        return [], ""
+    out = []
+    for g in opt.param_groups:
+        eps = g.get("eps")
+        eps1 = eps[0] if isinstance(eps, (tuple, list)) and eps else None
+        if isinstance(opt, torch.optim.Adafactor):  # torch clamps v at eps1^2: eps1 on the |g| scale
+            dtype = g["params"][0].dtype if g["params"] else torch.float32
+            out.append(float(eps1) if eps1 is not None else float(torch.finfo(dtype).eps))
+        elif eps1 is not None:  # Hugging Face adds eps1 to g^2
+            out.append(math.sqrt(float(eps1)))
+    how = ("eps1 (torch's Adafactor: None means the parameters' dtype epsilon)" if isinstance(opt, torch.optim.Adafactor)
+           else "sqrt(eps[0]) (Adafactor adds it to g^2)")
+    return out, how
+
+
+def _eps_check(opt: torch.optim.Optimizer, n: int) -> Check:
+    eps, how = _gradient_scale_eps(opt)
+    if not eps:
+        return Check("adam_eps", "skip", f"{type(opt).__name__} has no eps in the denominator of its update")
+    big = max(eps)
+    values = {"eps": big, "params": n, "read_as": how, "rule": triage.update_rule(opt)}
+    if n > BIG_MODEL_PARAMS and big > 1e-8:
+        return Check("adam_eps", "warn",
+                     f"{how} = {big:g} on a model of {n / 1e9:.3g}B parameters: above 10B use 1e-8 "
+                     f"(a larger eps flattens the update of parameters with small gradients)", values)
+    return Check("adam_eps", "pass", f"{how} = {big:g} for {n / 1e9:.3g}B parameters", values)
+
+
 def _config_checks(agent: Any, declared_params: int | None, clip_grad_norm: float | None | str) -> list[Check]:
     opt, scaler = agent.optimizer, agent.scaler
     n = declared_params if declared_params is not None else sum(p.numel() for p in agent.params.params)
     checks = []
-    eps = [g.get("eps") for g in opt.param_groups if isinstance(g.get("eps"), (int, float))]
-    if not isinstance(opt, ADAPTIVE) or not eps:
-        checks.append(Check("adam_eps", "skip", f"{type(opt).__name__} has no eps"))
-    elif n > BIG_MODEL_PARAMS and max(eps) > 1e-8:
-        checks.append(Check("adam_eps", "warn",
-                            f"eps = {max(eps):g} on a model of {n / 1e9:.3g}B parameters: above 10B use 1e-8 "
-                            f"(a larger eps flattens the update of parameters with small gradients)",
-                            {"eps": max(eps), "params": n}))
-    else:
-        checks.append(Check("adam_eps", "pass", f"eps = {max(eps):g} for {n / 1e9:.3g}B parameters", {"eps": max(eps), "params": n}))
+    checks.append(_eps_check(opt, n))
     if clip_grad_norm == "unknown":
         checks.append(Check("grad_clip", "skip", "pass clip_grad_norm= (the max norm your loop clips to, or None)"))
     elif clip_grad_norm is None:

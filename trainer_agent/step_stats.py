@@ -257,8 +257,7 @@ class StepMeter:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot."""
         st = self.state
-        st.lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-                  for g in optimizer.param_groups]
+        st.lrs = triage.group_lrs(optimizer)
         if st.grad_norms is None:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
@@ -320,7 +319,6 @@ class StepMeter:
         if lrs is None:
             lrs = self.last_lrs
         if lrs is None:
-            lrs = [g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else float(g["lr"])
-                   for g in optimizer.param_groups]
+            lrs = triage.group_lrs(optimizer)
         self.last_lrs = lrs
         return lrs
