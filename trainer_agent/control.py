@@ -650,7 +650,13 @@ class ControlPlane:
                     return
             i += 1
             self._set(new, step)
-        log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
+        # The wait ends on a resume, a stop sent while paused, or the agent closing: say which.
+        if self._stop:
+            log.warning("trainguard: rank %d stopped while paused at step %d (generation %d)", self.rank, step, self._generation)
+        elif self._closed:
+            log.warning("trainguard: rank %d stopped waiting at step %d: the agent closed while paused", self.rank, step)
+        else:
+            log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
 
     def _next_leader_state(self) -> DesiredState | None:
         """The controller's next generation, or None after a short wait without one."""
