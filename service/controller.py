@@ -419,6 +419,7 @@ class Controller:
         tx.on_rollback(lambda: rec.restore(rec_saved))
         rec.before_decide(report.values)
         findings = evaluate(rules, st.window, now)
+        rec.consider(findings, st.window, ranks=st.ranks)
         outcome = decide(findings, st.book, st.desired, now, complete=True, ctx=rec)
         self.metrics.evaluations.inc(len(rules))
         changes = rec.after_report(step=report.step_last, values=report.values, findings=findings, before=st.desired,

@@ -274,8 +274,14 @@ def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now:
     per alert that changes it). Mutates only ``book``."""
     tr = book.transition(findings, now, complete=complete)
     fired = []
+    refuse = getattr(ctx, "refusal", None)  # the incident's cause refuses actions that do not fit it
     for f in tr.fire:
-        new = apply_actions(desired, f.rule.actions, f"{f.rule.name}: {f.summary}", ctx)
+        actions, refused = f.rule.actions, []
+        if refuse is not None:
+            refused = [why for a in actions if (why := refuse(a)) is not None]
+            actions = tuple(a for a in actions if refuse(a) is None)
+        reason = f"{f.rule.name}: {f.summary}" + (f" ({'; '.join(refused)})" if refused else "")
+        new = apply_actions(desired, actions, reason, ctx)
         fired.append(FiredAlert(f, new))
         desired = new or desired
     return Outcome(fired, tr.resolve, tr.suppressed, desired, tr.prior)
@@ -325,6 +331,7 @@ def simulate(
         window.append(report, report.time)
         recovery.before_decide(report.values)
         findings = evaluate(rules, window, report.time)
+        recovery.consider(findings, window)
         out = decide(findings, book, gap.desired, report.time, complete=True, ctx=recovery)
         fired = [(fa.finding.rule.name, fa.desired) for fa in gap.fired + out.fired if fa.desired is not None]
         changes = recovery.after_report(step=report.step_last, values=report.values, findings=findings, before=desired,

@@ -48,12 +48,20 @@ from typing import Any
 from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
 from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
+from trainguard.service.cause import DATA_DIAGNOSES, HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
 from trainguard.service.engine import apply_actions
-from trainguard.service.rules import AdaptiveLrAction, PauseAction, RecoveryPolicy, RollbackAction
+from trainguard.service.rules import (
+    AdaptiveLrAction, CheckpointAction, LrScaleAction, PauseAction, RecoveryPolicy, RollbackAction, StopAction,
+)
 
 __all__ = ["Incident", "RunRecovery", "RecoveryChange", "continue_ids_after", "rungs_of", "snapshot_policy"]
 
 _ids = itertools.count(1)
+#: The LR factor of the troubleshooting experiment (the guide: lower the LR 10x and watch).
+_EXPERIMENT_LR_FACTOR = 0.1
+#: The reason a hardware incident's ``stop`` rung gives; the agent maps it to
+#: ``trainer_agent.EXIT_HARDWARE_FAULT`` (a launcher restarts the job without the named node).
+HARDWARE_STOP_REASON = "stopped for a restart without the suspect node"
 
 
 def continue_ids_after(last: int) -> None:
@@ -72,14 +80,32 @@ class Incident:
     trigger: str
     rungs: list[dict[str, Any]] = field(default_factory=list)
     outcome: str = "open"
-    """``open``, ``recovered`` or ``escalated`` (a human was paged)."""
+    """``open``, ``recovered`` or ``escalated`` (a human was paged, or the run stopped for a restart)."""
     closed_step: int | None = None
     closed_time: float | None = None
+    cause: str = "unknown"
+    """The verdict's cause (``service/cause.py``), decided before the incident's first action."""
+    verdict: dict[str, Any] = field(default_factory=dict)
+    """The verdict: ``summary``, ``evidence`` (what was read and what it points at), ``ranks`` and
+    ``hosts`` (hardware), and ``revised`` (later evidence that changed the cause, with its step)."""
+    experiment: dict[str, Any] | None = None
+    """An incident of unknown cause: the troubleshooting experiment and its outcome."""
+    data_skipped: list[int] | None = None
+    """A data incident: [first, last] step whose optimizer steps the ranks skipped for its data."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "onset_step": self.onset_step, "onset_time": self.onset_time, "trigger": self.trigger,
                 "rungs": list(self.rungs), "outcome": self.outcome, "closed_step": self.closed_step,
-                "closed_time": self.closed_time}
+                "closed_time": self.closed_time, "cause": self.cause, "verdict": _copy(self.verdict),
+                "experiment": _copy(self.experiment), "data_skipped": None if self.data_skipped is None else list(self.data_skipped)}
+
+
+def _copy(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy deep enough that a later change of the incident does not change an earlier dict."""
+    if d is None:
+        return None
+    return {k: ([dict(x) if isinstance(x, dict) else x for x in v] if isinstance(v, list) else
+                dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +173,15 @@ class RunRecovery:
         self._measured_scale: float | None = None
         self._lr: float | None = None
         self._healthy_lr: deque[float] = deque(maxlen=self.policy.baseline_reports)
+        self._lr_peak: float | None = None
+        """The highest scheduled LR of a healthy report (the schedule's range so far)."""
+        self._verdict: Verdict | None = None
+        """The cause of what the newest report shows (:meth:`consider`), while no incident is open."""
+        self._data_active = False
+        """A data-quality rule fires on the newest report."""
+        self._revised = False
+        """The newest report revised the open incident's cause to hardware."""
+        self._opened_now = False
         self.ramp = self._new_ramp()
 
     @classmethod
@@ -175,7 +210,8 @@ class RunRecovery:
             self.ramp = self._new_ramp()
 
     _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",
-                "_last_step", "_measured", "_measured_scale", "_lr")
+                "_last_step", "_measured", "_measured_scale", "_lr", "_verdict", "_data_active", "_lr_peak", "_revised",
+                "_opened_now")
 
     def save(self) -> dict[str, Any]:
         """Everything a report may change, for an undo (``Transaction.on_rollback``). Called on
@@ -204,6 +240,8 @@ class RunRecovery:
             self.open, d = saved["open"]
             self.open.rungs = list(d["rungs"])
             self.open.outcome, self.open.closed_step, self.open.closed_time = d["outcome"], d["closed_step"], d["closed_time"]
+            self.open.cause, self.open.verdict, self.open.experiment = d["cause"], d["verdict"], d["experiment"]
+            self.open.data_skipped = d["data_skipped"]
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
         self.ramp = saved["ramp"]
@@ -217,7 +255,9 @@ class RunRecovery:
         for d in incidents:
             inc = Incident(int(d["id"]), int(d["onset_step"]), float(d["onset_time"]), str(d["trigger"]),
                            rungs=[dict(r) for r in d.get("rungs", [])], outcome=str(d.get("outcome", "open")),
-                           closed_step=d.get("closed_step"), closed_time=d.get("closed_time"))
+                           closed_step=d.get("closed_step"), closed_time=d.get("closed_time"),
+                           cause=str(d.get("cause") or "unknown"), verdict=_copy(d.get("verdict")) or {},
+                           experiment=_copy(d.get("experiment")), data_skipped=d.get("data_skipped"))
             self.incidents.append(inc)
         last = self.incidents[-1] if self.incidents else None
         if last is not None and last.outcome == "open":
@@ -270,6 +310,66 @@ class RunRecovery:
         return None, (f"no snapshot was followed by {confirm} healthy reports: the anomaly may predate every "
                       f"snapshot held (steps {', '.join(str(s.step) for s in self.snapshots)})")
 
+    # ------------------------------------------------------------------ the cause
+
+    def cause(self) -> str | None:
+        """The cause the actions on the newest report must fit: the open incident's, else the
+        verdict on the newest report (None: nothing alarming)."""
+        if self.open is not None:
+            return self.open.cause
+        return self._verdict.cause if self._verdict is not None else None
+
+    def refusal(self, action: Any) -> str | None:
+        """Why a rule's ``action`` is not taken (it does not fit the cause), or None."""
+        return refusal(self.cause(), action)
+
+    def _alarming(self, findings: list[Any]) -> bool:
+        """Whether the newest report would open an incident (or shows a hardware fault)."""
+        if self._skipped_now:
+            return True
+        signals = self.policy.health_rules
+        for f in findings:
+            if f.active and f.rule.kind != "absence" and (
+                    f.rule.name in signals or any(a.type != "notify" for a in f.rule.actions)
+                    or f.rule.diagnosis in _HARDWARE):
+                return True
+        return False
+
+    def consider(self, findings: list[Any], window: Any, *, ranks: list[dict[str, Any]] | tuple[()] = ()) -> None:
+        """Decide the cause of what the newest report shows, after the rules evaluated it and
+        before their actions are taken (:meth:`refusal`). While an incident is open its cause
+        stands, except that hardware evidence revises it."""
+        self._data_active = any(f.active and f.rule.diagnosis in DATA_DIAGNOSES for f in findings)
+        self._verdict = None
+        if not self.policy.enabled:
+            return
+        if self.open is not None and (self.open.cause == "hardware"
+                                      or not any(f.active and f.rule.diagnosis in _HARDWARE for f in findings)):
+            return
+        if self.open is None and not self._alarming(findings):
+            return
+        peak = window.latest("trainguard_scheduler_lr_peak")  # the agent's own record of the schedule's range
+        if peak is None or not math.isfinite(peak) or peak <= 0:
+            peak = self._lr_peak
+        verdict = judge(findings, window, skipped=self._skipped_now, lr_healthy=list(self._healthy_lr), lr_peak=peak,
+                        metric=self.policy.metric, metric_baseline=self.baseline(),
+                        hosts={int(r["rank"]): str(r["host"]) for r in ranks})
+        if self.open is None:
+            self._verdict = verdict
+        elif verdict.cause == "hardware":
+            inc = self.open
+            inc.verdict = dict(inc.verdict, revised={"from": inc.cause, "step": window.last_step,
+                                                     "summary": verdict.summary}, ranks=list(verdict.ranks),
+                               hosts=list(verdict.hosts), evidence=list(inc.verdict.get("evidence", [])) + list(
+                                   e for e in verdict.as_dict()["evidence"] if e["points_to"] == "hardware"))
+            inc.cause = "hardware"
+            self._revised = True
+
+    def ladder(self) -> tuple[str, ...]:
+        """The rungs of the open incident's cause (the optimizer's: ``ladder``)."""
+        cause = self.open.cause if self.open is not None else "optimizer"
+        return tuple(getattr(self.policy.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.policy.ladder
+
     # ------------------------------------------------------------------ feeding
 
     def skipped_now(self) -> int:
@@ -305,6 +405,8 @@ class RunRecovery:
             return False
         if values.get("trainguard_consecutive_skipped_steps", 0.0) >= self.policy.skip_limit:
             return False
+        if self._data_active and self.open is not None and self.open.cause == "data":
+            return False  # a data incident is over when its data is back in bounds
         return True
 
     def degraded(self) -> bool:
@@ -319,6 +421,7 @@ class RunRecovery:
         before and after the rules' actions; ``fired``: (rule, desired state) of each alert whose
         actions changed it. Returns the further changes to commit (newest last)."""
         p = self.policy
+        self._opened_now = False
         healthy = self.healthy(values, findings)
         self._track_snapshots(values, healthy)
         measured = self._measured
@@ -334,7 +437,11 @@ class RunRecovery:
             if new.rollback_seq > prev_desired.rollback_seq:
                 self._drop_snapshots_after(new.rollback_step)
             prev_desired = new
-        if p.enabled and not healthy and self._skipped_now and "skip" in p.ladder and not desired.paused:
+        verdict = self._verdict
+        ladder = self.ladder() if self.open is not None else (
+            tuple(getattr(p.ladders, verdict.cause)) if verdict is not None and verdict.cause in ("data", "hardware", "unknown")
+            else p.ladder)
+        if p.enabled and not healthy and self._skipped_now and "skip" in ladder and not desired.paused:
             # (a paused run is a human's: no incident opens on the reports it sends while paused)
             why = f"the agent skipped {self._skipped_now} step(s) it did not trust"
             if self.open is None:
@@ -342,9 +449,36 @@ class RunRecovery:
                 self._rung("skip", step, now, "agent", None, why)
             elif not self.open.rungs or self.open.rungs[-1]["rung"] != "skip":  # noted; the controller's rung keeps its window
                 self._rung("skip", step, now, "agent", None, why, restart_window=False)
+        opened = False
+        if (p.enabled and self.open is None and verdict is not None and verdict.cause in ("data", "hardware")
+                and not desired.paused and (not healthy or verdict.cause == "hardware")):
+            # The cause refused the rules' own actions (an LR cut for data): its rungs act instead.
+            self._open(step, now, f"cause:{verdict.cause}")
+            opened = True
+        elif self._opened_now:
+            opened = True  # opened by this report's rules or skips
+        if self.open is not None and p.enabled and (opened or self._revised):
+            for change in self._first_rungs(step, now, desired):
+                changes.append(change)
+                desired = change.desired
+        self._revised = False
+        if self.open is not None and self.open.cause == "data" and self._data_active and p.enabled:
+            change = self._extend_data_skip(step, desired)
+            if change is not None:
+                changes.append(change)
+                desired = change.desired
+        experiment = self.open.experiment if self.open is not None else None
+        if experiment is not None and experiment.get("outcome") is None and p.enabled:
+            if step >= experiment["until_step"]:
+                change = self._conclude_experiment(step, healthy and not self.degraded(), desired)
+                if change is not None:
+                    changes.append(change)
+                    desired = change.desired
         if self.open is not None:
-            if fired:
+            if fired or changes:
                 self._healthy_in_a_row = 0
+            elif self._working(experiment):
+                pass  # the rung in force is still working (data skipped, the experiment running)
             elif healthy and not self.degraded():
                 self._healthy_in_a_row += 1
                 if self._healthy_in_a_row >= p.recover_reports:
@@ -373,8 +507,93 @@ class RunRecovery:
                 self._healthy_metric.append(measured)
             if self._lr is not None:
                 self._healthy_lr.append(self._lr)
+                self._lr_peak = self._lr if self._lr_peak is None else max(self._lr_peak, self._lr)
         self._last_step = step
         return changes
+
+    # ------------------------------------------------------------------ rungs per cause
+
+    def _working(self, experiment: dict[str, Any] | None) -> bool:
+        """A rung in force that must not be judged yet: a data skip while the data is still out
+        of bounds, an experiment that has not ended."""
+        if experiment is not None and experiment.get("outcome") is None:
+            return True
+        return self.open is not None and self.open.cause == "data" and self._data_active
+
+    def _first_rungs(self, step: int, now: float, desired: DesiredState) -> list[RecoveryChange]:
+        """The rungs the cause takes at once when the incident opens (or its cause is revised):
+        a data incident whose data rules fire skips its batches; a hardware incident takes its
+        whole ladder (checkpoint, then pause or stop)."""
+        assert self.open is not None
+        inc, out = self.open, []
+        if inc.cause == "data" and self._data_active and "data_skip" in self.ladder() and \
+                not any(r["rung"] == "data_skip" for r in inc.rungs):
+            new = self._rung_state("data_skip", desired, step, why=self._why_cause())
+            if new is not None:
+                self._rung("data_skip", step, now, "recovery:cause", new)
+                out.append(RecoveryChange(new, "recovery:ladder"))
+        elif inc.cause == "hardware":
+            for rung in self.ladder():
+                if self.open is None or any(r["rung"] == rung for r in inc.rungs):
+                    continue
+                new = self._rung_state(rung, desired, step, why=self._why_cause())
+                if new is None:
+                    continue
+                self._rung(rung, step, now, "recovery:cause", new)
+                if rung == "stop":
+                    self._close("escalated", step, now)
+                out.append(RecoveryChange(new, "recovery:ladder"))
+                desired = new
+        return out
+
+    def _why_cause(self) -> str:
+        assert self.open is not None
+        return (f"incident {self.open.id} (onset step {self.open.onset_step}), cause {self.open.cause}: "
+                f"{self.open.verdict.get('summary', '')}")
+
+    def _extend_data_skip(self, step: int, desired: DesiredState) -> RecoveryChange | None:
+        """Skip further ahead while the data rules still fire, within ``data_skip_max_steps``."""
+        inc, p = self.open, self.policy
+        assert inc is not None
+        if inc.data_skipped is None or desired.data_skip_until - step > p.data_skip_steps // 2:
+            return None
+        first = inc.data_skipped[0]
+        until = min(step + p.data_skip_steps, first + p.data_skip_max_steps - 1)
+        if until <= desired.data_skip_until:
+            return None  # the budget is spent: the change lasts, it is the data's new normal
+        inc.data_skipped = [first, until]
+        reason = f"{self._why_cause()}: the data rules still fire, skipping the batches up to step {until}"
+        return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "data_skip_until": until,
+                                                         "reason": reason[:2000]}), "recovery:ladder")
+
+    def _conclude_experiment(self, step: int, back: bool, desired: DesiredState) -> RecoveryChange | None:
+        """The troubleshooting experiment ended: did the symptom follow the LR?"""
+        inc = self.open
+        assert inc is not None and inc.experiment is not None
+        exp = dict(inc.experiment)
+        exp["data_rules_firing"] = self._data_active
+        if back:
+            exp["outcome"] = "followed"
+            exp["conclusion"] = ("the symptom went away with the LR 10x lower: the LR is the cause; the optimizer's "
+                                 "rungs go on from here")
+            inc.cause = "optimizer"
+            inc.experiment = exp
+            return None
+        exp["outcome"] = "not_followed"
+        exp["conclusion"] = ("the symptom stayed with the LR 10x lower: not the LR" +
+                             ("; the data rules fire: the data" if self._data_active else "") +
+                             "; the LR goes back to where it was")
+        if self._data_active:
+            inc.cause = "data"
+        inc.experiment = exp
+        before = float(exp["lr_scale_before"])
+        self._reports_since_rung = 0
+        self._rung_step = step
+        if desired.lr_scale == before:
+            return None
+        return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": before,
+                                                         "reason": f"{self._why_cause()}: {exp['conclusion']}"[:2000]}),
+                              "recovery:ladder")
 
     # ------------------------------------------------------------------ internals
 
@@ -406,6 +625,14 @@ class RunRecovery:
     def _open(self, step: int, now: float, trigger: str) -> None:
         onset = self._last_step + 1 if self._last_step is not None else step
         self.open = Incident(next(_ids), onset, now, trigger)
+        v = self._verdict
+        if v is not None:  # decided on this report, before any action (``consider``)
+            self.open.cause = v.cause
+            self.open.verdict = v.as_dict()
+        else:
+            self.open.verdict = {"summary": "no verdict: the incident opened without an alarming report",
+                                 "evidence": [], "ranks": [], "hosts": []}
+        self._opened_now = True
         self.incidents.append(self.open)
         self._healthy_in_a_row = 0
         self._reports_since_rung = 0
@@ -420,6 +647,12 @@ class RunRecovery:
         if restart_window:
             self._reports_since_rung = 0
             self._rung_step = step
+        if rung == "data_skip" and desired is not None:
+            self.open.data_skipped = [step + 1, desired.data_skip_until]
+        if rung == "experiment" and desired is not None:
+            self.open.experiment = {"lr_factor": _EXPERIMENT_LR_FACTOR, "from_step": step,
+                                    "until_step": step + self.policy.experiment_steps,
+                                    "lr_scale_before": desired.lr_scale / _EXPERIMENT_LR_FACTOR, "outcome": None}
         if rung == "pause":
             self._close("escalated", step, now)
 
@@ -432,13 +665,18 @@ class RunRecovery:
     def _escalate(self, step: int, now: float, desired: DesiredState) -> RecoveryChange | None:
         """Take the ladder's next rung after the highest one this incident took."""
         assert self.open is not None
-        ladder = self.policy.ladder
+        ladder = self.ladder()
         taken = [ladder.index(r["rung"]) for r in self.open.rungs if r["rung"] in ladder]
+        exp = self.open.experiment
         for rung in ladder[(max(taken) + 1 if taken else 0):]:
-            new = self._rung_state(rung, desired)
+            if rung == "adaptive_lr" and exp is not None and exp.get("outcome") == "not_followed":
+                continue  # the experiment showed that the LR is not the cause
+            new = self._rung_state(rung, desired, step)
             if new is None:
                 continue  # a rung that changes nothing (e.g. adaptive LR at its baseline): the next
             self._rung(rung, step, now, "recovery:ladder", new)
+            if rung == "stop" and self.open is not None:
+                self._close("escalated", step, now)
             if rung == "rollback" and new.rollback_seq > desired.rollback_seq:
                 self._drop_snapshots_after(new.rollback_step)
             elif rung == "rollback" and new.paused:  # refused: paused instead
@@ -447,14 +685,35 @@ class RunRecovery:
             return RecoveryChange(new, "recovery:ladder")
         return None
 
-    def _rung_state(self, rung: str, d: DesiredState) -> DesiredState | None:
-        why = (f"incident {self.open.id if self.open else '?'} (onset step "
-               f"{self.open.onset_step if self.open else '?'}): signals not back after "
-               f"{self.policy.window_reports} reports")
+    def _rung_state(self, rung: str, d: DesiredState, step: int, *, why: str | None = None) -> DesiredState | None:
+        inc = self.open
+        why = why or (f"incident {inc.id if inc else '?'} (onset step {inc.onset_step if inc else '?'}, cause "
+                      f"{inc.cause if inc else '?'}): signals not back after {self.policy.window_reports} reports")
         if rung == "adaptive_lr":
             return apply_actions(d, (AdaptiveLrAction(metric=self.policy.metric),), f"{why}: adaptive LR", self)
         if rung == "rollback":
-            return apply_actions(d, (RollbackAction(lr_factor=self.policy.rollback_lr_factor),), f"{why}: rollback", self)
+            # A data fault is rolled back with the LR as it is (the batches, not the LR, did the harm).
+            factor = 1.0 if inc is not None and inc.cause == "data" else self.policy.rollback_lr_factor
+            return apply_actions(d, (RollbackAction(lr_factor=factor),), f"{why}: rollback", self)
         if rung == "pause":
-            return apply_actions(d, (PauseAction(),), f"{why}: paused, a human is needed", self)
+            return apply_actions(d, (PauseAction(),), f"{why}: paused, a human is needed{self._where()}", self)
+        if rung == "checkpoint":
+            return apply_actions(d, (CheckpointAction(),), f"{why}: checkpoint{self._where()}", self)
+        if rung == "stop":
+            return apply_actions(d, (StopAction(),), f"{why}: {HARDWARE_STOP_REASON}{self._where()}", self)
+        if rung == "data_skip":
+            until = max(d.data_skip_until, step + self.policy.data_skip_steps)
+            return d.model_copy(update={"generation": d.generation + 1, "data_skip_until": until,
+                                        "reason": f"{why}: skipping the batches of steps {step + 1}-{until} on every rank, "
+                                                  f"the LR untouched"[:2000]})
+        if rung == "experiment":
+            return apply_actions(d, (LrScaleAction(factor=_EXPERIMENT_LR_FACTOR),),
+                                 f"{why}: experiment: the LR 10x lower for {self.policy.experiment_steps} steps, to see "
+                                 f"whether the symptom follows it", self)
         return None  # skip: the agent's own rung
+
+    def _where(self) -> str:
+        """The suspect ranks and hosts of a hardware incident, for a rung's reason."""
+        v = self.open.verdict if self.open is not None else {}
+        ranks, hosts = v.get("ranks") or [], v.get("hosts") or []
+        return "" if not ranks else " (" + ", ".join(f"rank {r} on {h}" for r, h in zip(ranks, hosts)) + ")"

@@ -223,6 +223,10 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN memory_trace_seq INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE runs ADD COLUMN verify_seq INTEGER NOT NULL DEFAULT 0;
     """,
+    # 8: the data skip of the desired state (the step up to which every rank skips its optimizer steps).
+    """
+    ALTER TABLE runs ADD COLUMN data_skip_until INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:

@@ -4,7 +4,8 @@
   it (the scheduler keeps its own state).
 - :class:`NonfiniteSkip`: the optimizer's ``step`` wrapped so that a step whose gradients hold a
   NaN/Inf on any rank — or, with a :class:`~trainer_agent.spike_guard.SpikeGuard`, whose gradient
-  norm spikes on any rank — is not taken on any rank.
+  norm spikes on any rank — is not taken on any rank; nor a step the controller's data skip covers
+  (``data_skip``: the same answer on every rank, from the agreed state, with no read or collective).
 
 Pause and checkpoint act through the control plane's ``on_end_step`` (blocking there, calling
 ``on_checkpoint(step)``); see ``trainer_agent/control.py``.
@@ -80,14 +81,21 @@ class NonfiniteSkip:
     def __init__(self, optimizer: torch.optim.Optimizer, *, world_size: int, group: Any,
                  grad_norm: Callable[[], torch.Tensor | None],
                  on_error: Callable[[str, BaseException], None],
-                 guard: SpikeGuard | None = None) -> None:
+                 guard: SpikeGuard | None = None, data_skip: Callable[[], bool] | None = None,
+                 check_gradients: bool = True, on_data_skip: Callable[[], Any] | None = None) -> None:
         self.optimizer = optimizer
         self.world_size = world_size
         self.group = group
         self.grad_norm = grad_norm
         self.guard = guard
+        self.data_skip = data_skip
+        """True (on every rank alike) while the controller's data skip covers the step in progress."""
+        self.check_gradients = check_gradients
+        """False: only the data skip decides (no device read, no collective: the run did not ask for
+        the non-finite or spike checks)."""
+        self._on_data_skip = on_data_skip
         self._on_error = on_error
-        self.skipped_by_reason = {reason: 0 for reason in SKIP_REASONS.values()}
+        self.skipped_by_reason = {reason: 0 for reason in (*SKIP_REASONS.values(), "data")}
         self._orig: tuple[Any, bool, Any] | None = None
         self._wrap()
 
@@ -122,7 +130,23 @@ class NonfiniteSkip:
         return sum(self.skipped_by_reason.values())
 
     def skip_this_step(self) -> bool:
-        """True (on every rank) if any rank's gradients hold a NaN/Inf, or spike (with a guard)."""
+        """True (on every rank) if any rank's gradients hold a NaN/Inf, or spike (with a guard), or
+        the data skip covers the step."""
+        try:
+            data = self.data_skip is not None and self.data_skip()
+        except Exception as exc:  # noqa: BLE001 - the agreed state is the same on every rank: cannot differ
+            self._on_error("skip_data", exc)
+            data = False
+        if data:  # every rank: the agreed state says so (the spike guard's window is left as it was)
+            self.skipped_by_reason["data"] += 1
+            if self._on_data_skip is not None:
+                try:
+                    self._on_data_skip()
+                except Exception as exc:  # noqa: BLE001 - the user's data hook must not break the step
+                    self._on_error("skip_data", exc)
+            return True
+        if not self.check_gradients:
+            return False
         bad = 0
         value = math.nan
         try:

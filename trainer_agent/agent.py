@@ -298,7 +298,14 @@ class Agent:
                              accumulation_steps=self.accumulation_base)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error,
-                            on_diagnose=self._diagnose)
+                            on_diagnose=self._diagnose, on_data_skip=self._quarantine_batch)
+
+    def _quarantine_batch(self) -> None:
+        """A step skipped for its data: the watched loader leaves the batch's samples out from now
+        on, across a resume too (``TokenLoader.quarantine_last``)."""
+        quarantine = getattr(self._loader, "quarantine_last", None)
+        if quarantine is not None:
+            quarantine()
 
     def _snapshot_extra(self) -> dict[str, Any]:
         """What a snapshot holds besides the model and optimizer state."""

@@ -181,6 +181,7 @@ class ControlPlane:
         on_checkpoint: Callable[[int], Any] | None = None,
         on_rollback: Callable[[int], int | None] | None = None,
         on_diagnose: Callable[[str, int], Any] | None = None,
+        on_data_skip: Callable[[], Any] | None = None,
         group: Any = None,
         store: Any = None,
         transport: Any = None,
@@ -219,6 +220,7 @@ class ControlPlane:
         self._rollback_seq = 0
         self._rollback_step = 0
         self._diagnostic_seqs = {"memory_trace": 0, "verify": 0}  # the last request of each served
+        self._data_skip_until = 0  # every rank skips the optimizer steps up to this one (data fault)
         self._pause_episodes = 0
         #: The run's own accumulation steps (None: the run did not opt in to the command).
         self.own_accumulation: int | None = ctx.accumulation_steps
@@ -240,10 +242,14 @@ class ControlPlane:
 
         self.lr = LrScale(ctx.optimizer)
         self.skip: NonfiniteSkip | None = None
-        if cfg.skips_steps:
+        if cfg.skips_steps or self.controlled:
+            # With a controller the step is wrapped for its data skips even when the run skips
+            # nothing else (then without any read or collective of its own).
             guard = SpikeGuard(cfg.spike) if cfg.spike_guard_on else None
             self.skip = NonfiniteSkip(ctx.optimizer, world_size=self.world_size, group=self._group,
-                                      grad_norm=ctx.grad_norm, on_error=self._on_error, guard=guard)
+                                      grad_norm=ctx.grad_norm, on_error=self._on_error, guard=guard,
+                                      data_skip=self.skipping_data, check_gradients=cfg.skips_steps,
+                                      on_data_skip=on_data_skip)
         if self.controlled:
             self._start()
 
@@ -261,6 +267,16 @@ class ControlPlane:
     @property
     def lr_scale(self) -> float:
         return self._lr_scale
+
+    @property
+    def data_skip_until(self) -> int:
+        """The step up to which every rank skips its optimizer steps for their data (0: none)."""
+        return self._data_skip_until
+
+    def skipping_data(self) -> bool:
+        """Whether the step in progress is covered by the controller's data skip (the same answer
+        on every rank: the agreed state and the step count)."""
+        return self._data_skip_until > 0 and self._ctx.step() + 1 <= self._data_skip_until
 
     @property
     def applied_generation(self) -> int:
@@ -409,7 +425,8 @@ class ControlPlane:
                                          rollback_seq=self._rollback_seq, rollback_step=self._rollback_step,
                                          accumulation_steps=steps, accumulation_lr_rule=rule,
                                          memory_trace_seq=self._diagnostic_seqs["memory_trace"],
-                                         verify_seq=self._diagnostic_seqs["verify"]))
+                                         verify_seq=self._diagnostic_seqs["verify"],
+                                         data_skip_until=self._data_skip_until))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -571,6 +588,10 @@ class ControlPlane:
         self._paused = state.paused
         self._rollback_seq = max(self._rollback_seq, state.rollback_seq)
         self._rollback_step = state.rollback_step
+        if state.data_skip_until != self._data_skip_until and self.leader and state.data_skip_until > step:
+            log.warning("trainguard: skipping the optimizer steps %d-%d on every rank for their data (the LR is "
+                        "untouched)", step + 1, state.data_skip_until)
+        self._data_skip_until = state.data_skip_until
         restored = self._roll_back(state.rollback_step, step) if rollback else None
         self._set_accumulation(state.accumulation_steps, state.accumulation_lr_rule)
         if (checkpoint or stopping) and self._on_checkpoint is not None:
@@ -650,13 +671,7 @@ class ControlPlane:
                     return
             i += 1
             self._set(new, step)
-        # The wait ends on a resume, a stop sent while paused, or the agent closing: say which.
-        if self._stop:
-            log.warning("trainguard: rank %d stopped while paused at step %d (generation %d)", self.rank, step, self._generation)
-        elif self._closed:
-            log.warning("trainguard: rank %d stopped waiting at step %d: the agent closed while paused", self.rank, step)
-        else:
-            log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
+        log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
 
     def _next_leader_state(self) -> DesiredState | None:
         """The controller's next generation, or None after a short wait without one."""

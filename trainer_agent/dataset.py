@@ -45,6 +45,15 @@ repeats across workers nor changes from one run to the next.
 **Resume.** ``TokenLoader.state_dict()`` holds the epoch and the number of batches the training
 loop has received in it (not the number prefetched); a loader given that state yields exactly the
 batches the original would have yielded next.
+
+**Quarantine.** ``TokenLoader.quarantine(ids)`` (or ``quarantine_last()``: the samples of the batch
+it yielded last, which the agent calls when every rank skipped a step for its data) adds samples —
+global sequence numbers in shard order, see ``TokenBatches.locate`` for their shard and index —
+to a skip list kept in ``state_dict()``. A skipped sample's row of a batch is padding with
+``attention_mask`` 0 and counts no tokens, so every rank still gets the same number of batches
+of the same shape (the loss must honour the mask). The list applies from the loader's next pass
+(its ``DataLoader`` workers hold the data set as it was when the pass started; with
+``num_workers=0`` at once) and after a resume.
 """
 
 from __future__ import annotations
@@ -450,6 +459,8 @@ class TokenBatches(IterableDataset):
             raise ValueError(f"{self.sequences} sequences make no batch of {batch_size} on each of {world_size} ranks")
         self.epoch = 0
         self.start = 0
+        self.skip: frozenset[int] = frozenset()
+        """Global sequence numbers left out of every batch (a quarantine: ``TokenLoader.quarantine``)."""
         self._perm: tuple[int, Permutation] | None = None
         self._block: tuple[tuple[int, int], list[int], list[int], list[int]] | None = None
 
@@ -511,11 +522,28 @@ class TokenBatches(IterableDataset):
         input_ids = np.zeros(shape, dtype=np.int64) if self.pad_id == 0 else np.full(shape, self.pad_id, dtype=np.int64)
         mask = np.zeros(shape, dtype=np.int64)
         data = [s.data for s in self.shards()]
-        for row, (s, start, length) in enumerate(zip(which, starts, lengths)):
+        skipped = ([int(i) in self.skip for i in self.sequence_ids(epoch, batch).tolist()] if self.skip
+                   else [False] * len(lengths))
+        tokens = 0
+        for row, (s, start, length, out) in enumerate(zip(which, starts, lengths, skipped)):
+            if out:
+                continue  # quarantined: a padding row the loss does not see
             input_ids[row, :length] = data[s][start: start + length]
             mask[row, :length] = 1
+            tokens += length
         return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(mask),
-                "tokens": sum(lengths)}
+                "tokens": tokens}
+
+    def locate(self, ids: Iterable[int]) -> dict[str, list[int]]:
+        """Where global sequence numbers ``ids`` live: ``{shard base path: [index in that shard]}``."""
+        arr = np.asarray(sorted({int(i) for i in ids}), dtype=np.int64)
+        if len(arr) and (arr[0] < 0 or arr[-1] >= self.sequences):
+            raise ValueError(f"sequence numbers must lie in [0, {self.sequences})")
+        which = np.searchsorted(self._starts, arr, side="right") - 1
+        out: dict[str, list[int]] = {}
+        for s, i in zip(which.tolist(), arr.tolist()):
+            out.setdefault(str(self.paths[s]), []).append(i - int(self._starts[s]))
+        return out
 
     def worker_batches(self, epoch: int, start: int, worker: int, workers: int) -> Iterator[int]:
         """Batch numbers that worker ``worker`` of ``workers`` produces when an epoch is read from
@@ -571,6 +599,7 @@ class TokenLoader:
         self._clock = clock
         self.epoch = 0
         self.batch = 0
+        self._last: tuple[int, int] | None = None  # (epoch, batch) the training loop received last
         self._queue: queue.Queue[Any] | None = None
         self._tokens = 0
         self._rate = (clock(), 0)  # (time, tokens) at the last values() call
@@ -586,12 +615,36 @@ class TokenLoader:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         self.epoch, self.batch = epoch, 0
 
+    def quarantine(self, ids: Iterable[int]) -> None:
+        """Leave the samples ``ids`` (global sequence numbers) out of every batch from the next
+        pass on, and after a resume (module docstring). ``ValueError`` for a number outside the
+        data set."""
+        new = {int(i) for i in ids}
+        if new and (min(new) < 0 or max(new) >= self.dataset.sequences):
+            raise ValueError(f"sequence numbers must lie in [0, {self.dataset.sequences})")
+        with self._lock:
+            self.dataset.skip = self.dataset.skip | new
+
+    def quarantine_last(self) -> list[int]:
+        """Quarantine the samples of the batch the training loop received last; returns them."""
+        last = self._last
+        if last is None:
+            return []
+        ids = self.dataset.sequence_ids(*last).tolist()
+        self.quarantine(ids)
+        return ids
+
+    def quarantined(self) -> dict[str, list[int]]:
+        """The quarantined samples by shard: ``{shard base path: [index in the shard]}``."""
+        return self.dataset.locate(self.dataset.skip)
+
     def state_dict(self) -> dict[str, Any]:
-        """The position: epoch and batches received in it (plus what must match to resume)."""
+        """The position: epoch and batches received in it (plus what must match to resume), and
+        the quarantined samples."""
         ds = self.dataset
         return {"version": 1, "epoch": self.epoch, "batch": self.batch, "seed": ds.seed,
                 "rank": ds.rank, "world_size": ds.world_size, "batch_size": ds.batch_size,
-                "sequences": ds.sequences}
+                "sequences": ds.sequences, "skip": sorted(ds.skip)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``'s position. ``ValueError`` for a foreign dict or one saved with
@@ -607,7 +660,11 @@ class TokenLoader:
         epoch, batch = state.get("epoch"), state.get("batch")
         if type(epoch) is not int or epoch < 0 or type(batch) is not int or not 0 <= batch <= ds.batches_per_epoch:
             raise ValueError(f"loader state has an invalid position: epoch {epoch!r}, batch {batch!r}")
+        skip = state.get("skip", [])
+        if not isinstance(skip, (list, tuple)) or any(type(i) is not int or not 0 <= i < ds.sequences for i in skip):
+            raise ValueError(f"loader state has an invalid skip list (sequence numbers in [0, {ds.sequences}))")
         self.epoch, self.batch = epoch, batch
+        ds.skip = frozenset(skip)
 
     def values(self) -> dict[str, float]:
         """``trainguard_input_prefetch_depth`` (batches ready now) and
@@ -666,6 +723,7 @@ class TokenLoader:
                 if isinstance(item, _Failed):
                     raise item.exc
                 with self._lock:
+                    self._last = (self.epoch, self.batch)
                     self.batch += 1
                     self._tokens += item["tokens"]
                 yield item

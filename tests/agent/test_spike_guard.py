@@ -108,7 +108,7 @@ def _train(seed: int, steps: int, *, spike_at: int | None = None, registry=None,
 def test_never_skips_on_healthy_runs(seed: int) -> None:
     agent, _ = _train(seed, 300)
     try:
-        assert agent.control.skip.skipped_by_reason == {"spike": 0, "nonfinite": 0}
+        assert agent.control.skip.skipped_by_reason == {"spike": 0, "nonfinite": 0, "data": 0}
     finally:
         agent.close()
 
@@ -116,7 +116,7 @@ def test_never_skips_on_healthy_runs(seed: int) -> None:
 def test_a_poisoned_batch_is_skipped_and_changes_nothing() -> None:
     agent, seen = _train(0, 120, spike_at=100)
     try:
-        assert agent.control.skip.skipped_by_reason == {"spike": 1, "nonfinite": 0}
+        assert agent.control.skip.skipped_by_reason == {"spike": 1, "nonfinite": 0, "data": 0}
         for a, b in zip(seen["params"], seen["params_after"]):
             assert torch.equal(a, b)
         for k, v in seen["state"].items():

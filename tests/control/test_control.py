@@ -292,7 +292,7 @@ def test_state_dict_round_trip_and_bad_input(ctl: ControllerProcess) -> None:
     agent.end_step(1.0)
     state = agent.state_dict()["control"]
     assert state == {"lr_scale": 0.5, "applied_generation": 3, "checkpoint_seq": 2, "rollback_seq": 0,
-                     "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0},
+                     "skipped_steps_total": 0, "skipped_by_reason": {"spike": 0, "nonfinite": 0, "data": 0},
                      "spike_guard": {"norms": [pytest.approx(gnorm, rel=1e-6)], "consecutive": 0},
                      "accumulation": [0, "none"]}
     agent.close(1.0)

@@ -161,5 +161,5 @@ def _state_plain(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 def test_spike_guard_decision_is_the_same_on_every_rank(tmp_path) -> None:
     out = spawn_ranks(_spike_worker, WORLD, tmp_path, timeout=120.0)
     assert out[0]["skipped_at"] == out[1]["skipped_at"] == [90]
-    assert out[0]["by_reason"] == out[1]["by_reason"] == {"spike": 1, "nonfinite": 0}
+    assert out[0]["by_reason"] == out[1]["by_reason"] == {"spike": 1, "nonfinite": 0, "data": 0}
     _assert_equal(out[0]["before"], out[0]["after"])  # rank 0 saw a healthy batch and did not step either

@@ -263,6 +263,48 @@ def test_exact_resume_from_state_dict(shards, workers: int) -> None:  # type: ig
     _same(list(second), never_stopped[-2:])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_quarantine_leaves_samples_out_and_survives_a_resume(shards, workers: int) -> None:  # type: ignore[no-untyped-def]
+    infos, seqs = shards
+    make = lambda: TokenLoader(  # noqa: E731
+        TokenBatches(infos, batch_size=8, seq_len=48, seed=3, rank=0, world_size=2), num_workers=workers, prefetch=4)
+    clean = list(make())  # the epoch without any quarantine
+    first = make()
+    head = _drain(first, 5)
+    quarantined = first.quarantine_last()  # every rank skipped the step of batch 4 for its data
+    ds = first.dataset
+    assert quarantined == ds.sequence_ids(0, 4).tolist()
+    later = ds.sequence_ids(0, 20).tolist()[:3]  # and three samples further on
+    first.quarantine(later)
+    state = first.state_dict()
+    assert state["skip"] == sorted(set(quarantined) | set(later))
+    assert first.quarantined() == ds.locate(state["skip"])
+    where = ds.locate(later)  # shard base path -> indices in it, the contents as written
+    assert sum(len(v) for v in where.values()) == 3
+    starts = {str(i.path): sum(x.sequences for x in infos[:k]) for k, i in enumerate(infos)}
+    assert sorted(starts[p] + i for p, idx in where.items() for i in idx) == sorted(later)
+
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    assert len(head) + len(tail) == len(clean)  # the same number of batches: the ranks stay in step
+    for b, (got, ref) in enumerate(zip(tail, clean[5:]), start=5):
+        ids = ds.sequence_ids(0, b).tolist()
+        out = [i in later for i in ids]
+        for row, skip in enumerate(out):
+            if skip:  # a padding row the loss does not see
+                assert int(got["attention_mask"][row].sum()) == 0 and int(got["input_ids"][row].abs().sum()) == 0
+            else:
+                assert torch.equal(got["input_ids"][row], ref["input_ids"][row])
+        assert got["tokens"] == ref["tokens"] - sum(int(ref["attention_mask"][r].sum()) for r, s in enumerate(out) if s)
+    assert sum(1 for b in tail for r in range(8) if int(b["attention_mask"][r].sum()) == 0) == 3
+    # a quarantine outside the data set, or a foreign skip list, is refused
+    with pytest.raises(ValueError, match="sequence numbers"):
+        resumed.quarantine([len(seqs)])
+    with pytest.raises(ValueError, match="skip list"):
+        make().load_state_dict({**state, "skip": [-1]})
+
+
 def test_load_state_dict_refuses_another_configuration(shards) -> None:  # type: ignore[no-untyped-def]
     infos, _ = shards
     loader = TokenLoader(TokenBatches(infos, batch_size=8, seq_len=48, seed=3, rank=0, world_size=2), num_workers=0)

@@ -133,7 +133,7 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied on this rank."),
     _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
     _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
-    _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank) or spike (the gradient norm far above its recent values).", ("reason",)),
+    _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank), spike (the gradient norm far above its recent values) or data (the controller found the batches' data at fault and every rank skipped their steps, the LR untouched).", ("reason",)),
     _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run."),
     _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
     _c("trainguard_rollbacks_total", "rollbacks", "Rollbacks to an in-memory snapshot carried out on this rank."),

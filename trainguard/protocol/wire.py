@@ -175,6 +175,7 @@ class DesiredState(WireModel):
     accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
     memory_trace_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
     verify_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
+    data_skip_until: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="Every rank skips the optimizer step of each step up to and including this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.")
 
 
 class RunRegistered(WireModel):

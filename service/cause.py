@@ -1,0 +1,266 @@
+"""The cause of an incident, decided before its first action, with the evidence it used.
+
+Pure: :func:`judge` reads the findings of the report that opens an incident and the run's recent
+history, and answers a :class:`Verdict`. Each cause has its own rungs (``recovery.ladders`` of the
+rules file, ``service/incidents.py``); an action a rule asks for that does not fit the cause is
+refused (:func:`refusal`).
+
+=============  =======================================================================  ==================
+cause          evidence                                                                 what is done
+=============  =======================================================================  ==================
+``hardware``   a rule of diagnosis ``gpu_xid`` (a critical XID on a rank's GPU),        name the rank and
+               ``gradient_recompute_mismatch`` (a recompute of a step on the same        host, checkpoint,
+               batch, weights and random state that does not give its gradient back),   then pause and page
+               ``grad_desync`` / ``param_desync`` (one rank's fingerprints differ)       or stop
+``schedule``   the LR the user's scheduler set jumped (x ``lr_jump`` over its healthy    nothing (the alert
+               level) but stays within the range it already had in this run            only notifies)
+               (<= ``schedule_peak_margin`` x its highest healthy value): a warm
+               restart, a re-warm after a resume
+``optimizer``  the scheduled LR jumped beyond anything the run had; or the update        skip, adaptive LR,
+               ratio rose with the LR unchanged and clean data; or mixed precision's     rollback, pause
+               loss scale collapsed / its overflow skips
+``data``       a data-quality rule of the same window fires (duplicates, token KL,       skip the batches'
+               special tokens, length shift); or one batch stands out from its           steps on every
+               neighbours (its loss, or a gradient the agent skipped) with the LR and    rank, never an LR
+               the update ratio where they were                                         cut or a pause
+``unknown``    none of the above                                                        a bounded
+                                                                                        experiment (5.1)
+=============  =======================================================================  ==================
+
+The checks are made in that order: hardware evidence wins over everything (a faulty device corrupts
+the loss, the gradients and the update ratio alike), then a jump of the scheduled LR, then data.
+A recompute that *did* reproduce the step's gradient is recorded as evidence against hardware.
+
+Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read,
+its value, what it was compared with, the cause it points at (or ``"none"``: a check that found
+nothing), and a sentence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["CAUSES", "Cause", "Verdict", "judge", "refusal", "HARDWARE_DIAGNOSES", "DATA_DIAGNOSES"]
+
+Cause = Literal["schedule", "optimizer", "data", "hardware", "unknown"]
+CAUSES: tuple[Cause, ...] = ("schedule", "optimizer", "data", "hardware", "unknown")
+
+#: Rule diagnoses (``service/diagnosis.py``) whose alerts are hardware evidence, naming ranks.
+HARDWARE_DIAGNOSES = frozenset({"gpu_xid", "gradient_recompute_mismatch", "grad_desync", "param_desync"})
+#: Rule diagnoses whose alerts are data evidence.
+DATA_DIAGNOSES = frozenset({"data_quality"})
+#: Rule diagnoses of mixed-precision trouble (optimizer numerics).
+_AMP_DIAGNOSES = frozenset({"amp_loss_scale_collapse", "amp_skips"})
+
+#: The scheduled LR this many times its healthy level is a jump.
+LR_JUMP = 2.0
+#: A jump that stays within this factor of the highest LR the run had while healthy is the schedule's.
+SCHEDULE_PEAK_MARGIN = 1.05
+#: The relative tolerance of the gradient recompute check (the agent's default ``verify_rel_tol``).
+VERIFY_TOL = 1e-5
+#: A batch's loss this many robust standard deviations above its neighbours' stands out.
+LOSS_Z = 6.0
+#: The update ratio above this multiple of its healthy baseline has risen.
+UPDATE_RISE = 1.5
+#: Steps skipped in a row that can still be one bad batch (more: something lasts).
+SINGLE_BATCH_SKIPS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The cause of an incident, and why."""
+
+    cause: Cause
+    summary: str
+    evidence: tuple[dict[str, Any], ...] = ()
+    ranks: tuple[int, ...] = ()
+    """Hardware: the suspect ranks (global rank numbers)."""
+    hosts: tuple[str, ...] = ()
+    """Hardware: the hosts of :attr:`ranks` (from the run's registration), in the same order."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "summary": self.summary, "evidence": [dict(e) for e in self.evidence],
+                "ranks": list(self.ranks), "hosts": list(self.hosts)}
+
+
+def _num(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return float(x)
+
+
+def _entry(signal: str, value: Any, reference: Any, points_to: str, detail: str) -> dict[str, Any]:
+    return {"signal": signal, "value": value, "reference": reference, "points_to": points_to, "detail": detail}
+
+
+@dataclass(slots=True)
+class _Evidence:
+    items: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, signal: str, value: Any, reference: Any, points_to: str, detail: str) -> None:
+        self.items.append(_entry(signal, value, reference, points_to, detail))
+
+    def pointing(self, cause: str) -> list[dict[str, Any]]:
+        return [e for e in self.items if e["points_to"] == cause]
+
+
+def _robust_z(x: float, history: np.ndarray) -> float | None:
+    """(x - median) / (1.4826 MAD) of ``history`` (finite values); None with too little history."""
+    h = history[np.isfinite(history)]
+    if len(h) < 8 or not math.isfinite(x):
+        return None
+    m = float(np.median(h))
+    mad = float(np.median(np.abs(h - m))) * 1.4826
+    scale = max(mad, 1e-3 * abs(m), 1e-12)
+    return (x - m) / scale
+
+
+def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: list[float] | None = None,
+          lr_peak: float | None = None, metric: str = "trainguard_update_ratio", metric_baseline: float | None = None,
+          hosts: dict[int, str] | None = None) -> Verdict:
+    """The cause of the anomaly the newest report of ``window`` shows. ``findings``: the rules'
+    findings on it; ``skipped``: steps the agent skipped since the previous report (its spike
+    guard or non-finite gradients); ``lr_healthy``: the scheduled LR of recent healthy reports;
+    ``lr_peak``: the highest scheduled LR of a healthy report of this run; ``metric_baseline``: the
+    healthy level of ``metric`` (the update ratio); ``hosts``: host of each rank."""
+    ev = _Evidence()
+    active = [f for f in findings if f.active]
+    hosts = hosts or {}
+
+    # -- hardware: named ranks
+    suspects: list[int] = []
+    for f in active:
+        diag = getattr(f.rule, "diagnosis", "")
+        if diag in HARDWARE_DIAGNOSES:
+            ranks = [int(r) for r in f.values.get("ranks", [])]
+            suspects += [r for r in ranks if r not in suspects]
+            ev.add(f"rule:{f.rule.name}", f.values.get("values", ranks), f.values.get("limit", f.values.get("rel_tol")),
+                   "hardware", f"{f.summary or diag} (ranks {ranks})")
+    verify = window.rank_history("verify_mismatch", 1)
+    if len(verify):
+        row = verify[-1]
+        checked = np.isfinite(row)
+        if checked.any():
+            worst = float(np.max(row[checked]))
+            with np.errstate(invalid="ignore"):
+                bad = np.flatnonzero(checked & (row > VERIFY_TOL)).tolist()
+            if bad:
+                suspects += [r for r in bad if r not in suspects]
+                if not any(e["signal"].startswith("rule:") and "recompute" in e["detail"] for e in ev.items):
+                    ev.add("ranks.verify_mismatch", {int(r): _num(float(row[r])) for r in bad}, VERIFY_TOL, "hardware",
+                           f"a recompute of the step on the same batch did not reproduce its gradient on ranks {bad}")
+            else:
+                ev.add("ranks.verify_mismatch", _num(worst), VERIFY_TOL, "none",
+                       "the recompute of the step reproduced its gradient on every rank checked: not the hardware")
+    if suspects:
+        suspects = suspects[:16]
+        named = [hosts.get(r, "?") for r in suspects]
+        where = ", ".join(f"rank {r} on {h}" for r, h in zip(suspects, named))
+        return Verdict("hardware", f"hardware fault suspected: {where}", tuple(ev.items), tuple(suspects), tuple(named))
+
+    # -- the scheduled LR
+    lr = window.latest("trainguard_scheduler_lr")
+    lr_level = median(lr_healthy) if lr_healthy else None
+    lr_jumped = False
+    if lr is not None and math.isfinite(lr) and lr > 0 and lr_level is not None and lr_level > 0:
+        ratio = lr / lr_level
+        lr_jumped = ratio >= LR_JUMP
+        if lr_jumped:
+            within = lr_peak is not None and lr <= SCHEDULE_PEAK_MARGIN * lr_peak
+            ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak},
+                   "schedule" if within else "optimizer",
+                   f"the scheduled LR is {ratio:.3g}x its healthy level" +
+                   (f", within the {lr_peak:.3g} the run already had: the schedule's own move" if within else
+                    f", above anything the run had ({lr_peak:.3g}): an LR the optimizer has not been stable at"
+                    if lr_peak is not None else ""))
+        else:
+            ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak}, "none",
+                   f"the scheduled LR is {ratio:.3g}x its healthy level: unchanged")
+
+    # -- data quality of the same window
+    data_rules = [f for f in active if getattr(f.rule, "diagnosis", "") in DATA_DIAGNOSES]
+    for f in data_rules:
+        ev.add(f"rule:{f.rule.name}", f.values.get("value", f.values.get("values")), f.values.get("threshold"), "data",
+               f.summary or f.rule.name)
+
+    # -- the batch against its neighbours
+    loss_hist = window.series("trainguard_loss", 65)
+    batch_outlier = False
+    if len(loss_hist) >= 9:
+        z = _robust_z(float(loss_hist[-1]), np.asarray(loss_hist[:-1], dtype=np.float64))
+        if z is not None and z >= LOSS_Z:
+            batch_outlier = True
+            ev.add("trainguard_loss", float(loss_hist[-1]), float(np.median(loss_hist[:-1])), "data",
+                   f"the batch's loss is {z:.3g} robust standard deviations above its neighbours'")
+        elif not math.isfinite(float(loss_hist[-1])):
+            batch_outlier = True
+            ev.add("trainguard_loss", _num(float(loss_hist[-1])), None, "data", "the batch's loss is not finite")
+    if 0 < skipped <= SINGLE_BATCH_SKIPS:
+        ev.add("trainguard_consecutive_skipped_steps", skipped, SINGLE_BATCH_SKIPS, "data",
+               f"the agent skipped {skipped} step(s) whose gradient stood out from its neighbours'")
+        batch_outlier = True
+    elif skipped:
+        ev.add("trainguard_consecutive_skipped_steps", skipped, SINGLE_BATCH_SKIPS, "unknown",
+               f"the agent skipped {skipped} steps in a row: more than one batch stands out")
+
+    # -- the update ratio
+    measured = window.latest(metric)
+    rose = False
+    if measured is not None and metric_baseline is not None and metric_baseline > 0:
+        rel = measured / metric_baseline if math.isfinite(measured) else math.inf
+        rose = rel > UPDATE_RISE
+        ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
+               f"the update ratio is {rel:.3g}x its healthy level")
+
+    # -- mixed precision
+    amp = [f for f in active if getattr(f.rule, "diagnosis", "") in _AMP_DIAGNOSES]
+    for f in amp:
+        ev.add(f"rule:{f.rule.name}", f.values.get("value"), f.values.get("threshold", f.values.get("limit")), "optimizer",
+               f"{f.summary or f.rule.name} (mixed-precision numerics)")
+
+    sched = ev.pointing("schedule")
+    if lr_jumped and sched and not data_rules and not amp:
+        return Verdict("schedule", "the user's LR schedule moved the LR within the range the run already had",
+                       tuple(ev.items))
+    if lr_jumped and not sched:
+        return Verdict("optimizer", "the scheduled LR jumped beyond anything the run was stable at", tuple(ev.items))
+    if data_rules:
+        names = ", ".join(f.rule.name for f in data_rules)
+        return Verdict("data", f"the data of this window is out of bounds ({names})", tuple(ev.items))
+    if amp:
+        return Verdict("optimizer", "mixed precision's loss scaling is failing", tuple(ev.items))
+    if rose:
+        return Verdict("optimizer", "the update ratio rose with the LR and the data unchanged", tuple(ev.items))
+    if batch_outlier and not ev.pointing("unknown"):
+        return Verdict("data", "one batch stands out from its neighbours with the LR and the update ratio unchanged",
+                       tuple(ev.items))
+    return Verdict("unknown", "no evidence points at one cause", tuple(ev.items))
+
+
+#: Actions (rule action types) each cause refuses: data is never met with an LR cut or a pause,
+#: hardware not with the LR, the schedule with nothing at all.
+_REFUSED: dict[str, frozenset[str]] = {
+    "data": frozenset({"lr_scale", "adaptive_lr", "pause"}),
+    "hardware": frozenset({"lr_scale", "adaptive_lr", "rollback"}),
+    "schedule": frozenset({"lr_scale", "adaptive_lr", "rollback", "pause"}),
+}
+
+
+def refusal(cause: str | None, action: Any) -> str | None:
+    """Why a rule's ``action`` does not fit ``cause`` (None: it does). An ``lr_scale`` that raises
+    the LR is never refused."""
+    if cause is None or action.type not in _REFUSED.get(cause, ()):
+        return None
+    if action.type == "lr_scale" and ((action.factor is not None and action.factor >= 1.0)
+                                       or (action.value is not None and action.value >= 1.0)):
+        return None
+    return f"{action.type} refused: the cause is {cause}"

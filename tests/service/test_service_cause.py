@@ -1,0 +1,175 @@
+"""The cause verdict (``service/cause.py``) and the rungs each cause takes (``service/incidents.py``),
+replayed through the default rules without I/O (``engine.simulate``): a data burst is skipped with
+the LR untouched, a warm restart of the schedule draws no action, an LR above anything the run had
+is met with the optimizer's ladder, a recompute that does not reproduce a gradient names the rank,
+and an incident of unknown cause runs the troubleshooting experiment."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainguard.protocol.wire import Report
+from trainguard.service.cause import refusal
+from trainguard.service.incidents import RunRecovery
+from trainguard.service.rules import AdaptiveLrAction, LrScaleAction, PauseAction, RecoveryPolicy, RulesError, default_rules_text, load_rules
+
+RULES = load_rules(default_rules_text())
+POLICY = RULES.file.recovery
+
+
+def _values(i: int, **over: float) -> dict[str, float]:
+    v = {"trainguard_loss": 2.0 + 0.01 * math.sin(i), "trainguard_update_ratio": 1e-3 * (1 + 0.01 * math.sin(i)),
+         "trainguard_grad_norm_max": 1.0, "trainguard_scheduler_lr": 1e-3, "trainguard_data_token_kl_divergence": 0.01}
+    v.update(over)
+    return v
+
+
+def _report(i: int, world: int = 1, ranks: dict | None = None, **over: float) -> Report:
+    return Report(job="j", step_first=i, step_last=i, time=float(i), values=_values(i, **over), ranks=ranks or {})
+
+
+def _incidents(reports: list[Report], world: int = 1, policy: RecoveryPolicy = POLICY) -> tuple[list, list[dict]]:
+    """Replay through the rules and a RunRecovery kept here, as the controller feeds it."""
+    from trainguard.service.engine import AlertBook, decide
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+    from trainguard.protocol.wire import DesiredState
+
+    window = RunWindow(capacity=128, rank_capacity=8, world_size=world, created=0.0)
+    book, rec, desired = AlertBook(), RunRecovery(policy), DesiredState()
+    states = []
+    for r in reports:
+        window.append(r, r.time)
+        rec.before_decide(r.values)
+        findings = evaluate(RULES.base, window, r.time)
+        rec.consider(findings, window, ranks=[{"rank": k, "host": f"node-{k}"} for k in range(world)])
+        out = decide(findings, book, desired, r.time, complete=True, ctx=rec)
+        changes = rec.after_report(step=r.step_last, values=r.values, findings=findings, before=desired,
+                                   desired=out.desired, fired=[(f.finding.rule.name, f.desired) for f in out.fired if f.desired],
+                                   now=r.time)
+        desired = changes[-1].desired if changes else out.desired
+        states.append(desired)
+    return states, [i.as_dict() for i in rec.incidents]
+
+
+def test_a_data_burst_is_skipped_with_the_lr_untouched() -> None:
+    healthy = [_report(i) for i in range(1, 60)]
+    # ten reports of corrupted text: the loss jumps, the token distribution drifts, the update ratio rises 8x
+    burst = [_report(i, trainguard_loss=5.5, trainguard_data_token_kl_divergence=0.5, trainguard_update_ratio=8e-3)
+             for i in range(60, 70)]
+    after = [_report(i) for i in range(70, 90)]
+    states, incidents = _incidents(healthy + burst + after)
+    (inc,) = incidents
+    assert (inc["cause"], inc["onset_step"], inc["trigger"]) == ("data", 60, "cause:data")
+    kl = [e for e in inc["verdict"]["evidence"] if e["signal"] == "rule:data_token_kl"]
+    assert kl == [{"signal": "rule:data_token_kl", "value": 0.5, "reference": 0.1, "points_to": "data",
+                   "detail": kl[0]["detail"]}]
+    assert [r["rung"] for r in inc["rungs"]] == ["data_skip"] and inc["outcome"] == "recovered"
+    assert all(s.lr_scale == 1.0 and not s.paused and s.rollback_seq == 0 for s in states)
+    # every burst step from the one after the first bad report is covered by a skip applied before it
+    # (8 steps ahead, renewed when 4 or fewer remain: at 64 to 72, at 68 to 76)
+    step_of = {r.step_last: s for r, s in zip(healthy + burst + after, states)}
+    assert [step_of[s].data_skip_until for s in (59, 60, 63, 64, 68, 69, 70)] == [0, 68, 68, 72, 76, 76, 76]
+    assert inc["data_skipped"] == [61, 76]
+
+
+def test_a_warm_restart_of_the_schedule_draws_no_action() -> None:
+    # cosine-like decay from 1e-3 to 1e-4 while healthy, the update ratio following the LR
+    decay = [_report(i, trainguard_scheduler_lr=1e-3 - 9e-4 * i / 50, trainguard_update_ratio=(1e-3 - 9e-4 * i / 50))
+             for i in range(1, 51)]
+    restart = [_report(i, trainguard_scheduler_lr=1e-3, trainguard_update_ratio=1e-3) for i in range(51, 60)]
+    states, incidents = _incidents(decay + restart)
+    assert incidents == []  # the update ratio spike's adaptive LR was refused: the schedule's own move
+    assert all(s.lr_scale == 1.0 and s.generation == 0 for s in states)
+
+
+def test_an_lr_above_anything_the_run_had_is_the_optimizers() -> None:
+    healthy = [_report(i) for i in range(1, 40)]
+    # (the gradient values past their limit make the alert; the verdict reads the scheduled LR)
+    jump = [_report(i, trainguard_scheduler_lr=1e-2, trainguard_update_ratio=1e-2, trainguard_grad_norm_max=3000.0)
+            for i in range(40, 44)]
+    states, incidents = _incidents(healthy + jump)
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer" and inc["rungs"][0]["rung"] == "adaptive_lr"
+    lr = [e for e in inc["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr"]
+    assert lr[0]["points_to"] == "optimizer" and lr[0]["reference"] == {"healthy": 1e-3, "peak": 1e-3}
+    assert states[39].lr_scale < 1.0  # the optimizer's ladder acts on the LR
+
+
+def test_a_recompute_that_does_not_reproduce_the_gradient_names_the_rank_and_checkpoints_and_pauses() -> None:
+    nan2 = [math.nan, math.nan]
+    healthy = [_report(i, world=2, ranks={"verify_mismatch": nan2}) for i in range(1, 20)]
+    checked = [_report(20, world=2, ranks={"verify_mismatch": [0.0, 3e-3]})]
+    states, incidents = _incidents(healthy + checked, world=2)
+    (inc,) = incidents
+    assert inc["cause"] == "hardware" and (inc["verdict"]["ranks"], inc["verdict"]["hosts"]) == ([1], ["node-1"])
+    assert [r["rung"] for r in inc["rungs"]] == ["checkpoint", "pause"] and inc["outcome"] == "escalated"
+    assert (states[-1].checkpoint_seq, states[-1].paused, states[-1].lr_scale) == (1, True, 1.0)
+    assert "rank 1 on node-1" in states[-1].reason
+
+
+def test_a_recompute_that_reproduces_the_gradient_is_evidence_against_the_hardware() -> None:
+    healthy = [_report(i, world=2, ranks={"verify_mismatch": [math.nan, math.nan]}) for i in range(1, 40)]
+    spike = [_report(40, world=2, ranks={"verify_mismatch": [0.0, 1e-9]}, trainguard_update_ratio=1e-2,
+                     trainguard_grad_norm_max=3000.0)]
+    _, incidents = _incidents(healthy + spike, world=2)
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer"
+    (check,) = [e for e in inc["verdict"]["evidence"] if e["signal"] == "ranks.verify_mismatch"]
+    assert (check["value"], check["points_to"]) == (1e-9, "none")
+
+
+def test_an_incident_of_unknown_cause_runs_the_experiment_and_its_outcome_decides_the_next_rung() -> None:
+    healthy = [_report(i) for i in range(1, 30)]
+    # the agent keeps skipping (5 in a row at each report): more than one batch, nothing else points anywhere
+    stuck = [_report(i, trainguard_consecutive_skipped_steps=5.0) for i in range(30, 80)]
+    states, incidents = _incidents(healthy + stuck)
+    (inc,) = incidents
+    assert inc["cause"] == "unknown"
+    rungs = [(r["rung"], r["step"]) for r in inc["rungs"]]
+    # (the agent's skips are noted again after each controller rung; the controller's rungs:)
+    taken = [(r, s) for r, s in rungs if r != "skip"]
+    # skip at the onset; the window (3 reports and 15 steps) ends at 45: the experiment, 10 steps;
+    # the symptom stayed: the LR goes back and adaptive LR is passed over for the rollback, which is
+    # refused without a snapshot (paused: escalated)
+    assert rungs[0] == ("skip", 30) and taken[0] == ("experiment", 45)
+    exp = inc["experiment"]
+    assert (exp["from_step"], exp["until_step"], exp["outcome"]) == (45, 55, "not_followed")
+    step_of = {r.step_last: s for r, s in zip(healthy + stuck, states)}
+    assert step_of[45].lr_scale == pytest.approx(0.1) and step_of[54].lr_scale == pytest.approx(0.1)
+    assert step_of[55].lr_scale == 1.0
+    assert taken[1:] == [("rollback", 70)] and inc["outcome"] == "escalated"
+
+
+def test_the_experiment_concludes_optimizer_when_the_symptom_follows_the_lr() -> None:
+    healthy = [_report(i) for i in range(1, 30)]
+    stuck = [_report(i, trainguard_consecutive_skipped_steps=5.0) for i in range(30, 50)]
+    calm = [_report(i) for i in range(50, 60)]  # under the 10x lower LR the skips stop
+    _, incidents = _incidents(healthy + stuck + calm)
+    (inc,) = incidents
+    assert inc["experiment"]["outcome"] == "followed" and inc["cause"] == "optimizer"
+
+
+def test_causes_refuse_the_actions_that_do_not_fit_them() -> None:
+    cut, raise_ = LrScaleAction(factor=0.5), LrScaleAction(factor=2.0)
+    assert refusal("data", cut) == "lr_scale refused: the cause is data"
+    assert refusal("data", AdaptiveLrAction()) and refusal("data", PauseAction())
+    assert refusal("data", raise_) is None and refusal("optimizer", cut) is None and refusal(None, cut) is None
+    assert refusal("schedule", AdaptiveLrAction()) and refusal("hardware", AdaptiveLrAction())
+    assert refusal("hardware", PauseAction()) is None
+
+
+@pytest.mark.parametrize(("ladders", "message"), [
+    ({"data": ["skip", "adaptive_lr"]}, "ladders.data: adaptive_lr does not fit a fault of that cause"),
+    ({"data": ["pause"]}, "ladders.data: pause does not fit a fault of that cause"),
+    ({"hardware": ["checkpoint", "pause", "stop"]}, "either pause"),
+    ({"hardware": ["rollback"]}, "ladders.hardware: rollback does not fit"),
+])
+def test_a_rules_file_cannot_give_a_cause_rungs_that_do_not_fit_it(ladders: dict, message: str) -> None:
+    import yaml
+
+    with pytest.raises(RulesError) as e:
+        load_rules(yaml.safe_dump({"version": 1, "recovery": {"ladders": ladders}, "rules": []}))
+    assert message in str(e.value)
