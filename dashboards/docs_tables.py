@@ -1,0 +1,244 @@
+"""The parts of ``docs/`` that state defaults, generated from the code that has them: the built-in
+rules (``service/default_rules.yaml``), the recovery settings, one "what now" section per built-in
+rule (its alert's diagnosis), and the metric reference (the agent's catalogue and the controller's).
+
+Each generated part sits in a docs page between two markers::
+
+    <!-- generated: rules (python -m trainguard.dashboards.docs_tables) -->
+    ...
+    <!-- end generated: rules -->
+
+``python -m trainguard.dashboards.docs_tables`` rewrites them in ``docs/`` (``--docs DIR``);
+``--check`` only says which differ (exit status 1). ``tests/docs/test_docs.py`` fails while a page
+differs from what this module produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from trainguard.protocol.catalog import AGENT_METRICS, CONTROL_METRICS, DATA_METRICS, INPUT_METRICS, STEP_METRICS
+from trainguard.protocol.catalog import MetricSpec
+from trainguard.service.diagnosis import diagnosis
+from trainguard.service.metrics import CONTROLLER_METRICS
+from trainguard.service.rules import RecoveryPolicy, default_rules_text, load_rules
+
+__all__ = ["BLOCKS", "rules_table", "recovery_table", "rule_sections", "metrics_table", "render", "main"]
+
+_BEGIN = "<!-- generated: {name} (python -m trainguard.dashboards.docs_tables) -->"
+_END = "<!-- end generated: {name} -->"
+
+
+def _num(x: float) -> str:
+    """1000 -> 1000, 0.0001 -> 0.0001, 1e-05 -> 1e-5."""
+    text = f"{x:g}"
+    return re.sub(r"e([+-])0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
+
+
+def _rules() -> list[Any]:
+    return list(load_rules(default_rules_text()).file.rules)
+
+
+def watched(rule: Any) -> str:
+    """What a rule reads: a metric of the report, or a per-rank value (``vector``)."""
+    parts = []
+    if getattr(rule, "metric", None):
+        parts.append(f"`{rule.metric}`")
+    vectors = getattr(rule, "vectors", ()) or ((rule.vector,) if getattr(rule, "vector", None) else ())
+    parts += [f"per-rank `{v}`" for v in vectors]
+    return ", ".join(parts) or "the run's reports"
+
+
+def condition(rule: Any) -> str:
+    """When the rule fires, in words, with the numbers of the rules file."""
+    kind = rule.kind
+    if kind == "threshold":
+        text = f"{rule.op} {_num(rule.value)}"
+        return text + (f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else "")
+    if kind == "nonfinite":
+        return "NaN or ±Inf"
+    if kind == "spike":
+        base = "rolling median" if rule.baseline == "median" else "moving average"
+        if rule.mode == "ratio":
+            text = f"≥ {_num(rule.ratio)}× its {base} of {rule.window} reports"
+        else:
+            text = f"≥ {_num(rule.z)} robust σ from its {base} of {rule.window} reports"
+        return text + f" (after {rule.min_history})" + ("" if rule.direction == "up" else f", {rule.direction}")
+    if kind == "trend":
+        if rule.direction == "not_decreasing":
+            return f"not decreasing over {rule.window} reports"
+        return f"rising in every report, by ≥ {_num(100 * rule.min_rel_change)} % over {rule.window} reports"
+    if kind == "rate":
+        return f"grows by > {_num(rule.value)} per `{rule.per}` over {rule.window} reports"
+    if kind == "cross_rank":
+        if rule.check == "spread":
+            text = f"one rank ≥ {_num(rule.ratio)}× the median rank"
+            text += f" and ≥ {_num(rule.min_value)}" if rule.min_value else ""
+        elif rule.check == "above":
+            text = f"some rank ≥ {_num(rule.value)}"
+        else:
+            text = f"some rank differs from the median by > {_num(rule.rel_tol)} relative"
+        return text + (f", the same rank in {rule.for_reports} reports in a row" if rule.for_reports > 1 else "")
+    if kind == "desync":
+        return f"some rank differs by > {_num(rule.rel_tol)} relative in a layer"
+    if kind == "oscillation":
+        return (f"a periodic swing over {rule.window} reports (≥ {_num(100 * rule.min_power)} % of the variance, "
+                f"amplitude ≥ {_num(100 * rule.min_rel_amplitude)} % of the mean)")
+    if kind == "absence":
+        return f"no report for {_num(rule.seconds)} s"
+    raise ValueError(f"no wording for rules of kind {kind!r}")
+
+
+def action(a: Any) -> str:
+    """One action as the table shows it: its type in backticks and what qualifies it."""
+    if a.type == "rollback":
+        notes = []
+        if a.unless_skipped:
+            notes.append("unless the agent skipped the step")
+        if a.lr_factor != 1.0:
+            notes.append(f"lr_scale × {_num(a.lr_factor)}")
+        return "`rollback`" + (f" ({', '.join(notes)})" if notes else "")
+    if a.type == "lr_scale":
+        return f"`lr_scale` ({'× ' + _num(a.factor) if a.factor is not None else '= ' + _num(a.value)})"
+    return f"`{a.type}`"
+
+
+#: What each action does to the run, in the operating page.
+_ACTION_WORDS: dict[str, str] = {
+    "notify": "sends the alert to the console, the event stream and the webhooks",
+    "pause": "pauses every rank at the same step (page a human; `trainguard resume RUN` goes on)",
+    "adaptive_lr": ("lowers `lr_scale` so that the update ratio returns to its level before the trouble; "
+                    "once the run is stable again the controller ramps it back"),
+    "rollback": "rolls every rank back to the newest snapshot taken before the trouble (with snapshots on)",
+    "lr_scale": "multiplies the run's `lr_scale`",
+    "checkpoint": "asks every rank to save a checkpoint at the same step",
+    "stop": "saves a checkpoint and stops every rank at the same step",
+    "memory_trace": ("traces the next few steps and records which layer, or the training loop, keeps memory "
+                     "alive (`memory_report` in `trainguard status RUN`)"),
+    "verify": "recomputes the next step's gradient on every rank and compares it with the one the step used",
+}
+
+
+def rules_table() -> str:
+    """The built-in rules, one row each, in the rules file's order."""
+    rows = ["| rule | severity | watches | fires when | actions |", "|---|---|---|---|---|"]
+    for rule in _rules():
+        actions = ", ".join(action(a) for a in rule.actions)
+        rows.append(f"| `{rule.name}` | {rule.severity} | {watched(rule)} | {condition(rule)} | {actions} |")
+    return "\n".join(rows)
+
+
+def recovery_table() -> str:
+    """The ``recovery`` section's settings: the built-in value and what each means."""
+    built_in = load_rules(default_rules_text()).file.recovery
+    rows = ["| setting | built-in | meaning |", "|---|---|---|"]
+    for name, field in RecoveryPolicy.model_fields.items():
+        value = getattr(built_in, name)
+        if isinstance(value, tuple):
+            shown = "[" + ", ".join(str(v) for v in value) + "]"
+        elif hasattr(value, "model_dump"):
+            shown = "; ".join(f"{k}: [{', '.join(v)}]" for k, v in value.model_dump().items())
+        else:
+            shown = _num(value) if isinstance(value, float) else str(value)
+        meaning = field.description or {"enabled": "Recovery without a human on or off.",
+                                        "ladder": "The rungs an incident climbs, in order (an optimizer fault's)."}.get(name, "")
+        rows.append(f"| `{name}` | `{shown}` | {meaning} |")
+    return "\n".join(rows)
+
+
+def rule_sections() -> str:
+    """One section per built-in rule: what it means, what trainguard already did, what to do."""
+    out = []
+    for rule in _rules():
+        d = diagnosis(rule.diagnosis)
+        did = "; ".join(f"`{a.type}` {_ACTION_WORDS[a.type]}" for a in rule.actions)
+        if all(a.type == "notify" for a in rule.actions):
+            did += ". Nothing in the run changed: what to do is yours to judge"
+        if any(a.type == "rollback" and a.unless_skipped for a in rule.actions):
+            did += (". A rollback is not taken when the agent skipped the step (the weights are intact: the "
+                    "recovery ladder watches instead)")
+        lines = [
+            f"### `{rule.name}`",
+            "",
+            f"**{rule.severity}** · watches {watched(rule)} · fires when: {condition(rule)}",
+            "",
+            f"**What it means.** {rule.description or d.symptom + '. ' + d.source}",
+            "",
+            f"**What trainguard already did.** {did}.",
+            "",
+            "**Likely causes.** " + "; ".join(d.likely_causes) + ".",
+            "",
+            "**What to do.**",
+            "",
+            *[f"{i}. {step.rstrip('.')}." for i, step in enumerate(d.suggested_actions, start=1)],
+        ]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def _metric_rows(metrics: Iterable[MetricSpec]) -> list[str]:
+    rows = ["| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+    for m in metrics:
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
+        rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {labels} | {m.help.replace('|', '/')} |")
+    return rows
+
+
+def metrics_table() -> str:
+    """Every metric a training rank exports, by group, then the controller's."""
+    groups = (("Step", STEP_METRICS), ("Data quality", DATA_METRICS), ("Control loop", CONTROL_METRICS),
+              ("Input", INPUT_METRICS))
+    assert sum(len(g) for _, g in groups) == len(AGENT_METRICS)
+    parts = []
+    for title, metrics in groups:
+        parts.append(f"#### {title} (each with the labels `job`, `run`, `rank`)\n\n" + "\n".join(_metric_rows(metrics)))
+    parts.append("#### The controller's own (`GET /metrics` of the controller)\n\n" + "\n".join(_metric_rows(CONTROLLER_METRICS)))
+    return "\n\n".join(parts)
+
+
+#: Page -> the generated parts in it.
+BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
+    "rules.md": {"rules": rules_table, "recovery": recovery_table},
+    "operating.md": {"rule-sections": rule_sections},
+    "metrics.md": {"metrics": metrics_table},
+}
+
+
+def render(text: str, blocks: dict[str, Callable[[], str]]) -> str:
+    """``text`` with each named part between its markers replaced by what its function produces;
+    ``ValueError`` for a part whose markers are missing."""
+    for name, make in blocks.items():
+        begin, end = _BEGIN.format(name=name), _END.format(name=name)
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+        if not pattern.search(text):
+            raise ValueError(f"the markers of the generated part {name!r} are missing: {begin} ... {end}")
+        text = pattern.sub(lambda _: f"{begin}\n\n{make()}\n\n{end}", text, count=1)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.dashboards.docs_tables", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", default="docs", help="the docs folder (default: ./docs)")
+    parser.add_argument("--check", action="store_true", help="only report the pages that differ (exit status 1)")
+    args = parser.parse_args(argv)
+    stale = []
+    for page, blocks in BLOCKS.items():
+        path = Path(args.docs) / page
+        text = path.read_text(encoding="utf-8")
+        new = render(text, blocks)
+        if new != text:
+            stale.append(str(path))
+            if not args.check:
+                path.write_text(new, encoding="utf-8")
+    verb = "differ from the code" if args.check else "rewritten"
+    print(f"{verb}: {', '.join(stale)}" if stale else "docs: the generated parts are up to date")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

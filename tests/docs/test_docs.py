@@ -1,0 +1,156 @@
+"""The README and ``docs/`` against the code: the generated parts are current
+(``trainguard.dashboards.docs_tables``), the rules table says what the built-in rules file says
+(read here with plain YAML), every built-in rule has its "what now" section, every catalogued
+metric is in the metric reference, the CLI's commands are the ones ``trainguard --help`` lists,
+every relative link resolves, and the README keeps its two commands on top and stays short.
+The demo's stated duration is checked against a measured run in ``tests/demo/test_demo_story.py``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainguard.dashboards import docs_tables
+from trainguard.protocol.catalog import AGENT_METRICS
+from trainguard.service.metrics import CONTROLLER_METRICS
+from trainguard.service.rules import default_rules_text
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+#: The first two lines of the README's code: the demo, and the test command CI runs.
+COMMANDS = (
+    "    bash scripts/setup.sh && .venv/bin/trainguard demo          # set up, then run the demo (controller + a 2-rank training run with injected faults)",
+    "    bash scripts/setup.sh && .venv/bin/python -m pytest -q      # set up, then run the tests",
+)
+
+
+def _block(page: str, name: str) -> str:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    m = re.search(re.escape(f"<!-- generated: {name} ") + r".*?-->\n(.*?)\n" + re.escape(f"<!-- end generated: {name} -->"),
+                  text, re.S)
+    assert m, f"docs/{page} has no generated part {name!r}"
+    return m.group(1).strip("\n")
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+@pytest.mark.parametrize(("page", "blocks"), sorted(docs_tables.BLOCKS.items()))
+def test_generated_parts_are_current(page: str, blocks) -> None:
+    for name, make in blocks.items():
+        assert _block(page, name) == make(), (f"docs/{page}: the part {name!r} differs from the code; run "
+                                              "python -m trainguard.dashboards.docs_tables")
+
+
+def test_rules_table_says_what_the_built_in_rules_file_says() -> None:
+    raw = yaml.safe_load(default_rules_text())["rules"]
+    rows = [_cells(r) for r in _block("rules.md", "rules").splitlines()[2:]]
+    assert [r[0].strip("`") for r in rows] == [r["name"] for r in raw]
+    for (name, severity, watches, when, actions), rule in zip(rows, raw):
+        assert severity == rule.get("severity", "warning"), name
+        for key in ("metric", "vector"):
+            if key in rule:
+                assert f"`{rule[key]}`" in watches, name
+        for vector in rule.get("vectors", []):
+            assert f"per-rank `{vector}`" in watches, name
+        types = [a if isinstance(a, str) else a["type"] for a in rule["actions"]]
+        assert re.findall(r"`([a-z_]+)`", actions) == types, name
+        unless = [a for a in rule["actions"] if isinstance(a, dict) and a.get("unless_skipped")]
+        assert ("unless the agent skipped the step" in actions) == bool(unless), name
+        # the rule's limit is in the condition as the file writes it (1.0e-5 reads 1e-5)
+        for key in ("value", "ratio", "z", "seconds", "rel_tol"):
+            if key in rule and not (rule["kind"] == "cross_rank" and key == "ratio" and rule["check"] != "spread"):
+                assert re.sub(r"e(-?)0*(\d)", r"e\1\2", f"{float(rule[key]):g}") in when, (name, key, when)
+        if rule["kind"] == "threshold":
+            assert when.startswith(f"{rule['op']} "), name
+
+
+def test_the_built_in_rules_are_not_what_the_old_readme_said() -> None:
+    """The README once said "loss NaN -> pause" and "LR x 0.5"; the rules file says otherwise."""
+    table = _block("rules.md", "rules")
+    assert "| `loss_nonfinite` | critical | `trainguard_loss`, per-rank `loss` | NaN or ±Inf | `rollback` (unless the agent skipped the step), `notify` |" in table
+    for rule in ("grad_norm_high", "grad_norm_spike", "update_ratio_spike"):
+        (row,) = [r for r in table.splitlines() if r.startswith(f"| `{rule}` |")]
+        assert _cells(row)[4] == "`adaptive_lr`, `notify`"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *PAGES])
+    assert "loss NaN → pause" not in text and "LR x0.5 + notify" not in text
+
+
+def test_every_built_in_rule_has_a_section_in_operating() -> None:
+    text = (DOCS / "operating.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^### `([a-z0-9_]+)`$", text, re.M)
+    assert headings == [r["name"] for r in yaml.safe_load(default_rules_text())["rules"]]
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        for part in ("**What it means.**", "**What trainguard already did.**", "**What to do.**"):
+            assert part in section, section.splitlines()[0]
+
+
+def test_every_catalogued_metric_is_in_the_metric_reference() -> None:
+    reference = _block("metrics.md", "metrics")
+    rows = {_cells(r)[0].strip("`") for r in reference.splitlines() if r.startswith("| `trainguard_")}
+    assert rows == {m.name for m in AGENT_METRICS} | {m.name for m in CONTROLLER_METRICS}
+
+
+def _help_commands() -> list[str]:
+    out = subprocess.run([sys.executable, "-c", "import sys; from trainguard.cli import main; sys.exit(main(['--help']))"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    (choices,) = set(re.findall(r"\{([a-z,-]+)\}", out.stdout))
+    return choices.split(",")
+
+
+def test_cli_commands_listed_are_the_ones_trainguard_help_lists() -> None:
+    text = (DOCS / "controller.md").read_text(encoding="utf-8")
+    section = text.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `trainguard ([a-z-]+)", section, re.M)
+    assert sorted(listed) == sorted(_help_commands())
+    assert len(listed) == len(set(listed))
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: links that do not resolve: {broken}"
+
+
+def test_readme_is_short_and_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200
+    assert lines[0] == "# trainguard" and tuple(lines[2:4]) == COMMANDS
+
+
+def test_the_docs_slug_rule_matches_githubs() -> None:
+    assert _slug("An alert fired — what now") == "an-alert-fired--what-now"
+    assert _slug("The LR in the frameworks' logs") == "the-lr-in-the-frameworks-logs"
+    assert _slug("`loss_nonfinite`") == "loss_nonfinite"
