@@ -154,3 +154,48 @@ def test_the_docs_slug_rule_matches_githubs() -> None:
     assert _slug("An alert fired — what now") == "an-alert-fired--what-now"
     assert _slug("The LR in the frameworks' logs") == "the-lr-in-the-frameworks-logs"
     assert _slug("`loss_nonfinite`") == "loss_nonfinite"
+
+
+def _prose(*pages: str) -> str:
+    """The pages' text with line breaks as spaces (a statement may wrap)."""
+    return " ".join(" ".join((ROOT / p).read_text(encoding="utf-8").split()) for p in pages)
+
+
+def test_defaults_stated_in_prose_are_the_codes() -> None:
+    import trainer_agent as ta
+    from trainer_agent.spike_guard import SpikeGuardConfig
+    from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN
+    from trainguard.service.rules import RecoveryPolicy
+
+    guard, agent, recovery = SpikeGuardConfig(), ta.AgentConfig(), RecoveryPolicy()
+    assert ta.AgentConfig.__dataclass_fields__["metrics_port"].default == 9400
+    assert ta.AgentConfig.__dataclass_fields__["layer_depth"].default is None  # repeated blocks, see attach.md
+    rules, attach, controller = _prose("docs/rules.md"), _prose("docs/attach.md"), _prose("docs/controller.md")
+    assert (f"median + {guard.sigmas:g} robust sigmas and {guard.min_ratio:g}x the median over the last "
+            f"{guard.window} steps taken") in rules
+    assert f"After {guard.max_consecutive} skips in a row" in rules
+    assert f"({recovery.window_reports} and {recovery.window_steps} by default)" in rules
+    assert f"(`AgentConfig.memory_trace_steps`, {agent.memory_trace_steps})" in attach
+    assert f"stays in [{LR_SCALE_MIN:.0e}, {LR_SCALE_MAX:.0e}]".replace("e-04", "e-4").replace("e+06", "e6") in controller
+    assert "(port 9400 + local rank)" in _prose("README.md")
+
+
+def test_a_static_agent_token_binds_to_the_first_run_it_registers(tmp_path) -> None:
+    """What the README says about agent tokens, against a real controller app."""
+    from fastapi.testclient import TestClient
+
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+
+    assert "binds to the first run it registers; a second run registering with it is refused (403" in _prose("README.md")
+    token = "agent-token-docs-1"
+    app = create_app(Settings(db=tmp_path / "tg.db", agent_tokens=(token,), operator_tokens=("operator-token-docs",)))
+    body = {"job": "llm-7b", "world_size": 1, "agent_version": "test",
+            "ranks": [{"rank": 0, "local_rank": 0, "host": "127.0.0.1", "port": 9400}]}
+    headers = {"Authorization": f"Bearer {token}"}
+    with TestClient(app) as client:
+        assert client.post("/v1/runs", json={**body, "run": "llm-7b-0001"}, headers=headers).status_code == 200
+        second = client.post("/v1/runs", json={**body, "run": "llm-7b-0002"}, headers=headers)
+        assert client.post("/v1/runs", json={**body, "run": "llm-7b-0001"}, headers=headers).status_code == 200
+    assert second.status_code == 403
+    assert "this agent token is bound to run 'llm-7b-0001', not 'llm-7b-0002'" in second.text
