@@ -13,8 +13,14 @@ import copy
 import functools
 import json
 import re
+import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import helm_python
@@ -22,6 +28,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.helm import chart_files
 from trainguard.dashboards import build
@@ -279,10 +286,17 @@ def test_everything_on_with_every_option_set_validates():
     assert {c["metadata"]["namespace"] for c in by_kind(objects, "ConfigMap") if "grafana_dashboard" in c["metadata"]["labels"]} == {"monitoring"}
 
 
-def test_rules_must_be_a_files_text():
-    """A rules mapping would go through Helm's JSON numbers (1e-05 comes back as the string '1e-05')."""
-    with pytest.raises(helm_python.HelmError, match=re.escape("--set-file controller.rules=rules.yaml")):
-        render({"controller": {"rules": {"version": 1}}})
+@pytest.mark.parametrize(("values", "message"), [
+    # A rules mapping would go through Helm's JSON numbers (1e-05 comes back as the string '1e-05').
+    ({"controller": {"rules": {"version": 1}}}, "at '/controller/rules': got object, want string"),
+    ({"podMonitor": {"enable": False}}, "at '/podMonitor': additional properties 'enable' not allowed"),
+    ({"podMonitor": {"localRanksPerPod": 0}}, "at '/podMonitor/localRanksPerPod': minimum: got 0, want 1"),
+    ({"serviceMonitor": {"interval": "15 s"}}, "at '/serviceMonitor/interval': '15 s' does not match pattern"),
+    ({"persistence": {"enabled": "yes"}}, "at '/persistence/enabled': got string, want boolean"),
+])
+def test_values_schema_refuses_mistakes_with_the_path(values, message):
+    with pytest.raises(helm_python.HelmValuesError, match=re.escape(message)):
+        render(values)
 
 
 def test_existing_claim_and_no_storage_class():
@@ -479,13 +493,78 @@ def test_example_validates():
     assert nnodes == sum(s["replicas"] for s in job["spec"]["pytorchReplicaSpecs"].values())
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"podMonitor": {"localRanksPerPod": 0}}, "localRanksPerPod must be at least 1"),
-    ({"podMonitor": {"portNamePrefix": "trainguard-metrics"}}, "at most 15 characters"),
-])
-def test_podmonitor_refuses_port_names_kubernetes_would_refuse(values, message):
-    with pytest.raises(helm_python.HelmError, match=re.escape(message)):
+def _two_free_ports() -> int:
+    """A port p such that p and p + 1 are free on loopback just now."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _step_samples(port: int) -> list[dict[str, str]]:
+    """The labels of the trainguard_step samples a rank serves on ``port`` (none yet: [])."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return []
+    return [s.labels for f in text_string_to_metric_families(text) if f.name == "trainguard_step"
+            for s in f.samples if s.value >= 1]
+
+
+@pytest.mark.distributed
+def test_example_script_serves_each_ranks_metrics_on_its_named_port(tmp_path):
+    """The example's train.py under torchrun (one node, two gloo ranks, no controller): local rank
+    i serves /metrics on the base port + i, the port the pod names tg-metrics-<i>, with the job and
+    run it was given and its rank."""
+    script = tmp_path / "train.py"
+    script.write_text(one(_example(), "ConfigMap")["data"]["train.py"])
+    nproc = int(re.search(r"--nproc_per_node=(\d+)", " ".join(
+        _example_pods()["Master"]["spec"]["containers"][0]["command"]))[1])
+    base = _two_free_ports()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.update(TRAINGUARD_JOB="llm-tiny", TRAINGUARD_RUN="llm-tiny-0001", TRAINGUARD_METRICS_PORT=str(base),
+               TRAIN_STEPS="100000", OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+                "--master_addr=127.0.0.1", f"--master_port={_two_free_ports()}", str(script)]
+    proc = subprocess.Popen(torchrun, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        seen: dict[int, list[dict[str, str]]] = {}
+        deadline = time.monotonic() + 240  # a bound on a stuck start, not a speed check
+        while len(seen) < nproc and proc.poll() is None and time.monotonic() < deadline:
+            for rank in range(nproc):
+                if rank not in seen and (samples := _step_samples(base + rank)):
+                    seen[rank] = samples
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=60)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0].decode(errors="replace")
+    assert sorted(seen) == list(range(nproc)), out[-3000:]
+    for rank, samples in seen.items():
+        assert samples == [{"job": "llm-tiny", "run": "llm-tiny-0001", "rank": str(rank)}]
+
+
+@pytest.mark.parametrize("values", [{"podMonitor": {"portNamePrefix": "trainguard-metrics"}},
+                                    {"podMonitor": {"portNamePrefix": "trainguard-ml", "localRanksPerPod": 11}}])
+def test_podmonitor_refuses_port_names_kubernetes_would_refuse(values):
+    with pytest.raises(helm_python.HelmError, match=re.escape("port names (<prefix>-<local rank>) must be at most 15")):
         render(values)
+    # One rank fewer fits: trainguard-ml-9 is 15 characters, trainguard-ml-10 16.
+    if values["podMonitor"].get("localRanksPerPod") == 11:
+        ports = [e["port"] for e in one(render({"podMonitor": {**values["podMonitor"], "localRanksPerPod": 10}}),
+                                        "PodMonitor")["spec"]["podMetricsEndpoints"]]
+        assert ports[-1] == "trainguard-ml-9" and len(ports) == 10
 
 
 # -- the chart as a package ---------------------------------------------------------------------------
@@ -512,3 +591,53 @@ def test_agent_labels_are_the_ones_the_dashboards_group_by():
     dashboard = json.loads((GENERATED / "grafana/dashboards/training-stability.json").read_text())
     variables = [v["name"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     assert variables == list(BASE_LABELS)
+
+
+# -- the documentation states the chart's defaults --------------------------------------------------
+def _doc_value(value: object) -> str:
+    """How docs/kubernetes.md writes a default."""
+    if value == "" or value == [] or value == {}:
+        return json.dumps(value)
+    if isinstance(value, dict) and len(value) == 1:
+        ((k, v),) = value.items()
+        return f"{k}: {json.dumps(v)}"
+    return str(value)
+
+
+def _split_outside_backticks(text: str) -> list[str]:
+    """``text`` split at each ", " that is not inside a `code span`."""
+    parts, start, inside = [], 0, False
+    for i, ch in enumerate(text):
+        if ch == "`":
+            inside = not inside
+        elif not inside and text.startswith(", ", i):
+            parts.append(text[start:i])
+            start = i + 2
+    return [*parts, text[start:]]
+
+
+def test_kubernetes_doc_states_the_charts_defaults():
+    doc = (ROOT / "docs/kubernetes.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    table = doc[doc.index("\n## Values\n"):doc.index("\n## How the chart is kept right\n")]
+    checked = []
+    for row in re.findall(r"^\| (.+?) \| (.+?) \|", table, flags=re.M)[2:]:
+        keys = re.findall(r"`([A-Za-z][\w.]*)`", row[0])
+        parts = _split_outside_backticks(row[1])
+        if len(keys) != len(parts) or row[0].count("`") != 2 * len(keys):
+            continue
+        for key, part in zip(keys, parts):
+            value = functools.reduce(lambda d, k: d[k], key.split("."), values)
+            if re.fullmatch(r"`[^`]*`", part):
+                assert part.strip("`") == _doc_value(value), f"docs say {key} = {part}, values.yaml {value!r}"
+            elif re.fullmatch(r"\d+", part):
+                assert int(part) == value, f"docs say {key} = {part}, values.yaml {value!r}"
+            else:
+                continue
+            checked.append(key)
+    assert len(checked) >= 12, checked
+    # The pod label and port names of "Label the training pods", and the Secret's keys.
+    (label,) = values["podMonitor"]["podLabels"].items()
+    assert f'`{label[0]}: "{label[1]}"`' in doc and f"`{values['podMonitor']['portNamePrefix']}-<local rank>`" in doc
+    keys = set(re.findall(r"^\| `([a-z]+-token)` \|", doc, flags=re.M))
+    assert keys == set(one(render(), "Secret")["data"])
