@@ -88,7 +88,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_memory_allocated_bytes", "bytes", "torch.cuda.memory_allocated() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_reserved_bytes", "bytes", "torch.cuda.memory_reserved() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_peak_bytes", "bytes", "torch.cuda.max_memory_allocated() on CUDA; the process's peak resident set size on CPU."),
-    _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer (module prefix at the configured depth).", ("layer",)),
+    _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer: a repeated block such as model.layers.3, or the module holding parameters outside the blocks (AgentConfig.layer_depth cuts module paths at a fixed depth instead).", ("layer",)),
     _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",)),
     _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",)),
     _g("trainguard_layer_grad_mean", "1", "Mean of one layer's gradient elements as the optimizer applies them (after unscaling and clipping), on report steps.", ("layer",)),
