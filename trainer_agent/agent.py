@@ -102,7 +102,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from trainguard.protocol.wire import Name
-from trainer_agent import optim
+from trainer_agent import flops, optim
 from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer
@@ -258,6 +258,7 @@ class Agent:
                                       report_every=cfg.report_every, grad_noise=self.meter.grad_noise,
                                       per_layer=per_layer, clock=self._clock, fingerprint=fingerprint,
                                       desync_rel_tol=cfg.desync_rel_tol)
+        self.reports.mfu_per_token_rate = flops.mfu_per_token_rate(model, self.device, cfg.flops_per_token, cfg.peak_flops)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._handles = [

@@ -167,8 +167,22 @@ class AgentConfig:
     close_timeout_s: float = 5.0
     """Default deadline of ``Agent.close()`` in seconds."""
 
+    flops_per_token: float | None = None
+    """Model FLOPs of one token's forward and backward pass, for ``trainguard_mfu``
+    (``trainer_agent/flops.py``). None: ``6 N + 12 L H Q T`` from the model's config when it is a
+    standard transformer (Hugging Face names; ``T`` its maximum sequence length), else no MFU."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for ``trainguard_mfu``. None: the dense 16-bit tensor-core peak
+    of the CUDA device by its name (``trainer_agent.flops.PEAK_FLOPS``), none on a CPU."""
+
     def __post_init__(self) -> None:
         _positive_int("report_every", self.report_every)
+        for name in ("flops_per_token", "peak_flops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
         _positive_int("sync_every", self.sync_every)
         _positive_int("max_buffered_reports", self.max_buffered_reports)
         if self.layer_depth is not None:

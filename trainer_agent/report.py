@@ -106,6 +106,8 @@ class ReportPipeline:
         self.index = index
         self.fingerprint = fingerprint
         self.update_model = UpdateModel(optimizer, index.params, index.device)
+        #: flops_per_token / peak_flops of one device (``trainer_agent/flops.py``): MFU per token/s.
+        self.mfu_per_token_rate: float | None = None
         self.desync_rel_tol = desync_rel_tol
         #: Layers whose fingerprints differed across ranks at the last published report.
         self.desync: list[DesyncFinding] = []
@@ -270,6 +272,8 @@ class ReportPipeline:
                 "trainguard_forward_seconds": h.forward_seconds}
         if h.tokens is not None:
             host["trainguard_tokens_per_second"] = h.tokens / h.duration if h.duration > 0 else math.inf
+            if self.mfu_per_token_rate is not None and h.duration > 0:
+                host["trainguard_mfu"] = host["trainguard_tokens_per_second"] * self.mfu_per_token_rate
         if not math.isnan(h.input_wait):
             host["trainguard_input_wait_seconds"] = h.input_wait
         if h.tokens or h.micro_batches:

@@ -85,6 +85,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_step_duration_seconds", "seconds", "Wall time between the last two end_step calls."),
     _g("trainguard_forward_seconds", "seconds", "Wall time this rank spent inside the model's forward pass during the last reported step, summed over its micro-batches. Under data parallelism the ranks' step times are equalised by the gradient all-reduce, so a slow rank (a straggler) shows here: its forward takes longer than the other ranks'."),
     _g("trainguard_tokens_per_second", "tokens/s", "tokens passed to end_step divided by the step duration."),
+    _g("trainguard_mfu", "1", "Model-FLOPs utilisation of this rank's device: tokens/s x FLOPs per token (declared, or 6N + 12LHQT for a standard transformer) over the device's dense 16-bit peak (declared, or looked up by the GPU's name). Absent without a known FLOPs count or peak."),
     _g("trainguard_memory_allocated_bytes", "bytes", "torch.cuda.memory_allocated() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_reserved_bytes", "bytes", "torch.cuda.memory_reserved() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_peak_bytes", "bytes", "torch.cuda.max_memory_allocated() on CUDA; the process's peak resident set size on CPU."),
