@@ -41,7 +41,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["GuardedHttpProtocol", "ControllerServer", "make_config"]
+__all__ = ["GuardedHttpProtocol", "ControllerServer", "make_config", "startup_banner"]
 
 log = logging.getLogger("trainguard.server")
 
@@ -159,6 +159,26 @@ class ControllerServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.controller.begin_shutdown)
+
+
+def startup_banner(settings: Any, host: str, port: int) -> str:
+    """What ``trainguard serve`` prints once it listens: the address (first line, which scripts
+    parse), the console and API docs URLs, and whether requests need a token.
+
+    Bound to every interface (``0.0.0.0``, ``::``), the URLs name the loopback address, the one
+    that works from the machine itself (and through a port published on loopback)."""
+    shown = f"[{host}]" if ":" in host else host
+    lines = [f"trainguard controller listening on http://{shown}:{port} (db {settings.db})"]
+    browse = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, shown)
+    lines += [f"  console:  http://{browse}:{port}/ui", f"  API docs: http://{browse}:{port}/docs"]
+    if settings.auth_enabled:
+        lines.append(f"  auth is ON: {len(settings.operator_tokens)} operator and {len(settings.agent_tokens)} agent "
+                     "token(s) configured; every /v1 request and the console need one")
+    else:
+        lines.append("  WARNING: auth is OFF: no tokens are configured (TRAINGUARD_OPERATOR_TOKENS, "
+                     "TRAINGUARD_AGENT_TOKENS), so anything that reaches this address may pause, stop or "
+                     "change any run; that is why the controller binds only to loopback without tokens")
+    return "\n".join(lines)
 
 
 def make_config(app: Any, settings: Any, *, log_level: str, access_log: bool) -> uvicorn.Config:

@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -65,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     from trainguard.service.app import create_app
     from trainguard.service.config import Settings
     from trainguard.service.rules import RulesError
-    from trainguard.service.server import ControllerServer, make_config
+    from trainguard.service.server import ControllerServer, make_config, startup_banner
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db), ("rules", args.rules)) if v is not None}
     try:
@@ -87,12 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"trainguard serve: cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
     config = make_config(app, settings, log_level=args.log_level, access_log=args.access_log)
     # Listen before saying so: connections made right after the line below wait in the backlog
     # until the app has started, instead of being refused.
     sock.listen(config.backlog)
-    print(f"trainguard controller listening on http://{shown}:{port} (db {settings.db})", flush=True)
+    print(startup_banner(settings, host, port), flush=True)
     # Everything built so far (modules, the app, the runs and windows read back from the
     # database) lives as long as the process: keep it out of the collector's full passes, which
     # otherwise walk it all (~12 ms with the default rules and 200 runs) every few thousand reports.
@@ -153,9 +153,33 @@ def format_incidents(incidents: list[dict[str, Any]]) -> str:
     for inc in incidents:
         end = "" if inc["closed_step"] is None else f" at step {inc['closed_step']}"
         lines.append(f"incident {inc['id']}: onset step {inc['onset_step']} ({inc['trigger']}) -> {inc['outcome']}{end}")
+        lines.extend(format_verdict(inc))
         for r in inc["rungs"]:
             lines.append(f"  step {r['step']:>7}  {r['rung']:<12} {r['actor']}: {r['reason']}")
     return "\n".join(lines)
+
+
+def format_verdict(inc: dict[str, Any]) -> list[str]:
+    """An incident's cause and the evidence it was decided on, as indented lines."""
+    verdict = inc.get("verdict") or {}
+    lines = [f"  cause: {inc.get('cause', 'unknown')}: {verdict.get('summary', '')}"]
+    if verdict.get("ranks"):
+        lines.append("  suspect: " + ", ".join(f"rank {r} on {h}" for r, h in zip(verdict["ranks"], verdict.get("hosts", []))))
+    for e in verdict.get("evidence", []):
+        ref = "" if e.get("reference") is None else f" (against {json.dumps(e['reference'])})"
+        lines.append(f"    {e['points_to']:<9} {e['signal']} = {json.dumps(e['value'])}{ref}: {e['detail']}")
+    if verdict.get("revised"):
+        rev = verdict["revised"]
+        lines.append(f"  revised at step {rev['step']} from {rev['from']}: {rev['summary']}")
+    exp = inc.get("experiment")
+    if exp:
+        lines.append(f"  experiment: LR x{exp['lr_factor']:g} for steps {exp['from_step']}-{exp['until_step']}: "
+                     f"{exp.get('conclusion') or 'running'}")
+    if inc.get("data_skipped"):
+        first, last = inc["data_skipped"]
+        lines.append(f"  data: the optimizer steps {first}-{last} skipped on every rank (their samples quarantined "
+                     "by the run's TokenLoader)")
+    return lines
 
 
 def _fmt_event(ev: dict[str, Any]) -> str:
@@ -423,6 +447,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``trainguard`` command; its exit status. Output piped into a reader that stops early
+    (``trainguard status RUN | head``) ends the command quietly, as other command-line tools end:
+    no traceback, and the status a shell reports for a tool ended by SIGPIPE (141)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is handled below
+        return code
+    except BrokenPipeError:
+        # Nothing more can reach the reader; point stdout at /dev/null so the interpreter's own
+        # flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``demo`` and ``dashboards build`` own their options: hand them everything after the name
     # (argparse.REMAINDER does not take options that come first).
