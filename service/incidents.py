@@ -207,6 +207,7 @@ class RunRecovery:
         if policy != self.policy:
             self.policy = policy
             self._healthy_metric = deque(self._healthy_metric, maxlen=policy.baseline_reports)
+            self._healthy_lr = deque(self._healthy_lr, maxlen=policy.baseline_reports)
             self.ramp = self._new_ramp()
 
     _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",

@@ -445,6 +445,20 @@ class Store:
             elif orphaned is not None:
                 orphaned(False, error)
 
+    def _settle(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                results: list[tuple[bool, Any]]) -> None:
+        """:meth:`_resolve` from any thread: at once on the futures' loop, else through it (a
+        closed loop has nobody left to wait for them)."""
+        loop = batch[0][1].get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._resolve(batch, results)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._resolve, batch, results)
+
     def _commit(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]], *,
                 wait: bool = True) -> list[tuple[bool, Any]] | None:
         """Run ``batch`` in one transaction. With ``wait=False`` (the event loop's thread, busy
@@ -501,13 +515,13 @@ class Store:
             conn.close()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Commit what is queued, checkpoint, and close every connection (bounded by ``timeout``)."""
+        """Commit what is queued (its callers get their outcome), checkpoint, and close every
+        connection (bounded by ``timeout``)."""
         if self._closed:
             return
         if self._pending:
-            results = self._commit_waiting([(op, single) for op, _fut, single, _orphaned in self._pending])
-            self._pending = []
-            del results
+            batch, self._pending = self._pending, []
+            self._settle(batch, self._commit_waiting([(op, single) for op, _fut, single, _orphaned in batch]))
         deadline = time.monotonic() + timeout
         with self._readers_lock:
             self._closed = True

@@ -16,7 +16,8 @@ import pytest
 from trainguard.protocol.wire import LR_SCALE_MIN, DesiredState, Report
 from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
 from trainguard.service.engine import simulate
-from trainguard.service.rules import RecoveryPolicy, default_rules_text, load_rules
+from trainguard.service.incidents import RunRecovery
+from trainguard.service.rules import AdaptiveLrAction, RecoveryPolicy, default_rules_text, load_rules
 
 BASE = 1e-3
 EVERY = 10
@@ -285,3 +286,22 @@ def test_an_undone_report_leaves_the_recovery_state_as_it_was() -> None:
         assert state() == before
         feed(j, 30.0)
     assert undone_incident_changes >= 1  # a change of the open incident was among the undone ones
+
+
+def test_a_new_policy_resizes_both_healthy_baselines() -> None:
+    # 16 healthy reports (the default baseline_reports): 12 at LR 1e-3 and update ratio 1e-3, then
+    # 4 at 4e-3. Shrunk to 4 reports, both baselines are the median of the newest 4: 4e-3.
+    rec = RunRecovery(RULES.file.recovery)
+    assert rec.policy.baseline_reports == 16
+    state = DesiredState()
+    for i, v in enumerate([1e-3] * 12 + [4e-3] * 4):
+        values = {"trainguard_loss": 2.0, "trainguard_update_ratio": v, "trainguard_scheduler_lr": v, "trainguard_lr_scale": 1.0}
+        rec.before_decide(values)
+        assert rec.after_report(step=(i + 1) * EVERY, values=values, findings=[], before=state, desired=state,
+                                fired=[], now=float(i)) == []
+    rec.set_policy(RULES.file.recovery.model_copy(update={"baseline_reports": 4}))
+    assert rec.baseline() == 4e-3
+    # a report with no update ratio: the LR fallback measures the schedule's LR against its own baseline
+    rec.before_decide({"trainguard_loss": 2.0, "trainguard_scheduler_lr": 8e-3, "trainguard_lr_scale": 1.0})
+    scale, note = rec.adaptive_scale(AdaptiveLrAction(), 1.0)
+    assert scale == pytest.approx(4e-3 / 8e-3) and note == "the schedule's LR 0.008 vs its healthy level 0.004"

@@ -149,3 +149,48 @@ def test_a_cancelled_caller_gets_its_outcome_through_orphaned(tmp_path: Path) ->
         assert store.read_now(sql.latest_rules)["text"] == "x"  # committed although nobody waited
     finally:
         store.close()
+
+
+def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(tmp_path: Path) -> None:
+    """Writes queued for the group commit when the store closes are committed by close(), and
+    their callers get the outcome (a value, or the operation's error) instead of waiting forever."""
+    import asyncio
+
+    store = Store(tmp_path / "c.db")
+
+    def refused(c: sqlite3.Connection) -> None:
+        c.execute("INSERT INTO no_such_table VALUES (1)")
+
+    async def main() -> tuple[int, BaseException | None]:
+        store.start()
+        written = store.submit(lambda c: sql.insert_rules_version(c, "kept", "api", "t", 1.0))
+        failed = store.submit(refused)
+        store.close()  # in the same turn of the loop: the batch had not been committed
+        assert written.done() and failed.done()
+        return await written, failed.exception()
+
+    version, error = asyncio.run(main())
+    assert version == 1
+    assert isinstance(error, sqlite3.OperationalError) and "no_such_table" in str(error)
+    reopened = Store(tmp_path / "c.db")
+    try:
+        assert reopened.read_now(sql.latest_rules)["text"] == "kept"
+    finally:
+        reopened.close()
+
+
+def test_close_from_another_thread_hands_the_outcome_to_the_writers_loop(tmp_path: Path) -> None:
+    import asyncio
+    import threading
+
+    store = Store(tmp_path / "t.db")
+
+    async def main() -> int:
+        store.start()
+        written = store.submit(lambda c: sql.insert_rules_version(c, "kept", "api", "t", 1.0))
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        closer.join()  # the loop is blocked here: the batch is still pending when close() runs
+        return await written
+
+    assert asyncio.run(main()) == 1
