@@ -18,13 +18,16 @@ from trainguard.service.auth import TokenTable
 from trainguard.service.config import Settings
 from trainguard.service.controller import Controller
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
+from trainguard.service import openapi
 from trainguard.service.ingress import ReportIngress
 from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
+from trainguard.service.schemas import RulesTestRequest, validation_summary
 from trainguard.service.store import Store, StoreError
 from trainguard.service.webhooks import WebhookDeliverer
+from trainguard.protocol.wire import Report
 
 __all__ = ["create_app"]
 
@@ -92,11 +95,13 @@ def create_app(
         # unpaired surrogate escape ("\\ud800", which Python's json accepts) made the 422 itself
         # fail to encode: a 500. Escaped JSON encodes every string.
         assert isinstance(exc, RequestValidationError)
-        body = json.dumps({"detail": jsonable_encoder(exc.errors())}).encode()
+        errors = jsonable_encoder(exc.errors())
+        body = json.dumps({"detail": validation_summary(errors), "errors": errors}).encode()
         return Response(body, status_code=422, media_type="application/json")
 
     app.add_exception_handler(RequestValidationError, request_invalid)
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
+    openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, tokens=tokens)  # outermost: no body is read before the token is known

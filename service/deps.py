@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Awaitable, Callable
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from trainguard.service.auth import AGENT_SCOPE, Principal, TokenTable
 from trainguard.service.controller import Controller
@@ -17,10 +18,16 @@ async def get_controller(request: Request) -> Controller:
     return request.app.state.controller
 
 
+#: The bearer token scheme of the OpenAPI document (``auto_error=False``: the checks are below).
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearer", description="A token from TRAINGUARD_OPERATOR_TOKENS, "
+                    "TRAINGUARD_AGENT_TOKENS or POST /v1/tokens; an operation's scopes are the ones it admits (any of them).")
+
+
 def _require(*scopes: str) -> Callable[[Request], Awaitable[Principal]]:
     """A dependency admitting callers holding any of ``scopes`` (async: runs on the event loop)."""
 
-    async def dep(request: Request) -> Principal:
+    async def dep(request: Request, _: HTTPAuthorizationCredentials | None = Security(BEARER, scopes=list(scopes))) -> Principal:
+        # (``BEARER`` only documents the scheme and the scopes in the OpenAPI document: it never refuses)
         tokens: TokenTable = request.app.state.tokens
         principal = request.scope.get(PRINCIPAL_KEY) or tokens.authenticate(request.headers.get("authorization"))
         if principal is None:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
 
-__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe"]
+__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
 
 
 class CommandResult(BaseModel):
@@ -127,3 +127,11 @@ def nan_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [nan_safe(v) for v in value]
     return value
+
+
+def validation_summary(errors: list[dict[str, Any]], shown: int = 3) -> str:
+    """The ``detail`` sentence of a 422 for a request that does not validate (its ``errors`` list
+    each field): the first ``shown`` problems, then how many more."""
+    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in errors[:shown]]
+    more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
+    return "the request does not validate: " + "; ".join(parts) + more

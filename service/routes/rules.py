@@ -53,11 +53,6 @@ async def put_rules(
     return _rules_body(ctl)
 
 
-# (the body is parsed in the worker thread, so the schema is given here; Report and DesiredState
-# are in the components through the other routes)
-_TEST_SCHEMA = {k: v for k, v in RulesTestRequest.model_json_schema(ref_template="#/components/schemas/{model}").items()
-                if k != "$defs"}
-
 #: Simulations running at once (each in a worker thread); more callers wait, up to
 #: :data:`SIMULATIONS_WAITING`, beyond which they are answered 429.
 SIMULATIONS_RUNNING = 2
@@ -68,7 +63,8 @@ SIMULATIONS_WAITING = 8
     "/rules/test", summary="Replay reports through rules: alerts and desired states, no side effects",
     description=f"Runs in a worker thread, {SIMULATIONS_RUNNING} at a time; with {SIMULATIONS_WAITING} more waiting, "
     "further calls are answered 429 (retry later). Reports keep flowing meanwhile.",
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _TEST_SCHEMA}}}},
+    # (the body is parsed in the worker thread; service/openapi.py adds RulesTestRequest to the schemas)
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RulesTestRequest"}}}}},
 )
 async def test_rules(request: Request, ctl: ControllerDep, _: ReadDep) -> Response:
     gate: SimulationGate = request.app.state.simulations

@@ -29,7 +29,7 @@ def test_unpaired_surrogate_is_422(app_factory: Callable[..., Any], method: str,
         register(c, world_size=1)
         r = c.request(method, url, content=body.encode(), headers=_H)
         assert r.status_code == 422, r.text
-        detail = json.loads(r.content)["detail"]
+        detail = json.loads(r.content)["errors"]
         assert [d["loc"] for d in detail] == [loc]
         assert detail[0]["input"].endswith("\ud800") or "\ud800" in detail[0]["input"]
         run = c.get("/v1/runs/run-1").json()

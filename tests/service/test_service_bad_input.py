@@ -37,8 +37,9 @@ def test_rules_test_vectors_longer_than_world_size_are_a_422(app_factory) -> Non
         assert c.post("/v1/rules/test", json={"world_size": 2, "reports": [ok]}).status_code == 200
 
 
-@pytest.mark.parametrize("field,value", [("step_first", "1"), ("step_last", "1"), ("applied_generation", "0"), ("step_last", 1.0)])
-def test_integers_sent_as_strings_or_floats_are_refused(app_factory, field: str, value: object) -> None:
+@pytest.mark.parametrize("field,value", [("step_first", "1"), ("step_last", "1"), ("applied_generation", "0"), ("step_last", 1.5),
+                                         ("step_last", True)])
+def test_integers_sent_as_strings_booleans_or_fractions_are_refused(app_factory, field: str, value: object) -> None:
     with app_factory() as c:
         register(c, world_size=1)
         body = {"job": "job-a", "step_first": 1, "step_last": 1, "time": 1.0, "values": {}} | {field: value}

@@ -105,7 +105,7 @@ def test_fast_path_answers_exactly_like_the_route(tmp_path: Path) -> None:
     assert json.loads(answers[True][1][1])["alerts"] == ["grad_norm_high"]
     assert json.loads(answers[True][2][1])["desired"]["paused"] is True
     assert json.loads(answers[True][9][1]) == {"detail": "run 'run-b' belongs to job 'job-a', the report says 'other'"}
-    assert json.loads(answers[True][11][1])["detail"][0]["type"] == "json_invalid"
+    assert json.loads(answers[True][11][1])["errors"][0]["type"] == "json_invalid"
     assert counters[True] == counters[False]
     # Six refusals of the body (length + five that do not validate), each counted once.
     assert counters[True]["trainguard_controller_reports_rejected_total[('reason', 'invalid')]"] == 6

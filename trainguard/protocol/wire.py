@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+import operator
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, field_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "API_PREFIX",
@@ -48,6 +51,7 @@ __all__ = [
     "LrRule",
     "MAX_ACCUMULATION_STEPS",
     "Severity",
+    "Int",
     "dumps",
 ]
 
@@ -83,8 +87,31 @@ Name = Annotated[
 Value = float
 
 
+def _integer(value: Any) -> Any:
+    """An integer field's input: an integral number (``213.0`` is 213, as JSON Schema's
+    ``integer`` says); a boolean, a fractional number or a string is refused."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise PydanticCustomError("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+    if isinstance(value, int) or isinstance(value, str):
+        return value
+    try:
+        return operator.index(value)  # numpy and torch integers
+    except TypeError:
+        return value
+
+
+#: Every integer of the wire: integral numbers only, never a boolean or a string.
+Int = Annotated[int, Strict(), BeforeValidator(_integer)]
+
+
 class WireModel(BaseModel):
-    """Base of every wire type: NaN/Inf as strings, unknown fields refused, no coercion of str (integers are strict: a step sent as "1" or 1.0 is refused)."""
+    """Base of every wire type: NaN/Inf as strings, unknown fields refused. Integers (:data:`Int`) and
+    finite numbers are strict: a boolean is never a number and a string never a number (``"1"``, ``true``
+    and ``1.5`` are refused for a step; ``213.0`` is the integer 213)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -97,10 +124,10 @@ class WireModel(BaseModel):
 class RankEndpoint(WireModel):
     """Where Prometheus scrapes one rank's ``/metrics``."""
 
-    rank: int = Field(strict=True, ge=0, description="Global rank.")
-    local_rank: int = Field(strict=True, ge=0, description="Rank within its node.")
+    rank: Int = Field(ge=0, description="Global rank.")
+    local_rank: Int = Field(ge=0, description="Rank within its node.")
     host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
-    port: int = Field(strict=True, ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
+    port: Int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
 
 
 #: Deepest nesting of lists and objects in a registration's ``config``.
@@ -127,7 +154,7 @@ class RunRegistration(WireModel):
 
     job: Name
     run: Name
-    world_size: int = Field(strict=True, ge=1, le=1_000_000)
+    world_size: Int = Field(ge=1, le=1_000_000)
     ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
     agent_version: str = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
@@ -163,19 +190,19 @@ class DesiredState(WireModel):
     """What the controller wants a run to be doing. Level-based: every value is absolute, so
     applying the same generation twice changes nothing."""
 
-    generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
+    generation: Int = Field(default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
     paused: bool = False
-    lr_scale: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
-    checkpoint_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
+    lr_scale: float = Field(strict=True, default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
+    checkpoint_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
     stop: bool = False
-    rollback_seq: int = Field(default=0, ge=0, le=MAX_INT, description="A rollback is due when this exceeds the last one applied.")
-    rollback_step: int = Field(default=0, ge=0, le=MAX_INT, description="The rollback restores the newest snapshot taken at or before this step.")
+    rollback_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A rollback is due when this exceeds the last one applied.")
+    rollback_step: Int = Field(default=0, ge=0, le=MAX_INT, description="The rollback restores the newest snapshot taken at or before this step.")
     reason: str = Field(default="", max_length=2000)
-    accumulation_steps: int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
+    accumulation_steps: Int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
     accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
-    memory_trace_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
-    verify_seq: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
-    data_skip_until: int = Field(strict=True, default=0, ge=0, le=MAX_INT, description="Every rank skips the optimizer step of each step up to and including this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.")
+    memory_trace_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
+    verify_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
+    data_skip_until: Int = Field(default=0, ge=0, le=MAX_INT, description="Every rank skips the optimizer step of each step up to and including this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.")
 
 
 class RunRegistered(WireModel):
@@ -229,7 +256,7 @@ class DesyncLayer(WireModel):
     kind: Literal["grad", "param"]
     layer: str = Field(max_length=512)
     rel_diff: Value
-    ranks: list[int] = Field(default_factory=list, max_length=64)
+    ranks: list[Int] = Field(default_factory=list, max_length=64)
 
 
 #: Most desynchronised layers a report names.
@@ -245,12 +272,12 @@ class Report(WireModel):
     """
 
     job: Name
-    step_first: int = Field(strict=True, ge=0, le=MAX_INT)
-    step_last: int = Field(strict=True, ge=0, le=MAX_INT)
-    time: float = Field(allow_inf_nan=False, description="Unix time at the leader when sent.")
+    step_first: Int = Field(ge=0, le=MAX_INT)
+    step_last: Int = Field(ge=0, le=MAX_INT)
+    time: float = Field(strict=True, allow_inf_nan=False, description="Unix time at the leader when sent.")
     values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
-    applied_generation: int = Field(strict=True, default=0, ge=0, le=MAX_INT)
+    applied_generation: Int = Field(default=0, ge=0, le=MAX_INT)
     desync: list[DesyncLayer] = Field(
         default_factory=list, max_length=MAX_DESYNC_LAYERS,
         description="Layers whose fingerprints differ across ranks by more than the agent's tolerance, worst first.")
@@ -274,15 +301,15 @@ class ReportAccepted(WireModel):
 class Ack(WireModel):
     """``POST /v1/runs/{run}/acks``: every rank applied ``generation`` at ``step``."""
 
-    generation: int = Field(strict=True, ge=0, le=MAX_INT)
-    step: int = Field(strict=True, ge=0, le=MAX_INT)
+    generation: Int = Field(ge=0, le=MAX_INT)
+    step: Int = Field(ge=0, le=MAX_INT)
 
 
 class RunFinished(WireModel):
     """``POST /v1/runs/{run}/finish``: the run ended (the leader's ``agent.close()``); the
     controller stops expecting reports from it until it registers again."""
 
-    step: int = Field(strict=True, ge=0, le=MAX_INT, description="The last step the run completed.")
+    step: Int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
     reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
 
 
@@ -297,8 +324,8 @@ class PreflightCheck(WireModel):
 class PreflightResult(WireModel):
     """``POST /v1/runs/{run}/preflight``: the checks run on a real batch before the first step."""
 
-    rank: int = Field(default=0, ge=0)
-    seconds: float = Field(ge=0, allow_inf_nan=False)
+    rank: Int = Field(default=0, ge=0)
+    seconds: float = Field(strict=True, ge=0, allow_inf_nan=False)
     checks: list[PreflightCheck] = Field(max_length=64)
 
 
@@ -306,20 +333,20 @@ class MemoryOwnerEntry(WireModel):
     """Who keeps memory alive across steps: a layer, or the training loop."""
 
     owner: str = Field(max_length=512)
-    bytes_per_step: float = Field(ge=0, allow_inf_nan=False)
-    tensors: int = Field(ge=0)
+    bytes_per_step: float = Field(strict=True, ge=0, allow_inf_nan=False)
+    tensors: Int = Field(ge=0)
 
 
 class MemoryReport(WireModel):
     """``POST /v1/runs/{run}/memory-report``: the result of a memory trace on one rank, worst first."""
 
-    rank: int = Field(default=0, ge=0)
-    step: int = Field(strict=True, ge=0, le=MAX_INT, description="The step at which the trace ended.")
-    steps: int = Field(ge=1, description="Steps traced.")
+    rank: Int = Field(default=0, ge=0)
+    step: Int = Field(ge=0, le=MAX_INT, description="The step at which the trace ended.")
+    steps: Int = Field(ge=1, description="Steps traced.")
     owners: list[MemoryOwnerEntry] = Field(default_factory=list, max_length=32)
     device: Literal["cpu", "cuda"] = "cpu"
     allocator_growth_bytes_per_step: float | None = Field(
-        default=None, allow_inf_nan=False,
+        default=None, strict=True, allow_inf_nan=False,
         description="CUDA: growth of torch.cuda.memory_allocated per traced step (None on the CPU).")
     layer_forward_bytes: list[MemoryOwnerEntry] = Field(
         default_factory=list, max_length=32,
@@ -336,14 +363,14 @@ class CommandRequest(WireModel):
 class LrScaleRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/lr-scale``."""
 
-    scale: float = Field(ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+    scale: float = Field(strict=True, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
 
 
 class AccumulationRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
     every rank uses from the next agreed step boundary, and how the LR follows it."""
 
-    steps: int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
+    steps: Int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
     lr_rule: LrRule = "sqrt"
 
 
