@@ -396,6 +396,90 @@ def test_probes_use_the_controllers_health_routes_and_the_pod_runs_as_the_images
     assert data["persistentVolumeClaim"]["claimName"] == one(default_objects, "PersistentVolumeClaim")["metadata"]["name"]
 
 
+#: Runs inside new mount, network and PID namespaces (whatever it leaves running dies with it): every
+#: filesystem read-only, a tmpfs on /tmp, the loopback interface up; starts the controller with the
+#: pod's command and environment and prints what its endpoints answer, as JSON.
+_READ_ONLY_POD = r"""
+set -e
+ip link set lo up
+mount --make-rprivate /
+for m in $(awk '{print $2}' /proc/self/mounts | grep -vE '^/(proc|sys|dev)(/|$)' | sort -u); do
+    mount -o bind,remount,ro "$m" 2>/dev/null || true
+done
+mount -t tmpfs tmpfs /tmp
+"$@" > /tmp/controller.log 2>&1 &
+controller=$!
+rc=0
+"$PYTHON" -c "$CLIENT" || rc=$?
+kill "$controller" && wait "$controller" || true
+exit "$rc"
+"""
+_CLIENT = r"""
+import json, os, tempfile, time, urllib.request, urllib.error
+base = "http://127.0.0.1:8000"
+def call(path, token=None, body=None):
+    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **({"Authorization": "Bearer " + token} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+def writable(folder):
+    try:
+        fd, path = tempfile.mkstemp(dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+deadline = time.monotonic() + 120
+while call("/healthz") != 200 and time.monotonic() < deadline:
+    time.sleep(0.5)
+tok = json.loads(os.environ["TOKENS"])
+out = {"healthz": call("/healthz"), "readyz": call("/readyz"),
+       "runs as operator": call("/v1/runs", tok["operator-token"]), "runs as agent": call("/v1/runs", tok["agent-token"]),
+       "runs as alertmanager": call("/v1/runs", tok["alertmanager-token"]),
+       "alertmanager webhook": call("/v1/alertmanager", tok["alertmanager-token"], {"version": "4", "alerts": []}),
+       "root writable": writable("/"),
+       "database files": sorted(os.listdir(os.environ["DB_DIR"])) if os.path.isdir(os.environ["DB_DIR"]) else []}
+print(json.dumps(out))
+print(open("/tmp/controller.log").read()[-2000:])
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
+                    reason="needs root, unshare and ip for a mount and network namespace")
+def test_controller_runs_with_the_pods_command_env_and_a_read_only_root(default_objects):
+    """The rendered pod's command and environment (its tokens from the rendered Secret) on the real
+    controller, with every filesystem read-only but /tmp (readOnlyRootFilesystem; the database
+    volume is a folder under the /tmp tmpfs here): it starts, is live and ready, and each token has
+    the scope the chart means it to have."""
+    secret = one(default_objects, "Secret")
+    tokens = _secret_values(secret)
+    (container,) = one(default_objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = _pod_env(container, {secret["metadata"]["name"]: tokens})
+    command = list(container["command"])
+    db = command.index("--db") + 1
+    db_dir = "/tmp" + str(Path(command[db]).parent)
+    command[db] = f"{db_dir}/{Path(command[db]).name}"
+    command[0] = str(Path(sys.executable).parent / command[0])  # the venv's console script
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    run_env = base_env | env | {"PYTHONDONTWRITEBYTECODE": "1",  # as the image sets it
+                                "PYTHON": sys.executable, "CLIENT": _CLIENT, "TOKENS": json.dumps(tokens), "DB_DIR": db_dir}
+    done = subprocess.run(["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", _READ_ONLY_POD, "sh", *command],
+                          env=run_env, capture_output=True, text=True, timeout=240)
+    first, _, log = done.stdout.partition("\n")
+    assert done.returncode == 0 and first.startswith("{"), done.stdout + done.stderr
+    assert json.loads(first) == {
+        "healthz": 200, "readyz": 200, "runs as operator": 200, "runs as agent": 403, "runs as alertmanager": 403,
+        "alertmanager webhook": 200, "root writable": False,
+        "database files": ["trainguard.db", "trainguard.db-shm", "trainguard.db-wal"]}, log
+
+
 def test_service_and_servicemonitor_select_the_controller_pod(default_objects):
     pod = one(default_objects, "Deployment")["spec"]["template"]
     service = one(default_objects, "Service")
