@@ -14,6 +14,20 @@ with the ``lr_scale`` in force then, so::
 A ×40 LR from the user's own schedule gives a ×40 update ratio and a scale of 1/40 at once; the
 next report tells whether it was enough (if not, the action fires again and corrects again).
 
+**In the schedule's terms** (:class:`ScheduleBaseline`, when the agent reports what the user's
+scheduler asked for). An Adam-type optimizer moves the weights in proportion to the LR, so the
+update ratio per unit of applied LR (``trainguard_update_ratio_per_lr``) is what neither the
+schedule nor ``lr_scale`` moves; the schedule itself is judged against its *envelope*, the highest
+LR it set while the run was healthy. The scale the run needs is then::
+
+    needed = ceiling x min(1, baseline per-LR / measured per-LR) x min(1, envelope / scheduled LR)
+
+(each factor 1 within its tolerance). It is one constant, so the schedule keeps its shape under
+it: a schedule x1000 gets 1/1000 and its cosine stays a cosine. A warm restart goes back to the
+envelope and needs nothing. Once the schedule is back inside its envelope and the update per unit
+of LR is healthy again, ``needed`` is the ceiling, and the ramp goes there at once instead of
+climbing for ``ramp_steps``.
+
 **Ramp back once stable.** After ``stable_reports`` healthy reports in a row, the scale grows
 geometrically towards its ceiling (1.0, or the scale an operator set), reaching it after ``ramp_steps`` steps (the factor per report follows
 the steps the report covered). When the metric comes back above ``degrade_ratio`` x baseline the
@@ -25,13 +39,14 @@ at the ceiling.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from statistics import median
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN
 
-__all__ = ["baseline", "corrected_scale", "LrRamp", "RampStep"]
+__all__ = ["baseline", "corrected_scale", "LrRamp", "RampStep", "ScheduleBaseline", "SCHEDULE_TOLERANCE"]
 
 
 def baseline(values: Iterable[float]) -> float | None:
@@ -50,6 +65,74 @@ def corrected_scale(current_scale: float, measured: float | None, base: float | 
     if measured <= base:
         return min(max(current_scale, lo), hi)
     return min(max(current_scale * base / measured, lo), hi)
+
+
+#: The scheduled LR may exceed its envelope by this factor (rounding, a schedule that ends a hair
+#: above its start) before it counts as above it.
+SCHEDULE_TOLERANCE = 1.05
+
+
+def _positive(values: Mapping[str, float], key: str) -> float | None:
+    v = values.get(key)
+    return float(v) if v is not None and math.isfinite(v) and v > 0 else None
+
+
+class ScheduleBaseline:
+    """The healthy update per unit of LR of one run and its schedule's healthy envelope, from the
+    reports it is fed (see the module docstring)."""
+
+    PER_LR = "trainguard_update_ratio_per_lr"
+
+    def __init__(self, *, reports: int = 16, tolerance: float = 1.5) -> None:
+        if reports < 1 or not tolerance >= 1:
+            raise ValueError("reports must be >= 1 and tolerance >= 1")
+        self.tolerance = tolerance
+        """The per-LR update may be this factor above its baseline before it counts (report noise)."""
+        self.per_lr: deque[float] = deque(maxlen=reports)
+        self.envelope: float | None = None
+        """The highest LR the schedule set in a healthy report (None: none seen yet)."""
+
+    def copy(self) -> "ScheduleBaseline":
+        new = ScheduleBaseline.__new__(ScheduleBaseline)
+        new.tolerance, new.per_lr, new.envelope = self.tolerance, deque(self.per_lr, maxlen=self.per_lr.maxlen), self.envelope
+        return new
+
+    def add_healthy(self, values: Mapping[str, float]) -> None:
+        """A healthy report at the run's own scale, outside incidents: it joins the baselines."""
+        per_lr = _positive(values, self.PER_LR)
+        if per_lr is not None:
+            self.per_lr.append(per_lr)
+        top = _positive(values, "trainguard_scheduler_lr_max") or _positive(values, "trainguard_scheduler_lr")
+        if top is not None:
+            self.envelope = top if self.envelope is None else max(self.envelope, top)
+
+    def needed(self, values: Mapping[str, float]) -> tuple[float | None, str]:
+        """The factor of the ceiling the run needs now (at most 1), and how it was computed; None
+        when the report says nothing in these terms (no per-LR update with a baseline, and no
+        scheduled LR above a known envelope)."""
+        factor, notes = 1.0, []
+        known = False
+        base, per_lr = baseline(self.per_lr), _positive(values, self.PER_LR)
+        if base is not None and per_lr is not None:
+            known = True
+            if per_lr > self.tolerance * base:
+                factor *= base / per_lr
+                notes.append(f"update per unit of LR {per_lr:.3g} vs its healthy {base:.3g}")
+        lr = _positive(values, "trainguard_scheduler_lr")
+        envelope = self.envelope if self.envelope is not None else _positive(values, "trainguard_scheduler_lr_peak")
+        if lr is not None and envelope is not None:
+            known = known or lr > SCHEDULE_TOLERANCE * envelope
+            if lr > SCHEDULE_TOLERANCE * envelope:
+                factor *= envelope / lr
+                notes.append(f"the schedule's LR {lr:.3g} is {lr / envelope:.3g}x the highest it set while "
+                             f"healthy ({envelope:.3g})")
+        if not known:
+            return None, "no update per unit of LR with a healthy baseline yet"
+        if not notes:
+            return 1.0, (f"the schedule's LR within its envelope and the update per unit of LR "
+                         f"{per_lr:.3g} at its healthy {base:.3g}" if per_lr is not None and base is not None else
+                         "the schedule's LR within its envelope")
+        return min(max(factor, LR_SCALE_MIN), 1.0), "; ".join(notes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +176,12 @@ class LrRamp:
         self.held = False
 
     def observe(self, step: int, *, healthy: bool, measured: float | None, base: float | None,
-                scale: float, ceiling: float = 1.0) -> RampStep | None:
+                scale: float, ceiling: float = 1.0, needed: float | None = None,
+                needed_note: str = "") -> RampStep | None:
+        """``needed`` (with ``needed_note``): the scale the run needs now in the schedule's terms
+        (:meth:`ScheduleBaseline.needed` x the ceiling), when known. Then a healthy report goes
+        straight to it (the incident that cut the scale already saw ``recover_reports`` healthy
+        reports; the cause is measured gone) instead of climbing geometrically."""
         degraded = measured is not None and (not math.isfinite(measured) or (
             base is not None and measured > self.degrade_ratio * base))
         if not healthy or degraded:
@@ -109,6 +197,13 @@ class LrRamp:
         if scale >= ceiling or self.held:
             return None
         self.last_good_scale = scale
+        if needed is not None:
+            target = min(ceiling, needed)
+            if not target > scale * (1.0 + self.min_increase) and target < ceiling:
+                return None
+            if target <= scale:
+                return None
+            return RampStep(target, f"lr_scale back to the schedule ({needed_note}): {scale:.4g} -> {target:.4g}")
         if self.healthy_in_a_row < self.stable_reports:
             return None
         if self.start_scale is None:

@@ -92,6 +92,24 @@ def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
+#: A schedule that rose more than this over its peak in one report interval jumped: no discount.
+_SCHEDULE_RISE_LIMIT = 2.0
+
+
+def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
+    """How far the scheduled LR rose over the rule's window (newest / median of the reports before
+    it; >= 1), for ``schedule_discount``; 1 when it did not rise, is not reported, or jumped."""
+    lr = w.latest("trainguard_scheduler_lr")
+    jump = w.latest("trainguard_scheduler_lr_ratio")
+    if lr is None or not lr > 0 or (jump is not None and not jump <= _SCHEDULE_RISE_LIMIT):
+        return 1.0
+    before = w.series("trainguard_scheduler_lr", rule.window + 1)[:-1]
+    before = before[np.isfinite(before) & (before > 0)]
+    if not len(before) or (jump is None and lr > _SCHEDULE_RISE_LIMIT * float(before.max())):
+        return 1.0  # (without the agent's envelope: above everything in the window is a jump)
+    return max(lr / median(before), 1.0)
+
+
 def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
@@ -121,7 +139,8 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
             return None
         up, down = latest / base, base / latest
         score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
-        if not score >= rule.ratio:
+        rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.ratio else 1.0
+        if not score / rise >= rule.ratio:
             return False
         extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
         summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
@@ -129,10 +148,14 @@ def _spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
         scale = max(scale, 1e-12 * max(abs(base), 1.0))
         z = (latest - base) / scale
         score = z if rule.direction == "up" else -z if rule.direction == "down" else abs(z)
-        if not score >= rule.z:
+        rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.z else 1.0
+        if not score / rise >= rule.z:
             return False
         extra = {"zscore": z, "scale": scale, "limit": rule.z}
         summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
+    if rise > 1.0:
+        extra["schedule_lr_rise"] = rise
+        summary += f", after the schedule's LR rose {rise:.3g}x (score divided by it)"
     values = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist), **extra}
     return Finding(rule, True, summary, values)
 

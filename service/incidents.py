@@ -47,7 +47,7 @@ from typing import Any
 
 from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
-from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
+from trainguard.service.adaptive_lr import LrRamp, ScheduleBaseline, baseline, corrected_scale
 from trainguard.service.cause import DATA_DIAGNOSES, HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
 from trainguard.service.engine import apply_actions
 from trainguard.service.rules import (
@@ -173,6 +173,9 @@ class RunRecovery:
         self._measured_scale: float | None = None
         self._lr: float | None = None
         self._healthy_lr: deque[float] = deque(maxlen=self.policy.baseline_reports)
+        #: The update per unit of LR and the schedule's envelope, healthy (``service/adaptive_lr.py``).
+        self.schedule = ScheduleBaseline(reports=self.policy.baseline_reports, tolerance=self.policy.degrade_ratio)
+        self._values: dict[str, float] = {}
         self._lr_peak: float | None = None
         """The highest scheduled LR of a healthy report (the schedule's range so far)."""
         self._verdict: Verdict | None = None
@@ -207,6 +210,10 @@ class RunRecovery:
         if policy != self.policy:
             self.policy = policy
             self._healthy_metric = deque(self._healthy_metric, maxlen=policy.baseline_reports)
+            kept = self.schedule
+            self.schedule = ScheduleBaseline(reports=policy.baseline_reports, tolerance=policy.degrade_ratio)
+            self.schedule.per_lr.extend(kept.per_lr)
+            self.schedule.envelope = kept.envelope
             self._healthy_lr = deque(self._healthy_lr, maxlen=policy.baseline_reports)
             self.ramp = self._new_ramp()
 
@@ -227,6 +234,7 @@ class RunRecovery:
             "healthy_metric": list(self._healthy_metric),
             "healthy_lr": list(self._healthy_lr),
             "ramp": self.ramp.copy(),
+            "schedule": self.schedule.copy(),
         }
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -246,6 +254,7 @@ class RunRecovery:
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
         self.ramp = saved["ramp"]
+        self.schedule = saved["schedule"]
 
     def restore_incidents(self, incidents: list[dict[str, Any]]) -> None:
         """Take back the incidents a controller recorded before it restarted (oldest first, as
@@ -286,6 +295,12 @@ class RunRecovery:
         return baseline(self._healthy_metric)
 
     def adaptive_scale(self, action: AdaptiveLrAction, current: float) -> tuple[float | None, str]:
+        if action.metric == self.policy.metric:
+            # In the schedule's terms when the agent reports them: the healthy update per unit of
+            # LR, with the schedule's LR within its envelope (a constant: the schedule keeps its shape).
+            needed, note = self.schedule.needed(self._values)
+            if needed is not None:
+                return min(max(needed * self.ceiling, action.min), action.max, current), note
         base, measured = self.baseline(), self._measured
         # The measurement was made at the scale the agent reported (several actions on one report
         # must not compound: each computes from that scale, and none raises the current one).
@@ -389,6 +404,7 @@ class RunRecovery:
         self._skipped_now = max(rose, int(spikes) if math.isfinite(spikes) else 0)
         v = values.get(self.policy.metric)
         self._measured = None if v is None else float(v)
+        self._values = values
         lr = values.get("trainguard_scheduler_lr")
         self._lr = float(lr) if lr is not None and math.isfinite(lr) and lr > 0 else None
         at = values.get("trainguard_lr_scale")
@@ -411,8 +427,9 @@ class RunRecovery:
         return True
 
     def degraded(self) -> bool:
-        """The metric of the last report is non-finite or above degrade_ratio x its baseline."""
-        base, measured = self.baseline(), self._measured
+        """The metric of the last report is non-finite or above degrade_ratio x its baseline (the
+        update per unit of LR, when the agent reports it: the schedule does not move that one)."""
+        base, measured = self._ramp_measure()
         return base is not None and measured is not None and (not math.isfinite(measured)
                                                               or measured > self.policy.degrade_ratio * base)
 
@@ -495,8 +512,11 @@ class RunRecovery:
                         desired = change.desired
             self.ramp.reset()
         elif p.enabled and not fired:
-            ramp = self.ramp.observe(step, healthy=healthy, measured=measured, base=self.baseline(),
-                                     scale=desired.lr_scale, ceiling=self.ceiling)
+            needed, note = self.schedule.needed(values)
+            base, now_measured = self._ramp_measure()
+            ramp = self.ramp.observe(step, healthy=healthy, measured=now_measured, base=base,
+                                     scale=desired.lr_scale, ceiling=self.ceiling,
+                                     needed=None if needed is None else needed * self.ceiling, needed_note=note)
             if ramp is not None:
                 new = desired.model_copy(update={"generation": desired.generation + 1, "reason": ramp.reason,
                                                  "lr_scale": min(max(ramp.scale, LR_SCALE_MIN), LR_SCALE_MAX)})
@@ -506,6 +526,7 @@ class RunRecovery:
         if healthy and self.open is None and desired.lr_scale == self.ceiling and not changes:
             if measured is not None and math.isfinite(measured) and measured > 0:
                 self._healthy_metric.append(measured)
+            self.schedule.add_healthy(values)
             if self._lr is not None:
                 self._healthy_lr.append(self._lr)
                 self._lr_peak = self._lr if self._lr_peak is None else max(self._lr_peak, self._lr)
@@ -597,6 +618,15 @@ class RunRecovery:
                               "recovery:ladder")
 
     # ------------------------------------------------------------------ internals
+
+    def _ramp_measure(self) -> tuple[float | None, float | None]:
+        """(baseline, measurement) the ramp and the incident judge the update by: per unit of LR
+        when the agent reports it and it has a healthy baseline, else the policy's metric."""
+        per_lr = self._values.get(ScheduleBaseline.PER_LR)
+        base = baseline(self.schedule.per_lr)
+        if per_lr is not None and base is not None:
+            return base, float(per_lr)
+        return self.baseline(), self._measured
 
     def _track_snapshots(self, values: dict[str, float], healthy: bool) -> None:
         confirm = self.policy.snapshot_confirm_reports

@@ -114,7 +114,7 @@ from trainer_agent.params import ParamIndex
 from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
-from trainer_agent.schedule import ReportSchedule
+from trainer_agent.schedule import ReportSchedule, ScheduledLr
 from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.step_stats import StepMeter
 
@@ -188,6 +188,8 @@ class Agent:
         self._step_row: torch.Tensor | None = None
         self._amp_skipped = 0
         self._published: dict[str, float] = {}
+        #: What the user's scheduler asked for at each step taken (read before lr_scale applies).
+        self.scheduled_lr = ScheduledLr()
         self.control: Any = None
         self._memory_trace: Any = None
         #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
@@ -315,6 +317,7 @@ class Agent:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "spike_guard": guard.state_dict() if guard is not None else None,
+            "scheduled_lr": self.scheduled_lr.state_dict(),
         }
 
     def _load_snapshot_extra(self, extra: dict[str, Any]) -> None:
@@ -326,6 +329,8 @@ class Agent:
         if guard is not None and extra["spike_guard"] is not None:
             guard.load_state_dict(extra["spike_guard"])
             guard.consecutive = 0  # the restored state is a healthy one
+        if extra.get("scheduled_lr") is not None:  # the schedule's envelope as it was before the fault
+            self.scheduled_lr.load_state_dict(extra["scheduled_lr"])
 
     def _spike_guard(self) -> Any:
         skip = getattr(self.control, "skip", None)
@@ -375,6 +380,10 @@ class Agent:
             replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))
         except Exception as exc:
             self._error("optimizer_closure", exc)
+        try:
+            self.scheduled_lr.observe(optimizer)  # before lr_scale multiplies it below
+        except Exception as exc:
+            self._error("scheduled_lr", exc)
         if self.control is not None:
             try:
                 self.control.before_optimizer_step()
@@ -494,7 +503,7 @@ class Agent:
         host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
                         micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=self.verifier.take() if self.verifier is not None else math.nan,
-                        gpu_xid=self._take_xid())
+                        gpu_xid=self._take_xid(), scheduled_lr=self.scheduled_lr.take())
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
         sketch = self._sketch() if self.reports.exchange.with_state else None
         agreed = self.reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
@@ -772,6 +781,7 @@ class Agent:
             state["control"] = self.control.state_dict()
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["scheduled_lr"] = self.scheduled_lr.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -794,6 +804,8 @@ class Agent:
             self.control.load_state_dict(state["control"])
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "scheduled_lr" in state:  # (older checkpoints lack it: the envelope starts afresh)
+            self.scheduled_lr.load_state_dict(state["scheduled_lr"])
 
     def close(self, timeout: float | None = None) -> None:
         """Publish the last report, remove the hooks, stop the control plane and the /metrics

@@ -304,10 +304,6 @@ class ControlPlane:
             "trainguard_lr_scale": self._lr_scale,
             "trainguard_applied_generation": float(self._generation),
         }
-        lrs = [g["lr"] for g in self._ctx.optimizer.param_groups]
-        if lrs and not any(isinstance(lr, torch.Tensor) and lr.device.type != "cpu" for lr in lrs):
-            # host floats (or CPU tensors): no device read. Outside the step hooks: the scheduler's LR.
-            out["trainguard_scheduler_lr"] = max(float(lr) for lr in lrs) if self.lr._saved is None else math.nan
         if self._accumulation is not None:
             out["trainguard_accumulation_steps"] = float(self._accumulation)
         if self.skip is not None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,8 @@ class HostStep:
     (``trainer_agent/verify.py``; NaN: none)."""
     gpu_xid: float = math.nan
     """Last critical XID code of this rank's GPU since the last report (0: none; NaN: not watched)."""
+    scheduled_lr: Mapping[str, float] = field(default_factory=dict)
+    """What the user's scheduler asked for in the interval (``ScheduledLr.take``: host floats)."""
 
 
 class InFlight:
@@ -282,6 +284,7 @@ class ReportPipeline:
             host["trainguard_verify_rel_diff"] = h.verify_mismatch
         if h.gpu_xid > 0:  # an XID error in this interval
             host["trainguard_gpu_last_xid"] = h.gpu_xid
+        host.update(h.scheduled_lr)
         host.update(stats.memory(self.device))
         return host
 
@@ -311,6 +314,9 @@ class ReportPipeline:
         if st.delta_sq is not None and st.before_sq is not None:
             delta = st.delta_sq.sum().sqrt()
             dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
+            applied = _largest_host_lr(st.lrs)
+            if applied is not None and applied > 0:  # per unit of the LR the step applied (host float)
+                dev["trainguard_update_ratio_per_lr"] = dev["trainguard_update_ratio"] / applied
             if st.grad_norm is not None:
                 dev["trainguard_effective_lr"] = delta / st.grad_norm
             if st.grad_stats is not None and st.lrs is not None:
@@ -452,6 +458,14 @@ class ReportPipeline:
             if on_published is not None:
                 on_published(published, self.rank_values)
         return published
+
+
+def _largest_host_lr(lrs: Sequence[float | torch.Tensor] | None) -> float | None:
+    """The largest of a step's LRs when all are host floats (None otherwise: no device read)."""
+    if not lrs or any(isinstance(lr, torch.Tensor) for lr in lrs):
+        return None
+    top = max(float(lr) for lr in lrs)
+    return top if math.isfinite(top) else None
 
 
 def _filler(like: torch.Tensor) -> Callable[[float], torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Which steps are report steps and which are agreement steps: decided here, and only here.
+"""Schedules: which steps are report steps and which are agreement steps (decided here, and only
+here), and what the user's LR schedule asked for at each step (:class:`ScheduledLr`).
 
 Every rank must take the same decision at the same step (the collectives of those steps pair up
 across ranks), so the decision depends on the step number and the configuration only.
@@ -6,9 +7,13 @@ across ranks), so the decision depends on the step number and the configuration 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ReportSchedule"]
+import torch
+
+__all__ = ["ReportSchedule", "ScheduledLr"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +33,87 @@ class ReportSchedule:
         """Step ``step`` ends with an agreement of the ranks on the controller's desired state:
         inside the report collective on report steps, a broadcast of the state otherwise."""
         return self.is_report(step) or step % self.sync_every == 0
+
+
+class ScheduledLr:
+    """What the user's LR scheduler asked for, step by step: the largest LR of the optimizer's
+    param groups, read in the optimizer's pre-hook *before* the control plane multiplies it by
+    ``lr_scale`` (so it is the schedule's own value, whatever the controller does), for each step
+    the optimizer takes. Host floats only: a group whose LR lives in a device tensor (a
+    ``capturable`` optimizer) makes the step unobserved rather than cost a device read.
+
+    :meth:`take` gives a report's values and starts the next interval:
+
+    - ``trainguard_scheduler_lr``: the scheduled LR of the last step taken (the step whose
+      update ratio the report carries);
+    - ``trainguard_scheduler_lr_max``: the largest scheduled LR of the interval's steps (a jump of
+      a few steps between two reports is not missed);
+    - ``trainguard_scheduler_lr_peak``: the largest scheduled LR of all the steps before the
+      interval, and ``trainguard_scheduler_lr_ratio`` = max / peak: how far the schedule went
+      above every LR the run had trained at. A warm-up climbs by at most ~2x per report interval
+      after its first, a restart (cosine with warm restarts, a re-warm after resume) goes back to
+      the peak, decays go below it; a schedule that jumps 1000x goes 1000x above it. Both are left
+      out until ``min_steps`` steps were taken before the interval (the first steps of a warm-up
+      from ~0 multiply the LR many times over).
+
+    The peak and the step count are part of the agent's ``state_dict`` (a resumed run keeps its
+    envelope)."""
+
+    def __init__(self, *, min_steps: int = 8) -> None:
+        if type(min_steps) is not int or min_steps < 1:
+            raise ValueError(f"min_steps must be an int >= 1, got {min_steps!r}")
+        self.min_steps = min_steps
+        self.last: float | None = None
+        self.interval_max: float | None = None
+        self.peak: float | None = None
+        self.steps = 0
+        """Steps observed (before the current interval: :attr:`steps_before`)."""
+        self.steps_before = 0
+
+    def observe(self, optimizer: Any) -> None:
+        """Optimizer pre-hook, before ``lr_scale`` is applied: record the step's scheduled LR."""
+        lr = -math.inf
+        for group in optimizer.param_groups:
+            v = group["lr"]
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cpu":
+                    return  # on the device: no read here
+                v = v.item()  # a CPU tensor: host memory, no device sync
+            lr = max(lr, float(v))
+        if not math.isfinite(lr):
+            return  # no groups, or a non-finite LR: nothing the envelope can use
+        self.last = lr
+        self.interval_max = lr if self.interval_max is None else max(self.interval_max, lr)
+        self.steps += 1
+
+    def take(self) -> dict[str, float]:
+        """The report's values (see the class docstring); the interval starts afresh."""
+        out: dict[str, float] = {}
+        if self.last is None:
+            return out
+        out["trainguard_scheduler_lr"] = self.last
+        if self.interval_max is None:  # no step taken in this interval
+            return out
+        out["trainguard_scheduler_lr_max"] = self.interval_max
+        if self.peak is not None and self.peak > 0 and self.steps_before >= self.min_steps:
+            out["trainguard_scheduler_lr_peak"] = self.peak
+            out["trainguard_scheduler_lr_ratio"] = self.interval_max / self.peak
+        self.peak = self.interval_max if self.peak is None else max(self.peak, self.interval_max)
+        self.interval_max = None
+        self.steps_before = self.steps
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"peak": self.peak, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            peak = state["peak"]
+            peak = None if peak is None else float(peak)
+            steps = int(state["steps"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed scheduled-LR state: {exc!r}") from None
+        if peak is not None and not (math.isfinite(peak) and peak >= 0) or steps < 0:
+            raise ValueError(f"malformed scheduled-LR state: peak {peak!r}, steps {steps!r}")
+        self.peak, self.steps, self.steps_before = peak, steps, steps
+        self.interval_max = None

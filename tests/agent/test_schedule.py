@@ -1,8 +1,12 @@
-"""ReportSchedule: the one place that decides report and agreement steps."""
+"""ReportSchedule: the one place that decides report and agreement steps; ScheduledLr: what the
+user's LR schedule asked for at each step."""
 
 from __future__ import annotations
 
-from trainer_agent.schedule import ReportSchedule
+import pytest
+import torch
+
+from trainer_agent.schedule import ReportSchedule, ScheduledLr
 
 
 def test_report_steps_are_the_multiples_of_report_every() -> None:
@@ -14,3 +18,59 @@ def test_agreement_steps_are_report_steps_and_multiples_of_sync_every() -> None:
     s = ReportSchedule(report_every=4, sync_every=3)
     assert [k for k in range(1, 13) if s.agrees(k)] == [3, 4, 6, 8, 9, 12]
     assert all(ReportSchedule(report_every=1).is_report(k) for k in range(1, 5))
+
+
+def _opt(lrs: list[float]) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in lrs]
+    return torch.optim.SGD([{"params": [p], "lr": lr} for p, lr in zip(params, lrs)])
+
+
+def test_scheduled_lr_reports_last_interval_max_and_the_envelope_before_the_interval() -> None:
+    s = ScheduledLr(min_steps=2)
+    opt = _opt([1e-3, 2e-3])
+    for lr in (1e-3, 2e-3):  # two steps: the largest group's LR each time
+        opt.param_groups[1]["lr"] = lr
+        s.observe(opt)
+    assert s.take() == {"trainguard_scheduler_lr": 2e-3, "trainguard_scheduler_lr_max": 2e-3}  # no envelope yet
+    for lr in (5e-2, 1e-3):  # a jump inside the interval, then back: the max keeps it
+        opt.param_groups[1]["lr"] = lr
+        s.observe(opt)
+    assert s.take() == {"trainguard_scheduler_lr": 1e-3, "trainguard_scheduler_lr_max": 5e-2,
+                        "trainguard_scheduler_lr_peak": 2e-3, "trainguard_scheduler_lr_ratio": pytest.approx(25.0)}
+    assert s.take() == {"trainguard_scheduler_lr": 1e-3}  # no step taken since: no max, no ratio
+    restored = ScheduledLr(min_steps=2)
+    restored.load_state_dict(s.state_dict())
+    restored.observe(_opt([5e-2]))  # a restart back to the peak after a resume
+    assert restored.take()["trainguard_scheduler_lr_ratio"] == 1.0
+    with pytest.raises(ValueError, match="malformed scheduled-LR state"):
+        restored.load_state_dict({"peak": -1.0, "steps": 3})
+    with pytest.raises(ValueError, match="malformed scheduled-LR state"):
+        restored.load_state_dict({"steps": 3})
+
+
+def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:
+    # The agent's report of each step: the scheduled LR of that step (not the next one, which the
+    # scheduler has set by end_step), unchanged by lr_scale, and the update per unit of applied LR.
+    import trainer_agent as ta
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 + k)
+    agent = ta.attach(model, opt, job="j", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    agent.control._lr_scale = 0.5  # as a desired state from the controller would set it
+    seen = []
+    for k in range(10):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(1.0)
+        seen.append(agent.latest())
+    agent.close(1.0)
+    assert [v["trainguard_scheduler_lr"] for v in seen] == pytest.approx([1e-3 * (1 + k) for k in range(10)])
+    v = seen[-1]
+    assert v["trainguard_update_ratio_per_lr"] == pytest.approx(v["trainguard_update_ratio"] / (0.5 * 1e-2))
+    assert v["trainguard_scheduler_lr_peak"] == pytest.approx(9e-3)
+    assert v["trainguard_scheduler_lr_ratio"] == pytest.approx(10 / 9)
+    assert agent.state_dict()["scheduled_lr"] == {"peak": pytest.approx(1e-2), "steps": 10}

@@ -22,6 +22,20 @@ from trainguard.service.rules import AdaptiveLrAction, RecoveryPolicy, default_r
 BASE = 1e-3
 EVERY = 10
 RULES = load_rules(default_rules_text())
+LR0 = 2e-3
+
+
+def agent_lr_values(update_ratio: float, mults: list[float], scale: float) -> dict[str, float]:
+    """What the agent reports besides the update ratio (``trainer_agent/schedule.py``): the user's
+    schedule set LR0 x ``mults[-1]`` for the report's steps (``mults``: every report's multiplier
+    so far), the step applied it x ``scale``."""
+    mult = mults[-1]
+    out = {"trainguard_update_ratio": update_ratio, "trainguard_update_ratio_per_lr": update_ratio / (LR0 * mult * scale),
+           "trainguard_scheduler_lr": LR0 * mult, "trainguard_scheduler_lr_max": LR0 * mult}
+    if len(mults) > 1:
+        out["trainguard_scheduler_lr_peak"] = LR0 * max(mults[:-1])
+        out["trainguard_scheduler_lr_ratio"] = mult / max(mults[:-1])
+    return out
 
 
 def _loop(lr_mult, n: int, *, policy: RecoveryPolicy | None = None, loss=lambda i: 2.0, snapshot_every: int | None = None,
@@ -30,10 +44,12 @@ def _loop(lr_mult, n: int, *, policy: RecoveryPolicy | None = None, loss=lambda 
     policy = policy or RULES.file.recovery
     reports: list[Report] = []
     steps = []
+    mults: list[float] = []
     for i in range(n):
         scale = steps[-1].desired.lr_scale if steps else 1.0
         step = (i + 1) * EVERY
-        values = {"trainguard_update_ratio": BASE * lr_mult(step) * scale * (1 + 0.05 * rng.random()),
+        mults.append(lr_mult(step))
+        values = {**agent_lr_values(BASE * lr_mult(step) * scale * (1 + 0.05 * rng.random()), mults, scale),
                   "trainguard_lr_scale": scale, "trainguard_loss": loss(i),
                   "trainguard_grad_norm_max": 1.0 + 0.05 * rng.random(), "trainguard_grad_norm": 1.0}
         if snapshot_every is not None:
@@ -81,12 +97,17 @@ def test_persistent_lr_blowup_ends_at_a_scale_that_trains(mult: int) -> None:
 
 
 def test_transient_burst_ends_back_at_one() -> None:
+    # The user's schedule x10 for 30 steps: cut to 1/10 at once (one factor on the schedule); once the
+    # schedule is back inside its envelope and the incident recovered, straight back to 1.0 - not
+    # a climb over ramp_steps.
     policy = RULES.file.recovery.model_copy(update={"ramp_steps": 200})
     steps = _loop(lambda s: 10.0 if 300 < s <= 330 else 1.0, 80, policy=policy)
     assert min(s.desired.lr_scale for s in steps) == pytest.approx(0.1, rel=0.1)
     assert steps[-1].desired.lr_scale == 1.0
-    ramps = [d for s in steps for d in s.recovery if "ramp" in d.reason]
-    assert len(ramps) >= 5  # it climbed back step by step
+    back = next(s for s in steps if s.step_last > 330 and s.desired.lr_scale == 1.0)
+    # the incident needs recover_reports healthy reports after the burst, then one change
+    assert back.step_last - 330 <= (policy.recover_reports + 1) * EVERY
+    assert [d.lr_scale for s in steps for d in s.recovery if "back to the schedule" in d.reason] == [1.0]
 
 
 def test_nan_loss_rolls_back_to_the_newest_good_snapshot() -> None:
@@ -114,7 +135,8 @@ def test_ladder_escalates_from_adaptive_lr_to_rollback_to_pause() -> None:
     for i in range(40):
         step = (i + 1) * EVERY
         ratio = BASE * (30.0 if step > 200 else 1.0)  # not scaled: the LR does not explain it
-        values = {"trainguard_update_ratio": ratio, "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0,
+        scale = steps[-1].desired.lr_scale if steps else 1.0
+        values = {**agent_lr_values(ratio, [1.0] * (i + 1), scale), "trainguard_lr_scale": scale,
                   "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step - step % 50)}
         reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
         steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
@@ -162,11 +184,12 @@ def test_the_ramp_climbs_back_to_the_operators_scale_never_above() -> None:
     op = DesiredState(lr_scale=0.5)
 
     def run(mult):
-        reports, steps = [], []
+        reports, steps, mults = [], [], []
         for i in range(80):
             scale = steps[-1].desired.lr_scale if steps else 0.5
             step = (i + 1) * EVERY
-            values = {"trainguard_update_ratio": BASE * mult(step) * scale, "trainguard_lr_scale": scale,
+            mults.append(mult(step))
+            values = {**agent_lr_values(BASE * mult(step) * scale, mults, scale), "trainguard_lr_scale": scale,
                       "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_grad_norm": 1.0}
             reports.append(Report(job="j", step_first=step - EVERY + 1, step_last=step, time=float(i), values=values))
             steps = simulate(RULES.base, reports, world_size=1, policy=policy, desired=op)
@@ -185,8 +208,8 @@ def test_a_rung_gets_window_steps_when_the_run_reports_every_step() -> None:
     policy = RULES.file.recovery
     reports, steps = [], []
     for step in range(1, 140):
-        values = {"trainguard_update_ratio": BASE * (30.0 if step > 60 else 1.0), "trainguard_loss": 2.0,
-                  "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0, "trainguard_grad_norm_max": 1.0}
+        values = {**agent_lr_values(BASE * (30.0 if step > 60 else 1.0), [1.0] * step, 1.0), "trainguard_loss": 2.0,
+                  "trainguard_lr_scale": 1.0, "trainguard_grad_norm_max": 1.0}
         reports.append(Report(job="j", step_first=step, step_last=step, time=float(step), values=values))
     steps = simulate(RULES.base, reports, world_size=1, policy=policy)
     rungs = [(s.step_last, d) for s in steps for d in s.recovery]
@@ -203,9 +226,9 @@ def test_a_long_incident_still_has_a_snapshot_from_before_its_onset() -> None:
     steps = []
     for i in range(40):
         step = (i + 1) * EVERY
-        values = {"trainguard_update_ratio": BASE * (30.0 if step > 200 else 1.0), "trainguard_loss": 2.0,
-                  "trainguard_lr_scale": steps[-1].desired.lr_scale if steps else 1.0,
-                  "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step)}
+        scale = steps[-1].desired.lr_scale if steps else 1.0
+        values = {**agent_lr_values(BASE * (30.0 if step > 200 else 1.0), [1.0] * (i + 1), scale), "trainguard_loss": 2.0,
+                  "trainguard_lr_scale": scale, "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step)}
         reports.append(Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values))
         steps = simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_every=10, snapshot_keep=4)
     rollback = next(s.desired for s in steps if s.desired.rollback_seq > 0)
@@ -222,9 +245,12 @@ def test_the_controller_takes_an_operators_scale_as_the_ramps_ceiling(app_factor
 
     now = [1_000.0]
 
+    mults: list[float] = []
+
     def report(c, step: int, mult: float) -> float:
         scale = c.get("/v1/runs/run-1/desired").json()["lr_scale"]
-        values = {"trainguard_update_ratio": BASE * mult * scale, "trainguard_lr_scale": scale,
+        mults.append(mult)
+        values = {**agent_lr_values(BASE * mult * scale, mults, scale), "trainguard_lr_scale": scale,
                   "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_grad_norm": 1.0}
         body = Report(job="job-a", step_first=step - EVERY + 1, step_last=step, time=now[0], values=values)
         assert c.post("/v1/runs/run-1/reports", content=body.model_dump_json()).status_code == 200
@@ -251,11 +277,13 @@ def test_an_undone_report_leaves_the_recovery_state_as_it_was() -> None:
     rec = RunRecovery(RULES.file.recovery, snapshot_every=10, snapshot_keep=4)
     window = RunWindow(capacity=128, rank_capacity=8, world_size=1, created=0.0)
     book, desired = AlertBook(), DesiredState()
+    mults = [1.0] * 20 + [30.0] * 20
 
     def feed(i: int, mult: float) -> None:
         nonlocal desired
         step = (i + 1) * EVERY
-        values = {"trainguard_update_ratio": BASE * mult * desired.lr_scale, "trainguard_lr_scale": desired.lr_scale,
+        values = {**agent_lr_values(BASE * mult * desired.lr_scale, mults[:i + 1], desired.lr_scale),
+                  "trainguard_lr_scale": desired.lr_scale,
                   "trainguard_loss": 2.0, "trainguard_grad_norm_max": 1.0, "trainguard_snapshot_step": float(step)}
         report = Report(job="j", step_first=step - 9, step_last=step, time=float(i), values=values)
         window.append(report, report.time)
@@ -301,7 +329,9 @@ def test_a_new_policy_resizes_both_healthy_baselines() -> None:
                                 fired=[], now=float(i)) == []
     rec.set_policy(RULES.file.recovery.model_copy(update={"baseline_reports": 4}))
     assert rec.baseline() == 4e-3
-    # a report with no update ratio: the LR fallback measures the schedule's LR against its own baseline
+    assert baseline(rec._healthy_lr) == 4e-3 and rec.schedule.per_lr.maxlen == 4
+    # a report with no update ratio: the schedule's LR against the highest it set while healthy
     rec.before_decide({"trainguard_loss": 2.0, "trainguard_scheduler_lr": 8e-3, "trainguard_lr_scale": 1.0})
     scale, note = rec.adaptive_scale(AdaptiveLrAction(), 1.0)
-    assert scale == pytest.approx(4e-3 / 8e-3) and note == "the schedule's LR 0.008 vs its healthy level 0.004"
+    assert scale == pytest.approx(4e-3 / 8e-3)
+    assert note == "the schedule's LR 0.008 is 2x the highest it set while healthy (0.004)"

@@ -1,0 +1,128 @@
+"""The built-in rules on the reports of healthy runs whose LR follows a real schedule: no finding of
+a rule that acts, no incident, no change of the run's desired state, no step skipped by the agent.
+And the LR faults of the user's own schedule still found and corrected.
+
+Each sequence is made here: a small byte-level GPT trained on CPU with AdamW, the real PyTorch or
+Hugging Face scheduler, the agent attached (without a controller: its reports are read with
+``Agent.latest()`` after every step, ``report_every=1``, the spike guard on), and the reports
+replayed through the default rules with the controller's recovery logic (``engine.simulate``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import trainer_agent as ta
+from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+from trainguard.protocol.wire import Report
+from trainguard.service.engine import simulate
+from trainguard.service.rules import default_rules_text, load_rules
+
+transformers_optimization = pytest.importorskip("transformers.optimization")
+
+RULES = load_rules(default_rules_text())
+LR = 2e-3
+STEPS = 240
+CORPUS = ByteCorpus(stdlib_source_bytes(1 << 18), seq_len=32, batch_size=8)
+S = torch.optim.lr_scheduler
+
+
+def _warm_restarts(opt: torch.optim.Optimizer, steps: int) -> Any:
+    # The issue's case: a 20-step linear warm-up, then cosine with warm restarts every 60 steps.
+    return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.05, total_iters=20),
+                                S.CosineAnnealingWarmRestarts(opt, T_0=60, eta_min=1e-5)], milestones=[20])
+
+
+def _wsd(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return transformers_optimization.get_wsd_schedule(opt, num_warmup_steps=20, num_decay_steps=steps // 5,
+                                                      num_stable_steps=steps - 20 - steps // 5)
+
+
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int], Any]] = {
+    "linear_warmup": lambda opt, steps: S.LinearLR(opt, start_factor=1e-3, total_iters=50),
+    "cosine": lambda opt, steps: transformers_optimization.get_cosine_schedule_with_warmup(opt, 20, steps),
+    "warm_restarts": _warm_restarts,
+    "hf_cosine_with_restarts": lambda opt, steps: transformers_optimization.get_scheduler(
+        "cosine_with_restarts", opt, num_warmup_steps=10, num_training_steps=steps,
+        scheduler_specific_kwargs={"num_cycles": 3}),
+    "onecycle": lambda opt, steps: S.OneCycleLR(opt, max_lr=LR, total_steps=steps),
+    "wsd": _wsd,
+    "step_decay": lambda opt, steps: S.StepLR(opt, step_size=60, gamma=0.3),
+}
+
+
+def _train(schedule: Callable[[torch.optim.Optimizer, int], Any], steps: int, *, seed: int = 0,
+           state: dict[str, Any] | None = None, first_step: int = 0) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """The agent's report after every step of a run, and the run's state at its end."""
+    torch.manual_seed(seed)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"] = LR  # the resumed run builds its own schedule afresh
+    sched = schedule(opt, steps)
+    agent = ta.attach(model, opt, job="schedules", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    if state is not None:  # the agent's counters and the schedule's envelope; the new schedule starts afresh
+        agent.load_state_dict({k: v for k, v in state["agent"].items() if k != "lr_scheduler"})
+    rows = []
+    for k in range(steps):
+        ids, mask = CORPUS.batch(first_step + k + seed * 100_000, 0)
+        loss = next_byte_loss(model, ids, mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(loss.detach())
+        rows.append(agent.latest())
+    end = {"model": model.state_dict(), "optimizer": opt.state_dict(), "agent": agent.state_dict()}
+    agent.close(1.0)
+    return rows, end
+
+
+def _replay(rows: list[dict[str, float]]) -> list[Any]:
+    reports = [Report(job="schedules", step_first=int(v["trainguard_step"]), step_last=int(v["trainguard_step"]),
+                      time=float(i), values={k: x for k, x in v.items() if "{" not in k})
+               for i, v in enumerate(rows)]
+    return simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
+
+
+def _acting(steps: list[Any]) -> list[str]:
+    """Findings of rules that act or that make a report unhealthy, as ``step rule: summary``."""
+    health = set(RULES.file.recovery.health_rules)
+    return [f"{s.step_last} {f.finding.rule.name}: {f.finding.summary}" for s in steps for f in s.fired
+            if f.finding.rule.name in health or any(a.type != "notify" for a in f.finding.rule.actions)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
+    rows, _ = _train(SCHEDULES[name], STEPS)
+    lrs = [v["trainguard_scheduler_lr"] for v in rows]
+    # the sequences are what they say: the LR the schedule set rises and falls as planned
+    assert max(lrs) == pytest.approx(LR, rel=0.02)
+    if name in ("warm_restarts", "hf_cosine_with_restarts"):
+        assert sum(1 for a, b in zip(lrs, lrs[1:]) if b > 20 * a) >= 2  # at least two restarts, each a >20x jump
+    steps = _replay(rows)
+    assert _acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+    assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)  # the spike guard skipped nothing
+
+
+def test_a_rewarm_after_resume_draws_no_finding_and_no_action() -> None:
+    # 120 steps of cosine decay, then the run resumes from its checkpoint (model, optimizer and the
+    # agent's state) and its new schedule warms up again from 1 % of the LR.
+    first, state = _train(SCHEDULES["cosine"], 120)
+    rewarm = lambda opt, steps: S.LambdaLR(opt, lambda k: min(1.0, 0.01 + k / 30))  # noqa: E731
+    second, _ = _train(rewarm, 120, state=state, first_step=120)
+    assert second[0]["trainguard_step"] == 121.0
+    assert second[0]["trainguard_scheduler_lr"] < 0.05 * first[60]["trainguard_scheduler_lr"]
+    steps = _replay(first + second)
+    assert _acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
