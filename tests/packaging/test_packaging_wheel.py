@@ -2,7 +2,7 @@
 in it, under the import name pyproject's package-dir gives it, with the data files the code reads.
 
 The wheel is built from a copy of the files the Dockerfile copies (so nothing is written into the
-checkout), with pip and the environment's setuptools (no download).
+checkout), by pip in an isolated build environment (the build backend pyproject.toml requires).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def build_wheel(source_root: Path, out: Path) -> Path:
             shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, work / name)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    # An isolated build, as a user's pip runs it: the build backend pyproject names, from the index.
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                            "-w", str(out / "dist"), str(work)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = (out / "dist").glob("trainguard-*.whl")
