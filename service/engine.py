@@ -221,7 +221,7 @@ def command_state(
         if not (desired.paused or desired.stop):
             return None
         return desired.model_copy(update={"generation": desired.generation + 1, "paused": False, "stop": False,
-                                          "reason": _reason(reason)})
+                                          "stop_exit_code": 0, "reason": _reason(reason)})
     if command == "lr_scale":
         if (scale is None) == (factor is None):
             raise ValueError("lr_scale needs exactly one of a scale or a factor")

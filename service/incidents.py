@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.protocol.retention import retained
-from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
+from trainguard.protocol.wire import EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
 from trainguard.service.adaptive_lr import LrRamp, ScheduleBaseline, baseline, corrected_scale
 from trainguard.service.cause import DATA_DIAGNOSES, HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
 from trainguard.service.engine import apply_actions
@@ -59,8 +59,8 @@ __all__ = ["Incident", "RunRecovery", "RecoveryChange", "continue_ids_after", "r
 _ids = itertools.count(1)
 #: The LR factor of the troubleshooting experiment (the guide: lower the LR 10x and watch).
 _EXPERIMENT_LR_FACTOR = 0.1
-#: The reason a hardware incident's ``stop`` rung gives; the agent maps it to
-#: ``trainer_agent.EXIT_HARDWARE_FAULT`` (a launcher restarts the job without the named node).
+#: The reason a hardware incident's ``stop`` rung gives; the stop carries
+#: ``EXIT_HARDWARE_FAULT`` (``Agent.exit_code``: a launcher restarts the job without the named node).
 HARDWARE_STOP_REASON = "stopped for a restart without the suspect node"
 
 
@@ -731,7 +731,9 @@ class RunRecovery:
         if rung == "checkpoint":
             return apply_actions(d, (CheckpointAction(),), f"{why}: checkpoint{self._where()}", self)
         if rung == "stop":
-            return apply_actions(d, (StopAction(),), f"{why}: {HARDWARE_STOP_REASON}{self._where()}", self)
+            new = apply_actions(d, (StopAction(),), f"{why}: {HARDWARE_STOP_REASON}{self._where()}", self)
+            code = EXIT_HARDWARE_FAULT if inc is not None and inc.cause == "hardware" else 0
+            return None if new is None else new.model_copy(update={"stop_exit_code": code})
         if rung == "data_skip":
             until = max(d.data_skip_until, step + self.policy.data_skip_steps)
             return d.model_copy(update={"generation": d.generation + 1, "data_skip_until": until,

@@ -49,6 +49,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         rollback_step=row["rollback_step"], reason=row["reason"],
         accumulation_steps=row["accumulation_steps"], accumulation_lr_rule=row["accumulation_lr_rule"],
         memory_trace_seq=row["memory_trace_seq"], verify_seq=row["verify_seq"], data_skip_until=row["data_skip_until"],
+        stop_exit_code=row["stop_exit_code"],
     )
     window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
                        world_size=row["world_size"], created=row["registered_at"])

@@ -227,6 +227,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN data_skip_until INTEGER NOT NULL DEFAULT 0;
     """,
+    # 9: the exit status a stopped run's processes should end with (a hardware fault's stop).
+    """
+    ALTER TABLE runs ADD COLUMN stop_exit_code INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:

@@ -150,6 +150,10 @@ def _incident_text(incident: dict[str, Any], run: str, job: str) -> tuple[str, l
             f"({incident['trigger']})")
     if incident["closed_step"] is not None:
         head += f", closed at step {incident['closed_step']}"
+    verdict = incident.get("verdict") or {}
+    head += f"; cause {incident.get('cause', 'unknown')}: {verdict.get('summary', '')}"
+    if verdict.get("hosts"):
+        head += " (" + ", ".join(f"rank {r} on {h}" for r, h in zip(verdict.get("ranks", []), verdict["hosts"])) + ")"
     rungs = [f"step {r['step']}: {r['rung']} by {r['actor']}: {r['reason']}" for r in incident["rungs"]]
     return head, rungs
 
@@ -162,8 +166,11 @@ def render_incident(format: str, incident: dict[str, Any], *, run: str, job: str
     ``incident``; labels ``job``, ``run``, ``severity``, ``incident`` (its id); firing while open
     or escalated, resolved once recovered), and beside it ``kind`` (``"incident"``), ``update``
     (what this message reports: ``opened``, ``rung``, ``recovered``, ``escalated``), ``run``,
-    ``job``, ``incident`` (onset, rungs, outcome: as ``GET /v1/runs/{run}/incidents`` lists it) and
-    ``link`` (the run's page in the console; a path when no external URL is configured).
+    ``job``, ``incident`` (onset, rungs, outcome, and the ``cause`` with its ``verdict``: as ``GET
+    /v1/runs/{run}/incidents`` lists it), ``cause``, ``hosts`` (a hardware fault's suspect hosts, so
+    an orchestrator can leave them out of the restart; else empty) and ``link`` (the run's page in
+    the console; a path when no external URL is configured). The alert's labels add ``cause``, its
+    annotations ``evidence`` (one line per piece of evidence) and ``hosts``.
     ``slack`` format: ``{"text": ...}`` with the summary, each rung and the link."""
     base = external_url.rstrip("/")
     link = f"{base}/ui/runs/{run}"
@@ -175,8 +182,13 @@ def render_incident(format: str, incident: dict[str, Any], *, run: str, job: str
     else:
         severity = INCIDENT_SEVERITY[incident["outcome"]]
         status = "resolved" if incident["outcome"] == "recovered" else "firing"
-        labels = {"alertname": "incident", "job": job, "run": run, "severity": severity, "incident": str(incident["id"])}
-        annotations = {"summary": head, "description": "\n".join(rungs), "update": update}
+        verdict = incident.get("verdict") or {}
+        cause = incident.get("cause", "unknown")
+        labels = {"alertname": "incident", "job": job, "run": run, "severity": severity, "incident": str(incident["id"]),
+                  "cause": cause}
+        evidence = [f"{e['points_to']}: {e['signal']}: {e['detail']}" for e in verdict.get("evidence", [])]
+        annotations = {"summary": head, "description": "\n".join(rungs), "update": update,
+                       "evidence": "\n".join(evidence), "hosts": ",".join(verdict.get("hosts", []))}
         am_alert = {
             "status": status, "labels": labels, "annotations": annotations,
             "startsAt": rfc3339(incident["onset_time"]),
@@ -190,6 +202,7 @@ def render_incident(format: str, incident: dict[str, Any], *, run: str, job: str
             "status": status, "receiver": "trainguard", "groupLabels": group, "commonLabels": labels,
             "commonAnnotations": annotations, "externalURL": base, "alerts": [am_alert],
             "kind": "incident", "update": update, "run": run, "job": job, "incident": incident, "link": link,
+            "cause": cause, "hosts": list(verdict.get("hosts", [])),
         }
     return json.dumps(_jsonable(payload), separators=(",", ":")).encode()
 

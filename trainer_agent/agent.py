@@ -766,6 +766,17 @@ class Agent:
             self._error("control_should_stop", exc)
             return False
 
+    @property
+    def exit_code(self) -> int:
+        """The exit status the training script should end with once :attr:`should_stop`: 0, or
+        ``EXIT_HARDWARE_FAULT`` (75) when the controller stopped the run because a node is faulty,
+        so that torchrun, SLURM or Kubernetes restart it without that node (``sys.exit(agent.exit_code)``)."""
+        try:
+            return int(self.control.exit_code) if self.control is not None else 0
+        except Exception as exc:
+            self._error("control_should_stop", exc)
+            return 0
+
     def state_dict(self) -> dict[str, Any]:
         """The agent's counters and control state, for the training checkpoint; with an
         ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the

@@ -221,6 +221,7 @@ class ControlPlane:
         self._rollback_step = 0
         self._diagnostic_seqs = {"memory_trace": 0, "verify": 0}  # the last request of each served
         self._data_skip_until = 0  # every rank skips the optimizer steps up to this one (data fault)
+        self._exit_code = 0  # with a stop: the exit status the processes should end with
         self._pause_episodes = 0
         #: The run's own accumulation steps (None: the run did not opt in to the command).
         self.own_accumulation: int | None = ctx.accumulation_steps
@@ -267,6 +268,12 @@ class ControlPlane:
     @property
     def lr_scale(self) -> float:
         return self._lr_scale
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status the controller's stop asked for (``EXIT_HARDWARE_FAULT``: restart without
+        the faulty node), 0 without a stop."""
+        return self._exit_code if self._stop else 0
 
     @property
     def data_skip_until(self) -> int:
@@ -392,6 +399,8 @@ class ControlPlane:
         exc = sys.exc_info()[1]  # set when close() runs in an except/finally block of a failing loop
         if exc is not None:
             return f"error: {type(exc).__name__}"[:200]
+        if self._stop and self._exit_code:
+            return f"stopped (exit status {self._exit_code}: restart without the faulty node)"
         return "stopped" if self._stop else "completed"
 
     # ------------------------------------------------------------------ the agent's calls
@@ -422,7 +431,8 @@ class ControlPlane:
                                          accumulation_steps=steps, accumulation_lr_rule=rule,
                                          memory_trace_seq=self._diagnostic_seqs["memory_trace"],
                                          verify_seq=self._diagnostic_seqs["verify"],
-                                         data_skip_until=self._data_skip_until))
+                                         data_skip_until=self._data_skip_until,
+                                         stop_exit_code=self._exit_code if self._stop else 0))
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -597,6 +607,7 @@ class ControlPlane:
                 self._on_error("on_checkpoint", exc)
         if stopping:
             self._stop = True
+            self._exit_code = state.stop_exit_code
         self._diagnose(state, step)
         self.history.append(
             Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
@@ -667,7 +678,13 @@ class ControlPlane:
                     return
             i += 1
             self._set(new, step)
-        log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
+        # The wait ends on a resume, a stop sent while paused, or the agent closing: say which.
+        if self._stop:
+            log.warning("trainguard: rank %d stopped while paused at step %d (generation %d)", self.rank, step, self._generation)
+        elif self._closed:
+            log.warning("trainguard: rank %d stopped waiting at step %d: the agent closed while paused", self.rank, step)
+        else:
+            log.warning("trainguard: rank %d resumed at step %d (generation %d)", self.rank, step, self._generation)
 
     def _next_leader_state(self) -> DesiredState | None:
         """The controller's next generation, or None after a short wait without one."""

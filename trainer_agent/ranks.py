@@ -69,8 +69,8 @@ WIRE_VECTORS: dict[str, str] = {
     "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: 0 without an XID error in the interval, NaN without NVML
 }
 
-STATE_LEN = 12  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
-#               rollback_seq, rollback_step, memory_trace_seq, verify_seq, data_skip_until
+STATE_LEN = 13  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
+#               rollback_seq, rollback_step, memory_trace_seq, verify_seq, data_skip_until, stop_exit_code
 LR_RULES = ("none", "sqrt", "linear")
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 
@@ -87,7 +87,7 @@ def encode_state(d: DesiredState) -> list[int]:
     """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
     return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
             d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.rollback_seq, d.rollback_step,
-            d.memory_trace_seq, d.verify_seq, d.data_skip_until]
+            d.memory_trace_seq, d.verify_seq, d.data_skip_until, d.stop_exit_code]
 
 
 def decode_state(v: Sequence[int]) -> DesiredState:
@@ -97,7 +97,8 @@ def decode_state(v: Sequence[int]) -> DesiredState:
     return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
                         checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
                         accumulation_lr_rule=LR_RULES[int(v[6])], rollback_seq=int(v[7]), rollback_step=int(v[8]),
-                        memory_trace_seq=int(v[9]), verify_seq=int(v[10]), data_skip_until=int(v[11]))
+                        memory_trace_seq=int(v[9]), verify_seq=int(v[10]), data_skip_until=int(v[11]),
+                        stop_exit_code=int(v[12]))
 
 
 class RankExchange:

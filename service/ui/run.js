@@ -324,16 +324,31 @@ export class RunPage {
     }
   }
 
-  // An incident of the automatic recovery: its onset, each rung of the escalation ladder taken (step,
-  // by whom, why) and its outcome.
+  // An incident of the automatic recovery: its onset, its cause with the evidence it was decided on,
+  // each rung of the escalation ladder taken (step, by whom, why) and its outcome.
   incidentCard(i) {
     const label = { open: "open: recovering", recovered: "recovered", escalated: "escalated to a human" }[i.outcome] || i.outcome;
-    return h("article", { class: `incident outcome-${i.outcome}`, dataset: { incidentId: i.id, outcome: i.outcome } },
+    return h("article", { class: `incident outcome-${i.outcome}`, dataset: { incidentId: i.id, outcome: i.outcome, cause: i.cause } },
       h("header", {}, h("span", { class: `badge outcome-${i.outcome}` }, label), " ", h("strong", {}, `incident ${i.id}`),
         ` · onset at step ${i.onset_step} (${i.trigger}), ${when(i.onset_time)}`,
         i.closed_step !== null && i.closed_step !== undefined ? ` · closed at step ${i.closed_step}` : null),
+      this.verdictBlock(i),
       h("ol", { class: "rungs" }, i.rungs.map((r) => h("li", { dataset: { rung: r.rung, step: r.step } },
         h("strong", {}, r.rung), ` at step ${r.step} by ${r.actor}: ${r.reason}`))));
+  }
+
+  // The cause of an incident and the evidence (what was read, its value, what it points at).
+  verdictBlock(i) {
+    const v = i.verdict || {};
+    const show = (x) => (typeof x === "number" ? fmt(x) : JSON.stringify(x));
+    const suspects = (v.ranks || []).map((r, k) => `rank ${r} on ${(v.hosts || [])[k]}`).join(", ");
+    const exp = i.experiment;
+    return h("div", { class: "verdict", dataset: { cause: i.cause || "unknown" } },
+      h("p", {}, h("strong", {}, `cause: ${i.cause || "unknown"}`), ` · ${v.summary || ""}`, suspects ? ` · ${suspects}` : null),
+      h("ul", { class: "evidence" }, (v.evidence || []).map((e) => h("li", { dataset: { pointsTo: e.points_to, signal: e.signal } },
+        h("strong", {}, e.points_to), ` ${e.signal} = ${show(e.value)}: ${e.detail}`))),
+      exp ? h("p", { class: "experiment" }, `experiment: LR x${exp.lr_factor} for steps ${exp.from_step}-${exp.until_step}: ${exp.conclusion || "running"}`) : null,
+      i.data_skipped ? h("p", { class: "data-skipped" }, `optimizer steps ${i.data_skipped[0]}-${i.data_skipped[1]} skipped on every rank for their data`) : null);
   }
 
   renderIncidents() {

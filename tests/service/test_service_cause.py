@@ -110,6 +110,22 @@ def test_a_recompute_that_does_not_reproduce_the_gradient_names_the_rank_and_che
     assert "rank 1 on node-1" in states[-1].reason
 
 
+def test_a_hardware_ladder_that_stops_carries_the_documented_exit_status() -> None:
+    from trainguard.protocol.wire import EXIT_HARDWARE_FAULT
+    from trainguard.service.rules import CauseLadders
+
+    policy = POLICY.model_copy(update={"ladders": CauseLadders(hardware=("checkpoint", "stop"))})
+    healthy = [_report(i, world=2, ranks={"gpu_xid": [0.0, 0.0]}) for i in range(1, 10)]
+    xid = [_report(10, world=2, ranks={"gpu_xid": [0.0, 79.0]})]  # rank 1's GPU fell off the bus
+    states, incidents = _incidents(healthy + xid, world=2, policy=policy)
+    (inc,) = incidents
+    assert inc["cause"] == "hardware" and inc["verdict"]["hosts"] == ["node-1"]
+    assert [r["rung"] for r in inc["rungs"]] == ["checkpoint", "stop"] and inc["outcome"] == "escalated"
+    final = states[-1]
+    assert (final.checkpoint_seq, final.stop, final.stop_exit_code, final.paused) == (1, True, EXIT_HARDWARE_FAULT, False)
+    assert EXIT_HARDWARE_FAULT == 75
+
+
 def test_a_recompute_that_reproduces_the_gradient_is_evidence_against_the_hardware() -> None:
     healthy = [_report(i, world=2, ranks={"verify_mismatch": [math.nan, math.nan]}) for i in range(1, 40)]
     spike = [_report(40, world=2, ranks={"verify_mismatch": [0.0, 1e-9]}, trainguard_update_ratio=1e-2,
@@ -173,3 +189,58 @@ def test_a_rules_file_cannot_give_a_cause_rungs_that_do_not_fit_it(ladders: dict
     with pytest.raises(RulesError) as e:
         load_rules(yaml.safe_dump({"version": 1, "recovery": {"ladders": ladders}, "rules": []}))
     assert message in str(e.value)
+
+
+def test_the_verdict_and_its_evidence_reach_the_api_the_event_stream_a_webhook_and_the_cli(tmp_path, serve, receiver_factory) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.service.conftest import wait_until
+    from tests.service.test_service_events import _Subscriber
+
+    rx = receiver_factory([200])
+    srv = serve(tmp_path / "tg.db")
+    reg = {"job": "job-a", "run": "run-hw", "world_size": 2, "agent_version": "test",
+           "ranks": [{"rank": r, "local_rank": 0, "host": f"node-{'ab'[r]}", "port": 9100} for r in range(2)]}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/webhooks", json={"url": rx.url, "secret": "s3cret-s3cret-s3cret", "min_severity": "warning"}).status_code == 201
+        assert c.post("/v1/runs", json=reg).status_code == 200
+        live = _Subscriber(f"{srv.url}/v1/events/stream?run=run-hw")
+        assert live.connected.wait(30) and live.error is None, live.error
+        for step in range(1, 6):  # rank 1's recompute of step 5 does not reproduce its gradient
+            mismatch = [0.0, 3e-3] if step == 5 else ["NaN", "NaN"]  # (the wire spells NaN as a string)
+            body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step),
+                    "values": {"trainguard_loss": 2.0}, "ranks": {"verify_mismatch": mismatch}}
+            assert c.post("/v1/runs/run-hw/reports", json=body).status_code == 200
+        wait_until(lambda: live.incidents() or live.error)
+        live.stop.set()
+        (incident,) = c.get("/v1/runs/run-hw/incidents").json()["incidents"]
+        desired = c.get("/v1/runs/run-hw/desired").json()
+        wait_until(lambda: rx.requests)
+    assert incident["cause"] == "hardware" and incident["outcome"] == "escalated"
+    verdict = incident["verdict"]
+    assert (verdict["ranks"], verdict["hosts"]) == ([1], ["node-b"])
+    (ev,) = [e for e in verdict["evidence"] if e["signal"] == "rule:gradient_recompute_mismatch"]
+    assert (ev["value"], ev["reference"], ev["points_to"]) == ({"1": 3e-3}, 1e-5, "hardware")
+    assert [r["rung"] for r in incident["rungs"]] == ["checkpoint", "pause"]
+    assert (desired["checkpoint_seq"], desired["paused"], desired["lr_scale"]) == (1, True, 1.0)
+    assert "rank 1 on node-b" in desired["reason"]
+    # the event stream: the incident as the API lists it, verdict and evidence included
+    assert live.incidents()[-1][1]["data"]["incident"] == incident
+    # the webhook: the incident, its cause and the suspect host (an orchestrator leaves it out)
+    (msg,) = [json.loads(body) for _, body in rx.requests if json.loads(body).get("kind") == "incident"]
+    assert msg["incident"] == incident and (msg["cause"], msg["hosts"]) == ("hardware", ["node-b"])
+    (am,) = msg["alerts"]
+    assert am["labels"]["cause"] == "hardware" and am["annotations"]["hosts"] == "node-b"
+    assert "cause hardware" in am["annotations"]["summary"] and "rank 1 on node-b" in am["annotations"]["summary"]
+    assert am["annotations"]["evidence"].splitlines()[0].startswith("hardware: rule:gradient_recompute_mismatch: ")
+    # the CLI
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "incidents", "run-hw", "--url", srv.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == f"  cause: hardware: {verdict['summary']}" and lines[2] == "  suspect: rank 1 on node-b"
+    assert lines[3].split()[:2] == ["hardware", "rule:gradient_recompute_mismatch"]

@@ -43,7 +43,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 8
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
     lifecycle = conn.execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
     assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     # version 4: an old run keeps its own accumulation steps, the LR untouched
@@ -56,7 +56,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     # version 7: nor asked for a memory trace or a gradient recompute check
     assert conn.execute("SELECT memory_trace_seq, verify_seq FROM runs").fetchall() == [(0, 0)]
     # version 8: nor had steps skipped for their data
-    assert conn.execute("SELECT data_skip_until FROM runs").fetchall() == [(0,)]
+    assert conn.execute("SELECT data_skip_until, stop_exit_code FROM runs").fetchall() == [(0, 0)]
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
     indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='reports'")}

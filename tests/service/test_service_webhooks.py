@@ -187,7 +187,7 @@ def test_an_incident_is_sent_when_it_opens_and_when_it_recovers_to_the_webhooks_
         (am,) = msg["alerts"]
         assert msg["status"] == am["status"] == status
         assert am["labels"] == {"alertname": "incident", "job": "job-a", "run": "run-1", "severity": severity,
-                                "incident": str(incident["id"])}
+                                "incident": str(incident["id"]), "cause": incident["cause"]}
         assert am["startsAt"] == _iso(incident["onset_time"])
         assert am["generatorURL"] == "http://tg.internal:8000/v1/runs/run-1/incidents"
     assert opened["alerts"][0]["endsAt"] == _iso(None) and recovered["alerts"][0]["endsAt"] == _iso(incident["closed_time"])

@@ -116,6 +116,10 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     assert [(li.get_attribute("data-rung"), li.get_attribute("data-step")) for li in rungs] == [
         (r["rung"], str(r["step"])) for r in incident["rungs"]] == [("pause", "4")]
     assert incident["rungs"][0]["reason"] in rungs[0].inner_text() and "escalated to a human" in card.inner_text()
+    verdict = card.query_selector(".verdict")  # the cause, decided before the first action, and its evidence
+    assert verdict.get_attribute("data-cause") == incident["cause"] and incident["verdict"]["summary"] in verdict.inner_text()
+    assert [(li.get_attribute("data-signal"), li.get_attribute("data-points-to")) for li in verdict.query_selector_all("li")] == [
+        (e["signal"], e["points_to"]) for e in incident["verdict"]["evidence"]] != []
     page.page.wait_for_selector('#run-events tr[data-kind="incident"]')
     assert page.page.evaluate("() => window.notReloaded === true")
     agent.close()

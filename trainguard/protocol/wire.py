@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 
 __all__ = [
     "API_PREFIX",
+    "EXIT_HARDWARE_FAULT",
     "MAX_INT",
     "COMMANDS",
     "DIAGNOSTIC_COMMANDS",
@@ -73,6 +74,12 @@ DIAGNOSTIC_COMMANDS: tuple[DiagnosticCommand, ...] = ("memory_trace", "verify")
 #: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
 LR_SCALE_MIN = 1e-4
 LR_SCALE_MAX = 1e6
+
+#: The exit status of a run the controller stopped because one of its nodes is faulty (a hardware
+#: incident's ``stop`` rung): ``EX_TEMPFAIL`` of ``sysexits.h``, "try again later". torchrun
+#: (``--max-restarts``), SLURM (``--requeue``) and Kubernetes (a Job's ``podFailurePolicy``
+#: ``onExitCodes: [75]``) restart the job on it; the incident's webhook names the host to leave out.
+EXIT_HARDWARE_FAULT = 75
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
@@ -203,6 +210,7 @@ class DesiredState(WireModel):
     memory_trace_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
     verify_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
     data_skip_until: Int = Field(default=0, ge=0, le=MAX_INT, description="Every rank skips the optimizer step of each step up to and including this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.")
+    stop_exit_code: Int = Field(default=0, ge=0, le=255, description="With stop: the exit status the training processes should end with (Agent.exit_code); EXIT_HARDWARE_FAULT when the controller stopped the run for a restart without a faulty node; 0 otherwise.")
 
 
 class RunRegistered(WireModel):
