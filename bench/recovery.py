@@ -6,7 +6,12 @@ own LR schedule (warm-up, then constant), one process, the agent attached with t
 (``skip_spikes`` on by default with a controller; ``snapshot_every``/``snapshot_keep`` set). Cases:
 
 - ``healthy-sN``: no fault, seeds N.
+- ``sched-NAME``: no fault, the user's schedule is NAME (healthy schedules that move the LR a lot):
+  ``warm_restarts`` (20-step linear warm-up, then cosine with warm restarts, T_0=60, eta_min=1e-5),
+  ``onecycle`` (PyTorch's OneCycleLR shape), ``wsd`` (warm-up, stable, a linear decay over the last
+  20 %), ``step`` (x0.3 every 80 steps).
 - ``lr-xK``: the user's schedule multiplies the LR by K from ``--onset`` on, for good.
+- ``lr-xK-N``: the same for N steps only (a transient fault), on the warm-restarts schedule.
 - ``burst``: the batches of ``--burst`` steps from the onset are random bytes (corrupted data).
 - ``poison``: one batch at the onset has its loss weighted x1e4 (a mis-scaled sample).
 - ``nan``: one batch at the onset has a NaN loss.
@@ -21,12 +26,17 @@ an applied desired-state change), the rungs the controller took (from ``GET
 lost to rollbacks (restore step - snapshot step, summed), the final lr_scale. For the healthy
 runs: actions taken (should be 0).
 
-    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3] [--report-every 10]
+Also printed: the final loss of the same case trained without trainguard (``plain``) and the ratio,
+and for the transient faults the steps from the end of the fault until ``lr_scale`` is back within 2x
+of the schedule (``back``).
+
+    .venv/bin/python bench/recovery.py [--steps 400] [--onset 200] [--seeds 3] [--report-every 10] [--cases a,b]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -36,6 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -58,19 +69,45 @@ def _start_controller(db: Path) -> tuple[subprocess.Popen[str], str]:
     raise SystemExit("trainguard serve did not start")
 
 
-def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, *, seed: int = 0,
+def shape(name: str, step: int, steps: int) -> float:
+    """The user's own schedule (a factor of the peak LR) at ``step``."""
+    if name == "constant":  # warm-up, then constant
+        return min(1.0, (step + 1) / 50)
+    if name == "warm_restarts":  # as CosineAnnealingWarmRestarts(T_0=60, eta_min=1e-5) after a 20-step warm-up
+        if step < 20:
+            return 0.05 + 0.95 * step / 20
+        t = (step - 20) % 60
+        return 5e-3 + (1 - 5e-3) * (1 + math.cos(math.pi * t / 60)) / 2
+    if name == "onecycle":  # OneCycleLR: cosine up from 1/25 over 30 %, cosine down to 1/1e4 of that
+        up = int(0.3 * steps)
+        if step < up:
+            return 0.04 + 0.96 * (1 - math.cos(math.pi * step / up)) / 2
+        return 4e-6 + (1 - 4e-6) * (1 + math.cos(math.pi * (step - up) / (steps - up))) / 2
+    if name == "wsd":  # warm-up, stable, linear decay over the last 20 %
+        decay = int(0.8 * steps)
+        return min(1.0, (step + 1) / 20) if step < decay else max(0.0, (steps - step) / (steps - decay))
+    if name == "step":
+        return 0.3 ** (step // 80)
+    raise SystemExit(f"unknown schedule {name!r}")
+
+
+def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteCorpus, *, seed: int = 0,
              lr_mult: float = 1.0, burst: int = 0, poison: bool = False, nan: bool = False,
-             fp16_overflow: bool = False) -> dict:
+             fp16_overflow: bool = False, schedule_name: str = "constant", fault_steps: int | None = None) -> dict:
+    """One case; ``url`` None: the same run without trainguard (no agent at all)."""
     torch.manual_seed(seed)
     model = TinyGPT(seq_len=args.seq_len, d_model=64, n_layers=2, n_heads=4)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     onset = args.onset
+    fault_end = math.inf if fault_steps is None else onset + fault_steps
 
-    def schedule(step: int) -> float:  # the user's own schedule: warm-up, constant, and the fault
-        warm = min(1.0, (step + 1) / 50)
-        return warm * (lr_mult if step >= onset else 1.0)
+    def schedule(step: int) -> float:  # the user's own schedule, and the fault
+        return shape(schedule_name, step, args.steps) * (lr_mult if onset <= step < fault_end else 1.0)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    if url is None:
+        return _run_plain(name, model, opt, sched, args, corpus, seed=seed, burst=burst, poison=poison, nan=nan,
+                          fp16_overflow=fp16_overflow)
     scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
     run = f"{name}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url, scaler=scaler,
@@ -78,6 +115,7 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
                                             snapshot_every=50, snapshot_keep=4))
     losses: list[float] = []
     first_action: int | None = None
+    back: int | None = None  # steps after a transient fault until lr_scale is within 2x of the schedule
     done = threading.Event()
     was_paused: list[bool] = []
 
@@ -127,6 +165,8 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
                  or amp_skipped)
         if acted and first_action is None:
             first_action = step
+        if step >= fault_end and back is None and agent.control.lr_scale >= 0.5:
+            back = step - fault_end
         losses.append(float(loss.detach()))
         if agent.should_stop:
             break
@@ -147,7 +187,35 @@ def run_case(name: str, url: str, args: argparse.Namespace, corpus: ByteCorpus, 
     return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan"), "paused": paused,
             "first_action": first_action, "actions": len(history) + sum(skipped.values()), "skipped": skipped,
             "rungs": rungs, "lost": lost, "scale": scale, "steps": len(losses),
-            "outcomes": [inc["outcome"] for inc in reversed(incidents)]}
+            "outcomes": [inc["outcome"] for inc in reversed(incidents)], "back": back}
+
+
+def _run_plain(name: str, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, args: argparse.Namespace,
+               corpus: ByteCorpus, *, seed: int, burst: int, poison: bool, nan: bool, fp16_overflow: bool) -> dict:
+    """The same training loop and faults, without trainguard."""
+    scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
+    g = torch.Generator().manual_seed(seed + 7)
+    losses = []
+    for step in range(args.steps):
+        ids, mask = corpus.batch(step + seed * 100_000, 0)
+        if burst and args.onset <= step < args.onset + burst:
+            ids = torch.randint(1, 256, ids.shape, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = next_byte_loss(model, ids, mask)
+        weighted = loss * (1e4 if (poison and step == args.onset) or (fp16_overflow and args.onset <= step < args.onset + 10)
+                           else float("nan") if nan and step == args.onset else 1.0)
+        if scaler is not None:
+            scaler.scale(weighted).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            weighted.backward()
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(float(loss.detach()))
+    finite = [x for x in losses[-20:] if x == x]
+    return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan")}
 
 
 def main() -> None:
@@ -160,6 +228,8 @@ def main() -> None:
     p.add_argument("--burst", type=int, default=30)
     p.add_argument("--report-every", type=int, default=10,
                    help="the agent's report interval: faults only the controller sees wait for a report")
+    p.add_argument("--cases", default="",
+                   help="comma-separated case names to run (default: all), e.g. sched-warm_restarts,lr-x1000-3")
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=args.seq_len, batch_size=args.batch)
@@ -167,33 +237,50 @@ def main() -> None:
         proc, url = _start_controller(Path(tmp) / "tg.db")
         try:
             t0 = time.monotonic()
-            healthy = [run_case(f"healthy-s{s}", url, args, corpus, seed=s) for s in range(args.seeds)]
-            faulty = [run_case(f"lr-x{k}", url, args, corpus, lr_mult=k) for k in (10, 100, 1000)]
-            faulty.append(run_case("burst", url, args, corpus, burst=args.burst))
-            faulty.append(run_case("poison", url, args, corpus, poison=True))
-            faulty.append(run_case("nan", url, args, corpus, nan=True))
-            faulty.append(run_case("fp16-overflow", url, args, corpus, fp16_overflow=True))
+            cases: dict[str, dict[str, Any]] = {f"healthy-s{s}": {"seed": s} for s in range(args.seeds)}
+            cases.update({f"sched-{n}": {"schedule_name": n} for n in ("warm_restarts", "onecycle", "wsd", "step")})
+            cases.update({f"lr-x{k}": {"lr_mult": k} for k in (10, 100, 1000)})
+            cases.update({f"lr-x{k}-{n}": {"lr_mult": k, "fault_steps": n, "schedule_name": "warm_restarts"}
+                          for k, n in ((1000, 3), (200, 5))})
+            cases.update({"burst": {"burst": args.burst}, "poison": {"poison": True}, "nan": {"nan": True},
+                          "fp16-overflow": {"fp16_overflow": True}})
+            chosen = [c for c in args.cases.split(",") if c] or list(cases)
+            unknown = [c for c in chosen if c not in cases]
+            if unknown:
+                raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(cases)}")
+            results = []
+            for c in chosen:
+                r = run_case(c, url, args, corpus, **cases[c])
+                r["plain"] = run_case(c, None, args, corpus, **cases[c])["final_loss"]
+                results.append(r)
+            healthy = [r for r in results if r["name"].startswith(("healthy", "sched"))]
+            faulty = [r for r in results if r not in healthy]
             wall = time.monotonic() - t0
         finally:
             proc.terminate()
             proc.wait(10)
-    ref = statistics.median(r["final_loss"] for r in healthy)
+    ref = statistics.median(r["final_loss"] for r in healthy) if healthy else statistics.median(r["plain"] for r in results)
     print(f"healthy median final loss {ref:.3f} (mean of the last 20 steps); recovered = final loss <= "
           f"{1.2 * ref:.3f} and not paused\n")
-    print(f"{'case':<14} {'lag':>4} {'recovered':>9} {'final':>7} {'scale':>9} {'skipped':>8} {'lost':>5} {'cost':>5}  "
-          "rungs / outcome")
+    print(f"{'case':<20} {'first':>5} {'lag':>4} {'recovered':>9} {'final':>7} {'plain':>7} {'ratio':>6} {'scale':>9} "
+          f"{'back':>5} {'skipped':>8} {'lost':>5} {'cost':>5}  rungs / outcome")
     for r in healthy + faulty:
-        fault = not r["name"].startswith("healthy")
+        fault = r in faulty
         lag = "" if r["first_action"] is None or not fault else r["first_action"] - args.onset
         rec = r["final_loss"] <= 1.2 * ref and not r["paused"]
         sk = f"{r['skipped']['spike']}+{r['skipped']['nonfinite']}"
         cost = sum(r["skipped"].values()) + r["lost"]
-        print(f"{r['name']:<14} {lag!s:>4} {('yes' if rec else 'NO'):>9} {r['final_loss']:>7.3f} {r['scale']:>9.4g} "
+        first = "-" if r["first_action"] is None else r["first_action"]
+        back = "" if r["back"] is None else r["back"]
+        print(f"{r['name']:<20} {first!s:>5} {lag!s:>4} {('yes' if rec else 'NO'):>9} {r['final_loss']:>7.3f} "
+              f"{r['plain']:>7.3f} {r['final_loss'] / r['plain']:>6.3f} {r['scale']:>9.4g} {back!s:>5} "
               f"{sk:>8} {r['lost']:>5} {cost:>5}  {' > '.join(r['rungs']) or '-'} / {','.join(r['outcomes']) or '-'}")
     n_rec = sum(1 for r in faulty if r["final_loss"] <= 1.2 * ref and not r["paused"])
-    false_actions = sum(r["actions"] for r in healthy)
+    false_actions = sum(r["actions"] for r in healthy)  # any skip or applied change on a healthy run
     print(f"\nfaulty runs recovered with no human: {n_rec}/{len(faulty)}; actions on healthy runs: {false_actions}; "
           f"wall {wall:.0f} s")
+    print("first = step of the first action; plain = final loss of the same case without trainguard; ratio = final / "
+          "plain; back = steps after a transient fault until lr_scale >= 0.5 (within 2x of the schedule)")
     print("skipped = spike+nonfinite steps skipped by the agent; lost = steps rolled back; cost = skipped + lost; "
           "lag = steps from the "
           "onset to the first action (a step skipped by the agent or the GradScaler, or a desired state applied)")

@@ -72,3 +72,32 @@ def test_operator_rollback_goes_to_the_newest_good_snapshot(controller: Controll
             assert torch.equal(a, b.detach())
     finally:
         agent.close(5.0)
+
+
+def test_warm_restarts_are_left_alone(controller: ControllerProcess) -> None:
+    # A 20-step linear warm-up, then cosine with warm restarts every 60 steps (each restart
+    # multiplies the LR by ~200 in one step), a report every step: the built-in rules open no
+    # incident and lr_scale stays 1.0 at every step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    S = torch.optim.lr_scheduler
+    sched = S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.05, total_iters=20),
+                                 S.CosineAnnealingWarmRestarts(opt, T_0=60, eta_min=1e-5)], milestones=[20])
+    run = "warm-restarts-e2e"
+    agent = ta.attach(model, opt, job="sched", run=run, controller=controller.url, lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, snapshot_every=20))
+    g = torch.Generator().manual_seed(1)
+    lrs, scales = [], []
+    try:
+        for _ in range(200):
+            lrs.append(opt.param_groups[0]["lr"])
+            _step(model, opt, sched, agent, g)
+            scales.append(agent.control.lr_scale)
+        assert until(lambda: controller.run_detail(run)["last_step"] == 200, 20.0)
+        assert sum(1 for a, b in zip(lrs, lrs[1:]) if b > 20 * a) == 2  # the restarts at steps 80 and 140
+        assert scales == [1.0] * 200
+        assert agent.control.skip.skipped == 0 and not list(agent.control.history)
+        assert httpx.get(f"{controller.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
+    finally:
+        agent.close(5.0)
