@@ -259,7 +259,7 @@ class Agent:
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=self.meter.grad_noise,
                                       per_layer=per_layer, clock=self._clock, fingerprint=fingerprint,
-                                      desync_rel_tol=cfg.desync_rel_tol)
+                                      desync_rel_tol=cfg.desync_rel_tol, on_published=self._on_published)
         self.reports.mfu_per_token_rate = flops.mfu_per_token_rate(model, self.device, cfg.flops_per_token, cfg.peak_flops)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -547,7 +547,7 @@ class Agent:
 
     def _publish(self, block: bool = False) -> None:
         """Reports whose copy completed become host values (all of them with ``block``)."""
-        self.reports.publish(block=block, on_published=self._on_published)
+        self.reports.publish(block=block)
 
     def _on_published(self, values: dict[str, float], rank_values: dict[str, list[float]]) -> None:
         self._advise_batch_size(values)

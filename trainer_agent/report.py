@@ -104,8 +104,11 @@ class ReportPipeline:
     def __init__(self, index: ParamIndex, meter: StepMeter, exchange: RankExchange, *,
                  optimizer: torch.optim.Optimizer, report_every: int, grad_noise: bool,
                  per_layer: bool, clock: Callable[[], float], fingerprint: Fingerprinter | None = None,
-                 desync_rel_tol: float = 1e-5) -> None:
+                 desync_rel_tol: float = 1e-5,
+                 on_published: Callable[[dict[str, float], dict[str, list[float]]], None] | None = None) -> None:
         self.index = index
+        #: Called with (values, rank values) once per report, whichever call publishes it.
+        self.on_published = on_published
         self.fingerprint = fingerprint
         self.update_model = UpdateModel(optimizer, index.params, index.device)
         #: flops_per_token / peak_flops of one device (``trainer_agent/flops.py``): MFU per token/s.
@@ -442,12 +445,10 @@ class ReportPipeline:
 
     # ------------------------------------------------------------------ publication
 
-    def publish(self, block: bool = False, limit: int | None = None,
-                on_published: Callable[[dict[str, float], dict[str, list[float]]], None] | None = None,
-                ) -> dict[str, float]:
+    def publish(self, block: bool = False, limit: int | None = None) -> dict[str, float]:
         """Turn the reports in flight whose copies have completed into host values, oldest first;
         with ``block``, wait for the oldest ``limit`` (default: all) of them. Calls
-        ``on_published(values, rank_values)`` per report; returns the newest values ({} if none)."""
+        :attr:`on_published` per report; returns the newest values ({} if none)."""
         published: dict[str, float] = {}
         waits = len(self.pending) if limit is None else limit
         while self.pending and ((block and waits > 0) or self.pending[0].ready()):
@@ -455,8 +456,8 @@ class ReportPipeline:
             report = self.pending.popleft()
             published, self.rank_values = report.read()
             self.desync = report.desync
-            if on_published is not None:
-                on_published(published, self.rank_values)
+            if self.on_published is not None:
+                self.on_published(published, self.rank_values)
         return published
 
 

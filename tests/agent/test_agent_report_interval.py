@@ -131,3 +131,41 @@ def test_nonfinite_steps_between_reports_are_counted_in_state_dict_and_report() 
         assert agent.state_dict()["nonfinite_steps_total"] == 5.0
     finally:
         agent.close(timeout=5.0)
+
+
+def test_reports_published_under_back_pressure_reach_the_callback_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies that never complete by themselves (a device far behind the host, as on CUDA with a
+    small report_every): the pipeline waits for the oldest once MAX_IN_FLIGHT are pending. Every
+    report still reaches the agent's callback (the controller, /metrics and the batch-size advisor
+    read it there) exactly once and in order, the NaN of step 2 included."""
+    from trainer_agent.report import MAX_IN_FLIGHT, InFlight
+
+    monkeypatch.setattr(InFlight, "ready", lambda self: False)
+    seen: list[tuple[int, float]] = []
+    advise = ta.Agent._advise_batch_size  # the callback's first reader of each report
+
+    def recording(self, values):  # type: ignore[no-untyped-def]
+        seen.append((int(values["trainguard_step"]), values["trainguard_loss"]))
+        advise(self, values)
+
+    monkeypatch.setattr(ta.Agent, "_advise_batch_size", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                      config=ta.AgentConfig(report_every=1, metrics_port=None))
+    steps = 3 * MAX_IN_FLIGHT
+    try:
+        for step in range(1, steps + 1):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            agent.end_step(loss.detach() * math.nan if step == 2 else loss.detach())
+        assert len(agent.reports.pending) == MAX_IN_FLIGHT  # the rest went out under back-pressure
+        before_close = [s for s, _ in seen]
+    finally:
+        agent.close(timeout=5.0)
+    assert before_close == list(range(1, steps - MAX_IN_FLIGHT + 1))
+    assert [s for s, _ in seen] == list(range(1, steps + 1))  # close() publishes the rest, once each
+    assert math.isnan(seen[1][1]) and all(math.isfinite(v) for s, v in seen if s != 2)
