@@ -1,6 +1,7 @@
 """Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
-heatmap, the straggler ratio (slowest rank over the median), memory per rank, the agent's own
-overhead and errors, whether each rank reaches the controller, and reports it had to drop.
+heatmap, the straggler ratio (slowest rank over the median), model-FLOPs utilisation per rank,
+memory per rank, the agent's own overhead and errors, whether each rank reaches the controller, and
+reports it had to drop.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def build() -> Dashboard:
             [query(f"topk by (job, run) (1, trainguard_step_duration_seconds{{{SEL}}})",
                    "rank {{rank}} ({{run}})")],
             unit="s",
+        ),
+        timeseries(
+            "Model-FLOPs utilisation per rank",
+            "Tokens/s x FLOPs per token over the device's dense 16-bit peak (trainguard_mfu). "
+            "A rank well below the others computes slower or waits longer (for input, or for a "
+            "collective); the whole job low means the step is not compute-bound. Only where the "
+            "agent knows the model's FLOPs per token and the device's peak.",
+            [query(f"trainguard_mfu{{{SEL}}}", "rank {{rank}}")],
+            unit="percentunit", width=24,
         ),
     ])
     memory = Section("Memory", [
