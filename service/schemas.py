@@ -10,7 +10,61 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
 
-__all__ = ["CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
+__all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
+
+
+class Evidence(BaseModel):
+    """One piece of evidence a verdict read (``service/cause.py``)."""
+
+    signal: str = Field(description="What was read: a metric, a per-rank vector (ranks.NAME) or an alert (rule:NAME).")
+    value: Any = Field(description="Its value (NaN/Inf as strings; a rank -> value map for per-rank values).")
+    reference: Any = Field(description="What it was compared with (a limit, a healthy level), or null.")
+    points_to: Literal["schedule", "optimizer", "data", "hardware", "unknown", "none"] = Field(
+        description="The cause it points at; 'none': a check that found nothing (e.g. a recompute that reproduced the gradient).")
+    detail: str
+
+
+class Verdict(BaseModel):
+    summary: str
+    evidence: list[Evidence]
+    ranks: list[int] = Field(description="A hardware fault's suspect ranks.")
+    hosts: list[str] = Field(description="The hosts of those ranks, from the run's registration.")
+    revised: dict[str, Any] | None = Field(default=None, description="Later evidence that made the cause hardware: from, step, summary.")
+
+
+class IncidentRung(BaseModel):
+    rung: str = Field(description="skip, adaptive_lr, rollback, pause, data_skip, checkpoint, stop or experiment.")
+    step: int
+    time: float
+    actor: str
+    reason: str
+    generation: int | None = Field(description="The desired state's generation it set (null: the agent's own skip).")
+
+
+class Incident(BaseModel):
+    """One anomaly of a run, from its onset to its outcome (``service/incidents.py``)."""
+
+    id: int
+    onset_step: int
+    onset_time: float
+    trigger: str
+    cause: Literal["schedule", "optimizer", "data", "hardware", "unknown"] = Field(
+        description="Decided before the incident's first action; it chooses the rungs (recovery.ladders).")
+    verdict: Verdict
+    rungs: list[IncidentRung]
+    outcome: Literal["open", "recovered", "escalated"]
+    closed_step: int | None
+    closed_time: float | None
+    experiment: dict[str, Any] | None = Field(description="Unknown cause: the LR-10x experiment (from_step, until_step, outcome, conclusion).")
+    data_skipped: list[int] | None = Field(description="Data cause: [first, last] step whose optimizer steps every rank skipped.")
+
+
+class IncidentList(BaseModel):
+    """``GET /v1/runs/{run}/incidents``."""
+
+    run: str
+    incidents: list[Incident] = Field(description="Newest first.")
+    snapshots: list[dict[str, Any]] = Field(description="The snapshots the controller holds for the run: step, good.")
 
 
 class CommandResult(BaseModel):

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
-from trainguard.service.schemas import AckResult, CommandResult, FinishResult, nan_safe
+from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, nan_safe
 from trainguard.protocol.wire import (
     LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
@@ -91,7 +91,8 @@ async def list_runs(ctl: ControllerDep, _: ReadDep, job: str | None = None, stat
     return [r for r in out if status is None or r["status"] == status]
 
 
-@router.get("/runs/{run}/incidents", summary="A run's incidents, newest first: onset, rungs of the escalation ladder, outcome")
+@router.get("/runs/{run}/incidents", summary="A run's incidents, newest first: onset, cause and evidence, rungs, outcome",
+            responses={200: {"model": IncidentList}})
 async def get_incidents(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
     return Response(json.dumps(nan_safe({"run": run} | ctl.get(run).incidents())), media_type=_JSON)
 

@@ -11,8 +11,9 @@ import math
 import pytest
 
 from trainguard.protocol.wire import Report
-from trainguard.service.cause import refusal
+from trainguard.service.cause import CAUSES, refusal
 from trainguard.service.incidents import RunRecovery
+from trainguard.service.schemas import IncidentList
 from trainguard.service.rules import AdaptiveLrAction, LrScaleAction, PauseAction, RecoveryPolicy, RulesError, default_rules_text, load_rules
 
 RULES = load_rules(default_rules_text())
@@ -217,7 +218,11 @@ def test_the_verdict_and_its_evidence_reach_the_api_the_event_stream_a_webhook_a
             assert c.post("/v1/runs/run-hw/reports", json=body).status_code == 200
         wait_until(lambda: live.incidents() or live.error)
         live.stop.set()
-        (incident,) = c.get("/v1/runs/run-hw/incidents").json()["incidents"]
+        listed = c.get("/v1/runs/run-hw/incidents").json()
+        IncidentList.model_validate(listed)  # the answer is the documented schema
+        (incident,) = listed["incidents"]
+        doc = c.get("/openapi.json").json()
+        assert doc["components"]["schemas"]["Incident"]["properties"]["cause"]["enum"] == list(CAUSES)
         desired = c.get("/v1/runs/run-hw/desired").json()
         wait_until(lambda: rx.requests)
     assert incident["cause"] == "hardware" and incident["outcome"] == "escalated"
