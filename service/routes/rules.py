@@ -12,11 +12,12 @@ from pydantic import ValidationError
 
 from trainguard.service.deps import ControllerDep, ReadDep, RulesDep
 from trainguard.service.engine import simulate
+from trainguard.service.errors import Invalid
 from trainguard.service.rules import MAX_ACTIONS, MAX_JOBS, MAX_NODES, MAX_OVERRIDES, MAX_RULES, REMOVE_ALL_PARAM, RulesError
 from trainguard.service.schemas import RulesTestRequest, nan_safe
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["router", "SimulationGate", "SIMULATIONS_RUNNING", "SIMULATIONS_WAITING"]
+__all__ = ["router", "SimulationGate", "SIMULATIONS_RUNNING", "SIMULATIONS_WAITING", "MAX_EVALUATIONS"]
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 
@@ -57,12 +58,16 @@ async def put_rules(
 #: :data:`SIMULATIONS_WAITING`, beyond which they are answered 429.
 SIMULATIONS_RUNNING = 2
 SIMULATIONS_WAITING = 8
+#: Most rule evaluations one simulation may take (the job's enabled rules x the reports): a few
+#: seconds of CPU. The built-in rules over 10,000 reports take 300,000.
+MAX_EVALUATIONS = 500_000
 
 
 @router.post(
     "/rules/test", summary="Replay reports through rules: alerts and desired states, no side effects",
     description=f"Runs in a worker thread, {SIMULATIONS_RUNNING} at a time; with {SIMULATIONS_WAITING} more waiting, "
-    "further calls are answered 429 (retry later). Reports keep flowing meanwhile.",
+    "further calls are answered 429 (retry later). Reports keep flowing meanwhile. One simulation evaluates at most "
+    f"{MAX_EVALUATIONS:,} rules in all (the job's enabled rules x the reports); beyond, 422 names the limit.",
     # (the body is parsed in the worker thread; service/openapi.py adds RulesTestRequest to the schemas)
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RulesTestRequest"}}}}},
 )
@@ -81,6 +86,10 @@ def _simulate(ctl: Any, raw: bytes) -> bytes:
     """Parse, validate and replay (in a worker thread: none of it touches the controller's state)."""
     body = RulesTestRequest.model_validate_json(raw)
     rules = ctl.validate_rules(body.rules) if body.rules is not None else ctl.rules
+    evaluations = len(rules.for_job(body.job)) * len(body.reports)
+    if evaluations > MAX_EVALUATIONS:
+        raise Invalid(f"{len(rules.for_job(body.job)):,} rules x {len(body.reports):,} reports is {evaluations:,} rule "
+                      f"evaluations; a simulation takes at most {MAX_EVALUATIONS:,} (send fewer reports or rules)")
     steps = simulate(rules.for_job(body.job), body.reports, world_size=body.world_size, desired=body.desired,
                      capacity=ctl.settings.window_reports, rank_capacity=ctl.settings.rank_window_reports,
                      policy=rules.file.recovery)

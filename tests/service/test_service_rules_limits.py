@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from trainguard.service.app import create_app
+from trainguard.service.routes.rules import MAX_EVALUATIONS
 from trainguard.service.config import Settings
 from trainguard.service.rules import (
     MAX_ACTIONS, MAX_JOBS, MAX_NODES, MAX_OVERRIDES, MAX_RULES, REMOVE_ALL_PARAM, RulesError, default_rules_text, load_rules,
@@ -71,6 +72,19 @@ def test_a_read_only_token_cannot_send_an_alias_bomb_to_the_rules_test(app_facto
         r = c.post("/v1/rules/test", json={"rules": alias_bomb(), "reports": []}, headers=AS_RO)
         assert r.status_code == 422
         assert r.json()["reasons"][0].startswith(f"the rules file holds more than {MAX_NODES:,} YAML nodes")
+
+
+def test_a_simulation_beyond_the_evaluation_limit_is_refused_before_it_runs(app_factory) -> None:
+    rules = "rules:\n" + "".join(f"  - {_rule(f'r{i}')}\n" for i in range(MAX_RULES))
+    reports = MAX_EVALUATIONS // MAX_RULES + 1
+    body = {"rules": rules, "reports": [{"job": "test", "step_first": i, "step_last": i, "time": float(i)} for i in range(reports)]}
+    with app_factory(**TOKENS) as c:
+        r = c.post("/v1/rules/test", json=body, headers=AS_RO)
+        assert r.status_code == 422
+        assert r.json()["detail"] == (f"{MAX_RULES:,} rules x {reports:,} reports is {MAX_RULES * reports:,} rule evaluations; "
+                                      f"a simulation takes at most {MAX_EVALUATIONS:,} (send fewer reports or rules)")
+        within = dict(body, reports=body["reports"][:3])
+        assert c.post("/v1/rules/test", json=within, headers=AS_RO).status_code == 200
 
 
 @pytest.mark.parametrize("what, text, reason", [
