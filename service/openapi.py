@@ -2,9 +2,9 @@
 route that parses its own body), one error shape, and every status code each operation answers.
 
 FastAPI lists an operation's success and, when it has parameters, a 422 with its own validation
-body. The controller answers more: 401 and 403 from the token checks, 413 from the body limit, 404
-for an unknown run, 409, 429 and 503 from the controller (``service.errors``), and every error has
-the body :data:`ERROR_SCHEMA` (``detail``: a sentence; ``errors``: the fields that did not validate;
+body. The controller answers more: 401 and 403 from the token checks, 413 from the body limit,
+408 from the server's body deadline (``service/server.py``), 404 for an unknown run, 409, 429 and
+503 from the controller (``service.errors``), and every error has the body :data:`ERROR_SCHEMA` (``detail``: a sentence; ``errors``: the fields that did not validate;
 ``reasons``: every problem of a rules file). :func:`install` replaces ``app.openapi`` by a
 function that adds all of it, so no route has to list them.
 """
@@ -52,6 +52,7 @@ STANDARD_ERRORS: dict[str, str] = {
     "401": "Missing or unknown bearer token.",
     "403": "The token lacks the operation's scope, or the run belongs to another agent token.",
     "404": "No such run (or other resource).",
+    "408": "The request body did not arrive within TRAINGUARD_BODY_TIMEOUT_S.",
     "413": "The request body exceeds TRAINGUARD_MAX_BODY_BYTES.",
     "422": "The request does not validate; 'errors' names each field.",
     "503": "The database failed (the answer says how); retry later.",
@@ -133,6 +134,7 @@ def _errors(method: str, path: str, op: dict[str, Any]) -> dict[str, str]:
         out["403"] = STANDARD_ERRORS["403"]
     if method in _WITH_BODY:
         out["400"] = STANDARD_ERRORS["400"]
+        out["408"] = STANDARD_ERRORS["408"]
         out["413"] = STANDARD_ERRORS["413"]
     if op.get("parameters") or "requestBody" in op:
         out["422"] = STANDARD_ERRORS["422"]

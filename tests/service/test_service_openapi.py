@@ -85,7 +85,7 @@ def test_every_operation_lists_its_error_statuses_with_the_error_schema(tmp_path
             if op.get("security"):
                 assert {"401", "403"} <= set(responses), (method, path)
             if method in ("post", "put"):
-                assert {"413", "422"} <= set(responses), (method, path)
+                assert {"408", "413", "422"} <= set(responses), (method, path)
             if "{run}" in path:
                 assert "404" in responses, (method, path)
     assert "429" in doc["paths"]["/v1/runs"]["post"]["responses"]
