@@ -171,6 +171,16 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=("Raise num_workers and prefetch (4-8 batches ahead)", "Read memory-mapped token shards instead of decoding text on the fly", "Check the node's disk and file-system latency"),
         source="A rank that waits for its data holds every other rank at the next collective, so the whole job runs at the speed of its slowest loader.",
     ),
+    "low_utilisation": Diagnosis(
+        symptom="The devices do little of the model's arithmetic (low model-FLOPs utilisation)",
+        likely_causes=("The input pipeline cannot keep up (too few workers, too little prefetch, slow storage)",
+                       "Communication not overlapped with compute (small buckets, slow network, socket settings)",
+                       "A micro-batch too small for the device, or host-side Python between kernels"),
+        suggested_actions=("Compare trainguard_input_wait_seconds with the step time; raise num_workers and prefetch (4-8 batches)",
+                           "Check the pre-flight's environment checks (CUDA_LAUNCH_BLOCKING=0, NCCL_NSOCKS_PERTHREAD=4, NCCL_SOCKET_NTHREADS=2, 16 MiB socket buffers)",
+                           "Raise the micro-batch (with gradient accumulation to keep the global batch), or compile the model"),
+        source="Every point of utilisation lost is paid for in GPU hours; a job at 65% of what its devices can do takes half again as long as one at 92%.",
+    ),
     "data_shared": Diagnosis(
         symptom="Ranks are reading the same data",
         likely_causes=("Every rank's sampler starts from the same random state with the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),

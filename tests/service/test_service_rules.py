@@ -296,6 +296,15 @@ def test_threshold_for_consecutive_reports():
     assert [fired(s) for s in steps] == [[], [], [], [], [], ["update_ratio_high"]]
 
 
+def test_low_mfu_notifies_after_thirty_reports_and_changes_nothing():
+    steps = run(DEFAULTS, series("trainguard_mfu", [0.10] * 29 + [0.20] + [0.10] * 30))
+    hits = [i for i, s in enumerate(steps) if "mfu_low" in fired(s)]
+    assert hits == [59]  # 30 reports in a row below 0.15: the one at 0.20 restarts the count
+    assert [a.type for a in steps[59].fired[0].finding.rule.actions] == ["notify"]
+    assert steps[59].fired[0].desired is None and steps[59].desired == steps[58].desired  # the run is not changed
+    assert all("mfu_low" not in fired(s) for s in run(DEFAULTS, series("trainguard_loss", [1.0] * 40)))  # absent: no data
+
+
 def test_absolute_lr_scale_and_clamp():
     rules = load_rules("""
 rules:
