@@ -103,6 +103,6 @@ def create_app(
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
     app.add_middleware(Authenticate, tokens=tokens)  # outermost: no body is read before the token is known
     return app

@@ -53,7 +53,10 @@ class Settings(BaseSettings):
     agent_tokens: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(), description="Agent tokens, comma-separated: 'TOKEN' or 'TOKEN:RUN' (bound to RUN)."
     )
-    max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body accepted.")
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1024,
+        description="Largest request body accepted; a report may be as large as the largest report of a run of "
+        "max_world_size ranks, if that is more (the report limit follows from the world size).")
     window_reports: int = Field(default=128, ge=8, le=65536, description="Reports kept per run for rules.")
     rank_window_reports: int = Field(
         default=8, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run."
@@ -66,7 +69,8 @@ class Settings(BaseSettings):
     max_runs_per_token: int = Field(
         default=1000, ge=1, description="Runs one agent token may register; more are refused (429).")
     max_world_size: int = Field(
-        default=32_768, ge=1, le=1_000_000, description="Largest world_size (ranks per run) a registration may declare.")
+        default=32_768, ge=1, le=1_000_000,
+        description="Largest world_size (ranks per run) a registration may declare; the largest report body accepted follows from it.")
     header_timeout_s: float = Field(default=10.0, gt=0, le=600, description="A request's line and headers must arrive within this.")
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="A request's whole body must arrive within this (else 408).")
     keepalive_timeout_s: float = Field(default=5.0, ge=1, le=600, description="An idle keep-alive connection is closed after this.")

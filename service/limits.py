@@ -1,13 +1,38 @@
-"""Request-body size limit as a plain ASGI middleware (no per-request thread or task)."""
+"""Request-body size limit as a plain ASGI middleware (no per-request thread or task).
+
+Report bodies grow with the run's world size (a value per rank in each per-rank vector): their
+limit follows from ``TRAINGUARD_MAX_WORLD_SIZE`` (:func:`report_body_bytes`), so that every run the
+controller registers can report, however low ``TRAINGUARD_MAX_BODY_BYTES`` is set.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.wire import API_PREFIX, MAX_DESYNC_LAYERS, RankValues
 from trainguard.service.auth import authorization_header
 
-__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay"]
+__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay", "report_body_bytes"]
+
+#: The most bytes one number takes in an agent's report (compact JSON): the longest float64
+#: (``-2.2250738585072014e-308``, 24 characters; NaN and Inf are shorter strings) and a comma.
+_VALUE_BYTES = 25
+#: A desync layer at most: its name (512 characters, each escaped to at most 6 bytes), 64 rank
+#: ids of up to 20 digits, its kind, difference and keys.
+_DESYNC_LAYER_BYTES = 512 * 6 + 64 * 21 + 128
+#: The rest: job, steps, time, applied generation, and every key and bracket of the vectors.
+_ENVELOPE_BYTES = 4096
+
+
+def report_body_bytes(world_size: int) -> int:
+    """The largest report body the agent of a run of ``world_size`` ranks sends: every per-rank
+    vector of the wire model full of the longest numbers, every job-level metric of the agent's
+    catalogue, the most desync layers (``trainguard.protocol.wire``)."""
+    per_rank = len(RankValues.model_fields) * _VALUE_BYTES
+    values = sum(len(name) + 4 + _VALUE_BYTES for name, metric in BY_NAME.items() if not metric.labels)
+    return _ENVELOPE_BYTES + values + MAX_DESYNC_LAYERS * _DESYNC_LAYER_BYTES + world_size * per_rank
 
 #: Where :class:`Authenticate` leaves the caller's principal in the ASGI scope (the routes'
 #: dependencies and the report fast path read it instead of hashing the token again).
@@ -16,16 +41,28 @@ PRINCIPAL_KEY = "trainguard.principal"
 
 class BodyLimit:
     """Answer 413 to bodies over ``max_bytes``: at once from ``Content-Length``, else (chunked
-    bodies) after buffering at most ``max_bytes``."""
+    bodies) after buffering at most the limit. Report posts may be as large as the largest report
+    of a run of ``max_world_size`` ranks (:func:`report_body_bytes`), if that is more."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, max_world_size: int = 1) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.report_max_bytes = max(max_bytes, report_body_bytes(max_world_size))
+        self._max_world_size = max_world_size
+
+    def _limit(self, scope: dict[str, Any]) -> tuple[int, str]:
+        """The limit of this request's body, and the setting it comes from."""
+        path: str = scope["path"]
+        if scope["method"] == "POST" and path.startswith(f"{API_PREFIX}/runs/") and path.endswith("/reports"):
+            if self.report_max_bytes > self.max_bytes:
+                return self.report_max_bytes, f"a report of a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
+        return self.max_bytes, "TRAINGUARD_MAX_BODY_BYTES"
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        max_bytes, setting = self._limit(scope)
         length = None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -35,8 +72,8 @@ class BodyLimit:
                     await self._refuse(send, 400, "invalid Content-Length")
                     return
         if length is not None:
-            if length > self.max_bytes:
-                await self._refuse(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_bytes}")
+            if length > max_bytes:
+                await self._refuse(send, 413, f"request body of {length} bytes exceeds the limit of {max_bytes} ({setting})")
                 return
             await self.app(scope, receive, send)
             return
@@ -48,8 +85,8 @@ class BodyLimit:
                 return
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
-                await self._refuse(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+            if total > max_bytes:
+                await self._refuse(send, 413, f"request body exceeds the limit of {max_bytes} bytes ({setting})")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -72,3 +72,36 @@ def test_ranks_per_run_are_bounded(app_factory) -> None:
         register(c, run="ok", world_size=8)
         assert "big" not in c.app.state.controller.runs
         assert _counter(c, "trainguard_controller_registrations_rejected_total", "world_size_limit") == 1
+
+
+def test_a_run_of_the_largest_world_size_reports_and_other_bodies_keep_their_limit(app_factory) -> None:
+    """The report body limit follows from TRAINGUARD_MAX_WORLD_SIZE: a run of the largest world
+    size registers and its largest report (every per-rank vector full of the longest numbers,
+    every job-level metric, the most desync layers) is taken, though it is larger than
+    TRAINGUARD_MAX_BODY_BYTES; every other body keeps that limit."""
+    from trainguard.protocol.catalog import BY_NAME
+    from trainguard.protocol.wire import MAX_DESYNC_LAYERS, DesyncLayer, RankValues, Report, dumps
+    from trainguard.service.limits import report_body_bytes
+
+    settings = Settings()
+    world, longest = settings.max_world_size, -2.2250738585072014e-308  # the longest float64 in JSON
+    assert world == 32_768
+    report = Report(
+        job="job-a", step_first=1, step_last=1, time=1.0,
+        values={name: longest for name, m in BY_NAME.items() if not m.labels},
+        ranks=RankValues(**{field: [longest] * world for field in RankValues.model_fields}),
+        desync=[DesyncLayer(kind="grad", layer=f"{i:03d}" + "l" * 509, rel_diff=longest, ranks=list(range(64)))
+                for i in range(MAX_DESYNC_LAYERS)])
+    body = dumps(report)
+    assert settings.max_body_bytes < len(body) <= report_body_bytes(world)
+    with app_factory() as c:
+        r = c.post("/v1/runs", json={"job": "job-a", "run": "big", "world_size": world, "ranks": []})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/runs/big/reports", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        assert c.get("/v1/runs/big").json()["last_step"] == 1
+        over = report_body_bytes(world) + 1
+        r = c.post("/v1/runs/big/reports", content=b" " * over, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "TRAINGUARD_MAX_WORLD_SIZE=32768" in r.json()["detail"]
+        r = c.put("/v1/rules", content=b"#" * (settings.max_body_bytes + 1))
+        assert r.status_code == 413 and "TRAINGUARD_MAX_BODY_BYTES" in r.json()["detail"]
