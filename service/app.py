@@ -25,7 +25,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
 from trainguard.service.schemas import RulesTestRequest, validation_summary
-from trainguard.service.store import Store, StoreError
+from trainguard.service.store import GroupCommitStore, StoreError, open_store
 from trainguard.service.webhooks import WebhookDeliverer
 from trainguard.protocol.wire import Report
 
@@ -35,15 +35,15 @@ _STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, TooMany: 
 
 
 def create_app(
-    settings: Settings | None = None, *, store: Store | None = None, clock: Callable[[], float] | None = None,
+    settings: Settings | None = None, *, store: GroupCommitStore | None = None, clock: Callable[[], float] | None = None,
     transport: httpx.AsyncBaseTransport | None = None, registry: CollectorRegistry | None = None,
 ) -> FastAPI:
-    """Build the controller app. Injected: the store (default: SQLite at ``settings.db``), the
+    """Build the controller app. Injected: the store (default: ``settings.db``, a SQLite file or a PostgreSQL URL), the
     clock (default ``time.time``), the webhooks' HTTP transport, the metrics registry."""
     settings = settings or Settings()
     clock = clock or time.time
     tokens = TokenTable(settings.operator_tokens, settings.agent_tokens, clock=clock)
-    store = store or Store(settings.db)
+    store = store or open_store(settings.db)
     holder: dict[str, Controller] = {}
     metrics = ControllerMetrics(registry or CollectorRegistry(),
                                 lambda: holder["ctl"].metrics_snapshot() if "ctl" in holder else None)

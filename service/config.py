@@ -41,7 +41,9 @@ class Settings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="Address to bind (TRAINGUARD_HOST).")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    db: Path = Field(default=Path("trainguard.db"), description="SQLite database file (WAL mode).")
+    db: Path | str = Field(
+        default=Path("trainguard.db"),
+        description="SQLite database file (WAL mode), or a PostgreSQL URL (postgresql://user@host/dbname; extra 'postgres').")
     rules: Path | None = Field(
         default=None,
         description="Rules YAML file. When set it is loaded at start-up and wins over rules stored "
@@ -87,6 +89,14 @@ class Settings(BaseSettings):
         default=7 * 24 * 3600.0, gt=0, description="Reports older than this are pruned from the database."
     )
     external_url: str = Field(default="", description="Public URL of the controller, for links in alerts.")
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _file_or_url(cls, value: object) -> object:
+        # a URL stays text (a Path would fold its "//"); anything else names a SQLite file
+        if isinstance(value, str) and not value.startswith(("postgresql://", "postgres://")):
+            return Path(value)
+        return value
 
     @field_validator("operator_tokens", "agent_tokens", mode="before")
     @classmethod

@@ -41,6 +41,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from trainguard.service.store import shown_db
+
 __all__ = ["GuardedHttpProtocol", "ControllerServer", "make_config", "startup_banner"]
 
 log = logging.getLogger("trainguard.server")
@@ -168,7 +170,7 @@ def startup_banner(settings: Any, host: str, port: int) -> str:
     Bound to every interface (``0.0.0.0``, ``::``), the URLs name the loopback address, the one
     that works from the machine itself (and through a port published on loopback)."""
     shown = f"[{host}]" if ":" in host else host
-    lines = [f"trainguard controller listening on http://{shown}:{port} (db {settings.db})"]
+    lines = [f"trainguard controller listening on http://{shown}:{port} (db {shown_db(settings.db)})"]
     browse = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, shown)
     lines += [f"  console:  http://{browse}:{port}/ui", f"  API docs: http://{browse}:{port}/docs"]
     if settings.auth_enabled:

@@ -13,21 +13,27 @@ the process (SIGKILL); a power loss may lose the last transactions.
 
 Schema versions live in ``PRAGMA user_version``; :data:`MIGRATIONS` brings any older file up to
 date at start-up.
+
+PostgreSQL (``--db postgresql://...``) is the other backend: :mod:`service.store_postgres`, the
+same migrations and the same group commit (:class:`GroupCommitStore`), chosen by :func:`open_store`.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 
-__all__ = ["Store", "StoreError", "MIGRATIONS"]
+__all__ = ["Store", "StoreError", "MIGRATIONS", "GroupCommitStore", "open_store", "is_database_url"]
 
 log = logging.getLogger("trainguard.store")
 T = TypeVar("T")
@@ -241,29 +247,53 @@ class StoreError(RuntimeError):
     """The database could not be written (the caller should answer 503)."""
 
 
-class Store:
-    """SQLite in WAL mode: one writer thread with group commit, per-thread readers."""
+def is_database_url(db: str | Path) -> bool:
+    """True for a PostgreSQL URL (``postgresql://...`` or ``postgres://...``); anything else is a
+    SQLite file."""
+    return isinstance(db, str) and db.startswith(("postgresql://", "postgres://"))
 
-    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 5000) -> None:
-        self.path = Path(path)
-        self.busy_timeout_ms = busy_timeout_ms
-        """How long a write waits for a lock another connection holds before it fails."""
-        if str(path) == ":memory:":
-            raise ValueError("the store needs a file (readers and the writer share it)")
-        self._conn = self._connect(readonly=False)
-        self._lock = threading.RLock()  # the writer connection is used by one caller at a time
+
+def open_store(db: str | Path, *, busy_timeout_ms: int = 5000) -> "GroupCommitStore":
+    """The store ``db`` names: PostgreSQL for a ``postgresql://`` URL (the ``postgres`` extra),
+    else a SQLite file."""
+    if is_database_url(db):
+        try:
+            from trainguard.service.store_postgres import PostgresStore
+        except ImportError as e:
+            raise StoreError(f"a postgresql:// database needs the driver: pip install 'trainguard[postgres]' ({e})") from e
+        return PostgresStore(str(db), busy_timeout_ms=busy_timeout_ms)
+    return Store(db, busy_timeout_ms=busy_timeout_ms)
+
+
+def shown_db(db: str | Path) -> str:
+    """``db`` as it may be printed or logged: a URL without its password."""
+    if not is_database_url(db):
+        return str(db)
+    parts = urllib.parse.urlsplit(str(db))
+    if parts.password is None:
+        return str(db)
+    netloc = parts.netloc.rsplit("@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{netloc[-1]}"))
+
+
+Batch = list[tuple[Callable[[Any], Any], bool]]
+
+
+class GroupCommitStore(abc.ABC):
+    """What every backend shares: the queue of operations, the group commit at the end of the
+    event loop's turn (or in a worker thread), and the hand-back of each outcome to its caller.
+
+    A backend provides ``_commit(batch, wait=...)`` (one transaction, an outcome per operation;
+    ``None`` with ``wait=False``: commit it off the event loop instead), ``_commit_waiting``
+    (the same in a worker thread), ``read_now``, ``write_now``, ``start`` and ``close``.
+    """
+
+    busy_timeout_ms: int
+    """How long a write waits for a lock another connection holds before it fails."""
+
+    def _init_queue(self) -> None:
         self._started = False
         self._closed = False
-        self._stop = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        self.checkpoint_every_s = 1.0
-        self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
-        self._readers_lock = threading.Lock()
-        # Reads in flight on worker threads: close() waits for them before closing the reader
-        # connections (a request cancelled mid-read leaves its thread running the read).
-        self._active_reads = 0
-        self._reads_idle = threading.Condition(self._readers_lock)
         self._pending: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]] = []
         #: A batch is being committed in a worker thread (the write lock was held elsewhere):
         #: later submissions queue behind it, in order, while the event loop keeps serving.
@@ -272,6 +302,178 @@ class Store:
         self.commits = 0
         #: Why the last commit failed; ``None`` after a successful one (readiness reads it).
         self.write_error: str | None = None
+        self._readers_lock = threading.Lock()
+        # Reads in flight on worker threads: close() waits for them before closing the reader
+        # connections (a request cancelled mid-read leaves its thread running the read).
+        self._active_reads = 0
+        self._reads_idle = threading.Condition(self._readers_lock)
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Count a read in flight (refused once the store is closed)."""
+        with self._readers_lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._active_reads += 1
+        try:
+            yield
+        finally:
+            with self._reads_idle:
+                self._active_reads -= 1
+                self._reads_idle.notify_all()
+
+    def _close_reads(self, deadline: float) -> bool:
+        """Refuse new reads; wait (until ``deadline``, monotonic) for those in flight. False: some
+        still run (their connections must be left open)."""
+        with self._reads_idle:
+            self._closed = True
+            if self._reads_idle.wait_for(lambda: self._active_reads == 0, max(0.0, deadline - time.monotonic())):
+                return True
+            log.warning("%d reads still running at close: their connections are left to the garbage collector",
+                        self._active_reads)
+            return False
+
+    @abc.abstractmethod
+    def _commit(self, batch: Batch, *, wait: bool = True) -> list[tuple[bool, Any]] | None:
+        """Run ``batch`` in one transaction: an outcome per operation, or ``None`` (only with
+        ``wait=False``) when it must be committed in a worker thread instead."""
+
+    @abc.abstractmethod
+    def _commit_waiting(self, batch: Batch) -> list[tuple[bool, Any]]:
+        """:meth:`_commit` in a worker thread, waiting up to ``busy_timeout_ms`` for locks."""
+
+    @abc.abstractmethod
+    def read_now(self, op: Callable[[Any], T]) -> T:
+        """Run a read-only ``op`` on a reader connection of this thread."""
+
+    @abc.abstractmethod
+    def write_now(self, op: Callable[[Any], T]) -> T:
+        """Run ``op`` in its own transaction on the caller's thread (only before :meth:`start`)."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start writing from the event loop."""
+
+    @abc.abstractmethod
+    def close(self, timeout: float = 10.0) -> None:
+        """Commit what is queued (its callers get their outcome) and close every connection."""
+
+    async def read(self, op: Callable[[Any], T]) -> T:
+        """Run a read-only ``op`` in a worker thread (never blocks the event loop)."""
+        return await asyncio.to_thread(self.read_now, op)
+
+    def _commit_pending_now(self) -> None:
+        """Commit what is queued, on the caller's thread (closing): its callers get their outcome."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._settle(batch, self._commit_waiting([(op, single) for op, _fut, single, _orphaned in batch]))
+
+    @property
+    def alive(self) -> bool:
+        return self._started and not self._closed and self.failed is None
+
+    def submit(self, op: Callable[[Any], T], *, single_statement: bool = False,
+               orphaned: Orphaned | None = None) -> asyncio.Future[T]:
+        """Queue ``op`` for the next group commit; the future resolves after the commit.
+
+        Every operation submitted during one turn of the event loop is committed in one
+        transaction at the end of that turn, on the loop's thread: in WAL mode with
+        ``synchronous=NORMAL`` a commit appends to the WAL without fsync (~0.1 ms), which costs
+        less than handing work to a thread and back (a GIL hand-off per batch measured ~1 ms).
+        The fsyncs happen in checkpoints, run by a separate thread. Each operation runs in a
+        savepoint so that a failing one fails alone; an operation that executes exactly one
+        statement may say so (``single_statement``) and skip the savepoint, since SQLite undoes
+        a failed statement by itself.
+
+        A queued operation runs even if its future is cancelled (the caller went away):
+        ``orphaned(ok, result_or_error)`` then receives its outcome after the commit.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if not self.alive:
+            fut.set_exception(StoreError(f"the database writer is not running: {self.failed!r}"))
+            return fut
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((op, fut, single_statement, orphaned))
+        return fut
+
+    def _flush(self) -> None:
+        if self._offloaded:
+            return  # the worker's completion flushes what queued meanwhile
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        results = self._commit([(op, single) for op, _fut, single, _orphaned in batch], wait=False)
+        if results is None:  # the write lock is held elsewhere: wait for it off the event loop
+            self._offloaded = True
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(None, self._commit_waiting, [(op, single) for op, _fut, single, _orphaned in batch])
+            work.add_done_callback(lambda f: self._offloaded_done(batch, f))
+            return
+        self._resolve(batch, results)
+
+    def _offloaded_done(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                        work: asyncio.Future[list[tuple[bool, Any]]]) -> None:
+        self._offloaded = False
+        try:
+            results = work.result()
+        except BaseException as e:  # noqa: BLE001 - the executor itself failed: every caller gets a 503
+            results = [(False, StoreError(f"database commit failed: {e!r}"))] * len(batch)
+        self._resolve(batch, results)
+        if self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _resolve(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                 results: list[tuple[bool, Any]]) -> None:
+        # Successes resolve in submission order (their events are published in id order);
+        # failures after them, newest first, so that the callers take back their in-memory
+        # changes in the reverse order of making them (see service.transaction).
+        failed = []
+        for (_op, fut, _single, orphaned), (ok, value) in zip(batch, results):
+            if not ok:
+                failed.append((fut, orphaned, value))
+            elif not fut.done():
+                fut.set_result(value)
+            elif orphaned is not None:
+                orphaned(True, value)
+        for fut, orphaned, error in reversed(failed):
+            if not fut.done():
+                fut.set_exception(error)
+            elif orphaned is not None:
+                orphaned(False, error)
+
+    def _settle(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
+                results: list[tuple[bool, Any]]) -> None:
+        """:meth:`_resolve` from any thread: at once on the futures' loop, else through it (a
+        closed loop has nobody left to wait for them)."""
+        loop = batch[0][1].get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._resolve(batch, results)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._resolve, batch, results)
+
+
+class Store(GroupCommitStore):
+    """SQLite in WAL mode: one writer thread with group commit, per-thread readers."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 5000) -> None:
+        self.path = Path(path)
+        self.busy_timeout_ms = busy_timeout_ms
+        if str(path) == ":memory:":
+            raise ValueError("the store needs a file (readers and the writer share it)")
+        self._init_queue()
+        self._conn = self._connect(readonly=False)
+        self._lock = threading.RLock()  # the writer connection is used by one caller at a time
+        self._stop = threading.Event()
+        self._checkpointer: threading.Thread | None = None
+        self.checkpoint_every_s = 1.0
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
         self._migrate()
 
     # -- connections -------------------------------------------------------------------------
@@ -325,11 +527,7 @@ class Store:
 
     def read_now(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read-only ``op`` on this thread's reader connection."""
-        with self._readers_lock:
-            if self._closed:
-                raise StoreError("the store is closed")
-            self._active_reads += 1
-        try:
+        with self._reading():
             conn = getattr(self._local, "conn", None)
             if conn is None:
                 conn = self._local.conn = self._connect(readonly=True)
@@ -340,14 +538,6 @@ class Store:
                 return op(conn)
             finally:
                 conn.execute("COMMIT")
-        finally:
-            with self._reads_idle:
-                self._active_reads -= 1
-                self._reads_idle.notify_all()
-
-    async def read(self, op: Callable[[sqlite3.Connection], T]) -> T:
-        """Run a read-only ``op`` in a worker thread (never blocks the event loop)."""
-        return await asyncio.to_thread(self.read_now, op)
 
     # -- the writer ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -363,51 +553,6 @@ class Store:
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="trainguard-wal-checkpoint", daemon=True)
         self._checkpointer.start()
 
-    @property
-    def alive(self) -> bool:
-        return self._started and not self._closed and self.failed is None
-
-    def submit(self, op: Callable[[sqlite3.Connection], T], *, single_statement: bool = False,
-               orphaned: Orphaned | None = None) -> asyncio.Future[T]:
-        """Queue ``op`` for the next group commit; the future resolves after the commit.
-
-        Every operation submitted during one turn of the event loop is committed in one
-        transaction at the end of that turn, on the loop's thread: in WAL mode with
-        ``synchronous=NORMAL`` a commit appends to the WAL without fsync (~0.1 ms), which costs
-        less than handing work to a thread and back (a GIL hand-off per batch measured ~1 ms).
-        The fsyncs happen in checkpoints, run by a separate thread. Each operation runs in a
-        savepoint so that a failing one fails alone; an operation that executes exactly one
-        statement may say so (``single_statement``) and skip the savepoint, since SQLite undoes
-        a failed statement by itself.
-
-        A queued operation runs even if its future is cancelled (the caller went away):
-        ``orphaned(ok, result_or_error)`` then receives its outcome after the commit.
-        """
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.create_future()
-        if not self.alive:
-            fut.set_exception(StoreError(f"the database writer is not running: {self.failed!r}"))
-            return fut
-        if not self._pending:
-            loop.call_soon(self._flush)
-        self._pending.append((op, fut, single_statement, orphaned))
-        return fut
-
-    def _flush(self) -> None:
-        if self._offloaded:
-            return  # the worker's completion flushes what queued meanwhile
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
-        results = self._commit([(op, single) for op, _fut, single, _orphaned in batch], wait=False)
-        if results is None:  # the write lock is held elsewhere: wait for it off the event loop
-            self._offloaded = True
-            loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(None, self._commit_waiting, [(op, single) for op, _fut, single, _orphaned in batch])
-            work.add_done_callback(lambda f: self._offloaded_done(batch, f))
-            return
-        self._resolve(batch, results)
-
     def _commit_waiting(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]]) -> list[tuple[bool, Any]]:
         """:meth:`_commit` in a worker thread, waiting up to ``busy_timeout_ms`` for the write lock."""
         with self._lock:
@@ -418,50 +563,6 @@ class Store:
                 self._conn.execute("PRAGMA busy_timeout=0")
         assert results is not None
         return results
-
-    def _offloaded_done(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
-                        work: asyncio.Future[list[tuple[bool, Any]]]) -> None:
-        self._offloaded = False
-        try:
-            results = work.result()
-        except BaseException as e:  # noqa: BLE001 - the executor itself failed: every caller gets a 503
-            results = [(False, StoreError(f"database commit failed: {e!r}"))] * len(batch)
-        self._resolve(batch, results)
-        if self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _resolve(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
-                 results: list[tuple[bool, Any]]) -> None:
-        # Successes resolve in submission order (their events are published in id order);
-        # failures after them, newest first, so that the callers take back their in-memory
-        # changes in the reverse order of making them (see service.transaction).
-        failed = []
-        for (_op, fut, _single, orphaned), (ok, value) in zip(batch, results):
-            if not ok:
-                failed.append((fut, orphaned, value))
-            elif not fut.done():
-                fut.set_result(value)
-            elif orphaned is not None:
-                orphaned(True, value)
-        for fut, orphaned, error in reversed(failed):
-            if not fut.done():
-                fut.set_exception(error)
-            elif orphaned is not None:
-                orphaned(False, error)
-
-    def _settle(self, batch: list[tuple[Any, asyncio.Future[Any], bool, Orphaned | None]],
-                results: list[tuple[bool, Any]]) -> None:
-        """:meth:`_resolve` from any thread: at once on the futures' loop, else through it (a
-        closed loop has nobody left to wait for them)."""
-        loop = batch[0][1].get_loop()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._resolve(batch, results)
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(self._resolve, batch, results)
 
     def _commit(self, batch: list[tuple[Callable[[sqlite3.Connection], Any], bool]], *,
                 wait: bool = True) -> list[tuple[bool, Any]] | None:
@@ -523,26 +624,21 @@ class Store:
         connection (bounded by ``timeout``)."""
         if self._closed:
             return
-        if self._pending:
-            batch, self._pending = self._pending, []
-            self._settle(batch, self._commit_waiting([(op, single) for op, _fut, single, _orphaned in batch]))
+        self._commit_pending_now()
         deadline = time.monotonic() + timeout
         with self._readers_lock:
             self._closed = True
         self._stop.set()
         if self._checkpointer is not None:
             self._checkpointer.join(timeout)
-        with self._reads_idle:
-            # never close a connection another thread is reading with (bounded by the timeout)
-            if self._reads_idle.wait_for(lambda: self._active_reads == 0, max(0.0, deadline - time.monotonic())):
-                for conn in self._readers:
-                    try:
-                        conn.close()
-                    except sqlite3.Error:
-                        pass
-            else:
-                log.warning("%d reads still running at close: their connections are left to the garbage collector",
-                            self._active_reads)
+        # never close a connection another thread is reading with (bounded by the timeout)
+        idle = self._close_reads(deadline)
+        with self._readers_lock:
+            for conn in self._readers if idle else ():
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
             self._readers.clear()
         try:
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -371,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the controller (env TRAINGUARD_HOST/PORT/DB/RULES and tokens)")
     s.add_argument("--host", default=None, help="bind address (env TRAINGUARD_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port, 0 = any free one (env TRAINGUARD_PORT, default 8000)")
-    s.add_argument("--db", default=None, help="SQLite file (env TRAINGUARD_DB, default trainguard.db)")
+    s.add_argument("--db", default=None, help="SQLite file, or postgresql://user@host/dbname (env TRAINGUARD_DB, default trainguard.db)")
     s.add_argument("--rules", default=None, help="rules YAML (env TRAINGUARD_RULES; default: stored or built-in rules)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every request")

@@ -191,3 +191,31 @@ def climb_ladder(client: Any, run: str = "run-1", job: str = "job-a", *, after: 
         body = {"job": job, "step_first": step, "step_last": step, "time": float(step), "values": values}
         resp = client.post(f"/v1/runs/{run}/reports", json=body, headers=headers or {})
         assert resp.status_code == 200, resp.text
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Any]:
+    """A private PostgreSQL server for the session (tests/service/postgres.py); skipped only where
+    Debian's server binaries are not installed (scripts/setup.sh installs them)."""
+    from tests.service.postgres import PostgresCluster, server_binaries
+
+    if server_binaries() is None:
+        pytest.skip("PostgreSQL server binaries not installed (initdb, pg_ctl under /usr/lib/postgresql/*/bin): run scripts/setup.sh")
+    pytest.importorskip("psycopg", reason="the postgres extra is not installed: pip install -e '.[postgres]'")
+    cluster = PostgresCluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster: Any) -> str:
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return postgres_cluster.create_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_db(request: pytest.FixtureRequest, tmp_path: Path) -> str | Path:
+    """Each backend in turn: a SQLite file in ``tmp_path``, then a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "tg.db"
+    return request.getfixturevalue("postgres_url")

@@ -1,6 +1,7 @@
-"""The store: a database written by schema version 1 (reports WITHOUT ROWID) is migrated at
-start-up (to version 3: run lifecycle columns) and nothing is lost; report values keep every float (NaN/Inf included) through the
-database's JSON."""
+"""The store, on each backend (SQLite and PostgreSQL): a database written by schema version 1
+(reports WITHOUT ROWID in SQLite) is migrated at start-up to the newest version and nothing is
+lost; report values keep every float (NaN/Inf included) through the database's JSON; closing
+commits the pending batch and waits for reads in flight."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from fastapi.testclient import TestClient
@@ -15,9 +17,20 @@ from fastapi.testclient import TestClient
 from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
-from trainguard.service.store import MIGRATIONS, Store
+from trainguard.service.store import MIGRATIONS, Store, open_store
 from trainguard.service.window import VECTORS
 from trainguard.protocol.wire import Report
+
+
+def _v1_rows(conn: Any) -> None:
+    """What a version-1 controller wrote: a run and five reports (the last loss NaN)."""
+    run_id = sql.insert_run(conn, run="old-run", job="old-job", world_size=2, ranks=[], agent_version="v1", config={}, now=100.0)
+    values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm_max": 1.0 + i} for i in range(5)]
+    values[-1]["trainguard_loss"] = math.nan
+    for i, v in enumerate(values):
+        report = Report(job="old-job", step_first=10 * i, step_last=10 * i + 9, time=200.0 + i, values=v)
+        ranks = {"loss": np.array([1.0 * i, 2.0 * i])}
+        sql.insert_report(conn, run_id, i + 1, report, 300.0 + i, ranks, VECTORS)
 
 
 def _v1_database(path: Path) -> None:
@@ -27,45 +40,48 @@ def _v1_database(path: Path) -> None:
             conn.execute(stmt)
     conn.execute("PRAGMA user_version=1")
     conn.execute("BEGIN")
-    run_id = sql.insert_run(conn, run="old-run", job="old-job", world_size=2, ranks=[], agent_version="v1", config={}, now=100.0)
-    values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm_max": 1.0 + i} for i in range(5)]
-    values[-1]["trainguard_loss"] = math.nan
-    for i, v in enumerate(values):
-        report = Report(job="old-job", step_first=10 * i, step_last=10 * i + 9, time=200.0 + i, values=v)
-        ranks = {"loss": np.array([1.0 * i, 2.0 * i])}
-        sql.insert_report(conn, run_id, i + 1, report, 300.0 + i, ranks, VECTORS)
+    _v1_rows(conn)
     conn.execute("COMMIT")
     conn.close()
 
 
-def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
-    db = tmp_path / "old.db"
-    _v1_database(db)
-    Store(db).close()  # migrates
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
-    lifecycle = conn.execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
+def _v1_postgres_database(url: str) -> None:
+    import psycopg
+
+    from trainguard.service.store_postgres import Dialect, PgConnection
+
+    with psycopg.connect(url) as raw:  # one transaction, committed on leaving
+        for stmt in Dialect.ddl(MIGRATIONS[0]):
+            raw.execute(stmt)
+        raw.execute("CREATE TABLE trainguard_schema (version INTEGER NOT NULL)")
+        raw.execute("INSERT INTO trainguard_schema VALUES (1)")
+        _v1_rows(PgConnection(raw))
+
+
+def _assert_migrated_columns(execute: Any) -> None:
+    """The columns versions 3 to 9 added hold what an old run means."""
+    lifecycle = execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
     assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     # version 4: an old run keeps its own accumulation steps, the LR untouched
-    assert conn.execute("SELECT accumulation_steps, accumulation_lr_rule FROM runs").fetchall() == [(0, "none")]
+    assert execute("SELECT accumulation_steps, accumulation_lr_rule FROM runs").fetchall() == [(0, "none")]
     # version 5: no runtime tokens yet, and an old run has no token owner (its binding still applies)
-    assert conn.execute("SELECT COUNT(*) FROM tokens").fetchone()[0] == 0
-    assert conn.execute("SELECT COUNT(*) FROM run_owners").fetchone()[0] == 0
+    assert execute("SELECT COUNT(*) FROM tokens").fetchone()[0] == 0
+    assert execute("SELECT COUNT(*) FROM run_owners").fetchone()[0] == 0
     # version 6: an old run has never been rolled back
-    assert conn.execute("SELECT rollback_seq, rollback_step FROM runs").fetchall() == [(0, 0)]
+    assert execute("SELECT rollback_seq, rollback_step FROM runs").fetchall() == [(0, 0)]
     # version 7: nor asked for a memory trace or a gradient recompute check
-    assert conn.execute("SELECT memory_trace_seq, verify_seq FROM runs").fetchall() == [(0, 0)]
+    assert execute("SELECT memory_trace_seq, verify_seq FROM runs").fetchall() == [(0, 0)]
     # version 8: nor had steps skipped for their data
-    assert conn.execute("SELECT data_skip_until, stop_exit_code FROM runs").fetchall() == [(0, 0)]
-    ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
-    assert "WITHOUT ROWID" not in ddl.upper()
-    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='reports'")}
-    assert "reports_received" in indexes
-    rows = conn.execute("SELECT seq, step_last, received, ranks FROM reports ORDER BY seq").fetchall()
+    assert execute("SELECT data_skip_until, stop_exit_code FROM runs").fetchall() == [(0, 0)]
+    rows = execute("SELECT seq, step_last, received, ranks FROM reports ORDER BY seq").fetchall()
     assert [(r[0], r[1], r[2]) for r in rows] == [(i + 1, 10 * i + 9, 300.0 + i) for i in range(5)]
     assert np.frombuffer(rows[3][3]).tolist() == [3.0, 6.0]
-    conn.close()
-    with TestClient(create_app(Settings(db=db))) as c:
+
+
+def _assert_migrated_app(db: Any) -> None:
+    """The controller on the migrated database serves the old run and continues its reports."""
+    # no absence tick while the test reads (the old run's last report is decades old)
+    with TestClient(create_app(Settings(db=db, tick_s=60))) as c:
         st = c.get("/v1/runs/old-run").json()
         assert st["reports"] == 5 and st["last_step"] == 49 and st["last_report_at"] == 304.0
         assert st["status"] == "running" and st["finished_at"] is None and st["live_since"] == 100.0
@@ -74,8 +90,45 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
         body = {"job": "old-job", "step_first": 50, "step_last": 50, "time": 1.0, "values": {"trainguard_loss": 1.0}}
         assert c.post("/v1/runs/old-run/reports", json=body).status_code == 200
         assert c.get("/v1/runs/old-run").json()["reports"] == 6
-    seqs = [r[0] for r in sqlite3.connect(db).execute("SELECT seq FROM reports ORDER BY seq")]
+        seqs = c.app.state.controller.store.read_now(lambda conn: [r[0] for r in conn.execute("SELECT seq FROM reports ORDER BY seq")])
     assert seqs == [1, 2, 3, 4, 5, 6]
+
+
+def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    _v1_database(db)
+    Store(db).close()  # migrates
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
+    _assert_migrated_columns(conn.execute)
+    ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
+    assert "WITHOUT ROWID" not in ddl.upper()
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='reports'")}
+    assert "reports_received" in indexes
+    conn.close()
+    _assert_migrated_app(db)
+
+
+def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) -> None:
+    from trainguard.service.store_postgres import PgConnection, PostgresStore
+
+    import psycopg
+
+    _v1_postgres_database(postgres_url)
+    store = PostgresStore(postgres_url)  # migrates
+    try:
+        assert store.schema_version == len(MIGRATIONS) == 9
+        store.read_now(lambda c: _assert_migrated_columns(c.execute))
+    finally:
+        store.close()
+    with psycopg.connect(postgres_url) as raw:
+        types = dict(raw.execute("SELECT column_name, data_type FROM information_schema.columns WHERE table_name='reports'").fetchall())
+        indexes = {r[0] for r in raw.execute("SELECT indexname FROM pg_indexes WHERE tablename='reports'")}
+        # a migrated database holds what SQLite holds: 64-bit integers, doubles, bytes
+        assert (types["seq"], types["received"], types["ranks"]) == ("bigint", "double precision", "bytea")
+        assert "reports_received" in indexes
+        assert PgConnection(raw).execute("SELECT COUNT(*) FROM reports").fetchone()[0] == 5
+    _assert_migrated_app(postgres_url)
 
 
 def test_report_values_round_trip_through_their_json() -> None:
@@ -90,18 +143,18 @@ def test_report_values_round_trip_through_their_json() -> None:
     assert json.loads(sql.dumps_json(values)).keys() == back.keys()  # the same text format the other columns use
 
 
-def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(tmp_path: Path) -> None:
+def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(store_db: Any) -> None:
     import threading
 
     import pytest
 
     from trainguard.service.store import StoreError
 
-    store = Store(tmp_path / "t.db")
+    store = open_store(store_db)
     inside, release = threading.Event(), threading.Event()
     out: dict[str, object] = {}
 
-    def slow_read(conn: sqlite3.Connection) -> int:
+    def slow_read(conn: Any) -> int:
         inside.set()
         release.wait(5)
         return conn.execute("SELECT count(*) FROM runs").fetchone()[0]
@@ -121,17 +174,17 @@ def test_close_waits_for_a_read_in_flight_and_refuses_later_reads(tmp_path: Path
         store.read_now(lambda conn: 1)
 
 
-def test_a_cancelled_caller_gets_its_outcome_through_orphaned(tmp_path: Path) -> None:
+def test_a_cancelled_caller_gets_its_outcome_through_orphaned(store_db: Any) -> None:
     """A queued write runs although its caller stopped waiting; ``orphaned`` receives the outcome
     (the controller publishes or takes back its in-memory change from it). Failures resolve
     newest first."""
     import asyncio
 
-    store = Store(tmp_path / "o.db")
+    store = open_store(store_db)
     store.start()
     outcomes: list[tuple[str, bool, object]] = []
 
-    def boom(c: sqlite3.Connection) -> None:
+    def boom(c: Any) -> None:
         raise sqlite3.IntegrityError("refused")
 
     async def main() -> None:
@@ -140,8 +193,11 @@ def test_a_cancelled_caller_gets_its_outcome_through_orphaned(tmp_path: Path) ->
         bad = store.submit(boom, orphaned=lambda good, value: outcomes.append(("bad", good, type(value).__name__)))
         ok.cancel()
         bad.cancel()
-        await asyncio.sleep(0)  # the loop's turn ends: the group commit runs
-        await asyncio.sleep(0)
+        # the loop's turn ends: the group commit runs (SQLite: on the loop; PostgreSQL: in a worker thread)
+        for _ in range(1000):
+            if len(outcomes) == 2:
+                break
+            await asyncio.sleep(0.005)
 
     try:
         asyncio.run(main())
@@ -151,14 +207,14 @@ def test_a_cancelled_caller_gets_its_outcome_through_orphaned(tmp_path: Path) ->
         store.close()
 
 
-def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(tmp_path: Path) -> None:
+def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(store_db: Any) -> None:
     """Writes queued for the group commit when the store closes are committed by close(), and
     their callers get the outcome (a value, or the operation's error) instead of waiting forever."""
     import asyncio
 
-    store = Store(tmp_path / "c.db")
+    store = open_store(store_db)
 
-    def refused(c: sqlite3.Connection) -> None:
+    def refused(c: Any) -> None:
         c.execute("INSERT INTO no_such_table VALUES (1)")
 
     async def main() -> tuple[int, BaseException | None]:
@@ -171,19 +227,24 @@ def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(tmp_p
 
     version, error = asyncio.run(main())
     assert version == 1
-    assert isinstance(error, sqlite3.OperationalError) and "no_such_table" in str(error)
-    reopened = Store(tmp_path / "c.db")
+    if isinstance(store, Store):
+        assert isinstance(error, sqlite3.OperationalError) and "no_such_table" in str(error)
+    else:
+        import psycopg
+
+        assert isinstance(error, psycopg.errors.UndefinedTable) and "no_such_table" in str(error)
+    reopened = open_store(store_db)
     try:
         assert reopened.read_now(sql.latest_rules)["text"] == "kept"
     finally:
         reopened.close()
 
 
-def test_close_from_another_thread_hands_the_outcome_to_the_writers_loop(tmp_path: Path) -> None:
+def test_close_from_another_thread_hands_the_outcome_to_the_writers_loop(store_db: Any) -> None:
     import asyncio
     import threading
 
-    store = Store(tmp_path / "t.db")
+    store = open_store(store_db)
 
     async def main() -> int:
         store.start()
