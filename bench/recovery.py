@@ -115,7 +115,7 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
                                             snapshot_every=50, snapshot_keep=4))
     losses: list[float] = []
     first_action: int | None = None
-    back: int | None = None  # steps after a transient fault until lr_scale is within 2x of the schedule
+    scales: list[float] = []  # lr_scale in force after each step
     done = threading.Event()
     was_paused: list[bool] = []
 
@@ -165,13 +165,18 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
                  or amp_skipped)
         if acted and first_action is None:
             first_action = step
-        if step >= fault_end and back is None and agent.control.lr_scale >= 0.5:
-            back = step - fault_end
+        scales.append(agent.control.lr_scale)
         losses.append(float(loss.detach()))
         if agent.should_stop:
             break
     done.set()
     watcher.join()
+    back: int | None = None  # steps after a transient fault until lr_scale stays within 2x of the schedule
+    if fault_steps is not None and len(scales) > fault_end:
+        low = [k for k in range(int(fault_end), len(scales)) if scales[k] < 0.5]
+        back = (low[-1] + 1 - int(fault_end)) if low else 0
+        if low and low[-1] == len(scales) - 1:
+            back = None  # never back
     history = list(agent.control.history)
     skipped = dict(agent.control.skip.skipped_by_reason)
     paused = bool(was_paused)
@@ -184,6 +189,9 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     finite = [x for x in losses[-20:] if x == x]
     print(f"  {name}: {len(losses)} steps, final loss {statistics.fmean(x for x in losses[-20:] if x == x):.3f}, "
           f"rungs {rungs}", file=sys.stderr, flush=True)
+    for inc in reversed(incidents):
+        for r in inc["rungs"]:
+            print(f"    step {r['step']} {r['rung']}: {r['reason'][:240]}", file=sys.stderr, flush=True)
     return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan"), "paused": paused,
             "first_action": first_action, "actions": len(history) + sum(skipped.values()), "skipped": skipped,
             "rungs": rungs, "lost": lost, "scale": scale, "steps": len(losses),

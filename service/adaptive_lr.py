@@ -109,7 +109,8 @@ class ScheduleBaseline:
     def needed(self, values: Mapping[str, float]) -> tuple[float | None, str]:
         """The factor of the ceiling the run needs now (at most 1), and how it was computed; None
         when the report says nothing in these terms (no per-LR update with a baseline, and no
-        scheduled LR above a known envelope)."""
+        scheduled LR with a known envelope). The scheduled LR is that of the report's last step: a
+        jump that already ended within the interval needs no cut (its damage is the ladder's)."""
         factor, notes = 1.0, []
         known = False
         base, per_lr = baseline(self.per_lr), _positive(values, self.PER_LR)
@@ -121,7 +122,7 @@ class ScheduleBaseline:
         lr = _positive(values, "trainguard_scheduler_lr")
         envelope = self.envelope if self.envelope is not None else _positive(values, "trainguard_scheduler_lr_peak")
         if lr is not None and envelope is not None:
-            known = known or lr > SCHEDULE_TOLERANCE * envelope
+            known = True  # (a schedule back inside its envelope is no reason to cut the LR now)
             if lr > SCHEDULE_TOLERANCE * envelope:
                 factor *= envelope / lr
                 notes.append(f"the schedule's LR {lr:.3g} is {lr / envelope:.3g}x the highest it set while "

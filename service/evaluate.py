@@ -92,21 +92,25 @@ def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-#: A schedule that rose more than this over its peak in one report interval jumped: no discount.
-_SCHEDULE_RISE_LIMIT = 2.0
+#: The scheduled LR may exceed the envelope it had before the window by this factor and still be
+#: a planned rise (service/adaptive_lr.SCHEDULE_TOLERANCE).
+_SCHEDULE_TOLERANCE = 1.05
 
 
 def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
     """How far the scheduled LR rose over the rule's window (newest / median of the reports before
-    it; >= 1), for ``schedule_discount``; 1 when it did not rise, is not reported, or jumped."""
+    it; >= 1), for ``schedule_discount``. 1 when it did not rise or is not reported, and when it
+    is above the schedule's envelope as it stood before the window (the agent's
+    ``trainguard_scheduler_lr_peak`` in the window's oldest report): a jump beyond every LR the
+    run had trained at is not a plan, and one inside the window cannot raise that envelope."""
     lr = w.latest("trainguard_scheduler_lr")
-    jump = w.latest("trainguard_scheduler_lr_ratio")
-    if lr is None or not lr > 0 or (jump is not None and not jump <= _SCHEDULE_RISE_LIMIT):
+    peaks = w.series("trainguard_scheduler_lr_peak", rule.window + 1)
+    if lr is None or not lr > 0 or not len(peaks) or not lr <= _SCHEDULE_TOLERANCE * float(peaks[0]):
         return 1.0
     before = w.series("trainguard_scheduler_lr", rule.window + 1)[:-1]
     before = before[np.isfinite(before) & (before > 0)]
-    if not len(before) or (jump is None and lr > _SCHEDULE_RISE_LIMIT * float(before.max())):
-        return 1.0  # (without the agent's envelope: above everything in the window is a jump)
+    if not len(before):
+        return 1.0
     return max(lr / median(before), 1.0)
 
 

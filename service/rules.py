@@ -300,8 +300,8 @@ class SpikeRule(_RuleBase):
     schedule_discount: bool = Field(default=False, description=(
         "Divide the spike's score by how far the user's scheduled LR rose over the same window (its newest value "
         "/ its median there) while the schedule stays within its range: a warm restart or a re-warm moves the "
-        "gradient norm and the loss with the LR it planned. No discount when the schedule rose more than 2x over "
-        "its peak in one report interval (that is a jump, not a plan)."))
+        "gradient norm and the loss with the LR it planned. No discount when the scheduled LR is above the highest "
+        "LR the schedule had set before the window (a jump, not a plan)."))
 
     @model_validator(mode="after")
     def _history(self) -> "SpikeRule":

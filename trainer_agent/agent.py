@@ -296,7 +296,7 @@ class Agent:
         ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
-                             step=lambda: self.step, grad_norm=lambda: self.meter.grad_norm,
+                             step=lambda: self.step, grad_norm=self._grad_norm_before_step,
                              desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
@@ -331,6 +331,16 @@ class Agent:
             guard.consecutive = 0  # the restored state is a healthy one
         if extra.get("scheduled_lr") is not None:  # the schedule's envelope as it was before the fault
             self.scheduled_lr.load_state_dict(extra["scheduled_lr"])
+
+    def _grad_norm_before_step(self) -> Any:
+        """The gradient norm the skip decision reads (``NonfiniteSkip``), before any hook of the
+        step runs: the step's scheduled LR is recorded here too, so a step that is then skipped
+        still shows what the schedule asked for."""
+        try:
+            self.scheduled_lr.observe(self.optimizer, self.step)
+        except Exception as exc:
+            self._error("scheduled_lr", exc)
+        return self.meter.grad_norm
 
     def _spike_guard(self) -> Any:
         skip = getattr(self.control, "skip", None)
@@ -381,7 +391,7 @@ class Agent:
         except Exception as exc:
             self._error("optimizer_closure", exc)
         try:
-            self.scheduled_lr.observe(optimizer)  # before lr_scale multiplies it below
+            self.scheduled_lr.observe(optimizer, self.step)  # before lr_scale multiplies it below
         except Exception as exc:
             self._error("scheduled_lr", exc)
         if self.control is not None:

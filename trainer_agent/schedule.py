@@ -40,7 +40,8 @@ class ScheduledLr:
     param groups, read in the optimizer's pre-hook *before* the control plane multiplies it by
     ``lr_scale`` (so it is the schedule's own value, whatever the controller does), for each step
     the optimizer takes. Host floats only: a group whose LR lives in a device tensor (a
-    ``capturable`` optimizer) makes the step unobserved rather than cost a device read.
+    ``capturable`` optimizer) makes the step unobserved rather than cost a device read. A step the
+    agent skips (non-finite or spiking gradients) is observed too: the schedule asked for it.
 
     :meth:`take` gives a report's values and starts the next interval:
 
@@ -69,9 +70,16 @@ class ScheduledLr:
         self.steps = 0
         """Steps observed (before the current interval: :attr:`steps_before`)."""
         self.steps_before = 0
+        self._observed_step: int | None = None
 
-    def observe(self, optimizer: Any) -> None:
-        """Optimizer pre-hook, before ``lr_scale`` is applied: record the step's scheduled LR."""
+    def observe(self, optimizer: Any, step: int | None = None) -> None:
+        """Before ``lr_scale`` is applied (the optimizer's pre-hook, and the skip decision of a
+        step the agent may not take): record the step's scheduled LR. ``step``: the agent's step
+        counter then; a second call for the same step is ignored."""
+        if step is not None:
+            if step == self._observed_step:
+                return
+            self._observed_step = step
         lr = -math.inf
         for group in optimizer.param_groups:
             v = group["lr"]
@@ -117,3 +125,4 @@ class ScheduledLr:
             raise ValueError(f"malformed scheduled-LR state: peak {peak!r}, steps {steps!r}")
         self.peak, self.steps, self.steps_before = peak, steps, steps
         self.interval_max = None
+        self._observed_step = None

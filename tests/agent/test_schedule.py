@@ -3,6 +3,8 @@ user's LR schedule asked for at each step."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -74,3 +76,26 @@ def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:
     assert v["trainguard_scheduler_lr_peak"] == pytest.approx(9e-3)
     assert v["trainguard_scheduler_lr_ratio"] == pytest.approx(10 / 9)
     assert agent.state_dict()["scheduled_lr"] == {"peak": pytest.approx(1e-2), "steps": 10}
+
+
+def test_a_step_the_agent_skips_still_reports_what_the_schedule_asked_for() -> None:
+    import trainer_agent as ta
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 + k)
+    agent = ta.attach(model, opt, job="j", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
+    seen = []
+    for k in range(4):
+        loss = model(torch.randn(2, 4)).sum() * (math.nan if k == 3 else 1.0)
+        loss.backward()
+        opt.step()  # the NaN gradients of step 4: not taken
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(1.0)
+        seen.append(agent.latest())
+    agent.close(1.0)
+    assert agent.control.skip.skipped == 1
+    assert [v["trainguard_scheduler_lr"] for v in seen] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])
+    assert agent.state_dict()["scheduled_lr"]["steps"] == 4  # each step counted once

@@ -44,14 +44,14 @@ def _env() -> dict[str, str]:
 
 def operator_only_rules(directory: Path) -> Path:
     """A rules file in ``directory``: the built-in rules without the ones that set lr_scale on
-    their own (recovery's ladder and LR ramp, the update-ratio rule), and with a NaN loss pausing
+    their own (recovery's ladder and LR ramp, the update-ratio and scheduled-LR rules), and with a NaN loss pausing
     the run for a human (as without recovery), for tests that check an operator's commands
     generation by generation."""
     import yaml
 
     rules = yaml.safe_load((ROOT / "service" / "default_rules.yaml").read_text())
     rules["recovery"] = {"enabled": False}
-    rules["rules"] = [r for r in rules["rules"] if r["name"] != "update_ratio_spike"]
+    rules["rules"] = [r for r in rules["rules"] if r["name"] not in ("update_ratio_spike", "scheduler_lr_jump")]
     for r in rules["rules"]:
         if r["name"] == "loss_nonfinite":
             r["actions"] = ["pause", "notify"]

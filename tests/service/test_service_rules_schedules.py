@@ -126,3 +126,35 @@ def test_a_rewarm_after_resume_draws_no_finding_and_no_action() -> None:
     steps = _replay(first + second)
     assert _acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+
+
+def _loss_window(lrs: list[float], losses: list[float]) -> Any:
+    """A window of reports with the given scheduled LRs and losses, and the agent's envelope."""
+    from trainguard.service.window import RunWindow
+
+    w = RunWindow(capacity=128, rank_capacity=8, world_size=1, created=0.0)
+    peak = None
+    for i, (lr, loss) in enumerate(zip(lrs, losses)):
+        values = {"trainguard_loss": loss, "trainguard_scheduler_lr": lr, "trainguard_scheduler_lr_max": lr}
+        if peak is not None:
+            values["trainguard_scheduler_lr_peak"] = peak
+        w.append(Report(job="j", step_first=i + 1, step_last=i + 1, time=float(i), values=values), float(i))
+        peak = lr if peak is None else max(peak, lr)
+    return w
+
+
+def test_the_loss_spike_discount_follows_planned_rises_only() -> None:
+    from trainguard.service.evaluate import evaluate
+
+    rule = next(r for r in RULES.base if r.name == "loss_spike")
+    assert rule.schedule_discount
+    noise = [2.0 + 0.01 * ((7 * i) % 5) for i in range(70)]
+    # A restart: the LR decayed from the peak 1e-3 it had before the window to 1e-5, then back.
+    restart = [1e-3] * 5 + [1e-5] * 64 + [1e-3]
+    # A fault: the LR was 1e-3 all along and jumps to 1 (the agent's own peak follows the jump).
+    fault = [1e-3] * 65 + [1.0] * 5
+    bumped = noise[:-1] + [2.5]  # the newest loss far above its window
+    assert evaluate((rule,), _loss_window([1e-3] * 70, bumped), 70.0)[0].active  # no LR change: a spike
+    assert not evaluate((rule,), _loss_window(restart, bumped), 70.0)[0].active  # a planned rise: discounted
+    found = evaluate((rule,), _loss_window(fault, bumped), 70.0)[0]
+    assert found.active and "schedule_lr_rise" not in found.values  # above the envelope: not discounted
