@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.cli import format_incidents
 from trainguard.demo.run import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration, pytest.mark.timeout(400)]
@@ -71,6 +72,13 @@ def test_demo_story(tmp_path, record_property) -> None:
     rungs = [r["rung"] for r in incident["rungs"]]
     assert rungs[0] == "adaptive_lr" and "pause" not in rungs and incident["outcome"] == "recovered"
     assert all(i["outcome"] == "recovered" for i in result.incidents)
+    # each incident's cause was decided before its first action: the LR blow-up is the optimizer's,
+    # and the summary prints every incident's verdict with its evidence
+    assert incident["cause"] == "optimizer"
+    assert any(e["signal"] == "trainguard_scheduler_lr" and e["points_to"] == "optimizer" for e in incident["verdict"]["evidence"])
+    summary = format_incidents(result.incidents)
+    for inc in result.incidents:
+        assert f"  cause: {inc['cause']}: {inc['verdict']['summary']}" in summary.splitlines()
     rollbacks = [a for a in result.actions if a["desired"].get("rollback_seq", 0) > 0]
     for rb in rollbacks:  # a rollback goes back before the onset, to a snapshot on the agent's grid
         assert rb["desired"]["rollback_step"] < onset and rb["desired"]["rollback_step"] % cfg.snapshot_every == 0

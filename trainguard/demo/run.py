@@ -420,7 +420,8 @@ def _watch(cfg: DemoConfig, ctl: _Controller, run: str, procs: list[Any]) -> Non
                 elif ev["kind"] == "incident":
                     inc = ev["data"]["incident"]
                     rungs = " > ".join(r["rung"] for r in inc["rungs"]) or "-"
-                    _say(cfg, f"  ~~ incident {inc['id']} (onset step {inc['onset_step']}): {rungs} / {inc['outcome']}")
+                    _say(cfg, f"  ~~ incident {inc['id']} (onset step {inc['onset_step']}, cause {inc.get('cause', 'unknown')}): "
+                              f"{rungs} / {inc['outcome']}")
             if paused_since is not None and time.monotonic() - paused_since >= cfg.resume_after_s:
                 if not ctl.operator_token:
                     if not told_manual:
@@ -569,7 +570,7 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
     print("actions (changes of desired state):")
     for a in result.actions:
         print(f"  gen {a['generation']:>3}  applied at step {a['applied_step']!s:>5}  by {a['actor']:<28} {a['change']}")
-    print("incidents (the escalation ladder, rung by rung):")
+    print("incidents (the cause decided before the first action, its evidence, then the ladder rung by rung):")
     print(textwrap.indent(format_incidents(result.incidents), "  "))
     humans = sum(1 for a in result.actions if a["actor"].startswith("operator:"))
     final, healthy = result.final_loss(), result.healthy_final_loss()
