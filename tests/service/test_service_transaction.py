@@ -1,6 +1,8 @@
 """One transaction path (service.transaction): a commit that fails leaves the controller's memory
 exactly as before — the rule window, the alert book (firing, last fire, cap count), the desired
-state, acks — so a retried report counts once and a NaN still pauses the run."""
+state, acks — so a retried report counts once and a NaN still pauses the run. On each backend: a
+SQLite file whose write lock another connection holds, a PostgreSQL database whose tables another
+connection has locked."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from trainguard.service.config import Settings
 from trainguard.service.engine import AlertBook
 from trainguard.service.evaluate import Finding
 from trainguard.service.rules import default_rules_text, load_rules
-from trainguard.service.store import Store
+from trainguard.service.store import Store, open_store
 from trainguard.service.window import VECTORS, RunWindow
 from tests.service.conftest import register
 
@@ -26,21 +28,29 @@ NAN_REPORT = b'{"job":"job-a","step_first":2,"step_last":2,"time":2.0,"values":{
 
 
 @pytest.fixture
-def locked_app(tmp_path: Path) -> Iterator[tuple[TestClient, Any, list[float], Path]]:
+def locked_app(store_db: Any) -> Iterator[tuple[TestClient, Any, list[float], Any]]:
     """An app whose writes give up after 100 ms on a lock held elsewhere, on a settable clock."""
-    db, now = tmp_path / "tg.db", [1_000.0]
-    app = create_app(Settings(db=db), store=Store(db, busy_timeout_ms=100), clock=lambda: now[0])
+    db, now = store_db, [1_000.0]
+    app = create_app(Settings(db=db), store=open_store(db, busy_timeout_ms=100), clock=lambda: now[0])
     with TestClient(app) as c:
         register(c)
         yield c, app.state.controller, now, db
 
 
 class WriteLock:
-    """Another connection holding the database's write lock until released."""
+    """Another connection holding the database's write lock until released (SQLite); holding
+    every table the controller writes locked against writers (PostgreSQL)."""
 
-    def __init__(self, db: Path) -> None:
-        self.conn = sqlite3.connect(db, isolation_level=None)
-        self.conn.execute("BEGIN IMMEDIATE")
+    def __init__(self, db: Any) -> None:
+        if isinstance(db, Path):
+            self.conn = sqlite3.connect(db, isolation_level=None)
+            self.conn.execute("BEGIN IMMEDIATE")
+            return
+        import psycopg
+
+        self.conn = psycopg.connect(db, autocommit=True)
+        self.conn.execute("BEGIN")
+        self.conn.execute("LOCK TABLE runs, reports, alerts, events, outbox IN EXCLUSIVE MODE")
 
     def release(self) -> None:
         self.conn.execute("ROLLBACK")
@@ -79,8 +89,8 @@ def test_nan_report_refused_under_a_write_lock_pauses_when_retried(locked_app) -
     assert c.get("/v1/runs/run-1").json()["reports"] == 2
     kinds = [e["kind"] for e in c.get("/v1/runs/run-1/events").json()]
     assert kinds == ["registered", "alert", "desired", "incident"]  # the refused rollback paused: escalated
-    with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT seq, step_last FROM reports ORDER BY seq").fetchall() == [(1, 1), (2, 2)]
+    stored = ctl.store.read_now(lambda conn: [tuple(r) for r in conn.execute("SELECT seq, step_last FROM reports ORDER BY seq")])
+    assert stored == [(1, 1), (2, 2)]
 
 
 def test_refused_command_and_ack_leave_no_trace(locked_app) -> None:
