@@ -133,33 +133,11 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     watcher = threading.Thread(target=stop_when_paused, daemon=True)
     watcher.start()
     g = torch.Generator().manual_seed(seed + 7)
+    faults = dict(burst=burst, poison=poison, nan=nan, fp16_overflow=fp16_overflow)
     for step in range(args.steps):
-        ids, mask = corpus.batch(step + seed * 100_000, 0)
-        if burst and onset <= step < onset + burst:
-            ids = torch.randint(1, 256, ids.shape, generator=g)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-            loss = next_byte_loss(model, ids, mask)
-        weighted = loss
-        if poison and step == onset:
-            weighted = loss * 1e4
-        if nan and step == onset:
-            weighted = loss * float("nan")
-        if fp16_overflow and onset <= step < onset + 10:
-            weighted = loss * 1e4
         skipped_before = agent.control.skip.skipped
         gens_before = agent.control.applied_generation
-        amp_skipped = False
-        if scaler is not None:
-            scaler.scale(weighted).backward()
-            scale_before = scaler.get_scale()
-            scaler.step(opt)
-            scaler.update()
-            amp_skipped = scaler.get_scale() < scale_before  # the GradScaler skipped the step
-        else:
-            weighted.backward()
-            opt.step()
-        opt.zero_grad()
-        sched.step()
+        loss, amp_skipped = _train_step(step, model, opt, sched, scaler, corpus, args, g, seed, **faults)
         agent.end_step(loss.detach())
         acted = (agent.control.skip.skipped > skipped_before or agent.control.applied_generation > gens_before
                  or amp_skipped)
@@ -198,30 +176,45 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
             "outcomes": [inc["outcome"] for inc in reversed(incidents)], "back": back}
 
 
+def _train_step(step: int, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, scaler: Any, corpus: ByteCorpus,
+                args: argparse.Namespace, g: torch.Generator, seed: int, *, burst: int, poison: bool, nan: bool,
+                fp16_overflow: bool) -> tuple[torch.Tensor, bool]:
+    """One training step with the case's faults: (its loss, whether the GradScaler skipped it)."""
+    onset = args.onset
+    ids, mask = corpus.batch(step + seed * 100_000, 0)
+    if burst and onset <= step < onset + burst:
+        ids = torch.randint(1, 256, ids.shape, generator=g)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+        loss = next_byte_loss(model, ids, mask)
+    weighted = loss
+    if poison and step == onset:
+        weighted = loss * 1e4
+    if nan and step == onset:
+        weighted = loss * float("nan")
+    if fp16_overflow and onset <= step < onset + 10:
+        weighted = loss * 1e4
+    amp_skipped = False
+    if scaler is not None:
+        scaler.scale(weighted).backward()
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        amp_skipped = scaler.get_scale() < scale_before  # the GradScaler skipped the step
+    else:
+        weighted.backward()
+        opt.step()
+    opt.zero_grad()
+    sched.step()
+    return loss, amp_skipped
+
+
 def _run_plain(name: str, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, args: argparse.Namespace,
-               corpus: ByteCorpus, *, seed: int, burst: int, poison: bool, nan: bool, fp16_overflow: bool) -> dict:
+               corpus: ByteCorpus, *, seed: int, **faults: Any) -> dict:
     """The same training loop and faults, without trainguard."""
-    scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
+    scaler = torch.amp.GradScaler("cpu") if faults["fp16_overflow"] else None
     g = torch.Generator().manual_seed(seed + 7)
-    losses = []
-    for step in range(args.steps):
-        ids, mask = corpus.batch(step + seed * 100_000, 0)
-        if burst and args.onset <= step < args.onset + burst:
-            ids = torch.randint(1, 256, ids.shape, generator=g)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-            loss = next_byte_loss(model, ids, mask)
-        weighted = loss * (1e4 if (poison and step == args.onset) or (fp16_overflow and args.onset <= step < args.onset + 10)
-                           else float("nan") if nan and step == args.onset else 1.0)
-        if scaler is not None:
-            scaler.scale(weighted).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            weighted.backward()
-            opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(float(loss.detach()))
+    losses = [float(_train_step(step, model, opt, sched, scaler, corpus, args, g, seed, **faults)[0].detach())
+              for step in range(args.steps)]
     finite = [x for x in losses[-20:] if x == x]
     return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan")}
 
