@@ -20,6 +20,13 @@ Every request has a connect and a read timeout; failures back off exponentially 
 ``up`` (``trainguard_agent_controller_up``) is True after a 2xx answer and False after anything
 else. Nothing here raises into the caller: ``submit_*`` only append to a buffer.
 
+The client trusts the controller no further than the protocol: a desired state with any field
+outside its documented bounds (``lr_scale`` outside [``LR_SCALE_MIN``, ``LR_SCALE_MAX``], a negative
+sequence number, ``accumulation_steps`` beyond ``MAX_ACCUMULATION_STEPS``, ...) is refused whole:
+the last valid state stays, and the refusal goes to ``on_error`` (the agent's error counter and a
+log line) with each field and value, once per command. A report the controller refuses as too large
+(413) is dropped and goes to ``on_error`` too, with the setting that decides the limit.
+
 The desired state is level-based: the client keeps the one with the highest generation it has
 seen (from the registration answer, report answers and polls); out-of-order answers never move it
 backwards.
@@ -27,6 +34,7 @@ backwards.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import socket
@@ -40,10 +48,12 @@ from typing import Any, TypeVar
 import httpcore
 import httpx
 from httpcore._backends.sync import SyncBackend
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from trainguard.protocol.wire import (
     API_PREFIX,
+    LR_SCALE_MAX,
+    LR_SCALE_MIN,
     Ack,
     DesiredState,
     MemoryReport,
@@ -103,6 +113,21 @@ class _AbortableBackend(SyncBackend):
                 pass
 
 
+def _command_fields(exc: ValidationError, answer_type: type[WireModel]) -> list[tuple[str, Any]] | None:
+    """The (field, value) pairs of a desired state that made ``exc``, when it is about the desired
+    state alone (``None`` when another part of the answer is unreadable)."""
+    out = []
+    for error in exc.errors():
+        loc = error["loc"]
+        if answer_type is not _Command:
+            if not loc or loc[0] != "desired":
+                return None
+            loc = loc[1:] or ("desired",)
+        field = ".".join(str(part) for part in loc) or "desired"
+        out.append((field, error.get("input")))
+    return out
+
+
 def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
     """Seconds to wait after ``failures`` consecutive failures (>= 1): exponential with "equal
     jitter", ``d/2 + uniform(0, d/2)`` with ``d = min(max_s, initial_s * 2**(failures-1))``, so
@@ -113,6 +138,25 @@ def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Ran
 
 class _Refused(Exception):
     """The controller answered with a 4xx that retrying will not fix: drop the item."""
+
+
+class _TooLarge(_Refused):
+    """The controller refused the body as too large (413)."""
+
+
+class _Command(DesiredState):
+    """A desired state as the agent takes it from the wire: every bound of the protocol, the
+    ``lr_scale`` range included (the wire model leaves that one to the controller)."""
+
+    lr_scale: float = Field(default=1.0, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
+
+
+class _Registered(RunRegistered):
+    desired: _Command
+
+
+class _Accepted(ReportAccepted):
+    desired: _Command
 
 
 class _Unknown(Exception):
@@ -139,6 +183,7 @@ class ControllerClient:
         transport: httpx.BaseTransport | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"controller URL must start with http:// or https://, got {base_url!r}")
@@ -183,6 +228,8 @@ class ControllerClient:
         self._threads: list[threading.Thread] = []
         self._aborters = {"sender": _AbortableBackend(), "poller": _AbortableBackend()}
         self._failures_logged: set[str] = set()
+        self._on_error = on_error
+        self._last_refused: tuple[Any, ...] | None = None
 
         self.up = False
         """True after the last exchange with the controller got a 2xx answer."""
@@ -194,6 +241,10 @@ class ControllerClient:
         """Acks the controller accepted."""
         self.refused = 0
         """Reports and acks the controller refused with a 4xx (dropped: resending cannot help)."""
+        self.reports_too_large = 0
+        """Of those, reports refused as too large (413)."""
+        self.commands_refused = 0
+        """Desired states refused for a field outside the protocol's bounds."""
         self.finished = False
         """True once the controller accepted the finish sent by :meth:`close`."""
 
@@ -341,7 +392,13 @@ class ControllerClient:
                     failures = 0
                     continue
                 except _Refused as exc:
-                    self._note_failure(f"refused-{op}", f"controller refused a {op}: {exc}")
+                    if isinstance(exc, _TooLarge) and op == "report":
+                        self.reports_too_large += 1
+                        self._error("report_too_large", ValueError(
+                            f"the controller refused a report as too large ({exc}); its limit follows from its "
+                            f"TRAINGUARD_MAX_WORLD_SIZE (and TRAINGUARD_MAX_BODY_BYTES): the report is dropped"))
+                    else:
+                        self._note_failure(f"refused-{op}", f"controller refused a {op}: {exc}")
                     if item is not None:  # retrying the same body cannot help: drop it
                         self.refused += 1
                         continue
@@ -387,11 +444,11 @@ class ControllerClient:
                     return
 
     def _register(self, http: httpx.Client) -> None:
-        answer = self._exchange(http, "POST", "/runs", dumps(self._registration), RunRegistered)
-        assert answer is not None
+        answer = self._exchange(http, "POST", "/runs", dumps(self._registration), _Registered)
         with self._cond:
             self._registered = True
-            self._observe(answer.desired)
+            if answer is not None:  # else its desired state was refused: the run is registered all the same
+                self._observe(answer.desired)
         self._first_attempt.set()
 
     def _send_item(self, http: httpx.Client, op: str, item: Report | Ack) -> None:
@@ -399,7 +456,7 @@ class ControllerClient:
             self._exchange(http, "POST", f"/runs/{self.run}/acks", dumps(item), None)
             self.acks_sent += 1
         else:
-            answer = self._exchange(http, "POST", f"/runs/{self.run}/reports", dumps(item), ReportAccepted)
+            answer = self._exchange(http, "POST", f"/runs/{self.run}/reports", dumps(item), _Accepted)
             self.reports_sent += 1
             if answer is not None:
                 with self._cond:
@@ -436,7 +493,7 @@ class ControllerClient:
                         "GET",
                         f"/runs/{self.run}/desired",
                         None,
-                        DesiredState,
+                        _Command,
                         params={"after": after, "wait": self._long_poll_s},
                     )
                     failures = 0
@@ -477,6 +534,9 @@ class ControllerClient:
         if status == 404:
             self.up = True  # it answered: it just does not know the run
             raise _Unknown()
+        if status == 413:
+            self.up = True  # it answered: the body is what it refuses
+            raise _TooLarge(f"413 for {len(body or b'')} bytes: {content[:200].decode('utf-8', 'replace')}")
         if 400 <= status < 500 and status not in (408, 425, 429):
             self.up = False
             raise _Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
@@ -489,8 +549,13 @@ class ControllerClient:
         try:
             answer = answer_type.model_validate_json(content)
         except ValidationError as exc:
-            self.up = False
-            raise ValueError(f"unreadable answer from the controller: {exc.error_count()} errors") from None
+            refused = _command_fields(exc, answer_type)
+            if refused is None:
+                self.up = False
+                raise ValueError(f"unreadable answer from the controller: {exc.error_count()} errors") from None
+            self.up = True  # it answered; its command is what the agent refuses
+            self._refuse_command(refused, content)
+            return None
         if not self.up:
             log.info("trainguard: controller %s reachable again", self._base)
         self.up = True
@@ -529,11 +594,41 @@ class ControllerClient:
 
     def _observe(self, desired: DesiredState) -> bool:
         """Keep ``desired`` if it is newer; caller holds the condition's lock."""
+        if isinstance(desired, _Command):  # checked against every bound: kept as the wire type
+            desired = DesiredState.model_validate(desired.model_dump())
         if self._desired is None or desired.generation > self._desired.generation:
             self._desired = desired
             self._cond.notify_all()
             return True
         return False
+
+    def _refuse_command(self, refused: list[tuple[str, Any]], content: bytes) -> None:
+        """Count and report a desired state refused for ``refused`` (field, value) pairs, once per
+        command (the poller is answered the same state until the controller changes it)."""
+        try:
+            raw = json.loads(content)
+            generation = raw.get("desired", raw).get("generation") if isinstance(raw, dict) else None
+        except (ValueError, AttributeError):
+            generation = None
+        key = (repr(generation), tuple((f, repr(v)) for f, v in refused))
+        if key == self._last_refused:
+            return
+        self._last_refused = key
+        self.commands_refused += 1
+        fields = ", ".join(f"{f}={v!r}" for f, v in refused)
+        self._error("command_out_of_bounds:" + ",".join(sorted({f for f, _ in refused})), ValueError(
+            f"the controller's desired state (generation {generation!r}) has {fields}, outside the protocol's "
+            f"bounds: refused, the last valid state stays"))
+
+    def _error(self, kind: str, exc: BaseException) -> None:
+        """An error of the agent's (its counter, its log), else a warning here."""
+        if self._on_error is not None:
+            try:
+                self._on_error(kind, exc)
+                return
+            except Exception:  # noqa: BLE001 - the callback must not end a client thread
+                pass
+        self._note_failure(kind, str(exc))
 
     def _note_failure(self, kind: str, message: str) -> None:
         if kind not in self._failures_logged:

@@ -520,6 +520,7 @@ class ControlPlane:
             max_buffered_reports=cfg.max_buffered_reports,
             transport=transport,
             clock=self._clock,
+            on_error=self._on_error,
         )
         client.start()
         return client
