@@ -24,7 +24,8 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
                            ``sync_every`` steps a broadcast; the agreed state is applied; a pause
                            blocks here
 ``on_report(values, …)``   leader: a published report (with every rank's row) goes to the
-                           controller
+                           controller; its ``trainguard_loss`` is the mean of the ranks' losses
+                           (``ranks.loss`` keeps each rank's)
 =========================  ====================================================================
 
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
@@ -472,12 +473,18 @@ class ControlPlane:
         if published <= self._last_reported_step:
             return  # already sent (or a report from before a restore)
         nan = [math.nan] * self.world_size
+        job_values = {k: float(v) for k, v in values.items() if k in BY_NAME and not BY_NAME[k].labels}
+        losses = rank_values.get("loss")
+        if self.world_size > 1 and losses is not None and len(losses) == self.world_size:
+            # The job's loss is the mean of the ranks' (what the frameworks log under data
+            # parallelism), not the leader's own; a rank's NaN or Inf stays in it. Per rank: ``ranks.loss``.
+            job_values["trainguard_loss"] = sum(losses) / len(losses)
         report = Report(
             job=self._ctx.job,
             step_first=self._last_reported_step + 1,
             step_last=published,
             time=self._wall(),
-            values={k: float(v) for k, v in values.items() if k in BY_NAME and not BY_NAME[k].labels},
+            values=job_values,
             ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
             applied_generation=self._generation,
             desync=[DesyncLayer(kind=d.kind, layer=d.layer[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))

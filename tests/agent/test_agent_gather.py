@@ -1,6 +1,7 @@
 """An error inside the agent on one rank must not skip the report's all-gather that the other
 ranks enter: the collective sequence of every rank stays aligned (no hang, no mismatched DDP
-all-reduce)."""
+all-reduce). The job-level loss the controller gets is the mean of the gathered ranks' losses
+(NaN when one rank's is), each rank's own stays per rank."""
 
 from __future__ import annotations
 
@@ -75,3 +76,51 @@ def test_error_on_one_rank_keeps_the_report_gather(tmp_path) -> None:
         got = out[r]["rank_values"]["loss"]
         want = [out[k]["losses"][3] for k in range(WORLD)]
         assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want)), (got, want)
+
+
+#: The loss each rank hands end_step at steps 1..4 (data parallelism: each its own batch); rank 1's
+#: third is NaN.
+LOCAL_LOSSES = ([1.0, 2.0, 3.0, 4.0], [3.0, 5.0, math.nan, 8.5])
+
+
+def _loss_worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    import trainer_agent as ta
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="ddp", run="ddp-loss",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, controller=os.environ["TG_FAKE_CONTROLLER"]))
+    latest = []
+    for loss in LOCAL_LOSSES[rank]:
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        latest.append(agent.latest().get("trainguard_loss"))
+    agent.close(timeout=10.0)
+    torch.save({"latest": latest}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_job_loss_is_the_mean_of_the_ranks_losses_and_a_nan_on_one_rank_shows(tmp_path, monkeypatch) -> None:
+    from tests.control.fake_controller import FakeController
+
+    with FakeController() as fake:
+        monkeypatch.setenv("TG_FAKE_CONTROLLER", fake.url)
+        out = spawn_ranks(_loss_worker, WORLD, tmp_path)
+        reports = sorted(fake.reports, key=lambda r: r.step_last)
+    assert [r.step_last for r in reports] == [1, 2, 3, 4]
+    for i, report in enumerate(reports):
+        local = [LOCAL_LOSSES[r][i] for r in range(WORLD)]
+        mean = (local[0] + local[1]) / 2  # 2.0, 3.5, NaN, 6.25
+        job = report.values["trainguard_loss"]
+        assert (math.isnan(job) and math.isnan(mean)) or job == mean, (i, job, mean)
+        assert [x if x == x else "nan" for x in report.ranks.loss] == [x if x == x else "nan" for x in local]
+    assert math.isnan(reports[2].values["trainguard_loss"])
+    # each rank's own metric stays its own loss (what its /metrics serves, labelled with its rank)
+    for r in range(WORLD):
+        assert [x if x == x else "nan" for x in out[r]["latest"]] == [x if x == x else "nan" for x in LOCAL_LOSSES[r]]
