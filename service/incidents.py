@@ -185,6 +185,7 @@ class RunRecovery:
         self._revised = False
         """The newest report revised the open incident's cause to hardware."""
         self._opened_now = False
+        self._scale_before_experiment = 1.0
         self.ramp = self._new_ramp()
 
     @classmethod
@@ -683,7 +684,7 @@ class RunRecovery:
         if rung == "experiment" and desired is not None:
             self.open.experiment = {"lr_factor": _EXPERIMENT_LR_FACTOR, "from_step": step,
                                     "until_step": step + self.policy.experiment_steps,
-                                    "lr_scale_before": desired.lr_scale / _EXPERIMENT_LR_FACTOR, "outcome": None}
+                                    "lr_scale_before": self._scale_before_experiment, "outcome": None}
         if rung == "pause":
             self._close("escalated", step, now)
 
@@ -740,6 +741,7 @@ class RunRecovery:
                                         "reason": f"{why}: skipping the batches of steps {step + 1}-{until} on every rank, "
                                                   f"the LR untouched"[:2000]})
         if rung == "experiment":
+            self._scale_before_experiment = d.lr_scale
             return apply_actions(d, (LrScaleAction(factor=_EXPERIMENT_LR_FACTOR),),
                                  f"{why}: experiment: the LR 10x lower for {self.policy.experiment_steps} steps, to see "
                                  f"whether the symptom follows it", self)

@@ -24,6 +24,8 @@ def _values(i: int, **over: float) -> dict[str, float]:
     v = {"trainguard_loss": 2.0 + 0.01 * math.sin(i), "trainguard_update_ratio": 1e-3 * (1 + 0.01 * math.sin(i)),
          "trainguard_grad_norm_max": 1.0, "trainguard_scheduler_lr": 1e-3, "trainguard_data_token_kl_divergence": 0.01}
     v.update(over)
+    # what the agent reports beside them: the update per unit of the LR the step applied
+    v.setdefault("trainguard_update_ratio_per_lr", v["trainguard_update_ratio"] / v["trainguard_scheduler_lr"])
     return v
 
 
