@@ -167,8 +167,12 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
         where = ", ".join(f"rank {r} on {h}" for r, h in zip(suspects, named))
         return Verdict("hardware", f"hardware fault suspected: {where}", tuple(ev.items), tuple(suspects), tuple(named))
 
-    # -- the scheduled LR
+    # -- the scheduled LR: the largest of the report's interval when the agent sends it (a fault of
+    # a few steps may be over by the report step)
     lr = window.latest("trainguard_scheduler_lr")
+    interval_max = window.latest("trainguard_scheduler_lr_max")
+    if interval_max is not None and math.isfinite(interval_max) and (lr is None or not math.isfinite(lr) or interval_max > lr):
+        lr = interval_max
     lr_level = median(lr_healthy) if lr_healthy else None
     lr_jumped = False
     if lr is not None and math.isfinite(lr) and lr > 0 and lr_level is not None and lr_level > 0:

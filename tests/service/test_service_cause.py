@@ -101,6 +101,18 @@ def test_an_lr_above_anything_the_run_had_is_the_optimizers() -> None:
     assert states[39].lr_scale < 1.0  # the optimizer's ladder acts on the LR
 
 
+def test_a_transient_lr_fault_over_by_the_report_is_still_the_optimizers() -> None:
+    # three steps at 1000x inside a report interval: at the report step the schedule is back, the
+    # interval's largest scheduled LR is not, and the agent skipped 16 steps in a row
+    healthy = [_report(i, trainguard_scheduler_lr_max=1e-3) for i in range(1, 40)]
+    fault = [_report(40, trainguard_scheduler_lr_max=1.0, trainguard_consecutive_skipped_steps=16.0)]
+    _, incidents = _incidents(healthy + fault)
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer"
+    (lr,) = [e for e in inc["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr"]
+    assert (lr["value"], lr["points_to"]) == (1.0, "optimizer")
+
+
 def test_a_recompute_that_does_not_reproduce_the_gradient_names_the_rank_and_checkpoints_and_pauses() -> None:
     nan2 = [math.nan, math.nan]
     healthy = [_report(i, world=2, ranks={"verify_mismatch": nan2}) for i in range(1, 20)]
