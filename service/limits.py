@@ -1,8 +1,9 @@
 """Request-body size limit as a plain ASGI middleware (no per-request thread or task).
 
-Report bodies grow with the run's world size (a value per rank in each per-rank vector): their
-limit follows from ``TRAINGUARD_MAX_WORLD_SIZE`` (:func:`report_body_bytes`), so that every run the
-controller registers can report, however low ``TRAINGUARD_MAX_BODY_BYTES`` is set.
+Registrations and reports grow with the run's world size (an endpoint per rank; a value per rank
+in each per-rank vector): their limits follow from ``TRAINGUARD_MAX_WORLD_SIZE``
+(:func:`registration_body_bytes`, :func:`report_body_bytes`), so that every run the controller
+accepts can register and report, however low ``TRAINGUARD_MAX_BODY_BYTES`` is set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from trainguard.protocol.catalog import BY_NAME
 from trainguard.protocol.wire import API_PREFIX, MAX_DESYNC_LAYERS, RankValues
 from trainguard.service.auth import authorization_header
 
-__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay", "report_body_bytes"]
+__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay", "registration_body_bytes", "report_body_bytes"]
 
 #: The most bytes one number takes in an agent's report (compact JSON): the longest float64
 #: (``-2.2250738585072014e-308``, 24 characters; NaN and Inf are shorter strings) and a comma.
@@ -24,6 +25,17 @@ _VALUE_BYTES = 25
 _DESYNC_LAYER_BYTES = 512 * 6 + 64 * 21 + 128
 #: The rest: job, steps, time, applied generation, and every key and bracket of the vectors.
 _ENVELOPE_BYTES = 4096
+#: One rank's endpoint in a registration at most: rank and local rank of up to 20 digits, a host
+#: name of 253 characters (a valid one needs no escaping), the port, the keys and a comma.
+_ENDPOINT_BYTES = 42 + 20 + 20 + 253 + 5
+#: A registration's job, run, agent version and the agent's configuration (a few hundred bytes).
+_REGISTRATION_BYTES = 64 << 10
+
+
+def registration_body_bytes(world_size: int) -> int:
+    """The largest registration the agent of a run of ``world_size`` ranks sends (every rank's
+    endpoint at its longest)."""
+    return _REGISTRATION_BYTES + world_size * _ENDPOINT_BYTES
 
 
 def report_body_bytes(world_size: int) -> int:
@@ -41,21 +53,27 @@ PRINCIPAL_KEY = "trainguard.principal"
 
 class BodyLimit:
     """Answer 413 to bodies over ``max_bytes``: at once from ``Content-Length``, else (chunked
-    bodies) after buffering at most the limit. Report posts may be as large as the largest report
-    of a run of ``max_world_size`` ranks (:func:`report_body_bytes`), if that is more."""
+    bodies) after buffering at most the limit. Registrations and reports may be as large as those
+    of a run of ``max_world_size`` ranks (:func:`registration_body_bytes`,
+    :func:`report_body_bytes`), if that is more."""
 
     def __init__(self, app: Any, max_bytes: int, max_world_size: int = 1) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.registration_max_bytes = max(max_bytes, registration_body_bytes(max_world_size))
         self.report_max_bytes = max(max_bytes, report_body_bytes(max_world_size))
         self._max_world_size = max_world_size
 
     def _limit(self, scope: dict[str, Any]) -> tuple[int, str]:
         """The limit of this request's body, and the setting it comes from."""
         path: str = scope["path"]
-        if scope["method"] == "POST" and path.startswith(f"{API_PREFIX}/runs/") and path.endswith("/reports"):
-            if self.report_max_bytes > self.max_bytes:
-                return self.report_max_bytes, f"a report of a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
+        limit = self.max_bytes
+        if scope["method"] == "POST" and path == f"{API_PREFIX}/runs":
+            limit, what = self.registration_max_bytes, "a registration"
+        elif scope["method"] == "POST" and path.startswith(f"{API_PREFIX}/runs/") and path.endswith("/reports"):
+            limit, what = self.report_max_bytes, "a report"
+        if limit > self.max_bytes:
+            return limit, f"{what} of a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
         return self.max_bytes, "TRAINGUARD_MAX_BODY_BYTES"
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:

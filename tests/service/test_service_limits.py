@@ -74,14 +74,17 @@ def test_ranks_per_run_are_bounded(app_factory) -> None:
         assert _counter(c, "trainguard_controller_registrations_rejected_total", "world_size_limit") == 1
 
 
-def test_a_run_of_the_largest_world_size_reports_and_other_bodies_keep_their_limit(app_factory) -> None:
-    """The report body limit follows from TRAINGUARD_MAX_WORLD_SIZE: a run of the largest world
-    size registers and its largest report (every per-rank vector full of the longest numbers,
-    every job-level metric, the most desync layers) is taken, though it is larger than
-    TRAINGUARD_MAX_BODY_BYTES; every other body keeps that limit."""
+def test_a_run_of_the_largest_world_size_registers_and_reports_and_other_bodies_keep_their_limit(app_factory) -> None:
+    """The registration and report body limits follow from TRAINGUARD_MAX_WORLD_SIZE: a run of
+    the largest world size registers (every rank with the longest host name) and its largest
+    report (every per-rank vector full of the longest numbers, every job-level metric, the most
+    desync layers) is taken, though both are larger than TRAINGUARD_MAX_BODY_BYTES; every other
+    body keeps that limit."""
     from trainguard.protocol.catalog import BY_NAME
-    from trainguard.protocol.wire import MAX_DESYNC_LAYERS, DesyncLayer, RankValues, Report, dumps
-    from trainguard.service.limits import report_body_bytes
+    from trainguard.protocol.wire import (
+        MAX_DESYNC_LAYERS, DesyncLayer, RankEndpoint, RankValues, Report, RunRegistration, dumps,
+    )
+    from trainguard.service.limits import registration_body_bytes, report_body_bytes
 
     settings = Settings()
     world, longest = settings.max_world_size, -2.2250738585072014e-308  # the longest float64 in JSON
@@ -94,9 +97,14 @@ def test_a_run_of_the_largest_world_size_reports_and_other_bodies_keep_their_lim
                 for i in range(MAX_DESYNC_LAYERS)])
     body = dumps(report)
     assert settings.max_body_bytes < len(body) <= report_body_bytes(world)
+    host = ".".join(["h" * 63] * 3 + ["h" * 61])  # the longest host name (253 characters)
+    registration = RunRegistration(job="job-a", run="big", world_size=world, agent_version="v" * 64, ranks=[
+        RankEndpoint(rank=r, local_rank=r % 8, host=host, port=65535) for r in range(world)])
+    reg_body = dumps(registration)
+    assert settings.max_body_bytes < len(reg_body) <= registration_body_bytes(world)
     with app_factory() as c:
-        r = c.post("/v1/runs", json={"job": "job-a", "run": "big", "world_size": world, "ranks": []})
-        assert r.status_code == 200, r.text
+        r = c.post("/v1/runs", content=reg_body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
         r = c.post("/v1/runs/big/reports", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text[:300]
         assert c.get("/v1/runs/big").json()["last_step"] == 1
