@@ -2,7 +2,10 @@
 ``POST /v1/runs/{run}/reports``.
 
 Starts one ``trainguard serve`` process (one uvicorn worker, a temporary SQLite file in WAL mode,
-the built-in rules, or ``--rules FILE``) on loopback, registers ``--runs`` runs of a ``--world-size``-rank job, then
+the built-in rules, or ``--rules FILE``) on loopback for each ``--db`` (default ``sqlite``; ``--db
+sqlite --db postgresql`` measures both side by side in one run: ``postgresql`` starts a private
+PostgreSQL server with its durable defaults, fsync and synchronous_commit on, from Debian's
+binaries; ``--db postgresql://...`` uses a database you name, whose tables it writes), registers ``--runs`` runs of a ``--world-size``-rank job, then
 starts ``--clients`` load generator processes. Each opens ``--connections`` keep-alive HTTP/1.1
 connections (raw asyncio streams, uvloop when installed) and posts pre-serialised requests
 round-robin over the runs, one request in flight per connection, reading every full response and
@@ -26,6 +29,7 @@ ingest-latency histogram.
 
     .venv/bin/python bench/controller_ingest.py --reports 30000 --seconds 20 --connections 16
     .venv/bin/python bench/controller_ingest.py --rate 1500 --seconds 20 --connections 32
+    .venv/bin/python bench/controller_ingest.py --db sqlite --db postgresql --reports 20000 --seconds 15
 
 On a machine with cores to spare, ``--pin`` gives the worker a core of its own (and the load
 generators the others), which makes the figures repeatable.
@@ -48,6 +52,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from trainguard.service.store import shown_db
 
 TARGET_RATE, TARGET_P99_MS = 1500.0, 50.0
 _HEADER_END = b"\r\n\r\n"
@@ -224,7 +230,14 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rules", type=Path, default=None,
                    help="a rules file for the controller (default: the built-in rules), e.g. an older rule set to compare like with like")
     p.add_argument("--pin", action="store_true", help="pin the server to the first allowed core and the load generators to the others")
+    p.add_argument("--db", action="append", default=None,
+                   help="the store, repeatable (one run each, side by side): 'sqlite' (a temporary file, the default), "
+                        "'postgresql' (a private PostgreSQL server started for the run) or a postgresql:// URL")
     args = p.parse_args()
+    args.db = args.db or ["sqlite"]
+    for db in args.db:
+        if db not in ("sqlite", "postgresql") and not db.startswith(("postgresql://", "postgres://")):
+            p.error(f"--db {db!r}: expected sqlite, postgresql or a postgresql:// URL")
     for name in ("runs", "world_size", "reports", "clients", "connections"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -237,12 +250,38 @@ def _args() -> argparse.Namespace:
 
 def main() -> int:
     args = _args()
+    summary: list[tuple[str, dict[str, float]]] = []
+    for db in args.db:
+        if db == "postgresql":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.service.postgres
+            from tests.service.postgres import PostgresCluster
+
+            cluster = PostgresCluster(durable=True)
+            try:
+                summary.append((f"PostgreSQL {cluster.bindir.parent.name} (private, fsync on)", _bench(args, cluster.create_database("bench"))))
+            finally:
+                cluster.stop()
+        else:
+            summary.append(("SQLite (WAL)" if db == "sqlite" else shown_db(db), _bench(args, None if db == "sqlite" else db)))
+    if len(summary) > 1:
+        base = summary[0][1]
+        print(f"side by side (ratios to {summary[0][0]}):")
+        print(f"  {'store':<40} {'reports/s':>10} {'p99 ms':>8} {'CPU us/report':>14} {'reports/commit':>15}")
+        for name, m in summary:
+            print(f"  {name:<40} {m['rate']:>10,.0f} {m['p99_ms']:>8.2f} {m['cpu_us']:>14.0f} {m['per_commit']:>15.1f}"
+                  f"   x{m['rate'] / base['rate']:.2f} throughput, x{m['cpu_us'] / base['cpu_us']:.2f} CPU")
+    return 0
+
+
+def _bench(args: argparse.Namespace, db_url: str | None) -> dict[str, float]:
+    """One controller on ``db_url`` (``None``: a temporary SQLite file) under the load: printed, and
+    the headline figures returned."""
     cores = sorted(os.sched_getaffinity(0))
     server_cpus, client_cpus = (cores[:1], cores[1:]) if args.pin and len(cores) > 1 else ([], [])
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TRAINGUARD_OPERATOR_TOKENS="", TRAINGUARD_AGENT_TOKENS="")
         server = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "serve", "--host", _LOOPBACK, "--port", "0", "--db", str(Path(tmp) / "bench.db"),
+            [sys.executable, "-m", "trainguard.cli", "serve", "--host", _LOOPBACK, "--port", "0", "--db", db_url or str(Path(tmp) / "bench.db"),
              "--log-level", "warning", *(["--rules", str(args.rules.resolve())] if args.rules else [])],
             stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
         )
@@ -286,10 +325,11 @@ def main() -> int:
         finally:
             server.terminate()
             server.wait(30)
-    _print(args, results, cpu, metrics, alerts, commits)
+    print(f"store: {shown_db(db_url) if db_url else 'SQLite (WAL), a temporary file'}")
+    figures = _print(args, results, cpu, metrics, alerts, commits)
     if args.console_streams:
         print(f"  console streams  {args.console_streams} open, {watchers.bytes / 1e6:.1f} MB of events read")
-    return 0
+    return figures
 
 
 class _ConsoleWatchers:
@@ -320,7 +360,7 @@ class _ConsoleWatchers:
             t.join(70)
 
 
-def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: str, alerts: int, commits: float) -> None:
+def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: str, alerts: int, commits: float) -> dict[str, float]:
     lat = sorted(x for r in results for x in r[0])
     errors = sum(r[1] for r in results)
     first_error = next((r[2] for r in results if r[2]), "")
@@ -349,9 +389,10 @@ def _print(args: argparse.Namespace, results: list[tuple], cpu: float, metrics: 
     print(f"  load generator   {client_cpu / n * 1e6:.0f} us CPU per report")
     s_sum, s_count, buckets = _server_latency(metrics)
     s_p99 = next((le for le, k in buckets if k >= 0.99 * s_count), math.nan)
-    print(f"  group commit     {len(lat) / max(commits, 1):.1f} reports per SQLite transaction ({commits:.0f} commits)")
+    print(f"  group commit     {len(lat) / max(commits, 1):.1f} reports per database transaction ({commits:.0f} commits)")
     print(f"  server ingest    mean {s_sum / max(s_count, 1) * 1e3:.3f} ms, p99 <= {s_p99 * 1e3:g} ms "
           "(controller histogram: parse + rules + commit, excludes HTTP)")
+    return {"rate": rate, "p99_ms": p99, "cpu_us": per_report * 1e6, "per_commit": len(lat) / max(commits, 1)}
 
 
 if __name__ == "__main__":

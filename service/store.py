@@ -387,6 +387,10 @@ class GroupCommitStore(abc.ABC):
 
         A queued operation runs even if its future is cancelled (the caller went away):
         ``orphaned(ok, result_or_error)`` then receives its outcome after the commit.
+
+        An operation acts only through the connection it is given and returns what it made:
+        PostgreSQL may run it twice (a batch whose pipeline failed is rolled back and run again
+        with a savepoint per operation, :mod:`service.store_postgres`).
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()

@@ -13,6 +13,11 @@ What differs from SQLite:
   server's WAL flush (``synchronous_commit``: an acknowledged report survives the death of the
   controller, of the database server and of its machine's power). Operations submitted while one
   batch commits queue behind it and form the next batch.
+- A batch goes to the server in one pipeline (its statements and COMMIT sent together, the
+  answers awaited once), not a round trip per statement. When anything in it fails, the whole transaction is rolled back
+  and the batch runs again with a savepoint per operation, so that the failing one fails alone;
+  an operation may therefore run twice (it only writes through its connection), and an identity
+  id taken by the rolled-back attempt is skipped.
 - :class:`Dialect` turns the SQLite text of the migrations and statements into PostgreSQL's,
   in this one place: ``?`` placeholders, column types (``INTEGER`` is 64-bit, ``REAL`` is a
   double, ``BLOB`` is ``BYTEA``, ``INTEGER PRIMARY KEY`` an identity column), ``INSERT OR
@@ -166,6 +171,10 @@ class PostgresStore(GroupCommitStore):
         self.path = shown_db(url)
         """What names this database in messages (the URL without its password)."""
         self.busy_timeout_ms = busy_timeout_ms
+        self.pipelined = True
+        """Send each batch in one pipeline first (see :meth:`_commit_pipelined`)."""
+        self.retried_batches = 0
+        """Batches whose pipeline failed and that were committed one savepoint per operation."""
         self._init_queue()
         self._lock = threading.RLock()  # the writer connection is used by one caller at a time
         self._conn: psycopg.Connection[Any] | None = None
@@ -255,29 +264,14 @@ class PostgresStore(GroupCommitStore):
         a PostgreSQL commit always runs in a worker thread."""
         if not wait:
             return None
-        results: list[tuple[bool, Any]] = []
+        results: list[tuple[bool, Any]] | None
         with self._lock:
             raw = None
             try:
                 raw = self._writer()
-                conn = PgConnection(raw)
-                # One round trip opens the next savepoint with what closes the last one.
-                prefix: str = "BEGIN; SAVEPOINT op"
-                for op, _single in batch:
-                    if prefix:
-                        raw.execute(prefix)
-                    try:
-                        results.append((True, op(conn)))
-                        prefix = "RELEASE op; SAVEPOINT op"
-                    except Exception as e:  # one bad operation fails alone
-                        if raw.broken:
-                            raise
-                        raw.execute("ROLLBACK TO op")
-                        prefix = ""  # the savepoint stands again: the next operation reuses it
-                        if _is_operational(e):
-                            e = StoreError(f"database write failed: {e}")
-                        results.append((False, e))
-                raw.execute("COMMIT")
+                results = self._commit_pipelined(raw, batch) if self.pipelined else None
+                if results is None:
+                    results = self._commit_each(raw, batch)
                 self.commits += 1
                 self.write_error = None
             except Exception as e:  # the commit itself failed (connection lost, server down, a deferred check)
@@ -290,6 +284,50 @@ class PostgresStore(GroupCommitStore):
                         pass
                 err = e if isinstance(e, StoreError) else StoreError(f"database commit failed: {e}")
                 results = [(False, err)] * len(batch)
+        return results
+
+    def _commit_pipelined(self, raw: psycopg.Connection[Any], batch: Batch) -> list[tuple[bool, Any]] | None:
+        """The whole batch and its COMMIT sent in one pipeline: the server's answers are awaited
+        once, not once per statement (an operation that reads waits for what it reads). ``None``
+        when anything failed: everything is rolled back, for :meth:`_commit_each` to find which
+        operation it was."""
+        conn = PgConnection(raw)
+        results: list[tuple[bool, Any]] = []
+        try:
+            with raw.pipeline():
+                raw.execute("BEGIN")
+                for op, _single in batch:
+                    results.append((True, op(conn)))
+                raw.execute("COMMIT")
+            return results
+        except Exception:
+            if raw.broken or raw.closed:
+                raise
+            raw.execute("ROLLBACK")
+            self.retried_batches += 1
+            return None
+
+    def _commit_each(self, raw: psycopg.Connection[Any], batch: Batch) -> list[tuple[bool, Any]]:
+        """The batch with one savepoint per operation, so that a failing one fails alone."""
+        conn = PgConnection(raw)
+        results: list[tuple[bool, Any]] = []
+        # One round trip opens the next savepoint with what closes the last one.
+        prefix = "BEGIN; SAVEPOINT op"
+        for op, _single in batch:
+            if prefix:
+                raw.execute(prefix)
+            try:
+                results.append((True, op(conn)))
+                prefix = "RELEASE op; SAVEPOINT op"
+            except Exception as e:  # one bad operation fails alone
+                if raw.broken:
+                    raise
+                raw.execute("ROLLBACK TO op")
+                prefix = ""  # the savepoint stands again: the next operation reuses it
+                if _is_operational(e):
+                    e = StoreError(f"database write failed: {e}")
+                results.append((False, e))
+        raw.execute("COMMIT")
         return results
 
     def _commit_waiting(self, batch: Batch) -> list[tuple[bool, Any]]:

@@ -201,8 +201,10 @@ def test_a_cancelled_caller_gets_its_outcome_through_orphaned(store_db: Any) -> 
 
     try:
         asyncio.run(main())
-        assert outcomes == [("ok", True, 1), ("bad", False, "IntegrityError")]
-        assert store.read_now(sql.latest_rules)["text"] == "x"  # committed although nobody waited
+        stored = store.read_now(sql.latest_rules)
+        assert stored["text"] == "x"  # committed although nobody waited
+        # the id it was given (PostgreSQL's identity may skip one that a retried batch took)
+        assert outcomes == [("ok", True, stored["id"]), ("bad", False, "IntegrityError")]
     finally:
         store.close()
 
@@ -226,7 +228,6 @@ def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(store
         return await written, failed.exception()
 
     version, error = asyncio.run(main())
-    assert version == 1
     if isinstance(store, Store):
         assert isinstance(error, sqlite3.OperationalError) and "no_such_table" in str(error)
     else:
@@ -235,7 +236,8 @@ def test_close_commits_the_pending_batch_and_its_writers_get_their_outcome(store
         assert isinstance(error, psycopg.errors.UndefinedTable) and "no_such_table" in str(error)
     reopened = open_store(store_db)
     try:
-        assert reopened.read_now(sql.latest_rules)["text"] == "kept"
+        kept = reopened.read_now(sql.latest_rules)
+        assert kept["text"] == "kept" and kept["id"] == version
     finally:
         reopened.close()
 

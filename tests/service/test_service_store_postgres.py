@@ -141,7 +141,7 @@ def test_concurrent_writers_keep_every_acknowledged_row(postgres_url: str) -> No
     other = PostgresStore(postgres_url)
     other.start()
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         app = create_app(Settings(db=postgres_url, tick_s=60))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -164,13 +164,15 @@ def test_concurrent_writers_keep_every_acknowledged_row(postgres_url: str) -> No
                     asyncio.gather(*(post(run, step) for step in range(1, per_run + 1) for run in runs)), rules_versions())
                 assert statuses == [200] * (len(runs) * per_run)
                 assert ids == sorted(set(ids)) and len(ids) == 40
-                return app.state.controller.store.commits - commits_before
+                store = app.state.controller.store
+                return store.commits - commits_before, store.retried_batches
 
     try:
-        commits = asyncio.run(scenario())
+        commits, retried = asyncio.run(scenario())
     finally:
         other.close()
     assert 0 < commits < len(runs) * per_run  # group commit: several reports per transaction
+    assert retried == 0  # each batch went in one pipeline (nothing failed)
     with psycopg.connect(postgres_url) as raw:
         rows = raw.execute("SELECT r.run, p.seq, p.step_last FROM reports p JOIN runs r ON r.id = p.run_id ORDER BY r.run, p.seq").fetchall()
         assert raw.execute("SELECT COUNT(*) FROM rules_versions WHERE actor = 'other'").fetchone()[0] == 40
