@@ -173,7 +173,7 @@ def _hw_rank(rank: int, url: str, run: str, steps: int, onset: int, seq_len: int
         loss.backward()
         checked = agent.verify_step(batch, loss_fn)
         if checked is not None and checked.mismatch and first_bad is None:
-            first_bad = step
+            first_bad = checked.step
         opt.step()
         opt.zero_grad()
         agent.end_step(loss.detach())
