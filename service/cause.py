@@ -21,14 +21,18 @@ cause          evidence                                                         
                loss scale collapsed / its overflow skips
 ``data``       a data-quality rule of the same window fires (duplicates, token KL,       skip the batches'
                special tokens, length shift); or one batch stands out from its           steps on every
-               neighbours (its loss, or a gradient the agent skipped) with the LR and    rank, never an LR
-               the update ratio where they were                                         cut or a pause
+               neighbours (its loss, or at most ``SINGLE_BATCH_SKIPS`` steps the agent   rank, never an LR
+               skipped) with the LR and the update ratio where they were               cut or a pause
 ``unknown``    none of the above                                                        a bounded
                                                                                         experiment (5.1)
 =============  =======================================================================  ==================
 
 The checks are made in that order: hardware evidence wins over everything (a faulty device corrupts
-the loss, the gradients and the update ratio alike), then a jump of the scheduled LR, then data.
+the loss, the gradients and the update ratio alike), then a jump of the scheduled LR (the largest
+of the report's interval when the agent sends ``trainguard_scheduler_lr_max``), then data. The
+verdict is asked for only on a report that would open an incident (``RunRecovery.consider``): a
+rule that acts, a health rule, the agent skipping, or a hardware rule; data rules alone only
+notify (a planned switch of the data mixture is not a fault).
 A recompute that *did* reproduce the step's gradient is recorded as evidence against hardware.
 
 Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read,

@@ -125,6 +125,19 @@ def test_a_recompute_that_does_not_reproduce_the_gradient_names_the_rank_and_che
     assert "rank 1 on node-1" in states[-1].reason
 
 
+def test_hardware_evidence_revises_an_open_incident_and_takes_the_hardware_rungs() -> None:
+    nan2 = [math.nan, math.nan]
+    healthy = [_report(i, world=2, ranks={"verify_mismatch": nan2}) for i in range(1, 30)]
+    jump = [_report(i, world=2, ranks={"verify_mismatch": nan2}, trainguard_scheduler_lr=1e-2,
+                    trainguard_update_ratio=1e-2, trainguard_grad_norm_max=3000.0) for i in range(30, 33)]
+    checked = [_report(33, world=2, ranks={"verify_mismatch": [4e-3, 0.0]}, trainguard_grad_norm_max=3000.0)]
+    states, incidents = _incidents(healthy + jump + checked, world=2)
+    (inc,) = incidents
+    assert inc["cause"] == "hardware" and inc["verdict"]["revised"]["from"] == "optimizer"
+    assert inc["verdict"]["revised"]["step"] == 33 and (inc["verdict"]["ranks"], inc["verdict"]["hosts"]) == ([0], ["node-0"])
+    assert [r["rung"] for r in inc["rungs"]][-2:] == ["checkpoint", "pause"] and states[-1].paused
+
+
 def test_a_hardware_ladder_that_stops_carries_the_documented_exit_status() -> None:
     from trainguard.protocol.wire import EXIT_HARDWARE_FAULT
     from trainguard.service.rules import CauseLadders
