@@ -49,13 +49,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["CAUSES", "Cause", "Verdict", "judge", "refusal", "HARDWARE_DIAGNOSES", "DATA_DIAGNOSES"]
+__all__ = ["CAUSES", "Cause", "Verdict", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
 
 Cause = Literal["schedule", "optimizer", "data", "hardware", "unknown"]
 CAUSES: tuple[Cause, ...] = ("schedule", "optimizer", "data", "hardware", "unknown")
 
 #: Rule diagnoses (``service/diagnosis.py``) whose alerts are hardware evidence, naming ranks.
 HARDWARE_DIAGNOSES = frozenset({"gpu_xid", "gradient_recompute_mismatch", "grad_desync", "param_desync"})
+#: XID codes of a failing GPU (``service/diagnosis.py``'s gpu_xid entry): 48 double-bit ECC, 64 row
+#: remapping failed, 74 NVLink, 79 off the bus, 95 uncontained ECC. Others (13, 31, 43: the
+#: application's own kernels; 63, 94: contained by the driver) do not make the node suspect.
+HARDWARE_XIDS = frozenset({48, 64, 74, 79, 95})
 #: Rule diagnoses whose alerts are data evidence.
 DATA_DIAGNOSES = frozenset({"data_quality"})
 #: Rule diagnoses of mixed-precision trouble (optimizer numerics).
@@ -144,7 +148,18 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     suspects: list[int] = []
     for f in active:
         diag = getattr(f.rule, "diagnosis", "")
-        if diag in HARDWARE_DIAGNOSES:
+        if diag == "gpu_xid":
+            codes = {int(r): v for r, v in (f.values.get("values") or {}).items()}
+            app = {r: v for r, v in codes.items() if not (isinstance(v, float) and int(v) in HARDWARE_XIDS)}
+            if app:  # the application's own kernel faults (13, 31, 43) and contained errors: not the node
+                ev.add(f"rule:{f.rule.name}", app, sorted(HARDWARE_XIDS), "none",
+                       f"XID codes that are not a hardware failure on ranks {sorted(app)}")
+            ranks = sorted(r for r in codes if r not in app)
+            if ranks:
+                suspects += [r for r in ranks if r not in suspects]
+                ev.add(f"rule:{f.rule.name}", {r: codes[r] for r in ranks}, sorted(HARDWARE_XIDS), "hardware",
+                       f"hardware XID errors on ranks {ranks}")
+        elif diag in HARDWARE_DIAGNOSES:
             ranks = [int(r) for r in f.values.get("ranks", [])]
             suspects += [r for r in ranks if r not in suspects]
             ev.add(f"rule:{f.rule.name}", f.values.get("values", ranks), f.values.get("limit", f.values.get("rel_tol")),

@@ -154,6 +154,13 @@ def test_a_hardware_ladder_that_stops_carries_the_documented_exit_status() -> No
     assert EXIT_HARDWARE_FAULT == 75
 
 
+def test_an_xid_of_the_applications_own_kernels_does_not_make_the_node_suspect() -> None:
+    healthy = [_report(i, world=2, ranks={"gpu_xid": [0.0, 0.0]}) for i in range(1, 10)]
+    xid = [_report(10, world=2, ranks={"gpu_xid": [13.0, 0.0]})]  # 13: a fault in the application's kernels
+    states, incidents = _incidents(healthy + xid, world=2)
+    assert incidents == [] and states[-1].generation == 0  # the alert notifies; nothing is stopped or paused
+
+
 def test_a_recompute_that_reproduces_the_gradient_is_evidence_against_the_hardware() -> None:
     healthy = [_report(i, world=2, ranks={"verify_mismatch": [math.nan, math.nan]}) for i in range(1, 40)]
     spike = [_report(40, world=2, ranks={"verify_mismatch": [0.0, 1e-9]}, trainguard_update_ratio=1e-2,
