@@ -54,6 +54,7 @@ def create_app(
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
     controller.reserved_runs = tokens.reserved_runs
     controller.tokens = tokens
+    store.take_lease()  # a standby waits here until the active controller stops or dies
     controller.load()
     controller.load_tokens()
 

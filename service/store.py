@@ -354,6 +354,12 @@ class GroupCommitStore(abc.ABC):
     def start(self) -> None:
         """Start writing from the event loop."""
 
+    def take_lease(self) -> int | None:
+        """Become the one controller writing this database (PostgreSQL: wait for its writer lease,
+        whose fencing token every write then checks). A SQLite file needs none: its lock admits one
+        writer at a time, and a controller's file is its own."""
+        return None
+
     @abc.abstractmethod
     def close(self, timeout: float = 10.0) -> None:
         """Commit what is queued (its callers get their outcome) and close every connection."""

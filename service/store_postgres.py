@@ -36,8 +36,11 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import os
+import socket
 import threading
 import time
+import uuid
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import psycopg
@@ -52,6 +55,19 @@ T = TypeVar("T")
 
 #: pg_advisory_xact_lock key of the migrations (any constant shared by every controller).
 _MIGRATION_LOCK = 0x7472_6775_6172_64  # "trguard"
+
+
+#: Raises (SQLSTATE TG001) unless ``token`` is the writer lease's current token: the first statement
+#: of every write transaction of a store that holds the lease.
+_FENCE_FUNCTION = """
+CREATE OR REPLACE FUNCTION trainguard_fence(held BIGINT) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM trainguard_lease WHERE name = 'writer' AND token = held) THEN
+        RAISE EXCEPTION 'trainguard lease % lost: another controller writes this database', held USING ERRCODE = 'TG001';
+    END IF;
+END $$
+"""
+_FENCED = "TG001"
 
 
 @functools.lru_cache(maxsize=512)
@@ -166,7 +182,7 @@ class PostgresStore(GroupCommitStore):
     """PostgreSQL: one writer connection committing in a worker thread with group commit, a pool
     of readers."""
 
-    def __init__(self, url: str, *, busy_timeout_ms: int = 5000, max_readers: int = 8) -> None:
+    def __init__(self, url: str, *, busy_timeout_ms: int = 5000, max_readers: int = 8, lease_s: float = 6.0) -> None:
         self.url = url
         self.path = shown_db(url)
         """What names this database in messages (the URL without its password)."""
@@ -175,6 +191,13 @@ class PostgresStore(GroupCommitStore):
         """Send each batch in one pipeline first (see :meth:`_commit_pipelined`)."""
         self.retried_batches = 0
         """Batches whose pipeline failed and that were committed one savepoint per operation."""
+        self.lease_s = lease_s
+        """How long the writer lease lasts without a renewal (renewed every third of it)."""
+        self.lease_token: int | None = None
+        """The fencing token of the writer lease this store holds (``None``: it took none)."""
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._renewer: threading.Thread | None = None
+        self._renewing = threading.Event()
         self._init_queue()
         self._lock = threading.RLock()  # the writer connection is used by one caller at a time
         self._conn: psycopg.Connection[Any] | None = None
@@ -230,6 +253,11 @@ class PostgresStore(GroupCommitStore):
                     for stmt in Dialect.ddl(MIGRATIONS[target - 1]):
                         raw.execute(stmt)
                     raw.execute("UPDATE trainguard_schema SET version = %s", (target,))
+                # the writer's lease (PostgreSQL's own: SQLite has one writer per file by its lock)
+                raw.execute("CREATE TABLE IF NOT EXISTS trainguard_lease (name TEXT PRIMARY KEY, holder TEXT NOT NULL, "
+                            "token BIGINT NOT NULL, expires_at TIMESTAMPTZ NOT NULL)")
+                raw.execute("INSERT INTO trainguard_lease VALUES ('writer', '', 0, '-infinity') ON CONFLICT DO NOTHING")
+                raw.execute(_FENCE_FUNCTION)
 
     @property
     def schema_version(self) -> int:
@@ -243,6 +271,7 @@ class PostgresStore(GroupCommitStore):
         with self._lock:
             raw = self._writer()
             with raw.transaction():
+                self._fence(raw)
                 return op(PgConnection(raw))
 
     def read_now(self, op: Callable[[PgConnection], T]) -> T:
@@ -275,6 +304,8 @@ class PostgresStore(GroupCommitStore):
                 self.commits += 1
                 self.write_error = None
             except Exception as e:  # the commit itself failed (connection lost, server down, a deferred check)
+                if getattr(e, "sqlstate", None) == _FENCED:
+                    self._deposed(e)
                 log.exception("database commit failed")
                 self.write_error = f"{type(e).__name__}: {e}"
                 if raw is not None and not raw.broken and not raw.closed:
@@ -296,6 +327,7 @@ class PostgresStore(GroupCommitStore):
         try:
             with raw.pipeline():
                 raw.execute("BEGIN")
+                self._fence(raw)
                 for op, _single in batch:
                     results.append((True, op(conn)))
                 raw.execute("COMMIT")
@@ -312,7 +344,9 @@ class PostgresStore(GroupCommitStore):
         conn = PgConnection(raw)
         results: list[tuple[bool, Any]] = []
         # One round trip opens the next savepoint with what closes the last one.
-        prefix = "BEGIN; SAVEPOINT op"
+        raw.execute("BEGIN")
+        self._fence(raw)
+        prefix = "SAVEPOINT op"
         for op, _single in batch:
             if prefix:
                 raw.execute(prefix)
@@ -335,12 +369,84 @@ class PostgresStore(GroupCommitStore):
         assert results is not None
         return results
 
+    # -- the writer lease ------------------------------------------------------------------------
+    def take_lease(self, *, timeout: float | None = None, poll_s: float = 0.5) -> int:
+        """Become the one controller writing this database: wait (up to ``timeout`` seconds,
+        ``None``: as long as it takes) until the writer lease is free or has expired (its holder
+        stopped renewing it: dead, or cut off from the database), take it with the next fencing
+        token, and renew it from a thread of its own. Every write transaction then starts by
+        checking that token (:data:`_FENCE_FUNCTION`), so a controller that lost the lease can never
+        write again: its commits fail (503) and the store stops (:attr:`alive` false)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited = False
+        with psycopg.connect(self.url, autocommit=True, application_name="trainguard-lease", connect_timeout=10) as conn:
+            while True:
+                row = conn.execute(
+                    "UPDATE trainguard_lease SET holder = %s, token = token + 1, expires_at = now() + make_interval(secs => %s)"
+                    " WHERE name = 'writer' AND expires_at < now() RETURNING token", (self.holder, self.lease_s)).fetchone()
+                if row is not None:
+                    break
+                if not waited:
+                    holder = conn.execute("SELECT holder FROM trainguard_lease WHERE name = 'writer'").fetchone()[0]
+                    log.info("standing by: %s holds the writer lease of %s", holder, self.path)
+                    waited = True
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise StoreError(f"another controller holds the writer lease of {self.path}")
+                time.sleep(poll_s)
+        self.lease_token = int(row[0])
+        log.info("writer lease of %s taken (fencing token %d)", self.path, self.lease_token)
+        self._renewer = threading.Thread(target=self._renew_loop, name="trainguard-lease", daemon=True)
+        self._renewer.start()
+        return self.lease_token
+
+    def _fence(self, raw: psycopg.Connection[Any]) -> None:
+        if self.lease_token is not None:
+            raw.execute("SELECT trainguard_fence(%s)", (self.lease_token,))
+
+    def _deposed(self, e: BaseException) -> None:
+        if self.failed is None:
+            log.error("this controller lost the writer lease of %s and writes no more: %s", self.path, e)
+            self.failed = StoreError(f"this controller lost the writer lease of {self.path}: another controller took over")
+
+    def _renew_loop(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        while not self._renewing.wait(self.lease_s / 3):
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = psycopg.connect(self.url, autocommit=True, application_name="trainguard-lease", connect_timeout=5)
+                renewed = conn.execute(
+                    "UPDATE trainguard_lease SET expires_at = now() + make_interval(secs => %s)"
+                    " WHERE name = 'writer' AND token = %s", (self.lease_s, self.lease_token)).rowcount
+            except psycopg.Error as e:  # cut off: the lease runs out unless the database comes back in time
+                log.warning("cannot renew the writer lease of %s: %s", self.path, e)
+                continue
+            if not renewed:
+                self._deposed(StoreError("the lease has a newer token"))
+                break
+        if conn is not None:
+            conn.close()
+
+    def _release_lease(self) -> None:
+        """Hand the lease over at once (a clean stop): a standby need not wait for it to expire."""
+        self._renewing.set()
+        if self._renewer is not None:
+            self._renewer.join(self.lease_s)
+        if self.lease_token is None or self.failed is not None:
+            return
+        try:
+            with psycopg.connect(self.url, autocommit=True, application_name="trainguard-lease", connect_timeout=5) as conn:
+                conn.execute("UPDATE trainguard_lease SET expires_at = '-infinity' WHERE name = 'writer' AND token = %s",
+                             (self.lease_token,))
+        except psycopg.Error as e:
+            log.warning("could not release the writer lease of %s (it expires in %.0f s): %s", self.path, self.lease_s, e)
+
     def close(self, timeout: float = 10.0) -> None:
-        """Commit what is queued (its callers get their outcome), and close every connection
-        (reads in flight finish first, bounded by ``timeout``)."""
+        """Commit what is queued (its callers get their outcome), hand the writer lease over, and
+        close every connection (reads in flight finish first, bounded by ``timeout``)."""
         if self._closed:
             return
         self._commit_pending_now()
+        self._release_lease()
         if self._close_reads(time.monotonic() + timeout):
             self._pool.close(timeout=timeout)
         with self._lock:

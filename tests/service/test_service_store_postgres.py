@@ -219,3 +219,94 @@ def test_sigkill_restart_keeps_every_acknowledged_report(postgres_url: str, serv
     srv2 = serve(postgres_url)
     status = httpx.get(f"{srv2.url}/v1/runs/run-k", timeout=10).json()
     assert status["reports"] == len(stored) and status["last_step"] == max(stored)
+
+
+def _stop_renewing(store: PostgresStore) -> None:
+    """The store's lease renewals stop, as when its process hangs or is cut off from the database."""
+    store._renewing.set()
+    store._renewer.join(10)
+
+
+def test_a_standby_takes_the_lease_only_when_it_expires_and_the_old_holder_is_fenced(postgres_url: str) -> None:
+    active, standby = PostgresStore(postgres_url, lease_s=1.5), PostgresStore(postgres_url, lease_s=1.5)
+    try:
+        first = active.take_lease()
+        with pytest.raises(StoreError, match="another controller holds the writer lease"):
+            standby.take_lease(timeout=2.0)  # renewed meanwhile: never expires
+        _stop_renewing(active)
+        assert standby.take_lease(timeout=30) == first + 1
+        active.start()
+        standby.start()
+
+        async def writes() -> tuple[BaseException | None, int]:
+            refused = await asyncio.gather(active.submit(lambda c: sql.insert_rules_version(c, "old", "api", "active", 1.0)),
+                                           return_exceptions=True)
+            kept = await standby.submit(lambda c: sql.insert_rules_version(c, "new", "api", "standby", 2.0))
+            return refused[0], kept
+
+        refused, kept = asyncio.run(writes())
+        assert isinstance(refused, StoreError) and "lease" in str(refused)
+        assert not active.alive and standby.alive  # the deposed store writes no more
+        rows = standby.read_now(lambda c: [tuple(r) for r in c.execute("SELECT id, text FROM rules_versions ORDER BY id")])
+        assert rows == [(kept, "new")]
+    finally:
+        active.close()
+        standby.close()
+
+
+def test_a_clean_stop_hands_the_lease_over_at_once(postgres_url: str) -> None:
+    active = PostgresStore(postgres_url, lease_s=3600)  # only a release can free it within the test
+    token = active.take_lease()
+    active.close()
+    standby = PostgresStore(postgres_url, lease_s=3600)
+    try:
+        assert standby.take_lease(timeout=10) == token + 1
+    finally:
+        standby.close()
+
+
+def test_a_deposed_controller_answers_503_and_keeps_its_memory(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url, lease_s=1.5)
+    with TestClient(create_app(Settings(db=postgres_url, tick_s=60), store=store)) as c:
+        register(c)
+        ctl = c.app.state.controller
+        assert c.post("/v1/runs/run-1/reports", content=OK, headers=JSON).status_code == 200
+        before = _memory(ctl)
+        _stop_renewing(store)
+        successor = PostgresStore(postgres_url, lease_s=1.5)
+        try:
+            successor.take_lease(timeout=30)
+            r = c.post("/v1/runs/run-1/reports", content=NAN, headers=JSON)
+            assert r.status_code == 503 and "lease" in r.json()["detail"]
+            assert _memory(ctl) == before
+            assert c.post("/v1/runs/run-1/pause", json={"reason": "r"}).status_code == 503
+            assert c.get("/healthz").status_code == 503 and c.get("/readyz").status_code == 503
+        finally:
+            successor.close()
+    assert _stored_reports(postgres_url) == [(1, 1)]
+
+
+@pytest.mark.integration
+def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str, serve: Any) -> None:
+    """Two ``trainguard serve`` on one database: the second stands by (it does not listen) until
+    the first is SIGKILLed and its lease expires, then serves every report the first acknowledged."""
+    active = serve(postgres_url)
+    client = httpx.Client(base_url=active.url, timeout=10)
+    register(client, run="run-f", world_size=1)
+    for step in range(1, 21):
+        body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step), "values": {"trainguard_loss": 2.0}}
+        assert client.post("/v1/runs/run-f/reports", json=body).status_code == 200
+    assert client.post("/v1/runs/run-f/pause", json={"reason": "before the failover"}).status_code == 200
+    standby: list[Any] = []
+    starting = threading.Thread(target=lambda: standby.append(serve(postgres_url)))
+    starting.start()
+    starting.join(3.0)
+    assert starting.is_alive() and not standby  # standing by: not listening while the active renews
+    active.kill()
+    starting.join(60)
+    assert standby, "the standby did not take over"
+    status = httpx.get(f"{standby[0].url}/v1/runs/run-f", timeout=10).json()
+    assert status["reports"] == 20 and status["last_step"] == 20
+    assert status["desired"]["paused"] is True and status["desired"]["reason"] == "before the failover"
+    body = {"job": "job-a", "step_first": 21, "step_last": 21, "time": 21.0, "values": {"trainguard_loss": 2.0}}
+    assert httpx.post(f"{standby[0].url}/v1/runs/run-f/reports", json=body, timeout=10).status_code == 200
