@@ -98,6 +98,16 @@ def main() -> None:
     agent.preflight(ids, loss_fn=lambda m, b: m.loss(b), clip_grad_norm=1.0)
     pre = time.perf_counter() - t0
     print(f"pre-flight (once):                   {pre * 1e3:8.1f} ms = {pre / s:.2f} plain steps")
+    # The same with every input-dependent check on: the loss on extreme inputs (4 more forward and
+    # backward passes: a repeated token, all padding, the maximum length, the largest logits) and
+    # a forward and backward in bfloat16 with the overflow hooks.
+    t0 = time.perf_counter()
+    report = agent.preflight(ids, loss_fn=lambda m, b: m.loss(b), clip_grad_norm=1.0, pad_id=0,
+                             max_length=ids.shape[-1], amp_dtype=torch.bfloat16)
+    full = time.perf_counter() - t0
+    ran = [c.name for c in report.checks if c.status != "skip"]
+    print(f"pre-flight, every probe (once):      {full * 1e3:8.1f} ms = {full / s:.2f} plain steps "
+          f"({len(ran)} checks ran)")
     agent.close()
 
 
