@@ -23,6 +23,10 @@ def _counts(c) -> tuple[dict[str, float], dict[str, float]]:
     return outcomes, rungs
 
 
+#: Every rung at 0 (the counter exports each label from the start).
+_NONE = dict.fromkeys(("skip", "adaptive_lr", "rollback", "pause", "data_skip", "checkpoint", "stop", "experiment"), 0.0)
+
+
 def _runs(c, gauge: str) -> dict[str, float]:
     return {dict(labels)["run"]: v for (name, labels), v in _samples(c).items() if name == gauge}
 
@@ -31,7 +35,10 @@ def test_incident_counters_start_at_zero_for_every_outcome_and_rung(app_factory)
     with app_factory() as c:
         outcomes, rungs = _counts(c)
         assert outcomes == dict.fromkeys(INCIDENT_OUTCOMES, 0.0)
-        assert rungs == dict.fromkeys(RecoveryPolicy().ladder, 0.0)  # every rung the rules may name
+        # every rung the rules may name: the optimizer's ladder and those of the other causes
+        policy = RecoveryPolicy()
+        ladders = policy.ladders
+        assert rungs == dict.fromkeys({*policy.ladder, *ladders.data, *ladders.hardware, *ladders.unknown, "stop"}, 0.0)
         assert _runs(c, "trainguard_controller_incidents_open") == {}
         assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {}
     assert {"outcome"} == set(BY_NAME["trainguard_controller_incidents_total"].labels)
@@ -44,7 +51,7 @@ def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_fact
         climb_ladder(c, "run-1", until=LADDER_STEPS["rollback"])  # open, rolled back, not yet paused
         assert _runs(c, "trainguard_controller_incidents_open") == {"run-1": 1.0}
         assert _counts(c) == ({"opened": 1.0, "recovered": 0.0, "escalated": 0.0},
-                              {"skip": 0.0, "adaptive_lr": 1.0, "rollback": 1.0, "pause": 0.0})
+                              dict(_NONE, adaptive_lr=1.0, rollback=1.0))
 
         climb_ladder(c, "run-1", after=LADDER_STEPS["rollback"])
         # run-2: an LR action opens an incident, five healthy reports close it (recovered)
@@ -55,7 +62,7 @@ def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_fact
         assert [i["outcome"] for i in incidents["run-1"]] == ["escalated"]
         assert [i["outcome"] for i in incidents["run-2"]] == ["recovered"]
         assert _counts(c) == ({"opened": 2.0, "recovered": 1.0, "escalated": 1.0},
-                              {"skip": 0.0, "adaptive_lr": 2.0, "rollback": 1.0, "pause": 1.0})
+                              dict(_NONE, adaptive_lr=2.0, rollback=1.0, pause=1.0))
         assert _runs(c, "trainguard_controller_incidents_open") == {}
         assert _runs(c, "trainguard_controller_incidents_awaiting_human") == {"run-1": 1.0}
 
