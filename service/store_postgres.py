@@ -58,11 +58,13 @@ _MIGRATION_LOCK = 0x7472_6775_6172_64  # "trguard"
 
 
 #: Raises (SQLSTATE TG001) unless ``token`` is the writer lease's current token: the first statement
-#: of every write transaction of a store that holds the lease.
+#: of every write transaction of a store that holds the lease. It share-locks the lease row, so a
+#: successor's takeover waits for the transactions in flight and loads the state after them.
 _FENCE_FUNCTION = """
 CREATE OR REPLACE FUNCTION trainguard_fence(held BIGINT) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM trainguard_lease WHERE name = 'writer' AND token = held) THEN
+    PERFORM 1 FROM trainguard_lease WHERE name = 'writer' AND token = held FOR SHARE;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'trainguard lease % lost: another controller writes this database', held USING ERRCODE = 'TG001';
     END IF;
 END $$
@@ -380,10 +382,14 @@ class PostgresStore(GroupCommitStore):
         deadline = None if timeout is None else time.monotonic() + timeout
         waited = False
         with psycopg.connect(self.url, autocommit=True, application_name="trainguard-lease", connect_timeout=10) as conn:
+            conn.execute(f"SET lock_timeout = {int(self.lease_s * 1000)}")  # a hung holder's transaction
             while True:
-                row = conn.execute(
-                    "UPDATE trainguard_lease SET holder = %s, token = token + 1, expires_at = now() + make_interval(secs => %s)"
-                    " WHERE name = 'writer' AND expires_at < now() RETURNING token", (self.holder, self.lease_s)).fetchone()
+                try:
+                    row = conn.execute(
+                        "UPDATE trainguard_lease SET holder = %s, token = token + 1, expires_at = now() + make_interval(secs => %s)"
+                        " WHERE name = 'writer' AND expires_at < now() RETURNING token", (self.holder, self.lease_s)).fetchone()
+                except psycopg.errors.LockNotAvailable:
+                    row = None  # the old holder's last transaction still runs: try again
                 if row is not None:
                     break
                 if not waited:

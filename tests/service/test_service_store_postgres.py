@@ -310,3 +310,28 @@ def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str,
     assert status["desired"]["paused"] is True and status["desired"]["reason"] == "before the failover"
     body = {"job": "job-a", "step_first": 21, "step_last": 21, "time": 21.0, "values": {"trainguard_loss": 2.0}}
     assert httpx.post(f"{standby[0].url}/v1/runs/run-f/reports", json=body, timeout=10).status_code == 200
+
+
+def test_a_takeover_waits_for_the_old_holders_transaction_in_flight(postgres_url: str) -> None:
+    """The fence share-locks the lease row: a successor takes the lease only after the old
+    holder's last transaction ends, so the state it then loads holds that transaction's rows."""
+    active, standby = PostgresStore(postgres_url, lease_s=1.0), PostgresStore(postgres_url, lease_s=1.0)
+    try:
+        token = active.take_lease()
+        with psycopg.connect(postgres_url, autocommit=True) as raw:  # a transaction of the old holder, in flight
+            raw.execute("BEGIN")
+            raw.execute("SELECT trainguard_fence(%s)", (token,))
+            _stop_renewing(active)
+            taken: list[int] = []
+            taker = threading.Thread(target=lambda: taken.append(standby.take_lease(timeout=60)))
+            taker.start()
+            taker.join(3.0)  # three lease lengths: expired, but the transaction still holds the row
+            assert taker.is_alive() and not taken
+            raw.execute("INSERT INTO rules_versions (text, source, actor, created_at) VALUES ('last', 'api', 'old', 1.0)")
+            raw.execute("COMMIT")
+        taker.join(60)
+        assert taken == [token + 1]
+        assert standby.read_now(sql.latest_rules)["text"] == "last"
+    finally:
+        active.close()
+        standby.close()
