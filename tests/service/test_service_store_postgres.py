@@ -287,16 +287,25 @@ def test_a_deposed_controller_answers_503_and_keeps_its_memory(postgres_url: str
 
 
 @pytest.mark.integration
-def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str, serve: Any) -> None:
+def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str, serve: Any, receiver_factory: Any) -> None:
     """Two ``trainguard serve`` on one database: the second stands by (it does not listen) until
-    the first is SIGKILLed and its lease expires, then serves every report the first acknowledged."""
+    the first is SIGKILLed and its lease expires, then serves every report and command the first
+    acknowledged, and delivers the webhook message that was in flight with the same delivery id."""
+    from tests.service.conftest import wait_until
+
+    rx = receiver_factory([0, 200])  # the first delivery hangs: the active dies mid-delivery
     active = serve(postgres_url)
     client = httpx.Client(base_url=active.url, timeout=10)
     register(client, run="run-f", world_size=1)
+    assert client.post("/v1/webhooks", json={"url": rx.url, "secret": "failover-secret-0123456789",
+                                             "min_severity": "critical", "send_resolved": False}).status_code == 201
     for step in range(1, 21):
         body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step), "values": {"trainguard_loss": 2.0}}
         assert client.post("/v1/runs/run-f/reports", json=body).status_code == 200
     assert client.post("/v1/runs/run-f/pause", json={"reason": "before the failover"}).status_code == 200
+    nan = {"job": "job-a", "step_first": 21, "step_last": 21, "time": 21.0, "values": {"trainguard_loss": "NaN"}}
+    assert client.post("/v1/runs/run-f/reports", json=nan).json()["alerts"] == ["loss_nonfinite"]
+    wait_until(lambda: rx.requests)  # the delivery is in flight (the receiver holds it)
     standby: list[Any] = []
     starting = threading.Thread(target=lambda: standby.append(serve(postgres_url)))
     starting.start()
@@ -306,10 +315,14 @@ def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str,
     starting.join(60)
     assert standby, "the standby did not take over"
     status = httpx.get(f"{standby[0].url}/v1/runs/run-f", timeout=10).json()
-    assert status["reports"] == 20 and status["last_step"] == 20
+    assert status["reports"] == 21 and status["last_step"] == 21 and status["firing"] == ["loss_nonfinite"]
     assert status["desired"]["paused"] is True and status["desired"]["reason"] == "before the failover"
-    body = {"job": "job-a", "step_first": 21, "step_last": 21, "time": 21.0, "values": {"trainguard_loss": 2.0}}
+    body = {"job": "job-a", "step_first": 22, "step_last": 22, "time": 22.0, "values": {"trainguard_loss": 2.0}}
     assert httpx.post(f"{standby[0].url}/v1/runs/run-f/reports", json=body, timeout=10).status_code == 200
+    # at least once: the message in flight is delivered again by the new active, same id, same body
+    wait_until(lambda: len(rx.requests) >= 2)
+    (h1, b1), (h2, b2) = rx.requests[:2]
+    assert b1 == b2 and h1["x-trainguard-delivery"] == h2["x-trainguard-delivery"]
 
 
 def test_a_takeover_waits_for_the_old_holders_transaction_in_flight(postgres_url: str) -> None:
