@@ -317,7 +317,6 @@ class Agent:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "spike_guard": guard.state_dict() if guard is not None else None,
-            "scheduled_lr": self.scheduled_lr.state_dict(),
         }
 
     def _load_snapshot_extra(self, extra: dict[str, Any]) -> None:
@@ -329,8 +328,6 @@ class Agent:
         if guard is not None and extra["spike_guard"] is not None:
             guard.load_state_dict(extra["spike_guard"])
             guard.consecutive = 0  # the restored state is a healthy one
-        if extra.get("scheduled_lr") is not None:  # the schedule's envelope as it was before the fault
-            self.scheduled_lr.load_state_dict(extra["scheduled_lr"])
 
     def _grad_norm_before_step(self) -> Any:
         """The gradient norm the skip decision reads (``NonfiniteSkip``), before any hook of the
