@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import psycopg
 import psycopg_pool
 
+from trainguard.service.errors import Invalid
 from trainguard.service.store import MIGRATIONS, Batch, GroupCommitStore, StoreError, shown_db
 
 __all__ = ["PostgresStore", "Dialect", "PgConnection"]
@@ -171,6 +172,10 @@ class PgConnection:
 
     def execute(self, query: str, params: Sequence[Any] = ()) -> _Cursor:
         text, returns_id = Dialect.statement(query)
+        for value in params:
+            if isinstance(value, str) and "\x00" in value:
+                # PostgreSQL's text cannot hold it (SQLite's can): refused as bad input, not a 500
+                raise Invalid(f"text with a NUL character (\\u0000) cannot be stored in PostgreSQL: {value[:80]!r}")
         return _Cursor(self.raw.execute(text, params), returns_id)
 
 

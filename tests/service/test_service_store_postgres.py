@@ -11,7 +11,6 @@ import threading
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 from fastapi.testclient import TestClient
 
@@ -19,8 +18,10 @@ from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, StoreError
-from trainguard.service.store_postgres import Dialect, PostgresStore
 from tests.service.conftest import register
+
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed: pip install -e '.[postgres]'")
+from trainguard.service.store_postgres import Dialect, PostgresStore  # noqa: E402 - needs psycopg
 
 OK = b'{"job":"job-a","step_first":1,"step_last":1,"time":1.0,"values":{"trainguard_loss":2.0}}'
 NAN = b'{"job":"job-a","step_first":2,"step_last":2,"time":2.0,"values":{"trainguard_loss":NaN}}'
@@ -348,3 +349,37 @@ def test_a_takeover_waits_for_the_old_holders_transaction_in_flight(postgres_url
     finally:
         active.close()
         standby.close()
+
+
+def test_text_with_a_nul_character_is_refused_with_422_and_nothing_changes(postgres_url: str) -> None:
+    """PostgreSQL's text cannot hold U+0000 (SQLite's can): a command whose reason has one is bad
+    input (422), not a server error, and the run's desired state stays as it was."""
+    with TestClient(create_app(Settings(db=postgres_url, tick_s=60))) as c:
+        register(c)
+        r = c.post("/v1/runs/run-1/pause", json={"reason": "a\u0000b"})
+        assert r.status_code == 422 and "NUL character" in r.json()["detail"]
+        assert c.get("/v1/runs/run-1").json()["desired"]["paused"] is False
+        assert c.post("/v1/runs/run-1/pause", json={"reason": "ab"}).json()["desired"]["generation"] == 1
+
+
+def test_the_database_setting_keeps_a_url_and_the_banner_hides_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from trainguard.service.store import shown_db
+
+    monkeypatch.setenv("TRAINGUARD_DB", "postgresql://tg:s3cret@db.internal:5432/trainguard?sslmode=require")
+    db = Settings().db
+    assert db == "postgresql://tg:s3cret@db.internal:5432/trainguard?sslmode=require"  # not folded into a Path
+    assert shown_db(db) == "postgresql://tg:***@db.internal:5432/trainguard?sslmode=require"
+    monkeypatch.setenv("TRAINGUARD_DB", "state/tg.db")
+    assert Settings().db == Path("state/tg.db")
+
+
+def test_a_url_without_the_driver_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from trainguard.service.store import open_store
+
+    monkeypatch.setitem(sys.modules, "trainguard.service.store_postgres", None)  # as if psycopg were absent
+    with pytest.raises(StoreError, match=r"pip install 'trainguard\[postgres\]'"):
+        open_store("postgresql://tg@127.0.0.1:1/none")
