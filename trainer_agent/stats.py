@@ -11,6 +11,7 @@ significant digits.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -24,6 +25,7 @@ __all__ = [
     "update_sq_norms",
     "sq_norms",
     "nonfinite_count",
+    "sums_and_extremes",
     "segment_sum",
     "noise_scale",
     "host_memory",
@@ -225,6 +227,71 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     # read is no device sync, and added as a number.
     host_count = float(nonfinite_count(on_host, torch.device("cpu"), scan="suspects"))
     return total + host_count if host_count else total
+
+
+#: Bytes of gradients one fused pass of :func:`sums_and_extremes` reads at a time (its
+#: temporary, ``|g|``, has that size); a larger tensor is measured on its own.
+_STATS_CHUNK_BYTES = 256 << 20
+
+
+def sums_and_extremes(tensors: Sequence[torch.Tensor], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tensor: the sum of its elements, and the largest and smallest absolute value, as three
+    float64 vectors on ``device`` in the order of ``tensors`` (an empty tensor: sum 0, max -inf,
+    min inf; NaN propagates into all three).
+
+    A few fused ``torch._foreach_*`` passes per (device, dtype) bucket of at most
+    ``_STATS_CHUNK_BYTES``, whatever the tensor count: ``A = |g|``, ``max(A)``; ``A = -A``,
+    ``max(A) = -min|g|``; ``A = relu(g)``, and the sum is ``2 ||A||_1 - ||g||_1``
+    (``sum(relu(g)) - sum(relu(-g))``), both norms accumulated in float64."""
+    n = len(tensors)
+    parts: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for bucket in buckets(tensors):
+        chunk: list[int] = []
+        size = 0
+        todo = [i for i in bucket if tensors[i].numel()]
+        for i in [*todo, None]:
+            if i is not None:
+                t = tensors[i]
+                nbytes = t.numel() * t.element_size()
+                if nbytes >= _STATS_CHUNK_BYTES:  # a large tensor on its own: temporaries of its size only
+                    a = t.abs()
+                    lo_hi = torch.stack(torch.aminmax(a)).to(device, torch.float64)
+                    total = t.sum(dtype=torch.float64).to(device).reshape(1)
+                    parts.append(([i], total, lo_hi[1:], lo_hi[:1]))
+                    continue
+                chunk.append(i)
+                size += nbytes
+            if chunk and (i is None or size >= _STATS_CHUNK_BYTES):
+                ts = [tensors[j] for j in chunk]
+                a = torch._foreach_abs(ts)
+                top = torch._foreach_max(a)
+                torch._foreach_neg_(a)
+                neg_low = torch._foreach_max(a)
+                torch._foreach_copy_(a, ts)
+                torch._foreach_clamp_min_(a, 0.0)  # relu(g): no doubling, so no overflow
+                pos = torch._foreach_norm(a, 1, dtype=torch.float64)
+                abs_sum = torch._foreach_norm(ts, 1, dtype=torch.float64)
+                del a
+                ext = torch.stack([torch.stack(top), torch.stack(neg_low)]).to(device, torch.float64)
+                total = (2 * torch.stack(pos) - torch.stack(abs_sum)).to(device)
+                parts.append((chunk, total, ext[0], -ext[1]))
+                chunk, size = [], 0
+    if not parts:
+        order: list[int] = []
+        values = torch.zeros(3, 0, dtype=torch.float64, device=device)
+    else:
+        order = [i for p in parts for i in p[0]]
+        values = torch.stack([torch.cat([p[c] for p in parts]) for c in (1, 2, 3)])
+    if len(order) == n and order == list(range(n)):
+        return values[0], values[1], values[2]
+    out = torch.empty(3, n, dtype=torch.float64, device=device)
+    out[0].fill_(0.0)
+    out[1].fill_(-math.inf)
+    out[2].fill_(math.inf)
+    if order:
+        out[:, torch.tensor(order, dtype=torch.long, device=device)] = values
+    return out[0], out[1], out[2]
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:

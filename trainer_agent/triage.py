@@ -132,12 +132,8 @@ def grad_stats(params: Sequence[torch.Tensor], layer_ids: torch.Tensor, layers: 
     groups = stats.buckets(grads)
     order = [i for g in groups for i in g]
     norms = stats.bucket_norms([[grads[i] for i in g] for g in groups], device).to(torch.float64)
-    sums = torch.stack([grads[i].sum(dtype=torch.float32).to(device, torch.float64) for i in order])
-    # min and max |g| from one pass over |g| per tensor (on the CPU the fused inf-norms are ~5x slower).
-    extremes = torch.stack([torch.stack(torch.aminmax(grads[i].abs())).float().to(device) if grads[i].numel() else
-                            torch.tensor([math.inf, -math.inf], device=device) for i in order])
-    extremes = extremes.to(device, torch.float64)
-    mins, maxes = extremes[:, 0], extremes[:, 1]
+    # Sums and min/max |g| in a few fused passes over all the gradients (stats.sums_and_extremes).
+    sums, maxes, mins = stats.sums_and_extremes([grads[i] for i in order], device)
     counts = torch.tensor([float(grads[i].numel()) for i in order], dtype=torch.float64, device=device)
     ids = ids[torch.tensor(order, dtype=torch.long, device=device)]
     g_sq = norms * norms

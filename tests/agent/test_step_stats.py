@@ -35,3 +35,28 @@ def test_grad_norm_is_right_for_a_scale_of_2_pow_127() -> None:
     assert math.isclose(latest['trainguard_layer_grad_norm{layer="0"}'], layer0, rel_tol=1e-6)
     assert latest["trainguard_nonfinite_grads"] == 0.0
     assert latest["trainguard_agent_errors_total"] == 0.0
+
+
+def test_sums_and_extremes_match_a_float64_reference_per_tensor() -> None:
+    from trainer_agent import stats
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000), torch.randn(3, 7).double(), torch.empty(0), torch.randn(5).half(),
+               torch.tensor([1.0, math.nan, -2.0]), torch.randn(200) * 1e-3,
+               torch.tensor([60000.0, -1.0, 3.0], dtype=torch.half), torch.tensor([3e38, -1e38])]
+    chunk = stats._STATS_CHUNK_BYTES
+    for limit in (chunk, 64):  # fused chunks, and every tensor over the limit measured on its own
+        stats._STATS_CHUNK_BYTES = limit
+        try:
+            sums, maxes, mins = stats.sums_and_extremes(tensors, torch.device("cpu"))
+        finally:
+            stats._STATS_CHUNK_BYTES = chunk
+        for i, t in enumerate(tensors):
+            d = t.double()
+            ref = (float(d.sum()), float(d.abs().max()) if t.numel() else -math.inf,
+                   float(d.abs().min()) if t.numel() else math.inf)
+            for got, want in zip((float(sums[i]), float(maxes[i]), float(mins[i])), ref):
+                if math.isnan(want):
+                    assert math.isnan(got), (limit, i)
+                else:
+                    assert got == want or math.isclose(got, want, rel_tol=1e-6), (limit, i, got, want)
