@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agent_scale.py                        # tensors 100, 1000, 5000 (~1 min)
     .venv/bin/python bench/agent_scale.py --tensors 100 5000 --device cuda
+    .venv/bin/python bench/agent_scale.py --ddp                  # the same under DDP, 2 gloo ranks
 
 A model of ``--elements`` parameters split into T tensors (T in ``--tensors``) trains with SGD
 (``foreach``: a constant number of operators whatever T) in two copies, one step each per round,
@@ -15,6 +16,10 @@ steps apart:
 - ``agent CPU ms``: the training thread's CPU time (``time.thread_time``) of a step with the agent
   minus that of a plain step, medians over the rounds: what another process on the machine does
   not move, unlike wall time.
+
+``--ddp`` runs both copies under ``DistributedDataParallel`` on 2 gloo ranks (CPU) and prints rank
+0's figures: every report step then also fingerprints every layer and measures the noise scale's
+incoming gradients before the all-reduce.
 
 ``--device cuda`` also counts CUDA kernel launches with the profiler (``cuda kernels``). The
 design target: ordinary steps flat in T (at most 10 operators, 0.1 ms at 5,000 tensors), report
@@ -63,9 +68,13 @@ def _kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(elements: int, tensors: int, rounds: int, device: str) -> dict[str, float]:
+def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False) -> dict[str, float]:
     base = Split(elements, tensors).to(device)
     plain, watched = base, copy.deepcopy(base)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        plain, watched = DistributedDataParallel(plain), DistributedDataParallel(watched)
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, foreach=True) for m in (plain, watched)]
     agent = ta.attach(watched, opts[1], job="scale", run=f"scale-{tensors}",
                       config=ta.AgentConfig(metrics_port=None, report_every=10))
@@ -116,19 +125,48 @@ def measure(elements: int, tensors: int, rounds: int, device: str) -> dict[str, 
     return out
 
 
+def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for t in args.tensors:
+            m = measure(args.elements, t, args.rounds, "cpu", ddp=True)
+            if rank == 0:
+                print(" | ".join([f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['ms']:.3f}",
+                                  f"{m['report_ms']:.3f}"]), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, nargs="+", default=[100, 1000, 5000])
     ap.add_argument("--elements", type=int, default=2_000_000, help="model size, split over the tensors")
     ap.add_argument("--rounds", type=int, default=3, help="report intervals measured per size")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ddp", action="store_true", help="under DDP on 2 gloo ranks (CPU)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("agent_scale: --device cuda, but no CUDA device is available")
+    if args.ddp and args.device != "cpu":
+        sys.exit("agent_scale: --ddp runs on the CPU (gloo)")
     torch.set_num_threads(1)
     cols = ["tensors", "agent ops/step", "agent ops/report step", "agent CPU ms/step", "agent CPU ms/report step"]
     if args.device == "cuda":
         cols += ["cuda kernels/step", "cuda kernels/report step"]
+    if args.ddp:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 2 gloo ranks, rank 0, "
+              f"torch {torch.__version__})")
+        print(" | ".join(cols))
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_ddp_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
+        return
     print(f"agent cost against the tensor count ({args.elements:,} parameters, {args.device}, torch {torch.__version__})")
     print(" | ".join(cols))
     for t in args.tensors:

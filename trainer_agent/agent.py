@@ -18,7 +18,10 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     *before* any clipping the user does afterwards, divided by the GradScaler's scale.
     For the gradient noise scale, per-parameter gradient hooks measure the incoming gradient of
     every further backward pass of the step (the first one equals the accumulated gradient);
-    under data parallelism every pass is measured there, before the all-reduce.
+    under data parallelism every pass is measured there, before the all-reduce. Those hooks are
+    on the parameters only for the report steps (the noise scale is a report step's) and the
+    verifier's armed step; an ordinary step runs one hook per layer, which queues the callback
+    (``step_stats.GradHooks``), so its host work does not grow with the tensor count.
 (2) **Optimizer step hooks** (``register_step_pre_hook``/``register_step_post_hook``): the LR
     each param group actually used; the weights before the step are copied into one reusable
     buffer (``AgentConfig.update_ratio``), and one pass over it and the new weights gives
@@ -116,7 +119,7 @@ from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.report import HostStep, ReportPipeline
 from trainer_agent.schedule import ReportSchedule, ScheduledLr
 from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
-from trainer_agent.step_stats import StepMeter
+from trainer_agent.step_stats import GradHooks, StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
 
@@ -267,8 +270,12 @@ class Agent:
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
-        self._handles += [p.register_hook(functools.partial(self._grad_hook, i))
-                          for i, p in enumerate(self.params.params)]
+        # One hook per layer on ordinary steps; every parameter only on the steps that read each
+        # incoming gradient (``_sync_grad_hooks``).
+        hooks = GradHooks(self.params.params, self.params.layer_ids.tolist(), self._sentinel_hook, self._grad_hook)
+        self.meter.hooks = hooks
+        self._handles.append(hooks)
+        self._sync_grad_hooks()
         if self.params.sharding is not None:
             self._handles.append(model.register_forward_hook(self.meter.watch_output))
         self.forward = ForwardTimer(model, self.schedule, self.device, step=lambda: self.step,
@@ -363,6 +370,20 @@ class Agent:
                         "counted in trainguard_agent_errors_total", kind, kind, exc_info=exc)
 
     # ------------------------------------------------------------------ (1) backward, (2) step hooks
+
+    def _sync_grad_hooks(self) -> None:
+        """Hook every parameter for the step in progress only when it reads every incoming
+        gradient: the verifier's armed step, the noise scale's report step (``StepMeter``)."""
+        hooks = self.meter.hooks
+        if hooks is not None:
+            verifier = self.verifier
+            hooks.want((verifier is not None and verifier.armed) or self.meter.wants_every_grad())
+
+    def _sentinel_hook(self, grad: torch.Tensor) -> None:
+        verifier = self.verifier
+        if verifier is not None and verifier.recomputing:
+            return  # the agent's own recompute is not the step's
+        self.meter.sentinel(grad)
 
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         t0 = self._clock()
@@ -485,6 +506,10 @@ class Agent:
                 self.control.on_end_step(self.step, agreed)
             except Exception as exc:
                 self._error("control_end_step", exc)
+        try:
+            self._sync_grad_hooks()  # for the next step (the verifier or the controller may have armed it)
+        except Exception as exc:
+            self._error("gradient_hook", exc)
         if self.input_wait is not None:
             self.input_wait.step_ended()  # last: a pause above is not input wait
 
@@ -681,6 +706,7 @@ class Agent:
         on every rank at the same point of the loop."""
         if self.verifier is not None:
             self.verifier.arm()
+            self._sync_grad_hooks()
 
     def trace_memory(self, steps: int = 3) -> None:
         """Attribute memory retained across steps to the layers or the training loop for the next

@@ -8,6 +8,7 @@ them, times them and keeps their errors out of the training loop. Every value st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from trainer_agent.config import AgentConfig
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
 
-__all__ = ["StepState", "StepMeter", "HELD_GRAD_BYTES"]
+__all__ = ["StepState", "StepMeter", "GradHooks", "HELD_GRAD_BYTES"]
 
 #: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
 HELD_GRAD_BYTES = 32 << 20
@@ -28,13 +29,17 @@ class StepState:
     """What the hooks learn during one optimizer step; replaced by ``end_step``."""
 
     __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_share", "grad_nonfinite", "scale",
-                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp", "grad_stats")
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp", "grad_stats",
+                 "micro_missed")
 
     def __init__(self) -> None:
         self.backwards = 0
         #: Per backward pass: ||incoming gradient|| over all parameters (float64 device scalar,
         #: times the loss scale).
         self.micro_norms: list[torch.Tensor] = []
+        #: A backward pass after the first ran without the per-parameter hooks (accumulation that
+        #: started on a report step after steps of one pass each): ``micro_norms`` stays empty.
+        self.micro_missed = False
         #: Per-parameter ||accumulated grad|| at the end of the last backward (device vector in the
         #: agent's parameter order, times the loss scale; 0 without a gradient).
         self.grad_norms: torch.Tensor | None = None
@@ -61,6 +66,56 @@ class StepState:
         self.grad_fp: torch.Tensor | None = None
         #: Report steps: ``trainer_agent.triage.grad_stats`` of the gradients the optimizer used.
         self.grad_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class GradHooks:
+    """The tensor hooks on the parameters, in two sets.
+
+    - *Sentinels*, always: one hook on the first parameter of every layer, whose only work is to
+      start the end-of-backward measurement once per backward pass (``sentinel``). A backward pass
+      that reaches any layer runs one of them, so an ordinary step costs one Python call per layer
+      reached, not one per parameter tensor.
+    - *Per-parameter* hooks (``on_grad(index, grad)``), only while :meth:`want` says so: the steps
+      that read each incoming gradient (the noise scale's micro-batch norms on report steps, the
+      gradient verifier's armed step). Removed again afterwards, and the emptied hook dictionary
+      is dropped from the tensor, so that autograd calls no Python for it on the next steps.
+    """
+
+    def __init__(self, params: list[torch.Tensor], layer_ids: list[int],
+                 sentinel: Callable[[torch.Tensor], None], on_grad: Callable[[int, torch.Tensor], None]) -> None:
+        self.params = params
+        first: dict[int, int] = {}
+        for i, layer in enumerate(layer_ids):
+            first.setdefault(layer, i)
+        self._sentinels = [params[i].register_hook(sentinel) for i in first.values()]
+        self._bodies = [functools.partial(on_grad, i) for i in range(len(params))]
+        self._full: list[Any] = []
+
+    @property
+    def full(self) -> bool:
+        """Whether every parameter is hooked now."""
+        return bool(self._full)
+
+    def want(self, full: bool) -> None:
+        """Hook every parameter (``full``), or only the sentinels."""
+        if full and not self._full:
+            self._full = [p.register_hook(body) for p, body in zip(self.params, self._bodies)]
+        elif not full and self._full:
+            self._remove(self._full)
+
+    def _remove(self, handles: list[Any]) -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+        for p in self.params:
+            # A leaf's hook dict stays registered with autograd after its last hook is removed,
+            # and autograd then calls into Python for every gradient: drop it when empty.
+            if p._backward_hooks is not None and not p._backward_hooks:
+                p._backward_hooks = None
+
+    def remove(self) -> None:
+        self._remove(self._full)
+        self._remove(self._sentinels)
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -112,6 +167,12 @@ class StepMeter:
         self._snapshot_versions: tuple[int, ...] | None = None
         self._norm_cache: dict = {}
         self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        #: The parameters' tensor hooks (set by the agent): sentinels, and every parameter on the
+        #: steps that read incoming gradients (:meth:`wants_every_grad`).
+        self.hooks: GradHooks | None = None
+        #: Backward passes of the last finished step (None before the first): without data
+        #: parallelism the report step's hooks are added only after accumulation was seen.
+        self._last_backwards: int | None = None
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -122,6 +183,7 @@ class StepMeter:
     def reset(self) -> StepState:
         """Start the next step; returns the finished step's state."""
         finished, self.state = self.state, StepState()
+        self._last_backwards = finished.backwards
         self._in_backward = False
         self._hook_norms = []
         self._release_held()  # a backward pass that raised never reached its end
@@ -147,6 +209,24 @@ class StepMeter:
                 self._held_bytes += grad.numel() * grad.element_size()
                 if self._held_bytes >= HELD_GRAD_BYTES:
                     self._norm_held()
+
+    def wants_every_grad(self) -> bool:
+        """Whether the step in progress needs every incoming gradient from its first backward
+        pass on (the per-parameter hooks): the noise scale on a report step under data
+        parallelism, where every pass is measured before the all-reduce. Without data
+        parallelism the first pass's gradient is the accumulated one, and the hooks are added
+        at its end (``_backward_end``); other steps need none (the noise scale is reported from
+        the report step's micro-batches only)."""
+        return self.grad_noise and self.data_parallel and self.schedule.is_report(self._step() + 1)
+
+    def sentinel(self, grad: torch.Tensor) -> None:
+        """Tensor hook of the sentinel parameters (:class:`GradHooks`): starts the end-of-backward
+        measurement of the pass."""
+        if not self._in_backward:
+            try:
+                self.begin_backward()
+            except Exception as exc:  # never raise into backward
+                self._on_error("gradient_hook", exc)
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float64 if self.wide else stats.norm_dtype(dtype)
@@ -213,7 +293,16 @@ class StepMeter:
                 elif self._hook_norms:
                     st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
                                                                    dtype=torch.float64))
+                elif self.hooks is not None and not self.hooks.full:
+                    st.micro_missed = True  # a pass without the hooks: its incoming norm is unknown
             st.backwards += 1
+            hooks = self.hooks
+            if (first and self.grad_noise and not self.data_parallel and hooks is not None and not hooks.full
+                    and self._last_backwards != 1 and self.schedule.is_report(self._step() + 1)):
+                # The step's further passes, when the last step had some: their incoming gradients.
+                hooks.want(True)
+            if st.micro_missed:
+                st.micro_norms = []  # the noise scale of this step is absent rather than wrong
         except Exception as exc:
             self._on_error("backward_end", exc)
         finally:

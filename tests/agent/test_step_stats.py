@@ -37,6 +37,78 @@ def test_grad_norm_is_right_for_a_scale_of_2_pow_127() -> None:
     assert latest["trainguard_agent_errors_total"] == 0.0
 
 
+class _Blocks(nn.Module):
+    """Three layers (repeated blocks) of two parameter tensors each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.square().mean()
+
+
+def _hooked(model: nn.Module) -> int:
+    return sum(1 for p in model.parameters() if p._backward_hooks)
+
+
+def test_ordinary_steps_hook_one_parameter_per_layer_and_noise_scale_steps_every_parameter() -> None:
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="hooks", run="hooks-1", config=ta.AgentConfig(metrics_port=None, report_every=3))
+    micro = [torch.randn(4, 6) for _ in range(6)]
+    hooked_during_second_pass = []
+    ref_sq = []
+    for step in range(1, 4):  # two micro-batches per step; step 3 reports
+        incoming = []
+        for j in range(2):
+            before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+            loss = model(micro[2 * (step - 1) + j])
+            if j == 1:
+                hooked_during_second_pass.append(_hooked(model))
+            loss.backward()
+            incoming.append(sum(float((p.grad.double() - b.double()).square().sum())
+                                for p, b in zip(model.parameters(), before)))
+        total_sq = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+        ref_sq.append((incoming, total_sq))
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        assert _hooked(model) == 3  # after every step: the sentinels only
+    latest = agent.latest()
+    agent.close()
+    # Steps 1 and 2 ran with one hook per layer; the report step 3 hooked every parameter after its first pass.
+    assert hooked_during_second_pass == [3, 3, 6]
+    incoming, big_sq = ref_sq[-1]
+    small_sq = 2**2 * sum(incoming) / 2
+    grad_sq = (2 * big_sq - small_sq) / 1
+    trace = 1.0 * 2 * (small_sq - big_sq) / 1
+    assert math.isclose(latest["trainguard_grad_noise_scale"], trace / grad_sq, rel_tol=1e-4)
+    assert _hooked(model) == 0  # close removes every hook
+    assert all(p._backward_hooks is None for p in model.parameters())
+
+
+def test_accumulation_that_starts_on_a_report_step_leaves_the_noise_scale_out() -> None:
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="hooks", run="hooks-2", config=ta.AgentConfig(metrics_port=None, report_every=2))
+    for step in range(1, 3):
+        for _ in range(1 if step == 1 else 2):  # one pass at step 1, two at the report step 2
+            loss = model(torch.randn(4, 6))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+    latest = agent.latest()
+    agent.close()
+    assert "trainguard_grad_noise_scale" not in latest  # its second pass had no hooks: absent, not wrong
+    assert latest["trainguard_agent_errors_total"] == 0.0
+
+
 def test_sums_and_extremes_match_a_float64_reference_per_tensor() -> None:
     from trainer_agent import stats
 
