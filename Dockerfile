@@ -23,7 +23,7 @@ COPY dashboards ./dashboards
 # docker-compose.yml's token set-up: its `tokens` service writes them, the others read their own
 COPY scripts/compose_tokens.sh /usr/local/bin/trainguard-compose-tokens
 RUN grep -v '^torch==' constraints.txt > /tmp/constraints-controller.txt \
-    && pip install -c /tmp/constraints-controller.txt '.[service,dashboards]' \
+    && pip install -c /tmp/constraints-controller.txt '.[service,dashboards,postgres]' \
     && chmod 0755 /usr/local/bin/trainguard-compose-tokens \
     && useradd --create-home --uid 10001 trainguard \
     && mkdir -p /data && chown trainguard /data
