@@ -293,6 +293,7 @@ def test_everything_on_with_every_option_set_validates():
     ({"podMonitor": {"localRanksPerPod": 0}}, "at '/podMonitor/localRanksPerPod': minimum: got 0, want 1"),
     ({"serviceMonitor": {"interval": "15 s"}}, "at '/serviceMonitor/interval': '15 s' does not match pattern"),
     ({"persistence": {"enabled": "yes"}}, "at '/persistence/enabled': got string, want boolean"),
+    ({"database": {"existingSecret": "pg", "key": ""}}, "at '/database/key': minLength: got 0, want 1"),
 ])
 def test_values_schema_refuses_mistakes_with_the_path(values, message):
     with pytest.raises(helm_python.HelmValuesError, match=re.escape(message)):
@@ -725,3 +726,21 @@ def test_kubernetes_doc_states_the_charts_defaults():
     assert f'`{label[0]}: "{label[1]}"`' in doc and f"`{values['podMonitor']['portNamePrefix']}-<local rank>`" in doc
     keys = set(re.findall(r"^\| `([a-z]+-token)` \|", doc, flags=re.M))
     assert keys == set(one(render(), "Secret")["data"])
+
+
+def test_a_postgresql_secret_replaces_the_sqlite_volume():
+    """``database.existingSecret``: the controller reads its PostgreSQL URL from that Secret's key
+    (TRAINGUARD_DB), gets no ``--db`` file, and no claim is made or mounted."""
+    objects = render({"database": {"existingSecret": "tg-postgres", "key": "dsn"}})
+    (deployment,) = by_kind(objects, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--db" not in container["command"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["TRAINGUARD_DB"]["valueFrom"] == {"secretKeyRef": {"name": "tg-postgres", "key": "dsn"}}
+    assert by_kind(objects, "PersistentVolumeClaim") == []
+    data = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data == {"name": "data", "emptyDir": {}}
+    # the default stays SQLite on its claim
+    (default,) = by_kind(render(), "Deployment")
+    command = default["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--db") + 1] == "/data/trainguard.db" and len(by_kind(render(), "PersistentVolumeClaim")) == 1
