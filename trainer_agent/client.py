@@ -122,9 +122,10 @@ def _command_fields(exc: ValidationError, answer_type: type[WireModel]) -> list[
         if answer_type is not _Command:
             if not loc or loc[0] != "desired":
                 return None
-            loc = loc[1:] or ("desired",)
-        field = ".".join(str(part) for part in loc) or "desired"
-        out.append((field, error.get("input")))
+            loc = loc[1:]
+        if not loc or error["type"] == "json_invalid":
+            return None  # not a desired state at all (garbage, not JSON, not an object): unreadable
+        out.append((".".join(str(part) for part in loc), error.get("input")))
     return out
 
 

@@ -4,7 +4,8 @@ returns data for that run.
 
 The run is built so that every panel can have data on a CPU: a GradScaler (loss scale, skipped
 steps), two micro-batches per step (gradient noise scale), a QualityFilter on the agent's registry
-(filtered samples), a data monitor (data signals), a burst of duplicated batches (the controller's
+(filtered samples), a declared FLOPs count and device peak (model-FLOPs utilisation), a data
+monitor (data signals), a burst of duplicated batches (the controller's
 duplicate rule fires, so its alert, suppression and webhook panels have data, and so does
 Prometheus's own alert, behind the ALERTS annotation), an operator's lr-scale command (an action,
 behind the "actions applied" annotation), a webhook that fails (failures panel) and one rejected
@@ -177,7 +178,8 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
     agent = ta.attach(model, optimizer, job=JOB, run=RUN, scaler=scaler, data_monitor=monitor,
                       controller=stack["controller"], token=stack["agent"],
                       config=ta.AgentConfig(report_every=1, metrics_port=0, update_ratio="every",
-                                            skip_nonfinite=True, snapshot_every=10))
+                                            skip_nonfinite=True, snapshot_every=10,
+                                            flops_per_token=6e6, peak_flops=1e12))  # MFU on a CPU
     # The sequences come through the agent's own sharded reader (so its panel has data): random
     # token sequences written into shards, read back in a seeded order, watched by the agent.
     from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards

@@ -198,13 +198,17 @@ def test_malformed_input_is_4xx(app_factory, path, body):
 
 
 def test_malformed_bytes_and_huge_bodies(app_factory):
-    with app_factory(max_body_bytes=32 * 1024) as c:
+    from trainguard.service.limits import report_body_bytes
+
+    with app_factory(max_body_bytes=32 * 1024, max_world_size=4) as c:
         register(c)
         for raw in (b"{not json", b"\xff\xfe\x00", b"", b"null", b'{"job": "job-a", "step_first": 1e400}'):
             r = c.post("/v1/runs/run-1/reports", content=raw, headers={"content-type": "application/json"})
             assert 400 <= r.status_code < 500, (raw, r.status_code)
-        huge = json.dumps(report_body(values={f"m{i}": 1.0 for i in range(4000)})).encode()
-        assert len(huge) > 32 * 1024
+        # A report may be as large as the largest a run of max_world_size ranks sends; past that, 413.
+        limit = max(32 * 1024, report_body_bytes(4))
+        huge = json.dumps(report_body(values={f"m{i}": 1.0 for i in range(limit // 10)})).encode()
+        assert len(huge) > limit
         r = c.post("/v1/runs/run-1/reports", content=huge, headers={"content-type": "application/json"})
         assert r.status_code == 413
         chunked = c.post("/v1/runs/run-1/reports", content=iter([huge[:20000], huge[20000:]]), headers={"content-type": "application/json"})
