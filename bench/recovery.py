@@ -55,6 +55,18 @@ import trainer_agent as ta
 from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
 
 
+def stop_when_paused(url: str, run: str, done: threading.Event, paused: list[bool]) -> None:
+    """A pause blocks the loop in end_step (every rank waits there); the bench plays the human who
+    ends the run, and counts it as not recovered (``paused`` gets True)."""
+    with httpx.Client(base_url=url, timeout=5) as c:
+        while not done.wait(0.2):
+            r = c.get(f"/v1/runs/{run}")
+            if r.status_code == 200 and r.json()["status"] == "paused":
+                paused.append(True)
+                c.post(f"/v1/runs/{run}/stop", json={"reason": "bench: paused for a human"})
+                return
+
+
 def _start_controller(db: Path) -> tuple[subprocess.Popen[str], str]:
     exe = str(Path(sys.executable).with_name("trainguard"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
@@ -119,18 +131,7 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     done = threading.Event()
     was_paused: list[bool] = []
 
-    def stop_when_paused() -> None:
-        # A pause blocks the loop in end_step (every rank waits there); the bench plays the
-        # human who ends the run, and counts it as not recovered.
-        with httpx.Client(base_url=url, timeout=5) as c:
-            while not done.wait(0.2):
-                r = c.get(f"/v1/runs/{run}")
-                if r.status_code == 200 and r.json()["status"] == "paused":
-                    was_paused.append(True)
-                    c.post(f"/v1/runs/{run}/stop", json={"reason": "bench: paused for a human"})
-                    return
-
-    watcher = threading.Thread(target=stop_when_paused, daemon=True)
+    watcher = threading.Thread(target=stop_when_paused, args=(url, run, done, was_paused), daemon=True)
     watcher.start()
     g = torch.Generator().manual_seed(seed + 7)
     faults = dict(burst=burst, poison=poison, nan=nan, fp16_overflow=fp16_overflow)

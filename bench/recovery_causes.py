@@ -41,7 +41,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import _start_controller, shape  # noqa: E402  (the recovery bench's harness)
+from recovery import _start_controller, shape, stop_when_paused  # noqa: E402  (the recovery bench's harness)
 
 import trainer_agent as ta  # noqa: E402
 from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes  # noqa: E402
@@ -82,7 +82,7 @@ def run_single(case: str, url: str | None, args: argparse.Namespace, corpus: Byt
                           data_monitor=ta.DataMonitor(256, window=256, reference_tokens=8192),
                           config=ta.AgentConfig(metrics_port=None, report_every=args.report_every,
                                                 snapshot_every=50, snapshot_keep=4))
-        threading.Thread(target=_stop_when_paused, args=(url, run, done, paused), daemon=True).start()
+        threading.Thread(target=stop_when_paused, args=(url, run, done, paused), daemon=True).start()
     g = torch.Generator().manual_seed(7)
     losses, first_action = [], None
     for step in range(args.steps):
@@ -125,17 +125,6 @@ def run_single(case: str, url: str | None, args: argparse.Namespace, corpus: Byt
                   "lag": None if first_action is None else first_action - args.onset, "lost": lost, "scale": scale,
                   "min_scale": min([h.lr_scale for h in history] or [1.0]), "paused": bool(paused),
                   "incidents": [(i["cause"], [r["rung"] for r in i["rungs"]], i["outcome"]) for i in incidents]}
-
-
-def _stop_when_paused(url: str, run: str, done: threading.Event, paused: list[bool]) -> None:
-    """A pause blocks the loop; the bench plays the human who ends the run (not recovered)."""
-    with httpx.Client(base_url=url, timeout=5) as c:
-        while not done.wait(0.2):
-            r = c.get(f"/v1/runs/{run}")
-            if r.status_code == 200 and r.json()["status"] == "paused":
-                paused.append(True)
-                c.post(f"/v1/runs/{run}/stop", json={"reason": "bench: paused for a human"})
-                return
 
 
 def _hw_rank(rank: int, url: str, run: str, steps: int, onset: int, seq_len: int, out: str) -> None:
@@ -189,7 +178,7 @@ def _hw_rank(rank: int, url: str, run: str, steps: int, onset: int, seq_len: int
 def run_hardware(url: str, args: argparse.Namespace) -> dict:
     run = f"hw-bitflip-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     done, paused = threading.Event(), []
-    threading.Thread(target=_stop_when_paused, args=(url, run, done, paused), daemon=True).start()
+    threading.Thread(target=stop_when_paused, args=(url, run, done, paused), daemon=True).start()
     with tempfile.TemporaryDirectory() as out:
         torch.multiprocessing.start_processes(_hw_rank, args=(url, run, args.steps, args.onset, args.seq_len, out),
                                               nprocs=2, start_method="spawn")
