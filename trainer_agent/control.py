@@ -565,7 +565,7 @@ class ControlPlane:
             self._broken = True
             self._on_error("control_agreement", exc)
             return
-        self._checkpoint_seq = state[3]
+        self._checkpoint_seq = decode_state(state).checkpoint_seq
         # Rollbacks and diagnostic requests made before this process started were meant for the
         # process that ran then.
         initial_state = decode_state(state)

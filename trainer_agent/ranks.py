@@ -22,16 +22,15 @@ the CPU is a SYNC, once per report step).
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from trainguard.protocol.wire import DesiredState
+from trainguard.protocol.commands import LR_RULES, STATE_LEN, decode_state, encode_state
 from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
 
-__all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]
+__all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]  # the codec: trainguard.protocol.commands
 
 #: Per-rank values gathered at each report step; on every rank ``Agent.rank_values[field][r]`` is
 #: rank ``r``'s value of that report.
@@ -69,36 +68,7 @@ WIRE_VECTORS: dict[str, str] = {
     "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: 0 without an XID error in the interval, NaN without NVML
 }
 
-STATE_LEN = 13  # generation, paused, lr_scale bits, checkpoint_seq, stop, accumulation steps, LR rule,
-#               rollback_seq, rollback_step, memory_trace_seq, verify_seq, data_skip_until, stop_exit_code
-LR_RULES = ("none", "sqrt", "linear")
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(i: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", i))[0]
-
-
-def encode_state(d: DesiredState) -> list[int]:
-    """The desired state as ``STATE_LEN`` int64 (lr_scale as the bits of its float64)."""
-    return [d.generation, int(d.paused), _float_bits(d.lr_scale), d.checkpoint_seq, int(d.stop),
-            d.accumulation_steps, LR_RULES.index(d.accumulation_lr_rule), d.rollback_seq, d.rollback_step,
-            d.memory_trace_seq, d.verify_seq, d.data_skip_until, d.stop_exit_code]
-
-
-def decode_state(v: Sequence[int]) -> DesiredState:
-    """Inverse of :func:`encode_state`; ``ValueError`` for values no leader can have sent."""
-    if not 0 <= int(v[6]) < len(LR_RULES):
-        raise ValueError(f"no LR rule number {v[6]}")
-    return DesiredState(generation=int(v[0]), paused=bool(v[1]), lr_scale=_bits_float(int(v[2])),
-                        checkpoint_seq=int(v[3]), stop=bool(v[4]), accumulation_steps=int(v[5]),
-                        accumulation_lr_rule=LR_RULES[int(v[6])], rollback_seq=int(v[7]), rollback_step=int(v[8]),
-                        memory_trace_seq=int(v[9]), verify_seq=int(v[10]), data_skip_until=int(v[11]),
-                        stop_exit_code=int(v[12]))
 
 
 class RankExchange:

@@ -12,12 +12,15 @@ module writes — when parsing. ``dumps``/``loads`` below are the only functions
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-import operator
+from pydantic import Field, field_validator
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, field_validator
-from pydantic_core import PydanticCustomError
+from trainguard.protocol.base import MAX_INT, Int, Name, Value, WireModel
+from trainguard.protocol.commands import (
+    EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, MAX_ACCUMULATION_STEPS, AccumulationRequest, CommandRequest,
+    REGISTRY, DesiredState, LrRule, LrScaleRequest,
+)
 
 __all__ = [
     "API_PREFIX",
@@ -59,73 +62,17 @@ __all__ = [
 API_PREFIX = "/v1"
 
 # -- the command vocabulary -------------------------------------------------------------------
-#: What an operator, a rule or Alertmanager can ask of a run, each in one spelling. The same words
-#: are Alertmanager's ``trainguard_action`` label values and the controller's action metric labels;
-#: only URLs and CLI subcommands write ``lr_scale`` as ``lr-scale`` (``POST /v1/runs/{run}/lr-scale``).
-Command = Literal["pause", "resume", "checkpoint", "stop", "lr_scale", "rollback"]
-COMMANDS: tuple[Command, ...] = ("pause", "resume", "checkpoint", "stop", "lr_scale", "rollback")
+#: What an operator, a rule or Alertmanager can ask of a run, each in one spelling (the command
+#: registry, :mod:`trainguard.protocol.commands`, declares each once). The same words are
+#: Alertmanager's ``trainguard_action`` label values and the controller's action metric labels;
+#: only URLs and CLI subcommands write them with dashes (``POST /v1/runs/{run}/lr-scale``).
+Command = str
+COMMANDS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.operator and c.kind == "control")
 #: Commands that ask the agent for a diagnosis instead of acting on training: ``memory_trace``
 #: (attribute memory kept alive across steps to layers or the loop, a few steps) and ``verify``
 #: (recompute one step's gradient on every rank and compare it with the one the step produced).
-#: Operators and rule actions; URLs spell them ``memory-trace`` and ``verify``.
-DiagnosticCommand = Literal["memory_trace", "verify"]
-DIAGNOSTIC_COMMANDS: tuple[DiagnosticCommand, ...] = ("memory_trace", "verify")
-#: The range every LR multiplier is held in: an operator's value must lie in it, and a rule's or
-#: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
-LR_SCALE_MIN = 1e-4
-LR_SCALE_MAX = 1e6
-
-#: The exit status of a run the controller stopped because one of its nodes is faulty (a hardware
-#: incident's ``stop`` rung): ``EX_TEMPFAIL`` of ``sysexits.h``, "try again later". torchrun
-#: (``--max-restarts``), SLURM (``--requeue``) and Kubernetes (a Job's ``podFailurePolicy``
-#: ``onExitCodes: [75]``) restart the job on it; the incident's webhook names the host to leave out.
-EXIT_HARDWARE_FAULT = 75
-
-#: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
-#: so a bigger one could be validated here and then fail (500) when it is stored.
-MAX_INT = 2**63 - 1
-
-#: Job and run identifiers: also used in URLs and as Prometheus label values.
-Name = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", strict=True)
-]
-
-#: A metric value: any float, NaN and ±Inf included.
-Value = float
-
-
-def _integer(value: Any) -> Any:
-    """An integer field's input: an integral number (``213.0`` is 213, as JSON Schema's
-    ``integer`` says); a boolean, a fractional number or a string is refused."""
-    if isinstance(value, bool):
-        raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
-    if isinstance(value, float):
-        if value.is_integer():
-            return int(value)
-        raise PydanticCustomError("int_from_float", "Input should be a valid integer, got a number with a fractional part")
-    if isinstance(value, int) or isinstance(value, str):
-        return value
-    try:
-        return operator.index(value)  # numpy and torch integers
-    except TypeError:
-        return value
-
-
-#: Every integer of the wire: integral numbers only, never a boolean or a string.
-Int = Annotated[int, Strict(), BeforeValidator(_integer)]
-
-
-class WireModel(BaseModel):
-    """Base of every wire type: NaN/Inf as strings, unknown fields refused. Integers (:data:`Int`) and
-    finite numbers are strict: a boolean is never a number and a string never a number (``"1"``, ``true``
-    and ``1.5`` are refused for a step; ``213.0`` is the integer 213)."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        ser_json_inf_nan="strings",
-        allow_inf_nan=True,
-        frozen=True,
-    )
+DiagnosticCommand = str
+DIAGNOSTIC_COMMANDS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.operator and c.kind == "diagnostic")
 
 
 class RankEndpoint(WireModel):
@@ -182,35 +129,6 @@ class RunRegistration(WireModel):
         if len(seen) != len(set(seen)):
             raise ValueError("rank numbers in 'ranks' must be unique")
         return ranks
-
-
-#: How the LR follows a change of the number of accumulation steps k (relative to the run's own k0,
-#: the global batch size changing by k / k0): "linear" multiplies it by k / k0, "sqrt" by
-#: sqrt(k / k0), "none" leaves it.
-LrRule = Literal["none", "sqrt", "linear"]
-
-#: Largest number of gradient accumulation steps a command may set.
-MAX_ACCUMULATION_STEPS = 65536
-
-
-class DesiredState(WireModel):
-    """What the controller wants a run to be doing. Level-based: every value is absolute, so
-    applying the same generation twice changes nothing."""
-
-    generation: Int = Field(default=0, ge=0, le=MAX_INT, description="Bumped on every change.")
-    paused: bool = False
-    lr_scale: float = Field(strict=True, default=1.0, gt=0.0, allow_inf_nan=False, description="Multiplies the scheduler's LR.")
-    checkpoint_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A checkpoint is due when this exceeds the last one taken.")
-    stop: bool = False
-    rollback_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A rollback is due when this exceeds the last one applied.")
-    rollback_step: Int = Field(default=0, ge=0, le=MAX_INT, description="The rollback restores the newest snapshot taken at or before this step.")
-    reason: str = Field(default="", max_length=2000)
-    accumulation_steps: Int = Field(default=0, ge=0, le=MAX_ACCUMULATION_STEPS, description="Gradient accumulation steps per optimizer step for runs that opted in; 0: the run's own.")
-    accumulation_lr_rule: LrRule = Field(default="none", description="How the LR follows accumulation_steps relative to the run's own.")
-    memory_trace_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A memory trace is due when this exceeds the last one started.")
-    verify_seq: Int = Field(default=0, ge=0, le=MAX_INT, description="A gradient recompute check of the next step is due when this exceeds the last one armed.")
-    data_skip_until: Int = Field(default=0, ge=0, le=MAX_INT, description="Every rank skips the optimizer step of each step up to and including this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.")
-    stop_exit_code: Int = Field(default=0, ge=0, le=255, description="With stop: the exit status the training processes should end with (Agent.exit_code); EXIT_HARDWARE_FAULT when the controller stopped the run for a restart without a faulty node; 0 otherwise.")
 
 
 class RunRegistered(WireModel):
@@ -360,26 +278,6 @@ class MemoryReport(WireModel):
         default_factory=list, max_length=32,
         description="CUDA: bytes each module's own forward left allocated per step (saved activations and "
                     "its output), worst first; tensors is 0.")
-
-
-class CommandRequest(WireModel):
-    """Body of an operator command (pause, resume, checkpoint, stop)."""
-
-    reason: str = Field(default="", max_length=2000)
-
-
-class LrScaleRequest(CommandRequest):
-    """Body of ``POST /v1/runs/{run}/lr-scale``."""
-
-    scale: float = Field(strict=True, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
-
-
-class AccumulationRequest(CommandRequest):
-    """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
-    every rank uses from the next agreed step boundary, and how the LR follows it."""
-
-    steps: Int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
-    lr_rule: LrRule = "sqrt"
 
 
 def dumps(model: WireModel) -> bytes:

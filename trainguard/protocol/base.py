@@ -1,0 +1,58 @@
+"""The wire's base types, shared by the wire models (:mod:`trainguard.protocol.wire`) and the
+command registry (:mod:`trainguard.protocol.commands`): pydantic only."""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict, StringConstraints
+from pydantic_core import PydanticCustomError
+
+__all__ = ["MAX_INT", "Name", "Value", "Int", "WireModel"]
+
+#: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
+#: so a bigger one could be validated here and then fail (500) when it is stored.
+MAX_INT = 2**63 - 1
+
+#: Job and run identifiers: also used in URLs and as Prometheus label values.
+Name = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", strict=True)
+]
+
+#: A metric value: any float, NaN and ±Inf included.
+Value = float
+
+
+def _integer(value: Any) -> Any:
+    """An integer field's input: an integral number (``213.0`` is 213, as JSON Schema's
+    ``integer`` says); a boolean, a fractional number or a string is refused."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise PydanticCustomError("int_from_float", "Input should be a valid integer, got a number with a fractional part")
+    if isinstance(value, int) or isinstance(value, str):
+        return value
+    try:
+        return operator.index(value)  # numpy and torch integers
+    except TypeError:
+        return value
+
+
+#: Every integer of the wire: integral numbers only, never a boolean or a string.
+Int = Annotated[int, Strict(), BeforeValidator(_integer)]
+
+
+class WireModel(BaseModel):
+    """Base of every wire type: NaN/Inf as strings, unknown fields refused. Integers (:data:`Int`) and
+    finite numbers are strict: a boolean is never a number and a string never a number (``"1"``, ``true``
+    and ``1.5`` are refused for a step; ``213.0`` is the integer 213)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        ser_json_inf_nan="strings",
+        allow_inf_nan=True,
+        frozen=True,
+    )
