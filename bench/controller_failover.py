@@ -2,9 +2,10 @@
 server started from Debian's binaries, fsync on), an open-loop load of reports, and ``--rounds``
 SIGKILLs of the active controller.
 
-Each round: the active is SIGKILLed; the standby (waiting for the writer lease, not listening)
-takes the lease once it expires, loads the state and listens; the load generator, which posts
-``--rate`` reports/s round-robin over ``--runs`` runs to whichever controller answers, moves to it;
+Each round: the active is SIGKILLed; the standby (listening, but answering 503 while it waits
+for the writer lease) takes the lease once it expires, loads the state and serves; the load
+generator, which posts ``--rate`` reports/s round-robin over ``--runs`` runs to the controller
+last seen ready, moves to it;
 the killed one is started again and becomes the next standby. Printed per round: the time from the
 SIGKILL until the standby answers ``/readyz`` 200, the reports posted meanwhile that got no answer
 (the agents' fail-open window: they are retried by the next report), and at the end the reports
@@ -37,7 +38,7 @@ _LOOPBACK = "127.0.0.1"
 
 
 class _Controller:
-    """One ``trainguard serve``; ``url`` is set once it listens (a standby listens only once active)."""
+    """One ``trainguard serve``; ``url`` is set once it listens, ``active`` once it answered ``/readyz`` 200."""
 
     def __init__(self, db: str) -> None:
         env = dict(os.environ, TRAINGUARD_OPERATOR_TOKENS="", TRAINGUARD_AGENT_TOKENS="")
@@ -47,6 +48,7 @@ class _Controller:
             cwd=Path(__file__).resolve().parents[1])
         self.url: str | None = None
         self.listening = threading.Event()
+        self.active = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -72,7 +74,7 @@ class _Load:
 
     def _target(self) -> str | None:
         for c in reversed(self.controllers):
-            if c.url and c.proc.poll() is None:
+            if c.url and c.active and c.proc.poll() is None:
                 return c.url
         return None
 
@@ -122,6 +124,9 @@ def main() -> int:
         controllers.append(_Controller(db))
         if not controllers[0].listening.wait(120):
             raise SystemExit("the first controller did not start")
+        while not _ready(controllers[0].url):
+            time.sleep(0.05)
+        controllers[0].active = True
         runs = [f"failover-run-{i}" for i in range(args.runs)]
         with httpx.Client(base_url=controllers[0].url, timeout=10) as c:
             for run in runs:
@@ -142,6 +147,7 @@ def main() -> int:
                 raise SystemExit(f"round {i + 1}: the standby did not take over")
             while not _ready(standby.url):
                 time.sleep(0.05)
+            standby.active = True
             rows.append((i + 1, time.monotonic() - killed_at, load.unanswered - before))
             controllers.append(_Controller(db))  # the killed one comes back as the next standby
         time.sleep(args.settle_s)

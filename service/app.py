@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
@@ -25,7 +26,8 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
 from trainguard.service.schemas import RulesTestRequest, validation_summary
-from trainguard.service.store import GroupCommitStore, StoreError, open_store
+from trainguard.service.standby import Standby, StandbyGate
+from trainguard.service.store import GroupCommitStore, StoreError, open_store, shown_db
 from trainguard.service.webhooks import WebhookDeliverer
 from trainguard.protocol.wire import Report
 
@@ -54,17 +56,33 @@ def create_app(
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
     controller.reserved_runs = tokens.reserved_runs
     controller.tokens = tokens
-    store.take_lease()  # a standby waits here until the active controller stops or dies
-    controller.load()
-    controller.load_tokens()
+    standby: Standby | None = None
+    if store.needs_lease:
+        # Shared with another controller (PostgreSQL): listen now, serve once the writer lease is ours.
+        async def become_active() -> None:
+            await asyncio.to_thread(load)
+            await controller.start()
+
+        def load() -> None:
+            controller.load()
+            controller.load_tokens()
+
+        standby = Standby(take_lease=store.take_lease, become_active=become_active, database=shown_db(settings.db))
+    else:
+        controller.load()
+        controller.load_tokens()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await controller.start()
+        if standby is not None:
+            await standby.start()
+        else:
+            await controller.start()
         try:
             yield
         finally:
-            await controller.stop()
+            if standby is None or await standby.stop():
+                await controller.stop()
 
     app = FastAPI(
         title="trainguard controller", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -105,5 +123,7 @@ def create_app(
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
-    app.add_middleware(Authenticate, tokens=tokens)  # outermost: no body is read before the token is known
+    app.add_middleware(Authenticate, tokens=tokens)  # no body is read before the token is known
+    if standby is not None:
+        app.add_middleware(StandbyGate, standby=standby)  # outermost: a standby reads nothing
     return app

@@ -290,6 +290,9 @@ class GroupCommitStore(abc.ABC):
 
     busy_timeout_ms: int
     """How long a write waits for a lock another connection holds before it fails."""
+    needs_lease = False
+    """Whether other controllers may share this database, so that one must hold its writer lease
+    (:meth:`take_lease`) before it serves."""
 
     def _init_queue(self) -> None:
         self._started = False

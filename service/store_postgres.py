@@ -189,6 +189,8 @@ class PostgresStore(GroupCommitStore):
     """PostgreSQL: one writer connection committing in a worker thread with group commit, a pool
     of readers."""
 
+    needs_lease = True
+
     def __init__(self, url: str, *, busy_timeout_ms: int = 5000, max_readers: int = 8, lease_s: float = 6.0) -> None:
         self.url = url
         self.path = shown_db(url)

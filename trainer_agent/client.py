@@ -44,6 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpcore
 import httpx
@@ -164,6 +165,19 @@ class _Unknown(Exception):
     """The controller does not know the run (404): register again, then retry."""
 
 
+def controller_urls(value: str) -> list[str]:
+    """The controller URLs of ``AgentConfig.controller``: one, or several separated by commas (an
+    active controller and its standbys on one database, in any order); ``ValueError`` unless each
+    is an http(s) URL."""
+    urls = [u.strip().rstrip("/") for u in value.split(",")]
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or not urlsplit(u).netloc:
+            raise ValueError(f"controller URL must start with http:// or https://, got {u!r} (in {value!r})")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"controller URLs named twice in {value!r}")
+    return urls
+
+
 class ControllerClient:
     """Talks to the controller for one run, from daemon threads. Build, :meth:`start`, then
     :meth:`submit_report` / :meth:`submit_ack` from the training loop (non-blocking) and read
@@ -186,8 +200,7 @@ class ControllerClient:
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[str, BaseException], None] | None = None,
     ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"controller URL must start with http:// or https://, got {base_url!r}")
+        urls = controller_urls(base_url)
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         if connect_timeout_s is not None and not connect_timeout_s > 0:
@@ -201,7 +214,8 @@ class ControllerClient:
                 f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
             )
         self.run = registration.run
-        self._base = base_url.rstrip("/") + API_PREFIX
+        self._bases = [u + API_PREFIX for u in urls]
+        self._at = 0  # the controller being talked to: the next one after a failure or a standby's answer
         self._registration = registration
         self._headers = {"content-type": "application/json"}
         if token:
@@ -415,8 +429,8 @@ class ControllerClient:
                 except Exception as exc:  # noqa: BLE001 - fail open: any failure means 'retry later'
                     self._note_failure(type(exc).__name__, f"controller exchange failed: {exc!r}")
                     self._requeue(op, item)
-                if op == "register":
-                    self._first_attempt.set()
+                if op == "register" and failures + 1 >= len(self._bases):
+                    self._first_attempt.set()  # every controller was asked once
                 if self._closing:
                     return  # no retries while closing (nor a finish: the controller just failed)
                 failures += 1
@@ -527,11 +541,18 @@ class ControllerClient:
         params: dict[str, float] | None = None,
         timeout: httpx.Timeout | None = None,
     ) -> _M | None:
+        at = self._at
         try:
-            status, content = self._request(http, method, path, body, params, timeout or http.timeout)
+            status, content, standby = self._request(http, self._bases[at], method, path, body, params,
+                                                     timeout or http.timeout)
         except Exception:
             self.up = False
+            self._move_on(at)
             raise
+        if standby:
+            self.up = False
+            self._move_on(at)
+            raise ValueError(f"controller {self._bases[at]} is a standby ({status})")
         if status == 404:
             self.up = True  # it answered: it just does not know the run
             raise _Unknown()
@@ -558,15 +579,24 @@ class ControllerClient:
             self._refuse_command(refused, content)
             return None
         if not self.up:
-            log.info("trainguard: controller %s reachable again", self._base)
+            log.info("trainguard: controller %s reachable again", self._bases[at])
         self.up = True
         return answer
 
-    def _request(self, http: httpx.Client, method: str, path: str, body: bytes | None,
-                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes]:
-        """One exchange: (status, body). The whole exchange is bounded by the timeout's connect
-        plus read time (a server trickling bytes cannot hold it longer: its connection is cut),
-        and the body by :data:`MAX_ANSWER_BYTES`."""
+    def _move_on(self, at: int) -> None:
+        """After a failure at controller ``at``: the next one of several (once per failure, even
+        when the sender and the poller both fail there)."""
+        if len(self._bases) > 1:
+            with self._cond:
+                if self._at == at:
+                    self._at = (at + 1) % len(self._bases)
+                    log.info("trainguard: controller %s failed or stands by; trying %s", self._bases[at], self._bases[self._at])
+
+    def _request(self, http: httpx.Client, base: str, method: str, path: str, body: bytes | None,
+                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes, bool]:
+        """One exchange: (status, body, whether the controller stands by). The whole exchange is
+        bounded by the timeout's connect plus read time (a server trickling bytes cannot hold it
+        longer: its connection is cut), and the body by :data:`MAX_ANSWER_BYTES`."""
         total = (timeout.connect or 0.0) + (timeout.read or 0.0) + (timeout.write or 0.0)
         aborter: _AbortableBackend | None = getattr(http, "trainguard_aborter", None)
         timer = threading.Timer(total, aborter.abort) if aborter is not None and total > 0 else None
@@ -574,7 +604,7 @@ class ControllerClient:
             timer.daemon = True
             timer.start()
         try:
-            request = http.build_request(method, self._base + path, content=body, params=params, timeout=timeout)
+            request = http.build_request(method, base + path, content=body, params=params, timeout=timeout)
             resp = http.send(request, stream=True)
             try:
                 length = resp.headers.get("content-length", "")
@@ -586,7 +616,7 @@ class ControllerClient:
                     if size > MAX_ANSWER_BYTES:
                         raise ValueError(f"the controller's answer exceeds {MAX_ANSWER_BYTES} bytes")
                     chunks.append(chunk)
-                return resp.status_code, b"".join(chunks)
+                return resp.status_code, b"".join(chunks), resp.headers.get("x-trainguard-role") == "standby"
             finally:
                 resp.close()
         finally:

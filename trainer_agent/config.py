@@ -116,7 +116,9 @@ class AgentConfig:
     """Control/special/unknown token ids for the data monitor the agent builds."""
 
     controller: str | None = field(default_factory=lambda: _env("TRAINGUARD_CONTROLLER"))
-    """Base URL of the trainguard controller (default: ``$TRAINGUARD_CONTROLLER``). ``None``:
+    """Base URL of the trainguard controller (default: ``$TRAINGUARD_CONTROLLER``), or several
+    separated by commas: controllers that share one database (an active one and its standbys);
+    the leader talks to one and moves to the next when it fails or answers as a standby. ``None``:
     no control plane, unless ``skip_nonfinite`` asks for the local guard."""
 
     token: str | None = field(default_factory=lambda: _env("TRAINGUARD_TOKEN"), repr=False)
@@ -230,8 +232,10 @@ class AgentConfig:
         for i in self.special_ids:
             if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
                 raise ValueError(f"special_ids must be token ids in [0, vocab_size), got {i!r}")
-        if self.controller is not None and not self.controller.startswith(("http://", "https://")):
-            raise ValueError(f"controller must be an http(s) URL, got {self.controller!r}")
+        if self.controller is not None:
+            from trainer_agent.client import controller_urls
+
+            controller_urls(self.controller)
         for name in ("request_timeout_s", "close_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

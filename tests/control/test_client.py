@@ -245,3 +245,57 @@ def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
         t0 = time.monotonic()
         c.close(1.0)
         assert time.monotonic() - t0 < 1.0 + 1.0  # its deadline; a request in flight is not waited for
+
+
+class _Pair:
+    """Two controllers on one database behind a MockTransport: ``active`` names the host that
+    serves (the other answers as a standby, 503 with its role), ``down`` hosts refuse connections."""
+
+    def __init__(self) -> None:
+        self.active = "b"
+        self.down: set[str] = set()
+        self.served = Scripted()
+        self.asked: list[str] = []
+        self.reports: list[tuple[str, int]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        self.asked.append(host)
+        if host in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if host != self.active:
+            return httpx.Response(503, json={"detail": "standby: another controller holds the writer lease"},
+                                  headers={"x-trainguard-role": "standby", "retry-after": "1"})
+        if request.url.path.endswith("/reports"):
+            self.reports.append((host, json.loads(request.content)["step_last"]))
+        return self.served(request)
+
+
+def test_several_controller_urls_the_client_follows_the_active_one() -> None:
+    pair = _Pair()
+    c = _client("http://a, http://b/", transport=httpx.MockTransport(pair))
+    c.start()
+    assert c.wait_registered(30.0) is not None  # a stood by: registered at b
+    c.submit_report(_report(1))
+    assert until(lambda: c.reports_sent == 1)
+    assert pair.reports == [("b", 1)]
+    pair.down, pair.active = {"b"}, "a"  # b dies; a takes the lease
+    for step in (2, 3, 4):
+        c.submit_report(_report(step))
+    assert until(lambda: c.reports_sent == 4)
+    assert pair.reports == [("b", 1), ("a", 2), ("a", 3), ("a", 4)]  # in order, none lost
+    assert c.reports_dropped == 0 and c.up
+    assert c.close(2.0)
+
+
+def test_controller_urls_must_each_be_http_and_distinct() -> None:
+    from trainer_agent.client import controller_urls
+    from trainer_agent.config import AgentConfig
+
+    assert controller_urls("http://a:1/, https://b:2") == ["http://a:1", "https://b:2"]
+    for bad, message in (("http://a,ftp://b", "must start with http"), ("http://a,", "must start with http"),
+                         ("http://a,http://a/", "named twice")):
+        with pytest.raises(ValueError, match=message):
+            controller_urls(bad)
+        with pytest.raises(ValueError, match=message):
+            AgentConfig(controller=bad)

@@ -135,6 +135,14 @@ class Served:
         with out:
             self.output.extend(out)
 
+    def wait_ready(self, timeout: float = 60.0) -> "Served":
+        """Wait until ``/readyz`` answers 200 (a controller sharing a PostgreSQL database listens
+        at once but serves only once it holds the writer lease)."""
+        import httpx
+
+        wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200, timeout=timeout)
+        return self
+
     def kill(self) -> None:
         import signal
 

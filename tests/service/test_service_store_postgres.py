@@ -14,11 +14,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from trainguard.protocol.wire import Report, RunRegistration
 from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, StoreError
 from tests.service.conftest import register
+from trainer_agent.client import ControllerClient
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed: pip install -e '.[postgres]'")
 from trainguard.service.store_postgres import Dialect, PostgresStore  # noqa: E402 - needs psycopg
@@ -187,7 +189,7 @@ def test_concurrent_writers_keep_every_acknowledged_row(postgres_url: str) -> No
 def test_sigkill_restart_keeps_every_acknowledged_report(postgres_url: str, serve: Any) -> None:
     """Reports posted without pause while ``trainguard serve --db postgresql://...`` is SIGKILLed:
     every one it answered 200 is in the database and in the restarted controller."""
-    srv = serve(postgres_url)
+    srv = serve(postgres_url).wait_ready()
     client = httpx.Client(base_url=srv.url, timeout=10)
     register(client, run="run-k", world_size=2)
     acked: list[int] = []
@@ -217,7 +219,7 @@ def test_sigkill_restart_keeps_every_acknowledged_report(postgres_url: str, serv
         stored = {r[0] for r in raw.execute("SELECT step_last FROM reports")}
     assert set(acked) <= stored and len(acked) >= 40
 
-    srv2 = serve(postgres_url)
+    srv2 = serve(postgres_url).wait_ready()
     status = httpx.get(f"{srv2.url}/v1/runs/run-k", timeout=10).json()
     assert status["reports"] == len(stored) and status["last_step"] == max(stored)
 
@@ -289,13 +291,14 @@ def test_a_deposed_controller_answers_503_and_keeps_its_memory(postgres_url: str
 
 @pytest.mark.integration
 def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str, serve: Any, receiver_factory: Any) -> None:
-    """Two ``trainguard serve`` on one database: the second stands by (it does not listen) until
-    the first is SIGKILLed and its lease expires, then serves every report and command the first
-    acknowledged, and delivers the webhook message that was in flight with the same delivery id."""
+    """Two ``trainguard serve`` on one database: the second stands by (it listens, alive but not
+    ready, and refuses every request with 503 and its role) until the first is SIGKILLed and its
+    lease expires, then serves every report and command the first acknowledged, and delivers the
+    webhook message that was in flight with the same delivery id."""
     from tests.service.conftest import wait_until
 
     rx = receiver_factory([0, 200])  # the first delivery hangs: the active dies mid-delivery
-    active = serve(postgres_url)
+    active = serve(postgres_url).wait_ready()
     client = httpx.Client(base_url=active.url, timeout=10)
     register(client, run="run-f", world_size=1)
     assert client.post("/v1/webhooks", json={"url": rx.url, "secret": "failover-secret-0123456789",
@@ -307,14 +310,32 @@ def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str,
     nan = {"job": "job-a", "step_first": 21, "step_last": 21, "time": 21.0, "values": {"trainguard_loss": "NaN"}}
     assert client.post("/v1/runs/run-f/reports", json=nan).json()["alerts"] == ["loss_nonfinite"]
     wait_until(lambda: rx.requests)  # the delivery is in flight (the receiver holds it)
-    standby: list[Any] = []
-    starting = threading.Thread(target=lambda: standby.append(serve(postgres_url)))
-    starting.start()
-    starting.join(3.0)
-    assert starting.is_alive() and not standby  # standing by: not listening while the active renews
+    standby = [serve(postgres_url)]
+    s = httpx.Client(base_url=standby[0].url, timeout=10)
+    assert s.get("/healthz").json() == {"status": "standby"}
+    ready = s.get("/readyz")
+    assert ready.status_code == 503 and ready.headers["x-trainguard-role"] == "standby"
+    assert ready.json()["status"].startswith("standby: another controller holds the writer lease")
+    refused = s.post("/v1/runs/run-f/reports", json={**body, "step_first": 22, "step_last": 22})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.headers["x-trainguard-role"] == "standby" and refused.json()["detail"].startswith("standby:")
+    assert client.get("/readyz").status_code == 200  # the active serves meanwhile
+    # An agent given both URLs talks to the active one, and follows the lease to the standby.
+    agent = ControllerClient(f"{standby[0].url},{active.url}", registration=RunRegistration(job="job-g", run="run-g", world_size=1),
+                             request_timeout_s=2.0, long_poll_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
+    agent.start()
+    assert agent.wait_registered(30) is not None
+    reports = [Report(job="job-g", step_first=i, step_last=i, time=float(i), values={"trainguard_loss": 2.0}) for i in range(1, 9)]
+    for r in reports[:3]:
+        agent.submit_report(r)
+    wait_until(lambda: agent.reports_sent == 3)
     active.kill()
-    starting.join(60)
-    assert standby, "the standby did not take over"
+    for r in reports[3:]:
+        agent.submit_report(r)  # while nobody serves: buffered, retried, sent to the new active
+    wait_until(lambda: s.get("/readyz").status_code == 200, timeout=60)
+    wait_until(lambda: agent.reports_sent == 8, timeout=60)
+    assert agent.reports_dropped == 0 and agent.close(5.0)
+    assert s.get("/v1/runs/run-g").json()["reports"] == 8
     status = httpx.get(f"{standby[0].url}/v1/runs/run-f", timeout=10).json()
     assert status["reports"] == 21 and status["last_step"] == 21 and status["firing"] == ["loss_nonfinite"]
     assert status["desired"]["paused"] is True and status["desired"]["reason"] == "before the failover"
