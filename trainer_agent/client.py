@@ -564,6 +564,8 @@ class ControllerClient:
             raise _Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
         if not 200 <= status < 300:
             self.up = False
+            if status >= 500:  # e.g. an active cut off from its database: another may have taken over
+                self._move_on(at)
             raise ValueError(f"controller answered {status}")
         if answer_type is None or status in (204, 304):
             self.up = True

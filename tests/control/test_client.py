@@ -249,11 +249,13 @@ def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
 
 class _Pair:
     """Two controllers on one database behind a MockTransport: ``active`` names the host that
-    serves (the other answers as a standby, 503 with its role), ``down`` hosts refuse connections."""
+    serves (the other answers as a standby, 503 with its role), ``down`` hosts refuse connections,
+    ``cut`` hosts answer 503 as an active controller cut off from its database does."""
 
     def __init__(self) -> None:
         self.active = "b"
         self.down: set[str] = set()
+        self.cut: set[str] = set()  # hosts whose database is cut off: 503 from an active
         self.served = Scripted()
         self.asked: list[str] = []
         self.reports: list[tuple[str, int]] = []
@@ -263,6 +265,8 @@ class _Pair:
         self.asked.append(host)
         if host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if host in self.cut:
+            return httpx.Response(503, json={"detail": "database writes fail"})
         if host != self.active:
             return httpx.Response(503, json={"detail": "standby: another controller holds the writer lease"},
                                   headers={"x-trainguard-role": "standby", "retry-after": "1"})
@@ -284,6 +288,12 @@ def test_several_controller_urls_the_client_follows_the_active_one() -> None:
         c.submit_report(_report(step))
     assert until(lambda: c.reports_sent == 4)
     assert pair.reports == [("b", 1), ("a", 2), ("a", 3), ("a", 4)]  # in order, none lost
+    # a is cut off from the database (503, not a standby's answer) and b took over: the client
+    # does not stay with a.
+    pair.down, pair.cut, pair.active = set(), {"a"}, "b"
+    c.submit_report(_report(5))
+    assert until(lambda: c.reports_sent == 5)
+    assert pair.reports[-1] == ("b", 5)
     assert c.reports_dropped == 0 and c.up
     assert c.close(2.0)
 
