@@ -4,9 +4,11 @@
     trainguard runs
     trainguard status RUN
     trainguard pause RUN --reason "loss spike, investigating"
-    trainguard resume RUN | checkpoint RUN | stop RUN
-    trainguard lr-scale RUN 0.5
-    trainguard rollback RUN
+    trainguard resume RUN | checkpoint RUN | stop RUN | rollback RUN
+    trainguard lr-scale RUN 0.5 | lr-scale RUN --factor 0.5
+    trainguard accumulation RUN 8 --lr-rule sqrt
+    trainguard grad-clip RUN --max-norm 1.0 | momentum RUN --scale 0.9 | weight-decay-scale RUN --factor 2
+    trainguard reset-optimizer RUN --layer blocks.3. --layer head
     trainguard incidents RUN
     trainguard events RUN --follow
     trainguard alerts --state firing
@@ -15,6 +17,11 @@
     trainguard rules check rules.yaml
     trainguard token create --job 'llm-7b*' --scope agent --ttl 30d --name "llm fleet"
     trainguard token list | trainguard token revoke ID
+
+The run commands (pause ... reset-optimizer) are the command registry's
+(``trainguard.protocol.commands.REGISTRY``): one verb per operator command, its options the fields
+of its request model, the first of them also accepted right after RUN; the body is validated
+before it is sent (a bad value exits with status 2 and says why).
 
 Client commands take ``--url`` (env ``TRAINGUARD_URL``, default http://127.0.0.1:8000) and
 ``--token`` (env ``TRAINGUARD_TOKEN``). ``trainguard demo ...`` and ``trainguard dashboards build
@@ -34,6 +41,10 @@ import uuid
 from typing import Any, Sequence
 
 import httpx
+from pydantic import ValidationError
+
+from trainguard.protocol.command_inputs import CommandInput, command_inputs, validation_message
+from trainguard.protocol.commands import BY_NAME, REGISTRY, CommandSpec
 
 __all__ = ["main"]
 
@@ -61,8 +72,6 @@ def _print(value: Any) -> None:
 
 # -- serve ------------------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from trainguard.service.app import create_app
     from trainguard.service.config import Settings
     from trainguard.service.rules import RulesError
@@ -123,15 +132,68 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _option(inp: CommandInput) -> str:
+    """A command input's option: ``--max-norm``; a list is given once per item, in the singular
+    (``--layer a --layer b`` for ``layers``)."""
+    name = inp.name[:-1] if inp.type == "list" and inp.name.endswith("s") else inp.name
+    return "--" + name.replace("_", "-")
+
+
+def _add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -> None:
+    """``trainguard <spec.url> RUN [FIRST] [--option ...]``: one option per field of the command's
+    body (:func:`trainguard.protocol.command_inputs.command_inputs`); the first field may also be
+    given right after RUN (``trainguard lr-scale RUN 0.5``, ``trainguard reset-optimizer RUN a b``)."""
+    summary = spec.summary.replace("%", "%%")  # argparse formats help texts with %
+    s = sub.add_parser(spec.url, parents=[client], help=summary, description=summary)
+    s.add_argument("run")
+    inputs = command_inputs(spec.request)
+    types = {"number": float, "integer": int, "text": str, "list": str, "choice": str}
+    for i, inp in enumerate(inputs):
+        notes = [x for x in (inp.bounds() and f"in {inp.bounds()}", inp.required and "required",
+                             inp.default not in (None, []) and f"default {inp.default}",
+                             inp.type == "list" and "once per item") if x]
+        metavar = _option(inp)[2:].upper().replace("-", "_")
+        helptext = (inp.description + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
+        if i == 0:
+            s.add_argument(f"{inp.name}_first", metavar=metavar, nargs="*" if inp.type == "list" else "?",
+                           type=types.get(inp.type, str), help=f"the same as {_option(inp)}")
+        if inp.type == "boolean":
+            s.add_argument(_option(inp), dest=inp.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        else:
+            s.add_argument(_option(inp), dest=inp.name, type=types[inp.type], choices=inp.choices or None,
+                           metavar=None if inp.choices else metavar,
+                           action="append" if inp.type == "list" else "store", default=None, help=helptext)
+    s.add_argument("--reason", default="", help="why (recorded in the audit log)")
+    s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
+    s.set_defaults(func=_command, command=spec.name)
+
+
 def _command(args: argparse.Namespace) -> int:
+    """Send a registry command, its body validated by the command's request model first (a bad
+    value: exit status 2 and the model's message, nothing sent)."""
+    spec = BY_NAME[args.command]
     body: dict[str, Any] = {"reason": args.reason or ""}
-    if args.command == "lr-scale":
-        body["scale"] = args.scale
-    if args.command == "accumulation":
-        body["steps"], body["lr_rule"] = args.steps, args.lr_rule
+    for i, inp in enumerate(command_inputs(spec.request)):
+        value, first = getattr(args, inp.name), getattr(args, f"{inp.name}_first", None) if i == 0 else None
+        if first not in (None, []):
+            if value is not None:
+                print(f"trainguard {spec.url}: give {inp.name} once: after RUN or as {_option(inp)}", file=sys.stderr)
+                return 2
+            value = first
+        if value is None and inp.required:
+            print(f"trainguard {spec.url}: {inp.name} is required: give it after RUN or as {_option(inp)}", file=sys.stderr)
+            return 2
+        if value is not None:
+            body[inp.name] = value
+    try:
+        req = spec.request.model_validate(body)
+    except ValidationError as e:
+        print(f"trainguard {spec.url}: {validation_message(e)}", file=sys.stderr)
+        return 2
     key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
     with _client(args) as c:
-        _print(_check(c.post(f"/v1/runs/{args.run}/{args.command}", json=body, headers={"Idempotency-Key": key})))
+        _print(_check(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
+                             headers={"Idempotency-Key": key})))
     return 0
 
 
@@ -228,7 +290,7 @@ def _rules_check(args: argparse.Namespace) -> int:
 
     try:
         with open(args.file, encoding="utf-8") as f:
-            rs = load_rules(f.read())
+            rs = load_rules(f.read(), check_names=True)
     except (OSError, RulesError) as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
@@ -383,24 +445,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[client], help="a run's status")
     s.add_argument("run")
     s.set_defaults(func=_status)
-    for name, helptext in (("pause", "pause a run in place"), ("resume", "resume a paused or stopped run"),
-                           ("checkpoint", "request a checkpoint"), ("stop", "stop a run"), ("lr-scale", "set the LR multiplier"),
-                           ("rollback", "roll every rank back to the newest good in-memory snapshot"),
-                           ("accumulation", "set the gradient accumulation steps of a run that allows it"),
-                           ("memory-trace", "trace which layers or the loop keep memory alive (result in 'status')"),
-                           ("verify", "recompute the next step's gradient on every rank and compare")):
-        s = sub.add_parser(name, parents=[client], help=helptext)
-        s.add_argument("run")
-        if name == "lr-scale":
-            s.add_argument("scale", type=float, help="absolute multiplier of the scheduler's LR, e.g. 0.5")
-        if name == "accumulation":
-            s.add_argument("steps", type=int, help="micro-batches per optimizer step on every rank")
-            s.add_argument("--lr-rule", choices=("sqrt", "linear", "none"), default="sqrt",
-                           help="how the LR follows the change of batch size against the run's own steps: "
-                                "x sqrt(new/own), x new/own, or unchanged (default sqrt)")
-        s.add_argument("--reason", default="", help="why (recorded in the audit log)")
-        s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
-        s.set_defaults(func=_command, command=name)
+    for spec in REGISTRY:
+        if spec.operator:
+            _add_command(sub, client, spec)
     s = sub.add_parser("incidents", parents=[client], help="a run's incidents and the escalation rungs taken")
     s.add_argument("run")
     s.set_defaults(func=_incidents)

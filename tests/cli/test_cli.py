@@ -1,8 +1,12 @@
 """trainguard/cli.py as a user runs it: `trainguard serve` says where the console is and whether
-auth is on; a client command piped into a reader that stops early (`| head -1`) ends quietly."""
+auth is on; a client command piped into a reader that stops early (`| head -1`) ends quietly; every
+operator command of the registry is a verb whose options are its body's fields, sets the desired
+state the controller then shows, and a bad value exits 2 with the model's message, nothing sent."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import signal
@@ -10,10 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Literal
 
 import httpx
 import pytest
+from pydantic import Field
 
+from trainguard import cli
+from trainguard.protocol.base import Int
+from trainguard.protocol.commands import REGISTRY, Change, CommandRequest, CommandSpec
 from trainguard.service.server import startup_banner
 
 TRAINGUARD = Path(sys.executable).with_name("trainguard")
@@ -122,3 +131,137 @@ def test_output_piped_into_head_ends_quietly(served, command) -> None:
     assert writer.wait(60) == 141, err
     assert err == b""  # no BrokenPipeError traceback, no "Exception ignored"
     assert first == full.stdout.splitlines(keepends=True)[0]
+
+
+# -- the run commands: one verb per operator command of the registry ------------------------------
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(TRAINGUARD), *args, "--url", url], capture_output=True, text=True, timeout=60, env=_env())
+
+
+def _desired(c: httpx.Client, run: str) -> dict[str, Any]:
+    resp = c.get(f"/v1/runs/{run}")
+    assert resp.status_code == 200, resp.text
+    return resp.json()["desired"]
+
+
+def test_every_operator_command_of_the_registry_is_a_verb_with_its_fields_as_options() -> None:
+    parser = cli._parser()
+    verbs = {a.dest: a for a in parser._actions if isinstance(a, argparse._SubParsersAction)}["cmd"].choices
+    operator = [spec for spec in REGISTRY if spec.operator]
+    assert {"grad-clip", "reset-optimizer", "momentum", "weight-decay-scale", "rollback", "verify", "memory-trace",
+            "accumulation"} <= {spec.url for spec in operator}
+    for spec in operator:
+        options = {o for a in verbs[spec.url]._actions for o in a.option_strings}
+        fields = [f for f in spec.request.model_fields if f != "reason"]
+        # a list field (reset_optimizer's layers) is given once per item, in the singular
+        expected = {"--" + (f[:-1] if f == "layers" else f).replace("_", "-") for f in fields}
+        assert expected | {"--reason", "--idempotency-key"} <= options, spec.name
+    assert not {spec.url for spec in REGISTRY if not spec.operator} & set(verbs)  # data_skip: the ladder's only
+    accumulation = {a.dest: a for a in verbs["accumulation"]._actions}
+    assert accumulation["lr_rule"].choices == ("none", "sqrt", "linear")  # the Literal's values
+
+
+def test_the_new_commands_from_the_cli_set_the_desired_state_the_controller_shows(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"job": "job-cli", "run": "run-cli", "world_size": 1, "ranks": []}).status_code == 200
+        steps = [
+            (["grad-clip", "run-cli", "--max-norm", "2.5"], {"grad_clip_norm": 2.5}),
+            (["momentum", "run-cli", "0.9"], {"momentum_scale": 0.9}),  # the first field after RUN
+            (["momentum", "run-cli", "--factor", "0.5"], {"momentum_scale": 0.45}),
+            (["weight-decay-scale", "run-cli", "--scale", "4"], {"weight_decay_scale": 4.0}),
+            (["weight-decay-scale", "run-cli", "--factor", "0.25"], {"weight_decay_scale": 1.0}),
+            (["reset-optimizer", "run-cli", "--layer", "blocks.3.", "--layer", "head"],
+             {"reset_optimizer_seq": 1, "reset_optimizer_layers": "blocks.3.,head"}),
+            (["reset-optimizer", "run-cli"], {"reset_optimizer_seq": 2, "reset_optimizer_layers": ""}),  # every layer
+            (["lr-scale", "run-cli", "0.5"], {"lr_scale": 0.5}),  # the spelling the docs use
+            (["lr-scale", "run-cli", "--factor", "0.5"], {"lr_scale": 0.25}),
+            (["grad-clip", "run-cli", "0"], {"grad_clip_norm": 0.0}),  # 0 ends the clipping
+        ]
+        generation = _desired(c, "run-cli")["generation"]
+        for argv, want in steps:
+            out = _cli(s.url, *argv, "--reason", "from the cli test")
+            assert out.returncode == 0, (argv, out.stderr)
+            assert json.loads(out.stdout)["changed"] is True, argv
+            desired = _desired(c, "run-cli")
+            generation += 1
+            assert {k: desired[k] for k in want} == want and desired["generation"] == generation, argv
+            assert desired["reason"].startswith("from the cli test")  # and the fold's note, if any
+        events = c.get("/v1/runs/run-cli/events").json()
+        assert [ev["data"]["command"] for ev in events if ev["kind"] == "desired"] == [
+            "grad_clip", "momentum", "momentum", "weight_decay_scale", "weight_decay_scale", "reset_optimizer",
+            "reset_optimizer", "lr_scale", "lr_scale", "grad_clip"]
+
+
+def test_accumulation_keeps_its_positional_steps_and_lr_rule_option(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        body = {"job": "job-cli", "run": "run-acc", "world_size": 1, "ranks": [], "config": {"accumulation_steps": 2}}
+        assert c.post("/v1/runs", json=body).status_code == 200
+        out = _cli(s.url, "accumulation", "run-acc", "8", "--lr-rule", "linear")
+        assert out.returncode == 0, out.stderr
+        desired = _desired(c, "run-acc")
+        assert (desired["accumulation_steps"], desired["accumulation_lr_rule"]) == (8, "linear")
+        out = _cli(s.url, "accumulation", "run-acc", "--steps", "4")  # the model's default rule: sqrt
+        assert out.returncode == 0, out.stderr
+        desired = _desired(c, "run-acc")
+        assert (desired["accumulation_steps"], desired["accumulation_lr_rule"]) == (4, "sqrt")
+
+
+#: (argv, what the CLI says): each refused before anything is sent.
+_BAD = [
+    (["grad-clip", "run-bad", "--max-norm", "-1"], "trainguard grad-clip: max_norm: Input should be greater than or equal to 0"),
+    (["grad-clip", "run-bad", "--max-norm", "nan"], "trainguard grad-clip: max_norm: Input should be a finite number"),
+    (["grad-clip", "run-bad"], "trainguard grad-clip: max_norm is required: give it after RUN or as --max-norm"),
+    (["momentum", "run-bad", "--scale", "11"], "trainguard momentum: scale: Input should be less than or equal to 10"),
+    (["momentum", "run-bad", "--scale", "0.5", "--factor", "2"],
+     "trainguard momentum: give exactly one of 'scale' (absolute) or 'factor' (times the current one)"),
+    (["weight-decay-scale", "run-bad"],
+     "trainguard weight-decay-scale: give exactly one of 'scale' (absolute) or 'factor' (times the current one)"),
+    (["reset-optimizer", "run-bad", "--layer", "a,b"],
+     "trainguard reset-optimizer: a layer name prefix is 1-256 characters without commas or control characters, got 'a,b'"),
+    (["lr-scale", "run-bad", "0.5", "--scale", "0.25"], "trainguard lr-scale: give scale once: after RUN or as --scale"),
+    (["accumulation", "run-bad", "0"], "trainguard accumulation: steps: Input should be greater than or equal to 1"),
+]
+
+
+def test_a_bad_value_exits_2_with_the_models_message_and_sends_nothing(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"job": "job-cli", "run": "run-bad", "world_size": 1, "ranks": []}).status_code == 200
+        for argv, message in _BAD:
+            out = _cli(s.url, *argv)
+            assert (out.returncode, out.stderr.strip(), out.stdout) == (2, message, ""), argv
+        assert _desired(c, "run-bad")["generation"] == 0
+        assert [ev["kind"] for ev in c.get("/v1/runs/run-bad/events").json()] == ["registered"]
+
+
+def test_a_refused_command_exits_1_with_the_controllers_reason(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"job": "job-cli", "run": "run-ref", "world_size": 1, "ranks": []}).status_code == 200
+        out = _cli(s.url, "rollback", "run-ref")  # no snapshot: 409 with the reason
+        assert out.returncode == 1 and out.stderr.startswith("error: HTTP 409: ") and "rollback refused" in out.stderr
+        assert _desired(c, "run-ref")["generation"] == 0
+
+
+class _TiltRequest(CommandRequest):
+    level: Int = Field(ge=1, le=5, description="How far.")
+    mode: Literal["a", "b"] = "a"
+    tags: list[str] = Field(default_factory=list)
+
+
+def test_a_command_added_to_the_registry_is_a_verb_without_editing_the_cli(monkeypatch, capsys) -> None:
+    spec = CommandSpec("tilt", "Tilt the run", lambda d, p, ctx: Change(), request=_TiltRequest)
+    monkeypatch.setattr(cli, "REGISTRY", (*REGISTRY, spec))
+    monkeypatch.setitem(cli.BY_NAME, "tilt", spec)
+    closed = "http://127.0.0.1:9"  # nothing listens: a command that got as far as sending exits 1
+    args = cli._parser().parse_args(["tilt", "run-x", "--level", "3", "--mode", "b", "--tag", "x", "--tag", "y"])
+    assert (args.command, args.run, args.level, args.mode, args.tags) == ("tilt", "run-x", 3, "b", ["x", "y"])
+    assert cli.main(["tilt", "run-x", "--level", "9", "--url", closed]) == 2
+    assert capsys.readouterr().err.strip() == "trainguard tilt: level: Input should be less than or equal to 5"
+    assert cli.main(["tilt", "run-x", "4", "--url", closed]) == 1  # valid: sent (and the controller is not there)
+    assert "cannot reach the controller" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["tilt", "run-x", "2", "--mode", "c"])
+    assert exit_.value.code == 2 and "invalid choice: 'c'" in capsys.readouterr().err
