@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 #: The header every answer of a controller standing by carries (value ``standby``).
 ROLE_HEADER = b"x-trainguard-role"
-#: Seconds between two attempts to take the lease when the database could not be reached.
-_RETRY_S = 1.0
+#: Seconds one attempt to take the lease waits (then it tries again, e.g. after a database error).
+_RETRY_S = 10.0
 
 
 class Standby:

@@ -48,7 +48,6 @@ from urllib.parse import urlsplit
 
 import httpcore
 import httpx
-from httpcore._backends.sync import SyncBackend
 from pydantic import Field, ValidationError
 
 from trainguard.protocol.wire import (
@@ -67,6 +66,7 @@ from trainguard.protocol.wire import (
     WireModel,
     dumps,
 )
+from trainer_agent.compat.httpx_private import install_network_backend
 
 __all__ = ["ControllerClient", "backoff_delay"]
 
@@ -79,7 +79,7 @@ _M = TypeVar("_M", bound=WireModel)
 MAX_ANSWER_BYTES = 1 << 20
 
 
-class _AbortableBackend(SyncBackend):
+class _AbortableBackend(httpcore.SyncBackend):
     """httpcore's network backend, remembering its sockets so that another thread can end a
     request blocked in one (``shutdown`` wakes a blocked ``recv``; ``close`` does not)."""
 
@@ -374,8 +374,7 @@ class ControllerClient:
         transport = self._transport
         if transport is None:
             transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-            # (httpx has no public way to pass a network backend to its pool)
-            transport._pool._network_backend = self._aborters[which]
+            install_network_backend(transport, self._aborters[which])
             http = httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
             http.trainguard_aborter = self._aborters[which]  # type: ignore[attr-defined]
             return http
@@ -440,10 +439,11 @@ class ControllerClient:
 
     def _send_finish(self, http: httpx.Client, finish: RunFinished) -> None:
         """Closing: tell the controller the run ended, never past the close deadline and never
-        raising (the run is over either way). A second attempt only when the first failed on a
-        kept-alive connection the server had closed (no answer, no timeout): the finish is
-        idempotent, so sending it twice is harmless."""
-        for attempt in (1, 2):
+        raising (the run is over either way). Another attempt when one failed on a kept-alive
+        connection the server had closed (no answer, no timeout), and one at each further
+        controller URL: the finish is idempotent, so sending it twice is harmless."""
+        attempts = max(2, len(self._bases))
+        for attempt in range(1, attempts + 1):
             left = self._close_deadline - self._clock()
             if left <= 0:
                 return
@@ -454,7 +454,7 @@ class ControllerClient:
                 return
             except Exception as exc:  # noqa: BLE001 - fail open
                 stale = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
-                if not stale or attempt == 2:
+                if attempt == attempts or not (stale or attempt < len(self._bases)):
                     self._note_failure(f"finish-{type(exc).__name__}", f"could not tell the controller the run finished: {exc!r}")
                     return
 

@@ -294,8 +294,10 @@ def test_several_controller_urls_the_client_follows_the_active_one() -> None:
     c.submit_report(_report(5))
     assert until(lambda: c.reports_sent == 5)
     assert pair.reports[-1] == ("b", 5)
+    pair.down, pair.cut, pair.active = {"b"}, set(), "a"  # b dies as the run closes: the finish goes to a
+    assert c.close(5.0, finish=RunFinished(step=5)) and c.finished
+    assert pair.served.paths()[-1] == "/v1/runs/run-a/finish" and pair.asked[-1] == "a"
     assert c.reports_dropped == 0 and c.up
-    assert c.close(2.0)
 
 
 def test_controller_urls_must_each_be_http_and_distinct() -> None:
