@@ -1,11 +1,14 @@
 """Alertmanager in: what an alert of a webhook (version 4) payload asks the controller to do.
 
-An alert acts when it is firing and carries a ``trainguard_action`` label naming a command
-(:data:`~trainguard.protocol.wire.COMMANDS`, or a diagnosis the agent runs: ``memory_trace``,
-``verify``) and a run label (``trainguard_run`` or ``run``).
-``lr_scale`` takes ``trainguard_lr_scale`` (an absolute multiplier) or ``trainguard_lr_factor``
-(times the run's current multiplier, 0.5 when absent). The controller carries the command out
-through the same action code as its own rules, so a factor is clamped to
+An alert acts when it is firing and carries a ``trainguard_action`` label naming a command of
+the registry that Alertmanager may give (:data:`ACTIONS`: ``CommandSpec.alertmanager``) and a run
+label (``trainguard_run`` or ``run``). The command's body comes from the labels: a label
+``trainguard_<field>`` for each field of its request (``trainguard_max_norm`` of ``grad_clip``,
+``trainguard_layers`` of ``reset_optimizer`` as comma-separated prefixes, ``trainguard_factor`` of
+``momentum``); a label that does not validate makes the alert's outcome ``error`` with the reason.
+``lr_scale`` keeps its own spellings: ``trainguard_lr_scale`` (an absolute multiplier) or
+``trainguard_lr_factor`` (times the run's current multiplier, 0.5 when absent). The controller
+carries the command out through the same fold as its own rules, so a factor is clamped to
 [``LR_SCALE_MIN``, ``LR_SCALE_MAX``] exactly as a rule's is.
 """
 
@@ -13,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from trainguard.service import statements as sql
-from trainguard.service.errors import Invalid, NotFound
-from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS
+from trainguard.service.engine import command_params
+from trainguard.service.errors import Conflict, Invalid, NotFound
+from trainguard.protocol.commands import BY_NAME, REGISTRY, CommandSpec
 
 __all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR", "SeenKeys", "SEEN_KEPT"]
 
@@ -70,14 +75,56 @@ class AlertCommand:
 
     run: str
     command: str
-    scale: float | None
-    factor: float | None
+    params: Any
+    """The command's body (an instance of its ``request``)."""
     reason: str
     actor: str
 
 
 #: The ``trainguard_action`` values an alert may carry to the controller.
-ACTIONS: tuple[str, ...] = (*COMMANDS, *DIAGNOSTIC_COMMANDS)
+ACTIONS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.alertmanager)
+#: Label spellings kept from before the registry: (command, field) -> label.
+_LABELS = {("lr_scale", "scale"): "trainguard_lr_scale", ("lr_scale", "factor"): "trainguard_lr_factor"}
+#: Body values an alert without the label gets: (command, field) -> value (given when no field
+#: of the body is labelled).
+_DEFAULTS = {("lr_scale", "factor"): DEFAULT_LR_FACTOR}
+
+
+def _label_value(annotation: Any, text: str) -> Any:
+    """A label's text as the value of a body field of ``annotation``: comma-separated items for
+    a list, the text itself for a text or a choice, else the JSON number or boolean it spells
+    (left as text when it spells none, so that validation names it)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (list, tuple):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    if annotation is str or typing.get_origin(annotation) is typing.Literal or (str in args):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (int, float, bool)) else text
+
+
+def _params(spec: CommandSpec, labels: dict[str, Any]) -> Any:
+    """The command's body from the alert's labels; ``ValueError`` naming the labels when it does
+    not validate."""
+    body: dict[str, Any] = {}
+    named = []
+    for name, field in spec.request.model_fields.items():
+        if name == "reason":
+            continue
+        label = _LABELS.get((spec.name, name), f"trainguard_{name}")
+        named.append(label)
+        if label in labels:
+            body[name] = _label_value(field.annotation, str(labels[label]))
+    if not body:
+        body = {name: v for (cmd, name), v in _DEFAULTS.items() if cmd == spec.name}
+    try:
+        return command_params(spec, body)
+    except ValueError as e:
+        problems = str(e).removeprefix(f"{spec.name}: ")
+        raise ValueError(f"{spec.name} from the labels {', '.join(named)}: {problems}") from None
 
 
 def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | None]:
@@ -92,19 +139,14 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
         return res | {"outcome": "ignored", "detail": "not firing or no trainguard_action label"}, None
     if action not in ACTIONS or not run:
         return res | {"outcome": "error", "detail": f"unknown action {action!r} (actions are {', '.join(ACTIONS)}) or no run label"}, None
-    scale = factor = None
-    if action == "lr_scale":
-        try:
-            if "trainguard_lr_scale" in labels:
-                scale = float(labels["trainguard_lr_scale"])
-            else:
-                factor = float(labels.get("trainguard_lr_factor", DEFAULT_LR_FACTOR))
-        except ValueError:
-            return res | {"outcome": "error", "detail": "trainguard_lr_scale / trainguard_lr_factor is not a number"}, None
+    try:
+        params = _params(BY_NAME[action], labels)
+    except ValueError as e:
+        return res | {"outcome": "error", "detail": str(e)}, None
     name = labels.get("alertname", "?")
     ann = alert.get("annotations") or {}
     reason = f"alertmanager {name}: {ann.get('summary') or ann.get('description') or action}"
-    return res, AlertCommand(run=run, command=action, scale=scale, factor=factor, reason=reason[:2000], actor=f"alertmanager:{name}")
+    return res, AlertCommand(run=run, command=action, params=params, reason=reason[:2000], actor=f"alertmanager:{name}")
 
 
 async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Awaitable[tuple[int, bytes]]],
@@ -135,13 +177,13 @@ async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Aw
         now = clock()
         try:
             _, body = await command(
-                cmd.run, cmd.command, reason=cmd.reason, actor=cmd.actor, source="alertmanager", scale=cmd.scale,
-                factor=cmd.factor, extra=lambda c, key=key: _mark_seen(c, key, now),
+                cmd.run, cmd.command, params=cmd.params, reason=cmd.reason, actor=cmd.actor, source="alertmanager",
+                extra=lambda c, key=key: _mark_seen(c, key, now),
             )
         except _AlreadyActed:
             results.append(res | {"outcome": "duplicate"})
             continue
-        except (NotFound, Invalid) as e:
+        except (NotFound, Invalid, Conflict) as e:  # (Conflict: e.g. a rollback without a good snapshot)
             seen.discard(key)
             results.append(res | {"outcome": "error", "detail": str(e)})
             continue

@@ -49,6 +49,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from trainguard.protocol.commands import REGISTRY
+
 __all__ = ["CAUSES", "Cause", "Verdict", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
 
 Cause = Literal["schedule", "optimizer", "data", "hardware", "unknown"]
@@ -269,12 +271,14 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     return Verdict("unknown", "no evidence points at one cause", tuple(ev.items))
 
 
-#: Actions (rule action types) each cause refuses: data is never met with an LR cut or a pause,
-#: hardware not with the LR, the schedule with nothing at all.
+#: The optimizer remedies of the registry (``grad_clip``, ``reset_optimizer``): for an optimizer fault only.
+_REMEDIES = frozenset(c.name for c in REGISTRY if c.remedy)
+#: Actions (rule action types) each cause refuses: data is never met with an LR cut, a pause or
+#: an optimizer remedy, hardware not with the LR or the optimizer, the schedule with nothing at all.
 _REFUSED: dict[str, frozenset[str]] = {
-    "data": frozenset({"lr_scale", "adaptive_lr", "pause"}),
-    "hardware": frozenset({"lr_scale", "adaptive_lr", "rollback"}),
-    "schedule": frozenset({"lr_scale", "adaptive_lr", "rollback", "pause"}),
+    "data": frozenset({"lr_scale", "adaptive_lr", "pause"}) | _REMEDIES,
+    "hardware": frozenset({"lr_scale", "adaptive_lr", "rollback"}) | _REMEDIES,
+    "schedule": frozenset({"lr_scale", "adaptive_lr", "rollback", "pause"}) | _REMEDIES,
 }
 
 

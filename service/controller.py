@@ -24,7 +24,7 @@ from trainguard.service.alertmanager import SeenKeys, act
 from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
 from trainguard.service.config import Settings
 from trainguard.service.diagnosis import DIAGNOSES
-from trainguard.service.engine import Outcome, RollbackRefused, command_state, decide
+from trainguard.service.engine import Outcome, command_state, decide
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
@@ -38,6 +38,7 @@ from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, IncidentUpdate, WebhookDeliverer, incident_update
 from trainguard.service.window import VECTORS, RunWindow, rank_vectors
+from trainguard.protocol.commands import BY_NAME, CommandRefused
 from trainguard.protocol.wire import Ack, DesiredState, MemoryReport, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller"]
@@ -628,19 +629,19 @@ class Controller:
 
     # == operator commands ===============================================================================
     async def command(
-        self, run: str, command: str, *, reason: str, actor: str, source: str = "operator", scale: float | None = None,
-        factor: float | None = None, idempotency: tuple[str, str, str] | None = None,
-        extra: Callable[[sqlite3.Connection], Any] | None = None, accumulation: tuple[int, str] | None = None,
+        self, run: str, command: str, *, params: Any = None, reason: str, actor: str, source: str = "operator",
+        idempotency: tuple[str, str, str] | None = None, extra: Callable[[sqlite3.Connection], Any] | None = None,
     ) -> tuple[int, bytes]:
-        """Apply a command (:data:`~trainguard.protocol.wire.COMMANDS`) from an operator or
-        Alertmanager; ``lr_scale`` takes an absolute ``scale`` or a ``factor`` of the current
-        multiplier. ``idempotency`` is (principal, key, request hash): a repeat answers the stored
-        response, another body under the key is a Conflict. ``accumulation`` (operators only):
-        (steps, LR rule) of the ``accumulation`` command, refused (Conflict) for a run whose agent
-        did not opt in. Returns (HTTP status, JSON body)."""
-        args = (run, command, reason, actor, source, scale, factor)
+        """Apply a command of the registry (``trainguard.protocol.commands.BY_NAME``) from an
+        operator or Alertmanager. ``params``: its body, an instance of the command's ``request``
+        (None: the body's defaults; a dict is validated into it; one that does not validate is
+        Invalid, 422). A command the run did not opt in to (``requires_config``) or that cannot be
+        carried out now (``CommandRefused``: a rollback without a good snapshot) is a Conflict
+        (409). ``idempotency`` is (principal, key, request hash): a repeat answers the stored
+        response, another body under the key is a Conflict. Returns (HTTP status, JSON body)."""
+        args = (run, command, params, reason, actor, source)
         if idempotency is None:
-            return await self._command(*args, None, extra, accumulation)
+            return await self._command(*args, None, extra)
         principal, key, req_hash = idempotency
         entry = self._idem_locks.setdefault((principal, key), [asyncio.Lock(), 0])
         entry[1] += 1
@@ -651,25 +652,25 @@ class Controller:
                     if row["request_hash"] != req_hash:
                         raise Conflict(f"Idempotency-Key {key!r} was used with another request")
                     return row["status"], bytes(row["body"])
-                return await self._command(*args, idempotency, extra, accumulation)
+                return await self._command(*args, idempotency, extra)
         finally:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._idem_locks[(principal, key)]
 
-    async def _command(self, run: str, command: str, reason: str, actor: str, source: str, scale: float | None,
-                       factor: float | None, idempotency: tuple[str, str, str] | None,
-                       extra: Callable[[sqlite3.Connection], Any] | None,
-                       accumulation: tuple[int, str] | None = None) -> tuple[int, bytes]:
+    async def _command(self, run: str, command: str, params: Any, reason: str, actor: str, source: str,
+                       idempotency: tuple[str, str, str] | None,
+                       extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
-        if command == "accumulation" and not isinstance(st.config.get("accumulation_steps"), int):
-            raise Conflict(f"run {run!r} does not let the controller set its accumulation steps "
-                           "(attach the agent with accumulation_steps=N to opt in)")
+        spec = BY_NAME.get(command)
+        if spec is not None and spec.requires_config is not None:
+            key, why = spec.requires_config
+            if not isinstance(st.config.get(key), int):
+                raise Conflict(f"run {run!r} does not let the controller set its {key.replace('_', ' ')} ({why})")
         try:
-            new = command_state(st.desired, command, reason or f"{command} by {actor}", scale=scale, factor=factor,
-                                ctx=st.recovery, accumulation=accumulation)
-        except RollbackRefused as e:
+            new = command_state(st.desired, command, reason or f"{command} by {actor}", params=params, ctx=st.recovery)
+        except CommandRefused as e:
             raise Conflict(str(e)) from None
         except ValueError as e:
             raise Invalid(str(e)) from None

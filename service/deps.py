@@ -11,7 +11,7 @@ from trainguard.service.auth import AGENT_SCOPE, Principal, TokenTable
 from trainguard.service.controller import Controller
 from trainguard.service.limits import PRINCIPAL_KEY
 
-__all__ = ["ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep", "TokensDep"]
+__all__ = ["scope_dep", "ControllerDep", "AgentDep", "ReadDep", "CommandDep", "RulesDep", "WebhooksDep", "PollDep", "TokensDep"]
 
 
 async def get_controller(request: Request) -> Controller:
@@ -38,6 +38,11 @@ def _require(*scopes: str) -> Callable[[Request], Awaitable[Principal]]:
         return principal
 
     return dep
+
+
+def scope_dep(scope: str) -> object:
+    """The ``Annotated`` dependency admitting callers that hold ``scope`` (a command's ``scope``)."""
+    return Annotated[Principal, Depends(_require(scope))]
 
 
 ControllerDep = Annotated[Controller, Depends(get_controller)]

@@ -16,19 +16,15 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from trainguard.service.evaluate import Finding, evaluate
-from trainguard.service.rules import (
-    ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, CheckpointAction, LrScaleAction, MemoryTraceAction, NotifyAction,
-    PauseAction, RollbackAction, StopAction, VerifyAction,
-)
+from trainguard.service.rules import ADAPTIVE_FALLBACK_FACTOR, AbsenceRule, AdaptiveLrAction, NotifyAction
 from trainguard.service.window import RunWindow
-from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState, Report
+from trainguard.protocol.commands import BY_NAME, RULE_ACTIONS, STATE_FIELDS, CommandSpec, apply_command
+from trainguard.protocol.wire import DesiredState, Report
 
-__all__ = ["ActionContext", "RollbackRefused", "AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_state", "decide", "simulate", "SimStep"]
+__all__ = ["ActionContext", "AlertBook", "Transition", "FiredAlert", "Outcome", "apply_actions", "command_params",
+           "command_state", "decide", "simulate", "SimStep"]
 
 _REASON_MAX = 2000
-#: The commands that are also rule actions (``lr_scale`` is built from its scale or factor).
-_COMMAND_ACTIONS = {"pause": PauseAction(), "stop": StopAction(), "checkpoint": CheckpointAction(),
-                    "memory_trace": MemoryTraceAction(), "verify": VerifyAction()}
 
 
 @dataclass(slots=True)
@@ -129,7 +125,8 @@ def _reason(text: str) -> str:
 
 
 class ActionContext(Protocol):
-    """What the measured actions need from the run (``service/incidents.py``'s ``RunRecovery``)."""
+    """What the measured actions need from the run (``service/incidents.py``'s ``RunRecovery``):
+    the registry's :class:`~trainguard.protocol.commands.CommandContext` and the adaptive LR."""
 
     def adaptive_scale(self, action: AdaptiveLrAction, current: float) -> tuple[float | None, str]:
         """The scale that brings the action's metric back to its baseline (None: no baseline or
@@ -141,109 +138,79 @@ class ActionContext(Protocol):
     def skipped_now(self) -> int:
         """Steps the agent skipped since the previous report (non-finite or spiking)."""
 
+    def healthy_median(self, metric: str) -> float | None:
+        """The median of ``metric`` over the run's healthy reports before the incident (None: none)."""
 
-def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
-                  ctx: ActionContext | None = None) -> DesiredState | None:
-    """The desired state after ``actions``, with the generation bumped; ``None`` when nothing
-    changes (notify only, or already paused/stopped). ``adaptive_lr`` and ``rollback`` read the
-    run's measurements and snapshots from ``ctx``: without it (or a baseline) ``adaptive_lr``
-    halves the scale, and ``rollback`` is refused and pauses the run."""
-    paused, stop, seq, scale = desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale
-    rb_seq, rb_step = desired.rollback_seq, desired.rollback_step
-    notes: list[str] = []
-    diagnose = {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}
-    for a in actions:
-        if isinstance(a, PauseAction):
-            paused = True
-        elif isinstance(a, StopAction):
-            stop = True
-        elif isinstance(a, CheckpointAction):
-            seq += 1
-        elif isinstance(a, LrScaleAction):
-            scale = a.apply(scale)
-        elif isinstance(a, AdaptiveLrAction):
-            new, note = ctx.adaptive_scale(a, scale) if ctx is not None else (None, "no measurement")
-            if new is None:
-                new, note = min(max(scale * ADAPTIVE_FALLBACK_FACTOR, a.min), a.max), f"{note}: halved"
-            scale = new
-            notes.append(f"adaptive lr_scale {scale:.4g} ({note})")
-        elif isinstance(a, RollbackAction):
-            skipped = ctx.skipped_now() if ctx is not None and a.unless_skipped else 0
-            target, why = ctx.rollback_target() if ctx is not None else (None, "no snapshot is known")
-            if skipped:
-                notes.append(f"no rollback: the agent skipped {skipped} step(s) and left the weights as they were")
-            elif target is None:
-                paused = True
-                notes.append(f"rollback refused: {why}; paused for a human")
-            else:
-                rb_seq, rb_step = rb_seq + 1, target
-                scale = min(max(scale * a.lr_factor, LR_SCALE_MIN), LR_SCALE_MAX)
-                notes.append(f"rollback to the snapshot of step {target}" +
-                             (f", lr_scale {scale:.4g}" if a.lr_factor != 1.0 else ""))
-        elif isinstance(a, (MemoryTraceAction, VerifyAction)):
-            diagnose[f"{a.type}_seq"] += 1
-        else:
-            assert isinstance(a, NotifyAction)
-    if (paused, stop, seq, scale, rb_seq) == (desired.paused, desired.stop, desired.checkpoint_seq, desired.lr_scale,
-                                              desired.rollback_seq) \
-            and diagnose == {"memory_trace_seq": desired.memory_trace_seq, "verify_seq": desired.verify_seq}:
+
+def _adaptive(d: DesiredState, a: AdaptiveLrAction, ctx: ActionContext | None) -> tuple[dict[str, Any], str]:
+    """The ``lr_scale`` the service-only ``adaptive_lr`` action sets (measured, or halved)."""
+    new, note = ctx.adaptive_scale(a, d.lr_scale) if ctx is not None else (None, "no measurement")
+    if new is None:
+        new, note = min(max(d.lr_scale * ADAPTIVE_FALLBACK_FACTOR, a.min), a.max), f"{note}: halved"
+    return ({"lr_scale": new} if new != d.lr_scale else {}), f"adaptive lr_scale {new:.4g} ({note})"
+
+
+def _bumped(desired: DesiredState, current: DesiredState, reason: str, notes: list[str]) -> DesiredState | None:
+    """``current`` as the next generation after ``desired`` with ``reason`` (and the folds'
+    ``notes``); None when no field of the desired state changed."""
+    if all(getattr(current, f.name) == getattr(desired, f.name) for f in STATE_FIELDS):
         return None
     if notes:
         reason = f"{reason} — {'; '.join(notes)}"
-    return desired.model_copy(update=dict(  # other fields (accumulation) carry over
-        generation=desired.generation + 1, paused=paused, lr_scale=scale, checkpoint_seq=seq, stop=stop,
-        rollback_seq=rb_seq, rollback_step=rb_step, reason=_reason(reason), **diagnose,
-    ))
+    return current.model_copy(update={"generation": desired.generation + 1, "reason": _reason(reason)})
 
 
-def command_state(
-    desired: DesiredState, command: str, reason: str, *, scale: float | None = None, factor: float | None = None,
-    ctx: ActionContext | None = None, accumulation: tuple[int, str] | None = None,
-) -> DesiredState | None:
-    """The desired state after a command from an operator or Alertmanager; ``None`` when it
-    changes nothing. Every command except ``resume`` is carried out by the rules' own actions
-    (:func:`apply_actions`), so an LR factor is clamped exactly as a rule's is.
-
-    ``lr_scale`` takes either an absolute ``scale`` or a ``factor`` of the current one;
-    ``resume`` clears both ``paused`` and ``stop``; ``checkpoint`` always bumps ``checkpoint_seq``.
-    ``accumulation`` (operators only) sets ``accumulation`` = (steps, LR rule).
-    Raises ``ValueError`` for an unknown command or a bad scale.
-    """
-    if command == "accumulation":
-        if accumulation is None:
-            raise ValueError("accumulation needs the number of steps and an LR rule")
-        steps, rule = accumulation
-        if (steps, rule) == (desired.accumulation_steps, desired.accumulation_lr_rule):
-            return None
-        return desired.model_copy(update={"generation": desired.generation + 1, "accumulation_steps": steps,
-                                          "accumulation_lr_rule": rule, "reason": _reason(reason)})
-    if command == "resume":
-        if not (desired.paused or desired.stop):
-            return None
-        return desired.model_copy(update={"generation": desired.generation + 1, "paused": False, "stop": False,
-                                          "stop_exit_code": 0, "reason": _reason(reason)})
-    if command == "lr_scale":
-        if (scale is None) == (factor is None):
-            raise ValueError("lr_scale needs exactly one of a scale or a factor")
-        try:
-            action: Any = LrScaleAction(value=scale, factor=factor)
-        except ValidationError:
-            raise ValueError(f"lr_scale needs a finite scale in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}] "
-                             f"or a finite factor in (0, {LR_SCALE_MAX:g}]") from None
-    elif command == "rollback":
-        target, why = ctx.rollback_target() if ctx is not None else (None, "no snapshot is known")
-        if target is None:
-            raise RollbackRefused(f"rollback refused: {why}")
-        action = RollbackAction()
-    elif command in _COMMAND_ACTIONS:
-        action = _COMMAND_ACTIONS[command]
-    else:
-        raise ValueError(f"unknown command {command!r}; commands are {', '.join(COMMANDS + DIAGNOSTIC_COMMANDS)}")
-    return apply_actions(desired, (action,), reason, ctx)
+def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
+                  ctx: ActionContext | None = None) -> DesiredState | None:
+    """The desired state after a rule's ``actions`` (in order), with the generation bumped once;
+    ``None`` when nothing changes (notify only, or already paused/stopped). Each command's action
+    folds as the registry says (``trainguard.protocol.commands``); ``adaptive_lr`` and ``notify``
+    are the service's own. The measuring folds read the run from ``ctx``: without it (or a
+    baseline) ``adaptive_lr`` halves the scale, ``rollback`` is refused and pauses the run, and
+    ``grad_clip`` without ``max_norm`` clips nothing."""
+    current, notes = desired, []
+    for a in actions:
+        if isinstance(a, NotifyAction):
+            continue
+        if isinstance(a, AdaptiveLrAction):
+            updates, note = _adaptive(current, a, ctx)
+        else:
+            updates, note = apply_command(current, RULE_ACTIONS[type(a)], a, ctx)
+        if updates:
+            current = current.model_copy(update=updates)
+        if note:
+            notes.append(note)
+    return _bumped(desired, current, reason, notes)
 
 
-class RollbackRefused(ValueError):
-    """An operator's rollback with no good snapshot to go back to (409 with the reason)."""
+def command_params(spec: CommandSpec, params: Any = None) -> Any:
+    """``params`` as the command's body (``spec.request``): None is the body's defaults, a dict is
+    validated; ``ValueError`` (with every problem named) for one that does not validate."""
+    if isinstance(params, spec.request):
+        return params
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{spec.name} takes a {spec.request.__name__}, got {type(params).__name__}")
+    try:
+        return spec.request.model_validate(params or {})
+    except ValidationError as e:
+        problems = "; ".join((".".join(map(str, err["loc"])) + ": " if err["loc"] else "") + err["msg"]
+                             for err in e.errors(include_url=False))
+        raise ValueError(f"{spec.name}: {problems}") from None
+
+
+def command_state(desired: DesiredState, command: str, reason: str, *, params: Any = None,
+                  ctx: ActionContext | None = None) -> DesiredState | None:
+    """The desired state after a command from an operator or Alertmanager (``params``: its body,
+    see :func:`command_params`); ``None`` when it changes nothing. The command folds as the
+    registry says, so an LR factor is clamped exactly as a rule's is. ``ValueError`` for an
+    unknown command or a body that does not validate; ``CommandRefused`` (a ``ValueError``) for
+    one that cannot be carried out now (a rollback without a good snapshot)."""
+    spec = BY_NAME.get(command)
+    if spec is None or not spec.operator:
+        known = ", ".join(c.name for c in BY_NAME.values() if c.operator)
+        raise ValueError(f"unknown command {command!r}; commands are {known}")
+    updates, note = apply_command(desired, spec, command_params(spec, params), ctx)
+    return _bumped(desired, desired.model_copy(update=updates), reason, [note] if note else [])
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.protocol.commands import BY_NAME, REGISTRY
 from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
 from trainguard.service.adaptive_lr import LrRamp, ScheduleBaseline, baseline, corrected_scale
@@ -125,6 +126,10 @@ def snapshot_policy(config: dict[str, Any]) -> tuple[int | None, int]:
             keep if type(keep) is int and 1 <= keep <= 1024 else 3)
 
 
+#: The metrics whose healthy median a command's fold reads (``CommandSpec.measures``).
+_MEASURED = tuple(dict.fromkeys(m for c in REGISTRY for m in c.measures))
+
+
 def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
     """The ladder rungs a desired-state change amounts to."""
     out = []
@@ -134,6 +139,7 @@ def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
         out.append("rollback")
     if after.paused and not before.paused:
         out.append("pause")
+    out.extend(c.name for c in REGISTRY if c.remedy and c.changed(before, after))
     return out
 
 
@@ -166,6 +172,8 @@ class RunRecovery:
         self.incidents: deque[Incident] = deque(maxlen=100)
         self.open: Incident | None = None
         self._healthy_metric: deque[float] = deque(maxlen=self.policy.baseline_reports)
+        #: The same for each metric a command's fold measures (``healthy_median``).
+        self._healthy_measures: dict[str, deque[float]] = {m: deque(maxlen=self.policy.baseline_reports) for m in _MEASURED}
         self._reports_since_rung = 0
         self._healthy_in_a_row = 0
         self._last_step: int | None = None
@@ -211,6 +219,7 @@ class RunRecovery:
         if policy != self.policy:
             self.policy = policy
             self._healthy_metric = deque(self._healthy_metric, maxlen=policy.baseline_reports)
+            self._healthy_measures = {m: deque(v, maxlen=policy.baseline_reports) for m, v in self._healthy_measures.items()}
             kept = self.schedule
             self.schedule = ScheduleBaseline(reports=policy.baseline_reports, tolerance=policy.degrade_ratio)
             self.schedule.per_lr.extend(kept.per_lr)
@@ -233,6 +242,7 @@ class RunRecovery:
             "incidents": list(self.incidents),
             "open": None if open_ is None else (open_, open_.as_dict()),
             "healthy_metric": list(self._healthy_metric),
+            "healthy_measures": {m: list(v) for m, v in self._healthy_measures.items()},
             "healthy_lr": list(self._healthy_lr),
             "ramp": self.ramp.copy(),
             "schedule": self.schedule.copy(),
@@ -253,6 +263,7 @@ class RunRecovery:
             self.open.cause, self.open.verdict, self.open.experiment = d["cause"], d["verdict"], d["experiment"]
             self.open.data_skipped = d["data_skipped"]
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
+        self._healthy_measures = {m: deque(v, maxlen=self.policy.baseline_reports) for m, v in saved["healthy_measures"].items()}
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
         self.ramp = saved["ramp"]
         self.schedule = saved["schedule"]
@@ -294,6 +305,15 @@ class RunRecovery:
 
     def baseline(self) -> float | None:
         return baseline(self._healthy_metric)
+
+    def healthy_median(self, metric: str) -> float | None:
+        """The median of ``metric`` over the last ``baseline_reports`` healthy reports taken outside
+        incidents at the run's own ``lr_scale`` (so before the open incident's onset), as the
+        adaptive LR's baseline is; None without one, or for a metric no command measures."""
+        if metric == self.policy.metric:
+            return self.baseline()
+        kept = self._healthy_measures.get(metric)
+        return None if kept is None else baseline(kept)
 
     def adaptive_scale(self, action: AdaptiveLrAction, current: float) -> tuple[float | None, str]:
         if action.metric == self.policy.metric:
@@ -385,7 +405,7 @@ class RunRecovery:
     def ladder(self) -> tuple[str, ...]:
         """The rungs of the open incident's cause (the optimizer's: ``ladder``)."""
         cause = self.open.cause if self.open is not None else "optimizer"
-        return tuple(getattr(self.policy.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.policy.ladder
+        return tuple(getattr(self.policy.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.policy.optimizer_ladder
 
     # ------------------------------------------------------------------ feeding
 
@@ -459,7 +479,7 @@ class RunRecovery:
         verdict = self._verdict
         ladder = self.ladder() if self.open is not None else (
             tuple(getattr(p.ladders, verdict.cause)) if verdict is not None and verdict.cause in ("data", "hardware", "unknown")
-            else p.ladder)
+            else p.optimizer_ladder)
         if p.enabled and not healthy and self._skipped_now and "skip" in ladder and not desired.paused:
             # (a paused run is a human's: no incident opens on the reports it sends while paused)
             why = f"the agent skipped {self._skipped_now} step(s) it did not trust"
@@ -527,6 +547,10 @@ class RunRecovery:
         if healthy and self.open is None and desired.lr_scale == self.ceiling and not changes:
             if measured is not None and math.isfinite(measured) and measured > 0:
                 self._healthy_metric.append(measured)
+            for name, kept in self._healthy_measures.items():
+                v = values.get(name)
+                if v is not None and math.isfinite(v) and v > 0:
+                    kept.append(float(v))
             self.schedule.add_healthy(values)
             if self._lr is not None:
                 self._healthy_lr.append(self._lr)
@@ -740,6 +764,9 @@ class RunRecovery:
             return d.model_copy(update={"generation": d.generation + 1, "data_skip_until": until,
                                         "reason": f"{why}: skipping the batches of steps {step + 1}-{until} on every rank, "
                                                   f"the LR untouched"[:2000]})
+        spec = BY_NAME.get(rung)
+        if spec is not None and spec.remedy:  # an optimizer remedy: its rule action with the defaults
+            return apply_actions(d, (spec.rule_action(),), f"{why}: {rung.replace('_', ' ')}", self)
         if rung == "experiment":
             self._scale_before_experiment = d.lr_scale
             return apply_actions(d, (LrScaleAction(factor=_EXPERIMENT_LR_FACTOR),),

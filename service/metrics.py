@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from trainguard.protocol.catalog import MetricSpec
+from trainguard.protocol.commands import REGISTRY
 from trainguard.service.rules import Rung
 
 if TYPE_CHECKING:
@@ -121,6 +122,11 @@ class ControllerMetrics:
             self.incidents.labels(outcome)
         for rung in get_args(Rung):
             self.incident_rungs.labels(rung)
+        for spec in REGISTRY:  # every command, from each source that can give it
+            for source, gives in (("operator", spec.operator), ("alertmanager", spec.alertmanager),
+                                  ("rule", spec.rule_action is not None), ("recovery", True)):
+                if gives:
+                    self.actions.labels(spec.name, source)
         self.ingest_latency = Histogram("trainguard_controller_ingest_latency_seconds", h("trainguard_controller_ingest_latency_seconds"), buckets=_LATENCY_BUCKETS, registry=registry)
         registry.register(_StateCollector(state))
 

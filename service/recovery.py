@@ -17,7 +17,7 @@ from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["load_rules_state", "load_run"]
+__all__ = ["load_rules_state", "load_run", "stored_desired"]
 
 
 def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float],
@@ -40,17 +40,29 @@ def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float
     return None
 
 
+#: The desired state's columns of schema versions 1-9 (before it was one JSON value), as
+#: ``DesiredState`` names them; booleans were stored as integers.
+_V9_COLUMNS = ("generation", "paused", "lr_scale", "checkpoint_seq", "stop", "rollback_seq", "rollback_step", "reason",
+               "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until",
+               "stop_exit_code")
+
+
+def stored_desired(row: Any) -> DesiredState:
+    """A run row's desired state: its ``desired`` JSON (fields a newer registry added take their
+    defaults; fields it no longer has are dropped), or, for a row last written before schema
+    version 10, its old columns."""
+    text = row["desired"]
+    if text is None:
+        values = {k: row[k] for k in _V9_COLUMNS}
+        return DesiredState(**values | {"paused": bool(values["paused"]), "stop": bool(values["stop"])})
+    data = json.loads(text)
+    return DesiredState.model_validate({k: v for k, v in data.items() if k in DesiredState.model_fields})
+
+
 def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
     """A run as stored, with its rule window refilled from its recent reports."""
     s = settings
-    desired = DesiredState(
-        generation=row["generation"], paused=bool(row["paused"]), lr_scale=row["lr_scale"],
-        checkpoint_seq=row["checkpoint_seq"], stop=bool(row["stop"]), rollback_seq=row["rollback_seq"],
-        rollback_step=row["rollback_step"], reason=row["reason"],
-        accumulation_steps=row["accumulation_steps"], accumulation_lr_rule=row["accumulation_lr_rule"],
-        memory_trace_seq=row["memory_trace_seq"], verify_seq=row["verify_seq"], data_skip_until=row["data_skip_until"],
-        stop_exit_code=row["stop_exit_code"],
-    )
+    desired = stored_desired(row)
     window = RunWindow(capacity=s.window_reports, rank_capacity=s.rank_window_reports,
                        world_size=row["world_size"], created=row["registered_at"])
     st = RunState(

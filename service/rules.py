@@ -43,11 +43,16 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.window import VECTORS, RuleWindow
+from trainguard.protocol.commands import (  # the commands' rule actions, re-exported here
+    REGISTRY, RULE_ACTIONS, CheckpointAction, GradClipAction, LrScaleAction, MemoryTraceAction, MomentumAction,
+    PauseAction, ResetOptimizerAction, RollbackAction, StopAction, VerifyAction, WeightDecayScaleAction,
+)
 from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN, Name, Severity
 
 __all__ = [
-    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "RollbackAction", "RecoveryPolicy", "CauseLadders", "MemoryTraceAction",
-    "VerifyAction", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
+    "Action", "ADAPTIVE_FALLBACK_FACTOR", "AdaptiveLrAction", "NotifyAction", "PauseAction", "CheckpointAction", "StopAction",
+    "LrScaleAction", "RollbackAction", "MemoryTraceAction", "VerifyAction", "GradClipAction", "ResetOptimizerAction",
+    "MomentumAction", "WeightDecayScaleAction", "Rung", "REMEDY_RUNGS", "RecoveryPolicy", "CauseLadders", "Rule", "RulesFile", "RuleSet", "RulesError", "load_rules", "default_rules_text",
     "ThresholdRule", "SpikeRule", "NonFiniteRule", "TrendRule", "CrossRankRule", "DesyncRule", "RateRule",
     "OscillationRule", "AbsenceRule", "MAX_RULES", "MAX_ACTIONS", "MAX_JOBS", "MAX_OVERRIDES", "MAX_NODES",
     "REMOVE_ALL_PARAM", "require_rules",
@@ -89,54 +94,6 @@ class NotifyAction(_Model):
     type: Literal["notify"] = "notify"
 
 
-class PauseAction(_Model):
-    type: Literal["pause"] = "pause"
-
-
-class CheckpointAction(_Model):
-    type: Literal["checkpoint"] = "checkpoint"
-
-
-class StopAction(_Model):
-    type: Literal["stop"] = "stop"
-
-
-class MemoryTraceAction(_Model):
-    """Ask the agent to attribute memory kept alive across steps to layers or the loop (a few
-    steps); its result is stored with the run and shown with the alert."""
-
-    type: Literal["memory_trace"] = "memory_trace"
-
-
-class VerifyAction(_Model):
-    """Ask every rank to recompute the next step's gradient and compare (silent data corruption)."""
-
-    type: Literal["verify"] = "verify"
-
-
-class LrScaleAction(_Model):
-    """Set ``lr_scale`` to ``value``, or multiply the current one by ``factor``, clamped to
-    [min, max]."""
-
-    type: Literal["lr_scale"] = "lr_scale"
-    value: float | None = Field(default=None, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
-    factor: float | None = Field(default=None, gt=0, le=LR_SCALE_MAX, allow_inf_nan=False)
-    min: float = Field(default=LR_SCALE_MIN, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
-    max: float = Field(default=LR_SCALE_MAX, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _one_of(self) -> "LrScaleAction":
-        if (self.value is None) == (self.factor is None):
-            raise ValueError("lr_scale needs exactly one of 'value' (absolute) or 'factor'")
-        if self.min > self.max:
-            raise ValueError("lr_scale: min must be <= max")
-        return self
-
-    def apply(self, current: float) -> float:
-        new = self.value if self.value is not None else current * self.factor  # type: ignore[operator]
-        return min(max(new, self.min), self.max)
-
-
 #: What ``adaptive_lr`` multiplies the scale by when it has no measurement to compute from (and
 #: the factor Prometheus-side alerts, which cannot measure, ask Alertmanager for).
 ADAPTIVE_FALLBACK_FACTOR = 0.5
@@ -160,46 +117,39 @@ class AdaptiveLrAction(_Model):
         return self
 
 
-class RollbackAction(_Model):
-    """Roll every rank back to the newest good in-memory snapshot (one followed by healthy
-    reports, so taken before the onset), multiplying ``lr_scale`` by ``lr_factor``. Without a good
-    snapshot the rollback is refused, the reason recorded, and the run paused for a human."""
-
-    type: Literal["rollback"] = "rollback"
-    lr_factor: float = Field(default=1.0, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False)
-    unless_skipped: bool = Field(default=False, description=(
-        "No rollback when the agent skipped steps in the report's interval (a non-finite or spiking "
-        "step it did not take left the weights as they were): the incident starts at the skip rung, "
-        "and the ladder goes on to the rollback if the signals do not come back."))
-
-
-Action = Annotated[
-    Union[NotifyAction, PauseAction, CheckpointAction, StopAction, LrScaleAction, AdaptiveLrAction, RollbackAction,
-          MemoryTraceAction, VerifyAction],
-    Field(discriminator="type"),
-]
+#: A rules file's actions: ``notify`` and ``adaptive_lr`` (the service's own) and every command of
+#: the registry with a rule action (``trainguard.protocol.commands.REGISTRY``).
+Action = Annotated[Union[(NotifyAction, AdaptiveLrAction, *RULE_ACTIONS)], Field(discriminator="type")]  # type: ignore[valid-type]
 
 #: The rungs of the escalation ladder. ``skip`` is taken by the agent itself (its spike guard);
 #: the controller takes the others. ``data_skip``: every rank skips the optimizer steps of the
 #: batches while the data stays out of bounds (the LR untouched); ``checkpoint``: a checkpoint;
 #: ``stop``: the run stops for a restart without the suspect node; ``experiment``: the bounded
-#: troubleshooting experiment of an incident of unknown cause (``service/incidents.py``).
-Rung = Literal["skip", "adaptive_lr", "rollback", "pause", "data_skip", "checkpoint", "stop", "experiment"]
+#: troubleshooting experiment of an incident of unknown cause (``service/incidents.py``); and each
+#: optimizer remedy of the registry (a command with ``remedy``: ``grad_clip`` to the healthy
+#: gradient norm, ``reset_optimizer`` of every layer), which only an optimizer fault's ladder (or
+#: an unknown one's) may name: none is in a default ladder.
+REMEDY_RUNGS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.remedy)
+Rung = Literal[("skip", "adaptive_lr", "rollback", "pause", "data_skip", "checkpoint", "stop", "experiment", *REMEDY_RUNGS)]  # type: ignore[valid-type]
 
 
 class CauseLadders(_Model):
-    """The rungs taken for each cause of an incident (``service/cause.py``). ``optimizer`` is the
-    ``ladder`` of the ``recovery`` section."""
+    """The rungs taken for each cause of an incident (``service/cause.py``). ``optimizer``, when
+    given, is the ladder of an optimizer fault (else the ``ladder`` of the ``recovery`` section);
+    it may name the optimizer remedies (:data:`REMEDY_RUNGS`), which data and hardware refuse."""
 
     data: tuple[Rung, ...] = ("skip", "data_skip", "rollback")
     hardware: tuple[Rung, ...] = ("checkpoint", "pause")
     unknown: tuple[Rung, ...] = ("skip", "experiment", "adaptive_lr", "rollback", "pause")
+    optimizer: tuple[Rung, ...] | None = None
 
     @model_validator(mode="after")
     def _fits(self) -> "CauseLadders":
-        for cause, rungs, refused in (("data", self.data, {"adaptive_lr", "pause", "experiment"}),
-                                      ("hardware", self.hardware, {"adaptive_lr", "rollback", "experiment", "data_skip"}),
-                                      ("unknown", self.unknown, {"data_skip"})):
+        remedies = set(REMEDY_RUNGS)
+        for cause, rungs, refused in (("data", self.data, {"adaptive_lr", "pause", "experiment"} | remedies),
+                                      ("hardware", self.hardware, {"adaptive_lr", "rollback", "experiment", "data_skip"} | remedies),
+                                      ("unknown", self.unknown, {"data_skip"}),
+                                      ("optimizer", self.optimizer or (), set())):
             if len(set(rungs)) != len(rungs):
                 raise ValueError(f"ladders.{cause}: rungs must be distinct")
             bad = sorted(refused & set(rungs))
@@ -239,6 +189,17 @@ class RecoveryPolicy(_Model):
         if len(set(ladder)) != len(ladder):
             raise ValueError("ladder rungs must be distinct")
         return ladder
+
+    @model_validator(mode="after")
+    def _one_optimizer_ladder(self) -> "RecoveryPolicy":
+        if self.ladders.optimizer is not None and "ladder" in self.model_fields_set and self.ladders.optimizer != self.ladder:
+            raise ValueError("the optimizer's ladder is given twice (ladder and ladders.optimizer): give one")
+        return self
+
+    @property
+    def optimizer_ladder(self) -> tuple[str, ...]:
+        """The rungs of an optimizer fault: ``ladders.optimizer`` when given, else ``ladder``."""
+        return self.ladders.optimizer if self.ladders.optimizer is not None else self.ladder
 
 
 # -- rules -----------------------------------------------------------------------------------

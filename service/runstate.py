@@ -12,6 +12,7 @@ from typing import Any
 from trainguard.service.engine import AlertBook
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.window import RunWindow
+from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
 __all__ = ["RunState", "live", "action_names", "target_address"]
@@ -131,26 +132,6 @@ class RunState:
 def live(d: DesiredState) -> bool:
     """Whether a run in desired state ``d`` is expected to report."""
     return not (d.paused or d.stop)
-
-
-def action_names(before: DesiredState, after: DesiredState) -> list[str]:
-    """The commands that lead from ``before`` to ``after`` (labels of the actions metric)."""
-    out = []
-    if after.paused != before.paused:
-        out.append("pause" if after.paused else "resume")
-    if after.stop != before.stop:
-        out.append("stop" if after.stop else "resume")
-    if after.lr_scale != before.lr_scale:
-        out.append("lr_scale")
-    if after.checkpoint_seq != before.checkpoint_seq:
-        out.append("checkpoint")
-    if after.rollback_seq != before.rollback_seq:
-        out.append("rollback")
-    if after.memory_trace_seq != before.memory_trace_seq:
-        out.append("memory_trace")
-    if after.verify_seq != before.verify_seq:
-        out.append("verify")
-    return out
 
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?")

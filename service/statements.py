@@ -46,13 +46,8 @@ def update_run_registration(conn: sqlite3.Connection, run_id: int, *, world_size
 
 
 def update_desired(conn: sqlite3.Connection, run_id: int, d: Any) -> None:
-    conn.execute(
-        "UPDATE runs SET generation=?, paused=?, lr_scale=?, checkpoint_seq=?, stop=?, rollback_seq=?, rollback_step=?,"
-        " reason=?, accumulation_steps=?, accumulation_lr_rule=?, memory_trace_seq=?, verify_seq=?, data_skip_until=?,"
-        " stop_exit_code=? WHERE id=?",
-        (d.generation, int(d.paused), d.lr_scale, d.checkpoint_seq, int(d.stop), d.rollback_seq, d.rollback_step, d.reason,
-         d.accumulation_steps, d.accumulation_lr_rule, d.memory_trace_seq, d.verify_seq, d.data_skip_until, d.stop_exit_code, run_id),
-    )
+    """Store the desired state ``d`` (a ``DesiredState``) as its JSON, its generation beside it."""
+    conn.execute("UPDATE runs SET desired=?, generation=? WHERE id=?", (d.model_dump_json(), d.generation, run_id))
 
 
 def update_finished(conn: sqlite3.Connection, run_id: int, *, now: float, step: int, reason: str) -> None:

@@ -237,6 +237,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN stop_exit_code INTEGER NOT NULL DEFAULT 0;
     """,
+    # 10: the desired state as one JSON value (``DesiredState``, whose fields the command registry
+    # declares): a new command adds no column. ``generation`` is still written beside it; the
+    # columns of versions 1-9 are read only for a run whose ``desired`` is NULL (written before).
+    """
+    ALTER TABLE runs ADD COLUMN desired TEXT;
+    """,
 )
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:

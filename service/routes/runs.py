@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from typing import Annotated
 
@@ -12,10 +13,11 @@ from pydantic import ValidationError
 
 from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
-from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep
+from trainguard.service.deps import AgentDep, ControllerDep, PollDep, ReadDep, scope_dep
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, nan_safe
+from trainguard.protocol.commands import REGISTRY, CommandRequest, CommandSpec
 from trainguard.protocol.wire import (
-    LR_SCALE_MAX, LR_SCALE_MIN, AccumulationRequest, Ack, CommandRequest, DesiredState, LrScaleRequest, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    Ack, DesiredState, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router"]
@@ -102,49 +104,44 @@ async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
     return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
 
 
-async def _command(run: str, command: str, body: bytes, reason: str, ctl: Controller, principal: Principal, key: str | None, scale: float | None = None,
-                   accumulation: tuple[int, str] | None = None) -> Response:
-    idem = None
-    if key:
-        digest = hashlib.sha256(b"%s\x00%s\x00%s" % (command.encode(), run.encode(), body)).hexdigest()
-        idem = (principal.actor, key, digest)
-    status, answer = await ctl.command(run, command, reason=reason, actor=principal.actor, scale=scale, idempotency=idem,
-                                       accumulation=accumulation)
-    return Response(answer, status_code=status, media_type=_JSON)
+def _optional(request: type[CommandRequest]) -> bool:
+    """Whether a command's body may be left out (every field has a default that validates)."""
+    try:
+        request()
+    except ValidationError:
+        return False
+    return True
 
 
-def _command_route(command: str, summary: str, url: str | None = None) -> None:
-    async def handler(run: RunPath, ctl: ControllerDep, principal: CommandDep, request: Request, idempotency_key: IdemKey = None,
+def _command_route(spec: CommandSpec) -> None:
+    """``POST /v1/runs/{run}/<url>`` of one operator command: its body is the command's
+    ``request`` (optional when its defaults validate), its scope the command's."""
+    optional = _optional(spec.request)
+
+    async def handler(run: str, ctl: Controller, principal: Principal, idempotency_key: str | None = None,
                       body: CommandRequest | None = None) -> Response:
-        body = body or CommandRequest()
-        return await _command(run, command, body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key)
+        body = body if body is not None else spec.request()
+        idem = None
+        if idempotency_key:
+            digest = hashlib.sha256(b"%s\x00%s\x00%s" % (spec.name.encode(), run.encode(), body.model_dump_json().encode()))
+            idem = (principal.actor, idempotency_key, digest.hexdigest())
+        status, answer = await ctl.command(run, spec.name, params=body, reason=body.reason, actor=principal.actor,
+                                           idempotency=idem)
+        return Response(answer, status_code=status, media_type=_JSON)
 
-    router.add_api_route(f"/runs/{{run}}/{url or command}", handler, methods=["POST"], response_model=CommandResult, summary=summary,
-                         name=f"command_{command}", tags=["commands"])
-
-
-for _cmd, _summary in (
-    ("pause", "Pause the run in place (every rank, same step)"),
-    ("resume", "Resume a paused (or stopped) run"),
-    ("checkpoint", "Request a checkpoint (bumps checkpoint_seq)"),
-    ("stop", "Stop the run"),
-    ("rollback", "Roll every rank back to the newest good in-memory snapshot (409 with the reason when there is none)"),
-):
-    _command_route(_cmd, _summary)
-_command_route("memory_trace", "Trace which layers or the training loop keep memory alive across steps (a few steps); "
-               "the result appears in the run's memory_report", url="memory-trace")
-_command_route("verify", "Recompute the next step's gradient on every rank and compare (silent data corruption)")
-
-
-@router.post("/runs/{run}/lr-scale", response_model=CommandResult, tags=["commands"],
-             summary=f"Set the LR multiplier (command lr_scale; in [{LR_SCALE_MIN:g}, {LR_SCALE_MAX:g}])")
-async def lr_scale(run: RunPath, body: LrScaleRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
-    return await _command(run, "lr_scale", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key, scale=body.scale)
+    P = inspect.Parameter
+    handler.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        P("run", P.KEYWORD_ONLY, annotation=RunPath),
+        P("ctl", P.KEYWORD_ONLY, annotation=ControllerDep),
+        P("principal", P.KEYWORD_ONLY, annotation=scope_dep(spec.scope)),
+        P("idempotency_key", P.KEYWORD_ONLY, annotation=IdemKey, default=None),
+        P("body", P.KEYWORD_ONLY, annotation=spec.request | None if optional else spec.request,
+          default=None if optional else P.empty),
+    ], return_annotation=Response)
+    router.add_api_route(f"/runs/{{run}}/{spec.url}", handler, methods=["POST"], response_model=CommandResult,
+                         summary=spec.summary, name=f"command_{spec.name}", tags=["commands"])
 
 
-@router.post("/runs/{run}/accumulation", response_model=CommandResult, tags=["commands"],
-             summary="Set the gradient accumulation steps (runs that opted in), the LR following by a rule")
-async def accumulation(run: RunPath, body: AccumulationRequest, ctl: ControllerDep, principal: CommandDep, idempotency_key: IdemKey = None) -> Response:
-    return await _command(run, "accumulation", body.model_dump_json().encode(), body.reason, ctl, principal, idempotency_key,
-                          accumulation=(body.steps, body.lr_rule))
-
+for _spec in REGISTRY:  # every operator command of the registry: a new one gets its route here
+    if _spec.operator:
+        _command_route(_spec)

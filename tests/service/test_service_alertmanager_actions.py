@@ -3,7 +3,7 @@ factor is clamped to [LR_SCALE_MIN, LR_SCALE_MAX] exactly as a rule's is."""
 
 from __future__ import annotations
 
-from trainguard.protocol.wire import LR_SCALE_MIN
+from trainguard.protocol.wire import LR_SCALE_MIN, LrScaleRequest
 from trainguard.service.alertmanager import DEFAULT_LR_FACTOR, parse_alert
 from tests.service.conftest import register
 
@@ -38,7 +38,7 @@ def test_one_spelling_of_the_lr_command() -> None:
     res, cmd = parse_alert(_halve(0) | {"labels": _halve(0)["labels"] | {"trainguard_action": "lr-scale"}})
     assert cmd is None and res["outcome"] == "error" and "lr_scale" in res["detail"]
     res, cmd = parse_alert(_halve(0) | {"labels": _halve(0)["labels"] | {"trainguard_lr_factor": "0.25"}})
-    assert cmd is not None and (cmd.command, cmd.scale, cmd.factor) == ("lr_scale", None, 0.25)
+    assert cmd is not None and (cmd.command, cmd.params) == ("lr_scale", LrScaleRequest(factor=0.25))
 
 
 def test_operator_scale_outside_the_range_is_refused(app_factory) -> None:

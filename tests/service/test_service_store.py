@@ -59,7 +59,7 @@ def _v1_postgres_database(url: str) -> None:
 
 
 def _assert_migrated_columns(execute: Any) -> None:
-    """The columns versions 3 to 9 added hold what an old run means."""
+    """The columns versions 3 to 10 added hold what an old run means."""
     lifecycle = execute("SELECT finished_at, finished_step, finish_reason, resumed_at FROM runs").fetchall()
     assert lifecycle == [(None, None, None, None)]  # version 3: an old run is live, never resumed
     # version 4: an old run keeps its own accumulation steps, the LR untouched
@@ -73,6 +73,8 @@ def _assert_migrated_columns(execute: Any) -> None:
     assert execute("SELECT memory_trace_seq, verify_seq FROM runs").fetchall() == [(0, 0)]
     # version 8: nor had steps skipped for their data
     assert execute("SELECT data_skip_until, stop_exit_code FROM runs").fetchall() == [(0, 0)]
+    # version 10: the desired state is one JSON value, none yet: the old columns still say it
+    assert execute("SELECT desired FROM runs").fetchall() == [(None,)]
     rows = execute("SELECT seq, step_last, received, ranks FROM reports ORDER BY seq").fetchall()
     assert [(r[0], r[1], r[2]) for r in rows] == [(i + 1, 10 * i + 9, 300.0 + i) for i in range(5)]
     assert np.frombuffer(rows[3][3]).tolist() == [3.0, 6.0]
@@ -99,7 +101,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 10
     _assert_migrated_columns(conn.execute)
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
@@ -117,7 +119,7 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
     _v1_postgres_database(postgres_url)
     store = PostgresStore(postgres_url)  # migrates
     try:
-        assert store.schema_version == len(MIGRATIONS) == 9
+        assert store.schema_version == len(MIGRATIONS) == 10
         store.read_now(lambda c: _assert_migrated_columns(c.execute))
     finally:
         store.close()
@@ -129,6 +131,46 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
         assert "reports_received" in indexes
         assert PgConnection(raw).execute("SELECT COUNT(*) FROM reports").fetchone()[0] == 5
     _assert_migrated_app(postgres_url)
+
+
+def test_a_run_stored_at_schema_9_loads_the_desired_state_its_columns_held(store_db: Any, monkeypatch: Any) -> None:
+    """A database last written at schema version 9 (the desired state in one column per field):
+    a paused run at lr_scale 0.3 with accumulation set, opened by this controller, has that
+    desired state; the next command stores the state as its JSON and a restart reads that back."""
+    import trainguard.service.store as store_module
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:9])
+    if not isinstance(store_db, Path):
+        import trainguard.service.store_postgres as pg_module
+        monkeypatch.setattr(pg_module, "MIGRATIONS", MIGRATIONS[:9])
+    old = open_store(store_db)
+    try:
+        def v9_run(c: Any) -> None:  # what schema 9's update_desired wrote
+            run_id = sql.insert_run(c, run="old-run", job="old-job", world_size=1, ranks=[], agent_version="v9",
+                                    config={"accumulation_steps": 2}, now=100.0)
+            c.execute("UPDATE runs SET generation=7, paused=1, lr_scale=0.3, checkpoint_seq=2, rollback_seq=1,"
+                      " rollback_step=40, reason='paused by an incident', accumulation_steps=8,"
+                      " accumulation_lr_rule='sqrt', verify_seq=3 WHERE id=?", (run_id,))
+        old.write_now(v9_run)
+        assert old.read_now(lambda c: c.execute("SELECT COUNT(*) FROM runs").fetchone()[0]) == 1
+    finally:
+        old.close()
+    monkeypatch.undo()
+    expected = {"generation": 7, "paused": True, "lr_scale": 0.3, "checkpoint_seq": 2, "stop": False, "rollback_seq": 1,
+                "rollback_step": 40, "reason": "paused by an incident", "accumulation_steps": 8,
+                "accumulation_lr_rule": "sqrt", "memory_trace_seq": 0, "verify_seq": 3, "data_skip_until": 0,
+                "stop_exit_code": 0, "grad_clip_norm": 0.0, "reset_optimizer_seq": 0, "reset_optimizer_layers": "",
+                "momentum_scale": 1.0, "weight_decay_scale": 1.0}
+    with TestClient(create_app(Settings(db=store_db, tick_s=60))) as c:
+        st = c.get("/v1/runs/old-run").json()
+        assert st["desired"] == expected and st["status"] == "paused"
+        r = c.post("/v1/runs/old-run/grad-clip", json={"max_norm": 2.5, "reason": "clip"})
+        assert r.status_code == 200, r.text
+        stored = c.app.state.controller.store.read_now(
+            lambda conn: tuple(conn.execute("SELECT desired, generation FROM runs").fetchone()))
+    assert json.loads(stored[0]) == expected | {"generation": 8, "grad_clip_norm": 2.5, "reason": "clip"} and stored[1] == 8
+    with TestClient(create_app(Settings(db=store_db, tick_s=60))) as c:
+        assert c.get("/v1/runs/old-run").json()["desired"] == expected | {"generation": 8, "grad_clip_norm": 2.5, "reason": "clip"}
 
 
 def test_report_values_round_trip_through_their_json() -> None:

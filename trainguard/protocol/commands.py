@@ -423,6 +423,13 @@ class CommandSpec:
     counted: Callable[[Any, Any], bool] | None = None
     """Whether a change from one desired state to the next counts as this command (default: any
     of its fields changed)."""
+    remedy: bool = False
+    """An optimizer remedy: a rung the optimizer fault's ladder may name (its rule action with the
+    defaults), refused for the other causes' ladders and for the rules' actions on a data,
+    hardware or schedule incident."""
+    measures: tuple[str, ...] = ()
+    """The metrics whose healthy median its fold reads (:meth:`CommandContext.healthy_median`):
+    the controller keeps them from the healthy reports."""
 
     @property
     def url(self) -> str:
@@ -506,7 +513,7 @@ REGISTRY: tuple[CommandSpec, ...] = (
         _grad_clip,
         fields=(_f("grad_clip_norm", "float", 0.0, "Every rank clips the global gradient norm (over all shards) to "
                    "this before each optimizer step; 0: the run's own clipping only.", ge=0.0, le=MAX_GRAD_CLIP),),
-        request=GradClipRequest, rule_action=GradClipAction),
+        request=GradClipRequest, rule_action=GradClipAction, remedy=True, measures=("trainguard_grad_norm",)),
     CommandSpec(
         "reset_optimizer", "Drop the optimizer state (moments) of all or the named layers on every rank",
         _reset_optimizer,
@@ -514,7 +521,7 @@ REGISTRY: tuple[CommandSpec, ...] = (
                    "one applied.", **_SEQ),
                 _f("reset_optimizer_layers", "text", "", "Comma-separated parameter-name prefixes whose optimizer "
                    "state the reset drops; empty: every parameter.", max_length=MAX_RESET_LAYERS * 257)),
-        request=ResetOptimizerRequest, rule_action=ResetOptimizerAction,
+        request=ResetOptimizerRequest, rule_action=ResetOptimizerAction, remedy=True,
         counted=lambda b, a: a.reset_optimizer_seq != b.reset_optimizer_seq),
     CommandSpec(
         "momentum", "Scale the optimizer's momentum (beta1, SGD momentum) on every rank: a scale or a factor",
@@ -544,6 +551,10 @@ def _check_registry() -> None:
     for c in REGISTRY:
         if c.rule_action is not None and c.rule_action.model_fields["type"].default != c.name:
             raise TypeError(f"command {c.name}: its rule action's type is {c.rule_action.model_fields['type'].default!r}")
+        if c.remedy:
+            if c.rule_action is None:
+                raise TypeError(f"command {c.name}: a remedy (a ladder's rung) needs a rule action")
+            c.rule_action()  # a rung is the action with its defaults
 
 
 _check_registry()
