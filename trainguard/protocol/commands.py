@@ -211,14 +211,15 @@ class AccumulationRequest(CommandRequest):
     """Body of ``POST /v1/runs/{run}/accumulation``: the number of gradient accumulation steps
     every rank uses from the next agreed step boundary, and how the LR follows it."""
 
-    steps: Int = Field(ge=1, le=MAX_ACCUMULATION_STEPS)
-    lr_rule: LrRule = "sqrt"
+    steps: Int = Field(ge=1, le=MAX_ACCUMULATION_STEPS, description="Micro-batches per optimizer step on every rank.")
+    lr_rule: LrRule = Field(default="sqrt", description="How the LR follows the change of the global batch: linear "
+                            "(x k/k0), sqrt (x sqrt(k/k0)) or none.")
 
 
 class DataSkipRequest(CommandRequest):
     """The data-skip rung's parameter: the last step whose optimizer step every rank skips."""
 
-    until: Int = Field(ge=0, le=MAX_INT)
+    until: Int = Field(ge=0, le=MAX_INT, description="The last step whose optimizer step is skipped.")
 
 
 class GradClipRequest(CommandRequest):
@@ -226,7 +227,8 @@ class GradClipRequest(CommandRequest):
     all shards) to ``max_norm`` before each optimizer step, on top of the run's own clipping; 0
     ends the controller's clipping."""
 
-    max_norm: float = Field(strict=True, ge=0, le=MAX_GRAD_CLIP, allow_inf_nan=False)
+    max_norm: float = Field(strict=True, ge=0, le=MAX_GRAD_CLIP, allow_inf_nan=False,
+                            description="The global gradient norm to clip to; 0 ends the controller's clipping.")
 
 
 class ResetOptimizerRequest(CommandRequest):
@@ -235,7 +237,8 @@ class ResetOptimizerRequest(CommandRequest):
     ``layers`` (all parameters when empty), at the same step; the optimizer starts those moments
     afresh on the next step."""
 
-    layers: list[str] = Field(default_factory=list, max_length=MAX_RESET_LAYERS)
+    layers: list[str] = Field(default_factory=list, max_length=MAX_RESET_LAYERS,
+                              description="Parameter-name prefixes (e.g. 'layers.11.'); none: every parameter.")
 
     @model_validator(mode="after")
     def _names(self) -> "ResetOptimizerRequest":
