@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from trainer_agent.compat.torch_private import TorchDispatchMode, tree_leaves
 
 __all__ = ["MemoryOwner", "MemoryTrace", "LOOP", "GRAPH"]
 

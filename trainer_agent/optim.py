@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from trainer_agent.compat import torch_private
+
 __all__ = ["unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
@@ -41,7 +43,7 @@ _NOT_RUN = object()
 def _usable(optimizer: object) -> bool:
     """A torch optimizer that ran ``Optimizer.__init__`` (it has the step-hook registries)."""
     return (isinstance(optimizer, torch.optim.Optimizer)
-            and isinstance(getattr(optimizer, "_optimizer_step_pre_hooks", None), dict)
+            and torch_private.optimizer_has_step_hooks(optimizer)
             and isinstance(getattr(optimizer, "param_groups", None), list))
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainer_agent import stats
+from trainer_agent.compat import torch_private
 from trainer_agent.sharding import Sharding, is_dtensor, local
 
 __all__ = ["ParamIndex", "layer_names"]
@@ -90,10 +91,10 @@ class ParamIndex:
         return {i for i, p in enumerate(self.params)
                 if is_dtensor(p.grad) and p.grad.placements != p.placements}  # type: ignore[union-attr]
 
-    def versions(self) -> tuple[int, ...]:
+    def versions(self) -> tuple[object, ...]:
         """Autograd's version counters of the (local) tensors (host ints): they move on every
         in-place write."""
-        return tuple(p._version for bucket in self.buckets for p in bucket)
+        return torch_private.version_counters(p for bucket in self.buckets for p in bucket)
 
     def sq_norms(self) -> torch.Tensor:
         """Per-parameter ||W||^2 (float64 device vector in this order)."""

@@ -61,6 +61,7 @@ from torch import nn
 
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
 from trainer_agent import environment, preflight_probes as probes
+from trainer_agent.compat import torch_private
 from trainer_agent.fingerprint import desync, findings, for_ranks
 from trainer_agent import triage
 
@@ -380,8 +381,8 @@ def _config_checks(agent: Any, declared_params: int | None, clip_grad_norm: floa
     if scaler is None or not scaler.is_enabled():
         checks.append(Check("grad_scaler", "skip", "no enabled GradScaler"))
     else:
-        init = float(getattr(scaler, "_init_scale", math.nan))
-        interval = int(getattr(scaler, "_growth_interval", -1))
+        init = torch_private.grad_scaler_init_scale(scaler)
+        interval = int(scaler.get_growth_interval())
         problems = []
         if init != 2.0**10:
             problems.append(f"init_scale {init:g} (2**10 = 1024 recommended)")

@@ -24,8 +24,8 @@ The same placements say which ranks must hold *identical* local tensors (the rep
 ``Replicate`` dimensions): :func:`replica_units` groups them for the cross-rank fingerprints of
 ``trainer_agent/fingerprint.py``, read from the mesh's rank layout, with no communication.
 
-Local values are read through ``DTensor.to_local()`` semantics without autograd (the
-``_local_tensor`` attribute): no communication, no copy.
+Local values are read through ``DTensor.to_local()`` semantics without autograd (the shard itself,
+:func:`trainer_agent.compat.torch_private.dtensor_local`): no communication, no copy.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from trainer_agent.compat import torch_private
 
 __all__ = ["is_dtensor", "local", "Sharding", "replica_classes", "replica_units"]
 
@@ -50,7 +52,7 @@ def is_dtensor(t: object) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (no copy, no communication); any other tensor as it is."""
-    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return torch_private.dtensor_local(t) if is_dtensor(t) else t
 
 
 class Sharding:

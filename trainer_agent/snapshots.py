@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from trainguard.protocol.retention import retained
+from trainer_agent.compat import torch_private
 
 __all__ = ["Snapshot", "SnapshotBackend", "SnapshotStore"]
 
@@ -78,8 +79,7 @@ def _to_host(obj: Any, pinned: bool) -> Any:
         return out
     if isinstance(obj, dict):
         out = type(obj)((k, _to_host(v, pinned)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # a module state dict's per-module versions
-            out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        torch_private.copy_state_dict_metadata(obj, out)  # a module state dict's per-module versions
         return out
     if isinstance(obj, list):
         return [_to_host(v, pinned) for v in obj]

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from trainer_agent.compat import torch_private
+
 __all__ = [
     "buckets",
     "bucket_norms",
@@ -59,7 +61,7 @@ def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch
     ``torch.stack`` per (device, dtype) bucket."""
     parts = []
     for bucket in tensor_buckets:
-        norms = torch._foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
+        norms = torch_private.foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
         if bucket[0].device != device:  # parameters on several devices: asynchronous copies
             norms = [n.to(device, non_blocking=True) for n in norms]
         parts.append(torch.stack(norms))
@@ -94,7 +96,7 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
         if before_norms:
             before_sq = bucket_norms(before, device).to(torch.float64).square()
         for b, a in zip(before, after):
-            torch._foreach_sub_(b, a)  # W_before - W_after, in place in the snapshot
+            torch_private.foreach_sub_(b, a)  # W_before - W_after, in place in the snapshot
         delta = bucket_norms(before, device).to(torch.float64)
         param = bucket_norms(after, device).to(torch.float64)
         return delta * delta, param * param, before_sq, False
@@ -107,14 +109,14 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
         small = [i for i, a in enumerate(bucket_a) if a.numel() <= _UPDATE_CHUNK]
         if small:
             small_b, small_a = [bucket_b[i] for i in small], [bucket_a[i] for i in small]
-            diff = torch._foreach_sub(small_b, small_a)
+            diff = torch_private.foreach_sub(small_b, small_a)
             dtype = norm_dtype(bucket_a[0].dtype)
-            columns[0] += torch._foreach_norm(diff, 2, dtype=dtype)
-            columns[1] += torch._foreach_norm(small_a, 2, dtype=dtype)
+            columns[0] += torch_private.foreach_norm(diff, 2, dtype=dtype)
+            columns[1] += torch_private.foreach_norm(small_a, 2, dtype=dtype)
             if before_norms:
-                columns[2] += torch._foreach_norm(small_b, 2, dtype=dtype)
+                columns[2] += torch_private.foreach_norm(small_b, 2, dtype=dtype)
             if refresh:
-                torch._foreach_copy_(small_b, small_a)
+                torch_private.foreach_copy_(small_b, small_a)
             owner += [first + i for i in small]
         key = ("buffer", bucket_a[0].dtype)
         buf = cache.get(key)
@@ -153,7 +155,7 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
     ``None`` entry (a parameter without a gradient)."""
     present = [t for t in tensors if t is not None]
     if all(t.dtype != torch.float64 for t in present):
-        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else ())
+        norms = iter(torch_private.foreach_norm(present, 2, dtype=torch.float32) if present else ())
     else:
         norms = iter([torch.linalg.vector_norm(t, dtype=norm_dtype(t.dtype)) for t in present])
     zero = torch.zeros((), dtype=torch.float32, device=device) if len(present) < len(tensors) else None
@@ -215,8 +217,8 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
             bucket.append(t)
             size += t.numel() * t.element_size()
         if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
-            nan_where_bad = torch._foreach_mul(bucket, 0.0)
-            counts.extend(torch._foreach_norm(nan_where_bad, 0, dtype=torch.float32))
+            nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
+            counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=torch.float32))
             bucket, size = [], 0
     for t in others:  # parameters on another accelerator: an asynchronous device-to-device copy
         counts.append((~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True))
@@ -264,14 +266,14 @@ def sums_and_extremes(tensors: Sequence[torch.Tensor], device: torch.device
                 size += nbytes
             if chunk and (i is None or size >= _STATS_CHUNK_BYTES):
                 ts = [tensors[j] for j in chunk]
-                a = torch._foreach_abs(ts)
-                top = torch._foreach_max(a)
-                torch._foreach_neg_(a)
-                neg_low = torch._foreach_max(a)
-                torch._foreach_copy_(a, ts)
-                torch._foreach_clamp_min_(a, 0.0)  # relu(g): no doubling, so no overflow
-                pos = torch._foreach_norm(a, 1, dtype=torch.float64)
-                abs_sum = torch._foreach_norm(ts, 1, dtype=torch.float64)
+                a = torch_private.foreach_abs(ts)
+                top = torch_private.foreach_max(a)
+                torch_private.foreach_neg_(a)
+                neg_low = torch_private.foreach_max(a)
+                torch_private.foreach_copy_(a, ts)
+                torch_private.foreach_clamp_min_(a, 0.0)  # relu(g): no doubling, so no overflow
+                pos = torch_private.foreach_norm(a, 1, dtype=torch.float64)
+                abs_sum = torch_private.foreach_norm(ts, 1, dtype=torch.float64)
                 del a
                 ext = torch.stack([torch.stack(top), torch.stack(neg_low)]).to(device, torch.float64)
                 total = (2 * torch.stack(pos) - torch.stack(abs_sum)).to(device)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from trainer_agent import stats, triage
+from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
@@ -110,8 +111,7 @@ class GradHooks:
         for p in self.params:
             # A leaf's hook dict stays registered with autograd after its last hook is removed,
             # and autograd then calls into Python for every gradient: drop it when empty.
-            if p._backward_hooks is not None and not p._backward_hooks:
-                p._backward_hooks = None
+            torch_private.drop_empty_backward_hooks(p)
 
     def remove(self) -> None:
         self._remove(self._full)
@@ -237,7 +237,7 @@ class StepMeter:
         if not self._in_backward:
             self._in_backward = True
             self._hook_norms = []
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end_outer)
+            torch_private.queue_backward_callback(self._backward_end_outer)
 
     def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Forward hook on the model, for sharded parameters: FSDP2 hands the gradients to its
@@ -247,7 +247,7 @@ class StepMeter:
         ``_backward_end_outer``)."""
         if not torch.is_grad_enabled():
             return
-        for t in torch.utils._pytree.tree_leaves(output):
+        for t in torch_private.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._output_grad)
                 return
@@ -261,7 +261,7 @@ class StepMeter:
     def _norm_held(self) -> None:
         for held in self._held:
             if held:
-                self._hook_norms += torch._foreach_norm(held, 2, dtype=self._dtype(held[0].dtype))
+                self._hook_norms += torch_private.foreach_norm(held, 2, dtype=self._dtype(held[0].dtype))
         self._release_held()
 
     def _release_held(self) -> None:
@@ -273,7 +273,7 @@ class StepMeter:
         # Re-queue, so that this runs after callbacks queued later in the same backward pass,
         # in particular DDP's, which finishes the gradient all-reduce.
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            torch_private.queue_backward_callback(self._backward_end)
         except Exception as exc:
             self._in_backward = False
             self._on_error("backward_end", exc)
@@ -335,11 +335,12 @@ class StepMeter:
 
     def scale_tensor(self) -> torch.Tensor | None:
         scaler = self.scaler
-        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+        scale = torch_private.grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
+        if scale is None:
             return None
-        # GradScaler keeps its scale in the device tensor `_scale` (get_scale() would sync);
-        # update() changes it in place, so keep a copy of the value the gradients carry.
-        return scaler._scale.detach().to(self.index.device, torch.float64, copy=True).reshape(())
+        # GradScaler keeps its scale in a device tensor (get_scale() would sync); update() changes
+        # it in place, so keep a copy of the value the gradients carry.
+        return scale.detach().to(self.index.device, torch.float64, copy=True).reshape(())
 
     # ------------------------------------------------------------------ (2) optimizer step
 
@@ -374,7 +375,7 @@ class StepMeter:
         # it already holds W_before.
         if self._snapshot_versions != versions:
             for snap, bucket in zip(self._snapshot, self.index.buckets):
-                torch._foreach_copy_(snap, bucket)
+                torch_private.foreach_copy_(snap, bucket)
         self._snapshot_versions = None  # the post-step hook consumes it
         st.snapshot_taken = True
         # ||W_before|| is the last measured ||W_after|| under the same condition.

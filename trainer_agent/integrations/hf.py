@@ -43,8 +43,8 @@ a second close does nothing).
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 from typing import Any
 
 import torch
@@ -73,7 +73,7 @@ class TrainguardCallback(TrainerCallback):
         return self._session.agent
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self._find_trainer(sys._getframe(1))
+        trainer = self._find_trainer(inspect.currentframe())
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         agent = self._session.attach(kwargs["model"], kwargs["optimizer"], scaler=scaler,
                                      lr_scheduler=kwargs.get("lr_scheduler"))
