@@ -780,8 +780,19 @@ class Controller:
                                    expires_at=row["expires_at"])
 
     # == rules ====================================================================================
-    def validate_rules(self, text: str) -> RuleSet:
-        return load_rules(text, max_reports=self.settings.window_reports, max_rank_reports=self.settings.rank_window_reports)
+    def validate_rules(self, text: str, *, stored: bool = False) -> RuleSet:
+        """Rules that come in (``PUT /v1/rules``, the ``--rules`` file, a simulation's) must read
+        only what reports carry (``service/rule_names.py``). ``stored``: rules accepted before that
+        check load as they are, each such name logged."""
+        limits = dict(max_reports=self.settings.window_reports, max_rank_reports=self.settings.rank_window_reports)
+        try:
+            return load_rules(text, **limits, check_names=True)
+        except RulesError as e:
+            if not stored:
+                raise
+            rules = load_rules(text, **limits)  # RulesError: invalid anyway
+            log.warning("the stored rules read names no report carries, so these rules never fire: %s", "; ".join(e.reasons))
+            return rules
 
     async def put_rules(self, text: str, actor: str, *, remove_all: bool = False) -> dict[str, Any]:
         """Replace the rules. Parsing and validation run in a worker thread (a large file takes a

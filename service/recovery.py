@@ -21,7 +21,7 @@ __all__ = ["load_rules_state", "load_run", "stored_desired"]
 
 
 def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float],
-                     validate: Callable[[str], RuleSet]) -> tuple[RuleSet, dict[str, Any]] | None:
+                     validate: Callable[..., RuleSet]) -> tuple[RuleSet, dict[str, Any]] | None:
     """The active rules and their metadata: the ``--rules`` file (recorded as a new version when
     it changed), else the rules last stored with ``PUT /v1/rules``; ``None``: the defaults."""
     rules_row = store.read_now(sql.latest_rules)
@@ -36,7 +36,7 @@ def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float
         return rules, {"version": vid, "source": f"file:{path}", "actor": "startup", "created_at": clock()}
     if rules_row is not None:
         meta = {k: rules_row[k] for k in ("source", "actor", "created_at")} | {"version": rules_row["id"]}
-        return validate(rules_row["text"]), meta
+        return validate(rules_row["text"], stored=True), meta
     return None
 
 

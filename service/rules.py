@@ -42,7 +42,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, field_validator, model_validator
 
 from trainguard.service.diagnosis import DIAGNOSES
-from trainguard.service.window import VECTORS, RuleWindow
+from pydantic import AfterValidator
+
+from trainguard.service.rule_names import CHECK_NAMES, known_metric, known_vector
+from trainguard.service.window import RuleWindow
 from trainguard.protocol.commands import (  # the commands' rule actions, re-exported here
     REGISTRY, RULE_ACTIONS, CheckpointAction, GradClipAction, LrScaleAction, MemoryTraceAction, MomentumAction,
     PauseAction, ResetOptimizerAction, RollbackAction, StopAction, VerifyAction, WeightDecayScaleAction,
@@ -68,11 +71,11 @@ MAX_JOBS = 1000  # jobs with overrides
 MAX_OVERRIDES = 10_000  # overrides over all jobs
 MAX_NODES = 200_000  # YAML nodes (mappings, lists, scalars, keys included) with every alias expanded
 
-MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
+#: A report value a rule reads; with ``check_names`` one no report carries is refused (``service/rule_names.py``).
+MetricName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"), AfterValidator(known_metric)]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-Vector = Literal["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "forward_s",
-                 "input_wait_s", "data_overlap", "grad_desync", "param_desync", "verify_mismatch", "gpu_xid"]
-assert set(Vector.__args__) == set(VECTORS)  # type: ignore[attr-defined]
+#: A per-rank vector a rule reads (``trainguard.protocol.rank_values.RULE_VECTORS``; any other is refused).
+Vector = Annotated[str, AfterValidator(known_vector)]
 
 
 class RulesError(ValueError):
@@ -135,8 +138,9 @@ Rung = Literal[("skip", "adaptive_lr", "rollback", "pause", "data_skip", "checkp
 
 class CauseLadders(_Model):
     """The rungs taken for each cause of an incident (``service/cause.py``). ``optimizer``, when
-    given, is the ladder of an optimizer fault (else the ``ladder`` of the ``recovery`` section);
-    it may name the optimizer remedies (:data:`REMEDY_RUNGS`), which data and hardware refuse."""
+    given, is the ladder of an optimizer fault in place of the ``ladder`` of the ``recovery``
+    section; it may name the optimizer remedies (:data:`REMEDY_RUNGS`), which data and hardware
+    refuse."""
 
     data: tuple[Rung, ...] = ("skip", "data_skip", "rollback")
     hardware: tuple[Rung, ...] = ("checkpoint", "pause")
@@ -190,15 +194,10 @@ class RecoveryPolicy(_Model):
             raise ValueError("ladder rungs must be distinct")
         return ladder
 
-    @model_validator(mode="after")
-    def _one_optimizer_ladder(self) -> "RecoveryPolicy":
-        if self.ladders.optimizer is not None and "ladder" in self.model_fields_set and self.ladders.optimizer != self.ladder:
-            raise ValueError("the optimizer's ladder is given twice (ladder and ladders.optimizer): give one")
-        return self
-
     @property
     def optimizer_ladder(self) -> tuple[str, ...]:
-        """The rungs of an optimizer fault: ``ladders.optimizer`` when given, else ``ladder``."""
+        """The rungs of an optimizer fault: ``ladders.optimizer`` when given (it replaces
+        ``ladder``), else ``ladder``."""
         return self.ladders.optimizer if self.ladders.optimizer is not None else self.ladder
 
 
@@ -435,7 +434,8 @@ class RuleSet:
         return reports, ranks
 
 
-def _resolve_job(base: tuple[Any, ...], job: str, patches: tuple[dict[str, Any], ...], reasons: list[str]) -> tuple[Any, ...]:
+def _resolve_job(base: tuple[Any, ...], job: str, patches: tuple[dict[str, Any], ...], reasons: list[str],
+                 context: dict[str, Any]) -> tuple[Any, ...]:
     rules = {r.name: r for r in base}
     for i, patch in enumerate(patches):
         name = patch.get("name")
@@ -444,7 +444,7 @@ def _resolve_job(base: tuple[Any, ...], job: str, patches: tuple[dict[str, Any],
             continue
         merged = {**rules[name].model_dump(), **patch} if name in rules else dict(patch)
         try:
-            rules[name] = _RULE.validate_python(merged)
+            rules[name] = _RULE.validate_python(merged, context=context)
         except ValidationError as e:
             reasons.extend(f"jobs.{job}[{i}] ({name}): {_fmt(err)}" for err in e.errors())
     return tuple(r for r in rules.values() if r.enabled)
@@ -508,11 +508,14 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_reports: int | None = None) -> RuleSet:
+def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_reports: int | None = None,
+               check_names: bool = False) -> RuleSet:
     """Parse and validate a rules file (YAML or JSON). ``RulesError`` lists every problem; the
     capacity limits, when given, are those of the controller's windows. The file must stay within
     :data:`MAX_NODES`, :data:`MAX_RULES`, :data:`MAX_ACTIONS`, :data:`MAX_JOBS` and
-    :data:`MAX_OVERRIDES`."""
+    :data:`MAX_OVERRIDES`. ``check_names``: refuse a metric no report carries, naming the closest
+    known ones (``service/rule_names.py``; per-rank vectors are always checked)."""
+    context = {CHECK_NAMES: check_names}
     try:
         data = _parse(text) if text else {}
     except yaml.YAMLError as e:
@@ -527,14 +530,14 @@ def load_rules(text: str | bytes, *, max_reports: int | None = None, max_rank_re
         raise RulesError(["the rules file must be a mapping with a 'rules' list"])
     _check_counts(data)
     try:
-        file = RulesFile.model_validate(data)
+        file = RulesFile.model_validate(data, context=context)
     except RecursionError:
         raise RulesError(["the rules file is nested too deeply to be a rules file"]) from None
     except ValidationError as e:
         raise RulesError([_fmt(err) for err in e.errors()]) from None
     reasons: list[str] = []
     base = tuple(r for r in file.rules if r.enabled)
-    by_job = {job: _resolve_job(file.rules, job, patches, reasons) for job, patches in file.jobs.items()}
+    by_job = {job: _resolve_job(file.rules, job, patches, reasons, context) for job, patches in file.jobs.items()}
     def absence(rules: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(r for r in rules if isinstance(r, AbsenceRule))
 

@@ -87,15 +87,19 @@ def recent_reports(conn: sqlite3.Connection, run_id: int, limit: int) -> list[sq
 
 
 def decode_ranks(row: sqlite3.Row, world_size: int, vector_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """A stored report's per-rank vectors. Bit ``i`` of the mask is ``vector_names[i]`` under every
+    layout version (the layout is append-only: ``trainguard.protocol.rank_values``), so a row of an
+    older layout decodes as written; bits beyond ``vector_names`` (a newer controller's row) are
+    vectors unknown here and skipped."""
     mask, blob = row["ranks_mask"], row["ranks"]
     if not mask or blob is None:
         return {}
-    present = [name for i, name in enumerate(vector_names) if mask >> i & 1]
+    bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
     arr = np.frombuffer(blob, dtype=np.float64)
-    if arr.size != len(present) * world_size:
+    if arr.size != len(bits) * world_size:
         return {}  # recorded under another world size
-    arr = arr.reshape(len(present), world_size)
-    return {name: arr[i].copy() for i, name in enumerate(present)}
+    arr = arr.reshape(len(bits), world_size)
+    return {vector_names[i]: arr[k].copy() for k, i in enumerate(bits) if i < len(vector_names)}
 
 
 def recent_incidents(conn: sqlite3.Connection, run_id: int, limit: int) -> list[dict[str, Any]]:

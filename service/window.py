@@ -16,12 +16,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from trainguard.protocol.rank_values import STORED_LAYOUT
 from trainguard.protocol.wire import RankValues, Report
 
 __all__ = ["VECTORS", "RuleWindow", "RunWindow"]
 
-#: Per-rank vectors of a report, in storage order (bit i of a mask = VECTORS[i] present).
-VECTORS: tuple[str, ...] = tuple(RankValues.model_fields)
+#: Per-rank vectors of a report, in storage order (bit i of a mask = VECTORS[i] present; append-only,
+#: see ``trainguard.protocol.rank_values``).
+VECTORS: tuple[str, ...] = STORED_LAYOUT
 _VECTOR_INDEX = {name: i for i, name in enumerate(VECTORS)}
 _EMPTY = np.empty(0)
 _EMPTY.flags.writeable = False

@@ -10,9 +10,9 @@ The state and sketch parts are present only when a control plane agrees on a con
 across several ranks (every rank is configured alike, so every row has the same width); a single
 rank applies its own proposal.
 
-Adding a per-rank value to the report: append its name to ``RANK_FIELDS``, put its value in the
-row where ``trainer_agent/report.py`` builds it, and, if the controller reads it, add the vector to
-``trainguard.protocol.wire.RankValues`` and to ``WIRE_VECTORS`` below.
+The per-rank values are declared once, in ``trainguard.protocol.rank_values.RANK_VALUES``:
+``RANK_FIELDS`` (the row's columns) and ``WIRE_VECTORS`` (the report's vectors) derive from it, and
+``trainer_agent/report.py`` fills the row from the same declarations.
 
 The row lives where the default process group's backend wants it: on the CUDA device for NCCL (no
 sync to build or gather it), on the CPU for gloo (for CUDA parameters under gloo, moving the row to
@@ -28,45 +28,20 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol.commands import LR_RULES, STATE_LEN, decode_state, encode_state
+from trainguard.protocol.rank_values import BY_WIRE, ROW_VALUES
 from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
 
 __all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]  # the codec: trainguard.protocol.commands
 
-#: Per-rank values gathered at each report step; on every rank ``Agent.rank_values[field][r]`` is
-#: rank ``r``'s value of that report.
-RANK_FIELDS: tuple[str, ...] = (
-    "loss",
-    "grad_norm",
-    "micro_sq_sum",
-    "micro_count",
-    "nonfinite_steps_total",
-    "step_duration_seconds",
-    "tokens_per_second",
-    "param_norm",
-    "forward_seconds",
-    "input_wait_seconds",
-    "verify_mismatch",
-    "gpu_xid",
-)
+#: Per-rank values gathered at each report step (the ``row`` values of ``RANK_VALUES``, in order);
+#: on every rank ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
+RANK_FIELDS: tuple[str, ...] = tuple(s.field for s in ROW_VALUES)
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
 #: The fingerprints and their comparison (``grad_desync``, ``param_desync``) come from
 #: ``trainer_agent/fingerprint.py`` under data parallelism and for replicated shards (NaN with one
-#: rank, and under plain FSDP).
-WIRE_VECTORS: dict[str, str] = {
-    "step_time_s": "step_duration_seconds",
-    "loss": "loss",
-    "grad_norm": "grad_norm",
-    "grad_fingerprint": "grad_fingerprint",
-    "param_fingerprint": "param_fingerprint",
-    "forward_s": "forward_seconds",
-    "input_wait_s": "input_wait_seconds",
-    "data_overlap": "data_overlap",  # computed by the leader from the sketches, not a RANK_FIELDS column
-    "grad_desync": "grad_desync",
-    "param_desync": "param_desync",
-    "verify_mismatch": "verify_mismatch",  # trainer_agent/verify.py: NaN without a check in the interval
-    "gpu_xid": "gpu_xid",  # trainer_agent/gpu_health.py: 0 without an XID error in the interval, NaN without NVML
-}
+#: rank, and under plain FSDP); the leader computes ``data_overlap`` from the ranks' sketches.
+WIRE_VECTORS: dict[str, str] = {wire: s.field for wire, s in BY_WIRE.items()}
 
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 

@@ -30,6 +30,7 @@ from trainer_agent.exporter import sample_key
 from trainer_agent.fingerprint import DesyncFinding, Fingerprinter, desync, findings
 from trainer_agent.triage import LAYER_STATS, UpdateModel
 from trainer_agent.params import ParamIndex
+from trainer_agent.rank_row import RowInputs, rank_row
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.sharding import local
 from trainer_agent.step_stats import StepMeter, StepState, unscale
@@ -371,27 +372,8 @@ class ReportPipeline:
 
     def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
                      host: dict[str, float], gpu_xid: float = math.nan) -> tuple[torch.Tensor, int]:
-        """This rank's ``RANK_FIELDS`` row (float64 device vector, in that order)."""
-        loss = dev["trainguard_loss"]
-        micro_count = len(st.micro_norms)
-        micro_sum = (torch.linalg.vector_norm(torch.stack(st.micro_norms)).square() if st.micro_norms
-                     else self.zero)
-        full = _filler(loss)
-        by_field = {
-            "loss": loss,
-            "grad_norm": dev.get("trainguard_grad_norm", full(math.nan)),
-            "micro_sq_sum": unscale(micro_sum, st.scale, power=2),
-            "micro_count": full(micro_count),
-            "nonfinite_steps_total": dev["trainguard_nonfinite_steps_total"],
-            "step_duration_seconds": full(host["trainguard_step_duration_seconds"]),
-            "tokens_per_second": full(host.get("trainguard_tokens_per_second", math.nan)),
-            "param_norm": dev["trainguard_param_norm"],
-            "forward_seconds": full(host["trainguard_forward_seconds"]),
-            "input_wait_seconds": full(host.get("trainguard_input_wait_seconds", math.nan)),
-            "verify_mismatch": full(host.get("trainguard_verify_rel_diff", math.nan)),
-            "gpu_xid": full(gpu_xid),
-        }
-        return torch.stack([by_field[f] for f in RANK_FIELDS]), micro_count
+        """This rank's ``RANK_FIELDS`` row (float64 device vector, in that order; ``rank_row``)."""
+        return rank_row(dev, host, RowInputs(st, gpu_xid, _filler(dev["trainguard_loss"]), self.zero)), len(st.micro_norms)
 
     def _fingerprints(self, st: StepState) -> torch.Tensor | None:
         """This rank's fingerprint part of the row: the gradients the optimizer used (measured in

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainguard.protocol.rank_values import RANK_VALUES
 from trainguard.protocol.wire import DesiredState, RankValues
 from trainer_agent.ranks import RANK_FIELDS, STATE_LEN, WIRE_VECTORS, RankExchange, decode_state, encode_state
 from trainer_agent.sketch import SKETCH_K, BottomK
@@ -24,12 +25,13 @@ def test_row_with_state_carries_the_leader_state_and_fields() -> None:
     ex = RankExchange(1, with_state=True)
     d = DesiredState(generation=2, lr_scale=0.25, checkpoint_seq=1, stop=True)
     fields = torch.arange(len(RANK_FIELDS), dtype=torch.float64) * 1.5
-    fields[1] = math.nan  # NaN survives the packing
+    loss_at, grad_norm_at = RANK_FIELDS.index("loss"), RANK_FIELDS.index("grad_norm")
+    fields[grad_norm_at] = math.nan  # NaN survives the packing
     gathered = ex.gather(ex.pack(fields, encode_state(d)))
     assert gathered.shape == (1, STATE_LEN + len(RANK_FIELDS) + SKETCH_K)  # an empty sketch part
     assert decode_state(ex.state(gathered)) == d
     rows = RankExchange.unpack_rows(ex.fields(gathered).reshape(-1).tolist(), 1)
-    assert rows["loss"] == [0.0] and math.isnan(rows["grad_norm"][0])
+    assert rows["loss"] == [1.5 * loss_at] and math.isnan(rows["grad_norm"][0])
     assert rows[RANK_FIELDS[-1]] == [1.5 * (len(RANK_FIELDS) - 1)]
 
 
@@ -65,6 +67,9 @@ def test_every_wire_vector_maps_to_a_rank_field() -> None:
     fingerprint_vectors, _ = findings([0.0] * 8, 1, ["x"], 1e-5)
     # the leader computes data_overlap; the fingerprint comparison gives the desync vectors
     assert set(WIRE_VECTORS.values()) - {"data_overlap"} <= set(RANK_FIELDS) | set(fingerprint_vectors)
+    # every fingerprint vector the leader computes is declared, with that source
+    assert set(fingerprint_vectors) == {s.field for s in RANK_VALUES if s.source == "fingerprint"}
+    assert [s.field for s in RANK_VALUES if s.source == "sketch"] == ["data_overlap"]
 
 
 def test_extra_part_travels_between_the_fields_and_the_sketch() -> None:

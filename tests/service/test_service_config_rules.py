@@ -18,14 +18,14 @@ from trainguard.service.rules import default_rules_text
 pytestmark = pytest.mark.integration
 
 ENV = {"TRAINGUARD_OPERATOR_TOKENS": "", "TRAINGUARD_AGENT_TOKENS": ""}  # no tokens: loopback, open
-FILE_RULES = "rules:\n  - {name: from_file, kind: threshold, metric: m, op: '>', value: 10, actions: [notify]}\n"
-API_RULES = "rules:\n  - {name: from_api, kind: threshold, metric: m, op: '>', value: 100, actions: [notify]}\n"
+FILE_RULES = "rules:\n  - {name: from_file, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>', value: 10, actions: [notify]}\n"
+API_RULES = "rules:\n  - {name: from_api, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>', value: 100, actions: [notify]}\n"
 
 
 def _fired(url: str, run: str, value: float) -> list[str]:
-    """Register ``run`` and post one report with ``m = value``; the rules that fired."""
+    """Register ``run`` and post one report with ``trainguard_gpu_temperature_celsius = value``; the rules that fired."""
     assert httpx.post(f"{url}/v1/runs", json={"job": "job-r", "run": run, "world_size": 1}, timeout=10).status_code == 200
-    report = {"job": "job-r", "step_first": 1, "step_last": 1, "time": 1.0, "values": {"m": value}}
+    report = {"job": "job-r", "step_first": 1, "step_last": 1, "time": 1.0, "values": {"trainguard_gpu_temperature_celsius": value}}
     answer = httpx.post(f"{url}/v1/runs/{run}/reports", json=report, timeout=10)
     assert answer.status_code == 200, answer.text
     return answer.json()["alerts"]
@@ -57,7 +57,7 @@ def test_rules_file_at_start_up_wins_over_rules_stored_through_the_api(tmp_path:
     assert _fired(srv.url, "run-5", 11.0) == ["from_file"]
     srv.stop()
 
-    rules_file.write_text("rules:\n  - {name: broken, kind: threshold, metric: m, op: '>>', value: 1}\n")
+    rules_file.write_text("rules:\n  - {name: broken, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>>', value: 1}\n")
     bad = subprocess.run([sys.executable, "-m", "trainguard.cli", "serve", "--port", "0", "--db", str(db),
                           "--rules", str(rules_file)], capture_output=True, text=True, timeout=60, env=srv.env)
     assert bad.returncode != 0 and "invalid rules: rules.0" in bad.stderr and "op" in bad.stderr and "Traceback" not in bad.stderr
@@ -76,7 +76,7 @@ def test_rules_check_validates_a_file_offline(tmp_path: Path) -> None:
     assert ok.returncode == 0 and ok.stdout.strip() == f"{defaults}: {n} rules, overrides for 0 job(s): OK", ok.stderr
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("rules:\n  - {name: x, kind: threshold, metric: m, op: '>', value: NaN-ish}\n")
+    bad.write_text("rules:\n  - {name: x, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>', value: NaN-ish}\n")
     out = _check(bad)
     assert out.returncode == 1 and out.stdout == "" and str(bad) in out.stderr and "Traceback" not in out.stderr
     missing = _check(tmp_path / "nope.yaml")

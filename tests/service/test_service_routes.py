@@ -235,11 +235,11 @@ def test_rules_get_put_test(app_factory):
         bad = c.put("/v1/rules", content="rules: [{name: a, kind: threshold, metric: m, op: '>'}]")
         assert bad.status_code == 422 and any("value" in r for r in bad.json()["reasons"])
         assert c.get("/v1/rules").json()["source"] == "default"  # old rules stay
-        text = "rules:\n  - {name: big, kind: threshold, metric: m, op: '>', value: 10, actions: [pause]}\n"
+        text = "rules:\n  - {name: big, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>', value: 10, actions: [pause]}\n"
         ok = c.put("/v1/rules", content=text, headers={"content-type": "application/yaml"})
         assert ok.status_code == 200 and ok.json()["source"] == "api" and ok.json()["text"] == text
         register(c)
-        assert c.post("/v1/runs/run-1/reports", json=report_body(values={"m": 11.0})).json()["alerts"] == ["big"]
+        assert c.post("/v1/runs/run-1/reports", json=report_body(values={"trainguard_gpu_temperature_celsius": 11.0})).json()["alerts"] == ["big"]
         # /rules/test: no side effects.
         reps = [report_body(i, {"trainguard_grad_norm_max": v}) | {"time": float(i)} for i, v in enumerate([1.0, 5000.0])]
         res = c.post("/v1/rules/test", json={"rules": None, "reports": reps, "world_size": 4}).json()

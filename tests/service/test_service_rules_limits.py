@@ -26,7 +26,7 @@ AS_OP = {"Authorization": f"Bearer {OP}"}
 
 
 def _rule(name: str, actions: str = "[notify]") -> str:
-    return f"{{name: {name}, kind: threshold, metric: m, op: '>', value: 1, actions: {actions}}}"
+    return f"{{name: {name}, kind: threshold, metric: trainguard_loss, op: '>', value: 1, actions: {actions}}}"
 
 
 def alias_bomb(jobs: int = 1000, overrides: int = 100, actions: int = MAX_ACTIONS) -> str:
@@ -64,7 +64,7 @@ def test_an_alias_bomb_is_refused_before_it_is_expanded() -> None:
 
 def test_an_alias_to_its_own_ancestor_is_refused() -> None:
     with pytest.raises(RulesError, match="YAML nodes once its aliases are expanded"):
-        load_rules("rules: &R [{name: a, kind: threshold, metric: m, op: '>', value: 1, actions: *R}]")
+        load_rules("rules: &R [{name: a, kind: threshold, metric: trainguard_loss, op: '>', value: 1, actions: *R}]")
 
 
 def test_a_read_only_token_cannot_send_an_alias_bomb_to_the_rules_test(app_factory) -> None:

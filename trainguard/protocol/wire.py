@@ -21,6 +21,7 @@ from trainguard.protocol.commands import (
     EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, MAX_ACCUMULATION_STEPS, AccumulationRequest, CommandRequest,
     REGISTRY, DesiredState, LrRule, LrScaleRequest,
 )
+from trainguard.protocol.rank_values import RankValues  # declared per value in rank_values.RANK_VALUES
 
 __all__ = [
     "API_PREFIX",
@@ -137,43 +138,6 @@ class RunRegistered(WireModel):
     job: str
     run: str
     desired: DesiredState
-
-
-class RankValues(WireModel):
-    """Per-rank vectors of a report, index = global rank. Every list has ``world_size`` entries."""
-
-    step_time_s: list[Value] = Field(default_factory=list)
-    loss: list[Value] = Field(default_factory=list)
-    grad_norm: list[Value] = Field(default_factory=list)
-    grad_fingerprint: list[Value] = Field(
-        default_factory=list,
-        description="Each rank's element-wise fingerprint of the gradients its optimizer applied (a fixed "
-                    "random +-1 projection of every element): replicas in sync agree on it bit for bit.")
-    param_fingerprint: list[Value] = Field(
-        default_factory=list,
-        description="Each rank's element-wise fingerprint of its parameters: replicas in sync agree on it "
-                    "bit for bit.")
-    grad_desync: list[Value] = Field(
-        default_factory=list,
-        description="Per rank, the largest relative difference of any layer's gradient fingerprint from the "
-                    "other ranks' (difference over the layer's gradient norm; 0 in sync, inf when only "
-                    "some ranks are non-finite).")
-    param_desync: list[Value] = Field(
-        default_factory=list,
-        description="Per rank, the largest relative difference of any layer's parameter fingerprint from "
-                    "the other ranks' (difference over the layer's parameter norm).")
-    forward_s: list[Value] = Field(
-        default_factory=list,
-        description="Wall time each rank spent inside the model's forward during the reported step, in seconds.")
-    input_wait_s: list[Value] = Field(default_factory=list, description="Mean time per step each rank waited for its batch over the report interval (seconds).")
-    data_overlap: list[Value] = Field(default_factory=list, description="Largest estimated Jaccard similarity between the sequences each rank saw in the report interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.")
-    verify_mismatch: list[Value] = Field(
-        default_factory=list,
-        description="Per rank, the largest relative difference, over the layers, between the gradient a step produced "
-                    "and the same step's gradient recomputed on the same batch (NaN: no check in the interval).")
-    gpu_xid: list[Value] = Field(
-        default_factory=list,
-        description="Per rank, the last critical XID error code its GPU's driver reported in the interval (0: none; NaN: not watched, e.g. no GPU).")
 
 
 class DesyncLayer(WireModel):
