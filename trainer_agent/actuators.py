@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_agent import optim
+from trainer_agent.compat import torch_private
 from trainer_agent.spike_guard import SpikeGuard
 
 __all__ = ["LrScale", "NonfiniteSkip", "SKIP_REASONS"]
@@ -153,7 +154,7 @@ class NonfiniteSkip:
             norm = self.grad_norm()
             if norm is None:
                 grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch._foreach_norm(grads)]).sum()
+                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch_private.foreach_norm(grads)]).sum()
                         if grads else None)
             if norm is not None:
                 value = float(norm)  # SYNC: one device read per optimizer step

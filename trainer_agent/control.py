@@ -78,7 +78,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
@@ -91,6 +90,7 @@ from trainguard.protocol.wire import (
 )
 from trainer_agent.actuators import LrScale, NonfiniteSkip
 from trainer_agent.client import ControllerClient
+from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
 from trainer_agent.exporter import sample_key
 from trainer_agent.ranks import LR_RULES, STATE_LEN, WIRE_VECTORS, decode_state, encode_state
@@ -156,15 +156,6 @@ def batch_lr_factor(steps: int, own: int, rule: str) -> float:
     root, ``none`` not at all."""
     ratio = steps / own
     return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
-
-
-def _group_timeout() -> timedelta:
-    """The default process group's timeout, so the side group fails no sooner and no later."""
-    try:
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        return backend.options._timeout
-    except Exception:  # noqa: BLE001 - a backend without options: torch's default
-        return dist.default_pg_timeout
 
 
 class ControlPlane:
@@ -499,10 +490,10 @@ class ControlPlane:
         """The side gloo group (broadcasts, the skip flag) and the store (pause), unless injected."""
         self._group, self._store, self._own_group = group, store, False
         if self.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=_group_timeout())
+            self._group = dist.new_group(backend="gloo", timeout=torch_private.default_group_timeout())
             self._own_group = True
         if self.world_size > 1 and self._store is None and self.controlled:
-            base = dist.distributed_c10d._get_default_store()
+            base = dist.group.WORLD.get_group_store()  # the store init_process_group made
             self._store = dist.PrefixStore(f"trainguard/{self._ctx.run}/{self._instance}/", base)
 
     def _start_client(self, endpoints: list[RankEndpoint], transport: Any, long_poll_s: float) -> ControllerClient:
