@@ -17,12 +17,11 @@ context. Rules stored before this check are loaded as they are.
 
 from __future__ import annotations
 
-import difflib
-
 from pydantic import ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.names import closest
 from trainguard.protocol.rank_values import RULE_VECTORS
 
 __all__ = ["RULE_METRICS", "RULE_VECTORS", "CHECK_NAMES", "metric_problem", "vector_problem", "known_metric",
@@ -36,15 +35,9 @@ _METRICS = frozenset(RULE_METRICS)
 CHECK_NAMES = "check_names"
 
 
-_PREFIX = "trainguard_"
-
-
 def _closest(name: str, known: tuple[str, ...]) -> str:
-    """The up to 3 known names most like ``name``, compared without the common ``trainguard_``
-    (which would make every metric look alike)."""
-    by_short = {k.removeprefix(_PREFIX): k for k in known}
-    close = difflib.get_close_matches(name.removeprefix(_PREFIX), list(by_short), n=3, cutoff=0.7)
-    return f"; the closest known: {', '.join(by_short[c] for c in close)}" if close else ""
+    close = closest(name, known)
+    return f"; the closest known: {', '.join(close)}" if close else ""
 
 
 def metric_problem(name: str) -> str | None:

@@ -108,7 +108,7 @@ from trainguard.protocol.wire import Name
 from trainer_agent import flops, optim
 from trainer_agent.config import AgentConfig
 from trainer_agent.data_relay import DataRelay
-from trainer_agent.exporter import AgentCollector, MetricsServer
+from trainer_agent.exporter import AgentCollector, MetricsServer, UnknownValues
 from trainer_agent.batch_size import BatchSizeAdvisor
 from trainer_agent.fingerprint import DesyncFinding, for_ranks
 from trainer_agent.forward_timer import ForwardTimer
@@ -177,6 +177,7 @@ class Agent:
         self._lock = threading.Lock()
         self._errors = 0
         self._logged_kinds: set[str] = set()
+        self._unknown_values = UnknownValues(self._error)  # a value the catalogue lacks: one error each
         self._closed = False
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -633,7 +634,7 @@ class Agent:
             except Exception as exc:
                 self._error("gpu_health", exc)
                 errors += 1
-        values["trainguard_agent_errors_total"] = float(errors)
+        values["trainguard_agent_errors_total"] = float(errors + self._unknown_values.check(values))
         return values
 
     # ------------------------------------------------------------------ public API

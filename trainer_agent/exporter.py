@@ -21,9 +21,10 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from trainguard.protocol.catalog import BASE_LABELS, spec
+from trainguard.protocol.catalog import BASE_LABELS, BY_NAME, spec
+from trainguard.protocol.names import closest
 
-__all__ = ["sample_key", "parse_key", "AgentCollector", "MetricsServer"]
+__all__ = ["sample_key", "parse_key", "catalogue_problem", "UnknownValues", "AgentCollector", "MetricsServer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,66 @@ def parse_key(key: str) -> tuple[str, dict[str, str]]:
     return m.group("name"), labels
 
 
+def catalogue_problem(key: str) -> tuple[str, str] | None:
+    """(name, why) when the catalogue does not know the sample ``key``: a malformed key, a metric it
+    does not list, or labels other than its spec's; None when it does."""
+    try:
+        name, labels = parse_key(key)
+    except ValueError as exc:
+        return key, str(exc)
+    s = BY_NAME.get(name)
+    if s is None:
+        close = closest(name, BY_NAME)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        return name, (f"the agent reports {name!r}, which the metric catalogue (trainguard.protocol.catalog) does "
+                      f"not list{hint}: it is neither exported nor sent to the controller")
+    if set(labels) != set(s.labels):
+        want = ", ".join(s.labels) or "none"
+        return f"{name}{{{','.join(sorted(labels))}}}", (
+            f"the agent reports {key!r}, but {name} takes the labels {want}: it is neither exported nor sent")
+    return None
+
+
+class UnknownValues:
+    """Counts each value the agent reports that the catalogue does not know as one agent error,
+    with its name (``on_error(kind, exc)``, logged once), however often it is reported again; never
+    raises. Thread-safe: the training loop and the ``/metrics`` thread both read the values.
+
+    Keys already checked are remembered (a few per metric and label value); past
+    :attr:`MAX_REMEMBERED` of them the check stops, once logged."""
+
+    MAX_REMEMBERED = 65_536
+
+    def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
+        self._on_error = on_error
+        self._seen: set[str] = set()
+        self._reported: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, values: Mapping[str, float]) -> int:
+        """Report the unknown values of ``values`` not reported before; returns how many."""
+        if len(self._seen) >= self.MAX_REMEMBERED:
+            return 0
+        fresh = values.keys() - self._seen
+        if not fresh:
+            return 0
+        problems = []
+        with self._lock:
+            for key in sorted(fresh - self._seen):
+                self._seen.add(key)
+                found = catalogue_problem(key)
+                if found is not None and found[0] not in self._reported:
+                    self._reported.add(found[0])
+                    problems.append(found)
+            full = len(self._seen) >= self.MAX_REMEMBERED
+        for name, why in problems:
+            self._on_error(f"reporting {name} (not in the catalogue)", ValueError(why))
+        if full:
+            log.warning("trainguard agent: %d distinct value names seen; values with new names are no longer "
+                        "checked against the catalogue", self.MAX_REMEMBERED)
+        return len(problems)
+
+
 class AgentCollector(Collector):
     """Yields the catalogue metrics of one rank from ``source()``, a host-side mapping of sample
     keys to values (the agent's last published report). Keys whose metric is not in the catalogue
@@ -72,10 +133,10 @@ class AgentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for key, value in self._source().items():
-            name, labels = parse_key(key)
             try:
+                name, labels = parse_key(key)
                 s = spec(name)
-            except ValueError:
+            except ValueError:  # counted by the agent (UnknownValues)
                 continue
             if set(labels) != set(s.labels):
                 continue
