@@ -24,11 +24,12 @@ from typing import Any
 
 from trainguard.protocol.catalog import AGENT_METRICS, CONTROL_METRICS, DATA_METRICS, INPUT_METRICS, STEP_METRICS
 from trainguard.protocol.catalog import MetricSpec
+from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
-from trainguard.service.rules import RecoveryPolicy, default_rules_text, load_rules
+from trainguard.service.rules import AdaptiveLrAction, NotifyAction, RecoveryPolicy, default_rules_text, load_rules
 
-__all__ = ["BLOCKS", "rules_table", "recovery_table", "rule_sections", "metrics_table", "render", "main"]
+__all__ = ["BLOCKS", "actions_table", "rules_table", "recovery_table", "rule_sections", "metrics_table", "render", "main"]
 
 _BEGIN = "<!-- generated: {name} (python -m trainguard.dashboards.docs_tables) -->"
 _END = "<!-- end generated: {name} -->"
@@ -124,6 +125,31 @@ _ACTION_WORDS: dict[str, str] = {
 }
 
 
+def _first_sentence(text: str | None) -> str:
+    text = " ".join((text or "").split()).replace("``", "`").removeprefix("Rule action: ")
+    return (text[:1].upper() + text[1:]).split(". ")[0].rstrip(".") if text else ""
+
+
+def actions_table() -> str:
+    """Every action a rule may take: ``notify``, ``adaptive_lr`` and each command of the registry
+    with a rule action, with its fields and their defaults."""
+    rows = ["| action | what it does | fields (default) |", "|---|---|---|"]
+    own = [(NotifyAction, _first_sentence(NotifyAction.__doc__)), (AdaptiveLrAction, _first_sentence(AdaptiveLrAction.__doc__))]
+    commands = [(spec.rule_action, (_first_sentence(spec.rule_action.__doc__) or spec.summary) +
+                 (" (an optimizer remedy: a rung `ladders.optimizer` may name)" if spec.remedy else ""))
+                for spec in REGISTRY if spec.rule_action]
+    for model, what in own + commands:
+        fields = []
+        for name, f in model.model_fields.items():
+            if name == "type":
+                continue
+            default = f.get_default(call_default_factory=True)
+            shown = "none" if default is None else "[]" if default == () else _num(default) if isinstance(default, float) else str(default).lower()
+            fields.append(f"`{name}` ({shown})")
+        rows.append(f"| `{model.model_fields['type'].default}` | {what.replace('|', '/')} | {', '.join(fields) or '—'} |")
+    return "\n".join(rows)
+
+
 def rules_table() -> str:
     """The built-in rules, one row each, in the rules file's order."""
     rows = ["| rule | severity | watches | fires when | actions |", "|---|---|---|---|---|"]
@@ -142,7 +168,7 @@ def recovery_table() -> str:
         if isinstance(value, tuple):
             shown = "[" + ", ".join(str(v) for v in value) + "]"
         elif hasattr(value, "model_dump"):
-            shown = "; ".join(f"{k}: [{', '.join(v)}]" for k, v in value.model_dump().items())
+            shown = "; ".join(f"{k}: [{', '.join(v)}]" for k, v in value.model_dump().items() if v is not None)
         else:
             shown = _num(value) if isinstance(value, float) else str(value)
         meaning = field.description or {"enabled": "Recovery without a human on or off.",
@@ -203,7 +229,7 @@ def metrics_table() -> str:
 
 #: Page -> the generated parts in it.
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
-    "rules.md": {"rules": rules_table, "recovery": recovery_table},
+    "rules.md": {"rules": rules_table, "actions": actions_table, "recovery": recovery_table},
     "operating.md": {"rule-sections": rule_sections},
     "metrics.md": {"metrics": metrics_table},
 }

@@ -182,7 +182,7 @@ class RecoveryPolicy(_Model):
     degrade_ratio: float = Field(default=1.5, gt=1.0, allow_inf_nan=False, description="The metric above this x its baseline is unhealthy.")
     ramp_steps: int = Field(default=400, ge=1, description="Steps over which lr_scale climbs back to 1.0 once the run is stable.")
     stable_reports: int = Field(default=3, ge=1, le=1000, description="Healthy reports in a row before the ramp starts.")
-    ladders: CauseLadders = Field(default_factory=CauseLadders, description="The rungs of an incident whose cause is data, hardware or unknown (an optimizer fault takes 'ladder').")
+    ladders: CauseLadders = Field(default_factory=CauseLadders, description="The rungs of an incident whose cause is data, hardware or unknown; an optimizer fault takes 'ladder', or 'ladders.optimizer' when given, which may also name the optimizer remedies grad_clip (the gradient norm clipped to its healthy median) and reset_optimizer (every layer's optimizer state dropped).")
     data_skip_steps: int = Field(default=8, ge=1, le=100_000, description="Steps a data_skip rung skips ahead; renewed while the window's data rules fire.")
     data_skip_max_steps: int = Field(default=512, ge=1, le=1_000_000, description="Most steps one incident skips for its data (a change that lasts longer is the data's new normal).")
     experiment_steps: int = Field(default=10, ge=2, le=10_000, description="Steps of the troubleshooting experiment of an incident of unknown cause.")

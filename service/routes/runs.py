@@ -20,7 +20,7 @@ from trainguard.protocol.wire import (
     Ack, DesiredState, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
-__all__ = ["router"]
+__all__ = ["router", "command_route"]
 
 router = APIRouter(prefix="/v1", tags=["runs"])
 RunPath = Annotated[str, Path(min_length=1, max_length=128)]
@@ -113,9 +113,9 @@ def _optional(request: type[CommandRequest]) -> bool:
     return True
 
 
-def _command_route(spec: CommandSpec) -> None:
-    """``POST /v1/runs/{run}/<url>`` of one operator command: its body is the command's
-    ``request`` (optional when its defaults validate), its scope the command's."""
+def command_route(spec: CommandSpec, on: APIRouter) -> None:
+    """Add ``POST /runs/{run}/<url>`` of one operator command to ``on``: its body is the
+    command's ``request`` (optional when its defaults validate), its scope the command's."""
     optional = _optional(spec.request)
 
     async def handler(run: str, ctl: Controller, principal: Principal, idempotency_key: str | None = None,
@@ -138,10 +138,10 @@ def _command_route(spec: CommandSpec) -> None:
         P("body", P.KEYWORD_ONLY, annotation=spec.request | None if optional else spec.request,
           default=None if optional else P.empty),
     ], return_annotation=Response)
-    router.add_api_route(f"/runs/{{run}}/{spec.url}", handler, methods=["POST"], response_model=CommandResult,
+    on.add_api_route(f"/runs/{{run}}/{spec.url}", handler, methods=["POST"], response_model=CommandResult,
                          summary=spec.summary, name=f"command_{spec.name}", tags=["commands"])
 
 
 for _spec in REGISTRY:  # every operator command of the registry: a new one gets its route here
     if _spec.operator:
-        _command_route(_spec)
+        command_route(_spec, router)

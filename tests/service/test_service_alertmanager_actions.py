@@ -68,3 +68,56 @@ def test_alerts_ask_the_agents_for_a_diagnosis(app_factory) -> None:
             res = c.post("/v1/alertmanager", json=_payload(alert)).json()["results"]
             assert [r["outcome"] for r in res] == ["duplicate"]
             assert c.get("/v1/runs/run-1").json()["desired"] == after
+
+
+def _alert(action: str, fingerprint: str, **labels: str) -> dict:
+    return {"status": "firing", "labels": {"alertname": "Optimizer", "run": "run-1", "trainguard_action": action, **labels},
+            "annotations": {"summary": f"{action} please"}, "startsAt": "2026-01-01T00:00:00Z", "fingerprint": fingerprint}
+
+
+def test_alerts_give_the_optimizer_commands_with_their_bodies_from_labels(app_factory) -> None:
+    """Each optimizer command's body comes from ``trainguard_<field>`` labels; each alert acts once."""
+    with app_factory() as c:
+        register(c)
+        cases = [
+            (_alert("grad_clip", "a", trainguard_max_norm="2.5"), {"grad_clip_norm": 2.5}),
+            (_alert("reset_optimizer", "b"), {"reset_optimizer_seq": 1}),
+            (_alert("reset_optimizer", "c", trainguard_layers="encoder.0, head"),
+             {"reset_optimizer_seq": 2, "reset_optimizer_layers": "encoder.0,head"}),
+            (_alert("momentum", "d", trainguard_factor="0.5"), {"momentum_scale": 0.5}),
+            (_alert("weight_decay_scale", "e", trainguard_scale="3"), {"weight_decay_scale": 3.0}),
+        ]
+        for alert, changed in cases:
+            before = c.get("/v1/runs/run-1").json()["desired"]
+            res = c.post("/v1/alertmanager", json=_payload(alert)).json()["results"]
+            assert [r["outcome"] for r in res] == ["applied"], res
+            after = c.get("/v1/runs/run-1").json()["desired"]
+            assert {k: v for k, v in after.items() if v != before[k] and k != "reason"} == changed | {
+                "generation": before["generation"] + 1}
+            assert after["reason"].startswith(f"alertmanager Optimizer: {alert['labels']['trainguard_action']} please")
+            assert [r["outcome"] for r in c.post("/v1/alertmanager", json=_payload(alert)).json()["results"]] == ["duplicate"]
+
+
+def test_a_label_that_does_not_validate_is_the_alerts_error_and_changes_nothing(app_factory) -> None:
+    with app_factory() as c:
+        register(c)
+        before = c.get("/v1/runs/run-1").json()["desired"]
+        alerts = [_alert("grad_clip", "x1", trainguard_max_norm="lots"), _alert("grad_clip", "x2"),
+                  _alert("momentum", "x3", trainguard_scale="0.5", trainguard_factor="2"),
+                  _alert("weight_decay_scale", "x4", trainguard_scale="1e9"), _alert("rollback", "x5")]
+        res = c.post("/v1/alertmanager", json=_payload(*alerts)).json()["results"]
+        assert [r["outcome"] for r in res] == ["error"] * 5
+        assert res[0]["detail"] == "grad_clip from the labels trainguard_max_norm: max_norm: Input should be a valid number"
+        assert res[1]["detail"] == "grad_clip from the labels trainguard_max_norm: max_norm: Field required"
+        assert "give exactly one of 'scale' (absolute) or 'factor'" in res[2]["detail"]
+        assert res[3]["detail"].endswith("scale: Input should be less than or equal to 100")
+        assert res[4]["detail"].startswith("rollback refused: the run reports no snapshot")  # refused: 409's reason
+        assert c.get("/v1/runs/run-1").json()["desired"] == before
+        # a refused alert was not marked as acted on: once the labels are right it acts
+        fixed = _alert("grad_clip", "x1", trainguard_max_norm="1.0")
+        assert [r["outcome"] for r in c.post("/v1/alertmanager", json=_payload(fixed)).json()["results"]] == ["applied"]
+
+
+def test_accumulation_is_not_an_alertmanager_action() -> None:
+    res, cmd = parse_alert(_alert("accumulation", "acc", trainguard_steps="4"))
+    assert cmd is None and res["outcome"] == "error" and "unknown action 'accumulation'" in res["detail"]
