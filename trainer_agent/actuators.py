@@ -1,63 +1,236 @@
 """The actuators: what the control plane changes in training. Everything else in the agent observes.
 
-- :class:`LrScale`: the optimizer's LR times the agreed ``lr_scale`` for the step, restored after
-  it (the scheduler keeps its own state).
+**One actuator per command.** Each command of ``trainguard.protocol.commands.REGISTRY`` that the
+agent acts on (``agent=True``) has exactly one class here registered under its name
+(``@actuator("<name>")``); importing ``trainer_agent.control`` checks that every such command has
+one and that no actuator names an unknown command (:func:`check_actuators`: ``TypeError`` naming
+them). The control plane
+(``trainer_agent/control.py``) builds one of each with an :class:`ActuatorEnv` (the narrow objects
+it acts on) and, when every rank has agreed on a newer desired state, calls each one's
+:meth:`Actuator.apply` at the same step on every rank. The actuators live in
+``trainer_agent/run_actuators.py`` (pause, stop, checkpoint, LR, rollback, accumulation,
+diagnostics, data skip) and ``trainer_agent/optimizer_actuators.py`` (gradient clipping, optimizer
+reset, momentum, weight decay); adding a command's actuator means adding a class to one of them.
+
+Mechanisms the actuators share:
+
+- :class:`GroupOverride`: a param-group key set for the optimizer step (its pre-hook) and restored
+  after it (post-hook), so LR schedulers and checkpoints keep the run's own values;
+  :class:`LrScale`: the LR times the product of the actuators' :meth:`Actuator.lr_factor`.
 - :class:`NonfiniteSkip`: the optimizer's ``step`` wrapped so that a step whose gradients hold a
   NaN/Inf on any rank — or, with a :class:`~trainer_agent.spike_guard.SpikeGuard`, whose gradient
   norm spikes on any rank — is not taken on any rank; nor a step the controller's data skip covers
   (``data_skip``: the same answer on every rank, from the agreed state, with no read or collective).
 
-Pause and checkpoint act through the control plane's ``on_end_step`` (blocking there, calling
-``on_checkpoint(step)``); see ``trainer_agent/control.py``.
+The pause's wait is the control plane's (``trainer_agent/control.py``): it applies further states
+while it waits, with the client and the c10d store.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import wraps
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from trainguard.protocol import commands
 from trainer_agent import optim
 from trainer_agent.compat import torch_private
 from trainer_agent.spike_guard import SpikeGuard
 
-__all__ = ["LrScale", "NonfiniteSkip", "SKIP_REASONS"]
+__all__ = ["ACTUATORS", "Actuator", "ActuatorEnv", "GroupOverride", "LrScale", "NonfiniteSkip", "SKIP_REASONS", "Sequenced",
+           "actuator", "check_actuators", "malformed", "state_value"]
 
 #: Why a step was skipped (``trainguard_skipped_steps_total{reason}``), by the flag value the
 #: ranks all-reduce (max: a non-finite gradient on any rank wins over a spike on another).
 SKIP_REASONS: dict[int, str] = {1: "spike", 2: "nonfinite"}
 
 
-class LrScale:
-    """Multiplies every param group's LR by ``scale`` between the optimizer's pre- and post-hook."""
+@dataclass(frozen=True, slots=True)
+class ActuatorEnv:
+    """What an actuator may act on and call: the same on every rank except ``leader``."""
+
+    optimizer: torch.optim.Optimizer
+    leader: bool
+    """Global rank 0: the one rank that logs what was done."""
+    on_error: Callable[[str, BaseException], None]
+    """Counts an agent error of a kind (once logged); training goes on."""
+    named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] = lambda: ()
+    """The model's parameters by name (``model.named_parameters``; sharded ones as DTensors)."""
+    own_accumulation: int | None = None
+    """The run's own accumulation steps when it lets the controller change them (else None)."""
+    on_checkpoint: Callable[[int], Any] | None = None
+    on_rollback: Callable[[int], int | None] | None = None
+    on_diagnose: Callable[[str, int], Any] | None = None
+
+
+class Actuator:
+    """Base of the actuators: every method is optional (the base does nothing).
+
+    ``phase``: actuators apply in phases, in the registry's order within one; phase 1 (checkpoint,
+    stop) acts after every other change of the same state (a checkpoint keeps the state a rollback
+    restored)."""
+
+    command: ClassVar[str] = ""
+    phase: ClassVar[int] = 0
+
+    def __init__(self, env: ActuatorEnv) -> None:
+        self.env = env
+
+    def start(self, initial: Any) -> None:
+        """The state agreed before the first step of this process (the registration's): requests
+        made before it started (a checkpoint, a rollback, a reset) were meant for the process that
+        ran then and count as served. :meth:`apply` follows with the same state."""
+
+    def apply(self, new: Any, old: Any, step: int) -> None:
+        """Act on a newer agreed ``new`` state (``old``: the one applied before), after the
+        optimizer step of ``step``: called on every rank at the same step."""
+
+    def before_step(self) -> None:
+        """Optimizer pre-hook (after the run's own gradient clipping)."""
+
+    def after_step(self) -> None:
+        """Optimizer post-hook."""
+
+    def lr_factor(self) -> float:
+        """This actuator's multiplier of the LR for the step (the factors multiply)."""
+        return 1.0
+
+    def values(self) -> dict[str, float]:
+        """Its metrics (host values; read from the /metrics thread)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the training checkpoint keeps of it (keys of the control plane's flat state)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], newer: bool) -> None:
+        """Restore :meth:`state_dict`'s keys from ``state``; ``newer``: the checkpoint's generation
+        is not older than the applied one (levels then come from it). ``ValueError`` via
+        :func:`malformed` for a bad value."""
+
+
+class Sequenced(Actuator):
+    """Acts once per newer ``seq_field`` (the largest one served is kept)."""
+
+    seq_field: ClassVar[str] = ""
+
+    def __init__(self, env: ActuatorEnv) -> None:
+        super().__init__(env)
+        self.served = 0
+
+    def start(self, initial: Any) -> None:
+        self.served = getattr(initial, self.seq_field)
+
+    def apply(self, new: Any, old: Any, step: int) -> None:
+        seq = getattr(new, self.seq_field)
+        if seq > self.served:
+            self.served = seq
+            self.act(new, step)
+
+    def act(self, new: Any, step: int) -> None:
+        """The request itself (once per newer sequence number)."""
+        raise NotImplementedError
+
+    def persisted_served(self, state: Mapping[str, Any]) -> None:
+        """The larger of the served number and the checkpoint's (absent: 0)."""
+        self.served = max(self.served, state_value(state, self.seq_field, int, 0, ok=lambda v: v >= 0))
+
+
+#: command name -> its actuator class.
+ACTUATORS: dict[str, type[Actuator]] = {}
+
+
+def actuator(name: str) -> Callable[[type[Actuator]], type[Actuator]]:
+    """Class decorator: the actuator of command ``name`` (``TypeError`` for a second one)."""
+    def register(cls: type[Actuator]) -> type[Actuator]:
+        if name in ACTUATORS:
+            raise TypeError(f"command {name!r} has two actuators: {ACTUATORS[name].__name__} and {cls.__name__}")
+        cls.command = name
+        ACTUATORS[name] = cls
+        return cls
+    return register
+
+
+def check_actuators(registry: Iterable[Any] | None = None, actuators: Mapping[str, type] | None = None) -> None:
+    """``TypeError`` naming every command the agent must act on that has no actuator, and every
+    actuator of a command the registry does not know or that the agent does not act on."""
+    registry = tuple(commands.REGISTRY if registry is None else registry)
+    actuators = ACTUATORS if actuators is None else actuators
+    needed = {c.name for c in registry if c.agent}
+    missing, unknown = sorted(needed - actuators.keys()), sorted(actuators.keys() - needed)
+    problems = ([f"no actuator for {', '.join(missing)}"] if missing else []) + (
+        [f"actuators of commands the agent does not act on or that do not exist: {', '.join(unknown)}"]
+        if unknown else [])
+    if problems:
+        raise TypeError("the agent's actuators do not match the command registry: " + "; ".join(problems))
+
+
+def malformed(what: str) -> ValueError:
+    return ValueError(f"malformed trainguard control state: {what}")
+
+
+def state_value(state: Mapping[str, Any], key: str, kind: type, default: Any = None, *,
+                ok: Callable[[Any], bool] = lambda v: True) -> Any:
+    """``state[key]`` as ``kind`` (``default`` when absent and not None; else required),
+    ``ValueError`` when it is not one or fails ``ok``."""
+    if key not in state and default is not None:
+        return default
+    try:
+        value = kind(state[key])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise malformed(f"{key}: {exc!r}") from None
+    if kind is float and not math.isfinite(value) or not ok(value):
+        raise malformed(f"{key} = {state[key]!r}")
+    return value
+
+
+class GroupOverride:
+    """Sets a key of each param group for one optimizer step, restored after it: between the
+    optimizer's pre- and post-hook the groups hold the commanded values, otherwise the run's own
+    (its scheduler, its checkpoints see only those)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
-        self._saved: list[Any] | None = None
+        self._saved: list[tuple[dict, str, Any]] | None = None
+
+    def override(self, key_of: Callable[[dict], str | None], value: Callable[[Any], Any]) -> None:
+        """Each group's ``key_of(group)`` (None: leave the group) becomes ``value(own)``."""
+        if self._saved is not None:  # the last post-hook did not run (the step raised)
+            self.restore()
+        saved: list[tuple[dict, str, Any]] = []
+        for g in self._optimizer.param_groups:
+            key = key_of(g)
+            if key is not None and key in g:
+                saved.append((g, key, g[key]))
+                g[key] = value(g[key])
+        self._saved = saved
+
+    def restore(self) -> None:
+        """The groups' own values (objects: floats or tensors) as they were."""
+        saved, self._saved = self._saved, None
+        for g, key, own in saved or ():
+            g[key] = own
+
+
+class LrScale(GroupOverride):
+    """Multiplies every param group's LR by ``scale`` between the optimizer's pre- and post-hook."""
 
     def before_step(self, scale: float) -> None:
         """Optimizer pre-hook: each group's LR becomes scheduler LR x ``scale`` for this step."""
-        if self._saved is not None:  # the last post-hook did not run (the step raised)
-            self.after_step()
-        if scale == 1.0:
-            return
-        groups = self._optimizer.param_groups
-        self._saved = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * scale
+        if self._saved is not None:
+            self.restore()
+        if scale != 1.0:
+            self.override(lambda g: "lr", lambda lr: lr * scale)
 
     def after_step(self) -> None:
         """Optimizer post-hook: restore the scheduler's LR objects (floats or tensors) as they were."""
-        saved, self._saved = self._saved, None
-        if saved is None:
-            return
-        for g, lr in zip(self._optimizer.param_groups, saved):
-            g["lr"] = lr
+        self.restore()
 
 
 class NonfiniteSkip:

@@ -306,7 +306,8 @@ class Agent:
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
                              step=lambda: self.step, grad_norm=self._grad_norm_before_step,
                              desync=lambda: self.reports.desync,
-                             accumulation_steps=self.accumulation_base)
+                             accumulation_steps=self.accumulation_base,
+                             named_parameters=self.model.named_parameters)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self._error,
                             on_diagnose=self._diagnose, on_data_skip=self._quarantine_batch)

@@ -1,6 +1,6 @@
 """The control plane: the agent's actuators, and the agreement of all ranks on the controller's
-desired state. This module *acts* on training (LR, pause, checkpoint, stop, skipped steps); the
-rest of ``trainer_agent`` only observes.
+desired state. This module and the actuators *act* on training; the rest of ``trainer_agent``
+only observes.
 
 Built by the agent on every rank when a controller URL is configured or
 ``AgentConfig.skip_nonfinite`` is set. Every rank must use the same ``controller`` (set or not),
@@ -16,8 +16,9 @@ Where it hooks in (``Agent`` calls these; none of them raises into the loop):
 optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSkip``): one device
                            sync and one all-reduce of a flag per optimizer step; a step with
                            non-finite gradients is not taken at all
-``before_optimizer_step``  group LR := scheduler LR x lr_scale (optimizer pre-hook)
-``after_optimizer_step``   group LR restored, so the scheduler keeps its own state (post-hook)
+``before_optimizer_step``  group LR := scheduler LR x the actuators' LR factors, then each
+                           actuator's pre-hook (gradient clipping, momentum, weight decay)
+``after_optimizer_step``   group values restored, so the scheduler keeps its own (post-hook)
 ``proposal()``            on a report step, the leader's desired state, carried by the report
                            step's one collective (``trainer_agent/ranks.py``)
 ``on_end_step(step, …)``   on report steps the state agreed in that collective, on the other
@@ -31,15 +32,22 @@ optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSk
 **Agreement.** The leader (global rank 0) holds the newest desired state its client has seen.
 On report steps the state travels in the report step's one collective (the
 agent's all-gather of the ranks' rows, ``trainer_agent/ranks.py``): no second collective. On the
-other ``sync_every`` steps all ranks take part in a broadcast of the same ``STATE_LEN`` int64
-(``generation, paused, lr_scale`` as the bits of a float64, ``checkpoint_seq, stop,
-accumulation_steps, accumulation_lr_rule, rollback_seq, rollback_step, memory_trace_seq,
-verify_seq``) on a side
-*gloo* process group of CPU tensors (no device sync). All ranks then apply the same state at the
-same step; the leader acks ``{generation, step}``. A generation is applied once: values are absolute,
-so re-applying changes nothing, a checkpoint is taken once per new ``checkpoint_seq`` and a
-rollback (``on_rollback(rollback_step)``: ``trainer_agent/snapshots.py``) carried out once per new
-``rollback_seq``.
+other ``sync_every`` steps all ranks take part in a broadcast of the same ``STATE_LEN`` int64 on a
+side *gloo* process group of CPU tensors (no device sync). The layout is the command registry's
+(``trainguard.protocol.commands``: ``generation``, then every command's fields in
+``REGISTRY`` order, ``encode_state``): a float as the bits of its float64, a choice as its index,
+a text (``reset_optimizer_layers``) as a 63-bit key. All ranks then apply the same state at the
+same step — each command's actuator (``trainer_agent/actuators.py``) acts on it — and the leader
+acks ``{generation, step}``. A generation is applied once: values are absolute, so re-applying
+changes nothing; a sequence command (checkpoint, rollback, diagnostics, optimizer reset) acts once
+per newer sequence number.
+
+**Texts.** A text field travels as its key; with several ranks the leader sets the text in the
+c10d store under ``text/<key>`` before it proposes the state (and before it publishes a state
+during a pause), so every rank finds it there after the collective that carries the key. A rank
+that cannot read it counts an agent error (``control_text``) and keeps the fields of that
+command as they were, applying the rest; a state no leader can send (``decode_state``'s
+``ValueError``) counts ``control_state`` and is not applied.
 
 **Pause.** ``on_end_step`` blocks on every rank with no collective outstanding. The leader waits on
 its client for a newer generation and publishes each one it applies under a fresh key of the
@@ -47,19 +55,15 @@ c10d store (``pause/<episode>/<i>``); the other ranks poll those keys (``check``
 Every rank applies the same sequence of states at the same (paused) step and leaves when one has
 ``paused=false`` or ``stop=true``. No process-group timeout can expire meanwhile.
 
-**Diagnostic requests.** A newer ``memory_trace_seq`` or ``verify_seq`` calls ``on_diagnose(kind,
-step)`` once on every rank at the agreed step: the agent starts a memory trace, or arms the next
-step's gradient recompute check (``trainer_agent/verify.py``).
+The pause's wait stays here rather than in its actuator: it is part of the agreement (it reads
+the client and the store and applies further states while it waits), not a change to training.
 
-**Skipping non-finite steps** (``skip_nonfinite=True``): ``trainer_agent/actuators.py``.
-
-**Accumulation steps** (runs attached with ``accumulation_steps=k0``, the run's own). The
-controller's ``accumulation`` command sets ``k`` (0: back to ``k0``) and a rule; every rank applies it
-at the same agreed step boundary: ``accumulation_steps`` becomes ``k`` (the training loop reads
-``agent.accumulation_steps`` before each optimizer step and runs that many micro-batches) and the LR
-of every group is multiplied, on top of ``lr_scale``, by ``batch_lr_factor(k, k0, rule)``: ``k/k0``
-(``linear``), ``sqrt(k/k0)`` (``sqrt``) or 1 (``none``). A run that did not opt in is refused by the
-controller and ignores the field.
+**What each command does** is its actuator's docstring: ``trainer_agent/run_actuators.py`` (pause,
+stop, checkpoint, lr_scale, rollback, accumulation — the training loop reads
+``agent.accumulation_steps`` and the LR follows by the command's rule —, memory_trace, verify,
+data_skip) and ``trainer_agent/optimizer_actuators.py`` (grad_clip, reset_optimizer, momentum,
+weight_decay_scale). **Skipping non-finite steps** (``skip_nonfinite=True``):
+``trainer_agent/actuators.py``.
 
 **Fingerprints.** Under data parallelism the report's per-rank ``grad_fingerprint`` /
 ``param_fingerprint`` are element-wise random projections of each rank's gradients and parameters,
@@ -85,15 +89,17 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.commands import REGISTRY, STATE_FIELDS, state_texts
 from trainguard.protocol.wire import (
     MAX_DESYNC_LAYERS, Ack, DesiredState, DesyncLayer, RankEndpoint, RankValues, Report, RunFinished, RunRegistration,
 )
-from trainer_agent.actuators import LrScale, NonfiniteSkip
+from trainer_agent import optimizer_actuators, run_actuators
+from trainer_agent.actuators import ACTUATORS, Actuator, ActuatorEnv, LrScale, NonfiniteSkip, check_actuators, malformed
 from trainer_agent.client import ControllerClient
 from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
 from trainer_agent.exporter import sample_key
-from trainer_agent.ranks import LR_RULES, STATE_LEN, WIRE_VECTORS, decode_state, encode_state
+from trainer_agent.ranks import STATE_LEN, WIRE_VECTORS, decode_state, encode_state
 from trainer_agent.schedule import ReportSchedule
 from trainer_agent.spike_guard import SpikeGuard
 
@@ -102,6 +108,12 @@ __all__ = ["ControlPlane", "ControlContext", "Applied"]
 log = logging.getLogger(__name__)
 
 _instances = itertools.count()  # same sequence on every rank: ControlPlanes are built in lockstep
+
+# Every command the agent acts on has exactly one actuator, and no actuator names an unknown command.
+check_actuators()
+#: Each desired-state field's index in the encoded state, and the command that owns it.
+_FIELD_AT = {f.name: i + 1 for i, f in enumerate(STATE_FIELDS)}
+_OWNER = {f.name: c for c in REGISTRY for f in c.fields}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,8 @@ class ControlContext:
     (``trainer_agent.fingerprint.DesyncFinding``)."""
     accumulation_steps: int | None = None
     """The run's own accumulation steps when it lets the controller change them (else None)."""
+    named_parameters: Callable[[], Any] = lambda: ()
+    """The model's ``named_parameters`` (the optimizer reset names layers by them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +162,8 @@ class Applied:
     no snapshot old enough)."""
     accumulation_steps: int = 0
     """Accumulation steps in force from this step (0: the run did not opt in)."""
-
-
-def batch_lr_factor(steps: int, own: int, rule: str) -> float:
-    """The LR multiplier for ``steps`` accumulation steps against the run's ``own``: the global
-    batch changes by steps / own; ``linear`` scales the LR by that ratio, ``sqrt`` by its square
-    root, ``none`` not at all."""
-    ratio = steps / own
-    return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
+    desired: DesiredState | None = None
+    """The state applied (every command's fields)."""
 
 
 class ControlPlane:
@@ -190,10 +198,6 @@ class ControlPlane:
         cfg = ctx.config
         self._ctx = ctx
         self._cfg = cfg
-        self._on_checkpoint = on_checkpoint
-        self._on_rollback = on_rollback
-        self._on_diagnose = on_diagnose
-        """Called with (``"memory_trace"`` or ``"verify"``, step) when a newer request is applied."""
         self._on_error = on_error or (lambda kind, exc: log.exception(kind))
         self._clock, self._wall = clock, wall_clock
         self._pause_poll_s = pause_poll_s
@@ -203,23 +207,27 @@ class ControlPlane:
         """True with a controller: the report step's collective carries the desired state."""
         self._instance = next(_instances)
 
-        # applied state (identical on every rank)
-        self._generation = 0
-        self._lr_scale = 1.0
-        self._paused = False
-        self._stop = False
-        self._checkpoint_seq = 0
-        self._rollback_seq = 0
-        self._rollback_step = 0
-        self._diagnostic_seqs = {"memory_trace": 0, "verify": 0}  # the last request of each served
-        self._data_skip_until = 0  # every rank skips the optimizer steps up to this one (data fault)
-        self._exit_code = 0  # with a stop: the exit status the processes should end with
+        # applied state (identical on every rank): the last applied desired state, and each
+        # command's actuator (``on_diagnose`` is called with ("memory_trace" or "verify", step))
+        self._applied = DesiredState()
+        self._proposed_texts: dict[int, str] = {}  # the leader's texts of its newest proposal
         self._pause_episodes = 0
         #: The run's own accumulation steps (None: the run did not opt in to the command).
         self.own_accumulation: int | None = ctx.accumulation_steps
-        self._accumulation = self.own_accumulation
-        self._accumulation_desired = (0, "none")  # as last applied: (steps, rule)
-        self._batch_lr_factor = 1.0
+        env = ActuatorEnv(optimizer=ctx.optimizer, leader=self.leader, on_error=self._on_error,
+                          named_parameters=ctx.named_parameters, own_accumulation=ctx.accumulation_steps,
+                          on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_diagnose=on_diagnose)
+        self.actuators: dict[str, Actuator] = {c.name: ACTUATORS[c.name](env) for c in REGISTRY if c.agent}
+        """Each command's actuator, by name."""
+        self._order = sorted(self.actuators.values(), key=lambda a: a.phase)  # stable: registry order in a phase
+        self._pre = [a for a in self._order if type(a).before_step is not Actuator.before_step]
+        self._post = [a for a in self._order if type(a).after_step is not Actuator.after_step]
+        self._lr_factors = [a for a in self._order if type(a).lr_factor is not Actuator.lr_factor]
+        self._pause_act = self._act("pause", run_actuators.Pause)
+        self._stop_act = self._act("stop", run_actuators.Stop)
+        self._accumulation = self._act("accumulation", run_actuators.Accumulation)
+        self._data_skip = self._act("data_skip", run_actuators.DataSkip)
+        self._lr_level = self._act("lr_scale", run_actuators.LrScaleLevel)
         self.history: deque[Applied] = deque(maxlen=4096)
         """The generations applied on this rank, oldest first (bounded)."""
 
@@ -246,6 +254,11 @@ class ControlPlane:
         if self.controlled:
             self._start()
 
+    def _act(self, name: str, kind: type) -> Any:
+        act = self.actuators[name]
+        assert isinstance(act, kind), (name, act)
+        return act
+
     # ------------------------------------------------------------------ public surface
 
     @property
@@ -254,32 +267,49 @@ class ControlPlane:
         return self._stop
 
     @property
+    def _stop(self) -> bool:
+        return self._stop_act.stopped
+
+    @property
     def paused(self) -> bool:
-        return self._paused
+        return self._pause_act.paused
+
+    @property
+    def _paused(self) -> bool:
+        return self._pause_act.paused
 
     @property
     def lr_scale(self) -> float:
-        return self._lr_scale
+        return self._lr_level.scale
 
     @property
     def exit_code(self) -> int:
         """The exit status the controller's stop asked for (``EXIT_HARDWARE_FAULT``: restart without
         the faulty node), 0 without a stop."""
-        return self._exit_code if self._stop else 0
+        return self._stop_act.exit_code if self._stop else 0
 
     @property
     def data_skip_until(self) -> int:
         """The step up to which every rank skips its optimizer steps for their data (0: none)."""
-        return self._data_skip_until
+        return self._data_skip.until
 
     def skipping_data(self) -> bool:
         """Whether the step in progress is covered by the controller's data skip (the same answer
         on every rank: the agreed state and the step count)."""
-        return self._data_skip_until > 0 and self._ctx.step() + 1 <= self._data_skip_until
+        return self._data_skip.covers(self._ctx.step() + 1)
 
     @property
     def applied_generation(self) -> int:
         return self._generation
+
+    @property
+    def _generation(self) -> int:
+        return self._applied.generation
+
+    @property
+    def applied(self) -> DesiredState:
+        """The desired state applied last (the same on every rank)."""
+        return self._applied
 
     @property
     def client(self) -> ControllerClient | None:
@@ -289,22 +319,18 @@ class ControlPlane:
     @property
     def accumulation_steps(self) -> int | None:
         """Accumulation steps every rank uses now (None when the run did not opt in)."""
-        return self._accumulation
+        return self._accumulation.steps
 
     @property
     def batch_lr_factor(self) -> float:
         """LR multiplier of the accumulation command's rule (1 unless the steps changed)."""
-        return self._batch_lr_factor
+        return self._accumulation.factor
 
     def values(self) -> dict[str, float]:
         """The control metrics of this rank (host values; safe from the /metrics thread)."""
-        out = {
-            "trainguard_paused": 1.0 if self._paused else 0.0,
-            "trainguard_lr_scale": self._lr_scale,
-            "trainguard_applied_generation": float(self._generation),
-        }
-        if self._accumulation is not None:
-            out["trainguard_accumulation_steps"] = float(self._accumulation)
+        out = {"trainguard_applied_generation": float(self._generation)}
+        for act in self._order:
+            out.update(act.values())
         if self.skip is not None:
             for reason, n in self.skip.skipped_by_reason.items():
                 out[sample_key("trainguard_skipped_steps_total", reason=reason)] = float(n)
@@ -316,45 +342,38 @@ class ControlPlane:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """What a training checkpoint must carry: lr_scale, the applied generation, the last
-        checkpoint_seq served, and the skip counter."""
-        return {
-            "lr_scale": self._lr_scale,
-            "applied_generation": self._generation,
-            "checkpoint_seq": self._checkpoint_seq,
-            "rollback_seq": self._rollback_seq,
+        """What a training checkpoint must carry: the applied generation, what each actuator keeps
+        (lr_scale and the other levels, the last checkpoint_seq / rollback_seq / reset served, the
+        accumulation command), and the skip counters."""
+        out: dict[str, Any] = {"applied_generation": self._generation}
+        for act in self._order:
+            out.update(act.state_dict())
+        out.update({
             "skipped_steps_total": self.skip.skipped if self.skip is not None else 0,
             "skipped_by_reason": dict(self.skip.skipped_by_reason) if self.skip is not None else {},
             "spike_guard": self.skip.guard.state_dict() if self.skip is not None and self.skip.guard is not None else None,
-            "accumulation": list(self._accumulation_desired),
-        }
+        })
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s values. A state the controller already superseded (the
-        registration of the restarted run brought a newer generation) keeps the newer lr_scale and
-        generation; the checkpoint_seq served is the larger of the two. ``ValueError`` for a
-        malformed dict."""
+        registration of the restarted run brought a newer generation) keeps the newer levels
+        (lr_scale, ...) and generation; the sequence numbers served are the larger of the two.
+        ``ValueError`` for a malformed dict (nothing is changed then)."""
         try:
-            lr_scale = float(state["lr_scale"])
             generation = int(state["applied_generation"])
-            seq = int(state["checkpoint_seq"])
             skipped = int(state["skipped_steps_total"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed trainguard control state: {exc!r}") from None
-        if not (math.isfinite(lr_scale) and lr_scale > 0) or generation < 0 or seq < 0 or skipped < 0:
-            raise ValueError(f"malformed trainguard control state: {dict(state)!r}")
-        accumulation = state.get("accumulation", (0, "none"))
-        try:
-            steps, rule = int(accumulation[0]), str(accumulation[1])
-        except (TypeError, ValueError, IndexError) as exc:
-            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r} ({exc})") from None
-        if steps < 0 or rule not in LR_RULES:
-            raise ValueError(f"malformed trainguard control state: accumulation {accumulation!r}")
-        if generation >= self._generation:
-            self._generation, self._lr_scale = generation, lr_scale
-            self._set_accumulation(steps, rule)
-        self._checkpoint_seq = max(self._checkpoint_seq, seq)
-        self._rollback_seq = max(self._rollback_seq, int(state.get("rollback_seq", 0)))
+            raise malformed(repr(exc)) from None
+        if generation < 0 or skipped < 0:
+            raise malformed(repr(dict(state)))
+        newer = generation >= self._generation
+        for act in self._order:  # all or nothing: each actuator's part is read by a fresh one first
+            type(act)(act.env).load_state_dict(state, newer)
+        for act in self._order:
+            act.load_state_dict(state, newer)
+        if newer:
+            self._applied = self._applied.model_copy(update={"generation": generation})
         if self.skip is not None:
             by_reason = state.get("skipped_by_reason") or {"nonfinite": skipped}
             for reason in self.skip.skipped_by_reason:
@@ -391,40 +410,57 @@ class ControlPlane:
         exc = sys.exc_info()[1]  # set when close() runs in an except/finally block of a failing loop
         if exc is not None:
             return f"error: {type(exc).__name__}"[:200]
-        if self._stop and self._exit_code:
-            return f"stopped (exit status {self._exit_code}: restart without the faulty node)"
+        if self._stop and self.exit_code:
+            return f"stopped (exit status {self.exit_code}: restart without the faulty node)"
         return "stopped" if self._stop else "completed"
 
     # ------------------------------------------------------------------ the agent's calls
 
     def before_optimizer_step(self) -> None:
-        """Optimizer pre-hook: each group's LR becomes scheduler LR x lr_scale for this step."""
-        self.lr.before_step(self._lr_scale * self._batch_lr_factor)
+        """Optimizer pre-hook: each group's LR becomes scheduler LR x the actuators' LR factors
+        (lr_scale x the accumulation rule's) for this step, then the actuators' own pre-hooks."""
+        factor = 1.0
+        for act in self._lr_factors:
+            factor *= act.lr_factor()
+        self.lr.before_step(factor)
+        for act in self._pre:
+            act.before_step()
 
     def after_optimizer_step(self) -> None:
-        """Optimizer post-hook: the scheduler's LR objects restored."""
+        """Optimizer post-hook: the scheduler's LR objects and the groups' own values restored."""
         self.lr.after_step()
+        for act in self._post:
+            act.after_step()
 
     def proposal(self) -> list[int] | None:
         """The desired state this rank puts in the report step's collective: the leader's newest
-        (its client's, or what is applied), None on the other ranks and without a controller."""
+        (its client's, or what is applied), None on the other ranks and without a controller.
+        The newest one's texts are in the store first (a failure proposes the applied state:
+        nothing new this time)."""
         if not self.controlled or not self.leader:
             return None
         d = self._client.desired if self._client is not None else None
-        if d is not None and d.generation > self._generation:
+        if d is not None and d.generation > self._generation and self._publish_texts(d):
             return encode_state(d)
         return self._applied_encoded()
 
     def _applied_encoded(self) -> list[int]:
-        steps, rule = self._accumulation_desired
-        return encode_state(DesiredState(generation=self._generation, paused=self._paused, lr_scale=self._lr_scale,
-                                         checkpoint_seq=self._checkpoint_seq, stop=self._stop,
-                                         rollback_seq=self._rollback_seq, rollback_step=self._rollback_step,
-                                         accumulation_steps=steps, accumulation_lr_rule=rule,
-                                         memory_trace_seq=self._diagnostic_seqs["memory_trace"],
-                                         verify_seq=self._diagnostic_seqs["verify"],
-                                         data_skip_until=self._data_skip_until,
-                                         stop_exit_code=self._exit_code if self._stop else 0))
+        return encode_state(self._applied)
+
+    def _publish_texts(self, d: DesiredState) -> bool:
+        """Leader: ``d``'s texts where every rank finds them (``text/<key>`` in the store; one rank:
+        kept here). False when the store failed."""
+        texts = state_texts(d)
+        self._proposed_texts = texts
+        if self.world_size == 1 or not texts:
+            return True
+        try:
+            for key, text in texts.items():
+                self._store.set(f"text/{key}", text)
+        except Exception as exc:  # noqa: BLE001 - propose nothing new; retried at the next agreement
+            self._on_error("control_text", exc)
+            return False
+        return True
 
     def on_end_step(self, step: int, agreed: list[int] | None = None) -> None:
         """Agree (all ranks) and apply; blocks only while paused. On report steps ``agreed`` is
@@ -550,19 +586,22 @@ class ControlPlane:
         initial = DesiredState()
         if self._client is not None:
             initial = self._client.wait_registered(self._cfg.request_timeout_s) or initial
+        if self.leader:
+            self._publish_texts(initial)  # a failure: the other ranks keep that command's fields
         try:
             state = self._broadcast(encode_state(initial))
         except Exception as exc:  # noqa: BLE001 - fail open
             self._broken = True
             self._on_error("control_agreement", exc)
             return
-        self._checkpoint_seq = decode_state(state).checkpoint_seq
-        # Rollbacks and diagnostic requests made before this process started were meant for the
-        # process that ran then.
-        initial_state = decode_state(state)
-        self._rollback_seq, self._rollback_step = initial_state.rollback_seq, initial_state.rollback_step
-        self._diagnostic_seqs = {"memory_trace": initial_state.memory_trace_seq, "verify": initial_state.verify_seq}
-        self._apply(state, self._ctx.step())
+        agreed = self._decode(state)
+        if agreed is None:
+            return
+        # Sequence requests made before this process started were meant for the process that
+        # ran then (a checkpoint: served by the one the run restarts from).
+        for act in self._order:
+            act.start(agreed)
+        self._apply_decoded(agreed, self._ctx.step())
 
     def _broadcast(self, leader_state: list[int] | None) -> list[int]:
         if self.world_size == 1:
@@ -578,82 +617,66 @@ class ControlPlane:
         """Apply the agreed state (encoded) at ``step``; wait here if it pauses the run."""
         if state[0] <= self._generation:
             return  # the usual case: nothing new (a generation is applied once)
-        self._set(decode_state(state), step)
+        decoded = self._decode(state)
+        if decoded is not None:
+            self._apply_decoded(decoded, step)
+
+    def _apply_decoded(self, state: DesiredState, step: int) -> None:
+        if state.generation <= self._generation:
+            return
+        self._set(state, step)
         if self._paused and not self._stop:
             self._pause(step)
 
-    def _set(self, state: DesiredState, step: int) -> None:
-        """Apply a newer ``state``'s values (not the pause wait)."""
-        checkpoint = state.checkpoint_seq > self._checkpoint_seq
-        stopping = state.stop and not self._stop
-        rollback = state.rollback_seq > self._rollback_seq
-        self._generation = state.generation
-        self._lr_scale = state.lr_scale
-        self._checkpoint_seq = max(self._checkpoint_seq, state.checkpoint_seq)
-        self._paused = state.paused
-        self._rollback_seq = max(self._rollback_seq, state.rollback_seq)
-        self._rollback_step = state.rollback_step
-        if state.data_skip_until != self._data_skip_until and self.leader and state.data_skip_until > step:
-            log.warning("trainguard: skipping the optimizer steps %d-%d on every rank for their data (the LR is "
-                        "untouched)", step + 1, state.data_skip_until)
-        self._data_skip_until = state.data_skip_until
-        restored = self._roll_back(state.rollback_step, step) if rollback else None
-        self._set_accumulation(state.accumulation_steps, state.accumulation_lr_rule)
-        if (checkpoint or stopping) and self._on_checkpoint is not None:
+    def _decode(self, state: Sequence[int]) -> DesiredState | None:
+        """The agreed state, its texts read from the store where this rank lacks them; None (an
+        agent error, nothing applied) for a state no leader can have sent. A text that cannot be
+        read leaves its command's fields as applied (an agent error; the rest applies)."""
+        texts = {**state_texts(self._applied), **self._proposed_texts}
+        values = list(state)
+        for f in STATE_FIELDS:
+            at = _FIELD_AT[f.name]
+            if f.kind != "text" or len(values) != STATE_LEN or values[at] == 0 or values[at] in texts:
+                continue
             try:
-                self._on_checkpoint(step)
-            except Exception as exc:  # noqa: BLE001 - the user's callback must not break agreement
-                self._on_error("on_checkpoint", exc)
-        if stopping:
-            self._stop = True
-            self._exit_code = state.stop_exit_code
-        self._diagnose(state, step)
+                texts[values[at]] = self._fetch_text(values[at])
+            except Exception as exc:  # noqa: BLE001 - keep this command as it was; never hang here
+                self._on_error("control_text", exc)
+                for kept in _OWNER[f.name].fields:
+                    values[_FIELD_AT[kept.name]] = kept.encode(getattr(self._applied, kept.name))
+                texts.update(state_texts(self._applied))
+        try:
+            return decode_state(values, texts)
+        except ValueError as exc:
+            self._on_error("control_state", exc)
+            return None
+
+    def _fetch_text(self, key: int) -> str:
+        """A text the leader set before the collective that carried its key (so it is there now:
+        never a blocking wait)."""
+        name = f"text/{key}"
+        if self._store is None or not self._store.check([name]):
+            raise LookupError(f"the text of key {key} is not in the store")
+        return self._store.get(name).decode()
+
+    def _set(self, state: DesiredState, step: int) -> None:
+        """Apply a newer ``state``: each command's actuator acts on it (not the pause wait)."""
+        old, self._applied = self._applied, state
+        for act in self._order:
+            try:
+                act.apply(state, old, step)
+            except Exception as exc:  # noqa: BLE001 - one command failing must not keep the others
+                self._on_error(f"actuator_{act.command}", exc)
+        restored = self._act("rollback", run_actuators.Rollback).restored
         self.history.append(
             Applied(state.generation, step, state.paused, state.lr_scale, state.checkpoint_seq, state.stop, self._wall(),
-                    rollback_seq=state.rollback_seq, restored_step=restored, accumulation_steps=self._accumulation or 0)
+                    rollback_seq=state.rollback_seq, restored_step=restored,
+                    accumulation_steps=self._accumulation.steps or 0, desired=state)
         )
         if self._client is not None:
             self._client.submit_ack(Ack(generation=state.generation, step=step))
         if state.reason and self.leader:
             log.info("trainguard: applied generation %d at step %d: %s", state.generation, step, state.reason)
-
-    def _roll_back(self, target: int, step: int) -> int | None:
-        """Restore the newest snapshot at or before ``target`` (every rank, this same step)."""
-        if self._on_rollback is None:
-            log.error("trainguard: rollback to step %d asked at step %d, but this run keeps no "
-                      "snapshots (AgentConfig.snapshot_every)", target, step)
-            return None
-        try:
-            restored = self._on_rollback(target)
-        except Exception as exc:  # noqa: BLE001 - a failed restore must not break agreement
-            self._on_error("rollback", exc)
-            return None
-        if restored is None:
-            log.error("trainguard: rollback asked at step %d, but no snapshot is as old as step %d", step, target)
-        elif self.leader:
-            log.warning("trainguard: rolled back at step %d to the snapshot of step %d", step, restored)
-        return restored
-
-    def _diagnose(self, state: DesiredState, step: int) -> None:
-        """Newer diagnostic requests (memory trace, gradient recompute check): once each."""
-        for kind, seq in (("memory_trace", state.memory_trace_seq), ("verify", state.verify_seq)):
-            if seq > self._diagnostic_seqs[kind]:
-                self._diagnostic_seqs[kind] = seq
-                if self._on_diagnose is not None:
-                    try:
-                        self._on_diagnose(kind, step)
-                    except Exception as exc:  # noqa: BLE001 - never break the agreement
-                        self._on_error(f"diagnose_{kind}", exc)
-
-    def _set_accumulation(self, steps: int, rule: str) -> None:
-        """Accumulation steps ``steps`` (0: the run's own) with the LR following by ``rule``; a run
-        that did not opt in keeps its own loop and LR."""
-        self._accumulation_desired = (steps, rule)
-        own = self.own_accumulation
-        if own is None:
-            return
-        self._accumulation = steps or own
-        self._batch_lr_factor = batch_lr_factor(self._accumulation, own, rule) if steps else 1.0
 
     def _pause(self, step: int) -> None:
         """Block until a generation with paused=false (or stop) is applied. No collective is
@@ -670,13 +693,17 @@ class ControlPlane:
                 if new is None:
                     continue
                 if self.world_size > 1:
+                    if not self._publish_texts(new):
+                        continue  # the client offers it again; published once its texts are
                     self._store.set(f"pause/{episode}/{i}", ",".join(map(str, encode_state(new))))
             else:
-                new = self._next_published_state(episode, i)
-                if new is None:
+                published = self._next_published_state(episode, i)
+                if published is None:
                     return
+                new = self._decode(published) if published[0] > self._generation else None
             i += 1
-            self._set(new, step)
+            if new is not None:
+                self._set(new, step)
         # The wait ends on a resume, a stop sent while paused, or the agent closing: say which.
         if self._stop:
             log.warning("trainguard: rank %d stopped while paused at step %d (generation %d)", self.rank, step, self._generation)
@@ -693,11 +720,12 @@ class ControlPlane:
             return None
         return d
 
-    def _next_published_state(self, episode: int, i: int) -> DesiredState | None:
+    def _next_published_state(self, episode: int, i: int) -> list[int] | None:
+        """The ``i``-th state the leader published in this pause (encoded); None once closed."""
         key = f"pause/{episode}/{i}"
         while not self._closed:
             if self._store.check([key]):
-                return decode_state([int(x) for x in self._store.get(key).decode().split(",")])
+                return [int(x) for x in self._store.get(key).decode().split(",")]
             time.sleep(self._pause_poll_s)
         return None
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
+from trainguard.protocol.commands import DesiredState
 from trainer_agent.optim import unwrap_optimizer
 
 
@@ -186,7 +187,7 @@ def test_lr_scale_applies_to_closure_steps() -> None:
     agent = _attach(model, opt, skip_nonfinite=True)
     seen_lr = []
     opt.register_step_pre_hook(lambda o, a, k: seen_lr.append(o.param_groups[0]["lr"]))
-    agent.control._lr_scale = 0.5  # as an applied generation leaves it (tests/control cover the agreement)
+    agent.control._set(DesiredState(generation=1, lr_scale=0.5), 0)  # as an applied generation leaves it (tests/control cover the agreement)
     steps = _closure_loop(model, opt, agent, 3)
     assert seen_lr == [0.025, 0.025, 0.025] and opt.param_groups[0]["lr"] == 0.05
     ref = _reference_sgd(_model(2), 3, 0.025, 0.9)

@@ -54,13 +54,14 @@ def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:
     # The agent's report of each step: the scheduled LR of that step (not the next one, which the
     # scheduler has set by end_step), unchanged by lr_scale, and the update per unit of applied LR.
     import trainer_agent as ta
+    from trainguard.protocol.commands import DesiredState
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 + k)
     agent = ta.attach(model, opt, job="j", run="r", lr_scheduler=sched,
                       config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True))
-    agent.control._lr_scale = 0.5  # as a desired state from the controller would set it
+    agent.control._set(DesiredState(generation=1, lr_scale=0.5), 0)  # as a desired state from the controller would set it
     seen = []
     for k in range(10):
         model(torch.randn(2, 4)).sum().backward()

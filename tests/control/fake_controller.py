@@ -178,3 +178,26 @@ class FakeController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rank_controller(rank: int) -> tuple[FakeController | None, str]:
+    """In a gloo rank of a test (the default group initialised): a fake controller on rank 0, and
+    its URL on every rank (a collective: every rank calls this)."""
+    import torch.distributed as dist
+
+    fake = FakeController() if rank == 0 else None
+    url = [fake.url if fake else None]
+    dist.broadcast_object_list(url, src=0)
+    return fake, str(url[0])
+
+
+def finish_rank(agent: object, fake: FakeController | None, result: object, out: str, rank: int) -> None:
+    """Close the rank's agent and fake controller, leave the process group, save ``result``."""
+    import torch
+    import torch.distributed as dist
+
+    agent.close(3.0)  # type: ignore[attr-defined]
+    if fake is not None:
+        fake.close()
+    dist.destroy_process_group()
+    torch.save(result, f"{out}/rank{rank}.pt")

@@ -143,6 +143,11 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
     _c("trainguard_rollbacks_total", "rollbacks", "Rollbacks to an in-memory snapshot carried out on this rank."),
     _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force on this rank (runs that let the controller change them; the LR follows by the command's rule)."),
+    _g("trainguard_grad_clip_norm", "1", "Global gradient norm (over all shards) the controller's grad_clip command clips to before each optimizer step, on top of the run's own clipping; 0 when off."),
+    _c("trainguard_optimizer_resets_total", "resets", "Optimizer state resets (reset_optimizer commands) carried out on this rank: the moments and step counts of the named layers started afresh."),
+    _g("trainguard_optimizer_reset_parameters", "parameters", "Parameters whose optimizer state the last reset_optimizer command dropped on this rank."),
+    _g("trainguard_momentum_scale", "1", "Multiplier the controller applies to the optimizer's own momentum (Adam-style beta1, SGD momentum; held at most 0.999) during each step."),
+    _g("trainguard_weight_decay_scale", "1", "Multiplier the controller applies to the optimizer's own weight decay during each step."),
 )
 
 #: Input metrics: what feeds the model and how much of it per step (``trainer_agent/inputs.py``,
