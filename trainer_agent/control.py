@@ -93,7 +93,7 @@ from trainguard.protocol.commands import REGISTRY, STATE_FIELDS, state_texts
 from trainguard.protocol.wire import (
     MAX_DESYNC_LAYERS, Ack, DesiredState, DesyncLayer, RankEndpoint, RankValues, Report, RunFinished, RunRegistration,
 )
-from trainer_agent import optimizer_actuators, run_actuators
+from trainer_agent import optimizer_actuators, run_actuators  # noqa: F401 - both register their actuators on import
 from trainer_agent.actuators import ACTUATORS, Actuator, ActuatorEnv, LrScale, NonfiniteSkip, check_actuators, malformed
 from trainer_agent.client import ControllerClient
 from trainer_agent.compat import torch_private
