@@ -1,6 +1,7 @@
 """The parts of ``docs/`` that state defaults, generated from the code that has them: the built-in
 rules (``service/default_rules.yaml``), the recovery settings, one "what now" section per built-in
-rule (its alert's diagnosis), and the metric reference (the agent's catalogue and the controller's).
+rule (its alert's diagnosis), the metric reference (the agent's catalogue and the controller's), and
+the CLI's run commands (the command registry's operator commands).
 
 Each generated part sits in a docs page between two markers::
 
@@ -24,6 +25,8 @@ from typing import Any
 
 from trainguard.protocol.catalog import AGENT_METRICS, CONTROL_METRICS, DATA_METRICS, INPUT_METRICS, STEP_METRICS
 from trainguard.protocol.catalog import MetricSpec
+from trainguard.protocol.command_inputs import command_inputs
+from trainguard.protocol.commands import REGISTRY
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
@@ -227,8 +230,26 @@ def metrics_table() -> str:
     return "\n\n".join(parts)
 
 
+def commands_table() -> str:
+    """The run commands of the CLI (one per operator command of the registry): usage, what each
+    does, its options (the fields of its request model)."""
+    rows = ["| command | what it does | options (the first also right after RUN) |", "|---|---|---|"]
+    for spec in REGISTRY:
+        if not spec.operator:
+            continue
+        inputs = command_inputs(spec.request)
+        first = "" if not inputs else f" [{inputs[0].metavar}{' ...' if inputs[0].type == 'list' else ''}]"
+        opts = []
+        for inp in inputs:
+            kind = "/".join(inp.choices) if inp.choices else "text" if inp.type == "list" else inp.type
+            opts.append(f"`{inp.option}` {kind}" + (f" ({inp.notes()})" if inp.notes() else ""))
+        rows.append(f"| `trainguard {spec.url} RUN{first}` | {spec.summary.replace('|', '/')} | {'; '.join(opts) or '—'} |")
+    return "\n".join(rows)
+
+
 #: Page -> the generated parts in it.
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
+    "controller.md": {"commands": commands_table},
     "rules.md": {"rules": rules_table, "actions": actions_table, "recovery": recovery_table},
     "operating.md": {"rule-sections": rule_sections},
     "metrics.md": {"metrics": metrics_table},

@@ -56,7 +56,7 @@ CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
     ControllerMetric("trainguard_controller_longpoll_waiters", "gauge", "requests", "Long-polls of desired state currently waiting."),
     ControllerMetric("trainguard_controller_store_commits_total", "counter", "transactions", "Database transactions committed by the writer (group commits)."),
     ControllerMetric("trainguard_controller_incidents_total", "counter", "incidents", "Incidents of the automatic recovery, by outcome: opened, recovered (without a human), escalated (the run was paused and a human paged).", ("outcome",)),
-    ControllerMetric("trainguard_controller_incident_rungs_total", "counter", "rungs", "Rungs of the escalation ladder taken in incidents, by rung (skip, adaptive_lr, rollback, pause; data_skip, checkpoint, stop, experiment for the other causes).", ("rung",)),
+    ControllerMetric("trainguard_controller_incident_rungs_total", "counter", "rungs", "Rungs of the escalation ladder taken in incidents, by rung (skip, adaptive_lr, rollback, pause; data_skip, checkpoint, stop, experiment for the other causes; grad_clip, reset_optimizer where ladders.optimizer names them).", ("rung",)),
     ControllerMetric("trainguard_controller_incidents_open", "gauge", "incidents", "1 for each run with an open incident (the recovery ladder is working on it); only such runs are listed.", ("run",)),
     ControllerMetric("trainguard_controller_incidents_awaiting_human", "gauge", "runs", "1 for each run paused by an escalated incident, until someone resumes, stops or otherwise commands it; only such runs are listed.", ("run",)),
 )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
+from trainguard.service.rules import Rung
 
 __all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
 
@@ -33,7 +34,7 @@ class Verdict(BaseModel):
 
 
 class IncidentRung(BaseModel):
-    rung: str = Field(description="skip, adaptive_lr, rollback, pause, data_skip, checkpoint, stop or experiment.")
+    rung: str = Field(description=f"A rung of a ladder: {', '.join(get_args(Rung))}.")
     step: int
     time: float
     actor: str

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import httpx
 from pydantic import ValidationError
 
-from trainguard.protocol.command_inputs import CommandInput, command_inputs, validation_message
+from trainguard.protocol.command_inputs import command_inputs, validation_message
 from trainguard.protocol.commands import BY_NAME, REGISTRY, CommandSpec
 
 __all__ = ["main"]
@@ -132,13 +132,6 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _option(inp: CommandInput) -> str:
-    """A command input's option: ``--max-norm``; a list is given once per item, in the singular
-    (``--layer a --layer b`` for ``layers``)."""
-    name = inp.name[:-1] if inp.type == "list" and inp.name.endswith("s") else inp.name
-    return "--" + name.replace("_", "-")
-
-
 def _add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -> None:
     """``trainguard <spec.url> RUN [FIRST] [--option ...]``: one option per field of the command's
     body (:func:`trainguard.protocol.command_inputs.command_inputs`); the first field may also be
@@ -149,19 +142,16 @@ def _add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -
     inputs = command_inputs(spec.request)
     types = {"number": float, "integer": int, "text": str, "list": str, "choice": str}
     for i, inp in enumerate(inputs):
-        notes = [x for x in (inp.bounds() and f"in {inp.bounds()}", inp.required and "required",
-                             inp.default not in (None, []) and f"default {inp.default}",
-                             inp.type == "list" and "once per item") if x]
-        metavar = _option(inp)[2:].upper().replace("-", "_")
-        helptext = (inp.description + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
+        notes = inp.notes()
+        helptext = (inp.description + (f" ({notes})" if notes else "")).replace("%", "%%")
         if i == 0:
-            s.add_argument(f"{inp.name}_first", metavar=metavar, nargs="*" if inp.type == "list" else "?",
-                           type=types.get(inp.type, str), help=f"the same as {_option(inp)}")
+            s.add_argument(f"{inp.name}_first", metavar=inp.metavar, nargs="*" if inp.type == "list" else "?",
+                           type=types.get(inp.type, str), help=f"the same as {inp.option}")
         if inp.type == "boolean":
-            s.add_argument(_option(inp), dest=inp.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+            s.add_argument(inp.option, dest=inp.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
         else:
-            s.add_argument(_option(inp), dest=inp.name, type=types[inp.type], choices=inp.choices or None,
-                           metavar=None if inp.choices else metavar,
+            s.add_argument(inp.option, dest=inp.name, type=types[inp.type], choices=inp.choices or None,
+                           metavar=None if inp.choices else inp.metavar,
                            action="append" if inp.type == "list" else "store", default=None, help=helptext)
     s.add_argument("--reason", default="", help="why (recorded in the audit log)")
     s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
@@ -177,11 +167,11 @@ def _command(args: argparse.Namespace) -> int:
         value, first = getattr(args, inp.name), getattr(args, f"{inp.name}_first", None) if i == 0 else None
         if first not in (None, []):
             if value is not None:
-                print(f"trainguard {spec.url}: give {inp.name} once: after RUN or as {_option(inp)}", file=sys.stderr)
+                print(f"trainguard {spec.url}: give {inp.name} once: after RUN or as {inp.option}", file=sys.stderr)
                 return 2
             value = first
         if value is None and inp.required:
-            print(f"trainguard {spec.url}: {inp.name} is required: give it after RUN or as {_option(inp)}", file=sys.stderr)
+            print(f"trainguard {spec.url}: {inp.name} is required: give it after RUN or as {inp.option}", file=sys.stderr)
             return 2
         if value is not None:
             body[inp.name] = value

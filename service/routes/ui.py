@@ -44,7 +44,9 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Stre
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, ValidationError
 
-from trainguard.protocol.wire import MAX_INT, CommandRequest, LrScaleRequest
+from trainguard.protocol.command_inputs import command_inputs, validation_message
+from trainguard.protocol.commands import REGISTRY, CommandRefused, CommandSpec, apply_command
+from trainguard.protocol.wire import MAX_INT
 from trainguard.service.auth import ANONYMOUS, Principal, TokenTable
 from trainguard.service.controller import Controller
 from trainguard.service.errors import TooMany
@@ -75,8 +77,10 @@ _TICK_S = 0.5
 _RUNS_EVERY_S = 1.0
 _HEARTBEAT_S = 15.0
 _EVENTS_KEPT = 500
-#: The console's action paths (the API's) and the commands they send.
-_COMMANDS = {"pause": "pause", "resume": "resume", "checkpoint": "checkpoint", "stop": "stop", "lr-scale": "lr_scale"}
+#: The console's actions: the registry's operator commands it shows, by their URL spelling (the API's).
+_ACTIONS: dict[str, CommandSpec] = {spec.url: spec for spec in REGISTRY if spec.operator and spec.console}
+#: Actions the console asks to confirm as dangerous (they end the loop or discard training state).
+_DANGEROUS = frozenset({"stop", "rollback", "reset_optimizer"})
 _PAGE_HEADERS = {
     # Scripts, styles, images and connections only from the controller itself: the console works
     # with no network but the controller's, and injected markup cannot load anything.
@@ -312,7 +316,6 @@ def _session_dep(scope: str | None, *, csrf: bool) -> Callable[[Request], Awaita
 
 
 ReadSession = Annotated[Session, Depends(_session_dep("read", csrf=False))]
-CommandSession = Annotated[Session, Depends(_session_dep("command", csrf=True))]
 AnySession = Annotated[Session, Depends(_session_dep(None, csrf=True))]
 
 
@@ -695,21 +698,65 @@ def _open(request: Request, session: Session, run: str | None, seq: int, after: 
 
 
 # -- actions ------------------------------------------------------------------------------------------
-@router.post("/ui/api/runs/{run}/{command}")
-async def api_command(run: str, command: str, request: Request, session: CommandSession,
-                      body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
-    """Pause, resume, checkpoint, stop (body ``{"reason"}``) or lr-scale (``{"scale", "reason"}``),
-    as the signed-in operator."""
-    if command not in _COMMANDS:
-        raise HTTPException(404, f"unknown action {command!r}; known: {', '.join(_COMMANDS)}")
+def _commands() -> list[dict[str, Any]]:
+    return [{"name": spec.name, "url": spec.url, "summary": spec.summary, "kind": spec.kind, "scope": spec.scope,
+             "dangerous": spec.name in _DANGEROUS, "state": [f.name for f in spec.fields],
+             "fields": [inp.as_json() for inp in command_inputs(spec.request)]} for spec in _ACTIONS.values()]
+
+
+@router.get("/ui/api/commands")
+async def api_commands(_: ReadSession) -> Response:
+    """The actions the console offers (the registry's operator commands): name, URL spelling,
+    summary, kind (control or diagnostic), the scope it needs, whether it is dangerous, the
+    desired-state fields it sets, and the fields of its body (name, type, bounds, choices, default,
+    required) as its request model declares them."""
+    return _json(_commands())
+
+
+def _action(command: str, session: Session, body: dict[str, Any] | None) -> tuple[CommandSpec, Any]:
+    """The action ``command`` (404 unknown; 403 without its scope) and its body validated by its
+    request model (422 with the model's message)."""
+    spec = _ACTIONS.get(command)
+    if spec is None:
+        raise HTTPException(404, f"unknown action {command!r}; known: {', '.join(_ACTIONS)}")
+    if spec.scope not in session.principal.scopes:
+        raise HTTPException(403, f"this operator token lacks the '{spec.scope}' scope")
     try:
-        req = (LrScaleRequest if command == "lr-scale" else CommandRequest).model_validate(body or {})
+        return spec, spec.request.model_validate(body or {})
     except ValidationError as e:
-        raise HTTPException(422, "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+        raise HTTPException(422, validation_message(e)) from None
+
+
+@router.post("/ui/api/runs/{run}/{command}/preview")
+async def api_preview(run: str, command: str, request: Request, session: AnySession,
+                      body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
+    """What the action would change in the run's desired state now (``changes``: field, now,
+    after; the generation last when anything changes) and the note it would record; 409 when the
+    controller would refuse it, with the reason. Nothing is changed."""
+    spec, params = _action(command, session, body)
+    st = _controller(request).get(run)
+    if spec.requires_config is not None and not isinstance(st.config.get(spec.requires_config[0]), int):
+        raise HTTPException(409, f"run {run!r} has not opted in to {spec.name}: {spec.requires_config[1]}")
+    try:
+        updates, note = apply_command(st.desired, spec, params, st.recovery)
+    except CommandRefused as e:
+        raise HTTPException(409, str(e)) from None
+    changes = [{"field": k, "now": getattr(st.desired, k), "after": v} for k, v in updates.items()]
+    if changes:
+        changes.append({"field": "generation", "now": st.desired.generation, "after": st.desired.generation + 1})
+    return _json({"command": spec.name, "changes": changes, "note": note})
+
+
+@router.post("/ui/api/runs/{run}/{command}")
+async def api_command(run: str, command: str, request: Request, session: AnySession,
+                      body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
+    """Any action of ``GET /ui/api/commands`` (body: its fields and ``reason``), as the
+    signed-in operator."""
+    spec, params = _action(command, session, body)
     actor = session.principal.actor
     status, answer = await _controller(request).command(
-        run, _COMMANDS[command], reason=req.reason or f"{command} from the console by {actor}", actor=actor,
-        scale=getattr(req, "scale", None))
+        run, spec.name, params=params, reason=params.reason or f"{command} from the console by {actor}", actor=actor,
+        source="operator")
     return Response(answer, status_code=status, media_type="application/json")
 
 

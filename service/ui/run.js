@@ -1,7 +1,8 @@
 // One run: status, actions, alerts with their diagnoses, the incidents of the automatic recovery
 // (onset, rungs, outcome), live charts of the controller's window (updated over the event stream),
 // the per-rank view and the run's audit log.
-import { ApiError, Stream, can, get, num, post } from "./api.js";
+import { Actions } from "./actions.js";
+import { ApiError, Stream, get, num } from "./api.js";
 import { Chart, fmt } from "./charts.js";
 import { h, statusBadge, when } from "./dom.js";
 
@@ -29,24 +30,6 @@ const RANK_CHARTS = [
 ];
 const RANK_COLUMNS = ["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint"];
 
-const CHANGES = {
-  pause: { verb: "Pause", what: "Every rank stops before the same step and waits there, keeping its state, until resumed." },
-  resume: { verb: "Resume", what: "Every rank continues from the step it waits at." },
-  "lr-scale": { verb: "Change the LR multiplier of", what: "Every rank multiplies its scheduler's learning rate by the new value from the same step on." },
-  checkpoint: { verb: "Checkpoint", what: "Every rank saves a checkpoint at the same step (the run's on_checkpoint callback)." },
-  stop: { verb: "Stop", what: "Every rank stops at the same step and the training loop ends; resume undoes it only while the job still runs." },
-};
-
-function after(desired, command, scale) {
-  const d = { ...desired, generation: desired.generation + 1 };
-  if (command === "pause") d.paused = true;
-  if (command === "resume") { d.paused = false; d.stop = false; }
-  if (command === "lr-scale") d.lr_scale = scale;
-  if (command === "checkpoint") d.checkpoint_seq = desired.checkpoint_seq + 1;
-  if (command === "stop") d.stop = true;
-  return d;
-}
-
 export class RunPage {
   constructor(root, run, { onAuth }) {
     this.root = root;
@@ -58,7 +41,6 @@ export class RunPage {
     this.alerts = [];
     this.incidents = [];
     this.detail = null;
-    this.pending = null; // {command, generation}
     this.closed = false;
     this.load();
   }
@@ -98,6 +80,8 @@ export class RunPage {
     this.header = h("div", { class: "run-head" });
     this.actions = h("div", { class: "actions", id: "actions" });
     this.result = h("p", { class: "action-result", id: "action-result", role: "status" });
+    this.actionPanel = new Actions(this.actions, this.result, this.run, { onAuth: this.onAuth });
+    this.desiredEl = h("dl", { class: "facts" });
     this.alertsEl = h("section", { class: "alerts", id: "alerts" });
     this.incidentsEl = h("section", { class: "incidents", id: "incidents" });
     this.chartsEl = h("div", { class: "charts", id: "charts" });
@@ -105,7 +89,8 @@ export class RunPage {
     this.rankTable = h("table", { class: "ranks", id: "rank-table" });
     this.eventsBody = h("tbody");
     this.root.replaceChildren(
-      this.header, this.actions, this.result, this.alertsEl, this.incidentsEl,
+      this.header, h("details", { class: "desired", id: "desired-state" }, h("summary", {}, "Desired state (every field)"), this.desiredEl),
+      this.actions, this.result, this.alertsEl, this.incidentsEl,
       h("h2", {}, "Training signals"),
       h("p", { class: "legend" }, h("span", { class: "mk mk-alert" }), " alert  ", h("span", { class: "mk mk-desired" }),
         " desired state changed  ", h("span", { class: "mk mk-applied" }), " applied by every rank  ",
@@ -207,92 +192,10 @@ export class RunPage {
         ["desired / applied generation", `${d.desired_generation} / ${d.applied_generation}` +
           (d.applied_step !== null && d.applied_step !== undefined ? ` (at step ${d.applied_step})` : ""), "run-generations"],
       ].map(([k, v, id]) => h("div", {}, h("dt", {}, k), h("dd", { id }, v)))));
-    this.renderActions();
-    this.checkPending();
-  }
-
-  renderActions() {
-    if (!can("command")) { this.actions.replaceChildren(); this.actions.hidden = true; return; }
-    const des = this.detail.desired;
-    const button = (command, label, cls) => h("button", { type: "button", class: cls || "", dataset: { action: command },
-      disabled: this.sending ? true : null, onclick: () => this.confirm(command) }, label);
-    this.actions.hidden = false;
-    this.actions.replaceChildren(
-      des.paused || des.stop ? button("resume", "Resume") : button("pause", "Pause"),
-      button("lr-scale", "LR multiplier…"), button("checkpoint", "Checkpoint"),
-      des.stop ? null : button("stop", "Stop", "danger"));
-  }
-
-  confirm(command) {
-    const dialog = document.getElementById("confirm");
-    const des = this.detail.desired;
-    const scaleInput = document.getElementById("confirm-scale");
-    const scaleLabel = document.getElementById("confirm-scale-label");
-    scaleLabel.hidden = command !== "lr-scale";
-    scaleInput.required = command === "lr-scale";
-    scaleInput.value = command === "lr-scale" ? String(des.lr_scale / 2) : "";
-    document.getElementById("confirm-reason").value = "";
-    const fill = () => {
-      const scale = Number(scaleInput.value);
-      const next = after(des, command, scale);
-      document.getElementById("confirm-title").textContent = `${CHANGES[command].verb} run ${this.run}?`;
-      document.getElementById("confirm-body").textContent = CHANGES[command].what;
-      const rows = ["paused", "lr_scale", "checkpoint_seq", "stop", "generation"].filter((k) => next[k] !== des[k])
-        .map((k) => h("tr", {}, h("td", {}, k), h("td", {}, String(des[k])), h("td", {}, String(next[k]))));
-      document.getElementById("confirm-changes").replaceChildren(...rows);
-    };
-    fill();
-    scaleInput.oninput = fill;
-    dialog.returnValue = "";
-    dialog.onclose = () => {
-      if (dialog.returnValue !== "ok") return;
-      const body = { reason: document.getElementById("confirm-reason").value };
-      if (command === "lr-scale") body.scale = Number(scaleInput.value);
-      this.send(command, body);
-    };
-    dialog.showModal();
-  }
-
-  async send(command, body) {
-    this.setResult("sending", `${command}: sending…`);
-    this.pending = { command, generation: null, done: false };
-    this.sending = true; // the buttons wait for the answer, not for the acknowledgement
-    this.renderActions();
-    try {
-      const res = await post(`/ui/api/runs/${encodeURIComponent(this.run)}/${command}`, body);
-      if (!res.changed) {
-        this.pending.done = true;
-        this.setResult("unchanged", `${command}: the run is already in that state (no new generation).`);
-      } else {
-        this.pending.generation = res.desired.generation;
-        this.setResult("pending", `${command} sent as generation ${res.desired.generation}; waiting for every rank to apply it…`);
-      }
-    } catch (err) {
-      this.pending.done = true;
-      if (err instanceof ApiError && err.status === 401) return this.onAuth();
-      this.setResult("error", `${command} refused: ${err.message} (HTTP ${err.status || "?"})`);
-    } finally {
-      this.sending = false;
-    }
-    this.renderActions();
-    this.checkPending();
-  }
-
-  checkPending() {
-    const p = this.pending;
-    if (!p || p.done || p.generation === null || !this.detail) return;
-    if (this.detail.applied_generation >= p.generation && this.detail.applied_step !== null) {
-      p.done = true;
-      this.setResult("applied", `${p.command} applied at step ${this.detail.applied_step} on every rank (generation ${this.detail.applied_generation}).`,
-        this.detail.applied_step);
-      this.renderActions();
-    }
-  }
-
-  setResult(state, text, step) {
-    this.result.dataset.state = state;
-    if (step !== undefined) this.result.dataset.step = String(step); else delete this.result.dataset.step;
-    this.result.textContent = text;
+    // every field of the desired state, as the commands of the registry set them
+    this.desiredEl.replaceChildren(...Object.entries(des).filter(([k]) => k !== "reason" && k !== "generation").map(([k, v]) =>
+      h("div", {}, h("dt", {}, k), h("dd", { id: `desired-${k}` }, typeof v === "number" ? fmt(v) : String(v)))));
+    this.actionPanel.update(d);
   }
 
   onEvent(ev) {
@@ -378,7 +281,7 @@ export class RunPage {
     this.alertsEl.replaceChildren(
       h("h2", {}, `Firing alerts (${firing.length})`),
       firing.length ? h("div", { id: "firing" }, firing.map((a) => this.alertCard(a))) : h("p", { class: "muted", id: "firing" }, "None: every rule is quiet."),
-      resolved.length ? h("details", { class: "resolved" }, h("summary", {}, `Resolved alerts (${resolved.length})`), resolved.map((a) => this.alertCard(a))) : null);
+      ...(resolved.length ? [h("details", { class: "resolved" }, h("summary", {}, `Resolved alerts (${resolved.length})`), resolved.map((a) => this.alertCard(a)))] : []));
   }
 
   eventRow(ev) {

@@ -1,8 +1,9 @@
 """The console in a real browser (Debian's Chromium, headless) against a real controller process:
 a reporting run appears, its charts draw the window's points and follow new reports, an alert
 appears with its diagnosis and its incident (onset, rungs, outcome) without a reload, a pause confirmed in the page is applied by the real
-agent and the page shows the step, a read-only token gets no actions and is refused, and nothing
-leaves 127.0.0.1."""
+agent and the page shows the step, the page offers every operator command of the registry and a
+value typed into an action's field reaches the controller's desired state (a refused one shows the
+controller's message), a read-only token gets no actions and is refused, and nothing leaves 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 import trainer_agent as ta
 from tests.control.procs import ROOT, until
 from tests.ui.conftest import OPERATOR, READER, Controller, Page, ScriptedAgent, agent_token
+from trainguard.protocol.commands import REGISTRY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -47,6 +49,14 @@ def _ranks(step: int) -> dict[str, list[float]]:
     return {"step_time_s": [0.1, 0.1 + 0.001 * step], "grad_norm": [1.0, 1.1], "loss": [1.0, 1.0]}
 
 
+def _reporting(controller: Controller, run: str, steps: int) -> ScriptedAgent:
+    """A scripted agent of ``run`` that has sent the reports of steps 1..``steps``."""
+    agent = ScriptedAgent(controller.url, run)
+    for step in range(1, steps + 1):
+        agent.report(step, _values(step), _ranks(step))
+    return agent
+
+
 def _wait_points(page: Page, chart: str, condition: str) -> None:
     """Wait until the chart exists and its point count meets ``condition`` (e.g. ">= 20")."""
     page.page.wait_for_function(f"() => {{ const e = document.querySelector('[data-chart=\"{chart}\"]'); return !!e && +e.dataset.points {condition}; }}")
@@ -57,9 +67,7 @@ def _points(page: Page, chart: str) -> int:
 
 
 def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page: Page, controller: Controller) -> None:
-    agent = ScriptedAgent(controller.url, "run-charts")
-    for step in range(1, 13):
-        agent.report(step, _values(step), _ranks(step))
+    agent = _reporting(controller, "run-charts", 12)
     page.sign_in(OPERATOR)
     row = page.page.wait_for_selector('tr[data-run="run-charts"]')
     assert "running" in row.inner_text() and "12" in row.inner_text()
@@ -86,9 +94,7 @@ def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page
 
 
 def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, controller: Controller) -> None:
-    agent = ScriptedAgent(controller.url, "run-alert")
-    for step in range(1, 4):
-        agent.report(step, _values(step), _ranks(step))
+    agent = _reporting(controller, "run-alert", 3)
     page.sign_in(READER, "/ui/runs/run-alert")
     page.page.wait_for_selector('[data-chart="loss"][data-points="3"]')
     assert page.page.query_selector("#firing [data-rule]") is None
@@ -249,10 +255,72 @@ def test_pause_and_stop_from_the_page_are_applied_by_every_rank_of_a_two_rank_jo
         assert by_gen[stop_gen]["stop"] and by_gen[stop_gen]["step"] == stopped == paused, (r, history)
 
 
+def _open_action(page: Page, action: str, fields: dict[str, str]) -> Any:
+    """Press an action, type ``fields`` into its dialog and wait for the controller's preview of them."""
+    page.page.click(f'#actions [data-action="{action}"]')
+    dialog = page.page.wait_for_selector(f'dialog#confirm[open][data-command="{action}"]')
+    for name, value in fields.items():
+        page.page.fill(f"#confirm-field-{name}", value)
+    return dialog
+
+
+def test_the_page_offers_every_operator_command_and_sends_the_values_typed(page: Page, controller: Controller) -> None:
+    agent = _reporting(controller, "run-actions", 3)
+    page.sign_in(OPERATOR, "/ui/runs/run-actions")
+    page.page.wait_for_selector('#actions [data-action="grad-clip"]')
+    offered = [b.get_attribute("data-action") for b in page.page.query_selector_all("#actions [data-action]")]
+    assert offered == [s.url for s in REGISTRY if s.operator and s.console and s.kind == "control"] + [
+        s.url for s in REGISTRY if s.operator and s.console and s.kind == "diagnostic"]
+    assert {"rollback", "verify", "memory-trace", "accumulation", "grad-clip", "reset-optimizer", "momentum",
+            "weight-decay-scale"} <= set(offered)
+    assert page.page.query_selector("#confirm-field-max_norm") is None  # built when its dialog opens
+    assert page.page.inner_text("#alerts").splitlines()[-1] == "None: every rule is quiet."  # and nothing after it
+
+    # grad-clip: a number input with the model's bounds; the preview shows the change, the controller gets the value
+    generation = controller.run("run-actions")["desired_generation"]
+    _open_action(page, "grad-clip", {"max_norm": "2.5"})
+    assert (page.page.get_attribute("#confirm-field-max_norm", "min"), page.page.get_attribute("#confirm-field-max_norm", "max")) == ("0", "1000000")
+    page.page.wait_for_selector('#confirm-changes tr[data-field="grad_clip_norm"]')
+    changes = [r.inner_text().split("\t") for r in page.page.query_selector_all("#confirm-changes tr")]
+    assert changes == [["grad_clip_norm", "0", "2.5"], ["generation", str(generation), str(generation + 1)]]
+    page.page.fill("#confirm-reason", "clip from the page")
+    page.page.click("#confirm-ok")
+    page.page.wait_for_selector(f'#action-result[data-state="pending"]:text-is("grad-clip sent as generation {generation + 1}; '
+                                'waiting for every rank to apply it…")')
+    desired = controller.run("run-actions")["desired"]
+    assert desired["grad_clip_norm"] == 2.5 and desired["reason"].startswith("clip from the page")
+    page.page.click("#desired-state summary")  # the page shows the controller's new state
+    page.page.wait_for_selector('#desired-grad_clip_norm:text-is("2.5")')
+
+    # reset-optimizer: a list typed comma-separated, a dangerous action's confirmation
+    _open_action(page, "reset-optimizer", {"layers": "blocks.0., head"})
+    assert page.page.get_attribute("#confirm-ok", "class") == "danger"
+    page.page.wait_for_selector('#confirm-changes tr[data-field="reset_optimizer_seq"]')
+    assert "This cannot be undone" in page.page.inner_text("#confirm-body")
+    page.page.click("#confirm-ok")
+    page.page.wait_for_selector('#action-result[data-state="pending"]:text-matches("^reset-optimizer sent")')
+    desired = controller.run("run-actions")["desired"]
+    assert (desired["reset_optimizer_seq"], desired["reset_optimizer_layers"]) == (1, "blocks.0.,head")
+
+    # momentum with both a scale and a factor: the model refuses it (422) and the page says why
+    before = controller.run("run-actions")["desired"]
+    _open_action(page, "momentum", {"scale": "0.5", "factor": "2"})
+    message = "give exactly one of 'scale' (absolute) or 'factor' (times the current one)"
+    page.page.wait_for_selector(f'#confirm-note[data-state="error"]:text-is("{message} (HTTP 422)")')
+    page.page.click("#confirm-ok")
+    page.page.wait_for_selector(f'#action-result[data-state="error"]:text-is("momentum refused: {message} (HTTP 422)")')
+    # a rollback without a snapshot: refused by the controller (409) with its reason
+    _open_action(page, "rollback", {})
+    page.page.wait_for_selector('#confirm-note[data-state="error"]:text-matches("^rollback refused: ")')
+    page.page.click("#confirm-ok")
+    result = page.page.wait_for_selector('#action-result[data-state="error"]:text-matches("^rollback refused: rollback refused: ")')
+    assert result.inner_text().endswith("(HTTP 409)")
+    assert controller.run("run-actions")["desired"] == before
+    agent.close()
+
+
 def test_a_read_only_token_sees_no_action_buttons_and_its_requests_are_refused(page: Page, controller: Controller) -> None:
-    agent = ScriptedAgent(controller.url, "run-readonly")
-    for step in range(1, 4):
-        agent.report(step, _values(step), _ranks(step))
+    agent = _reporting(controller, "run-readonly", 3)
     page.sign_in(READER, "/ui/runs/run-readonly")
     page.page.wait_for_selector('[data-chart="loss"][data-points="3"]')
     assert page.page.query_selector_all("[data-action]") == []
@@ -272,9 +340,7 @@ def test_a_read_only_token_sees_no_action_buttons_and_its_requests_are_refused(p
 
 
 def test_the_console_works_with_no_network_but_loopback(page: Page, controller: Controller) -> None:
-    agent = ScriptedAgent(controller.url, "run-offline")
-    for step in range(1, 6):
-        agent.report(step, _values(step), _ranks(step))
+    agent = _reporting(controller, "run-offline", 5)
     page.sign_in(OPERATOR)
     page.page.wait_for_selector('tr[data-run="run-offline"]')
     page.page.click('tr[data-run="run-offline"] a')

@@ -50,6 +50,24 @@ class CommandInput:
                 "exclusive_minimum": self.exclusive_minimum, "exclusive_maximum": self.exclusive_maximum,
                 "choices": list(self.choices), "max_items": self.max_items, "max_length": self.max_length}
 
+    @property
+    def option(self) -> str:
+        """Its command-line option: ``--max-norm``; a list is given once per item, in the singular
+        (``--layer a --layer b`` for ``layers``)."""
+        name = self.name[:-1] if self.type == "list" and self.name.endswith("s") else self.name
+        return "--" + name.replace("_", "-")
+
+    @property
+    def metavar(self) -> str:
+        """Its value's name in a usage line: ``MAX_NORM``, ``LAYER``."""
+        return self.option[2:].upper().replace("-", "_")
+
+    def notes(self) -> str:
+        """Its bounds, whether it is required, its default, as one phrase (``in [0, 10]; required``)."""
+        return "; ".join(x for x in (self.bounds() and f"in {self.bounds()}", self.required and "required",
+                                     self.default not in (None, []) and f"default {self.default}",
+                                     self.type == "list" and "once per item") if x)
+
     def bounds(self) -> str:
         """The bounds as an interval, e.g. ``(0, 10]``; empty without bounds."""
         lo = self.minimum if self.exclusive_minimum is None else self.exclusive_minimum
