@@ -27,7 +27,6 @@ from trainguard.protocol.catalog import AGENT_METRICS, CONTROL_METRICS, DATA_MET
 from trainguard.protocol.catalog import MetricSpec
 from trainguard.protocol.command_inputs import command_inputs
 from trainguard.protocol.commands import REGISTRY
-from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
 from trainguard.service.rules import AdaptiveLrAction, NotifyAction, RecoveryPolicy, default_rules_text, load_rules
