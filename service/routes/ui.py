@@ -736,7 +736,8 @@ async def api_preview(run: str, command: str, request: Request, session: AnySess
     spec, params = _action(command, session, body)
     st = _controller(request).get(run)
     if spec.requires_config is not None and not isinstance(st.config.get(spec.requires_config[0]), int):
-        raise HTTPException(409, f"run {run!r} has not opted in to {spec.name}: {spec.requires_config[1]}")
+        key, why = spec.requires_config  # the words Controller.command refuses it with
+        raise HTTPException(409, f"run {run!r} does not let the controller set its {key.replace('_', ' ')} ({why})")
     try:
         updates, note = apply_command(st.desired, spec, params, st.recovery)
     except CommandRefused as e:

@@ -130,10 +130,11 @@ def test_a_preview_answers_the_change_or_the_refusal_and_changes_nothing(client_
     assert client.post("/ui/api/runs/run-1/resume/preview", json={}, headers=csrf).json()["changes"] == []  # running already
     resp = client.post("/ui/api/runs/run-1/rollback/preview", json={}, headers=csrf)  # no snapshot reported
     assert resp.status_code == 409 and resp.json()["detail"].startswith("rollback refused: the run reports no snapshot")
-    resp = client.post("/ui/api/runs/run-1/accumulation/preview", json={"steps": 4}, headers=csrf)
-    assert resp.status_code == 409 and "accumulation_steps=N" in resp.json()["detail"]
-    # what the preview said is what the command then does
-    assert client.post("/ui/api/runs/run-1/rollback", json={}, headers=csrf).status_code == 409
-    assert client.post("/ui/api/runs/run-1/accumulation", json={"steps": 4}, headers=csrf).status_code == 409
+    # what the preview says is what the command then answers
+    for command, body in (("rollback", {}), ("accumulation", {"steps": 4})):
+        preview = client.post(f"/ui/api/runs/run-1/{command}/preview", json=body, headers=csrf)
+        sent = client.post(f"/ui/api/runs/run-1/{command}", json=body, headers=csrf)
+        assert preview.status_code == sent.status_code == 409 and preview.json() == sent.json(), command
+    assert "accumulation_steps=N" in preview.json()["detail"]
     assert _desired(client)["generation"] == 0
     assert client.post("/ui/api/runs/nope/pause/preview", json={}, headers=csrf).status_code == 404
