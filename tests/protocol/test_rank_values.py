@@ -25,14 +25,18 @@ PINNED: dict[int, tuple[str, ...]] = {
 }
 
 
+def layout_of(specs: tuple[RankValueSpec, ...], version: int) -> tuple[str, ...]:
+    since = {s.wire: s.since for s in specs if s.wire is not None}
+    return tuple(n for n in stored_layout(specs) if since[n] <= version)
+
+
 def _pin_problems(specs: tuple[RankValueSpec, ...]) -> list[str]:
     """How the stored layout of ``specs`` breaks the pinned ones (none: it keeps every one)."""
     names = stored_layout(specs)
-    since = {s.wire: s.since for s in specs if s.wire is not None}
-    current = max(since.values())
+    current = max(s.since for s in specs if s.wire is not None)
     problems = [] if current in PINNED or current == max(PINNED) + 1 else [f"version {current} skips a version"]
     for version, pinned in PINNED.items():
-        got = tuple(n for n in names if since[n] <= version)
+        got = layout_of(specs, version)
         if got != pinned or names[:len(pinned)] != pinned:
             problems.append(f"version {version}: {got} is not the pinned {pinned}")
     return problems
@@ -52,16 +56,20 @@ def _spec(wire: str, since: int) -> RankValueSpec:
 def test_a_vector_inserted_mid_list_without_a_new_version_breaks_the_pin() -> None:
     middle = len(RANK_VALUES) // 2
     inserted = RANK_VALUES[:middle] + (_spec("new_value", 1),) + RANK_VALUES[middle:]
-    assert _pin_problems(inserted) == [f"version 1: {stored_layout(inserted)} is not the pinned {PINNED[1]}"]
-    at_the_end = RANK_VALUES + (_spec("new_value", 1),)
-    assert len(_pin_problems(at_the_end)) == 1  # appended, but under the released version: bump it
+    problems = _pin_problems(inserted)
+    assert problems[0] == f"version 1: {layout_of(inserted, 1)} is not the pinned {PINNED[1]}"
+    assert "new_value" in layout_of(inserted, 1)
+    # appended, but under the released version: bump it
+    at_the_end = RANK_VALUES + (_spec("new_value", RANK_LAYOUT_VERSION),)
+    assert [p.split(":")[0] for p in _pin_problems(at_the_end)] == [f"version {RANK_LAYOUT_VERSION}"]
 
 
 def test_a_vector_of_a_new_version_goes_at_the_end_or_the_layout_is_refused() -> None:
-    with pytest.raises(ValueError, match="'new_value' \\(layout version 2\\) is declared before 'grad_fingerprint' \\(version 1\\)"):
-        stored_layout(RANK_VALUES[:3] + (_spec("new_value", 2),) + RANK_VALUES[3:])
-    appended = RANK_VALUES + (_spec("new_value", 2),)
-    assert stored_layout(appended) == PINNED[1] + ("new_value",)  # every old bit keeps its name
+    new = RANK_LAYOUT_VERSION + 1
+    with pytest.raises(ValueError, match=f"'new_value' \\(layout version {new}\\) is declared before 'grad_fingerprint'"):
+        stored_layout(RANK_VALUES[:3] + (_spec("new_value", new),) + RANK_VALUES[3:])
+    appended = RANK_VALUES + (_spec("new_value", new),)
+    assert stored_layout(appended) == PINNED[RANK_LAYOUT_VERSION] + ("new_value",)  # every old bit keeps its name
     assert _pin_problems(appended) == []
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from tests.protocol.test_rank_values import PINNED
 from tests.service.conftest import register
+from trainguard.service.window import VECTORS
 
 
 def _insert(conn: sqlite3.Connection, run_id: int, seq: int, vectors: dict[int, list[float]]) -> None:
@@ -29,7 +30,7 @@ def test_rows_of_the_first_layout_and_of_a_newer_one_decode_after_a_restart(app_
     conn = sqlite3.connect(tmp_path / "tg.db", isolation_level=None)
     (run_id,) = conn.execute("SELECT id FROM runs WHERE run = 'run-1'").fetchone()
     _insert(conn, run_id, 1, {v1.index("loss"): [2.5, float("nan")], v1.index("gpu_xid"): [0.0, 79.0]})
-    newer = len(v1)  # a vector a later layout adds: unknown to this controller
+    newer = len(VECTORS)  # a vector a later layout adds: unknown to this controller
     _insert(conn, run_id, 2, {v1.index("step_time_s"): [0.5, 0.75], newer: [1.0, 2.0],
                               v1.index("data_overlap"): [0.0, 1.0]})
     conn.close()
