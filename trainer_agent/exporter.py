@@ -99,11 +99,9 @@ class UnknownValues:
 
     def check(self, values: Mapping[str, float]) -> int:
         """Report the unknown values of ``values`` not reported before; returns how many."""
-        if len(self._seen) >= self.MAX_REMEMBERED:
-            return 0
+        if len(self._seen) >= self.MAX_REMEMBERED or self._seen.issuperset(values):
+            return 0  # the usual case: every key checked before (no set built)
         fresh = values.keys() - self._seen
-        if not fresh:
-            return 0
         problems = []
         with self._lock:
             for key in sorted(fresh - self._seen):
