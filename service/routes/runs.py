@@ -139,7 +139,7 @@ def command_route(spec: CommandSpec, on: APIRouter) -> None:
           default=None if optional else P.empty),
     ], return_annotation=Response)
     on.add_api_route(f"/runs/{{run}}/{spec.url}", handler, methods=["POST"], response_model=CommandResult,
-                         summary=spec.summary, name=f"command_{spec.name}", tags=["commands"])
+                     summary=spec.summary, name=f"command_{spec.name}", tags=["commands"])
 
 
 for _spec in REGISTRY:  # every operator command of the registry: a new one gets its route here
