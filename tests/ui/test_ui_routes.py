@@ -292,7 +292,7 @@ def _parse_sse(chunk: bytes) -> tuple[str, Any]:
 def test_the_run_stream_replays_events_after_its_cursor_then_sends_new_reports_and_the_status(
     client_factory: Callable[..., TestClient],
 ) -> None:
-    from trainguard.service.routes.ui import _updates
+    from trainguard.service.routes.ui_streams import _updates
 
     client = client_factory(**TOKENS)
     _register(client, headers=AGENT_AUTH)

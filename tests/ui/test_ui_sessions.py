@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from trainguard.service import runstate
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
-from trainguard.service.routes import ui
+from trainguard.service.routes import ui_streams
 from trainguard.service.routes.ui import COOKIE, CSRF_HEADER, ConsoleSessions, LoginLimiter
 
 ADMIN, READER, HOOKS, AGENT = "admin-token-0001", "reader-token-001", "hooks-token-0001", "agent-token-0001"
@@ -258,7 +258,7 @@ def test_the_runs_list_is_built_once_for_every_stream_not_once_per_stream(make, 
         body = {"job": "job-a", "run": f"run-{i}", "world_size": 1, "ranks": []}
         assert c.post("/v1/runs", json=body, headers=_h(fleet)).status_code == 200
     _login(c, READER)
-    monkeypatch.setattr(ui, "_RUNS_EVERY_S", 3600.0)  # one interval for the whole test
+    monkeypatch.setattr(ui_streams, "_RUNS_EVERY_S", 3600.0)  # one interval for the whole test
     built = []
     summary = runstate.RunState.summary
     monkeypatch.setattr(runstate.RunState, "summary", lambda st: built.append(st.run) or summary(st))
@@ -274,7 +274,7 @@ def test_a_burst_of_audit_events_does_not_rebuild_the_run_status_per_event(make,
     c = make()
     _register(c)
     _login(c, READER)
-    monkeypatch.setattr(ui, "_TICK_S", 3600.0)  # the status is looked at once, at the start
+    monkeypatch.setattr(ui_streams, "_TICK_S", 3600.0)  # the status is looked at once, at the start
     built = []
     summary = runstate.RunState.summary
     monkeypatch.setattr(runstate.RunState, "summary", lambda st: built.append(st.run) or summary(st))
