@@ -40,10 +40,10 @@ import time
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainer_agent as ta
 from trainer_agent import stats
+from trainer_agent.compat.torch_private import TorchDispatchMode
 
 
 class GPT(nn.Module):
