@@ -33,7 +33,7 @@ from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
 from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules, require_rules
-from trainguard.service.runstate import RunState, action_names, live, target_address, valid_host
+from trainguard.service.runstate import RunState, action_names, live, resent, target_address, valid_host
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
 from trainguard.service.webhooks import SEVERITY_RANK, IncidentUpdate, WebhookDeliverer, incident_update
@@ -318,7 +318,7 @@ class Controller:
             tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
             tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                       registered_at=now, live_since=now,  # a restarted job is live again, finished or not
-                      finished_at=None, finished_step=None, finish_reason="")
+                      finished_at=None, finished_step=None, finish_reason="", last_report=None)
             st.recovery.configure(reg.config)
         generation = 0 if st is None else st.desired.generation
 
@@ -393,6 +393,11 @@ class Controller:
         if report.job != st.job:
             self.metrics.rejected.labels("conflict").inc()
             raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")
+        if resent(st.last_report, report.step_first, report.step_last, report.time, report.values):
+            # Sent again (the answer to the first was lost, e.g. the controller it went to died
+            # after committing it): stored and evaluated once, answered like the first.
+            self.metrics.resent.inc()
+            return b'{"desired":' + st.published_json + b',"alerts":[]}'
         cols, limit = st.window.columns, self.settings.max_series_per_run
         if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
             new = sum(1 for k in report.values if k not in cols)
@@ -411,7 +416,8 @@ class Controller:
         st.window.append_raw(report.values, ranks, report.step_last, now)
         st.window.desync = tuple(report.desync)
         tx.on_rollback(lambda: st.window.rollback(saved))
-        tx.assign(st, reported_generation=report.applied_generation)
+        tx.assign(st, reported_generation=report.applied_generation,
+                  last_report=(report.step_first, report.step_last, report.time, report.values))
         run_id, seq = st.id, st.window.count
         rules = self.rules.for_job(st.job)
         rec = st.recovery

@@ -41,6 +41,7 @@ class ControllerMetric(MetricSpec):
 
 CONTROLLER_METRICS: tuple[ControllerMetric, ...] = (
     ControllerMetric("trainguard_controller_reports_total", "counter", "reports", "Reports ingested (persisted and evaluated)."),
+    ControllerMetric("trainguard_controller_reports_resent_total", "counter", "reports", "Reports received again, equal to the run's last stored one (its agent sent it again after a lost answer, e.g. across a failover): answered with the desired state, stored and evaluated once."),
     ControllerMetric("trainguard_controller_reports_rejected_total", "counter", "reports", "Reports refused, by reason (invalid, unknown_run, conflict, finished, series_limit).", ("reason",)),
     ControllerMetric("trainguard_controller_registrations_rejected_total", "counter", "registrations", "Run registrations refused by a limit, by reason (runs_limit, token_runs_limit, world_size_limit).", ("reason",)),
     ControllerMetric("trainguard_controller_rule_evaluations_total", "counter", "evaluations", "Rule evaluations (one per rule per report, plus absence checks)."),
@@ -108,6 +109,7 @@ class ControllerMetrics:
         self.registry = registry
         h = _help
         self.reports = Counter("trainguard_controller_reports", h("trainguard_controller_reports_total"), registry=registry)
+        self.resent = Counter("trainguard_controller_reports_resent", h("trainguard_controller_reports_resent_total"), registry=registry)
         self.rejected = Counter("trainguard_controller_reports_rejected", h("trainguard_controller_reports_rejected_total"), ["reason"], registry=registry)
         self.registrations_rejected = Counter("trainguard_controller_registrations_rejected", h("trainguard_controller_registrations_rejected_total"), ["reason"], registry=registry)
         self.evaluations = Counter("trainguard_controller_rule_evaluations", h("trainguard_controller_rule_evaluations_total"), registry=registry)

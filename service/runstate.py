@@ -15,7 +15,7 @@ from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["RunState", "live", "action_names", "target_address"]
+__all__ = ["RunState", "live", "action_names", "resent", "target_address"]
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +42,10 @@ class RunState:
     book: AlertBook = field(default_factory=AlertBook)
     firing: dict[str, dict[str, Any]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    last_report: tuple[int, int, float, dict[str, float]] | None = None
+    """(step_first, step_last, time, values) of the last report stored since the run's
+    registration: a report equal in all four is the agent sending it again (its answer was lost),
+    stored once (:func:`resent`)."""
     finished_at: float | None = None
     """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
     re-registration. A finished run is not expected to report."""
@@ -127,6 +131,17 @@ class RunState:
         for name in names:
             self.firing.pop(name, None)
             self.book.resolve(name)
+
+
+def resent(last: tuple[int, int, float, dict[str, float]] | None, step_first: int, step_last: int, time: float,
+           values: dict[str, float]) -> bool:
+    """Whether a report is ``last`` sent again: the same step range, send time and values (NaN
+    equal to NaN). An agent sends one report per step range; the values are compared only when
+    the rest matches."""
+    if last is None or last[:3] != (step_first, step_last, time) or len(last[3]) != len(values):
+        return False
+    prev = last[3]
+    return all(k in prev and (prev[k] == v or (prev[k] != prev[k] and v != v)) for k, v in values.items())
 
 
 def live(d: DesiredState) -> bool:

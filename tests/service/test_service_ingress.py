@@ -136,3 +136,39 @@ def test_good_reports_do_not_reach_the_route(tmp_path: Path, monkeypatch: pytest
         monkeypatch.setattr(Request, "body", unreachable)  # after registering: only a report route would read now
         r = c.post("/v1/runs/run-a/reports", content=_report(1, {"trainguard_loss": 1.0}), headers=_bearer(AG))
         assert r.status_code == 200 and json.loads(r.content)["alerts"] == []
+
+
+def _stored(db: Path) -> list[tuple[int, int]]:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        return c.execute("SELECT step_first, step_last FROM reports ORDER BY seq").fetchall()
+
+
+def test_a_report_sent_again_is_stored_and_evaluated_once(tmp_path: Path) -> None:
+    """The agent sends a report again when its answer was lost (the controller it went to died
+    after committing it): the same report (step range, send time, values; NaN included) is
+    answered with the desired state, not stored or evaluated twice — also after a restart — while
+    another report of the same steps and a re-registered run (a restarted job) are stored."""
+    settings = Settings(db=tmp_path / "tg.db", tick_s=60)
+    nan = {"job": "job-a", "step_first": 11, "step_last": 20, "time": 1.0, "values": {"trainguard_loss": "NaN"}}
+    with TestClient(create_app(settings)) as c:
+        register(c, world_size=1)
+        first = c.post("/v1/runs/run-1/reports", json=nan)
+        again = c.post("/v1/runs/run-1/reports", json=nan)
+        assert first.status_code == again.status_code == 200
+        assert first.json()["alerts"] == ["loss_nonfinite"] and again.json() == {**first.json(), "alerts": []}
+        assert c.get("/v1/runs/run-1").json()["reports"] == 1
+        other = {**nan, "values": {"trainguard_loss": "NaN", "trainguard_grad_norm": 1.0}}  # not the same report
+        assert c.post("/v1/runs/run-1/reports", json=other).status_code == 200
+        assert c.post("/v1/runs/run-1/reports", json=other).status_code == 200  # ... sent again
+        assert c.get("/v1/runs/run-1").json()["reports"] == 2
+        metrics = c.get("/metrics").text
+        assert "trainguard_controller_reports_resent_total 2.0" in metrics
+        assert 'trainguard_controller_alerts_total{rule="loss_nonfinite",severity="critical"} 1.0' in metrics
+    with TestClient(create_app(settings)) as c:  # restarted: the last stored range is known again
+        assert c.post("/v1/runs/run-1/reports", json=other).json()["alerts"] == []
+        assert c.get("/v1/runs/run-1").json()["reports"] == 2
+        register(c, world_size=1)  # the job restarted from a checkpoint: it reports those steps anew
+        assert c.post("/v1/runs/run-1/reports", json={**nan, "values": {"trainguard_loss": 2.0}}).status_code == 200
+    assert _stored(tmp_path / "tg.db") == [(11, 20)] * 3
