@@ -1,4 +1,4 @@
-"""``trainguard preflight SCRIPT [args]`` (trainguard/cli.py) on a real training script, in a
+"""``trainguard preflight SCRIPT [args]`` (trainguard/cli/) on a real training script, in a
 subprocess: it runs the script up to ``agent.preflight``, prints the table, stops before training
 and exits 1 when a check failed; a script that never calls ``agent.preflight`` exits 2."""
 

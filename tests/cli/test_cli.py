@@ -1,4 +1,4 @@
-"""trainguard/cli.py as a user runs it: `trainguard serve` says where the console is and whether
+"""trainguard/cli/ as a user runs it: `trainguard serve` says where the console is and whether
 auth is on; a client command piped into a reader that stops early (`| head -1`) ends quietly; every
 operator command of the registry is a verb whose options are its body's fields, sets the desired
 state the controller then shows, and a bad value exits 2 with the model's message, nothing sent."""
@@ -22,7 +22,7 @@ from pydantic import Field
 
 from trainguard import cli
 from trainguard.protocol.base import Int
-from trainguard.protocol.commands import REGISTRY, Change, CommandRequest, CommandSpec
+from trainguard.protocol.commands import BY_NAME, REGISTRY, Change, CommandRequest, CommandSpec
 from trainguard.service.server import startup_banner
 
 TRAINGUARD = Path(sys.executable).with_name("trainguard")
@@ -254,7 +254,7 @@ class _TiltRequest(CommandRequest):
 def test_a_command_added_to_the_registry_is_a_verb_without_editing_the_cli(monkeypatch, capsys) -> None:
     spec = CommandSpec("tilt", "Tilt the run", lambda d, p, ctx: Change(), request=_TiltRequest)
     monkeypatch.setattr(cli, "REGISTRY", (*REGISTRY, spec))
-    monkeypatch.setitem(cli.BY_NAME, "tilt", spec)
+    monkeypatch.setitem(BY_NAME, "tilt", spec)
     closed = "http://127.0.0.1:9"  # nothing listens: a command that got as far as sending exits 1
     args = cli._parser().parse_args(["tilt", "run-x", "--level", "3", "--mode", "b", "--tag", "x", "--tag", "y"])
     assert (args.command, args.run, args.level, args.mode, args.tags) == ("tilt", "run-x", 3, "b", ["x", "y"])

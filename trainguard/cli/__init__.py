@@ -26,49 +26,31 @@ before it is sent (a bad value exits with status 2 and says why).
 Client commands take ``--url`` (env ``TRAINGUARD_URL``, default http://127.0.0.1:8000) and
 ``--token`` (env ``TRAINGUARD_TOKEN``). ``trainguard demo ...`` and ``trainguard dashboards build
 ...`` hand their arguments to ``trainguard.demo.run`` and ``dashboards.build``.
+
+The reads are in ``reads.py``, the run commands in ``run_commands.py``, the HTTP client in
+``client.py``; ``python -m trainguard.cli`` runs :func:`main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import signal
 import socket
 import sys
-import uuid
 from typing import Any, Sequence
 
 import httpx
 from pydantic import ValidationError
 
-from trainguard.protocol.command_inputs import command_inputs, validation_message
-from trainguard.protocol.commands import BY_NAME, REGISTRY, CommandSpec
+from trainguard.cli import reads
+from trainguard.cli.client import DEFAULT_URL, checked, connect, show, when
+from trainguard.cli.reads import format_incidents, format_verdict
+from trainguard.cli.run_commands import add_command
+from trainguard.protocol.commands import REGISTRY
 
-__all__ = ["main"]
-
-_DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=timeout)
-
-
-def _check(resp: httpx.Response) -> Any:
-    if resp.status_code >= 400:
-        try:
-            detail = resp.json()
-        except ValueError:
-            detail = resp.text
-        raise SystemExit(f"error: HTTP {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}")
-    return resp.json() if resp.content else None
-
-
-def _print(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=False))
-
+__all__ = ["main", "format_incidents", "format_verdict", "parse_ttl", "preflight"]
 
 # -- serve ------------------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
@@ -112,167 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 # -- client commands ----------------------------------------------------------------------------
-def _runs(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        runs = _check(c.get("/v1/runs", params={"job": args.job} if args.job else None))
-    if args.json:
-        _print(runs)
-        return 0
-    print(f"{'RUN':<28} {'JOB':<20} {'STATUS':<10} {'STEP':>9} {'GEN':>4} {'APPLIED':>7}  FIRING")
-    for r in runs:
-        last = r["finished_step"] if r.get("finished_step") is not None else r["last_step"]  # a finished run: its final step
-        step = "" if last is None else last
-        print(f"{r['run']:<28} {r['job']:<20} {r['status']:<10} {step:>9} {r['desired_generation']:>4} {r['applied_generation']:>7}  {','.join(r['firing'])}")
-    return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        _print(_check(c.get(f"/v1/runs/{args.run}")))
-    return 0
 
 
-def _add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -> None:
-    """``trainguard <spec.url> RUN [FIRST] [--option ...]``: one option per field of the command's
-    body (:func:`trainguard.protocol.command_inputs.command_inputs`); the first field may also be
-    given right after RUN (``trainguard lr-scale RUN 0.5``, ``trainguard reset-optimizer RUN a b``)."""
-    summary = spec.summary.replace("%", "%%")  # argparse formats help texts with %
-    s = sub.add_parser(spec.url, parents=[client], help=summary, description=summary)
-    s.add_argument("run")
-    inputs = command_inputs(spec.request)
-    types = {"number": float, "integer": int, "text": str, "list": str, "choice": str}
-    for i, inp in enumerate(inputs):
-        notes = inp.notes()
-        helptext = (inp.description + (f" ({notes})" if notes else "")).replace("%", "%%")
-        if i == 0:
-            s.add_argument(f"{inp.name}_first", metavar=inp.metavar, nargs="*" if inp.type == "list" else "?",
-                           type=types.get(inp.type, str), help=f"the same as {inp.option}")
-        if inp.type == "boolean":
-            s.add_argument(inp.option, dest=inp.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
-        else:
-            s.add_argument(inp.option, dest=inp.name, type=types[inp.type], choices=inp.choices or None,
-                           metavar=None if inp.choices else inp.metavar,
-                           action="append" if inp.type == "list" else "store", default=None, help=helptext)
-    s.add_argument("--reason", default="", help="why (recorded in the audit log)")
-    s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
-    s.set_defaults(func=_command, command=spec.name)
-
-
-def _command(args: argparse.Namespace) -> int:
-    """Send a registry command, its body validated by the command's request model first (a bad
-    value: exit status 2 and the model's message, nothing sent)."""
-    spec = BY_NAME[args.command]
-    body: dict[str, Any] = {"reason": args.reason or ""}
-    for i, inp in enumerate(command_inputs(spec.request)):
-        value, first = getattr(args, inp.name), getattr(args, f"{inp.name}_first", None) if i == 0 else None
-        if first not in (None, []):
-            if value is not None:
-                print(f"trainguard {spec.url}: give {inp.name} once: after RUN or as {inp.option}", file=sys.stderr)
-                return 2
-            value = first
-        if value is None and inp.required:
-            print(f"trainguard {spec.url}: {inp.name} is required: give it after RUN or as {inp.option}", file=sys.stderr)
-            return 2
-        if value is not None:
-            body[inp.name] = value
-    try:
-        req = spec.request.model_validate(body)
-    except ValidationError as e:
-        print(f"trainguard {spec.url}: {validation_message(e)}", file=sys.stderr)
-        return 2
-    key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
-    with _client(args) as c:
-        _print(_check(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
-                             headers={"Idempotency-Key": key})))
-    return 0
-
-
-def _incidents(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        body = _check(c.get(f"/v1/runs/{args.run}/incidents"))
-    if args.json:
-        _print(body)
-        return 0
-    print(format_incidents(body["incidents"]))
-    return 0
-
-
-def format_incidents(incidents: list[dict[str, Any]]) -> str:
-    """Incidents as lines of text: onset, each rung (step, by whom, why), outcome."""
-    if not incidents:
-        return "no incidents"
-    lines = []
-    for inc in incidents:
-        end = "" if inc["closed_step"] is None else f" at step {inc['closed_step']}"
-        lines.append(f"incident {inc['id']}: onset step {inc['onset_step']} ({inc['trigger']}) -> {inc['outcome']}{end}")
-        lines.extend(format_verdict(inc))
-        for r in inc["rungs"]:
-            lines.append(f"  step {r['step']:>7}  {r['rung']:<12} {r['actor']}: {r['reason']}")
-    return "\n".join(lines)
-
-
-def format_verdict(inc: dict[str, Any]) -> list[str]:
-    """An incident's cause and the evidence it was decided on, as indented lines."""
-    verdict = inc.get("verdict") or {}
-    lines = [f"  cause: {inc.get('cause', 'unknown')}: {verdict.get('summary', '')}"]
-    if verdict.get("ranks"):
-        lines.append("  suspect: " + ", ".join(f"rank {r} on {h}" for r, h in zip(verdict["ranks"], verdict.get("hosts", []))))
-    for e in verdict.get("evidence", []):
-        ref = "" if e.get("reference") is None else f" (against {json.dumps(e['reference'])})"
-        lines.append(f"    {e['points_to']:<9} {e['signal']} = {json.dumps(e['value'])}{ref}: {e['detail']}")
-    if verdict.get("revised"):
-        rev = verdict["revised"]
-        lines.append(f"  revised at step {rev['step']} from {rev['from']}: {rev['summary']}")
-    exp = inc.get("experiment")
-    if exp:
-        lines.append(f"  experiment: LR x{exp['lr_factor']:g} for steps {exp['from_step']}-{exp['until_step']}: "
-                     f"{exp.get('conclusion') or 'running'}")
-    if inc.get("data_skipped"):
-        first, last = inc["data_skipped"]
-        lines.append(f"  data: the optimizer steps {first}-{last} skipped on every rank (their samples quarantined "
-                     "by the run's TokenLoader)")
-    return lines
-
-
-def _fmt_event(ev: dict[str, Any]) -> str:
-    from datetime import datetime
-
-    when = datetime.fromtimestamp(ev["time"]).strftime("%Y-%m-%d %H:%M:%S")
-    gen = "" if ev.get("generation") is None else f" gen={ev['generation']}"
-    return f"{ev['id']:>6} {when} {ev['run']} {ev['kind']:<10} {ev['actor']}{gen}: {ev['reason']}"
-
-
-def _events(args: argparse.Namespace) -> int:
-    with _client(args, timeout=None if args.follow else 10.0) as c:
-        if not args.follow:
-            for ev in _check(c.get(f"/v1/runs/{args.run}/events", params={"after": args.after})):
-                print(json.dumps(ev) if args.json else _fmt_event(ev))
-            return 0
-        params = {"run": args.run, "after": args.after}
-        try:
-            with c.stream("GET", "/v1/events/stream", params=params) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    _check(resp)
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        ev = json.loads(line[6:])
-                        print(json.dumps(ev) if args.json else _fmt_event(ev), flush=True)
-        except KeyboardInterrupt:
-            return 0
-    return 0
-
-
-def _alerts(args: argparse.Namespace) -> int:
-    params = {k: v for k, v in (("state", args.state), ("run", args.run)) if v}
-    with _client(args) as c:
-        alerts = _check(c.get("/v1/alerts", params=params))
-    if args.json:
-        _print(alerts)
-    else:
-        for a in alerts:
-            print(f"{a['id']:>6} {a['state']:<8} {a['severity']:<8} {a['run']:<24} {a['rule']:<24} {a['summary']}")
-    return 0
 
 
 def _rules_check(args: argparse.Namespace) -> int:
@@ -305,38 +130,34 @@ def parse_ttl(text: str) -> float:
 
 
 def _token(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with connect(args) as c:
         if args.token_cmd == "create":
             body: dict[str, Any] = {"name": args.name, "scopes": args.scope.split("+"), "ttl_s": args.ttl}
             if args.job is not None:
                 body["job"] = args.job
-            made = _check(c.post("/v1/tokens", json=body))
+            made = checked(c.post("/v1/tokens", json=body))
             if args.json:
-                _print(made)
+                show(made)
             else:
-                expires = "never" if made["expires_at"] is None else _when(made["expires_at"])
+                expires = "never" if made["expires_at"] is None else when(made["expires_at"])
                 print(f"token {made['id']} ({'+'.join(made['scopes'])}, jobs {made['job_pattern'] or '-'}, expires {expires}):")
                 print(made["token"])
                 print("It is shown only this once: store it now.", file=sys.stderr)
         elif args.token_cmd == "list":
-            rows = _check(c.get("/v1/tokens"))
+            rows = checked(c.get("/v1/tokens"))
             if args.json:
-                _print(rows)
+                show(rows)
                 return 0
             print(f"{'ID':>4} {'NAME':<20} {'SCOPES':<22} {'JOBS':<14} {'EXPIRES':<19} {'STATE':<8} CREATOR")
             for t in rows:
                 state = "revoked" if t["revoked_at"] else "live"
-                expires = "never" if t["expires_at"] is None else _when(t["expires_at"])
+                expires = "never" if t["expires_at"] is None else when(t["expires_at"])
                 print(f"{t['id']:>4} {t['name'][:20]:<20} {'+'.join(t['scopes']):<22} {(t['job_pattern'] or '-'):<14} {expires:<19} {state:<8} {t['creator']}")
         else:
-            _print(_check(c.delete(f"/v1/tokens/{args.id}")))
+            show(checked(c.delete(f"/v1/tokens/{args.id}")))
     return 0
 
 
-def _when(t: float) -> str:
-    from datetime import datetime
-
-    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -416,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainguard", description="Training-stability monitoring and control.")
     sub = p.add_subparsers(dest="cmd", required=True)
     client = argparse.ArgumentParser(add_help=False)
-    client.add_argument("--url", default=os.environ.get("TRAINGUARD_URL", _DEFAULT_URL), help="controller URL (env TRAINGUARD_URL)")
+    client.add_argument("--url", default=os.environ.get("TRAINGUARD_URL", DEFAULT_URL), help="controller URL (env TRAINGUARD_URL)")
     client.add_argument("--token", default=os.environ.get("TRAINGUARD_TOKEN"), help="bearer token (env TRAINGUARD_TOKEN)")
     client.add_argument("--json", action="store_true", help="print JSON")
 
@@ -431,25 +252,25 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("runs", parents=[client], help="list runs")
     s.add_argument("--job")
-    s.set_defaults(func=_runs)
+    s.set_defaults(func=reads.runs)
     s = sub.add_parser("status", parents=[client], help="a run's status")
     s.add_argument("run")
-    s.set_defaults(func=_status)
+    s.set_defaults(func=reads.status)
     for spec in REGISTRY:
         if spec.operator:
-            _add_command(sub, client, spec)
+            add_command(sub, client, spec)
     s = sub.add_parser("incidents", parents=[client], help="a run's incidents and the escalation rungs taken")
     s.add_argument("run")
-    s.set_defaults(func=_incidents)
+    s.set_defaults(func=reads.incidents)
     s = sub.add_parser("events", parents=[client], help="a run's audit log")
     s.add_argument("run")
     s.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (Server-Sent Events)")
     s.add_argument("--after", type=int, default=0, help="only events with a larger id")
-    s.set_defaults(func=_events)
+    s.set_defaults(func=reads.events)
     s = sub.add_parser("alerts", parents=[client], help="alerts, newest first")
     s.add_argument("--state", choices=["firing", "resolved"])
     s.add_argument("--run")
-    s.set_defaults(func=_alerts)
+    s.set_defaults(func=reads.alerts)
     s = sub.add_parser("rules", help="rules files")
     rsub = s.add_subparsers(dest="rules_cmd", required=True)
     r = rsub.add_parser("check", help="validate a rules file offline")
@@ -521,6 +342,3 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"trainguard: cannot reach the controller at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

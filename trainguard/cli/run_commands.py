@@ -1,0 +1,73 @@
+"""The CLI's run commands: one verb per operator command of the registry
+(``trainguard.protocol.commands.REGISTRY``), its options the fields of the command's request model
+(:func:`trainguard.protocol.command_inputs.command_inputs`), the body validated before it is sent."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from trainguard.cli.client import checked, connect, show
+from trainguard.protocol.command_inputs import command_inputs, validation_message
+from trainguard.protocol.commands import BY_NAME, CommandSpec
+
+__all__ = ["add_command", "send_command"]
+
+
+def add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -> None:
+    """``trainguard <spec.url> RUN [FIRST] [--option ...]``: one option per field of the command's
+    body (:func:`trainguard.protocol.command_inputs.command_inputs`); the first field may also be
+    given right after RUN (``trainguard lr-scale RUN 0.5``, ``trainguard reset-optimizer RUN a b``)."""
+    summary = spec.summary.replace("%", "%%")  # argparse formats help texts with %
+    s = sub.add_parser(spec.url, parents=[client], help=summary, description=summary)
+    s.add_argument("run")
+    inputs = command_inputs(spec.request)
+    types = {"number": float, "integer": int, "text": str, "list": str, "choice": str}
+    for i, inp in enumerate(inputs):
+        notes = inp.notes()
+        helptext = (inp.description + (f" ({notes})" if notes else "")).replace("%", "%%")
+        if i == 0:
+            s.add_argument(f"{inp.name}_first", metavar=inp.metavar, nargs="*" if inp.type == "list" else "?",
+                           type=types.get(inp.type, str), help=f"the same as {inp.option}")
+        if inp.type == "boolean":
+            s.add_argument(inp.option, dest=inp.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        else:
+            s.add_argument(inp.option, dest=inp.name, type=types[inp.type], choices=inp.choices or None,
+                           metavar=None if inp.choices else inp.metavar,
+                           action="append" if inp.type == "list" else "store", default=None, help=helptext)
+    s.add_argument("--reason", default="", help="why (recorded in the audit log)")
+    s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
+    s.set_defaults(func=send_command, command=spec.name)
+
+
+def send_command(args: argparse.Namespace) -> int:
+    """Send a registry command, its body validated by the command's request model first (a bad
+    value: exit status 2 and the model's message, nothing sent)."""
+    spec = BY_NAME[args.command]
+    body: dict[str, Any] = {"reason": args.reason or ""}
+    for i, inp in enumerate(command_inputs(spec.request)):
+        value, first = getattr(args, inp.name), getattr(args, f"{inp.name}_first", None) if i == 0 else None
+        if first not in (None, []):
+            if value is not None:
+                print(f"trainguard {spec.url}: give {inp.name} once: after RUN or as {inp.option}", file=sys.stderr)
+                return 2
+            value = first
+        if value is None and inp.required:
+            print(f"trainguard {spec.url}: {inp.name} is required: give it after RUN or as {inp.option}", file=sys.stderr)
+            return 2
+        if value is not None:
+            body[inp.name] = value
+    try:
+        req = spec.request.model_validate(body)
+    except ValidationError as e:
+        print(f"trainguard {spec.url}: {validation_message(e)}", file=sys.stderr)
+        return 2
+    key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
+    with connect(args) as c:
+        show(checked(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
+                             headers={"Idempotency-Key": key})))
+    return 0
