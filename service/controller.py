@@ -31,6 +31,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
 from trainguard.service.recovery import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
+from trainguard.service.evaluation_step import evaluate_report
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after
 from trainguard.service.rules import RuleSet, RulesError, default_rules_text, load_rules, require_rules
 from trainguard.service.runstate import RunState, action_names, live, resent, target_address, valid_host
@@ -413,28 +414,20 @@ class Controller:
         now = self.clock()
         tx = Transaction()
         saved = st.window.save_next(ranks=bool(ranks))
-        st.window.append_raw(report.values, ranks, report.step_last, now)
-        st.window.desync = tuple(report.desync)
         tx.on_rollback(lambda: st.window.rollback(saved))
         tx.assign(st, reported_generation=report.applied_generation,
                   last_report=(report.step_first, report.step_last, report.time, report.values))
-        run_id, seq = st.id, st.window.count
         rules = self.rules.for_job(st.job)
         rec = st.recovery
         rec.set_policy(self.rules.file.recovery)
-        rec_saved = rec.save()
-        tx.on_rollback(lambda: rec.restore(rec_saved))
-        rec.before_decide(report.values)
-        findings = evaluate(rules, st.window, now)
-        rec.consider(findings, st.window, ranks=st.ranks)
-        outcome = decide(findings, st.book, st.desired, now, complete=True, ctx=rec)
+        step = evaluate_report(report, ranks, now, rules=rules, window=st.window, book=st.book, recovery=rec,
+                               desired=st.desired, rank_hosts=st.ranks)
+        tx.on_rollback(lambda: rec.restore(step.recovery_saved))
+        run_id, seq = st.id, st.window.count
+        outcome, changes = step.outcome, step.changes
         self.metrics.evaluations.inc(len(rules))
-        changes = rec.after_report(step=report.step_last, values=report.values, findings=findings, before=st.desired,
-                                   desired=outcome.desired,
-                                   fired=[(fa.finding.rule.name, fa.desired) for fa in outcome.fired if fa.desired],
-                                   now=now)
         # each incident this report opened or changed, with what it changed in it
-        incidents = [(d, incident_update(before, d)) for before, d in rec.changed_incidents(rec_saved)]
+        incidents = [(d, incident_update(before, d)) for before, d in step.incidents]
 
         def insert(c: sqlite3.Connection) -> None:
             sql.insert_report(c, run_id, seq, report, now, ranks, VECTORS)

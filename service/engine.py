@@ -266,6 +266,8 @@ class SimStep:
     desired: DesiredState
     recovery: list[DesiredState] = field(default_factory=list)
     """Changes the recovery state made after the rules (escalation rungs, ramp steps)."""
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    """The incidents the report opened or changed, as they are after it (``Incident.as_dict``)."""
 
 
 def simulate(
@@ -279,9 +281,12 @@ def simulate(
     ticker would have done during the silence; then the report is appended and every rule is
     evaluated, and the run's recovery state (``service/incidents.py``, with ``policy``: the rules
     file's ``recovery`` section) sees it: adaptive LR and rollback actions, escalation and the
-    LR ramp act as in the controller. No I/O.
+    LR ramp act as in the controller: each report goes through
+    :func:`service.evaluation_step.evaluate_report`, the controller's own step. No I/O.
     """
-    from trainguard.service.incidents import RunRecovery  # it builds on this module
+    from trainguard.service.evaluation_step import evaluate_report  # they build on this module
+    from trainguard.service.incidents import RunRecovery
+    from trainguard.service.window import rank_vectors
 
     desired = desired or DesiredState()
     if not reports:
@@ -295,16 +300,11 @@ def simulate(
     steps = []
     for i, report in enumerate(reports):
         gap = decide(evaluate(absence, window, report.time), book, desired, report.time, complete=False, ctx=recovery)
-        window.append(report, report.time)
-        recovery.before_decide(report.values)
-        findings = evaluate(rules, window, report.time)
-        recovery.consider(findings, window)
-        out = decide(findings, book, gap.desired, report.time, complete=True, ctx=recovery)
-        fired = [(fa.finding.rule.name, fa.desired) for fa in gap.fired + out.fired if fa.desired is not None]
-        changes = recovery.after_report(step=report.step_last, values=report.values, findings=findings, before=desired,
-                                        desired=out.desired, fired=fired, now=report.time)
-        final = changes[-1].desired if changes else out.desired
+        step = evaluate_report(report, rank_vectors(report.ranks), report.time, rules=rules, window=window, book=book,
+                               recovery=recovery, desired=desired, gap=gap)
+        out = step.outcome
         steps.append(SimStep(i, report.step_last, gap.fired + out.fired, gap.resolved + out.resolved,
-                             gap.suppressed + out.suppressed, final, [c.desired for c in changes]))
-        desired = final
+                             gap.suppressed + out.suppressed, step.desired, [c.desired for c in step.changes],
+                             [now for _, now in step.incidents]))
+        desired = step.desired
     return steps
