@@ -29,7 +29,7 @@ from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, To
 from trainguard.service.events import EventHub
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.records import Records
-from trainguard.service.recovery import load_rules_state, load_run
+from trainguard.service.startup import load_rules_state, load_run
 from trainguard.service.evaluate import evaluate
 from trainguard.service.evaluation_step import evaluate_report
 from trainguard.service.incidents import RecoveryChange, RunRecovery, continue_ids_after

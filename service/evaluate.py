@@ -15,7 +15,7 @@ from trainguard.service.rules import (
     AbsenceRule, CrossRankRule, DesyncRule, NonFiniteRule, OscillationRule, RateRule, SpikeRule, ThresholdRule,
     TrendRule,
 )
-from trainguard.service import triage
+from trainguard.service import rate_and_oscillation
 from trainguard.service.numerics import all_finite, finite_range, mean_of, median
 from trainguard.service.window import RuleWindow
 
@@ -43,7 +43,7 @@ Verdict = Any
 
 
 def _finding(rule: Any, active: bool | None, summary: str = "", values: dict[str, Any] | None = None) -> Verdict:
-    """A verdict as the triage rule kinds build it: a Finding only when it fires."""
+    """A verdict as the rate and oscillation rule kinds build it: a Finding only when it fires."""
     if active is not True:
         return active
     return Finding(rule, True, summary, values if values is not None else {})
@@ -196,7 +196,7 @@ def _trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
         return None
     n = len(vals)
     if rule.direction == "not_decreasing":
-        tc, tt = triage.centred_steps(n)
+        tc, tt = rate_and_oscillation.centred_steps(n)
         mean = mean_of(vals)
         slope = float(np.dot(tc, vals - mean) / tt)
         fitted_drop = -slope * (n - 1)
@@ -365,8 +365,8 @@ def _absence(rule: AbsenceRule, w: RuleWindow, now: float, live_since: float = -
 _EVAL: dict[type, Callable[[Any, RuleWindow, float], Verdict]] = {
     ThresholdRule: _threshold, SpikeRule: _spike, NonFiniteRule: _nonfinite,
     TrendRule: _trend, CrossRankRule: _cross_rank, DesyncRule: _desync, AbsenceRule: _absence,
-    RateRule: lambda r, w, now: triage.rate(r, w, now, _finding),
-    OscillationRule: lambda r, w, now: triage.oscillation(r, w, now, _finding),
+    RateRule: lambda r, w, now: rate_and_oscillation.rate(r, w, now, _finding),
+    OscillationRule: lambda r, w, now: rate_and_oscillation.oscillation(r, w, now, _finding),
 }
 
 

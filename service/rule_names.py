@@ -3,7 +3,7 @@
 A rule reads the report's values (``metric``, a rate's ``per``, the ``adaptive_lr`` action's and
 the ``recovery`` section's ``metric``) and its per-rank vectors (``vector``, ``vectors``). The
 controller's window holds exactly what the agents report (``service/window.py``; the evaluation,
-``service/evaluate.py`` and ``service/triage.py``, derives nothing it stores back), and an agent
+``service/evaluate.py`` and ``service/rate_and_oscillation.py``, derives nothing it stores back), and an agent
 reports its catalogue's metrics without labels (``trainguard.protocol.catalog``; the labelled ones,
 e.g. one per layer, stay on its ``/metrics``) and the per-rank vectors of
 ``trainguard.protocol.rank_values``. The Prometheus recording rules of ``dashboards/rules.py`` live

@@ -27,7 +27,7 @@ value or in any rank's vector), ``trend`` (not decreasing over a window, or grow
 fingerprint differs from the median by more than a relative tolerance; ``above``: ranks whose value
 reaches a limit, e.g. ranks that see the same data), ``desync`` (ranks whose per-layer element-wise
 fingerprints differ from the others', naming the ranks and the layers), ``rate`` (a counter's
-increase per step), ``oscillation`` (a periodic swing; both evaluated in :mod:`service.triage`)
+increase per step), ``oscillation`` (a periodic swing; both evaluated in :mod:`service.rate_and_oscillation`)
 and ``absence`` (no report for T seconds).
 """
 

@@ -1,4 +1,4 @@
-"""The triage rule kinds (``service/triage.py``) and the default rules built on them, table-driven:
+"""The rate and oscillation rule kinds (``service/rate_and_oscillation.py``) and the default rules built on them, table-driven:
 each with a case that trips it and a healthy one that does not. Expected values by hand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from trainguard.service.engine import simulate
 from trainguard.service.rules import default_rules_text, load_rules
-from trainguard.service.triage import periodogram_peak
+from trainguard.service.rate_and_oscillation import periodogram_peak
 from tests.service.conftest import make_report
 
 DEFAULTS = load_rules(default_rules_text())
@@ -93,7 +93,7 @@ def test_triage_thresholds(metric, values, rule):
 
 
 def test_detrending_removes_the_same_line_as_a_least_squares_fit():
-    from trainguard.service.triage import _detrended
+    from trainguard.service.rate_and_oscillation import _detrended
 
     rng = np.random.default_rng(0)
     for n in (2, 3, 17, 64):
