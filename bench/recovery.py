@@ -169,12 +169,25 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     print(f"  {name}: {len(losses)} steps, final loss {statistics.fmean(x for x in losses[-20:] if x == x):.3f}, "
           f"rungs {rungs}", file=sys.stderr, flush=True)
     for inc in reversed(incidents):
+        print(f"    incident {inc['id']} onset {inc['onset_step']} cause {inc['cause']}: {inc['verdict'].get('summary', '')}",
+              file=sys.stderr, flush=True)
         for r in inc["rungs"]:
             print(f"    step {r['step']} {r['rung']}: {r['reason'][:240]}", file=sys.stderr, flush=True)
+    if args.trace:
+        _print_alerts(url, run)
     return {"name": name, "final_loss": statistics.fmean(finite) if finite else float("nan"), "paused": paused,
             "first_action": first_action, "actions": len(history) + sum(skipped.values()), "skipped": skipped,
             "rungs": rungs, "lost": lost, "scale": scale, "steps": len(losses),
             "outcomes": [inc["outcome"] for inc in reversed(incidents)], "back": back}
+
+
+def _print_alerts(url: str, run: str) -> None:
+    """Every alert the run's reports raised, with the step of the report (``--trace``)."""
+    with httpx.Client(base_url=url, timeout=10) as c:
+        events = c.get(f"/v1/runs/{run}/events", params={"limit": 5000}).json()
+    for ev in events:
+        if ev["kind"] == "alert":
+            print(f"    alert {ev['actor']}: {ev['reason'][:200]}", file=sys.stderr, flush=True)
 
 
 def _train_step(step: int, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, scaler: Any, corpus: ByteCorpus,
@@ -232,6 +245,7 @@ def main() -> None:
                    help="the agent's report interval: faults only the controller sees wait for a report")
     p.add_argument("--cases", default="",
                    help="comma-separated case names to run (default: all), e.g. sched-warm_restarts,lr-x1000-3")
+    p.add_argument("--trace", action="store_true", help="also print every alert each run raised")
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=args.seq_len, batch_size=args.batch)

@@ -16,9 +16,12 @@ cause          evidence                                                         
                level) but stays within the range it already had in this run            only notifies)
                (<= ``schedule_peak_margin`` x its highest healthy value): a warm
                restart, a re-warm after a resume
-``optimizer``  the scheduled LR jumped beyond anything the run had; or the update        skip, adaptive LR,
-               ratio rose with the LR unchanged and clean data; or mixed precision's     rollback, pause
-               loss scale collapsed / its overflow skips
+``optimizer``  the scheduled LR jumped beyond anything the run had (also when the jump    skip, adaptive LR,
+               began and ended inside one report interval: the agent's                  rollback, pause
+               ``trainguard_scheduler_lr_ratio`` past the threshold of the rule on it,
+               or that rule firing); or the update ratio rose with the LR unchanged
+               and clean data; or mixed precision's loss scale collapsed / its
+               overflow skips
 ``data``       a data-quality rule of the same window fires (duplicates, token KL,       skip the batches'
                special tokens, length shift); or one batch stands out from its           steps on every
                neighbours (its loss, or at most ``SINGLE_BATCH_SKIPS`` steps the agent   rank, never an LR
@@ -34,6 +37,9 @@ verdict is asked for only on a report that would open an incident (``RunRecovery
 rule that acts, a health rule, the agent skipping, or a hardware rule; data rules alone only
 notify (a planned switch of the data mixture is not a fault).
 A recompute that *did* reproduce the step's gradient is recorded as evidence against hardware.
+The range the schedule already had is the agent's ``trainguard_scheduler_lr_peak`` (every LR it
+set), capped after an LR fault by the range before that fault (``RunRecovery``): a rollback restores
+the user's scheduler, so the fault comes again, and its LR is not the schedule's own.
 
 Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read,
 its value, what it was compared with, the cause it points at (or ``"none"``: a check that found
@@ -71,6 +77,11 @@ _AMP_DIAGNOSES = frozenset({"amp_loss_scale_collapse", "amp_skips"})
 LR_JUMP = 2.0
 #: A jump that stays within this factor of the highest LR the run had while healthy is the schedule's.
 SCHEDULE_PEAK_MARGIN = 1.05
+#: The agent's ratio of the interval's largest scheduled LR to the largest of all steps before it.
+LR_RATIO = "trainguard_scheduler_lr_ratio"
+#: That ratio above this is a jump beyond the schedule's range (the built-in ``scheduler_lr_jump``'s
+#: threshold; a rule on the ratio in the rules file gives its own).
+LR_RATIO_JUMP = 4.0
 #: The relative tolerance of the gradient recompute check (the agent's default ``verify_rel_tol``).
 VERIFY_TOL = 1e-5
 #: A batch's loss this many robust standard deviations above its neighbours' stands out.
@@ -121,6 +132,10 @@ class _Evidence:
 
     def pointing(self, cause: str) -> list[dict[str, Any]]:
         return [e for e in self.items if e["points_to"] == cause]
+
+
+def _ratio_text(x: float | None) -> str:
+    return "an LR far above" if x is None or not math.isfinite(x) else f"{x:.3g}x"
 
 
 def _robust_z(x: float, history: np.ndarray) -> float | None:
@@ -196,11 +211,29 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
         lr = interval_max
     lr_level = median(lr_healthy) if lr_healthy else None
     lr_jumped = False
+    # The agent's own ratio of the interval's largest scheduled LR to every LR it set before: past
+    # the rule's threshold, the LR went beyond anything the run had (even when the report's own
+    # step is back on the schedule, and without a healthy history here, e.g. after a restart).
+    ratio_rules = [f for f in findings if getattr(f.rule, "metric", None) == LR_RATIO]
+    limit = next((float(f.rule.value) for f in ratio_rules if isinstance(getattr(f.rule, "value", None), (int, float))),
+                 LR_RATIO_JUMP)
+    lr_ratio = window.latest(LR_RATIO)
+    ratio_fired = [f for f in ratio_rules if f.active]
+    if ratio_fired or (lr_ratio is not None and math.isfinite(lr_ratio) and lr_ratio > limit):
+        lr_jumped = True
+        fired = f" (rule {ratio_fired[0].rule.name} fired)" if ratio_fired else ""
+        ev.add(LR_RATIO, _num(lr_ratio) if lr_ratio is not None else None, limit, "optimizer",
+               f"in the report's interval the schedule asked for {_ratio_text(lr_ratio)} the highest LR it had set "
+               f"before (limit {limit:.3g}x){fired}, although the report's own step may be back on the schedule")
+    elif lr_ratio is not None and math.isfinite(lr_ratio):
+        ev.add(LR_RATIO, float(lr_ratio), limit, "none",
+               f"the interval's largest scheduled LR is {lr_ratio:.3g}x the highest before it: within the schedule's range")
+    ratio_jumped = lr_jumped
     if lr is not None and math.isfinite(lr) and lr > 0 and lr_level is not None and lr_level > 0:
         ratio = lr / lr_level
-        lr_jumped = ratio >= LR_JUMP
-        if lr_jumped:
-            within = lr_peak is not None and lr <= SCHEDULE_PEAK_MARGIN * lr_peak
+        lr_jumped = ratio_jumped or ratio >= LR_JUMP
+        if ratio >= LR_JUMP:
+            within = lr_peak is not None and lr <= SCHEDULE_PEAK_MARGIN * lr_peak and not ratio_jumped
             ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak},
                    "schedule" if within else "optimizer",
                    f"the scheduled LR is {ratio:.3g}x its healthy level" +
@@ -257,7 +290,8 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
         return Verdict("schedule", "the user's LR schedule moved the LR within the range the run already had",
                        tuple(ev.items))
     if lr_jumped and not sched:
-        return Verdict("optimizer", "the scheduled LR jumped beyond anything the run was stable at", tuple(ev.items))
+        return Verdict("optimizer", "the scheduled LR jumped beyond anything the run was stable at" +
+                       (" (within the report's interval)" if ratio_jumped else ""), tuple(ev.items))
     if data_rules:
         names = ", ".join(f.rule.name for f in data_rules)
         return Verdict("data", f"the data of this window is out of bounds ({names})", tuple(ev.items))

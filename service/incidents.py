@@ -58,6 +58,8 @@ from trainguard.service.rules import (
 __all__ = ["Incident", "RunRecovery", "RecoveryChange", "continue_ids_after", "rungs_of", "snapshot_policy"]
 
 _ids = itertools.count(1)
+#: Evidence signals of an LR beyond the schedule's range (``service/cause.py``).
+_LR_SIGNALS = frozenset({"trainguard_scheduler_lr", "trainguard_scheduler_lr_ratio"})
 #: The LR factor of the troubleshooting experiment (the guide: lower the LR 10x and watch).
 _EXPERIMENT_LR_FACTOR = 0.1
 #: The reason a hardware incident's ``stop`` rung gives; the stop carries
@@ -186,6 +188,9 @@ class RunRecovery:
         self._values: dict[str, float] = {}
         self._lr_peak: float | None = None
         """The highest scheduled LR of a healthy report (the schedule's range so far)."""
+        self._lr_fault_peak: float | None = None
+        """After a verdict of an LR beyond the schedule's range: that range (the schedule's highest
+        LR before the fault), raised by the healthy reports since (None: no LR fault seen)."""
         self._verdict: Verdict | None = None
         """The cause of what the newest report shows (:meth:`consider`), while no incident is open."""
         self._data_active = False
@@ -229,7 +234,7 @@ class RunRecovery:
 
     _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",
                 "_last_step", "_measured", "_measured_scale", "_lr", "_verdict", "_data_active", "_lr_peak", "_revised",
-                "_opened_now")
+                "_opened_now", "_lr_fault_peak")
 
     def save(self) -> dict[str, Any]:
         """Everything a report may change, for an undo (``Transaction.on_rollback``). Called on
@@ -388,11 +393,18 @@ class RunRecovery:
         peak = window.latest("trainguard_scheduler_lr_peak")  # the agent's own record of the schedule's range
         if peak is None or not math.isfinite(peak) or peak <= 0:
             peak = self._lr_peak
+        elif self._lr_fault_peak is not None:
+            # The agent's record holds every LR the run took, the faulty ones too: after an LR fault
+            # (replayed by a rollback that restores the user's scheduler) the range is the healthy one.
+            peak = min(peak, self._lr_fault_peak)
         verdict = judge(findings, window, skipped=self._skipped_now, lr_healthy=list(self._healthy_lr), lr_peak=peak,
                         metric=self.policy.metric, metric_baseline=self.baseline(),
                         hosts={int(r["rank"]): str(r["host"]) for r in ranks})
         if self.open is None:
             self._verdict = verdict
+            if verdict.cause == "optimizer" and peak is not None and any(
+                    e["points_to"] == "optimizer" and e["signal"] in _LR_SIGNALS for e in verdict.evidence):
+                self._lr_fault_peak = peak if self._lr_fault_peak is None else min(self._lr_fault_peak, peak)
         elif verdict.cause == "hardware":
             inc = self.open
             inc.verdict = dict(inc.verdict, revised={"from": inc.cause, "step": window.last_step,
@@ -555,6 +567,9 @@ class RunRecovery:
             if self._lr is not None:
                 self._healthy_lr.append(self._lr)
                 self._lr_peak = self._lr if self._lr_peak is None else max(self._lr_peak, self._lr)
+            top = values.get("trainguard_scheduler_lr_max", self._lr)
+            if self._lr_fault_peak is not None and top is not None and math.isfinite(top):
+                self._lr_fault_peak = max(self._lr_fault_peak, float(top))
         self._last_step = step
         return changes
 

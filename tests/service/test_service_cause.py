@@ -283,3 +283,35 @@ def test_the_verdict_and_its_evidence_reach_the_api_the_event_stream_a_webhook_a
     lines = out.stdout.splitlines()
     assert lines[1] == f"  cause: hardware: {verdict['summary']}" and lines[2] == "  suspect: rank 1 on node-b"
     assert lines[3].split()[:2] == ["hardware", "rule:gradient_recompute_mismatch"]
+
+
+def test_an_lr_jump_inside_one_interval_is_the_optimizers_by_the_agents_ratio_without_a_healthy_history() -> None:
+    # A controller that restarted just before: no healthy scheduled LR of its own. The schedule
+    # went x1000 for 3 steps inside the interval; at the report step it is back (the report's
+    # scheduled LR as before), the agent's ratio (interval max / every LR before) says 1000.
+    healthy = [_report(i, trainguard_scheduler_lr_ratio=1.0) for i in range(1, 3)]
+    fault = [_report(3, trainguard_scheduler_lr_ratio=1000.0, trainguard_consecutive_skipped_steps=3.0)]
+    _, incidents = _incidents(healthy + fault)
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer" and "within the report's interval" in inc["verdict"]["summary"]
+    (ratio,) = [e for e in inc["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr_ratio"]
+    assert (ratio["value"], ratio["reference"], ratio["points_to"]) == (1000.0, 4.0, "optimizer")
+    assert "rule scheduler_lr_jump fired" in ratio["detail"]
+
+
+def test_an_lr_fault_replayed_after_a_rollback_is_not_the_schedules_own_move() -> None:
+    # The agent's record of the schedule's range holds the faulty LR (1e-2) once the fault was
+    # taken; the same fault again (a rollback restored the user's scheduler) is still the optimizer's.
+    healthy = [_report(i, trainguard_scheduler_lr_peak=1e-3) for i in range(1, 40)]
+    fault = [_report(i, trainguard_scheduler_lr=1e-2, trainguard_scheduler_lr_peak=1e-3 if i == 40 else 1e-2,
+                     trainguard_update_ratio=1e-2, trainguard_grad_norm_max=3000.0) for i in range(40, 44)]
+    calm = [_report(i, trainguard_scheduler_lr_peak=1e-2) for i in range(44, 80)]
+    replay = [_report(80, trainguard_scheduler_lr=1e-2, trainguard_scheduler_lr_peak=1e-2,
+                      trainguard_update_ratio=1e-2, trainguard_grad_norm_max=3000.0)]
+    replay = [replay[0].model_copy(update={"time": 2000.0})]  # past the alert's cooldown
+    _, incidents = _incidents(healthy + fault + calm + replay)
+    first, again = incidents
+    assert first["cause"] == "optimizer" and first["outcome"] == "recovered"
+    assert again["cause"] == "optimizer" and again["onset_step"] == 80
+    (lr,) = [e for e in again["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr"]
+    assert lr["points_to"] == "optimizer" and lr["reference"]["peak"] == 1e-3
