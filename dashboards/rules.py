@@ -24,7 +24,7 @@ from trainguard.dashboards.thresholds import (
     STRAGGLER_RATIO,
     TOKEN_KL_MAX,
 )
-from trainguard.protocol.wire import COMMANDS, DIAGNOSTIC_COMMANDS
+from trainguard.protocol.commands import REGISTRY
 
 __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
@@ -42,10 +42,11 @@ __all__ = [
 #: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
 #: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``: the
-#: protocol's commands except ``resume`` (an alert never resumes a run), and the diagnoses the
-#: agents run (``memory_trace``, ``verify``). ``lr_scale`` multiplies the run's lr_scale by
-#: ``trainguard_lr_factor``, clamped to [LR_SCALE_MIN, LR_SCALE_MAX] as a rule's is.
-CONTROLLER_ACTIONS: tuple[str, ...] = (*(c for c in COMMANDS if c != "resume"), *DIAGNOSTIC_COMMANDS)
+#: registry's commands Alertmanager may give, except ``resume`` (an alert never resumes a run).
+#: ``lr_scale`` multiplies the run's lr_scale by ``trainguard_lr_factor``, clamped to
+#: [LR_SCALE_MIN, LR_SCALE_MAX] as a rule's is; the other commands take their body from
+#: ``trainguard_<field>`` labels.
+CONTROLLER_ACTIONS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.alertmanager and c.operator and c.name != "resume")
 #: Every ``trainguard_action`` value: ``notify`` alerts go to people (the webhook sink), not to
 #: the controller.
 ACTIONS = ("notify", *CONTROLLER_ACTIONS)
