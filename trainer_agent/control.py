@@ -13,9 +13,10 @@ Where it hooks in (``Agent`` calls these; none of them raises into the loop):
 ``__init__``               leader registers the run; all ranks agree on the registration's
                            desired state and apply it before the first step (a restarted run
                            resumes paused / at its lr_scale)
-optimizer ``step`` wrapper only with ``skip_nonfinite`` (``actuators.NonfiniteSkip``): one device
+optimizer ``step`` wrapper with ``skip_nonfinite`` (``actuators.NonfiniteSkip``): one device
                            sync and one all-reduce of a flag per optimizer step; a step with
-                           non-finite gradients is not taken at all
+                           non-finite gradients is not taken at all (with a controller only:
+                           the data skip, with no read and no collective)
 ``before_optimizer_step``  group LR := scheduler LR x the actuators' LR factors, then each
                            actuator's pre-hook (gradient clipping, momentum, weight decay)
 ``after_optimizer_step``   group values restored, so the scheduler keeps its own (post-hook)
@@ -372,8 +373,13 @@ class ControlPlane:
             type(act)(act.env).load_state_dict(state, newer)
         for act in self._order:
             act.load_state_dict(state, newer)
+        # what is applied now: the checkpoint's levels (when newer) and the sequence numbers served
+        kept = {k: v for act in self._order for k, v in act.state_dict().items() if k in DesiredState.model_fields}
+        steps, rule = self._accumulation.desired
+        kept.update(accumulation_steps=steps, accumulation_lr_rule=rule)
         if newer:
-            self._applied = self._applied.model_copy(update={"generation": generation})
+            kept["generation"] = generation
+        self._applied = self._applied.model_copy(update=kept)
         if self.skip is not None:
             by_reason = state.get("skipped_by_reason") or {"nonfinite": skipped}
             for reason in self.skip.skipped_by_reason:
@@ -424,13 +430,19 @@ class ControlPlane:
             factor *= act.lr_factor()
         self.lr.before_step(factor)
         for act in self._pre:
-            act.before_step()
+            try:
+                act.before_step()
+            except Exception as exc:  # noqa: BLE001 - one actuator failing must not keep the others
+                self._on_error(f"actuator_{act.command}", exc)
 
     def after_optimizer_step(self) -> None:
         """Optimizer post-hook: the scheduler's LR objects and the groups' own values restored."""
         self.lr.after_step()
         for act in self._post:
-            act.after_step()
+            try:
+                act.after_step()
+            except Exception as exc:  # noqa: BLE001 - one actuator failing must not keep the others
+                self._on_error(f"actuator_{act.command}", exc)
 
     def proposal(self) -> list[int] | None:
         """The desired state this rank puts in the report step's collective: the leader's newest
@@ -694,6 +706,7 @@ class ControlPlane:
                     continue
                 if self.world_size > 1:
                     if not self._publish_texts(new):
+                        time.sleep(self._pause_poll_s)
                         continue  # the client offers it again; published once its texts are
                     self._store.set(f"pause/{episode}/{i}", ",".join(map(str, encode_state(new))))
             else:

@@ -165,4 +165,7 @@ def test_the_levels_survive_a_restart_and_a_malformed_state_changes_nothing() ->
     assert agent.control.state_dict() == before  # all or nothing
     agent.control.load_state_dict(saved)
     assert agent.control.state_dict() == saved and agent.control.applied_generation == 2
+    applied = agent.control.applied  # what the leader would propose: the restored levels
+    assert (applied.lr_scale, applied.grad_clip_norm, applied.momentum_scale, applied.reset_optimizer_seq) == (
+        0.5, 1.5, 0.8, 3)
     agent.close(1.0)
