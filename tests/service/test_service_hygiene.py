@@ -80,10 +80,10 @@ def test_alertmanager_dedup_memory_is_bounded_and_the_database_still_dedups(app_
     with app_factory() as c:
         register(c, world_size=1)
         ctl = c.app.state.controller
-        ctl._am_seen = SeenKeys(capacity=4)
+        ctl.commands.seen = SeenKeys(capacity=4)
         for i in range(10):
             assert c.post("/v1/alertmanager", json=_am(f"fp{i}")).json()["results"][0]["outcome"] == "applied"
-        assert len(ctl._am_seen) == 4
+        assert len(ctl.commands.seen) == 4
         generation = c.get("/v1/runs/run-1").json()["desired"]["generation"]
         # fp0 left the memory; the database still knows it: no second checkpoint
         assert c.post("/v1/alertmanager", json=_am("fp0")).json()["results"][0]["outcome"] == "duplicate"

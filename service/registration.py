@@ -1,0 +1,134 @@
+"""Registering a run (``POST /v1/runs``): checked, bounded per controller and per token, written
+once even when two ranks register the same run at the same time."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any, Callable
+
+from trainguard.service import statements as sql
+from trainguard.service.auth import Principal
+from trainguard.service.committer import Commit
+from trainguard.service.config import Settings
+from trainguard.service.errors import Conflict, Invalid, TooMany
+from trainguard.service.incidents import RunRecovery
+from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.run_owners import RunOwners
+from trainguard.service.runstate import RunState, valid_host
+from trainguard.service.transaction import Transaction, Written
+from trainguard.service.window import RunWindow
+from trainguard.protocol.wire import DesiredState, RunRegistered, RunRegistration
+
+__all__ = ["Registration"]
+
+
+class Registration:
+    """Adds runs to ``runs`` (shared with the controller) and re-registers them."""
+
+    def __init__(self, settings: Settings, metrics: ControllerMetrics, clock: Callable[[], float],
+                 runs: dict[str, RunState], access: RunOwners, commit: Commit) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.runs = runs
+        self.access = access
+        self.commit = commit
+        self._registering: dict[str, asyncio.Future[None]] = {}
+
+    async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
+        self.access.check_agent(principal, reg.run, registering=True, job=reg.job)
+        bad_hosts = [r.rank for r in reg.ranks if not valid_host(r.host)]
+        if bad_hosts:
+            raise Invalid(f"ranks {bad_hosts[:8]}: host must be a host name or an IP address (letters, digits, '-', '_', "
+                          f"'.'; IPv6 in brackets or bare), not {next(r.host for r in reg.ranks if not valid_host(r.host))!r}")
+        now = self.clock()
+        ranks = [r.model_dump() for r in reg.ranks]
+        bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
+        if bad:
+            raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
+        if reg.world_size > self.settings.max_world_size:
+            self.metrics.registrations_rejected.labels("world_size_limit").inc()
+            raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
+                          "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
+        waited = False
+        while (registering := self._registering.get(reg.run)) is not None:
+            await asyncio.shield(registering)  # a concurrent first registration of this run
+            waited = True
+        if waited:  # the other registration may have claimed the run meanwhile
+            self.access.check_agent(principal, reg.run, registering=True, job=reg.job)
+        st = self.runs.get(reg.run)
+        digest = principal.token_digest
+        if st is None:
+            self._check_run_limits(digest)
+        bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
+                and digest not in self.access.bindings)
+        if st is not None and st.job != reg.job:
+            raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
+        tx = Transaction()
+        if bind:
+            self.access.bindings[digest] = reg.run
+            tx.on_rollback(lambda: self.access.bindings.pop(digest, None))
+        own = principal.job_pattern is not None and reg.run not in self.access.owners
+        if own:
+            self.access.owners[reg.run] = digest
+            tx.on_rollback(lambda: self.access.owners.pop(reg.run, None))
+        fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
+        data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
+        first = st is None
+        if st is not None:
+            old_world = st.world_size
+            st.window.resize_world(reg.world_size)
+            tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
+            tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
+                      registered_at=now, live_since=now,  # a restarted job is live again, finished or not
+                      finished_at=None, finished_step=None, finish_reason="", last_report=None)
+            st.recovery.configure(reg.config)
+        generation = 0 if st is None else st.desired.generation
+
+        def op(c: sqlite3.Connection) -> Written:
+            run_id = sql.insert_run(c, run=reg.run, job=reg.job, **fields) if first else st.id
+            if not first:
+                sql.update_run_registration(c, run_id, **fields)
+            if bind:
+                sql.bind_agent(c, digest, reg.run, now)
+            if own:
+                sql.own_run(c, reg.run, digest, now)
+            event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
+                                     reason="registered" if first else "re-registered", generation=generation, data=data)
+            return Written(events=[event], value=run_id)
+
+        if not first:
+            await self.commit(tx, op)
+            return RunRegistered(job=st.job, run=st.run, desired=st.published)
+        done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
+        try:
+            await self.commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now, digest))
+        finally:
+            del self._registering[reg.run]
+            done.set_result(None)
+        st = self.runs[reg.run]
+        return RunRegistered(job=st.job, run=st.run, desired=st.published)
+
+    def _check_run_limits(self, digest: str) -> None:
+        """429 when a new run would exceed the controller's or the registering token's limit."""
+        if len(self.runs) + len(self._registering) >= self.settings.max_runs:
+            self.metrics.registrations_rejected.labels("runs_limit").inc()
+            raise TooMany(f"the controller holds {len(self.runs)} runs, its limit (TRAINGUARD_MAX_RUNS)")
+        owned = self.access.token_runs.get(digest, ())
+        if len(owned) >= self.settings.max_runs_per_token:
+            self.metrics.registrations_rejected.labels("token_runs_limit").inc()
+            raise TooMany(f"this token registered {len(owned)} runs, its limit (TRAINGUARD_MAX_RUNS_PER_TOKEN)")
+
+    def _add_run(self, reg: RunRegistration, ranks: list[dict[str, Any]], run_id: int, now: float,
+                 digest: str = "") -> None:
+        self.access.token_runs.setdefault(digest, set()).add(reg.run)
+        d = DesiredState()
+        self.runs[reg.run] = RunState(
+            id=run_id, run=reg.run, job=reg.job, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version,
+            config=reg.config, registered_at=now, live_since=now,
+            window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
+                             world_size=reg.world_size, created=now),
+            desired=d, published=d, published_json=d.model_dump_json().encode(),
+            recovery=RunRecovery.for_config(reg.config),
+        )

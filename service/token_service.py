@@ -1,0 +1,77 @@
+"""Tokens created at runtime (``POST /v1/tokens``, ``DELETE /v1/tokens/{id}``): stored as their
+SHA-256 digests, admitted into the app's :class:`~service.auth.TokenTable` at once and at start-up."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sqlite3
+from typing import Any, Callable
+
+from trainguard.service import statements as sql
+from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
+from trainguard.service.errors import Forbidden, NotFound
+from trainguard.service.store import Store
+
+__all__ = ["RuntimeTokens"]
+
+log = logging.getLogger("trainguard.controller")
+
+
+class RuntimeTokens:
+    """Creates and revokes tokens; ``tokens`` is the app's table (set by the app)."""
+
+    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.clock = clock
+        #: The app's token table (tokens created at runtime are added to it).
+        self.tokens = TokenTable((), ())
+
+    async def create(self, *, name: str, scopes: frozenset[str], job_pattern: str | None, ttl_s: float | None,
+                     creator: Principal) -> dict[str, Any]:
+        """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once;
+        403 when it would grant more than ``creator`` holds (:func:`service.auth.may_grant`)."""
+        now = self.clock()
+        expires = None if ttl_s is None else now + ttl_s
+        refused = may_grant(creator, scopes, expires)
+        if refused is not None:
+            raise Forbidden(refused)
+        token = "tg_" + secrets.token_urlsafe(32)
+        digest = token_hash(token)
+        actor = creator.actor
+        tid = await self.store.submit(lambda c: sql.insert_token(
+            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=actor, now=now,
+            expires_at=expires))
+        self.tokens.add_stored(digest, scopes, job_pattern=job_pattern, expires_at=expires)
+        log.warning("token %d (%r, scopes %s, jobs %r) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, actor)
+        return {"id": tid, "token": token, "name": name, "scopes": sorted(scopes), "job_pattern": job_pattern,
+                "creator": actor, "created_at": now, "expires_at": expires}
+
+    async def revoke(self, token_id: int, principal: Principal) -> dict[str, Any]:
+        """Revoke a live token: 404 when there is none, 403 unless ``principal`` may
+        (:func:`service.auth.may_revoke`). It stops authenticating at once, and the console
+        sessions signed in with it end on their next request."""
+        now = self.clock()
+        actor = principal.actor
+
+        def op(c: sqlite3.Connection) -> tuple[str | None, str | None]:
+            creator = sql.live_token_creator(c, token_id)
+            if creator is None:
+                return None, None
+            refused = may_revoke(principal, creator)
+            return (None, refused) if refused is not None else (sql.revoke_token(c, token_id, actor=actor, now=now), None)
+
+        digest, refused = await self.store.submit(op)
+        if refused is not None:
+            raise Forbidden(refused)
+        if digest is None:
+            raise NotFound(f"no live token with id {token_id}")
+        self.tokens.remove_stored(digest)
+        log.warning("token %d revoked by %s", token_id, actor)
+        return {"id": token_id, "revoked_at": now, "revoked_by": actor}
+
+    def load(self) -> None:
+        """Admit the stored live tokens (at start-up)."""
+        for row in self.store.read_now(lambda c: sql.active_tokens(c, self.clock())):
+            self.tokens.add_stored(row["token_hash"], frozenset(row["scopes"]), job_pattern=row["job_pattern"],
+                                   expires_at=row["expires_at"])
