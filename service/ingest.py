@@ -9,6 +9,8 @@ import sqlite3
 import time
 from typing import Callable
 
+import numpy as np
+
 from trainguard.service import statements as sql
 from trainguard.service.auth import Principal
 from trainguard.service.committer import Commit
@@ -55,40 +57,19 @@ class ReportIngest:
 
     async def ingest(self, run: str, report: Report, principal: Principal) -> bytes:
         """Persist and evaluate one report; answers ``ReportAccepted`` as JSON bytes."""
-        st = self.runs.get(run)
-        if st is None:
-            self.metrics.rejected.labels("unknown_run").inc()
-            raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
-        self.access.check_agent(principal, run)
-        if st.finished_at is not None:
-            self.metrics.rejected.labels("finished").inc()
-            raise Conflict(f"run {run!r} finished at step {st.finished_step}; register it again (POST /v1/runs) to report")
-        if report.job != st.job:
-            self.metrics.rejected.labels("conflict").inc()
-            raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")
-        if resent(st.last_report, report.step_first, report.step_last, report.time, report.values):
+        st = self._reporting_run(run, report, principal)
+        ranks = self._checked_values(st, report)
+        if resent(st.last_report, report.step_first, report.step_last, report.time, report.values, ranks):
             # Sent again (the answer to the first was lost, e.g. the controller it went to died
             # after committing it): stored and evaluated once, answered like the first.
             self.metrics.resent.inc()
             return b'{"desired":' + st.published_json + b',"alerts":[]}'
-        cols, limit = st.window.columns, self.settings.max_series_per_run
-        if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
-            new = sum(1 for k in report.values if k not in cols)
-            if len(cols) + new > limit:
-                self.metrics.rejected.labels("series_limit").inc()
-                raise Invalid(f"this report would give run {run!r} {len(cols) + new} distinct metric names; the limit is "
-                              f"{limit} per run (TRAINGUARD_MAX_SERIES_PER_RUN)")
-        ranks = rank_vectors(report.ranks)
-        for name, vec in ranks.items():
-            if len(vec) != st.world_size:
-                self.metrics.rejected.labels("invalid").inc()
-                raise Invalid(f"ranks.{name} has {len(vec)} values; the run's world_size is {st.world_size}")
         now = self.clock()
         tx = Transaction()
         saved = st.window.save_next(ranks=bool(ranks))
         tx.on_rollback(lambda: st.window.rollback(saved))
         tx.assign(st, reported_generation=report.applied_generation,
-                  last_report=(report.step_first, report.step_last, report.time, report.values))
+                  last_report=(report.step_first, report.step_last, report.time, report.values, ranks))
         active = self.rules.active
         rules = active.for_job(st.job)
         rec = st.recovery
@@ -113,3 +94,36 @@ class ReportIngest:
         self.metrics.reports.inc()
         names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode() if outcome.fired else b"[]"
         return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
+
+    def _reporting_run(self, run: str, report: Report, principal: Principal) -> RunState:
+        """The run ``report`` is for: 404 unknown, 403 another agent's, 409 finished or of another job."""
+        st = self.runs.get(run)
+        if st is None:
+            self.metrics.rejected.labels("unknown_run").inc()
+            raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
+        self.access.check_agent(principal, run)
+        if st.finished_at is not None:
+            self.metrics.rejected.labels("finished").inc()
+            raise Conflict(f"run {run!r} finished at step {st.finished_step}; register it again (POST /v1/runs) to report")
+        if report.job != st.job:
+            self.metrics.rejected.labels("conflict").inc()
+            raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")
+        return st
+
+    def _checked_values(self, st: RunState, report: Report) -> dict[str, np.ndarray]:
+        """The report's per-rank vectors; 422 past the run's series limit or for a vector not of
+        the run's world size."""
+        run = st.run
+        cols, limit = st.window.columns, self.settings.max_series_per_run
+        if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
+            new = sum(1 for k in report.values if k not in cols)
+            if len(cols) + new > limit:
+                self.metrics.rejected.labels("series_limit").inc()
+                raise Invalid(f"this report would give run {run!r} {len(cols) + new} distinct metric names; the limit is "
+                              f"{limit} per run (TRAINGUARD_MAX_SERIES_PER_RUN)")
+        ranks = rank_vectors(report.ranks)
+        for name, vec in ranks.items():
+            if len(vec) != st.world_size:
+                self.metrics.rejected.labels("invalid").inc()
+                raise Invalid(f"ranks.{name} has {len(vec)} values; the run's world_size is {st.world_size}")
+        return ranks

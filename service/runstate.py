@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from trainguard.service.engine import AlertBook
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.window import RunWindow
@@ -42,10 +44,10 @@ class RunState:
     book: AlertBook = field(default_factory=AlertBook)
     firing: dict[str, dict[str, Any]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    last_report: tuple[int, int, float, dict[str, float]] | None = None
-    """(step_first, step_last, time, values) of the last report stored since the run's
-    registration: a report equal in all four is the agent sending it again (its answer was lost),
-    stored once (:func:`resent`)."""
+    last_report: tuple[int, int, float, dict[str, float], dict[str, np.ndarray]] | None = None
+    """(step_first, step_last, time, values, per-rank vectors) of the last report stored since the
+    run's registration: a report equal in all five is the agent sending it again (its answer was
+    lost), stored once (:func:`resent`)."""
     finished_at: float | None = None
     """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
     re-registration. A finished run is not expected to report."""
@@ -133,15 +135,18 @@ class RunState:
             self.book.resolve(name)
 
 
-def resent(last: tuple[int, int, float, dict[str, float]] | None, step_first: int, step_last: int, time: float,
-           values: dict[str, float]) -> bool:
-    """Whether a report is ``last`` sent again: the same step range, send time and values (NaN
-    equal to NaN). An agent sends one report per step range; the values are compared only when
-    the rest matches."""
+def resent(last: tuple[int, int, float, dict[str, float], dict[str, np.ndarray]] | None, step_first: int,
+           step_last: int, time: float, values: dict[str, float], ranks: dict[str, np.ndarray]) -> bool:
+    """Whether a report is ``last`` sent again: the same step range, send time, values and
+    per-rank vectors (NaN equal to NaN). An agent sends one report per step range; the values
+    and vectors are compared only when the rest matches."""
     if last is None or last[:3] != (step_first, step_last, time) or len(last[3]) != len(values):
         return False
-    prev = last[3]
-    return all(k in prev and (prev[k] == v or (prev[k] != prev[k] and v != v)) for k, v in values.items())
+    prev, prev_ranks = last[3], last[4]
+    if not all(k in prev and (prev[k] == v or (prev[k] != prev[k] and v != v)) for k, v in values.items()):
+        return False
+    return prev_ranks.keys() == ranks.keys() and all(
+        np.array_equal(prev_ranks[k], v, equal_nan=True) for k, v in ranks.items())
 
 
 def live(d: DesiredState) -> bool:

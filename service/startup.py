@@ -95,7 +95,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         window.append_raw(values, ranks, rep["step_last"], rep["received"])
     if reports and reports[-1]["received"] >= row["registered_at"]:  # reported since its registration
         last = reports[-1]
-        st.last_report = (last["step_first"], last["step_last"], last["time"], json.loads(last["vals"]))
+        st.last_report = (last["step_first"], last["step_last"], last["time"], json.loads(last["vals"]), ranks)
     if row["last_report_at"] is not None:
         window.touch(row["last_report_at"])
     return st

@@ -149,7 +149,8 @@ def test_a_report_sent_again_is_stored_and_evaluated_once(tmp_path: Path) -> Non
     """The agent sends a report again when its answer was lost (the controller it went to died
     after committing it): the same report (step range, send time, values; NaN included) is
     answered with the desired state, not stored or evaluated twice — also after a restart — while
-    another report of the same steps and a re-registered run (a restarted job) are stored."""
+    another report of the same steps (other values or per-rank vectors) and a re-registered run
+    (a restarted job) are stored, and a malformed one is refused as before."""
     settings = Settings(db=tmp_path / "tg.db", tick_s=60)
     nan = {"job": "job-a", "step_first": 11, "step_last": 20, "time": 1.0, "values": {"trainguard_loss": "NaN"}}
     with TestClient(create_app(settings)) as c:
@@ -159,16 +160,22 @@ def test_a_report_sent_again_is_stored_and_evaluated_once(tmp_path: Path) -> Non
         assert first.status_code == again.status_code == 200
         assert first.json()["alerts"] == ["loss_nonfinite"] and again.json() == {**first.json(), "alerts": []}
         assert c.get("/v1/runs/run-1").json()["reports"] == 1
+        assert c.post("/v1/runs/run-1/reports", json={**nan, "ranks": {"loss": [1.0, 2.0]}}).status_code == 422  # checked first
+        with_ranks = {**nan, "step_first": 21, "step_last": 21, "ranks": {"loss": ["NaN"], "verify_mismatch": ["NaN"]}}
+        assert c.post("/v1/runs/run-1/reports", json=with_ranks).status_code == 200
+        assert c.post("/v1/runs/run-1/reports", json=with_ranks).status_code == 200  # NaN vectors: the same report
+        assert c.post("/v1/runs/run-1/reports", json={**with_ranks, "ranks": {"loss": [1.0]}}).status_code == 200  # not
+        assert c.get("/v1/runs/run-1").json()["reports"] == 3
         other = {**nan, "values": {"trainguard_loss": "NaN", "trainguard_grad_norm": 1.0}}  # not the same report
         assert c.post("/v1/runs/run-1/reports", json=other).status_code == 200
         assert c.post("/v1/runs/run-1/reports", json=other).status_code == 200  # ... sent again
-        assert c.get("/v1/runs/run-1").json()["reports"] == 2
+        assert c.get("/v1/runs/run-1").json()["reports"] == 4
         metrics = c.get("/metrics").text
-        assert "trainguard_controller_reports_resent_total 2.0" in metrics
+        assert "trainguard_controller_reports_resent_total 3.0" in metrics
         assert 'trainguard_controller_alerts_total{rule="loss_nonfinite",severity="critical"} 1.0' in metrics
     with TestClient(create_app(settings)) as c:  # restarted: the last stored range is known again
         assert c.post("/v1/runs/run-1/reports", json=other).json()["alerts"] == []
-        assert c.get("/v1/runs/run-1").json()["reports"] == 2
+        assert c.get("/v1/runs/run-1").json()["reports"] == 4
         register(c, world_size=1)  # the job restarted from a checkpoint: it reports those steps anew
         assert c.post("/v1/runs/run-1/reports", json={**nan, "values": {"trainguard_loss": 2.0}}).status_code == 200
-    assert _stored(tmp_path / "tg.db") == [(11, 20)] * 3
+    assert _stored(tmp_path / "tg.db") == [(11, 20), (21, 21), (21, 21), (11, 20), (11, 20)]
