@@ -20,6 +20,7 @@ from trainguard.service.runstate import RunState, live, target_address
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction, Written, record_resolved
 from trainguard.protocol.commands import BY_NAME, CommandRefused
+from trainguard.protocol.wire import DesiredState
 
 __all__ = ["KEYS_KEPT_S", "OperatorCommands"]
 
@@ -79,17 +80,7 @@ class OperatorCommands:
                        extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
         st = self.get(run)
         now = self.clock()
-        spec = BY_NAME.get(command)
-        if spec is not None and spec.requires_config is not None:
-            key, why = spec.requires_config
-            if not isinstance(st.config.get(key), int):
-                raise Conflict(f"run {run!r} does not let the controller set its {key.replace('_', ' ')} ({why})")
-        try:
-            new = command_state(st.desired, command, reason or f"{command} by {actor}", params=params, ctx=st.recovery)
-        except CommandRefused as e:
-            raise Conflict(str(e)) from None
-        except ValueError as e:
-            raise Invalid(str(e)) from None
+        new = self._new_desired(st, command, params, reason or f"{command} by {actor}")
         before = st.desired
         resolve_absence = st.firing_absence() if command == "stop" else []
         body = json.dumps({"run": run, "command": command, "changed": new is not None,
@@ -133,6 +124,22 @@ class OperatorCommands:
 
         await self.commit(tx, op, after=after)
         return 200, body
+
+    @staticmethod
+    def _new_desired(st: RunState, command: str, params: Any, reason: str) -> DesiredState | None:
+        """``st``'s desired state after ``command`` (None: unchanged). 409 for a command the run did
+        not opt in to or that cannot be carried out now, 422 for an unknown one or a bad body."""
+        spec = BY_NAME.get(command)
+        if spec is not None and spec.requires_config is not None:
+            key, why = spec.requires_config
+            if not isinstance(st.config.get(key), int):
+                raise Conflict(f"run {st.run!r} does not let the controller set its {key.replace('_', ' ')} ({why})")
+        try:
+            return command_state(st.desired, command, reason, params=params, ctx=st.recovery)
+        except CommandRefused as e:
+            raise Conflict(str(e)) from None
+        except ValueError as e:
+            raise Invalid(str(e)) from None
 
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
         """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each

@@ -81,25 +81,28 @@ class OutcomeRecorder:
                 record_incident(c, run_id, run, job, inc, change, now, hooks=hooks, external_url=external, out=out)
             return out
 
-        def after(w: Written) -> None:
-            for alert in w.value:
-                st.firing[alert["rule"]] = firing_entry(alert, kind=alert["kind"])
-                self.metrics.alerts.labels(alert["rule"], alert["severity"]).inc()
-            for name in outcome.resolved:
-                st.firing.pop(name, None)
-            prev = before
-            for fa in outcome.fired:
-                if fa.desired is not None:
-                    self.count_actions(prev, fa.desired, "rule")
-                    prev = fa.desired
-            for ch in changes:
-                self.count_actions(prev, ch.desired, "recovery")
-                prev = ch.desired
-            for _, change in incidents:
-                self.metrics.count_incident(change)
-            st.publish(final)
+        await self.commit(tx, op, after=lambda w: self._published(st, w, outcome, before, changes, incidents, final))
 
-        await self.commit(tx, op, after=after)
+    def _published(self, st: RunState, w: Written, outcome: Outcome, before: DesiredState, changes: list[RecoveryChange],
+                   incidents: list[tuple[dict[str, Any], IncidentUpdate]], final: DesiredState) -> None:
+        """After :meth:`record`'s commit: the firing alerts in memory, the counters, and ``final``
+        published to the agents."""
+        for alert in w.value:
+            st.firing[alert["rule"]] = firing_entry(alert, kind=alert["kind"])
+            self.metrics.alerts.labels(alert["rule"], alert["severity"]).inc()
+        for name in outcome.resolved:
+            st.firing.pop(name, None)
+        prev = before
+        for fa in outcome.fired:
+            if fa.desired is not None:
+                self.count_actions(prev, fa.desired, "rule")
+                prev = fa.desired
+        for ch in changes:
+            self.count_actions(prev, ch.desired, "recovery")
+            prev = ch.desired
+        for _, change in incidents:
+            self.metrics.count_incident(change)
+        st.publish(final)
 
     def count_actions(self, before: DesiredState, after: DesiredState, source: str) -> None:
         for action in action_names(before, after):

@@ -38,19 +38,9 @@ class Registration:
 
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
         self.access.check_agent(principal, reg.run, registering=True, job=reg.job)
-        bad_hosts = [r.rank for r in reg.ranks if not valid_host(r.host)]
-        if bad_hosts:
-            raise Invalid(f"ranks {bad_hosts[:8]}: host must be a host name or an IP address (letters, digits, '-', '_', "
-                          f"'.'; IPv6 in brackets or bare), not {next(r.host for r in reg.ranks if not valid_host(r.host))!r}")
+        self._check_ranks(reg)
         now = self.clock()
         ranks = [r.model_dump() for r in reg.ranks]
-        bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
-        if bad:
-            raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
-        if reg.world_size > self.settings.max_world_size:
-            self.metrics.registrations_rejected.labels("world_size_limit").inc()
-            raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
-                          "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
         waited = False
         while (registering := self._registering.get(reg.run)) is not None:
             await asyncio.shield(registering)  # a concurrent first registration of this run
@@ -61,29 +51,15 @@ class Registration:
         digest = principal.token_digest
         if st is None:
             self._check_run_limits(digest)
-        bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
-                and digest not in self.access.bindings)
         if st is not None and st.job != reg.job:
             raise Conflict(f"run {reg.run!r} is registered for job {st.job!r}, not {reg.job!r}")
         tx = Transaction()
-        if bind:
-            self.access.bindings[digest] = reg.run
-            tx.on_rollback(lambda: self.access.bindings.pop(digest, None))
-        own = principal.job_pattern is not None and reg.run not in self.access.owners
-        if own:
-            self.access.owners[reg.run] = digest
-            tx.on_rollback(lambda: self.access.owners.pop(reg.run, None))
+        bind, own = self._claim(tx, principal, reg.run)
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
         data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
         first = st is None
         if st is not None:
-            old_world = st.world_size
-            st.window.resize_world(reg.world_size)
-            tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
-            tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
-                      registered_at=now, live_since=now,  # a restarted job is live again, finished or not
-                      finished_at=None, finished_step=None, finish_reason="", last_report=None)
-            st.recovery.configure(reg.config)
+            self._reregister(tx, st, reg, ranks, now)
         generation = 0 if st is None else st.desired.generation
 
         def op(c: sqlite3.Connection) -> Written:
@@ -109,6 +85,46 @@ class Registration:
             done.set_result(None)
         st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.published)
+
+    def _claim(self, tx: Transaction, principal: Principal, run: str) -> tuple[bool, bool]:
+        """(bind, own): a configured agent token not bound yet is bound to ``run``; a token created
+        at runtime owns ``run`` when nobody does (both taken back with ``tx``)."""
+        digest = principal.token_digest
+        bind = (principal.kind == "agent" and principal.bound_run is None and principal.job_pattern is None
+                and digest not in self.access.bindings)
+        if bind:
+            self.access.bindings[digest] = run
+            tx.on_rollback(lambda: self.access.bindings.pop(digest, None))
+        own = principal.job_pattern is not None and run not in self.access.owners
+        if own:
+            self.access.owners[run] = digest
+            tx.on_rollback(lambda: self.access.owners.pop(run, None))
+        return bind, own
+
+    def _check_ranks(self, reg: RunRegistration) -> None:
+        """422 for a rank's bad host or number, or a world larger than the controller's limit."""
+        bad_hosts = [r.rank for r in reg.ranks if not valid_host(r.host)]
+        if bad_hosts:
+            raise Invalid(f"ranks {bad_hosts[:8]}: host must be a host name or an IP address (letters, digits, '-', '_', "
+                          f"'.'; IPv6 in brackets or bare), not {next(r.host for r in reg.ranks if not valid_host(r.host))!r}")
+        bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
+        if bad:
+            raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
+        if reg.world_size > self.settings.max_world_size:
+            self.metrics.registrations_rejected.labels("world_size_limit").inc()
+            raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "
+                          "ranks per run (TRAINGUARD_MAX_WORLD_SIZE)")
+
+    @staticmethod
+    def _reregister(tx: Transaction, st: RunState, reg: RunRegistration, ranks: list[dict[str, Any]], now: float) -> None:
+        """A known run registers again (its job restarted): its ranks, config and liveness anew."""
+        old_world = st.world_size
+        st.window.resize_world(reg.world_size)
+        tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
+        tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
+                  registered_at=now, live_since=now,  # a restarted job is live again, finished or not
+                  finished_at=None, finished_step=None, finish_reason="", last_report=None)
+        st.recovery.configure(reg.config)
 
     def _check_run_limits(self, digest: str) -> None:
         """429 when a new run would exceed the controller's or the registering token's limit."""
