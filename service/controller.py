@@ -36,6 +36,7 @@ from trainguard.service.committer import Committer
 from trainguard.service.config import Settings
 from trainguard.service.errors import NotFound
 from trainguard.service.events import EventHub
+from trainguard.service.data_quarantine import record_quarantine
 from trainguard.service.incidents import continue_ids_after
 from trainguard.service.ingest import ReportIngest
 from trainguard.service.metrics import ControllerMetrics
@@ -51,7 +52,7 @@ from trainguard.service.startup import load_run
 from trainguard.service.store import Store
 from trainguard.service.token_service import RuntimeTokens
 from trainguard.service.webhooks import SEVERITY_RANK, WebhookDeliverer
-from trainguard.protocol.wire import Ack, MemoryReport, PreflightResult, Report, RunFinished, RunRegistered, RunRegistration
+from trainguard.protocol.wire import Ack, MemoryReport, PreflightResult, QuarantineReport, Report, RunFinished, RunRegistered, RunRegistration
 
 __all__ = ["Controller"]
 
@@ -203,6 +204,12 @@ class Controller:
 
     async def finish(self, run: str, fin: RunFinished, principal: Principal) -> dict[str, Any]:
         return await self.agent_calls.finish(run, fin, principal)
+
+    async def quarantine(self, run: str, report: QuarantineReport, principal: Principal) -> dict[str, Any]:
+        """The samples a data skip left out, named on the data incident (``service/data_quarantine.py``)."""
+        self.check_agent(principal, run)
+        return await record_quarantine(self.get(run), report, now=self.clock(), external_url=self.settings.external_url,
+                                       commit=self._commit)
 
     # == operator commands and Alertmanager ===============================================================
     async def command(

@@ -58,6 +58,8 @@ from trainguard.service.rules import (
 __all__ = ["Incident", "RunRecovery", "RecoveryChange", "continue_ids_after", "rungs_of", "snapshot_policy"]
 
 _ids = itertools.count(1)
+#: The most quarantined samples one incident names (the loader's own skip list keeps them all).
+QUARANTINE_LIMIT = 65536
 #: Evidence signals of an LR beyond the schedule's range (``service/cause.py``).
 _LR_SIGNALS = frozenset({"trainguard_scheduler_lr", "trainguard_scheduler_lr_ratio"})
 #: The LR factor of the troubleshooting experiment (the guide: lower the LR 10x and watch).
@@ -95,12 +97,21 @@ class Incident:
     """An incident of unknown cause: the troubleshooting experiment and its outcome."""
     data_skipped: list[int] | None = None
     """A data incident: [first, last] step whose optimizer steps the ranks skipped for its data."""
+    quarantined: dict[str, list[int]] | None = None
+    """A data incident: the samples of the skipped batches (every rank's), by shard: ``{shard base
+    path: [index in the shard]}``, as the agent's loader reported them (``QuarantineReport``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "onset_step": self.onset_step, "onset_time": self.onset_time, "trigger": self.trigger,
                 "rungs": list(self.rungs), "outcome": self.outcome, "closed_step": self.closed_step,
                 "closed_time": self.closed_time, "cause": self.cause, "verdict": _copy(self.verdict),
-                "experiment": _copy(self.experiment), "data_skipped": None if self.data_skipped is None else list(self.data_skipped)}
+                "experiment": _copy(self.experiment), "data_skipped": None if self.data_skipped is None else list(self.data_skipped),
+                "quarantined": None if self.quarantined is None else {k: list(v) for k, v in self.quarantined.items()}}
+
+
+def _finite_or_text(x: float) -> float | str:
+    """A report value for an incident dict (NaN/Inf as the wire spells them)."""
+    return float(x) if math.isfinite(x) else ("NaN" if x != x else "Infinity" if x > 0 else "-Infinity")
 
 
 def _copy(d: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -195,6 +206,8 @@ class RunRecovery:
         """The cause of what the newest report shows (:meth:`consider`), while no incident is open."""
         self._data_active = False
         """A data-quality rule fires on the newest report."""
+        self._data_checks: list[tuple[str, str | None, str, Any, bool]] = []
+        """Each data-quality rule on the newest report: (name, metric, op, threshold, firing)."""
         self._revised = False
         """The newest report revised the open incident's cause to hardware."""
         self._opened_now = False
@@ -234,7 +247,7 @@ class RunRecovery:
 
     _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",
                 "_last_step", "_measured", "_measured_scale", "_lr", "_verdict", "_data_active", "_lr_peak", "_revised",
-                "_opened_now", "_lr_fault_peak")
+                "_opened_now", "_lr_fault_peak", "_data_checks")
 
     def save(self) -> dict[str, Any]:
         """Everything a report may change, for an undo (``Transaction.on_rollback``). Called on
@@ -266,7 +279,7 @@ class RunRecovery:
             self.open.rungs = list(d["rungs"])
             self.open.outcome, self.open.closed_step, self.open.closed_time = d["outcome"], d["closed_step"], d["closed_time"]
             self.open.cause, self.open.verdict, self.open.experiment = d["cause"], d["verdict"], d["experiment"]
-            self.open.data_skipped = d["data_skipped"]
+            self.open.data_skipped, self.open.quarantined = d["data_skipped"], d["quarantined"]
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
         self._healthy_measures = {m: deque(v, maxlen=self.policy.baseline_reports) for m, v in saved["healthy_measures"].items()}
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
@@ -284,7 +297,8 @@ class RunRecovery:
                            rungs=[dict(r) for r in d.get("rungs", [])], outcome=str(d.get("outcome", "open")),
                            closed_step=d.get("closed_step"), closed_time=d.get("closed_time"),
                            cause=str(d.get("cause") or "unknown"), verdict=_copy(d.get("verdict")) or {},
-                           experiment=_copy(d.get("experiment")), data_skipped=d.get("data_skipped"))
+                           experiment=_copy(d.get("experiment")), data_skipped=d.get("data_skipped"),
+                           quarantined=_copy(d.get("quarantined")))
             self.incidents.append(inc)
         last = self.incidents[-1] if self.incidents else None
         if last is not None and last.outcome == "open":
@@ -305,6 +319,31 @@ class RunRecovery:
             elif inc is was_open and (now := inc.as_dict()) != before:
                 out.append((before, now))
         return out
+
+    def note_quarantine(self, step: int, samples: dict[str, list[int]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The agent's loader left ``samples`` (``{shard: [index]}``) of the batch of ``step`` out:
+        the data incident that skipped that step names them (the open one, else the newest whose
+        skipped steps hold ``step``). Returns (the incident before, after) as dicts, or None when
+        no data incident skipped that step or nothing new was named. At most
+        ``QUARANTINE_LIMIT`` samples are kept per incident."""
+        inc = self.open if self.open is not None and self.open.cause == "data" else next(
+            (i for i in reversed(self.incidents) if i.cause == "data" and i.data_skipped is not None
+             and i.data_skipped[0] <= step <= i.data_skipped[1]), None)
+        if inc is None:
+            return None
+        before = inc.as_dict()
+        kept = {k: set(v) for k, v in (inc.quarantined or {}).items()}
+        room = QUARANTINE_LIMIT - sum(len(v) for v in kept.values())
+        for shard, indices in samples.items():
+            new = sorted(set(int(i) for i in indices) - kept.get(shard, set()))[:max(room, 0)]
+            if new:
+                kept.setdefault(shard, set()).update(new)
+                room -= len(new)
+        now = {k: sorted(v) for k, v in kept.items()}
+        if now == (inc.quarantined or {}):
+            return None
+        inc.quarantined = now
+        return before, inc.as_dict()
 
     # ------------------------------------------------------------------ ActionContext
 
@@ -382,6 +421,9 @@ class RunRecovery:
         before their actions are taken (:meth:`refusal`). While an incident is open its cause
         stands, except that hardware evidence revises it."""
         self._data_active = any(f.active and f.rule.diagnosis in DATA_DIAGNOSES for f in findings)
+        self._data_checks = [(f.rule.name, getattr(f.rule, "metric", None), getattr(f.rule, "op", ""),
+                              getattr(f.rule, "value", None), bool(f.active))
+                             for f in findings if f.rule.diagnosis in DATA_DIAGNOSES]
         self._verdict = None
         if not self.policy.enabled:
             return
@@ -634,6 +676,10 @@ class RunRecovery:
         assert inc is not None and inc.experiment is not None
         exp = dict(inc.experiment)
         exp["data_rules_firing"] = self._data_active
+        exp["sampling"] = self._sampling_check()
+        amp = self._amp_check(exp.get("amp_skipped_at_start"))
+        if amp is not None:
+            exp["amp"] = amp
         if back:
             exp["outcome"] = "followed"
             exp["conclusion"] = ("the symptom went away with the LR 10x lower: the LR is the cause; the optimizer's "
@@ -642,11 +688,16 @@ class RunRecovery:
             inc.experiment = exp
             return None
         exp["outcome"] = "not_followed"
+        amp_skips = amp is not None and (amp.get("skipped_steps") or 0) > 0
         exp["conclusion"] = ("the symptom stayed with the LR 10x lower: not the LR" +
-                             ("; the data rules fire: the data" if self._data_active else "") +
+                             ("; the data rules fire: the data" if self._data_active else
+                              f"; mixed precision skipped {amp['skipped_steps']} step(s) meanwhile: its numerics"
+                              if amp_skips else "") +
                              "; the LR goes back to where it was")
         if self._data_active:
             inc.cause = "data"
+        elif amp_skips:
+            inc.cause = "optimizer"
         inc.experiment = exp
         before = float(exp["lr_scale_before"])
         self._reports_since_rung = 0
@@ -656,6 +707,33 @@ class RunRecovery:
         return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": before,
                                                          "reason": f"{self._why_cause()}: {exp['conclusion']}"[:2000]}),
                               "recovery:ladder")
+
+    def _sampling_check(self) -> dict[str, Any]:
+        """The sampling distribution at the end of the experiment: each data-quality rule's value
+        (the agent's data monitor) against its threshold."""
+        checks = []
+        for name, metric, op, limit, active in self._data_checks:
+            v = self._values.get(metric)
+            checks.append({"rule": name, "metric": metric, "value": None if v is None else _finite_or_text(v),
+                           "limit": f"{op} {limit}" if limit is not None else None, "out_of_bounds": bool(active)})
+        reported = [c for c in checks if c["value"] is not None]
+        outcome = ("not_reported" if not reported else
+                   "out_of_bounds" if any(c["out_of_bounds"] for c in checks) else "in_bounds")
+        return {"outcome": outcome, "checks": checks}
+
+    def _amp_check(self, skipped_at_start: float | None) -> dict[str, Any] | None:
+        """Mixed precision during the experiment (None: the run reports no loss scale): the
+        GradScaler's scale now and the steps it skipped since the experiment began. A float32
+        recompute of one step is not part of it: the agent's recompute check runs the user's loss
+        function as the loop does (its autocast included), and has no float32 mode to compare with."""
+        scale = self._values.get("trainguard_loss_scale")
+        if scale is None:
+            return None
+        now = self._values.get("trainguard_amp_skipped_steps_total")
+        skipped = (int(now - skipped_at_start) if now is not None and skipped_at_start is not None
+                   and math.isfinite(now) and math.isfinite(skipped_at_start) else None)
+        return {"loss_scale": _finite_or_text(scale), "skipped_steps": skipped,
+                "float32_recompute": "not available: the agent's recompute check has no float32 mode"}
 
     # ------------------------------------------------------------------ internals
 
@@ -723,7 +801,8 @@ class RunRecovery:
         if rung == "experiment" and desired is not None:
             self.open.experiment = {"lr_factor": _EXPERIMENT_LR_FACTOR, "from_step": step,
                                     "until_step": step + self.policy.experiment_steps,
-                                    "lr_scale_before": self._scale_before_experiment, "outcome": None}
+                                    "lr_scale_before": self._scale_before_experiment, "outcome": None,
+                                    "amp_skipped_at_start": self._values.get("trainguard_amp_skipped_steps_total")}
         if rung == "pause":
             self._close("escalated", step, now)
 

@@ -117,7 +117,8 @@ class IncidentUpdate:
     """What one transaction changed in an incident."""
 
     update: str
-    """``opened``, ``rung`` (a rung taken while open), ``recovered`` or ``escalated``."""
+    """``opened``, ``rung`` (a rung taken while open), ``recovered``, ``escalated`` or ``quarantined``
+    (a data incident named its skipped batches' samples: ``service/data_quarantine.py``)."""
     opened: bool
     rungs: tuple[str, ...]
     """The rungs taken in this transaction, in order."""
@@ -165,7 +166,8 @@ def render_incident(format: str, incident: dict[str, Any], *, run: str, job: str
     ``alertmanager`` format: an Alertmanager (version 4) message with one alert (``alertname``
     ``incident``; labels ``job``, ``run``, ``severity``, ``incident`` (its id); firing while open
     or escalated, resolved once recovered), and beside it ``kind`` (``"incident"``), ``update``
-    (what this message reports: ``opened``, ``rung``, ``recovered``, ``escalated``), ``run``,
+    (what this message reports: ``opened``, ``rung``, ``recovered``, ``escalated``, ``quarantined``:
+    a data incident named the samples its skipped batches held), ``run``,
     ``job``, ``incident`` (onset, rungs, outcome, and the ``cause`` with its ``verdict``: as ``GET
     /v1/runs/{run}/incidents`` lists it), ``cause``, ``hosts`` (a hardware fault's suspect hosts, so
     an orchestrator can leave them out of the restart; else empty) and ``link`` (the run's page in

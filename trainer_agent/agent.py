@@ -318,6 +318,15 @@ class Agent:
         quarantine = getattr(self._loader, "quarantine_last", None)
         if quarantine is not None:
             quarantine()
+        located = getattr(self._loader, "located_last", None)
+        client = self.control.client if self.control is not None else None
+        if located is not None and client is not None:  # the leader: the data incident names every rank's samples
+            from trainguard.protocol.wire import QuarantinedSamples, QuarantineReport
+
+            where = located()
+            if where:
+                client.post_quarantine(QuarantineReport(step=self.step, samples=[
+                    QuarantinedSamples(shard=shard[-1024:], indices=idx) for shard, idx in list(where.items())[:256]]))
 
     def _snapshot_extra(self) -> dict[str, Any]:
         """What a snapshot holds besides the model and optimizer state."""

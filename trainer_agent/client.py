@@ -57,6 +57,7 @@ from trainguard.protocol.wire import (
     Ack,
     DesiredState,
     MemoryReport,
+    QuarantineReport,
     PreflightResult,
     Report,
     ReportAccepted,
@@ -347,12 +348,20 @@ class ControllerClient:
     def post_memory_report(self, report: MemoryReport) -> threading.Thread:
         """Send a memory trace's result once, from a thread of its own (the training loop never
         waits on it; bounded by the request timeout). A failure is logged."""
-        def send() -> None:
-            why = self._post_once("memory-report", report)
-            if why is not None:
-                log.warning("trainguard: the controller did not take the memory trace's result: %s", why)
+        return self._post_in_thread("memory-report", report, "the memory trace's result")
 
-        thread = threading.Thread(target=send, name="trainguard-memory-report", daemon=True)
+    def post_quarantine(self, report: QuarantineReport) -> threading.Thread:
+        """Send the samples a data skip left out once, from a thread of its own (as
+        :meth:`post_memory_report`). A failure is logged (the loader's skip list keeps them)."""
+        return self._post_in_thread("quarantine", report, "the quarantined samples")
+
+    def _post_in_thread(self, what: str, body: Any, label: str) -> threading.Thread:
+        def send() -> None:
+            why = self._post_once(what, body)
+            if why is not None:
+                log.warning("trainguard: the controller did not take %s: %s", label, why)
+
+        thread = threading.Thread(target=send, name=f"trainguard-{what}", daemon=True)
         thread.start()
         return thread
 

@@ -634,6 +634,18 @@ class TokenLoader:
         self.quarantine(ids)
         return ids
 
+    def located_last(self) -> dict[str, list[int]]:
+        """Where the samples of the batch the training loop received last lie, on every rank
+        (``{shard base path: [index in the shard]}``): each rank's loader is at the same batch of
+        the same epoch, so one rank can name them all; empty before the first batch."""
+        last = self._last
+        if last is None:
+            return {}
+        ds = self.dataset
+        positions = (last[1] * ds.batch_size + np.arange(ds.batch_size, dtype=np.int64)) * ds.world_size
+        everywhere = (positions[:, None] + np.arange(ds.world_size, dtype=np.int64)[None, :]).ravel()
+        return ds.locate(ds.order(last[0])(everywhere).tolist())
+
     def quarantined(self) -> dict[str, list[int]]:
         """The quarantined samples by shard: ``{shard base path: [index in the shard]}``."""
         return self.dataset.locate(self.dataset.skip)

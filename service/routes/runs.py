@@ -17,7 +17,7 @@ from trainguard.service.deps import AgentDep, ControllerDep, PollDep, ReadDep, s
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, nan_safe
 from trainguard.protocol.commands import REGISTRY, CommandRequest, CommandSpec
 from trainguard.protocol.wire import (
-    Ack, DesiredState, MemoryReport, PreflightResult, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
+    Ack, DesiredState, MemoryReport, PreflightResult, QuarantineReport, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
 )
 
 __all__ = ["router", "command_route"]
@@ -85,6 +85,11 @@ async def post_preflight(run: RunPath, body: PreflightResult, ctl: ControllerDep
 @router.post("/runs/{run}/memory-report", summary="A memory trace's result (agent), shown in the run's status and alert")
 async def post_memory_report(run: RunPath, body: MemoryReport, ctl: ControllerDep, principal: AgentDep) -> dict:
     return await ctl.memory_report(run, body, principal)
+
+
+@router.post("/runs/{run}/quarantine", summary="The samples a data skip left out (agent), named on the data incident")
+async def post_quarantine(run: RunPath, body: QuarantineReport, ctl: ControllerDep, principal: AgentDep) -> dict:
+    return await ctl.quarantine(run, body, principal)
 
 
 @router.get("/runs", summary="List runs")

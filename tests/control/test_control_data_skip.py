@@ -3,7 +3,7 @@ the agent's data monitor attached, a real ``trainguard serve`` with the built-in
 steps the batches are corrupted bytes. The controller's verdict is ``data``; every rank skips the
 optimizer steps of those batches at the same steps, the LR stays the scheduler's, the ranks'
 weights stay identical, nothing pauses, and each rank's loader quarantines exactly the samples of
-the batches whose steps were skipped for their data."""
+the batches whose steps were skipped for their data, which the incident names by shard."""
 
 from __future__ import annotations
 
@@ -118,3 +118,7 @@ def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(contro
         ds = TokenBatches(tmp_path / "shards", batch_size=8, seq_len=33, seed=1, rank=rank, world_size=WORLD)
         expected = sorted({int(i) for s in skipped[0] for i in ds.sequence_ids(0, s - 1).tolist()})
         assert log["skip"] == expected and log["state"]["skip"] == expected
+    # the incident names them all, every rank's, by shard and index within it (the leader's report)
+    everywhere = sorted({int(i) for log in logs for i in log["skip"]})
+    assert incident["quarantined"] == TokenBatches(tmp_path / "shards", batch_size=8, seq_len=33, seed=1, rank=0,
+                                                   world_size=WORLD).locate(everywhere)

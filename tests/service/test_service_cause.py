@@ -315,3 +315,87 @@ def test_an_lr_fault_replayed_after_a_rollback_is_not_the_schedules_own_move() -
     assert again["cause"] == "optimizer" and again["onset_step"] == 80
     (lr,) = [e for e in again["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr"]
     assert lr["points_to"] == "optimizer" and lr["reference"]["peak"] == 1e-3
+
+
+def test_a_data_incident_names_the_quarantined_samples_in_the_api_the_event_stream_and_a_webhook(tmp_path, serve, receiver_factory) -> None:
+    import json
+
+    import httpx
+
+    from tests.service.conftest import wait_until
+
+    rx = receiver_factory([200])
+    srv = serve(tmp_path / "tg.db")
+    reg = {"job": "j", "run": "run-data", "world_size": 1, "agent_version": "test",
+           "ranks": [{"rank": 0, "local_rank": 0, "host": "node-a", "port": 9100}]}
+    quarantine = {"step": 61, "samples": [{"shard": "/data/shards/shard-00001", "indices": [7, 3, 3]},
+                                          {"shard": "/data/shards/shard-00000", "indices": [12]}]}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/webhooks", json={"url": rx.url, "secret": "s3cret-s3cret-s3cret", "min_severity": "warning"}).status_code == 201
+        assert c.post("/v1/runs", json=reg).status_code == 200
+        # no data incident yet: nothing to name
+        assert c.post("/v1/runs/run-data/quarantine", json=quarantine).json() == {"run": "run-data", "named": False}
+        burst = dict(trainguard_loss=5.5, trainguard_data_token_kl_divergence=0.5, trainguard_update_ratio=8e-3)
+        for i in range(1, 62):
+            r = _report(i, **(burst if i >= 60 else {}))
+            assert c.post("/v1/runs/run-data/reports", content=r.model_dump_json()).status_code == 200
+        (opened,) = c.get("/v1/runs/run-data/incidents").json()["incidents"]
+        assert opened["cause"] == "data" and opened["quarantined"] is None
+        answer = c.post("/v1/runs/run-data/quarantine", json=quarantine).json()
+        assert answer == {"run": "run-data", "named": True, "incident": opened["id"]}
+        # the same samples again change nothing; a bad body is refused with the field named
+        assert c.post("/v1/runs/run-data/quarantine", json=quarantine).json()["named"] is False
+        bad = c.post("/v1/runs/run-data/quarantine", json={"step": 61, "samples": [{"shard": "", "indices": [1]}]})
+        assert bad.status_code == 422 and "shard" in bad.text
+        assert c.post("/v1/runs/nope/quarantine", json=quarantine).status_code == 404
+        listed = c.get("/v1/runs/run-data/incidents").json()
+        IncidentList.model_validate(listed)
+        (incident,) = listed["incidents"]
+        events = c.get("/v1/runs/run-data/events", params={"limit": 5000}).json()
+        wait_until(lambda: any(json.loads(b).get("update") == "quarantined" for _, b in rx.requests))
+    expected = {"/data/shards/shard-00001": [3, 7], "/data/shards/shard-00000": [12]}
+    assert incident["quarantined"] == expected
+    (event,) = [e for e in events if e["kind"] == "incident" and e["data"]["update"] == "quarantined"]
+    assert event["data"]["incident"] == incident
+    (msg,) = [json.loads(b) for _, b in rx.requests if json.loads(b).get("update") == "quarantined"]
+    assert msg["incident"]["quarantined"] == expected and msg["cause"] == "data"
+    from trainguard.cli import format_incidents
+
+    text = format_incidents([incident]).splitlines()
+    assert "  quarantined in /data/shards/shard-00001: sequences 3, 7" in text
+    assert "  quarantined in /data/shards/shard-00000: sequences 12" in text
+
+
+def test_the_experiment_records_the_sampling_distribution_and_mixed_precision_in_its_outcome() -> None:
+    # mixed precision: the loss scale is reported; during the experiment the GradScaler skips 4 steps
+    amp = {"trainguard_loss_scale": 1024.0}
+    healthy = [_report(i, trainguard_amp_skipped_steps_total=2.0, **amp) for i in range(1, 30)]
+    stuck = [_report(i, trainguard_consecutive_skipped_steps=5.0, trainguard_amp_skipped_steps_total=2.0 + 4.0 * (i >= 50),
+                     **amp) for i in range(30, 60)]
+    _, incidents = _incidents(healthy + stuck)
+    (inc,) = incidents
+    exp = inc["experiment"]
+    assert (exp["from_step"], exp["until_step"], exp["outcome"]) == (45, 55, "not_followed")
+    # the data monitor's values against the data rules' limits: only the token KL is reported, in bounds
+    sampling = exp["sampling"]
+    assert sampling["outcome"] == "in_bounds"
+    (kl,) = [c for c in sampling["checks"] if c["rule"] == "data_token_kl"]
+    assert kl == {"rule": "data_token_kl", "metric": "trainguard_data_token_kl_divergence", "value": 0.01,
+                  "limit": "> 0.1", "out_of_bounds": False}
+    assert {c["rule"] for c in sampling["checks"] if c["value"] is None} >= {"data_duplicate_ratio", "data_length_shift"}
+    # mixed precision skipped 4 steps between the experiment's start (45) and its end (55): its numerics
+    assert exp["amp"] == {"loss_scale": 1024.0, "skipped_steps": 4,
+                          "float32_recompute": "not available: the agent's recompute check has no float32 mode"}
+    assert inc["cause"] == "optimizer" and "mixed precision skipped 4 step(s)" in exp["conclusion"]
+
+
+def test_the_experiment_finds_the_sampling_out_of_bounds_and_concludes_data() -> None:
+    healthy = [_report(i) for i in range(1, 30)]
+    stuck = [_report(i, trainguard_consecutive_skipped_steps=5.0,
+                     trainguard_data_token_kl_divergence=0.01 if i < 50 else 0.4) for i in range(30, 56)]
+    _, incidents = _incidents(healthy + stuck)
+    (inc,) = incidents
+    exp = inc["experiment"]
+    assert exp["outcome"] == "not_followed" and exp["sampling"]["outcome"] == "out_of_bounds"
+    (kl,) = [c for c in exp["sampling"]["checks"] if c["rule"] == "data_token_kl"]
+    assert (kl["value"], kl["out_of_bounds"]) == (0.4, True) and inc["cause"] == "data" and "amp" not in exp

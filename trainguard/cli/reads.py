@@ -76,6 +76,9 @@ def format_verdict(inc: dict[str, Any]) -> list[str]:
         first, last = inc["data_skipped"]
         lines.append(f"  data: the optimizer steps {first}-{last} skipped on every rank (their samples quarantined "
                      "by the run's TokenLoader)")
+    for shard, indices in (inc.get("quarantined") or {}).items():
+        shown = ", ".join(str(i) for i in indices[:20]) + (f", ... ({len(indices)} in all)" if len(indices) > 20 else "")
+        lines.append(f"  quarantined in {shard}: sequences {shown}")
     return lines
 
 

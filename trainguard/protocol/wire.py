@@ -31,6 +31,8 @@ __all__ = [
     "DIAGNOSTIC_COMMANDS",
     "DiagnosticCommand",
     "MemoryReport",
+    "QuarantineReport",
+    "QuarantinedSamples",
     "MemoryOwnerEntry",
     "Command",
     "LR_SCALE_MIN",
@@ -242,6 +244,22 @@ class MemoryReport(WireModel):
         default_factory=list, max_length=32,
         description="CUDA: bytes each module's own forward left allocated per step (saved activations and "
                     "its output), worst first; tensors is 0.")
+
+
+class QuarantinedSamples(WireModel):
+    """The samples of one shard that a data skip left out (``TokenLoader.quarantine``)."""
+
+    shard: str = Field(min_length=1, max_length=1024, description="The shard's base path, as the loader opened it.")
+    indices: list[Int] = Field(max_length=65536, description="Indices of the sequences within the shard, ascending.")
+
+
+class QuarantineReport(WireModel):
+    """``POST /v1/runs/{run}/quarantine``: the samples of the batches a data skip left out, every
+    rank's, by shard (the leader's loader: ``TokenLoader.located_last``); the open data incident
+    names them, so an operator can take them out of the data for good."""
+
+    step: Int = Field(ge=0, le=MAX_INT, description="The step whose batch was skipped.")
+    samples: list[QuarantinedSamples] = Field(default_factory=list, max_length=256)
 
 
 def dumps(model: WireModel) -> bytes:
