@@ -9,8 +9,8 @@ fails, every in-memory change is taken back, so the state is exactly what it was
 that got a 503 is not in the rule window, an alert that could not be recorded has not fired (the
 rule fires again on the next report), a command that could not be written did not happen.
 
-A :class:`Transaction` collects the in-memory changes with their undos; the controller's
-``_commit(tx, op)`` runs the operation and publishes or takes back. An operation returns a
+A :class:`Transaction` collects the in-memory changes with their undos;
+:meth:`service.committer.Committer.commit` runs the operation and publishes or takes back. An operation returns a
 :class:`Written`. :func:`record_fired` and :func:`record_resolved` write the alerts of a decision,
 :func:`record_incident` a change of an incident.
 """

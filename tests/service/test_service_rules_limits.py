@@ -161,7 +161,7 @@ def test_healthz_is_answered_while_a_large_rules_file_is_validated(tmp_path: Pat
     async def scenario() -> None:
         app = create_app(Settings(db=tmp_path / "tg.db", **TOKENS))
         ctl = app.state.controller
-        validate = ctl.validate_rules
+        validate = ctl.rules_store.validate
 
         def validate_and_wait(body: str):  # type: ignore[no-untyped-def]
             order.append("validation started")
@@ -171,7 +171,7 @@ def test_healthz_is_answered_while_a_large_rules_file_is_validated(tmp_path: Pat
             order.append("validation done")
             return rules
 
-        ctl.validate_rules = validate_and_wait
+        ctl.rules_store.validate = validate_and_wait
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://controller") as client:
