@@ -49,7 +49,9 @@ from trainguard.protocol.commands import BY_NAME, REGISTRY
 from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
 from trainguard.service.adaptive_lr import LrRamp, ScheduleBaseline, baseline, corrected_scale
-from trainguard.service.cause import DATA_DIAGNOSES, HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
+from trainguard.service.cause import (
+    DATA_DIAGNOSES, HARDWARE_DIAGNOSES as _HARDWARE, LR_RATIO, SCHEDULE_PEAK_MARGIN, Verdict, judge, refusal,
+)
 from trainguard.service.engine import apply_actions
 from trainguard.service.rules import (
     AdaptiveLrAction, CheckpointAction, LrScaleAction, PauseAction, RecoveryPolicy, RollbackAction, StopAction,
@@ -97,6 +99,10 @@ class Incident:
     """An incident of unknown cause: the troubleshooting experiment and its outcome."""
     data_skipped: list[int] | None = None
     """A data incident: [first, last] step whose optimizer steps the ranks skipped for its data."""
+    replay: dict[str, Any] | None = None
+    """An LR jump that began and ended inside one report interval, rolled back: the user's restored
+    scheduler asks for it again, so the rollback's ``lr_scale`` is 1/``ratio`` of the usual until
+    ``until_step`` (the restored run past the jump), then ``lr_scale_after`` (``released``: its step)."""
     quarantined: dict[str, list[int]] | None = None
     """A data incident: the samples of the skipped batches (every rank's), by shard: ``{shard base
     path: [index in the shard]}``, as the agent's loader reported them (``QuarantineReport``)."""
@@ -106,7 +112,8 @@ class Incident:
                 "rungs": list(self.rungs), "outcome": self.outcome, "closed_step": self.closed_step,
                 "closed_time": self.closed_time, "cause": self.cause, "verdict": _copy(self.verdict),
                 "experiment": _copy(self.experiment), "data_skipped": None if self.data_skipped is None else list(self.data_skipped),
-                "quarantined": None if self.quarantined is None else {k: list(v) for k, v in self.quarantined.items()}}
+                "quarantined": None if self.quarantined is None else {k: list(v) for k, v in self.quarantined.items()},
+                "replay": _copy(self.replay)}
 
 
 def _finite_or_text(x: float) -> float | str:
@@ -279,7 +286,7 @@ class RunRecovery:
             self.open.rungs = list(d["rungs"])
             self.open.outcome, self.open.closed_step, self.open.closed_time = d["outcome"], d["closed_step"], d["closed_time"]
             self.open.cause, self.open.verdict, self.open.experiment = d["cause"], d["verdict"], d["experiment"]
-            self.open.data_skipped, self.open.quarantined = d["data_skipped"], d["quarantined"]
+            self.open.data_skipped, self.open.quarantined, self.open.replay = d["data_skipped"], d["quarantined"], d["replay"]
         self._healthy_metric = deque(saved["healthy_metric"], maxlen=self._healthy_metric.maxlen)
         self._healthy_measures = {m: deque(v, maxlen=self.policy.baseline_reports) for m, v in saved["healthy_measures"].items()}
         self._healthy_lr = deque(saved["healthy_lr"], maxlen=self._healthy_lr.maxlen)
@@ -298,7 +305,7 @@ class RunRecovery:
                            closed_step=d.get("closed_step"), closed_time=d.get("closed_time"),
                            cause=str(d.get("cause") or "unknown"), verdict=_copy(d.get("verdict")) or {},
                            experiment=_copy(d.get("experiment")), data_skipped=d.get("data_skipped"),
-                           quarantined=_copy(d.get("quarantined")))
+                           quarantined=_copy(d.get("quarantined")), replay=_copy(d.get("replay")))
             self.incidents.append(inc)
         last = self.incidents[-1] if self.incidents else None
         if last is not None and last.outcome == "open":
@@ -560,6 +567,12 @@ class RunRecovery:
             if change is not None:
                 changes.append(change)
                 desired = change.desired
+        replay = self.open.replay if self.open is not None else None
+        if replay is not None and replay.get("released") is None and p.enabled and step > replay["until_step"]:
+            change = self._release_replay(step, values, desired)
+            if change is not None:
+                changes.append(change)
+                desired = change.desired
         experiment = self.open.experiment if self.open is not None else None
         if experiment is not None and experiment.get("outcome") is None and p.enabled:
             if step >= experiment["until_step"]:
@@ -622,6 +635,8 @@ class RunRecovery:
         of bounds, an experiment that has not ended."""
         if experiment is not None and experiment.get("outcome") is None:
             return True
+        if self.open is not None and self.open.replay is not None and self.open.replay.get("released") is None:
+            return True  # the restored schedule has not passed the LR jump again
         return self.open is not None and self.open.cause == "data" and self._data_active
 
     def _first_rungs(self, step: int, now: float, desired: DesiredState) -> list[RecoveryChange]:
@@ -707,6 +722,61 @@ class RunRecovery:
         return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": before,
                                                          "reason": f"{self._why_cause()}: {exp['conclusion']}"[:2000]}),
                               "recovery:ladder")
+
+    def _lr_jump_over(self) -> float | None:
+        """The ratio of an LR jump that opened this optimizer incident and was over by its report
+        (the verdict's ``trainguard_scheduler_lr_ratio`` evidence), the schedule back within the
+        range it had before the jump now; None otherwise."""
+        inc = self.open
+        if inc is None or inc.cause != "optimizer":
+            return None
+        ratio = next((e["value"] for e in inc.verdict.get("evidence", []) if e["signal"] == LR_RATIO
+                      and e["points_to"] == "optimizer" and isinstance(e["value"], (int, float))), None)
+        if ratio is None or not ratio > 1:
+            return None
+        now = self._values.get(LR_RATIO)
+        if now is not None and math.isfinite(now) and now > SCHEDULE_PEAK_MARGIN:
+            return None  # the schedule is jumping now
+        peak = self._lr_fault_peak
+        if self._lr is not None and peak is not None and self._lr > SCHEDULE_PEAK_MARGIN * peak:
+            return None  # the jump lasts: adaptive LR's
+        return float(ratio)
+
+    def _guard_replay(self, step: int, ratio: float, new: DesiredState) -> DesiredState:
+        """A rollback over an LR jump that is over: the restored scheduler will ask for the jump
+        again at the same point of its schedule, so the rollback's scale is 1/``ratio`` of the usual
+        until the run is past it (one report interval beyond the steps from the snapshot to the
+        report that saw the jump)."""
+        inc = self.open
+        assert inc is not None
+        seen = int(inc.rungs[0]["step"]) if inc.rungs else inc.onset_step
+        interval = step - self._last_step if self._last_step is not None and self._last_step < step else 1
+        until = step + max(seen - new.rollback_step, 0) + interval
+        after = new.lr_scale
+        guard = max(after / ratio, LR_SCALE_MIN)
+        inc.replay = {"ratio": ratio, "from_step": step + 1, "until_step": until, "lr_scale": guard,
+                      "lr_scale_after": after, "released": None}
+        reason = (f"{new.reason}; lr_scale {guard:.4g} (1/{ratio:.4g} of {after:.4g}) until step {until}: the restored "
+                  f"schedule asks for the LR jump again")
+        return new.model_copy(update={"lr_scale": guard, "reason": reason[:2000]})
+
+    def _release_replay(self, step: int, values: dict[str, float], desired: DesiredState) -> RecoveryChange | None:
+        """The restored run is past the LR jump: the scale the rollback meant (``lr_scale_after``),
+        lower if the schedule's terms still need it (``ScheduleBaseline.needed``)."""
+        inc = self.open
+        assert inc is not None and inc.replay is not None
+        replay = dict(inc.replay, released=step)
+        inc.replay = replay
+        self._reports_since_rung = 0
+        self._rung_step = step
+        needed, note = self.schedule.needed(values)
+        scale = replay["lr_scale_after"] if needed is None else min(replay["lr_scale_after"], needed * self.ceiling)
+        scale = min(max(scale, LR_SCALE_MIN), LR_SCALE_MAX)
+        if scale <= desired.lr_scale:
+            return None
+        reason = f"{self._why_cause()}: the restored schedule is past the LR jump: lr_scale {scale:.4g} ({note})"
+        return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": scale,
+                                                         "reason": reason[:2000]}), "recovery:ladder")
 
     def _sampling_check(self) -> dict[str, Any]:
         """The sampling distribution at the end of the experiment: each data-quality rule's value
@@ -818,12 +888,17 @@ class RunRecovery:
         ladder = self.ladder()
         taken = [ladder.index(r["rung"]) for r in self.open.rungs if r["rung"] in ladder]
         exp = self.open.experiment
+        jump = self._lr_jump_over()
         for rung in ladder[(max(taken) + 1 if taken else 0):]:
             if rung == "adaptive_lr" and exp is not None and exp.get("outcome") == "not_followed":
                 continue  # the experiment showed that the LR is not the cause
+            if rung == "adaptive_lr" and jump is not None:
+                continue  # the LR is back on the schedule: the jump's damage is the rollback's to repair
             new = self._rung_state(rung, desired, step)
             if new is None:
                 continue  # a rung that changes nothing (e.g. adaptive LR at its baseline): the next
+            if rung == "rollback" and jump is not None and new.rollback_seq > desired.rollback_seq:
+                new = self._guard_replay(step, jump, new)
             self._rung(rung, step, now, "recovery:ladder", new)
             if rung == "stop" and self.open is not None:
                 self._close("escalated", step, now)

@@ -399,3 +399,33 @@ def test_the_experiment_finds_the_sampling_out_of_bounds_and_concludes_data() ->
     assert exp["outcome"] == "not_followed" and exp["sampling"]["outcome"] == "out_of_bounds"
     (kl,) = [c for c in exp["sampling"]["checks"] if c["rule"] == "data_token_kl"]
     assert (kl["value"], kl["out_of_bounds"]) == (0.4, True) and inc["cause"] == "data" and "amp" not in exp
+
+
+def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_until_the_restored_schedule_passes_it() -> None:
+    # a report every 5 steps; the schedule went x1000 for a few steps inside the interval ending at 135
+    # (the report's own step back on it), the agent skipped 3 steps, the loss stays hurt
+    def at(i: int, **over: float) -> Report:
+        base = dict(trainguard_scheduler_lr_max=1e-3, trainguard_scheduler_lr_ratio=1.0, trainguard_scheduler_lr_peak=1e-3,
+                    trainguard_snapshot_step=100.0 if i >= 100 else 50.0)
+        return _report(i, **(base | over))
+
+    healthy = [at(i) for i in range(5, 135, 5)]
+    jump = [at(135, trainguard_scheduler_lr_max=1.0, trainguard_scheduler_lr_ratio=1000.0,
+               trainguard_consecutive_skipped_steps=3.0, trainguard_loss=5.0)]
+    hurt = [at(i, trainguard_loss=5.0, trainguard_scheduler_lr_peak=1.0) for i in (140, 145, 150)]
+    after = [at(i, trainguard_scheduler_lr_peak=1.0) for i in range(155, 260, 5)]
+    reports = healthy + jump + hurt + after
+    states, incidents = _incidents(reports)
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer"
+    # no adaptive LR (the LR is back on the schedule): the rollback, to the snapshot before the jump
+    assert [(r["rung"], r["step"]) for r in inc["rungs"] if r["rung"] != "skip"][0] == ("rollback", 150)
+    step_of = {r.step_last: s for r, s in zip(reports, states)}
+    assert step_of[150].rollback_step == 100
+    # the restored scheduler asks for the jump again 35 steps after the snapshot: until then and one
+    # report beyond, 1/1000 of the rollback's scale (0.5); then the rollback's scale
+    assert inc["replay"] == {"ratio": 1000.0, "from_step": 151, "until_step": 190, "lr_scale": pytest.approx(5e-4),
+                             "lr_scale_after": 0.5, "released": 195}
+    assert step_of[150].lr_scale == pytest.approx(5e-4) and step_of[190].lr_scale == pytest.approx(5e-4)
+    assert step_of[195].lr_scale == 0.5
+    assert inc["outcome"] == "recovered" and states[-1].lr_scale == 1.0  # and back to the schedule by the end
