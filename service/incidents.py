@@ -100,9 +100,12 @@ class Incident:
     data_skipped: list[int] | None = None
     """A data incident: [first, last] step whose optimizer steps the ranks skipped for its data."""
     replay: dict[str, Any] | None = None
-    """An LR jump that began and ended inside one report interval, rolled back: the user's restored
-    scheduler asks for it again, so the rollback's ``lr_scale`` is 1/``ratio`` of the usual until
-    ``until_step`` (the restored run past the jump), then ``lr_scale_after`` (``released``: its step)."""
+    """An LR jump of the user's schedule, rolled back: the restored scheduler asks for it again.
+    ``kind`` ``over`` (the jump began and ended inside one report interval): the rollback's
+    ``lr_scale`` is 1/``ratio`` of the usual until ``until_step`` (the restored run past the jump),
+    then ``lr_scale_after``; ``lasting``: the restored schedule is healthy until the jump, so the
+    rollback's factor of the ceiling until ``until_step`` (the last report before it), then the
+    rollback's scale ``lr_scale_after``. ``released``: the step it changed."""
     quarantined: dict[str, list[int]] | None = None
     """A data incident: the samples of the skipped batches (every rank's), by shard: ``{shard base
     path: [index in the shard]}``, as the agent's loader reported them (``QuarantineReport``)."""
@@ -568,7 +571,8 @@ class RunRecovery:
                 changes.append(change)
                 desired = change.desired
         replay = self.open.replay if self.open is not None else None
-        if replay is not None and replay.get("released") is None and p.enabled and step > replay["until_step"]:
+        if replay is not None and replay.get("released") is None and p.enabled and (
+                step > replay["until_step"] or (replay["kind"] == "lasting" and step >= replay["until_step"])):
             change = self._release_replay(step, values, desired)
             if change is not None:
                 changes.append(change)
@@ -754,11 +758,37 @@ class RunRecovery:
         until = step + max(seen - new.rollback_step, 0) + interval
         after = new.lr_scale
         guard = max(after / ratio, LR_SCALE_MIN)
-        inc.replay = {"ratio": ratio, "from_step": step + 1, "until_step": until, "lr_scale": guard,
+        inc.replay = {"kind": "over", "ratio": ratio, "from_step": step + 1, "until_step": until, "lr_scale": guard,
                       "lr_scale_after": after, "released": None}
         reason = (f"{new.reason}; lr_scale {guard:.4g} (1/{ratio:.4g} of {after:.4g}) until step {until}: the restored "
                   f"schedule asks for the LR jump again")
         return new.model_copy(update={"lr_scale": guard, "reason": reason[:2000]})
+
+    def _lr_jump_lasts(self) -> bool:
+        """This optimizer incident opened on the scheduled LR beyond the schedule's range, and it
+        still is (a lasting fault of the user's schedule)."""
+        inc, peak = self.open, self._lr_fault_peak
+        if inc is None or inc.cause != "optimizer" or peak is None or self._lr is None:
+            return False
+        return self._lr > SCHEDULE_PEAK_MARGIN * peak and any(
+            e["signal"] in _LR_SIGNALS and e["points_to"] == "optimizer" for e in inc.verdict.get("evidence", []))
+
+    def _before_replay(self, step: int, new: DesiredState) -> DesiredState:
+        """A rollback over a lasting LR jump: the rollback's scale is meant for the jumped schedule,
+        but the restored one is healthy until it reaches the jump again. Until the last report
+        before that point, the rollback's factor of the ceiling; then the rollback's scale."""
+        inc = self.open
+        assert inc is not None
+        interval = step - self._last_step if self._last_step is not None and self._last_step < step else 1
+        until = step + (inc.onset_step - new.rollback_step) - interval - 1
+        before = min(self.policy.rollback_lr_factor * self.ceiling, LR_SCALE_MAX)
+        if until <= step or before <= new.lr_scale:
+            return new
+        inc.replay = {"kind": "lasting", "from_step": step + 1, "until_step": until, "lr_scale": before,
+                      "lr_scale_after": new.lr_scale, "released": None}
+        reason = (f"{new.reason}; lr_scale {before:.4g} until step {until} (the restored schedule is the healthy one "
+                  f"until it reaches the LR jump again), then {new.lr_scale:.4g}")
+        return new.model_copy(update={"lr_scale": before, "reason": reason[:2000]})
 
     def _release_replay(self, step: int, values: dict[str, float], desired: DesiredState) -> RecoveryChange | None:
         """The restored run is past the LR jump: the scale the rollback meant (``lr_scale_after``),
@@ -769,6 +799,13 @@ class RunRecovery:
         inc.replay = replay
         self._reports_since_rung = 0
         self._rung_step = step
+        if replay["kind"] == "lasting":
+            scale = replay["lr_scale_after"]
+            if scale == desired.lr_scale:
+                return None
+            reason = f"{self._why_cause()}: the restored schedule reaches the LR jump again: lr_scale {scale:.4g}"
+            return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": scale,
+                                                             "reason": reason[:2000]}), "recovery:ladder")
         needed, note = self.schedule.needed(values)
         scale = replay["lr_scale_after"] if needed is None else min(replay["lr_scale_after"], needed * self.ceiling)
         scale = min(max(scale, LR_SCALE_MIN), LR_SCALE_MAX)
@@ -897,8 +934,11 @@ class RunRecovery:
             new = self._rung_state(rung, desired, step)
             if new is None:
                 continue  # a rung that changes nothing (e.g. adaptive LR at its baseline): the next
-            if rung == "rollback" and jump is not None and new.rollback_seq > desired.rollback_seq:
-                new = self._guard_replay(step, jump, new)
+            if rung == "rollback" and new.rollback_seq > desired.rollback_seq:
+                if jump is not None:
+                    new = self._guard_replay(step, jump, new)
+                elif self._lr_jump_lasts():
+                    new = self._before_replay(step, new)
             self._rung(rung, step, now, "recovery:ladder", new)
             if rung == "stop" and self.open is not None:
                 self._close("escalated", step, now)

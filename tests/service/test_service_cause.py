@@ -424,8 +424,36 @@ def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_until_the_
     assert step_of[150].rollback_step == 100
     # the restored scheduler asks for the jump again 35 steps after the snapshot: until then and one
     # report beyond, 1/1000 of the rollback's scale (0.5); then the rollback's scale
-    assert inc["replay"] == {"ratio": 1000.0, "from_step": 151, "until_step": 190, "lr_scale": pytest.approx(5e-4),
+    assert inc["replay"] == {"kind": "over", "ratio": 1000.0, "from_step": 151, "until_step": 190, "lr_scale": pytest.approx(5e-4),
                              "lr_scale_after": 0.5, "released": 195}
     assert step_of[150].lr_scale == pytest.approx(5e-4) and step_of[190].lr_scale == pytest.approx(5e-4)
     assert step_of[195].lr_scale == 0.5
     assert inc["outcome"] == "recovered" and states[-1].lr_scale == 1.0  # and back to the schedule by the end
+
+
+def test_a_rolled_back_lasting_lr_jump_keeps_the_healthy_scale_until_the_restored_schedule_reaches_it() -> None:
+    # a report every 5 steps; from step 131 the schedule asks for 10x its LR, for good
+    def at(i: int, lr: float = 1e-3, **over: float) -> Report:
+        base = dict(trainguard_scheduler_lr=lr, trainguard_scheduler_lr_max=lr, trainguard_update_ratio=lr,
+                    trainguard_snapshot_step=100.0 if i >= 100 else 50.0)
+        return _report(i, **(base | over))
+
+    healthy = [at(i) for i in range(5, 135, 5)]
+    # the jump: gradients past their limit; the loss stays hurt under the cut, so the ladder rolls back
+    jump = [at(i, 1e-2, trainguard_grad_norm_max=3000.0, trainguard_loss=5.0) for i in (135, 140, 145, 150)]
+    restored = [at(i) for i in range(155, 180, 5)]  # the restored schedule, healthy until it reaches the jump
+    again = [at(i, 1e-2) for i in range(180, 200, 5)]
+    reports = healthy + jump + restored + again
+    states, incidents = _incidents(reports)
+    inc = incidents[0]
+    assert inc["cause"] == "optimizer"
+    step_of = {r.step_last: s for r, s in zip(reports, states)}
+    assert step_of[135].lr_scale == pytest.approx(0.1)  # adaptive LR: the schedule's 10x brought back
+    (rollback,) = [r for r in inc["rungs"] if r["rung"] == "rollback"]
+    assert rollback["step"] == 150 and step_of[150].rollback_step == 100
+    # the jump comes again 31 steps after the snapshot (run step 181): the rollback's 0.5 until the
+    # last report before it, then the rollback's scale for the jumped schedule (0.1 x 0.5)
+    assert inc["replay"] == {"kind": "lasting", "from_step": 151, "until_step": 175, "lr_scale": 0.5,
+                             "lr_scale_after": pytest.approx(0.05), "released": 175}
+    assert step_of[150].lr_scale == 0.5 and step_of[170].lr_scale == 0.5
+    assert step_of[175].lr_scale == pytest.approx(0.05) and step_of[195].lr_scale == pytest.approx(0.05)
