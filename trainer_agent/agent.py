@@ -111,6 +111,7 @@ from trainer_agent.data_relay import DataRelay
 from trainer_agent.exporter import AgentCollector, MetricsServer, UnknownValues
 from trainer_agent.batch_size import BatchSizeAdvisor
 from trainer_agent.fingerprint import DesyncFinding, for_ranks
+from trainer_agent.comm_timing import CommTiming
 from trainer_agent.forward_timer import ForwardTimer
 from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
@@ -211,6 +212,7 @@ class Agent:
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
+        self.comm: CommTiming | None = None  # AgentConfig.comm_timing (trainer_agent/comm_timing.py)
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer)
         self.data = DataRelay.build(data_monitor, config, self._error)
@@ -282,6 +284,9 @@ class Agent:
         self.forward = ForwardTimer(model, self.schedule, self.device, step=lambda: self.step,
                                     clock=self._clock, on_error=self._error)
         self._handles += self.forward.handles
+        if self.config.comm_timing:
+            self.comm = CommTiming(model, on_error=self._error, clock=self._clock)
+            self._handles.append(self.comm)
         self.input_wait = InputWait(model, self._clock)
         self.registry.register(self._collector)
 
@@ -528,6 +533,8 @@ class Agent:
         st = self.meter.state
         self.step += 1
         duration, self._last_end = t0 - self._last_end, t0
+        if self.comm is not None:
+            self.comm.step_ended(duration)
         if self.scaler is not None and self.scaler.is_enabled() and not st.stepped and st.backwards:
             self._amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
         if isinstance(loss, torch.Tensor):
@@ -546,7 +553,8 @@ class Agent:
         host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
                         micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=self.verifier.take() if self.verifier is not None else math.nan,
-                        gpu_xid=self._take_xid(), scheduled_lr=self.scheduled_lr.take())
+                        gpu_xid=self._take_xid(), scheduled_lr=self.scheduled_lr.take(),
+                        comm=self.comm.take() if self.comm is not None else {})
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
         sketch = self._sketch() if self.reports.exchange.with_state else None
         agreed = self.reports.build(st, loss_t, host, overhead, self._proposal(), sketch)

@@ -72,6 +72,13 @@ class AgentConfig:
     fused, one norm call per bucket of at most 32 MiB of held gradients, where a gradient is
     accumulated into an existing ``.grad``; one norm per tensor where ``.grad`` is empty."""
 
+    comm_timing: bool = False
+    """Time DDP's gradient all-reduce per step through a communication hook the agent registers
+    (``trainer_agent/comm_timing.py``: ``trainguard_comm_seconds``, ``trainguard_comm_exposed_seconds``,
+    ``trainguard_comm_exposed_ratio``). Opt-in: DDP takes one communication hook, so a model with
+    the user's own reports NaN, and a ``register_comm_hook`` of the user's after ``attach`` would
+    raise; CUDA and FSDP2 report NaN (see that module)."""
+
     fingerprint: bool = True
     """With several data-parallel ranks: on report steps, fingerprint every layer's gradients (in
     the optimizer's pre-hook) and parameters with random +-1 projections, carry them in the report
@@ -200,6 +207,8 @@ class AgentConfig:
             raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
         if not isinstance(self.grad_noise, bool):
             raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
+        if not isinstance(self.comm_timing, bool):
+            raise ValueError(f"comm_timing must be a bool, got {self.comm_timing!r}")
         if not isinstance(self.preflight_fatal, bool):
             self.preflight_fatal = tuple(self.preflight_fatal)
             if not all(isinstance(n, str) for n in self.preflight_fatal):

@@ -62,6 +62,8 @@ class HostStep:
     """Last critical XID code of this rank's GPU since the last report (0: none; NaN: not watched)."""
     scheduled_lr: Mapping[str, float] = field(default_factory=dict)
     """What the user's scheduler asked for in the interval (``ScheduledLr.take``: host floats)."""
+    comm: Mapping[str, float] = field(default_factory=dict)
+    """The interval's gradient communication times (``CommTiming.take``; empty without it)."""
 
 
 class InFlight:
@@ -289,6 +291,7 @@ class ReportPipeline:
         if h.gpu_xid > 0:  # an XID error in this interval
             host["trainguard_gpu_last_xid"] = h.gpu_xid
         host.update(h.scheduled_lr)
+        host.update(h.comm)
         host.update(stats.memory(self.device))
         return host
 

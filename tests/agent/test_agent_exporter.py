@@ -80,7 +80,9 @@ def test_metrics_endpoint_equals_latest_nan_included() -> None:
         # Every step metric that exists without AMP/accumulation/DP is exported.
         optional = {"trainguard_loss_scale", "trainguard_grad_noise_scale", "trainguard_grad_variance",
                     "trainguard_verify_rel_diff",  # after a gradient recompute check only
-                    "trainguard_mfu"}  # with a known FLOPs count and device peak (trainer_agent/flops.py)
+                    "trainguard_mfu",  # with a known FLOPs count and device peak (trainer_agent/flops.py)
+                    # DDP with AgentConfig.comm_timing only (trainer_agent/comm_timing.py)
+                    "trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio"}
         optional |= {m.name for m in STEP_METRICS if m.name.startswith("trainguard_gpu_")}  # NVML, GPU only
         assert {parse_key(k)[0] for k in latest} >= {m.name for m in STEP_METRICS} - optional
     finally:

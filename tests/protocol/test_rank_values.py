@@ -22,6 +22,8 @@ from trainguard.protocol.rank_values import (
 PINNED: dict[int, tuple[str, ...]] = {
     1: ("step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "grad_desync", "param_desync",
         "forward_s", "input_wait_s", "data_overlap", "verify_mismatch", "gpu_xid"),
+    2: ("step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "grad_desync", "param_desync",
+        "forward_s", "input_wait_s", "data_overlap", "verify_mismatch", "gpu_xid", "comm_s", "comm_exposed_ratio"),
 }
 
 

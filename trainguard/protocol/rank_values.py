@@ -121,6 +121,13 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
        "from the other ranks'.", "fingerprint"),
     _R("param_desync_layer", "layer index", "Per rank, the index of the layer whose parameter fingerprint differs "
        "most from the other ranks'.", "fingerprint"),
+    # -- layout version 2
+    _R("comm_seconds", "seconds", "Mean time per step each rank's DDP gradient all-reduce was in flight over the "
+       "report interval (seconds; NaN where not measured: CUDA/NCCL, FSDP2, a communication hook of the user's own).",
+       "row", wire="comm_s", metric="trainguard_comm_seconds", rules=True, since=2),
+    _R("comm_exposed_ratio", "1", "Share of each rank's step time over the report interval spent waiting for gradient "
+       "communication after its backward compute ended (exposed communication; NaN where not measured).",
+       "row", wire="comm_exposed_ratio", metric="trainguard_comm_exposed_ratio", rules=True, since=2),
 )
 
 
