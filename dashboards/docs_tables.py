@@ -108,6 +108,8 @@ def action(a: Any) -> str:
         return "`rollback`" + (f" ({', '.join(notes)})" if notes else "")
     if a.type == "lr_scale":
         return f"`lr_scale` ({'× ' + _num(a.factor) if a.factor is not None else '= ' + _num(a.value)})"
+    if a.type == "accumulation":
+        return f"`accumulation` (× {_num(a.factor)}, {a.min_steps}–{a.max_steps} steps, LR {a.lr_rule})"
     return f"`{a.type}`"
 
 
@@ -124,6 +126,8 @@ _ACTION_WORDS: dict[str, str] = {
     "memory_trace": ("traces the next few steps and records which layer, or the training loop, keeps memory "
                      "alive (`memory_report` in `trainguard status RUN`)"),
     "verify": "recomputes the next step's gradient on every rank and compares it with the one the step used",
+    "accumulation": ("multiplied the run's gradient accumulation steps (a run that opted in; the LR following by the "
+                     "action's rule, the new steps applied by every rank at the same step)"),
 }
 
 
@@ -146,7 +150,7 @@ def actions_table() -> str:
             if name == "type":
                 continue
             default = f.get_default(call_default_factory=True)
-            shown = "none" if default is None else "[]" if default == () else _num(default) if isinstance(default, float) else str(default).lower()
+            shown = "required" if f.is_required() else "none" if default is None else "[]" if default == () else _num(default) if isinstance(default, float) else str(default).lower()
             fields.append(f"`{name}` ({shown})")
         rows.append(f"| `{model.model_fields['type'].default}` | {what.replace('|', '/')} | {', '.join(fields) or '—'} |")
     return "\n".join(rows)
@@ -157,7 +161,8 @@ def rules_table() -> str:
     rows = ["| rule | severity | watches | fires when | actions |", "|---|---|---|---|---|"]
     for rule in _rules():
         actions = ", ".join(action(a) for a in rule.actions)
-        rows.append(f"| `{rule.name}` | {rule.severity} | {watched(rule)} | {condition(rule)} | {actions} |")
+        off = "" if rule.enabled else " (off: opt in with `enabled: true`)"
+        rows.append(f"| `{rule.name}` | {rule.severity} | {watched(rule)} | {condition(rule)}{off} | {actions} |")
     return "\n".join(rows)
 
 

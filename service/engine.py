@@ -141,6 +141,9 @@ class ActionContext(Protocol):
     def healthy_median(self, metric: str) -> float | None:
         """The median of ``metric`` over the run's healthy reports before the incident (None: none)."""
 
+    def own_accumulation(self) -> int | None:
+        """The run's own accumulation steps (None: the run did not opt in)."""
+
 
 def _adaptive(d: DesiredState, a: AdaptiveLrAction, ctx: ActionContext | None) -> tuple[dict[str, Any], str]:
     """The ``lr_scale`` the service-only ``adaptive_lr`` action sets (measured, or halved)."""
@@ -161,14 +164,16 @@ def _bumped(desired: DesiredState, current: DesiredState, reason: str, notes: li
 
 
 def apply_actions(desired: DesiredState, actions: tuple[Any, ...], reason: str,
-                  ctx: ActionContext | None = None) -> DesiredState | None:
+                  ctx: ActionContext | None = None, *, notes: list[str] | None = None) -> DesiredState | None:
     """The desired state after a rule's ``actions`` (in order), with the generation bumped once;
     ``None`` when nothing changes (notify only, or already paused/stopped). Each command's action
     folds as the registry says (``trainguard.protocol.commands``); ``adaptive_lr`` and ``notify``
     are the service's own. The measuring folds read the run from ``ctx``: without it (or a
     baseline) ``adaptive_lr`` halves the scale, ``rollback`` is refused and pauses the run, and
-    ``grad_clip`` without ``max_norm`` clips nothing."""
-    current, notes = desired, []
+    ``grad_clip`` without ``max_norm`` clips nothing. ``notes``: a list the folds' notes are
+    appended to (what was measured or refused, also when nothing changes)."""
+    current = desired
+    notes = [] if notes is None else notes
     for a in actions:
         if isinstance(a, NotifyAction):
             continue
@@ -219,6 +224,8 @@ class FiredAlert:
 
     finding: Finding
     desired: DesiredState | None
+    note: str = ""
+    """With no change (``desired`` None): why its actions changed nothing (refused, or a fold's note)."""
 
     @property
     def notify(self) -> bool:
@@ -248,8 +255,9 @@ def decide(findings: list[Finding], book: AlertBook, desired: DesiredState, now:
             refused = [why for a in actions if (why := refuse(a)) is not None]
             actions = tuple(a for a in actions if refuse(a) is None)
         reason = f"{f.rule.name}: {f.summary}" + (f" ({'; '.join(refused)})" if refused else "")
-        new = apply_actions(desired, actions, reason, ctx)
-        fired.append(FiredAlert(f, new))
+        notes: list[str] = []
+        new = apply_actions(desired, actions, reason, ctx, notes=notes)
+        fired.append(FiredAlert(f, new, "" if new is not None else "; ".join(refused + notes)))
         desired = new or desired
     return Outcome(fired, tr.resolve, tr.suppressed, desired, tr.prior)
 

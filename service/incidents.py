@@ -166,6 +166,17 @@ def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
     return out
 
 
+#: Rule actions that are not a response to trouble: ``notify``, and ``accumulation`` (the adaptive
+#: batch size follows the gradient variance of a healthy run). A rule that takes only these does not
+#: make a report unhealthy (no snapshot is tainted, no incident opens on it).
+_NOT_TROUBLE = frozenset({"notify", "accumulation"})
+
+
+def _acts_on_trouble(rule: Any) -> bool:
+    """Whether ``rule`` takes an action that responds to trouble."""
+    return any(a.type not in _NOT_TROUBLE for a in rule.actions)
+
+
 @dataclass(slots=True)
 class _Snap:
     step: int
@@ -187,6 +198,8 @@ class RunRecovery:
         self.ceiling = ceiling
         self.skips_nonfinite = skips_nonfinite
         """The agent skips steps with non-finite gradients (its registration config says so)."""
+        self._own_accumulation: int | None = None
+        """The run's own accumulation steps when it lets the controller change them (its registration config)."""
         """The ``lr_scale`` an operator set last: the ramp climbs back to it, never above."""
         self._rung_step = 0
         self._skipped_total = 0.0
@@ -238,6 +251,8 @@ class RunRecovery:
         agent sends its own; a re-registration may change them)."""
         self.snapshot_every, self.snapshot_keep = snapshot_policy(config)
         self.skips_nonfinite = config.get("skip_nonfinite") is True or config.get("skip_spikes") is True
+        steps = config.get("accumulation_steps")
+        self._own_accumulation = steps if type(steps) is int and steps >= 1 else None
 
     def _new_ramp(self) -> LrRamp:
         p = self.policy
@@ -391,6 +406,9 @@ class RunRecovery:
             return min(lr_new, current), f"the schedule's LR {self._lr:.3g} vs its healthy level {lr_base:.3g}"
         return None, "no healthy baseline of the update ratio yet" if base is None else "no finite update ratio"
 
+    def own_accumulation(self) -> int | None:
+        return self._own_accumulation
+
     def rollback_target(self) -> tuple[int | None, str]:
         confirm = self.policy.snapshot_confirm_reports
         for snap in reversed(self.snapshots):
@@ -411,7 +429,10 @@ class RunRecovery:
         return self._verdict.cause if self._verdict is not None else None
 
     def refusal(self, action: Any) -> str | None:
-        """Why a rule's ``action`` is not taken (it does not fit the cause), or None."""
+        """Why a rule's ``action`` is not taken (it does not fit the cause, or it changes the batch
+        size while an incident is open), or None."""
+        if action.type == "accumulation" and self.open is not None:
+            return f"accumulation refused: incident {self.open.id} is open"
         return refusal(self.cause(), action)
 
     def _alarming(self, findings: list[Any]) -> bool:
@@ -421,7 +442,7 @@ class RunRecovery:
         signals = self.policy.health_rules
         for f in findings:
             if f.active and f.rule.kind != "absence" and (
-                    f.rule.name in signals or any(a.type != "notify" for a in f.rule.actions)
+                    f.rule.name in signals or _acts_on_trouble(f.rule)
                     or f.rule.diagnosis in _HARDWARE):
                 return True
         return False
@@ -500,7 +521,7 @@ class RunRecovery:
         signals = self.policy.health_rules
         for f in findings:  # the rules that act, and the health rules: a notify-only rule (e.g. data quality) informs
             if f.active and f.rule.kind != "absence" and (
-                    f.rule.name in signals or any(a.type != "notify" for a in f.rule.actions)):
+                    f.rule.name in signals or _acts_on_trouble(f.rule)):
                 return False
         loss = values.get("trainguard_loss")
         if loss is not None and not math.isfinite(loss):

@@ -104,6 +104,8 @@ def record_fired(c: sqlite3.Connection, run_id: int, run: str, fa: FiredAlert, n
     summary = fa.finding.summary
     if fa.desired is not None and " — " in fa.desired.reason:  # what a measured action did (e.g. a refused rollback)
         summary = f"{summary} — {fa.desired.reason.split(' — ', 1)[1]}"
+    elif fa.note:  # why its actions changed nothing (e.g. the run did not opt in)
+        summary = f"{summary} — {fa.note}"
     alert_id = sql.insert_alert(
         c, run_id, rule=rule.name, severity=rule.severity, summary=summary, values=fa.finding.values,
         diagnosis=DIAGNOSES[rule.diagnosis].as_dict(), actions=[a.model_dump(exclude_none=True) for a in rule.actions],

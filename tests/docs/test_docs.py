@@ -70,6 +70,7 @@ def test_rules_table_says_what_the_built_in_rules_file_says() -> None:
                 assert re.sub(r"e(-?)0*(\d)", r"e\1\2", f"{float(rule[key]):g}") in when, (name, key, when)
         if rule["kind"] == "threshold":
             assert when.startswith(f"{rule['op']} "), name
+        assert ("(off: opt in" in when) == (rule.get("enabled", True) is False), name
 
 
 def test_the_built_in_rules_are_not_what_the_old_readme_said() -> None:

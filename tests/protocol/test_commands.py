@@ -83,8 +83,11 @@ def test_action_names_follow_each_commands_fields() -> None:
 
 
 class _Ctx:
-    def __init__(self, target=None, why="no snapshot", skipped=0, healthy=None):
-        self.target, self.why, self.skipped, self.healthy = target, why, skipped, healthy
+    def __init__(self, target=None, why="no snapshot", skipped=0, healthy=None, own=None):
+        self.target, self.why, self.skipped, self.healthy, self.own = target, why, skipped, healthy, own
+
+    def own_accumulation(self):
+        return self.own
 
     def rollback_target(self):
         return self.target, self.why
@@ -138,6 +141,60 @@ def test_grad_clip_by_value_or_from_the_healthy_norm() -> None:
         assert apply_command(DesiredState(), spec, spec.rule_action(), _Ctx(healthy=healthy))[0] == {}
 
 
+def test_accumulation_rule_multiplies_the_steps_in_force_or_the_runs_own() -> None:
+    spec = BY_NAME["accumulation"]
+    grow, shrink = spec.rule_action(factor=1.5, max_steps=16), spec.rule_action(factor=1 / 1.2, min_steps=2)
+    # No command set the steps yet (0): the run's own 4 x 1.5 = 6, with the action's LR rule.
+    assert apply_command(DesiredState(), spec, grow, _Ctx(own=4)) == (
+        {"accumulation_steps": 6, "accumulation_lr_rule": "sqrt"},
+        "accumulation steps 4 -> 6 (x1.5; the run's own 4, LR rule sqrt)")
+    # The steps in force: 6 x 1.5 = 9; 9 x 1.5 = 13.5 rounds half up to 14; 14 x 1.5 = 21 is clamped to 16.
+    assert apply_command(DesiredState(accumulation_steps=6, accumulation_lr_rule="sqrt"), spec, grow, _Ctx(own=4))[0] == {
+        "accumulation_steps": 9}
+    assert apply_command(DesiredState(accumulation_steps=9), spec, grow, _Ctx(own=4))[0]["accumulation_steps"] == 14
+    assert apply_command(DesiredState(accumulation_steps=14), spec, grow, _Ctx(own=4))[0]["accumulation_steps"] == 16
+    # At the bound: nothing changes and the note says so (no new generation follows).
+    assert apply_command(DesiredState(accumulation_steps=16), spec, grow, _Ctx(own=4)) == (
+        {}, "accumulation steps stay 16: at the bound 16")
+    # Shrinking by 1.2x: 9 / 1.2 = 7.5 -> 8; 3 / 1.2 = 2.5 -> 3 would not move: one step down, to 2;
+    # at min_steps it stays.
+    assert apply_command(DesiredState(accumulation_steps=9), spec, shrink, _Ctx(own=4))[0]["accumulation_steps"] == 8
+    assert apply_command(DesiredState(accumulation_steps=3), spec, shrink, _Ctx(own=4))[0]["accumulation_steps"] == 2
+    assert apply_command(DesiredState(accumulation_steps=2), spec, shrink, _Ctx(own=4))[0] == {}
+    # A run above max_steps on its own is not shrunk by a rule that grows.
+    assert apply_command(DesiredState(), spec, grow, _Ctx(own=32)) == ({}, "accumulation steps stay 32: at the bound 16")
+    # A paused or stopped run is a human's: left as it is.
+    assert apply_command(DesiredState(paused=True), spec, grow, _Ctx(own=4)) == (
+        {}, "no accumulation change: the run is paused")
+    assert apply_command(DesiredState(stop=True), spec, grow, _Ctx(own=4))[0] == {}
+    linear = spec.rule_action(factor=2.0, lr_rule="linear")
+    assert apply_command(DesiredState(), spec, linear, _Ctx(own=1))[0] == {"accumulation_steps": 2, "accumulation_lr_rule": "linear"}
+
+
+def test_accumulation_rule_leaves_a_run_that_did_not_opt_in_as_it_is() -> None:
+    spec = BY_NAME["accumulation"]
+    note = "no accumulation change: the run did not opt in (attach the agent with accumulation_steps=N)"
+    assert apply_command(DesiredState(), spec, spec.rule_action(factor=1.5), _Ctx(own=None)) == ({}, note)
+    assert apply_command(DesiredState(), spec, spec.rule_action(factor=1.5)) == ({}, note)
+    # The operator's body is unchanged: absolute steps and the rule.
+    assert apply_command(DesiredState(), spec, spec.request(steps=8, lr_rule="linear"))[0] == {
+        "accumulation_steps": 8, "accumulation_lr_rule": "linear"}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"factor": 1.0}, "a factor of 1 changes nothing"),
+    ({"factor": 1.5, "min_steps": 8, "max_steps": 4}, "min_steps must be <= max_steps"),
+    ({"factor": 0.0}, "greater than 0"),
+    ({"factor": math.nan}, "finite number"),
+    ({"factor": 1.5, "max_steps": c.MAX_ACCUMULATION_STEPS + 1}, "less than or equal"),
+    ({"factor": 1.5, "lr_rule": "cubic"}, "'none', 'sqrt' or 'linear'"),
+    ({}, "factor"),
+])
+def test_accumulation_rule_action_validates(bad, message) -> None:
+    with pytest.raises(ValidationError, match=message):
+        BY_NAME["accumulation"].rule_action(**bad)
+
+
 def test_reset_optimizer_names_its_layers() -> None:
     spec = BY_NAME["reset_optimizer"]
     updates, note = apply_command(DesiredState(), spec, spec.request(layers=["layers.3.", "head"]))
@@ -151,6 +208,6 @@ def test_reset_optimizer_names_its_layers() -> None:
 def test_every_rule_action_is_named_after_its_command_and_every_url_is_unique() -> None:
     actions = {spec.name: spec.rule_action for spec in REGISTRY if spec.rule_action is not None}
     assert {name: a.model_fields["type"].default for name, a in actions.items()} == {name: name for name in actions}
-    assert set(actions) == {"pause", "checkpoint", "stop", "lr_scale", "rollback", "memory_trace", "verify", "grad_clip",
-                            "reset_optimizer", "momentum", "weight_decay_scale"}
+    assert set(actions) == {"pause", "checkpoint", "stop", "lr_scale", "rollback", "accumulation", "memory_trace", "verify",
+                            "grad_clip", "reset_optimizer", "momentum", "weight_decay_scale"}
     assert len({s.url for s in REGISTRY}) == len(REGISTRY)

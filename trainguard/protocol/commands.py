@@ -41,7 +41,7 @@ __all__ = [
     "ActionParams", "Change", "DataSkipRequest", "GradClipRequest", "ResetOptimizerRequest", "AccumulationRequest",
     "LrScaleRequest", "MomentumRequest", "WeightDecayScaleRequest", "RuleAction", "PauseAction", "CheckpointAction",
     "StopAction", "MemoryTraceAction", "VerifyAction", "RollbackAction", "LrScaleAction", "GradClipAction",
-    "ResetOptimizerAction", "MomentumAction", "WeightDecayScaleAction", "state_texts", "CommandContext", "CommandRefused", "CommandRequest", "CommandSpec", "DesiredState",
+    "ResetOptimizerAction", "AccumulationAction", "MomentumAction", "WeightDecayScaleAction", "state_texts", "CommandContext", "CommandRefused", "CommandRequest", "CommandSpec", "DesiredState",
     "REGISTRY", "BY_NAME", "RULE_ACTIONS", "STATE_FIELDS", "STATE_LAYOUT_VERSION", "STATE_LEN", "StateField",
     "action_names", "apply_command", "decode_state", "encode_state", "text_key",
     "LR_SCALE_MIN", "LR_SCALE_MAX", "MAX_ACCUMULATION_STEPS", "LR_RULES", "LrRule", "EXIT_HARDWARE_FAULT",
@@ -216,6 +216,36 @@ class AccumulationRequest(CommandRequest):
                             "(x k/k0), sqrt (x sqrt(k/k0)) or none.")
 
 
+class AccumulationAction(RuleAction):
+    """Multiply the gradient accumulation steps of a run that opted in by ``factor`` (rounded,
+    at least one step in the factor's direction, within [min_steps, max_steps]), the LR following
+    by ``lr_rule``: the adaptive batch size (grow the batch while the gradient variance is low,
+    shrink it while it is high). A run that did not opt in is left as it is."""
+
+    type: Literal["accumulation"] = "accumulation"
+    factor: float = Field(gt=0, le=1000, allow_inf_nan=False, description="Multiplies the steps in force (the run's own "
+                          "when no command set them): above 1 grows the global batch, below 1 shrinks it.")
+    min_steps: Int = Field(default=1, ge=1, le=MAX_ACCUMULATION_STEPS)
+    max_steps: Int = Field(default=64, ge=1, le=MAX_ACCUMULATION_STEPS)
+    lr_rule: LrRule = "sqrt"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AccumulationAction":
+        if self.min_steps > self.max_steps:
+            raise ValueError("accumulation: min_steps must be <= max_steps")
+        if self.factor == 1.0:
+            raise ValueError("accumulation: a factor of 1 changes nothing")
+        return self
+
+    def steps(self, current: int) -> int:
+        """The steps after ``current``: ``current x factor`` rounded half up, moved at least one
+        step in the factor's direction, clamped to [min_steps, max_steps]."""
+        new = math.floor(current * self.factor + 0.5)
+        if new == current:
+            new += 1 if self.factor > 1 else -1
+        return min(max(new, self.min_steps), self.max_steps)
+
+
 class DataSkipRequest(CommandRequest):
     """The data-skip rung's parameter: the last step whose optimizer step every rank skips."""
 
@@ -350,6 +380,10 @@ class CommandContext(Protocol):
     def healthy_median(self, metric: str) -> float | None:
         """The median of ``metric`` over the run's healthy reports before the incident (None: none)."""
 
+    def own_accumulation(self) -> int | None:
+        """The run's own accumulation steps (its registration's ``accumulation_steps``; None: the
+        run did not opt in to the ``accumulation`` command)."""
+
 
 Fold = Callable[[Any, Any, "CommandContext | None"], Change]
 
@@ -393,6 +427,23 @@ def _grad_clip(d: Any, p: Any, ctx: CommandContext | None) -> Change:
         return Change(note="no clipping: no healthy gradient norm measured before the incident")
     norm = min(healthy * p.factor, MAX_GRAD_CLIP)
     return Change({"grad_clip_norm": norm}, f"gradient norm clipped to {norm:.4g} ({p.factor:g} x the healthy {healthy:.4g})")
+
+
+def _accumulation(d: Any, p: Any, ctx: CommandContext | None) -> Change:
+    if isinstance(p, AccumulationRequest):
+        return Change({"accumulation_steps": p.steps, "accumulation_lr_rule": p.lr_rule})
+    if d.paused or d.stop:  # a human's now (e.g. an escalated incident paused it)
+        return Change(note="no accumulation change: the run is " + ("stopped" if d.stop else "paused"))
+    own = ctx.own_accumulation() if ctx is not None else None
+    if own is None:
+        return Change(note="no accumulation change: the run did not opt in (attach the agent with accumulation_steps=N)")
+    current = d.accumulation_steps or own
+    steps = p.steps(current)
+    if (steps - current) * (p.factor - 1.0) <= 0:  # at its bound (or beyond it) already
+        return Change(note=f"accumulation steps stay {current}: at the bound "
+                           f"{p.max_steps if p.factor > 1 else p.min_steps}")
+    return Change({"accumulation_steps": steps, "accumulation_lr_rule": p.lr_rule},
+                  f"accumulation steps {current} -> {steps} (x{p.factor:g}; the run's own {own}, LR rule {p.lr_rule})")
 
 
 def _reset_optimizer(d: Any, p: Any, ctx: CommandContext | None) -> Change:
@@ -487,12 +538,12 @@ REGISTRY: tuple[CommandSpec, ...] = (
         rule_action=RollbackAction, counted=lambda b, a: a.rollback_seq != b.rollback_seq),
     CommandSpec(
         "accumulation", "Set the gradient accumulation steps (runs that opted in), the LR following by a rule",
-        lambda d, p, ctx: Change({"accumulation_steps": p.steps, "accumulation_lr_rule": p.lr_rule}),
+        _accumulation,
         fields=(_f("accumulation_steps", "int", 0, "Gradient accumulation steps per optimizer step for runs that "
                    "opted in; 0: the run's own.", ge=0, le=MAX_ACCUMULATION_STEPS),
                 _f("accumulation_lr_rule", "choice", "none", "How the LR follows accumulation_steps relative to the "
                    "run's own.", choices=LR_RULES)),
-        request=AccumulationRequest, alertmanager=False,
+        request=AccumulationRequest, rule_action=AccumulationAction, alertmanager=False,
         requires_config=("accumulation_steps", "attach the agent with accumulation_steps=N to opt in")),
     CommandSpec(
         "memory_trace", "Trace which layers or the training loop keep memory alive across steps (a few steps); the "
