@@ -1,6 +1,6 @@
 """Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
 heatmap, the straggler ratio (slowest rank over the median), model-FLOPs utilisation per rank,
-memory per rank, the agent's own overhead and errors, whether each rank reaches the controller, and
+gradient communication time per rank and the share of it the step waits for, memory per rank, the agent's own overhead and errors, whether each rank reaches the controller, and
 reports it had to drop.
 """
 
@@ -21,7 +21,7 @@ from trainguard.dashboards.common import (
     timeseries,
     with_ref_ids,
 )
-from trainguard.dashboards.thresholds import STRAGGLER_RATIO
+from trainguard.dashboards.thresholds import COMM_EXPOSED_RATIO_MAX, STRAGGLER_RATIO
 
 UID = "trainguard-ranks"
 TITLE = "trainguard / Ranks"
@@ -78,6 +78,27 @@ def build() -> Dashboard:
             "agent knows the model's FLOPs per token and the device's peak.",
             [query(f"trainguard_mfu{{{SEL}}}", "rank {{rank}}")],
             unit="percentunit", width=24,
+        ),
+        timeseries(
+            "Gradient communication per rank",
+            "Mean time per step DDP's gradient all-reduce was in flight (trainguard_comm_seconds) "
+            "and the part of it after the backward had ended, which the step waits for "
+            "(trainguard_comm_exposed_seconds). Only with AgentConfig(comm_timing=True) under DDP "
+            "on the CPU (gloo); absent (NaN) on CUDA, under FSDP2 or with a communication hook of "
+            "the run's own.",
+            [query(f"trainguard_comm_seconds{{{SEL}}}", "in flight, rank {{rank}}"),
+             query(f"trainguard_comm_exposed_seconds{{{SEL}}}", "exposed, rank {{rank}}")],
+            unit="s",
+        ),
+        timeseries(
+            "Exposed communication (share of the step)",
+            f"Share of each rank's step time spent waiting for the gradient all-reduce after its "
+            f"backward (trainguard_comm_exposed_ratio). Every rank high: the network or the bucket "
+            f"sizes limit the step; every rank but one: they wait for that rank's gradients (it is "
+            f"the slow one). The comm_exposed rule notifies at {COMM_EXPOSED_RATIO_MAX:g} or more "
+            f"for five reports (red line).",
+            [query(f"trainguard_comm_exposed_ratio{{{SEL}}}", "rank {{rank}}")],
+            unit="percentunit", band=Band(((COMM_EXPOSED_RATIO_MAX, "red"),)),
         ),
     ])
     memory = Section("Memory", [

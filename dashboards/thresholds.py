@@ -18,6 +18,7 @@ __all__ = [
     "LENGTH_SHIFT_P_MIN",
     "STRAGGLER_RATIO",
     "INPUT_WAIT_MIN",
+    "COMM_EXPOSED_RATIO_MAX",
     "ABSENCE",
 ]
 
@@ -55,6 +56,8 @@ FORWARD_MIN = float(_RULES["forward_time_straggler"].min_value)
 #: A rank waiting for its batch at least this long per step (and well above the median rank) is
 #: held back by its data (rule ``input_wait_straggler``), seconds.
 INPUT_WAIT_MIN = float(_RULES["input_wait_straggler"].min_value)
+#: Share of the step a rank may wait for the gradient all-reduce after backward (rule ``comm_exposed``).
+COMM_EXPOSED_RATIO_MAX = float(_RULES["comm_exposed"].value)
 #: No progress for this long means the run is hung (rule ``run_silent``), as a PromQL duration.
 _silent_s = int(_RULES["run_silent"].seconds)
 ABSENCE = f"{_silent_s // 60}m" if _silent_s % 60 == 0 else f"{_silent_s}s"

@@ -181,6 +181,16 @@ DIAGNOSES: dict[str, Diagnosis] = {
                            "Raise the micro-batch (with gradient accumulation to keep the global batch), or compile the model"),
         source="Every point of utilisation lost is paid for in GPU hours; a job at 65% of what its devices can do takes half again as long as one at 92%.",
     ),
+    "comm_exposed": Diagnosis(
+        symptom="Ranks wait for the gradient all-reduce after their backward pass (communication not hidden behind compute)",
+        likely_causes=("Another rank is late with its gradients (the ranks named wait for it: compare the forward and input-wait times per rank)",
+                       "A slow or congested network between the nodes, or the wrong transport (gloo where NCCL would serve)",
+                       "Gradient buckets too large to overlap with the backward (the last bucket starts only when backward ends)"),
+        suggested_actions=("Look for a straggler on the ranks dashboard: the rank that does not wait is the slow one",
+                           "Check the network and the NCCL socket and thread settings at pre-flight",
+                           "Lower DDP's bucket_cap_mb so that more of the all-reduce runs during backward"),
+        source="Communication that runs after the backward has ended adds to every step; overlapped with backward it costs nothing.",
+    ),
     "data_shared": Diagnosis(
         symptom="Ranks are reading the same data",
         likely_causes=("Every rank's sampler starts from the same random state with the same rank number", "The sampler is not sharded by rank (no DistributedSampler or equivalent)", "Data loader workers of a rank share one random state"),

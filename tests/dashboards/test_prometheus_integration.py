@@ -61,6 +61,10 @@ NOT_REQUIRED: set[str] = {
     # incident is escalated (the run paused for a human): a run that trains on has none. (The
     # dashboards' incident panels show 0 then, and have data.)
     f'trainguard:incidents_awaiting_human:max{{run="{RUN}"}}',
+    # Gradient communication is timed under DDP with AgentConfig(comm_timing=True) only; this run
+    # is one rank without DDP (tests/agent/test_comm_timing.py covers the values).
+    *(f'{name}{{job=~"{JOB}", run=~"{RUN}", rank=~"0"}}'
+      for name in ("trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio")),
 }
 
 pytestmark = [
