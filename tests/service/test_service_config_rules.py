@@ -72,8 +72,11 @@ def test_rules_check_validates_a_file_offline(tmp_path: Path) -> None:
     defaults = tmp_path / "defaults.yaml"
     defaults.write_text(default_rules_text())
     ok = _check(defaults)
-    n = len(yaml.safe_load(default_rules_text())["rules"])
-    assert ok.returncode == 0 and ok.stdout.strip() == f"{defaults}: {n} rules, overrides for 0 job(s): OK", ok.stderr
+    raw = yaml.safe_load(default_rules_text())["rules"]
+    off = sum(r.get("enabled") is False for r in raw)
+    assert off == 2  # the adaptive batch size's rules ship turned off
+    assert ok.returncode == 0 and ok.stdout.strip() == (
+        f"{defaults}: {len(raw) - off} rules ({off} more turned off), overrides for 0 job(s): OK"), ok.stderr
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("rules:\n  - {name: x, kind: threshold, metric: trainguard_gpu_temperature_celsius, op: '>', value: NaN-ish}\n")

@@ -109,7 +109,9 @@ def _rules_check(args: argparse.Namespace) -> int:
     except (OSError, RulesError) as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
-    print(f"{args.file}: {len(rs.base)} rules, overrides for {len(rs.by_job)} job(s): OK")
+    off = len(rs.file.rules) - len(rs.base)  # rules turned off (enabled: false): validated, not evaluated
+    print(f"{args.file}: {len(rs.base)} rules" + (f" ({off} more turned off)" if off else "")
+          + f", overrides for {len(rs.by_job)} job(s): OK")
     return 0
 
 
