@@ -14,7 +14,8 @@ future's completion. For one optimizer step:
   a bucket as soon as its last gradient is accumulated and launches them in order, so the last
   launch is the moment the backward's last gradient was ready: what comes after it is
   communication the training loop waited for (DDP's end-of-backward callback blocks on every
-  bucket).
+  bucket). A step of several backward passes that all-reduce each (accumulation without
+  ``no_sync``) has its exposed time measured for its last pass only (an underestimate, never more).
 
 Per report interval the gauges are the mean per optimizer step over the interval's steps (steps
 without communication, e.g. under ``no_sync``, count 0), and ``exposed_ratio`` = the interval's
