@@ -25,6 +25,12 @@ with the default agent and with every metric every step. The agent's cost (its o
 ``overhead_seconds_total``, including its report-step collectives) is given as a share of the
 plain step of the same parallelism, DDP beside FSDP2; rank 0 prints, each rank's figures are the
 same program's.
+
+``--distributed --comm-timing``: DDP only, the default agent beside the default agent with
+``AgentConfig(comm_timing=True)`` (``trainer_agent/comm_timing.py``). Its hook runs inside DDP's
+reducer and gloo's threads, outside the agent's own overhead count, so the cost is the whole step
+side by side: the ratio of the two copies' median step times, interleaved round by round, and the
+communication times the timed copy measured.
 """
 
 from __future__ import annotations
@@ -158,8 +164,13 @@ def _distributed_rank(rank: int, world: int, init: str, args: argparse.Namespace
         "every metric every step": ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every",
                                                   per_layer="all"),
     }
+    kinds: tuple[str, ...] = ("DDP", "FSDP2")
+    if args.comm_timing:
+        kinds = ("DDP",)
+        configs["default + comm_timing"] = ta.AgentConfig(metrics_port=None, comm_timing=True)
+        del configs["every metric every step"]
     runs = {}
-    for kind in ("DDP", "FSDP2"):
+    for kind in kinds:
         for name, cfg in configs.items():
             model = copy.deepcopy(base)
             if kind == "DDP":
@@ -204,8 +215,21 @@ def _distributed_rank(rank: int, world: int, init: str, args: argparse.Namespace
         mean = sum(cost[:whole]) / whole
         if rank == 0:
             print(f"{kind:12s} {name:26s} {mean * 1e3:8.1f}ms {100 * mean / plain:9.2f}%  {plain * 1e3:.0f} ms")
+        if agent.config.comm_timing:
+            _print_comm_timing(rank, agent, run["step"], runs[(kind, "default")]["step"])
         agent.close()
     dist.destroy_process_group()
+
+
+def _print_comm_timing(rank: int, agent: ta.Agent, timed: list[float], untimed: list[float]) -> None:
+    """Each rank's side-by-side step medians and what the timed copy measured."""
+    got = agent.latest()
+    ratio = statistics.median(timed) / statistics.median(untimed)
+    print(f"rank {rank}: step median with comm_timing / without: {ratio:.3f} "
+          f"({statistics.median(timed) * 1e3:.1f} / {statistics.median(untimed) * 1e3:.1f} ms); measured "
+          f"comm {got['trainguard_comm_seconds'] * 1e3:.1f} ms/step, exposed "
+          f"{got['trainguard_comm_exposed_seconds'] * 1e3:.1f} ms/step "
+          f"({100 * got['trainguard_comm_exposed_ratio']:.1f}% of the step)", flush=True)
 
 
 def distributed_main(args: argparse.Namespace) -> None:
@@ -230,6 +254,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default 6 (4 with --distributed)")
     ap.add_argument("--distributed", action="store_true",
                     help="DDP beside FSDP2 on 2 gloo ranks (see the module docstring)")
+    ap.add_argument("--comm-timing", action="store_true",
+                    help="with --distributed: DDP's default agent beside it with comm_timing=True")
     args = ap.parse_args()
     if args.distributed:
         args.d_model = args.d_model or 256
