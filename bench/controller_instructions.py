@@ -51,7 +51,8 @@ _LOOPBACK = "127.0.0.1"
 
 def _cli_module(checkout: Path) -> str:
     """The module that runs ``serve`` in ``checkout`` (older checkouts had it at ``service.cli``)."""
-    return "trainguard.cli" if (checkout / "trainguard" / "cli.py").exists() else "service.cli"
+    cli = checkout / "trainguard"
+    return "trainguard.cli" if (cli / "cli.py").exists() or (cli / "cli" / "__init__.py").exists() else "service.cli"
 
 
 def _measure(checkout: Path, serve_args: list[str], *, runs: int, world: int, warm_up: int, reports: int) -> float:
