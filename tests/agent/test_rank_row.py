@@ -31,13 +31,14 @@ def test_the_row_is_each_values_metric_or_getter_in_rank_fields_order() -> None:
     dev = {"trainguard_loss": _scalar(2.5), "trainguard_grad_norm": _scalar(7.0),
            "trainguard_nonfinite_steps_total": _scalar(1.0), "trainguard_param_norm": _scalar(11.0)}
     host = {"trainguard_step_duration_seconds": 0.25, "trainguard_forward_seconds": 0.125,
-            "trainguard_tokens_per_second": 4096.0}  # no input wait, no verify check in the interval
+            "trainguard_tokens_per_second": 4096.0, "trainguard_comm_seconds": 0.5,
+            "trainguard_comm_exposed_ratio": 0.0625}  # no input wait, no verify check in the interval
     row = rank_row(dev, host, RowInputs(st, 79.0, lambda x: torch.full((), x, dtype=F64), _scalar(0.0)))
     expected = {
         "step_duration_seconds": 0.25, "loss": 2.5, "grad_norm": 7.0, "forward_seconds": 0.125,
         "input_wait_seconds": math.nan, "verify_mismatch": math.nan, "gpu_xid": 79.0,
         "micro_sq_sum": (9.0 + 16.0) / 4.0, "micro_count": 2.0, "nonfinite_steps_total": 1.0,
-        "tokens_per_second": 4096.0, "param_norm": 11.0,
+        "tokens_per_second": 4096.0, "param_norm": 11.0, "comm_seconds": 0.5, "comm_exposed_ratio": 0.0625,
     }
     assert set(RANK_FIELDS) == set(expected)
     got = dict(zip(RANK_FIELDS, row.tolist()))

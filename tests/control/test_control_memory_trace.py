@@ -17,11 +17,15 @@ from trainguard.cli import main as cli
 
 
 def _fast_memory_rule(url: str) -> None:
-    """The default rules, with memory_growth judged over 4 reports (a test cannot wait for 32)."""
+    """The default rules, with memory_growth judged over 6 reports (a test cannot wait for 32) by
+    the slope of the values rather than by their never decreasing: on this machine the
+    never-decreasing condition cleared during the two traced steps (before the trace's result
+    arrived; the code before and after the command registry alike), and the test is about that
+    result reaching the alert."""
     doc = yaml.safe_load(httpx.get(f"{url}/v1/rules", timeout=10).json()["text"])
     (rule,) = [r for r in doc["rules"] if r["name"] == "memory_growth"]
     assert rule["actions"] == ["notify", "memory_trace"]  # the default action under test
-    rule.update(window=4, min_rel_change=0.002)
+    rule.update(window=6, direction="not_decreasing", min_rel_change=0.0)
     httpx.put(f"{url}/v1/rules", content=yaml.safe_dump(doc), timeout=10).raise_for_status()
 
 
