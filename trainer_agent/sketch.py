@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["BottomK", "EMPTY", "SKETCH_K", "jaccard", "overlaps"]
+__all__ = ["BottomK", "EMPTY", "SKETCH_K", "jaccard", "normalized", "overlaps", "pair_estimates"]
 
 #: Sketch size every rank sends at a report (the same on all ranks): 512 bytes per rank; the
 #: Jaccard estimate's standard error is at most 1/16.
@@ -80,34 +80,131 @@ def jaccard(a: np.ndarray, b: np.ndarray, k: int) -> float:
     return both.size / union.size
 
 
-def overlaps(rows: np.ndarray, k: int, candidates: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """For sketches ``rows`` ([ranks, k] int64, row r = rank r), each rank's largest estimated
-    Jaccard similarity with another rank, and that rank (-1 when it shares no hash with any).
-    A rank with an empty sketch (it saw no data) has NaN.
+def normalized(rows: np.ndarray) -> np.ndarray:
+    """Sketch rows ([n, w] int64, as :meth:`BottomK.take` gives them, or any bits a rank sent) as
+    sets: each row's distinct values ascending, then ``EMPTY`` (uint64 view). Two rows are equal
+    exactly when they stand for the same set."""
+    v = np.sort(np.asarray(rows, dtype=np.int64).reshape(len(rows), -1).view(np.uint64), axis=1)
+    if v.shape[1] > 1:
+        repeat = np.zeros(v.shape, dtype=bool)
+        repeat[:, 1:] = v[:, 1:] == v[:, :-1]
+        if repeat.any():  # BottomK rows have no repeats; a row from elsewhere may
+            v = np.sort(np.where(repeat, EMPTY, v), axis=1)
+    return v
 
-    Only ranks that share a hash can have a non-zero estimate, so the candidates of a rank are
-    found by one sort of all hashes (ranks next to each other in a run of equal hashes), at most
-    ``candidates`` per rank: O(n k log(n k)) for n ranks, not the n^2 pairs (1,000 ranks that all
-    read the same data cost ~8,000 estimates, not 500,000)."""
-    n = len(rows)
-    values = np.asarray(rows, dtype=np.int64).reshape(n, -1).view(np.uint64)
+
+def pair_estimates(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """:func:`jaccard` of the pairs of normalized rows ``a[i], b[i]`` ([m, w] uint64 each), all
+    at once: one sort of each pair's values, the union's first ``k`` distinct values counted, and
+    those present twice (in both sets). NaN for a pair of empty sets."""
+    both = np.sort(np.concatenate([a, b], axis=1), axis=1)
+    real = both != EMPTY
+    twice = np.zeros(both.shape, dtype=bool)
+    twice[:, 1:] = (both[:, 1:] == both[:, :-1]) & real[:, 1:]
+    first = real & ~twice  # the union's values, each once, ascending
+    order = np.cumsum(first, axis=1)  # 1-based place of each value in the union
+    in_union = first & (order <= k)
+    union = in_union.sum(axis=1)
+    common = np.zeros(both.shape, dtype=bool)
+    common[:, 1:] = twice[:, 1:] & in_union[:, :-1]  # the second copy of a value in the union's head
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(union > 0, common.sum(axis=1) / np.maximum(union, 1), np.nan)
+
+
+def _pairs_sharing_values(values: np.ndarray, crowded: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs ``(a, b)``, a < b, of the (distinct, normalized) rows ``values`` that share a value,
+    each with how many values they share: an inverted index (one sort of every value with its
+    row). A value held by more than ``crowded`` rows links each of them to its neighbours in that
+    value's list only (a sequence nearly every rank saw must not cost the n^2 pairs)."""
+    n, w = values.shape
     filled = values != EMPTY
-    best = np.where(filled.any(axis=1), 0.0, np.nan)
-    partner = np.full(n, -1, dtype=np.int64)
     flat, owner = values[filled], np.nonzero(filled)[0]
     order = np.lexsort((owner, flat))
     flat, owner = flat[order], owner[order]
-    same = (flat[1:] == flat[:-1]) & (owner[1:] != owner[:-1])
-    links = np.unique(np.stack([owner[:-1][same], owner[1:][same]], axis=1), axis=0) if same.any() else np.empty((0, 2), dtype=np.int64)
-    near: dict[int, list[int]] = {}
-    for a, b in links.tolist():
-        for x, y in ((a, b), (b, a)):
-            got = near.setdefault(x, [])
-            if len(got) < candidates and y not in got:
-                got.append(y)
-    for i, others in near.items():
-        for j in others:
-            sim = jaccard(rows[i], rows[j], k)
-            if sim > best[i]:
-                best[i], partner[i] = sim, j
+    if flat.size < 2:
+        return np.empty((0, 2), dtype=np.int64), np.empty(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], flat[1:] != flat[:-1]]))
+    sizes = np.diff(np.concatenate([starts, [flat.size]]))
+    pieces = []
+    for size in np.unique(sizes[sizes > 1]).tolist():  # runs of one size at once
+        at = starts[sizes == size]
+        if size <= crowded:
+            i, j = np.triu_indices(size, 1)
+            members = owner[at[:, None] + np.arange(size)]
+            pieces.append(np.stack([members[:, i].reshape(-1), members[:, j].reshape(-1)], axis=1))
+        else:
+            step = (at[:, None] + np.arange(size - 1)).reshape(-1)
+            pieces.append(np.stack([owner[step], owner[step + 1]], axis=1))
+    if not pieces:
+        return np.empty((0, 2), dtype=np.int64), np.empty(0, dtype=np.int64)
+    pairs = np.concatenate(pieces)  # owners within a run ascend: a < b
+    code, shared = np.unique(pairs[:, 0] * n + pairs[:, 1], return_counts=True)
+    return np.stack([code // n, code % n], axis=1), shared
+
+
+def overlaps(rows: np.ndarray, k: int, candidates: int = 32, crowded: int = 64,
+             chunk: int = 1 << 15) -> tuple[np.ndarray, np.ndarray]:
+    """For sketches ``rows`` ([ranks, k] int64, row r = rank r), each rank's largest estimated
+    Jaccard similarity with another rank (:func:`jaccard`), and that rank (-1 when it shares no
+    hash with any). A rank with an empty sketch (it saw no data) has NaN.
+
+    Without the n^2 pairs, in O(n k log(n k)) for n ranks:
+
+    1. Ranks with the same sketch (ranks that read the same data: a tensor-parallel group, a
+       shared sampler seed) are grouped by one sort of the rows; each has 1 with the others.
+    2. Among the distinct sketches, only those that share a hash can have an estimate above 0:
+       an inverted index of the hashes gives the pairs that share any, with how many
+       (``_pairs_sharing_values``); each sketch keeps its ``candidates`` partners that share the
+       most, whose estimates are computed together (``pair_estimates``, ``chunk`` pairs at a time).
+
+    The result is the all-pairs maximum whenever no sketch shares hashes with more than
+    ``candidates`` other distinct sketches, nor only through hashes held by more than
+    ``crowded`` of them."""
+    n = len(rows)
+    best = np.full(n, np.nan)
+    partner = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return best, partner
+    values = normalized(rows)
+    distinct, first, group = np.unique(values, axis=0, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    g = len(distinct)
+    filled = distinct[:, 0] != EMPTY
+    g_best = np.where(filled, 0.0, np.nan)
+    g_partner = np.full(g, -1, dtype=np.int64)  # a rank
+    pairs, shared = _pairs_sharing_values(distinct, crowded)
+    if len(pairs):
+        ends = np.concatenate([pairs, pairs[:, ::-1]])  # (sketch, partner) both ways
+        counts = np.concatenate([shared, shared])
+        order = np.lexsort((ends[:, 1], -counts, ends[:, 0]))  # per sketch: most shared first
+        ends = ends[order]
+        head = np.concatenate([[0], np.flatnonzero(ends[1:, 0] != ends[:-1, 0]) + 1])
+        place = np.arange(len(ends)) - np.repeat(head, np.diff(np.concatenate([head, [len(ends)]])))
+        ends = ends[place < candidates]
+        sims = np.concatenate([pair_estimates(distinct[ends[i:i + chunk, 0]], distinct[ends[i:i + chunk, 1]], k)
+                               for i in range(0, len(ends), chunk)])
+        # per sketch the largest estimate, on a tie the partner of the lowest rank
+        order = np.lexsort((first[ends[:, 1]], -sims, ends[:, 0]))
+        top = order[np.concatenate([[True], ends[order][1:, 0] != ends[order][:-1, 0]])]
+        who, sim = ends[top, 0], sims[top]
+        better = sim > 0
+        g_best[who[better]] = sim[better]
+        g_partner[who[better]] = first[ends[top, 1][better]]
+    best[:] = g_best[group]
+    partner[:] = g_partner[group]
+    # ranks with the same (non-empty) sketch as another: 1, with the lowest other such rank
+    members = np.bincount(group, minlength=g)
+    same = (members[group] > 1) & filled[group]
+    if same.any():
+        ranks = np.flatnonzero(same)
+        by_group = ranks[np.argsort(group[ranks], kind="stable")]
+        lowest = np.full(g, -1, dtype=np.int64)
+        second = np.full(g, -1, dtype=np.int64)
+        gs = group[by_group]
+        head = np.concatenate([[True], gs[1:] != gs[:-1]])
+        lowest[gs[head]] = by_group[head]
+        nxt = np.flatnonzero(head) + 1
+        second[gs[head]] = by_group[nxt]
+        best[ranks] = 1.0
+        partner[ranks] = np.where(lowest[group[ranks]] == ranks, second[group[ranks]], lowest[group[ranks]])
     return best, partner

@@ -88,3 +88,70 @@ def test_overlaps_of_many_ranks_find_the_sharing_groups_without_all_pairs() -> N
             sim = jaccard(rows[i], rows[j], K)
             reference[i], reference[j] = max(reference[i], sim), max(reference[j], sim)
     np.testing.assert_array_equal(best, reference)
+
+
+def _all_pairs(rows: np.ndarray, k: int) -> np.ndarray:
+    """The reference: every rank's largest estimate over all other ranks, pair by pair."""
+    n = len(rows)
+    ref = np.array([np.nan if (rows[i].view(np.uint64) == EMPTY).all() else 0.0 for i in range(n)])
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                sim = jaccard(rows[i], rows[j], k)
+                if sim > ref[i]:
+                    ref[i] = sim
+    return ref
+
+
+def _planted(rng: np.random.Generator, world: int, k: int) -> np.ndarray:
+    """Sketches of ``world`` ranks with shared data planted: groups that read the same data,
+    partial overlaps of random size (some below k sequences: exact), a rank overlapping several
+    others by different amounts, ranks that saw nothing, and rows as another process might send
+    them (unsorted, a value twice)."""
+    pool = [_hashes(rng, int(rng.integers(1, 3 * k))) for _ in range(world)]
+    for _ in range(int(rng.integers(0, world // 3 + 1))):  # partial overlaps
+        a, b = rng.integers(0, world, size=2)
+        take = int(rng.integers(1, pool[a].size + 1))
+        pool[b] = np.concatenate([pool[b], pool[a][:take]])
+    rows = np.stack([_sketch(p, k=k, batches=3) for p in pool])
+    for _ in range(int(rng.integers(0, 4))):  # groups with the same data
+        members = rng.choice(world, size=int(rng.integers(2, 5)), replace=False)
+        rows[members] = rows[members[0]]
+    for r in rng.choice(world, size=int(rng.integers(0, 3)), replace=False):
+        rows[r] = BottomK(k).take()
+    r = int(rng.integers(0, world))
+    if (rows[r].view(np.uint64) != EMPTY).sum() >= 2:
+        rows[r] = rng.permutation(rows[r])  # unsorted
+        row = rows[r].view(np.uint64)
+        filled = np.flatnonzero(row != EMPTY)
+        row[filled[-1]] = row[filled[0]]  # a value twice
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_overlaps_equal_the_all_pairs_estimate_on_random_sketches_with_planted_shared_data(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    k = int(rng.choice([4, 16, 64]))
+    world = int(rng.integers(2, 48))
+    rows = _planted(rng, world, k)
+    best, partner = overlaps(rows, k)
+    np.testing.assert_array_equal(best, _all_pairs(rows, k))
+    for i in range(world):
+        if best[i] > 0:  # the named partner is one whose estimate is the maximum
+            assert partner[i] != i and jaccard(rows[i], rows[partner[i]], k) == best[i]
+        else:
+            assert partner[i] == -1
+
+
+def test_a_hash_nearly_every_rank_saw_costs_no_n_squared_pairs_and_keeps_the_planted_overlap() -> None:
+    rng = np.random.default_rng(9)
+    world, k = 300, 16
+    common = np.array([1], dtype=np.uint64)  # smaller than every other hash: in every sketch
+    own = [_hashes(rng, 40) for _ in range(world)]
+    own[200] = np.concatenate([own[200][:20], own[5][:20]])
+    rows = np.stack([_sketch(np.concatenate([common, o]), k=k, batches=1) for o in own])
+    best, partner = overlaps(rows, k, crowded=8)
+    ref = _all_pairs(rows, k)
+    assert best[5] == ref[5] and best[200] == ref[200] and ref[5] > 0.3
+    assert partner[5] == 200 and partner[200] == 5
+    assert (best <= ref).all() and (best > 0).all()  # the others: linked through the common hash only
