@@ -36,6 +36,7 @@ __all__ = [
     "SEL",
     "JOB_RUN",
     "Band",
+    "job_level",
     "query",
     "with_ref_ids",
     "timeseries",
@@ -62,6 +63,23 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'job=~"$job", run=~"$run", rank=~"$rank"'
 #: Label matchers of job-level queries (aggregated over ranks).
 JOB_RUN = 'job=~"$job", run=~"$run"'
+
+
+
+def job_level(metric: str, *, by: str = "", matchers: str = "", fn: str = "") -> str:
+    """A job-level metric (catalogue scope ``job``: the global gradient norm, the LR ...; or
+    ``layer``: the per-layer series) per run of the selected jobs: ``max by (job, run[, by])`` of
+    the series that serve it. By default that is the leader's series alone (the other ranks do not
+    export it); with ``AgentConfig(job_metrics="all")`` every rank serves an identical copy, and
+    the value is the same. ``matchers``: more label matchers; ``fn``: ``rate`` or ``increase``
+    of each series over ``$__rate_interval`` first."""
+    selector = f"{metric}{{{JOB_RUN}{', ' + matchers if matchers else ''}}}"
+    if fn:
+        if fn not in ("rate", "increase"):
+            raise ValueError(f"fn must be 'rate' or 'increase', got {fn!r}")
+        selector = f"{fn}({selector}[$__rate_interval])"
+    return f"max by (job, run{', ' + by if by else ''}) ({selector})"
+
 
 _ROW_HEIGHT = 8
 _GRID_WIDTH = 24
@@ -300,7 +318,7 @@ def _annotations() -> Annotations:
         "enable": True,
         "iconColor": "purple",
         "name": "Controller actions applied",
-        "expr": f'changes(trainguard_applied_generation{{{JOB_RUN}, rank="0"}}[1m]) > 0',
+        "expr": f'max by (job, run) (changes(trainguard_applied_generation{{{JOB_RUN}}}[1m])) > 0',
         "step": "15s",
         "titleFormat": "desired-state generation applied",
         "textFormat": "run {{run}}: new controller generation applied (pause, lr_scale, checkpoint or stop)",

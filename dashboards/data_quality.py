@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from trainguard.dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, query, right_axis, timeseries
+from trainguard.dashboards.common import JOB_RUN, SEL, Band, Section, dashboard, job_level, query, right_axis, timeseries
 from trainguard.dashboards.thresholds import (
     DUPLICATE_RATIO_MAX,
     INPUT_WAIT_MIN,
@@ -121,8 +121,8 @@ def build() -> Dashboard:
             "end_step gets no token count). Recommended well above current: larger batches would "
             "still speed training up per step; well below: the extra batch is mostly wasted.",
             [
-                query(f"trainguard_global_batch_size{{{SEL}, rank=\"0\"}}", "current ({{run}})"),
-                query(f"trainguard_recommended_batch_size{{{SEL}, rank=\"0\"}}", "recommended ({{run}})"),
+                query(job_level("trainguard_global_batch_size"), "current ({{run}})"),
+                query(job_level("trainguard_recommended_batch_size"), "recommended ({{run}})"),
             ],
             log=True,
         ),

@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.protocol.catalog import AGENT_METRICS, CONTROL_METRICS, DATA_METRICS, INPUT_METRICS, STEP_METRICS
-from trainguard.protocol.catalog import MetricSpec
+from trainguard.protocol.catalog import JOB, LAYER, RANK, MetricSpec, series_per_job, series_per_rank
 from trainguard.protocol.command_inputs import command_inputs
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
 from trainguard.service.rules import AdaptiveLrAction, NotifyAction, RecoveryPolicy, default_rules_text, load_rules
 
-__all__ = ["BLOCKS", "actions_table", "rules_table", "recovery_table", "rule_sections", "metrics_table", "render", "main"]
+__all__ = ["BLOCKS", "actions_table", "rules_table", "recovery_table", "rule_sections", "metrics_table", "series_table",
+           "render", "main"]
 
 _BEGIN = "<!-- generated: {name} (python -m trainguard.dashboards.docs_tables) -->"
 _END = "<!-- end generated: {name} -->"
@@ -214,11 +215,19 @@ def rule_sections() -> str:
     return "\n\n".join(out)
 
 
-def _metric_rows(metrics: Iterable[MetricSpec]) -> list[str]:
-    rows = ["| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+#: Which ranks serve a metric of each catalogue scope (``catalog.exported_scopes``), in words.
+_SERVED_BY = {RANK: "every rank", JOB: "rank 0", LAYER: "rank 0 (`per_layer`)"}
+
+
+def _metric_rows(metrics: Iterable[MetricSpec], served_by: bool = True) -> list[str]:
+    if served_by:
+        rows = ["| metric | type | unit | labels | served by | meaning |", "|---|---|---|---|---|---|"]
+    else:
+        rows = ["| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
     for m in metrics:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
-        rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {labels} | {m.help.replace('|', '/')} |")
+        scope = f" {_SERVED_BY[m.scope]} |" if served_by else ""
+        rows.append(f"| `{m.name}` | {m.kind} | {m.unit} | {labels} |{scope} {m.help.replace('|', '/')} |")
     return rows
 
 
@@ -230,8 +239,38 @@ def metrics_table() -> str:
     parts = []
     for title, metrics in groups:
         parts.append(f"#### {title} (each with the labels `job`, `run`, `rank`)\n\n" + "\n".join(_metric_rows(metrics)))
-    parts.append("#### The controller's own (`GET /metrics` of the controller)\n\n" + "\n".join(_metric_rows(CONTROLLER_METRICS)))
+    parts.append("#### The controller's own (`GET /metrics` of the controller)\n\n"
+                 + "\n".join(_metric_rows(CONTROLLER_METRICS, served_by=False)))
     return "\n\n".join(parts)
+
+
+#: The job sizes and depths of the series table (``series_table``; ``bench/series_count.py``).
+SERIES_RANKS = (8, 512, 4096, 32768)
+SERIES_LAYERS = (15, 131)
+
+
+def series_table() -> str:
+    """Series per rank and per job when every catalogued metric has a value (one param group), by
+    job size, depth and ``per_layer``, from ``catalog.series_per_rank``/``series_per_job``; beside
+    them what ``job_metrics="all"`` (a copy of the job's values on every rank) serves."""
+    own = series_per_rank(1, layers=0)
+    job = series_per_rank(0, layers=0) - own
+    per_layer = series_per_rank(0, layers=1) - own - job
+    formula = (f"With W ranks and L layers: W × R + J + M × L series per job (`per_layer=\"all\"`: "
+               f"W × (R + M × L) + J), where R = {own} series of each rank's own, J = {job} of the job "
+               f"(with one param group; one more per group) and M = {per_layer} per-layer metrics; "
+               f"`job_metrics=\"all\"` adds (W − 1) × J.")
+    rows = [formula, "",
+            "| ranks | layers | `per_layer` | rank 0 | each other rank | per job | per job with `job_metrics=\"all\"` |",
+            "|---|---|---|---|---|---|---|"]
+    for world in SERIES_RANKS:
+        for layers in SERIES_LAYERS:
+            for per_layer in ("rank0", "all"):
+                kw = dict(layers=layers, per_layer=per_layer)
+                rows.append(f"| {world:,} | {layers} | `{per_layer}` | {series_per_rank(0, **kw):,} | "
+                            f"{series_per_rank(1, **kw):,} | {series_per_job(world, **kw):,} | "
+                            f"{series_per_job(world, job_metrics='all', **kw):,} |")
+    return "\n".join(rows)
 
 
 def commands_table() -> str:
@@ -256,7 +295,7 @@ BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "controller.md": {"commands": commands_table},
     "rules.md": {"rules": rules_table, "actions": actions_table, "recovery": recovery_table},
     "operating.md": {"rule-sections": rule_sections},
-    "metrics.md": {"metrics": metrics_table},
+    "metrics.md": {"metrics": metrics_table, "series": series_table},
 }
 
 

@@ -1,7 +1,7 @@
 """Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
 heatmap, the straggler ratio (slowest rank over the median), model-FLOPs utilisation per rank,
-gradient communication time per rank and the share of it the step waits for, memory per rank, the agent's own overhead and errors, whether each rank reaches the controller, and
-reports it had to drop.
+gradient communication time per rank and the share of it the step waits for, memory per rank, the agent's own overhead and errors, whether the run reaches the controller, and
+the reports it had to drop.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from trainguard.dashboards.common import (
     RankHeatmap,
     Section,
     dashboard,
+    job_level,
     query,
     state_timeline,
     timeseries,
@@ -141,9 +142,10 @@ def build() -> Dashboard:
         ),
         state_timeline(
             "Controller reachable",
-            "1 when the rank's last exchange with the controller succeeded. The agent fails "
-            "open: training goes on while the controller is away.",
-            [query(f"trainguard_agent_controller_up{{{SEL}}}", "rank {{rank}}")],
+            "1 when the run's last exchange with the controller succeeded (rank 0 talks to the "
+            "controller for the run). The agent fails open: training goes on while the controller "
+            "is away.",
+            [query(job_level("trainguard_agent_controller_up"), "{{run}}")],
             states={0: ("unreachable", "red"), 1: ("reachable", "green")},
         ),
         state_timeline(
@@ -157,8 +159,7 @@ def build() -> Dashboard:
             "Dropped reports",
             "Reports the agent dropped per interval because its send buffer was full (the "
             "controller was slow or away).",
-            [query(f"increase(trainguard_agent_reports_dropped_total{{{SEL}}}[$__rate_interval])",
-                   "rank {{rank}}")],
+            [query(job_level("trainguard_agent_reports_dropped_total", fn="increase"), "{{run}}")],
             draw="bars", width=24,
         ),
     ])

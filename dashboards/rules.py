@@ -4,7 +4,11 @@ the alerts to the controller's ``POST /v1/alertmanager``, and the controller act
 whose labels name a ``run`` and a ``trainguard_action`` (``notify``, ``pause``, ``lr_scale`` ...).
 
 Each alert aggregates over ranks ``by (job, run)``, so one alert per run fires, never one per rank
-(the controller's own series, which carry no training job, ``by (run)``).
+(the controller's own series, which carry no training job, ``by (run)``). A job-level metric
+(catalogue scope ``job``: the gradient norm, the optimizer state's non-finite count, ``paused``)
+is served by the leader alone, so its aggregate is the leader's value; with
+``AgentConfig(job_metrics="all")`` every rank serves an identical copy and the aggregate is the same.
+Per-rank metrics (the loss, the forward time, the data signals) are aggregated over every rank.
 The thresholds are the controller's default rules' (``dashboards/thresholds.py``).
 """
 

@@ -14,6 +14,7 @@ from trainguard.dashboards.common import (
     Band,
     Section,
     dashboard,
+    job_level,
     query,
     right_axis,
     stat,
@@ -40,10 +41,11 @@ def build() -> Dashboard:
         stat("Last loss", "Last loss per rank (NaN/Inf shown as is).",
              [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")], width=6),
         stat("Current lr_scale", "Multiplier the controller applies to the scheduler's LR.",
-             [query(f"trainguard_lr_scale{{{SEL}}}", "rank {{rank}}")], width=6),
-        stat("Applied generation", "Generation of the controller's desired state applied on "
-             "each rank; it changes with every pause, resume, lr_scale, checkpoint or stop.",
-             [query(f"trainguard_applied_generation{{{SEL}}}", "rank {{rank}}")], width=6),
+             [query(job_level("trainguard_lr_scale"), "{{run}}")], width=6),
+        stat("Applied generation", "Generation of the controller's desired state the run applied "
+             "(every rank at the same step); it changes with every pause, resume, lr_scale, "
+             "checkpoint or stop.",
+             [query(job_level("trainguard_applied_generation"), "{{run}}")], width=6),
     ])
     gradients = Section("Loss and gradients", [
         timeseries("Loss", "Loss passed to end_step, per rank.",
@@ -55,16 +57,16 @@ def build() -> Dashboard:
             f"between two reports is not missed). The red line is the limit "
             f"({GRAD_NORM_LIMIT:g}) above which gradients usually precede divergence; the controller's default rules lower the LR above it and on "
             f"spikes.",
-            [query(f"trainguard_grad_norm{{{SEL}}}", "rank {{rank}}"),
-             query(f"trainguard_grad_norm_max{{{SEL}}}", "rank {{rank}}, max since last report")],
+            [query(job_level("trainguard_grad_norm"), "{{run}}"),
+             query(job_level("trainguard_grad_norm_max"), "{{run}}, max since last report")],
             log=True, band=Band(((GRAD_NORM_LIMIT, "red"),)),
         ),
         timeseries(
             f"Gradient norm, top {TOP_LAYERS} layers",
             "L2 norm of the gradients of the layers with the largest norms (exported by rank 0 "
             "by default). A single layer running away is the usual first sign of a blow-up.",
-            [query(f"topk({TOP_LAYERS}, trainguard_layer_grad_norm{{{SEL}}})",
-                   "{{layer}} (rank {{rank}})")],
+            [query(f"topk by (job, run) ({TOP_LAYERS}, {job_level('trainguard_layer_grad_norm', by='layer')})",
+                   "{{layer}} ({{run}})")],
             log=True,
         ),
         timeseries(
@@ -73,13 +75,12 @@ def build() -> Dashboard:
             "(e.g. Adam moments, which overflow first under fp16), and steps with a non-finite "
             "loss or gradient / steps skipped by the local guard in each interval.",
             [
-                query(f"trainguard_nonfinite_grads{{{SEL}}}", "grad elements, rank {{rank}}"),
-                query(f"trainguard_optimizer_state_nonfinite{{{SEL}}}",
-                      "optimizer-state elements, rank {{rank}}"),
+                query(job_level("trainguard_nonfinite_grads"), "grad elements ({{run}})"),
+                query(job_level("trainguard_optimizer_state_nonfinite"), "optimizer-state elements ({{run}})"),
                 query(f"increase(trainguard_nonfinite_steps_total{{{SEL}}}[$__rate_interval])",
                       "non-finite steps, rank {{rank}}"),
-                query(f"increase(trainguard_skipped_steps_total{{{SEL}}}[$__rate_interval])",
-                      "skipped by guard, rank {{rank}}"),
+                query(job_level("trainguard_skipped_steps_total", by="reason", fn="increase"),
+                      "skipped: {{reason}} ({{run}})"),
             ],
             draw="bars",
         ),
@@ -91,27 +92,27 @@ def build() -> Dashboard:
             f"largest ratio. The shaded band {low:g}..{high:g} is the healthy range: below it the "
             f"model barely learns (LR too small), above it the step is too large.",
             [
-                query(f"trainguard_update_ratio{{{SEL}}}", "global, rank {{rank}}"),
-                query(f"topk({TOP_LAYERS}, trainguard_layer_update_ratio{{{SEL}}})",
-                      "{{layer}} (rank {{rank}})"),
+                query(job_level("trainguard_update_ratio"), "global ({{run}})"),
+                query(f"topk by (job, run) ({TOP_LAYERS}, {job_level('trainguard_layer_update_ratio', by='layer')})",
+                      "{{layer}} ({{run}})"),
             ],
             log=True,
             band=Band(((low, "green"), (high, "transparent")), style="line+area"),
         ),
         timeseries("Parameter norm", "Global L2 norm of the trainable parameters after the step.",
-                   [query(f"trainguard_param_norm{{{SEL}}}", "rank {{rank}}")]),
+                   [query(job_level("trainguard_param_norm"), "{{run}}")]),
         timeseries("Parameter scale (RMS)", "Root mean square of the trainable parameters "
                    "||W|| / sqrt(n): comparable across model sizes; steady growth means weight "
                    "decay is not keeping up.",
-                   [query(f"trainguard_param_scale{{{SEL}}}", "rank {{rank}}")]),
+                   [query(job_level("trainguard_param_scale"), "{{run}}")]),
         timeseries(
             "Gradient noise scale",
             "B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) from the micro-batch or "
             "per-rank gradient norms (left), and tr(Sigma) itself (right). The batch size at "
             "which training stops gaining from larger batches is about B_simple.",
             [
-                query(f"trainguard_grad_noise_scale{{{SEL}}}", "noise scale, rank {{rank}}"),
-                query(f"trainguard_grad_variance{{{SEL}}}", "tr(Sigma), rank {{rank}}"),
+                query(job_level("trainguard_grad_noise_scale"), "noise scale ({{run}})"),
+                query(job_level("trainguard_grad_variance"), "tr(Sigma) ({{run}})"),
             ],
             log=True,
             overrides=[right_axis("tr\\(Sigma\\).*")],
@@ -124,23 +125,22 @@ def build() -> Dashboard:
             "||ΔW|| / ||g||: how far a step moved per unit gradient (equal to the LR for plain "
             "SGD; adaptive optimizers move it).",
             [
-                query(f"trainguard_learning_rate{{{SEL}}}", "group {{group}}, rank {{rank}}"),
-                query(f"trainguard_effective_lr{{{SEL}}}", "effective, rank {{rank}}"),
+                query(job_level("trainguard_learning_rate", by="group"), "group {{group}} ({{run}})"),
+                query(job_level("trainguard_effective_lr"), "effective ({{run}})"),
             ],
             log=True,
         ),
         timeseries("lr_scale", "Multiplier the controller applies to the scheduler's LR "
                    "(1 = untouched; the default rules halve it on a gradient spike).",
-                   [query(f"trainguard_lr_scale{{{SEL}}}", "rank {{rank}}")],
+                   [query(job_level("trainguard_lr_scale"), "{{run}}")],
                    interpolation="stepAfter"),
         timeseries(
             "AMP loss scale and skipped steps",
             "GradScaler loss scale (left, log) and optimizer steps the scaler skipped because "
             "of inf/NaN gradients in each interval (right, bars). Absent without a GradScaler.",
             [
-                query(f"trainguard_loss_scale{{{SEL}}}", "loss scale, rank {{rank}}"),
-                query(f"increase(trainguard_amp_skipped_steps_total{{{SEL}}}[$__rate_interval])",
-                      "skipped, rank {{rank}}"),
+                query(job_level("trainguard_loss_scale"), "loss scale ({{run}})"),
+                query(job_level("trainguard_amp_skipped_steps_total", fn="increase"), "skipped ({{run}})"),
             ],
             log=True,
             overrides=[right_axis("skipped.*", draw="bars")],
@@ -148,7 +148,7 @@ def build() -> Dashboard:
         state_timeline(
             "Paused",
             "1 while the controller holds the run paused (every rank waits at the same step).",
-            [query(f"trainguard_paused{{{SEL}}}", "rank {{rank}}")],
+            [query(job_level("trainguard_paused"), "{{run}}")],
             states={0: ("running", "green"), 1: ("paused", "orange")},
         ),
         state_timeline(

@@ -104,6 +104,7 @@ from prometheus_client.registry import CollectorRegistry
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
+from trainguard.protocol.catalog import exported_scopes
 from trainguard.protocol.wire import Name
 from trainer_agent import flops, optim
 from trainer_agent.config import AgentConfig
@@ -222,7 +223,9 @@ class Agent:
 
             self.gpu = GpuHealth.open(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank)
+        # A rank serves its own values; the job's (the same on every rank) only where the config says.
+        scopes = exported_scopes(self.rank, job_metrics=config.job_metrics, per_layer=config.per_layer)
+        self._collector = AgentCollector(self._current_values, job=job, run=run, rank=self.rank, scopes=scopes)
         try:
             self._register_hooks(model, optimizer)
             self._start_export()

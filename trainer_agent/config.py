@@ -12,9 +12,10 @@ from typing import Literal
 
 from trainer_agent.spike_guard import SpikeGuardConfig
 
-__all__ = ["AgentConfig", "PerLayer", "UpdateRatioMode"]
+__all__ = ["AgentConfig", "JobMetrics", "PerLayer", "UpdateRatioMode"]
 
 PerLayer = Literal["rank0", "all", "off"]
+JobMetrics = Literal["rank0", "all"]
 UpdateRatioMode = Literal["report", "every", "off"]
 
 
@@ -51,7 +52,16 @@ class AgentConfig:
 
     per_layer: PerLayer = "rank0"
     """Which ranks export the per-layer metrics: ``"rank0"`` (bounds the series count),
-    ``"all"``, or ``"off"`` (not computed at all)."""
+    ``"all"``, or ``"off"`` (not computed at all). Under every supported layout (data
+    parallelism, FSDP2, HSDP, tensor parallelism) each rank's per-layer values are the job's,
+    the same as rank 0's: ``"all"`` serves a copy on every rank (L x 7 more series per rank)."""
+
+    job_metrics: JobMetrics = "rank0"
+    """Which ranks export the job-level metrics (scope ``job`` in ``trainguard.protocol.catalog``:
+    the global gradient norm, the LR, the update ratio, the noise scale, the controller's state
+    ...), which are the same on every rank: ``"rank0"``, the leader only (each other rank serves
+    only its own values), or ``"all"``, a copy on every rank (e.g. so that they stay visible while
+    rank 0's endpoint is not scraped)."""
 
     update_ratio: UpdateRatioMode = "report"
     """When the weights before the step are snapshotted for ``update_ratio``/``effective_lr``:
@@ -203,6 +213,8 @@ class AgentConfig:
             raise ValueError("metrics_host must be a non-empty string")
         if self.per_layer not in ("rank0", "all", "off"):
             raise ValueError(f"per_layer must be 'rank0', 'all' or 'off', got {self.per_layer!r}")
+        if self.job_metrics not in ("rank0", "all"):
+            raise ValueError(f"job_metrics must be 'rank0' or 'all', got {self.job_metrics!r}")
         if self.update_ratio not in ("report", "every", "off"):
             raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
         if not isinstance(self.grad_noise, bool):

@@ -5,6 +5,10 @@ float, where the key is the metric name, followed for labelled metrics by its ex
 Prometheus text syntax: ``trainguard_loss``, ``trainguard_learning_rate{group="0"}``. The collector
 adds the base labels ``job``, ``run`` and ``rank`` and takes type and help text from the catalogue.
 Scraping never touches a device: ``collect()`` only reads a dict.
+
+A rank serves the metrics of the catalogue scopes it is given (``catalog.exported_scopes``): by
+default every rank its own values, and only the leader (rank 0) the job's values and the per-layer
+series, which the other ranks would only copy.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from trainguard.protocol.catalog import BASE_LABELS, BY_NAME, spec
+from trainguard.protocol.catalog import BASE_LABELS, BY_NAME, SCOPES, Scope, spec
 from trainguard.protocol.names import closest
 
 __all__ = ["sample_key", "parse_key", "catalogue_problem", "UnknownValues", "AgentCollector", "MetricsServer"]
@@ -121,22 +125,30 @@ class UnknownValues:
 
 class AgentCollector(Collector):
     """Yields the catalogue metrics of one rank from ``source()``, a host-side mapping of sample
-    keys to values (the agent's last published report). Keys whose metric is not in the catalogue
-    or whose labels do not match its spec are skipped (the agent counts such mistakes itself)."""
+    keys to values (the agent's last published report), those whose catalogue scope is in
+    ``scopes`` (default: all; ``catalog.exported_scopes`` says which a rank serves). Keys whose
+    metric is not in the catalogue or whose labels do not match its spec are skipped (the agent
+    counts such mistakes itself)."""
 
-    def __init__(self, source: Callable[[], Mapping[str, float]], *, job: str, run: str, rank: int) -> None:
+    def __init__(self, source: Callable[[], Mapping[str, float]], *, job: str, run: str, rank: int,
+                 scopes: frozenset[Scope] | set[Scope] = frozenset(SCOPES)) -> None:
+        unknown = set(scopes) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown metric scopes {sorted(unknown)}: the catalogue's are {SCOPES}")
         self._source = source
         self._base = (job, run, str(rank))
+        self.scopes = frozenset(scopes)
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
+        scopes = self.scopes
         for key, value in self._source().items():
             try:
                 name, labels = parse_key(key)
                 s = spec(name)
             except ValueError:  # counted by the agent (UnknownValues)
                 continue
-            if set(labels) != set(s.labels):
+            if s.scope not in scopes or set(labels) != set(s.labels):
                 continue
             family = families.get(name)
             if family is None:

@@ -1,9 +1,12 @@
-"""/metrics over HTTP, the config's validation, attach()'s argument checks, state_dict, the data
-monitor hand-off."""
+"""/metrics over HTTP, the metrics each rank serves (its own values everywhere, the job's on the
+leader), the config's validation, attach()'s argument checks, state_dict, the data monitor
+hand-off."""
 
 from __future__ import annotations
 
+import gc
 import math
+import os
 import socket
 import urllib.request
 
@@ -14,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import trainer_agent as ta
-from trainguard.protocol.catalog import BY_NAME, STEP_METRICS
-from trainer_agent.exporter import parse_key, sample_key
+from tests.control.spawn import spawn_ranks
+from trainguard.protocol.catalog import BY_NAME, JOB, LAYER, RANK, STEP_METRICS, series_per_rank
+from trainer_agent.exporter import AgentCollector, parse_key, sample_key
 
 
 def tiny_loop(agent: ta.Agent, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
@@ -126,7 +130,7 @@ def test_per_layer_off_and_no_server() -> None:
     {"per_layer": "some"}, {"update_ratio": "always"}, {"layer_depth": 0}, {"sync_every": 0},
     {"controller": "ftp://x"}, {"request_timeout_s": 0}, {"close_timeout_s": math.inf},
     {"vocab_size": 0}, {"vocab_size": 10, "special_ids": (10,)}, {"max_buffered_reports": 0},
-    {"grad_noise": "yes"},
+    {"grad_noise": "yes"}, {"job_metrics": "leader"}, {"job_metrics": "off"},
 ])
 def test_config_rejects_bad_values(kwargs) -> None:
     with pytest.raises(ValueError):
@@ -267,3 +271,95 @@ def test_two_jobs_asking_for_the_same_port_both_serve_and_both_are_discovered(tm
         for a in agents:
             a.close()
         ctl.kill()
+
+
+def _collected(collector: AgentCollector) -> dict[str, float]:
+    return {sample_key(s.name, **{k: v for k, v in s.labels.items() if k not in ("job", "run", "rank")}): s.value
+            for family in collector.collect() for s in family.samples}
+
+
+def test_the_collector_serves_the_scopes_it_is_given() -> None:
+    values = {"trainguard_loss": 2.5, "trainguard_grad_norm": math.nan, 'trainguard_learning_rate{group="0"}': 0.1,
+              'trainguard_layer_grad_norm{layer="blocks.0"}': 3.0, "trainguard_memory_peak_bytes": 1e9}
+    everything = AgentCollector(lambda: values, job="j", run="r", rank=3)
+    assert _collected(everything).keys() == values.keys()  # default: every scope
+    own = _collected(AgentCollector(lambda: values, job="j", run="r", rank=3, scopes={RANK}))
+    assert own == {"trainguard_loss": 2.5, "trainguard_memory_peak_bytes": 1e9}
+    job = _collected(AgentCollector(lambda: values, job="j", run="r", rank=3, scopes={RANK, JOB}))
+    assert job.keys() == values.keys() - {'trainguard_layer_grad_norm{layer="blocks.0"}'}
+    assert math.isnan(job["trainguard_grad_norm"])
+    with pytest.raises(ValueError, match="scopes"):
+        AgentCollector(lambda: values, job="j", run="r", rank=0, scopes={RANK, "leader"})
+
+
+SERIES_WORLD, SERIES_STEPS = 2, 4
+
+
+def _series_worker(rank: int, init: str, out: str) -> None:
+    """DDP on 2 gloo ranks with most of what adds metrics (two param groups, a GradScaler, the data
+    monitor, the skip counters, snapshots, communication timing); each rank scrapes its own
+    /metrics after the last report and saves it beside ``latest()``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=SERIES_WORLD)
+    model = net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}])
+    scaler = torch.amp.GradScaler("cpu")
+    agent = ta.attach(ddp, opt, job="scrape-job", run="run-7", scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=0, report_every=2, layer_depth=1, vocab_size=50,
+                                            skip_nonfinite=True, snapshot_every=2, comm_timing=True))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(SERIES_STEPS):
+        agent.observe_batch(torch.randint(1, 50, (4, 10), generator=g))
+        loss = ddp(torch.randn(8, 6, generator=g)).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss, tokens=8)
+    latest = agent.latest()  # waits for the data monitor's last batches, which the scrape then serves
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    scraped = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert (labels.pop("job"), labels.pop("run"), labels.pop("rank")) == ("scrape-job", "run-7", str(rank))
+            scraped[sample_key(s.name, **labels)] = s.value
+    agent.close()
+    del agent, ddp
+    gc.collect()
+    dist.destroy_process_group()
+    torch.save({"scraped": scraped, "latest": latest}, f"{out}/rank{rank}.pt")
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.distributed
+def test_a_non_leader_serves_its_own_values_and_the_leader_the_jobs_too(tmp_path) -> None:
+    leader, other = spawn_ranks(_series_worker, SERIES_WORLD, tmp_path)
+    scope = lambda key: BY_NAME[parse_key(key)[0]].scope  # noqa: E731
+    assert leader["latest"]["trainguard_step"] == other["latest"]["trainguard_step"] == SERIES_STEPS
+    # The leader serves every value it holds; the other rank only those of its own.
+    assert leader["scraped"].keys() == leader["latest"].keys()
+    assert other["scraped"].keys() == {k for k in other["latest"] if scope(k) == RANK}
+    assert {scope(k) for k in leader["scraped"]} == {RANK, JOB, LAYER}
+    # What the other rank no longer serves is a copy: its job-level values equal the leader's.
+    left_out = {k: v for k, v in other["latest"].items() if scope(k) == JOB}
+    assert {"trainguard_grad_norm", 'trainguard_learning_rate{group="1"}', "trainguard_update_ratio",
+            "trainguard_grad_noise_scale", "trainguard_loss_scale", "trainguard_applied_generation",
+            'trainguard_skipped_steps_total{reason="spike"}'} <= left_out.keys()
+    assert all(_same(v, leader["scraped"][k]) for k, v in left_out.items()), {
+        k: (v, leader["scraped"][k]) for k, v in left_out.items() if not _same(v, leader["scraped"][k])}
+    # ... while its own values are its own (each rank trains on its own batches).
+    assert other["scraped"]["trainguard_loss"] != leader["scraped"]["trainguard_loss"]
+    assert other["scraped"]["trainguard_data_tokens_total"] == 40 * SERIES_STEPS
+    # The series each serves is the catalogue's count for the metrics present (2 layers, 2 param groups).
+    present = {parse_key(k)[0] for k in leader["scraped"]}
+    assert {parse_key(k)[0] for k in other["scraped"]} == {n for n in present if BY_NAME[n].scope == RANK}
+    assert len(leader["scraped"]) == series_per_rank(0, layers=2, param_groups=2, names=present)
+    assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, names=present)

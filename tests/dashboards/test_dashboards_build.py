@@ -4,6 +4,7 @@ and every metric an expression uses defined by an exporter."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from trainguard.dashboards.catalogue import exported_metrics, unknown_metrics
 from trainguard.dashboards.common import DATASOURCE_UID, GRAFANA_IMAGE, SCHEMA_VERSION
 from trainguard.dashboards.promql import metric_names, variable_query_metric
 from trainguard.dashboards.rules import ALERT_RULES, RECORDING_RULES
+from trainguard.protocol.catalog import BY_NAME, RANK
 
 GENERATED = build.GENERATED
 EXPECTED_UIDS = {
@@ -109,7 +111,7 @@ def test_panels_carry_the_required_content(dashboards):
                    "trainguard_loss_scale", "trainguard_amp_skipped_steps_total",
                    "trainguard_nonfinite_grads", "trainguard_grad_noise_scale", "trainguard_paused"):
         assert metric in stability, metric
-    assert "topk(5, trainguard_layer_grad_norm" in stability
+    assert "topk by (job, run) (5, max by (job, run, layer) (trainguard_layer_grad_norm" in stability
     data = exprs["data-quality.json"]
     for metric in ("trainguard_data_duplicate_ratio", "trainguard_data_token_kl_divergence",
                    "trainguard_data_special_token_ratio", "trainguard_data_length_shift_pvalue",
@@ -127,6 +129,39 @@ def _thresholds(d: dict, title: str) -> tuple[list, str]:
     panel = next(p for p in _panels(d) if p["title"] == title)
     defaults = panel["fieldConfig"]["defaults"]
     return defaults["thresholds"]["steps"], defaults["custom"]["thresholdsStyle"]["mode"]
+
+
+def _job_level(names: set[str]) -> set[str]:
+    """The names of ``names`` that rank 0 alone serves by default (catalogue scope job or layer)."""
+    return {n for n in names if n in BY_NAME and BY_NAME[n].scope != RANK}
+
+
+def test_job_level_metrics_are_read_per_run_never_per_rank(dashboards):
+    """Only rank 0 serves the job's values (the others served copies): a panel or rule reading one
+    aggregates it per run, and neither selects nor names a rank. Per-rank metrics keep theirs."""
+    per_run = re.compile(r"max by \(job, run(?:, \w+)?\) \(")
+    job_panels = 0
+    for name, d in dashboards.items():
+        for p in _panels(d):
+            for t in p["targets"]:
+                job = _job_level(metric_names(t["expr"]))
+                if not job:
+                    continue
+                job_panels += 1
+                where = (name, p["title"], t["expr"])
+                assert "$rank" not in t["expr"] and "rank=" not in t["expr"] and "rank" not in t["legendFormat"], where
+                for metric in job:
+                    assert re.search(per_run.pattern + r"(?:(?:rate|increase|changes)\()?" + metric + r"\{", t["expr"]), (metric, where)
+        for a in d["annotations"]["list"]:
+            if _job_level(metric_names(a.get("expr", "") or "up")):
+                assert "rank" not in a["expr"] and per_run.search(a["expr"]), (name, a["name"])
+    assert job_panels >= 15
+    for where, expr in build.rule_queries():
+        if _job_level(metric_names(expr)):
+            assert "rank" not in expr and per_run.search(expr), (where, expr)
+    # The per-rank panels still show every rank.
+    ranks = {p["title"]: p for p in _panels(dashboards["ranks.json"])}
+    assert ranks["Step time per rank"]["targets"][0]["legendFormat"] == "rank {{rank}}"
 
 
 def test_update_ratio_band_and_alert_thresholds_are_drawn(dashboards):

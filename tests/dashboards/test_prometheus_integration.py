@@ -330,8 +330,9 @@ def _naive_increase(samples: list[tuple[int, float]], t: int, window: int, *, ra
     return result / (window / 1000) if rate else result
 
 
-#: Panel expressions checked value by value: F(selector[Ns]), optionally summed (after _substitute).
-_RATE_PANEL = re.compile(r"^(?:sum (?:by \(([\w, ]+)\) )?\()?(rate|increase)\(([^\[\]]+)\[(\d+)s\]\)\)?$")
+#: Panel expressions checked value by value: F(selector[Ns]), optionally summed or maxed over
+#: series (after _substitute).
+_RATE_PANEL = re.compile(r"^(?:(sum|max) (?:by \(([\w, ]+)\) )?\()?(rate|increase)\(([^\[\]]+)\[(\d+)s\]\)\)?$")
 
 
 def _check_rate_panel(prom: str, expr: str, t: float) -> int:
@@ -340,17 +341,18 @@ def _check_rate_panel(prom: str, expr: str, t: float) -> int:
     m = _RATE_PANEL.match(expr)
     assert m, expr
     t = round(t, 3)  # the query's time, as Prometheus reads it
-    summed = expr.startswith("sum")
-    by = tuple(x.strip() for x in m.group(1).split(",")) if m.group(1) else (() if summed else None)
-    raw = _query(prom, f"{m.group(3)}[{m.group(4)}s]", t)
+    aggregation = m.group(1)
+    aggregated = aggregation is not None
+    by = tuple(x.strip() for x in m.group(2).split(",")) if m.group(2) else (() if aggregated else None)
+    raw = _query(prom, f"{m.group(4)}[{m.group(5)}s]", t)
     expected: dict[tuple, float] = {}
     for series in raw:
         samples = [(round(float(ts) * 1000), float(v)) for ts, v in series["values"]]
-        value = _naive_increase(samples, round(t * 1000), int(m.group(4)) * 1000, rate=m.group(2) == "rate")
+        value = _naive_increase(samples, round(t * 1000), int(m.group(5)) * 1000, rate=m.group(3) == "rate")
         if value is not None:
             k = _key(series["metric"], by)
-            expected[k] = expected.get(k, 0.0) + value
-    got = {_key(r["metric"], by if summed else None): float(r["value"][1]) for r in _query(prom, expr, t)}
+            expected[k] = max(expected.get(k, value), value) if aggregation == "max" else expected.get(k, 0.0) + value
+    got = {_key(r["metric"], by if aggregated else None): float(r["value"][1]) for r in _query(prom, expr, t)}
     assert got.keys() == expected.keys(), (expr, t, got, expected)
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (expr, t, k)
@@ -413,17 +415,20 @@ def test_every_panel_and_recording_rule_returns_data(stack):
         # the panel shows the newest scraped one, a max over an interval is the max of the scraped
         # ones in it, and the threshold rule's recording (trainguard:grad_norm:max, which the
         # GradNormHigh alert compares with 1e3) holds, at each evaluation, one of the two newest.
-        selector = _substitute('trainguard_grad_norm_max{job=~"$job", run=~"$run", rank=~"$rank"}')
-        assert any(expr == selector for _, expr in queries)  # the panel's own expression
+        # (a job-level metric: the panel reads it per run, from rank 0, the one rank serving it)
+        panel = _substitute('max by (job, run) (trainguard_grad_norm_max{job=~"$job", run=~"$run"})')
+        assert any(expr == panel for _, expr in queries)  # the panel's own expression
+        selector = _substitute('trainguard_grad_norm_max{job=~"$job", run=~"$run"}')
         now, span = time.time(), f"{int(time.time() - start) + 30}s"
         (series,) = _query(prom, f"{selector}[{span}]", now)
+        assert series["metric"]["rank"] == "0"
         scraped = [(float(ts), float(v)) for ts, v in series["values"]]
         assert len(scraped) >= TRAIN_SECONDS / 2 and {v for _, v in scraped} <= grad_norms
         first = scraped[0][0]  # the rank is discovered through the controller: a moment after start
         times = [first + f * (end - first) for f in (0.3, 0.55, 0.8, 1.0)]
         for t in times:
             newest = [v for ts, v in scraped if ts <= t][-1]
-            assert float(_query(prom, selector, t)[0]["value"][1]) == newest
+            assert float(_query(prom, panel, t)[0]["value"][1]) == newest
             in_window = [v for ts, v in scraped if t - 8 <= ts <= t]
             assert float(_query(prom, f"max_over_time({selector}[8s])", t)[0]["value"][1]) == max(in_window)
         (recorded,) = _query(prom, f'trainguard:grad_norm:max{{run="{RUN}"}}[{span}]', now)

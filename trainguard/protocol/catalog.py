@@ -4,15 +4,30 @@ and the tests all read names from here. This module must not import torch.
 
 Every metric carries the labels ``job``, ``run`` and ``rank``; ``labels`` lists the extra ones.
 Units are in the name (Prometheus conventions); counters end in ``_total``.
+
+Each metric declares its ``scope``, which decides the ranks whose ``/metrics`` serve it
+(:func:`exported_scopes`): a value of the rank itself (``rank``: its loss, timings, memory, GPU)
+on every rank; a value of the whole job (``job``: equal on every rank, such as the global gradient
+norm, the LR and the agreed control state, or computed from every rank's values, such as the
+noise scale) on the leader, rank 0, only; the per-layer series (``layer``) where
+``AgentConfig.per_layer`` computes them (rank 0 by default). :func:`series_per_rank` and
+:func:`series_per_job` count the series that makes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
     "MetricSpec",
+    "Scope",
+    "SCOPES",
+    "RANK",
+    "JOB",
+    "LAYER",
+    "LABEL_VALUES",
     "BASE_LABELS",
     "STEP_METRICS",
     "DATA_METRICS",
@@ -21,9 +36,26 @@ __all__ = [
     "AGENT_METRICS",
     "BY_NAME",
     "spec",
+    "exported_scopes",
+    "series_per_rank",
+    "series_per_job",
 ]
 
 BASE_LABELS: tuple[str, ...] = ("job", "run", "rank")
+
+Scope = Literal["rank", "job", "layer"]
+RANK: Scope = "rank"
+JOB: Scope = "job"
+LAYER: Scope = "layer"
+SCOPES: tuple[Scope, ...] = (RANK, JOB, LAYER)
+
+#: The values of the extra labels that have a fixed set: the reasons the agent skips a step for
+#: (``trainer_agent.actuators``), the QualityFilter's decisions. ``group`` (one per param group)
+#: and ``layer`` (one per layer) depend on the run.
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "reason": ("spike", "nonfinite", "data"),
+    "decision": ("kept", "dropped", "downsampled"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +73,20 @@ class MetricSpec:
     """What it measures and the formula. Becomes the Prometheus HELP text."""
     labels: tuple[str, ...] = ()
     """Labels beyond ``job``, ``run``, ``rank``."""
+    scope: Scope = RANK
+    """Which ranks serve it (:func:`exported_scopes`): ``rank``, a value of each rank, on every
+    rank; ``job``, a value of the whole job, on the leader (rank 0) only by default; ``layer``,
+    the per-layer series, where ``AgentConfig.per_layer`` computes them."""
 
     def __post_init__(self) -> None:
         if not self.name.startswith("trainguard_"):
             raise ValueError(f"metric {self.name!r} must start with 'trainguard_'")
         if (self.kind == "counter") != self.name.endswith("_total"):
             raise ValueError(f"metric {self.name!r}: counters, and only counters, end in '_total'")
+        if self.scope not in SCOPES:
+            raise ValueError(f"metric {self.name!r}: scope must be one of {SCOPES}, got {self.scope!r}")
+        if (self.scope == LAYER) != ("layer" in self.labels):
+            raise ValueError(f"metric {self.name!r}: the per-layer metrics, and only they, have the scope 'layer'")
 
     @property
     def series(self) -> tuple[str, ...]:
@@ -56,33 +96,33 @@ class MetricSpec:
         return (self.name,)
 
 
-def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
-    return MetricSpec(name, "gauge", unit, help, labels)
+def _g(name: str, unit: str, help: str, labels: tuple[str, ...] = (), *, scope: Scope = RANK) -> MetricSpec:
+    return MetricSpec(name, "gauge", unit, help, labels, scope)
 
 
-def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
-    return MetricSpec(name, "counter", unit, help, labels)
+def _c(name: str, unit: str, help: str, labels: tuple[str, ...] = (), *, scope: Scope = RANK) -> MetricSpec:
+    return MetricSpec(name, "counter", unit, help, labels, scope)
 
 
 #: Step metrics (measured around ``optimizer.step()`` and in ``end_step``).
 STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_step", "steps", "Optimizer steps completed (the step number of the last end_step)."),
     _g("trainguard_loss", "1", "Loss passed to end_step at the last reported step; when a step since the previous report had a non-finite loss, the first such value instead (a NaN between reports is never lost)."),
-    _g("trainguard_grad_norm", "1", "Global L2 norm of all gradients before clipping: sqrt(sum_p ||g_p||^2); for an accumulated step, of the accumulated gradient."),
-    _g("trainguard_grad_norm_max", "1", "Largest finite global gradient norm (pre-clip) over the steps since the previous report: a spike between two reports is not missed. The controller's gradient rules read it."),
-    _g("trainguard_param_norm", "1", "Global L2 norm of the trainable parameters after the step: sqrt(sum_p ||W_p||^2)."),
-    _g("trainguard_param_scale", "1", "Root mean square of the trainable parameters: ||W|| / sqrt(n), n = number of trainable elements; comparable across model sizes."),
-    _g("trainguard_update_ratio", "1", "Relative size of the last update: ||W_after - W_before|| / ||W_before|| over all trainable parameters. Healthy band about 1e-4..1e-2."),
-    _g("trainguard_update_ratio_per_lr", "1/LR", "The last update ratio per unit of the LR the step applied: trainguard_update_ratio / the largest LR of the optimizer's param groups at that step (the user's schedule x lr_scale). Neither the schedule nor the controller's lr_scale moves it (with Adam-type optimizers the update is proportional to the LR); absent when the LR lives in a device tensor or is 0."),
-    _g("trainguard_learning_rate", "1", "Learning rate actually used by the optimizer in param group `group` at the last step (scheduler LR x lr_scale).", ("group",)),
-    _g("trainguard_effective_lr", "1", "Effective learning rate ||W_after - W_before|| / ||g||: how far the step actually moved per unit gradient (equals lr for plain SGD)."),
-    _g("trainguard_grad_noise_scale", "tokens or micro-batches", "Simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), estimated from the gradient norms of the micro-batches of an accumulated step or of the data-parallel ranks before their all-reduce. A batch size: in tokens when end_step is given tokens=, else in micro-batches. Absent when neither exists."),
-    _g("trainguard_grad_variance", "grad_norm^2 x batch unit", "tr(Sigma): the per-sample (per token, or per micro-batch without tokens=) gradient variance estimate behind the noise scale (same estimator, McCandlish et al. 2018, appendix A.1)."),
-    _g("trainguard_nonfinite_grads", "elements", "Non-finite (NaN or Inf) gradient elements at the last step."),
+    _g("trainguard_grad_norm", "1", "Global L2 norm of all gradients before clipping: sqrt(sum_p ||g_p||^2); for an accumulated step, of the accumulated gradient.", scope=JOB),
+    _g("trainguard_grad_norm_max", "1", "Largest finite global gradient norm (pre-clip) over the steps since the previous report: a spike between two reports is not missed. The controller's gradient rules read it.", scope=JOB),
+    _g("trainguard_param_norm", "1", "Global L2 norm of the trainable parameters after the step: sqrt(sum_p ||W_p||^2).", scope=JOB),
+    _g("trainguard_param_scale", "1", "Root mean square of the trainable parameters: ||W|| / sqrt(n), n = number of trainable elements; comparable across model sizes.", scope=JOB),
+    _g("trainguard_update_ratio", "1", "Relative size of the last update: ||W_after - W_before|| / ||W_before|| over all trainable parameters. Healthy band about 1e-4..1e-2.", scope=JOB),
+    _g("trainguard_update_ratio_per_lr", "1/LR", "The last update ratio per unit of the LR the step applied: trainguard_update_ratio / the largest LR of the optimizer's param groups at that step (the user's schedule x lr_scale). Neither the schedule nor the controller's lr_scale moves it (with Adam-type optimizers the update is proportional to the LR); absent when the LR lives in a device tensor or is 0.", scope=JOB),
+    _g("trainguard_learning_rate", "1", "Learning rate actually used by the optimizer in param group `group` at the last step (scheduler LR x lr_scale).", ("group",), scope=JOB),
+    _g("trainguard_effective_lr", "1", "Effective learning rate ||W_after - W_before|| / ||g||: how far the step actually moved per unit gradient (equals lr for plain SGD).", scope=JOB),
+    _g("trainguard_grad_noise_scale", "tokens or micro-batches", "Simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), estimated from the gradient norms of the micro-batches of an accumulated step or of the data-parallel ranks before their all-reduce. A batch size: in tokens when end_step is given tokens=, else in micro-batches. Absent when neither exists.", scope=JOB),
+    _g("trainguard_grad_variance", "grad_norm^2 x batch unit", "tr(Sigma): the per-sample (per token, or per micro-batch without tokens=) gradient variance estimate behind the noise scale (same estimator, McCandlish et al. 2018, appendix A.1).", scope=JOB),
+    _g("trainguard_nonfinite_grads", "elements", "Non-finite (NaN or Inf) gradient elements at the last step.", scope=JOB),
     _c("trainguard_nonfinite_steps_total", "steps", "Steps whose loss or gradients held a non-finite value."),
-    _g("trainguard_optimizer_state_nonfinite", "elements", "Non-finite elements in the optimizer's state tensors (e.g. Adam moments), checked at the report interval."),
-    _g("trainguard_loss_scale", "1", "AMP GradScaler loss scale after the last step (absent without a scaler)."),
-    _c("trainguard_amp_skipped_steps_total", "steps", "Optimizer steps skipped by the GradScaler because of inf/NaN gradients (detected from a drop of the scale)."),
+    _g("trainguard_optimizer_state_nonfinite", "elements", "Non-finite elements in the optimizer's state tensors (e.g. Adam moments), checked at the report interval.", scope=JOB),
+    _g("trainguard_loss_scale", "1", "AMP GradScaler loss scale after the last step (absent without a scaler).", scope=JOB),
+    _c("trainguard_amp_skipped_steps_total", "steps", "Optimizer steps skipped by the GradScaler because of inf/NaN gradients (detected from a drop of the scale).", scope=JOB),
     _g("trainguard_step_duration_seconds", "seconds", "Wall time between the last two end_step calls."),
     _g("trainguard_forward_seconds", "seconds", "Wall time this rank spent inside the model's forward pass during the last reported step, summed over its micro-batches. Under data parallelism the ranks' step times are equalised by the gradient all-reduce, so a slow rank (a straggler) shows here: its forward takes longer than the other ranks'."),
     _g("trainguard_tokens_per_second", "tokens/s", "tokens passed to end_step divided by the step duration."),
@@ -93,15 +133,15 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_memory_allocated_bytes", "bytes", "torch.cuda.memory_allocated() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_reserved_bytes", "bytes", "torch.cuda.memory_reserved() on CUDA; the process's resident set size on CPU."),
     _g("trainguard_memory_peak_bytes", "bytes", "torch.cuda.max_memory_allocated() on CUDA; the process's peak resident set size on CPU."),
-    _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer: a repeated block such as model.layers.3, or the module holding parameters outside the blocks (AgentConfig.layer_depth cuts module paths at a fixed depth instead).", ("layer",)),
-    _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",)),
-    _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",)),
-    _g("trainguard_layer_grad_mean", "1", "Mean of one layer's gradient elements as the optimizer applies them (after unscaling and clipping), on report steps.", ("layer",)),
-    _g("trainguard_layer_grad_std", "1", "Standard deviation of one layer's gradient elements as the optimizer applies them.", ("layer",)),
-    _g("trainguard_layer_grad_max_abs", "1", "Largest absolute gradient element of one layer as the optimizer applies it.", ("layer",)),
-    _g("trainguard_layer_grad_min_abs", "1", "Smallest absolute gradient element of one layer as the optimizer applies it (0 when some element gets no gradient signal).", ("layer",)),
-    _g("trainguard_grad_max_abs", "1", "Largest absolute gradient element over the model as the optimizer applies it. Gradient values should stay below 1e3."),
-    _g("trainguard_update_size_ratio", "1", "Measured update ||W_after - W_before|| over the size the optimizer's rule predicts: lr x (||g|| + weight_decay x ||W||) / (1 - momentum) for SGD, lr x (sqrt(n) + weight_decay x ||W||) for Adam-like optimizers (n parameters). About 1 or below when healthy; far above, something else changes the weights; far below, the updates vanish."),
+    _g("trainguard_layer_grad_norm", "1", "L2 norm of the gradients of one layer: a repeated block such as model.layers.3, or the module holding parameters outside the blocks (AgentConfig.layer_depth cuts module paths at a fixed depth instead).", ("layer",), scope=LAYER),
+    _g("trainguard_layer_param_norm", "1", "L2 norm of the parameters of one layer.", ("layer",), scope=LAYER),
+    _g("trainguard_layer_update_ratio", "1", "||W_after - W_before|| / ||W_before|| of one layer.", ("layer",), scope=LAYER),
+    _g("trainguard_layer_grad_mean", "1", "Mean of one layer's gradient elements as the optimizer applies them (after unscaling and clipping), on report steps.", ("layer",), scope=LAYER),
+    _g("trainguard_layer_grad_std", "1", "Standard deviation of one layer's gradient elements as the optimizer applies them.", ("layer",), scope=LAYER),
+    _g("trainguard_layer_grad_max_abs", "1", "Largest absolute gradient element of one layer as the optimizer applies it.", ("layer",), scope=LAYER),
+    _g("trainguard_layer_grad_min_abs", "1", "Smallest absolute gradient element of one layer as the optimizer applies it (0 when some element gets no gradient signal).", ("layer",), scope=LAYER),
+    _g("trainguard_grad_max_abs", "1", "Largest absolute gradient element over the model as the optimizer applies it. Gradient values should stay below 1e3.", scope=JOB),
+    _g("trainguard_update_size_ratio", "1", "Measured update ||W_after - W_before|| over the size the optimizer's rule predicts: lr x (||g|| + weight_decay x ||W||) / (1 - momentum) for SGD, lr x (sqrt(n) + weight_decay x ||W||) for Adam-like optimizers (n parameters). About 1 or below when healthy; far above, something else changes the weights; far below, the updates vanish.", scope=JOB),
     _g("trainguard_gpu_utilization_ratio", "1", "Share of the last sample period in which a kernel ran on this rank's GPU (NVML; absent without a GPU or NVML)."),
     _g("trainguard_gpu_memory_used_bytes", "bytes", "Memory in use on this rank's GPU, all processes (NVML)."),
     _g("trainguard_gpu_memory_total_bytes", "bytes", "Memory of this rank's GPU (NVML)."),
@@ -132,25 +172,25 @@ DATA_METRICS: tuple[MetricSpec, ...] = (
 
 #: Control-loop metrics (reporting to and acting for the controller).
 CONTROL_METRICS: tuple[MetricSpec, ...] = (
-    _g("trainguard_paused", "1", "1 while the run is paused by the controller, else 0."),
-    _g("trainguard_lr_scale", "1", "Multiplier the controller applies to the scheduler's LR."),
-    _g("trainguard_scheduler_lr", "1", "Learning rate the user's own schedule set for the last step taken: the largest of the optimizer's param groups, read in the optimizer's pre-hook before lr_scale multiplies it."),
-    _g("trainguard_scheduler_lr_max", "1", "Largest learning rate the user's own schedule set for any step taken since the previous report (before lr_scale)."),
-    _g("trainguard_scheduler_lr_peak", "1", "Largest learning rate the user's own schedule set for any step before the current report interval: the schedule's envelope so far (kept across a resume through the agent's state_dict). Absent for the first 8 steps."),
-    _g("trainguard_scheduler_lr_ratio", "1", "trainguard_scheduler_lr_max / trainguard_scheduler_lr_peak: how far the schedule went above every LR the run had trained at. A warm-up raises it to at most about 2 per report interval, a restart or re-warm back to 1, decays keep it below 1."),
-    _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied on this rank."),
-    _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0."),
-    _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first)."),
-    _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank), spike (the gradient norm far above its recent values) or data (the controller found the batches' data at fault and every rank skipped their steps, the LR untouched).", ("reason",)),
-    _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run."),
+    _g("trainguard_paused", "1", "1 while the run is paused by the controller, else 0.", scope=JOB),
+    _g("trainguard_lr_scale", "1", "Multiplier the controller applies to the scheduler's LR.", scope=JOB),
+    _g("trainguard_scheduler_lr", "1", "Learning rate the user's own schedule set for the last step taken: the largest of the optimizer's param groups, read in the optimizer's pre-hook before lr_scale multiplies it.", scope=JOB),
+    _g("trainguard_scheduler_lr_max", "1", "Largest learning rate the user's own schedule set for any step taken since the previous report (before lr_scale).", scope=JOB),
+    _g("trainguard_scheduler_lr_peak", "1", "Largest learning rate the user's own schedule set for any step before the current report interval: the schedule's envelope so far (kept across a resume through the agent's state_dict). Absent for the first 8 steps.", scope=JOB),
+    _g("trainguard_scheduler_lr_ratio", "1", "trainguard_scheduler_lr_max / trainguard_scheduler_lr_peak: how far the schedule went above every LR the run had trained at. A warm-up raises it to at most about 2 per report interval, a restart or re-warm back to 1, decays keep it below 1.", scope=JOB),
+    _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied (by every rank at the same step).", scope=JOB),
+    _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0 (rank 0 talks to the controller for the run).", scope=JOB),
+    _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first).", scope=JOB),
+    _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank), spike (the gradient norm far above its recent values) or data (the controller found the batches' data at fault and every rank skipped their steps, the LR untouched).", ("reason",), scope=JOB),
+    _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run.", scope=JOB),
     _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
     _c("trainguard_rollbacks_total", "rollbacks", "Rollbacks to an in-memory snapshot carried out on this rank."),
-    _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force on this rank (runs that let the controller change them; the LR follows by the command's rule)."),
-    _g("trainguard_grad_clip_norm", "1", "Global gradient norm (over all shards) the controller's grad_clip command clips to before each optimizer step, on top of the run's own clipping; 0 when off."),
-    _c("trainguard_optimizer_resets_total", "resets", "Optimizer state resets (reset_optimizer commands) carried out on this rank: the moments and step counts of the named layers started afresh."),
+    _g("trainguard_accumulation_steps", "micro-batches", "Gradient accumulation steps per optimizer step in force (on every rank; runs that let the controller change them; the LR follows by the command's rule).", scope=JOB),
+    _g("trainguard_grad_clip_norm", "1", "Global gradient norm (over all shards) the controller's grad_clip command clips to before each optimizer step, on top of the run's own clipping; 0 when off.", scope=JOB),
+    _c("trainguard_optimizer_resets_total", "resets", "Optimizer state resets (reset_optimizer commands) carried out (by every rank at the same step): the moments and step counts of the named layers started afresh.", scope=JOB),
     _g("trainguard_optimizer_reset_parameters", "parameters", "Parameters whose optimizer state the last reset_optimizer command dropped on this rank."),
-    _g("trainguard_momentum_scale", "1", "Multiplier the controller applies to the optimizer's own momentum (Adam-style beta1, SGD momentum; held at most 0.999) during each step."),
-    _g("trainguard_weight_decay_scale", "1", "Multiplier the controller applies to the optimizer's own weight decay during each step."),
+    _g("trainguard_momentum_scale", "1", "Multiplier the controller applies to the optimizer's own momentum (Adam-style beta1, SGD momentum; held at most 0.999) during each step.", scope=JOB),
+    _g("trainguard_weight_decay_scale", "1", "Multiplier the controller applies to the optimizer's own weight decay during each step.", scope=JOB),
 )
 
 #: Input metrics: what feeds the model and how much of it per step (``trainer_agent/inputs.py``,
@@ -159,8 +199,8 @@ INPUT_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_input_wait_seconds", "seconds", "Mean time per step this rank waited for its batch over the steps since the previous report: from the end of one end_step to the first forward pass of the model after it (loader, collation, host-to-device copy). High on one rank only: that rank is held back by its data, not its computation."),
     _g("trainguard_input_prefetch_depth", "batches", "Batches the token loader has ready ahead of the training loop (its prefetch queue) when scraped; 0 means the loop is waiting for data. Only with trainguard's TokenLoader."),
     _g("trainguard_input_tokens_per_second", "tokens/s", "Non-padding tokens the training loop received from the token loader per second, between two reads of this value. Only with trainguard's TokenLoader."),
-    _g("trainguard_global_batch_size", "tokens or micro-batches", "The step's global batch size in the noise scale's unit: tokens passed to end_step x ranks, or (without tokens=) backward passes x ranks."),
-    _g("trainguard_recommended_batch_size", "tokens or micro-batches", "Recommended global batch size: the running gradient noise scale, ratio of the moving averages (decay 0.95 per report) of tr(Sigma) and of |G|^2 (McCandlish et al. 2018: beyond it a larger batch buys little progress per step; below it steps are noise-dominated). Same unit as trainguard_grad_noise_scale."),
+    _g("trainguard_global_batch_size", "tokens or micro-batches", "The step's global batch size in the noise scale's unit: tokens passed to end_step x ranks, or (without tokens=) backward passes x ranks.", scope=JOB),
+    _g("trainguard_recommended_batch_size", "tokens or micro-batches", "Recommended global batch size: the running gradient noise scale, ratio of the moving averages (decay 0.95 per report) of tr(Sigma) and of |G|^2 (McCandlish et al. 2018: beyond it a larger batch buys little progress per step; below it steps are noise-dominated). Same unit as trainguard_grad_noise_scale.", scope=JOB),
 )
 
 AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_METRICS + INPUT_METRICS
@@ -175,3 +215,57 @@ def spec(name: str) -> MetricSpec:
         return BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown trainguard metric {name!r}") from None
+
+
+def exported_scopes(rank: int, *, job_metrics: str = "rank0", per_layer: str = "rank0") -> frozenset[Scope]:
+    """The scopes whose metrics rank ``rank`` serves on its ``/metrics``: its own (``rank``)
+    always; the job's on rank 0, the leader, or everywhere with ``job_metrics="all"``; the
+    per-layer series as ``per_layer`` says (``"rank0"``, ``"all"``, ``"off"``: the values of
+    ``AgentConfig``'s fields of these names). ``ValueError`` for another value."""
+    if job_metrics not in ("rank0", "all"):
+        raise ValueError(f"job_metrics must be 'rank0' or 'all', got {job_metrics!r}")
+    if per_layer not in ("rank0", "all", "off"):
+        raise ValueError(f"per_layer must be 'rank0', 'all' or 'off', got {per_layer!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+    scopes = {RANK}
+    if rank == 0 or job_metrics == "all":
+        scopes.add(JOB)
+    if per_layer == "all" or (per_layer == "rank0" and rank == 0):
+        scopes.add(LAYER)
+    return frozenset(scopes)
+
+
+def _series_of(m: MetricSpec, counts: dict[str, int]) -> int:
+    n = len(m.series)
+    for label in m.labels:
+        n *= counts[label]
+    return n
+
+
+def series_per_rank(rank: int, *, layers: int, param_groups: int = 1, job_metrics: str = "rank0",
+                    per_layer: str = "rank0", names: Iterable[str] | None = None) -> int:
+    """Series rank ``rank``'s ``/metrics`` serves when every metric of ``names`` (default: the
+    whole catalogue, an upper bound: GPU health, the data monitor, the token loader, the
+    communication timing, a GradScaler, snapshots and the controller all present) has a value:
+    a labelled metric counts one series per value of its labels (``layers`` layers,
+    ``param_groups`` optimizer param groups, :data:`LABEL_VALUES`). ``ValueError`` for a name the
+    catalogue does not list or a negative count."""
+    if layers < 0 or param_groups < 0:
+        raise ValueError(f"layers and param_groups must be >= 0, got {layers} and {param_groups}")
+    scopes = exported_scopes(rank, job_metrics=job_metrics, per_layer=per_layer)
+    metrics = AGENT_METRICS if names is None else [spec(n) for n in set(names)]
+    counts = {"layer": layers, "group": param_groups, **{k: len(v) for k, v in LABEL_VALUES.items()}}
+    return sum(_series_of(m, counts) for m in metrics if m.scope in scopes)
+
+
+def series_per_job(world_size: int, *, layers: int, param_groups: int = 1, job_metrics: str = "rank0",
+                   per_layer: str = "rank0", names: Iterable[str] | None = None) -> int:
+    """Series the ``/metrics`` of all ``world_size`` ranks of one job serve together: the
+    leader's :func:`series_per_rank` plus ``world_size - 1`` times another rank's."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    names = None if names is None else tuple(names)
+    kw = dict(layers=layers, param_groups=param_groups, job_metrics=job_metrics, per_layer=per_layer, names=names)
+    others = series_per_rank(1, **kw) if world_size > 1 else 0
+    return series_per_rank(0, **kw) + (world_size - 1) * others
