@@ -144,8 +144,10 @@ class Agent:
     - ``loss_device``: 0-dim float64 device tensor of the loss of the last ``end_step``.
     - ``step_finite_device``: 0-dim bool device tensor, loss and gradients of the last ``end_step``
       were finite.
-    - ``rank_values``: ``{field: [value of rank 0, rank 1, ...]}`` for ``RANK_FIELDS``, gathered
-      at the last published report (single rank: lists of one).
+    - ``rank_values``: on the leader (rank 0), ``{field: [value of rank 0, rank 1, ...]}`` for
+      ``RANK_FIELDS`` (and the fingerprint and data-overlap vectors), gathered at the last
+      published report; on any other rank, ``{field: [its own value]}`` (lists of one: a rank
+      keeps no other rank's values).
     - ``overhead_seconds_total``: wall time spent inside the agent since attach.
     """
 
@@ -262,13 +264,15 @@ class Agent:
             self.verifier = GradientVerifier(self, every=cfg.verify_every, rel_tol=cfg.verify_rel_tol)
             if cfg.verify_every == 1:
                 self.verifier.arm()
-        exchange = RankExchange(self.world_size, with_state=cfg.controller is not None and self.world_size > 1,
+        exchange = RankExchange(self.world_size, rank=self.rank,
+                                with_state=cfg.controller is not None and self.world_size > 1,
                                 extra_width=fingerprint.width() if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(self.params, self.meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=self.meter.grad_noise,
                                       per_layer=per_layer, clock=self._clock, fingerprint=fingerprint,
-                                      desync_rel_tol=cfg.desync_rel_tol, on_published=self._on_published)
+                                      desync_rel_tol=cfg.desync_rel_tol, on_published=self._on_published,
+                                      on_error=self._error)
         self.reports.mfu_per_token_rate = flops.mfu_per_token_rate(model, self.device, cfg.flops_per_token, cfg.peak_flops)
 
     def _register_hooks(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -603,19 +607,26 @@ class Agent:
         """Reports whose copy completed become host values (all of them with ``block``)."""
         self.reports.publish(block=block)
 
-    def _on_published(self, values: dict[str, float], rank_values: dict[str, list[float]]) -> None:
+    def _on_published(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
         self._advise_batch_size(values)
         if self.data is not None:
             self.data.refresh()
         with self._lock:
             self._published = values
-        if self.reports.desync and self.rank == 0:
+        if self.rank == 0:  # the cross-rank part: off the training thread (ReportPipeline.off_thread)
+            current = self._current_values() if self.control is not None else values
+            self.reports.off_thread(lambda: self._on_ranks(current, rank_values))
+
+    def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
+        """Leader: a published report's every-rank part (on the cross-rank worker with several ranks)."""
+        desync = getattr(rank_values, "desync", None) or []
+        if desync:
             log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
                         int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
                         "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
-                                  for d in self.reports.desync[:8]))
+                                  for d in desync[:8]))
         if self.control is not None:
-            self.control.on_report(self._current_values(), rank_values)
+            self.control.on_report(values, rank_values)
 
     def _advise_batch_size(self, values: dict[str, float]) -> None:
         """Feed the report's noise scale to the batch-size advisor; its running recommendation
@@ -893,6 +904,7 @@ class Agent:
             self._publish(block=True)  # SYNC: the last report
         except Exception as exc:
             self._error("publish", exc)
+        self.reports.flush(max(0.0, deadline - time.monotonic()), stop=True)  # the leader's last reports go on
         for handle in self._handles:
             handle.remove()
         self._handles = []

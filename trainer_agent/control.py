@@ -498,7 +498,9 @@ class ControlPlane:
         self._apply(state, step)
 
     def on_report(self, values: Mapping[str, float], rank_values: Mapping[str, list[float]]) -> None:
-        """Leader: send a published report (every rank's row included) to the controller."""
+        """Leader: send a published report (every rank's row included) to the controller. With
+        several ranks this runs on the report pipeline's cross-rank worker, not the training
+        thread; ``rank_values`` then carries the report's own ``desync`` findings."""
         if self._client is None or self._closed:
             return
         try:
@@ -527,7 +529,7 @@ class ControlPlane:
             ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
             applied_generation=self._generation,
             desync=[DesyncLayer(kind=d.kind, layer=d.layer[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))
-                    for d in self._ctx.desync()[:MAX_DESYNC_LAYERS]],
+                    for d in (rank_values.desync if hasattr(rank_values, "desync") else self._ctx.desync())[:MAX_DESYNC_LAYERS]],
         )
         self._last_reported_step = published
         self._client.submit_report(report)

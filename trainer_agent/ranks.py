@@ -14,6 +14,10 @@ The per-rank values are declared once, in ``trainguard.protocol.rank_values.RANK
 ``RANK_FIELDS`` (the row's columns) and ``WIRE_VECTORS`` (the report's vectors) derive from it, and
 ``trainer_agent/report.py`` fills the row from the same declarations.
 
+After the gather every rank reads the leader's state part (``STATE_LEN`` values: O(1)); only the
+leader keeps the other ranks' fields and sketches, turned into the report's per-rank vectors and
+``data_overlap`` off the training thread (``trainer_agent/report.py``, ``RankVectors``).
+
 The row lives where the default process group's backend wants it: on the CUDA device for NCCL (no
 sync to build or gather it), on the CPU for gloo (for CUDA parameters under gloo, moving the row to
 the CPU is a SYNC, once per report step).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,7 +39,7 @@ from trainer_agent.sketch import EMPTY, SKETCH_K, overlaps
 __all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]  # the codec: trainguard.protocol.commands
 
 #: Per-rank values gathered at each report step (the ``row`` values of ``RANK_VALUES``, in order);
-#: on every rank ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
+#: on the leader ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
 RANK_FIELDS: tuple[str, ...] = tuple(s.field for s in ROW_VALUES)
 
 #: The per-rank vectors of a controller report (``RankValues`` field -> ``Agent.rank_values`` key).
@@ -49,21 +54,26 @@ _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 class RankExchange:
     """Packs, gathers and unpacks the report step's rows (see the module docstring).
 
-    ``with_state``: the rows carry the desired-state part. ``group``: the process group (default:
-    the default group)."""
+    ``with_state``: the rows carry the desired-state part. ``rank``: this rank in ``group`` (0:
+    the leader). ``group``: the process group (default: the default group)."""
 
-    def __init__(self, world_size: int, *, with_state: bool, group: dist.ProcessGroup | None = None,
+    def __init__(self, world_size: int, *, with_state: bool, rank: int = 0, group: dist.ProcessGroup | None = None,
                  extra_width: int = 0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.world_size = world_size
+        self.rank = rank
         self.with_state = with_state
         self.group = group
         self.offset = STATE_LEN if with_state else 0
         self.extra_width = extra_width
         self.sketch_at = self.offset + len(RANK_FIELDS) + extra_width
         self.width = self.sketch_at + (SKETCH_K if with_state else 0)
-        self.overlap: list[float] | None = None
-        """After :meth:`agreed` on a row set with sketches: each rank's largest estimated overlap
-        with another rank's data (None when no rank observed data)."""
+
+    @property
+    def leader(self) -> bool:
+        """This rank keeps every rank's values (rank 0)."""
+        return self.rank == 0
 
     def pack(self, fields: torch.Tensor, state: Sequence[int] | None, sketch: Sequence[int] | None = None, *,
              extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,17 +125,27 @@ class RankExchange:
         """The extra part of the gathered rows (a view, shape (world_size, extra_width))."""
         return gathered[:, self.offset + len(RANK_FIELDS):self.sketch_at]
 
+    def sketches(self, gathered: torch.Tensor) -> torch.Tensor | None:
+        """The sketch part of the gathered rows (a view, (world_size, SKETCH_K) int64 bits as
+        float64; None without one)."""
+        return gathered[:, self.sketch_at:] if self.with_state else None
+
     def state(self, gathered: torch.Tensor) -> list[int] | None:
-        """The leader's desired-state part as host ints (None without one). On CUDA rows (NCCL)
-        this reads the device: a SYNC, once per report step of a controlled multi-rank run."""
+        """The leader's desired-state part as host ints (None without one): ``STATE_LEN`` values,
+        whatever the world size. On CUDA rows (NCCL) this reads the device: a SYNC, once per
+        report step of a controlled multi-rank run."""
         if not self.with_state:
             return None
-        # one copy of the state and every rank's sketch (int64 bits) to the host
-        host = torch.cat([gathered[0, :STATE_LEN], gathered[:, self.sketch_at:].reshape(-1)]).cpu().contiguous()
-        bits = host.view(torch.int64)
-        best, _ = overlaps(bits[STATE_LEN:].reshape(self.world_size, SKETCH_K).numpy(), SKETCH_K)
-        self.overlap = None if all(math.isnan(b) for b in best.tolist()) else best.tolist()
-        return bits[:STATE_LEN].tolist()
+        return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist()
+
+    @staticmethod
+    def data_overlap(sketch_bits: np.ndarray) -> list[float] | None:
+        """Each rank's largest estimated overlap with another rank's data, from the host copy of
+        :meth:`sketches` (float64 or int64 bits, (world_size, SKETCH_K)); None when no rank
+        observed data. O(W k log(W k)) (``sketch.overlaps``): the leader's, off the training thread."""
+        bits = np.ascontiguousarray(sketch_bits).view(np.int64).reshape(len(sketch_bits), SKETCH_K)
+        best, _ = overlaps(bits, SKETCH_K)
+        return None if np.isnan(best).all() else best.tolist()
 
     def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
         """The state every rank applies: the leader's part of the rows, or, without a state part
@@ -135,7 +155,7 @@ class RankExchange:
         return list(proposal) if proposal is not None else None
 
     @staticmethod
-    def unpack_rows(flat: Sequence[float], ranks: int) -> dict[str, list[float]]:
-        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)``."""
-        width = len(RANK_FIELDS)
-        return {f: [float(flat[r * width + i]) for r in range(ranks)] for i, f in enumerate(RANK_FIELDS)}
+    def unpack_rows(flat: Sequence[float] | np.ndarray, ranks: int) -> dict[str, list[float]]:
+        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)`` (rank-major)."""
+        columns = np.asarray(flat, dtype=np.float64).reshape(ranks, len(RANK_FIELDS)).T.tolist()
+        return dict(zip(RANK_FIELDS, columns))

@@ -13,16 +13,27 @@ them up over the ranks in one more collective, an ``all_reduce`` of one float64 
 interval's per-step squared gradient norms, the per-parameter squared gradient, weight, update
 and W_before norms, the non-finite counts), before anything is derived from them; every metric is
 then the global one, equal on every rank. Steps that are not report steps issue no collective.
+
+After the report step's gather a rank other than the leader (rank 0) keeps only its own row: its
+host work per report does not grow with the world size. The leader copies every rank's row (and
+sketch, and the fingerprint comparison) to the host with its report; the cross-rank part of a
+published report is a :class:`RankVectors`, resolved once, off the training thread, by the
+leader's :class:`CrossRankWorker` (the per-rank vectors, the fingerprint findings, the data
+overlap of ``trainer_agent/sketch.py``), which then hands it on (the controller's report).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer_agent import stats
@@ -35,10 +46,18 @@ from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.sharding import local
 from trainer_agent.step_stats import StepMeter, StepState, unscale
 
-__all__ = ["HostStep", "InFlight", "ReportPipeline", "MAX_IN_FLIGHT"]
+__all__ = ["CrossRankWorker", "HostStep", "InFlight", "RankVectors", "ReportPipeline", "MAX_IN_FLIGHT", "MAX_QUEUED"]
+
+log = logging.getLogger(__name__)
 
 #: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
 MAX_IN_FLIGHT = 4
+
+#: The leader's published reports waiting for the cross-rank worker (beyond that the oldest is
+#: dropped and counted: the training thread never waits for it).
+MAX_QUEUED = 8
+
+Decode = Callable[[np.ndarray], tuple[dict[str, list[float]], list[DesyncFinding]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,39 +85,165 @@ class HostStep:
     """The interval's gradient communication times (``CommTiming.take``; empty without it)."""
 
 
-class InFlight:
-    """One report on its way from the device to the host."""
+class RankVectors(Mapping[str, list[float]]):
+    """The leader's per-rank vectors of one published report, ``{field: [rank 0, rank 1, ...]}``:
+    the ``RANK_FIELDS`` columns, the fingerprint vectors and ``data_overlap``, made from the host
+    copy of the gathered rows once, on first use (thread-safe: the cross-rank worker resolves it;
+    any other reader waits for that or resolves it itself). ``desync``: the layers whose
+    fingerprints differ. ``matrix``: the rows as they arrived, (world, RANK_FIELDS) float64."""
 
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "overlap", "desync_len", "decode", "desync")
+    def __init__(self, matrix: np.ndarray, *, sketches: np.ndarray | None = None,
+                 compared: np.ndarray | None = None, decode: Decode | None = None) -> None:
+        self.matrix = matrix
+        self._sketches, self._compared, self._decode = sketches, compared, decode
+        self._lock = threading.Lock()
+        self._vectors: dict[str, list[float]] | None = None
+        self._desync: list[DesyncFinding] = []
+
+    @property
+    def world(self) -> int:
+        return self.matrix.shape[0]
+
+    def column(self, name: str) -> np.ndarray:
+        """One ``RANK_FIELDS`` column (a view of :attr:`matrix`, no resolution)."""
+        return self.matrix[:, RANK_FIELDS.index(name)]
+
+    def resolve(self) -> dict[str, list[float]]:
+        """The vectors (computed on the first call, by whichever thread makes it)."""
+        with self._lock:
+            if self._vectors is None:
+                vectors = RankExchange.unpack_rows(self.matrix, self.world)
+                if self._decode is not None and self._compared is not None:
+                    found, self._desync = self._decode(self._compared)
+                    vectors.update(found)
+                if self._sketches is not None:
+                    overlap = RankExchange.data_overlap(self._sketches)
+                    if overlap is not None:
+                        vectors["data_overlap"] = overlap
+                self._vectors = vectors
+                self._sketches = self._compared = None  # done with them
+            return self._vectors
+
+    @property
+    def desync(self) -> list[DesyncFinding]:
+        """Layers whose fingerprints differ across ranks by more than the tolerance (worst first)."""
+        self.resolve()
+        return self._desync
+
+    def __getitem__(self, key: str) -> list[float]:
+        return self.resolve()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.resolve())
+
+    def __len__(self) -> int:
+        return len(self.resolve())
+
+
+class CrossRankWorker:
+    """The leader's daemon thread for the cross-rank work of its published reports: runs the jobs
+    :meth:`submit` queues, oldest first, off the training thread. At most ``max_queued`` wait;
+    beyond that the oldest is dropped (``dropped``) and logged once. A job's exception is logged
+    and passed to ``on_error``; the next job runs."""
+
+    def __init__(self, name: str = "trainguard-ranks", *, max_queued: int = MAX_QUEUED,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        self.name, self.max_queued, self.on_error = name, max_queued, on_error
+        self.dropped = 0
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` (never waits); starts the thread on first use."""
+        with self._cond:
+            if self._closing:
+                return
+            if len(self._jobs) >= self.max_queued:
+                self._jobs.popleft()
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("trainguard: the leader's cross-rank work falls behind the reports; the oldest "
+                                "waiting report is dropped (reports come faster than %s can resolve them)", self.name)
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None, *, stop: bool = False) -> bool:
+        """Wait until every queued job has run (at most ``timeout`` s); with ``stop``, then end
+        the thread (later submissions are ignored). True when nothing was left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            done = not (self._jobs or self._busy)
+            if stop:
+                self._closing = True
+                self._jobs.clear()
+                self._cond.notify_all()
+            return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._jobs or self._closing):
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - one report's failure must not stop the next
+                if self.on_error is not None:
+                    self.on_error("cross_rank", exc)
+                else:
+                    log.warning("trainguard: cross-rank work of a report failed: %r", exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+class InFlight:
+    """One report on its way from the device to the host. ``ranks``: the rows in the buffer
+    (every rank's on the leader, this rank's own elsewhere); ``sketch_len``: the leader's sketch
+    part after them (0 without one); ``desync_len``: the fingerprint comparison before them."""
+
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "sketch_len", "leader")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
-                 host: dict[str, float], ranks: int, overlap: list[float] | None = None, desync_len: int = 0,
-                 decode: Callable[[list[float]], tuple[dict[str, list[float]], list[DesyncFinding]]] | None = None,
-                 ) -> None:
+                 host: dict[str, float], ranks: int, desync_len: int = 0, decode: Decode | None = None,
+                 sketch_len: int = 0, leader: bool = True) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
-        self.overlap = overlap  # the leader's cross-rank data overlap of this report (host floats)
-        self.desync_len, self.decode = desync_len, decode
-        #: Layers whose fingerprints differ across ranks (set by ``read``).
-        self.desync: list[DesyncFinding] = []
+        self.desync_len, self.decode, self.sketch_len, self.leader = desync_len, decode, sketch_len, leader
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
-    def read(self) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """(values, rank values) on the host."""
+    def read(self) -> tuple[dict[str, float], dict[str, list[float]] | RankVectors]:
+        """(values, rank values) on the host: O(values) here; on the leader of several ranks the
+        rank values are a :class:`RankVectors` (views of the buffer, resolved later)."""
         if self.event is not None:
             self.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
-        flat = self.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
+        flat = self.buffer.numpy()  # host memory (pinned buffer or CPU tensor): no device read
         n = len(self.keys)
-        values = dict(zip(self.keys, flat[:n]))
+        values = dict(zip(self.keys, flat[:n].tolist()))
         values.update(self.host)
-        rank_values = RankExchange.unpack_rows(flat[n + self.desync_len:], self.ranks)
-        if self.decode is not None:
-            vectors, self.desync = self.decode(flat[n:n + self.desync_len])
-            rank_values.update(vectors)
-        if self.overlap is not None:
-            rank_values["data_overlap"] = self.overlap
-        return values, rank_values
+        at = n + self.desync_len
+        rows = flat[at:at + self.ranks * len(RANK_FIELDS)].reshape(self.ranks, len(RANK_FIELDS))
+        if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
+            return values, dict(zip(RANK_FIELDS, rows.T.tolist()))  # one rank's values: lists of one
+        sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
+        return values, RankVectors(rows, sketches=sketches, compared=flat[n:at] if self.decode is not None else None,
+                                   decode=self.decode)
 
 
 class ReportPipeline:
@@ -108,17 +253,20 @@ class ReportPipeline:
                  optimizer: torch.optim.Optimizer, report_every: int, grad_noise: bool,
                  per_layer: bool, clock: Callable[[], float], fingerprint: Fingerprinter | None = None,
                  desync_rel_tol: float = 1e-5,
-                 on_published: Callable[[dict[str, float], dict[str, list[float]]], None] | None = None) -> None:
+                 on_published: Callable[[dict[str, float], Mapping[str, list[float]]], None] | None = None,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
         self.index = index
-        #: Called with (values, rank values) once per report, whichever call publishes it.
+        #: Called on the training thread with (values, rank values) once per report, whichever
+        #: call publishes it; the rank values are a :class:`RankVectors` on the leader of several
+        #: ranks (do not resolve it there: hand it to :meth:`off_thread`).
         self.on_published = on_published
+        #: The leader's thread for the cross-rank work (started on first use).
+        self.worker = CrossRankWorker(on_error=on_error)
         self.fingerprint = fingerprint
         self.update_model = UpdateModel(optimizer, index.params, index.device)
         #: flops_per_token / peak_flops of one device (``trainer_agent/flops.py``): MFU per token/s.
         self.mfu_per_token_rate: float | None = None
         self.desync_rel_tol = desync_rel_tol
-        #: Layers whose fingerprints differed across ranks at the last published report.
-        self.desync: list[DesyncFinding] = []
         self.meter = meter
         self.exchange = exchange
         self.optimizer = optimizer
@@ -141,7 +289,7 @@ class ReportPipeline:
         self.summed_step = -1  # the step whose shares entered the sharded sum last
         # Optimizer-state non-finite count summed over the ranks (sharded parameters only).
         self._state_nonfinite: torch.Tensor | None = None
-        self.rank_values: dict[str, list[float]] = {}
+        self._rank_values: Mapping[str, list[float]] = {}
         self._layer_keys: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ every step
@@ -183,15 +331,19 @@ class ReportPipeline:
         fields, micro_count = self._rank_fields(dev, st, host, host_step.gpu_xid)
         extra = self._fingerprints(st)
         gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
-        rows = self.exchange.fields(gathered).to(self.device)
-        self._noise_scale(dev, st, rows, micro_count, host_step.tokens)
-        compared = None
-        if self.fingerprint is not None:
-            fp = self.fingerprint
-            compared = desync(self.exchange.extra(gathered).to(self.device), fp.layers, fp.k, fp.groups)
-        agreed = self.exchange.agreed(gathered, state)
-        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared))
-        self.pending[-1].overlap = self.exchange.overlap
+        ex = self.exchange
+        self._noise_scale(dev, st, ex.fields(gathered), micro_count, host_step.tokens)
+        compared = sketches = None
+        if ex.leader:  # every rank's rows; the others keep their own (O(1) whatever the world size)
+            rows = ex.fields(gathered).to(self.device)
+            sketches = ex.sketches(gathered)
+            if self.fingerprint is not None:
+                fp = self.fingerprint
+                compared = desync(ex.extra(gathered).to(self.device), fp.layers, fp.k, fp.groups)
+        else:
+            rows = ex.fields(gathered)[ex.rank:ex.rank + 1].to(self.device)
+        agreed = ex.agreed(gathered, state)
+        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared, sketches))
         return agreed
 
     def _shard_width(self) -> int:
@@ -390,11 +542,12 @@ class ReportPipeline:
 
     def _noise_scale(self, dev: dict[str, torch.Tensor], st: StepState, rows: torch.Tensor,
                      micro_count: int, tokens: int | None) -> None:
+        """``rows``: every rank's ``RANK_FIELDS`` (on the collective's device)."""
         grad_norm = st.grad_norm
         total_count = micro_count * self.world_size  # every rank runs the same loop
         if not (self.grad_noise and total_count >= 2 and grad_norm is not None):
             return
-        small_sum = rows[:, RANK_FIELDS.index("micro_sq_sum")].sum()
+        small_sum = rows[:, RANK_FIELDS.index("micro_sq_sum")].to(self.device).sum()
         # Small gradients k*h_j have the expectation of the accumulated gradient H.
         micro_size = tokens / micro_count if tokens else 1.0
         small_sq = micro_count**2 * small_sum / total_count
@@ -403,7 +556,8 @@ class ReportPipeline:
         dev["trainguard_grad_variance"] = trace
 
     def _pack(self, step: int, dev: dict[str, torch.Tensor], vectors: list[tuple[list[str], torch.Tensor]],
-              rows: torch.Tensor, host: dict[str, float], compared: torch.Tensor | None = None) -> InFlight:
+              rows: torch.Tensor, host: dict[str, float], compared: torch.Tensor | None = None,
+              sketches: torch.Tensor | None = None) -> InFlight:
         keys = list(dev)
         pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
                                for v in dev.values()])]
@@ -418,6 +572,8 @@ class ReportPipeline:
             world, names, tol = rows.shape[0], self.fingerprint.names, self.desync_rel_tol
             decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
         pieces.append(rows.reshape(-1))
+        if sketches is not None:  # int64 bits as float64: cat copies bits
+            pieces.append(sketches.to(self.device).reshape(-1))
         vec = torch.cat(pieces)
         event = None
         if vec.device.type == "cuda":
@@ -426,7 +582,8 @@ class ReportPipeline:
             event = torch.cuda.Event()
             event.record()
             vec = buffer
-        return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode)
+        return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode,
+                        sketch_len=sketches.numel() if sketches is not None else 0, leader=self.exchange.leader)
 
     # ------------------------------------------------------------------ publication
 
@@ -439,11 +596,36 @@ class ReportPipeline:
         while self.pending and ((block and waits > 0) or self.pending[0].ready()):
             waits -= 1
             report = self.pending.popleft()
-            published, self.rank_values = report.read()
-            self.desync = report.desync
+            published, self._rank_values = report.read()
             if self.on_published is not None:
-                self.on_published(published, self.rank_values)
+                self.on_published(published, self._rank_values)
         return published
+
+    @property
+    def rank_values(self) -> dict[str, list[float]]:
+        """The last published report's per-rank vectors: every rank's on the leader (resolved
+        here if the worker has not yet), this rank's own (lists of one) on the others."""
+        rv = self._rank_values
+        return rv.resolve() if isinstance(rv, RankVectors) else dict(rv)
+
+    @property
+    def desync(self) -> list[DesyncFinding]:
+        """Layers whose fingerprints differed across ranks at the last published report (the
+        leader's; empty elsewhere)."""
+        rv = self._rank_values
+        return rv.desync if isinstance(rv, RankVectors) else []
+
+    def off_thread(self, job: Callable[[], None]) -> None:
+        """Run the leader's cross-rank ``job`` (resolving a :class:`RankVectors`, sending it on)
+        on :attr:`worker`; with one rank, at once (nothing grows with the world)."""
+        if self.world_size == 1:
+            job()
+        else:
+            self.worker.submit(job)
+
+    def flush(self, timeout: float | None = None, *, stop: bool = False) -> bool:
+        """Wait for the cross-rank jobs queued so far (see ``CrossRankWorker.flush``)."""
+        return self.worker.flush(timeout, stop=stop)
 
 
 def _largest_host_lr(lrs: Sequence[float | torch.Tensor] | None) -> float | None:

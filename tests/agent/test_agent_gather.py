@@ -71,11 +71,13 @@ def test_error_on_one_rank_keeps_the_report_gather(tmp_path) -> None:
     assert out[0]["steps"] == out[1]["steps"] == [4, 4]
     assert out[0]["latest"]["trainguard_agent_errors_total"] == 1.0
     assert out[1]["latest"]["trainguard_agent_errors_total"] == 0.0
-    # The second report (step 4) was gathered normally on both ranks: every rank's step-4 loss.
-    for r in range(WORLD):
+    # The second report (step 4) was gathered normally on both ranks: the leader holds every
+    # rank's step-4 loss, the other rank its own.
+    want = [out[k]["losses"][3] for k in range(WORLD)]
+    for r, expected in enumerate([want] + [[w] for w in want[1:]]):
         got = out[r]["rank_values"]["loss"]
-        want = [out[k]["losses"][3] for k in range(WORLD)]
-        assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want)), (got, want)
+        assert len(got) == len(expected), (r, got)
+        assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, expected)), (got, expected)
 
 
 #: The loss each rank hands end_step at steps 1..4 (data parallelism: each its own batch); rank 1's

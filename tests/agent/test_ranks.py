@@ -95,8 +95,23 @@ def test_sketches_ride_in_the_rows_and_the_leader_reads_the_overlap() -> None:
     gathered = torch.stack([ex.pack(fields, encode_state(d), a.tolist()), ex.pack(fields, None, a.tolist()),
                             ex.pack(fields, None, other.take().tolist())])
     assert decode_state(ex.state(gathered)) == d
-    assert ex.overlap == [1.0, 1.0, 0.0]  # ranks 0 and 1 saw the same sequences
+    sketches = ex.sketches(gathered)
+    assert sketches.shape == (3, SKETCH_K)
+    assert RankExchange.data_overlap(sketches.numpy()) == [1.0, 1.0, 0.0]  # ranks 0 and 1 saw the same sequences
     assert ex.fields(gathered).shape == (3, len(RANK_FIELDS))
     empty = torch.stack([ex.pack(fields, encode_state(d))] * 3)
-    ex.state(empty)
-    assert ex.overlap is None  # no rank observed data
+    assert decode_state(ex.state(empty)) == d
+    assert RankExchange.data_overlap(ex.sketches(empty).numpy()) is None  # no rank observed data
+    assert RankExchange(3, with_state=False).sketches(ex.fields(gathered)) is None
+    with pytest.raises(ValueError, match="rank"):
+        RankExchange(3, with_state=True, rank=3)
+
+
+def test_the_state_is_read_from_the_leaders_row_only() -> None:
+    ex = RankExchange(4, with_state=True, rank=2)
+    assert not ex.leader and RankExchange(4, with_state=True).leader
+    d = DesiredState(generation=9, lr_scale=0.5)
+    fields = torch.zeros(len(RANK_FIELDS), dtype=torch.float64)
+    other = DesiredState(generation=1)  # what a non-leader row might carry: never read
+    gathered = torch.stack([ex.pack(fields, encode_state(d))] + [ex.pack(fields, encode_state(other))] * 3)
+    assert decode_state(ex.state(gathered)) == d

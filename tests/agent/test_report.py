@@ -1,0 +1,182 @@
+"""trainer_agent/report.py: the leader's cross-rank part of a published report (RankVectors),
+resolved once on the cross-rank worker thread (CrossRankWorker), and, on 3 gloo ranks with a
+controller, the other ranks keeping only their own row."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.control.spawn import spawn_ranks
+from trainer_agent.fingerprint import DesyncFinding
+from trainer_agent.ranks import RANK_FIELDS
+from trainer_agent.report import CrossRankWorker, RankVectors
+from trainer_agent.sketch import SKETCH_K, BottomK, overlaps
+
+F = len(RANK_FIELDS)
+
+
+def _sketch(values: np.ndarray) -> np.ndarray:
+    s = BottomK(SKETCH_K)
+    s.update(values)
+    return s.take()
+
+
+def test_rank_vectors_are_the_columns_the_decoded_fingerprints_and_the_overlap_resolved_once() -> None:
+    world = 5
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((world, F))
+    matrix[3, RANK_FIELDS.index("loss")] = math.nan
+    shared = _sketch(rng.integers(1, 2**63, size=300, dtype=np.uint64))
+    sketches = np.stack([shared, _sketch(rng.integers(1, 2**63, size=300, dtype=np.uint64)), shared,
+                         BottomK(SKETCH_K).take(), _sketch(rng.integers(1, 2**63, size=10, dtype=np.uint64))])
+    calls: list[str] = []
+    finding = DesyncFinding("grad", "layer0", 0.5, (4,))
+
+    def decode(flat: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+        calls.append(threading.current_thread().name)
+        return {"grad_desync": (flat * 2).tolist()}, [finding]
+
+    compared = np.arange(world, dtype=np.float64)
+    rv = RankVectors(matrix, sketches=sketches.view(np.float64), compared=compared, decode=decode)
+    np.testing.assert_array_equal(rv.column("grad_norm"), matrix[:, RANK_FIELDS.index("grad_norm")])
+    assert calls == []  # nothing resolved before a reader asks
+    got: list[dict[str, list[float]]] = []
+    readers = [threading.Thread(target=lambda: got.append(rv.resolve()), name=f"reader{i}") for i in range(4)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert len(calls) == 1 and all(g is got[0] for g in got)  # resolved once, by one of the readers
+    for i, name in enumerate(RANK_FIELDS):
+        want = matrix[:, i].tolist()
+        assert [x if x == x else "nan" for x in rv[name]] == [x if x == x else "nan" for x in want], name
+    assert rv["grad_desync"] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    best, _ = overlaps(sketches, SKETCH_K)
+    assert [x if x == x else "nan" for x in rv["data_overlap"]] == [x if x == x else "nan" for x in best.tolist()]
+    assert rv["data_overlap"][0] == rv["data_overlap"][2] == 1.0 and math.isnan(rv["data_overlap"][3])
+    assert rv.desync == [finding] and len(calls) == 1
+    assert set(rv) == set(RANK_FIELDS) | {"grad_desync", "data_overlap"} and len(rv) == F + 2
+
+
+def test_rank_vectors_without_data_have_no_overlap_vector() -> None:
+    empty = np.stack([BottomK(SKETCH_K).take()] * 3).view(np.float64)
+    rv = RankVectors(np.zeros((3, F)), sketches=empty)
+    assert "data_overlap" not in rv and rv.desync == []
+    assert "data_overlap" not in RankVectors(np.zeros((3, F)))
+
+
+def test_the_worker_runs_jobs_in_order_off_the_calling_thread_and_drops_the_oldest_when_full() -> None:
+    errors: list[tuple[str, str]] = []
+    worker = CrossRankWorker(max_queued=2, on_error=lambda kind, exc: errors.append((kind, str(exc))))
+    ran: list[tuple[int, str]] = []
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(30)
+
+    def job(i: int):
+        return lambda: ran.append((i, threading.current_thread().name))
+
+    def fail() -> None:
+        raise RuntimeError("job failed")
+
+    worker.submit(hold)
+    assert started.wait(30)  # the worker is busy: the next jobs wait in the queue
+    for i in range(4):  # room for two: jobs 0 and 1 are dropped, oldest first
+        worker.submit(job(i))
+    assert worker.dropped == 2
+    worker.submit(fail)  # drops job 2
+    worker.submit(job(4))  # drops nothing more than the oldest (job 3)
+    assert worker.dropped == 4
+    release.set()
+    assert worker.flush(30)
+    assert ran == [(4, "trainguard-ranks")]
+    assert errors == [("cross_rank", "job failed")]  # the failure was passed on; the next job ran
+    worker.submit(job(5))
+    assert worker.flush(30, stop=True) and ran[-1][0] == 5
+    worker.submit(job(6))  # after stop: ignored
+    assert worker.flush(1) and ran[-1][0] == 5
+
+
+# ---------------------------------------------------------------- 3 gloo ranks, a controller
+
+WORLD, STEPS = 3, 3
+
+
+def _loss(rank: int, step: int) -> float:
+    return 10.0 * rank + step + 0.25
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    import trainer_agent as ta
+    from trainer_agent import report
+
+    resolved: list[str] = []  # the thread of every RankVectors resolution that computed
+    rows_read: list[tuple[int, bool]] = []  # per published report: rows in its buffer, leader's vectors
+    resolve, read = report.RankVectors.resolve, report.InFlight.read
+
+    def resolve_recorded(self):  # type: ignore[no-untyped-def]
+        if self._vectors is None:
+            resolved.append(threading.current_thread().name)
+        return resolve(self)
+
+    def read_recorded(self):  # type: ignore[no-untyped-def]
+        values, ranks = read(self)
+        rows_read.append((self.ranks, isinstance(ranks, report.RankVectors)))
+        return values, ranks
+
+    report.RankVectors.resolve = resolve_recorded  # type: ignore[method-assign]
+    report.InFlight.read = read_recorded  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="ranks", run="ranks-1",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, controller=os.environ["TG_FAKE_CONTROLLER"]))
+    for step in range(1, STEPS + 1):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(_loss(rank, step))
+    agent.close(timeout=20.0)
+    torch.save({"resolved": resolved, "rows_read": rows_read, "rank_values": agent.rank_values,
+                "errors": agent.latest().get("trainguard_agent_errors_total")}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_the_leader_resolves_every_ranks_vectors_off_the_training_thread_and_the_others_keep_their_own(
+        tmp_path, monkeypatch) -> None:
+    from tests.control.fake_controller import FakeController
+
+    with FakeController() as fake:
+        monkeypatch.setenv("TG_FAKE_CONTROLLER", fake.url)
+        out = spawn_ranks(_worker, WORLD, tmp_path)
+        reports = sorted(fake.reports, key=lambda r: r.step_last)
+    assert [r.step_last for r in reports] == list(range(1, STEPS + 1))
+    for report in reports:  # the controller got every rank's values of each step
+        assert list(report.ranks.loss) == [_loss(r, report.step_last) for r in range(WORLD)]
+    leader, others = out[0], out[1:]
+    assert leader["errors"] == 0.0
+    assert leader["rows_read"] == [(WORLD, True)] * STEPS
+    assert leader["resolved"] == ["trainguard-ranks"] * STEPS  # every report's, on the worker
+    assert leader["rank_values"]["loss"] == [_loss(r, STEPS) for r in range(WORLD)]
+    for rank, got in enumerate(others, start=1):
+        assert got["errors"] == 0.0
+        assert got["rows_read"] == [(1, False)] * STEPS  # its own row only, whatever the world size
+        assert got["resolved"] == []
+        assert got["rank_values"]["loss"] == [_loss(rank, STEPS)]
+        assert set(got["rank_values"]) == set(RANK_FIELDS)
