@@ -12,11 +12,13 @@ rules evaluate over.
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any, Protocol
 
 import numpy as np
 
 from trainguard.protocol.rank_values import STORED_LAYOUT
+from trainguard.protocol.rank_vector import Filled
 from trainguard.protocol.wire import RankValues, Report
 
 __all__ = ["VECTORS", "RuleWindow", "RunWindow"]
@@ -314,8 +316,23 @@ class RunWindow:
 
 
 def rank_vectors(ranks: RankValues) -> dict[str, np.ndarray]:
-    """The non-empty per-rank vectors of a report as float64 arrays."""
-    lists = {name: vec for name in VECTORS if (vec := getattr(ranks, name))}
-    if len({len(vec) for vec in lists.values()}) == 1:  # the usual case: one conversion for all
-        return dict(zip(lists, np.array(list(lists.values()), dtype=np.float64)))
-    return {name: np.asarray(vec, dtype=np.float64) for name, vec in lists.items()}
+    """The non-empty per-rank vectors of a report as float64 arrays: JSON lists (older agents)
+    converted together, packed ones (``trainguard.protocol.rank_vector``) through their buffers,
+    without a Python float per rank."""
+    out: dict[str, np.ndarray] = {}
+    lists = {}
+    for name in VECTORS:
+        vec = getattr(ranks, name)
+        if not len(vec):
+            continue
+        if isinstance(vec, Filled):
+            out[name] = np.full(len(vec), vec.value)
+        elif isinstance(vec, array):
+            out[name] = np.frombuffer(vec, dtype=np.float32 if vec.typecode == "f" else np.float64).astype(np.float64)
+        else:
+            lists[name] = vec
+    if len({len(vec) for vec in lists.values()}) == 1:  # (older agents) one conversion for all
+        out.update(zip(lists, np.array(list(lists.values()), dtype=np.float64)))
+    else:
+        out.update((name, np.asarray(vec, dtype=np.float64)) for name, vec in lists.items())
+    return {name: out[name] for name in VECTORS if name in out}

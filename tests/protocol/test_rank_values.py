@@ -6,7 +6,9 @@ the rules' vectors."""
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
 
 import pytest
 from pydantic import ValidationError
@@ -80,9 +82,13 @@ def test_the_wire_model_derives_from_the_declarations() -> None:
     assert tuple(RankValues.model_fields) == tuple(s.wire for s in wire) == STORED_LAYOUT
     for s in wire:
         f = RankValues.model_fields[s.wire]
-        assert f.description == s.description and f.annotation == list[float]
-    r = RankValues(loss=[math.nan, math.inf])
-    assert r.model_dump_json().startswith('{"step_time_s":[],"loss":["NaN","Infinity"]')
+        assert f.description == s.description
+        assert list(RankValues.model_validate_json(f'{{"{s.wire}":[0.5,"NaN"]}}').model_dump()[s.wire])[0] == 0.5
+    r = RankValues(loss=[math.nan, math.inf])  # packed on the wire: float32 holds both exactly
+    nan_inf = base64.b64encode(struct.pack("<2f", math.nan, math.inf)).decode()
+    assert r.model_dump_json().startswith('{"step_time_s":[],"loss":{"float32":"%s"}' % nan_inf)
+    timings = [s.wire for s in RANK_VALUES if s.precision == "float32"]
+    assert timings == ["step_time_s", "forward_s", "input_wait_s", "comm_s", "comm_exposed_ratio"]
     with pytest.raises(ValidationError):
         RankValues(not_a_vector=[1.0])
 

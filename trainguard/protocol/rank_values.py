@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, create_model
+from pydantic import create_model
 
-from trainguard.protocol.base import Value, WireModel
+from trainguard.protocol.base import WireModel
 from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.rank_vector import vector_field
 
 __all__ = [
     "RankValueSpec", "RANK_VALUES", "BY_FIELD", "BY_WIRE", "ROW_VALUES", "STORED_LAYOUT", "RANK_LAYOUT_VERSION",
@@ -64,6 +65,10 @@ class RankValueSpec:
     """Whether rules may name the vector (``cross_rank``, ``desync``, ``nonfinite``'s vectors)."""
     since: int = 1
     """The stored layout version that added the wire vector."""
+    precision: Literal["float64", "float32"] = "float64"
+    """What the report must keep of it: ``float64``, every value exactly (fingerprints and the
+    differences rules compare with a tolerance); ``float32``, 7 significant digits are enough
+    (timings), so a large job sends it as float32 (:mod:`trainguard.protocol.rank_vector`)."""
 
     def __post_init__(self) -> None:
         if self.metric is not None and (self.source != "row" or self.metric not in BY_NAME):
@@ -72,6 +77,8 @@ class RankValueSpec:
             raise ValueError(f"rank value {self.field!r}: rules read only what the report carries (set 'wire')")
         if self.since < 1:
             raise ValueError(f"rank value {self.field!r}: layout versions start at 1")
+        if self.precision == "float32" and self.wire is None:
+            raise ValueError(f"rank value {self.field!r}: 'precision' is the report's (set 'wire')")
 
 
 _R = RankValueSpec
@@ -80,7 +87,7 @@ _R = RankValueSpec
 #: append new wire vectors at the end).
 RANK_VALUES: tuple[RankValueSpec, ...] = (
     _R("step_duration_seconds", "seconds", "Wall time of each rank's last step before the report (seconds).",
-       "row", wire="step_time_s", metric="trainguard_step_duration_seconds", rules=True),
+       "row", wire="step_time_s", metric="trainguard_step_duration_seconds", rules=True, precision="float32"),
     _R("loss", "1", "Each rank's own loss at the reported step (the interval's first non-finite one, if any).",
        "row", wire="loss", metric="trainguard_loss", rules=True),
     _R("grad_norm", "1", "Each rank's global gradient norm before clipping at the reported step.",
@@ -96,9 +103,9 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
     _R("param_desync", "1", "Per rank, the largest relative difference of any layer's parameter fingerprint from the "
        "other ranks' (difference over the layer's parameter norm).", "fingerprint", wire="param_desync", rules=True),
     _R("forward_seconds", "seconds", "Wall time each rank spent inside the model's forward during the reported step, "
-       "in seconds.", "row", wire="forward_s", metric="trainguard_forward_seconds", rules=True),
+       "in seconds.", "row", wire="forward_s", metric="trainguard_forward_seconds", rules=True, precision="float32"),
     _R("input_wait_seconds", "seconds", "Mean time per step each rank waited for its batch over the report interval "
-       "(seconds).", "row", wire="input_wait_s", metric="trainguard_input_wait_seconds", rules=True),
+       "(seconds).", "row", wire="input_wait_s", metric="trainguard_input_wait_seconds", rules=True, precision="float32"),
     _R("data_overlap", "1", "Largest estimated Jaccard similarity between the sequences each rank saw in the report "
        "interval and those of another rank (0: disjoint, 1: the same data); NaN where a rank saw no data.",
        "sketch", wire="data_overlap", rules=True),
@@ -124,10 +131,10 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
     # -- layout version 2
     _R("comm_seconds", "seconds", "Mean time per step each rank's DDP gradient all-reduce was in flight over the "
        "report interval (seconds; NaN where not measured: CUDA/NCCL, FSDP2, a communication hook of the user's own).",
-       "row", wire="comm_s", metric="trainguard_comm_seconds", rules=True, since=2),
+       "row", wire="comm_s", metric="trainguard_comm_seconds", rules=True, precision="float32", since=2),
     _R("comm_exposed_ratio", "1", "Share of each rank's step time over the report interval spent waiting for gradient "
        "communication after its backward compute ended (exposed communication; NaN where not measured).",
-       "row", wire="comm_exposed_ratio", metric="trainguard_comm_exposed_ratio", rules=True, since=2),
+       "row", wire="comm_exposed_ratio", metric="trainguard_comm_exposed_ratio", rules=True, precision="float32", since=2),
 )
 
 
@@ -169,14 +176,18 @@ def layout(version: int) -> tuple[str, ...]:
 
 
 def _vector(spec: RankValueSpec) -> Any:
-    return (list[Value], Field(default_factory=list, description=spec.description))
+    return vector_field(spec.description, float32=spec.precision == "float32")
 
 
-#: Per-rank vectors of a report, index = global rank; every list has ``world_size`` entries.
+#: Per-rank vectors of a report, index = global rank; every vector has ``world_size`` entries.
+#: Each is a JSON list or packed binary on the wire (:mod:`trainguard.protocol.rank_vector`):
+#: an agent sends the packed forms, older agents' lists stay accepted.
 RankValues: type[WireModel] = create_model(  # type: ignore[call-overload]
     "RankValues",
     __base__=WireModel,
-    __doc__="Per-rank vectors of a report, index = global rank. Every list has ``world_size`` entries.",
+    __doc__="Per-rank vectors of a report, index = global rank. Every vector has ``world_size`` entries: a JSON "
+            "list, or packed binary (``float64``/``float32``: base64 of the little-endian values; ``fill``/``n``: "
+            "every rank the same value).",
     __module__=__name__,
     **{name: _vector(BY_WIRE[name]) for name in STORED_LAYOUT},
 )
