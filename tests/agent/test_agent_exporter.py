@@ -310,7 +310,8 @@ def _series_worker(rank: int, init: str, out: str) -> None:
     scaler = torch.amp.GradScaler("cpu")
     agent = ta.attach(ddp, opt, job="scrape-job", run="run-7", scaler=scaler,
                       config=ta.AgentConfig(metrics_port=0, report_every=2, layer_depth=1, vocab_size=50,
-                                            skip_nonfinite=True, snapshot_every=2, comm_timing=True))
+                                            skip_nonfinite=True, snapshot_every=2, comm_timing=True,
+                                            job_metrics=os.environ.get("TG_JOB_METRICS", "rank0")))
     g = torch.Generator().manual_seed(rank)
     for _ in range(SERIES_STEPS):
         agent.observe_batch(torch.randint(1, 50, (4, 10), generator=g))
@@ -363,3 +364,14 @@ def test_a_non_leader_serves_its_own_values_and_the_leader_the_jobs_too(tmp_path
     assert {parse_key(k)[0] for k in other["scraped"]} == {n for n in present if BY_NAME[n].scope == RANK}
     assert len(leader["scraped"]) == series_per_rank(0, layers=2, param_groups=2, names=present)
     assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, names=present)
+
+
+@pytest.mark.distributed
+def test_with_job_metrics_all_every_rank_serves_a_copy_of_the_jobs_values(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TG_JOB_METRICS", "all")
+    leader, other = spawn_ranks(_series_worker, SERIES_WORLD, tmp_path)
+    assert other["scraped"].keys() == other["latest"].keys()
+    assert not any(BY_NAME[parse_key(k)[0]].scope == LAYER for k in other["scraped"])  # per_layer stays "rank0"
+    present = {parse_key(k)[0] for k in leader["scraped"]}
+    assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, job_metrics="all", names=present)
+    assert other["scraped"]["trainguard_grad_norm"] == leader["scraped"]["trainguard_grad_norm"]
