@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from trainguard.service.routes import alerts, rules, runs, system, tokens as tok
 from trainguard.service.rules import RulesError
 from trainguard.service.schemas import RulesTestRequest, validation_summary
 from trainguard.service.standby import Standby, StandbyGate
+from trainguard.service.startup import LoadingGate, StartupLoader
 from trainguard.service.store import GroupCommitStore, StoreError, open_store, shown_db
 from trainguard.service.webhooks import WebhookDeliverer
 from trainguard.protocol.wire import Report
@@ -47,8 +48,12 @@ def create_app(
     tokens = TokenTable(settings.operator_tokens, settings.agent_tokens, clock=clock)
     store = store or open_store(settings.db)
     holder: dict[str, Controller] = {}
-    metrics = ControllerMetrics(registry or CollectorRegistry(),
-                                lambda: holder["ctl"].metrics_snapshot() if "ctl" in holder else None)
+
+    def snapshot() -> dict[str, Any] | None:  # the runs' gauges once the runs are read back
+        ctl = holder.get("ctl")
+        return ctl.metrics_snapshot() if ctl is not None and ctl.startup is not None and ctl.startup.ready else None
+
+    metrics = ControllerMetrics(registry or CollectorRegistry(), snapshot)
     deliverer = WebhookDeliverer(
         store, metrics, clock=clock, timeout_s=settings.webhook_timeout_s, max_attempts=settings.webhook_max_attempts,
         backoff_s=settings.webhook_backoff_s, backoff_max_s=settings.webhook_backoff_max_s, transport=transport,
@@ -56,20 +61,22 @@ def create_app(
     controller = holder["ctl"] = Controller(settings, store, metrics, clock=clock, deliverer=deliverer)
     controller.reserved_runs = tokens.reserved_runs
     controller.tokens = tokens
+    # The runs are read back in the lifespan, while the app answers (service/startup.py).
+    loader = controller.startup = StartupLoader(controller, wait_runs=settings.startup_wait_runs)
     standby: Standby | None = None
     if store.needs_lease:
         # Shared with another controller (PostgreSQL): listen now, serve once the writer lease is ours.
         async def become_active() -> None:
             await asyncio.to_thread(load)
-            await controller.start()
+            await loader.start()
 
         def load() -> None:
-            controller.load()
+            controller.load_rules()
             controller.load_tokens()
 
         standby = Standby(take_lease=store.take_lease, become_active=become_active, database=shown_db(settings.db))
     else:
-        controller.load()
+        controller.load_rules()
         controller.load_tokens()
 
     @asynccontextmanager
@@ -77,10 +84,11 @@ def create_app(
         if standby is not None:
             await standby.start()
         else:
-            await controller.start()
+            await loader.start()
         try:
             yield
         finally:
+            await loader.stop()
             if standby is None or await standby.stop():
                 await controller.stop()
 
@@ -90,6 +98,7 @@ def create_app(
         "reports; operators read status and command runs; rules and Alertmanager act too.",
     )
     app.state.controller = controller
+    app.state.startup = loader
     app.state.tokens = tokens
     app.state.settings = settings
     app.state.simulations = rules.SimulationGate(rules.SIMULATIONS_RUNNING, rules.SIMULATIONS_WAITING)
@@ -123,6 +132,7 @@ def create_app(
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
+    app.add_middleware(LoadingGate, loader=loader)  # 503 'loading' until the runs are read back
     app.add_middleware(Authenticate, tokens=tokens)  # no body is read before the token is known
     if standby is not None:
         app.add_middleware(StandbyGate, standby=standby)  # outermost: a standby reads nothing

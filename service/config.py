@@ -67,6 +67,11 @@ class Settings(BaseSettings):
         default=1024, ge=16, le=65536,
         description="Distinct metric names one run may report; a report adding names beyond it is refused (422).",
     )
+    startup_wait_runs: int = Field(
+        default=100, ge=0,
+        description="A database of at most this many runs is read back before the first request is answered (requests "
+        "wait a moment in the listen backlog); a larger one while the controller answers: /readyz 503 with the "
+        "progress, and each request that needs the runs 503 with Retry-After until they are read.")
     max_runs: int = Field(default=10_000, ge=1, description="Registered runs the controller holds; more are refused (429).")
     max_runs_per_token: int = Field(
         default=1000, ge=1, description="Runs one agent token may register; more are refused (429).")

@@ -87,6 +87,8 @@ class Controller:
         self.commands = OperatorCommands(settings, store, clock, self.runs, self.get, commit, self.outcomes)
         self.token_service = RuntimeTokens(store, clock)
         self.ticker = AbsenceTicker(settings, metrics, clock, store, self.runs, self.rules_store, self.outcomes)
+        self.startup: Any = None
+        """The app's :class:`~service.startup.StartupLoader` (``ready`` once the runs are read back)."""
 
     # == the services' state, as the app and the routes read it ====================================
     @property
@@ -117,13 +119,21 @@ class Controller:
         self.access.reserved_runs = runs
 
     # == start-up and shutdown =========================================================================
-    def load(self) -> None:
-        """Read everything back from the database (before the writer thread starts)."""
+    def load_rules(self) -> None:
+        """Read the active rules back (before :meth:`load`; an invalid ``--rules`` file fails here)."""
         self.rules_store.load()
+
+    def load(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Read the runs back from the database (after :meth:`load_rules`, before the writer
+        thread starts; ``service/startup.py``). ``progress(loaded, total)`` after each run."""
         now = self.clock()
-        for row in self.store.read_now(sql.all_runs):
+        self.runs.clear()  # (a failed attempt may have read some)
+        rows = self.store.read_now(sql.all_runs)
+        for i, row in enumerate(rows, 1):
             st = load_run(self.store, self.settings, row)
             self.runs[st.run] = st
+            if progress is not None:
+                progress(i, len(rows))
         continue_ids_after(max((i.id for st in self.runs.values() for i in st.recovery.incidents), default=0))
         by_id = {st.id: st for st in self.runs.values()}
         for alert in self.store.read_now(sql.firing_alerts):

@@ -222,10 +222,12 @@ def get_events(conn: sqlite3.Connection, ids: list[int]) -> list[dict[str, Any]]
 
 
 def all_runs(conn: sqlite3.Connection) -> list[sqlite3.Row]:
-    return conn.execute(
-        "SELECT r.*, (SELECT MAX(received) FROM reports p WHERE p.run_id = r.id) AS last_report_at,"
-        " (SELECT MAX(seq) FROM reports p WHERE p.run_id = r.id) AS last_seq FROM runs r ORDER BY r.id"
-    ).fetchall()
+    """Every run's row (no report: each run's newest ones are :func:`recent_reports`)."""
+    return conn.execute("SELECT * FROM runs ORDER BY id").fetchall()
+
+
+def count_runs(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
 
 
 # webhooks

@@ -243,6 +243,14 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN desired TEXT;
     """,
+    # 11: what a start-up reads per run, each a range scan of an index (``service/startup.py``):
+    # a run's incident events (the run's other events are skipped by the index, not read), and
+    # the alerts that fired within the rules' cooldowns (not a scan of every alert ever raised).
+    # A run's newest reports already are one: the (run_id, seq) primary key.
+    """
+    CREATE INDEX events_run_kind ON events(run_id, kind, id);
+    CREATE INDEX alerts_starts ON alerts(starts_at);
+    """,
 )
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:

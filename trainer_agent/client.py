@@ -552,13 +552,13 @@ class ControllerClient:
     ) -> _M | None:
         at = self._at
         try:
-            status, content, standby = self._request(http, self._bases[at], method, path, body, params,
-                                                     timeout or http.timeout)
+            status, content, role = self._request(http, self._bases[at], method, path, body, params,
+                                                  timeout or http.timeout)
         except Exception:
             self.up = False
             self._move_on(at)
             raise
-        if standby:
+        if role == "standby":
             self.up = False
             self._move_on(at)
             raise ValueError(f"controller {self._bases[at]} is a standby ({status})")
@@ -573,9 +573,11 @@ class ControllerClient:
             raise _Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
         if not 200 <= status < 300:
             self.up = False
-            if status >= 500:  # e.g. an active cut off from its database: another may have taken over
+            # e.g. an active cut off from its database: another may have taken over. Not so for one
+            # still reading its runs back (it holds the database): the agent waits for it.
+            if status >= 500 and role != "loading":
                 self._move_on(at)
-            raise ValueError(f"controller answered {status}")
+            raise ValueError(f"controller answered {status}" + (" (reading its runs back)" if role == "loading" else ""))
         if answer_type is None or status in (204, 304):
             self.up = True
             return None
@@ -604,8 +606,9 @@ class ControllerClient:
                     log.info("trainguard: controller %s failed or stands by; trying %s", self._bases[at], self._bases[self._at])
 
     def _request(self, http: httpx.Client, base: str, method: str, path: str, body: bytes | None,
-                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes, bool]:
-        """One exchange: (status, body, whether the controller stands by). The whole exchange is
+                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes, str]:
+        """One exchange: (status, body, the controller's ``X-Trainguard-Role``: ``standby``,
+        ``loading`` while it reads its runs back, else empty). The whole exchange is
         bounded by the timeout's connect plus read time (a server trickling bytes cannot hold it
         longer: its connection is cut), and the body by :data:`MAX_ANSWER_BYTES`."""
         total = (timeout.connect or 0.0) + (timeout.read or 0.0) + (timeout.write or 0.0)
@@ -627,7 +630,7 @@ class ControllerClient:
                     if size > MAX_ANSWER_BYTES:
                         raise ValueError(f"the controller's answer exceeds {MAX_ANSWER_BYTES} bytes")
                     chunks.append(chunk)
-                return resp.status_code, b"".join(chunks), resp.headers.get("x-trainguard-role") == "standby"
+                return resp.status_code, b"".join(chunks), resp.headers.get("x-trainguard-role", "")
             finally:
                 resp.close()
         finally:

@@ -84,11 +84,12 @@ def _serve(args: argparse.Namespace) -> int:
     # until the app has started, instead of being refused.
     sock.listen(config.backlog)
     print(startup_banner(settings, host, port), flush=True)
-    # Everything built so far (modules, the app, the runs and windows read back from the
-    # database) lives as long as the process: keep it out of the collector's full passes, which
+    # Everything built so far (modules, the app, and the runs and windows once read back from
+    # the database) lives as long as the process: keep it out of the collector's full passes, which
     # otherwise walk it all (~12 ms with the default rules and 200 runs) every few thousand reports.
     gc.collect()
     gc.freeze()
+    app.state.startup.freeze_gc = True  # again once the runs are read back (service/startup.py)
     ControllerServer(config, app.state.controller).run(sockets=[sock])
     return 0
 
