@@ -17,10 +17,23 @@ norm). Because every weight has magnitude 1, changing one element by ``d`` moves
 ``d``: the relative difference ``|f_k(rank a) - f_k(rank b)| / ||x_layer||`` is the size of the
 perturbation relative to the layer's norm (E[f_k^2] = ||x||^2), whatever element it hit.
 
-Replicas in sync run the same kernels on the same values and get bit-identical fingerprints.
+On report steps the projections of every tensor are computed together
+(:meth:`Fingerprinter.layer_values`), with a number of operators that does not grow with the
+tensor count: one fused ``torch._foreach_copy_`` stages the tensors into a persistent buffer laid
+out as rows (a tensor of ``TILE`` elements or more: its rows of ``TILE``, the tail zero-padded; a
+smaller one: one row of the next power of two, at least ``MIN_ROW``), one matrix product per row
+width gives every row's ``G r`` at once, each row is weighted by its ``s`` (1 for a tail or a small
+tensor) and one ``index_add_`` sums the rows per layer. Zero padding leaves every value what the
+per-tensor formula gives (up to float32 rounding: the same weights, summed in another order). The
+buffer holds at most ``STAGE_ELEMENTS`` values (more tensors: one such pass per chunk); a tensor of
+``DIRECT_ELEMENTS`` or more is projected in place (its own launches cost little next to reading it).
+
+Replicas in sync run the same kernels on the same values (the same layout: the same tensor sizes)
+and get bit-identical fingerprints.
 
 The ranks' fingerprints travel in the report step's one collective (``trainer_agent/ranks.py``,
-the row's tail); :func:`desync` compares them on the device: a rank's difference is taken against
+the row's tail, as float32: ``Fingerprinter.row``, 3 float64 slots per layer with K = 2);
+the leader alone compares them (:func:`desync`): a rank's difference is taken against
 both middle values of the ranks (the median for an odd count), so with one bad rank among three
 or more only that rank is named, and with two ranks both are (nothing tells which one is wrong).
 
@@ -28,7 +41,9 @@ Sharded parameters (DTensors: HSDP, tensor parallel, TP inside data parallelism)
 where their placements replicate them (``trainer_agent/sharding.py``, ``replica_units``): the
 ranks whose mesh coordinates agree on every ``Shard`` dimension hold the same local shard. Each
 rank projects its *local* tensors (the weights of a tensor depend only on its index and its local
-size, so identical shards give identical fingerprints); a *unit* is one layer's parameters with
+size, so identical shards give identical fingerprints: bit for bit when the ranks' other tensors
+have the same sizes too, as with even shards; otherwise their staging layouts differ and the
+values agree to float32 rounding, far below any tolerance); a *unit* is one layer's parameters with
 the same replica layout, and :func:`desync` compares each unit within each group of replicas, on
 the rows the report's gather already carries (no further collective). A gradient whose placements
 are not its parameter's (a ``Partial`` sum still pending, as for a sequence-parallel norm) is left
@@ -46,14 +61,21 @@ from typing import Any
 import torch
 
 from trainer_agent import stats
+from trainer_agent.compat import torch_private
 from trainer_agent.sharding import replica_units
 
-__all__ = ["TILE", "SEED", "Fingerprinter", "DesyncFinding", "desync", "findings", "for_ranks", "rel_diff"]
+__all__ = ["TILE", "SEED", "STAGE_ELEMENTS", "DIRECT_ELEMENTS", "MIN_ROW", "Fingerprinter", "DesyncFinding", "desync", "findings", "for_ranks", "rel_diff"]
 
 #: Elements per row of the rank-1 sign pattern.
 TILE = 4096
 #: Seed of the sign patterns: the same on every rank.
 SEED = 0x5EED_F1A9
+#: Most values of the staging buffer of the fused projections (float32: 64 MiB).
+STAGE_ELEMENTS = 1 << 24
+#: Tensors at least this large are projected in place, not staged.
+DIRECT_ELEMENTS = 1 << 22
+#: Narrowest row of a small tensor in the staging buffer.
+MIN_ROW = 16
 
 
 def _signs(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
@@ -81,11 +103,14 @@ class Fingerprinter:
         self.groups = groups
         ids = layer_ids.to(torch.long)
         self._ids = ids.to(device)
+        self._ids_host = ids.tolist()
         self._keep = [i for i, u in enumerate(ids.tolist()) if u >= 0]
         self._all = len(self._keep) == len(numels)
         self._keep_index = torch.tensor(self._keep, dtype=torch.long, device=device)
         self.layer_ids = self._ids if self._all else self._ids[self._keep_index]
+        self._unit_or_dropped = torch.where(self._ids >= 0, self._ids, layers)
         self.device = device
+        self._staging: _Stage | None = None  # the fused projections' plan and buffer (first use)
         self._r = {torch.float32: _signs(torch.Generator().manual_seed(SEED), (TILE, projections)).to(device)}
         self._numels = list(numels)
         self._s: list[torch.Tensor | None] = []
@@ -132,28 +157,134 @@ class Fingerprinter:
     def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]], skip: Collection[int] = ()) -> torch.Tensor:
         """(units, K + 1) float64 device tensor: the K projections of each unit and its L2 norm
         (one fused norm per bucket). Tensors of no unit, and those whose index is in ``skip``,
-        are left out (not projected, norm 0)."""
+        are left out (not projected, norm 0); a 0-dim stand-in of a missing gradient projects
+        to 0. The projections are fused (see the module docstring): a few operators per chunk of
+        staged tensors and per tensor of ``DIRECT_ELEMENTS`` or more, whatever the tensor count."""
         flat = [t for b in buckets for t in b]
         norms = stats.bucket_norms(buckets, self.device).to(torch.float64)
-        if self._all and not skip:
-            proj, ids = self.project(flat), self.layer_ids
-        else:
-            keep, index = self._keep, self._keep_index
-            if skip:
-                keep = [i for i in keep if i not in skip]
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            proj = torch.stack([self.project_one(i, flat[i]) for i in keep]) if keep \
-                else torch.zeros(0, self.k, dtype=torch.float64, device=self.device)
-            norms, ids = norms[index], self._ids[index]
-        cols = torch.cat([proj, (norms * norms).unsqueeze(1)], dim=1)
-        per_layer = torch.zeros(self.layers, self.k + 1, dtype=torch.float64, device=self.device)
-        per_layer.index_add_(0, ids, cols)
-        per_layer[:, self.k].sqrt_()
-        return per_layer
+        dropped = self.layers  # the row that collects what is left out, then is cut off
+        ids = self._unit_or_dropped
+        if skip:
+            ids = ids.clone()
+            ids[torch.tensor(sorted(skip), dtype=torch.long, device=self.device)] = dropped
+        sq = torch.zeros(self.layers + 1, dtype=torch.float64, device=self.device).index_add_(0, ids, norms * norms)
+        proj = torch.zeros(self.layers + 1, self.k, dtype=torch.float64, device=self.device)
+        self._stage().project_into(proj, flat, skip)
+        return torch.cat([proj[:dropped], sq[:dropped].sqrt().unsqueeze(1)], dim=1)
+
+    def _stage(self) -> _Stage:
+        if self._staging is None:
+            self._staging = _Stage(self, self._numels, self._ids.tolist())
+        return self._staging
 
     def width(self) -> int:
-        """Values of one rank's fingerprint part of the report row: gradients and parameters."""
-        return 2 * self.layers * (self.k + 1)
+        """float64 slots of one rank's fingerprint part of the report row (:meth:`row`): the
+        gradients' and the parameters' values of every unit as float32, two to a slot."""
+        return self.layers * (self.k + 1)
+
+    def row(self, grads: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """This rank's fingerprint part of the report row from two :meth:`layer_values` results:
+        ``width()`` float64 slots holding their float32 values (the projections are float32 sums
+        already; rounding the per-unit float64 sums to float32 moves them by at most 6e-8 of
+        their size, far below any tolerance, and replicas in sync stay bit-identical)."""
+        return torch.cat([grads.reshape(-1), params.reshape(-1)]).to(torch.float32).view(torch.float64)
+
+
+class _Stage:
+    """The fused projections of one :class:`Fingerprinter` (see the module docstring): the tensors
+    below ``DIRECT_ELEMENTS`` in chunks of at most ``STAGE_ELEMENTS`` buffer values, each chunk laid
+    out as blocks of rows of one width (``TILE`` for the tensors of ``TILE`` elements or more; the
+    next power of two for a smaller one), with each row's weights (``s``, or 1) and unit."""
+
+    def __init__(self, fp: Fingerprinter, numels: Sequence[int], units: Sequence[int]) -> None:
+        self.fp = fp
+        device, k = fp.device, fp.k
+        self.direct = [i for i, n in enumerate(numels) if units[i] >= 0 and n >= DIRECT_ELEMENTS]
+        staged = [i for i, n in enumerate(numels) if units[i] >= 0 and 0 < n < DIRECT_ELEMENTS]
+        # chunks: lists of (tensor, row width, rows)
+        chunks: list[list[tuple[int, int, int]]] = [[]]
+        size = 0
+        for i in staged:
+            n = numels[i]
+            width = TILE if n >= TILE else max(MIN_ROW, 1 << (n - 1).bit_length())
+            rows = -(-n // width)
+            if size + rows * width > STAGE_ELEMENTS and chunks[-1]:
+                chunks.append([])
+                size = 0
+            chunks[-1].append((i, width, rows))
+            size += rows * width
+        self.chunks = [c for c in chunks if c]
+        self.capacity = max((sum(w * r for _, w, r in c) for c in self.chunks), default=0)
+        self.buffer = torch.zeros(self.capacity, dtype=torch.float32, device=device)
+        r = fp._r_for(torch.float32)
+        self.plans: list[_ChunkPlan] = []
+        self.place: dict[int, tuple[int, int]] = {}  # tensor -> (chunk, offset in the buffer)
+        for c, chunk in enumerate(self.chunks):
+            widths = sorted({w for _, w, _ in chunk}, reverse=True)
+            blocks, weights, row_units = [], [], []
+            offset = 0
+            for width in widths:
+                members = [(i, rows) for i, w, rows in chunk if w == width]
+                total = sum(rows for _, rows in members)
+                blocks.append((self.buffer[offset:offset + total * width].view(total, width), r[:width]))
+                for i, rows in members:
+                    self.place[i] = (c, offset)
+                    offset += rows * width
+                    w_rows = torch.ones(rows, k, dtype=torch.float32)
+                    s = fp._s[i]
+                    if s is not None:  # the full rows: s; a tail row: 1
+                        w_rows[:s.shape[0]] = s.cpu()
+                    weights.append(w_rows)
+                    row_units += [units[i]] * rows
+            self.plans.append(_ChunkPlan([i for i, _, _ in chunk], blocks, torch.cat(weights).to(device),
+                                         torch.tensor(row_units, dtype=torch.long, device=device)))
+        self._views: dict[int, torch.Tensor] = {}
+
+    def _view(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i``'s region of the buffer, shaped like ``x`` (made once per shape)."""
+        view = self._views.get(i)
+        if view is None or view.shape != x.shape:
+            _, offset = self.place[i]
+            view = self._views[i] = self.buffer[offset:offset + x.numel()].view(x.shape)
+        return view
+
+    def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
+        """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
+        rows of ``out`` ((units + 1, K) float64)."""
+        fp = self.fp
+        numels = fp._numels
+        direct = [i for i in self.direct if i not in skip and flat[i].numel() == numels[i]]
+        for plan in self.plans:
+            dst, src = [], []
+            for i in plan.tensors:
+                x = flat[i]
+                if i in skip or x.numel() != numels[i]:
+                    continue  # left out, or a missing gradient: its rows stay 0
+                if x.dtype == torch.float64:
+                    direct.append(i)  # projected in float64, in place
+                    continue
+                dst.append(self._view(i, x))
+                src.append(x)
+            if not dst:
+                continue
+            if len(self.plans) > 1 or len(dst) < len(plan.tensors):
+                self.buffer.zero_()  # the padding, and the regions not copied now, read 0
+            with torch.no_grad():  # (no detach per tensor: one operator each)
+                torch_private.foreach_copy_(dst, src)
+            products = [block @ r for block, r in plan.blocks]
+            rows = products[0] if len(products) == 1 else torch.cat(products)
+            out.index_add_(0, plan.units, (rows * plan.weights).to(torch.float64))
+        if direct:
+            ids = torch.tensor([fp._ids_host[i] for i in direct], dtype=torch.long, device=fp.device)
+            out.index_add_(0, ids, torch.stack([fp.project_one(i, flat[i]) for i in direct]))
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkPlan:
+    tensors: list[int]
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]  # (rows of one width: a view of the buffer, r[:width])
+    weights: torch.Tensor  # (rows, K) float32: s of a full row, 1 otherwise
+    units: torch.Tensor  # (rows,) long: the unit of each row
 
 
 def for_ranks(index: Any, world: int) -> Fingerprinter | None:
@@ -172,8 +303,10 @@ def for_ranks(index: Any, world: int) -> Fingerprinter | None:
 
 
 def desync(rows: torch.Tensor, layers: int, k: int,
-           groups: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
-    """Compare the gathered fingerprint parts ``rows`` (world, 2 * layers * (k + 1)) on the
+           groups: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, *, by_sorting: bool = False
+           ) -> torch.Tensor:
+    """Compare the gathered fingerprint parts ``rows`` (world, 2 * layers * (k + 1)) float64 values,
+    or (world, layers * (k + 1)) slots of float32 pairs: :meth:`Fingerprinter.row`), on their
     device. Returns one float64 vector::
 
         [grad: per rank max rel. diff (W), per rank worst layer (W), per rank projection 0 summed (W),
@@ -188,27 +321,82 @@ def desync(rows: torch.Tensor, layers: int, k: int,
 
     The relative difference of rank r in a layer is ``max_k |f_k(r) - ref_k| / ||x_layer||``
     against both middle values ``ref`` of its group, over the group's median norm; identical
-    values (non-finite included) differ by 0, a non-finite value against a finite one by inf."""
+    values (non-finite included) differ by 0, a non-finite value against a finite one by inf.
+
+    Host rows are compared in O(W log W) per unit set when most ranks of a group agree (see
+    :func:`_majority_rel`: only the ranks that differ are compared element by element); rows on a
+    device (or with ``by_sorting``) by sorting each group's values, with no host read."""
     world = rows.shape[0]
+    if rows.shape[1] == layers * (k + 1):  # packed float32 (Fingerprinter.row)
+        rows = rows.contiguous().view(torch.float32).to(torch.float64)
+    elif rows.shape[1] != 2 * layers * (k + 1):
+        raise ValueError(f"fingerprint rows of {layers} units and {k} projections have {layers * (k + 1)} "
+                         f"(packed) or {2 * layers * (k + 1)} values, got {rows.shape[1]}")
     parts = rows.reshape(world, 2, layers, k + 1)
     if groups is None:
         groups = [(torch.arange(layers, device=rows.device), torch.arange(world, device=rows.device).view(1, world))]
+    rel = torch.zeros(2, world, layers, dtype=torch.float64, device=rows.device)
+    for units, ranks in groups:
+        if rows.device.type == "cpu" and not by_sorting:
+            _majority_rel(parts, units, ranks, rel)
+            continue
+        # on an accelerator: sorted, without a branch on a device value (no sync)
+        for kind in range(2):
+            x = parts[:, kind, units][ranks]  # (G, c, U, K + 1)
+            rel[kind, ranks.reshape(-1, 1), units.view(1, -1)] = _sorted_rel(x[..., :k], x[..., k]
+                                                                             ).reshape(-1, units.numel())
     out = []
     for kind in range(2):
-        f = parts[:, kind, :, :k]  # (W, L, K)
-        norm = parts[:, kind, :, k]  # (W, L)
-        rel = torch.zeros(world, layers, dtype=torch.float64, device=rows.device)
-        for units, ranks in groups:
-            c = ranks.shape[1]
-            fg = f[:, units][ranks]  # (G, c, U, K)
-            s_f = fg.sort(dim=1).values
-            lo, hi = s_f[:, (c - 1) // 2].unsqueeze(1), s_f[:, c // 2].unsqueeze(1)
-            den = norm[:, units][ranks].sort(dim=1).values[:, (c - 1) // 2].clamp_min(1e-30).unsqueeze(1)
-            r = torch.maximum(_rel(fg, lo, den), _rel(fg, hi, den)).amax(dim=3)  # (G, c, U)
-            rel[ranks.reshape(-1, 1), units.view(1, -1)] = r.reshape(-1, units.numel())
-        worst, layer = rel.max(dim=1)
-        out += [worst, layer.to(torch.float64), f[:, :, 0].sum(dim=1), rel.amax(dim=0)]
+        worst, layer = rel[kind].max(dim=1)
+        out += [worst, layer.to(torch.float64), parts[:, kind, :, 0].sum(dim=1), rel[kind].amax(dim=0)]
     return torch.cat(out)
+
+
+def _sorted_rel(fg: torch.Tensor, ng: torch.Tensor) -> torch.Tensor:
+    """(G, c, U): each rank's largest relative difference over the K projections against both
+    middle values of its group, per unit (``fg``: (G, c, U, K) projections, ``ng``: (G, c, U)
+    norms)."""
+    c = fg.shape[1]
+    s_f = fg.sort(dim=1).values
+    lo, hi = s_f[:, (c - 1) // 2].unsqueeze(1), s_f[:, c // 2].unsqueeze(1)
+    den = ng.sort(dim=1).values[:, (c - 1) // 2].clamp_min(1e-30).unsqueeze(1)
+    return torch.maximum(_rel(fg, lo, den), _rel(fg, hi, den)).amax(dim=3)
+
+
+def _majority_rel(parts: torch.Tensor, units: torch.Tensor, ranks: torch.Tensor, rel: torch.Tensor) -> None:
+    """:func:`_sorted_rel` of every group of ``ranks`` in ``units`` into ``rel`` ((2, W, L): gradients,
+    parameters), in O(W log W) when a group's ranks mostly agree (host tensors; ``parts``:
+    (W, 2, L, K + 1)). In a group where more than half the ranks hold the same bits (projections
+    and norms of every unit, both kinds), both middle values and the median norm are theirs: those
+    ranks differ by 0 and any other rank differs from them alone. The ranks of each group are
+    ordered by the sum of their values, the middle one is the candidate, every rank is compared
+    with it bit for bit (one linear pass), and only the ranks that differ are compared value by
+    value; a group without such a majority is compared by sorting, as on a device."""
+    world, _, layers, k1 = parts.shape
+    G, c = ranks.shape
+    k = k1 - 1
+    everything = G == 1 and units.numel() == layers and torch.equal(units, torch.arange(layers)) \
+        and torch.equal(ranks[0], torch.arange(world))
+    x = parts.unsqueeze(0) if everything else parts[:, :, units][ranks.reshape(-1)].view(G, c, 2, -1, k1)
+    bits = x.view(torch.int64)
+    pick = x.flatten(2).sum(dim=2).argsort(dim=1)[:, (c - 1) // 2]
+    cand = bits[torch.arange(G), pick].unsqueeze(1)  # (G, 1, 2, U, K + 1)
+    same = (bits == cand).flatten(2).all(dim=2)  # (G, c)
+    agree = same.sum(dim=1) * 2 > c
+    cols = units.view(1, -1)
+    differ = (~same & agree.unsqueeze(1)).nonzero()
+    if differ.numel():
+        gi, mi = differ[:, 0], differ[:, 1]
+        ref = cand[gi, 0].view(torch.float64)  # (D, 2, U, K + 1)
+        mine = x[gi, mi]
+        r = _rel(mine[..., :k], ref[..., :k], ref[..., k].clamp_min(1e-30)).amax(dim=3)  # (D, 2, U)
+        for kind in range(2):
+            rel[kind, ranks[gi, mi].view(-1, 1), cols] = r[:, kind]
+    if not bool(agree.all()):
+        sub = ranks[(~agree).nonzero().view(-1)]
+        for kind in range(2):
+            xs = parts[:, kind, units][sub]
+            rel[kind, sub.reshape(-1, 1), cols] = _sorted_rel(xs[..., :k], xs[..., k]).reshape(-1, units.numel())
 
 
 def rel_diff(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
+from trainer_agent import fingerprint
 from trainer_agent.fingerprint import TILE, Fingerprinter, desync, findings
 
 
@@ -100,6 +101,77 @@ def test_desync_compares_each_replica_group_only() -> None:
     assert everyone[0].rel_diff > 1.0
 
 
+def _naive_desync(rows: torch.Tensor, layers: int, k: int, groups) -> list[float]:
+    """``desync``'s vector, one rank, unit and projection at a time in Python."""
+    world = rows.shape[0]
+    parts = rows.reshape(world, 2, layers, k + 1).tolist()
+
+    def rel(a: float, ref: float, den: float) -> float:
+        if a == ref or (math.isnan(a) and math.isnan(ref)):
+            return 0.0
+        d = abs(a - ref) / den
+        return math.inf if math.isnan(d) else d
+
+    def middle(vals: list[float]) -> tuple[float, float]:  # NaN last, like torch.sort
+        s = sorted(vals, key=lambda v: (math.isnan(v), v))
+        return s[(len(s) - 1) // 2], s[len(s) // 2]
+
+    out: list[float] = []
+    for kind in range(2):
+        r = [[0.0] * layers for _ in range(world)]
+        for units, ranks in groups:
+            for members in ranks.tolist():
+                for u in units.tolist():
+                    den = max(middle([parts[m][kind][u][k] for m in members])[0], 1e-30)
+                    mids = [middle([parts[m][kind][u][j] for m in members]) for j in range(k)]
+                    for m in members:
+                        r[m][u] = max(rel(parts[m][kind][u][j], ref, den) for j in range(k) for ref in mids[j])
+        worst = [max(row) for row in r]
+        out += worst + [float(row.index(max(row))) for row in r] + \
+            [sum(parts[m][kind][u][0] for u in range(layers)) for m in range(world)] + \
+            [max(r[m][u] for m in range(world)) for u in range(layers)]
+    return out
+
+
+def _replica_rows(world: int, layers: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    one = torch.randn(2, layers, k + 1, generator=g, dtype=torch.float64)
+    one[..., k] = one[..., k].abs() + 1
+    return one.reshape(1, -1).repeat(world, 1)
+
+
+@pytest.mark.parametrize("case", ["in_sync", "one_bad", "two_bad_of_seven", "no_majority", "nan", "pairs",
+                                  "signed_zero"])
+def test_desync_on_the_host_equals_the_sorted_comparison(case: str) -> None:
+    """The host path (majority by a linear pass, only differing ranks compared) gives the vector
+    of the sorted comparison, whether or not most ranks agree."""
+    world, layers, k = (8, 3, 2) if case in ("no_majority", "pairs") else (7, 3, 2)
+    rows = _replica_rows(world, layers, k, seed=len(case))
+    view = rows.view(world, 2, layers, k + 1)
+    groups = None
+    if case == "one_bad":
+        view[5, 0, 1, 0] += 1e-3
+    elif case == "two_bad_of_seven":
+        view[1, 1, 2, 1] -= 0.5
+        view[6, 0, 0, 2] *= 1.5  # a norm differs
+    elif case == "no_majority":
+        view[4:, 0, 1, 0] += 1e-2  # 4 against 4
+        view[2, 1, 0, 0] += 1e-2
+    elif case == "nan":
+        view[:, 0, 2, 1] = math.nan  # NaN on every rank: in sync
+        view[3, 1, 0, 0] = math.nan  # on one rank only: differs by inf
+    elif case == "pairs":  # replica pairs (HSDP): four groups, one pair differing
+        view[1::2] += 0.25  # the odd ranks hold other shards
+        view[5, 0, 2, 1] += 1e-4
+        groups = [(torch.arange(layers), torch.arange(world).view(4, 2))]
+    elif case == "signed_zero":
+        view[:, 0, 0, 0] = 0.0
+        view[2, 0, 0, 0] = -0.0
+    ref = _naive_desync(rows, layers, k, groups or [(torch.arange(layers), torch.arange(world).view(1, world))])
+    torch.testing.assert_close(desync(rows, layers, k, groups), torch.tensor(ref, dtype=torch.float64),
+                               rtol=1e-12, atol=0.0, equal_nan=True)
+
+
 def test_left_out_tensors_are_neither_projected_nor_normed() -> None:
     fp = Fingerprinter([3, 5, 4], torch.tensor([0, -1, 0]), 1, projections=2, device=torch.device("cpu"))
     everything = Fingerprinter([3, 5, 4], torch.tensor([0, 1, 0]), 2, projections=2, device=torch.device("cpu"))
@@ -109,6 +181,111 @@ def test_left_out_tensors_are_neither_projected_nor_normed() -> None:
     only_first = fp.layer_values([xs], skip={2})
     assert torch.equal(only_first[0, :2], everything.project([xs[0]] + [torch.zeros(())] * 2)[0])
     assert only_first[0, 2] == pytest.approx(float(xs[0].double().norm()), rel=1e-6)
+
+
+def _per_tensor_layer_values(fp: Fingerprinter, xs: list[torch.Tensor], units: list[int],
+                             skip: set[int] = frozenset()) -> torch.Tensor:
+    """Reference for ``layer_values``: one projection per tensor (``project_one``), summed per
+    unit in float64; the norms in float64."""
+    out = torch.zeros(fp.layers, fp.k + 1, dtype=torch.float64)
+    for i, x in enumerate(xs):
+        if units[i] < 0 or i in skip:
+            continue
+        out[units[i], :fp.k] += fp.project_one(i, x)
+        out[units[i], fp.k] += float(x.double().square().sum())
+    out[:, fp.k].sqrt_()
+    return out
+
+
+def _by_dtype(xs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    for x in xs:
+        if buckets and buckets[-1][-1].dtype == x.dtype:
+            buckets[-1].append(x)
+        else:
+            buckets.append([x])
+    return buckets
+
+
+# Every layout the staging buffer has: small tensors of several row widths, a tensor of exactly
+# TILE, full rows with and without a tail, a non-contiguous one, a bf16 one, a float64 one
+# (projected in place), a left-out one.
+FUSED_SHAPES = [(3,), (17,), (20, 20), (64, 64), (TILE + 5,), (3 * TILE + 100,), (1,), (64, 32), (2049,),
+                (50, 100), (7, 9)]
+FUSED_UNITS = [0, 1, 1, 2, 2, 0, -1, 3, 3, 1, 3]
+
+
+def _fused_inputs() -> tuple[Fingerprinter, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(s, generator=g) for s in FUSED_SHAPES]
+    xs[7] = xs[7].t()  # (32, 64), not contiguous
+    xs[9] = xs[9].to(torch.bfloat16)
+    xs[10] = xs[10].double()
+    numels = [x.numel() for x in xs]
+    return Fingerprinter(numels, torch.tensor(FUSED_UNITS), 4, device=torch.device("cpu")), xs
+
+
+def test_fused_layer_values_equal_the_per_tensor_projections() -> None:
+    fp, xs = _fused_inputs()
+    ref = _per_tensor_layer_values(fp, xs, FUSED_UNITS)
+    got = fp.layer_values(_by_dtype(xs))
+    # The same weights summed in another order: float32 rounding apart, the same values.
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-3 * float(ref[:, 2].max()) * 1e-3)
+    # One element changed by d moves the unit's projections by +-d, and no other unit's.
+    ys = [x.clone() for x in xs]
+    ys[5][2 * TILE + 3] += 0.25  # a full row (weight s)
+    ys[8][2048] -= 0.5  # the tail of a tensor just over half a row
+    moved = (fp.layer_values(_by_dtype(ys)) - got)[:, :2].abs()
+    assert torch.allclose(moved[0], torch.full((2,), 0.25, dtype=torch.float64), rtol=1e-3)
+    assert torch.allclose(moved[3], torch.full((2,), 0.5, dtype=torch.float64), rtol=1e-3)
+    assert moved[1:3].max() == 0
+    # Staged again (the buffer keeps its padding at 0): bit-identical, like a replica in sync.
+    assert torch.equal(fp.layer_values(_by_dtype(xs)), got)
+    again, _ = _fused_inputs()
+    assert torch.equal(again.layer_values(_by_dtype(xs)), got)
+
+
+def test_fused_layer_values_leave_out_missing_and_skipped_tensors(monkeypatch) -> None:
+    fp, xs = _fused_inputs()
+    fp.layer_values(_by_dtype(xs))  # the buffer now holds every tensor
+    missing = list(xs)
+    missing[4] = torch.zeros(())  # a parameter without a gradient: its 0-dim stand-in
+    units = list(FUSED_UNITS)
+    ref = _per_tensor_layer_values(fp, missing, [u if i != 4 else -1 for i, u in enumerate(units)])
+    assert torch.allclose(fp.layer_values(_by_dtype(missing)), ref, rtol=1e-5, atol=1e-4)
+    ref = _per_tensor_layer_values(fp, xs, units, skip={3, 5, 10})
+    assert torch.allclose(fp.layer_values(_by_dtype(xs), skip={3, 5, 10}), ref, rtol=1e-5, atol=1e-4)
+    # A small buffer: several chunks, the 3*TILE+100 tensor projected in place; same values.
+    monkeypatch.setattr(fingerprint, "STAGE_ELEMENTS", 3 * TILE)
+    monkeypatch.setattr(fingerprint, "DIRECT_ELEMENTS", 2 * TILE)
+    chunked = Fingerprinter([x.numel() for x in xs], torch.tensor(FUSED_UNITS), 4, device=torch.device("cpu"))
+    got = chunked.layer_values(_by_dtype(xs))
+    assert len(chunked._stage().plans) > 1 and chunked._stage().direct == [5]
+    assert torch.allclose(got, _per_tensor_layer_values(chunked, xs, units), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_layer_values_dispatch_a_constant_number_of_operators() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for tensors in (10, 1000):
+        g = torch.Generator().manual_seed(tensors)
+        xs = [torch.randn(20_000 // tensors, generator=g) for _ in range(tensors)]
+        units = torch.arange(tensors) // 5
+        fp = Fingerprinter([x.numel() for x in xs], units, int(units.max()) + 1, device=torch.device("cpu"))
+        fp.layer_values([xs])  # first use: the plan and the buffer's views
+        Count.ops = 0
+        with Count():
+            fp.layer_values([xs])
+        counts.append(Count.ops)
+    assert counts[0] == counts[1] < 20
 
 
 WORLD = 3
@@ -147,8 +324,9 @@ def _worker(rank: int, init: str, out: str) -> None:
         agent.end_step(loss)
         if step % 2 == 0:
             agent.latest()
+            # The leader compares; the other ranks do none of it (no findings, no desync vectors).
             seen[step] = ([(d.kind, d.layer, d.ranks, d.rel_diff) for d in agent.desync],
-                          {k: agent.rank_values[k] for k in ("grad_desync", "param_desync", "grad_fingerprint")})
+                          {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "grad_fingerprint")})
     agent.close()
     del agent, ddp
     gc.collect()
@@ -159,8 +337,8 @@ def _worker(rank: int, init: str, out: str) -> None:
 @pytest.mark.distributed
 def test_ddp_perturbed_rank_and_layer_are_named(tmp_path) -> None:
     out = spawn_ranks(_worker, WORLD, tmp_path, timeout=120)
-    for seen in out:  # every rank compares the gathered fingerprints alike
-        assert seen == out[0]
+    for seen in out[1:]:  # only the leader compares the gathered fingerprints
+        assert all(found == [] and set(vectors.values()) == {None} for found, vectors in seen.values())
     seen = out[0]
     assert seen[2][0] == []                                   # in sync: bit-identical
     assert set(seen[2][1]["grad_desync"]) == {0.0}
@@ -260,8 +438,8 @@ def _sharded_worker(mode: str, rank: int, init: str, out: str) -> None:
         agent.end_step(loss)
         latest = agent.latest()
         seen[step] = ([(d.kind, d.layer, d.ranks, d.rel_diff) for d in agent.desync],
-                      {k: agent.rank_values[k] for k in ("grad_desync", "param_desync", "grad_fingerprint",
-                                                         "param_fingerprint")},
+                      {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "grad_fingerprint",
+                                                             "param_fingerprint")},
                       latest["trainguard_agent_errors_total"])
     agent.close()
     del agent, model, opt
@@ -275,8 +453,9 @@ def _sharded_worker(mode: str, rank: int, init: str, out: str) -> None:
 def test_sharded_replicas_perturbed_rank_and_layer_are_named(mode: str, tmp_path) -> None:
     world, bad_rank, group = SHARDED[mode]
     out = spawn_ranks(partial(_sharded_worker, mode), world, tmp_path, timeout=240)
-    for seen in out:  # every rank compares the gathered fingerprints alike
-        assert seen == out[0]
+    for seen in out[1:]:  # only the leader compares the gathered fingerprints (the pre-flight: every rank)
+        assert seen[0] == out[0][0]
+        assert all(seen[step][0] == [] and set(seen[step][1].values()) == {None} for step in seen if step)
     seen = out[0]
     pre = seen.pop(0)
     assert pre["clean"][0] == "pass"
