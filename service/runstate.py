@@ -13,6 +13,7 @@ import numpy as np
 
 from trainguard.service.engine import AlertBook
 from trainguard.service.incidents import RunRecovery
+from trainguard.service.rank_store import ranks_digest
 from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
@@ -145,8 +146,12 @@ def resent(last: tuple[int, int, float, dict[str, float], dict[str, np.ndarray]]
     prev, prev_ranks = last[3], last[4]
     if not all(k in prev and (prev[k] == v or (prev[k] != prev[k] and v != v)) for k, v in values.items()):
         return False
-    return prev_ranks.keys() == ranks.keys() and all(
-        np.array_equal(prev_ranks[k], v, equal_nan=True) for k, v in ranks.items())
+    if prev_ranks.keys() != ranks.keys():
+        return False
+    digest = getattr(prev_ranks, "digest", b"")  # vectors read back from storage: compared by their digest
+    if digest:
+        return digest == ranks_digest(ranks)
+    return all(np.array_equal(prev_ranks[k], v, equal_nan=True) for k, v in ranks.items())
 
 
 def live(d: DesiredState) -> bool:

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pydantic_core
 
+from trainguard.service import rank_store
+
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call with these options
 
 
@@ -64,42 +66,31 @@ def update_applied(conn: sqlite3.Connection, run_id: int, generation: int, step:
 
 def insert_report(conn: sqlite3.Connection, run_id: int, seq: int, report: Any, received: float,
                   ranks: dict[str, np.ndarray], vector_names: tuple[str, ...]) -> None:
-    mask, blob = 0, None
-    if ranks:
-        present = [i for i, name in enumerate(vector_names) if name in ranks]
-        mask = sum(1 << i for i in present)
-        blob = b"".join([ranks[vector_names[i]].tobytes() for i in present])  # the rows of a (vectors, world) matrix
+    mask, blob = rank_store.encode(ranks, vector_names)  # a few KB whatever the world size
     conn.execute(
-        "INSERT INTO reports (run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "INSERT INTO reports (run_id, seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask,"
+        " ranks, ranks_format) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (run_id, seq, report.step_first, report.step_last, report.time, received, report.applied_generation,
-         dumps_values(report.values), mask, blob),
+         dumps_values(report.values), mask, blob, rank_store.FORMAT_RECORDS),
     )
 
 
 def recent_reports(conn: sqlite3.Connection, run_id: int, limit: int) -> list[sqlite3.Row]:
     rows = conn.execute(
-        "SELECT seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks FROM reports"
-        " WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, limit),
+        "SELECT seq, step_first, step_last, time, received, applied_generation, vals, ranks_mask, ranks, ranks_format"
+        " FROM reports WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, limit),
     ).fetchall()
     rows.reverse()
     return rows
 
 
-def decode_ranks(row: sqlite3.Row, world_size: int, vector_names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """A stored report's per-rank vectors. Bit ``i`` of the mask is ``vector_names[i]`` under every
-    layout version (the layout is append-only: ``trainguard.protocol.rank_values``), so a row of an
-    older layout decodes as written; bits beyond ``vector_names`` (a newer controller's row) are
-    vectors unknown here and skipped."""
-    mask, blob = row["ranks_mask"], row["ranks"]
-    if not mask or blob is None:
-        return {}
-    bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
-    arr = np.frombuffer(blob, dtype=np.float64)
-    if arr.size != len(bits) * world_size:
-        return {}  # recorded under another world size
-    arr = arr.reshape(len(bits), world_size)
-    return {vector_names[i]: arr[k].copy() for k, i in enumerate(bits) if i < len(vector_names)}
+def decode_ranks(row: sqlite3.Row, world_size: int, vector_names: tuple[str, ...]) -> rank_store.StoredRanks:
+    """A stored report's per-rank vectors (:func:`service.rank_store.decode`: rows of schema
+    version 12 on hold compact records, older ones float64 rows; both decode). Bit ``i`` of the
+    mask is ``vector_names[i]`` under every layout version (the layout is append-only:
+    ``trainguard.protocol.rank_values``), so a row of an older layout decodes as written; bits
+    beyond ``vector_names`` (a newer controller's row) are vectors unknown here and skipped."""
+    return rank_store.decode(row["ranks_mask"], row["ranks"], row["ranks_format"], world_size, vector_names)
 
 
 def recent_incidents(conn: sqlite3.Connection, run_id: int, limit: int) -> list[dict[str, Any]]:

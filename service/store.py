@@ -251,6 +251,12 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX events_run_kind ON events(run_id, kind, id);
     CREATE INDEX alerts_starts ON alerts(starts_at);
     """,
+    # 12: how a report's per-rank vectors are stored (``service/rank_store.py``): 0, the float64
+    # rows of versions 1-11 (394 KB a report at 4,096 ranks; read as written); 1, a compact record
+    # per vector (what the rules read of an older report: a few KB whatever the world size).
+    """
+    ALTER TABLE reports ADD COLUMN ranks_format INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 def _is_busy(e: sqlite3.OperationalError) -> bool:

@@ -19,7 +19,6 @@ from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, Store, open_store
 from trainguard.service.window import VECTORS
-from trainguard.protocol.wire import Report
 
 
 def _v1_rows(conn: Any) -> None:
@@ -27,10 +26,11 @@ def _v1_rows(conn: Any) -> None:
     run_id = sql.insert_run(conn, run="old-run", job="old-job", world_size=2, ranks=[], agent_version="v1", config={}, now=100.0)
     values = [{"trainguard_loss": 3.0 - 0.1 * i, "trainguard_grad_norm_max": 1.0 + i} for i in range(5)]
     values[-1]["trainguard_loss"] = math.nan
-    for i, v in enumerate(values):
-        report = Report(job="old-job", step_first=10 * i, step_last=10 * i + 9, time=200.0 + i, values=v)
-        ranks = {"loss": np.array([1.0 * i, 2.0 * i])}
-        sql.insert_report(conn, run_id, i + 1, report, 300.0 + i, ranks, VECTORS)
+    for i, v in enumerate(values):  # as version 1 wrote them: the float64 rows of the present vectors
+        conn.execute("INSERT INTO reports (run_id, seq, step_first, step_last, time, received, applied_generation, vals,"
+                     " ranks_mask, ranks) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                     (run_id, i + 1, 10 * i, 10 * i + 9, 200.0 + i, 300.0 + i, 0, sql.dumps_values(v),
+                      1 << VECTORS.index("loss"), np.array([1.0 * i, 2.0 * i]).tobytes()))
 
 
 def _v1_database(path: Path) -> None:
@@ -75,9 +75,10 @@ def _assert_migrated_columns(execute: Any) -> None:
     assert execute("SELECT data_skip_until, stop_exit_code FROM runs").fetchall() == [(0, 0)]
     # version 10: the desired state is one JSON value, none yet: the old columns still say it
     assert execute("SELECT desired FROM runs").fetchall() == [(None,)]
-    rows = execute("SELECT seq, step_last, received, ranks FROM reports ORDER BY seq").fetchall()
+    rows = execute("SELECT seq, step_last, received, ranks, ranks_format FROM reports ORDER BY seq").fetchall()
     assert [(r[0], r[1], r[2]) for r in rows] == [(i + 1, 10 * i + 9, 300.0 + i) for i in range(5)]
     assert np.frombuffer(rows[3][3]).tolist() == [3.0, 6.0]
+    assert {r[4] for r in rows} == {0}  # version 12: the rows written before keep their float64 rows
 
 
 def _assert_migrated_app(db: Any) -> None:
@@ -86,6 +87,9 @@ def _assert_migrated_app(db: Any) -> None:
     with TestClient(create_app(Settings(db=db, tick_s=60))) as c:
         st = c.get("/v1/runs/old-run").json()
         assert st["reports"] == 5 and st["last_step"] == 49 and st["last_report_at"] == 304.0
+        # the per-rank vectors written before version 12 read back as written
+        rank_rows = c.app.state.controller.runs["old-run"].window.rank_rows()
+        assert [(seq, v["loss"]) for seq, v in rank_rows][-2:] == [(4, [3.0, 6.0]), (5, [4.0, 8.0])]
         assert st["status"] == "running" and st["finished_at"] is None and st["live_since"] == 100.0
         assert st["last_values"] == {"trainguard_loss": "NaN", "trainguard_grad_norm_max": 5.0}
         # New reports continue the sequence after the migrated ones.
@@ -101,7 +105,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 10
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 12
     _assert_migrated_columns(conn.execute)
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
@@ -119,7 +123,7 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
     _v1_postgres_database(postgres_url)
     store = PostgresStore(postgres_url)  # migrates
     try:
-        assert store.schema_version == len(MIGRATIONS) == 10
+        assert store.schema_version == len(MIGRATIONS) == 12
         store.read_now(lambda c: _assert_migrated_columns(c.execute))
     finally:
         store.close()
