@@ -41,7 +41,9 @@ def registration_body_bytes(world_size: int) -> int:
 def report_body_bytes(world_size: int) -> int:
     """The largest report body the agent of a run of ``world_size`` ranks sends: every per-rank
     vector of the wire model full of the longest numbers, every job-level metric of the agent's
-    catalogue, the most desync layers (``trainguard.protocol.wire``)."""
+    catalogue, the most desync layers (``trainguard.protocol.wire``). The vectors are counted as
+    the JSON lists older agents send (25 bytes a value); packed, as this agent sends them
+    (``trainguard.protocol.rank_vector``), a value takes at most 11 bytes."""
     per_rank = len(RankValues.model_fields) * _VALUE_BYTES
     values = sum(len(name) + 4 + _VALUE_BYTES for name, metric in BY_NAME.items() if not metric.labels)
     return _ENVELOPE_BYTES + values + MAX_DESYNC_LAYERS * _DESYNC_LAYER_BYTES + world_size * per_rank
