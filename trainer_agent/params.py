@@ -75,6 +75,16 @@ class ParamIndex:
 
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none)."""
+        if self.sharding is None:
+            # No DTensor parameter: no local shard to take, one list per bucket (the per-step
+            # host work is one attribute read per tensor).
+            out = []
+            for bucket, zero in zip(self.buckets, self.grad_zeros):
+                gs = [p.grad for p in bucket]
+                if any(g is None for g in gs):
+                    gs = [zero if g is None else g for g in gs]
+                out.append(gs)
+            return out
         grads: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         for p, k in zip(self.params, self.bucket_of):
             g = p.grad
