@@ -74,7 +74,7 @@ class RunWindow:
 
     __slots__ = (
         "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
-        "_received", "_step", "_ranks", "_rank_mask", "_rank_seq", "rank_count", "_last_received", "_written",
+        "_received", "_step", "_ranks", "_rank_mask", "_rank_shown", "_rank_seq", "rank_count", "_last_received", "_written",
         "_keys", "_cols", "desync", "_seen_vectors", "_absent_at", "_absent_cols", "_rank_absent_at",
     )
 
@@ -118,6 +118,7 @@ class RunWindow:
         self._seen_vectors: set[str] = set()  # vectors any report of this history carried
         self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
         self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
+        self._rank_shown = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)  # as received (for people)
         self._rank_seq = np.zeros(self.rank_capacity, dtype=np.int64)
         self._rank_absent_at = [0] * len(VECTORS)  # as ``_absent_at``, per vector, in rank_count
 
@@ -171,6 +172,9 @@ class RunWindow:
                 else:
                     self._rank_absent_at[i] = self.rank_count
             self._rank_mask[rrow] = [name in ranks for name in VECTORS]
+            # a vector read back from a stored record (``service.rank_store``) serves the rules, not people
+            exact = getattr(ranks, "exact", None)
+            self._rank_shown[rrow] = [name in ranks and (exact is None or name in exact) for name in VECTORS]
             if not self._seen_vectors.issuperset(ranks):
                 self._seen_vectors.update(ranks)
             self._rank_seq[rrow] = self.count
@@ -179,7 +183,7 @@ class RunWindow:
         """What the next :meth:`append_raw` (with per-rank ``ranks`` or not) overwrites, for
         :meth:`rollback`."""
         row, rrow = self.count % self.capacity, self.rank_count % self.rank_capacity
-        rank_row = (self._ranks[rrow].copy(), self._rank_mask[rrow].copy()) if ranks else None
+        rank_row = (self._ranks[rrow].copy(), self._rank_mask[rrow].copy(), self._rank_shown[rrow].copy()) if ranks else None
         return (self.count, self.rank_count, self._last_received, self._values2[:, row].copy(),
                 self._present2[:, row].copy(), self._received[row], self._step[row], rank_row)
 
@@ -196,7 +200,7 @@ class RunWindow:
         self._received[row], self._step[row] = received, step
         if rank_row is not None and self.rank_count == rank_count + 1 and rank_row[0].shape == self._ranks.shape[1:]:
             rrow = rank_count % self.rank_capacity
-            self._ranks[rrow], self._rank_mask[rrow] = rank_row
+            self._ranks[rrow], self._rank_mask[rrow], self._rank_shown[rrow] = rank_row
             self.rank_count = rank_count
         self.count, self._last_received = count, last_received
         return True
@@ -303,14 +307,16 @@ class RunWindow:
 
     def rank_rows(self, after: int = 0) -> list[tuple[int, dict[str, list[float]]]]:
         """The per-rank vectors of reports after sequence number ``after`` still held, oldest first,
-        as ``(seq, {vector: one value per rank})``; ``seq`` is the report's, as in :meth:`rows`."""
+        as ``(seq, {vector: one value per rank})``; ``seq`` is the report's, as in :meth:`rows`.
+        A vector the controller read back from a stored summary (a large world's older report,
+        after a restart) is left out: only the values as received are shown."""
         n = min(self.rank_count, self.rank_capacity)
         out = []
         for k in range(self.rank_count - n, self.rank_count):
             row = k % self.rank_capacity
             seq = int(self._rank_seq[row])
             if seq > after:
-                mask = self._rank_mask[row]
+                mask = self._rank_shown[row]
                 out.append((seq, {name: self._ranks[row, i].tolist() for i, name in enumerate(VECTORS) if mask[i]}))
         return out
 

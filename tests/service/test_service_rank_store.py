@@ -196,8 +196,12 @@ def test_a_report_sent_again_after_a_restart_is_recognised(app_factory) -> None:
         register(c, run="big", world_size=world)
         assert c.post("/v1/runs/big/reports", content=dumps(report)).status_code == 200
     with app_factory() as c:  # the answer was lost: the agent sends it again to the restarted controller
-        stored = c.app.state.controller.runs["big"].last_report[4]
+        st = c.app.state.controller.runs["big"]
+        stored = st.last_report[4]
         assert stored.digest and stored.keys() == set(VECTORS) and "grad_norm" not in stored.exact
+        # the rules have the summaries of the stored report; people see only what is exact of it
+        assert st.window.rank_history("grad_norm", 1).shape == (1, world)
+        assert [(seq, set(v)) for seq, v in st.window.rank_rows()] == [(1, set(stored.exact))]
         assert c.post("/v1/runs/big/reports", content=dumps(report)).status_code == 200
         assert c.get("/v1/runs/big").json()["reports"] == 1
         assert c.post("/v1/runs/big/reports", content=dumps(_random_report(world, 2))).status_code == 200
