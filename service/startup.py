@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pydantic_core
+
 from trainguard.service import statements as sql
 from trainguard.service.config import Settings
 from trainguard.service.incidents import RunRecovery
@@ -96,20 +98,27 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
     # The newest report's seq is the number of reports the run sent (``ReportIngest`` numbers them
     # from 1), however many older ones the database still holds.
     window.count = reports[-1]["seq"] - len(reports) if reports else 0
-    rank_from = len(reports) - s.rank_window_reports
-    ranks: dict[str, Any] = {}
-    for i, rep in enumerate(reports):
-        ranks = sql.decode_ranks(rep, st.world_size, VECTORS) if i >= rank_from else {}
-        values = json.loads(rep["vals"])
-        if len(window.columns) + len(values) > s.max_series_per_run:
+    # every report's values in one parse (the stored text is JSON with NaN/Infinity tokens)
+    stored = pydantic_core.from_json("[" + ",".join(rep["vals"] for rep in reports) + "]", allow_inf_nan=True)
+    names: set[str] = set()
+    for i, values in enumerate(stored):
+        if len(names) + len(values) > s.max_series_per_run and not names.issuperset(values):
             # A database written before the series limit (or under a higher one): keep the names
             # seen first, so that a restart holds no more than a running controller would.
-            room, kept = s.max_series_per_run - len(window.columns), {}
+            room, kept = s.max_series_per_run - len(names), {}
             for k, v in values.items():
-                if k in window.columns or room > 0:
-                    room -= k not in window.columns
+                if k in names or room > 0:
+                    room -= k not in names
                     kept[k] = v
-            values = kept
+            stored[i] = values = kept
+        names.update(values)
+    rank_from = max(len(reports) - s.rank_window_reports, 0)
+    # the older reports in one pass; those whose per-rank vectors the window keeps one by one
+    window.append_many(stored[:rank_from], [rep["step_last"] for rep in reports[:rank_from]],
+                       [rep["received"] for rep in reports[:rank_from]])
+    ranks: dict[str, Any] = {}
+    for rep, values in zip(reports[rank_from:], stored[rank_from:]):
+        ranks = sql.decode_ranks(rep, st.world_size, VECTORS)
         window.append_raw(values, ranks, rep["step_last"], rep["received"])
     if reports and reports[-1]["received"] >= row["registered_at"]:  # reported since its registration
         last = reports[-1]

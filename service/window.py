@@ -179,6 +179,54 @@ class RunWindow:
                 self._seen_vectors.update(ranks)
             self._rank_seq[rrow] = self.count
 
+    def append_many(self, values: list[dict[str, float]], steps: list[int], received: list[float]) -> None:
+        """:meth:`append_raw` of each report in turn, without per-rank vectors (reports read back
+        from the database, oldest first), in one pass over the arrays instead of one per report:
+        the window ends exactly as the appends one by one would leave it."""
+        cap = self.capacity
+        if len(values) > cap:  # in passes that write each row once
+            self.append_many(values[:-cap], steps[:-cap], received[:-cap])
+            values, steps, received = values[-cap:], steps[-cap:], received[-cap:]
+        n = len(values)
+        if not n:
+            return
+        count0 = self.count
+        # the columns in the order the appends would add them
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for j, v in enumerate(values):
+            keys = tuple(v)
+            if keys not in groups:
+                groups[keys] = []
+                self.count = count0 + j  # a column new here was lacked by the reports before it (_column)
+                for name in keys:
+                    self._column(name)
+            groups[keys].append(j)
+        ncols = len(self.columns)
+        lacking = np.full(ncols, -1, dtype=np.int64)  # per column, the newest report (index) without it
+        rows = (count0 + np.arange(n)) % cap
+        vals = self._values2[0, rows].copy()
+        present = np.zeros(vals.shape, dtype=bool)
+        for keys, js in groups.items():
+            cols = np.array([self.columns[k] for k in keys], dtype=np.intp)
+            missing = np.ones(ncols, dtype=bool)
+            missing[cols] = False
+            lacking[missing] = np.maximum(lacking[missing], js[-1])
+            vals[np.ix_(js, cols)] = [list(values[j].values()) for j in js]
+            present[np.ix_(js, cols)] = True
+        for c in np.flatnonzero(lacking >= 0):
+            self._absent_at[c] = max(self._absent_at[c], count0 + int(lacking[c]) + 1)
+        self._values2[:, rows] = vals
+        self._present2[:, rows] = present
+        self._received[rows] = received
+        self._step[rows] = steps
+        last = tuple(values[-1])
+        self._keys, self._cols = last, np.array([self.columns[k] for k in last], dtype=np.intp)
+        carried = set(self._cols.tolist())
+        self._absent_cols = [c for c in range(ncols) if c not in carried]
+        self.count = count0 + n
+        self._written += n
+        self._last_received = received[-1]
+
     def save_next(self, *, ranks: bool) -> tuple[Any, ...]:
         """What the next :meth:`append_raw` (with per-rank ``ranks`` or not) overwrites, for
         :meth:`rollback`."""

@@ -324,3 +324,41 @@ def test_a_controller_taking_the_lease_says_loading_not_standby(postgres_url: st
         held.release()
         wait_until(lambda: c.get("/readyz").status_code == 200)
         assert _rule_state(c.app.state.controller) == before
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 30])
+@pytest.mark.parametrize("count0", [0, 37])
+def test_reports_read_back_in_one_pass_leave_the_window_as_one_by_one(n: int, count0: int) -> None:
+    """``RunWindow.append_many`` (the read-back of the older reports) against ``append_raw`` of
+    each in turn: metrics that come, skip reports and go, NaN, more reports than the capacity."""
+    from trainguard.service.window import RunWindow
+
+    rng = random.Random(n * 100 + count0)
+    names = [f"m{i}" for i in range(20)]  # more than the window's 16 initial columns
+    values, steps, received = [], [], []
+    for j in range(n):
+        keys = rng.sample(names[: 4 + j % 17], rng.randint(1, 4 + j % 17))
+        values.append({k: (math.nan if rng.random() < 0.1 else rng.uniform(-1, 1)) for k in keys})
+        steps.append(10 * j)
+        received.append(1000.0 + j)
+    one, many = (RunWindow(capacity=8, rank_capacity=2, world_size=2, created=5.0) for _ in range(2))
+    for w in (one, many):
+        w.count = count0
+    for v, s, r in zip(values, steps, received):
+        one.append_raw(v, {}, s, r)
+    many.append_many(values, steps, received)
+    assert many.columns == one.columns and many.count == one.count == count0 + n
+    assert many._absent_at == one._absent_at and many._absent_cols == one._absent_cols and many._keys == one._keys
+    np.testing.assert_array_equal(many._present2, one._present2)
+    np.testing.assert_array_equal(many._values2, one._values2)  # NaN equal to NaN
+    np.testing.assert_array_equal(many._received, one._received)
+    np.testing.assert_array_equal(many._step, one._step)
+    assert many.rows() == one.rows() or _nan_equal(many.rows(), one.rows())
+    for m in names:
+        for last in (1, 3, 8):
+            np.testing.assert_array_equal(many.series(m, last), one.series(m, last))
+    assert many.last_received == one.last_received and many.last_step == one.last_step
+
+
+def _nan_equal(a: Any, b: Any) -> bool:
+    return repr(a) == repr(b)
