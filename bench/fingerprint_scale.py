@@ -4,7 +4,7 @@
     .venv/bin/python bench/fingerprint_scale.py --world 512 4096 --layers 32
 
 Synthetic gathered fingerprint parts (K = 2 projections and a norm per layer, gradients and
-parameters) of W data-parallel ranks in sync, and the same with one rank whose gradient differs in
+parameters, as the float32 pairs of the report row) of W data-parallel ranks in sync, and the same with one rank whose gradient differs in
 one layer. Per case: the thread CPU time (``time.thread_time``, median of ``--rounds``) of the host
 comparison (a majority by one linear pass, only the differing ranks compared) side by side with
 the comparison by sorting every group's values (the device path, and the host path before), and
@@ -24,12 +24,12 @@ from trainer_agent.fingerprint import desync
 
 def _rows(world: int, layers: int, k: int, bad: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(world + layers)
-    one = torch.randn(2, layers, k + 1, generator=g, dtype=torch.float64)
+    one = torch.randn(2, layers, k + 1, generator=g, dtype=torch.float32)
     one[..., k] = one[..., k].abs() + 1
     rows = one.reshape(1, -1).repeat(world, 1)
     if bad:
         rows.view(world, 2, layers, k + 1)[world // 3, 0, layers // 2, 0] += 1e-3
-    return rows
+    return rows.view(torch.float64)  # the gathered float32 pairs (Fingerprinter.row)
 
 
 def _cpu_ms(fn, rounds: int) -> tuple[float, torch.Tensor]:

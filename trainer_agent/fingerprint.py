@@ -58,6 +58,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer_agent import stats
@@ -327,20 +328,19 @@ def desync(rows: torch.Tensor, layers: int, k: int,
     :func:`_majority_rel`: only the ranks that differ are compared element by element); rows on a
     device (or with ``by_sorting``) by sorting each group's values, with no host read."""
     world = rows.shape[0]
-    if rows.shape[1] == layers * (k + 1):  # packed float32 (Fingerprinter.row)
-        rows = rows.contiguous().view(torch.float32).to(torch.float64)
-    elif rows.shape[1] != 2 * layers * (k + 1):
+    packed = rows.shape[1] == layers * (k + 1)  # float32 pairs (Fingerprinter.row)
+    if not packed and rows.shape[1] != 2 * layers * (k + 1):
         raise ValueError(f"fingerprint rows of {layers} units and {k} projections have {layers * (k + 1)} "
                          f"(packed) or {2 * layers * (k + 1)} values, got {rows.shape[1]}")
-    parts = rows.reshape(world, 2, layers, k + 1)
     if groups is None:
         groups = [(torch.arange(layers, device=rows.device), torch.arange(world, device=rows.device).view(1, world))]
+    if rows.device.type == "cpu" and not by_sorting:
+        return _host_desync(rows.contiguous().view(torch.float32) if packed else rows, layers, k, groups)
+    if packed:
+        rows = rows.contiguous().view(torch.float32).to(torch.float64)
+    parts = rows.reshape(world, 2, layers, k + 1)
     rel = torch.zeros(2, world, layers, dtype=torch.float64, device=rows.device)
-    for units, ranks in groups:
-        if rows.device.type == "cpu" and not by_sorting:
-            _majority_rel(parts, units, ranks, rel)
-            continue
-        # on an accelerator: sorted, without a branch on a device value (no sync)
+    for units, ranks in groups:  # sorted, without a branch on a device value (no sync)
         for kind in range(2):
             x = parts[:, kind, units][ranks]  # (G, c, U, K + 1)
             rel[kind, ranks.reshape(-1, 1), units.view(1, -1)] = _sorted_rel(x[..., :k], x[..., k]
@@ -363,40 +363,63 @@ def _sorted_rel(fg: torch.Tensor, ng: torch.Tensor) -> torch.Tensor:
     return torch.maximum(_rel(fg, lo, den), _rel(fg, hi, den)).amax(dim=3)
 
 
-def _majority_rel(parts: torch.Tensor, units: torch.Tensor, ranks: torch.Tensor, rel: torch.Tensor) -> None:
-    """:func:`_sorted_rel` of every group of ``ranks`` in ``units`` into ``rel`` ((2, W, L): gradients,
-    parameters), in O(W log W) when a group's ranks mostly agree (host tensors; ``parts``:
-    (W, 2, L, K + 1)). In a group where more than half the ranks hold the same bits (projections
-    and norms of every unit, both kinds), both middle values and the median norm are theirs: those
-    ranks differ by 0 and any other rank differs from them alone. The ranks of each group are
-    ordered by the sum of their values, the middle one is the candidate, every rank is compared
-    with it bit for bit (one linear pass), and only the ranks that differ are compared value by
-    value; a group without such a majority is compared by sorting, as on a device."""
-    world, _, layers, k1 = parts.shape
-    G, c = ranks.shape
-    k = k1 - 1
-    everything = G == 1 and units.numel() == layers and torch.equal(units, torch.arange(layers)) \
-        and torch.equal(ranks[0], torch.arange(world))
-    x = parts.unsqueeze(0) if everything else parts[:, :, units][ranks.reshape(-1)].view(G, c, 2, -1, k1)
-    bits = x.view(torch.int64)
-    pick = x.flatten(2).sum(dim=2).argsort(dim=1)[:, (c - 1) // 2]
-    cand = bits[torch.arange(G), pick].unsqueeze(1)  # (G, 1, 2, U, K + 1)
-    same = (bits == cand).flatten(2).all(dim=2)  # (G, c)
-    agree = same.sum(dim=1) * 2 > c
-    cols = units.view(1, -1)
-    differ = (~same & agree.unsqueeze(1)).nonzero()
-    if differ.numel():
-        gi, mi = differ[:, 0], differ[:, 1]
-        ref = cand[gi, 0].view(torch.float64)  # (D, 2, U, K + 1)
-        mine = x[gi, mi]
-        r = _rel(mine[..., :k], ref[..., :k], ref[..., k].clamp_min(1e-30)).amax(dim=3)  # (D, 2, U)
-        for kind in range(2):
-            rel[kind, ranks[gi, mi].view(-1, 1), cols] = r[:, kind]
-    if not bool(agree.all()):
-        sub = ranks[(~agree).nonzero().view(-1)]
-        for kind in range(2):
-            xs = parts[:, kind, units][sub]
-            rel[kind, sub.reshape(-1, 1), cols] = _sorted_rel(xs[..., :k], xs[..., k]).reshape(-1, units.numel())
+def _host_desync(values: torch.Tensor, layers: int, k: int,
+                 groups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """:func:`desync` of host rows (``values``: (W, 2 * layers * (k + 1)) float32 or float64), in
+    O(W log W) per group set when a group's ranks mostly agree. In a group where more than half
+    the ranks hold the same bits (projections and norms of every unit, both kinds), both middle
+    values and the median norm are theirs: those ranks differ by 0 and any other rank differs
+    from them alone. The ranks of each group are ordered by the sum of their values (equal rows,
+    equal keys; a key serves speed only: a candidate outside the majority is seen as no
+    majority), the middle one is the candidate, every rank is
+    compared with it bit for bit (one linear pass over the rows), and only the ranks that differ
+    are compared value by value; a group without such a majority is compared by sorting, as on
+    a device. Nothing of size (W, layers) is made unless that many ranks differ."""
+    world = values.shape[0]
+    parts = values.view(world, 2, layers, k + 1)
+    words = values.view(torch.int32).view(world, 2, layers, -1)
+    updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (ranks, units, (D, 2, U) rel)
+    for units, ranks in groups:
+        G, c = ranks.shape
+        everything = G == 1 and units.numel() == layers and torch.equal(units, torch.arange(layers)) \
+            and torch.equal(ranks[0], torch.arange(world))
+        if everything:  # the whole rows, as 64-bit words
+            x, key = values.view(torch.int64).view(1, world, -1), values.sum(dim=1).view(1, world)
+        else:
+            x = words[:, :, units][ranks.reshape(-1)].view(G, c, -1)
+            key = parts[:, :, units].sum(dim=(1, 2, 3))[ranks]
+        pick = key.argsort(dim=1)[:, (c - 1) // 2]
+        same = (x == x[torch.arange(G), pick].unsqueeze(1)).all(dim=2)  # (G, c)
+        agree = same.sum(dim=1) * 2 > c
+        differ = (~same & agree.unsqueeze(1)).nonzero()
+        if differ.numel():
+            gi, mi = differ[:, 0], differ[:, 1]
+            mine = parts[ranks[gi, mi]][:, :, units].to(torch.float64)  # (D, 2, U, K + 1)
+            ref = parts[ranks[gi, pick[gi]]][:, :, units].to(torch.float64)
+            rel = _rel(mine[..., :k], ref[..., :k], ref[..., k].clamp_min(1e-30)).amax(dim=3)
+            updates.append((ranks[gi, mi], units, rel))
+        if not bool(agree.all()):
+            sub = ranks[(~agree).nonzero().view(-1)]  # (G', c)
+            x64 = parts[:, :, units][sub.reshape(-1)].to(torch.float64)  # (G' c, 2, U, K + 1)
+            rel = torch.stack([_sorted_rel(x64[:, kind, :, :k].view(*sub.shape, -1, k),
+                                           x64[:, kind, :, k].view(*sub.shape, -1)).reshape(sub.numel(), -1)
+                               for kind in range(2)], dim=1)
+            updates.append((sub.reshape(-1), units, rel))
+    worst = torch.zeros(2, world, dtype=torch.float64)
+    where = torch.zeros(2, world, dtype=torch.float64)
+    by_layer = torch.zeros(2, layers, dtype=torch.float64)
+    if updates:
+        touched = torch.cat([u[0] for u in updates]).unique()
+        rel = torch.zeros(2, touched.numel(), layers, dtype=torch.float64)
+        for ranks_, units, r in updates:
+            rel[:, torch.searchsorted(touched, ranks_).view(-1, 1), units.view(1, -1)] = r.transpose(0, 1)
+        top, at = rel.max(dim=2)
+        worst[:, touched], where[:, touched] = top, at.to(torch.float64)
+        by_layer = rel.amax(dim=1)
+    out = []
+    for kind in range(2):
+        out += [worst[kind], where[kind], parts[:, kind, :, 0].to(torch.float64).sum(dim=1), by_layer[kind]]
+    return torch.cat(out)
 
 
 def rel_diff(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -422,27 +445,29 @@ class DesyncFinding:
     ranks: tuple[int, ...]
 
 
-def findings(flat: Sequence[float], world: int, layer_names: Sequence[str], tol: float
+def findings(flat: Sequence[float] | np.ndarray, world: int, layer_names: Sequence[str], tol: float
              ) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
-    """Host side of :func:`desync`'s vector: the per-rank vectors (``grad_desync``,
-    ``grad_desync_layer``, ``grad_fingerprint`` and the ``param_`` ones) and the layers above
-    ``tol`` (worst first; a layer names the ranks whose worst layer it is, or every rank above
-    ``tol`` when none is)."""
+    """Host side of :func:`desync`'s vector (a sequence or a float64 array): the per-rank vectors
+    (``grad_desync``, ``grad_desync_layer``, ``grad_fingerprint`` and the ``param_`` ones) and
+    the layers above ``tol`` (worst first; a layer names the ranks whose worst layer it is, or
+    every rank above ``tol`` when none is). Array operations: no Python loop over the ranks."""
     n_layers = len(layer_names)
     per = 3 * world + n_layers
+    values = np.asarray(flat, dtype=np.float64)
     vectors: dict[str, list[float]] = {}
     found: list[DesyncFinding] = []
     for i, kind in enumerate(("grad", "param")):
-        seg = list(flat[i * per:(i + 1) * per])
+        seg = values[i * per:(i + 1) * per]
         worst, layer, fp, by_layer = (seg[:world], seg[world:2 * world], seg[2 * world:3 * world],
                                       seg[3 * world:])
-        vectors[f"{kind}_desync"] = worst
-        vectors[f"{kind}_desync_layer"] = layer
-        vectors[f"{kind}_fingerprint"] = fp
-        bad_ranks = tuple(r for r in range(world) if worst[r] > tol)
-        for j, v in enumerate(by_layer):
-            if v > tol:
-                named = tuple(r for r in bad_ranks if int(layer[r]) == j) or bad_ranks
-                found.append(DesyncFinding(kind, layer_names[j], v, named))
+        vectors[f"{kind}_desync"] = worst.tolist()
+        vectors[f"{kind}_desync_layer"] = layer.tolist()
+        vectors[f"{kind}_fingerprint"] = fp.tolist()
+        bad_ranks = np.flatnonzero(worst > tol)  # NaN: no verdict
+        bad_layers = layer[bad_ranks]
+        for j in np.flatnonzero(by_layer > tol).tolist():
+            named = bad_ranks[bad_layers == j]
+            found.append(DesyncFinding(kind, layer_names[j], float(by_layer[j]),
+                                       tuple((named if named.size else bad_ranks).tolist())))
     found.sort(key=lambda d: -d.rel_diff)
     return vectors, found
