@@ -538,7 +538,7 @@ class ReportPipeline:
             return None
         params = fp.layer_values(self.index.buckets)
         grads = st.grad_fp if st.grad_fp is not None else torch.full_like(params, math.nan)
-        return torch.cat([grads.reshape(-1), params.reshape(-1)])
+        return fp.row(grads, params)  # float32 pairs (fingerprint.py)
 
     def _noise_scale(self, dev: dict[str, torch.Tensor], st: StepState, rows: torch.Tensor,
                      micro_count: int, tokens: int | None) -> None:
