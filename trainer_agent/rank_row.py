@@ -2,7 +2,11 @@
 per-rank values' declarations (``trainguard.protocol.rank_values.RANK_VALUES``): a row value is its
 catalogue metric's report value on this rank (NaN when the report lacks it), or, for the few that
 are no catalogue metric, computed by its getter in :data:`ROW_GETTERS`. A row value with neither,
-or a getter of no row value, fails at import."""
+or a getter of no row value, fails at import.
+
+The row costs a constant few operators whatever its width: the device values stacked once, the
+host values (a getter may return a host float) in one small host tensor, and one gather that puts
+each in its place."""
 
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ class RowInputs:
     zero: torch.Tensor
 
 
-Getter = Callable[[RowInputs], torch.Tensor]
+#: A row value from the inputs: a 0-dim device tensor, or a host float.
+Getter = Callable[[RowInputs], "torch.Tensor | float"]
 
 
 def _micro_sq_sum(r: RowInputs) -> torch.Tensor:
@@ -41,8 +46,8 @@ def _micro_sq_sum(r: RowInputs) -> torch.Tensor:
 #: The row values that are no catalogue metric's report value, computed here.
 ROW_GETTERS: dict[str, Getter] = {
     "micro_sq_sum": _micro_sq_sum,
-    "micro_count": lambda r: r.full(len(r.st.micro_norms)),
-    "gpu_xid": lambda r: r.full(r.gpu_xid),
+    "micro_count": lambda r: float(len(r.st.micro_norms)),
+    "gpu_xid": lambda r: r.gpu_xid,
 }
 
 
@@ -64,7 +69,32 @@ _PLAN = row_plan(ROW_VALUES, ROW_GETTERS)
 def rank_row(dev: Mapping[str, torch.Tensor], host: Mapping[str, float], inputs: RowInputs) -> torch.Tensor:
     """This rank's row values (float64 device vector in ``RANK_FIELDS`` order): ``dev`` holds the
     report's device values, ``host`` its host values, both by sample key."""
-    full = inputs.full
-    return torch.stack([getter(inputs) if getter is not None else dev[metric] if metric in dev  # type: ignore[index]
-                        else full(host.get(metric, math.nan))  # type: ignore[arg-type]
-                        for metric, getter in _PLAN])
+    values = [getter(inputs) if getter is not None else dev[metric] if metric in dev  # type: ignore[index]
+              else host.get(metric, math.nan)  # type: ignore[arg-type]
+              for metric, getter in _PLAN]
+    on_device = tuple(isinstance(v, torch.Tensor) for v in values)
+    device = inputs.zero.device
+    parts = []
+    if any(on_device):
+        parts.append(torch.stack([v for v, d in zip(values, on_device) if d]).to(torch.float64))  # type: ignore[misc]
+    if not all(on_device):
+        floats = torch.tensor([float(v) for v, d in zip(values, on_device) if not d], dtype=torch.float64)
+        # non_blocking: a copy from pageable memory is staged at once; no wait on the device
+        parts.append(floats.to(device, non_blocking=True))
+    if len(parts) == 1:
+        return parts[0]  # one kind only: already in order
+    return torch.cat(parts).index_select(0, _placement(on_device, device))
+
+
+_PLACEMENTS: dict[tuple[tuple[bool, ...], torch.device], torch.Tensor] = {}
+
+
+def _placement(on_device: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """Where each row value is in ``cat([device values, host values])`` (cached per layout)."""
+    key = (on_device, device)
+    at = _PLACEMENTS.get(key)
+    if at is None:
+        dev_at, host_at = iter(range(sum(on_device))), iter(range(sum(on_device), len(on_device)))
+        order = [next(dev_at) if d else next(host_at) for d in on_device]
+        at = _PLACEMENTS[key] = torch.tensor(order, dtype=torch.long, device=device)
+    return at

@@ -215,15 +215,20 @@ class CrossRankWorker:
 class InFlight:
     """One report on its way from the device to the host. ``ranks``: the rows in the buffer
     (every rank's on the leader, this rank's own elsewhere); ``sketch_len``: the leader's sketch
-    part after them (0 without one); ``desync_len``: the fingerprint comparison before them."""
+    part after them (0 without one); ``desync_len``: the fingerprint comparison before them.
+    ``rows`` / ``sketches``: the same parts as host tensors kept apart (rows the collective left
+    on the host: not copied into the buffer)."""
 
-    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "sketch_len", "leader")
+    __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "sketch_len", "leader",
+                 "rows", "sketches")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
                  host: dict[str, float], ranks: int, desync_len: int = 0, decode: Decode | None = None,
-                 sketch_len: int = 0, leader: bool = True) -> None:
+                 sketch_len: int = 0, leader: bool = True, rows: torch.Tensor | None = None,
+                 sketches: torch.Tensor | None = None) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
         self.desync_len, self.decode, self.sketch_len, self.leader = desync_len, decode, sketch_len, leader
+        self.rows, self.sketches = rows, sketches
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -233,15 +238,24 @@ class InFlight:
         rank values are a :class:`RankVectors` (views of the buffer, resolved later)."""
         if self.event is not None:
             self.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
-        flat = self.buffer.numpy()  # host memory (pinned buffer or CPU tensor): no device read
         n = len(self.keys)
+        at = n + self.desync_len
+        if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
+            # one rank's values (this rank's own): a short buffer, read whole; lists of one
+            flat = self.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
+            values = dict(zip(self.keys, flat[:n]))
+            values.update(self.host)
+            own = self.rows.tolist()[0] if self.rows is not None else flat[at:at + len(RANK_FIELDS)]
+            return values, {f: [v] for f, v in zip(RANK_FIELDS, own)}
+        flat = self.buffer.numpy()  # a view: nothing here grows with the world size
         values = dict(zip(self.keys, flat[:n].tolist()))
         values.update(self.host)
-        at = n + self.desync_len
-        rows = flat[at:at + self.ranks * len(RANK_FIELDS)].reshape(self.ranks, len(RANK_FIELDS))
-        if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
-            return values, dict(zip(RANK_FIELDS, rows.T.tolist()))  # one rank's values: lists of one
-        sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
+        if self.rows is not None:
+            rows = self.rows.numpy()
+            sketches = self.sketches.numpy() if self.sketches is not None else None
+        else:
+            rows = flat[at:at + self.ranks * len(RANK_FIELDS)].reshape(self.ranks, len(RANK_FIELDS))
+            sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
         return values, RankVectors(rows, sketches=sketches, compared=flat[n:at] if self.decode is not None else None,
                                    decode=self.decode)
 
@@ -290,7 +304,7 @@ class ReportPipeline:
         # Optimizer-state non-finite count summed over the ranks (sharded parameters only).
         self._state_nonfinite: torch.Tensor | None = None
         self._rank_values: Mapping[str, list[float]] = {}
-        self._layer_keys: dict[str, list[str]] = {}
+        self._layer_keys: dict[tuple[str, ...], list[str]] = {}
 
     # ------------------------------------------------------------------ every step
 
@@ -332,16 +346,17 @@ class ReportPipeline:
         extra = self._fingerprints(st)
         gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         ex = self.exchange
-        self._noise_scale(dev, st, ex.fields(gathered), micro_count, host_step.tokens)
+        every_row = ex.fields(gathered)
+        self._noise_scale(dev, st, every_row, micro_count, host_step.tokens)
         compared = sketches = None
         if ex.leader:  # every rank's rows; the others keep their own (O(1) whatever the world size)
-            rows = ex.fields(gathered).to(self.device)
+            rows = every_row  # where the collective left them (host rows stay on the host)
             sketches = ex.sketches(gathered)
             if self.fingerprint is not None:
                 fp = self.fingerprint
                 compared = desync(ex.extra(gathered).to(self.device), fp.layers, fp.k, fp.groups)
         else:
-            rows = ex.fields(gathered)[ex.rank:ex.rank + 1].to(self.device)
+            rows = every_row[ex.rank:ex.rank + 1].to(self.device)
         agreed = ex.agreed(gathered, state)
         self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared, sketches))
         return agreed
@@ -451,16 +466,18 @@ class ReportPipeline:
                          grad_norm: torch.Tensor | None) -> None:
         rows = self.interval
         finite = rows * 0 == 0  # x * 0 is NaN exactly where x is NaN or +-Inf
-        loss_finite = finite[:, 0]
+        (losses, norms), (loss_finite, norm_finite) = rows.unbind(1), finite.unbind(1)
         self.nonfinite_steps += self.interval_nonfinite(finite)
         # A non-finite loss anywhere in the interval is the interval's loss: the first one.
-        # (index_select: indexing with a device tensor could read it on the host)
-        first_bad = rows[:, 0].index_select(0, torch.argmin(loss_finite.to(torch.uint8)).reshape(1))[0]
+        # (take: indexing with a device tensor could read it on the host)
+        first_bad = losses.take(torch.argmin(loss_finite.to(torch.uint8)))
         dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
-        dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps.clone()
+        # the counter itself: it changes next at the next report, after this report's copy
+        # (device order), so no snapshot of it is needed
+        dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = torch.where(finite[:, 1], rows[:, 1], 0.0).amax()
+            dev["trainguard_grad_norm_max"] = torch.where(norm_finite, norms, 0.0).amax()
         rows.zero_()  # after its last reader above (device order)
 
     def _param_values(self, dev: dict[str, torch.Tensor], st: StepState) -> torch.Tensor:
@@ -504,26 +521,32 @@ class ReportPipeline:
 
     def _layer_metrics(self, st: StepState, param_sq: torch.Tensor,
                        vectors: list[tuple[list[str], torch.Tensor]]) -> None:
+        """The per-layer vectors: every per-tensor sum of squares summed per layer in one
+        ``index_add_`` (each row summed as ``stats.segment_sum`` would: the same order), one
+        ``sqrt``; the gradient statistics' (layers, 4) block as it is (keys layer-major)."""
         layers, ids = self.index.layers, self.index.layer_ids
         n = len(layers)
 
-        def add(metric: str, values: torch.Tensor) -> None:
-            keys = self._layer_keys.get(metric)
+        def keys_of(*metrics: str) -> list[str]:
+            keys = self._layer_keys.get(metrics)
             if keys is None:
-                keys = self._layer_keys[metric] = [sample_key(metric, layer=layer) for layer in layers]
-            vectors.append((keys, values))
+                keys = self._layer_keys[metrics] = [sample_key(m, layer=layer) for layer in layers for m in metrics]
+            return keys
 
-        if st.grad_norms is not None:
-            g = stats.segment_sum(st.grad_norms.to(torch.float64).square(), ids, n).sqrt()
-            add("trainguard_layer_grad_norm", unscale(g, st.scale))
-        add("trainguard_layer_param_norm", stats.segment_sum(param_sq, ids, n).sqrt())
+        grads = st.grad_norms is not None
+        update = st.delta_sq is not None and st.before_sq is not None
+        columns = ([st.grad_norms.to(torch.float64).square()] if grads else []) + [param_sq]  # type: ignore[union-attr]
+        if update:
+            columns += [st.delta_sq, st.before_sq]
+        sums = torch.zeros(len(columns), n, dtype=torch.float64, device=self.device)
+        norms = sums.index_add_(1, ids, torch.stack(columns).to(torch.float64)).sqrt_().unbind(0)
+        if grads:
+            vectors.append((keys_of("trainguard_layer_grad_norm"), unscale(norms[0], st.scale)))
+        vectors.append((keys_of("trainguard_layer_param_norm"), norms[int(grads)]))
         if st.grad_stats is not None:
-            for column, metric in enumerate(LAYER_STATS):
-                add(metric, st.grad_stats[0][:, column])
-        if st.delta_sq is not None and st.before_sq is not None:
-            delta = stats.segment_sum(st.delta_sq, ids, n).sqrt()
-            before = stats.segment_sum(st.before_sq, ids, n).sqrt()
-            add("trainguard_layer_update_ratio", delta / before)
+            vectors.append((keys_of(*LAYER_STATS), st.grad_stats[0].reshape(-1)))
+        if update:
+            vectors.append((keys_of("trainguard_layer_update_ratio"), norms[-2] / norms[-1]))
 
     def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
                      host: dict[str, float], gpu_xid: float = math.nan) -> tuple[torch.Tensor, int]:
@@ -571,9 +594,13 @@ class ReportPipeline:
             assert self.fingerprint is not None
             world, names, tol = rows.shape[0], self.fingerprint.names, self.desync_rel_tol
             decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
-        pieces.append(rows.reshape(-1))
-        if sketches is not None:  # int64 bits as float64: cat copies bits
-            pieces.append(sketches.to(self.device).reshape(-1))
+        if self.exchange.leader and rows.device.type == "cpu":  # rows the collective left on the host (gloo): kept, not copied
+            rows_kept, sketches_kept = rows, sketches
+        else:
+            rows_kept = sketches_kept = None
+            pieces.append(rows.to(self.device).reshape(-1))
+            if sketches is not None:  # int64 bits as float64: cat copies bits
+                pieces.append(sketches.to(self.device).reshape(-1))
         vec = torch.cat(pieces)
         event = None
         if vec.device.type == "cuda":
@@ -583,7 +610,8 @@ class ReportPipeline:
             event.record()
             vec = buffer
         return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode,
-                        sketch_len=sketches.numel() if sketches is not None else 0, leader=self.exchange.leader)
+                        sketch_len=sketches.numel() if sketches is not None else 0, leader=self.exchange.leader,
+                        rows=rows_kept, sketches=sketches_kept)
 
     # ------------------------------------------------------------------ publication
 

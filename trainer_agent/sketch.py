@@ -19,10 +19,11 @@ that share a sampler seed and rank configuration see the same data (J ~ 1).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["BottomK", "EMPTY", "SKETCH_K", "jaccard", "normalized", "overlaps", "pair_estimates"]
+__all__ = ["BottomK", "EMPTY", "SKETCH_K", "distinct_rows", "jaccard", "normalized", "overlaps", "pair_estimates", "row_hash"]
 
 #: Sketch size every rank sends at a report (the same on all ranks): 512 bytes per rank; the
 #: Jaccard estimate's standard error is at most 1/16.
@@ -142,6 +143,26 @@ def _pairs_sharing_values(values: np.ndarray, crowded: int) -> tuple[np.ndarray,
     return np.stack([code // n, code % n], axis=1), shared
 
 
+def row_hash(values: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of ``values`` ([n, w] uint64; position-dependent)."""
+    mixed = values * np.uint64(0x9E3779B97F4A7C15)  # wraps: uint64 arithmetic is modulo 2^64
+    mixed ^= mixed >> np.uint64(29)
+    weights = (np.arange(1, values.shape[1] + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)) | np.uint64(1)
+    return (mixed * weights).sum(axis=1, dtype=np.uint64)
+
+
+def distinct_rows(values: np.ndarray, hash_rows: Callable[[np.ndarray], np.ndarray] = row_hash
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(distinct rows, first rank of each, group of each rank)``: one sort of a hash per row,
+    every row then checked against its group's first (on a collision, a sort of the rows)."""
+    _, first, group = np.unique(hash_rows(values), return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    if not (values == values[first[group]]).all():  # two different rows with the same hash
+        _, first, group = np.unique(values, axis=0, return_index=True, return_inverse=True)
+        group = group.reshape(-1)
+    return values[first], first, group
+
+
 def overlaps(rows: np.ndarray, k: int, candidates: int = 32, crowded: int = 64,
              chunk: int = 1 << 15) -> tuple[np.ndarray, np.ndarray]:
     """For sketches ``rows`` ([ranks, k] int64, row r = rank r), each rank's largest estimated
@@ -166,8 +187,7 @@ def overlaps(rows: np.ndarray, k: int, candidates: int = 32, crowded: int = 64,
     if n == 0:
         return best, partner
     values = normalized(rows)
-    distinct, first, group = np.unique(values, axis=0, return_index=True, return_inverse=True)
-    group = group.reshape(-1)
+    distinct, first, group = distinct_rows(values)
     g = len(distinct)
     filled = distinct[:, 0] != EMPTY
     g_best = np.where(filled, 0.0, np.nan)

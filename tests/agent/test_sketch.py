@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer_agent.sketch import EMPTY, BottomK, jaccard, overlaps
+from trainer_agent.sketch import EMPTY, BottomK, distinct_rows, jaccard, normalized, overlaps, row_hash
 
 K = 256
 
@@ -155,3 +155,14 @@ def test_a_hash_nearly_every_rank_saw_costs_no_n_squared_pairs_and_keeps_the_pla
     assert best[5] == ref[5] and best[200] == ref[200] and ref[5] > 0.3
     assert partner[5] == 200 and partner[200] == 5
     assert (best <= ref).all() and (best > 0).all()  # the others: linked through the common hash only
+
+
+def test_distinct_rows_group_equal_sketches_even_when_their_hashes_collide() -> None:
+    rng = np.random.default_rng(11)
+    base = np.stack([_sketch(_hashes(rng, 50), k=16, batches=1) for _ in range(4)])
+    rows = normalized(base[[2, 0, 2, 1, 3, 0, 3]])
+    for hash_rows in (row_hash, lambda v: np.zeros(len(v), dtype=np.uint64)):  # the second: every row collides
+        distinct, first, group = distinct_rows(rows, hash_rows)
+        np.testing.assert_array_equal(distinct[group], rows)  # each rank's group holds its own sketch
+        assert sorted(first.tolist()) == [0, 1, 3, 4]  # the lowest rank of each sketch
+        assert len({tuple(r) for r in distinct.tolist()}) == len(distinct) == 4
