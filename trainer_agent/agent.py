@@ -776,8 +776,8 @@ class Agent:
     @property
     def desync(self) -> list[DesyncFinding]:
         """Layers whose gradient or parameter fingerprints differed across ranks by more than
-        ``config.desync_rel_tol`` at the last published report (worst first; empty when in sync
-        or with one rank)."""
+        ``config.desync_rel_tol`` at the last published report (worst first; empty when in sync,
+        with one rank, and on ranks other than the leader, which compares)."""
         return self.reports.desync
 
     @property

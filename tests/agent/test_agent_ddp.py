@@ -1,8 +1,8 @@
 """Data parallelism: two real processes (gloo), DistributedDataParallel, one micro-batch each.
 
 The noise scale then comes from the ranks' local gradients (before the all-reduce) against the
-all-reduced one; the global gradient norm is the all-reduced gradient's; per-rank values are
-gathered on every rank.
+all-reduced one; the global gradient norm is the all-reduced gradient's; the leader holds every
+rank's gathered values, the other rank its own.
 """
 
 from __future__ import annotations
