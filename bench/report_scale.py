@@ -17,7 +17,8 @@ medians over ``--reports`` report steps of
   itself in the header line);
 - ``off-thread ms``: the leader's cross-rank work done elsewhere (the per-rank vectors and the
   data overlap, resolved on the cross-rank worker: thread CPU time there); ``-`` where the code
-  does it on the training thread (it is then in ``train ms``).
+  does it on the training thread (it is then in ``train ms``);
+- ``overlaps ms``: ``sketch.overlaps`` alone on the W synthetic sketches (wherever it runs).
 
 Thread CPU time is what another process on the machine does not move, unlike wall time.
 """
@@ -36,7 +37,7 @@ from torch import nn
 
 import trainer_agent as ta
 from trainer_agent import ranks, report
-from trainer_agent.sketch import SKETCH_K, BottomK
+from trainer_agent.sketch import SKETCH_K, BottomK, overlaps
 
 GROUP = 8  # ranks that share data (tensor parallelism)
 
@@ -122,12 +123,17 @@ def main() -> None:
           f"torch {torch.__version__}; trainer_agent from {report.__file__})")
     base = {rank: measure(2, rank, args.reports)[0] for rank in (0, 1)}
     print(f"at W = 2: leader {base[0]:.2f} ms, other rank {base[1]:.2f} ms of training-thread CPU per report step")
-    print("W | leader train ms | leader off-thread ms | other rank train ms")
+    print("W | leader train ms | leader off-thread ms | other rank train ms | overlaps ms")
     for world in args.world:
         lead, off = measure(world, 0, args.reports)
         other, _ = measure(world, 1, args.reports)
+        ex = _exchange(world, 0)
+        sketches = synthetic_rows(ex, world)[:, ex.sketch_at:].contiguous().view(torch.int64).numpy()
+        t0 = time.thread_time()
+        overlaps(sketches, SKETCH_K)
+        alone = (time.thread_time() - t0) * 1e3
         print(" | ".join([f"{world:,}", f"{lead - base[0]:.2f}", "-" if off is None else f"{off:.1f}",
-                          f"{other - base[1]:.2f}"]), flush=True)
+                          f"{other - base[1]:.2f}", f"{alone:.1f}"]), flush=True)
 
 
 if __name__ == "__main__":
