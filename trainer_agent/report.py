@@ -207,6 +207,7 @@ class CrossRankWorker:
                 else:
                     log.warning("trainguard: cross-rank work of a report failed: %r", exc)
             finally:
+                job = None  # noqa: F841 - holds the report (and the agent) no longer than it runs
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
