@@ -34,6 +34,21 @@ from trainguard.protocol.wire import Report
 
 __all__ = ["create_app"]
 
+#: Longest refused value a 422 repeats (JSON characters); a longer one is cut, with its length.
+ECHO_LIMIT = 512
+
+
+def _bounded_input(error: dict) -> dict:
+    """The error with its ``input`` cut to ``ECHO_LIMIT`` characters of JSON: a refused value can
+    be megabytes (a report's packed per-rank vector), and the answer must not repeat it."""
+    if "input" not in error:
+        return error
+    text = json.dumps(error["input"])
+    if len(text) > ECHO_LIMIT:
+        error = dict(error, input=f"{text[:ECHO_LIMIT]}... ({len(text):,} characters in all)")
+    return error
+
+
 _STATUS = {NotFound: 404, Conflict: 409, Forbidden: 403, Invalid: 422, TooMany: 429, StoreError: 503}
 
 
@@ -123,7 +138,7 @@ def create_app(
         # unpaired surrogate escape ("\\ud800", which Python's json accepts) made the 422 itself
         # fail to encode: a 500. Escaped JSON encodes every string.
         assert isinstance(exc, RequestValidationError)
-        errors = jsonable_encoder(exc.errors())
+        errors = [_bounded_input(e) for e in jsonable_encoder(exc.errors())]
         body = json.dumps({"detail": validation_summary(errors), "errors": errors}).encode()
         return Response(body, status_code=422, media_type="application/json")
 

@@ -44,3 +44,19 @@ def test_paired_surrogates_are_ordinary_text(app_factory: Callable[..., Any]) ->
         r = c.post("/v1/runs/run-1/pause", content=b'{"reason":"\\ud83d\\ude00 spike"}', headers=_H)
         assert r.status_code == 200, r.text
         assert c.get("/v1/runs/run-1").json()["desired"]["reason"] == "\U0001F600 spike"
+
+
+
+def test_a_422_repeats_at_most_the_start_of_a_large_refused_value(app_factory: Callable[..., Any]) -> None:
+    from trainguard.service.app import ECHO_LIMIT
+
+    with app_factory() as c:
+        long = "x" * 200_000  # far past agent_version's 64 characters, well inside the body limit
+        r = c.post("/v1/runs", json={"job": "job-a", "run": "run-2", "world_size": 1, "agent_version": long})
+        assert r.status_code == 422, r.text[:300]
+        assert len(r.content) < 4 * ECHO_LIMIT  # the answer, not the 200 KB sent
+        (err,) = r.json()["errors"]
+        assert err["loc"] == ["body", "agent_version"]
+        shown = json.dumps(long)
+        assert err["input"] == f"{shown[:ECHO_LIMIT]}... ({len(shown):,} characters in all)"
+        assert c.get("/v1/runs").json() == []
