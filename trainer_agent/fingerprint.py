@@ -332,10 +332,10 @@ def desync(rows: torch.Tensor, layers: int, k: int,
     if not packed and rows.shape[1] != 2 * layers * (k + 1):
         raise ValueError(f"fingerprint rows of {layers} units and {k} projections have {layers * (k + 1)} "
                          f"(packed) or {2 * layers * (k + 1)} values, got {rows.shape[1]}")
-    if groups is None:
-        groups = [(torch.arange(layers, device=rows.device), torch.arange(world, device=rows.device).view(1, world))]
     if rows.device.type == "cpu" and not by_sorting:
         return _host_desync(rows.contiguous().view(torch.float32) if packed else rows, layers, k, groups)
+    if groups is None:
+        groups = [(torch.arange(layers, device=rows.device), torch.arange(world, device=rows.device).view(1, world))]
     if packed:
         rows = rows.contiguous().view(torch.float32).to(torch.float64)
     parts = rows.reshape(world, 2, layers, k + 1)
@@ -364,7 +364,7 @@ def _sorted_rel(fg: torch.Tensor, ng: torch.Tensor) -> torch.Tensor:
 
 
 def _host_desync(values: torch.Tensor, layers: int, k: int,
-                 groups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                 groups: Sequence[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
     """:func:`desync` of host rows (``values``: (W, 2 * layers * (k + 1)) float32 or float64), in
     O(W log W) per group set when a group's ranks mostly agree. In a group where more than half
     the ranks hold the same bits (projections and norms of every unit, both kinds), both middle
@@ -379,10 +379,11 @@ def _host_desync(values: torch.Tensor, layers: int, k: int,
     parts = values.view(world, 2, layers, k + 1)
     words = values.view(torch.int32).view(world, 2, layers, -1)
     updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (ranks, units, (D, 2, U) rel)
+    everything = groups is None  # one group: every rank in every unit
+    if groups is None:
+        groups = [(torch.arange(layers), torch.arange(world).view(1, world))]
     for units, ranks in groups:
         G, c = ranks.shape
-        everything = G == 1 and units.numel() == layers and torch.equal(units, torch.arange(layers)) \
-            and torch.equal(ranks[0], torch.arange(world))
         if everything:  # the whole rows, as 64-bit words
             x, key = values.view(torch.int64).view(1, world, -1), values.sum(dim=1).view(1, world)
         else:
@@ -416,10 +417,9 @@ def _host_desync(values: torch.Tensor, layers: int, k: int,
         top, at = rel.max(dim=2)
         worst[:, touched], where[:, touched] = top, at.to(torch.float64)
         by_layer = rel.amax(dim=1)
-    out = []
-    for kind in range(2):
-        out += [worst[kind], where[kind], parts[:, kind, :, 0].to(torch.float64).sum(dim=1), by_layer[kind]]
-    return torch.cat(out)
+    fingerprint = parts[..., 0].to(torch.float64).sum(dim=2).t()  # (2, W): projection 0 summed
+    per_rank = torch.stack([worst, where, fingerprint], dim=1).view(2, 3 * world)
+    return torch.cat([per_rank, by_layer], dim=1).view(-1)
 
 
 def rel_diff(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
