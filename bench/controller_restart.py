@@ -12,7 +12,9 @@ process) is started on it and timed from the process start:
 * ``ready``: until ``/readyz`` answers 200 (the runs are read back and the writer runs);
 * ``rows``: rows the read-back fetched from SQLite and the SQLite VM instructions it ran (the
   work of the scans, whether or not their rows are fetched), measured in a separate process
-  running the same read-back with a counting connection.
+  running the same read-back with a counting connection (``read-back s``: its time there);
+* ``in serve``: the read-back's time as this code's ``trainguard serve`` logs it (the older code
+  logs none).
 
     .venv/bin/python bench/controller_restart.py                       # 1,000 and 10,000 runs x 200 reports
     .venv/bin/python bench/controller_restart.py --runs 1000 --reports 400
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import random
 import socket
 import sqlite3
@@ -101,8 +105,9 @@ def serve_times(db: Path, code: Path | None, timeout_s: float) -> dict[str, floa
     """Start ``trainguard serve`` of ``code`` on ``db``: seconds to a TCP accept and to /readyz 200."""
     port = _free_port()
     t0 = time.monotonic()
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "serve", "--port", str(port), "--db", str(db),
-                             "--log-level", "warning"], env=_env(code), cwd=CWD, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--log-level", "warning"], env=_env(code), cwd=CWD, stdout=log, stderr=subprocess.STDOUT)
     out: dict[str, float] = {}
     try:
         while "tcp" not in out:
@@ -127,6 +132,11 @@ def serve_times(db: Path, code: Path | None, timeout_s: float) -> dict[str, floa
     finally:
         proc.terminate()
         proc.wait(30)
+        log.seek(0)
+        # this code says how long its read-back took ("N runs read back in X s: serving")
+        said = re.search(r"runs read back in ([\d.]+) s", log.read())
+        out["server_read_back"] = float(said.group(1)) if said else math.nan
+        log.close()
     return out
 
 
@@ -180,7 +190,7 @@ def main() -> None:
     args = ap.parse_args()
     codes: list[tuple[str, Path | None]] = [("this code", None)] + ([("older code", args.old)] if args.old else [])
     print(f"{'runs':>7} {'reports/run':>11} {'code':<11} {'tcp s':>7} {'ready s':>8} {'rows fetched':>13} "
-          f"{'VM steps':>13} {'read-back s':>11}")
+          f"{'VM steps':>13} {'read-back s':>11} {'in serve s':>10}")
     with tempfile.TemporaryDirectory(prefix="tg-restart-") as tmp:
         for runs in [int(n) for n in args.runs.split(",")]:
             base = Path(tmp) / f"old-{runs}.db"
@@ -198,7 +208,8 @@ def main() -> None:
                 times = serve_times(db, code, args.timeout)
                 results[name] = (times, counted)
                 print(f"{runs:>7} {args.reports:>11} {name:<11} {times['tcp']:>7.2f} {times['ready']:>8.2f} "
-                      f"{counted['fetched']:>13,} {counted['vm_steps']:>13,} {counted['seconds']:>11.2f}", flush=True)
+                      f"{counted['fetched']:>13,} {counted['vm_steps']:>13,} {counted['seconds']:>11.2f} "
+                      f"{times['server_read_back']:>10.2f}", flush=True)
                 db.unlink()
             if len(results) == 2:
                 (tn, cn), (to, co) = results["this code"], results["older code"]
