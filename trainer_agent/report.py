@@ -93,9 +93,12 @@ class RankVectors(Mapping[str, list[float]]):
     fingerprints differ. ``matrix``: the rows as they arrived, (world, RANK_FIELDS) float64."""
 
     def __init__(self, matrix: np.ndarray, *, sketches: np.ndarray | None = None,
-                 compared: np.ndarray | None = None, decode: Decode | None = None) -> None:
+                 compared: np.ndarray | None = None, decode: Decode | None = None,
+                 compare: Callable[[], torch.Tensor] | None = None) -> None:
+        """``compared``: the fingerprint comparison's host vector, or ``compare``: what makes it
+        (at resolution); ``decode``: its findings."""
         self.matrix = matrix
-        self._sketches, self._compared, self._decode = sketches, compared, decode
+        self._sketches, self._compared, self._decode, self._compare = sketches, compared, decode, compare
         self._lock = threading.Lock()
         self._vectors: dict[str, list[float]] | None = None
         self._desync: list[DesyncFinding] = []
@@ -113,6 +116,8 @@ class RankVectors(Mapping[str, list[float]]):
         with self._lock:
             if self._vectors is None:
                 vectors = RankExchange.unpack_rows(self.matrix, self.world)
+                if self._compare is not None:
+                    self._compared = self._compare().cpu().numpy()
                 if self._decode is not None and self._compared is not None:
                     found, self._desync = self._decode(self._compared)
                     vectors.update(found)
@@ -121,7 +126,7 @@ class RankVectors(Mapping[str, list[float]]):
                     if overlap is not None:
                         vectors["data_overlap"] = overlap
                 self._vectors = vectors
-                self._sketches = self._compared = None  # done with them
+                self._sketches = self._compared = self._compare = None  # done with them
             return self._vectors
 
     @property
@@ -218,16 +223,18 @@ class InFlight:
     (every rank's on the leader, this rank's own elsewhere); ``sketch_len``: the leader's sketch
     part after them (0 without one); ``desync_len``: the fingerprint comparison before them.
     ``rows`` / ``sketches``: the same parts as host tensors kept apart (rows the collective left
-    on the host: not copied into the buffer)."""
+    on the host: not copied into the buffer); ``compare``: makes the fingerprint comparison later
+    (instead of ``desync_len`` values in the buffer)."""
 
     __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "sketch_len", "leader",
-                 "rows", "sketches")
+                 "rows", "sketches", "compare")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
                  host: dict[str, float], ranks: int, desync_len: int = 0, decode: Decode | None = None,
                  sketch_len: int = 0, leader: bool = True, rows: torch.Tensor | None = None,
-                 sketches: torch.Tensor | None = None) -> None:
+                 sketches: torch.Tensor | None = None, compare: Callable[[], torch.Tensor] | None = None) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
+        self.compare = compare
         self.desync_len, self.decode, self.sketch_len, self.leader = desync_len, decode, sketch_len, leader
         self.rows, self.sketches = rows, sketches
 
@@ -257,8 +264,8 @@ class InFlight:
         else:
             rows = flat[at:at + self.ranks * len(RANK_FIELDS)].reshape(self.ranks, len(RANK_FIELDS))
             sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
-        return values, RankVectors(rows, sketches=sketches, compared=flat[n:at] if self.decode is not None else None,
-                                   decode=self.decode)
+        return values, RankVectors(rows, sketches=sketches, decode=self.decode, compare=self.compare,
+                                   compared=flat[n:at] if self.decode is not None and self.compare is None else None)
 
 
 class ReportPipeline:
@@ -348,18 +355,22 @@ class ReportPipeline:
         gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         ex = self.exchange
         every_row = ex.fields(gathered)
-        self._noise_scale(dev, st, every_row, micro_count, host_step.tokens)
-        compared = sketches = None
+        compared = sketches = compare = None
         if ex.leader:  # every rank's rows; the others keep their own (O(1) whatever the world size)
+            # the noise scale is the job's (every rank's micro-batch sums): the leader's value
+            self._noise_scale(dev, st, every_row, micro_count, host_step.tokens)
             rows = every_row  # where the collective left them (host rows stay on the host)
             sketches = ex.sketches(gathered)
             if self.fingerprint is not None:
-                fp = self.fingerprint
-                compared = desync(ex.extra(gathered).to(self.device), fp.layers, fp.k, fp.groups)
+                fp, extra = self.fingerprint, ex.extra(gathered)
+                if extra.device.type == "cpu":  # host rows (gloo): compared on the cross-rank worker
+                    compare = lambda: desync(extra, fp.layers, fp.k, fp.groups)  # noqa: E731
+                else:  # device rows: compared on the device, no sync
+                    compared = desync(extra.to(self.device), fp.layers, fp.k, fp.groups)
         else:
             rows = every_row[ex.rank:ex.rank + 1].to(self.device)
         agreed = ex.agreed(gathered, state)
-        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared, sketches))
+        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared, sketches, compare))
         return agreed
 
     def _shard_width(self) -> int:
@@ -581,7 +592,10 @@ class ReportPipeline:
 
     def _pack(self, step: int, dev: dict[str, torch.Tensor], vectors: list[tuple[list[str], torch.Tensor]],
               rows: torch.Tensor, host: dict[str, float], compared: torch.Tensor | None = None,
-              sketches: torch.Tensor | None = None) -> InFlight:
+              sketches: torch.Tensor | None = None,
+              compare: Callable[[], torch.Tensor] | None = None) -> InFlight:
+        """``compared``: the fingerprint comparison, copied with the report; ``compare``: the same
+        made later, off the training thread (host rows)."""
         keys = list(dev)
         pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
                                for v in dev.values()])]
@@ -589,9 +603,10 @@ class ReportPipeline:
             keys += vector_keys
             pieces.append(values.to(torch.float64))
         decode, desync_len = None, 0
-        if compared is not None:
-            pieces.append(compared)
-            desync_len = compared.numel()
+        if compared is not None or compare is not None:
+            if compared is not None:
+                pieces.append(compared)
+                desync_len = compared.numel()
             assert self.fingerprint is not None
             world, names, tol = rows.shape[0], self.fingerprint.names, self.desync_rel_tol
             decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
@@ -612,7 +627,7 @@ class ReportPipeline:
             vec = buffer
         return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode,
                         sketch_len=sketches.numel() if sketches is not None else 0, leader=self.exchange.leader,
-                        rows=rows_kept, sketches=sketches_kept)
+                        rows=rows_kept, sketches=sketches_kept, compare=compare)
 
     # ------------------------------------------------------------------ publication
 

@@ -169,6 +169,6 @@ def _ddp_worker(rank: int, init: str, out: str) -> None:
 @pytest.mark.distributed
 def test_ddp_desync_names_the_block(tmp_path) -> None:
     out = spawn_ranks(_ddp_worker, WORLD, tmp_path, timeout=180)
-    assert out[0] == out[1]
+    assert out[1] == []  # the leader compares; the other rank holds no findings
     # with two ranks either one may be the odd one out; the block is named, not "model.layers"
     assert [(kind, layer) for kind, layer, _ in out[0] if kind == "grad"] == [("grad", PERTURBED)]
