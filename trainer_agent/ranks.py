@@ -157,5 +157,7 @@ class RankExchange:
     @staticmethod
     def unpack_rows(flat: Sequence[float] | np.ndarray, ranks: int) -> dict[str, list[float]]:
         """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)`` (rank-major)."""
-        columns = np.asarray(flat, dtype=np.float64).reshape(ranks, len(RANK_FIELDS)).T.tolist()
-        return dict(zip(RANK_FIELDS, columns))
+        rows = np.asarray(flat, dtype=np.float64).reshape(ranks, len(RANK_FIELDS))
+        # a column at a time: each tolist holds the GIL for one column only (the leader's worker
+        # thread runs this beside the training thread)
+        return {f: rows[:, i].tolist() for i, f in enumerate(RANK_FIELDS)}
