@@ -118,7 +118,7 @@ from trainer_agent.inputs import InputWait
 from trainer_agent.params import ParamIndex
 from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
-from trainer_agent.report import HostStep, ReportPipeline
+from trainer_agent.report import HostStep, RankVectors, ReportPipeline
 from trainer_agent.schedule import ReportSchedule, ScheduledLr
 from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.step_stats import GradHooks, StepMeter
@@ -615,7 +615,8 @@ class Agent:
             self._published = values
         if self.rank == 0:  # the cross-rank part: off the training thread (ReportPipeline.off_thread)
             current = self._current_values() if self.control is not None else values
-            self.reports.off_thread(lambda: self._on_ranks(current, rank_values))
+            light = (lambda: self._on_ranks(current, rank_values.light())) if isinstance(rank_values, RankVectors) else None
+            self.reports.off_thread(lambda: self._on_ranks(current, rank_values), light)
 
     def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
         """Leader: a published report's every-rank part (on the cross-rank worker with several ranks)."""

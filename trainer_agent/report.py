@@ -53,9 +53,12 @@ log = logging.getLogger(__name__)
 #: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
 MAX_IN_FLIGHT = 4
 
-#: The leader's published reports waiting for the cross-rank worker (beyond that the oldest is
-#: dropped and counted: the training thread never waits for it).
+#: The leader's published reports waiting for the cross-rank worker with their whole cross-rank
+#: work; beyond that the oldest runs its light form instead (the report sent without the
+#: comparisons that grow with the world), and only past ``LIGHT_QUEUED`` more is one dropped
+#: (counted): the training thread never waits for the worker.
 MAX_QUEUED = 8
+LIGHT_QUEUED = 64
 
 Decode = Callable[[np.ndarray], tuple[dict[str, list[float]], list[DesyncFinding]]]
 
@@ -135,6 +138,15 @@ class RankVectors(Mapping[str, list[float]]):
         self.resolve()
         return self._desync
 
+    def light(self) -> "LightRankVectors":
+        """The ``RANK_FIELDS`` columns alone (no data overlap, no fingerprint comparison: NaN in
+        the report, which the rules read as no verdict): what the leader sends when its
+        cross-rank worker falls behind."""
+        with self._lock:
+            if self._vectors is not None:
+                return LightRankVectors(self._vectors, self._desync)
+        return LightRankVectors(RankExchange.unpack_rows(self.matrix, self.world), [])
+
     def __getitem__(self, key: str) -> list[float]:
         return self.resolve()[key]
 
@@ -147,36 +159,62 @@ class RankVectors(Mapping[str, list[float]]):
 
 class CrossRankWorker:
     """The leader's daemon thread for the cross-rank work of its published reports: runs the jobs
-    :meth:`submit` queues, oldest first, off the training thread. At most ``max_queued`` wait;
-    beyond that the oldest is dropped (``dropped``) and logged once. A job's exception is logged
-    and passed to ``on_error``; the next job runs."""
+    :meth:`submit` queues, oldest first, off the training thread. At most ``max_queued`` wait
+    whole; beyond that the oldest whole job is replaced by its ``light`` form (``lightened``,
+    logged once: e.g. the report sent with its per-rank columns but without the overlaps and the
+    fingerprint comparison, so that a NaN it carries still reaches the controller), and a job
+    without one, or past ``light_queued`` light jobs, is dropped (``dropped``, logged once). A
+    job's exception is logged and passed to ``on_error``; the next job runs."""
 
     def __init__(self, name: str = "trainguard-ranks", *, max_queued: int = MAX_QUEUED,
+                 light_queued: int = LIGHT_QUEUED,
                  on_error: Callable[[str, BaseException], None] | None = None) -> None:
-        self.name, self.max_queued, self.on_error = name, max_queued, on_error
+        self.name, self.max_queued, self.light_queued, self.on_error = name, max_queued, light_queued, on_error
         self.dropped = 0
-        self._jobs: deque[Callable[[], None]] = deque()
+        self.lightened = 0
+        # [job, light] per queued report, oldest first; the light ones (light None) form a prefix
+        # of ``_light`` entries, since the oldest whole job is always the one made light.
+        self._jobs: deque[list[Any]] = deque()
+        self._light = 0
         self._cond = threading.Condition()
         self._busy = False
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` (never waits); starts the thread on first use."""
+    def submit(self, job: Callable[[], None], light: Callable[[], None] | None = None) -> None:
+        """Queue ``job`` (never waits), with ``light``: what to run instead should the queue
+        overflow before its turn. Starts the thread on first use."""
         with self._cond:
             if self._closing:
                 return
-            if len(self._jobs) >= self.max_queued:
+            if len(self._jobs) - self._light >= self.max_queued:
+                oldest = self._jobs[self._light]
+                if oldest[1] is not None:
+                    oldest[0], oldest[1] = oldest[1], None
+                    self._light += 1
+                    self.lightened += 1
+                    if self.lightened == 1:
+                        log.warning("trainguard: the leader's cross-rank work falls behind the reports; the "
+                                    "oldest waiting report goes without its cross-rank comparisons (data overlap, "
+                                    "fingerprints): reports come faster than %s can resolve them", self.name)
+                else:
+                    del self._jobs[self._light]
+                    self._drop()
+            if self._light > self.light_queued:
                 self._jobs.popleft()
-                self.dropped += 1
-                if self.dropped == 1:
-                    log.warning("trainguard: the leader's cross-rank work falls behind the reports; the oldest "
-                                "waiting report is dropped (reports come faster than %s can resolve them)", self.name)
-            self._jobs.append(job)
+                self._light -= 1
+                self._drop()
+            self._jobs.append([job, light])
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            log.warning("trainguard: the leader's cross-rank work falls behind the reports; the oldest waiting "
+                        "report is dropped (reports come faster than %s can send them)", self.name)
 
     def flush(self, timeout: float | None = None, *, stop: bool = False) -> bool:
         """Wait until every queued job has run (at most ``timeout`` s); with ``stop``, then end
@@ -192,6 +230,7 @@ class CrossRankWorker:
             if stop:
                 self._closing = True
                 self._jobs.clear()
+                self._light = 0
                 self._cond.notify_all()
             return done
 
@@ -202,7 +241,9 @@ class CrossRankWorker:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                job = self._jobs.popleft()
+                job = self._jobs.popleft()[0]
+                if self._light:
+                    self._light -= 1
                 self._busy = True
             try:
                 job()
@@ -216,6 +257,14 @@ class CrossRankWorker:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+class LightRankVectors(dict):
+    """Per-rank vectors of a report sent without its cross-rank comparisons (``RankVectors.light``)."""
+
+    def __init__(self, vectors: Mapping[str, list[float]], desync: list[DesyncFinding]) -> None:
+        super().__init__(vectors)
+        self.desync = desync
 
 
 class InFlight:
@@ -659,13 +708,14 @@ class ReportPipeline:
         rv = self._rank_values
         return rv.desync if isinstance(rv, RankVectors) else []
 
-    def off_thread(self, job: Callable[[], None]) -> None:
+    def off_thread(self, job: Callable[[], None], light: Callable[[], None] | None = None) -> None:
         """Run the leader's cross-rank ``job`` (resolving a :class:`RankVectors`, sending it on)
-        on :attr:`worker`; with one rank, at once (nothing grows with the world)."""
+        on :attr:`worker`, or ``light`` there should the worker fall behind (see
+        :class:`CrossRankWorker`); with one rank, ``job`` at once (nothing grows with the world)."""
         if self.world_size == 1:
             job()
         else:
-            self.worker.submit(job)
+            self.worker.submit(job, light)
 
     def flush(self, timeout: float | None = None, *, stop: bool = False) -> bool:
         """Wait for the cross-rank jobs queued so far (see ``CrossRankWorker.flush``)."""

@@ -67,6 +67,25 @@ def test_rank_vectors_are_the_columns_the_decoded_fingerprints_and_the_overlap_r
     assert set(rv) == set(RANK_FIELDS) | {"grad_desync", "data_overlap"} and len(rv) == F + 2
 
 
+def test_the_light_form_is_the_columns_alone_nan_kept_without_comparing() -> None:
+    world = 4
+    matrix = np.random.default_rng(1).standard_normal((world, F))
+    matrix[2, RANK_FIELDS.index("loss")] = math.inf
+    matrix[1, RANK_FIELDS.index("loss")] = math.nan
+
+    def decode(flat: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+        raise AssertionError("the light form compares nothing")
+
+    rv = RankVectors(matrix, compared=np.zeros(world), decode=decode)
+    light = rv.light()
+    assert set(light) == set(RANK_FIELDS) and light.desync == []
+    loss = light["loss"]
+    assert math.isnan(loss[1]) and loss[2] == math.inf and [loss[0], loss[3]] == matrix[[0, 3], RANK_FIELDS.index("loss")].tolist()
+    resolved = RankVectors(matrix)
+    resolved.resolve()
+    assert resolved.light().keys() == resolved.resolve().keys()  # once resolved, its vectors as they are
+
+
 def test_rank_vectors_without_data_have_no_overlap_vector() -> None:
     empty = np.stack([BottomK(SKETCH_K).take()] * 3).view(np.float64)
     rv = RankVectors(np.zeros((3, F)), sketches=empty)
@@ -76,8 +95,8 @@ def test_rank_vectors_without_data_have_no_overlap_vector() -> None:
 
 def test_the_worker_runs_jobs_in_order_off_the_calling_thread_and_drops_the_oldest_when_full() -> None:
     errors: list[tuple[str, str]] = []
-    worker = CrossRankWorker(max_queued=2, on_error=lambda kind, exc: errors.append((kind, str(exc))))
-    ran: list[tuple[int, str]] = []
+    worker = CrossRankWorker(max_queued=2, light_queued=3, on_error=lambda kind, exc: errors.append((kind, str(exc))))
+    ran: list[tuple[int | str, str]] = []
     release = threading.Event()
     started = threading.Event()
 
@@ -85,7 +104,7 @@ def test_the_worker_runs_jobs_in_order_off_the_calling_thread_and_drops_the_olde
         started.set()
         release.wait(30)
 
-    def job(i: int):
+    def job(i: int | str):
         return lambda: ran.append((i, threading.current_thread().name))
 
     def fail() -> None:
@@ -93,15 +112,19 @@ def test_the_worker_runs_jobs_in_order_off_the_calling_thread_and_drops_the_olde
 
     worker.submit(hold)
     assert started.wait(30)  # the worker is busy: the next jobs wait in the queue
-    for i in range(4):  # room for two: jobs 0 and 1 are dropped, oldest first
-        worker.submit(job(i))
-    assert worker.dropped == 2
-    worker.submit(fail)  # drops job 2
-    worker.submit(job(4))  # drops nothing more than the oldest (job 3)
-    assert worker.dropped == 4
+    for i in range(4):  # room for two whole jobs: jobs 0 and 1 become their light forms, oldest first
+        worker.submit(job(i), job(f"light {i}"))
+    assert (worker.lightened, worker.dropped) == (2, 0)
+    worker.submit(fail)  # job 2 goes light
+    worker.submit(job(4))  # job 3 goes light: four light ones, one past light_queued: light 0 is dropped
+    assert (worker.lightened, worker.dropped) == (4, 1)
+    worker.submit(job(5))  # the oldest whole job (fail) has no light form: dropped
+    assert (worker.lightened, worker.dropped) == (4, 2)
     release.set()
     assert worker.flush(30)
-    assert ran == [(4, "trainguard-ranks")]
+    assert ran == [(f"light {i}", "trainguard-ranks") for i in (1, 2, 3)] + [(i, "trainguard-ranks") for i in (4, 5)]
+    worker.submit(fail)
+    assert worker.flush(30)
     assert errors == [("cross_rank", "job failed")]  # the failure was passed on; the next job ran
     worker.submit(job(5))
     assert worker.flush(30, stop=True) and ran[-1][0] == 5
