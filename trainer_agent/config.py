@@ -61,7 +61,8 @@ class AgentConfig:
     the global gradient norm, the LR, the update ratio, the noise scale, the controller's state
     ...), which are the same on every rank: ``"rank0"``, the leader only (each other rank serves
     only its own values), or ``"all"``, a copy on every rank (e.g. so that they stay visible while
-    rank 0's endpoint is not scraped)."""
+    rank 0's endpoint is not scraped) — except the noise scale, the gradient variance and the
+    recommended batch size, which the leader alone makes from every rank's gathered values."""
 
     update_ratio: UpdateRatioMode = "report"
     """When the weights before the step are snapshotted for ``update_ratio``/``effective_lr``:

@@ -375,5 +375,10 @@ def test_with_job_metrics_all_every_rank_serves_a_copy_of_the_jobs_values(tmp_pa
     assert other["scraped"].keys() == other["latest"].keys()
     assert not any(BY_NAME[parse_key(k)[0]].scope == LAYER for k in other["scraped"])  # per_layer stays "rank0"
     present = {parse_key(k)[0] for k in leader["scraped"]}
-    assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, job_metrics="all", names=present)
+    # The noise scale (and the batch size it recommends) is made from every rank's gathered values
+    # on the leader alone: no other rank holds a copy of it to serve.
+    leaders_own = {"trainguard_grad_noise_scale", "trainguard_grad_variance", "trainguard_recommended_batch_size"}
+    assert present - {parse_key(k)[0] for k in other["scraped"]} - {n for n in present if BY_NAME[n].scope == LAYER} == leaders_own
+    assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, job_metrics="all",
+                                                    names=present - leaders_own)
     assert other["scraped"]["trainguard_grad_norm"] == leader["scraped"]["trainguard_grad_norm"]
