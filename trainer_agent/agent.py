@@ -317,7 +317,6 @@ class Agent:
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
                              optimizer=self.optimizer, metrics_url=self.metrics_url,
                              step=lambda: self.step, grad_norm=self._grad_norm_before_step,
-                             desync=lambda: self.reports.desync,
                              accumulation_steps=self.accumulation_base,
                              named_parameters=self.model.named_parameters)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None

@@ -136,9 +136,6 @@ class ControlContext:
     grad_norm: Callable[[], torch.Tensor | None]
     """The pre-clip global gradient norm of the step in progress (0-dim float64 device tensor),
     valid in the optimizer's pre-hook; None before the first backward of the step."""
-    desync: Callable[[], Sequence[Any]] = lambda: ()
-    """Layers whose fingerprints differed across ranks at the last published report
-    (``trainer_agent.fingerprint.DesyncFinding``)."""
     accumulation_steps: int | None = None
     """The run's own accumulation steps when it lets the controller change them (else None)."""
     named_parameters: Callable[[], Any] = lambda: ()
@@ -529,7 +526,7 @@ class ControlPlane:
             ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
             applied_generation=self._generation,
             desync=[DesyncLayer(kind=d.kind, layer=d.layer[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))
-                    for d in (rank_values.desync if hasattr(rank_values, "desync") else self._ctx.desync())[:MAX_DESYNC_LAYERS]],
+                    for d in getattr(rank_values, "desync", ())[:MAX_DESYNC_LAYERS]],
         )
         self._last_reported_step = published
         self._client.submit_report(report)
