@@ -92,6 +92,7 @@ def condition(rule: Any) -> str:
         return f"some rank differs by > {_num(rule.rel_tol)} relative in a layer"
     if kind == "oscillation":
         return (f"a periodic swing over {rule.window} reports (≥ {_num(100 * rule.min_power)} % of the variance, "
+                f"recurring a period later: autocorrelation ≥ {_num(rule.min_autocorrelation)}, "
                 f"amplitude ≥ {_num(100 * rule.min_rel_amplitude)} % of the mean)")
     if kind == "absence":
         return f"no report for {_num(rule.seconds)} s"

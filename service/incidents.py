@@ -23,7 +23,9 @@ snapshot: taken before the onset by construction. With none, it is refused with 
 rule's actions change the desired state, or when a report shows the agent's spike guard skipping
 steps in a row (the ladder's first rung, ``skip``, taken by the agent itself). While it is open,
 each rung gets ``window_reports`` unhealthy reports and ``window_steps`` steps to work (whichever
-is later: a run reporting every step still gets ``window_steps`` steps); then the next rung of the ladder is
+is later: a run reporting every step still gets ``window_steps`` steps), counted from when the rung
+stops working (a data skip while its data rules still fire, an experiment that has not ended:
+the steps after them show whether it helped); then the next rung of the ladder is
 taken: ``adaptive_lr`` (scale from the measurement), ``rollback`` (with ``rollback_lr_factor``),
 ``pause`` (and a human is paged: the incident ends *escalated*). ``recover_reports`` healthy
 reports in a row end it *recovered*. Every rung is a desired-state change with its reason.
@@ -609,7 +611,12 @@ class RunRecovery:
             if fired or changes:
                 self._healthy_in_a_row = 0
             elif self._working(experiment):
-                pass  # the rung in force is still working (data skipped, the experiment running)
+                # The rung in force is still working (data skipped, the experiment running): its
+                # window opens when that ends, so the run gets window_reports/window_steps on good
+                # data to show its signals back. Counted from the rung's decision instead, a long
+                # burst used the window up and the first unhealthy reports after it escalated.
+                self._reports_since_rung = 0
+                self._rung_step = step
             elif healthy and not self.degraded():
                 self._healthy_in_a_row += 1
                 if self._healthy_in_a_row >= p.recover_reports:

@@ -95,7 +95,8 @@ def oscillation(rule: OscillationRule, w: RuleWindow, now: float, finding: Any) 
     if rel_amplitude < rule.min_rel_amplitude:
         return finding(rule, False)  # too small to matter: no spectrum needed (the usual case)
     share, period, acf = periodogram_peak(vals, resid)
-    periodic = share >= rule.min_power and rule.min_period <= period <= len(vals) / 2
+    periodic = (share >= rule.min_power and rule.min_period <= period <= len(vals) / 2
+                and acf >= rule.min_autocorrelation)  # a swing recurs a period later; a one-off bump does not
     if not periodic:
         return finding(rule, False)
     values = {"metric": rule.metric, "amplitude": amplitude, "rel_amplitude": rel_amplitude, "window": len(vals),

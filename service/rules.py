@@ -354,14 +354,17 @@ class OscillationRule(_RuleBase):
     """A periodic swing of ``metric`` over the newest ``window`` reports: after removing the
     least-squares line, the strongest frequency (with its two neighbours) holds at least
     ``min_power`` of the variance, its period lies between ``min_period`` reports and half the
-    window, and the swing's amplitude (sqrt(2) x the residual's standard deviation) is at least
-    ``min_rel_amplitude`` of the metric's mean."""
+    window, the residual repeats itself one period later (its autocorrelation at that lag is at
+    least ``min_autocorrelation``: a single bump, e.g. the loss of a burst of bad batches, puts its
+    power at a long period too, but does not recur), and the swing's amplitude (sqrt(2) x the
+    residual's standard deviation) is at least ``min_rel_amplitude`` of the metric's mean."""
 
     kind: Literal["oscillation"]
     metric: MetricName
     window: int = Field(default=64, ge=8, le=65536)
     min_power: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
     min_period: float = Field(default=2.0, ge=2, allow_inf_nan=False)
+    min_autocorrelation: float = Field(default=0.2, ge=-1, le=1, allow_inf_nan=False)
     min_rel_amplitude: float = Field(default=0.01, ge=0, allow_inf_nan=False)
 
 

@@ -78,6 +78,41 @@ def test_a_data_burst_is_skipped_with_the_lr_untouched() -> None:
     assert inc["data_skipped"] == [61, 76]
 
 
+def _burst_then_hurt(hurt_reports: int) -> list[Report]:
+    """A 30-report data burst whose skip reached the ranks a few steps late: the weights took a few
+    bad steps, so once the data is back the gradients run 12x their norm for ``hurt_reports``
+    reports, then settle."""
+    healthy = [_report(i) for i in range(1, 60)]
+    burst = [_report(i, trainguard_loss=5.5, trainguard_data_token_kl_divergence=0.5) for i in range(60, 90)]
+    hurt = [_report(i, trainguard_loss=3.0, trainguard_grad_norm_max=12.0) for i in range(90, 90 + hurt_reports)]
+    return healthy + burst + hurt + [_report(i) for i in range(90 + hurt_reports, 90 + hurt_reports + 20)]
+
+
+def test_a_data_skips_window_opens_when_its_data_is_back_not_when_it_was_decided() -> None:
+    # The skip rung was decided at step 60; judged from there, its window (3 reports, 15 steps) was
+    # used up by the burst itself and the third unhealthy report on good data escalated (a rollback,
+    # refused without snapshots: a pause). Judged from when the data is back, the run gets its
+    # 15 steps on good data, and heals within them.
+    states, incidents = _incidents(_burst_then_hurt(8))
+    (inc,) = incidents
+    assert inc["cause"] == "data" and [r["rung"] for r in inc["rungs"]] == ["data_skip"]
+    assert inc["outcome"] == "recovered"
+    assert all(s.lr_scale == 1.0 and not s.paused and s.rollback_seq == 0 for s in states)
+
+
+def test_a_data_incident_whose_signals_stay_bad_on_good_data_still_climbs_the_ladder() -> None:
+    reports = _burst_then_hurt(40)
+    states, incidents = _incidents(reports)
+    (inc,) = incidents
+    assert [r["rung"] for r in inc["rungs"]][:2] == ["data_skip", "rollback"]
+    back = next(r.step_last for r in reports if r.step_last >= 60
+                and r.values["trainguard_data_token_kl_divergence"] < 0.1)  # the first report on good data
+    rollback = inc["rungs"][1]
+    # window_steps after the last report that still skipped data, and not before
+    assert rollback["step"] == back - 1 + POLICY.window_steps
+    assert states[-1].paused  # refused without snapshots, so paused for a human
+
+
 def test_a_warm_restart_of_the_schedule_draws_no_action() -> None:
     # cosine-like decay from 1e-3 to 1e-4 while healthy, the update ratio following the LR
     decay = [_report(i, trainguard_scheduler_lr=1e-3 - 9e-4 * i / 50, trainguard_update_ratio=(1e-3 - 9e-4 * i / 50))

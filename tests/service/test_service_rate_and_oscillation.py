@@ -73,6 +73,25 @@ def test_loss_oscillation(kind, expect):
         assert values["autocorrelation"] > 0.8
 
 
+def test_a_one_off_bump_in_the_loss_is_not_an_oscillation():
+    # the loss of a run through a 20-report burst of corrupted batches (as a real run reported it):
+    # most of the window's variance sits at a period of 32 reports, but it never comes back a
+    # period later (autocorrelation ~0), so the loss does not oscillate; a swing of the same size
+    # and period that repeats does
+    rng = np.random.default_rng(5)
+    t = np.arange(64)
+    bump = 3.0 + rng.normal(0, 0.15, 64)
+    bump[36:56] = 5.6 + rng.normal(0, 0.02, 20)
+    bump[56:] = 4.4 + rng.normal(0, 0.07, 8)
+    share, period, acf = periodogram_peak(bump)
+    assert share >= 0.5 and period == 32.0 and abs(acf) < 0.2  # what the rule used to fire on
+    steps = simulate(DEFAULTS.for_job("j"), reports([{"trainguard_loss": float(v)} for v in bump]), world_size=1)
+    assert "loss_oscillation" not in [n for f in fired(steps) for n in f]
+    swing = 3.0 + 1.2 * np.sin(2 * np.pi * t / 32) + rng.normal(0, 0.15, 64)
+    steps = simulate(DEFAULTS.for_job("j"), reports([{"trainguard_loss": float(v)} for v in swing]), world_size=1)
+    assert "loss_oscillation" in [n for f in fired(steps) for n in f]
+
+
 def test_periodogram_peak_of_a_pure_sine_and_of_a_line():
     t = np.arange(64, dtype=np.float64)
     share, period, acf = periodogram_peak(5.0 + np.sin(2 * np.pi * t / 16))
