@@ -38,10 +38,12 @@ def test_demo_story(tmp_path, record_property) -> None:
     # the stated wall time on two cores is that CPU time spread over both).
     for page in (ROOT / "README.md", ROOT / "docs" / "demo.md"):
         text = " ".join(page.read_text(encoding="utf-8").split())
-        stated = re.search(r"about (\d+) s on two: about (\d+) CPU-seconds", text)
+        # The CPU time depends on the processor (60 CPU-seconds on the 2-core EPYC the project is
+        # developed on, 32 on CI's), so the pages state the range measured on both.
+        stated = re.search(r"about (\d+) s on two: (\d+) to (\d+) CPU-seconds", text)
         assert stated, f"{page.name} does not state the demo's duration"
-        two_cores, cpu_stated = float(stated.group(1)), float(stated.group(2))
-        assert cpu / 2 <= cpu_stated <= 2 * cpu, (page.name, cpu_stated, cpu)
+        two_cores, cpu_low, cpu_high = (float(stated.group(i)) for i in (1, 2, 3))
+        assert cpu_low / 2 <= cpu <= 2 * cpu_high, (page.name, cpu_low, cpu_high, cpu)
         assert cpu / 4 <= two_cores <= cpu, (page.name, two_cores, cpu)  # within 2x of cpu / 2
 
     # training finished on every rank, and the healthy run beside it
