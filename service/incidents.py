@@ -47,6 +47,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from trainguard.protocol.commands import BY_NAME, REGISTRY
 from trainguard.protocol.retention import retained
 from trainguard.protocol.wire import EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, DesiredState
@@ -124,6 +126,22 @@ class Incident:
 def _finite_or_text(x: float) -> float | str:
     """A report value for an incident dict (NaN/Inf as the wire spells them)."""
     return float(x) if math.isfinite(x) else ("NaN" if x != x else "Infinity" if x > 0 else "-Infinity")
+
+
+def _number(x: Any) -> float | None:
+    """The value of a number :func:`_finite_or_text` wrote (None: none)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(x) if isinstance(x, str) else None
+
+
+def _largest_measured(rows: np.ndarray) -> float | None:
+    """The largest value of the newest row that is not NaN (NaN: not measured), None when none is."""
+    if len(rows) == 0:
+        return None
+    row = rows[-1]
+    measured = row[~np.isnan(row)]
+    return float(measured.max()) if measured.size else None
 
 
 def _copy(d: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -230,6 +248,7 @@ class RunRecovery:
         self._verdict: Verdict | None = None
         """The cause of what the newest report shows (:meth:`consider`), while no incident is open."""
         self._data_active = False
+        self._float32_now: float | None = None  # the newest report's float32 recompute (largest over the ranks)
         """A data-quality rule fires on the newest report."""
         self._data_checks: list[tuple[str, str | None, str, Any, bool]] = []
         """Each data-quality rule on the newest report: (name, metric, op, threshold, firing)."""
@@ -453,6 +472,7 @@ class RunRecovery:
         """Decide the cause of what the newest report shows, after the rules evaluated it and
         before their actions are taken (:meth:`refusal`). While an incident is open its cause
         stands, except that hardware evidence revises it."""
+        self._float32_now = _largest_measured(window.rank_history("verify_float32", 1))
         self._data_active = any(f.active and f.rule.diagnosis in DATA_DIAGNOSES for f in findings)
         self._data_checks = [(f.rule.name, getattr(f.rule, "metric", None), getattr(f.rule, "op", ""),
                               getattr(f.rule, "value", None), bool(f.active))
@@ -538,8 +558,11 @@ class RunRecovery:
         """The metric of the last report is non-finite or above degrade_ratio x its baseline (the
         update per unit of LR, when the agent reports it: the schedule does not move that one)."""
         base, measured = self._ramp_measure()
-        return base is not None and measured is not None and (not math.isfinite(measured)
-                                                              or measured > self.policy.degrade_ratio * base)
+        if base is None or measured is None:
+            return False
+        if math.isfinite(measured) and measured <= self.policy.degrade_ratio * base:
+            return False
+        return True
 
     def after_report(self, *, step: int, values: dict[str, float], findings: list[Any], before: DesiredState,
                      desired: DesiredState, fired: list[tuple[str, DesiredState]], now: float) -> list[RecoveryChange]:
@@ -602,6 +625,11 @@ class RunRecovery:
                 desired = change.desired
         experiment = self.open.experiment if self.open is not None else None
         if experiment is not None and experiment.get("outcome") is None and p.enabled:
+            if self._float32_now is not None and step > experiment["from_step"]:
+                seen = _number(experiment.get("float32_rel_diff"))
+                worst = self._float32_now if seen is None else max(seen, self._float32_now)
+                experiment = dict(experiment, float32_rel_diff=_finite_or_text(worst))
+                self.open.experiment = experiment  # type: ignore[union-attr]
             if step >= experiment["until_step"]:
                 change = self._conclude_experiment(step, healthy and not self.degraded(), desired)
                 if change is not None:
@@ -727,6 +755,8 @@ class RunRecovery:
         amp = self._amp_check(exp.get("amp_skipped_at_start"))
         if amp is not None:
             exp["amp"] = amp
+        exp["float32_recompute"] = float32 = self._float32_check(exp.pop("float32_rel_diff", None))
+        numerics = float32["outcome"] == "differs"
         if back:
             exp["outcome"] = "followed"
             exp["conclusion"] = ("the symptom went away with the LR 10x lower: the LR is the cause; the optimizer's "
@@ -739,11 +769,16 @@ class RunRecovery:
         exp["conclusion"] = ("the symptom stayed with the LR 10x lower: not the LR" +
                              ("; the data rules fire: the data" if self._data_active else
                               f"; mixed precision skipped {amp['skipped_steps']} step(s) meanwhile: its numerics"
-                              if amp_skips else "") +
+                              if amp_skips else
+                              f"; the step recomputed in float32 moves its gradient by {float32['rel_diff']:.3g} of a "
+                              f"layer's norm (limit {self.policy.float32_rel_tol:g}): the mixed-precision numerics"
+                              if numerics and isinstance(float32["rel_diff"], float) else
+                              "; the step recomputed in float32 has a finite gradient where the mixed-precision one "
+                              "had none: its numerics" if numerics else "") +
                              "; the LR goes back to where it was")
         if self._data_active:
             inc.cause = "data"
-        elif amp_skips:
+        elif amp_skips or numerics:
             inc.cause = "optimizer"
         inc.experiment = exp
         before = float(exp["lr_scale_before"])
@@ -856,19 +891,29 @@ class RunRecovery:
                    "out_of_bounds" if any(c["out_of_bounds"] for c in checks) else "in_bounds")
         return {"outcome": outcome, "checks": checks}
 
+    def _float32_check(self, rel_diff: Any) -> dict[str, Any]:
+        """The float32 recompute the experiment asked for on its first step (``verify_float32``):
+        the largest relative difference any rank measured between its mixed-precision gradient and
+        the same step's in float32, against ``float32_rel_tol``."""
+        limit, rel_diff = self.policy.float32_rel_tol, _number(rel_diff)
+        if rel_diff is None:
+            return {"outcome": "not_measured", "limit": f"<= {limit:g}",
+                    "why": "no rank recomputed a step in float32: the run trains without autocast, its loop does not "
+                           "call agent.verify_step, or its parameters are sharded"}
+        return {"outcome": "agrees" if rel_diff <= limit else "differs", "rel_diff": _finite_or_text(rel_diff),
+                "limit": f"<= {limit:g}"}
+
     def _amp_check(self, skipped_at_start: float | None) -> dict[str, Any] | None:
         """Mixed precision during the experiment (None: the run reports no loss scale): the
-        GradScaler's scale now and the steps it skipped since the experiment began. A float32
-        recompute of one step is not part of it: the agent's recompute check runs the user's loss
-        function as the loop does (its autocast included), and has no float32 mode to compare with."""
+        GradScaler's scale now and the steps it skipped since the experiment began. The float32
+        recompute is ``experiment.float32_recompute`` (:meth:`_float32_check`)."""
         scale = self._values.get("trainguard_loss_scale")
         if scale is None:
             return None
         now = self._values.get("trainguard_amp_skipped_steps_total")
         skipped = (int(now - skipped_at_start) if now is not None and skipped_at_start is not None
                    and math.isfinite(now) and math.isfinite(skipped_at_start) else None)
-        return {"loss_scale": _finite_or_text(scale), "skipped_steps": skipped,
-                "float32_recompute": "not available: the agent's recompute check has no float32 mode"}
+        return {"loss_scale": _finite_or_text(scale), "skipped_steps": skipped}
 
     # ------------------------------------------------------------------ internals
 
@@ -1006,9 +1051,11 @@ class RunRecovery:
             return apply_actions(d, (spec.rule_action(),), f"{why}: {rung.replace('_', ' ')}", self)
         if rung == "experiment":
             self._scale_before_experiment = d.lr_scale
-            return apply_actions(d, (LrScaleAction(factor=_EXPERIMENT_LR_FACTOR),),
-                                 f"{why}: experiment: the LR 10x lower for {self.policy.experiment_steps} steps, to see "
-                                 f"whether the symptom follows it", self)
+            new = apply_actions(d, (LrScaleAction(factor=_EXPERIMENT_LR_FACTOR),),
+                                f"{why}: experiment: the LR 10x lower for {self.policy.experiment_steps} steps, to see "
+                                f"whether the symptom follows it, and the next step recomputed in float32 (mixed "
+                                f"precision off) to see whether the numerics change its gradient", self)
+            return None if new is None else new.model_copy(update={"verify_float32_seq": d.verify_float32_seq + 1})
         return None  # skip: the agent's own rung
 
     def _where(self) -> str:

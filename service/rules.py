@@ -186,6 +186,7 @@ class RecoveryPolicy(_Model):
     data_skip_steps: int = Field(default=8, ge=1, le=100_000, description="Steps a data_skip rung skips ahead; renewed while the window's data rules fire.")
     data_skip_max_steps: int = Field(default=512, ge=1, le=1_000_000, description="Most steps one incident skips for its data (a change that lasts longer is the data's new normal).")
     experiment_steps: int = Field(default=10, ge=2, le=10_000, description="Steps of the troubleshooting experiment of an incident of unknown cause.")
+    float32_rel_tol: float = Field(default=0.1, gt=0, le=1e6, allow_inf_nan=False, description="The experiment's float32 recompute: a mixed-precision gradient further than this from the same step's in float32 (relative to the layer's norm, the largest over layers and ranks) makes the cause optimizer, its numerics. A healthy bfloat16 step differs by about 0.004-0.015, a float16 one by about 0.0005-0.003.")
 
     @field_validator("ladder")
     @classmethod

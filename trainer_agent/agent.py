@@ -374,9 +374,9 @@ class Agent:
 
     def _diagnose(self, command: str, step: int) -> None:
         """The controller's diagnostic commands, applied at ``step`` on every rank."""
-        if command == "verify":
+        if command in ("verify", "verify_float32"):
             if self.verifier is not None:
-                self.verifier.arm()  # the next step, on every rank
+                self.verifier.arm(float32=command == "verify_float32")  # the next step, on every rank
         elif command == "memory_trace":
             self.trace_memory(self.config.memory_trace_steps)
 
@@ -559,6 +559,7 @@ class Agent:
         host = HostStep(self.step, duration, tokens, forward_s, self._amp_skipped, input_wait=wait,
                         micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=self.verifier.take() if self.verifier is not None else math.nan,
+                        verify_float32=self.verifier.take_float32() if self.verifier is not None else math.nan,
                         gpu_xid=self._take_xid(), scheduled_lr=self.scheduled_lr.take(),
                         comm=self.comm.take() if self.comm is not None else {})
         overhead = self._step_overhead + self.meter.overhead + (self._clock() - t0)
@@ -734,11 +735,13 @@ class Agent:
         finally:
             self._step_overhead += self._clock() - t0
 
-    def request_verify(self) -> None:
+    def request_verify(self, *, float32: bool = False) -> None:
         """Check the gradient of the next step whose forward pass starts after this call; call it
-        on every rank at the same point of the loop."""
+        on every rank at the same point of the loop. ``float32``: also recompute that step with
+        mixed precision off and measure how far its gradient is from the step's
+        (``trainguard_verify_float32_rel_diff``; ``trainer_agent/verify.py``)."""
         if self.verifier is not None:
-            self.verifier.arm()
+            self.verifier.arm(float32=float32)
             self._sync_grad_hooks()
 
     def trace_memory(self, steps: int = 3) -> None:

@@ -80,6 +80,8 @@ class HostStep:
     verify_mismatch: float = math.nan
     """Relative difference of the last gradient recompute check since the last report
     (``trainer_agent/verify.py``; NaN: none)."""
+    verify_float32: float = math.nan
+    """Relative difference of the last float32 recompute since the last report (NaN: none)."""
     gpu_xid: float = math.nan
     """Last critical XID code of this rank's GPU since the last report (0: none; NaN: not watched)."""
     scheduled_lr: Mapping[str, float] = field(default_factory=dict)
@@ -516,6 +518,8 @@ class ReportPipeline:
             host["trainguard_global_batch_size"] = float((h.tokens or h.micro_batches) * h.world_size)
         if not math.isnan(h.verify_mismatch):  # a check in this interval (trainer_agent/verify.py)
             host["trainguard_verify_rel_diff"] = h.verify_mismatch
+        if not math.isnan(h.verify_float32):  # a float32 recompute in this interval
+            host["trainguard_verify_float32_rel_diff"] = h.verify_float32
         if h.gpu_xid > 0:  # an XID error in this interval
             host["trainguard_gpu_last_xid"] = h.gpu_xid
         host.update(h.scheduled_lr)

@@ -2,7 +2,7 @@
 rollback, gradient accumulation, the diagnostic requests and the data skip (the registry and the
 interface: ``trainer_agent/actuators.py``).
 
-Sequence commands (checkpoint, rollback, memory trace, verify) act once per newer sequence number;
+Sequence commands (checkpoint, rollback, memory trace, verify, verify_float32) act once per newer sequence number;
 a number agreed before this process started counts as served. Level commands (pause, lr_scale,
 accumulation, data skip) hold the agreed value.
 """
@@ -18,7 +18,7 @@ from trainguard.protocol.commands import LR_RULES
 from trainer_agent.actuators import Actuator, ActuatorEnv, Sequenced, actuator, malformed, state_value
 
 __all__ = ["Accumulation", "Checkpoint", "DataSkip", "LrScaleLevel", "MemoryTrace", "Pause", "Rollback", "Stop",
-           "Verify", "batch_lr_factor"]
+           "Verify", "VerifyFloat32", "batch_lr_factor"]
 
 log = logging.getLogger("trainer_agent.control")
 
@@ -217,6 +217,11 @@ class MemoryTrace(_Diagnose):
 @actuator("verify")
 class Verify(_Diagnose):
     seq_field = "verify_seq"
+
+
+@actuator("verify_float32")
+class VerifyFloat32(_Diagnose):
+    seq_field = "verify_float32_seq"
 
 
 @actuator("data_skip")

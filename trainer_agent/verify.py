@@ -23,7 +23,8 @@ micro-batch. The loss must go through the attached model's ``forward`` (``model(
 computed by a method beside it runs no forward hook, and the check is refused (an agent error). ``verify_step`` then runs the forward and backward of ``loss_fn(model, batch)`` again
 from the recorded RNG states (dropout draws the same mask), under DDP inside ``model.no_sync()``
 (the local gradient, no all-reduce: each rank checks its own device), with the GradScaler's scale
-applied as the loop did, and compares the projections layer by layer:
+applied as the loop did and under the autocast the step's forward ran under (when ``verify_step``
+is called outside it), and compares the projections layer by layer:
 
     rel_diff(layer) = max_k |f_k(first) - f_k(again)| / ||g_layer(again)||
 
@@ -43,11 +44,29 @@ optimizer is not involved, and the agent's own step measurements ignore the reco
 with checks follows the same weights, bit for bit, as one without (tested). The cost of a check is
 one forward and backward pass; its result is read once (a SYNC, on checked steps only).
 
+**Float32 recompute (mixed precision).** ``agent.request_verify(float32=True)`` or the controller's
+``verify_float32`` command (the troubleshooting experiment of an incident of unknown cause asks for
+it) also recomputes the armed step with mixed precision off: the forward pre-hook records whether
+the step's forward ran under ``torch.autocast`` (and in which dtype), and the recompute runs
+``loss_fn`` under ``torch.autocast(enabled=False)``, from the same RNG states and with the same loss
+scale, and is compared with the step's gradient in the same way. The result is
+``trainguard_verify_float32_rel_diff`` and the report's per-rank ``verify_float32`` vector: rounding
+stays near the format's precision on a healthy step (~1e-3 to 1e-2 for bfloat16), a large value or
+inf (a float16 overflow) says the mixed-precision numerics changed the gradient. It is not measured
+(NaN, logged once) when the step ran without autocast (nothing to compare: the same-precision check
+covers it), when the parameters themselves are not float32 or float64 (there is no float32 copy of
+the model to run), or when ``loss_fn`` enters autocast itself, which an outer
+``autocast(enabled=False)`` cannot undo: let the loop's ``with torch.autocast(...)`` wrap the call of
+``loss_fn`` rather than the function itself — the same-precision recompute re-enters the autocast the
+step's forward ran under, so such a ``loss_fn`` serves both checks. A float32 request never counts as
+a mismatch of the same-precision check; the armed step runs both recomputes (two forward and backward
+passes).
+
 Not under sharded parameters (FSDP2, tensor parallel): a rank's gradient shards come out of a
 reduce-scatter, so there is no local gradient of the whole layer to recompute.
 
 Results: ``trainguard_verify_steps_total``, ``trainguard_verify_mismatches_total``,
-``trainguard_verify_rel_diff`` on this rank's /metrics; the report's per-rank ``verify_mismatch``
+``trainguard_verify_rel_diff`` (and ``trainguard_verify_float32_rel_diff``) on this rank's /metrics; the report's per-rank ``verify_mismatch``
 vector (the controller's critical ``gradient_recompute_mismatch`` rule names the rank); a warning
 in the log naming the layer.
 """
@@ -59,7 +78,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,6 +106,11 @@ class VerifyResult:
     mismatch: bool
     """``rel_diff`` above the tolerance."""
     seconds: float
+    float32_rel_diff: float = math.nan
+    """The float32 recompute's largest relative difference over the layers (NaN: not asked for,
+    or not measured: see the module docstring)."""
+    float32_layer: str = ""
+    """The layer of ``float32_rel_diff``."""
 
 
 class GradientVerifier:
@@ -110,19 +134,28 @@ class GradientVerifier:
         self.mismatches = 0
         self.last: VerifyResult | None = None
         self._pending = math.nan  # rel_diff of the last check since the last report
+        self.float32 = False  # the armed step is also recomputed in float32
+        self._autocast: tuple[bool, torch.dtype] | None = None  # the armed step's forward: (autocast on, its dtype)
+        self._recompute_autocast = False  # autocast was on inside the float32 recompute's forward
+        self.last_float32 = math.nan
+        self._pending_float32 = math.nan
+        self._refused: set[str] = set()  # reasons a float32 recompute was not measured, logged once each
 
     # ------------------------------------------------------------------ scheduling
 
-    def arm(self) -> None:
-        """Record the next step's forward RNG state and incoming gradients."""
+    def arm(self, *, float32: bool = False) -> None:
+        """Record the next step's forward RNG state and incoming gradients; ``float32``: also
+        recompute that step with mixed precision off."""
+        if float32:
+            self.float32 = True
         if self.armed:
             return
         self.armed, self._stepped, self._rng, self._grads_seen = True, False, None, False
         self._handle = self.agent.model.register_forward_pre_hook(self._pre_forward)
 
     def disarm(self) -> None:
-        self.armed = False
-        self._rng = None
+        self.armed = self.float32 = False
+        self._rng = self._autocast = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -140,10 +173,13 @@ class GradientVerifier:
     # ------------------------------------------------------------------ hooks (armed step only)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        kind = self.agent.device.type
         if self.recomputing:
+            self._recompute_autocast = self._recompute_autocast or torch.is_autocast_enabled(kind)
             return
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+        self._autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         self._first.zero_()  # the last forward/backward of the step is the one compared
 
     def on_grad(self, index: int, grad: torch.Tensor) -> None:
@@ -179,13 +215,22 @@ class GradientVerifier:
         scaler = agent.scaler
         scale = scaler.scale if scaler is not None and scaler.is_enabled() else None
         no_sync = getattr(agent.model, "no_sync", None) if agent.world_size > 1 else None
+        kind = agent.device.type
+        step_autocast = self._autocast
+        float32 = self.float32
         self.recomputing = True
         if agent.forward is not None:
             agent.forward.excluded = True
         try:
             with no_sync() if callable(no_sync) else contextlib.nullcontext():
-                _, grads = forward_backward(agent, batch, loss_fn, replay_rng=self._rng, scale=scale)
-            result = self._compare(grads, time.perf_counter() - t0)
+                again = (torch.autocast(kind, dtype=step_autocast[1])
+                         if step_autocast is not None and step_autocast[0] and not torch.is_autocast_enabled(kind)
+                         else contextlib.nullcontext())
+                with again:  # the autocast the step's forward ran under
+                    _, grads = forward_backward(agent, batch, loss_fn, replay_rng=self._rng, scale=scale)
+                result = self._compare(grads, time.perf_counter() - t0)
+                if float32:
+                    result = self._float32(result, batch, loss_fn, scale, step_autocast)
         finally:
             self.recomputing = False
             if agent.forward is not None:
@@ -199,6 +244,38 @@ class GradientVerifier:
             log.warning("trainguard: rank %d recomputed step %d and got a different gradient: layer %r differs "
                         "by %.3g of its norm (tolerance %g). Silent data corruption on this rank's device is likely.",
                         agent.rank, result.step, result.layer, result.rel_diff, self.rel_tol)
+        return result
+
+    def _float32(self, result: VerifyResult, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None,
+                 scale: Callable[[torch.Tensor], torch.Tensor] | None,
+                 step_autocast: tuple[bool, torch.dtype] | None) -> VerifyResult:
+        """The float32 recompute of the armed step (see the module docstring)."""
+        from trainer_agent.preflight import forward_backward
+
+        agent, kind = self.agent, self.agent.device.type
+        low = sorted({str(p.dtype) for p in agent.params.params if p.dtype not in (torch.float32, torch.float64)})
+        why = ("the step ran without autocast" if step_autocast is None or not step_autocast[0] else
+               f"the parameters are {', '.join(low)}: there is no float32 copy of the model to run" if low else None)
+        if why is None:
+            t0 = time.perf_counter()
+            self._recompute_autocast = False
+            with torch.autocast(kind, enabled=False):
+                _, grads = forward_backward(agent, batch, loss_fn, replay_rng=self._rng, scale=scale)
+            if self._recompute_autocast:
+                why = ("the loss function enters torch.autocast itself, which the recompute cannot turn off: wrap "
+                       "its call in the loop's autocast instead (the same-precision check replays that autocast)")
+            else:
+                f32 = self._compare(grads, time.perf_counter() - t0)
+                value = f32.rel_diff
+                self.last_float32 = value
+                self._pending_float32 = value if math.isnan(self._pending_float32) else max(self._pending_float32, value)
+                log.info("trainguard: rank %d recomputed step %d in float32: the %s gradient differs by %.3g of "
+                         "layer %r's norm", agent.rank, result.step, step_autocast[1], value, f32.layer)  # type: ignore[index]
+                return replace(result, float32_rel_diff=value, float32_layer=f32.layer,
+                               seconds=result.seconds + f32.seconds)
+        if why not in self._refused:
+            self._refused.add(why)
+            log.warning("trainguard: rank %d: no float32 recompute of step %d: %s", agent.rank, result.step, why)
         return result
 
     @torch.no_grad()
@@ -227,11 +304,18 @@ class GradientVerifier:
         value, self._pending = self._pending, math.nan
         return value
 
+    def take_float32(self) -> float:
+        """The largest float32 recompute ``rel_diff`` since the previous call (NaN: none)."""
+        value, self._pending_float32 = self._pending_float32, math.nan
+        return value
+
     def values(self) -> dict[str, float]:
         out = {"trainguard_verify_steps_total": float(self.checks),
                "trainguard_verify_mismatches_total": float(self.mismatches)}
         if self.last is not None:
             out["trainguard_verify_rel_diff"] = self.last.rel_diff
+        if not math.isnan(self.last_float32):
+            out["trainguard_verify_float32_rel_diff"] = self.last_float32
         return out
 
     def close(self) -> None:

@@ -84,6 +84,7 @@ def test_metrics_endpoint_equals_latest_nan_included() -> None:
         # Every step metric that exists without AMP/accumulation/DP is exported.
         optional = {"trainguard_loss_scale", "trainguard_grad_noise_scale", "trainguard_grad_variance",
                     "trainguard_verify_rel_diff",  # after a gradient recompute check only
+                    "trainguard_verify_float32_rel_diff",  # after a float32 recompute of an autocast step only
                     "trainguard_mfu",  # with a known FLOPs count and device peak (trainer_agent/flops.py)
                     # DDP with AgentConfig.comm_timing only (trainer_agent/comm_timing.py)
                     "trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio"}

@@ -36,7 +36,7 @@ def test_the_row_is_each_values_metric_or_getter_in_rank_fields_order() -> None:
     row = rank_row(dev, host, RowInputs(st, 79.0, lambda x: torch.full((), x, dtype=F64), _scalar(0.0)))
     expected = {
         "step_duration_seconds": 0.25, "loss": 2.5, "grad_norm": 7.0, "forward_seconds": 0.125,
-        "input_wait_seconds": math.nan, "verify_mismatch": math.nan, "gpu_xid": 79.0,
+        "input_wait_seconds": math.nan, "verify_mismatch": math.nan, "verify_float32": math.nan, "gpu_xid": 79.0,
         "micro_sq_sum": (9.0 + 16.0) / 4.0, "micro_count": 2.0, "nonfinite_steps_total": 1.0,
         "tokens_per_second": 4096.0, "param_norm": 11.0, "comm_seconds": 0.5, "comm_exposed_ratio": 0.0625,
     }

@@ -133,6 +133,81 @@ def test_a_change_below_the_tolerance_is_not_flagged_but_not_bitwise() -> None:
     assert not second.mismatch and not second.bitwise and 0 < second.rel_diff < 1e-5
 
 
+def _amp_loop(style: str, *, float32_at: tuple[int, ...] = (), steps: int = 4):
+    """A bare Linear trained under bfloat16 autocast for ``steps`` steps, a float32 recompute
+    asked for before each step in ``float32_at``. ``style``: ``loop`` (the loop's autocast wraps the
+    loss; ``loss_fn`` has none), ``inside`` (``loss_fn`` enters autocast itself), ``none`` (no
+    autocast). Returns (weights, results, values, (step's weight grad, float32 weight grad) of the
+    first checked step)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    agent = ta.attach(model, opt, job="v", run="v-1", config=ta.AgentConfig(metrics_port=None, report_every=1))
+
+    def plain(m, b):
+        return (m(b[0]).float() - b[1]).square().mean()
+
+    def inside(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return plain(m, b)
+
+    results, grads = [], None
+    for step in range(steps):
+        if step in float32_at:
+            agent.request_verify(float32=True)
+        batch = (torch.randn(32, 64), torch.randn(32, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=style == "loop"):
+            loss = (inside if style == "inside" else plain)(model, batch)
+        loss.backward()
+        if grads is None and step in float32_at:
+            with torch.random.fork_rng():  # (its init draws random numbers: the next batches stay the same)
+                reference = nn.Linear(64, 16)
+            reference.load_state_dict(model.state_dict())
+            plain(reference, batch).backward()  # no autocast anywhere: the float32 gradient
+            grads = (model.weight.grad.double().clone(), reference.weight.grad.double().clone(),
+                     model.bias.grad.double().clone(), reference.bias.grad.double().clone())
+        results.append(agent.verify_step(batch, inside if style == "inside" else plain))
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        if step in float32_at:
+            values = agent.latest()
+    agent.close()
+    return [p.detach().clone() for p in model.parameters()], results, values if float32_at else None, grads
+
+
+def test_a_float32_recompute_measures_how_far_autocast_moved_the_gradient() -> None:
+    """Independent reference: the same step's gradient computed by hand without autocast. The
+    projections are +-1 sums, so each layer's difference is at most the L1 norm of the change over
+    the layer's L2 norm, and (K random signs) not far below its L2 norm."""
+    weights, results, values, (w_amp, w_f32, b_amp, b_f32) = _amp_loop("loop", float32_at=(2,))
+    plain_weights, _, _, _ = _amp_loop("loop")
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))  # training unchanged, bit for bit
+    checked = results[2]
+    assert [r is None for r in results] == [True, True, False, True]
+    # the same-precision recompute replayed the loop's autocast: bit for bit, not a mismatch
+    assert checked.bitwise and checked.rel_diff == 0.0 and not checked.mismatch
+    l1 = max(float((w_amp - w_f32).abs().sum() / w_f32.norm()), float((b_amp - b_f32).abs().sum() / b_f32.norm()))
+    l2 = max(float((w_amp - w_f32).norm() / w_f32.norm()), float((b_amp - b_f32).norm() / b_f32.norm()))
+    assert 1e-4 < l2 < 0.1  # bfloat16 rounding: real, and small
+    assert 0.3 * l2 <= checked.float32_rel_diff <= l1 * (1 + 1e-6)
+    assert checked.float32_layer in ("weight", "bias")
+    assert values["trainguard_verify_float32_rel_diff"] == checked.float32_rel_diff
+    assert values["trainguard_verify_mismatches_total"] == 0.0 and values["trainguard_agent_errors_total"] == 0.0
+
+
+def test_a_float32_recompute_is_not_measured_where_it_cannot_be(caplog) -> None:
+    # a loss function that enters autocast itself: an outer autocast(enabled=False) cannot undo it
+    _, results, values, _ = _amp_loop("inside", float32_at=(1,))
+    assert results[1].rel_diff == 0.0 and math.isnan(results[1].float32_rel_diff)
+    assert "trainguard_verify_float32_rel_diff" not in values
+    assert "enters torch.autocast itself" in caplog.text
+    # a step without autocast: nothing to compare (the same-precision check covers it)
+    _, results, values, _ = _amp_loop("none", float32_at=(1,))
+    assert results[1].bitwise and math.isnan(results[1].float32_rel_diff)
+    assert "ran without autocast" in caplog.text
+
+
 def test_misuse_and_scheduling() -> None:
     torch.manual_seed(0)
     model = _model()

@@ -100,7 +100,7 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
     attached_at = time.time()  # attach returns only once the run is not paused
     steps: list[list[float]] = []  # step, lr used, scheduler lr, scheduler epoch, end time, step s
     used: list[float] = []
-    verified: list[list] = []  # step, rel_diff, bitwise, mismatch of each gradient recompute check
+    verified: list[list] = []  # step, rel_diff, bitwise, mismatch, float32 rel_diff of each recompute check
     opt.register_step_pre_hook(lambda o, a, k: used.append(float(o.param_groups[0]["lr"])))
     attach_state = [agent.control.applied_generation, agent.control.paused, agent.control.lr_scale, agent.step]
     t_last = time.monotonic()
@@ -110,11 +110,13 @@ def run_one(cfg: dict, rank: int, run: str, *, nan_step: int | None = None) -> d
         x, y = _batch(rank, step)
         if step == nan_step:
             x[0, 0] = math.nan
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.get("autocast", False)):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
-        checked = agent.verify_step((x, y), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        checked = agent.verify_step((x, y), lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1]))
         if checked is not None:  # the controller's verify command: the step after the one it was applied at
-            verified.append([checked.step, checked.rel_diff, checked.bitwise, checked.mismatch])
+            verified.append([checked.step, checked.rel_diff, checked.bitwise, checked.mismatch,
+                             checked.float32_rel_diff])
         used.clear()
         sched_lr, epoch = sched.get_last_lr()[0], sched.last_epoch
         opt.step()

@@ -163,6 +163,7 @@ OUT_OF_BOUNDS = [
     ("data_skip_until", -1), ("stop_exit_code", 256), ("grad_clip_norm", -1.0), ("grad_clip_norm", 1e7),
     ("reset_optimizer_seq", -1), ("reset_optimizer_layers", "x" * (64 * 257 + 1)), ("momentum_scale", 0.0),
     ("momentum_scale", 11.0), ("weight_decay_scale", -1.0), ("weight_decay_scale", 101.0),
+    ("verify_float32_seq", -1), ("verify_float32_seq", 2**63),
 ]
 
 

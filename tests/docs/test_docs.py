@@ -103,14 +103,14 @@ def _help_commands() -> list[str]:
     out = subprocess.run([sys.executable, "-c", "import sys; from trainguard.cli import main; sys.exit(main(['--help']))"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    (choices,) = set(re.findall(r"\{([a-z,-]+)\}", out.stdout))
+    (choices,) = set(re.findall(r"\{([a-z0-9,-]+)\}", out.stdout))
     return choices.split(",")
 
 
 def test_cli_commands_listed_are_the_ones_trainguard_help_lists() -> None:
     text = (DOCS / "controller.md").read_text(encoding="utf-8")
     section = text.split("## The command line", 1)[1].split("\n## ", 1)[0]
-    listed = re.findall(r"^\| `trainguard ([a-z-]+)", section, re.M)
+    listed = re.findall(r"^\| `trainguard ([a-z0-9-]+)", section, re.M)
     assert sorted(listed) == sorted(_help_commands())
     assert len(listed) == len(set(listed))
 

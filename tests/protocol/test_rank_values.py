@@ -26,6 +26,9 @@ PINNED: dict[int, tuple[str, ...]] = {
         "forward_s", "input_wait_s", "data_overlap", "verify_mismatch", "gpu_xid"),
     2: ("step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "grad_desync", "param_desync",
         "forward_s", "input_wait_s", "data_overlap", "verify_mismatch", "gpu_xid", "comm_s", "comm_exposed_ratio"),
+    3: ("step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint", "grad_desync", "param_desync",
+        "forward_s", "input_wait_s", "data_overlap", "verify_mismatch", "gpu_xid", "comm_s", "comm_exposed_ratio",
+        "verify_float32"),
 }
 
 
@@ -88,7 +91,7 @@ def test_the_wire_model_derives_from_the_declarations() -> None:
     nan_inf = base64.b64encode(struct.pack("<2f", math.nan, math.inf)).decode()
     assert r.model_dump_json().startswith('{"step_time_s":[],"loss":{"float32":"%s"}' % nan_inf)
     timings = [s.wire for s in RANK_VALUES if s.precision == "float32"]
-    assert timings == ["step_time_s", "forward_s", "input_wait_s", "comm_s", "comm_exposed_ratio"]
+    assert timings == ["step_time_s", "forward_s", "input_wait_s", "comm_s", "comm_exposed_ratio", "verify_float32"]
     with pytest.raises(ValidationError):
         RankValues(not_a_vector=[1.0])
 

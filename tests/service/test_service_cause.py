@@ -419,9 +419,43 @@ def test_the_experiment_records_the_sampling_distribution_and_mixed_precision_in
                   "limit": "> 0.1", "out_of_bounds": False}
     assert {c["rule"] for c in sampling["checks"] if c["value"] is None} >= {"data_duplicate_ratio", "data_length_shift"}
     # mixed precision skipped 4 steps between the experiment's start (45) and its end (55): its numerics
-    assert exp["amp"] == {"loss_scale": 1024.0, "skipped_steps": 4,
-                          "float32_recompute": "not available: the agent's recompute check has no float32 mode"}
+    assert exp["amp"] == {"loss_scale": 1024.0, "skipped_steps": 4}
     assert inc["cause"] == "optimizer" and "mixed precision skipped 4 step(s)" in exp["conclusion"]
+    # no rank sent a float32 recompute: not measured, and said why
+    assert exp["float32_recompute"]["outcome"] == "not_measured" and "verify_step" in exp["float32_recompute"]["why"]
+
+
+def _experiment_with_float32(measured: list[float]) -> tuple[list, dict]:
+    """Two ranks stuck skipping (an unknown cause); the report after the experiment's start (45)
+    carries each rank's float32 recompute, every other report NaN (none in its interval)."""
+    nan = math.nan
+    healthy = [_report(i, world=2, ranks={"verify_float32": [nan, nan]}) for i in range(1, 30)]
+    stuck = [_report(i, world=2, trainguard_consecutive_skipped_steps=5.0,
+                     ranks={"verify_float32": measured if i == 46 else [nan, nan]}) for i in range(30, 60)]
+    states, incidents = _incidents(healthy + stuck, world=2)
+    (inc,) = incidents
+    return states, inc
+
+
+def test_the_experiment_asks_for_a_float32_recompute_once_and_a_gradient_it_changes_points_at_the_numerics() -> None:
+    states, inc = _experiment_with_float32([0.008, math.inf])  # rank 1's step overflowed under autocast
+    exp = inc["experiment"]
+    assert (exp["from_step"], exp["outcome"]) == (45, "not_followed")
+    # the experiment's rung bumped verify_float32_seq once, at its start, with the LR 10x lower
+    bumps = [i + 1 for i, (a, b) in enumerate(zip(states, states[1:])) if b.verify_float32_seq != a.verify_float32_seq]
+    assert bumps == [45 - 1] and states[44].verify_float32_seq == 1 and states[-1].verify_float32_seq == 1
+    assert exp["float32_recompute"] == {"outcome": "differs", "rel_diff": "Infinity", "limit": "<= 0.1"}
+    assert inc["cause"] == "optimizer" and "finite gradient where the mixed-precision one had none" in exp["conclusion"]
+
+
+def test_a_float32_recompute_within_the_formats_rounding_leaves_the_cause_unknown() -> None:
+    _, inc = _experiment_with_float32([0.008, 0.012])  # a healthy bfloat16 step's rounding
+    exp = inc["experiment"]
+    assert exp["float32_recompute"] == {"outcome": "agrees", "rel_diff": 0.012, "limit": "<= 0.1"}
+    assert inc["cause"] == "unknown" and exp["outcome"] == "not_followed"
+    _, inc = _experiment_with_float32([0.008, 0.4])
+    assert inc["experiment"]["float32_recompute"]["outcome"] == "differs" and inc["cause"] == "optimizer"
+    assert "moves its gradient by 0.4 of a layer's norm (limit 0.1)" in inc["experiment"]["conclusion"]
 
 
 def test_the_experiment_finds_the_sampling_out_of_bounds_and_concludes_data() -> None:

@@ -34,7 +34,7 @@ def test_register_report_poll_ack_flow(app_factory):
                                   "accumulation_steps": 0, "accumulation_lr_rule": "none",
                                   "memory_trace_seq": 0, "verify_seq": 0, "data_skip_until": 0, "stop_exit_code": 0,
                                   "grad_clip_norm": 0.0, "reset_optimizer_seq": 0, "reset_optimizer_layers": "",
-                                  "momentum_scale": 1.0, "weight_decay_scale": 1.0}
+                                  "momentum_scale": 1.0, "weight_decay_scale": 1.0, "verify_float32_seq": 0}
         r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}))
         assert r.status_code == 200
         acc = r.json()

@@ -34,7 +34,8 @@ def test_the_command_list_is_the_registrys_operator_commands_with_their_fields(c
     assert {"rollback", "verify", "memory_trace", "accumulation", "grad_clip", "reset_optimizer", "momentum",
             "weight_decay_scale"} <= set(by_name)
     assert "data_skip" not in by_name  # the ladder's own step, not an operator's
-    assert {(c["name"], c["kind"]) for c in listed if c["kind"] == "diagnostic"} == {("memory_trace", "diagnostic"), ("verify", "diagnostic")}
+    assert {(c["name"], c["kind"]) for c in listed if c["kind"] == "diagnostic"} == {("memory_trace", "diagnostic"), ("verify", "diagnostic"),
+                                                                                           ("verify_float32", "diagnostic")}
     assert {c["name"] for c in listed if c["dangerous"]} == {"stop", "rollback", "reset_optimizer"}
     assert by_name["pause"] | {"fields": None} == {"name": "pause", "url": "pause", "summary": "Pause the run in place (every rank, same step)",
                                                      "kind": "control", "scope": "command", "dangerous": False, "state": ["paused"],

@@ -154,6 +154,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _c("trainguard_verify_steps_total", "steps", "Steps whose gradient this rank recomputed on the same batch to check it (AgentConfig.verify_every, or on command)."),
     _c("trainguard_verify_mismatches_total", "steps", "Recomputed steps whose gradient differed from the one the step produced by more than the tolerance (relative 1e-5 by default): a sign of silent data corruption on this rank's device."),
     _g("trainguard_verify_rel_diff", "1", "Largest relative difference over the layers between the last checked step's gradient and its recomputation: max over projections |f(first) - f(again)| / ||g_layer|| (0: bit-identical)."),
+    _g("trainguard_verify_float32_rel_diff", "1", "Largest relative difference over the layers between the gradient of the last step recomputed in float32 (the controller's verify_float32: mixed precision off) and the gradient the step produced under autocast: max over projections |f(step) - f(float32)| / ||g_layer||. Rounding of a healthy bfloat16/float16 step stays near the format's precision; a large value or inf means the mixed-precision numerics changed the gradient."),
     _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )

@@ -40,7 +40,7 @@ from trainguard.protocol.base import MAX_INT, Int, WireModel
 __all__ = [
     "ActionParams", "Change", "DataSkipRequest", "GradClipRequest", "ResetOptimizerRequest", "AccumulationRequest",
     "LrScaleRequest", "MomentumRequest", "WeightDecayScaleRequest", "RuleAction", "PauseAction", "CheckpointAction",
-    "StopAction", "MemoryTraceAction", "VerifyAction", "RollbackAction", "LrScaleAction", "GradClipAction",
+    "StopAction", "MemoryTraceAction", "VerifyAction", "VerifyFloat32Action", "RollbackAction", "LrScaleAction", "GradClipAction",
     "ResetOptimizerAction", "AccumulationAction", "MomentumAction", "WeightDecayScaleAction", "state_texts", "CommandContext", "CommandRefused", "CommandRequest", "CommandSpec", "DesiredState",
     "REGISTRY", "BY_NAME", "RULE_ACTIONS", "STATE_FIELDS", "STATE_LAYOUT_VERSION", "STATE_LEN", "StateField",
     "action_names", "apply_command", "decode_state", "encode_state", "text_key",
@@ -305,6 +305,13 @@ class VerifyAction(RuleAction):
     """Ask every rank to recompute the next step's gradient and compare (silent data corruption)."""
 
     type: Literal["verify"] = "verify"
+
+
+class VerifyFloat32Action(RuleAction):
+    """Ask every rank to recompute the next step's gradient with mixed precision off and compare
+    it with the step's own (the troubleshooting guide's float32 check of an AMP run)."""
+
+    type: Literal["verify_float32"] = "verify_float32"
 
 
 class RollbackAction(RuleAction):
@@ -589,6 +596,12 @@ REGISTRY: tuple[CommandSpec, ...] = (
         fields=(_f("weight_decay_scale", "float", 1.0, "Multiplies each group's own weight decay.", ge=0.0,
                    le=WEIGHT_DECAY_SCALE_MAX),),
         request=WeightDecayScaleRequest, rule_action=WeightDecayScaleAction),
+    CommandSpec(
+        "verify_float32", "Recompute the next step's gradient on every rank with mixed precision off and compare it "
+        "with the step's (are the numerics of autocast the cause?)", _seq("verify_float32_seq"),
+        fields=(_f("verify_float32_seq", "int", 0, "A float32 recompute of the next step is due when this exceeds the "
+                   "last one armed.", **_SEQ),),
+        rule_action=VerifyFloat32Action, kind="diagnostic"),
 )
 
 BY_NAME: dict[str, CommandSpec] = {c.name: c for c in REGISTRY}
@@ -629,7 +642,7 @@ DesiredState = create_model(
 STATE_LEN = 1 + len(STATE_FIELDS)
 #: Changes whenever the layout does (a field added, removed or moved): ranks of one job run one
 #: agent version, and the pinned test says when this must change.
-STATE_LAYOUT_VERSION = 2
+STATE_LAYOUT_VERSION = 3
 
 
 def encode_state(d: Any) -> list[int]:

@@ -135,6 +135,12 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
     _R("comm_exposed_ratio", "1", "Share of each rank's step time over the report interval spent waiting for gradient "
        "communication after its backward compute ended (exposed communication; NaN where not measured).",
        "row", wire="comm_exposed_ratio", metric="trainguard_comm_exposed_ratio", rules=True, precision="float32", since=2),
+    # -- layout version 3
+    _R("verify_float32", "1", "Per rank, the largest relative difference, over the layers, between the gradient a "
+       "mixed-precision step produced and the same step recomputed in float32 (NaN: no float32 recompute in the "
+       "interval, or the step ran without autocast).",
+       "row", wire="verify_float32", metric="trainguard_verify_float32_rel_diff", rules=True, precision="float32",
+       since=3),  # compared with a tolerance of ~0.1: float32's 7 digits are plenty
 )
 
 
