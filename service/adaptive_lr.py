@@ -82,6 +82,7 @@ class ScheduleBaseline:
     reports it is fed (see the module docstring)."""
 
     PER_LR = "trainguard_update_ratio_per_lr"
+    UPDATE = "trainguard_update_ratio"
 
     def __init__(self, *, reports: int = 16, tolerance: float = 1.5) -> None:
         if reports < 1 or not tolerance >= 1:
@@ -89,19 +90,33 @@ class ScheduleBaseline:
         self.tolerance = tolerance
         """The per-LR update may be this factor above its baseline before it counts (report noise)."""
         self.per_lr: deque[float] = deque(maxlen=reports)
+        self.update: deque[float] = deque(maxlen=reports)
+        """The healthy update ratios themselves (``UPDATE``), beside their per-LR values."""
         self.envelope: float | None = None
         """The highest LR the schedule set in a healthy report (None: none seen yet)."""
 
     def copy(self) -> "ScheduleBaseline":
         new = ScheduleBaseline.__new__(ScheduleBaseline)
         new.tolerance, new.per_lr, new.envelope = self.tolerance, deque(self.per_lr, maxlen=self.per_lr.maxlen), self.envelope
+        new.update = deque(self.update, maxlen=self.update.maxlen)
         return new
+
+    def small_update(self, values: Mapping[str, float]) -> bool:
+        """The report's update ratio is within ``tolerance`` x its healthy median: a high update
+        per unit of LR then comes from an LR already cut far below the schedule (Adam's normalised
+        step m/sqrt(v) grows towards 1 as the weights stop moving and successive gradients agree),
+        not from a step too large."""
+        base, update = baseline(self.update), _positive(values, self.UPDATE)
+        return base is not None and update is not None and update <= self.tolerance * base
 
     def add_healthy(self, values: Mapping[str, float]) -> None:
         """A healthy report at the run's own scale, outside incidents: it joins the baselines."""
         per_lr = _positive(values, self.PER_LR)
         if per_lr is not None:
             self.per_lr.append(per_lr)
+        update = _positive(values, self.UPDATE)
+        if update is not None:
+            self.update.append(update)
         top = _positive(values, "trainguard_scheduler_lr_max") or _positive(values, "trainguard_scheduler_lr")
         if top is not None:
             self.envelope = top if self.envelope is None else max(self.envelope, top)
@@ -116,7 +131,7 @@ class ScheduleBaseline:
         base, per_lr = baseline(self.per_lr), _positive(values, self.PER_LR)
         if base is not None and per_lr is not None:
             known = True
-            if per_lr > self.tolerance * base:
+            if per_lr > self.tolerance * base and not self.small_update(values):
                 factor *= base / per_lr
                 notes.append(f"update per unit of LR {per_lr:.3g} vs its healthy {base:.3g}")
         lr = _positive(values, "trainguard_scheduler_lr")

@@ -287,6 +287,7 @@ class RunRecovery:
             kept = self.schedule
             self.schedule = ScheduleBaseline(reports=policy.baseline_reports, tolerance=policy.degrade_ratio)
             self.schedule.per_lr.extend(kept.per_lr)
+            self.schedule.update.extend(kept.update)
             self.schedule.envelope = kept.envelope
             self._healthy_lr = deque(self._healthy_lr, maxlen=policy.baseline_reports)
             self.ramp = self._new_ramp()
@@ -556,12 +557,31 @@ class RunRecovery:
 
     def degraded(self) -> bool:
         """The metric of the last report is non-finite or above degrade_ratio x its baseline (the
-        update per unit of LR, when the agent reports it: the schedule does not move that one)."""
+        update per unit of LR, when the agent reports it: the schedule does not move that one;
+        then the update itself must also be above degrade_ratio x its own healthy median,
+        ``ScheduleBaseline.small_update``), or the update per unit of LR below 1 / (2 x degrade_ratio) of its baseline (the
+        optimizer's state still holds the fault: the run trains at a fraction of its LR)."""
         base, measured = self._ramp_measure()
         if base is None or measured is None:
             return False
+        if math.isfinite(measured) and ScheduleBaseline.PER_LR in self._values and base > 0 \
+                and measured < base / (2 * self.policy.degrade_ratio):
+            # Far below per unit of LR: the fault's gradients inflated Adam's second moment, which
+            # remembers them for ~1/(1 - beta2) steps, so the run trains at a fraction of its LR
+            # (0.2x for 200 steps after 5 steps at x200) while its loss stays above where it was.
+            # Not recovered: the ladder goes on (a rollback restores the optimizer state too).
+            return True
         if math.isfinite(measured) and measured <= self.policy.degrade_ratio * base:
             return False
+        if math.isfinite(measured) and ScheduleBaseline.PER_LR in self._values:
+            # High per unit of LR, but is the update itself large? While the LR in force is far
+            # below the one the baseline was measured at (a rollback's guard, adaptive LR), Adam's
+            # normalised step m/sqrt(v) grows towards 1 as the weights stop moving (successive
+            # gradients agree): 2.5-5x its healthy value at lr_scale 5e-4, with an update 100x
+            # smaller than healthy. That is the cut LR, not a hurt run; judged by it, such a run
+            # is paused after its guard.
+            if self.schedule.small_update(self._values):
+                return False
         return True
 
     def after_report(self, *, step: int, values: dict[str, float], findings: list[Any], before: DesiredState,

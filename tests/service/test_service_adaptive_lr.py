@@ -14,7 +14,7 @@ import random
 import pytest
 
 from trainguard.protocol.wire import LR_SCALE_MIN, DesiredState, Report
-from trainguard.service.adaptive_lr import LrRamp, baseline, corrected_scale
+from trainguard.service.adaptive_lr import LrRamp, ScheduleBaseline, baseline, corrected_scale
 from trainguard.service.engine import simulate
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.rules import AdaptiveLrAction, RecoveryPolicy, default_rules_text, load_rules
@@ -336,3 +336,19 @@ def test_a_new_policy_resizes_both_healthy_baselines() -> None:
     scale, note = rec.adaptive_scale(AdaptiveLrAction(), 1.0)
     assert scale == pytest.approx(4e-3 / 8e-3)
     assert note == "the schedule's LR 0.008 is 2x the highest it set while healthy (0.004)"
+
+
+def test_a_high_update_per_lr_asks_for_a_cut_only_when_the_update_itself_is_large() -> None:
+    """Healthy: update ratio 1e-3 at LR 1e-3 (per LR 1.0). A report whose update per LR is 3x
+    that needs the scale cut to a third when its update is 3x too; when the update is 1/100 of the
+    healthy one (a cut LR: Adam's normalised step grows as the steps shrink), no cut."""
+    sb = ScheduleBaseline(reports=16, tolerance=1.5)
+    for _ in range(16):
+        sb.add_healthy({"trainguard_update_ratio": 1e-3, "trainguard_update_ratio_per_lr": 1.0,
+                        "trainguard_scheduler_lr": 1e-3})
+    large = {"trainguard_update_ratio": 3e-3, "trainguard_update_ratio_per_lr": 3.0, "trainguard_scheduler_lr": 1e-3}
+    factor, note = sb.needed(large)
+    assert factor == pytest.approx(1 / 3) and "update per unit of LR 3" in note and not sb.small_update(large)
+    small = {"trainguard_update_ratio": 1e-5, "trainguard_update_ratio_per_lr": 3.0, "trainguard_scheduler_lr": 1e-3}
+    assert sb.small_update(small) and sb.needed(small)[0] == 1.0
+    assert sb.copy().small_update(small)  # the copy keeps the update baseline

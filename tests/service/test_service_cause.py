@@ -500,6 +500,50 @@ def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_until_the_
     assert inc["outcome"] == "recovered" and states[-1].lr_scale == 1.0  # and back to the schedule by the end
 
 
+def _over_jump(after: list[Report]) -> tuple[dict[int, object], dict]:
+    """A report every 5 steps; the schedule went x1000 for a few steps inside the interval ending
+    at 135 (over by that report), the agent skipped 3 steps; then ``after``."""
+    healthy = [_jump_at(i) for i in range(5, 135, 5)]
+    jump = [_jump_at(135, trainguard_scheduler_lr_max=1.0, trainguard_scheduler_lr_ratio=1000.0,
+                     trainguard_consecutive_skipped_steps=3.0, trainguard_loss=5.0)]
+    reports = healthy + jump + after
+    states, incidents = _incidents(reports)
+    return {r.step_last: st for r, st in zip(reports, states)}, incidents[0]
+
+
+def _jump_at(i: int, **over: float) -> Report:
+    base = dict(trainguard_scheduler_lr_max=1e-3, trainguard_scheduler_lr_ratio=1.0, trainguard_scheduler_lr_peak=1e-3,
+                trainguard_snapshot_step=100.0 if i >= 100 else 50.0)
+    return _report(i, **(base | over))
+
+
+def test_an_lr_fault_whose_optimizer_state_still_holds_it_is_not_recovered_until_rolled_back() -> None:
+    # after the jump the loss is back, but the update per unit of LR is a fifth of its healthy 1.0:
+    # Adam's second moment holds the fault's gradients, the run trains at a fifth of its LR
+    stalled = [_jump_at(i, trainguard_update_ratio=2e-4, trainguard_scheduler_lr_peak=1.0) for i in range(140, 200, 5)]
+    step_of, inc = _over_jump(stalled)
+    assert inc["cause"] == "optimizer"
+    rungs = [(r["rung"], r["step"]) for r in inc["rungs"] if r["rung"] != "skip"]
+    # not closed as recovered on the healthy-looking loss: the window runs out and the ladder rolls back
+    assert rungs[0] == ("rollback", 150) and step_of[150].rollback_step == 100
+    # the same after-fault reports at the healthy update: recovered with no rollback
+    healthy_after = [_jump_at(i, trainguard_scheduler_lr_peak=1.0) for i in range(140, 200, 5)]
+    _, inc = _over_jump(healthy_after)
+    assert inc["outcome"] == "recovered" and not any(r["rung"] == "rollback" for r in inc["rungs"])
+
+
+def test_a_high_update_per_lr_under_a_cut_lr_is_not_a_hurt_run() -> None:
+    # after the rollback (step 150) and its guard (lr_scale 5e-4 until 190), the update per unit of
+    # LR reads 3x its healthy value while the update itself is 1/100 of it (Adam's normalised step
+    # at a tiny LR): no further rung, no pause; the incident ends recovered
+    hurt = [_jump_at(i, trainguard_loss=5.0, trainguard_scheduler_lr_peak=1.0) for i in (140, 145, 150)]
+    frozen = [_jump_at(i, trainguard_update_ratio=1e-5, trainguard_update_ratio_per_lr=3.0, trainguard_scheduler_lr_peak=1.0)
+              for i in range(155, 260, 5)]
+    step_of, inc = _over_jump(hurt + frozen)
+    assert [r["rung"] for r in inc["rungs"] if r["rung"] != "skip"] == ["rollback"]
+    assert inc["outcome"] == "recovered" and not any(st.paused for st in step_of.values())
+
+
 def test_a_rolled_back_lasting_lr_jump_keeps_the_healthy_scale_until_the_restored_schedule_reaches_it() -> None:
     # a report every 5 steps; from step 131 the schedule asks for 10x its LR, for good
     def at(i: int, lr: float = 1e-3, **over: float) -> Report:
