@@ -661,6 +661,7 @@ class Agent:
                     errors += 1
         if self.verifier is not None:
             values.update(self.verifier.values())
+        values.update(self.reports.worker_values())
         if self.gpu is not None:
             try:
                 values.update(self.gpu.read())

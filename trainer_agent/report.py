@@ -721,6 +721,13 @@ class ReportPipeline:
         else:
             self.worker.submit(job, light)
 
+    def worker_values(self) -> dict[str, float]:
+        """How often the leader's cross-rank worker fell behind (none with one rank: no worker runs)."""
+        if self.world_size == 1:
+            return {}
+        return {"trainguard_agent_cross_rank_lightened_total": float(self.worker.lightened),
+                "trainguard_agent_cross_rank_dropped_total": float(self.worker.dropped)}
+
     def flush(self, timeout: float | None = None, *, stop: bool = False) -> bool:
         """Wait for the cross-rank jobs queued so far (see ``CrossRankWorker.flush``)."""
         return self.worker.flush(timeout, stop=stop)

@@ -357,6 +357,9 @@ def test_a_non_leader_serves_its_own_values_and_the_leader_the_jobs_too(tmp_path
             "trainguard_loss_scale", "trainguard_applied_generation",
             'trainguard_skipped_steps_total{reason="spike"}'} <= left_out.keys()
     assert "trainguard_grad_noise_scale" in leader["scraped"]
+    # the leader's cross-rank worker kept up with a report every 2 steps: nothing lightened or dropped
+    assert leader["scraped"]["trainguard_agent_cross_rank_lightened_total"] == 0.0
+    assert leader["scraped"]["trainguard_agent_cross_rank_dropped_total"] == 0.0
     assert all(_same(v, leader["scraped"][k]) for k, v in left_out.items()), {
         k: (v, leader["scraped"][k]) for k, v in left_out.items() if not _same(v, leader["scraped"][k])}
     # ... while its own values are its own (each rank trains on its own batches).

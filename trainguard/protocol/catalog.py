@@ -182,6 +182,8 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_applied_generation", "1", "Generation of the controller's desired state applied (by every rank at the same step).", scope=JOB),
     _g("trainguard_agent_controller_up", "1", "1 when the last exchange with the controller succeeded, else 0 (rank 0 talks to the controller for the run).", scope=JOB),
     _c("trainguard_agent_reports_dropped_total", "reports", "Reports dropped because the send buffer was full (oldest first).", scope=JOB),
+    _c("trainguard_agent_cross_rank_lightened_total", "reports", "Reports the leader sent without their cross-rank comparisons (data overlap, fingerprints) because its cross-rank worker fell behind the reports (the per-rank values still went). Absent with one rank.", scope=JOB),
+    _c("trainguard_agent_cross_rank_dropped_total", "reports", "Reports the leader dropped because its cross-rank worker fell behind the reports even in the light form. Absent with one rank.", scope=JOB),
     _c("trainguard_skipped_steps_total", "steps", "Optimizer steps not taken on any rank, by reason: nonfinite (a NaN/Inf gradient on some rank), spike (the gradient norm far above its recent values) or data (the controller found the batches' data at fault and every rank skipped their steps, the LR untouched).", ("reason",), scope=JOB),
     _g("trainguard_consecutive_skipped_steps", "steps", "Optimizer steps skipped in a row by the spike guard, up to the step in progress; skipping that goes on means skipping alone is not fixing the run.", scope=JOB),
     _g("trainguard_snapshot_step", "steps", "Step of the newest in-memory snapshot of the training state a rollback can restore (absent without snapshots)."),
