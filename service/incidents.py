@@ -559,30 +559,28 @@ class RunRecovery:
         """The metric of the last report is non-finite or above degrade_ratio x its baseline (the
         update per unit of LR, when the agent reports it: the schedule does not move that one;
         then the update itself must also be above degrade_ratio x its own healthy median,
-        ``ScheduleBaseline.small_update``), or the update per unit of LR below 1 / (2 x degrade_ratio) of its baseline (the
-        optimizer's state still holds the fault: the run trains at a fraction of its LR)."""
+        ``ScheduleBaseline.small_update``), or the update per unit of LR below 1 / (2 x
+        degrade_ratio) of its baseline (the optimizer's state still holds the fault: the run
+        trains at a fraction of its LR)."""
         base, measured = self._ramp_measure()
         if base is None or measured is None:
             return False
-        if math.isfinite(measured) and ScheduleBaseline.PER_LR in self._values and base > 0 \
-                and measured < base / (2 * self.policy.degrade_ratio):
+        if not math.isfinite(measured):
+            return True
+        if ScheduleBaseline.PER_LR not in self._values:  # the policy's metric: above its baseline
+            return measured > self.policy.degrade_ratio * base
+        if measured < base / (2 * self.policy.degrade_ratio):
             # Far below per unit of LR: the fault's gradients inflated Adam's second moment, which
             # remembers them for ~1/(1 - beta2) steps, so the run trains at a fraction of its LR
             # (0.2x for 200 steps after 5 steps at x200) while its loss stays above where it was.
             # Not recovered: the ladder goes on (a rollback restores the optimizer state too).
             return True
-        if math.isfinite(measured) and measured <= self.policy.degrade_ratio * base:
-            return False
-        if math.isfinite(measured) and ScheduleBaseline.PER_LR in self._values:
-            # High per unit of LR, but is the update itself large? While the LR in force is far
-            # below the one the baseline was measured at (a rollback's guard, adaptive LR), Adam's
-            # normalised step m/sqrt(v) grows towards 1 as the weights stop moving (successive
-            # gradients agree): 2.5-5x its healthy value at lr_scale 5e-4, with an update 100x
-            # smaller than healthy. That is the cut LR, not a hurt run; judged by it, such a run
-            # is paused after its guard.
-            if self.schedule.small_update(self._values):
-                return False
-        return True
+        # High per unit of LR, but is the update itself large? While the LR in force is far below
+        # the one the baseline was measured at (a rollback's guard, adaptive LR), Adam's normalised
+        # step m/sqrt(v) grows towards 1 as the weights stop moving (successive gradients agree):
+        # 2.5-5x its healthy value at lr_scale 5e-4, with an update 100x smaller than healthy.
+        # That is the cut LR, not a hurt run; judged by it, such a run is paused after its guard.
+        return measured > self.policy.degrade_ratio * base and not self.schedule.small_update(self._values)
 
     def after_report(self, *, step: int, values: dict[str, float], findings: list[Any], before: DesiredState,
                      desired: DesiredState, fired: list[tuple[str, DesiredState]], now: float) -> list[RecoveryChange]:
