@@ -61,6 +61,7 @@ _RECORD = struct.Struct("<dI4dHHB")  # background, finite count, p5 p25 p75 p95,
 _NONFINITE_MAP, _EXACT = 1, 2  # flags: the non-finite ranks as a 2-bit map (else listed); every value kept
 _CLASS = np.array([0.0, np.nan, np.inf, -np.inf])  # 2-bit classes: finite, NaN, +Inf, -Inf
 _U64 = np.dtype("<u8")
+_NO_NONFINITE = struct.pack("<H", 0)  # a record's count of listed non-finite ranks, none
 
 
 class StoredRanks(dict[str, np.ndarray]):
@@ -157,7 +158,8 @@ def _record(x: np.ndarray) -> bytes | None:
 
 
 def _exact(x: np.ndarray) -> bytes:
-    f = x.astype(np.float32)
+    with np.errstate(over="ignore"):  # a value beyond float32's range: stored as float64
+        f = x.astype(np.float32)
     if np.array_equal(f.astype(np.float64).view(_U64), x.view(_U64)):
         return bytes([_KIND_F4]) + f.astype("<f4").tobytes()
     return bytes([_KIND_F8]) + x.astype("<f8").tobytes()
@@ -171,17 +173,58 @@ def encode(ranks: dict[str, np.ndarray], vector_names: tuple[str, ...]) -> tuple
         return 0, None
     present = [i for i, name in enumerate(vector_names) if name in ranks]
     world = len(ranks[vector_names[present[0]]])
+    if world <= EXACT_UP_TO_RANKS:
+        return sum(1 << i for i in present), _encode_small(ranks, [vector_names[i] for i in present], world)
     parts = [_HEAD.pack(world, ranks_digest({vector_names[i]: ranks[vector_names[i]] for i in present}))]
     for i in present:
         x = np.ascontiguousarray(ranks[vector_names[i]], dtype=np.float64)
         record = _record(x)
-        if world <= EXACT_UP_TO_RANKS:  # a small world: exact, in the smaller form
-            full = _exact(x)
-            if record is None or not record[_RECORD.size - 1] & _EXACT or len(record) + 1 >= len(full):
-                parts.append(full)
-                continue
         parts.append(_exact(x) if record is None else bytes([_KIND_RECORD]) + record)
     return sum(1 << i for i in present), b"".join(parts)
+
+
+def _encode_small(ranks: dict[str, np.ndarray], names: list[str], world: int) -> bytes:
+    """A small world's blob: each vector exactly, as its full row (float32 when that holds every
+    value) or, where shorter, as an exact record. The checks run on every vector at once (one
+    array of ``len(names)`` rows); a record is built only for a row that could be shorter than its
+    full form: one listing each finite value that differs from the background (12 bytes each)
+    after a header, so a row with ``d`` distinct finite values lists at least ``d - 1``."""
+    x = np.empty((len(names), world))
+    for row, name in zip(x, names):
+        row[:] = ranks[name]
+    u = x.view(_U64)
+    nan = np.isnan(x)
+    canonical = np.where(nan, np.nan, x) if nan.any() else x  # the digest's: every NaN the same
+    h = hashlib.blake2b(digest_size=16)
+    size = struct.pack("<I", world)
+    for name, row in zip(names, canonical):
+        h.update(name.encode() + b"\0" + size)
+        h.update(row.tobytes())
+    with np.errstate(over="ignore"):  # a value beyond float32's range: stored as float64
+        f = x.astype(np.float32)
+    as_f4 = (f.astype(np.float64).view(_U64) == u).all(axis=1)
+    s = np.sort(x, axis=1)  # -inf, the finite values ascending, +inf, NaN
+    finite = np.isfinite(s)
+    both = finite[:, 1:] & finite[:, :-1]
+    distinct = np.count_nonzero(both & (s[:, 1:] != s[:, :-1]), axis=1) + finite.any(axis=1)
+    constant = (u == u[:, :1]).all(axis=1) & finite[:, 0]
+    parts = [_HEAD.pack(world, h.digest())]
+    for k in range(len(names)):
+        full = bytes([_KIND_F4]) + f[k].astype("<f4").tobytes() if as_f4[k] else bytes([_KIND_F8]) + x[k].astype("<f8").tobytes()
+        listed = max(int(distinct[k]) - 1, 0)
+        if listed > EXACT_FINITE or 1 + _RECORD.size + 12 * listed >= len(full):
+            parts.append(full)  # a record could not be both exact and shorter
+            continue
+        if constant[k] and abs(x[k, 0]) < 1e300:  # one finite value at every rank, bit for bit
+            c = float(x[k, 0])
+            parts.append(bytes([_KIND_RECORD]) + _RECORD.pack(c, world, c, c, c, c, 0, 0, _EXACT) + _NO_NONFINITE)
+            continue
+        record = _record(np.ascontiguousarray(x[k]))
+        if record is None or not record[_RECORD.size - 1] & _EXACT or len(record) + 1 >= len(full):
+            parts.append(full)
+        else:
+            parts.append(bytes([_KIND_RECORD]) + record)
+    return b"".join(parts)
 
 
 def _read_record(buf: memoryview, at: int, world: int) -> tuple[np.ndarray, int, bool, tuple[int, float, float, float, float]]:

@@ -106,6 +106,38 @@ def test_small_worlds_and_constant_vectors_are_stored_exactly() -> None:
         assert exact and got.tobytes() == row.tobytes()
 
 
+@pytest.mark.parametrize("world", [1, 2, 7, 64, 65, 256])
+def test_a_small_world_stores_each_vector_in_its_shortest_exact_form(world: int) -> None:
+    """Each vector of a small world is its full row (float32 when every value survives the cast,
+    else float64) or, when shorter, a record listing every finite rank off the median, whatever
+    the row holds; every vector decodes bit for bit. The sizes are counted here from the rows."""
+    tiny = [np.random.default_rng(world).random(world), np.full(world, math.nan), np.resize([math.inf, -1.0, 2.0], world)]
+    rows = (_rows(world, world) if world >= 40 else tiny) + [np.full(world, -0.0), np.full(world, 1e301), np.full(world, 0.1)]
+    stragglers = np.full(world, 3.0)
+    stragglers[: max(world // 8, 1)] = [math.inf, *np.arange(max(world // 8, 1) - 1, dtype=float)]
+    rows.append(stragglers)
+    for row in rows:
+        finite = row[np.isfinite(row)]
+        if len(finite):
+            s = np.sort(finite)
+            median = s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+            differ = int(np.count_nonzero(finite.view(np.uint64) != np.float64(median).view(np.uint64)))
+        else:
+            median, differ = math.nan, 0
+        with np.errstate(over="ignore"):
+            as_f4 = np.array_equal(row.astype(np.float32).astype(np.float64).view(np.uint64), row.view(np.uint64))
+        full = 1 + (4 if as_f4 else 8) * world
+        nonfinite = int(np.count_nonzero(~np.isfinite(row) & ~(np.isnan(row) if math.isnan(median) else False)))
+        listed = 12 * differ + (2 + 5 * nonfinite if nonfinite <= rank_store.LISTED_NONFINITE else -(-world // 4))
+        record = 1 + 49 + listed  # kind; background, count, 4 percentiles (8 + 4 + 32), 2 counts, flags
+        record_fits = differ <= rank_store.EXACT_FINITE and abs(median) < 1e300 if len(finite) else True
+        expected = record if record_fits and record < full else full
+        mask, blob = rank_store.encode({"loss": row}, VECTORS)
+        assert len(blob) - 20 == expected, (row[:8], differ)  # 20: the world size and the digest
+        back = rank_store.decode(mask, blob, rank_store.FORMAT_RECORDS, world, VECTORS)
+        assert "loss" in back.exact and back["loss"].tobytes() == row.tobytes()
+
+
 def test_a_record_keeps_the_count_and_percentiles_of_the_finite_values() -> None:
     row = np.random.default_rng(5).normal(0, 1, 4096)
     row[:10] = math.nan
