@@ -313,6 +313,8 @@ class NonfiniteSkip:
             data = False
         if data:  # every rank: the agreed state says so (the spike guard's window is left as it was)
             self.skipped_by_reason["data"] += 1
+            if self.guard is not None:
+                self.guard.data_skipped()
             if self._on_data_skip is not None:
                 try:
                     self._on_data_skip()

@@ -23,7 +23,17 @@ guard then starts its baseline afresh from the steps that follow (a new regime: 
 for ``min_history`` steps), so a level shift costs ``max_consecutive`` skipped steps, not the
 hundreds of steps it would take a robust median to move. Such a run shows in
 ``trainguard_consecutive_skipped_steps`` and the controller escalates (adaptive LR, rollback,
-pause). The guard's state is the same on every rank as long as the ranks see the same global
+pause).
+
+Steps skipped for their data (the controller's data skip, a cause-``data`` incident) do not count
+as skips here and leave the window as it was. The data skip reaches the ranks a few steps after the
+first bad batch, so those batches may already have been trained. The model then sits elsewhere, and
+good data gives larger gradients than the window's (after 3 batches of random bytes a small GPT's
+loss went from 3.0 to 4.4, its gradient norm from 0.7 to 12-15). So the first step after a data
+skip is judged against the window: when it is a spike, the guard takes it and starts its baseline
+afresh from it, as after ``max_consecutive`` skips. Skipping good data cannot undo what the bad
+batches did; training on good data does. The controller's rollback, when a snapshot from before the
+onset exists, undoes them. The guard's state is the same on every rank as long as the ranks see the same global
 gradient norms (data parallelism); the ranks agree on the decision anyway (the skip flag's
 all-reduce, ``trainer_agent/actuators.py``).
 """
@@ -78,7 +88,9 @@ class SpikeGuard:
         self.consecutive = 0
         """Steps skipped in a row (any reason), reset by a step taken."""
         self.restarts = 0
-        """Baselines started afresh after ``max_consecutive`` skips in a row."""
+        """Baselines started afresh (after ``max_consecutive`` skips in a row, or after a data skip)."""
+        self._after_data_skip = False  # the next step judged is the first after a data skip
+        self._rebase = False  # the next step taken starts a new baseline
 
     def threshold(self) -> float:
         """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
@@ -93,14 +105,27 @@ class SpikeGuard:
         """True when the step with this (finite) global gradient norm should not be taken."""
         if self.consecutive >= self.config.max_consecutive:
             return False
-        return norm > self.threshold()
+        spike = norm > self.threshold()
+        if self._after_data_skip:
+            self._after_data_skip = False
+            if spike:  # the bad batches trained before the data skip moved the model: a new regime
+                self._rebase = True
+                return False
+        return spike
+
+    def data_skipped(self) -> None:
+        """A step was skipped for its data: not a skip of this guard's, the window stays; the first
+        step judged after the data skip may start a new baseline (see the module's docstring)."""
+        self._after_data_skip = True
 
     def taken(self, norm: float) -> None:
         """The step was taken: its norm joins the baseline (a non-finite one does not). Taken
-        after ``max_consecutive`` skips, it starts a new baseline."""
-        if self.consecutive >= self.config.max_consecutive:
+        after ``max_consecutive`` skips, or as the first spike after a data skip, it starts a new
+        baseline."""
+        if self.consecutive >= self.config.max_consecutive or self._rebase:
             self._norms.clear()
             self.restarts += 1
+            self._rebase = False
         self.consecutive = 0
         if math.isfinite(norm):
             self._norms.append(norm)
@@ -109,13 +134,17 @@ class SpikeGuard:
         self.consecutive += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self._norms), "consecutive": self.consecutive}
+        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             norms = [float(x) for x in state["norms"]]
             consecutive = int(state["consecutive"])
-        except (KeyError, TypeError, ValueError) as exc:
+            after_data_skip = state.get("after_data_skip", False)  # (absent from older snapshots)
+            if not isinstance(after_data_skip, bool):
+                raise TypeError(f"after_data_skip must be a bool, got {after_data_skip!r}")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed spike guard state: {exc!r}") from None
         self._norms = deque(norms[-self.config.window:], maxlen=self.config.window)
         self.consecutive = max(consecutive, 0)
+        self._after_data_skip, self._rebase = after_data_skip, False

@@ -1,5 +1,6 @@
 """The spike guard: its threshold against a naive float64 reference, its bounded run of skips,
-and, on real training, no skip on healthy runs and a skipped step that changes nothing."""
+a new baseline when the model moved during a data skip, and, on real training, no skip on healthy
+runs, a skipped step that changes nothing, and good data trained after a data skip."""
 
 from __future__ import annotations
 
@@ -56,6 +57,48 @@ def test_skipped_norms_stay_out_of_the_baseline_and_skips_in_a_row_are_bounded()
     assert guard.threshold() != before
     guard.taken(float("nan"))  # a non-finite norm never joins it
     assert all(math.isfinite(x) for x in guard.state_dict()["norms"])
+
+
+def _guard_with_history() -> SpikeGuard:
+    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4))
+    for x in (1.0, 1.1, 0.9, 1.0, 1.05):
+        guard.taken(x)
+    return guard
+
+
+def test_the_first_spike_after_a_data_skip_is_taken_and_starts_a_new_baseline() -> None:
+    guard = _guard_with_history()
+    assert guard.is_spike(12.0)  # without a data skip before it: a spike
+    for _ in range(3):
+        guard.data_skipped()
+    assert guard.consecutive == 0 and len(guard.state_dict()["norms"]) == 5  # the data skip is not the guard's
+    assert not guard.is_spike(12.0)  # the model moved while the bad batches were trained: a new regime
+    guard.taken(12.0)
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [12.0]
+    assert not guard.is_spike(13.0)  # nothing is skipped before min_history steps of the new regime
+
+
+def test_an_ordinary_step_after_a_data_skip_keeps_the_baseline_and_the_guard() -> None:
+    guard = _guard_with_history()
+    guard.data_skipped()
+    assert not guard.is_spike(1.02)
+    guard.taken(1.02)
+    assert guard.restarts == 0 and len(guard.state_dict()["norms"]) == 6
+    assert guard.is_spike(12.0)  # only the first step after the data skip may start a new baseline
+
+
+def test_the_state_after_a_data_skip_survives_a_round_trip_and_bad_states_are_refused() -> None:
+    guard = _guard_with_history()
+    guard.data_skipped()
+    again = SpikeGuard(SpikeGuardConfig(window=8, min_history=4))
+    again.load_state_dict(guard.state_dict())
+    assert not again.is_spike(12.0)  # (restored: the first step after the data skip)
+    older = {"norms": [1.0, 1.1, 0.9, 1.0], "consecutive": 0}  # a snapshot from before the field
+    again.load_state_dict(older)
+    assert again.is_spike(12.0)
+    for bad in ({"norms": [1.0], "consecutive": 0, "after_data_skip": "yes"}, [1.0], {"norms": None, "consecutive": 0}):
+        with pytest.raises(ValueError):
+            again.load_state_dict(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [{"window": 2}, {"min_history": 200}, {"sigmas": 0.5}, {"min_ratio": math.inf},
@@ -144,5 +187,47 @@ def test_no_snapshot_is_taken_for_an_interval_with_a_skipped_step() -> None:
         for step in [s for s in range(10, 131, 10) if s != 100]:
             kept = retained(kept + [step], every=10, keep=4)
         assert held == kept
+    finally:
+        agent.close()
+
+
+def test_good_data_after_a_data_skip_is_trained_when_the_bad_batches_had_moved_the_model() -> None:
+    """The controller's data skip covers steps 203-214. At step 203 the weights are pushed away,
+    as a few bad batches trained before the skip reached the ranks would. Good data then gives
+    gradients ~10x the window's median: the guard takes them as a new regime instead of skipping
+    good data, and the loss comes back down."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    agent = ta.attach(model, opt, job="spike", run="spike-data", config=ta.AgentConfig(
+        metrics_port=None, report_every=10, skip_spikes=True, controller=None))
+    step_now = {"step": 0}
+    agent.control.skip.data_skip = lambda: 203 <= step_now["step"] < 215  # as the agreed state says
+    g = torch.Generator().manual_seed(100)
+    w_true = torch.randn(16, 1, generator=g)
+    losses, norms = {}, {}
+    try:
+        for step in range(1, 301):
+            step_now["step"] = step
+            x = torch.randn(64, 16, generator=g)
+            y = x @ w_true + 0.1 * torch.randn(64, 1, generator=g)
+            if step == 203:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.5 * torch.randn(p.shape, generator=g))
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            norms[step] = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss)
+            losses[step] = float(loss.detach())
+        before = sorted(norms[s] for s in range(80, 203))[61]  # the healthy median, computed here
+        assert norms[215] > 5 * before  # the first step after the skip would be a spike by the old window
+        skip, guard = agent.control.skip, agent.control.skip.guard
+        assert skip.skipped_by_reason == {"spike": 0, "nonfinite": 0, "data": 12}
+        assert guard is not None and guard.restarts == 1
+        late = sum(losses[s] for s in range(281, 301)) / 20
+        assert late < 0.25 * sum(losses[s] for s in range(215, 225)) / 10  # trained back down
     finally:
         agent.close()
