@@ -182,6 +182,20 @@ class CrossRankWorker:
         self._busy = False
         self._closing = False
         self._thread: threading.Thread | None = None
+        # Objects handed over by release(), dropped here when a later job is taken
+        self._garbage: deque[Any] = deque()
+
+    def release(self, obj: Any) -> None:
+        """Have the worker drop ``obj`` (never waits). A resolved report's per-rank vectors hold
+        a Python float per rank and field: at 32,768 ranks, freeing them and the gathered rows
+        costs ~5 ms of CPU, which must not land on the training thread. The newest object handed
+        over is kept until the next one arrives, so the caller's own last reference has surely
+        gone before the worker drops it (:meth:`_run`)."""
+        with self._cond:
+            if not self._closing:
+                self._garbage.append(obj)
+            stale = self._garbage.popleft() if len(self._garbage) > 2 else None  # no job came to drop them
+        del stale
 
     def submit(self, job: Callable[[], None], light: Callable[[], None] | None = None) -> None:
         """Queue ``job`` (never waits), with ``light``: what to run instead should the queue
@@ -232,6 +246,7 @@ class CrossRankWorker:
             if stop:
                 self._closing = True
                 self._jobs.clear()
+                self._garbage.clear()
                 self._light = 0
                 self._cond.notify_all()
             return done
@@ -242,11 +257,14 @@ class CrossRankWorker:
                 while not (self._jobs or self._closing):
                     self._cond.wait()
                 if not self._jobs:
+                    self._garbage.clear()
                     return
                 job = self._jobs.popleft()[0]
                 if self._light:
                     self._light -= 1
                 self._busy = True
+                garbage = [self._garbage.popleft() for _ in range(len(self._garbage) - 1)]
+            garbage.clear()  # freed here, off the training thread (see release)
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - one report's failure must not stop the next
@@ -693,7 +711,10 @@ class ReportPipeline:
         while self.pending and ((block and waits > 0) or self.pending[0].ready()):
             waits -= 1
             report = self.pending.popleft()
-            published, self._rank_values = report.read()
+            published, rank_values = report.read()
+            if self.world_size > 1 and isinstance(self._rank_values, RankVectors):
+                self.worker.release(self._rank_values)  # the previous report's, freed off this thread
+            self._rank_values = rank_values
             if self.on_published is not None:
                 self.on_published(published, self._rank_values)
         return published
