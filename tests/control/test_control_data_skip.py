@@ -93,7 +93,12 @@ def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(contro
     skipped = [[r[0] for r in log["rows"] if r[1]] for log in logs]
     assert skipped[0] == skipped[1] and skipped[0], skipped  # the same steps on every rank
     first = skipped[0][0]
-    assert ONSET <= first <= ONSET + 4  # never before the fault; within a few reports of it
+    # never before the fault; from the step after the one at whose end the ranks applied the first
+    # data-skip request (every rank applies a generation at the same step; the history records it). How
+    # many corrupted batches trained before that is the round trip in steps: 3 on an idle machine
+    # here, 6 with the cores taken by other work (the agent never waits for the controller).
+    applied = [h[1] for h in logs[0]["history"] if h[1] >= ONSET]
+    assert applied and first == applied[0] + 1 and ONSET < first < ONSET + BURST // 2, (first, applied)
     assert set(range(first, ONSET + BURST)) <= set(skipped[0])  # every corrupted batch after that
     assert max(skipped[0]) < ONSET + BURST + 20  # and it ends once the data is back
     for log in logs:
@@ -110,7 +115,7 @@ def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(contro
     assert any(e["points_to"] == "data" for e in incident["verdict"]["evidence"])
     # the steps the controller asked to skip: from the step after the report it decided on, to the
     # last one every rank skipped (the ranks start at the step they apply the request at: its ack)
-    assert incident["data_skipped"][0] < first and incident["data_skipped"][1] == max(skipped[0])
+    assert ONSET < incident["data_skipped"][0] <= first and incident["data_skipped"][1] == max(skipped[0])
 
     # each rank's loader quarantined exactly the samples of its batches of the data-skipped steps
     # (step s read batch s - 1 of epoch 0), and keeps them in its state for a resume
