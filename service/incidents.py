@@ -105,9 +105,11 @@ class Incident:
     """A data incident: [first, last] step whose optimizer steps the ranks skipped for its data."""
     replay: dict[str, Any] | None = None
     """An LR jump of the user's schedule, rolled back: the restored scheduler asks for it again.
-    ``kind`` ``over`` (the jump began and ended inside one report interval): the rollback's
-    ``lr_scale`` is 1/``ratio`` of the usual until ``until_step`` (the restored run past the jump),
-    then ``lr_scale_after``; ``lasting``: the restored schedule is healthy until the jump, so the
+    ``kind`` ``over`` (the jump began and ended inside one report interval): the rollback's scale
+    ``lr_scale_after`` until ``guard_from`` (the last report at least one interval before the
+    restored schedule reaches the jump's step again), then ``lr_scale``, 1/``ratio`` of it, until
+    ``until_step`` (the restored run past the jump), then ``lr_scale_after`` again (``guarding``:
+    the step the guard began, None before); ``lasting``: the restored schedule is healthy until the jump, so the
     rollback's factor of the ceiling until ``until_step`` (the last report before it), then the
     rollback's scale ``lr_scale_after``. ``released``: the step it changed."""
     quarantined: dict[str, list[int]] | None = None
@@ -170,7 +172,7 @@ def snapshot_policy(config: dict[str, Any]) -> tuple[int | None, int]:
 
 
 #: The metrics whose healthy median a command's fold reads (``CommandSpec.measures``).
-_MEASURED = tuple(dict.fromkeys(m for c in REGISTRY for m in c.measures))
+_MEASURED = tuple(dict.fromkeys((*(m for c in REGISTRY for m in c.measures), "trainguard_loss")))
 
 
 def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
@@ -232,6 +234,8 @@ class RunRecovery:
         self._healthy_measures: dict[str, deque[float]] = {m: deque(maxlen=self.policy.baseline_reports) for m in _MEASURED}
         self._reports_since_rung = 0
         self._healthy_in_a_row = 0
+        self._incident_losses: tuple[float, ...] = ()
+        """The open incident's losses of its last ``recover_reports`` reports with the signals back (``_loss_hurt``)."""
         self._last_step: int | None = None
         self._measured: float | None = None
         self._measured_scale: float | None = None
@@ -294,7 +298,7 @@ class RunRecovery:
 
     _SCALARS = ("_reports_since_rung", "_rung_step", "_skipped_total", "_skipped_now", "_healthy_in_a_row",
                 "_last_step", "_measured", "_measured_scale", "_lr", "_verdict", "_data_active", "_lr_peak", "_revised",
-                "_opened_now", "_lr_fault_peak", "_data_checks")
+                "_opened_now", "_lr_fault_peak", "_data_checks", "_incident_losses")
 
     def save(self) -> dict[str, Any]:
         """Everything a report may change, for an undo (``Transaction.on_rollback``). Called on
@@ -555,6 +559,26 @@ class RunRecovery:
             return False  # a data incident is over when its data is back in bounds
         return True
 
+    def _loss_hurt(self, values: dict[str, float]) -> bool:
+        """An optimizer incident's signals are back but not its loss: the median loss of its last
+        ``recover_reports`` reports with the signals back is above ``loss_recovered_ratio`` x the loss's healthy median
+        before the onset. Only while the ladder's rollback is still ahead and a good snapshot
+        exists: the steps taken at the faulty LR moved the weights (one step at x100 left a small
+        GPT 1.2x above its healthy loss 190 steps later, at the right LR), and the rollback restores
+        them. Without a snapshot the run trains back on its own: no rung for the loss alone."""
+        inc, p = self.open, self.policy
+        loss = values.get("trainguard_loss")
+        if inc is None or loss is None or not math.isfinite(loss):
+            return False
+        self._incident_losses = (*self._incident_losses, float(loss))[-p.recover_reports:]
+        if (inc.cause != "optimizer" or len(self._incident_losses) < p.recover_reports or not math.isfinite(p.loss_recovered_ratio)
+                or "rollback" not in self.ladder() or any(r["rung"] == "rollback" for r in inc.rungs)
+                or not any(s.good(p.snapshot_confirm_reports) for s in self.snapshots)):
+            return False
+        base = self.healthy_median("trainguard_loss")
+        recent = baseline(self._incident_losses)
+        return base is not None and recent is not None and recent > p.loss_recovered_ratio * base
+
     def degraded(self) -> bool:
         """The metric of the last report is non-finite or above degrade_ratio x its baseline (the
         update per unit of LR, when the agent reports it: the schedule does not move that one;
@@ -635,6 +659,11 @@ class RunRecovery:
                 changes.append(change)
                 desired = change.desired
         replay = self.open.replay if self.open is not None else None
+        if (replay is not None and replay.get("released") is None and p.enabled and replay["kind"] == "over"
+                and replay.get("guarding", step) is None and step >= replay["guard_from"]):
+            change = self._guard_replayed_jump(step, desired)
+            changes.append(change)
+            desired = change.desired
         if replay is not None and replay.get("released") is None and p.enabled and (
                 step > replay["until_step"] or (replay["kind"] == "lasting" and step >= replay["until_step"])):
             change = self._release_replay(step, values, desired)
@@ -663,7 +692,7 @@ class RunRecovery:
                 # burst used the window up and the first unhealthy reports after it escalated.
                 self._reports_since_rung = 0
                 self._rung_step = step
-            elif healthy and not self.degraded():
+            elif healthy and not self.degraded() and not self._loss_hurt(values):
                 self._healthy_in_a_row += 1
                 if self._healthy_in_a_row >= p.recover_reports:
                     self._close("recovered", step, now)
@@ -829,21 +858,43 @@ class RunRecovery:
 
     def _guard_replay(self, step: int, ratio: float, new: DesiredState) -> DesiredState:
         """A rollback over an LR jump that is over: the restored scheduler will ask for the jump
-        again at the same point of its schedule, so the rollback's scale is 1/``ratio`` of the usual
-        until the run is past it (one report interval beyond the steps from the snapshot to the
-        report that saw the jump)."""
+        again at the same point of its schedule, so around that point the rollback's scale is
+        1/``ratio`` of the usual: from the last report at least one interval before the restored
+        run reaches the jump's first possible step (the incident's onset) until one interval past
+        the report that saw it. Before that, the rollback's scale: the restored schedule is the
+        healthy one (guarded from the rollback on, 5 steps at x200 cost a run 68 steps at 1/400 of
+        its LR)."""
         inc = self.open
         assert inc is not None
         seen = int(inc.rungs[0]["step"]) if inc.rungs else inc.onset_step
         interval = step - self._last_step if self._last_step is not None and self._last_step < step else 1
         until = step + max(seen - new.rollback_step, 0) + interval
+        guard_from = step + (inc.onset_step - new.rollback_step) - interval - 1
         after = new.lr_scale
         guard = max(after / ratio, LR_SCALE_MIN)
-        inc.replay = {"kind": "over", "ratio": ratio, "from_step": step + 1, "until_step": until, "lr_scale": guard,
-                      "lr_scale_after": after, "released": None}
+        guarding = step if guard_from <= step else None
+        inc.replay = {"kind": "over", "ratio": ratio, "from_step": step + 1, "guard_from": max(guard_from, step),
+                      "guarding": guarding, "until_step": until, "lr_scale": guard, "lr_scale_after": after,
+                      "released": None}
+        if guarding is None:
+            reason = (f"{new.reason}; then lr_scale {guard:.4g} (1/{ratio:.4g} of {after:.4g}) from the report at step "
+                      f"{guard_from} to step {until}, where the restored schedule asks for the LR jump again")
+            return new.model_copy(update={"reason": reason[:2000]})
         reason = (f"{new.reason}; lr_scale {guard:.4g} (1/{ratio:.4g} of {after:.4g}) until step {until}: the restored "
                   f"schedule asks for the LR jump again")
         return new.model_copy(update={"lr_scale": guard, "reason": reason[:2000]})
+
+    def _guard_replayed_jump(self, step: int, desired: DesiredState) -> RecoveryChange:
+        """The restored run nears the step of the LR jump: 1/``ratio`` of the rollback's scale until
+        it is past it."""
+        inc = self.open
+        assert inc is not None and inc.replay is not None
+        replay = inc.replay = dict(inc.replay, guarding=step)
+        scale = min(replay["lr_scale"], desired.lr_scale)
+        reason = (f"{self._why_cause()}: the restored schedule nears the LR jump (x{replay['ratio']:.4g}): lr_scale "
+                  f"{scale:.4g} until step {replay['until_step']}")
+        return RecoveryChange(desired.model_copy(update={"generation": desired.generation + 1, "lr_scale": scale,
+                                                         "reason": reason[:2000]}), "recovery:ladder")
 
     def _lr_jump_lasts(self) -> bool:
         """This optimizer incident opened on the scheduled LR beyond the schedule's range, and it
@@ -982,6 +1033,7 @@ class RunRecovery:
         self._opened_now = True
         self.incidents.append(self.open)
         self._healthy_in_a_row = 0
+        self._incident_losses = ()
         self._reports_since_rung = 0
         self._rung_step = step
 

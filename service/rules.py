@@ -174,6 +174,7 @@ class RecoveryPolicy(_Model):
     window_steps: int = Field(default=15, ge=0, le=1_000_000, description="Steps a rung gets at least before the next one is taken (for runs that report often).")
     health_rules: tuple[RuleName, ...] = Field(default=("loss_spike",), max_length=256, description="Rules that only notify but whose alert makes a report unhealthy for the ladder (a loss far above its recent level: the weights were hurt).")
     recover_reports: int = Field(default=5, ge=1, le=1000, description="Healthy reports in a row that close an incident as recovered.")
+    loss_recovered_ratio: float = Field(default=1.1, ge=1.0, allow_inf_nan=False, description="An optimizer incident whose signals are back is recovered only when its loss (the median of its last recover_reports reports) is at most this x the loss's healthy median before the onset, while the ladder's rollback is still ahead and a good snapshot exists: the faulty steps moved the weights, and the rollback restores them (without a snapshot, the run trains back on its own; no rung is taken for the loss alone). inf: never waits for the loss.")
     rollback_lr_factor: float = Field(default=0.5, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False, description="lr_scale factor taken with the rollback rung.")
     skip_limit: int = Field(default=4, ge=1, description="Steps skipped in a row (at a report) that make the report unhealthy.")
     snapshot_confirm_reports: int = Field(default=2, ge=1, le=1000, description="Healthy reports after a snapshot that make it good.")

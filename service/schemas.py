@@ -59,8 +59,9 @@ class Incident(BaseModel):
     experiment: dict[str, Any] | None = Field(description="Unknown cause: the LR-10x experiment (from_step, until_step, outcome, conclusion).")
     data_skipped: list[int] | None = Field(description="Data cause: [first, last] step whose optimizer steps every rank skipped.")
     replay: dict[str, Any] | None = Field(
-        default=None, description="An LR jump over by its report, rolled back: the reduced lr_scale until the restored "
-        "schedule is past the jump again (ratio, from_step, until_step, lr_scale, lr_scale_after, released).")
+        default=None, description="An LR jump of the schedule, rolled back: the reduced lr_scale around the step where the "
+        "restored schedule asks for the jump again (kind, ratio, from_step, guard_from, guarding, until_step, lr_scale, "
+        "lr_scale_after, released).")
     quarantined: dict[str, list[int]] | None = Field(
         default=None, description="Data cause: the samples of the skipped batches, every rank's, by shard: "
         "{shard base path: [index of the sequence in the shard]}, as the run's TokenLoader reported them.")

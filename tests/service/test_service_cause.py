@@ -470,7 +470,7 @@ def test_the_experiment_finds_the_sampling_out_of_bounds_and_concludes_data() ->
     assert (kl["value"], kl["out_of_bounds"]) == (0.4, True) and inc["cause"] == "data" and "amp" not in exp
 
 
-def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_until_the_restored_schedule_passes_it() -> None:
+def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_where_the_restored_schedule_repeats_it() -> None:
     # a report every 5 steps; the schedule went x1000 for a few steps inside the interval ending at 135
     # (the report's own step back on it), the agent skipped 3 steps, the loss stays hurt
     def at(i: int, **over: float) -> Report:
@@ -491,11 +491,14 @@ def test_a_rolled_back_lr_jump_that_was_over_by_its_report_is_guarded_until_the_
     assert [(r["rung"], r["step"]) for r in inc["rungs"] if r["rung"] != "skip"][0] == ("rollback", 150)
     step_of = {r.step_last: s for r, s in zip(reports, states)}
     assert step_of[150].rollback_step == 100
-    # the restored scheduler asks for the jump again 35 steps after the snapshot: until then and one
-    # report beyond, 1/1000 of the rollback's scale (0.5); then the rollback's scale
-    assert inc["replay"] == {"kind": "over", "ratio": 1000.0, "from_step": 151, "until_step": 190, "lr_scale": pytest.approx(5e-4),
-                             "lr_scale_after": 0.5, "released": 195}
-    assert step_of[150].lr_scale == pytest.approx(5e-4) and step_of[190].lr_scale == pytest.approx(5e-4)
+    # the jump came within steps 131-135: the restored scheduler asks for it again 31-35 steps after
+    # the snapshot, at steps 181-185 of the run. The rollback's scale (0.5) until the last report at
+    # least one interval before 181 (175); from there 1/1000 of it until one report past the one that
+    # saw the jump (150 + 35 + 5 = 190); then the rollback's scale again
+    assert inc["replay"] == {"kind": "over", "ratio": 1000.0, "from_step": 151, "guard_from": 175, "guarding": 175,
+                             "until_step": 190, "lr_scale": pytest.approx(5e-4), "lr_scale_after": 0.5, "released": 195}
+    assert [step_of[i].lr_scale for i in (150, 155, 170)] == [0.5] * 3
+    assert [step_of[i].lr_scale for i in (175, 180, 190)] == [pytest.approx(5e-4)] * 3
     assert step_of[195].lr_scale == 0.5
     assert inc["outcome"] == "recovered" and states[-1].lr_scale == 1.0  # and back to the schedule by the end
 
@@ -570,3 +573,44 @@ def test_a_rolled_back_lasting_lr_jump_keeps_the_healthy_scale_until_the_restore
                              "lr_scale_after": pytest.approx(0.05), "released": 175}
     assert step_of[150].lr_scale == 0.5 and step_of[170].lr_scale == 0.5
     assert step_of[175].lr_scale == pytest.approx(0.05) and step_of[195].lr_scale == pytest.approx(0.05)
+
+
+def _lasting_jump(loss_after: float, *, snapshots: bool = True) -> tuple[dict[int, object], dict]:
+    """A report every 5 steps; from step 131 the schedule asks for 10x its LR for good; adaptive
+    LR brings the update back at the report of step 135 and the signals are back from 140 on, with
+    the loss at ``loss_after`` (healthy: 2.0 +- 0.2, so that 2.6 is no loss spike)."""
+    def at(i: int, lr: float = 1e-3, **over: float) -> Report:
+        base = dict(trainguard_scheduler_lr=lr, trainguard_scheduler_lr_max=lr, trainguard_update_ratio=lr,
+                    trainguard_loss=2.0 + 0.2 * math.sin(i))
+        if snapshots:
+            base["trainguard_snapshot_step"] = 100.0 if i >= 100 else 50.0
+        return _report(i, **(base | over))
+
+    healthy = [at(i) for i in range(5, 135, 5)]
+    jump = [at(135, 1e-2, trainguard_grad_norm_max=3000.0, trainguard_loss=5.0)]
+    back = [at(i, 1e-2, trainguard_update_ratio=1e-3, trainguard_update_ratio_per_lr=1.0,
+               trainguard_loss=loss_after + 0.2 * math.sin(i)) for i in range(140, 260, 5)]
+    reports = healthy + jump + back
+    states, incidents = _incidents(reports)
+    return {r.step_last: s for r, s in zip(reports, states)}, incidents[0]
+
+
+def test_an_lr_fault_whose_signals_are_back_but_not_its_loss_is_rolled_back_to_the_snapshot_before_it() -> None:
+    # 1.3x the healthy loss with the update back at its healthy level: the faulty steps moved the weights
+    step_of, inc = _lasting_jump(2.6)
+    assert inc["cause"] == "optimizer" and step_of[135].lr_scale == pytest.approx(0.1)
+    (rollback,) = [r for r in inc["rungs"] if r["rung"] == "rollback"]
+    # five reports with the signals back (140-160) show the loss still hurt; from there the rung's
+    # window of 3 reports runs (160, 165, 170)
+    assert rollback["step"] == 170 and step_of[170].rollback_step == 100
+    assert inc["outcome"] == "recovered" and not any(st.paused for st in step_of.values())
+    # the same at the healthy loss (within 1.1x): recovered with adaptive LR alone, no rollback
+    step_of, inc = _lasting_jump(2.1)
+    assert [r["rung"] for r in inc["rungs"] if r["rung"] != "skip"] == ["adaptive_lr"]
+    assert inc["outcome"] == "recovered" and step_of[255].rollback_seq == 0
+
+
+def test_a_loss_still_hurt_without_a_snapshot_to_roll_back_to_takes_no_rung_and_never_pauses() -> None:
+    step_of, inc = _lasting_jump(2.6, snapshots=False)
+    assert [r["rung"] for r in inc["rungs"] if r["rung"] != "skip"] == ["adaptive_lr"]
+    assert inc["outcome"] == "recovered" and not any(st.paused for st in step_of.values())
