@@ -155,23 +155,23 @@ class Fingerprinter:
             f = f + flat[m * TILE:] @ r[:tail]
         return f.to(torch.float64)
 
-    def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]], skip: Collection[int] = ()) -> torch.Tensor:
+    def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]], skip: Collection[int] = (),
+                     sq: torch.Tensor | None = None) -> torch.Tensor:
         """(units, K + 1) float64 device tensor: the K projections of each unit and its L2 norm
-        (one fused norm per bucket). Tensors of no unit, and those whose index is in ``skip``,
-        are left out (not projected, norm 0); a 0-dim stand-in of a missing gradient projects
-        to 0. The projections are fused (see the module docstring): a few operators per chunk of
-        staged tensors and per tensor of ``DIRECT_ELEMENTS`` or more, whatever the tensor count."""
+        (from ``sq``, the tensors' float64 squared norms when the caller has them, else one fused
+        norm per bucket). Tensors of no unit or in ``skip`` are left out (not projected, norm 0);
+        a 0-dim stand-in of a missing gradient projects to 0. Fused (see the module docstring): a
+        few operators per staged chunk and per tensor of ``DIRECT_ELEMENTS`` or more."""
         flat = [t for b in buckets for t in b]
-        norms = stats.bucket_norms(buckets, self.device).to(torch.float64)
+        sq = stats.bucket_norms(buckets, self.device).to(torch.float64).square() if sq is None else sq
         dropped = self.layers  # the row that collects what is left out, then is cut off
         ids = self._unit_or_dropped
         if skip:
-            ids = ids.clone()
-            ids[torch.tensor(sorted(skip), dtype=torch.long, device=self.device)] = dropped
-        sq = torch.zeros(self.layers + 1, dtype=torch.float64, device=self.device).index_add_(0, ids, norms * norms)
-        proj = torch.zeros(self.layers + 1, self.k, dtype=torch.float64, device=self.device)
-        self._stage().project_into(proj, flat, skip)
-        return torch.cat([proj[:dropped], sq[:dropped].sqrt().unsqueeze(1)], dim=1)
+            ids = ids.clone().index_fill_(0, torch.tensor(sorted(skip), dtype=torch.long, device=self.device), dropped)
+        out = torch.zeros(self.layers + 1, self.k + 1, dtype=torch.float64, device=self.device)
+        out[:, self.k].index_add_(0, ids, sq).sqrt_()  # the norm column after the projections'
+        self._stage().project_into(out[:, :self.k], flat, skip)
+        return out[:dropped]
 
     def _stage(self) -> _Stage:
         if self._staging is None:
@@ -188,7 +188,7 @@ class Fingerprinter:
         ``width()`` float64 slots holding their float32 values (the projections are float32 sums
         already; rounding the per-unit float64 sums to float32 moves them by at most 6e-8 of
         their size, far below any tolerance, and replicas in sync stay bit-identical)."""
-        return torch.cat([grads.reshape(-1), params.reshape(-1)]).to(torch.float32).view(torch.float64)
+        return torch.stack([grads, params]).to(torch.float32).view(-1).view(torch.float64)
 
 
 class _Stage:

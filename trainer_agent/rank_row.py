@@ -40,7 +40,10 @@ Getter = Callable[[RowInputs], "torch.Tensor | float"]
 
 def _micro_sq_sum(r: RowInputs) -> torch.Tensor:
     micro = r.st.micro_norms
-    return unscale(torch.linalg.vector_norm(torch.stack(micro)).square() if micro else r.zero, r.st.scale, power=2)
+    if not micro:
+        return unscale(r.zero, r.st.scale, power=2)
+    norms = torch.stack(micro)
+    return unscale(torch.dot(norms, norms), r.st.scale, power=2)  # the sum of squares: one operator
 
 
 #: The row values that are no catalogue metric's report value, computed here.

@@ -24,6 +24,7 @@ overlap of ``trainer_agent/sketch.py``), which then hands it on (the controller'
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -39,9 +40,10 @@ import torch
 from trainer_agent import stats
 from trainer_agent.exporter import sample_key
 from trainer_agent.fingerprint import DesyncFinding, Fingerprinter, desync, findings
-from trainer_agent.triage import LAYER_STATS, UpdateModel
+from trainer_agent.triage import UpdateModel
 from trainer_agent.params import ParamIndex
 from trainer_agent.rank_row import RowInputs, rank_row
+from trainer_agent.report_host import HostDerived, PerTensor, layer_vectors, noise_scale_values, update_values
 from trainer_agent.ranks import RANK_FIELDS, RankExchange
 from trainer_agent.sharding import local
 from trainer_agent.step_stats import StepMeter, StepState, unscale
@@ -293,16 +295,19 @@ class InFlight:
     part after them (0 without one); ``desync_len``: the fingerprint comparison before them.
     ``rows`` / ``sketches``: the same parts as host tensors kept apart (rows the collective left
     on the host: not copied into the buffer); ``compare``: makes the fingerprint comparison later
-    (instead of ``desync_len`` values in the buffer)."""
+    (instead of ``desync_len`` values in the buffer); ``derived``: the host-derived values'
+    inputs, right after the keyed values (``trainer_agent/report_host.py``)."""
 
     __slots__ = ("step", "keys", "buffer", "event", "host", "ranks", "desync_len", "decode", "sketch_len", "leader",
-                 "rows", "sketches", "compare")
+                 "rows", "sketches", "compare", "derived")
 
     def __init__(self, step: int, keys: list[str], buffer: torch.Tensor, event: Any,
                  host: dict[str, float], ranks: int, desync_len: int = 0, decode: Decode | None = None,
                  sketch_len: int = 0, leader: bool = True, rows: torch.Tensor | None = None,
-                 sketches: torch.Tensor | None = None, compare: Callable[[], torch.Tensor] | None = None) -> None:
+                 sketches: torch.Tensor | None = None, compare: Callable[[], torch.Tensor] | None = None,
+                 derived: HostDerived | None = None) -> None:
         self.step, self.keys, self.buffer, self.event, self.host, self.ranks = step, keys, buffer, event, host, ranks
+        self.derived = derived
         self.compare = compare
         self.desync_len, self.decode, self.sketch_len, self.leader = desync_len, decode, sketch_len, leader
         self.rows, self.sketches = rows, sketches
@@ -316,25 +321,29 @@ class InFlight:
         if self.event is not None:
             self.event.synchronize()  # SYNC: waits for the report's copy only (no-op when done)
         n = len(self.keys)
-        at = n + self.desync_len
-        if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
-            # one rank's values (this rank's own): a short buffer, read whole; lists of one
-            flat = self.buffer.tolist()  # host memory (pinned buffer or CPU tensor): no device read
-            values = dict(zip(self.keys, flat[:n]))
-            values.update(self.host)
-            own = self.rows.tolist()[0] if self.rows is not None else flat[at:at + len(RANK_FIELDS)]
-            return values, {f: [v] for f, v in zip(RANK_FIELDS, own)}
-        flat = self.buffer.numpy()  # a view: nothing here grows with the world size
+        d = n + (self.derived.length if self.derived is not None else 0)
+        at = d + self.desync_len
+        flat = self.buffer.numpy()  # a view (pinned buffer or CPU tensor): no device read
         values = dict(zip(self.keys, flat[:n].tolist()))
-        values.update(self.host)
+        if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
+            # one rank's values (this rank's own); lists of one
+            own = self.rows.numpy()[:1] if self.rows is not None else flat[at:at + len(RANK_FIELDS)].reshape(1, -1)
+            self._derive(values, flat[n:d], own)
+            return values, {f: [v] for f, v in zip(RANK_FIELDS, own[0].tolist())}
         if self.rows is not None:
             rows = self.rows.numpy()
             sketches = self.sketches.numpy() if self.sketches is not None else None
         else:
             rows = flat[at:at + self.ranks * len(RANK_FIELDS)].reshape(self.ranks, len(RANK_FIELDS))
             sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
+        self._derive(values, flat[n:d], rows)
         return values, RankVectors(rows, sketches=sketches, decode=self.decode, compare=self.compare,
-                                   compared=flat[n:at] if self.decode is not None and self.compare is None else None)
+                                   compared=flat[d:at] if self.decode is not None and self.compare is None else None)
+
+    def _derive(self, values: dict[str, float], flat: np.ndarray, rows: np.ndarray) -> None:
+        if self.derived is not None:
+            self.derived.apply(values, flat, rows)
+        values.update(self.host)
 
 
 class ReportPipeline:
@@ -382,6 +391,7 @@ class ReportPipeline:
         self._state_nonfinite: torch.Tensor | None = None
         self._rank_values: Mapping[str, list[float]] = {}
         self._layer_keys: dict[tuple[str, ...], list[str]] = {}
+        self._layer_of: np.ndarray | None = None  # the layer of each parameter, on the host
 
     # ------------------------------------------------------------------ every step
 
@@ -393,11 +403,14 @@ class ReportPipeline:
         self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
         return row
 
-    def interval_nonfinite(self, finite: torch.Tensor | None = None) -> torch.Tensor:
-        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0)."""
-        if finite is None:
-            finite = self.interval * 0 == 0
-        return (~finite.all(dim=1)).sum()
+    def interval_nonfinite(self, nan_where_bad: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0).
+        ``nan_where_bad``: ``interval * 0``, if made already (NaN exactly where a value is NaN or
+        +-Inf, else 0): a row's sum is NaN, which ``count_nonzero`` counts, exactly when it holds
+        a non-finite value."""
+        if nan_where_bad is None:
+            nan_where_bad = self.interval * 0
+        return torch.count_nonzero(nan_where_bad.sum(dim=1))
 
     # ------------------------------------------------------------------ report steps
 
@@ -411,13 +424,13 @@ class ReportPipeline:
         if self.index.sharding is not None:
             self.sum_shards(host_step.step, st)
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
-        vectors: list[tuple[list[str], torch.Tensor]] = []  # per-layer: (sample keys, device vector)
+        derived = HostDerived()  # what the host derives from the copy (trainer_agent/report_host.py)
         host = self._host_values(host_step)
         self._interval_values(dev, loss_t, st.grad_norm)
-        param_sq = self._param_values(dev, st)
+        param = self._param_values(dev, st, derived)
         self._optimizer_values(dev, host, st)
         if self.per_layer:
-            self._layer_metrics(st, param_sq, vectors)
+            self._layer_metrics(st, param, derived)
         host["trainguard_agent_overhead_seconds"] = overhead
         fields, micro_count = self._rank_fields(dev, st, host, host_step.gpu_xid)
         extra = self._fingerprints(st)
@@ -427,7 +440,9 @@ class ReportPipeline:
         compared = sketches = compare = None
         if ex.leader:  # every rank's rows; the others keep their own (O(1) whatever the world size)
             # the noise scale is the job's (every rank's micro-batch sums): the leader's value
-            self._noise_scale(dev, st, every_row, micro_count, host_step.tokens)
+            if self.grad_noise:
+                derived.job(functools.partial(noise_scale_values, micro_count=micro_count,
+                                              world_size=self.world_size, tokens=host_step.tokens))
             rows = every_row  # where the collective left them (host rows stay on the host)
             sketches = ex.sketches(gathered)
             if self.fingerprint is not None:
@@ -439,7 +454,7 @@ class ReportPipeline:
         else:
             rows = every_row[ex.rank:ex.rank + 1].to(self.device)
         agreed = ex.agreed(gathered, state)
-        self.pending.append(self._pack(host_step.step, dev, vectors, rows, host, compared, sketches, compare))
+        self.pending.append(self._pack(host_step.step, dev, rows, host, compared, sketches, compare, derived))
         return agreed
 
     def _shard_width(self) -> int:
@@ -548,43 +563,44 @@ class ReportPipeline:
     def _interval_values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor,
                          grad_norm: torch.Tensor | None) -> None:
         rows = self.interval
-        finite = rows * 0 == 0  # x * 0 is NaN exactly where x is NaN or +-Inf
-        (losses, norms), (loss_finite, norm_finite) = rows.unbind(1), finite.unbind(1)
-        self.nonfinite_steps += self.interval_nonfinite(finite)
-        # A non-finite loss anywhere in the interval is the interval's loss: the first one.
-        # (take: indexing with a device tensor could read it on the host)
-        first_bad = losses.take(torch.argmin(loss_finite.to(torch.uint8)))
-        dev["trainguard_loss"] = torch.where(loss_finite.all(), loss_t, first_bad)
+        nan_where_bad = rows * 0  # x * 0 is NaN exactly where x is NaN or +-Inf, else 0
+        losses, norms = rows.unbind(1)
+        self.nonfinite_steps += self.interval_nonfinite(nan_where_bad)
+        # A non-finite loss anywhere in the interval is the interval's loss: the first one (argmin
+        # finds the first NaN of the loss column; take: indexing with a device tensor could read it
+        # on the host); the column sums to 0 exactly when every loss is finite.
+        bad_loss = nan_where_bad.select(1, 0)
+        first_bad = losses.take(bad_loss.argmin())
+        dev["trainguard_loss"] = torch.where(bad_loss.sum() == 0, loss_t, first_bad)
         # the counter itself: it changes next at the next report, after this report's copy
         # (device order), so no snapshot of it is needed
         dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = torch.where(norm_finite, norms, 0.0).amax()
+            dev["trainguard_grad_norm_max"] = norms.nan_to_num(0.0, 0.0, 0.0).amax()  # the largest finite one
         rows.zero_()  # after its last reader above (device order)
 
-    def _param_values(self, dev: dict[str, torch.Tensor], st: StepState) -> torch.Tensor:
+    def _param_values(self, dev: dict[str, torch.Tensor], st: StepState, derived: HostDerived) -> PerTensor:
+        """The parameter norm (a row value: on the device); the rest of the parameter and update
+        values derived on the host (``report_host.update_values``) from the per-tensor squares."""
         if st.grad_nonfinite is not None:
             dev["trainguard_nonfinite_grads"] = st.grad_nonfinite
         param_sq = st.param_sq if st.param_sq is not None else self.index.sq_norms()
-        param_sq_sum = param_sq.sum()
-        dev["trainguard_param_norm"] = param_sq_sum.sqrt()
-        dev["trainguard_param_scale"] = (param_sq_sum / self.index.numel).sqrt()
-        if st.delta_sq is not None and st.before_sq is not None:
-            delta = st.delta_sq.sum().sqrt()
-            dev["trainguard_update_ratio"] = delta / st.before_sq.sum().sqrt()
-            applied = _largest_host_lr(st.lrs)
-            if applied is not None and applied > 0:  # per unit of the LR the step applied (host float)
-                dev["trainguard_update_ratio_per_lr"] = dev["trainguard_update_ratio"] / applied
-            if st.grad_norm is not None:
-                dev["trainguard_effective_lr"] = delta / st.grad_norm
-            if st.grad_stats is not None and st.lrs is not None:
-                expected = self.update_model.expected(st.lrs, st.grad_stats[1], st.before_sq)
-                if expected is not None:
-                    dev["trainguard_update_size_ratio"] = delta / expected
-        if st.grad_stats is not None:
-            dev["trainguard_grad_max_abs"] = st.grad_stats[2]
-        return param_sq
+        dev["trainguard_param_norm"] = param_sq.sum().sqrt()
+        update = st.delta_sq is not None and st.before_sq is not None
+        at = PerTensor(param=derived.vector(param_sq),
+                        delta=derived.vector(st.delta_sq) if update else None,  # type: ignore[arg-type]
+                        before=derived.vector(st.before_sq) if update else None,  # type: ignore[arg-type]
+                        moments=(derived.vector(st.grad_stats.values), st.grad_stats) if st.grad_stats is not None
+                        else None)
+        lrs = None if st.lrs is None else [
+            sample_key("trainguard_learning_rate", group=str(i)) if isinstance(lr, torch.Tensor) else lr
+            for i, lr in enumerate(st.lrs)]
+        applied = _largest_host_lr(st.lrs)
+        derived.job(functools.partial(update_values, numel=self.index.numel, param=at.param, delta=at.delta,
+                                      before=at.before, moments=at.moments, lrs=lrs, model=self.update_model,
+                                      applied=applied if applied is not None and applied > 0 else None))
+        return at
 
     def _optimizer_values(self, dev: dict[str, torch.Tensor], host: dict[str, float], st: StepState) -> None:
         for i, lr in enumerate(self.meter.lrs(st, self.optimizer)):
@@ -602,13 +618,12 @@ class ReportPipeline:
         if scale_now is not None:
             dev["trainguard_loss_scale"] = scale_now
 
-    def _layer_metrics(self, st: StepState, param_sq: torch.Tensor,
-                       vectors: list[tuple[list[str], torch.Tensor]]) -> None:
-        """The per-layer vectors: every per-tensor sum of squares summed per layer in one
-        ``index_add_`` (each row summed as ``stats.segment_sum`` would: the same order), one
-        ``sqrt``; the gradient statistics' (layers, 4) block as it is (keys layer-major)."""
-        layers, ids = self.index.layers, self.index.layer_ids
-        n = len(layers)
+    def _layer_metrics(self, st: StepState, at: PerTensor, derived: HostDerived) -> None:
+        """The per-layer vectors, derived on the host (``report_host.layer_vectors``): the
+        per-tensor squares summed per layer, the gradient statistics from their moments."""
+        layers = self.index.layers
+        if self._layer_of is None:
+            self._layer_of = np.asarray(self.index.layer_ids.tolist(), dtype=np.int64)
 
         def keys_of(*metrics: str) -> list[str]:
             keys = self._layer_keys.get(metrics)
@@ -616,20 +631,11 @@ class ReportPipeline:
                 keys = self._layer_keys[metrics] = [sample_key(m, layer=layer) for layer in layers for m in metrics]
             return keys
 
-        grads = st.grad_norms is not None
-        update = st.delta_sq is not None and st.before_sq is not None
-        columns = ([st.grad_norms.to(torch.float64).square()] if grads else []) + [param_sq]  # type: ignore[union-attr]
-        if update:
-            columns += [st.delta_sq, st.before_sq]
-        sums = torch.zeros(len(columns), n, dtype=torch.float64, device=self.device)
-        norms = sums.index_add_(1, ids, torch.stack(columns).to(torch.float64)).sqrt_().unbind(0)
-        if grads:
-            vectors.append((keys_of("trainguard_layer_grad_norm"), unscale(norms[0], st.scale)))
-        vectors.append((keys_of("trainguard_layer_param_norm"), norms[int(grads)]))
-        if st.grad_stats is not None:
-            vectors.append((keys_of(*LAYER_STATS), st.grad_stats[0].reshape(-1)))
-        if update:
-            vectors.append((keys_of("trainguard_layer_update_ratio"), norms[-2] / norms[-1]))
+        derived.job(functools.partial(
+            layer_vectors, layer_of=self._layer_of, keys=keys_of,
+            grads=derived.vector(st.grad_norms) if st.grad_norms is not None else None,
+            scale=derived.scalar(st.scale) if st.grad_norms is not None and st.scale is not None else None,
+            param=at.param, delta=at.delta, before=at.before, moments=at.moments))
 
     def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
                      host: dict[str, float], gpu_xid: float = math.nan) -> tuple[torch.Tensor, int]:
@@ -642,37 +648,26 @@ class ReportPipeline:
         fp = self.fingerprint
         if fp is None:
             return None
-        params = fp.layer_values(self.index.buckets)
+        # this rank's squared norms of its tensors, when the report has them (no sharding: the
+        # sums over the ranks replace them there)
+        sq = st.param_sq if st.param_sq is not None and self.index.sharding is None else None
+        params = fp.layer_values(self.index.buckets, sq=sq)
         grads = st.grad_fp if st.grad_fp is not None else torch.full_like(params, math.nan)
         return fp.row(grads, params)  # float32 pairs (fingerprint.py)
 
-    def _noise_scale(self, dev: dict[str, torch.Tensor], st: StepState, rows: torch.Tensor,
-                     micro_count: int, tokens: int | None) -> None:
-        """``rows``: every rank's ``RANK_FIELDS`` (on the collective's device)."""
-        grad_norm = st.grad_norm
-        total_count = micro_count * self.world_size  # every rank runs the same loop
-        if not (self.grad_noise and total_count >= 2 and grad_norm is not None):
-            return
-        small_sum = rows[:, RANK_FIELDS.index("micro_sq_sum")].to(self.device).sum()
-        # Small gradients k*h_j have the expectation of the accumulated gradient H.
-        micro_size = tokens / micro_count if tokens else 1.0
-        small_sq = micro_count**2 * small_sum / total_count
-        b_simple, trace = stats.noise_scale(small_sq, grad_norm * grad_norm, total_count, micro_size)
-        dev["trainguard_grad_noise_scale"] = b_simple
-        dev["trainguard_grad_variance"] = trace
-
-    def _pack(self, step: int, dev: dict[str, torch.Tensor], vectors: list[tuple[list[str], torch.Tensor]],
-              rows: torch.Tensor, host: dict[str, float], compared: torch.Tensor | None = None,
-              sketches: torch.Tensor | None = None,
-              compare: Callable[[], torch.Tensor] | None = None) -> InFlight:
+    def _pack(self, step: int, dev: dict[str, torch.Tensor], rows: torch.Tensor, host: dict[str, float],
+              compared: torch.Tensor | None = None, sketches: torch.Tensor | None = None,
+              compare: Callable[[], torch.Tensor] | None = None, derived: HostDerived | None = None) -> InFlight:
         """``compared``: the fingerprint comparison, copied with the report; ``compare``: the same
-        made later, off the training thread (host rows)."""
-        keys = list(dev)
+        made later, off the training thread (host rows). ``derived``: its scalars join the keyed
+        values' one ``stack``, its vectors follow them (``torch.cat`` promotes them to float64: no
+        operator of their own)."""
+        scalars = {**dev, **(derived.scalars if derived is not None else {})}
+        keys = list(scalars)
         pieces = [torch.stack([v if v.dim() == 0 and v.dtype == torch.float64 else v.reshape(()).to(torch.float64)
-                               for v in dev.values()])]
-        for vector_keys, values in vectors:
-            keys += vector_keys
-            pieces.append(values.to(torch.float64))
+                               for v in scalars.values()])]
+        if derived is not None:
+            pieces += derived.vectors
         decode, desync_len = None, 0
         if compared is not None or compare is not None:
             if compared is not None:
@@ -698,7 +693,7 @@ class ReportPipeline:
             vec = buffer
         return InFlight(step, keys, vec, event, host, rows.shape[0], desync_len=desync_len, decode=decode,
                         sketch_len=sketches.numel() if sketches is not None else 0, leader=self.exchange.leader,
-                        rows=rows_kept, sketches=sketches_kept, compare=compare)
+                        rows=rows_kept, sketches=sketches_kept, compare=compare, derived=derived)
 
     # ------------------------------------------------------------------ publication
 

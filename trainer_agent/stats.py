@@ -27,8 +27,9 @@ __all__ = [
     "update_sq_norms",
     "sq_norms",
     "nonfinite_count",
+    "MOMENTS",
+    "tensor_moments",
     "sums_and_extremes",
-    "segment_sum",
     "noise_scale",
     "host_memory",
 ]
@@ -91,17 +92,18 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
     tensor in float64 (more accurate than one float32 norm of a large tensor). ``chunked``
     chooses the pass (default: chunked on the CPU).
     """
-    if not (device.type == "cpu" if chunked is None else chunked):
-        before_sq = None
-        if before_norms:
-            before_sq = bucket_norms(before, device).to(torch.float64).square()
-        for b, a in zip(before, after):
-            torch_private.foreach_sub_(b, a)  # W_before - W_after, in place in the snapshot
-        delta = bucket_norms(before, device).to(torch.float64)
-        param = bucket_norms(after, device).to(torch.float64)
-        return delta * delta, param * param, before_sq, False
     cache = {} if cache is None else cache
     columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
+    if not (device.type == "cpu" if chunked is None else chunked):
+        for bucket_b, bucket_a in zip(before, after):
+            dtype = norm_dtype(bucket_a[0].dtype)
+            if before_norms:
+                columns[2] += torch_private.foreach_norm(bucket_b, 2, dtype=dtype)
+            torch_private.foreach_sub_(bucket_b, bucket_a)  # W_before - W_after, in place in the snapshot
+            columns[0] += torch_private.foreach_norm(bucket_b, 2, dtype=dtype)
+            columns[1] += torch_private.foreach_norm(bucket_a, 2, dtype=dtype)
+        delta, param, *rest = _squared_columns(columns, None, device, cache)
+        return delta, param, rest[0] if before_norms else None, False
     owner: list[int] = []
     first = 0
     for bucket_b, bucket_a in zip(before, after):
@@ -142,12 +144,30 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
                     chunk_b.copy_(chunk_a)
                 owner.append(first + i)
         first += len(bucket_a)
-    ids = cache.get(("ids", first))
-    if ids is None:
-        ids = cache[("ids", first)] = torch.tensor(owner, dtype=torch.long)
-    chunks = torch.stack([torch.stack(c) for c in columns], dim=1).to(torch.float64)
-    sums = torch.zeros(first, len(columns), dtype=torch.float64).index_add_(0, ids, chunks * chunks)
-    return sums[:, 0], sums[:, 1], sums[:, 2] if before_norms else None, refresh
+    delta, param, *rest = _squared_columns(columns, owner, device, cache)
+    return delta, param, rest[0] if before_norms else None, refresh
+
+
+def _squared_columns(columns: list[list[torch.Tensor]], owner: list[int] | None, device: torch.device,
+                     cache: dict) -> list[torch.Tensor]:
+    """The squares of the float norms in ``columns`` (lists of 0-dim tensors of one length), as
+    one float64 vector per column on ``device``; ``owner``: the tensor of each entry (chunks of
+    one tensor are summed into its value; None: one entry per tensor, in order). Fused: one
+    ``stack`` of every column at once, one cast, one in-place square, one ``index_add`` (into
+    zeros kept in ``cache`` with its index) when chunks are summed, one ``unbind``."""
+    k, entries = len(columns), len(columns[0])
+    flat = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
+                        for column in columns for v in column]).to(torch.float64)
+    flat.square_()
+    if owner is None or owner == list(range(entries)):
+        return list(flat.view(k, entries).unbind(0))
+    rows = max(owner) + 1
+    key = ("columns", k, rows, len(owner))
+    plan = cache.get(key)
+    if plan is None or plan[0] != owner:  # the flat index of entry j of column c: c * rows + owner[j]
+        index = torch.tensor([c * rows + i for c in range(k) for i in owner], dtype=torch.long, device=device)
+        plan = cache[key] = (list(owner), index, torch.zeros(k * rows, dtype=torch.float64, device=device))
+    return list(plan[2].index_add(0, plan[1], flat).view(k, rows).unbind(0))
 
 
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -197,8 +217,8 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
         if sq is None:
             tensors = [t for t in tensors if t is not None and t.is_floating_point()]
             sq = sq_norms(tensors, device)
-        # sq lives on the CPU here: .tolist() reads host memory, no device involved.
-        flagged = [t for t, ok in zip(tensors, torch.isfinite(sq).tolist()) if not ok]
+        # sq lives on the CPU here: .tolist() reads host memory, no operator, no device involved.
+        flagged = [t for t, v in zip(tensors, sq.tolist()) if not math.isfinite(v)]
         total = torch.zeros((), dtype=torch.float64, device=device)
         for t in flagged:
             if t is not None and t.is_floating_point():
@@ -231,75 +251,89 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     return total + host_count if host_count else total
 
 
-#: Bytes of gradients one fused pass of :func:`sums_and_extremes` reads at a time (its
-#: temporary, ``|g|``, has that size); a larger tensor is measured on its own.
+#: Bytes of tensors one fused pass of :func:`tensor_moments` reads at a time (its temporary,
+#: ``|g|``, has that size); a larger tensor is a pass of its own.
 _STATS_CHUNK_BYTES = 256 << 20
+
+#: The blocks of :func:`tensor_moments`' result, in order: ||relu(t)||_1 and ||t||_1 (float64
+#: accumulation), ||t||^2 (a float32 norm, float64 for float64 tensors, squared in float64),
+#: max |t| and -min |t|.
+MOMENTS: tuple[str, ...] = ("pos_l1", "l1", "sq", "max_abs", "neg_min_abs")
+
+
+def _moment_chunks(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` per fused pass of :func:`tensor_moments`: one (device, dtype) each,
+    at most ``_STATS_CHUNK_BYTES`` (a larger tensor alone: temporaries of its size only)."""
+    out: list[list[int]] = []
+    for bucket in buckets(tensors):
+        chunk: list[int] = []
+        size = 0
+        for i in bucket:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if chunk and (nbytes >= _STATS_CHUNK_BYTES or size + nbytes > _STATS_CHUNK_BYTES):
+                out.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += nbytes
+        if chunk:
+            out.append(chunk)
+    return out
+
+
+def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``(values, order)``: the :data:`MOMENTS` of every tensor (none may be empty) as *one* flat
+    float64 vector on ``device``, ``len(MOMENTS)`` blocks of ``len(tensors)`` values, the tensors
+    in ``order`` (indices into ``tensors``: bucket after bucket; the identity when they share
+    device and dtype). NaN propagates into every block of its tensor.
+
+    Eight fused ``torch._foreach_*`` passes per (device, dtype) chunk of at most
+    ``_STATS_CHUNK_BYTES`` — ``A = |t|``, ``max(A)``; ``A = -A``, ``max(A) = -min|t|``;
+    ``A = relu(t)`` (no doubling, so no overflow), ``||A||_1``; ``||t||_1``, ``||t||_2`` — and one
+    ``torch.stack`` of every 0-dim result at once (the per-block lists concatenated on the host:
+    one operator whatever the tensor and block count; ``stack`` promotes the float32 results to
+    float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``."""
+    blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
+    order: list[int] = []
+    for chunk in _moment_chunks(tensors):
+        ts = [tensors[i] for i in chunk]
+        a = torch_private.foreach_abs(ts)
+        blocks[3] += torch_private.foreach_max(a)
+        torch_private.foreach_neg_(a)
+        blocks[4] += torch_private.foreach_max(a)
+        torch_private.foreach_copy_(a, ts)
+        torch_private.foreach_clamp_min_(a, 0.0)  # relu(t), in the same temporary
+        blocks[0] += torch_private.foreach_norm(a, 1, dtype=torch.float64)
+        del a
+        blocks[1] += torch_private.foreach_norm(ts, 1, dtype=torch.float64)
+        blocks[2] += torch_private.foreach_norm(ts, 2, dtype=norm_dtype(ts[0].dtype))
+        order += chunk
+    if not order:
+        return torch.zeros(0, dtype=torch.float64, device=device), order
+    values = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
+                          for block in blocks for v in block])  # float64: blocks 0 and 1 are
+    n = len(order)
+    values[2 * n:3 * n].square_()  # the norms, squared in float64
+    return values, order
 
 
 def sums_and_extremes(tensors: Sequence[torch.Tensor], device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tensor: the sum of its elements, and the largest and smallest absolute value, as three
     float64 vectors on ``device`` in the order of ``tensors`` (an empty tensor: sum 0, max -inf,
-    min inf; NaN propagates into all three).
-
-    A few fused ``torch._foreach_*`` passes per (device, dtype) bucket of at most
-    ``_STATS_CHUNK_BYTES``, whatever the tensor count: ``A = |g|``, ``max(A)``; ``A = -A``,
-    ``max(A) = -min|g|``; ``A = relu(g)``, and the sum is ``2 ||A||_1 - ||g||_1``
-    (``sum(relu(g)) - sum(relu(-g))``), both norms accumulated in float64."""
+    min inf; NaN propagates into all three), from :func:`tensor_moments`."""
     n = len(tensors)
-    parts: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for bucket in buckets(tensors):
-        chunk: list[int] = []
-        size = 0
-        todo = [i for i in bucket if tensors[i].numel()]
-        for i in [*todo, None]:
-            if i is not None:
-                t = tensors[i]
-                nbytes = t.numel() * t.element_size()
-                if nbytes >= _STATS_CHUNK_BYTES:  # a large tensor on its own: temporaries of its size only
-                    a = t.abs()
-                    lo_hi = torch.stack(torch.aminmax(a)).to(device, torch.float64)
-                    total = t.sum(dtype=torch.float64).to(device).reshape(1)
-                    parts.append(([i], total, lo_hi[1:], lo_hi[:1]))
-                    continue
-                chunk.append(i)
-                size += nbytes
-            if chunk and (i is None or size >= _STATS_CHUNK_BYTES):
-                ts = [tensors[j] for j in chunk]
-                a = torch_private.foreach_abs(ts)
-                top = torch_private.foreach_max(a)
-                torch_private.foreach_neg_(a)
-                neg_low = torch_private.foreach_max(a)
-                torch_private.foreach_copy_(a, ts)
-                torch_private.foreach_clamp_min_(a, 0.0)  # relu(g): no doubling, so no overflow
-                pos = torch_private.foreach_norm(a, 1, dtype=torch.float64)
-                abs_sum = torch_private.foreach_norm(ts, 1, dtype=torch.float64)
-                del a
-                ext = torch.stack([torch.stack(top), torch.stack(neg_low)]).to(device, torch.float64)
-                total = (2 * torch.stack(pos) - torch.stack(abs_sum)).to(device)
-                parts.append((chunk, total, ext[0], -ext[1]))
-                chunk, size = [], 0
-    if not parts:
-        order: list[int] = []
-        values = torch.zeros(3, 0, dtype=torch.float64, device=device)
-    else:
-        order = [i for p in parts for i in p[0]]
-        values = torch.stack([torch.cat([p[c] for p in parts]) for c in (1, 2, 3)])
-    if len(order) == n and order == list(range(n)):
-        return values[0], values[1], values[2]
+    todo = [i for i, t in enumerate(tensors) if t.numel()]
+    values, order = tensor_moments([tensors[i] for i in todo], device)
+    m = len(order)
+    pos, l1, _, top, neg_low = values.view(len(MOMENTS), m).unbind(0) if m else (values,) * 5
     out = torch.empty(3, n, dtype=torch.float64, device=device)
     out[0].fill_(0.0)
     out[1].fill_(-math.inf)
     out[2].fill_(math.inf)
-    if order:
-        out[:, torch.tensor(order, dtype=torch.long, device=device)] = values
+    if m:
+        at = torch.tensor([todo[i] for i in order], dtype=torch.long, device=device)
+        out[:, at] = torch.stack([2 * pos - l1, top, -neg_low])
     return out[0], out[1], out[2]
-
-
-def segment_sum(values: torch.Tensor, index: torch.Tensor, segments: int) -> torch.Tensor:
-    """``out[s] = sum(values[i] for i with index[i] == s)``: per-layer sums of per-tensor values."""
-    out = torch.zeros(segments, dtype=values.dtype, device=values.device)
-    return out.index_add_(0, index, values)
 
 
 def noise_scale(

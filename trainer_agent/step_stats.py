@@ -17,6 +17,7 @@ import torch
 from trainer_agent import stats, triage
 from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
+from trainer_agent.layer_stats import GradMoments, LayerGradStats
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
 
@@ -65,8 +66,8 @@ class StepState:
         #: Report steps with a fingerprinter: (layers, K + 1) projections and norms of the
         #: gradients the optimizer used (``trainer_agent/fingerprint.py``).
         self.grad_fp: torch.Tensor | None = None
-        #: Report steps: ``trainer_agent.triage.grad_stats`` of the gradients the optimizer used.
-        self.grad_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: Report steps: the moments of the gradients the optimizer used (``LayerGradStats.measure``).
+        self.grad_stats: GradMoments | None = None
 
 
 class GradHooks:
@@ -166,6 +167,8 @@ class StepMeter:
         # the snapshot is not the current weights).
         self._snapshot_versions: tuple[int, ...] | None = None
         self._norm_cache: dict = {}
+        #: The triage's per-layer gradient statistics, fused (its index tensors cached).
+        self.layer_stats = LayerGradStats(index.layer_ids, len(index.layers), index.device)
         self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
         #: The parameters' tensor hooks (set by the agent): sentinels, and every parameter on the
         #: steps that read incoming gradients (:meth:`wants_every_grad`).
@@ -353,14 +356,15 @@ class StepMeter:
             # optimizer is about to use.
             self.measure_grads()
         report = self.schedule.is_report(self._step() + 1)
-        if self.fingerprint is not None and report:
-            # The gradients this step applies (all-reduced, unscaled and clipped), per layer.
-            st.grad_fp = self.fingerprint.layer_values(self.index.grads(), skip=self.index.pending_grads())
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
         if self.config.triage and report and self.index.sharding is None:
-            st.grad_stats = triage.grad_stats(self.index.params, self.index.layer_ids, len(self.index.layers),
-                                              self.index.device)
+            st.grad_stats = self.layer_stats.measure(self.index.params)
+        if self.fingerprint is not None and report:
+            # The gradients this step applies (all-reduced, unscaled and clipped), per layer; their
+            # squared norms are the statistics' when those measured every gradient.
+            st.grad_fp = self.fingerprint.layer_values(self.index.grads(), skip=self.index.pending_grads(),
+                                                       sq=st.grad_stats.device_sq() if st.grad_stats else None)
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
             self._take_snapshot(st)

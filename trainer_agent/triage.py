@@ -40,9 +40,10 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
-from trainer_agent import stats
+from trainer_agent.layer_stats import LayerGradStats
 
 __all__ = ["LAYER_STATS", "ADAPTIVE", "KNOWN_RULES", "bound_sq", "grad_stats", "group_lrs", "update_rule", "UpdateModel"]
 
@@ -121,32 +122,13 @@ def grad_stats(params: Sequence[torch.Tensor], layer_ids: torch.Tensor, layers: 
     """``(per_layer, sq, max_abs)``: per layer (mean, std, max |g|, min |g|) of the elements of the
     current ``.grad`` of ``params`` (float64 device tensor (layers, 4); NaN for a layer without
     gradients), each parameter's ``||g||^2`` (float64 device vector, 0 without a gradient) and
-    the largest |g| over all of them (-inf without any; NaN when one is NaN)."""
-    present = [i for i, p in enumerate(params) if p.grad is not None]
-    ids = layer_ids if len(present) == len(params) else layer_ids[torch.tensor(present, dtype=torch.long, device=device)]
-    grads = [params[i].grad for i in present]
-    sq = torch.zeros(len(params), dtype=torch.float64, device=device)
-    per_layer = torch.full((layers, 4), math.nan, dtype=torch.float64, device=device)
-    if not grads:
-        return per_layer, sq, torch.full((), -math.inf, dtype=torch.float64, device=device)
-    groups = stats.buckets(grads)
-    order = [i for g in groups for i in g]
-    norms = stats.bucket_norms([[grads[i] for i in g] for g in groups], device).to(torch.float64)
-    # Sums and min/max |g| in a few fused passes over all the gradients (stats.sums_and_extremes).
-    sums, maxes, mins = stats.sums_and_extremes([grads[i] for i in order], device)
-    counts = torch.tensor([float(grads[i].numel()) for i in order], dtype=torch.float64, device=device)
-    ids = ids[torch.tensor(order, dtype=torch.long, device=device)]
-    g_sq = norms * norms
-    sq[torch.tensor([present[i] for i in order], dtype=torch.long, device=device)] = g_sq
-    n = stats.segment_sum(counts, ids, layers)
-    mean = stats.segment_sum(sums, ids, layers) / n
-    var = (stats.segment_sum(g_sq, ids, layers) / n - mean * mean).clamp_min(0)
-    top = torch.full((layers,), -math.inf, dtype=torch.float64, device=device).scatter_reduce(0, ids, maxes, "amax")
-    low = torch.full((layers,), math.inf, dtype=torch.float64, device=device).scatter_reduce(0, ids, mins, "amin")
-    has = n > 0
-    per_layer = torch.stack([mean, var.sqrt(), top, low], dim=1)
-    per_layer = torch.where(has.unsqueeze(1), per_layer, math.nan)
-    return per_layer, sq, maxes.amax()
+    the largest |g| over all of them (-inf without any; NaN when one is NaN). Reads the device
+    (``trainer_agent/layer_stats.py``: the agent's report copies the moments instead)."""
+    moments = LayerGradStats(layer_ids, layers, device).measure(params)
+    host = moments.values.cpu().numpy()
+    f64 = dict(dtype=torch.float64, device=device)
+    return (torch.tensor(moments.per_layer(host), **f64), torch.tensor(moments.grad_sq(host), **f64),
+            torch.tensor(moments.max_abs(host), **f64))
 
 
 def bound_sq(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -183,7 +165,8 @@ def bound_sq(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
 
 class UpdateModel:
     """The update size the optimizer's rule predicts (see the module docstring); ``None`` from
-    :meth:`expected` for an optimizer it does not know."""
+    :meth:`expected` for an optimizer it does not know. On the host: the report derives it from
+    the host copies of the per-tensor squared norms (``trainer_agent/report_host.py``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.rule = update_rule(optimizer)
@@ -191,8 +174,8 @@ class UpdateModel:
         self.known = self.rule is not None
         group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.groups = len(optimizer.param_groups)
-        self.group_ids = torch.tensor([group_of[id(p)] for p in params], dtype=torch.long, device=device)
-        self.numel = torch.tensor([float(p.numel()) for p in params], dtype=torch.float64, device=device)
+        self.group_ids = np.asarray([group_of[id(p)] for p in params], dtype=np.int64)
+        self.numel = np.asarray([float(p.numel()) for p in params], dtype=np.float64)
         self.optimizer = optimizer
         self.device = device
 
@@ -204,22 +187,25 @@ class UpdateModel:
                 return float(step)  # torch keeps it on the CPU (not capturable); HF as an int
         return 1.0
 
-    def expected(self, lrs: Sequence[float | torch.Tensor], grad_sq: torch.Tensor,
-                 param_sq: torch.Tensor) -> torch.Tensor | None:
-        """Predicted ``||delta W||`` (float64 device scalar) from the step's LRs, the applied
-        gradients' per-parameter ``||g||^2`` and the weights' ``||W||^2`` before the step."""
+    def _group_sum(self, per_tensor: np.ndarray) -> np.ndarray:
+        return np.bincount(self.group_ids, weights=per_tensor, minlength=self.groups)
+
+    def expected(self, lrs: Sequence[float], grad_sq: np.ndarray, param_sq: np.ndarray) -> float | None:
+        """Predicted ``||delta W||`` (host float64) from the step's LRs (host floats), the applied
+        gradients' per-parameter ``||g||^2`` and the weights' ``||W||^2`` before the step (host
+        float64 vectors in the parameters' order)."""
         if not self.known:
             return None
-        g = stats.segment_sum(grad_sq, self.group_ids, self.groups).sqrt()
-        w = stats.segment_sum(param_sq, self.group_ids, self.groups).sqrt()
-        n = stats.segment_sum(self.numel, self.group_ids, self.groups)
+        g = np.sqrt(self._group_sum(grad_sq))
+        w = np.sqrt(self._group_sum(param_sq))
+        n = self._group_sum(self.numel)
         parts = []
         for k, group in enumerate(self.optimizer.param_groups):
             lr = lrs[k] if k < len(lrs) else group["lr"]
-            lr = lr.to(self.device, torch.float64) if isinstance(lr, torch.Tensor) else float(lr if lr is not None else 0.0)
+            lr = float(lr if lr is not None else 0.0)
             wd = float(group.get("weight_decay", 0.0) or 0.0)
             if self.rule == "adaptive":
-                parts.append(lr * (n[k].sqrt() + wd * w[k]))
+                parts.append(lr * (np.sqrt(n[k]) + wd * w[k]))
             elif self.rule == "sgd":
                 momentum = float(group.get("momentum", 0.0) or 0.0)
                 parts.append(lr * (g[k] + wd * w[k]) / (1.0 - momentum))
@@ -229,8 +215,8 @@ class UpdateModel:
                 rho, d = _adafactor_rho(group, self._step_of(group))
                 eps2 = _adafactor_eps2(group)
                 scaled = group.get("scale_parameter", True)
-                floor = torch.maximum(param_sq, (eps2 * eps2) * self.numel) if scaled else self.numel
-                size = stats.segment_sum(floor, self.group_ids, self.groups)[k].sqrt()
+                floor = np.maximum(param_sq, (eps2 * eps2) * self.numel) if scaled else self.numel
+                size = np.sqrt(self._group_sum(floor)[k])
                 decay_lr = lr if not group.get("relative_step") else rho
                 parts.append(rho * d * size + decay_lr * wd * w[k])
-        return torch.linalg.vector_norm(torch.stack(parts))
+        return float(np.linalg.norm(np.asarray(parts, dtype=np.float64)))

@@ -132,3 +132,34 @@ def test_sums_and_extremes_match_a_float64_reference_per_tensor() -> None:
                     assert math.isnan(got), (limit, i)
                 else:
                     assert got == want or math.isclose(got, want, rel_tol=1e-6), (limit, i, got, want)
+
+
+
+def _bench(name: str):
+    """A module of ``bench/`` (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))  # its own imports of its neighbours
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_report_steps_dispatch_a_constant_number_of_operators() -> None:
+    """The report step's statistics are fused over every tensor (``stats.tensor_moments``,
+    ``layer_stats``, the host-derived values of ``report_host``): the ATen operators the agent
+    adds, counted as ``bench/agent_scale.py`` counts them (a ``torch._foreach_*`` call once), are
+    the same at 100 and 2,000 tensors, at most 100 on a report step and 10 on an ordinary one.
+    Operator counts are deterministic: no timing is asserted."""
+    scale = _bench("agent_scale")
+    few, many = (scale.measure(200_000, tensors, rounds=1, device="cpu") for tensors in (100, 2000))
+    assert (few["ops"], few["report_ops"]) == (many["ops"], many["report_ops"])
+    assert few["ops"] <= 10
+    assert few["report_ops"] <= 100
