@@ -454,6 +454,8 @@ print(open("/tmp/controller.log").read()[-2000:])
 @pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
                     reason="needs root, unshare and ip for a mount and network namespace")
+@pytest.mark.skipif(Path(sys.prefix).resolve().is_relative_to("/tmp"),
+                    reason="the Python environment lies under /tmp, which this test covers with a fresh tmpfs")
 def test_controller_runs_with_the_pods_command_env_and_a_read_only_root(default_objects):
     """The rendered pod's command and environment (its tokens from the rendered Secret) on the real
     controller, with every filesystem read-only but /tmp (readOnlyRootFilesystem; the database
