@@ -177,7 +177,7 @@ def _worker(args: argparse.Namespace) -> None:
             break
     client = agent.control.client
     agent.close(10.0)
-    sent = client.reports_sent if client is not None else 0
+    sent = client.counts.reports_sent if client is not None else 0
     Path(args.out).with_suffix(f".{rank}.json").write_text(json.dumps({"steps": steps, "reports_sent": sent}))
     dist.destroy_process_group()
 

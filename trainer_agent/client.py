@@ -7,7 +7,7 @@ Two threads, each with its own ``httpx.Client`` (one transport may be injected f
 * the *sender* registers the run (again after a controller that forgot it answers 404), then
   sends acks and reports from bounded buffers. A report that could not be sent goes back to the
   head of its buffer and is retried after a backoff; when the buffer is full the oldest report is
-  dropped and counted (``reports_dropped``, exported as ``trainguard_agent_reports_dropped_total``).
+  dropped and counted (``counts.reports_dropped``, exported as ``trainguard_agent_reports_dropped_total``).
 * the *poller* long-polls ``GET /v1/runs/{run}/desired?after=GEN&wait=S`` so that a command
   reaches the job between reports and while it is paused (no reports are sent then).
 
@@ -30,6 +30,9 @@ log line) with each field and value, once per command. A report the controller r
 The desired state is level-based: the client keeps the one with the highest generation it has
 seen (from the registration answer, report answers and polls); out-of-order answers never move it
 backwards.
+
+The HTTP side (the URLs, the timeouts, what each answer means) is
+``trainer_agent/controller_link.py``; the buffers and the counts ``trainer_agent/outbox.py``.
 """
 
 from __future__ import annotations
@@ -37,98 +40,42 @@ from __future__ import annotations
 import json
 import logging
 import random
-import socket
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any
 
-import httpcore
 import httpx
-from pydantic import Field, ValidationError
 
 from trainguard.protocol.wire import (
-    API_PREFIX,
-    LR_SCALE_MAX,
-    LR_SCALE_MIN,
     Ack,
     DesiredState,
     MemoryReport,
-    QuarantineReport,
     PreflightResult,
+    QuarantineReport,
     Report,
-    ReportAccepted,
     RunFinished,
-    RunRegistered,
     RunRegistration,
-    WireModel,
     dumps,
 )
-from trainer_agent.compat.httpx_private import install_network_backend
+from trainer_agent.outbox import Outbox, SendCounts
+from trainer_agent.controller_link import (
+    MAX_ANSWER_BYTES,
+    Accepted,
+    Command,
+    ControllerLink,
+    Failures,
+    Refused,
+    Registered,
+    TooLarge,
+    Unknown,
+    controller_urls,
+)
 
-__all__ = ["ControllerClient", "backoff_delay"]
+__all__ = ["MAX_ANSWER_BYTES", "ControllerClient", "SendCounts", "backoff_delay", "controller_urls"]
 
 log = logging.getLogger(__name__)
-
-_M = TypeVar("_M", bound=WireModel)
-
-#: Largest answer read from the controller (its answers are a few hundred bytes): a bigger one is
-#: a failure, and is not read past this.
-MAX_ANSWER_BYTES = 1 << 20
-
-
-class _AbortableBackend(httpcore.SyncBackend):
-    """httpcore's network backend, remembering its sockets so that another thread can end a
-    request blocked in one (``shutdown`` wakes a blocked ``recv``; ``close`` does not)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._final = False
-
-    def connect_tcp(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self._final:
-            raise httpcore.ConnectError("the client is closing")
-        stream = super().connect_tcp(*args, **kwargs)
-        sock = stream.get_extra_info("socket")
-        if sock is not None:
-            with self._lock:
-                self._socks.add(sock)
-                final = self._final
-            if final:  # closed while connecting
-                sock.shutdown(socket.SHUT_RDWR)
-        return stream
-
-    def abort(self, *, final: bool = False) -> None:
-        """Cut every connection; ``final``: and every later one (the client is closing)."""
-        with self._lock:
-            self._final = self._final or final
-            socks = list(self._socks)
-        for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-def _command_fields(exc: ValidationError, answer_type: type[WireModel]) -> list[tuple[str, Any]] | None:
-    """The (field, value) pairs of a desired state that made ``exc``, when it is about the desired
-    state alone (``None`` when another part of the answer is unreadable)."""
-    out = []
-    for error in exc.errors():
-        loc = error["loc"]
-        if answer_type is not _Command:
-            if not loc or loc[0] != "desired":
-                return None
-            loc = loc[1:]
-        if not loc or error["type"] == "json_invalid":
-            return None  # not a desired state at all (garbage, not JSON, not an object): unreadable
-        out.append((".".join(str(part) for part in loc), error.get("input")))
-    return out
 
 
 def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
@@ -137,46 +84,6 @@ def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Ran
     that the agents of many jobs do not retry in lockstep after a controller restart."""
     d = min(max_s, initial_s * 2 ** min(failures - 1, 60))
     return d / 2 + rng.uniform(0, d / 2)
-
-
-class _Refused(Exception):
-    """The controller answered with a 4xx that retrying will not fix: drop the item."""
-
-
-class _TooLarge(_Refused):
-    """The controller refused the body as too large (413)."""
-
-
-class _Command(DesiredState):
-    """A desired state as the agent takes it from the wire: every bound of the protocol, the
-    ``lr_scale`` range included (the wire model leaves that one to the controller)."""
-
-    lr_scale: float = Field(default=1.0, ge=LR_SCALE_MIN, le=LR_SCALE_MAX, allow_inf_nan=False)
-
-
-class _Registered(RunRegistered):
-    desired: _Command
-
-
-class _Accepted(ReportAccepted):
-    desired: _Command
-
-
-class _Unknown(Exception):
-    """The controller does not know the run (404): register again, then retry."""
-
-
-def controller_urls(value: str) -> list[str]:
-    """The controller URLs of ``AgentConfig.controller``: one, or several separated by commas (an
-    active controller and its standbys on one database, in any order); ``ValueError`` unless each
-    is an http(s) URL."""
-    urls = [u.strip().rstrip("/") for u in value.split(",")]
-    for u in urls:
-        if not u.startswith(("http://", "https://")) or not urlsplit(u).netloc:
-            raise ValueError(f"controller URL must start with http:// or https://, got {u!r} (in {value!r})")
-    if len(set(urls)) != len(urls):
-        raise ValueError(f"controller URLs named twice in {value!r}")
-    return urls
 
 
 class ControllerClient:
@@ -202,67 +109,35 @@ class ControllerClient:
         on_error: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         urls = controller_urls(base_url)
-        if not request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-        if connect_timeout_s is not None and not connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-        if not long_poll_s >= 0:
-            raise ValueError(f"long_poll_s must be >= 0, got {long_poll_s}")
-        if max_buffered_reports < 1:
-            raise ValueError(f"max_buffered_reports must be >= 1, got {max_buffered_reports}")
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError(
-                f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
-            )
+        _check_settings(request_timeout_s, connect_timeout_s, long_poll_s, max_buffered_reports,
+                        backoff_initial_s, backoff_max_s)
         self.run = registration.run
-        self._bases = [u + API_PREFIX for u in urls]
-        self._at = 0  # the controller being talked to: the next one after a failure or a standby's answer
         self._registration = registration
-        self._headers = {"content-type": "application/json"}
-        if token:
-            self._headers["authorization"] = f"Bearer {token}"
-        self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s or min(request_timeout_s, 1.0))
-        self._poll_timeout = httpx.Timeout(
-            long_poll_s + request_timeout_s, connect=connect_timeout_s or min(request_timeout_s, 1.0)
-        )
         self._long_poll_s = long_poll_s
-        self._backoff = (backoff_initial_s, backoff_max_s)
-        self._transport = transport
+        self._sleep_for = lambda failures: backoff_delay(failures, backoff_initial_s, backoff_max_s, self._rng)
         self._rng = rng or random.Random()
         self._clock = clock
-
         self._cond = threading.Condition()
-        self._reports: deque[Report] = deque()
-        self._max_reports = max_buffered_reports
-        self._acks: deque[Ack] = deque(maxlen=64)
+        self.counts = SendCounts()
+        """What the sender did and dropped (the agent exports these)."""
+        self._failures = Failures(on_error, self.counts)
+        self._link = ControllerLink(urls, token=token, request_timeout_s=request_timeout_s,
+                                    connect_timeout_s=connect_timeout_s, long_poll_s=long_poll_s,
+                                    transport=transport, lock=self._cond,
+                                    on_refused_command=self._failures.refuse_command)
+        self._outbox = Outbox(max_buffered_reports, self.counts)
         self._desired: DesiredState | None = None
         self._registered = False
         self._first_attempt = threading.Event()
         self._closing = False
-        self._finish: RunFinished | None = None
-        self._close_deadline = 0.0
+        self._finish: tuple[RunFinished | None, float] = (None, 0.0)  # what close() sends, and its deadline
         self._threads: list[threading.Thread] = []
-        self._aborters = {"sender": _AbortableBackend(), "poller": _AbortableBackend()}
-        self._failures_logged: set[str] = set()
-        self._on_error = on_error
-        self._last_refused: tuple[Any, ...] | None = None
 
-        self.up = False
+    # -- what the agent reads (``/metrics``) ----------------------------------------------------
+    @property
+    def up(self) -> bool:
         """True after the last exchange with the controller got a 2xx answer."""
-        self.reports_dropped = 0
-        """Reports dropped, oldest first, because the buffer was full."""
-        self.reports_sent = 0
-        """Reports the controller accepted."""
-        self.acks_sent = 0
-        """Acks the controller accepted."""
-        self.refused = 0
-        """Reports and acks the controller refused with a 4xx (dropped: resending cannot help)."""
-        self.reports_too_large = 0
-        """Of those, reports refused as too large (413)."""
-        self.commands_refused = 0
-        """Desired states refused for a field outside the protocol's bounds."""
-        self.finished = False
-        """True once the controller accepted the finish sent by :meth:`close`."""
+        return self._link.up
 
     # -- the training loop's side (never blocks on the network) -------------------------------
     def start(self) -> None:
@@ -284,16 +159,13 @@ class ControllerClient:
     def submit_report(self, report: Report) -> None:
         """Queue a report; when the buffer is full the oldest one is dropped and counted."""
         with self._cond:
-            if len(self._reports) >= self._max_reports:
-                self._reports.popleft()
-                self.reports_dropped += 1
-            self._reports.append(report)
+            self._outbox.add_report(report)
             self._cond.notify_all()
 
     def submit_ack(self, ack: Ack) -> None:
         """Queue an ack (the few most recent are kept)."""
         with self._cond:
-            self._acks.append(ack)
+            self._outbox.acks.append(ack)
             self._cond.notify_all()
 
     @property
@@ -316,7 +188,7 @@ class ControllerClient:
     def pending(self) -> tuple[int, int]:
         """(reports, acks) waiting to be sent."""
         with self._cond:
-            return len(self._reports), len(self._acks)
+            return len(self._outbox.reports), len(self._outbox.acks)
 
     def close(self, timeout: float = 5.0, *, finish: RunFinished | None = None) -> bool:
         """Stop: the sender flushes what is queued (no retries), then posts ``finish`` if given
@@ -326,24 +198,24 @@ class ControllerClient:
         deadline = self._clock() + max(timeout, 0.0)
         with self._cond:
             self._closing = True
-            self._finish, self._close_deadline = finish, deadline
+            self._finish = (finish, deadline)
             self._cond.notify_all()
         if not self._threads:
             return True
         sender, poller = self._threads
-        self._aborters["poller"].abort(final=True)
+        self._link.aborters["poller"].abort(final=True)
         sender.join(max(deadline - self._clock(), 0.0))
         if sender.is_alive():
-            self._aborters["sender"].abort(final=True)
+            self._link.aborters["sender"].abort(final=True)
         for t in (sender, poller):
             t.join(max(deadline - self._clock(), 0.05))
         return not (sender.is_alive() or poller.is_alive())
 
-    # -- threads -------------------------------------------------------------------------------
+    # -- one-off posts ---------------------------------------------------------------------------
     def post_preflight(self, result: PreflightResult) -> str | None:
         """Send the pre-flight result once, synchronously (it runs before training: there is no
         step to block). None when the controller accepted it, else why not (never raises)."""
-        return self._post_once("preflight", result)
+        return self._link.post_once(f"/runs/{self.run}/preflight", result)
 
     def post_memory_report(self, report: MemoryReport) -> threading.Thread:
         """Send a memory trace's result once, from a thread of its own (the training loop never
@@ -357,7 +229,7 @@ class ControllerClient:
 
     def _post_in_thread(self, what: str, body: Any, label: str) -> threading.Thread:
         def send() -> None:
-            why = self._post_once(what, body)
+            why = self._link.post_once(f"/runs/{self.run}/{what}", body)
             if why is not None:
                 log.warning("trainguard: the controller did not take %s: %s", label, why)
 
@@ -365,47 +237,23 @@ class ControllerClient:
         thread.start()
         return thread
 
-    def _post_once(self, what: str, body: Any) -> str | None:
-        transport = self._transport or httpx.HTTPTransport()
-        http = httpx.Client(transport=transport, timeout=self._timeout, headers=self._headers)
-        try:
-            self._exchange(http, "POST", f"/runs/{self.run}/{what}", dumps(body), None)
-            return None
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as text
-            return str(exc) or type(exc).__name__
-        finally:
-            if self._transport is None:  # an injected transport is shared with the other threads
-                http.close()
-
-    def _new_http(self, timeout: httpx.Timeout, which: str) -> httpx.Client:
-        # httpcore writes a request's head and body separately: without TCP_NODELAY, Nagle holds
-        # the body until the server's delayed ACK (~40 ms) arrives.
-        transport = self._transport
-        if transport is None:
-            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-            install_network_backend(transport, self._aborters[which])
-            http = httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
-            http.trainguard_aborter = self._aborters[which]  # type: ignore[attr-defined]
-            return http
-        return httpx.Client(transport=transport, timeout=timeout, headers=self._headers)
+    # -- the sender ------------------------------------------------------------------------------
+    def _next_to_send(self) -> tuple[str, Report | Ack | None] | None:
+        """Wait for work: (op, item) to send (``register`` has no item), or None when closing with
+        nothing left to flush."""
+        with self._cond:
+            while not (self._closing or not self._registered or self._outbox):
+                self._cond.wait()
+            if self._closing and not (self._registered and self._outbox):
+                return None
+            return ("register", None) if not self._registered else self._outbox.take()
 
     def _send_loop(self) -> None:
         failures = 0
         unknown = 0  # 404s since an item was last accepted
-        with self._new_http(self._timeout, "sender") as http:
-            while True:
-                with self._cond:
-                    while not (self._closing or not self._registered or self._acks or self._reports):
-                        self._cond.wait()
-                    if self._closing and not (self._registered and (self._acks or self._reports)):
-                        finish = self._finish if self._registered else None
-                        break
-                    if not self._registered:
-                        op, item = "register", None
-                    elif self._acks:
-                        op, item = "ack", self._acks.popleft()
-                    else:
-                        op, item = "report", self._reports.popleft()
+        with self._link.new_http(self._link.timeout, "sender") as http:
+            while (work := self._next_to_send()) is not None:
+                op, item = work
                 try:
                     if item is None:
                         self._register(http)
@@ -414,61 +262,69 @@ class ControllerClient:
                         unknown = 0
                     failures = 0
                     continue
-                except _Refused as exc:
-                    if isinstance(exc, _TooLarge) and op == "report":
-                        self.reports_too_large += 1
-                        self._error("report_too_large", ValueError(
-                            f"the controller refused a report as too large ({exc}); its limit follows from its "
-                            f"TRAINGUARD_MAX_WORLD_SIZE (and TRAINGUARD_MAX_BODY_BYTES): the report is dropped"))
-                    else:
-                        self._note_failure(f"refused-{op}", f"controller refused a {op}: {exc}")
+                except Refused as exc:
+                    self._refused(op, exc)
                     if item is not None:  # retrying the same body cannot help: drop it
-                        self.refused += 1
+                        self.counts.refused += 1
                         continue
-                except _Unknown:
-                    self._note_failure("unknown-run", "controller does not know the run; registering again")
-                    with self._cond:
-                        self._registered = False
-                    self._requeue(op, item)
+                except Unknown:
                     unknown += 1
-                    if unknown > 1:  # registered again, still unknown: back off, do not spin
-                        self._sleep(unknown - 1)
+                    self._unknown_run(op, item, unknown)
                     continue
                 except Exception as exc:  # noqa: BLE001 - fail open: any failure means 'retry later'
-                    self._note_failure(type(exc).__name__, f"controller exchange failed: {exc!r}")
+                    self._failures.note(type(exc).__name__, f"controller exchange failed: {exc!r}")
                     self._requeue(op, item)
-                if op == "register" and failures + 1 >= len(self._bases):
+                if op == "register" and failures + 1 >= len(self._link.bases):
                     self._first_attempt.set()  # every controller was asked once
                 if self._closing:
                     return  # no retries while closing (nor a finish: the controller just failed)
                 failures += 1
                 self._sleep(failures)
-            if finish is not None:
+            finish, _ = self._finish
+            if finish is not None and self._registered:
                 self._send_finish(http, finish)
+
+    def _refused(self, op: str, exc: Refused) -> None:
+        if isinstance(exc, TooLarge) and op == "report":
+            self.counts.reports_too_large += 1
+            self._failures.error("report_too_large", ValueError(
+                f"the controller refused a report as too large ({exc}); its limit follows from its "
+                f"TRAINGUARD_MAX_WORLD_SIZE (and TRAINGUARD_MAX_BODY_BYTES): the report is dropped"))
+        else:
+            self._failures.note(f"refused-{op}", f"controller refused a {op}: {exc}")
+
+    def _unknown_run(self, op: str, item: Report | Ack | None, unknown: int) -> None:
+        self._failures.note("unknown-run", "controller does not know the run; registering again")
+        with self._cond:
+            self._registered = False
+        self._requeue(op, item)
+        if unknown > 1:  # registered again, still unknown: back off, do not spin
+            self._sleep(unknown - 1)
 
     def _send_finish(self, http: httpx.Client, finish: RunFinished) -> None:
         """Closing: tell the controller the run ended, never past the close deadline and never
         raising (the run is over either way). Another attempt when one failed on a kept-alive
         connection the server had closed (no answer, no timeout), and one at each further
         controller URL: the finish is idempotent, so sending it twice is harmless."""
-        attempts = max(2, len(self._bases))
+        attempts = max(2, len(self._link.bases))
+        _, deadline = self._finish
         for attempt in range(1, attempts + 1):
-            left = self._close_deadline - self._clock()
+            left = deadline - self._clock()
             if left <= 0:
                 return
             try:
-                self._exchange(http, "POST", f"/runs/{self.run}/finish", dumps(finish), None,
-                               timeout=httpx.Timeout(min(left, self._timeout.read or left)))
-                self.finished = True
+                self._link.exchange(http, "POST", f"/runs/{self.run}/finish", dumps(finish), None,
+                                    timeout=httpx.Timeout(min(left, self._link.timeout.read or left)))
+                self.counts.finished = True
                 return
             except Exception as exc:  # noqa: BLE001 - fail open
                 stale = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
-                if attempt == attempts or not (stale or attempt < len(self._bases)):
-                    self._note_failure(f"finish-{type(exc).__name__}", f"could not tell the controller the run finished: {exc!r}")
+                if attempt == attempts or not (stale or attempt < len(self._link.bases)):
+                    self._failures.note(f"finish-{type(exc).__name__}", f"could not tell the controller the run finished: {exc!r}")
                     return
 
     def _register(self, http: httpx.Client) -> None:
-        answer = self._exchange(http, "POST", "/runs", dumps(self._registration), _Registered)
+        answer = self._link.exchange(http, "POST", "/runs", dumps(self._registration), Registered)
         with self._cond:
             self._registered = True
             if answer is not None:  # else its desired state was refused: the run is registered all the same
@@ -477,32 +333,24 @@ class ControllerClient:
 
     def _send_item(self, http: httpx.Client, op: str, item: Report | Ack) -> None:
         if op == "ack":
-            self._exchange(http, "POST", f"/runs/{self.run}/acks", dumps(item), None)
-            self.acks_sent += 1
+            self._link.exchange(http, "POST", f"/runs/{self.run}/acks", dumps(item), None)
+            self.counts.acks_sent += 1
         else:
-            answer = self._exchange(http, "POST", f"/runs/{self.run}/reports", dumps(item), _Accepted)
-            self.reports_sent += 1
+            answer = self._link.exchange(http, "POST", f"/runs/{self.run}/reports", dumps(item), Accepted)
+            self.counts.reports_sent += 1
             if answer is not None:
                 with self._cond:
                     self._observe(answer.desired)
 
     def _requeue(self, op: str, item: Report | Ack | None) -> None:
-        """Put a failed item back at the head of its buffer, or count it dropped when newer
-        ones filled the buffer meanwhile (it is the oldest)."""
-        if item is None:
-            return
-        with self._cond:
-            if op == "ack":
-                if len(self._acks) < (self._acks.maxlen or 0):
-                    self._acks.appendleft(item)  # type: ignore[arg-type]
-            elif len(self._reports) < self._max_reports:
-                self._reports.appendleft(item)  # type: ignore[arg-type]
-            else:
-                self.reports_dropped += 1
+        if item is not None:
+            with self._cond:
+                self._outbox.requeue(op, item)
 
+    # -- the poller ------------------------------------------------------------------------------
     def _poll_loop(self) -> None:
         failures = 0
-        with self._new_http(self._poll_timeout, "poller") as http:
+        with self._link.new_http(self._link.poll_timeout, "poller") as http:
             while True:
                 with self._cond:
                     while not self._closing and not self._registered:
@@ -510,23 +358,10 @@ class ControllerClient:
                     if self._closing:
                         return
                     after = self._desired.generation if self._desired is not None else 0
-                started = self._clock()
                 try:
-                    answer = self._exchange(
-                        http,
-                        "GET",
-                        f"/runs/{self.run}/desired",
-                        None,
-                        _Command,
-                        params={"after": after, "wait": self._long_poll_s},
-                    )
+                    self._poll_once(http, after)
                     failures = 0
-                    with self._cond:
-                        newer = self._observe(answer) if answer is not None else False
-                    if not newer and self._clock() - started < min(0.5, self._long_poll_s):
-                        # the controller answered 'no change' at once: do not spin
-                        self._sleep_plain(min(0.5, max(self._long_poll_s, 0.05)))
-                except _Unknown:
+                except Unknown:
                     with self._cond:
                         self._registered = False
                         self._cond.notify_all()
@@ -536,110 +371,23 @@ class ControllerClient:
                     with self._cond:
                         if self._closing:
                             return  # close() cut the long-poll: not a failure of the controller
-                    self._note_failure(f"poll-{type(exc).__name__}", f"controller poll failed: {exc!r}")
+                    self._failures.note(f"poll-{type(exc).__name__}", f"controller poll failed: {exc!r}")
                     failures += 1
                     self._sleep(failures)
 
-    def _exchange(
-        self,
-        http: httpx.Client,
-        method: str,
-        path: str,
-        body: bytes | None,
-        answer_type: type[_M] | None,
-        params: dict[str, float] | None = None,
-        timeout: httpx.Timeout | None = None,
-    ) -> _M | None:
-        at = self._at
-        try:
-            status, content, role = self._request(http, self._bases[at], method, path, body, params,
-                                                  timeout or http.timeout)
-        except Exception:
-            self.up = False
-            self._move_on(at)
-            raise
-        if role == "standby":
-            self.up = False
-            self._move_on(at)
-            raise ValueError(f"controller {self._bases[at]} is a standby ({status})")
-        if status == 404:
-            self.up = True  # it answered: it just does not know the run
-            raise _Unknown()
-        if status == 413:
-            self.up = True  # it answered: the body is what it refuses
-            raise _TooLarge(f"413 for {len(body or b'')} bytes: {content[:200].decode('utf-8', 'replace')}")
-        if 400 <= status < 500 and status not in (408, 425, 429):
-            self.up = False
-            raise _Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
-        if not 200 <= status < 300:
-            self.up = False
-            # e.g. an active cut off from its database: another may have taken over. Not so for one
-            # still reading its runs back (it holds the database): the agent waits for it.
-            if status >= 500 and role != "loading":
-                self._move_on(at)
-            raise ValueError(f"controller answered {status}" + (" (reading its runs back)" if role == "loading" else ""))
-        if answer_type is None or status in (204, 304):
-            self.up = True
-            return None
-        try:
-            answer = answer_type.model_validate_json(content)
-        except ValidationError as exc:
-            refused = _command_fields(exc, answer_type)
-            if refused is None:
-                self.up = False
-                raise ValueError(f"unreadable answer from the controller: {exc.error_count()} errors") from None
-            self.up = True  # it answered; its command is what the agent refuses
-            self._refuse_command(refused, content)
-            return None
-        if not self.up:
-            log.info("trainguard: controller %s reachable again", self._bases[at])
-        self.up = True
-        return answer
-
-    def _move_on(self, at: int) -> None:
-        """After a failure at controller ``at``: the next one of several (once per failure, even
-        when the sender and the poller both fail there)."""
-        if len(self._bases) > 1:
-            with self._cond:
-                if self._at == at:
-                    self._at = (at + 1) % len(self._bases)
-                    log.info("trainguard: controller %s failed or stands by; trying %s", self._bases[at], self._bases[self._at])
-
-    def _request(self, http: httpx.Client, base: str, method: str, path: str, body: bytes | None,
-                 params: dict[str, float] | None, timeout: httpx.Timeout) -> tuple[int, bytes, str]:
-        """One exchange: (status, body, the controller's ``X-Trainguard-Role``: ``standby``,
-        ``loading`` while it reads its runs back, else empty). The whole exchange is
-        bounded by the timeout's connect plus read time (a server trickling bytes cannot hold it
-        longer: its connection is cut), and the body by :data:`MAX_ANSWER_BYTES`."""
-        total = (timeout.connect or 0.0) + (timeout.read or 0.0) + (timeout.write or 0.0)
-        aborter: _AbortableBackend | None = getattr(http, "trainguard_aborter", None)
-        timer = threading.Timer(total, aborter.abort) if aborter is not None and total > 0 else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        try:
-            request = http.build_request(method, base + path, content=body, params=params, timeout=timeout)
-            resp = http.send(request, stream=True)
-            try:
-                length = resp.headers.get("content-length", "")
-                if length.isdigit() and int(length) > MAX_ANSWER_BYTES:
-                    raise ValueError(f"the controller's answer of {length} bytes exceeds {MAX_ANSWER_BYTES}")
-                chunks, size = [], 0
-                for chunk in resp.iter_bytes():
-                    size += len(chunk)
-                    if size > MAX_ANSWER_BYTES:
-                        raise ValueError(f"the controller's answer exceeds {MAX_ANSWER_BYTES} bytes")
-                    chunks.append(chunk)
-                return resp.status_code, b"".join(chunks), resp.headers.get("x-trainguard-role", "")
-            finally:
-                resp.close()
-        finally:
-            if timer is not None:
-                timer.cancel()
+    def _poll_once(self, http: httpx.Client, after: int) -> None:
+        started = self._clock()
+        answer = self._link.exchange(http, "GET", f"/runs/{self.run}/desired", None, Command,
+                                     params={"after": after, "wait": self._long_poll_s})
+        with self._cond:
+            newer = self._observe(answer) if answer is not None else False
+        if not newer and self._clock() - started < min(0.5, self._long_poll_s):
+            # the controller answered 'no change' at once: do not spin
+            self._sleep_plain(min(0.5, max(self._long_poll_s, 0.05)))
 
     def _observe(self, desired: DesiredState) -> bool:
         """Keep ``desired`` if it is newer; caller holds the condition's lock."""
-        if isinstance(desired, _Command):  # checked against every bound: kept as the wire type
+        if isinstance(desired, Command):  # checked against every bound: kept as the wire type
             desired = DesiredState.model_validate(desired.model_dump())
         if self._desired is None or desired.generation > self._desired.generation:
             self._desired = desired
@@ -647,43 +395,8 @@ class ControllerClient:
             return True
         return False
 
-    def _refuse_command(self, refused: list[tuple[str, Any]], content: bytes) -> None:
-        """Count and report a desired state refused for ``refused`` (field, value) pairs, once per
-        command (the poller is answered the same state until the controller changes it)."""
-        try:
-            raw = json.loads(content)
-            generation = raw.get("desired", raw).get("generation") if isinstance(raw, dict) else None
-        except (ValueError, AttributeError):
-            generation = None
-        key = (repr(generation), tuple((f, repr(v)) for f, v in refused))
-        if key == self._last_refused:
-            return
-        self._last_refused = key
-        self.commands_refused += 1
-        fields = ", ".join(f"{f}={v!r}" for f, v in refused)
-        self._error("command_out_of_bounds:" + ",".join(sorted({f for f, _ in refused})), ValueError(
-            f"the controller's desired state (generation {generation!r}) has {fields}, outside the protocol's "
-            f"bounds: refused, the last valid state stays"))
-
-    def _error(self, kind: str, exc: BaseException) -> None:
-        """An error of the agent's (its counter, its log), else a warning here."""
-        if self._on_error is not None:
-            try:
-                self._on_error(kind, exc)
-                return
-            except Exception:  # noqa: BLE001 - the callback must not end a client thread
-                pass
-        self._note_failure(kind, str(exc))
-
-    def _note_failure(self, kind: str, message: str) -> None:
-        if kind not in self._failures_logged:
-            self._failures_logged.add(kind)
-            log.warning("trainguard: %s (training goes on; further ones logged at debug)", message)
-        else:
-            log.debug("trainguard: %s", message)
-
     def _sleep(self, failures: int) -> None:
-        self._sleep_plain(backoff_delay(failures, *self._backoff, self._rng))
+        self._sleep_plain(self._sleep_for(failures))
 
     def _sleep_plain(self, seconds: float) -> None:
         deadline = self._clock() + seconds
@@ -693,3 +406,19 @@ class ControllerClient:
                 if left <= 0:
                     return
                 self._cond.wait(left)
+
+
+def _check_settings(request_timeout_s: float, connect_timeout_s: float | None, long_poll_s: float,
+                    max_buffered_reports: int, backoff_initial_s: float, backoff_max_s: float) -> None:
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+    if connect_timeout_s is not None and not connect_timeout_s > 0:
+        raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+    if not long_poll_s >= 0:
+        raise ValueError(f"long_poll_s must be >= 0, got {long_poll_s}")
+    if max_buffered_reports < 1:
+        raise ValueError(f"max_buffered_reports must be >= 1, got {max_buffered_reports}")
+    if not 0 < backoff_initial_s <= backoff_max_s:
+        raise ValueError(
+            f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
+        )

@@ -336,7 +336,7 @@ class ControlPlane:
                 out["trainguard_consecutive_skipped_steps"] = float(self.skip.guard.consecutive)
         if self._client is not None:
             out["trainguard_agent_controller_up"] = 1.0 if self._client.up else 0.0
-            out["trainguard_agent_reports_dropped_total"] = float(self._client.reports_dropped)
+            out["trainguard_agent_reports_dropped_total"] = float(self._client.counts.reports_dropped)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -95,13 +95,13 @@ def test_registers_reports_acks_and_tracks_newest_desired_state() -> None:
     assert d is not None and d.generation == 3 and d.lr_scale == 0.5
     c.submit_report(_report(1))
     c.submit_ack(Ack(generation=3, step=1))
-    assert until(lambda: c.reports_sent == 1 and c.acks_sent == 1)
+    assert until(lambda: c.counts.reports_sent == 1 and c.counts.acks_sent == 1)
     sent = [r for r in h.requests if r.url.path.endswith("/reports")][0]
     assert sent.headers["authorization"] == "Bearer s3cret"
     assert json.loads(sent.content)["values"]["trainguard_loss"] == "NaN"  # NaN survives the wire
     h.desired = DesiredState(generation=2, paused=True)  # an older generation never wins
     c.submit_report(_report(2))
-    assert until(lambda: c.reports_sent == 2)
+    assert until(lambda: c.counts.reports_sent == 2)
     assert c.desired is not None and c.desired.generation == 3 and not c.desired.paused
     h.desired = DesiredState(generation=4, paused=True)
     assert c.wait_desired(3, timeout=30.0) == DesiredState(generation=4, paused=True)  # via the poller
@@ -127,7 +127,7 @@ def test_full_buffer_drops_oldest_and_counts() -> None:
     for step in range(1, 8):
         c.submit_report(_report(step))
     # report 0 is in flight; 7 more arrived into a buffer of 3: 1..4 dropped
-    assert c.reports_dropped == 4
+    assert c.counts.reports_dropped == 4
     gate.set()
     assert until(lambda: c.pending() == (0, 0))
     got = [json.loads(r.content)["step_last"] for r in h.requests if r.url.path.endswith("/reports")]
@@ -142,10 +142,10 @@ def test_500_and_garbage_back_off_then_recover_without_losing_the_report() -> No
     assert c.wait_registered(30.0) is not None
     h.fail_next = [500, "garbage", 503, 500]
     c.submit_report(_report(9))
-    assert until(lambda: c.reports_sent == 1)
+    assert until(lambda: c.counts.reports_sent == 1)
     report_posts = [r for r in h.requests if r.url.path.endswith("/reports")]
     assert len(report_posts) >= 2 and all(json.loads(r.content)["step_last"] == 9 for r in report_posts)
-    assert c.up and c.reports_dropped == 0
+    assert c.up and c.counts.reports_dropped == 0
     assert c.close(2.0)
 
 
@@ -157,12 +157,12 @@ def test_4xx_report_is_dropped_and_404_reregisters() -> None:
     with h.lock:
         h.fail_next = [422]
     c.submit_report(_report(1))
-    assert until(lambda: c.refused == 1)
+    assert until(lambda: c.counts.refused == 1)
     with h.lock:
         h.fail_next = [404]
     c.submit_report(_report(2))
-    assert until(lambda: c.reports_sent == 1)
-    assert c.refused == 1 and c.reports_dropped == 0
+    assert until(lambda: c.counts.reports_sent == 1)
+    assert c.counts.refused == 1 and c.counts.reports_dropped == 0
     paths = h.paths()
     i404 = max(i for i, p in enumerate(paths) if p.endswith("/reports")) - 1
     assert "/v1/runs" in paths[i404 - 2 :]  # registered again before the retry
@@ -199,7 +199,7 @@ def test_close_flushes_then_sends_finish_once() -> None:
     assert [p for p, _ in posts][-1] == "/v1/runs/run-a/finish"  # after everything queued was flushed
     assert sorted(b.get("step_last", -1) for p, b in posts if p.endswith("/reports")) == [1, 2]
     assert posts[-1][1] == {"step": 2, "reason": "completed"}
-    assert [p for p, _ in posts].count("/v1/runs/run-a/finish") == 1 and c.finished
+    assert [p for p, _ in posts].count("/v1/runs/run-a/finish") == 1 and c.counts.finished
 
 
 def test_close_sends_no_finish_for_an_unregistered_run_and_survives_a_refused_one() -> None:
@@ -207,7 +207,7 @@ def test_close_sends_no_finish_for_an_unregistered_run_and_survives_a_refused_on
     c.start()
     assert c.wait_registered(1.0) is None
     assert c.close(1.0, finish=RunFinished(step=1))
-    assert not c.finished
+    assert not c.counts.finished
     h = Scripted()
     c = _client("http://ctl", transport=httpx.MockTransport(h))
     c.start()
@@ -215,7 +215,7 @@ def test_close_sends_no_finish_for_an_unregistered_run_and_survives_a_refused_on
     with h.lock:
         h.fail_next = [404]  # the controller forgot the run: the finish fails, close does not raise
     assert c.close(1.0, finish=RunFinished(step=1))
-    assert not c.finished and h.paths()[-1] == "/v1/runs/run-a/finish"
+    assert not c.counts.finished and h.paths()[-1] == "/v1/runs/run-a/finish"
 
 
 @pytest.mark.parametrize("mode", ["down", "blackhole", "reset", "http500", "garbage", "junk", "slow"])
@@ -241,7 +241,7 @@ def test_faults_through_the_proxy_then_recovery(mode: str) -> None:
         assert until(lambda: [r.step_last for r in ctl.reports][-1:] == [5], 30.0)
         assert [r.step_last for r in ctl.reports][:1] == [0]
         assert c.wait_desired(0, 30.0) is not None and c.desired.paused  # the command arrived
-        assert c.up and c.reports_dropped == 0
+        assert c.up and c.counts.reports_dropped == 0
         t0 = time.monotonic()
         c.close(1.0)
         assert time.monotonic() - t0 < 1.0 + 1.0  # its deadline; a request in flight is not waited for
@@ -281,23 +281,23 @@ def test_several_controller_urls_the_client_follows_the_active_one() -> None:
     c.start()
     assert c.wait_registered(30.0) is not None  # a stood by: registered at b
     c.submit_report(_report(1))
-    assert until(lambda: c.reports_sent == 1)
+    assert until(lambda: c.counts.reports_sent == 1)
     assert pair.reports == [("b", 1)]
     pair.down, pair.active = {"b"}, "a"  # b dies; a takes the lease
     for step in (2, 3, 4):
         c.submit_report(_report(step))
-    assert until(lambda: c.reports_sent == 4)
+    assert until(lambda: c.counts.reports_sent == 4)
     assert pair.reports == [("b", 1), ("a", 2), ("a", 3), ("a", 4)]  # in order, none lost
     # a is cut off from the database (503, not a standby's answer) and b took over: the client
     # does not stay with a.
     pair.down, pair.cut, pair.active = set(), {"a"}, "b"
     c.submit_report(_report(5))
-    assert until(lambda: c.reports_sent == 5)
+    assert until(lambda: c.counts.reports_sent == 5)
     assert pair.reports[-1] == ("b", 5)
     pair.down, pair.cut, pair.active = {"b"}, set(), "a"  # b dies as the run closes: the finish goes to a
-    assert c.close(5.0, finish=RunFinished(step=5)) and c.finished
+    assert c.close(5.0, finish=RunFinished(step=5)) and c.counts.finished
     assert pair.served.paths()[-1] == "/v1/runs/run-a/finish" and pair.asked[-1] == "a"
-    assert c.reports_dropped == 0 and c.up
+    assert c.counts.reports_dropped == 0 and c.up
 
 
 def test_controller_urls_must_each_be_http_and_distinct() -> None:

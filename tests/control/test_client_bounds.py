@@ -217,7 +217,7 @@ def test_a_desired_state_out_of_the_protocols_bounds_is_refused_field_by_field()
             ctl.state = {"generation": generation, "lr_scale": 0.5}  # a valid command is taken again
             assert until(lambda g=generation: c.desired is not None and c.desired.generation == g, timeout=30)
         # every refusal counted once, though the poller and each report answer got it again and again
-        assert c.commands_refused == len(errors) == len(OUT_OF_BOUNDS)
+        assert c.counts.commands_refused == len(errors) == len(OUT_OF_BOUNDS)
         assert c.desired == DesiredState(generation=generation, lr_scale=0.5)
     finally:
         assert c.close(5.0)
@@ -262,7 +262,7 @@ def test_the_agent_keeps_its_lr_under_a_huge_lr_scale_and_counts_a_413(caplog: p
             for _ in range(3):
                 assert until(lambda: (step(), ctl.reports > sent)[1], timeout=60)
                 sent = ctl.reports
-            assert until(lambda: agent.control.client.reports_too_large >= 3, timeout=30)
+            assert until(lambda: agent.control.client.counts.reports_too_large >= 3, timeout=30)
             assert agent.latest()["trainguard_agent_errors_total"] >= errors + 3
     finally:
         agent.close(timeout=5.0)

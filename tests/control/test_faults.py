@@ -139,7 +139,7 @@ def test_close_tells_the_controller_the_run_finished(controller: ControllerProce
     loop = Loop(controller.url, "finish-normal")
     loop.steps(12)
     assert loop.close(2.0) < 2.0 + REQUEST_TIMEOUT_S
-    assert loop.agent.control.client.finished
+    assert loop.agent.control.client.counts.finished
     detail = controller.run_detail(loop.run)
     assert (detail["status"], detail["finished_step"], detail["finish_reason"]) == ("finished", 12, "completed")
     events = httpx.get(f"{controller.url}/v1/runs/{loop.run}/events", timeout=10.0).json()
@@ -164,7 +164,7 @@ def test_close_returns_within_its_deadline_when_the_finish_is_black_holed(contro
         loop = Loop(proxy.url, "finish-blackhole", request_timeout_s=request_timeout)
         loop.steps(10)
         client = loop.agent.control.client
-        assert until(lambda: client.pending() == (0, 0) and client.reports_sent >= 10, 30.0)
+        assert until(lambda: client.pending() == (0, 0) and client.counts.reports_sent >= 10, 30.0)
         seen: dict[str, object] = {}
         real_close = client.close
 
@@ -180,7 +180,7 @@ def test_close_returns_within_its_deadline_when_the_finish_is_black_holed(contro
         # Nothing else was queued: the sender was still stuck in the finish when the client's
         # deadline came (not the request timeout); its connection was cut then, so every thread
         # had ended when close returned (True), and the run is not marked finished.
-        assert seen["ok"] is True and not client.finished, (seen, client.finished)
+        assert seen["ok"] is True and not client.counts.finished, (seen, client.counts.finished)
         assert not any(t.is_alive() for t in client._threads)
         assert seen["deadline"] - 0.05 <= seen["s"] < request_timeout and seen["deadline"] > 0.3
         # The agent's close as a whole keeps its deadline (the /metrics server's shutdown included).

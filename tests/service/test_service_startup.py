@@ -225,16 +225,16 @@ def test_agent_keeps_its_reports_while_the_controller_loads_and_none_is_lost(tmp
             client.submit_report(Report(job="job-a", step_first=step, step_last=step, time=float(step),
                                         values={"trainguard_loss": 2.0 - 0.01 * step}))
         wait_until(lambda: sum(p.startswith("/v1/") for p in asked) >= 3)  # answered 'loading' a few times
-        assert client.reports_sent == 0 and client.reports_dropped == 0 and client.refused == 0
+        assert client.counts.reports_sent == 0 and client.counts.reports_dropped == 0 and client.counts.refused == 0
         assert standby_asked == []  # the loading controller holds the database: the agent waited for it
         held.release()
-        wait_until(lambda: client.reports_sent == 10)
+        wait_until(lambda: client.counts.reports_sent == 10)
         assert client.close(10.0)
         status = httpx.get(f"{url}/v1/runs/run-a").json()
         assert status["reports"] == 15 and status["last_step"] == 15
         rows = app.state.controller.runs["run-a"].window.rows()
         assert [step for _, step, _, _ in rows] == list(range(1, 16))  # every report, in order, once
-        assert client.reports_dropped == 0 and client.refused == 0
+        assert client.counts.reports_dropped == 0 and client.counts.refused == 0
     finally:
         held.release()
         server.should_exit = True

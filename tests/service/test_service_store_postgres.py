@@ -328,13 +328,13 @@ def test_a_standby_serve_takes_over_when_the_active_is_killed(postgres_url: str,
     reports = [Report(job="job-g", step_first=i, step_last=i, time=float(i), values={"trainguard_loss": 2.0}) for i in range(1, 9)]
     for r in reports[:3]:
         agent.submit_report(r)
-    wait_until(lambda: agent.reports_sent == 3)
+    wait_until(lambda: agent.counts.reports_sent == 3)
     active.kill()
     for r in reports[3:]:
         agent.submit_report(r)  # while nobody serves: buffered, retried, sent to the new active
     wait_until(lambda: s.get("/readyz").status_code == 200, timeout=60)
-    wait_until(lambda: agent.reports_sent == 8, timeout=60)
-    assert agent.reports_dropped == 0 and agent.close(5.0)
+    wait_until(lambda: agent.counts.reports_sent == 8, timeout=60)
+    assert agent.counts.reports_dropped == 0 and agent.close(5.0)
     assert s.get("/v1/runs/run-g").json()["reports"] == 8
     status = httpx.get(f"{standby[0].url}/v1/runs/run-f", timeout=10).json()
     assert status["reports"] == 21 and status["last_step"] == 21 and status["firing"] == ["loss_nonfinite"]
