@@ -37,12 +37,10 @@ The HTTP side (the URLs, the timeouts, what each answer means) is
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 

@@ -114,7 +114,7 @@ def test_a_text_that_did_not_arrive_keeps_its_command_and_applies_the_rest() -> 
     assert applied.reset_optimizer_seq == 0 and applied.reset_optimizer_layers == ""
     assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
     # the same text from the leader's own proposal: the reset happens
-    agent.control._proposed_texts = {state[_index("reset_optimizer_layers")]: "0."}
+    agent.control._channel.proposed_texts = {state[_index("reset_optimizer_layers")]: "0."}
     agent.control._apply(encode_state(DesiredState(generation=2, lr_scale=0.25, reset_optimizer_seq=1,
                                                    reset_optimizer_layers="0.")), 2)
     assert [p in opt.state for p in model.parameters()] == [False, False, True, True]

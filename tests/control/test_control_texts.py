@@ -68,7 +68,7 @@ def _worker(rank: int, init: str, out: str) -> None:
             if rank == 1:  # this rank cannot read the text of the next state
                 def unreadable(key: int) -> str:
                     raise ConnectionError("store read failed")
-                agent.control._fetch_text = unreadable
+                agent.control._channel.fetch_text = unreadable
             if fake is not None:
                 generation = fake.command(RUN, reset_optimizer_seq=2, reset_optimizer_layers="0.", lr_scale=0.5).generation
                 assert until(lambda: seen(generation), 30.0)
