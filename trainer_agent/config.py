@@ -6,6 +6,8 @@ into the training loop.
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,7 +28,11 @@ def _env(name: str) -> str | None:
 
 @dataclass(kw_only=True, slots=True)
 class AgentConfig:
-    """How the training agent measures, exports and talks to the controller."""
+    """How the training agent measures, exports and talks to the controller.
+
+    A declaration of settings, one documented field each, checked in ``__post_init__``: it has
+    more than 20 fields on purpose (one table a user reads top to bottom, as ``Settings`` of the
+    controller), not state with behaviour."""
 
     report_every: int = 10
     """Steps between two host reads of the device statistics. Step metrics that are only
@@ -197,59 +203,45 @@ class AgentConfig:
     of the CUDA device by its name (``trainer_agent.flops.PEAK_FLOPS``), none on a CPU."""
 
     def __post_init__(self) -> None:
-        _positive_int("report_every", self.report_every)
+        for name in _POSITIVE_INTS:
+            _positive_int(name, getattr(self, name))
+        for name in _OPTIONAL_POSITIVE_INTS:
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                spelled = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+                raise ValueError(f"{name} must be {spelled}, got {getattr(self, name)!r}")
         for name in ("flops_per_token", "peak_flops"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < float("inf")):
+            if value is not None and not _finite(value, above=0):
                 raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-        _positive_int("sync_every", self.sync_every)
-        _positive_int("max_buffered_reports", self.max_buffered_reports)
-        if self.layer_depth is not None:
-            _positive_int("layer_depth", self.layer_depth)
+        for name in ("desync_rel_tol", "verify_rel_tol"):
+            if not _finite(getattr(self, name), at_least=0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        for name in ("request_timeout_s", "close_timeout_s"):
+            if not _finite(getattr(self, name), above=0):
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {getattr(self, name)!r}")
+        self._check_others()
+
+    def _check_others(self) -> None:
+        """The settings of a kind of their own (and the ones normalised to tuples)."""
         if self.metrics_port is not None:
             if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
                 raise ValueError(f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}")
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError("metrics_host must be a non-empty string")
-        if self.per_layer not in ("rank0", "all", "off"):
-            raise ValueError(f"per_layer must be 'rank0', 'all' or 'off', got {self.per_layer!r}")
-        if self.job_metrics not in ("rank0", "all"):
-            raise ValueError(f"job_metrics must be 'rank0' or 'all', got {self.job_metrics!r}")
-        if self.update_ratio not in ("report", "every", "off"):
-            raise ValueError(f"update_ratio must be 'report', 'every' or 'off', got {self.update_ratio!r}")
-        if not isinstance(self.grad_noise, bool):
-            raise ValueError(f"grad_noise must be a bool, got {self.grad_noise!r}")
-        if not isinstance(self.comm_timing, bool):
-            raise ValueError(f"comm_timing must be a bool, got {self.comm_timing!r}")
         if not isinstance(self.preflight_fatal, bool):
             self.preflight_fatal = tuple(self.preflight_fatal)
             if not all(isinstance(n, str) for n in self.preflight_fatal):
                 raise ValueError(f"preflight_fatal must be a bool or check names, got {self.preflight_fatal!r}")
-        if not isinstance(self.triage, bool):
-            raise ValueError(f"triage must be a bool, got {self.triage!r}")
-        if not isinstance(self.fingerprint, bool):
-            raise ValueError(f"fingerprint must be a bool, got {self.fingerprint!r}")
-        if isinstance(self.desync_rel_tol, bool) or not isinstance(self.desync_rel_tol, (int, float)) \
-                or not 0 <= self.desync_rel_tol < float("inf"):
-            raise ValueError(f"desync_rel_tol must be a finite number >= 0, got {self.desync_rel_tol!r}")
-        if self.verify_every is not None:
-            _positive_int("verify_every", self.verify_every)
-        _positive_int("memory_trace_steps", self.memory_trace_steps)
-        if isinstance(self.verify_rel_tol, bool) or not isinstance(self.verify_rel_tol, (int, float)) \
-                or not 0 <= self.verify_rel_tol < float("inf"):
-            raise ValueError(f"verify_rel_tol must be a finite number >= 0, got {self.verify_rel_tol!r}")
-        if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
         if self.skip_spikes is not None and not isinstance(self.skip_spikes, bool):
             raise ValueError(f"skip_spikes must be None or a bool, got {self.skip_spikes!r}")
         if not isinstance(self.spike, SpikeGuardConfig):
             raise ValueError(f"spike must be a SpikeGuardConfig, got {type(self.spike).__name__}")
-        if self.snapshot_every is not None:
-            _positive_int("snapshot_every", self.snapshot_every)
-        _positive_int("snapshot_keep", self.snapshot_keep)
-        if self.vocab_size is not None:
-            _positive_int("vocab_size", self.vocab_size)
         self.special_ids = tuple(self.special_ids)
         for i in self.special_ids:
             if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
@@ -258,11 +250,6 @@ class AgentConfig:
             from trainer_agent.client import controller_urls
 
             controller_urls(self.controller)
-        for name in ("request_timeout_s", "close_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-
 
     @property
     def spike_guard_on(self) -> bool:
@@ -273,6 +260,21 @@ class AgentConfig:
     def skips_steps(self) -> bool:
         """The optimizer step is wrapped to skip steps (non-finite, and spikes when guarded)."""
         return self.skip_nonfinite or self.spike_guard_on
+
+
+#: The settings checked alike in ``AgentConfig.__post_init__``, by kind.
+_POSITIVE_INTS = ("report_every", "sync_every", "max_buffered_reports", "memory_trace_steps", "snapshot_keep")
+_OPTIONAL_POSITIVE_INTS = ("layer_depth", "verify_every", "snapshot_every", "vocab_size")
+_BOOLS = ("grad_noise", "comm_timing", "triage", "fingerprint", "skip_nonfinite")
+_CHOICES = {"per_layer": ("rank0", "all", "off"), "job_metrics": ("rank0", "all"),
+            "update_ratio": ("report", "every", "off")}
+
+
+def _finite(value: object, *, above: float | None = None, at_least: float | None = None) -> bool:
+    """A finite int or float (not a bool) above ``above`` / at least ``at_least``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (above is None or value > above) and (at_least is None or value >= at_least)
 
 
 def _positive_int(name: str, value: object) -> None:
