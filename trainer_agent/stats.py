@@ -107,45 +107,61 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
     owner: list[int] = []
     first = 0
     for bucket_b, bucket_a in zip(before, after):
-        # Tensors of at most one chunk: fused calls, each difference fits in cache as a whole.
-        small = [i for i, a in enumerate(bucket_a) if a.numel() <= _UPDATE_CHUNK]
-        if small:
-            small_b, small_a = [bucket_b[i] for i in small], [bucket_a[i] for i in small]
-            diff = torch_private.foreach_sub(small_b, small_a)
-            dtype = norm_dtype(bucket_a[0].dtype)
-            columns[0] += torch_private.foreach_norm(diff, 2, dtype=dtype)
-            columns[1] += torch_private.foreach_norm(small_a, 2, dtype=dtype)
-            if before_norms:
-                columns[2] += torch_private.foreach_norm(small_b, 2, dtype=dtype)
-            if refresh:
-                torch_private.foreach_copy_(small_b, small_a)
-            owner += [first + i for i in small]
+        owner += [first + i for i in _small_update_norms(bucket_b, bucket_a, columns, before_norms, refresh)]
         key = ("buffer", bucket_a[0].dtype)
         buf = cache.get(key)
         if buf is None:
             buf = cache[key] = torch.empty(_UPDATE_CHUNK, dtype=bucket_a[0].dtype)
-        for i, (b, a) in enumerate(zip(bucket_b, bucket_a)):
-            n = a.numel()
-            if n <= _UPDATE_CHUNK:
-                continue
-            flat_b, flat_a = b.view(-1), a.reshape(-1)
-            for start in range(0, n, _UPDATE_CHUNK):
-                stop = min(n, start + _UPDATE_CHUNK)
-                out = buf[: stop - start]
-                chunk_a, chunk_b = flat_a[start:stop], flat_b[start:stop]
-                torch.sub(chunk_b, chunk_a, out=out)
-                # Every norm while the chunk is in cache; the next chunk reuses the buffer.
-                dtype = norm_dtype(out.dtype)
-                columns[0].append(torch.linalg.vector_norm(out, dtype=dtype))
-                columns[1].append(torch.linalg.vector_norm(chunk_a, dtype=dtype))
-                if before_norms:
-                    columns[2].append(torch.linalg.vector_norm(chunk_b, dtype=dtype))
-                if refresh:
-                    chunk_b.copy_(chunk_a)
-                owner.append(first + i)
+        owner += [first + i for i in _chunked_update_norms(bucket_b, bucket_a, buf, columns, before_norms, refresh)]
         first += len(bucket_a)
     delta, param, *rest = _squared_columns(columns, owner, device, cache)
     return delta, param, rest[0] if before_norms else None, refresh
+
+
+def _small_update_norms(bucket_b: Sequence[torch.Tensor], bucket_a: Sequence[torch.Tensor],
+                        columns: list[list[torch.Tensor]], before_norms: bool, refresh: bool) -> list[int]:
+    """The CPU pass over a bucket's tensors of at most one chunk: fused calls, each difference
+    fits in cache as a whole. Appends to ``columns``; returns the tensors' indexes in the bucket."""
+    small = [i for i, a in enumerate(bucket_a) if a.numel() <= _UPDATE_CHUNK]
+    if small:
+        small_b, small_a = [bucket_b[i] for i in small], [bucket_a[i] for i in small]
+        diff = torch_private.foreach_sub(small_b, small_a)
+        dtype = norm_dtype(bucket_a[0].dtype)
+        columns[0] += torch_private.foreach_norm(diff, 2, dtype=dtype)
+        columns[1] += torch_private.foreach_norm(small_a, 2, dtype=dtype)
+        if before_norms:
+            columns[2] += torch_private.foreach_norm(small_b, 2, dtype=dtype)
+        if refresh:
+            torch_private.foreach_copy_(small_b, small_a)
+    return small
+
+
+def _chunked_update_norms(bucket_b: Sequence[torch.Tensor], bucket_a: Sequence[torch.Tensor], buf: torch.Tensor,
+                          columns: list[list[torch.Tensor]], before_norms: bool, refresh: bool) -> list[int]:
+    """The CPU pass over a bucket's larger tensors, chunk by chunk through ``buf``: every norm
+    reads its chunk while it is in cache. Appends one value per chunk to ``columns``; returns the
+    owning tensor's index in the bucket per chunk."""
+    owner: list[int] = []
+    for i, (b, a) in enumerate(zip(bucket_b, bucket_a)):
+        n = a.numel()
+        if n <= _UPDATE_CHUNK:
+            continue
+        flat_b, flat_a = b.view(-1), a.reshape(-1)
+        for start in range(0, n, _UPDATE_CHUNK):
+            stop = min(n, start + _UPDATE_CHUNK)
+            out = buf[: stop - start]
+            chunk_a, chunk_b = flat_a[start:stop], flat_b[start:stop]
+            torch.sub(chunk_b, chunk_a, out=out)
+            # Every norm while the chunk is in cache; the next chunk reuses the buffer.
+            dtype = norm_dtype(out.dtype)
+            columns[0].append(torch.linalg.vector_norm(out, dtype=dtype))
+            columns[1].append(torch.linalg.vector_norm(chunk_a, dtype=dtype))
+            if before_norms:
+                columns[2].append(torch.linalg.vector_norm(chunk_b, dtype=dtype))
+            if refresh:
+                chunk_b.copy_(chunk_a)
+            owner.append(i)
+    return owner
 
 
 def _squared_columns(columns: list[list[torch.Tensor]], owner: list[int] | None, device: torch.device,
@@ -194,6 +210,38 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
 _SCAN_BUCKET_BYTES = 64 << 20
 
 
+def _suspects_nonfinite(tensors: Sequence[torch.Tensor | None], device: torch.device,
+                        sq: torch.Tensor | None) -> torch.Tensor:
+    """``nonfinite_count``'s CPU scan: only the tensors whose norm is not finite."""
+    if sq is None:
+        tensors = [t for t in tensors if t is not None and t.is_floating_point()]
+        sq = sq_norms(tensors, device)
+    # sq lives on the CPU here: .tolist() reads host memory, no operator, no device involved.
+    flagged = [t for t, v in zip(tensors, sq.tolist()) if not math.isfinite(v)]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in flagged:
+        if t is not None and t.is_floating_point():
+            total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
+    return total
+
+
+def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``nonfinite_count``'s device scan: two fused launches per bucket of at most
+    ``_SCAN_BUCKET_BYTES``, one float32 count per tensor."""
+    counts: list[torch.Tensor] = []
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in [*tensors, None]:
+        if t is not None:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
+            nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
+            counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=torch.float32))
+            bucket, size = [], 0
+    return counts
+
+
 def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device,
                     sq: torch.Tensor | None = None, *, scan: str = "auto") -> torch.Tensor:
     """Number of NaN/Inf elements over the floating-point ``tensors`` (float64 scalar on
@@ -214,32 +262,13 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     if scan not in ("suspects", "device"):
         raise ValueError(f"scan must be 'auto', 'suspects' or 'device', got {scan!r}")
     if scan == "suspects":
-        if sq is None:
-            tensors = [t for t in tensors if t is not None and t.is_floating_point()]
-            sq = sq_norms(tensors, device)
-        # sq lives on the CPU here: .tolist() reads host memory, no operator, no device involved.
-        flagged = [t for t, v in zip(tensors, sq.tolist()) if not math.isfinite(v)]
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for t in flagged:
-            if t is not None and t.is_floating_point():
-                total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
-        return total
+        return _suspects_nonfinite(tensors, device, sq)
     on_device = [t for t in tensors if t is not None and t.is_floating_point() and t.device == device]
     on_host = [t for t in tensors if t is not None and t.is_floating_point() and t.device.type == "cpu"
                and t.device != device]
     others = [t for t in tensors if t is not None and t.is_floating_point()
               and t.device != device and t.device.type != "cpu"]
-    counts = [torch.zeros((), dtype=torch.float32, device=device)]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in [*on_device, None]:
-        if t is not None:
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-        if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
-            nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
-            counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=torch.float32))
-            bucket, size = [], 0
+    counts = [torch.zeros((), dtype=torch.float32, device=device), *_device_nonfinite(on_device)]
     for t in others:  # parameters on another accelerator: an asynchronous device-to-device copy
         counts.append((~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True))
     total = torch.stack(counts).to(torch.float64).sum()
