@@ -379,33 +379,51 @@ def _host_desync(values: torch.Tensor, layers: int, k: int,
     parts = values.view(world, 2, layers, k + 1)
     words = values.view(torch.int32).view(world, 2, layers, -1)
     updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (ranks, units, (D, 2, U) rel)
-    everything = groups is None  # one group: every rank in every unit
-    if groups is None:
-        groups = [(torch.arange(layers), torch.arange(world).view(1, world))]
-    for units, ranks in groups:
+    if groups is None:  # one group: every rank in every unit, compared as whole rows of 64-bit words
+        x, key = values.view(torch.int64).view(1, world, -1), values.sum(dim=1).view(1, world)
+        updates += _group_updates(parts, x, key, torch.arange(layers), torch.arange(world).view(1, world), k)
+    for units, ranks in groups or ():
         G, c = ranks.shape
-        if everything:  # the whole rows, as 64-bit words
-            x, key = values.view(torch.int64).view(1, world, -1), values.sum(dim=1).view(1, world)
-        else:
-            x = words[:, :, units][ranks.reshape(-1)].view(G, c, -1)
-            key = parts[:, :, units].sum(dim=(1, 2, 3))[ranks]
-        pick = key.argsort(dim=1)[:, (c - 1) // 2]
-        same = (x == x[torch.arange(G), pick].unsqueeze(1)).all(dim=2)  # (G, c)
-        agree = same.sum(dim=1) * 2 > c
-        differ = (~same & agree.unsqueeze(1)).nonzero()
-        if differ.numel():
-            gi, mi = differ[:, 0], differ[:, 1]
-            mine = parts[ranks[gi, mi]][:, :, units].to(torch.float64)  # (D, 2, U, K + 1)
-            ref = parts[ranks[gi, pick[gi]]][:, :, units].to(torch.float64)
-            rel = _rel(mine[..., :k], ref[..., :k], ref[..., k].clamp_min(1e-30)).amax(dim=3)
-            updates.append((ranks[gi, mi], units, rel))
-        if not bool(agree.all()):
-            sub = ranks[(~agree).nonzero().view(-1)]  # (G', c)
-            x64 = parts[:, :, units][sub.reshape(-1)].to(torch.float64)  # (G' c, 2, U, K + 1)
-            rel = torch.stack([_sorted_rel(x64[:, kind, :, :k].view(*sub.shape, -1, k),
-                                           x64[:, kind, :, k].view(*sub.shape, -1)).reshape(sub.numel(), -1)
-                               for kind in range(2)], dim=1)
-            updates.append((sub.reshape(-1), units, rel))
+        x = words[:, :, units][ranks.reshape(-1)].view(G, c, -1)
+        key = parts[:, :, units].sum(dim=(1, 2, 3))[ranks]
+        updates += _group_updates(parts, x, key, units, ranks, k)
+    worst, where, by_layer = _spread(updates, world, layers)
+    fingerprint = parts[..., 0].to(torch.float64).sum(dim=2).t()  # (2, W): projection 0 summed
+    per_rank = torch.stack([worst, where, fingerprint], dim=1).view(2, 3 * world)
+    return torch.cat([per_rank, by_layer], dim=1).view(-1)
+
+
+def _group_updates(parts: torch.Tensor, x: torch.Tensor, key: torch.Tensor, units: torch.Tensor, ranks: torch.Tensor,
+                   k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The relative differences of the ranks of one group set (``ranks``: (G, c)) in ``units``:
+    ``x`` their values as words (G, c, -1), ``key`` the sort key of each (G, c). Ranks agreeing
+    bit for bit with a majority are left out (they differ by 0)."""
+    G, c = ranks.shape
+    updates = []
+    pick = key.argsort(dim=1)[:, (c - 1) // 2]
+    same = (x == x[torch.arange(G), pick].unsqueeze(1)).all(dim=2)  # (G, c)
+    agree = same.sum(dim=1) * 2 > c
+    differ = (~same & agree.unsqueeze(1)).nonzero()
+    if differ.numel():
+        gi, mi = differ[:, 0], differ[:, 1]
+        mine = parts[ranks[gi, mi]][:, :, units].to(torch.float64)  # (D, 2, U, K + 1)
+        ref = parts[ranks[gi, pick[gi]]][:, :, units].to(torch.float64)
+        rel = _rel(mine[..., :k], ref[..., :k], ref[..., k].clamp_min(1e-30)).amax(dim=3)
+        updates.append((ranks[gi, mi], units, rel))
+    if not bool(agree.all()):
+        sub = ranks[(~agree).nonzero().view(-1)]  # (G', c)
+        x64 = parts[:, :, units][sub.reshape(-1)].to(torch.float64)  # (G' c, 2, U, K + 1)
+        rel = torch.stack([_sorted_rel(x64[:, kind, :, :k].view(*sub.shape, -1, k),
+                                       x64[:, kind, :, k].view(*sub.shape, -1)).reshape(sub.numel(), -1)
+                           for kind in range(2)], dim=1)
+        updates.append((sub.reshape(-1), units, rel))
+    return updates
+
+
+def _spread(updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], world: int, layers: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per kind, each rank's worst relative difference and its unit, and each unit's worst, from
+    the differing ranks' ``updates`` (0 elsewhere)."""
     worst = torch.zeros(2, world, dtype=torch.float64)
     where = torch.zeros(2, world, dtype=torch.float64)
     by_layer = torch.zeros(2, layers, dtype=torch.float64)
@@ -417,9 +435,7 @@ def _host_desync(values: torch.Tensor, layers: int, k: int,
         top, at = rel.max(dim=2)
         worst[:, touched], where[:, touched] = top, at.to(torch.float64)
         by_layer = rel.amax(dim=1)
-    fingerprint = parts[..., 0].to(torch.float64).sum(dim=2).t()  # (2, W): projection 0 summed
-    per_rank = torch.stack([worst, where, fingerprint], dim=1).view(2, 3 * world)
-    return torch.cat([per_rank, by_layer], dim=1).view(-1)
+    return worst, where, by_layer
 
 
 def rel_diff(f: torch.Tensor, ref: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -192,39 +192,54 @@ def overlaps(rows: np.ndarray, k: int, candidates: int = 32, crowded: int = 64,
     filled = distinct[:, 0] != EMPTY
     g_best = np.where(filled, 0.0, np.nan)
     g_partner = np.full(g, -1, dtype=np.int64)  # a rank
-    pairs, shared = _pairs_sharing_values(distinct, crowded)
-    if len(pairs):
-        ends = np.concatenate([pairs, pairs[:, ::-1]])  # (sketch, partner) both ways
-        counts = np.concatenate([shared, shared])
-        order = np.lexsort((ends[:, 1], -counts, ends[:, 0]))  # per sketch: most shared first
-        ends = ends[order]
-        head = np.concatenate([[0], np.flatnonzero(ends[1:, 0] != ends[:-1, 0]) + 1])
-        place = np.arange(len(ends)) - np.repeat(head, np.diff(np.concatenate([head, [len(ends)]])))
-        ends = ends[place < candidates]
-        sims = np.concatenate([pair_estimates(distinct[ends[i:i + chunk, 0]], distinct[ends[i:i + chunk, 1]], k)
-                               for i in range(0, len(ends), chunk)])
-        # per sketch the largest estimate, on a tie the partner of the lowest rank
-        order = np.lexsort((first[ends[:, 1]], -sims, ends[:, 0]))
-        top = order[np.concatenate([[True], ends[order][1:, 0] != ends[order][:-1, 0]])]
-        who, sim = ends[top, 0], sims[top]
-        better = sim > 0
-        g_best[who[better]] = sim[better]
-        g_partner[who[better]] = first[ends[top, 1][better]]
+    _best_partners(distinct, first, k, g_best, g_partner, candidates, crowded, chunk)
     best[:] = g_best[group]
     partner[:] = g_partner[group]
-    # ranks with the same (non-empty) sketch as another: 1, with the lowest other such rank
+    _same_sketch_partners(group, filled, best, partner)
+    return best, partner
+
+
+def _best_partners(distinct: np.ndarray, first: np.ndarray, k: int, g_best: np.ndarray, g_partner: np.ndarray,
+                   candidates: int, crowded: int, chunk: int) -> None:
+    """Step 2 of :func:`overlaps`: each distinct sketch's best estimate among its ``candidates``
+    partners that share the most hashes, into ``g_best`` / ``g_partner`` (a rank)."""
+    pairs, shared = _pairs_sharing_values(distinct, crowded)
+    if not len(pairs):
+        return
+    ends = np.concatenate([pairs, pairs[:, ::-1]])  # (sketch, partner) both ways
+    counts = np.concatenate([shared, shared])
+    order = np.lexsort((ends[:, 1], -counts, ends[:, 0]))  # per sketch: most shared first
+    ends = ends[order]
+    head = np.concatenate([[0], np.flatnonzero(ends[1:, 0] != ends[:-1, 0]) + 1])
+    place = np.arange(len(ends)) - np.repeat(head, np.diff(np.concatenate([head, [len(ends)]])))
+    ends = ends[place < candidates]
+    sims = np.concatenate([pair_estimates(distinct[ends[i:i + chunk, 0]], distinct[ends[i:i + chunk, 1]], k)
+                           for i in range(0, len(ends), chunk)])
+    # per sketch the largest estimate, on a tie the partner of the lowest rank
+    order = np.lexsort((first[ends[:, 1]], -sims, ends[:, 0]))
+    top = order[np.concatenate([[True], ends[order][1:, 0] != ends[order][:-1, 0]])]
+    who, sim = ends[top, 0], sims[top]
+    better = sim > 0
+    g_best[who[better]] = sim[better]
+    g_partner[who[better]] = first[ends[top, 1][better]]
+
+
+def _same_sketch_partners(group: np.ndarray, filled: np.ndarray, best: np.ndarray, partner: np.ndarray) -> None:
+    """Step 1 of :func:`overlaps`: ranks with the same (non-empty) sketch as another have 1, with
+    the lowest other such rank."""
+    g = len(filled)
     members = np.bincount(group, minlength=g)
     same = (members[group] > 1) & filled[group]
-    if same.any():
-        ranks = np.flatnonzero(same)
-        by_group = ranks[np.argsort(group[ranks], kind="stable")]
-        lowest = np.full(g, -1, dtype=np.int64)
-        second = np.full(g, -1, dtype=np.int64)
-        gs = group[by_group]
-        head = np.concatenate([[True], gs[1:] != gs[:-1]])
-        lowest[gs[head]] = by_group[head]
-        nxt = np.flatnonzero(head) + 1
-        second[gs[head]] = by_group[nxt]
-        best[ranks] = 1.0
-        partner[ranks] = np.where(lowest[group[ranks]] == ranks, second[group[ranks]], lowest[group[ranks]])
-    return best, partner
+    if not same.any():
+        return
+    ranks = np.flatnonzero(same)
+    by_group = ranks[np.argsort(group[ranks], kind="stable")]
+    lowest = np.full(g, -1, dtype=np.int64)
+    second = np.full(g, -1, dtype=np.int64)
+    gs = group[by_group]
+    head = np.concatenate([[True], gs[1:] != gs[:-1]])
+    lowest[gs[head]] = by_group[head]
+    nxt = np.flatnonzero(head) + 1
+    second[gs[head]] = by_group[nxt]
+    best[ranks] = 1.0
+    partner[ranks] = np.where(lowest[group[ranks]] == ranks, second[group[ranks]], lowest[group[ranks]])
