@@ -306,39 +306,11 @@ class NonfiniteSkip:
     def skip_this_step(self) -> bool:
         """True (on every rank) if any rank's gradients hold a NaN/Inf, or spike (with a guard), or
         the data skip covers the step."""
-        try:
-            data = self.data_skip is not None and self.data_skip()
-        except Exception as exc:  # noqa: BLE001 - the agreed state is the same on every rank: cannot differ
-            self._on_error("skip_data", exc)
-            data = False
-        if data:  # every rank: the agreed state says so (the spike guard's window is left as it was)
-            self.skipped_by_reason["data"] += 1
-            if self.guard is not None:
-                self.guard.data_skipped()
-            if self._on_data_skip is not None:
-                try:
-                    self._on_data_skip()
-                except Exception as exc:  # noqa: BLE001 - the user's data hook must not break the step
-                    self._on_error("skip_data", exc)
+        if self._data_skip_covers():
             return True
         if not self.check_gradients:
             return False
-        bad = 0
-        value = math.nan
-        try:
-            norm = self.grad_norm()
-            if norm is None:
-                grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch_private.foreach_norm(grads)]).sum()
-                        if grads else None)
-            if norm is not None:
-                value = float(norm)  # SYNC: one device read per optimizer step
-                if not math.isfinite(value):
-                    bad = 2
-                elif self.guard is not None and self.guard.is_spike(value):
-                    bad = 1
-        except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
-            self._on_error("skip_nonfinite", exc)
+        bad, value = self._local_vote()
         if self.world_size > 1:
             # Every rank reaches this all-reduce, whatever happened above on it.
             try:
@@ -356,3 +328,42 @@ class NonfiniteSkip:
             else:
                 self.guard.taken(value)
         return bool(bad)
+
+    def _data_skip_covers(self) -> bool:
+        """The controller's data skip covers this step (the same answer on every rank: the agreed
+        state); counted, and the guard and the user's data hook told."""
+        try:
+            data = self.data_skip is not None and self.data_skip()
+        except Exception as exc:  # noqa: BLE001 - the agreed state is the same on every rank: cannot differ
+            self._on_error("skip_data", exc)
+            data = False
+        if not data:
+            return False
+        self.skipped_by_reason["data"] += 1  # (the spike guard's window is left as it was)
+        if self.guard is not None:
+            self.guard.data_skipped()
+        if self._on_data_skip is not None:
+            try:
+                self._on_data_skip()
+            except Exception as exc:  # noqa: BLE001 - the user's data hook must not break the step
+                self._on_error("skip_data", exc)
+        return True
+
+    def _local_vote(self) -> tuple[int, float]:
+        """This rank's vote (0: take the step, 1: a spike, 2: non-finite) and its gradient norm."""
+        bad, value = 0, math.nan
+        try:
+            norm = self.grad_norm()
+            if norm is None:
+                grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch_private.foreach_norm(grads)]).sum()
+                        if grads else None)
+            if norm is not None:
+                value = float(norm)  # SYNC: one device read per optimizer step
+                if not math.isfinite(value):
+                    bad = 2
+                elif self.guard is not None and self.guard.is_spike(value):
+                    bad = 1
+        except Exception as exc:  # noqa: BLE001 - fail open: this rank votes to take the step
+            self._on_error("skip_nonfinite", exc)
+        return bad, value
