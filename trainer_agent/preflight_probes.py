@@ -241,6 +241,15 @@ def amp_overflow_check(model: nn.Module, batch: Any, run: ForwardBackward, layer
     finally:
         for h in handles:
             h.remove()
+    values = {"dtype": str(dtype).removeprefix("torch."), **_amp_findings(seen, params, grads, layer_of, limit),
+              "loss": float(loss)}
+    return _amp_verdict(values, scaled)
+
+
+def _amp_findings(seen: dict[str, list[torch.Tensor]], params: list[torch.Tensor], grads: Any,
+                  layer_of: Callable[[torch.Tensor], str], limit: float) -> dict[str, Any]:
+    """What the mixed-precision pass saw: per module the non-finite outputs and the activations near
+    the dtype's limit, per layer the non-finite gradient elements."""
     # SYNC: pre-flight runs once, before training.
     overflow = {n: int(sum(v[0::2])) for n, v in seen.items() if int(sum(v[0::2]))}
     peak = {n: max(float(x) for x in v[1::2]) for n, v in seen.items()}
@@ -251,9 +260,11 @@ def amp_overflow_check(model: nn.Module, batch: Any, run: ForwardBackward, layer
             n = int((~torch.isfinite(g)).sum())
             if n:
                 grad_bad[layer_of(p)] = grad_bad.get(layer_of(p), 0) + n
-    values = {"dtype": str(dtype).removeprefix("torch."), "forward_overflow": overflow, "near_limit": tight,
-              "grad_overflow": grad_bad, "loss": float(loss)}
-    kind = str(dtype).removeprefix("torch.")
+    return {"forward_overflow": overflow, "near_limit": tight, "grad_overflow": grad_bad}
+
+
+def _amp_verdict(values: dict[str, Any], scaled: bool) -> CheckTuple:
+    kind, overflow, grad_bad, tight = values["dtype"], values["forward_overflow"], values["grad_overflow"], values["near_limit"]
     if overflow:
         return "amp_overflow", "fail", f"{kind} overflows in the forward pass of {', '.join(list(overflow)[:5])}", values
     if grad_bad and not scaled:
