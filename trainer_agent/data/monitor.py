@@ -53,13 +53,11 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -68,7 +66,8 @@ from trainer_agent.data.names import (
     DUPLICATE_RATIO, FILTERED_TOTAL, LENGTH_PVALUE, NEAR_DUPLICATE_RATIO, SEQUENCES_TOTAL, SPECIAL_RATIO, TOKEN_KL,
     TOKENS_TOTAL,
 )
-from trainer_agent.data.signals import _Batch, _Hasher, _as_numpy, _flatten, _text_batch, ks_2samp
+from trainer_agent.data.signals import _Batch, _Hasher, _flatten, _text_batch, ks_2samp
+from trainer_agent.data.windows import _LengthReference, _SequenceRing, _TokenWindow, _UnigramReference
 from trainer_agent.sketch import SKETCH_K, BottomK
 
 # ---------------------------------------------------------------------------------------------
@@ -133,60 +132,6 @@ class DataMonitorConfig:
             raise ValueError("bands * rows must be <= 4096")
 
 
-def _validated_reference(reference: Any, vocab_size: int) -> np.ndarray:
-    ref = np.asarray(reference.detach().cpu() if isinstance(reference, torch.Tensor) else reference,
-                     dtype=np.float64)
-    if ref.shape != (vocab_size,):
-        raise ValueError(f"reference must have shape ({vocab_size},), got {ref.shape}")
-    if not np.isfinite(ref).all():
-        raise ValueError("reference holds non-finite values")
-    if (ref < 0).any():
-        raise ValueError("reference holds negative values")
-    total = ref.sum()
-    if total <= 0:
-        raise ValueError("reference sums to zero")
-    return ref / total
-
-
-class _TokenWindow:
-    """Exact unigram counts of the tokens of the last ``window`` sequences."""
-
-    __slots__ = ("counts", "records", "sequences", "tokens", "dtype")
-
-    def __init__(self, vocab_size: int) -> None:
-        self.counts = np.zeros(vocab_size, dtype=np.int64)
-        self.records: deque[list[Any]] = deque()  # [tokens, offsets, first live sequence]
-        self.sequences = 0
-        self.tokens = 0
-        self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-    def push(self, flat: np.ndarray, lengths: np.ndarray, window: int) -> None:
-        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        self.counts += np.bincount(flat, minlength=self.counts.size)
-        self.records.append([flat.astype(self.dtype), offsets, 0])
-        self.sequences += lengths.size
-        self.tokens += int(offsets[-1])
-        self._evict(self.sequences - window)
-
-    def _evict(self, n: int) -> None:
-        while n > 0:
-            rec = self.records[0]
-            tokens, offsets, head = rec
-            live = offsets.size - 1 - head
-            take = min(n, live)
-            gone = tokens[offsets[head]:offsets[head + take]]
-            if gone.size:
-                self.counts -= np.bincount(gone, minlength=self.counts.size)
-            self.tokens -= gone.size
-            self.sequences -= take
-            n -= take
-            if take == live:
-                self.records.popleft()
-            else:
-                rec[2] = head + take
-
-
 class DataMonitor:
     """Data-quality signals over a sliding window of token sequences (module docstring: metrics,
     definitions and costs).
@@ -228,32 +173,11 @@ class DataMonitor:
         self._hasher = _Hasher(cfg.vocab_size, cfg.shingle, cfg.bands, cfg.rows)
         self._text_hasher: _Hasher | None = None
         self._mode: str | None = None  # "tokens" or "text", fixed by the first observation
-        n = cfg.window
-        self._hashes = np.zeros(n, dtype=np.uint64)
-        self._bandkeys = np.zeros((n, cfg.bands), dtype=np.uint64) if cfg.near_duplicates else None
-        self._lengths = np.zeros(n, dtype=np.int64)
-        self._specials = np.zeros(n, dtype=np.int64)  # raw text only: control chars per text
-        self._pos = 0  # next ring slot
-        self._filled = 0
+        self._ring = _SequenceRing(cfg.window, cfg.bands if cfg.near_duplicates else None)
         self._tokens = _TokenWindow(cfg.vocab_size)
         self._special_idx = np.array(sorted(set(cfg.special_ids)), dtype=np.int64)
-        self._ref_log: np.ndarray | None = None
-        self._ref_counts: np.ndarray | None = None
-        if reference is not None:
-            self._ref_log = self._smoothed_log(_validated_reference(reference, cfg.vocab_size))
-        else:
-            self._ref_counts = np.zeros(cfg.vocab_size, dtype=np.int64)
-        self._ref_seen = 0
-        self._len_ref: np.ndarray | None = None
-        self._len_ref_target = cfg.length_reference or cfg.window
-        self._len_ref_parts: list[np.ndarray] = []
-        self._len_ref_count = 0
-        if reference_lengths is not None:
-            lens = _as_numpy(reference_lengths, "reference_lengths")
-            if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer) or (lens < 0).any():
-                raise ValueError("reference_lengths must be a non-empty 1-D array of non-negative integers")
-            self._len_ref = np.sort(lens.astype(np.int64))
-        self._after_ref = 0  # sequences observed after the length reference was complete
+        self._unigrams = _UnigramReference(cfg.vocab_size, cfg.reference_tokens, cfg.kl_epsilon, reference)
+        self._lengths = _LengthReference(cfg.length_reference or cfg.window, reference_lengths)
         self.tokens_total = 0
         self.sequences_total = 0
         self._version = 0
@@ -299,30 +223,14 @@ class DataMonitor:
 
     def _observe(self, batch: _Batch, exact: np.ndarray, bands: np.ndarray | None,
                  controls: np.ndarray | None) -> None:
-        n = self.config.window
         nseq = batch.lengths.size
         self._sketch.update(exact)
-        keep = min(nseq, n)  # only the last `window` sequences of a huge batch reach the window
-        slots = (self._pos + np.arange(keep)) % n
-        self._hashes[slots] = exact[nseq - keep:]
-        if bands is not None:
-            self._bandkeys[slots] = bands[nseq - keep:]
-        self._lengths[slots] = batch.lengths[nseq - keep:]
-        if controls is not None:
-            self._specials[slots] = controls[nseq - keep:]
-        self._pos = (self._pos + keep) % n
-        self._filled = min(n, self._filled + keep)
+        keep = self._ring.push(exact, bands, batch.lengths, controls)
         if self._mode == "tokens":
             first = int(batch.starts[nseq - keep])
-            self._tokens.push(batch.flat[first:], batch.lengths[nseq - keep:], n)
-            if self._ref_counts is not None:
-                take = min(self.config.reference_tokens - self._ref_seen, batch.flat.size)
-                self._ref_counts += np.bincount(batch.flat[:take], minlength=self.config.vocab_size)
-                self._ref_seen += take
-                if self._ref_seen == self.config.reference_tokens:
-                    self._ref_log = self._smoothed_log(self._ref_counts / self._ref_seen)
-                    self._ref_counts = None
-        self._observe_lengths(batch.lengths)
+            self._tokens.push(batch.flat[first:], batch.lengths[nseq - keep:], self.config.window)
+            self._unigrams.observe(batch.flat)
+        self._lengths.observe(batch.lengths)
         self.sequences_total += nseq
         self._version += 1
 
@@ -331,28 +239,7 @@ class DataMonitor:
         the sequences observed since the previous call, as an int64 row; starts a new interval."""
         return self._sketch.take()
 
-    def _observe_lengths(self, lengths: np.ndarray) -> None:
-        if self._len_ref is not None:
-            self._after_ref += lengths.size
-            return
-        take = min(self._len_ref_target - self._len_ref_count, lengths.size)
-        self._len_ref_parts.append(lengths[:take].copy())
-        self._len_ref_count += take
-        if self._len_ref_count == self._len_ref_target:
-            self._len_ref = np.sort(np.concatenate(self._len_ref_parts))
-            self._len_ref_parts = []
-            self._after_ref = lengths.size - take
-
-    def _smoothed_log(self, p: np.ndarray) -> np.ndarray:
-        eps = self.config.kl_epsilon
-        return np.log((p + eps) / (1.0 + p.size * eps))
-
     # -- read-out ---------------------------------------------------------------------------
-
-    def _window_order(self) -> np.ndarray:
-        """Ring slots of the window, oldest first."""
-        n = self.config.window
-        return (self._pos - self._filled + np.arange(self._filled)) % n
 
     def values(self) -> dict[str, float]:
         """Every signal that has a value, as {metric name: float}, reflecting all batches observed
@@ -367,36 +254,31 @@ class DataMonitor:
     def _compute(self) -> dict[str, float]:
         out: dict[str, float] = {TOKENS_TOTAL: float(self.tokens_total),
                                  SEQUENCES_TOTAL: float(self.sequences_total)}
-        filled = self._filled
+        ring = self._ring
+        filled = ring.filled
         if filled == 0:
             return out
-        order = self._window_order()
-        out[DUPLICATE_RATIO] = (filled - np.unique(self._hashes[order]).size) / filled
-        if self._bandkeys is not None:
-            keys = self._bandkeys[order]
-            near = np.zeros(filled, dtype=np.bool_)
-            for b in range(keys.shape[1]):
-                later = np.ones(filled, dtype=np.bool_)
-                later[np.unique(keys[:, b], return_index=True)[1]] = False  # first occurrences
-                near |= later
-            out[NEAR_DUPLICATE_RATIO] = float(near.sum()) / filled
+        order = ring.order()
+        out[DUPLICATE_RATIO] = (filled - np.unique(ring.hashes[order]).size) / filled
+        if ring.bandkeys is not None:
+            out[NEAR_DUPLICATE_RATIO] = ring.near_duplicate_ratio(order)
         if self._mode == "tokens":
             tw = self._tokens
             if tw.tokens > 0:
-                if self._ref_log is not None:
-                    p = tw.counts / tw.tokens
-                    logp = self._smoothed_log(p)
-                    out[TOKEN_KL] = float(np.sum(np.exp(logp) * (logp - self._ref_log)))
+                kl = self._unigrams.kl(tw.counts, tw.tokens)
+                if kl is not None:
+                    out[TOKEN_KL] = kl
                 if self._special_idx.size:
                     out[SPECIAL_RATIO] = float(tw.counts[self._special_idx].sum()) / tw.tokens
         else:
-            chars = int(self._lengths[order].sum())
+            chars = int(ring.lengths[order].sum())
             if chars > 0:
-                out[SPECIAL_RATIO] = float(self._specials[order].sum()) / chars
-        current = min(self._after_ref, filled)
-        if self._len_ref is not None and min(self._len_ref.size, current) >= self.config.min_length_samples:
-            recent = self._lengths[order[filled - current:]]
-            out[LENGTH_PVALUE] = ks_2samp(self._len_ref, recent)[1]
+                out[SPECIAL_RATIO] = float(ring.specials[order].sum()) / chars
+        current = min(self._lengths.after, filled)
+        reference = self._lengths.sorted
+        if reference is not None and min(reference.size, current) >= self.config.min_length_samples:
+            recent = ring.lengths[order[filled - current:]]
+            out[LENGTH_PVALUE] = ks_2samp(reference, recent)[1]
         return out
 
 
