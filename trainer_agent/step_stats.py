@@ -17,6 +17,7 @@ import torch
 from trainer_agent import stats, triage
 from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
+from trainer_agent.update_snapshot import UpdateSnapshot
 from trainer_agent.layer_stats import GradMoments, LayerGradStats
 from trainer_agent.params import ParamIndex
 from trainer_agent.schedule import ReportSchedule
@@ -162,14 +163,9 @@ class StepMeter:
         # Incoming gradients held for one fused norm per bucket (see on_grad), their bytes.
         self._held: list[list[torch.Tensor]] = [[] for _ in index.buckets]
         self._held_bytes = 0
-        self._snapshot: list[list[torch.Tensor]] | None = None  # per bucket, like index.buckets
-        # Version counters when the CPU update pass last copied W_after into the snapshot (None:
-        # the snapshot is not the current weights).
-        self._snapshot_versions: tuple[int, ...] | None = None
-        self._norm_cache: dict = {}
+        self._snapshot = UpdateSnapshot(index)
         #: The triage's per-layer gradient statistics, fused (its index tensors cached).
         self.layer_stats = LayerGradStats(index.layer_ids, len(index.layers), index.device)
-        self._param_sq_prev: tuple[torch.Tensor, tuple[int, ...]] | None = None
         #: The parameters' tensor hooks (set by the agent): sentinels, and every parameter on the
         #: steps that read incoming gradients (:meth:`wants_every_grad`).
         self.hooks: GradHooks | None = None
@@ -367,45 +363,19 @@ class StepMeter:
                                                        sq=st.grad_stats.device_sq() if st.grad_stats else None)
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
-            self._take_snapshot(st)
-
-    def _take_snapshot(self, st: StepState) -> None:
-        versions = self.index.versions()
-        if self._snapshot is None:
-            self._snapshot = [[torch.empty_like(p, memory_format=torch.contiguous_format) for p in b]
-                              for b in self.index.buckets]
-        # The CPU update pass of a measured step leaves W_after in the snapshot: if no parameter
-        # changed since (autograd's version counters, read on the host, count in-place writes),
-        # it already holds W_before.
-        if self._snapshot_versions != versions:
-            for snap, bucket in zip(self._snapshot, self.index.buckets):
-                torch_private.foreach_copy_(snap, bucket)
-        self._snapshot_versions = None  # the post-step hook consumes it
-        st.snapshot_taken = True
-        # ||W_before|| is the last measured ||W_after|| under the same condition.
-        if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
-            st.before_sq = self._param_sq_prev[0]
+            self._snapshot.take(st)
 
     def after_step(self) -> None:
         """Optimizer post-hook body (under ``no_grad``): ||W_after - W_before||, ||W_after||."""
         st = self.state
         st.stepped = True
-        self._param_sq_prev = None
         if st.snapshot_taken:
-            assert self._snapshot is not None
             # Refresh the snapshot with W_after when the next step is measured too.
-            next_measured = self.config.update_ratio == "every" or self.config.report_every == 1
-            st.delta_sq, st.param_sq, before_sq, refreshed = stats.update_sq_norms(
-                self._snapshot, self.index.buckets, self.index.device, self._norm_cache,
-                before_norms=st.before_sq is None, refresh=next_measured)
-            if st.before_sq is None:
-                st.before_sq = before_sq
-            versions = self.index.versions()
-            self._param_sq_prev = (st.param_sq, versions)
-            self._snapshot_versions = versions if refreshed else None
-        elif self.schedule.is_report(self._step() + 1):
-            st.param_sq = self.index.sq_norms()
-            self._param_sq_prev = (st.param_sq, self.index.versions())
+            self._snapshot.measure(st, refresh=self.config.update_ratio == "every" or self.config.report_every == 1)
+        else:
+            self._snapshot.forget()
+            if self.schedule.is_report(self._step() + 1):
+                self._snapshot.measure_params(st)
 
     def lrs(self, st: StepState, optimizer: torch.optim.Optimizer) -> list[float | torch.Tensor]:
         """The LRs the finished step ``st`` used (the last ones seen when no step was taken)."""
