@@ -11,8 +11,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
-from trainer_agent.spike_guard import SpikeGuardConfig
 
 __all__ = ["AgentConfig", "JobMetrics", "PerLayer", "UpdateRatioMode"]
 
@@ -24,6 +24,34 @@ UpdateRatioMode = Literal["report", "every", "off"]
 def _env(name: str) -> str | None:
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpikeGuardConfig:
+    """Thresholds of :class:`SpikeGuard`."""
+
+    window: int = 128
+    """Gradient norms of the last steps taken that make the baseline."""
+    min_history: int = 32
+    """Steps taken before the guard may skip anything."""
+    sigmas: float = 6.0
+    """A spike is more than this many robust standard deviations above the median."""
+    min_ratio: float = 5.0
+    """... and more than this multiple of the median."""
+    max_consecutive: int = 16
+    """After this many skipped steps in a row the next one is taken whatever its norm."""
+
+    def __post_init__(self) -> None:
+        if type(self.window) is not int or self.window < 4:
+            raise ValueError(f"spike window must be an int >= 4, got {self.window!r}")
+        if type(self.min_history) is not int or not 4 <= self.min_history <= self.window:
+            raise ValueError(f"spike min_history must be an int in [4, window], got {self.min_history!r}")
+        for name in ("sigmas", "min_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
+                raise ValueError(f"spike {name} must be a finite number >= 1, got {v!r}")
+        if type(self.max_consecutive) is not int or self.max_consecutive < 1:
+            raise ValueError(f"spike max_consecutive must be a positive int, got {self.max_consecutive!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -247,8 +275,6 @@ class AgentConfig:
             if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
                 raise ValueError(f"special_ids must be token ids in [0, vocab_size), got {i!r}")
         if self.controller is not None:
-            from trainer_agent.client import controller_urls
-
             controller_urls(self.controller)
 
     @property
@@ -268,6 +294,19 @@ _OPTIONAL_POSITIVE_INTS = ("layer_depth", "verify_every", "snapshot_every", "voc
 _BOOLS = ("grad_noise", "comm_timing", "triage", "fingerprint", "skip_nonfinite")
 _CHOICES = {"per_layer": ("rank0", "all", "off"), "job_metrics": ("rank0", "all"),
             "update_ratio": ("report", "every", "off")}
+
+
+def controller_urls(value: str) -> list[str]:
+    """The controller URLs of ``AgentConfig.controller``: one, or several separated by commas (an
+    active controller and its standbys on one database, in any order); ``ValueError`` unless each
+    is an http(s) URL."""
+    urls = [u.strip().rstrip("/") for u in value.split(",")]
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or not urlsplit(u).netloc:
+            raise ValueError(f"controller URL must start with http:// or https://, got {u!r} (in {value!r})")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"controller URLs named twice in {value!r}")
+    return urls
 
 
 def _finite(value: object, *, above: float | None = None, at_least: float | None = None) -> bool:

@@ -543,6 +543,6 @@ def _check_arguments(on_checkpoint: Any, pause_poll_s: float) -> None:
 
 
 def _version() -> str:
-    from trainer_agent import __version__
+    from trainer_agent.version import __version__
 
     return __version__

@@ -21,7 +21,6 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import httpcore
 import httpx
@@ -38,6 +37,7 @@ from trainguard.protocol.wire import (
     dumps,
 )
 from trainer_agent.compat.httpx_private import install_network_backend
+from trainer_agent.config import controller_urls
 from trainer_agent.outbox import SendCounts
 
 __all__ = ["MAX_ANSWER_BYTES", "ControllerLink", "Failures", "Refused", "TooLarge", "Unknown", "controller_urls"]
@@ -130,19 +130,6 @@ class Accepted(ReportAccepted):
 
 class Unknown(Exception):
     """The controller does not know the run (404): register again, then retry."""
-
-
-def controller_urls(value: str) -> list[str]:
-    """The controller URLs of ``AgentConfig.controller``: one, or several separated by commas (an
-    active controller and its standbys on one database, in any order); ``ValueError`` unless each
-    is an http(s) URL."""
-    urls = [u.strip().rstrip("/") for u in value.split(",")]
-    for u in urls:
-        if not u.startswith(("http://", "https://")) or not urlsplit(u).netloc:
-            raise ValueError(f"controller URL must start with http:// or https://, got {u!r} (in {value!r})")
-    if len(set(urls)) != len(urls):
-        raise ValueError(f"controller URLs named twice in {value!r}")
-    return urls
 
 
 class Failures:

@@ -42,41 +42,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 from statistics import median
 from typing import Any
+
+from trainer_agent.config import SpikeGuardConfig
 
 __all__ = ["SpikeGuard", "SpikeGuardConfig"]
 
 _MAD_TO_SIGMA = 1.4826
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SpikeGuardConfig:
-    """Thresholds of :class:`SpikeGuard`."""
-
-    window: int = 128
-    """Gradient norms of the last steps taken that make the baseline."""
-    min_history: int = 32
-    """Steps taken before the guard may skip anything."""
-    sigmas: float = 6.0
-    """A spike is more than this many robust standard deviations above the median."""
-    min_ratio: float = 5.0
-    """... and more than this multiple of the median."""
-    max_consecutive: int = 16
-    """After this many skipped steps in a row the next one is taken whatever its norm."""
-
-    def __post_init__(self) -> None:
-        if type(self.window) is not int or self.window < 4:
-            raise ValueError(f"spike window must be an int >= 4, got {self.window!r}")
-        if type(self.min_history) is not int or not 4 <= self.min_history <= self.window:
-            raise ValueError(f"spike min_history must be an int in [4, window], got {self.min_history!r}")
-        for name in ("sigmas", "min_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
-                raise ValueError(f"spike {name} must be a finite number >= 1, got {v!r}")
-        if type(self.max_consecutive) is not int or self.max_consecutive < 1:
-            raise ValueError(f"spike max_consecutive must be a positive int, got {self.max_consecutive!r}")
 
 
 class SpikeGuard:
