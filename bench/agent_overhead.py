@@ -27,7 +27,7 @@ plain step of the same parallelism, DDP beside FSDP2; rank 0 prints, each rank's
 same program's.
 
 ``--distributed --comm-timing``: DDP only, the default agent beside the default agent with
-``AgentConfig(comm_timing=True)`` (``trainer_agent/comm_timing.py``). Its hook runs inside DDP's
+``AgentConfig(comm_timing=True)`` (``trainer_agent/measure/comm_timing.py``). Its hook runs inside DDP's
 reducer and gloo's threads, outside the agent's own overhead count, so the cost is the whole step
 side by side: the ratio of the two copies' median step times, interleaved round by round, and the
 communication times the timed copy measured.
@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import trainer_agent as ta
-from trainer_agent import stats
+from trainer_agent.measure import stats
 from trainer_agent.compat.torch_private import TorchDispatchMode
 
 

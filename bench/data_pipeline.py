@@ -1,4 +1,4 @@
-"""The sharded token reader (trainer_agent/dataset.py) against a plain numpy.memmap slice loop
+"""The sharded token reader (trainer_agent/data/sharded_dataset.py) against a plain numpy.memmap slice loop
 and a naive list-of-tensors dataset, side by side in one run; time to the first batch of a 10 GB
 shard set; memory held per open shard.
 
@@ -41,7 +41,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from trainer_agent.dataset import TokenBatches, TokenLoader, TokenShard, write_shards
+from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, TokenShard, write_shards
 
 BATCH, SEQ_LEN = 16, 2048
 

@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agent_overhead import GPT  # noqa: E402
 
 import trainer_agent as ta  # noqa: E402
-from trainer_agent import triage  # noqa: E402
-from trainer_agent.fingerprint import Fingerprinter, desync  # noqa: E402
+from trainer_agent.measure import triage_stats as triage  # noqa: E402
+from trainer_agent.measure.fingerprint import Fingerprinter, desync  # noqa: E402
 
 
 def main() -> None:

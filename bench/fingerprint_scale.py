@@ -1,4 +1,4 @@
-"""The cross-rank fingerprint comparison (``trainer_agent.fingerprint.desync``) against the world size.
+"""The cross-rank fingerprint comparison (``trainer_agent.measure.fingerprint.desync``) against the world size.
 
     .venv/bin/python bench/fingerprint_scale.py                    # W 512, 4096, 32768; 32 and 131 layers
     .venv/bin/python bench/fingerprint_scale.py --world 512 4096 --layers 32
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from trainer_agent.fingerprint import desync
+from trainer_agent.measure.fingerprint import desync
 
 
 def _rows(world: int, layers: int, k: int, bad: bool) -> torch.Tensor:

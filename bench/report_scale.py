@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent import ranks, report
-from trainer_agent.sketch import SKETCH_K, BottomK, overlaps
+from trainer_agent.report import exchange as ranks, pipeline as report
+from trainer_agent.measure.sketch import SKETCH_K, BottomK, overlaps
 
 GROUP = 8  # ranks that share data (tensor parallelism)
 

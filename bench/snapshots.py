@@ -7,8 +7,8 @@ A stack of ``--layers`` Linear(width, width) + GELU (5 x 2048: 21M parameters) t
 in three identical copies, interleaved round by round so that all three see the same machine:
 
 - plain: no agent; its step time (forward, backward, ``optimizer.step()``) is the reference;
-- in-memory: the agent with ``snapshot_every=N`` (host-memory snapshots, ``trainer_agent/snapshots.py``);
-- dcp: the agent with ``snapshot_backend=DcpSnapshots(...)`` (``trainer_agent/dcp_snapshots.py``).
+- in-memory: the agent with ``snapshot_every=N`` (host-memory snapshots, ``trainer_agent/control/snapshots.py``);
+- dcp: the agent with ``snapshot_backend=DcpSnapshots(...)`` (``trainer_agent/control/dcp_snapshots.py``).
 
 Per copy with the agent, ``end_step`` is timed on snapshot steps and on the other steps: the
 difference is what a snapshot holds the step up. For the DCP backend that is the staging copy (the

@@ -18,7 +18,7 @@ _LAZY = {
     "attach": "trainer_agent.agent",
     "Agent": "trainer_agent.agent",
     "AgentConfig": "trainer_agent.config",
-    "DcpSnapshots": "trainer_agent.dcp_snapshots",
+    "DcpSnapshots": "trainer_agent.control.dcp_snapshots",
     "DataMonitor": "trainer_agent.data",
     "QualityFilter": "trainer_agent.data",
     "dynamic_threshold": "trainer_agent.data",
@@ -29,7 +29,7 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:  # pragma: no cover
     from trainer_agent.agent import Agent, attach
     from trainer_agent.config import AgentConfig
-    from trainer_agent.dcp_snapshots import DcpSnapshots
+    from trainer_agent.control.dcp_snapshots import DcpSnapshots
     from trainer_agent.data import DataMonitor, QualityFilter, dynamic_threshold
 
 

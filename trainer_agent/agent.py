@@ -36,9 +36,9 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     into one float64 vector and copied to the host — on CUDA with a non-blocking copy into pinned
     memory, read at a later ``end_step`` once the copy's event has completed.
 (4) **Forward hooks** on the model: the wall time inside forward on report steps
-    (``trainguard_forward_seconds``, ``trainer_agent/forward_timer.py``), and the time each step
+    (``trainguard_forward_seconds``, ``trainer_agent/measure/forward_timer.py``), and the time each step
     waited for its batch, from the end of ``end_step`` to the next forward
-    (``trainguard_input_wait_seconds``, ``trainer_agent/inputs.py``).
+    (``trainguard_input_wait_seconds``, ``trainer_agent/measure/inputs.py``).
 
 Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
 (2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
@@ -73,7 +73,7 @@ wrong.
 
 Sharded and parallel parameters (DTensors: FSDP2's ``fully_shard``, HSDP, tensor parallel, and
 their combinations): every step value is measured on the local shards and the report step adds
-the ranks' shares up in one ``all_reduce`` (``trainer_agent/sharding.py``), so ``grad_norm``
+the ranks' shares up in one ``all_reduce`` (``trainer_agent/measure/sharding.py``), so ``grad_norm``
 equals ``clip_grad_norm_``'s total norm and every per-layer value is the global one. FSDP2 sets
 the sharded gradients without running their tensor hooks, so a hook on the model's output starts
 the end-of-backward measurement.
@@ -106,22 +106,22 @@ from torch import nn
 
 from trainguard.protocol.catalog import exported_scopes
 from trainguard.protocol.wire import Name
-from trainer_agent import flops, optim
+from trainer_agent.measure import flops, optim
 from trainer_agent.config import AgentConfig
-from trainer_agent.data_relay import DataRelay
-from trainer_agent.exporter import AgentCollector, MetricsServer, UnknownValues
-from trainer_agent.batch_size import BatchSizeAdvisor
-from trainer_agent.fingerprint import DesyncFinding, for_ranks
-from trainer_agent.comm_timing import CommTiming
-from trainer_agent.forward_timer import ForwardTimer
-from trainer_agent.inputs import InputWait
-from trainer_agent.params import ParamIndex
-from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
-from trainer_agent.ranks import RANK_FIELDS, RankExchange
-from trainer_agent.report import HostStep, RankVectors, ReportPipeline
-from trainer_agent.schedule import ReportSchedule, ScheduledLr
-from trainer_agent.snapshots import SnapshotBackend, SnapshotStore
-from trainer_agent.step_stats import GradHooks, StepMeter
+from trainer_agent.data.relay import DataRelay
+from trainer_agent.report.exporter import AgentCollector, MetricsServer, UnknownValues
+from trainer_agent.measure.batch_size import BatchSizeAdvisor
+from trainer_agent.measure.fingerprint import DesyncFinding, for_ranks
+from trainer_agent.measure.comm_timing import CommTiming
+from trainer_agent.measure.forward_timer import ForwardTimer
+from trainer_agent.measure.inputs import InputWait
+from trainer_agent.measure.params import ParamIndex
+from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
+from trainer_agent.report.exchange import RANK_FIELDS, RankExchange
+from trainer_agent.report.pipeline import HostStep, RankVectors, ReportPipeline
+from trainer_agent.measure.schedule import ReportSchedule, ScheduledLr
+from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
+from trainer_agent.measure.step_stats import GradHooks, StepMeter
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
 
@@ -202,7 +202,7 @@ class Agent:
         self._memory_trace: Any = None
         #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
         self._preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")
-        self.verifier: Any = None  # trainer_agent/verify.py, built with the measurement
+        self.verifier: Any = None  # trainer_agent/diagnostics/verify.py, built with the measurement
         #: The last memory trace's owners of retained memory, worst first (``trace_memory``).
         self.memory_report: list[Any] | None = None
         self.snapshots: SnapshotStore | None = None
@@ -215,13 +215,13 @@ class Agent:
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         self.forward: ForwardTimer | None = None
-        self.comm: CommTiming | None = None  # AgentConfig.comm_timing (trainer_agent/comm_timing.py)
+        self.comm: CommTiming | None = None  # AgentConfig.comm_timing (trainer_agent/measure/comm_timing.py)
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer)
         self.data = DataRelay.build(data_monitor, config, self._error)
-        self.gpu = None  # GPU health via NVML, read at scrape time (trainer_agent/gpu_health.py)
+        self.gpu = None  # GPU health via NVML, read at scrape time (trainer_agent/measure/gpu_health.py)
         if self.device.type == "cuda":
-            from trainer_agent.gpu_health import GpuHealth
+            from trainer_agent.measure.gpu_health import GpuHealth
 
             self.gpu = GpuHealth.open(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -259,7 +259,7 @@ class Agent:
             fingerprint = for_ranks(self.params, self.world_size)
             self.meter.fingerprint = fingerprint
         if self.params.sharding is None:  # a rank's shards are not a replica's gradient: no recompute check
-            from trainer_agent.verify import GradientVerifier
+            from trainer_agent.diagnostics.verify import GradientVerifier
 
             self.verifier = GradientVerifier(self, every=cfg.verify_every, rel_tol=cfg.verify_rel_tol)
             if cfg.verify_every == 1:
@@ -311,7 +311,7 @@ class Agent:
             self._error("metrics_server", exc)
 
     def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
-        from trainer_agent.control import ControlContext, ControlPlane
+        from trainer_agent.control.plane import ControlContext, ControlPlane
 
         ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, config=self.config, schedule=self.schedule,
@@ -426,7 +426,7 @@ class Agent:
             raise PreflightOnly(None, self.rank)
         t0 = self._clock()
         replaced = None
-        try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/optim.py
+        try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/measure/optim.py
             replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))
         except Exception as exc:
             self._error("optimizer_closure", exc)
@@ -682,7 +682,7 @@ class Agent:
                   fatal: bool | tuple[str, ...] | None = None, loader: Any = None,
                   amp_dtype: torch.dtype | None = None, pad_id: int | None = None,
                   max_length: int | None = None) -> Any:
-        """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/preflight.py``):
+        """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/diagnostics/preflight.py``):
         one forward/backward and a simulated optimizer step that leave the weights, gradients,
         optimizer state, buffers and RNG states unchanged. ``loss_fn(model, batch)`` returns the
         loss (default: ``model(batch)``, or its ``.loss``); ``declared_params``: the model size the
@@ -696,7 +696,7 @@ class Agent:
         Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
         after the checks: the script stops there, and the command prints the table.
         ``ValueError`` for bad arguments or after the first step."""
-        from trainer_agent.preflight import raise_if_fatal, run_preflight, to_wire
+        from trainer_agent.diagnostics.preflight import raise_if_fatal, run_preflight, to_wire
 
         report = run_preflight(self, batch, loss_fn, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
                                timeout=self.config.request_timeout_s, loader=loader, amp_dtype=amp_dtype,
@@ -715,7 +715,7 @@ class Agent:
         """Call once per step after the backward pass(es) and before ``optimizer.step()``; when the
         step is due (``AgentConfig.verify_every``, ``request_verify``, the controller's ``verify``
         command) recompute its gradient on ``batch`` (the step's last micro-batch) and compare it
-        with the one it produced (``trainer_agent/verify.py``); every rank calls it. ``loss_fn(model,
+        with the one it produced (``trainer_agent/diagnostics/verify.py``); every rank calls it. ``loss_fn(model,
         batch)`` returns the loss the loop called ``backward`` on (inside the same autocast, divided
         by the accumulation steps if the loop does), before the GradScaler's scale (default
         ``model(batch)``, or its ``.loss``). Not under sharded parameters (always None). Returns a ``VerifyResult``, or None when the
@@ -740,17 +740,17 @@ class Agent:
         """Check the gradient of the next step whose forward pass starts after this call; call it
         on every rank at the same point of the loop. ``float32``: also recompute that step with
         mixed precision off and measure how far its gradient is from the step's
-        (``trainguard_verify_float32_rel_diff``; ``trainer_agent/verify.py``)."""
+        (``trainguard_verify_float32_rel_diff``; ``trainer_agent/diagnostics/verify.py``)."""
         if self.verifier is not None:
             self.verifier.arm(float32=float32)
             self._sync_grad_hooks()
 
     def trace_memory(self, steps: int = 3) -> None:
         """Attribute memory retained across steps to the layers or the training loop for the next
-        ``steps`` steps (``trainer_agent/memory_trace.py``; expensive while it runs). The result
+        ``steps`` steps (``trainer_agent/diagnostics/memory_trace.py``; expensive while it runs). The result
         goes to the log and to ``memory_report``. ``ValueError`` for a bad ``steps``; a trace
         already running is replaced."""
-        from trainer_agent.memory_trace import MemoryTrace
+        from trainer_agent.diagnostics.memory_trace import MemoryTrace
 
         if self._memory_trace is not None:
             self._memory_trace.stop()
@@ -807,7 +807,7 @@ class Agent:
         return self._current_values()
 
     def watch_loader(self, loader: Any) -> None:
-        """Export the reader metrics of ``loader`` (``trainer_agent.dataset.TokenLoader``, or
+        """Export the reader metrics of ``loader`` (``trainer_agent.data.sharded_dataset.TokenLoader``, or
         anything with a thread-safe ``values()`` of catalogue metrics) with this rank's."""
         self._loader = _checked_loader(loader)
 
@@ -961,13 +961,13 @@ def attach(
     ``AcceleratedOptimizer`` (what the Hugging Face ``Trainer`` hands to callbacks), Lightning's
     ``LightningOptimizer``, or any object holding the real optimizer in ``.optimizer``. The agent
     hooks the real optimizer (``Agent.optimizer``), so steps through the wrapper are seen.
-    ``optimizer.step(closure)`` is supported (trainer_agent/optim.py): the step's gradient is the
+    ``optimizer.step(closure)`` is supported (trainer_agent/measure/optim.py): the step's gradient is the
     closure's first evaluation.
 
     ``controller``/``token`` override the config's. ``lr_scheduler`` (optional) is saved and
     restored with the agent's ``state_dict`` and with the in-memory snapshots a rollback restores
     (``AgentConfig.snapshot_every``; ``snapshot_backend`` keeps the model and optimizer state
-    elsewhere than in host memory, see ``trainer_agent/snapshots.py``). ``loader``: a
+    elsewhere than in host memory, see ``trainer_agent/control/snapshots.py``). ``loader``: a
     ``TokenLoader`` whose reader metrics (prefetch depth, tokens/s read) this rank exports.
     ``accumulation_steps``: the run's own micro-batches per optimizer step, given to let the
     controller change them (the loop then reads ``agent.accumulation_steps`` before each step).
@@ -1008,5 +1008,5 @@ def attach(
 
 def _checked_loader(loader: Any) -> Any:
     if not callable(getattr(loader, "values", None)):
-        raise ValueError(f"loader must have values() (trainer_agent.dataset.TokenLoader), got {type(loader).__name__}")
+        raise ValueError(f"loader must have values() (trainer_agent.data.sharded_dataset.TokenLoader), got {type(loader).__name__}")
     return loader

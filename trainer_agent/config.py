@@ -82,7 +82,7 @@ class AgentConfig:
     parameters outside every block by the module that holds them (``lm_head``). An int: the
     module path cut at that many components instead (``blocks.3.attn.qkv.weight`` is in layer
     ``blocks.3`` at depth 2; parameters of shallower modules use their full module path).
-    See ``trainer_agent.params.layer_names``."""
+    See ``trainer_agent.measure.params.layer_names``."""
 
     per_layer: PerLayer = "rank0"
     """Which ranks export the per-layer metrics: ``"rank0"`` (bounds the series count),
@@ -119,7 +119,7 @@ class AgentConfig:
 
     comm_timing: bool = False
     """Time DDP's gradient all-reduce per step through a communication hook the agent registers
-    (``trainer_agent/comm_timing.py``: ``trainguard_comm_seconds``, ``trainguard_comm_exposed_seconds``,
+    (``trainer_agent/measure/comm_timing.py``: ``trainguard_comm_seconds``, ``trainguard_comm_exposed_seconds``,
     ``trainguard_comm_exposed_ratio``). Opt-in: DDP takes one communication hook, so a model with
     the user's own reports NaN, and a ``register_comm_hook`` of the user's after ``attach`` would
     raise; CUDA and FSDP2 report NaN (see that module)."""
@@ -127,14 +127,14 @@ class AgentConfig:
     fingerprint: bool = True
     """With several data-parallel ranks: on report steps, fingerprint every layer's gradients (in
     the optimizer's pre-hook) and parameters with random +-1 projections, carry them in the report
-    step's collective and compare them across ranks (``trainer_agent/fingerprint.py``). With
+    step's collective and compare them across ranks (``trainer_agent/measure/fingerprint.py``). With
     sharded parameters (DTensors) only replicas are compared: ranks whose shards the placements
     say are identical (HSDP's replicate dimension, tensor parallel's replicated parameters); off
     under plain FSDP, which replicates nothing."""
 
     triage: bool = True
     """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min
-    and the predicted update size (``trainer_agent/triage.py``; the stability guide, 5.1)."""
+    and the predicted update size (``trainer_agent/measure/triage_stats.py``; the stability guide, 5.1)."""
 
     preflight_fatal: bool | tuple[str, ...] = False
     """Which failed pre-flight checks (``Agent.preflight``) raise ``RuntimeError`` before
@@ -147,7 +147,7 @@ class AgentConfig:
 
     verify_every: int | None = None
     """Recompute the gradient of every ``verify_every``-th step on the same batch and compare it
-    with the one the step produced, on every rank (``trainer_agent/verify.py``; the loop calls
+    with the one the step produced, on every rank (``trainer_agent/diagnostics/verify.py``; the loop calls
     ``agent.verify_step(batch, loss_fn)`` each step, a no-op unless due). None: only on request
     (``agent.request_verify()`` or the controller's ``verify`` command). Costs one forward and
     backward pass per checked step."""
@@ -158,7 +158,7 @@ class AgentConfig:
 
     memory_trace_steps: int = 3
     """Steps a memory trace started by the controller (its ``memory_trace`` command or rule
-    action) follows (``trainer_agent/memory_trace.py``)."""
+    action) follows (``trainer_agent/diagnostics/memory_trace.py``)."""
 
     vocab_size: int | None = None
     """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
@@ -188,7 +188,7 @@ class AgentConfig:
     skip_spikes: bool | None = None
     """Skip (like a non-finite step, on every rank, at the same step) a step whose global
     gradient norm is far above its rolling window: median + 6 robust sigmas and 5x the median
-    over the last 128 steps taken (``spike``; ``trainer_agent/spike_guard.py``), counted in
+    over the last 128 steps taken (``spike``; ``trainer_agent/control/spike_guard.py``), counted in
     ``trainguard_skipped_steps_total{reason="spike"}``. Implies skipping non-finite steps.
     ``None`` (default): on when a controller is configured — a controlled run has someone to
     escalate to when skipping is not enough (after ``spike.max_consecutive`` skips in a row the
@@ -202,7 +202,7 @@ class AgentConfig:
     snapshot_every: int | None = None
     """Steps between two in-memory snapshots of the training state (model, optimizer, LR
     scheduler, GradScaler, the agent's own state) that a ``rollback`` from the controller
-    restores (``trainer_agent/snapshots.py``). ``None``: no snapshots, a rollback is refused."""
+    restores (``trainer_agent/control/snapshots.py``). ``None``: no snapshots, a rollback is refused."""
 
     snapshot_keep: int = 3
     """Snapshots kept, spaced out geometrically (the newest, then gaps of up to 2, 4, 8... x
@@ -223,12 +223,12 @@ class AgentConfig:
 
     flops_per_token: float | None = None
     """Model FLOPs of one token's forward and backward pass, for ``trainguard_mfu``
-    (``trainer_agent/flops.py``). None: ``6 N + 12 L H Q T`` from the model's config when it is a
+    (``trainer_agent/measure/flops.py``). None: ``6 N + 12 L H Q T`` from the model's config when it is a
     standard transformer (Hugging Face names; ``T`` its maximum sequence length), else no MFU."""
 
     peak_flops: float | None = None
     """Peak FLOP/s of one device, for ``trainguard_mfu``. None: the dense 16-bit tensor-core peak
-    of the CUDA device by its name (``trainer_agent.flops.PEAK_FLOPS``), none on a CPU."""
+    of the CUDA device by its name (``trainer_agent.measure.flops.PEAK_FLOPS``), none on a CPU."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:

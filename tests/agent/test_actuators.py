@@ -1,4 +1,4 @@
-"""The actuator registry (``trainer_agent/actuators.py``) against the command registry, and the
+"""The actuator registry (``trainer_agent/control/actuators.py``) against the command registry, and the
 control plane's handling of states no leader can send, in one process: a missing or unknown
 actuator fails at import, a bad encoded state or a text that did not arrive is an agent error
 (never an exception into the loop), and the multipliers of the optimizer's own values act only
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent import control  # noqa: F401 - the check ran at this import
-from trainer_agent.actuators import ACTUATORS, Actuator, actuator, check_actuators
+from trainer_agent.control import plane as control  # noqa: F401 - the check ran at this import
+from trainer_agent.control.actuators import ACTUATORS, Actuator, actuator, check_actuators
 from trainguard.protocol.commands import BY_NAME, REGISTRY, STATE_FIELDS, CommandSpec, DesiredState, encode_state
 
 
@@ -51,10 +51,10 @@ def test_a_second_actuator_for_a_command_is_refused() -> None:
 @pytest.mark.parametrize(("setup", "named"), [
     ("import trainguard.protocol.commands as c\n"
      "c.REGISTRY = (*c.REGISTRY, c.CommandSpec('fake_command', 'x', lambda d, p, ctx: None))", "fake_command"),
-    ("import trainer_agent.actuators as a\na.ACTUATORS['bogus_command'] = a.Actuator", "bogus_command"),
+    ("import trainer_agent.control.actuators as a\na.ACTUATORS['bogus_command'] = a.Actuator", "bogus_command"),
 ])
 def test_importing_the_control_plane_fails_on_a_mismatch(setup: str, named: str) -> None:
-    code = f"{setup}\nimport trainer_agent.control\n"
+    code = f"{setup}\nimport trainer_agent.control.plane\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "TypeError: the agent's actuators do not match the command registry" in proc.stderr

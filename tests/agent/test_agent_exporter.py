@@ -19,7 +19,7 @@ from torch import nn
 import trainer_agent as ta
 from tests.control.spawn import spawn_ranks
 from trainguard.protocol.catalog import BY_NAME, JOB, LAYER, RANK, STEP_METRICS, series_per_rank
-from trainer_agent.exporter import AgentCollector, parse_key, sample_key
+from trainer_agent.report.exporter import AgentCollector, parse_key, sample_key
 
 
 def tiny_loop(agent: ta.Agent, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
@@ -85,8 +85,8 @@ def test_metrics_endpoint_equals_latest_nan_included() -> None:
         optional = {"trainguard_loss_scale", "trainguard_grad_noise_scale", "trainguard_grad_variance",
                     "trainguard_verify_rel_diff",  # after a gradient recompute check only
                     "trainguard_verify_float32_rel_diff",  # after a float32 recompute of an autocast step only
-                    "trainguard_mfu",  # with a known FLOPs count and device peak (trainer_agent/flops.py)
-                    # DDP with AgentConfig.comm_timing only (trainer_agent/comm_timing.py)
+                    "trainguard_mfu",  # with a known FLOPs count and device peak (trainer_agent/measure/flops.py)
+                    # DDP with AgentConfig.comm_timing only (trainer_agent/measure/comm_timing.py)
                     "trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio"}
         optional |= {m.name for m in STEP_METRICS if m.name.startswith("trainguard_gpu_")}  # NVML, GPU only
         assert {parse_key(k)[0] for k in latest} >= {m.name for m in STEP_METRICS} - optional

@@ -28,7 +28,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=8))
     import trainer_agent as ta
-    from trainer_agent.report import ReportPipeline
+    from trainer_agent.report.pipeline import ReportPipeline
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))

@@ -1,4 +1,4 @@
-"""Input wait (trainer_agent/inputs.py through the agent): the time from one end_step to the next
+"""Input wait (trainer_agent/measure/inputs.py through the agent): the time from one end_step to the next
 forward, for any loader; it rises when a loader worker is slowed on purpose."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 import trainer_agent as ta
-from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
+from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, write_shards
 
 VOCAB = 50
 

@@ -387,7 +387,7 @@ def test_nan_in_one_gradient(model: Net) -> None:
 
 
 def test_error_inside_the_agent_is_counted_and_training_goes_on(model: Net, monkeypatch, caplog) -> None:
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
@@ -430,7 +430,7 @@ def test_update_ratio_every_step_and_weights_changed_between_steps(model: Net) -
 
 
 def test_nonfinite_count_scans_only_what_it_must() -> None:
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     cpu = torch.device("cpu")
     finite = torch.ones(5)
@@ -447,7 +447,7 @@ def test_nonfinite_count_scans_only_what_it_must() -> None:
 
 def test_nonfinite_count_device_scan_path() -> None:
     """The accelerator path (fused scan of every tensor, in buckets), run on the CPU."""
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     cpu = torch.device("cpu")
     tensors = [torch.ones(5), torch.tensor([1.0, math.nan, math.inf, -math.inf]), None,
@@ -460,7 +460,7 @@ def test_nonfinite_count_device_scan_path() -> None:
 
 
 def test_nonfinite_count_device_scan_in_small_buckets(monkeypatch) -> None:
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     monkeypatch.setattr(stats, "_SCAN_BUCKET_BYTES", 8)  # one tensor per bucket
     tensors = [torch.tensor([math.nan, 1.0]), torch.ones(3), torch.tensor([math.inf, -math.inf, 2.0])]
@@ -491,7 +491,7 @@ def test_device_values_for_the_control_plane(model: Net) -> None:
 def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bool) -> None:
     """Both passes (cache-sized chunks on the CPU, in-place difference on an accelerator), with
     tensors larger than a chunk, several buckets and a non-contiguous parameter."""
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     monkeypatch.setattr(stats, "_UPDATE_CHUNK", 7)  # 20-element tensors span three chunks
     g = torch.Generator().manual_seed(3)
@@ -521,7 +521,7 @@ def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bo
 def test_large_and_mixed_dtype_parameters_match_reference(monkeypatch, update_ratio: str) -> None:
     """Parameters larger than an update chunk and two dtype buckets (their order differs from the
     optimizer's): every metric, per layer included, equals the float64 reference."""
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     monkeypatch.setattr(stats, "_UPDATE_CHUNK", 50)  # emb (512) and head (544) span chunks
     torch.manual_seed(4)
@@ -561,7 +561,7 @@ class SkipFirstMicro(Net):
 def test_noise_scale_with_held_and_immediate_gradient_norms(monkeypatch, held_bytes: int | None) -> None:
     """Incoming gradients of later backward passes are normed in fused batches (held up to a
     byte limit; 1 byte: one at a time) or at once when ``.grad`` is still empty."""
-    from trainer_agent import step_stats as agent_module
+    from trainer_agent.measure import step_stats as agent_module
 
     if held_bytes is not None:
         monkeypatch.setattr(agent_module, "HELD_GRAD_BYTES", held_bytes)

@@ -138,7 +138,7 @@ def test_reports_published_under_back_pressure_reach_the_callback_once_each(monk
     small report_every): the pipeline waits for the oldest once MAX_IN_FLIGHT are pending. Every
     report still reaches the agent's callback (the controller, /metrics and the batch-size advisor
     read it there) exactly once and in order, the NaN of step 2 included."""
-    from trainer_agent.report import MAX_IN_FLIGHT, InFlight
+    from trainer_agent.report.pipeline import MAX_IN_FLIGHT, InFlight
 
     monkeypatch.setattr(InFlight, "ready", lambda self: False)
     seen: list[tuple[int, float]] = []

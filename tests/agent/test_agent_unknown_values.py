@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent.exporter import UnknownValues, catalogue_problem
+from trainer_agent.report.exporter import UnknownValues, catalogue_problem
 
 BASE = {"job": "j", "run": "r", "rank": "0"}
 

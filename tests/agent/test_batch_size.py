@@ -1,4 +1,4 @@
-"""BatchSizeAdvisor (trainer_agent/batch_size.py): the running ratio of averages."""
+"""BatchSizeAdvisor (trainer_agent/measure/batch_size.py): the running ratio of averages."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer_agent.batch_size import BatchSizeAdvisor
+from trainer_agent.measure.batch_size import BatchSizeAdvisor
 
 
 def test_ratio_of_averages_with_negative_and_skipped_estimates() -> None:

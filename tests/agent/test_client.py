@@ -1,4 +1,4 @@
-"""trainer_agent/client.py's report bodies: what the agent posts for a 4,096-rank job carries the
+"""trainer_agent/report/client.py's report bodies: what the agent posts for a 4,096-rank job carries the
 per-rank vectors packed (``trainguard.protocol.rank_vector``), a fraction of the JSON lists, and
 decodes to the values the agent had (NaN included)."""
 
@@ -13,7 +13,7 @@ import threading
 import time
 
 from tests.control.procs import until
-from trainer_agent.client import ControllerClient
+from trainer_agent.report.client import ControllerClient
 from trainguard.protocol.rank_values import RankValues
 from trainguard.protocol.wire import DesiredState, Report, RunRegistration, dumps
 

@@ -1,4 +1,4 @@
-"""trainer_agent/comm_timing.py: the interval arithmetic on given timestamps, and two gloo ranks with
+"""trainer_agent/measure/comm_timing.py: the interval arithmetic on given timestamps, and two gloo ranks with
 DDP (several buckets, one rank slowed inside its backward) beside a DDP model carrying the user's
 own communication hook."""
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent.comm_timing import COMM_METRICS, CommTiming, step_comm
+from trainer_agent.measure.comm_timing import COMM_METRICS, CommTiming, step_comm
 
 WORLD, STEPS, SLEEP = 2, 4, 0.2
 

@@ -1,4 +1,4 @@
-"""The ``torch.distributed.checkpoint`` snapshot backend (``trainer_agent/dcp_snapshots.py``).
+"""The ``torch.distributed.checkpoint`` snapshot backend (``trainer_agent/control/dcp_snapshots.py``).
 
 - One process: a save is a copy taken before ``save`` returns (the weights changed right after it
   do not leak into the snapshot), a load right after the save (its write still pending) restores
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent.dcp_snapshots import DcpSnapshots
+from trainer_agent.control.dcp_snapshots import DcpSnapshots
 from trainguard.protocol.retention import retained
 
 WORLD = 2

@@ -1,11 +1,11 @@
-"""Environment checks at pre-flight (``trainer_agent/environment.py``): each setting read from an
+"""Environment checks at pre-flight (``trainer_agent/diagnostics/environment.py``): each setting read from an
 injected environment and ``/proc`` reader, with the recommended values and the cases that skip."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer_agent.environment import SOCKET_BUFFER_BYTES, EnvFacts, environment_checks
+from trainer_agent.diagnostics.environment import SOCKET_BUFFER_BYTES, EnvFacts, environment_checks
 
 GPU_MULTI_NODE = EnvFacts(cuda=True, backend="nccl", multi_node=True)
 GOOD_ENV = {"CUDA_LAUNCH_BLOCKING": "0", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "2"}

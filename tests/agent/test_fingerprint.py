@@ -1,4 +1,4 @@
-"""Element-wise fingerprints (``trainer_agent/fingerprint.py``): the projections against a naive
+"""Element-wise fingerprints (``trainer_agent/measure/fingerprint.py``): the projections against a naive
 float64 reference, the cross-rank comparison, and a real 3-rank gloo DDP run whose last rank's
 all-reduced gradient (or parameter) is perturbed in one element."""
 
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent import fingerprint
-from trainer_agent.fingerprint import TILE, Fingerprinter, desync, findings
+from trainer_agent.measure import fingerprint
+from trainer_agent.measure.fingerprint import TILE, Fingerprinter, desync, findings
 
 
 def _weights(fp: Fingerprinter, i: int, n: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Model-FLOPs utilisation (``trainer_agent/flops.py``): the transformer formula against a hand
+"""Model-FLOPs utilisation (``trainer_agent/measure/flops.py``): the transformer formula against a hand
 count of a real GPT-2's parameters, the peak table's lookups, and MFU from its definition."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer_agent.flops import mfu, peak_flops, transformer_flops_per_token
+from trainer_agent.measure.flops import mfu, peak_flops, transformer_flops_per_token
 
 
 def _gpt2(layers: int = 2, d: int = 16, heads: int = 2):

@@ -1,4 +1,4 @@
-"""GPU health (``trainer_agent/gpu_health.py``) against a fake NVML module: every reading, the
+"""GPU health (``trainer_agent/measure/gpu_health.py``) against a fake NVML module: every reading, the
 queries a GPU does not support left out, and no GPU metrics on the CPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 import trainer_agent as ta
 from trainguard.protocol.catalog import BY_NAME
-from trainer_agent.gpu_health import GpuHealth
+from trainer_agent.measure.gpu_health import GpuHealth
 
 
 class NotSupported(Exception):

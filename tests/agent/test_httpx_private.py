@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from trainer_agent import compat
-from trainer_agent.controller_link import _AbortableBackend
+from trainer_agent.report.controller_link import _AbortableBackend
 from trainer_agent.compat.httpx_private import install_network_backend
 
 

@@ -1,4 +1,4 @@
-"""Memory-leak localisation (``trainer_agent/memory_trace.py``): the guide's own example, a loop
+"""Memory-leak localisation (``trainer_agent/diagnostics/memory_trace.py``): the guide's own example, a loop
 that keeps every loss with its graph, is charged to the loop; a layer whose activation cache grows
 is charged to that layer; a healthy loop retains nothing."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent.memory_trace import GRAPH
+from trainer_agent.diagnostics.memory_trace import GRAPH
 
 
 class Cache(nn.Module):

@@ -1,4 +1,4 @@
-"""trainer_agent/optim.py: optimizers as frameworks hand them out (unwrapped to the real one, or a
+"""trainer_agent/measure/optim.py: optimizers as frameworks hand them out (unwrapped to the real one, or a
 ValueError naming what was passed), and optimizer steps driven by a closure (``step(closure)``,
 as Lightning and LBFGS call it): the skip decision and the LR scale use the gradients the closure
 produced, a skipped step runs the closure exactly once."""
@@ -13,7 +13,7 @@ from torch import nn
 
 import trainer_agent as ta
 from trainguard.protocol.commands import DesiredState
-from trainer_agent.optim import unwrap_optimizer
+from trainer_agent.measure.optim import unwrap_optimizer
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -1,4 +1,4 @@
-"""How the agent groups parameters into layers (``trainer_agent/params.py``): by repeated block by
+"""How the agent groups parameters into layers (``trainer_agent/measure/params.py``): by repeated block by
 default, on the real Hugging Face GPT-2 and Llama classes (tiny configurations, nothing
 downloaded), ``layer_depth`` as the override, and the consumers of the names: the per-layer
 metrics and a 2-rank DDP desync finding that names the perturbed block."""
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent.params import ParamIndex, layer_names
+from trainer_agent.measure.params import ParamIndex, layer_names
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Pre-flight (``trainer_agent/preflight.py``): every check against a case that trips it and a
+"""Pre-flight (``trainer_agent/diagnostics/preflight.py``): every check against a case that trips it and a
 healthy one; nothing the loop owns changes (bit for bit); results reach the controller; a 2-rank
 gloo run whose ranks start from different parameters."""
 

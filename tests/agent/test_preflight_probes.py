@@ -1,4 +1,4 @@
-"""The pre-flight checks past the one real batch (``trainer_agent/preflight_probes.py``): for each,
+"""The pre-flight checks past the one real batch (``trainer_agent/diagnostics/preflight_probes.py``): for each,
 a case that trips it and a healthy one, through ``Agent.preflight``; the run's state bit for bit
 untouched by all of them."""
 
@@ -175,7 +175,7 @@ class FakeClock:
 
 
 def test_input_pipeline_compares_the_loaders_rate_with_the_steps_demand_and_restores_every_generator() -> None:
-    from trainer_agent.preflight_probes import PIPELINE_BATCHES, input_pipeline_check
+    from trainer_agent.diagnostics.preflight_probes import PIPELINE_BATCHES, input_pipeline_check
 
     gen = torch.Generator().manual_seed(7)
     loader = DataLoader(Tokens(64), batch_size=4, shuffle=True, generator=gen)
@@ -199,8 +199,8 @@ def test_input_pipeline_compares_the_loaders_rate_with_the_steps_demand_and_rest
 def test_input_pipeline_passes_a_prefetching_token_loader_and_keeps_its_position(tmp_path) -> None:
     import numpy as np
 
-    from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
-    from trainer_agent.preflight_probes import input_pipeline_check
+    from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, write_shards
+    from trainer_agent.diagnostics.preflight_probes import input_pipeline_check
 
     rng = np.random.default_rng(0)
     infos = write_shards(tmp_path / "ds", [rng.integers(0, VOCAB, 40) for _ in range(64)], vocab_size=VOCAB,

@@ -1,4 +1,4 @@
-"""trainer_agent/rank_row.py: this rank's row of the report step filled from the per-rank values'
+"""trainer_agent/report/rank_row.py: this rank's row of the report step filled from the per-rank values'
 declarations — each value its catalogue metric's report value (NaN when absent) or its getter's —
 checked against a row written out by hand; a row value with neither a metric nor a getter, or a
 getter of no row value, is refused (at import for the shipped declarations)."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from trainguard.protocol.rank_values import ROW_VALUES, RankValueSpec
-from trainer_agent.rank_row import ROW_GETTERS, RowInputs, rank_row, row_plan
-from trainer_agent.ranks import RANK_FIELDS
-from trainer_agent.step_stats import StepState
+from trainer_agent.report.rank_row import ROW_GETTERS, RowInputs, rank_row, row_plan
+from trainer_agent.report.exchange import RANK_FIELDS
+from trainer_agent.measure.step_stats import StepState
 
 F64 = torch.float64
 
@@ -59,7 +59,7 @@ def test_a_row_value_without_a_metric_needs_a_getter() -> None:
 def test_importing_the_row_fails_for_a_declared_row_value_without_a_getter() -> None:
     code = ("import trainguard.protocol.rank_values as rv\n"
             "rv.ROW_VALUES += (rv.RankValueSpec('new_value', '1', 'computed by the agent', 'row'),)\n"
-            "import trainer_agent.rank_row\n")
+            "import trainer_agent.report.rank_row\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().endswith(

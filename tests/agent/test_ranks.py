@@ -11,8 +11,8 @@ import torch
 
 from trainguard.protocol.rank_values import RANK_VALUES
 from trainguard.protocol.wire import DesiredState, RankValues
-from trainer_agent.ranks import RANK_FIELDS, STATE_LEN, WIRE_VECTORS, RankExchange, decode_state, encode_state
-from trainer_agent.sketch import SKETCH_K, BottomK
+from trainer_agent.report.exchange import RANK_FIELDS, STATE_LEN, WIRE_VECTORS, RankExchange, decode_state, encode_state
+from trainer_agent.measure.sketch import SKETCH_K, BottomK
 
 
 def test_state_round_trips_bit_for_bit() -> None:
@@ -61,7 +61,7 @@ def test_unpack_rows_is_rank_major() -> None:
 
 
 def test_every_wire_vector_maps_to_a_rank_field() -> None:
-    from trainer_agent.fingerprint import findings
+    from trainer_agent.measure.fingerprint import findings
 
     assert set(WIRE_VECTORS) == set(RankValues.model_fields)
     fingerprint_vectors, _ = findings([0.0] * 8, 1, ["x"], 1e-5)

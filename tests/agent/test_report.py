@@ -1,4 +1,4 @@
-"""trainer_agent/report.py: the leader's cross-rank part of a published report (RankVectors),
+"""trainer_agent/report/pipeline.py: the leader's cross-rank part of a published report (RankVectors),
 resolved once on the cross-rank worker thread (CrossRankWorker), and, on 3 gloo ranks with a
 controller, the other ranks keeping only their own row."""
 
@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent.fingerprint import DesyncFinding
-from trainer_agent.ranks import RANK_FIELDS
-from trainer_agent.report import CrossRankWorker, RankVectors
-from trainer_agent.sketch import SKETCH_K, BottomK, overlaps
+from trainer_agent.measure.fingerprint import DesyncFinding
+from trainer_agent.report.exchange import RANK_FIELDS
+from trainer_agent.report.pipeline import CrossRankWorker, RankVectors
+from trainer_agent.measure.sketch import SKETCH_K, BottomK, overlaps
 
 F = len(RANK_FIELDS)
 
@@ -173,7 +173,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     import trainer_agent as ta
-    from trainer_agent import report
+    from trainer_agent.report import pipeline as report
 
     resolved: list[str] = []  # the thread of every RankVectors resolution that computed
     rows_read: list[tuple[int, bool]] = []  # per published report: rows in its buffer, leader's vectors

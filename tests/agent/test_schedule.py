@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer_agent.schedule import ReportSchedule, ScheduledLr
+from trainer_agent.measure.schedule import ReportSchedule, ScheduledLr
 
 
 def test_report_steps_are_the_multiples_of_report_every() -> None:

@@ -167,7 +167,7 @@ def _skip_worker(mode: str, world: int, rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import trainer_agent as ta
-    from trainer_agent.sharding import local
+    from trainer_agent.measure.sharding import local
 
     model = _model()
     same_input = _parallelize(mode, model, world)

@@ -1,4 +1,4 @@
-"""Bottom-k sketches and the Jaccard estimate (trainer_agent/sketch.py) against exact set
+"""Bottom-k sketches and the Jaccard estimate (trainer_agent/measure/sketch.py) against exact set
 arithmetic."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer_agent.sketch import EMPTY, BottomK, distinct_rows, jaccard, normalized, overlaps, row_hash
+from trainer_agent.measure.sketch import EMPTY, BottomK, distinct_rows, jaccard, normalized, overlaps, row_hash
 
 K = 256
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent.spike_guard import SpikeGuard, SpikeGuardConfig
+from trainer_agent.control.spike_guard import SpikeGuard, SpikeGuardConfig
 
 
 def _naive_threshold(norms: list[float], sigmas: float, ratio: float) -> float:

@@ -110,7 +110,7 @@ def test_accumulation_that_starts_on_a_report_step_leaves_the_noise_scale_out() 
 
 
 def test_sums_and_extremes_match_a_float64_reference_per_tensor() -> None:
-    from trainer_agent import stats
+    from trainer_agent.measure import stats
 
     torch.manual_seed(0)
     tensors = [torch.randn(1000), torch.randn(3, 7).double(), torch.empty(0), torch.randn(5).half(),

@@ -1,4 +1,4 @@
-"""Triage statistics (``trainer_agent/triage.py``) through a real agent: per-layer gradient
+"""Triage statistics (``trainer_agent/measure/triage_stats.py``) through a real agent: per-layer gradient
 statistics against a naive float64 reference, the update-size ratio against the optimizers'
 update rules, and a real GradScaler driven to its floor, fed into the controller's default rules."""
 

@@ -1,5 +1,5 @@
-"""The update-size triage and the eps advice across optimizer families (``trainer_agent/triage.py``,
-``trainer_agent/preflight.py``): torch's and Hugging Face's Adafactor, a trust-ratio optimizer
+"""The update-size triage and the eps advice across optimizer families (``trainer_agent/measure/triage_stats.py``,
+``trainer_agent/diagnostics/preflight.py``): torch's and Hugging Face's Adafactor, a trust-ratio optimizer
 (LAMB, written out here as the paper states it), other libraries' Adam variants recognised by class
 name, and an optimizer trainguard does not know, which it says so for."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from trainer_agent.triage import update_rule
+from trainer_agent.measure.triage_stats import update_rule
 
 
 def _model() -> nn.Module:

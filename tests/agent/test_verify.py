@@ -1,4 +1,4 @@
-"""Gradient recompute check (``trainer_agent/verify.py``): a clean run (dropout included) follows
+"""Gradient recompute check (``trainer_agent/diagnostics/verify.py``): a clean run (dropout included) follows
 the same weights and RNG stream bit for bit as a run without checks and is never flagged; a
 "faulty device" that changes one gradient element on the first pass only is flagged with the
 exact relative size of the change, its layer and its rank (2 gloo ranks under DDP)."""

@@ -24,6 +24,22 @@ LAYERS = [
     ("trainguard.demo", 3),
     ("trainguard.cli", 3),
 ]
+#: Inside the agent: subpackage (or top-level module) -> layer, by the same rule (a module imports
+#: its own layer or lower ones, at import time or inside a function). The configuration and the
+#: library adapters at the bottom; what measures a step, the data pipeline, the report step, what
+#: acts on training, the on-demand checks; the facade (``agent``, the package itself and its
+#: documented re-exports) and the framework callbacks on top.
+AGENT_LAYERS = [
+    ("trainer_agent.version", 0), ("trainer_agent.config", 0), ("trainer_agent.compat", 0),
+    ("trainer_agent.measure", 1),
+    ("trainer_agent.data", 2),
+    ("trainer_agent.report", 3),
+    ("trainer_agent.control", 4),
+    ("trainer_agent.diagnostics", 5),
+    ("trainer_agent", 6),  # the package itself, agent.py, the documented re-exports (dataset.py)
+    ("trainer_agent.integrations", 7),
+]
+
 #: Third-party packages a layer must not import (the controller's image has no torch; the
 #: protocol is shared by every side).
 FORBIDDEN = {
@@ -83,9 +99,9 @@ def _imports(mod: str, path: Path, *, top_level_only: bool) -> set[str]:
     return names
 
 
-def _layer(name: str) -> int | None:
+def _layer(name: str, layers: list[tuple[str, int]] = LAYERS) -> int | None:
     best = None
-    for prefix, layer in LAYERS:
+    for prefix, layer in layers:
         if name == prefix or name.startswith(prefix + "."):
             if best is None or len(prefix) > len(best[0]):
                 best = (prefix, layer)
@@ -110,6 +126,34 @@ def test_no_import_points_up_a_layer():
             if other is not None and other > own:
                 upward.append(f"{mod} -> {name}")
     assert not upward, "imports from a lower layer up:\n" + "\n".join(sorted(upward))
+
+
+def _agent_upward(modules: dict[str, Path]) -> list[str]:
+    upward = []
+    for mod, path in modules.items():
+        if not mod.startswith("trainer_agent"):
+            continue
+        own = _layer(mod, AGENT_LAYERS)
+        assert own is not None, f"{mod} belongs to no layer of the agent"
+        for name in _imports(mod, path, top_level_only=False):
+            other = _layer(name, AGENT_LAYERS) if name.startswith("trainer_agent") else None
+            if other is not None and other > own:
+                upward.append(f"{mod} -> {name}")
+    return upward
+
+
+def test_the_agents_subpackages_import_only_their_own_layer_or_lower_ones():
+    upward = _agent_upward(MODULES)
+    assert not upward, "imports from a lower layer of the agent up:\n" + "\n".join(sorted(upward))
+
+
+def test_an_upward_import_inside_the_agent_is_found(tmp_path):
+    """The check above sees an import inside a function, from a lower subpackage up to a higher one."""
+    bad = tmp_path / "stats.py"
+    bad.write_text("def f():\n    from trainer_agent.control.plane import ControlPlane\n    return ControlPlane\n")
+    assert sorted(_agent_upward({"trainer_agent.measure.stats": bad})) == [
+        "trainer_agent.measure.stats -> trainer_agent.control.plane",
+        "trainer_agent.measure.stats -> trainer_agent.control.plane.ControlPlane"]
 
 
 def test_no_sibling_product_packages_import_each_other():

@@ -15,7 +15,7 @@ from trainguard.protocol.wire import Ack, DesiredState, Report, RunFinished, Run
 from tests.control.fake_controller import FakeController
 from tests.control.procs import until
 from tests.tools.faultproxy import FaultProxy
-from trainer_agent.client import ControllerClient, backoff_delay
+from trainer_agent.report.client import ControllerClient, backoff_delay
 
 pytestmark = pytest.mark.timing
 
@@ -301,7 +301,7 @@ def test_several_controller_urls_the_client_follows_the_active_one() -> None:
 
 
 def test_controller_urls_must_each_be_http_and_distinct() -> None:
-    from trainer_agent.client import controller_urls
+    from trainer_agent.report.client import controller_urls
     from trainer_agent.config import AgentConfig
 
     assert controller_urls("http://a:1/, https://b:2") == ["http://a:1", "https://b:2"]

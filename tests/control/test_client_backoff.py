@@ -13,7 +13,7 @@ import pytest
 
 from trainguard.protocol.wire import Ack, DesiredState, RunRegistration, dumps
 from tests.control.procs import until
-from trainer_agent.client import ControllerClient
+from trainer_agent.report.client import ControllerClient
 
 pytestmark = pytest.mark.timing
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 import trainer_agent as ta
 from trainguard.protocol.wire import DesiredState, Report, RunRegistration, dumps
 from tests.control.procs import until
-from trainer_agent.client import MAX_ANSWER_BYTES, ControllerClient
+from trainer_agent.report.client import MAX_ANSWER_BYTES, ControllerClient
 
 REG = RunRegistration(job="job-a", run="run-a", world_size=1)
 REGISTERED = json.dumps({"job": "job-a", "run": "run-a", "desired": json.loads(dumps(DesiredState()))}).encode()

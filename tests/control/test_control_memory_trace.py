@@ -12,7 +12,7 @@ from torch import nn
 
 import trainer_agent as ta
 from tests.control.procs import ControllerProcess, until
-from trainer_agent.memory_trace import GRAPH
+from trainer_agent.diagnostics.memory_trace import GRAPH
 from trainguard.cli import main as cli
 
 

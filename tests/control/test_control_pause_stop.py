@@ -42,7 +42,7 @@ def test_the_pause_log_says_what_ended_it(ctl: ControllerProcess, caplog: pytest
         ctl.command(run, ending)
 
     op = threading.Thread(target=operator)
-    caplog.set_level(logging.WARNING, logger="trainer_agent.control")
+    caplog.set_level(logging.WARNING, logger="trainer_agent.control.plane")
     try:
         for step in range(1, 6):
             loss = model(torch.randn(8, 4)).pow(2).mean()
@@ -59,7 +59,7 @@ def test_the_pause_log_says_what_ended_it(ctl: ControllerProcess, caplog: pytest
         op.join(30)
     finally:
         agent.close(2.0)
-    lines = [r.getMessage().removeprefix("trainguard: ") for r in caplog.records if r.name == "trainer_agent.control"]
+    lines = [r.getMessage().removeprefix("trainguard: ") for r in caplog.records if r.name == "trainer_agent.control.plane"]
     assert "rank 0 paused at step 3 (generation 1)" in lines
     assert expected in lines, lines
     if ending == "stop":

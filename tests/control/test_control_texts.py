@@ -1,4 +1,4 @@
-"""Text fields of the desired state across 2 gloo ranks (``trainer_agent/control.py``): the
+"""Text fields of the desired state across 2 gloo ranks (``trainer_agent/control/plane.py``): the
 agreement carries a key, the leader puts the text in the c10d store first.
 
 - While the run is paused, a ``reset_optimizer`` of the layer ``2.`` reaches the non-leader

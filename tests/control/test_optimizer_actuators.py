@@ -1,4 +1,4 @@
-"""The optimizer commands (``trainer_agent/optimizer_actuators.py``) on 2 gloo ranks, under DDP and
+"""The optimizer commands (``trainer_agent/control/optimizer_actuators.py``) on 2 gloo ranks, under DDP and
 FSDP2: a controller (the in-process fake, on rank 0) sets ``grad_clip_norm``, then
 ``momentum_scale`` with ``weight_decay_scale`` (the clipping ended), then ``reset_optimizer`` of
 the layer ``0.`` (a text field: the non-leader reads the name from the store). Each rank records

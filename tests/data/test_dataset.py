@@ -1,4 +1,4 @@
-"""The sharded token dataset (trainer_agent/dataset.py): the on-disk format and its quality
+"""The sharded token dataset (trainer_agent/data/sharded_dataset.py): the on-disk format and its quality
 report, the order (a permutation, disjoint across ranks and workers), exact resume, bad input."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_agent.dataset import (
+from trainer_agent.data.sharded_dataset import (
     Permutation,
     ShardWriter,
     TokenBatches,

@@ -164,7 +164,7 @@ def _prose(*pages: str) -> str:
 
 def test_defaults_stated_in_prose_are_the_codes() -> None:
     import trainer_agent as ta
-    from trainer_agent.spike_guard import SpikeGuardConfig
+    from trainer_agent.control.spike_guard import SpikeGuardConfig
     from trainguard.protocol.wire import LR_SCALE_MAX, LR_SCALE_MIN
     from trainguard.service.rules import RecoveryPolicy
 

@@ -80,7 +80,7 @@ def test_series_counts_of_a_small_case_counted_by_hand() -> None:
 
 
 def test_the_fixed_label_values_are_the_ones_the_agent_produces() -> None:
-    from trainer_agent.actuators import SKIP_REASONS
+    from trainer_agent.control.actuators import SKIP_REASONS
     from trainer_agent.data import QualityFilter
 
     assert set(LABEL_VALUES["reason"]) == {*SKIP_REASONS.values(), "data"}

@@ -55,7 +55,7 @@ exec(compile(src, str(path), "exec"), module.__dict__)
 '''
 
 ACTUATOR = r'''
-from trainer_agent.actuators import Actuator, actuator
+from trainer_agent.control.actuators import Actuator, actuator
 
 applied = []
 
@@ -155,7 +155,7 @@ def _run(tmp_path: Path, *parts: str) -> subprocess.CompletedProcess:
 
 
 def test_a_command_without_its_actuator_fails_at_import(tmp_path: Path) -> None:
-    proc = _run(tmp_path, PRELUDE, "import trainer_agent.control\n")
+    proc = _run(tmp_path, PRELUDE, "import trainer_agent.control.plane\n")
     assert proc.returncode != 0
     assert "TypeError" in proc.stderr and "tilt" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
 

@@ -26,7 +26,7 @@ LR0 = 2e-3
 
 
 def agent_lr_values(update_ratio: float, mults: list[float], scale: float) -> dict[str, float]:
-    """What the agent reports besides the update ratio (``trainer_agent/schedule.py``): the user's
+    """What the agent reports besides the update ratio (``trainer_agent/measure/schedule.py``): the user's
     schedule set LR0 x ``mults[-1]`` for the report's steps (``mults``: every report's multiplier
     so far), the step applied it x ``scale``."""
     mult = mults[-1]

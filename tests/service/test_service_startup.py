@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from trainer_agent.client import ControllerClient
+from trainer_agent.report.client import ControllerClient
 from trainguard.protocol.wire import RankEndpoint, Report, RunRegistration
 from trainguard.service import statements as sql
 from trainguard.service.app import create_app

@@ -20,7 +20,7 @@ from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from trainguard.service.store import MIGRATIONS, StoreError
 from tests.service.conftest import register
-from trainer_agent.client import ControllerClient
+from trainer_agent.report.client import ControllerClient
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed: pip install -e '.[postgres]'")
 from trainguard.service.store_postgres import Dialect, PostgresStore  # noqa: E402 - needs psycopg

@@ -68,7 +68,7 @@ from trainer_agent.data.names import (
 )
 from trainer_agent.data.signals import _Batch, _Hasher, _flatten, _text_batch, ks_2samp
 from trainer_agent.data.windows import _LengthReference, _SequenceRing, _TokenWindow, _UnigramReference
-from trainer_agent.sketch import SKETCH_K, BottomK
+from trainer_agent.measure.sketch import SKETCH_K, BottomK
 
 # ---------------------------------------------------------------------------------------------
 # The monitor.
@@ -235,7 +235,7 @@ class DataMonitor:
         self._version += 1
 
     def take_sketch(self) -> np.ndarray:
-        """The bottom-k sketch (``trainer_agent.sketch``, k = ``SKETCH_K``) of the exact hashes of
+        """The bottom-k sketch (``trainer_agent.measure.sketch``, k = ``SKETCH_K``) of the exact hashes of
         the sequences observed since the previous call, as an int64 row; starts a new interval."""
         return self._sketch.take()
 

@@ -28,7 +28,7 @@
 
 Lightning calls ``optimizer.step(closure)``: with ``skip_nonfinite=True`` the closure (forward and
 backward of the step's last micro-batch) runs first and the decision is on its gradients; a skipped
-step still ran the closure once (``trainer_agent/optim.py``).
+step still ran the closure once (``trainer_agent/measure/optim.py``).
 
 Tokens per micro-batch: ``count_tokens(batch)`` when given, else the ``input_ids`` of a mapping or an
 integer tensor (alone or first in a tuple/list); another batch has no token count. Keyword arguments

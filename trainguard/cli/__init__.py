@@ -178,7 +178,7 @@ def preflight(argv: Sequence[str]) -> int:
     import runpy
     import traceback
 
-    from trainer_agent.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
+    from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
 
     argv = list(argv)
     module = argv[:1] == ["-m"]

@@ -50,7 +50,7 @@ LAYER: Scope = "layer"
 SCOPES: tuple[Scope, ...] = (RANK, JOB, LAYER)
 
 #: The values of the extra labels that have a fixed set: the reasons the agent skips a step for
-#: (``trainer_agent.actuators``), the QualityFilter's decisions. ``group`` (one per param group)
+#: (``trainer_agent.control.actuators``), the QualityFilter's decisions. ``group`` (one per param group)
 #: and ``layer`` (one per layer) depend on the run.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": ("spike", "nonfinite", "data"),
@@ -196,8 +196,8 @@ CONTROL_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_weight_decay_scale", "1", "Multiplier the controller applies to the optimizer's own weight decay during each step.", scope=JOB),
 )
 
-#: Input metrics: what feeds the model and how much of it per step (``trainer_agent/inputs.py``,
-#: ``trainer_agent/dataset.py``, ``trainer_agent/batch_size.py``; the stability guide, 3.3 and 4.2).
+#: Input metrics: what feeds the model and how much of it per step (``trainer_agent/measure/inputs.py``,
+#: ``trainer_agent/data/sharded_dataset.py``, ``trainer_agent/measure/batch_size.py``; the stability guide, 3.3 and 4.2).
 INPUT_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_input_wait_seconds", "seconds", "Mean time per step this rank waited for its batch over the steps since the previous report: from the end of one end_step to the first forward pass of the model after it (loader, collation, host-to-device copy). High on one rank only: that rank is held back by its data, not its computation."),
     _g("trainguard_input_prefetch_depth", "batches", "Batches the token loader has ready ahead of the training loop (its prefetch queue) when scraped; 0 means the loop is waiting for data. Only with trainguard's TokenLoader."),

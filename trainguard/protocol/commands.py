@@ -17,7 +17,7 @@ A command (:class:`CommandSpec`) says, in one place:
   import).
 
 Adding a command: declare it in :data:`REGISTRY` below (fields, request, rule action, fold) and
-register its actuator in ``trainer_agent/actuators.py`` (``@actuator("<name>")``). The REST route,
+register its actuator in ``trainer_agent/control/actuators.py`` (``@actuator("<name>")``). The REST route,
 the CLI verb, the console's button, the rules' action, Alertmanager's label value, the stored
 state, the ranks' agreement and the metrics follow.
 
@@ -82,7 +82,7 @@ class StateField:
     (``gt``, ``le``]), ``choice`` (one of ``choices``) or ``text`` (at most ``max_length``
     characters). In the ranks' agreement every field is one int64: a float as the bits of its
     float64, a choice as its index, a text as :func:`text_key` of it (the text itself travels
-    beside the agreement: ``trainer_agent/control.py``)."""
+    beside the agreement: ``trainer_agent/control/plane.py``)."""
 
     name: str
     kind: Literal["int", "bool", "float", "choice", "text"]

@@ -2,8 +2,8 @@
 leader gets it, which of them the report carries to the controller and which rules may name.
 
 Everything else derives from :data:`RANK_VALUES`: the wire model :class:`RankValues` (one list per
-vector, index = global rank), the agent's gathered row (``trainer_agent.ranks.RANK_FIELDS``) and its
-map to the wire (``WIRE_VECTORS``), the row values ``trainer_agent/report.py`` puts in that row
+vector, index = global rank), the agent's gathered row (``trainer_agent.report.exchange.RANK_FIELDS``) and its
+map to the wire (``WIRE_VECTORS``), the row values ``trainer_agent/report/pipeline.py`` puts in that row
 (a catalogue metric's report value, or a getter there for the few it computes), the vectors a rule
 may name (:data:`RULE_VECTORS`) and the controller's stored layout (:data:`STORED_LAYOUT`).
 
@@ -17,7 +17,7 @@ declared mid-list under an old version fails there). Bit ``i`` therefore names t
 under every version, and the controller decodes a row of any older layout with the current one.
 
 Adding a per-rank value: declare it here (at the end, if the report carries it); when it is not a
-catalogue metric's report value, give ``trainer_agent/report.py``'s ``ROW_GETTERS`` its getter
+catalogue metric's report value, give ``trainer_agent/report/pipeline.py``'s ``ROW_GETTERS`` its getter
 (import fails without one). This module must not import torch.
 """
 
@@ -54,13 +54,13 @@ class RankValueSpec:
     source: Source
     """How the leader has it: ``row``, each rank's own value, a column of the report step's
     gathered row; ``fingerprint``, the leader's comparison of the ranks' gradient and parameter
-    fingerprints (``trainer_agent/fingerprint.py``); ``sketch``, the leader's estimate from the
-    ranks' data sketches (``trainer_agent/sketch.py``)."""
+    fingerprints (``trainer_agent/measure/fingerprint.py``); ``sketch``, the leader's estimate from the
+    ranks' data sketches (``trainer_agent/measure/sketch.py``)."""
     wire: str | None = None
     """The report's vector (a :class:`RankValues` field); None: the agent keeps it for itself."""
     metric: str | None = None
     """``row`` values: the catalogue metric whose report value on the rank is its row value (NaN
-    when the report lacks it); None: ``trainer_agent/report.py`` computes it (``ROW_GETTERS``)."""
+    when the report lacks it); None: ``trainer_agent/report/pipeline.py`` computes it (``ROW_GETTERS``)."""
     rules: bool = False
     """Whether rules may name the vector (``cross_rank``, ``desync``, ``nonfinite``'s vectors)."""
     since: int = 1

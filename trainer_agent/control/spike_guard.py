@@ -1,0 +1,123 @@
+"""The in-rank spike guard: is this step's gradient norm far above the recent ones?
+
+In the spirit of OLMo-core's skip-step optimizer (a step whose loss or gradient norm is more than
+6 sigma over the last 128 steps is not taken), with robust statistics: the median and the median
+absolute deviation (MAD) of the global gradient norms of the last ``window`` steps *taken*. A
+step is a spike when its norm exceeds both ``median + sigmas * 1.4826 * MAD`` (1.4826 x MAD is
+the standard deviation of a normal sample) and ``min_ratio * median`` (a run whose norms barely
+move has a tiny MAD; a 10 % bump is not a spike). Nothing is decided before ``min_history`` steps
+were taken.
+
+The decision is made at ``optimizer.step`` time, from the gradient norm the agent measured at the
+end of backward (already read by the non-finite check: no extra device read). The loss of the
+step is not known then (it reaches the agent in ``end_step``, after the step), so a loss spike
+with an ordinary gradient norm is not skipped here: the controller's ``loss_spike`` rule sees it
+in the next report and acts (adaptive LR, rollback). A bad batch whose loss spikes almost always
+spikes the gradient norm too, and that is skipped here.
+
+Skipped steps do not enter the window (the baseline stays that of the healthy steps). After
+``max_consecutive`` skipped steps in a row the guard stops skipping and takes the step: a
+persistent change (e.g. the user's own LR schedule jumped, or the data mixture changed) is not
+something skipping can fix, and a guard that skips forever would stall the run silently. The
+guard then starts its baseline afresh from the steps that follow (a new regime: nothing is skipped
+for ``min_history`` steps), so a level shift costs ``max_consecutive`` skipped steps, not the
+hundreds of steps it would take a robust median to move. Such a run shows in
+``trainguard_consecutive_skipped_steps`` and the controller escalates (adaptive LR, rollback,
+pause).
+
+Steps skipped for their data (the controller's data skip, a cause-``data`` incident) do not count
+as skips here and leave the window as it was. The data skip reaches the ranks a few steps after the
+first bad batch, so those batches may already have been trained. The model then sits elsewhere, and
+good data gives larger gradients than the window's (after 3 batches of random bytes a small GPT's
+loss went from 3.0 to 4.4, its gradient norm from 0.7 to 12-15). So the first step after a data
+skip is judged against the window: when it is a spike, the guard takes it and starts its baseline
+afresh from it, as after ``max_consecutive`` skips. Skipping good data cannot undo what the bad
+batches did; training on good data does. The controller's rollback, when a snapshot from before the
+onset exists, undoes them. The guard's state is the same on every rank as long as the ranks see the same global
+gradient norms (data parallelism); the ranks agree on the decision anyway (the skip flag's
+all-reduce, ``trainer_agent/control/actuators.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+from typing import Any
+
+from trainer_agent.config import SpikeGuardConfig
+
+__all__ = ["SpikeGuard", "SpikeGuardConfig"]
+
+_MAD_TO_SIGMA = 1.4826
+
+
+class SpikeGuard:
+    """Rolling robust baseline of the gradient norms of the steps taken; pure host code."""
+
+    def __init__(self, config: SpikeGuardConfig | None = None) -> None:
+        self.config = config or SpikeGuardConfig()
+        self._norms: deque[float] = deque(maxlen=self.config.window)
+        self.consecutive = 0
+        """Steps skipped in a row (any reason), reset by a step taken."""
+        self.restarts = 0
+        """Baselines started afresh (after ``max_consecutive`` skips in a row, or after a data skip)."""
+        self._after_data_skip = False  # the next step judged is the first after a data skip
+        self._rebase = False  # the next step taken starts a new baseline
+
+    def threshold(self) -> float:
+        """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
+        cfg = self.config
+        if len(self._norms) < cfg.min_history:
+            return math.inf
+        m = median(self._norms)
+        mad = median(abs(x - m) for x in self._norms)
+        return max(m + cfg.sigmas * _MAD_TO_SIGMA * mad, cfg.min_ratio * m)
+
+    def is_spike(self, norm: float) -> bool:
+        """True when the step with this (finite) global gradient norm should not be taken."""
+        if self.consecutive >= self.config.max_consecutive:
+            return False
+        spike = norm > self.threshold()
+        if self._after_data_skip:
+            self._after_data_skip = False
+            if spike:  # the bad batches trained before the data skip moved the model: a new regime
+                self._rebase = True
+                return False
+        return spike
+
+    def data_skipped(self) -> None:
+        """A step was skipped for its data: not a skip of this guard's, the window stays; the first
+        step judged after the data skip may start a new baseline (see the module's docstring)."""
+        self._after_data_skip = True
+
+    def taken(self, norm: float) -> None:
+        """The step was taken: its norm joins the baseline (a non-finite one does not). Taken
+        after ``max_consecutive`` skips, or as the first spike after a data skip, it starts a new
+        baseline."""
+        if self.consecutive >= self.config.max_consecutive or self._rebase:
+            self._norms.clear()
+            self.restarts += 1
+            self._rebase = False
+        self.consecutive = 0
+        if math.isfinite(norm):
+            self._norms.append(norm)
+
+    def skipped(self) -> None:
+        self.consecutive += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            norms = [float(x) for x in state["norms"]]
+            consecutive = int(state["consecutive"])
+            after_data_skip = state.get("after_data_skip", False)  # (absent from older snapshots)
+            if not isinstance(after_data_skip, bool):
+                raise TypeError(f"after_data_skip must be a bool, got {after_data_skip!r}")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed spike guard state: {exc!r}") from None
+        self._norms = deque(norms[-self.config.window:], maxlen=self.config.window)
+        self.consecutive = max(consecutive, 0)
+        self._after_data_skip, self._rebase = after_data_skip, False

@@ -1,0 +1,162 @@
+"""The trainable parameters in the agent's order: buckets of one (device, dtype), and layers.
+
+Ordered once, at attach, bucket after bucket, so that every reduction over them is one fused
+``torch._foreach_*`` call per bucket and its results line up with the per-layer index without a
+scatter. The rest of the agent reads parameters only through :class:`ParamIndex`.
+
+Parameters held as DTensors (FSDP2, HSDP, tensor parallel) are measured on their local shards:
+``buckets``, ``grads()`` and ``versions()`` are local tensors, and ``sharding`` (a
+:class:`~trainer_agent.measure.sharding.Sharding`) says which share of each per-parameter sum this rank
+contributes to the global value formed at a report. Without any DTensor ``sharding`` is None and
+every value is this rank's own (one process, or DDP's replicated gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer_agent.measure import stats
+from trainer_agent.compat import torch_private
+from trainer_agent.measure.sharding import Sharding, is_dtensor, local
+
+__all__ = ["ParamIndex", "layer_names"]
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class ParamIndex:
+    """The optimizer's trainable parameters, bucketed, with their layer of the model.
+
+    - ``params``: flat list, bucket after bucket; ``buckets``: the same tensors per bucket;
+      ``bucket_of[i]``: the bucket of ``params[i]``.
+    - ``layers``: layer names (:func:`layer_names`: the repeated block a parameter belongs to, or
+      the module path cut at ``layer_depth`` when one is given); ``layer_ids``: device long
+      tensor, the layer of each parameter.
+    - ``grad_zeros``: a 0-dim zero per bucket, stand-in for a missing gradient (norm 0) that keeps
+      its bucket's fused path.
+    - ``sharding``: the shares of this rank when parameters are DTensors, else None.
+
+    ``params`` are the optimizer's parameters (DTensors or not); ``buckets`` hold their local
+    tensors (the same tensors for plain parameters).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layer_depth: int | None = None) -> None:
+        names = layer_names(model, layer_depth)
+        seen: set[int] = set()
+        params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
+        locals_ = [local(p) for p in params]
+        order = [i for bucket in stats.buckets(locals_) for i in bucket]
+        self.params = [params[i] for i in order]
+        self.buckets: list[list[torch.Tensor]] = []
+        for i in order:
+            p = locals_[i]
+            last = self.buckets[-1][0] if self.buckets else None
+            if last is None or (p.device, p.dtype) != (last.device, last.dtype):
+                self.buckets.append([])
+            self.buckets[-1].append(p)
+        self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]
+        self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
+        self.device = self.buckets[0][0].device
+        self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
+        self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
+                         else None)
+        layers: dict[str, int] = {}
+        ids = [layers.setdefault(names.get(id(p), "unnamed"), len(layers)) for p in self.params]
+        self.layers: list[str] = list(layers)
+        self.layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def grads(self) -> list[list[torch.Tensor]]:
+        """The current ``.grad`` per bucket (the bucket's zero where a parameter has none)."""
+        if self.sharding is None:
+            # No DTensor parameter: no local shard to take, one list per bucket (the per-step
+            # host work is one attribute read per tensor).
+            out = []
+            for bucket, zero in zip(self.buckets, self.grad_zeros):
+                gs = [p.grad for p in bucket]
+                if any(g is None for g in gs):
+                    gs = [zero if g is None else g for g in gs]
+                out.append(gs)
+            return out
+        grads: list[list[torch.Tensor]] = [[] for _ in self.buckets]
+        for p, k in zip(self.params, self.bucket_of):
+            g = p.grad
+            grads[k].append(self.grad_zeros[k] if g is None else local(g))
+        return grads
+
+    def pending_grads(self) -> set[int]:
+        """Indices of the DTensor gradients whose placements are not their parameter's (e.g. the
+        ``Partial`` gradient of a sequence-parallel norm, summed over the ranks only inside the
+        optimizer's update): their local values are pending sums, not the parameter's layout.
+        Empty without sharding (no loop)."""
+        if self.sharding is None:
+            return set()
+        return {i for i, p in enumerate(self.params)
+                if is_dtensor(p.grad) and p.grad.placements != p.placements}  # type: ignore[union-attr]
+
+    def versions(self) -> tuple[object, ...]:
+        """Autograd's version counters of the (local) tensors (host ints): they move on every
+        in-place write."""
+        return torch_private.version_counters(p for bucket in self.buckets for p in bucket)
+
+    def sq_norms(self) -> torch.Tensor:
+        """Per-parameter ||W||^2 (float64 device vector in this order)."""
+        return stats.bucket_norms(self.buckets, self.device).to(torch.float64).square()
+
+
+def layer_names(model: nn.Module, layer_depth: int | None = None) -> dict[int, str]:
+    """The layer of each parameter of ``model`` (by ``id``), as the per-layer metrics, the
+    fingerprints and the desync findings name it.
+
+    By default a layer is a repeated block: a child of an ``nn.ModuleList`` or ``nn.Sequential``
+    that has a sibling of its own class (a transformer's blocks: ``transformer.h.3`` in GPT-2,
+    ``model.layers.3`` in Llama), the outermost one on the parameter's path (a block's experts
+    stay in their block). A parameter outside every repeated block belongs to the module that
+    holds it (``transformer.wte``, ``model.norm``, ``lm_head``). With ``layer_depth`` the
+    module path is cut at that many components instead (``blocks.3.attn.qkv.weight`` is in
+    ``blocks.3`` at depth 2; shallower modules keep their full path). Wrapper prefixes (DDP's
+    ``module.``, ``torch.compile``'s ``_orig_mod.``) are not part of a name."""
+    blocks = set() if layer_depth is not None else _repeated_blocks(model)
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        if layer_depth is not None:
+            module = _module_of(_unwrapped(name))
+            out[id(p)] = ".".join(module[:layer_depth])
+        else:  # blocks are paths in the wrapped model: unwrapped once found
+            module = _module_of(name)
+            layer = next((module[:i] for i in range(1, len(module) + 1) if ".".join(module[:i]) in blocks), module)
+            out[id(p)] = _unwrapped(".".join(layer))
+    return out
+
+
+def _module_of(name: str) -> list[str]:
+    """The path components of the module holding parameter ``name`` (a parameter of the root
+    module: its own name)."""
+    parts = name.split(".")
+    return parts[:-1] or parts
+
+
+def _repeated_blocks(model: nn.Module) -> set[str]:
+    """Module paths of the children of ModuleLists and Sequentials that have a sibling of their
+    class (FSDP2's ``fully_shard`` gives every wrapped block of one class the same new class)."""
+    out: set[str] = set()
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            classes = [type(child) for _, child in children]
+            out.update(f"{path}.{name}" if path else name for name, child in children
+                       if classes.count(type(child)) > 1)
+    return out
+
+
+def _unwrapped(name: str) -> str:
+    while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
+        name = name.split(".", 1)[1]
+    return name

@@ -1,0 +1,388 @@
+"""What the agent measures during one optimizer step, in the hooks: (1) backward, (2) optimizer step.
+
+:class:`StepMeter` holds the hook bodies; the :class:`~trainer_agent.agent.Agent` facade registers
+them, times them and keeps their errors out of the training loop. Every value stays on the device
+(no host-device sync here). The report pipeline (``trainer_agent/report/pipeline.py``) reads the finished
+:class:`StepState` at ``end_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer_agent.measure import stats, triage_stats as triage
+from trainer_agent.compat import torch_private
+from trainer_agent.config import AgentConfig
+from trainer_agent.measure.update_snapshot import UpdateSnapshot
+from trainer_agent.measure.layer_stats import GradMoments, LayerGradStats
+from trainer_agent.measure.params import ParamIndex
+from trainer_agent.measure.schedule import ReportSchedule
+
+__all__ = ["StepState", "StepMeter", "GradHooks", "HELD_GRAD_BYTES"]
+
+#: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
+HELD_GRAD_BYTES = 32 << 20
+
+
+class StepState:
+    """What the hooks learn during one optimizer step; replaced by ``end_step``."""
+
+    __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_share", "grad_nonfinite", "scale",
+                 "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp", "grad_stats",
+                 "micro_missed")
+
+    def __init__(self) -> None:
+        self.backwards = 0
+        #: Per backward pass: ||incoming gradient|| over all parameters (float64 device scalar,
+        #: times the loss scale).
+        self.micro_norms: list[torch.Tensor] = []
+        #: A backward pass after the first ran without the per-parameter hooks (accumulation that
+        #: started on a report step after steps of one pass each): ``micro_norms`` stays empty.
+        self.micro_missed = False
+        #: Per-parameter ||accumulated grad|| at the end of the last backward (device vector in the
+        #: agent's parameter order, times the loss scale; 0 without a gradient).
+        self.grad_norms: torch.Tensor | None = None
+        #: The step's global pre-clip gradient norm, unscaled (float64 device scalar). With sharded
+        #: parameters (``ParamIndex.sharding``): the norm of this rank's local shards only (finite
+        #: exactly when they are); the global norm is formed at the report.
+        self.grad_norm: torch.Tensor | None = None
+        #: The value the report interval's row carries for this step: ``grad_norm`` without
+        #: sharding; with sharding, this rank's share of the global squared norm (unscaled), which
+        #: the report sums over the ranks.
+        self.grad_share: torch.Tensor | None = None
+        self.grad_nonfinite: torch.Tensor | None = None
+        #: Loss scale at the last backward (device scalar) or None without an enabled scaler.
+        self.scale: torch.Tensor | None = None
+        self.stepped = False
+        self.snapshot_taken = False
+        self.before_sq: torch.Tensor | None = None
+        self.delta_sq: torch.Tensor | None = None
+        self.param_sq: torch.Tensor | None = None
+        #: LR per param group as used by the step (float, or a device tensor for tensor LRs).
+        self.lrs: list[float | torch.Tensor] | None = None
+        #: Report steps with a fingerprinter: (layers, K + 1) projections and norms of the
+        #: gradients the optimizer used (``trainer_agent/measure/fingerprint.py``).
+        self.grad_fp: torch.Tensor | None = None
+        #: Report steps: the moments of the gradients the optimizer used (``LayerGradStats.measure``).
+        self.grad_stats: GradMoments | None = None
+
+
+class GradHooks:
+    """The tensor hooks on the parameters, in two sets.
+
+    - *Sentinels*, always: one hook on the first parameter of every layer, whose only work is to
+      start the end-of-backward measurement once per backward pass (``sentinel``). A backward pass
+      that reaches any layer runs one of them, so an ordinary step costs one Python call per layer
+      reached, not one per parameter tensor.
+    - *Per-parameter* hooks (``on_grad(index, grad)``), only while :meth:`want` says so: the steps
+      that read each incoming gradient (the noise scale's micro-batch norms on report steps, the
+      gradient verifier's armed step). Removed again afterwards, and the emptied hook dictionary
+      is dropped from the tensor, so that autograd calls no Python for it on the next steps.
+    """
+
+    def __init__(self, params: list[torch.Tensor], layer_ids: list[int],
+                 sentinel: Callable[[torch.Tensor], None], on_grad: Callable[[int, torch.Tensor], None]) -> None:
+        self.params = params
+        first: dict[int, int] = {}
+        for i, layer in enumerate(layer_ids):
+            first.setdefault(layer, i)
+        self._sentinels = [params[i].register_hook(sentinel) for i in first.values()]
+        self._bodies = [functools.partial(on_grad, i) for i in range(len(params))]
+        self._full: list[Any] = []
+
+    @property
+    def full(self) -> bool:
+        """Whether every parameter is hooked now."""
+        return bool(self._full)
+
+    def want(self, full: bool) -> None:
+        """Hook every parameter (``full``), or only the sentinels."""
+        if full and not self._full:
+            self._full = [p.register_hook(body) for p, body in zip(self.params, self._bodies)]
+        elif not full and self._full:
+            self._remove(self._full)
+
+    def _remove(self, handles: list[Any]) -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+        for p in self.params:
+            # A leaf's hook dict stays registered with autograd after its last hook is removed,
+            # and autograd then calls into Python for every gradient: drop it when empty.
+            torch_private.drop_empty_backward_hooks(p)
+
+    def remove(self) -> None:
+        self._remove(self._full)
+        self._remove(self._sentinels)
+
+
+def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
+    return value if scale is None else value / scale**power
+
+
+class StepMeter:
+    """Gradient and update measurements of the step in progress (``state``).
+
+    ``step`` is a callable returning the steps completed so far (the facade's counter); the step
+    in progress is ``step() + 1``.
+    """
+
+    def __init__(self, index: ParamIndex, config: AgentConfig, schedule: ReportSchedule, *,
+                 scaler: Any, data_parallel: bool, step: Callable[[], int],
+                 on_error: Callable[[str, BaseException], None], clock: Callable[[], float]) -> None:
+        self.index = index
+        self.config = config
+        self.schedule = schedule
+        self.scaler = scaler
+        self.data_parallel = data_parallel
+        #: The noise-scale measurement: needs each rank's full incoming gradient, which sharded
+        #: parameters (FSDP2's reduce-scattered gradients) do not have: off with sharding.
+        self.grad_noise = config.grad_noise and index.sharding is None
+        #: Norms of the (scaled) gradients accumulate in float64 under an enabled GradScaler: the
+        #: square of a scaled float32 gradient can overflow float32 (scale 2^127), never float64
+        #: (the largest float32 squared is ~1e77), so the unscaled norm stays right for any finite
+        #: scale; without a scaler float32 accumulation (the fused fast path) is kept.
+        self.wide = scaler is not None and scaler.is_enabled()
+        self._step = step
+        self._on_error = on_error
+        self._clock = clock
+        self.state = StepState()
+        #: Set by the agent under data parallelism, or with replicated shards (``trainer_agent/measure/fingerprint.py``).
+        self.fingerprint: Any = None
+        #: Wall time spent in the backward-end callbacks of this step (the facade adds it up).
+        self.overhead = 0.0
+        #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
+        self.scaled_grad_norm: torch.Tensor | None = None
+        self.last_lrs: list[float | torch.Tensor] | None = None
+        self._in_backward = False
+        self._hook_norms: list[torch.Tensor] = []
+        # Incoming gradients held for one fused norm per bucket (see on_grad), their bytes.
+        self._held: list[list[torch.Tensor]] = [[] for _ in index.buckets]
+        self._held_bytes = 0
+        self._snapshot = UpdateSnapshot(index)
+        #: The triage's per-layer gradient statistics, fused (its index tensors cached).
+        self.layer_stats = LayerGradStats(index.layer_ids, len(index.layers), index.device)
+        #: The parameters' tensor hooks (set by the agent): sentinels, and every parameter on the
+        #: steps that read incoming gradients (:meth:`wants_every_grad`).
+        self.hooks: GradHooks | None = None
+        #: Backward passes of the last finished step (None before the first): without data
+        #: parallelism the report step's hooks are added only after accumulation was seen.
+        self._last_backwards: int | None = None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The step's pre-clip global gradient norm so far (device scalar), None before the first
+        backward of the step."""
+        return self.state.grad_norm
+
+    def reset(self) -> StepState:
+        """Start the next step; returns the finished step's state."""
+        finished, self.state = self.state, StepState()
+        self._last_backwards = finished.backwards
+        self._in_backward = False
+        self._hook_norms = []
+        self._release_held()  # a backward pass that raised never reached its end
+        return finished
+
+    # ------------------------------------------------------------------ (1) backward
+
+    def on_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Tensor hook of ``index.params[index]``: the incoming gradient of one backward pass,
+        before it is accumulated into ``.grad`` (and before any DDP all-reduce).
+
+        For the noise scale its norm is needed. When the parameter already holds a ``.grad``
+        (accumulation into it, in place) the tensor is held and normed with the others of its
+        bucket in one fused call, when ``HELD_GRAD_BYTES`` are held or at the end of the pass.
+        Into an empty ``.grad`` autograd moves the incoming tensor without a copy only if nothing
+        else references it, so that one is normed at once."""
+        self.begin_backward()
+        if self.grad_noise and (self.data_parallel or self.state.backwards >= 1):
+            if self.index.params[index].grad is None:
+                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=self._dtype(grad.dtype)))
+            else:
+                self._held[self.index.bucket_of[index]].append(grad)
+                self._held_bytes += grad.numel() * grad.element_size()
+                if self._held_bytes >= HELD_GRAD_BYTES:
+                    self._norm_held()
+
+    def wants_every_grad(self) -> bool:
+        """Whether the step in progress needs every incoming gradient from its first backward
+        pass on (the per-parameter hooks): the noise scale on a report step under data
+        parallelism, where every pass is measured before the all-reduce. Without data
+        parallelism the first pass's gradient is the accumulated one, and the hooks are added
+        at its end (``_backward_end``); other steps need none (the noise scale is reported from
+        the report step's micro-batches only)."""
+        return self.grad_noise and self.data_parallel and self.schedule.is_report(self._step() + 1)
+
+    def sentinel(self, grad: torch.Tensor) -> None:
+        """Tensor hook of the sentinel parameters (:class:`GradHooks`): starts the end-of-backward
+        measurement of the pass."""
+        if not self._in_backward:
+            try:
+                self.begin_backward()
+            except Exception as exc:  # never raise into backward
+                self._on_error("gradient_hook", exc)
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if self.wide else stats.norm_dtype(dtype)
+
+    def begin_backward(self) -> None:
+        """Called by the first gradient hook of a backward pass (or the model output's hook):
+        queues the end-of-backward measurement once per pass."""
+        if not self._in_backward:
+            self._in_backward = True
+            self._hook_norms = []
+            torch_private.queue_backward_callback(self._backward_end_outer)
+
+    def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on the model, for sharded parameters: FSDP2 hands the gradients to its
+        sharded parameters at the end of backward without running their tensor hooks, so a hook
+        on the model's output (the first tensor requiring a gradient) starts the end-of-backward
+        measurement instead; it runs after FSDP2's reduce-scatter (queued later, see
+        ``_backward_end_outer``)."""
+        if not torch.is_grad_enabled():
+            return
+        for t in torch_private.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad)
+                return
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        try:
+            self.begin_backward()
+        except Exception as exc:  # never raise into backward
+            self._on_error("gradient_hook", exc)
+
+    def _norm_held(self) -> None:
+        for held in self._held:
+            if held:
+                self._hook_norms += torch_private.foreach_norm(held, 2, dtype=self._dtype(held[0].dtype))
+        self._release_held()
+
+    def _release_held(self) -> None:
+        for held in self._held:
+            held.clear()
+        self._held_bytes = 0
+
+    def _backward_end_outer(self) -> None:
+        # Re-queue, so that this runs after callbacks queued later in the same backward pass,
+        # in particular DDP's, which finishes the gradient all-reduce.
+        try:
+            torch_private.queue_backward_callback(self._backward_end)
+        except Exception as exc:
+            self._in_backward = False
+            self._on_error("backward_end", exc)
+
+    def _backward_end(self) -> None:
+        t0 = self._clock()
+        try:
+            self._in_backward = False
+            self._norm_held()
+            st = self.state
+            first = st.backwards == 0
+            self.measure_grads()
+            if self.grad_noise:
+                if first and not self.data_parallel:
+                    # The first backward of a step accumulates into zeroed gradients.
+                    st.micro_norms.append(self.scaled_grad_norm)
+                elif self._hook_norms:
+                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
+                                                                   dtype=torch.float64))
+                elif self.hooks is not None and not self.hooks.full:
+                    st.micro_missed = True  # a pass without the hooks: its incoming norm is unknown
+            st.backwards += 1
+            hooks = self.hooks
+            if (first and self.grad_noise and not self.data_parallel and hooks is not None and not hooks.full
+                    and self._last_backwards != 1 and self.schedule.is_report(self._step() + 1)):
+                # The step's further passes, when the last step had some: their incoming gradients.
+                hooks.want(True)
+            if st.micro_missed:
+                st.micro_norms = []  # the noise scale of this step is absent rather than wrong
+        except Exception as exc:
+            self._on_error("backward_end", exc)
+        finally:
+            self._hook_norms = []
+            self._release_held()
+            self.overhead += self._clock() - t0
+
+    def measure_grads(self) -> None:
+        """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
+        element count) into the state. One fused norm per bucket."""
+        st = self.state
+        grads = self.index.grads()
+        st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
+        st.scale = self.scale_tensor()
+        sharding = self.index.sharding
+        if self.schedule.is_report(self._step() + 1):
+            flat = [g for b in grads for g in b]
+            norms = st.grad_norms
+            if sharding is not None:  # count each element once: the kept replica's shards only
+                flat = [flat[i] for i in sharding.kept]
+                norms = norms.index_select(0, sharding.kept_index)
+            st.grad_nonfinite = stats.nonfinite_count(flat, self.index.device, norms)
+        self.scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
+        st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
+        if sharding is None:
+            st.grad_share = st.grad_norm
+        else:
+            sq = st.grad_norms.to(torch.float64).square()
+            st.grad_share = unscale(sharding.shares(sq).sum(), st.scale, power=2)
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        scaler = self.scaler
+        scale = torch_private.grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
+        if scale is None:
+            return None
+        # GradScaler keeps its scale in a device tensor (get_scale() would sync); update() changes
+        # it in place, so keep a copy of the value the gradients carry.
+        return scale.detach().to(self.index.device, torch.float64, copy=True).reshape(())
+
+    # ------------------------------------------------------------------ (2) optimizer step
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot."""
+        st = self.state
+        st.lrs = triage.group_lrs(optimizer)
+        if st.grad_norms is None:
+            # No backward pass went through the hooks (gradients set by hand): measure what the
+            # optimizer is about to use.
+            self.measure_grads()
+        report = self.schedule.is_report(self._step() + 1)
+        # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
+        # not the layer's, so they are left out (absent, never wrong).
+        if self.config.triage and report and self.index.sharding is None:
+            st.grad_stats = self.layer_stats.measure(self.index.params)
+        if self.fingerprint is not None and report:
+            # The gradients this step applies (all-reduced, unscaled and clipped), per layer; their
+            # squared norms are the statistics' when those measured every gradient.
+            st.grad_fp = self.fingerprint.layer_values(self.index.grads(), skip=self.index.pending_grads(),
+                                                       sq=st.grad_stats.device_sq() if st.grad_stats else None)
+        mode = self.config.update_ratio
+        if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
+            self._snapshot.take(st)
+
+    def after_step(self) -> None:
+        """Optimizer post-hook body (under ``no_grad``): ||W_after - W_before||, ||W_after||."""
+        st = self.state
+        st.stepped = True
+        if st.snapshot_taken:
+            # Refresh the snapshot with W_after when the next step is measured too.
+            self._snapshot.measure(st, refresh=self.config.update_ratio == "every" or self.config.report_every == 1)
+        else:
+            self._snapshot.forget()
+            if self.schedule.is_report(self._step() + 1):
+                self._snapshot.measure_params(st)
+
+    def lrs(self, st: StepState, optimizer: torch.optim.Optimizer) -> list[float | torch.Tensor]:
+        """The LRs the finished step ``st`` used (the last ones seen when no step was taken)."""
+        lrs = st.lrs
+        if lrs is None:
+            lrs = self.last_lrs
+        if lrs is None:
+            lrs = triage.group_lrs(optimizer)
+        self.last_lrs = lrs
+        return lrs
