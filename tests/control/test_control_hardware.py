@@ -4,7 +4,8 @@ rank 1's device computes wrong values (one activation element's sign flipped, a 
 on every pass, as a failing unit does), so the gradient recompute check (every 5th step) does not
 reproduce its gradient there. The controller's verdict is ``hardware`` naming rank 1 and its host;
 every rank checkpoints at the same step, then stops at the same step with the documented exit
-status, within a report of the recompute."""
+status: decided within a report of the recompute, applied at the first agreement after the
+leader's client has it."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_a_rank_whose_device_computes_wrong_values_is_named_checkpointed_and_sto
     assert logs[0]["history"] == logs[1]["history"]  # every generation applied at the same step
     assert logs[0]["checkpoints"] == logs[1]["checkpoints"] and logs[0]["checkpoints"]
     assert logs[0]["stopped_at"] == logs[1]["stopped_at"]
-    assert first_bad <= logs[0]["checkpoints"][0] <= logs[0]["stopped_at"] <= first_bad + 4  # within a report or so
+    assert first_bad <= logs[0]["checkpoints"][0] <= logs[0]["stopped_at"]
     assert logs[0]["code"] == logs[1]["code"] == EXIT_HARDWARE_FAULT
     assert all(h[3] == 1.0 for h in logs[0]["history"])  # the LR was never touched
 
@@ -106,5 +107,15 @@ def test_a_rank_whose_device_computes_wrong_values_is_named_checkpointed_and_sto
     (incident,) = httpx.get(f"{controller.url}/v1/runs/{RUN}/incidents", timeout=10).json()["incidents"]
     assert incident["cause"] == "hardware" and (incident["verdict"]["ranks"], incident["verdict"]["hosts"]) == ([1], [host])
     assert [r["rung"] for r in incident["rungs"]] == ["checkpoint", "stop"] and incident["outcome"] == "escalated"
+    # Decided within a report of the failing recompute (report_every=1). The ranks apply it at the
+    # first agreement after the leader's client has it: a round trip the agent never waits for, so
+    # its length in steps depends on how fast the machine trains (3 steps idle, 11 with the cores taken).
+    checkpoint, stop = incident["rungs"]
+    assert first_bad <= checkpoint["step"] <= stop["step"] <= first_bad + 1, incident["rungs"]
+    def applied(generation: int) -> int:  # the step of the first state applied that holds it (states fold)
+        return next(h[1] for h in logs[0]["history"] if h[0] >= generation)
+
+    assert checkpoint["step"] < applied(checkpoint["generation"]) == logs[0]["checkpoints"][0]
+    assert stop["step"] < applied(stop["generation"]) == logs[0]["stopped_at"]
     assert f"rank 1 on {host}" in incident["rungs"][1]["reason"]
     assert f"exit status {EXIT_HARDWARE_FAULT}" in detail["finish_reason"]
