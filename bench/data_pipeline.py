@@ -41,7 +41,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, TokenShard, write_shards
+from trainer_agent.dataset import TokenBatches, TokenLoader, TokenShard, write_shards
 
 BATCH, SEQ_LEN = 16, 2048
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import trainer_agent as ta  # noqa: E402
-from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader  # noqa: E402
+from trainer_agent.dataset import TokenBatches, TokenLoader  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 import trainer_agent as ta
-from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, write_shards
+from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
 
 VOCAB = 50
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, until
-from trainer_agent.data.sharded_dataset import write_shards
+from trainer_agent.dataset import write_shards
 
 pytestmark = pytest.mark.distributed
 

@@ -199,7 +199,7 @@ def test_input_pipeline_compares_the_loaders_rate_with_the_steps_demand_and_rest
 def test_input_pipeline_passes_a_prefetching_token_loader_and_keeps_its_position(tmp_path) -> None:
     import numpy as np
 
-    from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, write_shards
+    from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
     from trainer_agent.diagnostics.preflight_probes import input_pipeline_check
 
     rng = np.random.default_rng(0)

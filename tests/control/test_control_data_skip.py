@@ -31,7 +31,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     import trainer_agent as ta
-    from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader
+    from trainer_agent.dataset import TokenBatches, TokenLoader
     from trainguard.demo.model import TinyGPT, next_byte_loss
 
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
 
 
 def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(controller, tmp_path, monkeypatch) -> None:
-    from trainer_agent.data.sharded_dataset import TokenBatches, write_shards
+    from trainer_agent.dataset import TokenBatches, write_shards
     from trainguard.demo.model import stdlib_source_bytes
 
     text = stdlib_source_bytes(1 << 18)

@@ -186,7 +186,7 @@ def _train(stack) -> tuple[float, float, object, set[float]]:
                                             flops_per_token=6e6, peak_flops=1e12))  # MFU on a CPU
     # The sequences come through the agent's own sharded reader (so its panel has data): random
     # token sequences written into shards, read back in a seeded order, watched by the agent.
-    from trainer_agent.data.sharded_dataset import TokenBatches, TokenLoader, write_shards
+    from trainer_agent.dataset import TokenBatches, TokenLoader, write_shards
 
     generator = torch.Generator().manual_seed(1)
     shards = write_shards(stack["logs"] / "shards",

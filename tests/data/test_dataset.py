@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_agent.data.sharded_dataset import (
+from trainer_agent.dataset import (
     Permutation,
     ShardWriter,
     TokenBatches,
