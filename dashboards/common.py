@@ -288,6 +288,23 @@ def _variables() -> list[Template]:
     ]
 
 
+def _query_annotation(name: str, colour: str, expr: str, title: str, text: str,
+                      tags: str) -> dict:
+    """An annotation drawn from a Prometheus query: one mark per series the query returns."""
+    return {
+        "datasource": DATASOURCE,
+        "enable": True,
+        "iconColor": colour,
+        "name": name,
+        "expr": expr,
+        "step": "15s",
+        "titleFormat": title,
+        "textFormat": text,
+        "tagKeys": tags,
+        "useValueForTime": False,
+    }
+
+
 def _annotations() -> Annotations:
     """Grafana's own annotations, the Prometheus alerts of the generated rules (``ALERTS``),
     every controller action applied by the run (a change of the applied generation), and the
@@ -301,46 +318,25 @@ def _annotations() -> Annotations:
         "name": "Annotations & Alerts",
         "type": "dashboard",
     }
-    alerts = {
-        "datasource": DATASOURCE,
-        "enable": True,
-        "iconColor": "red",
-        "name": "Prometheus alerts",
-        "expr": f'ALERTS{{alertstate="firing", {JOB_RUN}}}',
-        "step": "15s",
-        "titleFormat": "{{alertname}}",
-        "textFormat": "{{severity}}: action {{trainguard_action}} on run {{run}}",
-        "tagKeys": "severity,trainguard_action",
-        "useValueForTime": False,
-    }
-    actions = {
-        "datasource": DATASOURCE,
-        "enable": True,
-        "iconColor": "purple",
-        "name": "Controller actions applied",
-        "expr": f'max by (job, run) (changes(trainguard_applied_generation{{{JOB_RUN}}}[1m])) > 0',
-        "step": "15s",
-        "titleFormat": "desired-state generation applied",
-        "textFormat": "run {{run}}: new controller generation applied (pause, lr_scale, checkpoint or stop)",
-        "tagKeys": "run",
-        "useValueForTime": False,
-    }
-    controller_alerts = {
-        "datasource": DATASOURCE,
-        "enable": True,
-        "iconColor": "orange",
-        "name": "Controller alerts",
+    alerts = _query_annotation(
+        "Prometheus alerts", "red", f'ALERTS{{alertstate="firing", {JOB_RUN}}}',
+        "{{alertname}}", "{{severity}}: action {{trainguard_action}} on run {{run}}",
+        "severity,trainguard_action")
+    actions = _query_annotation(
+        "Controller actions applied", "purple",
+        f'max by (job, run) (changes(trainguard_applied_generation{{{JOB_RUN}}}[1m])) > 0',
+        "desired-state generation applied",
+        "run {{run}}: new controller generation applied (pause, lr_scale, checkpoint or stop)",
+        "run")
+    controller_alerts = _query_annotation(
+        "Controller alerts", "orange",
         # increase() cannot see a counter series' first increment (the series appears at 1), so
         # a rule's first alert is caught as a series that did not exist a minute earlier.
-        "expr": "sum by (rule, severity) (increase(trainguard_controller_alerts_total[1m])) > 0 "
-                "or sum by (rule, severity) (trainguard_controller_alerts_total "
-                "unless trainguard_controller_alerts_total offset 1m)",
-        "step": "15s",
-        "titleFormat": "controller alert {{rule}}",
-        "textFormat": "{{severity}}: the controller's rule {{rule}} fired (all runs)",
-        "tagKeys": "rule,severity",
-        "useValueForTime": False,
-    }
+        "sum by (rule, severity) (increase(trainguard_controller_alerts_total[1m])) > 0 "
+        "or sum by (rule, severity) (trainguard_controller_alerts_total "
+        "unless trainguard_controller_alerts_total offset 1m)",
+        "controller alert {{rule}}", "{{severity}}: the controller's rule {{rule}} fired (all runs)",
+        "rule,severity")
     return Annotations(list=[builtin, alerts, actions, controller_alerts])
 
 

@@ -29,8 +29,8 @@ def _or_zero(expr: str) -> str:
     return f"{expr} or (sum(trainguard_controller_runs{{{C}}}) * 0)"
 
 
-def build() -> Dashboard:
-    ingest = Section("Ingest", [
+def _ingest() -> Section:
+    return Section("Ingest", [
         timeseries(
             "Reports ingested and rejected",
             "Reports persisted and evaluated per second, and reports refused per second by "
@@ -70,7 +70,10 @@ def build() -> Dashboard:
             ],
         ),
     ])
-    decisions = Section("Alerts and actions", [
+
+
+def _decisions() -> Section:
+    return Section("Alerts and actions", [
         timeseries(
             "Alerts by rule and severity",
             "Alerts fired per interval, by rule and severity.",
@@ -98,7 +101,10 @@ def build() -> Dashboard:
             draw="bars", width=24,
         ),
     ])
-    incidents = Section("Incidents", [
+
+
+def _incidents() -> Section:
+    return Section("Incidents", [
         timeseries(
             "Incidents by outcome and rungs taken",
             "Incidents of the automatic recovery per interval: opened, recovered without a human, "
@@ -123,7 +129,10 @@ def build() -> Dashboard:
             interpolation="stepAfter",
         ),
     ])
-    webhooks = Section("Webhooks", [
+
+
+def _webhooks() -> Section:
+    return Section("Webhooks", [
         timeseries(
             "Webhook deliveries",
             "Webhook delivery attempts per second by outcome (delivered, retry, failed), and "
@@ -143,10 +152,13 @@ def build() -> Dashboard:
             draw="bars",
         ),
     ])
+
+
+def build() -> Dashboard:
     return dashboard(
         uid=UID,
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["controller"],
-        sections=[ingest, decisions, incidents, webhooks],
+        sections=[_ingest(), _decisions(), _incidents(), _webhooks()],
     )

@@ -21,9 +21,13 @@ TITLE = "trainguard / Data quality"
 
 
 
-def build() -> Dashboard:
-    above = lambda limit: Band(((limit, "red"),))  # noqa: E731 - a red line at the limit
-    signals = Section("Data signals (alert thresholds in red)", [
+def _above(limit: float) -> Band:
+    """A red line at the limit."""
+    return Band(((limit, "red"),))
+
+
+def _signals() -> Section:
+    return Section("Data signals (alert thresholds in red)", [
         timeseries(
             "Duplicate ratio",
             f"Share of sequences in the sliding window already seen in it: exact content and "
@@ -32,21 +36,21 @@ def build() -> Dashboard:
                 query(f"trainguard_data_duplicate_ratio{{{SEL}}}", "exact, rank {{rank}}"),
                 query(f"trainguard_data_near_duplicate_ratio{{{SEL}}}", "near, rank {{rank}}"),
             ],
-            unit="percentunit", band=above(DUPLICATE_RATIO_MAX),
+            unit="percentunit", band=_above(DUPLICATE_RATIO_MAX),
         ),
         timeseries(
             "Token distribution KL divergence",
             f"KL(current window || reference) of the unigram token distribution, in nats. "
             f"Alert above {TOKEN_KL_MAX:g}.",
             [query(f"trainguard_data_token_kl_divergence{{{SEL}}}", "rank {{rank}}")],
-            band=above(TOKEN_KL_MAX),
+            band=_above(TOKEN_KL_MAX),
         ),
         timeseries(
             "Special / control token ratio",
             f"Share of tokens that are control, special or unknown ids. Alert above "
             f"{SPECIAL_TOKEN_RATIO_MAX:g} (0.01%).",
             [query(f"trainguard_data_special_token_ratio{{{SEL}}}", "rank {{rank}}")],
-            unit="percentunit", band=above(SPECIAL_TOKEN_RATIO_MAX),
+            unit="percentunit", band=_above(SPECIAL_TOKEN_RATIO_MAX),
         ),
         timeseries(
             "Length distribution shift (KS p-value)",
@@ -56,7 +60,10 @@ def build() -> Dashboard:
             log=True, band=Band(((LENGTH_SHIFT_P_MIN, "transparent"),), base="red"),
         ),
     ])
-    throughput = Section("Throughput and filtering", [
+
+
+def _throughput() -> Section:
+    return Section("Throughput and filtering", [
         timeseries(
             "Tokens per second",
             "Training throughput: tokens passed to end_step per second of step time, per rank, "
@@ -95,14 +102,17 @@ def build() -> Dashboard:
             unit="percentunit",
         ),
     ])
-    feeding = Section("Input pipeline and batch size", [
+
+
+def _feeding() -> Section:
+    return Section("Input pipeline and batch size", [
         timeseries(
             "Input wait per step",
             "Mean time per step each rank waited for its batch (from the end of one step to the "
             "next forward pass). One rank far above the others is held back by its data, not its "
             f"computation; the rule fires from {INPUT_WAIT_MIN * 1e3:g} ms (red line).",
             [query(f"trainguard_input_wait_seconds{{{SEL}}}", "rank {{rank}}")],
-            unit="s", band=above(INPUT_WAIT_MIN),
+            unit="s", band=_above(INPUT_WAIT_MIN),
         ),
         timeseries(
             "Token loader",
@@ -127,10 +137,13 @@ def build() -> Dashboard:
             log=True,
         ),
     ])
+
+
+def build() -> Dashboard:
     return dashboard(
         uid=UID,
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["data"],
-        sections=[signals, throughput, feeding],
+        sections=[_signals(), _throughput(), _feeding()],
     )

@@ -28,8 +28,13 @@ UID = "trainguard-ranks"
 TITLE = "trainguard / Ranks"
 
 
-def build() -> Dashboard:
-    speed = Section("Step time", [
+def _speed() -> Section:
+    return Section("Step time", [*_step_time_panels(), *_utilisation_panels()])
+
+
+def _step_time_panels() -> list:
+    """The step and forward times per rank, and the straggler ratio over them."""
+    return [
         RankHeatmap(
             title="Step time per rank (heatmap)",
             description="Wall time between the last two end_step calls, one row per rank; a "
@@ -71,6 +76,12 @@ def build() -> Dashboard:
                    "rank {{rank}} ({{run}})")],
             unit="s",
         ),
+    ]
+
+
+def _utilisation_panels() -> list:
+    """Compute utilisation and gradient communication per rank."""
+    return [
         timeseries(
             "Model-FLOPs utilisation per rank",
             "Tokens/s x FLOPs per token over the device's dense 16-bit peak (trainguard_mfu). "
@@ -101,8 +112,11 @@ def build() -> Dashboard:
             [query(f"trainguard_comm_exposed_ratio{{{SEL}}}", "rank {{rank}}")],
             unit="percentunit", band=Band(((COMM_EXPOSED_RATIO_MAX, "red"),)),
         ),
-    ])
-    memory = Section("Memory", [
+    ]
+
+
+def _memory() -> Section:
+    return Section("Memory", [
         timeseries(
             "Memory per rank",
             "Allocated, reserved and peak bytes: torch.cuda counters on GPUs, the process's "
@@ -115,7 +129,10 @@ def build() -> Dashboard:
             unit="bytes", width=24,
         ),
     ])
-    agent = Section("Agent health", [
+
+
+def _agent() -> Section:
+    return Section("Agent health", [
         timeseries(
             "Agent overhead (share of the step)",
             "Wall time the agent spent inside the last step divided by the step time.",
@@ -163,10 +180,13 @@ def build() -> Dashboard:
             draw="bars", width=24,
         ),
     ])
+
+
+def build() -> Dashboard:
     return dashboard(
         uid=UID,
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["ranks"],
-        sections=[speed, memory, agent],
+        sections=[_speed(), _memory(), _agent()],
     )

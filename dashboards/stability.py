@@ -33,9 +33,8 @@ TOP_LAYERS = 5
 RUN_STEP = f"max by (run) (trainguard_step{{{JOB_RUN}}})"
 
 
-def build() -> Dashboard:
-    low, high = UPDATE_RATIO_BAND
-    overview = Section("Overview", [
+def _overview() -> Section:
+    return Section("Overview", [
         stat("Step", "Optimizer steps completed (trainguard_step) per rank.",
              [query(f"trainguard_step{{{SEL}}}", "rank {{rank}}")], width=6),
         stat("Last loss", "Last loss per rank (NaN/Inf shown as is).",
@@ -47,7 +46,10 @@ def build() -> Dashboard:
              "checkpoint or stop.",
              [query(job_level("trainguard_applied_generation"), "{{run}}")], width=6),
     ])
-    gradients = Section("Loss and gradients", [
+
+
+def _gradients() -> Section:
+    return Section("Loss and gradients", [
         timeseries("Loss", "Loss passed to end_step, per rank.",
                    [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")]),
         timeseries(
@@ -85,7 +87,11 @@ def build() -> Dashboard:
             draw="bars",
         ),
     ])
-    updates = Section("Updates and parameters", [
+
+
+def _updates() -> Section:
+    low, high = UPDATE_RATIO_BAND
+    return Section("Updates and parameters", [
         timeseries(
             "Update ratio ||ΔW|| / ||W||",
             f"Relative size of the last update, global and for the {TOP_LAYERS} layers with the "
@@ -118,7 +124,10 @@ def build() -> Dashboard:
             overrides=[right_axis("tr\\(Sigma\\).*")],
         ),
     ])
-    lr = Section("Learning rate and control", [
+
+
+def _lr() -> Section:
+    return Section("Learning rate and control", [
         timeseries(
             "Learning rate per group and effective LR",
             "LR actually used per param group (scheduler LR x lr_scale) and the effective LR "
@@ -164,10 +173,13 @@ def build() -> Dashboard:
             states={0: ("no incident", "green"), 1: ("recovering", "orange"), 2: ("waiting for a human", "red")},
         ),
     ])
+
+
+def build() -> Dashboard:
     return dashboard(
         uid=UID,
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["stability"],
-        sections=[overview, gradients, updates, lr],
+        sections=[_overview(), _gradients(), _updates(), _lr()],
     )

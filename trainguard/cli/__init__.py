@@ -34,12 +34,13 @@ The reads are in ``reads.py``, the run commands in ``run_commands.py``, the HTTP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
 import socket
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 from pydantic import ValidationError
@@ -175,11 +176,6 @@ def preflight(argv: Sequence[str]) -> int:
     training step (a script that reaches an optimizer step without a pre-flight is stopped there).
     Exit status 0 (everything passed or warned), 1 (a check failed), 2 (the script never called
     ``agent.preflight``, or failed before it)."""
-    import runpy
-    import traceback
-
-    from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV, PreflightOnly
-
     argv = list(argv)
     module = argv[:1] == ["-m"]
     if module:
@@ -191,9 +187,41 @@ def preflight(argv: Sequence[str]) -> int:
               file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     target, rest = argv[0], argv[1:]
+    with _preflight_only([target, *rest]):
+        status = _run_to_preflight(target, module)
+    if status is not None:
+        return status
+    print(f"trainguard preflight: {target} finished without calling agent.preflight(batch, ...)", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def _preflight_only(argv: list[str]) -> Iterator[None]:
+    """Run with ``sys.argv`` set to the script's and the agent told to stop at its pre-flight;
+    both restored afterwards."""
+    from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
+
     saved_argv, saved_env = sys.argv, os.environ.get(PREFLIGHT_ONLY_ENV)
     os.environ[PREFLIGHT_ONLY_ENV] = "1"
-    sys.argv = [target, *rest]
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        if saved_env is None:
+            os.environ.pop(PREFLIGHT_ONLY_ENV, None)
+        else:
+            os.environ[PREFLIGHT_ONLY_ENV] = saved_env
+
+
+def _run_to_preflight(target: str, module: bool) -> int | None:
+    """Run the script (or module) until the agent stops it at its pre-flight: the exit status, or
+    ``None`` when it finished without one."""
+    import runpy
+    import traceback
+
+    from trainer_agent.diagnostics.preflight import PreflightOnly
+
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -218,14 +246,7 @@ def preflight(argv: Sequence[str]) -> int:
         traceback.print_exc()
         print(f"trainguard preflight: {target} failed before its pre-flight ran", file=sys.stderr)
         return 2
-    finally:
-        sys.argv = saved_argv
-        if saved_env is None:
-            os.environ.pop(PREFLIGHT_ONLY_ENV, None)
-        else:
-            os.environ[PREFLIGHT_ONLY_ENV] = saved_env
-    print(f"trainguard preflight: {target} finished without calling agent.preflight(batch, ...)", file=sys.stderr)
-    return 2
+    return None
 
 
 def _dashboards(args: argparse.Namespace) -> int:
@@ -239,11 +260,25 @@ def _dashboards(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainguard", description="Training-stability monitoring and control.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    client = _client_options()
+    _add_serve(sub)
+    _add_run_commands(sub, client)
+    _add_rules(sub)
+    _add_token(sub, client)
+    _add_wrappers(sub)
+    return p
+
+
+def _client_options() -> argparse.ArgumentParser:
+    """The options every client command takes (a parent parser)."""
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument("--url", default=os.environ.get("TRAINGUARD_URL", DEFAULT_URL), help="controller URL (env TRAINGUARD_URL)")
     client.add_argument("--token", default=os.environ.get("TRAINGUARD_TOKEN"), help="bearer token (env TRAINGUARD_TOKEN)")
     client.add_argument("--json", action="store_true", help="print JSON")
+    return client
 
+
+def _add_serve(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the controller (env TRAINGUARD_HOST/PORT/DB/RULES and tokens)")
     s.add_argument("--host", default=None, help="bind address (env TRAINGUARD_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port, 0 = any free one (env TRAINGUARD_PORT, default 8000)")
@@ -253,6 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
 
+
+def _add_run_commands(sub: Any, client: argparse.ArgumentParser) -> None:
+    """The reads of runs and alerts, and the registry's operator commands among them."""
     s = sub.add_parser("runs", parents=[client], help="list runs")
     s.add_argument("--job")
     s.set_defaults(func=reads.runs)
@@ -274,12 +312,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--state", choices=["firing", "resolved"])
     s.add_argument("--run")
     s.set_defaults(func=reads.alerts)
+
+
+def _add_rules(sub: Any) -> None:
     s = sub.add_parser("rules", help="rules files")
     rsub = s.add_subparsers(dest="rules_cmd", required=True)
     r = rsub.add_parser("check", help="validate a rules file offline")
     r.add_argument("file")
     r.set_defaults(func=_rules_check)
 
+
+def _add_token(sub: Any, client: argparse.ArgumentParser) -> None:
     s = sub.add_parser("token", help="tokens for a fleet: create, list, revoke (needs a token with the tokens scope)")
     tsub = s.add_subparsers(dest="token_cmd", required=True)
     t = tsub.add_parser("create", parents=[client], help="create a token (printed once)")
@@ -294,6 +337,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("id", type=int)
     t.set_defaults(func=_token)
 
+
+def _add_wrappers(sub: Any) -> None:
+    """The commands that hand their arguments on: demo, preflight, dashboards."""
     s = sub.add_parser("demo", help="controller + a 2-rank training run with injected faults (trainguard.demo.run)")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(func=_demo)
@@ -304,7 +350,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["build"])
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(func=_dashboards)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -121,6 +122,88 @@ def _page(inbox: Inbox) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _SinkSettings:
+    """How a server answers and checks what it receives (see :func:`make_server`)."""
+
+    status: int
+    log: Any
+    secret: str | None
+    signed_prefix: str
+    max_age_s: float
+    clock: Callable[[], float]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """The sink's requests; the inbox and the settings are the server's (``server.inbox``,
+    ``server.sink``)."""
+
+    server_version = "trainguard-webhook-sink"
+
+    def _send(self, code: int, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        inbox = self.server.inbox  # type: ignore[attr-defined]
+        if self.path == "/healthz":
+            self._send(200, b"ok\n", "text/plain")
+        elif self.path == "/alerts.json":
+            self._send(200, json.dumps(inbox.newest_first()).encode(), "application/json")
+        elif self.path == "/":
+            self._send(200, _page(inbox).encode(), "text/html; charset=utf-8")
+        else:
+            self._send(404, b"not found\n", "text/plain")
+
+    def do_POST(self) -> None:  # noqa: N802
+        sink: _SinkSettings = self.server.sink  # type: ignore[attr-defined]
+        body = self._read_body()
+        if body is None:
+            return
+        signed = sink.secret is not None and self.path.startswith(sink.signed_prefix)
+        if signed and self._refused(sink, body):
+            return
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self._send(400, f"body is not JSON: {exc}\n".encode(), "text/plain")
+            return
+        self.server.inbox.add(self.path, payload, signed=signed)  # type: ignore[attr-defined]
+        for line in alert_lines(payload):
+            print(f"[webhook-sink] {self.path} {line}", file=sink.log, flush=True)
+        self._send(sink.status, b"", "text/plain")
+
+    def _read_body(self) -> bytes | None:
+        """The request's body, or None when its length is missing or too large (answered)."""
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._send(411, b"Content-Length required\n", "text/plain")
+            return None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self._send(413, b"body too large\n", "text/plain")
+            return None
+        return self.rfile.read(length)
+
+    def _refused(self, sink: _SinkSettings, body: bytes) -> bool:
+        """Whether the delivery's signature is refused (answered 401 and logged)."""
+        problem = signature_problem(sink.secret, self.headers.get("X-Trainguard-Timestamp"),  # type: ignore[arg-type]
+                                    self.headers.get("X-Trainguard-Signature"), body, now=sink.clock(),
+                                    max_age_s=sink.max_age_s)
+        if problem is None:
+            return False
+        print(f"[webhook-sink] {self.path} refused: {problem}", file=sink.log, flush=True)
+        self._send(401, f"bad signature: {problem}\n".encode(), "text/plain")
+        return True
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # one line per alert is logged above; access logs would drown it
+
+
 def make_server(host: str, port: int, *, keep: int = 200, status: int = 204, log=sys.stdout,
                 secret: str | None = None, signed_prefix: str = "/controller", max_age_s: float = MAX_AGE_S,
                 clock=time.time) -> ThreadingHTTPServer:
@@ -133,63 +216,11 @@ def make_server(host: str, port: int, *, keep: int = 200, status: int = 204, log
     if max_age_s <= 0:
         raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
     inbox = Inbox(keep)
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "trainguard-webhook-sink"
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if body and self.command != "HEAD":
-                self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path == "/healthz":
-                self._send(200, b"ok\n", "text/plain")
-            elif self.path == "/alerts.json":
-                self._send(200, json.dumps(inbox.newest_first()).encode(), "application/json")
-            elif self.path == "/":
-                self._send(200, _page(inbox).encode(), "text/html; charset=utf-8")
-            else:
-                self._send(404, b"not found\n", "text/plain")
-
-        def do_POST(self) -> None:  # noqa: N802
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._send(411, b"Content-Length required\n", "text/plain")
-                return
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self._send(413, b"body too large\n", "text/plain")
-                return
-            body = self.rfile.read(length)
-            signed = secret is not None and self.path.startswith(signed_prefix)
-            if signed:
-                problem = signature_problem(secret, self.headers.get("X-Trainguard-Timestamp"),  # type: ignore[arg-type]
-                                            self.headers.get("X-Trainguard-Signature"), body, now=clock(),
-                                            max_age_s=max_age_s)
-                if problem is not None:
-                    print(f"[webhook-sink] {self.path} refused: {problem}", file=log, flush=True)
-                    self._send(401, f"bad signature: {problem}\n".encode(), "text/plain")
-                    return
-            try:
-                payload = json.loads(body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                self._send(400, f"body is not JSON: {exc}\n".encode(), "text/plain")
-                return
-            inbox.add(self.path, payload, signed=signed)
-            for line in alert_lines(payload):
-                print(f"[webhook-sink] {self.path} {line}", file=log, flush=True)
-            self._send(status, b"", "text/plain")
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            pass  # one line per alert is logged above; access logs would drown it
-
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     server.inbox = inbox  # type: ignore[attr-defined]
+    server.sink = _SinkSettings(status=status, log=log, secret=secret,  # type: ignore[attr-defined]
+                                signed_prefix=signed_prefix, max_age_s=max_age_s, clock=clock)
     return server
 
 
