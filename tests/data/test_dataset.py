@@ -344,3 +344,14 @@ def test_a_corrupt_index_raises_in_the_training_loop(tmp_path: Path, workers: in
     with pytest.raises(ValueError, match="corrupt index"):
         next(iter(loader))
     assert loader.batch == 0  # nothing was received
+
+
+def test_the_documented_import_path_gives_the_modules_own_objects():
+    """``trainer_agent.dataset`` (the documented path) re-exports the three modules of the dataset."""
+    import trainer_agent.dataset as documented
+    from trainer_agent.data import shard_files, sharded_dataset, token_loader
+
+    for module in (shard_files, sharded_dataset, token_loader):
+        for name in module.__all__:
+            assert getattr(documented, name) is getattr(module, name), name
+    assert set(documented.__all__) == {n for m in (shard_files, sharded_dataset, token_loader) for n in m.__all__}
