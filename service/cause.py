@@ -160,8 +160,41 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     ev = _Evidence()
     active = [f for f in findings if f.active]
     hosts = hosts or {}
+    suspects = _hardware_rules(ev, active)
+    suspects += [r for r in _verify_mismatch(ev, window) if r not in suspects]
+    if suspects:
+        suspects = suspects[:16]
+        named = [hosts.get(r, "?") for r in suspects]
+        where = ", ".join(f"rank {r} on {h}" for r, h in zip(suspects, named))
+        return Verdict("hardware", f"hardware fault suspected: {where}", tuple(ev.items), tuple(suspects), tuple(named))
+    ratio_jumped = _lr_ratio(ev, findings, window)
+    lr_jumped = _lr_level(ev, window, lr_healthy, lr_peak, ratio_jumped=ratio_jumped)
+    # -- data quality of the same window
+    data_rules = [f for f in active if getattr(f.rule, "diagnosis", "") in DATA_DIAGNOSES]
+    for f in data_rules:
+        ev.add(f"rule:{f.rule.name}", f.values.get("value", f.values.get("values")), f.values.get("threshold"), "data",
+               f.summary or f.rule.name)
+    batch_outlier = _batch_outlier(ev, window, skipped)
+    # -- the update ratio
+    measured = window.latest(metric)
+    rose = False
+    if measured is not None and metric_baseline is not None and metric_baseline > 0:
+        rel = measured / metric_baseline if math.isfinite(measured) else math.inf
+        rose = rel > UPDATE_RISE
+        ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
+               f"the update ratio is {rel:.3g}x its healthy level")
+    # -- mixed precision
+    amp = [f for f in active if getattr(f.rule, "diagnosis", "") in _AMP_DIAGNOSES]
+    for f in amp:
+        ev.add(f"rule:{f.rule.name}", f.values.get("value"), f.values.get("threshold", f.values.get("limit")), "optimizer",
+               f"{f.summary or f.rule.name} (mixed-precision numerics)")
+    return _weigh(ev, lr_jumped=lr_jumped, ratio_jumped=ratio_jumped, data_rules=data_rules, amp=amp, rose=rose,
+                  batch_outlier=batch_outlier)
 
-    # -- hardware: named ranks
+
+def _hardware_rules(ev: _Evidence, active: list[Any]) -> list[int]:
+    """The ranks the active hardware rules name (XID codes of a hardware failure, and the other
+    hardware diagnoses), their evidence added to ``ev``."""
     suspects: list[int] = []
     for f in active:
         diag = getattr(f.rule, "diagnosis", "")
@@ -181,76 +214,82 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
             suspects += [r for r in ranks if r not in suspects]
             ev.add(f"rule:{f.rule.name}", f.values.get("values", ranks), f.values.get("limit", f.values.get("rel_tol")),
                    "hardware", f"{f.summary or diag} (ranks {ranks})")
-    verify = window.rank_history("verify_mismatch", 1)
-    if len(verify):
-        row = verify[-1]
-        checked = np.isfinite(row)
-        if checked.any():
-            worst = float(np.max(row[checked]))
-            with np.errstate(invalid="ignore"):
-                bad = np.flatnonzero(checked & (row > VERIFY_TOL)).tolist()
-            if bad:
-                suspects += [r for r in bad if r not in suspects]
-                if not any(e["signal"].startswith("rule:") and "recompute" in e["detail"] for e in ev.items):
-                    ev.add("ranks.verify_mismatch", {int(r): _num(float(row[r])) for r in bad}, VERIFY_TOL, "hardware",
-                           f"a recompute of the step on the same batch did not reproduce its gradient on ranks {bad}")
-            else:
-                ev.add("ranks.verify_mismatch", _num(worst), VERIFY_TOL, "none",
-                       "the recompute of the step reproduced its gradient on every rank checked: not the hardware")
-    if suspects:
-        suspects = suspects[:16]
-        named = [hosts.get(r, "?") for r in suspects]
-        where = ", ".join(f"rank {r} on {h}" for r, h in zip(suspects, named))
-        return Verdict("hardware", f"hardware fault suspected: {where}", tuple(ev.items), tuple(suspects), tuple(named))
+    return suspects
 
-    # -- the scheduled LR: the largest of the report's interval when the agent sends it (a fault of
-    # a few steps may be over by the report step)
-    lr = window.latest("trainguard_scheduler_lr")
-    interval_max = window.latest("trainguard_scheduler_lr_max")
-    if interval_max is not None and math.isfinite(interval_max) and (lr is None or not math.isfinite(lr) or interval_max > lr):
-        lr = interval_max
-    lr_level = median(lr_healthy) if lr_healthy else None
-    lr_jumped = False
-    # The agent's own ratio of the interval's largest scheduled LR to every LR it set before: past
-    # the rule's threshold, the LR went beyond anything the run had (even when the report's own
-    # step is back on the schedule, and without a healthy history here, e.g. after a restart).
+
+def _verify_mismatch(ev: _Evidence, window: Any) -> list[int]:
+    """The ranks whose recompute of the step on the same batch did not reproduce its gradient."""
+    verify = window.rank_history("verify_mismatch", 1)
+    if not len(verify):
+        return []
+    row = verify[-1]
+    checked = np.isfinite(row)
+    if not checked.any():
+        return []
+    worst = float(np.max(row[checked]))
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(checked & (row > VERIFY_TOL)).tolist()
+    if bad:
+        if not any(e["signal"].startswith("rule:") and "recompute" in e["detail"] for e in ev.items):
+            ev.add("ranks.verify_mismatch", {int(r): _num(float(row[r])) for r in bad}, VERIFY_TOL, "hardware",
+                   f"a recompute of the step on the same batch did not reproduce its gradient on ranks {bad}")
+    else:
+        ev.add("ranks.verify_mismatch", _num(worst), VERIFY_TOL, "none",
+               "the recompute of the step reproduced its gradient on every rank checked: not the hardware")
+    return bad
+
+
+def _lr_ratio(ev: _Evidence, findings: list[Any], window: Any) -> bool:
+    """Whether the agent's own ratio of the interval's largest scheduled LR to every LR it set
+    before is past the rule's threshold: the LR went beyond anything the run had (even when the
+    report's own step is back on the schedule, and without a healthy history here, e.g. after a
+    restart)."""
     ratio_rules = [f for f in findings if getattr(f.rule, "metric", None) == LR_RATIO]
     limit = next((float(f.rule.value) for f in ratio_rules if isinstance(getattr(f.rule, "value", None), (int, float))),
                  LR_RATIO_JUMP)
     lr_ratio = window.latest(LR_RATIO)
     ratio_fired = [f for f in ratio_rules if f.active]
     if ratio_fired or (lr_ratio is not None and math.isfinite(lr_ratio) and lr_ratio > limit):
-        lr_jumped = True
         fired = f" (rule {ratio_fired[0].rule.name} fired)" if ratio_fired else ""
         ev.add(LR_RATIO, _num(lr_ratio) if lr_ratio is not None else None, limit, "optimizer",
                f"in the report's interval the schedule asked for {_ratio_text(lr_ratio)} the highest LR it had set "
                f"before (limit {limit:.3g}x){fired}, although the report's own step may be back on the schedule")
-    elif lr_ratio is not None and math.isfinite(lr_ratio):
+        return True
+    if lr_ratio is not None and math.isfinite(lr_ratio):
         ev.add(LR_RATIO, float(lr_ratio), limit, "none",
                f"the interval's largest scheduled LR is {lr_ratio:.3g}x the highest before it: within the schedule's range")
-    ratio_jumped = lr_jumped
-    if lr is not None and math.isfinite(lr) and lr > 0 and lr_level is not None and lr_level > 0:
-        ratio = lr / lr_level
-        lr_jumped = ratio_jumped or ratio >= LR_JUMP
-        if ratio >= LR_JUMP:
-            within = lr_peak is not None and lr <= SCHEDULE_PEAK_MARGIN * lr_peak and not ratio_jumped
-            ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak},
-                   "schedule" if within else "optimizer",
-                   f"the scheduled LR is {ratio:.3g}x its healthy level" +
-                   (f", within the {lr_peak:.3g} the run already had: the schedule's own move" if within else
-                    f", above anything the run had ({lr_peak:.3g}): an LR the optimizer has not been stable at"
-                    if lr_peak is not None else ""))
-        else:
-            ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak}, "none",
-                   f"the scheduled LR is {ratio:.3g}x its healthy level: unchanged")
+    return False
 
-    # -- data quality of the same window
-    data_rules = [f for f in active if getattr(f.rule, "diagnosis", "") in DATA_DIAGNOSES]
-    for f in data_rules:
-        ev.add(f"rule:{f.rule.name}", f.values.get("value", f.values.get("values")), f.values.get("threshold"), "data",
-               f.summary or f.rule.name)
 
-    # -- the batch against its neighbours
+def _lr_level(ev: _Evidence, window: Any, lr_healthy: list[float] | None, lr_peak: float | None, *,
+              ratio_jumped: bool) -> bool:
+    """Whether the LR jumped (``ratio_jumped``, or the scheduled LR against its healthy level): the
+    largest of the report's interval when the agent sends it (a fault of a few steps may be over by
+    the report step)."""
+    lr = window.latest("trainguard_scheduler_lr")
+    interval_max = window.latest("trainguard_scheduler_lr_max")
+    if interval_max is not None and math.isfinite(interval_max) and (lr is None or not math.isfinite(lr) or interval_max > lr):
+        lr = interval_max
+    lr_level = median(lr_healthy) if lr_healthy else None
+    if lr is None or not math.isfinite(lr) or lr <= 0 or lr_level is None or lr_level <= 0:
+        return ratio_jumped
+    ratio = lr / lr_level
+    if ratio < LR_JUMP:
+        ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak}, "none",
+               f"the scheduled LR is {ratio:.3g}x its healthy level: unchanged")
+        return ratio_jumped
+    within = lr_peak is not None and lr <= SCHEDULE_PEAK_MARGIN * lr_peak and not ratio_jumped
+    ev.add("trainguard_scheduler_lr", lr, {"healthy": lr_level, "peak": lr_peak},
+           "schedule" if within else "optimizer",
+           f"the scheduled LR is {ratio:.3g}x its healthy level" +
+           (f", within the {lr_peak:.3g} the run already had: the schedule's own move" if within else
+            f", above anything the run had ({lr_peak:.3g}): an LR the optimizer has not been stable at"
+            if lr_peak is not None else ""))
+    return True
+
+
+def _batch_outlier(ev: _Evidence, window: Any, skipped: int) -> bool:
+    """Whether the batch stands out from its neighbours (its loss, or the agent's skips of one batch)."""
     loss_hist = window.series("trainguard_loss", 65)
     batch_outlier = False
     if len(loss_hist) >= 9:
@@ -269,22 +308,12 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     elif skipped:
         ev.add("trainguard_consecutive_skipped_steps", skipped, SINGLE_BATCH_SKIPS, "unknown",
                f"the agent skipped {skipped} steps in a row: more than one batch stands out")
+    return batch_outlier
 
-    # -- the update ratio
-    measured = window.latest(metric)
-    rose = False
-    if measured is not None and metric_baseline is not None and metric_baseline > 0:
-        rel = measured / metric_baseline if math.isfinite(measured) else math.inf
-        rose = rel > UPDATE_RISE
-        ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
-               f"the update ratio is {rel:.3g}x its healthy level")
 
-    # -- mixed precision
-    amp = [f for f in active if getattr(f.rule, "diagnosis", "") in _AMP_DIAGNOSES]
-    for f in amp:
-        ev.add(f"rule:{f.rule.name}", f.values.get("value"), f.values.get("threshold", f.values.get("limit")), "optimizer",
-               f"{f.summary or f.rule.name} (mixed-precision numerics)")
-
+def _weigh(ev: _Evidence, *, lr_jumped: bool, ratio_jumped: bool, data_rules: list[Any], amp: list[Any], rose: bool,
+           batch_outlier: bool) -> Verdict:
+    """The verdict the evidence (no hardware fault among it) adds up to."""
     sched = ev.pointing("schedule")
     if lr_jumped and sched and not data_rules and not amp:
         return Verdict("schedule", "the user's LR schedule moved the LR within the range the run already had",

@@ -8,7 +8,8 @@ newest ``window_reports`` reports (the window the rules read: no rule may read m
 ``RulesStore.validate``), the newest incidents (``events`` by run and kind) and the firing
 alerts. Older reports stay in the database, where nothing at start-up reads them.
 
-(Formerly ``service/recovery.py``, a name that misled: recovery from incidents is ``service/incidents.py``.)"""
+(Its old name, ``service/recovery.py``, misled: recovery from incidents is ``service/incidents.py`` and
+``service/recovery/``.)"""
 
 from __future__ import annotations
 
