@@ -576,13 +576,7 @@ class Agent:
         """The agent's counters and control state, for the training checkpoint; with an
         ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the
         agent restores the schedule to the same step, e.g. when rolling back to a checkpoint)."""
-        state: dict[str, Any] = {
-            "version": 1,
-            "step": self.clock.step,
-            # SYNC: checkpoint time only; reads one device scalar.
-            "nonfinite_steps_total": float((self.reports.nonfinite_steps + self.reports.interval_nonfinite()).item()),
-            "amp_skipped_steps_total": self.clock.amp_skipped,
-        }
+        state = self.clock.counters(self.reports)
         if self.control is not None:
             state["control"] = self.control.state_dict()
         if self.lr_scheduler is not None:
@@ -592,19 +586,7 @@ class Agent:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; ``ValueError`` for a foreign dict."""
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError("not a trainguard agent state dict (version 1)")
-        try:
-            step = int(state["step"])
-            nonfinite = float(state["nonfinite_steps_total"])
-            skipped = int(state["amp_skipped_steps_total"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed trainguard agent state dict: {exc}") from None
-        if step < 0 or skipped < 0 or not nonfinite >= 0:
-            raise ValueError("malformed trainguard agent state dict: negative counters")
-        self.clock.step, self.clock.amp_skipped = step, skipped
-        self.reports.nonfinite_steps.fill_(nonfinite)
-        self.reports.interval.zero_()  # steps before the restore are not part of the restored run
+        self.clock.load_counters(state, self.reports)
         if self.control is not None and "control" in state:
             self.control.load_state_dict(state["control"])
         if self.lr_scheduler is not None and "lr_scheduler" in state:

@@ -5,7 +5,7 @@ steps and the last step's loss and (loss, gradient norm) row (``trainer_agent/ag
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,8 @@ __all__ = ["StepClock"]
 
 class StepClock:
     """``now`` is the agent's clock; the hooks add what they spend to ``overhead`` (this step's),
-    ``close_step`` moves it into ``overhead_total``."""
+    which ``Agent.end_step`` moves into ``overhead_total``. The per-step work on these fields stays
+    inline in the hooks and in ``end_step`` (the hot path: no call more per step)."""
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.now = now
@@ -31,27 +32,29 @@ class StepClock:
         """The step reader the collaborators get."""
         return self.step
 
-    def begin_end_step(self, t0: float, scaler: Any, stepped: bool, backwards: int) -> float:
-        """Count the step ending at ``t0``; returns its wall time since the previous one."""
-        self.step += 1
-        duration, self.last_end = t0 - self.last_end, t0
-        if scaler is not None and scaler.is_enabled() and not stepped and backwards:
-            self.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
-        return duration
+    def counters(self, reports: Any) -> dict[str, Any]:
+        """The agent's checkpointed counters: its steps, the report pipeline's non-finite steps,
+        the GradScaler's skipped steps (``Agent.state_dict``, version 1)."""
+        return {
+            "version": 1,
+            "step": self.step,
+            # SYNC: checkpoint time only; reads one device scalar.
+            "nonfinite_steps_total": float((reports.nonfinite_steps + reports.interval_nonfinite()).item()),
+            "amp_skipped_steps_total": self.amp_skipped,
+        }
 
-    def loss_of(self, loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-        """The step's loss as a 0-dim float64 device tensor (no host read), kept in ``loss``."""
-        if isinstance(loss, torch.Tensor):
-            loss_t = loss.detach().to(device, torch.float64)
-            if loss_t.dim():
-                loss_t = loss_t.reshape(())
-        else:
-            loss_t = torch.full((), float(loss), dtype=torch.float64, device=device)  # a fill, no copy
-        self.loss = loss_t
-        return loss_t
-
-    def close_step(self, t0: float, meter: Any) -> None:
-        """After ``end_step`` (started at ``t0``): this step's overhead, the meter's included."""
-        self.overhead += self.now() - t0 + meter.overhead
-        self.overhead_total += self.overhead
-        self.overhead = meter.overhead = 0.0
+    def load_counters(self, state: Any, reports: Any) -> None:
+        """Restore what ``counters`` returned; ``ValueError`` for a foreign or malformed dict."""
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ValueError("not a trainguard agent state dict (version 1)")
+        try:
+            step = int(state["step"])
+            nonfinite = float(state["nonfinite_steps_total"])
+            skipped = int(state["amp_skipped_steps_total"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed trainguard agent state dict: {exc}") from None
+        if step < 0 or skipped < 0 or not nonfinite >= 0:
+            raise ValueError("malformed trainguard agent state dict: negative counters")
+        self.step, self.amp_skipped = step, skipped
+        reports.nonfinite_steps.fill_(nonfinite)
+        reports.interval.zero_()  # steps before the restore are not part of the restored run
