@@ -213,20 +213,25 @@ class Agent:
                                 on_error=self.errors.error, preflight_only=self.diagnostics.preflight_only,
                                 rank=self.rank)
         try:
-            self.hooks.register(model, optimizer, self.parts.params, self.schedule, config)
-            self.parts.forward = self.hooks.forward
-            self.export.register()
-            self.export.serve(config, self.local_rank)
-            if config.controller is not None or config.skips_steps:
-                # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
-                # controller holds paused waits in here, before its first step, with /metrics served.
-                self.control = self.hooks.control = self.export.control = self._build_control(on_checkpoint)
+            self._start(on_checkpoint)
         except BaseException:
             # A refused configuration or registry leaves no hooks, thread or port behind.
             self.close()
             raise
 
     # ------------------------------------------------------------------ wiring
+
+    def _start(self, on_checkpoint: Callable[..., Any] | None) -> None:
+        """Register the hooks and the collector, serve /metrics, start the control plane."""
+        config = self.config
+        self.hooks.register(self.parts.model, self.parts.optimizer, self.parts.params, self.schedule, config)
+        self.parts.forward = self.hooks.forward
+        self.export.register()
+        self.export.serve(config, self.local_rank)
+        if config.controller is not None or config.skips_steps:
+            # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
+            # controller holds paused waits in here, before its first step, with /metrics served.
+            self.control = self.hooks.control = self.export.control = self._build_control(on_checkpoint)
 
     @property
     def local_rank(self) -> int:
