@@ -79,7 +79,7 @@ def test_cuda_memory_trace_charges_forward_allocations_and_growth() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     agent = ta.attach(model, opt, job="m", run="m-1", config=ta.AgentConfig(metrics_port=None))
     agent.trace_memory(steps=3)
-    trace = agent._memory_trace
+    trace = agent.diagnostics.trace
     for _ in range(4):
         loss = model(torch.randn(rows, width, device="cuda")).square().mean()
         loss.backward()

@@ -138,17 +138,18 @@ def test_reports_published_under_back_pressure_reach_the_callback_once_each(monk
     small report_every): the pipeline waits for the oldest once MAX_IN_FLIGHT are pending. Every
     report still reaches the agent's callback (the controller, /metrics and the batch-size advisor
     read it there) exactly once and in order, the NaN of step 2 included."""
+    from trainer_agent.agent_parts.export import MetricsExport
     from trainer_agent.report.pipeline import MAX_IN_FLIGHT, InFlight
 
     monkeypatch.setattr(InFlight, "ready", lambda self: False)
     seen: list[tuple[int, float]] = []
-    advise = ta.Agent._advise_batch_size  # the callback's first reader of each report
+    advise = MetricsExport._advise_batch_size  # the callback's first reader of each report
 
     def recording(self, values):  # type: ignore[no-untyped-def]
         seen.append((int(values["trainguard_step"]), values["trainguard_loss"]))
         advise(self, values)
 
-    monkeypatch.setattr(ta.Agent, "_advise_batch_size", recording)
+    monkeypatch.setattr(MetricsExport, "_advise_batch_size", recording)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -49,7 +49,7 @@ from torch import nn
 
 from trainer_agent.compat.torch_private import TorchDispatchMode, tree_leaves
 
-__all__ = ["MemoryOwner", "MemoryTrace", "LOOP", "GRAPH"]
+__all__ = ["MemoryOwner", "MemoryTrace", "LOOP", "GRAPH", "to_wire"]
 
 LOOP = "<training loop>"
 GRAPH = "<training loop: graph kept alive>"
@@ -220,3 +220,17 @@ class MemoryTrace:
         self._handles = []
         self._saved = []
         self.created = {}
+
+
+def to_wire(trace: MemoryTrace | None, report: list[MemoryOwner], *, rank: int, step: int, cuda: bool) -> Any:
+    """The controller's ``MemoryReport`` of a finished ``trace`` (its worst owners first)."""
+    from trainguard.protocol.wire import MemoryOwnerEntry, MemoryReport
+
+    forward = trace.cuda_forward if trace is not None else {}
+    return MemoryReport(
+        rank=rank, step=step, steps=trace.steps if trace is not None else 1, device="cuda" if cuda else "cpu",
+        owners=[MemoryOwnerEntry(owner=r.owner[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
+                for r in report[:32]],
+        allocator_growth_bytes_per_step=trace.cuda_growth_per_step if trace is not None else None,
+        layer_forward_bytes=[MemoryOwnerEntry(owner=k[:512], bytes_per_step=max(v, 0.0), tensors=0)
+                             for k, v in list(forward.items())[:32]])

@@ -62,8 +62,10 @@ from torch import nn
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
 from trainer_agent.diagnostics import environment, preflight_probes as probes
 from trainer_agent.compat import torch_private
+from trainer_agent.config import AgentConfig
 from trainer_agent.measure.fingerprint import desync, findings, for_ranks
 from trainer_agent.measure import triage_stats as triage
+from trainer_agent.measure.train_parts import TrainParts
 
 __all__ = ["Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "forward_backward", "run_preflight", "raise_if_fatal", "to_wire", "GRAD_LIMIT", "BIG_MODEL_PARAMS"]
 
@@ -142,15 +144,15 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def forward_backward(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, *,
+def forward_backward(parts: TrainParts, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, *,
                       replay_rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None,
                       scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One forward/backward on ``batch``; returns (loss, each parameter's gradient). Restores the
-    parameters' ``.grad``, the module buffers and the RNG states; resets the agent's step state.
+    parameters' ``.grad``, the module buffers and the RNG states; resets the agent's step state (``parts``: ``TrainParts``).
     ``replay_rng``: (CPU, CUDA) RNG states to run the pass from (a recompute of a step's pass);
     ``scale``: applied to the loss before ``backward`` (the GradScaler's scale)."""
-    model, params = agent.model, agent.params.params
+    model, params = parts.model, parts.params.params
     saved_grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cuda_on = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -178,9 +180,7 @@ def forward_backward(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any],
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         if replay_rng is None:
-            agent.meter.reset()
-            if agent.forward is not None:
-                agent.forward.reset()
+            parts.reset_step()
 
 
 def _simulate_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -210,16 +210,16 @@ def _simulate_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     return [copies[id(p)].detach() for p in params]
 
 
-def _layer_sums(values: list[float], agent: Any) -> list[float]:
-    ids = agent.params.layer_ids.tolist()
-    out = [0.0] * len(agent.layers)
+def _layer_sums(values: list[float], parts: TrainParts) -> list[float]:
+    ids = parts.params.layer_ids.tolist()
+    out = [0.0] * len(parts.layers)
     for i, v in zip(ids, values):
         out[i] += v
     return out
 
 
-def _grad_checks(agent: Any, loss: torch.Tensor, grads: list[torch.Tensor | None]) -> list[Check]:
-    params, layers = agent.params.params, agent.layers
+def _grad_checks(parts: TrainParts, loss: torch.Tensor, grads: list[torch.Tensor | None]) -> list[Check]:
+    params, layers = parts.params.params, parts.layers
     # SYNC: pre-flight runs once, before training: reading the device is fine here.
     sq = [float(g.double().square().sum()) if g is not None else 0.0 for g in grads]
     mx = [float(g.abs().max()) if g is not None and g.numel() else 0.0 for g in grads]
@@ -231,9 +231,9 @@ def _grad_checks(agent: Any, loss: torch.Tensor, grads: list[torch.Tensor | None
     else:
         checks.append(Check("nonfinite", "fail", f"loss = {loss_v}, {nonfinite} non-finite gradient element(s)",
                             {"loss": loss_v, "nonfinite_grads": nonfinite}))
-    norms = [math.sqrt(v) for v in _layer_sums(sq, agent)]
+    norms = [math.sqrt(v) for v in _layer_sums(sq, parts)]
     layer_max = [0.0] * len(layers)
-    for i, v in zip(agent.params.layer_ids.tolist(), mx):
+    for i, v in zip(parts.params.layer_ids.tolist(), mx):
         layer_max[i] = max(layer_max[i], v) if math.isfinite(v) else math.inf
     bad = {layers[i]: {"max_abs": layer_max[i], "norm": norms[i]} for i in range(len(layers))
            if not (layer_max[i] < GRAD_LIMIT and norms[i] < GRAD_LIMIT)}
@@ -243,7 +243,7 @@ def _grad_checks(agent: Any, loss: torch.Tensor, grads: list[torch.Tensor | None
         (f"{len(bad)} layer(s) with gradient values or norms of 1e3 or more: {', '.join(list(bad)[:5])}" if bad else
          f"every layer's gradient values and norm are below 1e3 (largest norm {norms[worst]:.3g} in {layers[worst]!r})"),
         {"layers": bad} if bad else {"largest_norm": norms[worst], "layer": layers[worst]}))
-    names = {id(p): n for n, p in agent.model.named_parameters()}
+    names = {id(p): n for n, p in parts.model.named_parameters()}
     missing = [names.get(id(p), "?") for p, g in zip(params, grads) if g is None]
     zero = [names.get(id(p), "?") for p, g, v in zip(params, grads, sq) if g is not None and v == 0.0]
     if missing or zero:
@@ -255,8 +255,8 @@ def _grad_checks(agent: Any, loss: torch.Tensor, grads: list[torch.Tensor | None
     return checks
 
 
-def _update_check(agent: Any, grads: list[torch.Tensor | None]) -> Check:
-    params, opt = agent.params.params, agent.optimizer
+def _update_check(parts: TrainParts, grads: list[torch.Tensor | None]) -> Check:
+    params, opt = parts.params.params, parts.optimizer
     after = _simulate_step(opt, params, grads)
     if after is None:
         return Check("update_size", "skip", f"{type(opt).__name__} cannot be copied to simulate a step")
@@ -267,9 +267,9 @@ def _update_check(agent: Any, grads: list[torch.Tensor | None]) -> Check:
     rule = triage.update_rule(opt)
     d_sq = [float((a.double() - p.detach().double()).square().sum()) for a, p in zip(after, params)]
     w_sq = [float(p.detach().double().square().sum()) for p in params]
-    d, w, b = (_layer_sums(v, agent) for v in (d_sq, w_sq, predicted))
+    d, w, b = (_layer_sums(v, parts) for v in (d_sq, w_sq, predicted))
     rows = {}
-    for i, layer in enumerate(agent.layers):
+    for i, layer in enumerate(parts.layers):
         ratio = math.sqrt(d[i] / b[i]) if b[i] > 0 else (0.0 if d[i] == 0 else math.inf)
         rel = math.sqrt(d[i] / w[i]) if w[i] > 0 else (0.0 if d[i] == 0 else math.inf)
         rows[layer] = {"update": math.sqrt(d[i]), "predicted": math.sqrt(b[i]), "ratio": ratio, "update_ratio": rel}
@@ -296,15 +296,15 @@ def _token_ids(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def _data_check(agent: Any, batch: Any) -> Check:
+def _data_check(config: AgentConfig, batch: Any) -> Check:
     ids = _token_ids(batch)
-    vocab = agent.config.vocab_size
+    vocab = config.vocab_size
     if ids is None or vocab is None:
         return Check("data", "skip", "no token ids in the batch, or no AgentConfig.vocab_size")
     ids = ids.detach().cpu()
     rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() else ids.reshape(1, 1)
     outside = int(((rows < 0) | (rows >= vocab)).sum())
-    special = sum(int((rows == s).sum()) for s in agent.config.special_ids)
+    special = sum(int((rows == s).sum()) for s in config.special_ids)
     share = special / max(rows.numel(), 1)
     seqs = [tuple(r.tolist()) for r in rows]
     repeated = (len(seqs) - len(set(seqs))) / max(len(seqs), 1)
@@ -356,9 +356,9 @@ def _eps_check(opt: torch.optim.Optimizer, n: int) -> Check:
     return Check("adam_eps", "pass", f"{how} = {big:g} for {n / 1e9:.3g}B parameters", values)
 
 
-def _config_checks(agent: Any, declared_params: int | None, clip_grad_norm: float | None | str) -> list[Check]:
-    opt, scaler = agent.optimizer, agent.scaler
-    n = declared_params if declared_params is not None else sum(p.numel() for p in agent.params.params)
+def _config_checks(parts: TrainParts, declared_params: int | None, clip_grad_norm: float | None | str) -> list[Check]:
+    opt, scaler = parts.optimizer, parts.scaler
+    n = declared_params if declared_params is not None else sum(p.numel() for p in parts.params.params)
     checks = []
     checks.append(_eps_check(opt, n))
     if clip_grad_norm == "unknown":
@@ -370,7 +370,7 @@ def _config_checks(agent: Any, declared_params: int | None, clip_grad_norm: floa
                             {"max_norm": float(clip_grad_norm)}))
     else:
         checks.append(Check("grad_clip", "pass", f"gradients clipped at {clip_grad_norm:g}", {"max_norm": float(clip_grad_norm)}))
-    names = {id(p): n for n, p in agent.model.named_parameters()}
+    names = {id(p): n for n, p in parts.model.named_parameters()}
     decayed = [names.get(id(p), "?") for g in opt.param_groups if float(g.get("weight_decay", 0.0) or 0.0) > 0
                for p in g["params"] if p.requires_grad and p.dim() <= 1]
     checks.append(Check("weight_decay", "warn" if decayed else "pass",
@@ -394,11 +394,12 @@ def _config_checks(agent: Any, declared_params: int | None, clip_grad_norm: floa
     return checks
 
 
-def _ranks_check(agent: Any) -> Check:
-    if agent.world_size < 2:
+def _ranks_check(parts: TrainParts, desync_rel_tol: float) -> Check:
+    world_size = parts.world_size
+    if world_size < 2:
         return Check("ranks_agree", "skip", "one rank")
-    params = agent.params
-    fp = for_ranks(params, agent.world_size)
+    params = parts.params
+    fp = for_ranks(params, world_size)
     if fp is None:
         return Check("ranks_agree", "skip", "no parameter is replicated across ranks (every rank holds "
                      "different shards): nothing to compare")
@@ -407,10 +408,10 @@ def _ranks_check(agent: Any) -> Check:
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     row = row.to(device)
-    out = torch.empty(agent.world_size * row.numel(), dtype=row.dtype, device=device)
+    out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=device)
     dist.all_gather_single(out, row)
-    compared = desync(out.view(agent.world_size, -1), fp.layers, fp.k, fp.groups)
-    vectors, found = findings(compared.tolist(), agent.world_size, fp.names, agent.config.desync_rel_tol)
+    compared = desync(out.view(world_size, -1), fp.layers, fp.k, fp.groups)
+    vectors, found = findings(compared.tolist(), world_size, fp.names, desync_rel_tol)
     params_found = [d for d in found if d.kind == "param"]
     if params_found:
         return Check("ranks_agree", "fail",
@@ -421,12 +422,12 @@ def _ranks_check(agent: Any) -> Check:
     if fp.groups is not None:
         return Check("ranks_agree", "pass", "every replica of each parameter shard holds the same values "
                      "(element-wise fingerprints)")
-    return Check("ranks_agree", "pass", f"all {agent.world_size} ranks hold the same parameters (element-wise fingerprints)")
+    return Check("ranks_agree", "pass", f"all {world_size} ranks hold the same parameters (element-wise fingerprints)")
 
 
-def _endpoint_checks(agent: Any, timeout: float) -> list[Check]:
+def _endpoint_checks(url: str | None, controller: str | None, control: Any, rank: int, timeout: float) -> list[Check]:
+    """The rank's /metrics (``url``) and, with a ``controller`` configured, the control plane's link."""
     checks = []
-    url = agent.metrics_url
     if url is None:
         checks.append(Check("metrics_endpoint", "skip", "no /metrics endpoint (metrics_port=None)"))
     else:
@@ -438,32 +439,32 @@ def _endpoint_checks(agent: Any, timeout: float) -> list[Check]:
                                 f"{url} answered {resp.status}" + ("" if ok else " without trainguard metrics")))
         except OSError as exc:
             checks.append(Check("metrics_endpoint", "fail", f"{url} did not answer: {exc}"))
-    if agent.config.controller is None:
+    if controller is None:
         checks.append(Check("controller", "skip", "no controller configured"))
-    elif agent.control is None or agent.control.client is None:
-        checks.append(Check("controller", "skip" if agent.rank else "fail",
-                            "only rank 0 talks to the controller" if agent.rank else "the control plane did not start"))
+    elif control is None or control.client is None:
+        checks.append(Check("controller", "skip" if rank else "fail",
+                            "only rank 0 talks to the controller" if rank else "the control plane did not start"))
     else:
-        up = agent.control.values().get("trainguard_agent_controller_up") == 1.0
+        up = control.values().get("trainguard_agent_controller_up") == 1.0
         checks.append(Check("controller", "pass" if up else "fail",
-                            f"{agent.config.controller} " + ("accepted the run" if up else "is not reachable")))
+                            f"{controller} " + ("accepted the run" if up else "is not reachable")))
     return checks
 
 
-def _probe_checks(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, step_seconds: float,
+def _probe_checks(parts: TrainParts, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None, step_seconds: float,
                   probe: Mapping[str, Any]) -> list[Check]:
     def run(b: Any, scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
         with torch.enable_grad():
-            return forward_backward(agent, b, loss_fn, scale=scale)
+            return forward_backward(parts, b, loss_fn, scale=scale)
 
-    layer_names = agent.layers
-    layer_of = {id(p): layer_names[i] for p, i in zip(agent.params.params, agent.params.layer_ids.tolist())}
+    layer_names = parts.layers
+    layer_of = {id(p): layer_names[i] for p, i in zip(parts.params.params, parts.params.layer_ids.tolist())}
     ids = probes._ids_of(batch)
-    found = [probes.init_check(agent.model, agent.params.params),
-             probes.loss_boundary_check(agent.model, batch, run, pad_id=probe.get("pad_id"),
+    found = [probes.init_check(parts.model, parts.params.params),
+             probes.loss_boundary_check(parts.model, batch, run, pad_id=probe.get("pad_id"),
                                         max_length=probe.get("max_length")),
-             probes.amp_overflow_check(agent.model, batch, run, lambda p: layer_of.get(id(p), "?"), agent.params.params,
-                                       dtype=probe.get("amp_dtype"), scaler=agent.scaler),
+             probes.amp_overflow_check(parts.model, batch, run, lambda p: layer_of.get(id(p), "?"), parts.params.params,
+                                       dtype=probe.get("amp_dtype"), scaler=parts.scaler),
              probes.input_pipeline_check(probe.get("loader"), int(ids.numel()) if ids is not None else 0, step_seconds)]
     found += environment.environment_checks(os.environ, environment.EnvFacts.of_process())
     return [Check(name, status, detail, values) for name, status, detail, values in found]
@@ -480,32 +481,35 @@ def _probe_options(loader: Any, amp_dtype: Any, pad_id: Any, max_length: Any) ->
     return {"loader": loader, "amp_dtype": amp_dtype, "pad_id": pad_id, "max_length": max_length}
 
 
-def run_preflight(agent: Any, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
-                  declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
+def run_preflight(parts: TrainParts, config: AgentConfig, batch: Any,
+                  loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
+                  metrics_url: str | None = None, control: Any = None, declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
                   timeout: float = 2.0, loader: Any = None, amp_dtype: torch.dtype | None = None,
                   pad_id: int | None = None, max_length: int | None = None) -> PreflightReport:
-    """See the module docstring; ``Agent.preflight`` is the entry point."""
+    """See the module docstring; ``Agent.preflight`` is the entry point. ``parts``: what the pass
+    runs on; ``metrics_url`` and ``control`` (the control plane, or None): the endpoints checked."""
     probe = _probe_options(loader, amp_dtype, pad_id, max_length)
     if declared_params is not None and (type(declared_params) is not int or declared_params < 1):
         raise ValueError(f"declared_params must be a positive int, got {declared_params!r}")
     if clip_grad_norm not in (None, "unknown") and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
-    if agent.step != 0:
-        raise ValueError(f"preflight runs before the first training step (this agent is at step {agent.step})")
+    step = parts.step()
+    if step != 0:
+        raise ValueError(f"preflight runs before the first training step (this agent is at step {step})")
     t0 = time.perf_counter()
-    loss, grads = forward_backward(agent, batch, loss_fn)
+    loss, grads = forward_backward(parts, batch, loss_fn)
     step_seconds = time.perf_counter() - t0
     with torch.no_grad():
-        checks = _grad_checks(agent, loss, grads)
-        checks.append(_update_check(agent, grads))
-        checks.append(_data_check(agent, batch))
-        checks += _config_checks(agent, declared_params, clip_grad_norm)
-        checks.append(_ranks_check(agent))
-        checks += _endpoint_checks(agent, timeout)
-        checks += _probe_checks(agent, batch, loss_fn, step_seconds, probe)
+        checks = _grad_checks(parts, loss, grads)
+        checks.append(_update_check(parts, grads))
+        checks.append(_data_check(config, batch))
+        checks += _config_checks(parts, declared_params, clip_grad_norm)
+        checks.append(_ranks_check(parts, config.desync_rel_tol))
+        checks += _endpoint_checks(metrics_url, config.controller, control, parts.rank, timeout)
+        checks += _probe_checks(parts, batch, loss_fn, step_seconds, probe)
     report = PreflightReport(tuple(checks), time.perf_counter() - t0)
     level = logging.WARNING if report.failed or report.warned else logging.INFO
-    log.log(level, "trainguard pre-flight (rank %d):\n%s", agent.rank, report.summary())
+    log.log(level, "trainguard pre-flight (rank %d):\n%s", parts.rank, report.summary())
     return report
 
 

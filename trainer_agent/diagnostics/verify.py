@@ -85,6 +85,7 @@ import torch
 from torch import nn
 
 from trainer_agent.measure.fingerprint import Fingerprinter, rel_diff
+from trainer_agent.measure.train_parts import TrainParts
 
 __all__ = ["VerifyResult", "GradientVerifier"]
 
@@ -114,16 +115,17 @@ class VerifyResult:
 
 
 class GradientVerifier:
-    """The agent's recompute check (see the module docstring). ``agent``: the ``Agent``."""
+    """The agent's recompute check (see the module docstring). ``parts``: the model, parameters,
+    scaler, forward timer and step reader of the agent (``TrainParts``)."""
 
-    def __init__(self, agent: Any, *, every: int | None, rel_tol: float) -> None:
-        params = agent.params
-        self.agent = agent
+    def __init__(self, parts: TrainParts, *, every: int | None, rel_tol: float) -> None:
+        params = parts.params
+        self.parts = parts
         self.every = every
         self.rel_tol = rel_tol
-        self.fp = Fingerprinter([p.numel() for p in params.params], params.layer_ids, len(agent.layers),
-                                device=agent.device)
-        self._first = torch.zeros(len(params.params), self.fp.k, dtype=torch.float64, device=agent.device)
+        self.fp = Fingerprinter([p.numel() for p in params.params], params.layer_ids, len(parts.layers),
+                                device=parts.device)
+        self._first = torch.zeros(len(params.params), self.fp.k, dtype=torch.float64, device=parts.device)
         self.armed = False
         self.recomputing = False
         self._stepped = False
@@ -151,7 +153,7 @@ class GradientVerifier:
         if self.armed:
             return
         self.armed, self._stepped, self._rng, self._grads_seen = True, False, None, False
-        self._handle = self.agent.model.register_forward_pre_hook(self._pre_forward)
+        self._handle = self.parts.model.register_forward_pre_hook(self._pre_forward)
 
     def disarm(self) -> None:
         self.armed = self.float32 = False
@@ -173,7 +175,7 @@ class GradientVerifier:
     # ------------------------------------------------------------------ hooks (armed step only)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        kind = self.agent.device.type
+        kind = self.parts.device.type
         if self.recomputing:
             self._recompute_autocast = self._recompute_autocast or torch.is_autocast_enabled(kind)
             return
@@ -210,31 +212,31 @@ class GradientVerifier:
             return None
         from trainer_agent.diagnostics.preflight import forward_backward
 
-        agent = self.agent
+        parts = self.parts
         t0 = time.perf_counter()
-        scaler = agent.scaler
+        scaler = parts.scaler
         scale = scaler.scale if scaler is not None and scaler.is_enabled() else None
-        no_sync = getattr(agent.model, "no_sync", None) if agent.world_size > 1 else None
-        kind = agent.device.type
+        no_sync = getattr(parts.model, "no_sync", None) if parts.world_size > 1 else None
+        kind = parts.device.type
         step_autocast = self._autocast
         float32 = self.float32
         self.recomputing = True
-        if agent.forward is not None:
-            agent.forward.excluded = True
+        if parts.forward is not None:
+            parts.forward.excluded = True
         try:
             with no_sync() if callable(no_sync) else contextlib.nullcontext():
                 again = (torch.autocast(kind, dtype=step_autocast[1])
                          if step_autocast is not None and step_autocast[0] and not torch.is_autocast_enabled(kind)
                          else contextlib.nullcontext())
                 with again:  # the autocast the step's forward ran under
-                    _, grads = forward_backward(agent, batch, loss_fn, replay_rng=self._rng, scale=scale)
+                    _, grads = forward_backward(parts, batch, loss_fn, replay_rng=self._rng, scale=scale)
                 result = self._compare(grads, time.perf_counter() - t0)
                 if float32:
                     result = self._float32(result, batch, loss_fn, scale, step_autocast)
         finally:
             self.recomputing = False
-            if agent.forward is not None:
-                agent.forward.excluded = False
+            if parts.forward is not None:
+                parts.forward.excluded = False
             self.disarm()
         self.checks += 1
         self.mismatches += int(result.mismatch)
@@ -243,7 +245,7 @@ class GradientVerifier:
         if result.mismatch:
             log.warning("trainguard: rank %d recomputed step %d and got a different gradient: layer %r differs "
                         "by %.3g of its norm (tolerance %g). Silent data corruption on this rank's device is likely.",
-                        agent.rank, result.step, result.layer, result.rel_diff, self.rel_tol)
+                        parts.rank, result.step, result.layer, result.rel_diff, self.rel_tol)
         return result
 
     def _float32(self, result: VerifyResult, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None,
@@ -252,15 +254,15 @@ class GradientVerifier:
         """The float32 recompute of the armed step (see the module docstring)."""
         from trainer_agent.diagnostics.preflight import forward_backward
 
-        agent, kind = self.agent, self.agent.device.type
-        low = sorted({str(p.dtype) for p in agent.params.params if p.dtype not in (torch.float32, torch.float64)})
+        parts, kind = self.parts, self.parts.device.type
+        low = sorted({str(p.dtype) for p in parts.params.params if p.dtype not in (torch.float32, torch.float64)})
         why = ("the step ran without autocast" if step_autocast is None or not step_autocast[0] else
                f"the parameters are {', '.join(low)}: there is no float32 copy of the model to run" if low else None)
         if why is None:
             t0 = time.perf_counter()
             self._recompute_autocast = False
             with torch.autocast(kind, enabled=False):
-                _, grads = forward_backward(agent, batch, loss_fn, replay_rng=self._rng, scale=scale)
+                _, grads = forward_backward(parts, batch, loss_fn, replay_rng=self._rng, scale=scale)
             if self._recompute_autocast:
                 why = ("the loss function enters torch.autocast itself, which the recompute cannot turn off: wrap "
                        "its call in the loop's autocast instead (the same-precision check replays that autocast)")
@@ -270,31 +272,32 @@ class GradientVerifier:
                 self.last_float32 = value
                 self._pending_float32 = value if math.isnan(self._pending_float32) else max(self._pending_float32, value)
                 log.info("trainguard: rank %d recomputed step %d in float32: the %s gradient differs by %.3g of "
-                         "layer %r's norm", agent.rank, result.step, step_autocast[1], value, f32.layer)  # type: ignore[index]
+                         "layer %r's norm", parts.rank, result.step, step_autocast[1], value, f32.layer)  # type: ignore[index]
                 return replace(result, float32_rel_diff=value, float32_layer=f32.layer,
                                seconds=result.seconds + f32.seconds)
         if why not in self._refused:
             self._refused.add(why)
-            log.warning("trainguard: rank %d: no float32 recompute of step %d: %s", agent.rank, result.step, why)
+            log.warning("trainguard: rank %d: no float32 recompute of step %d: %s", parts.rank, result.step, why)
         return result
 
     @torch.no_grad()
     def _compare(self, grads: list[torch.Tensor | None], seconds: float) -> VerifyResult:
-        fp, agent = self.fp, self.agent
-        zero = torch.zeros((), device=agent.device)
+        fp, parts = self.fp, self.parts
+        device = parts.device
+        zero = torch.zeros((), device=device)
         again = fp.project([g if g is not None else zero for g in grads])
         sq = torch.stack([g.detach().double().square().sum() if g is not None else zero.double() for g in grads])
         layers = fp.layers
-        f1 = torch.zeros(layers, fp.k, dtype=torch.float64, device=agent.device).index_add_(0, fp.layer_ids, self._first)
+        f1 = torch.zeros(layers, fp.k, dtype=torch.float64, device=device).index_add_(0, fp.layer_ids, self._first)
         f2 = torch.zeros_like(f1).index_add_(0, fp.layer_ids, again)
-        norm = torch.zeros(layers, dtype=torch.float64, device=agent.device).index_add_(0, fp.layer_ids, sq).sqrt()
+        norm = torch.zeros(layers, dtype=torch.float64, device=device).index_add_(0, fp.layer_ids, sq).sqrt()
         rel = rel_diff(f1, f2, norm).amax(dim=1)
         worst, layer = rel.max(dim=0)
         # SYNC: two reads per checked step
         bitwise = torch.equal(self._first, again)
         value, where = torch.stack([worst, layer.to(torch.float64)]).tolist()
         where = int(where)
-        return VerifyResult(step=agent.step + 1, rel_diff=value, layer=agent.layers[where], bitwise=bitwise,
+        return VerifyResult(step=parts.step() + 1, rel_diff=value, layer=parts.layers[where], bitwise=bitwise,
                             mismatch=not value <= self.rel_tol, seconds=seconds)
 
     # ------------------------------------------------------------------ results

@@ -1,0 +1,55 @@
+"""The checks ``attach`` makes of its arguments (``trainer_agent/agent.py``): a mistake raises
+``ValueError`` before training starts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from torch import nn
+
+from trainguard.protocol.wire import Name
+from trainer_agent.measure import optim
+from trainer_agent.config import AgentConfig
+
+__all__ = ["checked_args", "checked_loader"]
+
+_NAME = TypeAdapter(Name)
+
+
+def checked_args(model: Any, optimizer: Any, *, job: str, run: str, scaler: Any, config: AgentConfig | None,
+                 controller: str | None, token: str | None, lr_scheduler: Any, data_monitor: Any,
+                 loader: Any) -> tuple[Any, AgentConfig]:
+    """The real optimizer (``optim.unwrap_optimizer``) and the config ``attach`` runs with
+    (``controller``/``token`` override the config's); ``ValueError`` for an argument it cannot take."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    optimizer = optim.unwrap_optimizer(optimizer)  # ValueError naming what was passed
+    for what, value in (("job", job), ("run", run)):
+        try:
+            _NAME.validate_python(value)
+        except ValidationError:
+            raise ValueError(f"{what} must match [A-Za-z0-9][A-Za-z0-9._:-]{{0,127}}, got {value!r}") from None
+    if scaler is not None and not (hasattr(scaler, "is_enabled") and hasattr(scaler, "step")):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if config is None:
+        config = AgentConfig()
+    elif not isinstance(config, AgentConfig):
+        raise ValueError(f"config must be an AgentConfig, got {type(config).__name__}")
+    if controller is not None or token is not None:
+        config = replace(config, controller=controller if controller is not None else config.controller,
+                         token=token if token is not None else config.token)
+    if lr_scheduler is not None and not (hasattr(lr_scheduler, "state_dict") and hasattr(lr_scheduler, "load_state_dict")):
+        raise ValueError(f"lr_scheduler must have state_dict() and load_state_dict(), got {type(lr_scheduler).__name__}")
+    if data_monitor is not None and not (hasattr(data_monitor, "observe_batch") and hasattr(data_monitor, "values")):
+        raise ValueError("data_monitor must have observe_batch() and values() (trainer_agent.DataMonitor)")
+    if loader is not None:
+        checked_loader(loader)
+    return optimizer, config
+
+
+def checked_loader(loader: Any) -> Any:
+    if not callable(getattr(loader, "values", None)):
+        raise ValueError(f"loader must have values() (trainer_agent.data.sharded_dataset.TokenLoader), got {type(loader).__name__}")
+    return loader

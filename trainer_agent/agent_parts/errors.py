@@ -1,0 +1,39 @@
+"""The agent's error log: an internal error is logged once per kind, counted in
+``trainguard_agent_errors_total``, and training goes on (``trainer_agent/agent.py``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+from trainer_agent.report.exporter import UnknownValues
+
+__all__ = ["ErrorLog"]
+
+#: The agent's logger: its errors are logged under the facade's name.
+log = logging.getLogger("trainer_agent.agent")
+
+
+class ErrorLog:
+    """Counts the agent's errors and logs the first of each kind; ``error`` is the ``on_error``
+    callback every collaborator gets. Thread-safe (the /metrics thread reports errors too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self._logged_kinds: set[str] = set()
+        self._unknown_values = UnknownValues(self.error)  # a value the catalogue lacks: one error each
+
+    def error(self, kind: str, exc: BaseException) -> None:
+        with self._lock:
+            self.count += 1
+            first = kind not in self._logged_kinds
+            self._logged_kinds.add(kind)
+        if first:
+            log.warning("trainguard agent: %s failed; training goes on, further %s errors are only "
+                        "counted in trainguard_agent_errors_total", kind, kind, exc_info=exc)
+
+    def unknown(self, values: Mapping[str, float]) -> int:
+        """The values the catalogue does not know, each counted once (``UnknownValues``)."""
+        return self._unknown_values.check(values)
