@@ -78,37 +78,11 @@ def create_app(
     controller.tokens = tokens
     # The runs are read back in the lifespan, while the app answers (service/startup.py).
     loader = controller.startup = StartupLoader(controller, wait_runs=settings.startup_wait_runs)
-    standby: Standby | None = None
-    if store.needs_lease:
-        # Shared with another controller (PostgreSQL): listen now, serve once the writer lease is ours.
-        async def become_active() -> None:
-            await asyncio.to_thread(load)
-            await loader.start()
-
-        def load() -> None:
-            controller.load_rules()
-            controller.load_tokens()
-
-        standby = Standby(take_lease=store.take_lease, become_active=become_active, database=shown_db(settings.db))
-    else:
-        controller.load_rules()
-        controller.load_tokens()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if standby is not None:
-            await standby.start()
-        else:
-            await loader.start()
-        try:
-            yield
-        finally:
-            await loader.stop()
-            if standby is None or await standby.stop():
-                await controller.stop()
+    standby = _standby_or_load(controller, store, loader, settings)
 
     app = FastAPI(
-        title="trainguard controller", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+        title="trainguard controller", version="0.1.0", lifespan=_lifespan(controller, loader, standby),
+        docs_url=None, redoc_url=None,
         description="Runs, reports, rules, alerts and desired state of training runs. Agents register runs and post "
         "reports; operators read status and command runs; rules and Alertmanager act too.",
     )
@@ -120,6 +94,35 @@ def create_app(
     for module in (runs, alerts, rules, webhooks, token_routes, system):
         app.include_router(module.router)
     ui.install(app)  # the operator console at /ui and the API docs at /docs, every asset served locally
+
+    _install_error_handlers(app)
+    _install_middleware(app, controller, tokens, loader, settings, standby)
+    return app
+
+
+def _standby_or_load(controller: Controller, store: GroupCommitStore, loader: StartupLoader,
+                     settings: Settings) -> Standby | None:
+    """Read the rules and tokens now, or, for a store shared with another controller (PostgreSQL),
+    a standby that reads them and the runs once the writer lease is ours (listening meanwhile)."""
+
+    def load() -> None:
+        controller.load_rules()
+        controller.load_tokens()
+
+    if not store.needs_lease:
+        load()
+        return None
+
+    async def become_active() -> None:
+        await asyncio.to_thread(load)
+        await loader.start()
+
+    return Standby(take_lease=store.take_lease, become_active=become_active, database=shown_db(settings.db))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """The API's errors as JSON: a product error with its status (``_STATUS``), invalid rules
+    with their reasons, and a request validation error with its summary (never the raw input)."""
 
     async def known_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_STATUS[type(exc)])
@@ -143,6 +146,12 @@ def create_app(
         return Response(body, status_code=422, media_type="application/json")
 
     app.add_exception_handler(RequestValidationError, request_invalid)
+
+
+def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable, loader: StartupLoader,
+                        settings: Settings, standby: Standby | None) -> None:
+    """The request path, outermost last: the standby gate, authentication, the loading gate,
+    the body limit, report ingress (and the OpenAPI document of every status)."""
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
@@ -151,4 +160,23 @@ def create_app(
     app.add_middleware(Authenticate, tokens=tokens)  # no body is read before the token is known
     if standby is not None:
         app.add_middleware(StandbyGate, standby=standby)  # outermost: a standby reads nothing
-    return app
+
+
+def _lifespan(controller: Controller, loader: StartupLoader, standby: Standby | None) -> Callable[[FastAPI], Any]:
+    """Start reading the runs back (or standing by for the lease); on shutdown stop both, and the
+    controller unless a standby never became active."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if standby is not None:
+            await standby.start()
+        else:
+            await loader.start()
+        try:
+            yield
+        finally:
+            await loader.stop()
+            if standby is None or await standby.stop():
+                await controller.stop()
+
+    return lifespan
