@@ -137,12 +137,10 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, sn
     ``seq``), ``audit`` (the run's audit events after id ``after``) and ``run`` (its status, when it
     changed). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events).
 
-    Per connection, the status and reports are looked at once per ``_TICK_S`` (the runs list
-    changes at most every ``_RUNS_EVERY_S``) and audit events are sent in writes of at most
-    ``_EVENTS_PER_WRITE``, whatever the rate of events: each costs a lookup of what
-    ``snapshots`` built for every stream. The stream ends when ``alive()`` says its session ended
-    (sign-out, expiry, its token revoked), when it falls behind the event hub, and at shutdown;
-    ``release`` is called then."""
+    Per connection: the status and reports once per ``_TICK_S`` (the runs list at most every
+    ``_RUNS_EVERY_S``), audit events in writes of at most ``_EVENTS_PER_WRITE``; each a lookup of
+    what ``snapshots`` built for every stream. It ends (calling ``release``) when ``alive()`` says
+    its session ended (sign-out, expiry, token revoked), when it falls behind, and at shutdown."""
     snapshots = snapshots or StreamSnapshots()
     hub = ctl.events_hub
     queue = hub.subscribe()  # before the replay, so nothing falls between the two
@@ -159,22 +157,13 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, sn
             now = loop.time()
             if now >= next_state:
                 next_state = now + _TICK_S
-                out = []
-                if run is not None:
-                    st = ctl.runs.get(run)
-                    if st is None:
-                        return
-                    out.append(snapshots.window(st, seq))
-                    seq = max(seq, st.window.count)
-                    version, chunk = snapshots.run(ctl, st)
-                else:
-                    version, chunk = snapshots.runs(ctl)
-                if version != sent:
-                    sent = version
-                    out.append(chunk)
-                if any(out):
+                state = _state_chunk(ctl, run, seq, sent, snapshots)
+                if state is None:
+                    return  # the run is gone
+                chunk, seq, sent = state
+                if chunk:
                     written = now
-                    yield b"".join(out)
+                    yield chunk
             try:
                 ev = await asyncio.wait_for(queue.get(), max(next_state - loop.time(), 0.0))
             except TimeoutError:
@@ -184,24 +173,53 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, sn
                     written = loop.time()
                     yield b": keep-alive\n\n"
                 continue
-            batch = [ev]
-            while ev is not None and len(batch) < _EVENTS_PER_WRITE and not queue.empty():
-                batch.append(ev := queue.get_nowait())
-            out = []
-            for ev in batch:
-                if ev is None:
-                    break  # the controller is shutting down
-                if ev["id"] > after and (run is None or ev["run"] == run):
-                    after = ev["id"]
-                    out.append(snapshots.audit(ev))
-            if out:
+            chunk, after, ended = _audit_chunk(queue, ev, run, after, snapshots)
+            if chunk:
                 written = loop.time()
-                yield b"".join(out)
-            if batch[-1] is None:
+                yield chunk
+            if ended:
                 return
     finally:
         hub.unsubscribe(queue)
         release()
+
+
+def _state_chunk(ctl: Controller, run: str | None, seq: int, sent: int,
+                 snapshots: StreamSnapshots) -> tuple[bytes, int, int] | None:
+    """One tick's status: the run's new window rows and its status when it changed (or the runs
+    list when it changed), with the stream's new cursors ``(chunk, seq, sent)``; None when the
+    run is gone."""
+    out = []
+    if run is not None:
+        st = ctl.runs.get(run)
+        if st is None:
+            return None
+        out.append(snapshots.window(st, seq))
+        seq = max(seq, st.window.count)
+        version, chunk = snapshots.run(ctl, st)
+    else:
+        version, chunk = snapshots.runs(ctl)
+    if version != sent:
+        sent = version
+        out.append(chunk)
+    return b"".join(out), seq, sent
+
+
+def _audit_chunk(queue: asyncio.Queue, ev: dict[str, Any] | None, run: str | None, after: int,
+                 snapshots: StreamSnapshots) -> tuple[bytes, int, bool]:
+    """``ev`` and the events already queued behind it (at most ``_EVENTS_PER_WRITE``) as one write:
+    ``(chunk, after, ended)``, ``ended`` when the controller is shutting down (a None event)."""
+    batch = [ev]
+    while ev is not None and len(batch) < _EVENTS_PER_WRITE and not queue.empty():
+        batch.append(ev := queue.get_nowait())
+    out = []
+    for ev in batch:
+        if ev is None:
+            break  # the controller is shutting down
+        if ev["id"] > after and (run is None or ev["run"] == run):
+            after = ev["id"]
+            out.append(snapshots.audit(ev))
+    return b"".join(out), after, batch[-1] is None
 
 
 def _stream(request: Request, session: Session, run: str | None, seq: int, after: int) -> StreamingResponse:
