@@ -298,29 +298,10 @@ class WebhookDeliverer:
                 "X-Trainguard-Signature": sign(row["secret"], ts, body),
                 "X-Trainguard-Delivery": str(row["id"]),
             }
-            status, error = None, None
             t0 = time.perf_counter()
-            try:
-                resp = await client.post(row["url"], content=body, headers=headers)
-                status = resp.status_code
-            except httpx.TimeoutException as e:
-                error = f"timeout: {type(e).__name__}"
-            except httpx.HTTPError as e:
-                error = f"{type(e).__name__}: {e}"
-            except httpx.InvalidURL as e:
-                # Not an HTTPError: uncaught it would end the delivery task for every webhook.
-                # The URL will never work, so it is not retried.
-                status, error = None, f"invalid URL (not retried): {e}"
+            status, error = await _post(client, row["url"], body, headers)
             duration = time.perf_counter() - t0
-            if status is not None and 200 <= status < 300:
-                outcome = "delivered"
-            elif status is not None and 400 <= status < 500 and status not in _RETRY_4XX:
-                outcome, error = "failed", f"HTTP {status} (not retried)"
-            elif error is not None and error.startswith("invalid URL"):
-                outcome = "failed"
-            else:
-                error = error or f"HTTP {status}"
-                outcome = "retry" if attempt < self._max_attempts else "failed"
+            outcome, error = _outcome(status, error, attempt < self._max_attempts)
             if outcome != "delivered":
                 reason = "timeout" if error.startswith("timeout") else ("5xx" if status and status >= 500 else ("4xx" if status else "error"))
                 self._metrics.failures.labels(reason).inc()
@@ -338,6 +319,34 @@ class WebhookDeliverer:
             ))
             if outcome != "retry":
                 self.pending = max(0, self.pending - 1)
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> tuple[int | None, str | None]:
+    """One delivery attempt: (the HTTP status or None, the error or None)."""
+    try:
+        resp = await client.post(url, content=body, headers=headers)
+        return resp.status_code, None
+    except httpx.TimeoutException as e:
+        return None, f"timeout: {type(e).__name__}"
+    except httpx.HTTPError as e:
+        return None, f"{type(e).__name__}: {e}"
+    except httpx.InvalidURL as e:
+        # Not an HTTPError: uncaught it would end the delivery task for every webhook.
+        # The URL will never work, so it is not retried.
+        return None, f"invalid URL (not retried): {e}"
+
+
+def _outcome(status: int | None, error: str | None, retries_left: bool) -> tuple[str, str | None]:
+    """An attempt's outcome (``delivered``, ``retry`` or ``failed``) and its error text: a 2xx
+    is delivered; a 4xx other than ``_RETRY_4XX`` and an invalid URL fail at once; anything else
+    is retried while attempts are left."""
+    if status is not None and 200 <= status < 300:
+        return "delivered", error
+    if status is not None and 400 <= status < 500 and status not in _RETRY_4XX:
+        return "failed", f"HTTP {status} (not retried)"
+    if error is not None and error.startswith("invalid URL"):
+        return "failed", error
+    return ("retry" if retries_left else "failed"), error or f"HTTP {status}"
 
 
 def _idle(conn: Any) -> tuple[float | None, int]:
