@@ -1,11 +1,11 @@
 """Reaction latency of the closed loop, and the control plane's cost per step.
 
-Starts one ``trainguard serve`` (temporary SQLite file, default rules) and a 2-rank gloo job
+Starts one ``trainguard serve`` (temporary SQLite file, the built-in rules with a NaN loss pausing the run) and a 2-rank gloo job
 (DDP, CPU), both on loopback. Two parts, one process group:
 
 1. **Reaction latency.** ``--trials`` runs; in each, every rank's batch holds a NaN at step
    ``--nan-step`` (``report_every=1``, ``sync_every=1``, ``skip_nonfinite=True`` so the weights stay
-   finite). The controller's default rule answers that report with a paused desired state; the
+   finite). The controller's ``loss_nonfinite`` rule (set to pause, recovery off) answers that report with a paused desired state; the
    ranks apply it at a later step boundary. Printed per trial: the steps from the NaN step to the
    step at which the pause was applied on all ranks, the milliseconds from the NaN step's
    ``end_step`` call (the loss reaches the agent) to the pause applied on the last rank, and the
@@ -151,10 +151,29 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 # parent
 # ---------------------------------------------------------------------------------------------
+def _pausing_rules(directory: Path) -> Path:
+    """The built-in rules with a NaN loss pausing the run for a human and automatic recovery off:
+    the built-in ladder answers a NaN the agent already skipped with nothing, or a rollback, so a
+    pause is what gives one measurable, deterministic answer to time."""
+    from importlib.resources import files
+
+    import yaml
+
+    rules = yaml.safe_load((files("trainguard.service") / "default_rules.yaml").read_text())
+    rules["recovery"] = {"enabled": False}
+    for r in rules["rules"]:
+        if r["name"] == "loss_nonfinite":
+            r["actions"] = ["pause", "notify"]
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    return path
+
+
 def _start_controller(db: Path) -> tuple[subprocess.Popen[str], str]:
     exe = str(Path(sys.executable).with_name("trainguard"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", "0", "--db", str(db)],
+    proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", "0", "--db", str(db),
+                             "--rules", str(_pausing_rules(db.parent))],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -236,7 +255,7 @@ def main() -> None:
 
 def _print(args: argparse.Namespace, ranks: list[dict]) -> None:
     print(f"2 gloo ranks (DDP, CPU), steps of CPU compute + {args.device_ms:g} ms emulated device time; latency "
-          f"part: report_every=1, sync_every=1, NaN at step {args.nan_step}, default rules\n")
+          f"part: report_every=1, sync_every=1, NaN at step {args.nan_step}, NaN rule set to pause\n")
     print("trial  steps to pause (all ranks)  ms NaN end_step -> paused on last rank  controller round trip ms")
     print("       (the NaN loss reaches the agent in end_step of the NaN step; the round trip is from there to the")
     print("        moment the leader's client holds the paused state: report queued, sent, rules, answer)")
