@@ -76,7 +76,7 @@ class Controller:
         """The audit events published after each commit (the SSE stream subscribes to it)."""
         self._tasks: list[asyncio.Task[Any]] = []
         self.committer = Committer(store, deliverer, self.events_hub)
-        self._commit = commit = self.committer.commit
+        commit = self.committer.commit
         self.access = RunOwners(self.runs)
         self.rules_store = RulesStore(settings, store, clock)
         self.outcomes = OutcomeRecorder(settings, metrics, commit)
@@ -219,7 +219,7 @@ class Controller:
         """The samples a data skip left out, named on the data incident (``service/data_quarantine.py``)."""
         self.check_agent(principal, run)
         return await record_quarantine(self.get(run), report, now=self.clock(), external_url=self.settings.external_url,
-                                       commit=self._commit)
+                                       commit=self.committer.commit)
 
     # == operator commands and Alertmanager ===============================================================
     async def command(
