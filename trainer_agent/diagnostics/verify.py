@@ -87,7 +87,7 @@ from torch import nn
 from trainer_agent.measure.fingerprint import Fingerprinter, rel_diff
 from trainer_agent.measure.train_parts import TrainParts
 
-__all__ = ["VerifyResult", "GradientVerifier"]
+__all__ = ["VerifyResult", "VerifyTally", "GradientVerifier"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,55 @@ class VerifyResult:
     """The layer of ``float32_rel_diff``."""
 
 
+class VerifyTally:
+    """The checks' results on this rank: their counts, the last results, and the largest relative
+    differences since the last report (taken by it)."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.mismatches = 0
+        self.last: VerifyResult | None = None
+        self.last_float32 = math.nan
+        self._pending = math.nan  # rel_diff of the last check since the last report
+        self._pending_float32 = math.nan
+
+    def add(self, result: VerifyResult) -> None:
+        """A check's result (of the same-precision recompute)."""
+        self.checks += 1
+        self.mismatches += int(result.mismatch)
+        self.last = result
+        self._pending = _largest(self._pending, result.rel_diff)
+
+    def add_float32(self, value: float) -> None:
+        """A float32 recompute's largest relative difference."""
+        self.last_float32 = value
+        self._pending_float32 = _largest(self._pending_float32, value)
+
+    def take(self) -> float:
+        """The largest ``rel_diff`` checked since the previous call (NaN: none)."""
+        value, self._pending = self._pending, math.nan
+        return value
+
+    def take_float32(self) -> float:
+        """The largest float32 recompute ``rel_diff`` since the previous call (NaN: none)."""
+        value, self._pending_float32 = self._pending_float32, math.nan
+        return value
+
+    def values(self) -> dict[str, float]:
+        out = {"trainguard_verify_steps_total": float(self.checks),
+               "trainguard_verify_mismatches_total": float(self.mismatches)}
+        if self.last is not None:
+            out["trainguard_verify_rel_diff"] = self.last.rel_diff
+        if not math.isnan(self.last_float32):
+            out["trainguard_verify_float32_rel_diff"] = self.last_float32
+        return out
+
+
+def _largest(pending: float, value: float) -> float:
+    """``value``, or the larger of the two when a value is ``pending`` (not NaN)."""
+    return value if math.isnan(pending) else max(pending, value)
+
+
 class GradientVerifier:
     """The agent's recompute check (see the module docstring). ``parts``: the model, parameters,
     scaler, forward timer and step reader of the agent (``TrainParts``)."""
@@ -132,15 +181,10 @@ class GradientVerifier:
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._handle: Any = None
         self._grads_seen = False
-        self.checks = 0
-        self.mismatches = 0
-        self.last: VerifyResult | None = None
-        self._pending = math.nan  # rel_diff of the last check since the last report
+        self.results = VerifyTally()
         self.float32 = False  # the armed step is also recomputed in float32
         self._autocast: tuple[bool, torch.dtype] | None = None  # the armed step's forward: (autocast on, its dtype)
         self._recompute_autocast = False  # autocast was on inside the float32 recompute's forward
-        self.last_float32 = math.nan
-        self._pending_float32 = math.nan
         self._refused: set[str] = set()  # reasons a float32 recompute was not measured, logged once each
 
     # ------------------------------------------------------------------ scheduling
@@ -238,10 +282,7 @@ class GradientVerifier:
             if parts.forward is not None:
                 parts.forward.excluded = False
             self.disarm()
-        self.checks += 1
-        self.mismatches += int(result.mismatch)
-        self.last = result
-        self._pending = result.rel_diff if math.isnan(self._pending) else max(self._pending, result.rel_diff)
+        self.results.add(result)
         if result.mismatch:
             log.warning("trainguard: rank %d recomputed step %d and got a different gradient: layer %r differs "
                         "by %.3g of its norm (tolerance %g). Silent data corruption on this rank's device is likely.",
@@ -269,8 +310,7 @@ class GradientVerifier:
             else:
                 f32 = self._compare(grads, time.perf_counter() - t0)
                 value = f32.rel_diff
-                self.last_float32 = value
-                self._pending_float32 = value if math.isnan(self._pending_float32) else max(self._pending_float32, value)
+                self.results.add_float32(value)
                 log.info("trainguard: rank %d recomputed step %d in float32: the %s gradient differs by %.3g of "
                          "layer %r's norm", parts.rank, result.step, step_autocast[1], value, f32.layer)  # type: ignore[index]
                 return replace(result, float32_rel_diff=value, float32_layer=f32.layer,
@@ -304,22 +344,14 @@ class GradientVerifier:
 
     def take(self) -> float:
         """The largest ``rel_diff`` checked since the previous call (NaN: none)."""
-        value, self._pending = self._pending, math.nan
-        return value
+        return self.results.take()
 
     def take_float32(self) -> float:
         """The largest float32 recompute ``rel_diff`` since the previous call (NaN: none)."""
-        value, self._pending_float32 = self._pending_float32, math.nan
-        return value
+        return self.results.take_float32()
 
     def values(self) -> dict[str, float]:
-        out = {"trainguard_verify_steps_total": float(self.checks),
-               "trainguard_verify_mismatches_total": float(self.mismatches)}
-        if self.last is not None:
-            out["trainguard_verify_rel_diff"] = self.last.rel_diff
-        if not math.isnan(self.last_float32):
-            out["trainguard_verify_float32_rel_diff"] = self.last_float32
-        return out
+        return self.results.values()
 
     def close(self) -> None:
         self.disarm()

@@ -12,14 +12,13 @@ significant digits.
 from __future__ import annotations
 
 import math
-import os
-import resource
-import sys
 from collections.abc import Sequence
 
 import torch
 
 from trainer_agent.compat import torch_private
+from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
+from trainer_agent.measure.noise_scale import noise_scale
 
 __all__ = [
     "buckets",
@@ -363,55 +362,3 @@ def sums_and_extremes(tensors: Sequence[torch.Tensor], device: torch.device
         at = torch.tensor([todo[i] for i in order], dtype=torch.long, device=device)
         out[:, at] = torch.stack([2 * pos - l1, top, -neg_low])
     return out[0], out[1], out[2]
-
-
-def noise_scale(
-    small_sq: torch.Tensor, big_sq: torch.Tensor, count: int, micro_size: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Simple gradient noise scale from ``count`` >= 2 small-batch gradients (McCandlish et al.
-    2018, appendix A.1): returns ``(B_simple, tr(Sigma))`` as scalars on the input's device.
-
-    ``small_sq`` is |G_small|^2, the mean squared norm of the ``count`` small-batch gradient
-    estimates, each of ``b = micro_size`` samples; ``big_sq`` is |G_big|^2, the squared norm of
-    their mean (the gradient of the big batch of ``count * b`` samples). Unbiased estimates:
-
-        |G|^2     = (n |G_big|^2 - |G_small|^2) / (n - 1)
-        tr(Sigma) = b n (|G_small|^2 - |G_big|^2) / (n - 1)
-        B_simple  = tr(Sigma) / |G|^2                       (n = count)
-
-    B_simple is in the unit of ``b`` and does not change when both inputs are multiplied by the
-    same factor (a loss scale, a loss divided by the accumulation count). Estimates from a single
-    step are noisy: tr(Sigma) and B_simple can come out negative; they are reported as they are.
-    """
-    assert count >= 2, "the noise scale needs at least two small-batch gradients"
-    grad_sq = (count * big_sq - small_sq) / (count - 1)
-    trace = micro_size * count * (small_sq - big_sq) / (count - 1)
-    return trace / grad_sq, trace
-
-
-def host_memory() -> tuple[float, float]:
-    """(current resident set size, peak resident set size) of this process in bytes."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    with open("/proc/self/statm", "rb") as f:
-        rss = int(f.read().split()[1]) * page
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
-    return float(rss), float(max(peak_bytes, rss))
-
-
-def memory(device: torch.device) -> dict[str, float]:
-    """The memory gauges of ``device`` (host values only: no device sync)."""
-    if device.type == "cuda":
-        # Allocator statistics kept on the host: no device sync.
-        allocated = float(torch.cuda.memory_allocated(device))
-        reserved = float(torch.cuda.memory_reserved(device))
-        peak = float(torch.cuda.max_memory_allocated(device))
-    else:
-        allocated, peak = host_memory()
-        reserved = allocated
-    return {
-        "trainguard_memory_allocated_bytes": allocated,
-        "trainguard_memory_reserved_bytes": reserved,
-        "trainguard_memory_peak_bytes": peak,
-    }

@@ -8,7 +8,6 @@ them, times them and keeps their errors out of the training loop. Every value st
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from trainer_agent.measure import stats, triage_stats as triage
 from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
+from trainer_agent.measure.grad_hooks import GradHooks
 from trainer_agent.measure.update_snapshot import UpdateSnapshot
 from trainer_agent.measure.layer_stats import GradMoments, LayerGradStats
 from trainer_agent.measure.params import ParamIndex
@@ -71,53 +71,46 @@ class StepState:
         self.grad_stats: GradMoments | None = None
 
 
-class GradHooks:
-    """The tensor hooks on the parameters, in two sets.
+class BackwardPass:
+    """The backward pass in progress, for :class:`StepMeter`: whether its end-of-backward
+    measurement is queued, and the norms of its incoming gradients (the noise scale's), some
+    held to be normed with the others of their bucket in one fused call (see
+    :meth:`StepMeter.on_grad`). ``norm_dtype``: the accumulation dtype of a gradient's norm."""
 
-    - *Sentinels*, always: one hook on the first parameter of every layer, whose only work is to
-      start the end-of-backward measurement once per backward pass (``sentinel``). A backward pass
-      that reaches any layer runs one of them, so an ordinary step costs one Python call per layer
-      reached, not one per parameter tensor.
-    - *Per-parameter* hooks (``on_grad(index, grad)``), only while :meth:`want` says so: the steps
-      that read each incoming gradient (the noise scale's micro-batch norms on report steps, the
-      gradient verifier's armed step). Removed again afterwards, and the emptied hook dictionary
-      is dropped from the tensor, so that autograd calls no Python for it on the next steps.
-    """
+    def __init__(self, buckets: int, norm_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
+        self.queued = False
+        self.norms: list[torch.Tensor] = []
+        self._norm_dtype = norm_dtype
+        # Incoming gradients held for one fused norm per bucket, their bytes.
+        self._held: list[list[torch.Tensor]] = [[] for _ in range(buckets)]
+        self._held_bytes = 0
 
-    def __init__(self, params: list[torch.Tensor], layer_ids: list[int],
-                 sentinel: Callable[[torch.Tensor], None], on_grad: Callable[[int, torch.Tensor], None]) -> None:
-        self.params = params
-        first: dict[int, int] = {}
-        for i, layer in enumerate(layer_ids):
-            first.setdefault(layer, i)
-        self._sentinels = [params[i].register_hook(sentinel) for i in first.values()]
-        self._bodies = [functools.partial(on_grad, i) for i in range(len(params))]
-        self._full: list[Any] = []
+    def norm(self, grad: torch.Tensor) -> None:
+        """Norm an incoming gradient at once."""
+        self.norms.append(torch.linalg.vector_norm(grad, dtype=self._norm_dtype(grad.dtype)))
 
-    @property
-    def full(self) -> bool:
-        """Whether every parameter is hooked now."""
-        return bool(self._full)
+    def hold(self, bucket: int, grad: torch.Tensor) -> None:
+        """Hold an incoming gradient of ``bucket``; norm every held one once ``HELD_GRAD_BYTES`` are held."""
+        self._held[bucket].append(grad)
+        self._held_bytes += grad.numel() * grad.element_size()
+        if self._held_bytes >= HELD_GRAD_BYTES:
+            self.norm_held()
 
-    def want(self, full: bool) -> None:
-        """Hook every parameter (``full``), or only the sentinels."""
-        if full and not self._full:
-            self._full = [p.register_hook(body) for p, body in zip(self.params, self._bodies)]
-        elif not full and self._full:
-            self._remove(self._full)
+    def norm_held(self) -> None:
+        for held in self._held:
+            if held:
+                self.norms += torch_private.foreach_norm(held, 2, dtype=self._norm_dtype(held[0].dtype))
+        self.release()
 
-    def _remove(self, handles: list[Any]) -> None:
-        for h in handles:
-            h.remove()
-        handles.clear()
-        for p in self.params:
-            # A leaf's hook dict stays registered with autograd after its last hook is removed,
-            # and autograd then calls into Python for every gradient: drop it when empty.
-            torch_private.drop_empty_backward_hooks(p)
+    def release(self) -> None:
+        for held in self._held:
+            held.clear()
+        self._held_bytes = 0
 
-    def remove(self) -> None:
-        self._remove(self._full)
-        self._remove(self._sentinels)
+    def clear(self) -> None:
+        """Drop the pass's norms and held gradients."""
+        self.norms = []
+        self.release()
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -158,11 +151,7 @@ class StepMeter:
         #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
         self.scaled_grad_norm: torch.Tensor | None = None
         self.last_lrs: list[float | torch.Tensor] | None = None
-        self._in_backward = False
-        self._hook_norms: list[torch.Tensor] = []
-        # Incoming gradients held for one fused norm per bucket (see on_grad), their bytes.
-        self._held: list[list[torch.Tensor]] = [[] for _ in index.buckets]
-        self._held_bytes = 0
+        self._pass = BackwardPass(len(index.buckets), self._dtype)
         self._snapshot = UpdateSnapshot(index)
         #: The triage's per-layer gradient statistics, fused (its index tensors cached).
         self.layer_stats = LayerGradStats(index.layer_ids, len(index.layers), index.device)
@@ -183,9 +172,8 @@ class StepMeter:
         """Start the next step; returns the finished step's state."""
         finished, self.state = self.state, StepState()
         self._last_backwards = finished.backwards
-        self._in_backward = False
-        self._hook_norms = []
-        self._release_held()  # a backward pass that raised never reached its end
+        self._pass.queued = False
+        self._pass.clear()  # a backward pass that raised never reached its end
         return finished
 
     # ------------------------------------------------------------------ (1) backward
@@ -202,12 +190,9 @@ class StepMeter:
         self.begin_backward()
         if self.grad_noise and (self.data_parallel or self.state.backwards >= 1):
             if self.index.params[index].grad is None:
-                self._hook_norms.append(torch.linalg.vector_norm(grad, dtype=self._dtype(grad.dtype)))
+                self._pass.norm(grad)
             else:
-                self._held[self.index.bucket_of[index]].append(grad)
-                self._held_bytes += grad.numel() * grad.element_size()
-                if self._held_bytes >= HELD_GRAD_BYTES:
-                    self._norm_held()
+                self._pass.hold(self.index.bucket_of[index], grad)
 
     def wants_every_grad(self) -> bool:
         """Whether the step in progress needs every incoming gradient from its first backward
@@ -221,7 +206,7 @@ class StepMeter:
     def sentinel(self, grad: torch.Tensor) -> None:
         """Tensor hook of the sentinel parameters (:class:`GradHooks`): starts the end-of-backward
         measurement of the pass."""
-        if not self._in_backward:
+        if not self._pass.queued:
             try:
                 self.begin_backward()
             except Exception as exc:  # never raise into backward
@@ -233,9 +218,9 @@ class StepMeter:
     def begin_backward(self) -> None:
         """Called by the first gradient hook of a backward pass (or the model output's hook):
         queues the end-of-backward measurement once per pass."""
-        if not self._in_backward:
-            self._in_backward = True
-            self._hook_norms = []
+        if not self._pass.queued:
+            self._pass.queued = True
+            self._pass.norms = []
             torch_private.queue_backward_callback(self._backward_end_outer)
 
     def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -257,31 +242,20 @@ class StepMeter:
         except Exception as exc:  # never raise into backward
             self._on_error("gradient_hook", exc)
 
-    def _norm_held(self) -> None:
-        for held in self._held:
-            if held:
-                self._hook_norms += torch_private.foreach_norm(held, 2, dtype=self._dtype(held[0].dtype))
-        self._release_held()
-
-    def _release_held(self) -> None:
-        for held in self._held:
-            held.clear()
-        self._held_bytes = 0
-
     def _backward_end_outer(self) -> None:
         # Re-queue, so that this runs after callbacks queued later in the same backward pass,
         # in particular DDP's, which finishes the gradient all-reduce.
         try:
             torch_private.queue_backward_callback(self._backward_end)
         except Exception as exc:
-            self._in_backward = False
+            self._pass.queued = False
             self._on_error("backward_end", exc)
 
     def _backward_end(self) -> None:
         t0 = self._clock()
         try:
-            self._in_backward = False
-            self._norm_held()
+            self._pass.queued = False
+            self._pass.norm_held()
             st = self.state
             first = st.backwards == 0
             self.measure_grads()
@@ -289,8 +263,8 @@ class StepMeter:
                 if first and not self.data_parallel:
                     # The first backward of a step accumulates into zeroed gradients.
                     st.micro_norms.append(self.scaled_grad_norm)
-                elif self._hook_norms:
-                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._hook_norms),
+                elif self._pass.norms:
+                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._pass.norms),
                                                                    dtype=torch.float64))
                 elif self.hooks is not None and not self.hooks.full:
                     st.micro_missed = True  # a pass without the hooks: its incoming norm is unknown
@@ -305,8 +279,7 @@ class StepMeter:
         except Exception as exc:
             self._on_error("backward_end", exc)
         finally:
-            self._hook_norms = []
-            self._release_held()
+            self._pass.clear()
             self.overhead += self._clock() - t0
 
     def measure_grads(self) -> None:

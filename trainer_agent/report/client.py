@@ -32,7 +32,9 @@ seen (from the registration answer, report answers and polls); out-of-order answ
 backwards.
 
 The HTTP side (the URLs, the timeouts, what each answer means) is
-``trainer_agent/report/controller_link.py``; the buffers and the counts ``trainer_agent/report/outbox.py``.
+``trainer_agent/report/controller_link.py``; the buffers and the counts ``trainer_agent/report/outbox.py``;
+the finish ``trainer_agent/report/run_finish.py``; the settings' bounds and the backoff
+``trainer_agent/report/client_settings.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ from trainguard.protocol.wire import (
     RunRegistration,
     dumps,
 )
+from trainer_agent.report.client_settings import backoff_delay, check_settings
 from trainer_agent.report.outbox import Outbox, SendCounts
+from trainer_agent.report.run_finish import send_finish
 from trainer_agent.report.controller_link import (
     MAX_ANSWER_BYTES,
     Accepted,
@@ -74,14 +78,6 @@ from trainer_agent.report.controller_link import (
 __all__ = ["MAX_ANSWER_BYTES", "ControllerClient", "SendCounts", "backoff_delay", "controller_urls"]
 
 log = logging.getLogger(__name__)
-
-
-def backoff_delay(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
-    """Seconds to wait after ``failures`` consecutive failures (>= 1): exponential with "equal
-    jitter", ``d/2 + uniform(0, d/2)`` with ``d = min(max_s, initial_s * 2**(failures-1))``, so
-    that the agents of many jobs do not retry in lockstep after a controller restart."""
-    d = min(max_s, initial_s * 2 ** min(failures - 1, 60))
-    return d / 2 + rng.uniform(0, d / 2)
 
 
 class ControllerClient:
@@ -107,7 +103,7 @@ class ControllerClient:
         on_error: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         urls = controller_urls(base_url)
-        _check_settings(request_timeout_s, connect_timeout_s, long_poll_s, max_buffered_reports,
+        check_settings(request_timeout_s, connect_timeout_s, long_poll_s, max_buffered_reports,
                         backoff_initial_s, backoff_max_s)
         self.run = registration.run
         self._registration = registration
@@ -278,9 +274,10 @@ class ControllerClient:
                     return  # no retries while closing (nor a finish: the controller just failed)
                 failures += 1
                 self._sleep(failures)
-            finish, _ = self._finish
-            if finish is not None and self._registered:
-                self._send_finish(http, finish)
+            finish, deadline = self._finish
+            if finish is not None and self._registered and send_finish(
+                    self._link, http, self.run, finish, deadline=deadline, clock=self._clock, failures=self._failures):
+                self.counts.finished = True
 
     def _refused(self, op: str, exc: Refused) -> None:
         if isinstance(exc, TooLarge) and op == "report":
@@ -298,28 +295,6 @@ class ControllerClient:
         self._requeue(op, item)
         if unknown > 1:  # registered again, still unknown: back off, do not spin
             self._sleep(unknown - 1)
-
-    def _send_finish(self, http: httpx.Client, finish: RunFinished) -> None:
-        """Closing: tell the controller the run ended, never past the close deadline and never
-        raising (the run is over either way). Another attempt when one failed on a kept-alive
-        connection the server had closed (no answer, no timeout), and one at each further
-        controller URL: the finish is idempotent, so sending it twice is harmless."""
-        attempts = max(2, len(self._link.bases))
-        _, deadline = self._finish
-        for attempt in range(1, attempts + 1):
-            left = deadline - self._clock()
-            if left <= 0:
-                return
-            try:
-                self._link.exchange(http, "POST", f"/runs/{self.run}/finish", dumps(finish), None,
-                                    timeout=httpx.Timeout(min(left, self._link.timeout.read or left)))
-                self.counts.finished = True
-                return
-            except Exception as exc:  # noqa: BLE001 - fail open
-                stale = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
-                if attempt == attempts or not (stale or attempt < len(self._link.bases)):
-                    self._failures.note(f"finish-{type(exc).__name__}", f"could not tell the controller the run finished: {exc!r}")
-                    return
 
     def _register(self, http: httpx.Client) -> None:
         answer = self._link.exchange(http, "POST", "/runs", dumps(self._registration), Registered)
@@ -404,19 +379,3 @@ class ControllerClient:
                 if left <= 0:
                     return
                 self._cond.wait(left)
-
-
-def _check_settings(request_timeout_s: float, connect_timeout_s: float | None, long_poll_s: float,
-                    max_buffered_reports: int, backoff_initial_s: float, backoff_max_s: float) -> None:
-    if not request_timeout_s > 0:
-        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-    if connect_timeout_s is not None and not connect_timeout_s > 0:
-        raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-    if not long_poll_s >= 0:
-        raise ValueError(f"long_poll_s must be >= 0, got {long_poll_s}")
-    if max_buffered_reports < 1:
-        raise ValueError(f"max_buffered_reports must be >= 1, got {max_buffered_reports}")
-    if not 0 < backoff_initial_s <= backoff_max_s:
-        raise ValueError(
-            f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, {backoff_max_s}"
-        )

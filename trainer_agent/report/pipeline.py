@@ -39,6 +39,7 @@ from trainer_agent.report.cross_rank import MAX_QUEUED, CrossRankWorker, RankVec
 from trainer_agent.report.exporter import sample_key
 from trainer_agent.measure.fingerprint import DesyncFinding, Fingerprinter, desync
 from trainer_agent.report.in_flight import InFlight, pack
+from trainer_agent.report.interval_rows import IntervalRows
 from trainer_agent.measure.triage_stats import UpdateModel
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.report.rank_row import RowInputs, rank_row
@@ -79,57 +80,6 @@ class HostStep:
     """What the user's scheduler asked for in the interval (``ScheduledLr.take``: host floats)."""
     comm: Mapping[str, float] = field(default_factory=dict)
     """The interval's gradient communication times (``CommTiming.take``; empty without it)."""
-
-
-class IntervalRows:
-    """One row per step of the report interval, (loss, pre-clip gradient norm or 0), on the device:
-    a step costs one small copy; the report derives from the rows the interval's non-finite steps,
-    its first non-finite loss (the loss the report then carries, so a NaN between two reports is
-    not lost) and its largest finite gradient norm. Zeroed (all finite) after each report. 16 bytes
-    per step of ``report_every``."""
-
-    def __init__(self, report_every: int, device: torch.device) -> None:
-        self.interval = torch.zeros(report_every, 2, dtype=torch.float64, device=device)
-        self.zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.nonfinite_steps = torch.zeros((), dtype=torch.float64, device=device)
-        """Non-finite steps before the current report interval (device scalar: no sync)."""
-
-    def record(self, step: int, loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
-        """The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
-        With sharded parameters ``grad_norm`` is the step's ``StepState.grad_share`` (a share of
-        the squared norm), turned into the global norm at the report."""
-        row = torch.stack([loss_t, grad_norm if grad_norm is not None else self.zero])
-        self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
-        return row
-
-    def nonfinite(self, nan_where_bad: torch.Tensor | None = None) -> torch.Tensor:
-        """Non-finite steps among the report interval's rows (device scalar; unused rows are 0).
-        ``nan_where_bad``: ``interval * 0``, if made already (NaN exactly where a value is NaN or
-        +-Inf, else 0): a row's sum is NaN, which ``count_nonzero`` counts, exactly when it holds
-        a non-finite value."""
-        if nan_where_bad is None:
-            nan_where_bad = self.interval * 0
-        return torch.count_nonzero(nan_where_bad.sum(dim=1))
-
-    def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        """The interval's report values into ``dev``, then the rows zeroed for the next one."""
-        rows = self.interval
-        nan_where_bad = rows * 0  # x * 0 is NaN exactly where x is NaN or +-Inf, else 0
-        losses, norms = rows.unbind(1)
-        self.nonfinite_steps += self.nonfinite(nan_where_bad)
-        # A non-finite loss anywhere in the interval is the interval's loss: the first one (argmin
-        # finds the first NaN of the loss column; take: indexing with a device tensor could read it
-        # on the host); the column sums to 0 exactly when every loss is finite.
-        bad_loss = nan_where_bad.select(1, 0)
-        first_bad = losses.take(bad_loss.argmin())
-        dev["trainguard_loss"] = torch.where(bad_loss.sum() == 0, loss_t, first_bad)
-        # the counter itself: it changes next at the next report, after this report's copy
-        # (device order), so no snapshot of it is needed
-        dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
-        if grad_norm is not None:
-            dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = norms.nan_to_num(0.0, 0.0, 0.0).amax()  # the largest finite one
-        rows.zero_()  # after its last reader above (device order)
 
 
 class _LayerKeys:
