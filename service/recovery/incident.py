@@ -134,6 +134,14 @@ class RecoveryChange:
     """``recovery:ladder`` or ``recovery:ramp``."""
 
 
+def then(changes: list[RecoveryChange], desired: DesiredState, change: RecoveryChange | None) -> DesiredState:
+    """Append ``change`` (if any) to ``changes``; the desired state in force after it."""
+    if change is None:
+        return desired
+    changes.append(change)
+    return change.desired
+
+
 def rungs_of(before: DesiredState, after: DesiredState) -> list[str]:
     """The ladder rungs a desired-state change amounts to."""
     out = []

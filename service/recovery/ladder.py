@@ -1,18 +1,20 @@
-"""The rungs of the recovery ladder (``service/incidents.py``'s module docstring): the first rungs
-of an incident's cause, the escalation to the next rung, the desired state each rung asks for, and
-the data skip's and the experiment's follow-ups. A mixin of :class:`~service.incidents.RunRecovery`
-(its state: the open incident, the policy, the newest report's reading and the window)."""
+"""The rungs of the recovery ladder (``service/incidents.py``'s module docstring): the ladder of
+an incident's cause, its first rungs, the escalation to the next rung, the desired state each rung
+asks for, and the follow-ups of the rungs that take steps to work: the data skip, the replay guard
+of a rolled-back LR jump and the troubleshooting experiment. A mixin of
+:class:`~service.incidents.RunRecovery` (its state: the open incident, the policy, the newest
+report's reading, the healthy baselines and the window)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from trainguard.protocol.commands import BY_NAME
 from trainguard.protocol.wire import EXIT_HARDWARE_FAULT, LR_SCALE_MAX, DesiredState
 from trainguard.service.engine import apply_actions
 from trainguard.service.recovery import experiment as _experiment, replay as _replay
 from trainguard.service.recovery.experiment import EXPERIMENT_LR_FACTOR
-from trainguard.service.recovery.incident import RecoveryChange
+from trainguard.service.recovery.incident import RecoveryChange, finite_or_text, number, then
 from trainguard.service.rules import AdaptiveLrAction, CheckpointAction, LrScaleAction, PauseAction, RollbackAction, StopAction
 
 #: The reason a hardware incident's ``stop`` rung gives; the stop carries
@@ -29,12 +31,15 @@ class LadderRungs:
     window: Any
     ceiling: float
     snapshot_book: Any
+    baselines: Any
     _last_step: int | None
-    _lr_fault_peak: float | None
     _scale_before_experiment: float
+    degraded: Callable[[], bool]
 
     def ladder(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The rungs of the open incident's cause (the optimizer's: ``ladder``)."""
+        cause = self.open.cause if self.open is not None else "optimizer"
+        return tuple(getattr(self.policy.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.policy.optimizer_ladder
 
     # ------------------------------------------------------------------ rungs per cause
 
@@ -130,6 +135,40 @@ class LadderRungs:
                                                          "reason": f"{self._why_cause()}: {exp['conclusion']}"[:2000]}),
                               "recovery:ladder")
 
+    def _follow_replay(self, step: int, values: dict[str, float], desired: DesiredState,
+                       changes: list[RecoveryChange]) -> DesiredState:
+        """The replay guard of a rolled-back LR jump: begun near the jump, released past it."""
+        inc = self.open
+        replay = inc.replay if inc is not None else None
+        if inc is None or replay is None or not self.policy.enabled:
+            return desired
+        if _replay.guard_due(replay, step):
+            desired = then(changes, desired, _replay.guard_replayed_jump(inc, step, desired, self._why_cause()))
+        if _replay.release_due(replay, step):
+            why = self._why_cause()
+            self.window.restart(step)
+            desired = then(changes, desired, _replay.release_replay(inc, step, values, desired, why,
+                                                                     schedule=self.baselines.schedule, ceiling=self.ceiling))
+        return desired
+
+    def _follow_experiment(self, step: int, healthy: bool, desired: DesiredState,
+                           changes: list[RecoveryChange]) -> tuple[dict[str, Any] | None, DesiredState]:
+        """The troubleshooting experiment of the open incident: its float32 recompute noted, and
+        its conclusion at its end. Returns the experiment (as it was before any conclusion) and
+        the desired state in force."""
+        experiment = self.open.experiment if self.open is not None else None
+        if experiment is None or experiment.get("outcome") is not None or not self.policy.enabled:
+            return experiment, desired
+        float32 = self.reading.float32_now
+        if float32 is not None and step > experiment["from_step"]:
+            seen = number(experiment.get("float32_rel_diff"))
+            worst = float32 if seen is None else max(seen, float32)
+            experiment = dict(experiment, float32_rel_diff=finite_or_text(worst))
+            self.open.experiment = experiment  # type: ignore[union-attr]
+        if step >= experiment["until_step"]:
+            desired = then(changes, desired, self._conclude_experiment(step, healthy and not self.degraded(), desired))
+        return experiment, desired
+
     # ------------------------------------------------------------------ the ladder
 
     def _rung(self, rung: str, step: int, now: float, actor: str, desired: DesiredState | None, reason: str = "",
@@ -162,7 +201,7 @@ class LadderRungs:
         ladder = self.ladder()
         taken = [ladder.index(r["rung"]) for r in self.open.rungs if r["rung"] in ladder]
         exp = self.open.experiment
-        jump = _replay.lr_jump_over(self.open, self.reading.values, self.reading.lr, self._lr_fault_peak)
+        jump = _replay.lr_jump_over(self.open, self.reading.values, self.reading.lr, self.baselines.lr_fault_peak)
         for rung in ladder[(max(taken) + 1 if taken else 0):]:
             if rung == "adaptive_lr" and exp is not None and exp.get("outcome") == "not_followed":
                 continue  # the experiment showed that the LR is not the cause
@@ -174,7 +213,7 @@ class LadderRungs:
             if rung == "rollback" and new.rollback_seq > desired.rollback_seq:
                 if jump is not None:
                     new = _replay.guard_replay(self.open, step, self._last_step, jump, new)
-                elif _replay.lr_jump_lasts(self.open, self.reading.lr, self._lr_fault_peak):
+                elif _replay.lr_jump_lasts(self.open, self.reading.lr, self.baselines.lr_fault_peak):
                     before = min(self.policy.rollback_lr_factor * self.ceiling, LR_SCALE_MAX)
                     new = _replay.before_replay(self.open, step, self._last_step, new, before)
             self._rung(rung, step, now, "recovery:ladder", new)

@@ -297,7 +297,7 @@ def test_an_undone_report_leaves_the_recovery_state_as_it_was() -> None:
 
     def state() -> tuple:
         return ([i.as_dict() for i in rec.incidents], [(s.step, s.healthy_after, s.tainted) for s in rec.snapshots],
-                rec.open.id if rec.open else None, list(rec._healthy_metric), vars(rec.ramp).copy())
+                rec.open.id if rec.open else None, list(rec.baselines.metric), vars(rec.ramp).copy())
 
     for i in range(21):
         feed(i, 30.0 if i >= 20 else 1.0)  # the last report opens an incident (adaptive LR)
@@ -330,7 +330,7 @@ def test_a_new_policy_resizes_both_healthy_baselines() -> None:
                                 fired=[], now=float(i)) == []
     rec.set_policy(RULES.file.recovery.model_copy(update={"baseline_reports": 4}))
     assert rec.baseline() == 4e-3
-    assert baseline(rec._healthy_lr) == 4e-3 and rec.schedule.per_lr.maxlen == 4
+    assert baseline(rec.baselines.lr) == 4e-3 and rec.schedule.per_lr.maxlen == 4
     # a report with no update ratio: the schedule's LR against the highest it set while healthy
     rec.before_decide({"trainguard_loss": 2.0, "trainguard_scheduler_lr": 8e-3, "trainguard_lr_scale": 1.0})
     scale, note = rec.adaptive_scale(AdaptiveLrAction(), 1.0)

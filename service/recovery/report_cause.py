@@ -1,0 +1,90 @@
+"""The cause of what a run's newest report shows (``service/cause.py`` judges it): decided before
+the rules' actions are taken, so that an action that does not fit the cause is refused, and kept
+while an incident is open unless hardware evidence revises it. A mixin of
+:class:`~service.incidents.RunRecovery` (its state: the open incident, the policy, the newest
+report's reading and the healthy baselines)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
+from trainguard.service.recovery import replay as _replay
+from trainguard.service.recovery.baselines import HealthyBaselines
+from trainguard.service.recovery.health import alarming
+from trainguard.service.recovery.incident import Incident
+from trainguard.service.recovery.reading import ReportReading
+from trainguard.service.rules import RecoveryPolicy
+
+
+class ReportCause:
+    """The cause of the newest report, decided on :class:`~service.incidents.RunRecovery`'s state."""
+
+    open: Incident | None
+    policy: RecoveryPolicy
+    reading: ReportReading
+    baselines: HealthyBaselines
+    _verdict: Verdict | None
+    _revised: bool
+    ladder: Callable[[], tuple[str, ...]]
+
+    def cause(self) -> str | None:
+        """The cause the actions on the newest report must fit: the open incident's, else the
+        verdict on the newest report (None: nothing alarming)."""
+        if self.open is not None:
+            return self.open.cause
+        return self._verdict.cause if self._verdict is not None else None
+
+    def refusal(self, action: Any) -> str | None:
+        """Why a rule's ``action`` is not taken (it does not fit the cause, or it changes the batch
+        size while an incident is open), or None."""
+        if action.type == "accumulation" and self.open is not None:
+            return f"accumulation refused: incident {self.open.id} is open"
+        return refusal(self.cause(), action)
+
+    def consider(self, findings: list[Any], window: Any, *, ranks: list[dict[str, Any]] | tuple[()] = ()) -> None:
+        """Decide the cause of what the newest report shows, after the rules evaluated it and
+        before their actions are taken (:meth:`refusal`). While an incident is open its cause
+        stands, except that hardware evidence revises it."""
+        self.reading.take_findings(findings, window)
+        self._verdict = None
+        if not self.policy.enabled:
+            return
+        if self.open is not None and (self.open.cause == "hardware"
+                                      or not any(f.active and f.rule.diagnosis in _HARDWARE for f in findings)):
+            return
+        if self.open is None and not alarming(findings, self.policy, skipped=self.reading.skipped_now):
+            return
+        peak = window.latest("trainguard_scheduler_lr_peak")  # the agent's own record of the schedule's range
+        if peak is None or not math.isfinite(peak) or peak <= 0:
+            peak = self.baselines.lr_peak
+        elif self.baselines.lr_fault_peak is not None:
+            # The agent's record holds every LR the run took, the faulty ones too: after an LR fault
+            # (replayed by a rollback that restores the user's scheduler) the range is the healthy one.
+            peak = min(peak, self.baselines.lr_fault_peak)
+        verdict = judge(findings, window, skipped=self.reading.skipped_now, lr_healthy=list(self.baselines.lr), lr_peak=peak,
+                        metric=self.policy.metric, metric_baseline=self.baselines.baseline(),
+                        hosts={int(r["rank"]): str(r["host"]) for r in ranks})
+        if self.open is None:
+            self._verdict = verdict
+            if verdict.cause == "optimizer" and peak is not None and any(
+                    e["points_to"] == "optimizer" and e["signal"] in _replay.LR_SIGNALS for e in verdict.evidence):
+                fault = self.baselines.lr_fault_peak
+                self.baselines.lr_fault_peak = peak if fault is None else min(fault, peak)
+        elif verdict.cause == "hardware":
+            inc = self.open
+            inc.verdict = dict(inc.verdict, revised={"from": inc.cause, "step": window.last_step,
+                                                     "summary": verdict.summary}, ranks=list(verdict.ranks),
+                               hosts=list(verdict.hosts), evidence=list(inc.verdict.get("evidence", [])) + list(
+                                   e for e in verdict.as_dict()["evidence"] if e["points_to"] == "hardware"))
+            inc.cause = "hardware"
+            self._revised = True
+
+    def _report_ladder(self) -> tuple[str, ...]:
+        """The ladder of the open incident, else of the newest report's verdict."""
+        verdict, p = self._verdict, self.policy
+        if self.open is not None:
+            return self.ladder()
+        return (tuple(getattr(p.ladders, verdict.cause)) if verdict is not None and verdict.cause in ("data", "hardware", "unknown")
+                else p.optimizer_ladder)
