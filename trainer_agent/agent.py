@@ -91,12 +91,8 @@ in ``trainguard_agent_errors_total``, and training goes on.
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,29 +100,22 @@ import torch.distributed as dist
 from prometheus_client.registry import CollectorRegistry
 from torch import nn
 
-from trainer_agent.measure import flops
-from trainer_agent.agent_parts.diagnostics import Diagnostics
 from trainer_agent.agent_parts.errors import ErrorLog
 from trainer_agent.agent_parts.export import MetricsExport
 from trainer_agent.agent_parts.hooks import AgentHooks
 from trainer_agent.agent_parts.attach_args import checked_args, checked_loader
+from trainer_agent.agent_parts.loop_control import LoopControl
+from trainer_agent.agent_parts.step_end import StepEnd
+from trainer_agent.agent_parts.wiring import AgentWiring
 from trainer_agent.config import AgentConfig
 from trainer_agent.data.relay import DataRelay
-from trainer_agent.measure.fingerprint import DesyncFinding, for_ranks
-from trainer_agent.measure.params import ParamIndex
-from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
-from trainer_agent.report.exchange import RANK_FIELDS, RankExchange
-from trainer_agent.report.pipeline import HostStep, RankVectors, ReportPipeline
+from trainer_agent.measure.fingerprint import DesyncFinding
+from trainer_agent.report.exchange import RANK_FIELDS
 from trainer_agent.measure.schedule import ReportSchedule, ScheduledLr
-from trainer_agent.agent_parts.snapshot_extras import SnapshotExtras
-from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
+from trainer_agent.control.snapshots import SnapshotBackend
 from trainer_agent.measure.step_clock import StepClock
-from trainer_agent.measure.step_stats import StepMeter
-from trainer_agent.measure.train_parts import TrainParts
 
 __all__ = ["Agent", "attach", "RANK_FIELDS"]
-
-log = logging.getLogger(__name__)
 
 
 def _delegate(owner: str, name: str, *, writable: bool = False, doc: str | None = None) -> property:
@@ -135,7 +124,7 @@ def _delegate(owner: str, name: str, *, writable: bool = False, doc: str | None 
     return property(lambda self: getattr(getattr(self, owner), name), put, doc=doc or f"``{owner}.{name}``")
 
 
-class Agent:
+class Agent(AgentWiring, StepEnd, LoopControl):
     """Measures a training loop and exports the results; see the module docstring.
 
     Attributes for the control plane and for tests:
@@ -164,6 +153,7 @@ class Agent:
     params, meter, device, layers = (_delegate("parts", n) for n in ("params", "meter", "device", "layers"))
     forward, comm, input_wait = (_delegate("hooks", n) for n in ("forward", "comm", "input_wait"))
     verifier = _delegate("diagnostics", "verifier")
+    rank_values, grad_norm_device = _delegate("reports", "rank_values"), _delegate("meter", "grad_norm")
     memory_report = _delegate("diagnostics", "memory_report", doc="The last memory trace's owners of retained "
                               "memory, worst first (``trace_memory``).")
     gpu = _delegate("export", "gpu", writable=True, doc="GPU health via NVML, read at scrape time (gpu_health.py).")
@@ -219,90 +209,9 @@ class Agent:
             self.close()
             raise
 
-    # ------------------------------------------------------------------ wiring
-
-    def _start(self, on_checkpoint: Callable[..., Any] | None) -> None:
-        """Register the hooks and the collector, serve /metrics, start the control plane."""
-        config = self.config
-        self.hooks.register(self.parts.model, self.parts.optimizer, self.parts.params, self.schedule, config)
-        self.parts.forward = self.hooks.forward
-        self.export.register()
-        self.export.serve(config, self.local_rank)
-        if config.controller is not None or config.skips_steps:
-            # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
-            # controller holds paused waits in here, before its first step, with /metrics served.
-            self.control = self.hooks.control = self.export.control = self._build_control(on_checkpoint)
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", self.rank if self.world_size > 1 else 0))
-
-    def _build_snapshots(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-                         backend: SnapshotBackend | None) -> SnapshotStore | None:
-        cfg = self.config
-        if cfg.snapshot_every is None:
-            if backend is not None:
-                raise ValueError("snapshot_backend needs AgentConfig(snapshot_every=N)")
-            return None
-        extras = SnapshotExtras(self.lr_scheduler, scaler, self._spike_guard)
-        return SnapshotStore(model, optimizer, every=cfg.snapshot_every, keep=cfg.snapshot_keep,
-                             extra_state=extras.state, load_extra=extras.load, backend=backend)
-
-    def _build_measurement(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
-        cfg, clock = self.config, self.clock
-        params = ParamIndex(model, optimizer, cfg.layer_depth)
-        meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
-                          step=clock.read_step, on_error=self.errors.error, clock=clock.now)
-        self.parts = TrainParts(model, optimizer, scaler, params, meter, self.rank, self.world_size, clock.read_step)
-        fingerprint = None
-        # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded
-        # parameters, what the placements replicate: the local shards of the ranks that differ
-        # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
-        # Plain FSDP replicates nothing: no fingerprint.
-        if cfg.fingerprint and self.world_size > 1:
-            fingerprint = for_ranks(params, self.world_size)
-            meter.fingerprint = fingerprint
-        #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
-        preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")
-        self.diagnostics = Diagnostics(self.parts, cfg, clock, client=self._client, on_error=self.errors.error,
-                                       preflight_only=preflight_only)
-        exchange = RankExchange(self.world_size, rank=self.rank,
-                                with_state=cfg.controller is not None and self.world_size > 1,
-                                extra_width=fingerprint.width() if fingerprint is not None else 0)
-        per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
-        self.reports = ReportPipeline(params, meter, exchange, optimizer=optimizer,
-                                      report_every=cfg.report_every, grad_noise=meter.grad_noise,
-                                      per_layer=per_layer, clock=clock.now, fingerprint=fingerprint,
-                                      desync_rel_tol=cfg.desync_rel_tol, on_published=self._on_published,
-                                      on_error=self.errors.error)
-        self.reports.mfu_per_token_rate = flops.mfu_per_token_rate(model, params.device, cfg.flops_per_token, cfg.peak_flops)
-
-    def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
-        from trainer_agent.control.plane import ControlContext, ControlPlane
-
-        ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
-                             local_rank=self.local_rank, config=self.config, schedule=self.schedule,
-                             optimizer=self.optimizer, metrics_url=self.metrics_url, step=self.clock.read_step,
-                             grad_norm=functools.partial(self.hooks.grad_norm_before_step, self.optimizer),
-                             accumulation_steps=self.accumulation_base,
-                             named_parameters=self.model.named_parameters)
-        on_rollback = self.snapshots.restore if self.snapshots is not None else None
-        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
-                            on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)
-
-    def _client(self) -> Any:
-        """The controller's client: the leader's, with a controller (else None)."""
-        return self.control.client if self.control is not None else None
-
-    def _quarantine_batch(self) -> None:
-        self.export.quarantine(self._client(), self.clock.step)
-
-    def _spike_guard(self) -> Any:
-        skip = getattr(self.control, "skip", None)
-        return skip.guard if skip is not None else None
-
-    def _error(self, kind: str, exc: BaseException) -> None:
-        self.errors.error(kind, exc)
+    # The wiring: ``AgentWiring`` (agent_parts/wiring.py); (3) the end of step and the reports it
+    # publishes: ``StepEnd`` (agent_parts/step_end.py); what the loop reads between steps and the
+    # checkpoint state: ``LoopControl`` (agent_parts/loop_control.py).
 
     # ------------------------------------------------------------------ data
 
@@ -322,142 +231,7 @@ class Agent:
         finally:
             clock.overhead += clock.now() - t0
 
-    # ------------------------------------------------------------------ (3) end of step
-
-    def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
-        """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
-        (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
-        device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
-        clock, control, error = self.clock, self.control, self.errors.error
-        if self.snapshots is not None and self.snapshots.due(clock.step + 1):
-            # Before this step's report is built: the report names the snapshot of its own step.
-            try:
-                skip = getattr(control, "skip", None)
-                self.snapshots.take_unless_skipped(clock.step + 1, skip.skipped if skip is not None else 0)
-            except Exception as exc:
-                error("snapshot", exc)
-        t0 = clock.now()
-        agreed: list[int] | None = None
-        meter, hooks, diagnostics = self.parts.meter, self.hooks, self.diagnostics
-        try:
-            with torch.no_grad():
-                agreed = self._end_step(loss, tokens, t0)
-        except Exception as exc:
-            error("end_step", exc)
-            agreed = self._join_exchange()
-        finally:
-            meter.reset()
-            if hooks.forward is not None:
-                hooks.forward.reset()
-            clock.overhead += clock.now() - t0 + meter.overhead
-            clock.overhead_total += clock.overhead
-            clock.overhead = meter.overhead = 0.0
-        if diagnostics.trace is not None:
-            diagnostics.end_trace_step()
-        if diagnostics.verifier is not None:
-            try:
-                diagnostics.verifier.on_end_step(clock.step)
-            except Exception as exc:
-                error("verify", exc)
-        if control is not None:
-            try:
-                control.on_end_step(clock.step, agreed)
-            except Exception as exc:
-                error("control_end_step", exc)
-        try:
-            hooks.sync_grad_hooks()  # for the next step (the verifier or the controller may have armed it)
-        except Exception as exc:
-            error("gradient_hook", exc)
-        if hooks.input_wait is not None:
-            hooks.input_wait.step_ended()  # last: a pause above is not input wait
-
-    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
-        clock, meter, reports, scaler = self.clock, self.parts.meter, self.reports, self.parts.scaler
-        st = meter.state
-        clock.step += 1
-        duration, clock.last_end = t0 - clock.last_end, t0
-        if self.hooks.comm is not None:
-            self.hooks.comm.step_ended(duration)
-        if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
-            clock.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
-        if isinstance(loss, torch.Tensor):
-            loss_t = loss.detach().to(self.parts.device, torch.float64)
-            if loss_t.dim():
-                loss_t = loss_t.reshape(())
-        else:
-            loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.parts.device)  # a fill, no copy
-        clock.loss = loss_t
-        clock.row = reports.record_step(clock.step, loss_t, st.grad_share)
-        reports.publish(block=False)
-        if not self.schedule.is_report(clock.step):
-            return None
-        host = self._host_step(st, duration, tokens)
-        overhead = clock.overhead + meter.overhead + (clock.now() - t0)
-        sketch = self._sketch() if reports.exchange.with_state else None
-        agreed = reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
-        reports.publish(block=False)
-        return agreed
-
-    def _host_step(self, st: Any, duration: float, tokens: int | None) -> HostStep:
-        """A report step's host values: its times, counts and the diagnostics' results."""
-        hooks, verifier = self.hooks, self.diagnostics.verifier
-        forward_s = hooks.forward.take() if hooks.forward is not None else float("nan")
-        wait = hooks.input_wait.take() if hooks.input_wait is not None else float("nan")
-        return HostStep(self.clock.step, duration, tokens, forward_s, self.clock.amp_skipped, input_wait=wait,
-                        micro_batches=st.backwards, world_size=self.world_size,
-                        verify_mismatch=verifier.take() if verifier is not None else math.nan,
-                        verify_float32=verifier.take_float32() if verifier is not None else math.nan,
-                        gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(),
-                        comm=hooks.comm.take() if hooks.comm is not None else {})
-
-    def _sketch(self) -> Any:
-        """This rank's sketch of the sequences it observed since the last report (None without a
-        data monitor); an error leaves it out (the rank's row still enters the collective)."""
-        try:
-            return self.data.take_sketch() if self.data is not None else None
-        except Exception as exc:
-            self.errors.error("data_sketch", exc)
-            return None
-
-    def _proposal(self) -> list[int] | None:
-        return self.control.proposal() if self.control is not None else None
-
-    def _join_exchange(self) -> list[int] | None:
-        """After an error in ``_end_step`` on a report step: enter the step's collective with a
-        NaN row if it was not entered (see ``ReportPipeline.join_exchange``)."""
-        if not self.schedule.is_report(self.clock.step):
-            return None
-        try:
-            return self.reports.join_exchange(self.clock.step, self._proposal())
-        except Exception as exc:
-            self.errors.error("end_step", exc)
-            return None
-
-    # ------------------------------------------------------------------ publication
-
-    def _on_published(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
-        self.export.publish(values)
-        if self.rank == 0:  # the cross-rank part: off the training thread (ReportPipeline.off_thread)
-            current = self.export.current_values() if self.control is not None else values
-            light = (lambda: self._on_ranks(current, rank_values.light())) if isinstance(rank_values, RankVectors) else None
-            self.reports.off_thread(lambda: self._on_ranks(current, rank_values), light)
-
-    def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
-        """Leader: a published report's every-rank part (on the cross-rank worker with several ranks)."""
-        desync = getattr(rank_values, "desync", None) or []
-        if desync:
-            log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
-                        int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
-                        "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
-                                  for d in desync[:8]))
-        if self.control is not None:
-            self.control.on_report(values, rank_values)
-
     # ------------------------------------------------------------------ public API
-
-    @property
-    def rank_values(self) -> dict[str, list[float]]:
-        return self.reports.rank_values
 
     def preflight(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
                   declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
@@ -520,10 +294,6 @@ class Agent:
         return self.reports.desync
 
     @property
-    def grad_norm_device(self) -> torch.Tensor | None:
-        return self.meter.grad_norm
-
-    @property
     def step_finite_device(self) -> torch.Tensor | None:
         """0-dim bool device tensor: the loss and gradient norm of the last ``end_step`` were
         finite (None before the first). Computed when read (two device ops, no sync)."""
@@ -545,59 +315,6 @@ class Agent:
         """Export the reader metrics of ``loader`` (``trainer_agent.data.sharded_dataset.TokenLoader``, or
         anything with a thread-safe ``values()`` of catalogue metrics) with this rank's."""
         self.export.loader = checked_loader(loader)
-
-    @property
-    def accumulation_steps(self) -> int | None:
-        """Micro-batches per optimizer step the loop should run now: the run's own
-        (``attach(accumulation_steps=...)``) until the controller's ``accumulation`` command
-        changes it, at the same step on every rank (None when the run did not opt in)."""
-        if self.control is not None and self.control.accumulation_steps is not None:
-            return self.control.accumulation_steps
-        return self.accumulation_base
-
-    @property
-    def should_stop(self) -> bool:
-        """True once the controller has asked this run to stop."""
-        if self.control is None:
-            return False
-        try:
-            return bool(self.control.should_stop)
-        except Exception as exc:
-            self.errors.error("control_should_stop", exc)
-            return False
-
-    @property
-    def exit_code(self) -> int:
-        """The exit status the training script should end with once :attr:`should_stop`: 0, or
-        ``EXIT_HARDWARE_FAULT`` (75) when the controller stopped the run because a node is faulty,
-        so that torchrun, SLURM or Kubernetes restart it without that node (``sys.exit(agent.exit_code)``)."""
-        try:
-            return int(self.control.exit_code) if self.control is not None else 0
-        except Exception as exc:
-            self.errors.error("control_should_stop", exc)
-            return 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The agent's counters and control state, for the training checkpoint; with an
-        ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the
-        agent restores the schedule to the same step, e.g. when rolling back to a checkpoint)."""
-        state = self.clock.counters(self.reports)
-        if self.control is not None:
-            state["control"] = self.control.state_dict()
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        state["scheduled_lr"] = self.scheduled_lr.state_dict()
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; ``ValueError`` for a foreign dict."""
-        self.clock.load_counters(state, self.reports)
-        if self.control is not None and "control" in state:
-            self.control.load_state_dict(state["control"])
-        if self.lr_scheduler is not None and "lr_scheduler" in state:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if "scheduled_lr" in state:  # (older checkpoints lack it: the envelope starts afresh)
-            self.scheduled_lr.load_state_dict(state["scheduled_lr"])
 
     def close(self, timeout: float | None = None) -> None:
         """Publish the last report, remove the hooks, stop the control plane and the /metrics

@@ -1,1 +1,1 @@
-"""The agent facade's parts (``trainer_agent/agent.py`` delegates to them): its hooks, its /metrics export, its diagnostics, its error log, attach's argument checks and what a snapshot holds besides the model and optimizer."""
+"""The agent facade's parts (``trainer_agent/agent.py`` delegates to them): its hooks, its /metrics export, its diagnostics, its error log, attach's argument checks, what a snapshot holds besides the model and optimizer, and the facade's own mixins: its wiring, its end of step and what the loop reads from it between steps."""

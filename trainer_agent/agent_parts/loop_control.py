@@ -1,0 +1,69 @@
+"""What the training loop reads from the agent between steps and saves with its checkpoint: the
+controller's requests (``should_stop``, ``exit_code``, ``accumulation_steps``) and the agent's
+``state_dict`` (``trainer_agent/agent.py`` is the facade that holds them)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["LoopControl"]
+
+
+class LoopControl:
+    """``Agent``'s answers to the loop, on what the agent holds: ``control`` (the control plane,
+    or None), ``accumulation_base``, ``clock``, ``reports``, ``lr_scheduler``, ``scheduled_lr``
+    and ``errors``."""
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per optimizer step the loop should run now: the run's own
+        (``attach(accumulation_steps=...)``) until the controller's ``accumulation`` command
+        changes it, at the same step on every rank (None when the run did not opt in)."""
+        if self.control is not None and self.control.accumulation_steps is not None:
+            return self.control.accumulation_steps
+        return self.accumulation_base
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the controller has asked this run to stop."""
+        if self.control is None:
+            return False
+        try:
+            return bool(self.control.should_stop)
+        except Exception as exc:
+            self.errors.error("control_should_stop", exc)
+            return False
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status the training script should end with once :attr:`should_stop`: 0, or
+        ``EXIT_HARDWARE_FAULT`` (75) when the controller stopped the run because a node is faulty,
+        so that torchrun, SLURM or Kubernetes restart it without that node (``sys.exit(agent.exit_code)``)."""
+        try:
+            return int(self.control.exit_code) if self.control is not None else 0
+        except Exception as exc:
+            self.errors.error("control_should_stop", exc)
+            return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The agent's counters and control state, for the training checkpoint; with an
+        ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the
+        agent restores the schedule to the same step, e.g. when rolling back to a checkpoint)."""
+        state = self.clock.counters(self.reports)
+        if self.control is not None:
+            state["control"] = self.control.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["scheduled_lr"] = self.scheduled_lr.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; ``ValueError`` for a foreign dict."""
+        self.clock.load_counters(state, self.reports)
+        if self.control is not None and "control" in state:
+            self.control.load_state_dict(state["control"])
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "scheduled_lr" in state:  # (older checkpoints lack it: the envelope starts afresh)
+            self.scheduled_lr.load_state_dict(state["scheduled_lr"])

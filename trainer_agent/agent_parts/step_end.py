@@ -1,0 +1,156 @@
+"""(3) of ``trainer_agent/agent.py``: ``Agent.end_step``, the close of an optimizer step (its row of the
+report interval, and on a report step the report built, exchanged among the ranks and copied to
+the host), and what the leader does with each published report (the desync warning, the report
+sent to the controller)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from trainer_agent.report.pipeline import HostStep, RankVectors
+
+__all__ = ["StepEnd"]
+
+#: Logs under the facade's name (``trainer_agent/agent.py``).
+log = logging.getLogger("trainer_agent.agent")
+
+
+class StepEnd:
+    """``Agent``'s end of step and report publication, on what the agent holds: ``clock``,
+    ``parts``, ``reports``, ``schedule``, ``hooks``, ``diagnostics``, ``export``, ``data``,
+    ``snapshots``, ``control``, ``scheduled_lr``, ``errors``, ``config``, ``rank`` and
+    ``world_size``."""
+
+    def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
+        """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
+        (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
+        device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
+        clock, control, error = self.clock, self.control, self.errors.error
+        if self.snapshots is not None and self.snapshots.due(clock.step + 1):
+            # Before this step's report is built: the report names the snapshot of its own step.
+            try:
+                skip = getattr(control, "skip", None)
+                self.snapshots.take_unless_skipped(clock.step + 1, skip.skipped if skip is not None else 0)
+            except Exception as exc:
+                error("snapshot", exc)
+        t0 = clock.now()
+        agreed: list[int] | None = None
+        meter, hooks, diagnostics = self.parts.meter, self.hooks, self.diagnostics
+        try:
+            with torch.no_grad():
+                agreed = self._end_step(loss, tokens, t0)
+        except Exception as exc:
+            error("end_step", exc)
+            agreed = self._join_exchange()
+        finally:
+            meter.reset()
+            if hooks.forward is not None:
+                hooks.forward.reset()
+            clock.overhead += clock.now() - t0 + meter.overhead
+            clock.overhead_total += clock.overhead
+            clock.overhead = meter.overhead = 0.0
+        if diagnostics.trace is not None:
+            diagnostics.end_trace_step()
+        if diagnostics.verifier is not None:
+            try:
+                diagnostics.verifier.on_end_step(clock.step)
+            except Exception as exc:
+                error("verify", exc)
+        if control is not None:
+            try:
+                control.on_end_step(clock.step, agreed)
+            except Exception as exc:
+                error("control_end_step", exc)
+        try:
+            hooks.sync_grad_hooks()  # for the next step (the verifier or the controller may have armed it)
+        except Exception as exc:
+            error("gradient_hook", exc)
+        if hooks.input_wait is not None:
+            hooks.input_wait.step_ended()  # last: a pause above is not input wait
+
+    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
+        clock, meter, reports, scaler = self.clock, self.parts.meter, self.reports, self.parts.scaler
+        st = meter.state
+        clock.step += 1
+        duration, clock.last_end = t0 - clock.last_end, t0
+        if self.hooks.comm is not None:
+            self.hooks.comm.step_ended(duration)
+        if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
+            clock.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().to(self.parts.device, torch.float64)
+            if loss_t.dim():
+                loss_t = loss_t.reshape(())
+        else:
+            loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.parts.device)  # a fill, no copy
+        clock.loss = loss_t
+        clock.row = reports.record_step(clock.step, loss_t, st.grad_share)
+        reports.publish(block=False)
+        if not self.schedule.is_report(clock.step):
+            return None
+        host = self._host_step(st, duration, tokens)
+        overhead = clock.overhead + meter.overhead + (clock.now() - t0)
+        sketch = self._sketch() if reports.exchange.with_state else None
+        agreed = reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
+        reports.publish(block=False)
+        return agreed
+
+    def _host_step(self, st: Any, duration: float, tokens: int | None) -> HostStep:
+        """A report step's host values: its times, counts and the diagnostics' results."""
+        hooks, verifier = self.hooks, self.diagnostics.verifier
+        forward_s = hooks.forward.take() if hooks.forward is not None else float("nan")
+        wait = hooks.input_wait.take() if hooks.input_wait is not None else float("nan")
+        return HostStep(self.clock.step, duration, tokens, forward_s, self.clock.amp_skipped, input_wait=wait,
+                        micro_batches=st.backwards, world_size=self.world_size,
+                        verify_mismatch=verifier.take() if verifier is not None else math.nan,
+                        verify_float32=verifier.take_float32() if verifier is not None else math.nan,
+                        gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(),
+                        comm=hooks.comm.take() if hooks.comm is not None else {})
+
+    def _sketch(self) -> Any:
+        """This rank's sketch of the sequences it observed since the last report (None without a
+        data monitor); an error leaves it out (the rank's row still enters the collective)."""
+        try:
+            return self.data.take_sketch() if self.data is not None else None
+        except Exception as exc:
+            self.errors.error("data_sketch", exc)
+            return None
+
+    def _proposal(self) -> list[int] | None:
+        return self.control.proposal() if self.control is not None else None
+
+    def _join_exchange(self) -> list[int] | None:
+        """After an error in ``_end_step`` on a report step: enter the step's collective with a
+        NaN row if it was not entered (see ``ReportPipeline.join_exchange``)."""
+        if not self.schedule.is_report(self.clock.step):
+            return None
+        try:
+            return self.reports.join_exchange(self.clock.step, self._proposal())
+        except Exception as exc:
+            self.errors.error("end_step", exc)
+            return None
+
+    # ------------------------------------------------------------------ publication
+
+    def _on_published(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
+        self.export.publish(values)
+        if self.rank == 0:  # the cross-rank part: off the training thread (ReportPipeline.off_thread)
+            current = self.export.current_values() if self.control is not None else values
+            light = (lambda: self._on_ranks(current, rank_values.light())) if isinstance(rank_values, RankVectors) else None
+            self.reports.off_thread(lambda: self._on_ranks(current, rank_values), light)
+
+    def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
+        """Leader: a published report's every-rank part (on the cross-rank worker with several ranks)."""
+        desync = getattr(rank_values, "desync", None) or []
+        if desync:
+            log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
+                        int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
+                        "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
+                                  for d in desync[:8]))
+        if self.control is not None:
+            self.control.on_report(values, rank_values)

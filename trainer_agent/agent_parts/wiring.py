@@ -1,0 +1,118 @@
+"""How the agent facade (``trainer_agent/agent.py``) builds its collaborators and connects them: the
+snapshot store, the measurement of a step (parameter index, step meter, fingerprints), the
+diagnostics, the report pipeline, and, last, the hooks, ``/metrics`` and the control plane."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer_agent.agent_parts.diagnostics import Diagnostics
+from trainer_agent.agent_parts.snapshot_extras import SnapshotExtras
+from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
+from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
+from trainer_agent.measure import flops
+from trainer_agent.measure.fingerprint import for_ranks
+from trainer_agent.measure.params import ParamIndex
+from trainer_agent.measure.step_stats import StepMeter
+from trainer_agent.measure.train_parts import TrainParts
+from trainer_agent.report.exchange import RankExchange
+from trainer_agent.report.pipeline import ReportPipeline
+
+__all__ = ["AgentWiring"]
+
+
+class AgentWiring:
+    """``Agent``'s construction: ``_build_snapshots`` and ``_build_measurement`` (which sets
+    ``parts``, ``diagnostics`` and ``reports``) run in ``Agent.__init__``, ``_start`` once the
+    data relay, the export and the hooks exist. Reads what ``Agent.__init__`` set before them
+    (``config``, ``job``, ``run``, ``rank``, ``world_size``, ``clock``, ``schedule``, ``errors``,
+    ``lr_scheduler``, ``accumulation_base``) and ``Agent._on_published`` (``StepEnd``)."""
+
+    def _start(self, on_checkpoint: Callable[..., Any] | None) -> None:
+        """Register the hooks and the collector, serve /metrics, start the control plane."""
+        config = self.config
+        self.hooks.register(self.parts.model, self.parts.optimizer, self.parts.params, self.schedule, config)
+        self.parts.forward = self.hooks.forward
+        self.export.register()
+        self.export.serve(config, self.local_rank)
+        if config.controller is not None or config.skips_steps:
+            # Built last: it registers this rank's /metrics endpoint, and a restarted run that the
+            # controller holds paused waits in here, before its first step, with /metrics served.
+            self.control = self.hooks.control = self.export.control = self._build_control(on_checkpoint)
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.rank if self.world_size > 1 else 0))
+
+    def _build_snapshots(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                         backend: SnapshotBackend | None) -> SnapshotStore | None:
+        cfg = self.config
+        if cfg.snapshot_every is None:
+            if backend is not None:
+                raise ValueError("snapshot_backend needs AgentConfig(snapshot_every=N)")
+            return None
+        extras = SnapshotExtras(self.lr_scheduler, scaler, self._spike_guard)
+        return SnapshotStore(model, optimizer, every=cfg.snapshot_every, keep=cfg.snapshot_keep,
+                             extra_state=extras.state, load_extra=extras.load, backend=backend)
+
+    def _build_measurement(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        cfg, clock = self.config, self.clock
+        params = ParamIndex(model, optimizer, cfg.layer_depth)
+        meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
+                          step=clock.read_step, on_error=self.errors.error, clock=clock.now)
+        self.parts = TrainParts(model, optimizer, scaler, params, meter, self.rank, self.world_size, clock.read_step)
+        fingerprint = None
+        # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded
+        # parameters, what the placements replicate: the local shards of the ranks that differ
+        # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
+        # Plain FSDP replicates nothing: no fingerprint.
+        if cfg.fingerprint and self.world_size > 1:
+            fingerprint = for_ranks(params, self.world_size)
+            meter.fingerprint = fingerprint
+        #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
+        preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")
+        self.diagnostics = Diagnostics(self.parts, cfg, clock, client=self._client, on_error=self.errors.error,
+                                       preflight_only=preflight_only)
+        exchange = RankExchange(self.world_size, rank=self.rank,
+                                with_state=cfg.controller is not None and self.world_size > 1,
+                                extra_width=fingerprint.width() if fingerprint is not None else 0)
+        per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
+        self.reports = ReportPipeline(params, meter, exchange, optimizer=optimizer,
+                                      report_every=cfg.report_every, grad_noise=meter.grad_noise,
+                                      per_layer=per_layer, clock=clock.now, fingerprint=fingerprint,
+                                      desync_rel_tol=cfg.desync_rel_tol, on_published=self._on_published,
+                                      on_error=self.errors.error)
+        self.reports.mfu_per_token_rate = flops.mfu_per_token_rate(model, params.device, cfg.flops_per_token, cfg.peak_flops)
+
+    def _build_control(self, on_checkpoint: Callable[..., Any] | None) -> Any:
+        from trainer_agent.control.plane import ControlContext, ControlPlane
+
+        ctx = ControlContext(job=self.job, run=self.run, rank=self.rank, world_size=self.world_size,
+                             local_rank=self.local_rank, config=self.config, schedule=self.schedule,
+                             optimizer=self.optimizer, metrics_url=self.metrics_url, step=self.clock.read_step,
+                             grad_norm=functools.partial(self.hooks.grad_norm_before_step, self.optimizer),
+                             accumulation_steps=self.accumulation_base,
+                             named_parameters=self.model.named_parameters)
+        on_rollback = self.snapshots.restore if self.snapshots is not None else None
+        return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
+                            on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)
+
+    def _client(self) -> Any:
+        """The controller's client: the leader's, with a controller (else None)."""
+        return self.control.client if self.control is not None else None
+
+    def _quarantine_batch(self) -> None:
+        self.export.quarantine(self._client(), self.clock.step)
+
+    def _spike_guard(self) -> Any:
+        skip = getattr(self.control, "skip", None)
+        return skip.guard if skip is not None else None
+
+    def _error(self, kind: str, exc: BaseException) -> None:
+        self.errors.error(kind, exc)
