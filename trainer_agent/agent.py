@@ -40,17 +40,21 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     waited for its batch, from the end of ``end_step`` to the next forward
     (``trainguard_input_wait_seconds``, ``trainer_agent/measure/inputs.py``).
 
-Modules: ``params`` (parameter buckets and layers), ``step_stats`` (the hook bodies of (1) and
-(2)), ``report`` (the report pipeline of (3)), ``ranks`` (the report step's collective),
-``schedule`` (which steps report), ``forward_timer`` and ``inputs`` (4), ``data_relay`` (data
-quality; its sketch of the sequences seen rides in the report step's row, ``sketch``),
-``batch_size`` (the recommended batch size from the noise scale), ``control``, ``actuators``,
-``spike_guard`` and ``snapshots`` (acting for the controller, skipping spikes, rolling back),
-``client`` (HTTP). This module is the facade that wires them; its collaborators own the rest:
-``step_clock`` (the step count and the overhead accounting), ``agent_errors`` (errors logged once
-per kind), ``agent_hooks`` (the hooks of (1), (2) and (4), timed, their errors kept out of the
-loop), ``agent_export`` (``/metrics`` and the values it serves), ``agent_diagnostics`` (the
-recompute check, the memory trace and the pre-flight, run on ``train_parts.TrainParts``).
+Modules, by subpackage: ``measure/`` (``params``: parameter buckets and layers; ``step_stats``:
+the hook bodies of (1) and (2); ``schedule``: which steps report; ``forward_timer`` and ``inputs``:
+(4); ``sketch`` and ``fingerprint``: what the report step's row carries; ``batch_size``: the
+recommended batch size from the noise scale), ``report/`` (the report pipeline of (3),
+``exchange``: the report step's collective, ``client``: HTTP), ``data/`` (data quality; its sketch
+of the sequences seen rides in the row), ``control/`` (acting for the controller: the agreement,
+the actuators, ``spike_guard`` and ``snapshots``), ``diagnostics/`` (the recompute check, the
+memory trace and the pre-flight). This module is the facade that wires them; ``agent_parts/``
+holds its collaborators: ``wiring`` (what ``Agent.__init__`` builds), ``step_end`` (``end_step``
+and the publication of reports), ``loop_control`` (accumulation, stop, checkpoint state),
+``hooks`` (the hooks of (1), (2) and (4), timed, their errors kept out of the loop), ``export``
+(``/metrics`` and the values it serves), ``diagnostic_calls`` (the loop's calls to the pre-flight, the
+recompute check and the memory trace), ``diagnostics`` (the diagnostics run on
+``train_parts.TrainParts``), ``errors`` (errors logged once per kind); ``measure/step_clock``
+keeps the step count and the overhead accounting.
 
 Host work per step (what a launch-bound GPU step feels): the parameters are ordered once, at
 attach, bucket after bucket of one (device, dtype), so every reduction over them is one fused
@@ -104,6 +108,7 @@ from trainer_agent.agent_parts.errors import ErrorLog
 from trainer_agent.agent_parts.export import MetricsExport
 from trainer_agent.agent_parts.hooks import AgentHooks
 from trainer_agent.agent_parts.attach_args import checked_args, checked_loader
+from trainer_agent.agent_parts.diagnostic_calls import DiagnosticCalls
 from trainer_agent.agent_parts.loop_control import LoopControl
 from trainer_agent.agent_parts.step_end import StepEnd
 from trainer_agent.agent_parts.wiring import AgentWiring
@@ -124,7 +129,7 @@ def _delegate(owner: str, name: str, *, writable: bool = False, doc: str | None 
     return property(lambda self: getattr(getattr(self, owner), name), put, doc=doc or f"``{owner}.{name}``")
 
 
-class Agent(AgentWiring, StepEnd, LoopControl):
+class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
     """Measures a training loop and exports the results; see the module docstring.
 
     Attributes for the control plane and for tests:
@@ -232,59 +237,6 @@ class Agent(AgentWiring, StepEnd, LoopControl):
             clock.overhead += clock.now() - t0
 
     # ------------------------------------------------------------------ public API
-
-    def preflight(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None, *,
-                  declared_params: int | None = None, clip_grad_norm: float | None | str = "unknown",
-                  fatal: bool | tuple[str, ...] | None = None, loader: Any = None,
-                  amp_dtype: torch.dtype | None = None, pad_id: int | None = None,
-                  max_length: int | None = None) -> Any:
-        """Run the pre-flight checks on ``batch`` before the first step (``trainer_agent/diagnostics/preflight.py``):
-        one forward/backward and a simulated optimizer step that leave the weights, gradients,
-        optimizer state, buffers and RNG states unchanged. ``loss_fn(model, batch)`` returns the
-        loss (default: ``model(batch)``, or its ``.loss``); ``declared_params``: the model size the
-        optimizer checks assume; ``clip_grad_norm``: what the loop clips to (None: no clipping).
-        ``loader``: the loader the loop reads (its throughput and prefetch depth are checked, its
-        position restored); ``amp_dtype``: the autocast dtype the loop trains in (float16 is
-        assumed with an enabled GradScaler); ``pad_id`` / ``max_length``: the padding token and the
-        longest sequence, for the loss-boundary inputs (``max_length`` defaults to the model
-        config's). Sends the result to the controller (rank 0) and logs it; returns a ``PreflightReport``.
-        ``fatal`` (default ``config.preflight_fatal``): ``RuntimeError`` for a failed check.
-        Under ``trainguard preflight`` (``$TRAINGUARD_PREFLIGHT_ONLY``) raises ``PreflightOnly``
-        after the checks: the script stops there, and the command prints the table.
-        ``ValueError`` for bad arguments or after the first step."""
-        return self.diagnostics.preflight(batch, loss_fn, metrics_url=self.metrics_url, control=self.control,
-                                          fatal=fatal, declared_params=declared_params, clip_grad_norm=clip_grad_norm,
-                                          loader=loader, amp_dtype=amp_dtype, pad_id=pad_id, max_length=max_length)
-
-    def verify_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> Any:
-        """Call once per step after the backward pass(es) and before ``optimizer.step()``; when the
-        step is due (``AgentConfig.verify_every``, ``request_verify``, the controller's ``verify``
-        command) recompute its gradient on ``batch`` (the step's last micro-batch) and compare it
-        with the one it produced (``trainer_agent/diagnostics/verify.py``); every rank calls it. ``loss_fn(model,
-        batch)`` returns the loss the loop called ``backward`` on (inside the same autocast, divided
-        by the accumulation steps if the loop does), before the GradScaler's scale (default
-        ``model(batch)``, or its ``.loss``). Not under sharded parameters (always None). Returns a ``VerifyResult``, or None when the
-        step is not due or the check failed (counted in ``trainguard_agent_errors_total``).
-        Weights, gradients, optimizer state, buffers and the RNG stream are left as they were.
-        ``ValueError`` when called after ``optimizer.step()`` of a due step."""
-        return self.diagnostics.verify_step(batch, loss_fn)
-
-    def request_verify(self, *, float32: bool = False) -> None:
-        """Check the gradient of the next step whose forward pass starts after this call; call it
-        on every rank at the same point of the loop. ``float32``: also recompute that step with
-        mixed precision off and measure how far its gradient is from the step's
-        (``trainguard_verify_float32_rel_diff``; ``trainer_agent/diagnostics/verify.py``)."""
-        verifier = self.diagnostics.verifier
-        if verifier is not None:
-            verifier.arm(float32=float32)
-            self.hooks.sync_grad_hooks()
-
-    def trace_memory(self, steps: int = 3) -> None:
-        """Attribute memory retained across steps to the layers or the training loop for the next
-        ``steps`` steps (``trainer_agent/diagnostics/memory_trace.py``; expensive while it runs). The result
-        goes to the log and to ``memory_report``. ``ValueError`` for a bad ``steps``; a trace
-        already running is replaced."""
-        self.diagnostics.trace_memory(steps)
 
     @property
     def desync(self) -> list[DesyncFinding]:
