@@ -44,7 +44,7 @@ class AbsenceTicker:
         counted from the later of the last report and the moment the run became live."""
         now = self.clock()
         for st in list(self.runs.values()):
-            if st.finished_at is not None or not live(st.desired):
+            if st.finish.at is not None or not live(st.desired):
                 continue
             absence = self.rules.active.absence_for_job(st.job)
             if not absence:

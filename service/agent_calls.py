@@ -14,7 +14,7 @@ from trainguard.service.config import Settings
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.errors import Conflict
 from trainguard.service.run_owners import RunOwners
-from trainguard.service.runstate import RunState
+from trainguard.service.runstate import Finish, RunState
 from trainguard.service.transaction import Transaction, Written, record_resolved
 from trainguard.protocol.wire import Ack, MemoryReport, PreflightResult, RunFinished
 
@@ -40,32 +40,32 @@ class AgentCalls:
         st = self.get(run)
         self.access.check_agent(principal, run)
         wait = min(max(wait, 0.0), self.settings.longpoll_max_s)
-        if st.published.generation <= after and wait > 0:
+        if st.publication.desired.generation <= after and wait > 0:
             deadline = asyncio.get_running_loop().time() + wait
             self.waiters += 1
             try:
-                while st.published.generation <= after and not self.closing:
+                while st.publication.desired.generation <= after and not self.closing:
                     remaining = deadline - asyncio.get_running_loop().time()
                     if remaining <= 0:
                         break
                     try:
-                        await asyncio.wait_for(st.changed.wait(), remaining)
+                        await asyncio.wait_for(st.publication.changed.wait(), remaining)
                     except TimeoutError:
                         break
             finally:
                 self.waiters -= 1
-        return st.published_json
+        return st.publication.json
 
     async def ack(self, run: str, ack: Ack, principal: Principal) -> dict[str, Any]:
         st = self.get(run)
         self.access.check_agent(principal, run)
-        if ack.generation > st.published.generation:
-            raise Conflict(f"generation {ack.generation} was never published (newest is {st.published.generation})")
+        if ack.generation > st.publication.desired.generation:
+            raise Conflict(f"generation {ack.generation} was never published (newest is {st.publication.desired.generation})")
         now = self.clock()
-        if ack.generation <= st.applied_generation and st.applied_step is not None:
-            return {"applied_generation": st.applied_generation, "applied_step": st.applied_step, "recorded": False}
+        if ack.generation <= st.applied.generation and st.applied.step is not None:
+            return {"applied_generation": st.applied.generation, "applied_step": st.applied.step, "recorded": False}
         tx = Transaction()
-        tx.assign(st, applied_generation=ack.generation, applied_step=ack.step, applied_at=now)
+        tx.assign(st.applied, generation=ack.generation, step=ack.step, at=now)
         run_id = st.id
 
         def op(c: sqlite3.Connection) -> Written:
@@ -126,11 +126,11 @@ class AgentCalls:
         ticker skip it until it registers again. A repeat answers the first finish unchanged."""
         st = self.get(run)
         self.access.check_agent(principal, run)
-        if st.finished_at is not None:
+        if st.finish.at is not None:
             return self._finished_answer(st, changed=False)
         now = self.clock()
         tx = Transaction()
-        tx.assign(st, finished_at=now, finished_step=fin.step, finish_reason=fin.reason)
+        tx.assign(st, finish=Finish(at=now, step=fin.step, reason=fin.reason))
         resolve = st.firing_absence()
         run_id, external = st.id, self.settings.external_url
         data = {"step": fin.step, "reason": fin.reason}
@@ -150,5 +150,5 @@ class AgentCalls:
 
     @staticmethod
     def _finished_answer(st: RunState, *, changed: bool) -> dict[str, Any]:
-        return {"run": st.run, "status": st.status, "finished_at": st.finished_at, "finished_step": st.finished_step,
-                "finish_reason": st.finish_reason, "changed": changed}
+        return {"run": st.run, "status": st.status, "finished_at": st.finish.at, "finished_step": st.finish.step,
+                "finish_reason": st.finish.reason, "changed": changed}

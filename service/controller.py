@@ -17,7 +17,7 @@ ordered. Each change is one transaction (:mod:`service.transaction`): the in-mem
 first, one store operation writes it with everything it implies, and only after the commit is it
 published — to long-polls, to the SSE stream, to the webhook worker; a failed commit takes the
 in-memory change back. ``RunState.desired`` is the newest state (possibly still being written);
-``RunState.published`` the newest committed one, which is what agents see.
+``RunState.publication`` the newest committed one, which is what agents see.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Controller:
         self.agent_calls.closing = True
         self.events_hub.close()
         for st in list(self.runs.values()):
-            st.changed.set()
+            st.publication.changed.set()
 
     async def stop(self) -> None:
         self.events_hub.close()

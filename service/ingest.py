@@ -63,13 +63,13 @@ class ReportIngest:
             # Sent again (the answer to the first was lost, e.g. the controller it went to died
             # after committing it): stored and evaluated once, answered like the first.
             self.metrics.resent.inc()
-            return b'{"desired":' + st.published_json + b',"alerts":[]}'
+            return b'{"desired":' + st.publication.json + b',"alerts":[]}'
         now = self.clock()
         tx = Transaction()
         saved = st.window.save_next(ranks=bool(ranks))
         tx.on_rollback(lambda: st.window.rollback(saved))
-        tx.assign(st, reported_generation=report.applied_generation,
-                  last_report=(report.step_first, report.step_last, report.time, report.values, ranks))
+        tx.assign(st.applied, reported=report.applied_generation)
+        tx.assign(st, last_report=(report.step_first, report.step_last, report.time, report.values, ranks))
         active = self.rules.active
         rules = active.for_job(st.job)
         rec = st.recovery
@@ -93,7 +93,7 @@ class ReportIngest:
             await self.outcomes.record(st, outcome, now, tx, insert, changes=changes, incidents=incidents)
         self.metrics.reports.inc()
         names = json.dumps([f.finding.rule.name for f in outcome.fired]).encode() if outcome.fired else b"[]"
-        return b'{"desired":' + st.published_json + b',"alerts":' + names + b"}"
+        return b'{"desired":' + st.publication.json + b',"alerts":' + names + b"}"
 
     def _reporting_run(self, run: str, report: Report, principal: Principal) -> RunState:
         """The run ``report`` is for: 404 unknown, 403 another agent's, 409 finished or of another job."""
@@ -102,9 +102,9 @@ class ReportIngest:
             self.metrics.rejected.labels("unknown_run").inc()
             raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
         self.access.check_agent(principal, run)
-        if st.finished_at is not None:
+        if st.finish.at is not None:
             self.metrics.rejected.labels("finished").inc()
-            raise Conflict(f"run {run!r} finished at step {st.finished_step}; register it again (POST /v1/runs) to report")
+            raise Conflict(f"run {run!r} finished at step {st.finish.step}; register it again (POST /v1/runs) to report")
         if report.job != st.job:
             self.metrics.rejected.labels("conflict").inc()
             raise Conflict(f"run {run!r} belongs to job {st.job!r}, the report says {report.job!r}")

@@ -15,7 +15,7 @@ from trainguard.service.errors import Conflict, Invalid, TooMany
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.run_owners import RunOwners
-from trainguard.service.runstate import RunState, valid_host
+from trainguard.service.runstate import Finish, Publication, RunState, valid_host
 from trainguard.service.transaction import Transaction, Written
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState, RunRegistered, RunRegistration
@@ -76,7 +76,7 @@ class Registration:
 
         if not first:
             await self.commit(tx, op)
-            return RunRegistered(job=st.job, run=st.run, desired=st.published)
+            return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired)
         done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
         try:
             await self.commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now, digest))
@@ -84,7 +84,7 @@ class Registration:
             del self._registering[reg.run]
             done.set_result(None)
         st = self.runs[reg.run]
-        return RunRegistered(job=st.job, run=st.run, desired=st.published)
+        return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired)
 
     def _claim(self, tx: Transaction, principal: Principal, run: str) -> tuple[bool, bool]:
         """(bind, own): a configured agent token not bound yet is bound to ``run``; a token created
@@ -123,7 +123,7 @@ class Registration:
         tx.on_rollback(lambda: st.window.resize_world(old_world))  # (the per-rank history is gone)
         tx.assign(st, world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config,
                   registered_at=now, live_since=now,  # a restarted job is live again, finished or not
-                  finished_at=None, finished_step=None, finish_reason="", last_report=None)
+                  finish=Finish(), last_report=None)
         st.recovery.configure(reg.config)
 
     def _check_run_limits(self, digest: str) -> None:
@@ -145,6 +145,6 @@ class Registration:
             config=reg.config, registered_at=now, live_since=now,
             window=RunWindow(capacity=self.settings.window_reports, rank_capacity=self.settings.rank_window_reports,
                              world_size=reg.world_size, created=now),
-            desired=d, published=d, published_json=d.model_dump_json().encode(),
+            desired=d, publication=Publication.of(d),
             recovery=RunRecovery.for_config(reg.config),
         )

@@ -18,7 +18,53 @@ from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["RunState", "live", "action_names", "resent", "target_address"]
+__all__ = ["Applied", "Finish", "Publication", "RunState", "live", "action_names", "resent", "target_address"]
+
+
+@dataclass(slots=True, eq=False)
+class Publication:
+    """The newest committed desired state as the agents see it: the state, its JSON (what a poll
+    and a report are answered with) and the event long-polls wait on, set and replaced at each
+    publication."""
+
+    desired: DesiredState
+    json: bytes
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def of(cls, desired: DesiredState) -> "Publication":
+        return cls(desired, desired.model_dump_json().encode())
+
+    def publish(self, desired: DesiredState) -> None:
+        """Show a committed desired state to the agents (long-polls wake up)."""
+        if desired.generation >= self.desired.generation:
+            self.desired = desired
+            self.json = desired.model_dump_json().encode()
+            self.changed.set()
+            self.changed = asyncio.Event()
+
+
+@dataclass(slots=True)
+class Applied:
+    """What the run's agents applied of the desired states: the generation they acknowledged last,
+    at which step and when (``POST /v1/runs/{run}/acks``), and the generation their last report
+    said they had applied."""
+
+    generation: int = 0
+    step: int | None = None
+    at: float | None = None
+    reported: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The agent's word that the run ended (``POST /v1/runs/{run}/finish``): when (None while it
+    has not), at which step and why. A re-registration clears it; a finished run is not expected
+    to report."""
+
+    at: float | None = None
+    step: int | None = None
+    reason: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -36,24 +82,15 @@ class RunState:
     silence from the later of this and the last report."""
     window: RunWindow
     desired: DesiredState
-    published: DesiredState
-    published_json: bytes
-    applied_generation: int = 0
-    applied_step: int | None = None
-    applied_at: float | None = None
-    reported_generation: int = 0
+    publication: Publication
+    applied: Applied = field(default_factory=Applied)
     book: AlertBook = field(default_factory=AlertBook)
     firing: dict[str, dict[str, Any]] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
     last_report: tuple[int, int, float, dict[str, float], dict[str, np.ndarray]] | None = None
     """(step_first, step_last, time, values, per-rank vectors) of the last report stored since the
     run's registration: a report equal in all five is the agent sending it again (its answer was
     lost), stored once (:func:`resent`)."""
-    finished_at: float | None = None
-    """Set when the agent said the run ended (``POST /v1/runs/{run}/finish``); cleared by a
-    re-registration. A finished run is not expected to report."""
-    finished_step: int | None = None
-    finish_reason: str = ""
+    finish: Finish = field(default_factory=Finish)
     #: The run's pre-flight result (``PreflightResult`` as a dict; kept in memory only).
     preflight: dict[str, Any] | None = None
     recovery: RunRecovery = field(default_factory=RunRecovery)
@@ -63,15 +100,11 @@ class RunState:
 
     def publish(self, desired: DesiredState) -> None:
         """Show a committed desired state to the agents (long-polls wake up)."""
-        if desired.generation >= self.published.generation:
-            self.published = desired
-            self.published_json = desired.model_dump_json().encode()
-            self.changed.set()
-            self.changed = asyncio.Event()
+        self.publication.publish(desired)
 
     @property
     def status(self) -> str:
-        if self.finished_at is not None:
+        if self.finish.at is not None:
             return "finished"
         if self.desired.stop:
             return "stopped"
@@ -88,8 +121,8 @@ class RunState:
             "run": st.run, "job": st.job, "status": st.status, "world_size": st.world_size,
             "registered_at": st.registered_at, "last_report_at": st.window.last_received if st.window.count else None,
             "last_step": st.window.last_step, "reports": st.window.count,
-            "desired_generation": st.published.generation, "applied_generation": st.applied_generation,
-            "firing": sorted(st.firing), "finished_at": st.finished_at, "finished_step": st.finished_step,
+            "desired_generation": st.publication.desired.generation, "applied_generation": st.applied.generation,
+            "firing": sorted(st.firing), "finished_at": st.finish.at, "finished_step": st.finish.step,
         }
 
     def detail(self) -> dict[str, Any]:
@@ -98,8 +131,8 @@ class RunState:
         last = st.window.latest_values()
         return self.summary() | {
             "ranks": st.ranks, "agent_version": st.agent_version, "config": st.config,
-            "desired": st.published.model_dump(), "applied_step": st.applied_step, "applied_at": st.applied_at,
-            "reported_generation": st.reported_generation, "finish_reason": st.finish_reason, "live_since": st.live_since,
+            "desired": st.publication.desired.model_dump(), "applied_step": st.applied.step, "applied_at": st.applied.at,
+            "reported_generation": st.applied.reported, "finish_reason": st.finish.reason, "live_since": st.live_since,
             "last_values": last,
             # the noise scale's recommendation next to the batch size in use (None until reported)
             "batch_size": {"current": last.get("trainguard_global_batch_size"),
@@ -121,7 +154,7 @@ class RunState:
         escalated incident's last rung set the desired state in force, and that state pauses the
         run (an operator's resume, stop or other command since replaces it)."""
         d = self.desired
-        if not d.paused or d.stop or self.finished_at is not None:
+        if not d.paused or d.stop or self.finish.at is not None:
             return False
         escalated = next((i for i in reversed(self.recovery.incidents) if i.outcome == "escalated"), None)
         return escalated is not None and bool(escalated.rungs) and escalated.rungs[-1]["generation"] == d.generation

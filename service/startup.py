@@ -29,7 +29,7 @@ from trainguard.service import statements as sql
 from trainguard.service.config import Settings
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.rules import RuleSet
-from trainguard.service.runstate import RunState
+from trainguard.service.runstate import Applied, Finish, Publication, RunState
 from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
 from trainguard.protocol.wire import DesiredState
@@ -89,9 +89,9 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         id=row["id"], run=row["run"], job=row["job"], world_size=row["world_size"], ranks=json.loads(row["ranks"]),
         agent_version=row["agent_version"], config=json.loads(row["config"]), registered_at=row["registered_at"],
         live_since=max(row["registered_at"], row["resumed_at"] or -math.inf), window=window, desired=desired,
-        published=desired, published_json=desired.model_dump_json().encode(),
-        applied_generation=row["applied_generation"], applied_step=row["applied_step"], applied_at=row["applied_at"],
-        finished_at=row["finished_at"], finished_step=row["finished_step"], finish_reason=row["finish_reason"] or "",
+        publication=Publication.of(desired),
+        applied=Applied(generation=row["applied_generation"], step=row["applied_step"], at=row["applied_at"]),
+        finish=Finish(at=row["finished_at"], step=row["finished_step"], reason=row["finish_reason"] or ""),
         recovery=RunRecovery.for_config(json.loads(row["config"]), ceiling=desired.lr_scale),
     )
     st.recovery.restore_incidents(store.read_now(lambda c: sql.recent_incidents(c, st.id, st.recovery.incidents.maxlen or 100)))

@@ -17,16 +17,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from trainguard.protocol.rank_values import STORED_LAYOUT
 from trainguard.protocol.rank_vector import Filled
 from trainguard.protocol.wire import RankValues, Report
+from trainguard.service.rank_ring import VECTORS, RankRing
 
 __all__ = ["VECTORS", "RuleWindow", "RunWindow"]
 
-#: Per-rank vectors of a report, in storage order (bit i of a mask = VECTORS[i] present; append-only,
-#: see ``trainguard.protocol.rank_values``).
-VECTORS: tuple[str, ...] = STORED_LAYOUT
-_VECTOR_INDEX = {name: i for i, name in enumerate(VECTORS)}
 _EMPTY = np.empty(0)
 _EMPTY.flags.writeable = False
 
@@ -62,7 +58,7 @@ class RunWindow:
 
     Job-level values live in a (capacity, columns) float64 matrix with a presence mask (a value
     absent from a report is not NaN: NaN is a real value). Per-rank vectors live in a smaller ring
-    of (rank_capacity, len(VECTORS), world_size).
+    of (rank_capacity, len(VECTORS), world_size) (:class:`~service.rank_ring.RankRing`).
 
     The values ring is stored twice, one copy after the other (row ``i`` and row ``i + capacity``
     hold the same report), so the newest ``n`` reports are always one contiguous slice, oldest
@@ -73,20 +69,16 @@ class RunWindow:
     """
 
     __slots__ = (
-        "capacity", "rank_capacity", "world_size", "count", "columns", "_values", "_present", "_values2", "_present2",
-        "_received", "_step", "_ranks", "_rank_mask", "_rank_shown", "_rank_seq", "rank_count", "_last_received", "_written",
-        "_keys", "_cols", "desync", "_seen_vectors", "_absent_at", "_absent_cols", "_rank_absent_at",
+        "capacity", "count", "columns", "_values", "_present", "_values2", "_present2", "_received", "_step", "_ring",
+        "_last_received", "_written", "_keys", "_cols", "desync", "_absent_at", "_absent_cols",
     )
 
     def __init__(self, *, capacity: int, rank_capacity: int, world_size: int, created: float) -> None:
         if capacity < 1 or rank_capacity < 1 or world_size < 1:
             raise ValueError("capacity, rank_capacity and world_size must be >= 1")
         self.capacity = capacity
-        self.rank_capacity = rank_capacity
-        self.world_size = world_size
         self.count = 0
         """Reports appended since creation (also the sequence number of the newest)."""
-        self.rank_count = 0
         self._written = 0
         """Reports appended to this object (``count`` may start higher: a reload sets it)."""
         #: The newest report's ``desync`` list (layers whose fingerprints differ across ranks).
@@ -100,7 +92,7 @@ class RunWindow:
         self._set_values(np.full((2, capacity, 16), math.nan), np.zeros((2, capacity, 16), dtype=bool))
         self._received = np.zeros(capacity)
         self._step = np.zeros(capacity, dtype=np.int64)
-        self._set_ranks(world_size)
+        self._ring = RankRing(rank_capacity, world_size)
         self._last_received = created
         self._keys: tuple[str, ...] = ()
         """Metric names of the last report appended, and their columns (reports of a run usually
@@ -113,14 +105,6 @@ class RunWindow:
         self._values2, self._present2 = values2, present2
         self._values = values2.reshape(2 * self.capacity, -1)
         self._present = present2.reshape(2 * self.capacity, -1)
-
-    def _set_ranks(self, world_size: int) -> None:
-        self._seen_vectors: set[str] = set()  # vectors any report of this history carried
-        self._ranks = np.zeros((self.rank_capacity, len(VECTORS), world_size))
-        self._rank_mask = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)
-        self._rank_shown = np.zeros((self.rank_capacity, len(VECTORS)), dtype=bool)  # as received (for people)
-        self._rank_seq = np.zeros(self.rank_capacity, dtype=np.int64)
-        self._rank_absent_at = [0] * len(VECTORS)  # as ``_absent_at``, per vector, in rank_count
 
     # -- writing ---------------------------------------------------------------------------
     def _column(self, name: str) -> int:
@@ -163,21 +147,7 @@ class RunWindow:
         self._written += 1
         self._last_received = received
         if ranks:
-            rrow = self.rank_count % self.rank_capacity
-            self.rank_count += 1
-            for i, name in enumerate(VECTORS):
-                vec = ranks.get(name)
-                if vec is not None:
-                    self._ranks[rrow, i] = vec
-                else:
-                    self._rank_absent_at[i] = self.rank_count
-            self._rank_mask[rrow] = [name in ranks for name in VECTORS]
-            # a vector read back from a stored record (``service.rank_store``) serves the rules, not people
-            exact = getattr(ranks, "exact", None)
-            self._rank_shown[rrow] = [name in ranks and (exact is None or name in exact) for name in VECTORS]
-            if not self._seen_vectors.issuperset(ranks):
-                self._seen_vectors.update(ranks)
-            self._rank_seq[rrow] = self.count
+            self._ring.append(ranks, self.count)
 
     def append_many(self, values: list[dict[str, float]], steps: list[int], received: list[float]) -> None:
         """:meth:`append_raw` of each report in turn, without per-rank vectors (reports read back
@@ -230,9 +200,9 @@ class RunWindow:
     def save_next(self, *, ranks: bool) -> tuple[Any, ...]:
         """What the next :meth:`append_raw` (with per-rank ``ranks`` or not) overwrites, for
         :meth:`rollback`."""
-        row, rrow = self.count % self.capacity, self.rank_count % self.rank_capacity
-        rank_row = (self._ranks[rrow].copy(), self._rank_mask[rrow].copy(), self._rank_shown[rrow].copy()) if ranks else None
-        return (self.count, self.rank_count, self._last_received, self._values2[:, row].copy(),
+        row = self.count % self.capacity
+        rank_row = self._ring.save_next() if ranks else None
+        return (self.count, self._ring.count, self._last_received, self._values2[:, row].copy(),
                 self._present2[:, row].copy(), self._received[row], self._step[row], rank_row)
 
     def rollback(self, saved: tuple[Any, ...]) -> bool:
@@ -246,25 +216,25 @@ class RunWindow:
         self._values2[:, row, :n], self._values2[:, row, n:] = values, math.nan
         self._present2[:, row, :n], self._present2[:, row, n:] = present, False
         self._received[row], self._step[row] = received, step
-        if rank_row is not None and self.rank_count == rank_count + 1 and rank_row[0].shape == self._ranks.shape[1:]:
-            rrow = rank_count % self.rank_capacity
-            self._ranks[rrow], self._rank_mask[rrow], self._rank_shown[rrow] = rank_row
-            self.rank_count = rank_count
+        self._ring.rollback(rank_count, rank_row)
         self.count, self._last_received = count, last_received
         return True
 
     def resize_world(self, world_size: int) -> None:
         """A re-registration with another world size: drop the per-rank history only."""
-        if world_size != self.world_size:
-            self.world_size = world_size
-            self._set_ranks(world_size)
-            self.rank_count = 0
+        if world_size != self._ring.world_size:
+            self._ring = RankRing(self._ring.capacity, world_size)
 
     def touch(self, received: float) -> None:
         """Move the last report's time forward (to a report the database no longer holds)."""
         self._last_received = max(self._last_received, received)
 
     # -- RuleWindow ------------------------------------------------------------------------
+    @property
+    def rank_capacity(self) -> int:
+        """Reports whose per-rank vectors the window holds."""
+        return self._ring.capacity
+
     @property
     def size(self) -> int:
         return min(self.count, self.capacity)
@@ -300,31 +270,11 @@ class RunWindow:
         return out
 
     def rank_history(self, vector: str, last: int) -> np.ndarray:
-        i = _VECTOR_INDEX[vector]
-        n = min(last, self.rank_count, self.rank_capacity)
-        if n < 1 or vector not in self._seen_vectors:  # (most rules read vectors most jobs never send)
-            out = self._ranks[0:0, i]
-            out.flags.writeable = False
-            return out
-        first = (self.rank_count - n) % self.rank_capacity
-        every = self._rank_absent_at[i] <= self.rank_count - n  # each of the n reports carried it
-        if every and first + n <= self.rank_capacity:  # the common case: a view
-            out = self._ranks[first : first + n, i]
-            out.flags.writeable = False
-            return out
-        if first + n <= self.rank_capacity:  # contiguous in the ring: a view
-            rows, mask = self._ranks[first : first + n, i], self._rank_mask[first : first + n, i]
-        else:  # wrapped: oldest part at the end of the ring, newest at its start
-            rest = first + n - self.rank_capacity
-            rows = np.concatenate([self._ranks[first:, i], self._ranks[:rest, i]])
-            mask = np.concatenate([self._rank_mask[first:, i], self._rank_mask[:rest, i]])
-        out = rows if mask.all() else rows[mask]
-        out.flags.writeable = False
-        return out
+        return self._ring.history(vector, last)
 
     @property
     def vectors_seen(self) -> set[str]:
-        return self._seen_vectors
+        return self._ring.seen
 
     def latest_values(self) -> dict[str, float]:
         """The newest report's job-level values (for status pages)."""
@@ -358,15 +308,7 @@ class RunWindow:
         as ``(seq, {vector: one value per rank})``; ``seq`` is the report's, as in :meth:`rows`.
         A vector the controller read back from a stored summary (a large world's older report,
         after a restart) is left out: only the values as received are shown."""
-        n = min(self.rank_count, self.rank_capacity)
-        out = []
-        for k in range(self.rank_count - n, self.rank_count):
-            row = k % self.rank_capacity
-            seq = int(self._rank_seq[row])
-            if seq > after:
-                mask = self._rank_shown[row]
-                out.append((seq, {name: self._ranks[row, i].tolist() for i, name in enumerate(VECTORS) if mask[i]}))
-        return out
+        return self._ring.rows(after)
 
 
 def rank_vectors(ranks: RankValues) -> dict[str, np.ndarray]:

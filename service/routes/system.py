@@ -59,7 +59,7 @@ async def metrics(ctl: ControllerDep) -> Response:
 async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
     out = []
     for st in ctl.runs.values():
-        if st.desired.stop or st.finished_at is not None:
+        if st.desired.stop or st.finish.at is not None:
             continue  # its ranks are gone: scraping them would only raise "target down" alerts
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
             if not valid_host(r["host"]):

@@ -131,6 +131,14 @@ class StreamSnapshots:
         return chunk
 
 
+async def _replay(ctl: Controller, run: str | None, after: int, snapshots: StreamSnapshots) -> list[tuple[bytes, int]]:
+    """The audit events after id ``after`` that a reconnecting page missed, each as its chunk and
+    its id (none for a new page: ``after`` 0)."""
+    if not after:
+        return []
+    return [(snapshots.audit(ev), ev["id"]) for ev in await events_after(ctl, run, after)]
+
+
 async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, snapshots: StreamSnapshots | None = None,
                    alive: Callable[[], bool] = lambda: True, release: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
     """Server-Sent Events for the console. With ``run``: ``report`` (new window rows after report
@@ -147,10 +155,8 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, sn
     loop = asyncio.get_running_loop()
     try:
         yield b"retry: 2000\n\n"
-        if after:
-            for ev in await events_after(ctl, run, after):
-                yield snapshots.audit(ev)
-                after = ev["id"]
+        for chunk, after in await _replay(ctl, run, after, snapshots):
+            yield chunk
         sent = 0  # the version of the status this stream sent last
         next_state = written = loop.time()
         while alive():

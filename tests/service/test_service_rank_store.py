@@ -15,7 +15,7 @@ import pytest
 
 from tests.service.conftest import register
 from trainguard.service import rank_store
-from trainguard.service.evaluate import _CHECKS, _cross_rank, _row_verdicts, _slowest
+from trainguard.service.evaluate_ranks import _CHECKS, _row_verdicts, _slowest, cross_rank as _cross_rank
 from trainguard.service.limits import report_body_bytes
 from trainguard.service.rules import CrossRankRule
 from trainguard.service.window import VECTORS, RunWindow

@@ -54,11 +54,11 @@ def _rule_state(ctl: Any) -> dict[str, Any]:
             # what a rule reads: every series over the whole window, every per-rank history
             "series": {m: w.series(m, w.capacity) for m in w.columns if w.series(m, w.capacity).size},
             "ranks": {v: w.rank_history(v, w.rank_capacity) for v in VECTORS if v in w.vectors_seen},
-            "desired": st.desired.model_dump(), "published": st.published.model_dump(),
-            "applied": [st.applied_generation, st.applied_step, st.applied_at], "live_since": st.live_since,
+            "desired": st.desired.model_dump(), "published": st.publication.desired.model_dump(),
+            "applied": [st.applied.generation, st.applied.step, st.applied.at], "live_since": st.live_since,
             "incidents": [i.as_dict() for i in st.recovery.incidents],
             "open": None if st.recovery.open is None else st.recovery.open.id,
-            "firing": st.firing, "last_report": st.last_report, "finished": st.finished_at, "status": st.status,
+            "firing": st.firing, "last_report": st.last_report, "finished": st.finish.at, "status": st.status,
         })
     return out
 

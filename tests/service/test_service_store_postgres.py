@@ -80,7 +80,7 @@ def test_a_database_newer_than_the_controller_is_refused(postgres_url: str) -> N
 
 def _memory(ctl: Any) -> tuple[Any, ...]:
     st = ctl.runs["run-1"]
-    return st.window.count, st.book.firing(), st.desired, dict(st.firing), st.reported_generation, st.window.series("trainguard_loss", 10).tolist()
+    return st.window.count, st.book.firing(), st.desired, dict(st.firing), st.applied.reported, st.window.series("trainguard_loss", 10).tolist()
 
 
 def _stored_reports(url: str) -> list[tuple[int, int]]:

@@ -66,14 +66,14 @@ def test_nan_report_refused_under_a_write_lock_pauses_when_retried(locked_app) -
     ok = b'{"job":"job-a","step_first":1,"step_last":1,"time":1.0,"values":{"trainguard_loss":2.0}}'
     assert _post(c, ok).status_code == 200
     st = ctl.runs["run-1"]
-    before = (st.window.count, st.book.firing(), st.desired, dict(st.firing), st.reported_generation)
+    before = (st.window.count, st.book.firing(), st.desired, dict(st.firing), st.applied.reported)
 
     lock = WriteLock(db)
     try:
         now[0] += 1
         assert _post(c, NAN_REPORT).status_code == 503
         # memory exactly as before: window, alert book, desired state, firing alerts
-        assert (st.window.count, st.book.firing(), st.desired, dict(st.firing), st.reported_generation) == before
+        assert (st.window.count, st.book.firing(), st.desired, dict(st.firing), st.applied.reported) == before
         assert st.window.series("trainguard_loss", 10).tolist() == [2.0]
         detail = c.get("/v1/runs/run-1").json()
         assert detail["reports"] == 1 and detail["last_step"] == 1 and detail["status"] == "running"
@@ -106,7 +106,7 @@ def test_refused_command_and_ack_leave_no_trace(locked_app) -> None:
     lock = WriteLock(db)
     try:
         assert c.post("/v1/runs/run-1/acks", json={"generation": 1, "step": 7}).status_code == 503
-        assert (st.applied_generation, st.applied_step, st.applied_at) == (0, None, None)
+        assert (st.applied.generation, st.applied.step, st.applied.at) == (0, None, None)
     finally:
         lock.release()
     assert c.post("/v1/runs/run-1/acks", json={"generation": 1, "step": 7}).json()["recorded"] is True

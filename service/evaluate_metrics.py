@@ -1,0 +1,187 @@
+"""Evaluation of the rule kinds that read one metric's recent values (pure functions of a
+:class:`~service.window.RuleWindow`): ``threshold``, ``spike`` (against a rolling median or EMA),
+``nonfinite`` (also over per-rank vectors) and ``trend``."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import numpy as np
+
+from trainguard.service import rate_and_oscillation
+from trainguard.service.finding import Finding, Verdict, json_number
+from trainguard.service.numerics import all_finite, finite_range, mean_of, median
+from trainguard.service.rule_kinds import NonFiniteRule, SpikeRule, ThresholdRule, TrendRule
+from trainguard.service.window import RuleWindow
+
+__all__ = ["nonfinite", "spike", "threshold", "trend"]
+
+_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+}
+
+
+def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
+    latest = w.latest(rule.metric)
+    if latest is None:
+        return None
+    if rule.for_reports == 1 and not _OPS[rule.op](latest, rule.value):
+        return False  # the common case, without building the series
+    vals = w.series(rule.metric, rule.for_reports)
+    if len(vals) < rule.for_reports:
+        return False
+    cmp = _OPS[rule.op]
+    if not all(cmp(v, rule.value) for v in vals.tolist()):
+        return False
+    last = float(vals[-1])
+    return Finding(
+        rule, True,
+        f"{rule.metric} = {last:.6g} {rule.op} {rule.value:g}" + (f" for {rule.for_reports} reports" if rule.for_reports > 1 else ""),
+        {"metric": rule.metric, "value": json_number(last), "threshold": rule.value, "op": rule.op, "values": [json_number(v) for v in vals.tolist()]},
+    )
+
+
+#: 1 / Phi^-1(3/4): turns a median absolute deviation into a normal standard deviation.
+_MAD_TO_SIGMA = 1.482602218505602
+
+
+def _ema(x: np.ndarray, alpha: float) -> tuple[float, float]:
+    mean, var = float(x[0]), 0.0
+    for v in x[1:].tolist():
+        d = v - mean
+        incr = alpha * d
+        mean += incr
+        var = (1 - alpha) * (var + d * incr)
+    return mean, math.sqrt(var)
+
+
+#: The scheduled LR may exceed the envelope it had before the window by this factor and still be
+#: a planned rise (service/adaptive_lr.SCHEDULE_TOLERANCE).
+_SCHEDULE_TOLERANCE = 1.05
+
+
+def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
+    """How far the scheduled LR rose over the rule's window (newest / median of the reports before
+    it; >= 1), for ``schedule_discount``. 1 when it did not rise or is not reported, and when it
+    is above the schedule's envelope as it stood before the window (the agent's
+    ``trainguard_scheduler_lr_peak`` in the window's oldest report): a jump beyond every LR the
+    run had trained at is not a plan, and one inside the window cannot raise that envelope."""
+    lr = w.latest("trainguard_scheduler_lr")
+    peaks = w.series("trainguard_scheduler_lr_peak", rule.window + 1)
+    if lr is None or not lr > 0 or not len(peaks) or not lr <= _SCHEDULE_TOLERANCE * float(peaks[0]):
+        return 1.0
+    before = w.series("trainguard_scheduler_lr", rule.window + 1)[:-1]
+    before = before[np.isfinite(before) & (before > 0)]
+    if not len(before):
+        return 1.0
+    return max(lr / median(before), 1.0)
+
+
+def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
+    latest = w.latest(rule.metric)
+    if latest is None or not math.isfinite(latest):
+        return None if latest is None else False
+    hist = w.series(rule.metric, rule.window + 1)[:-1]
+    if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
+            and len(hist) >= rule.min_history):
+        # Quick "no": every value finite and the value below ratio x the window's minimum, hence
+        # below ratio x its median.
+        bounds = finite_range(hist)
+        if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
+            return False
+    if not all_finite(hist):
+        hist = hist[np.isfinite(hist)]
+    if len(hist) < rule.min_history:
+        return None
+    if rule.baseline == "median":
+        base = median(hist)
+        if rule.mode == "zscore" and (latest <= base if rule.direction == "up" else latest >= base if rule.direction == "down" else False):
+            return False  # on the quiet side of the median: no z-score in that direction reaches z > 0
+        # The MAD is only needed for z-scores (an alert's values never show it in ratio mode).
+        scale = _MAD_TO_SIGMA * median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan
+    else:
+        base, scale = _ema(hist, 2.0 / (rule.window + 1))
+    if rule.mode == "ratio":
+        if base <= 0 or latest <= 0:
+            return None
+        up, down = latest / base, base / latest
+        score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
+        rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.ratio else 1.0
+        if not score / rise >= rule.ratio:
+            return False
+        extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
+        summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
+    else:
+        scale = max(scale, 1e-12 * max(abs(base), 1.0))
+        z = (latest - base) / scale
+        score = z if rule.direction == "up" else -z if rule.direction == "down" else abs(z)
+        rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.z else 1.0
+        if not score / rise >= rule.z:
+            return False
+        extra = {"zscore": z, "scale": scale, "limit": rule.z}
+        summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
+    if rise > 1.0:
+        extra["schedule_lr_rise"] = rise
+        summary += f", after the schedule's LR rose {rise:.3g}x (score divided by it)"
+    values = {"metric": rule.metric, "value": latest, "baseline": base, "baseline_kind": rule.baseline, "history": len(hist), **extra}
+    return Finding(rule, True, summary, values)
+
+
+def nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Verdict:
+    seen = False
+    bad: dict[str, Any] = {}
+    if rule.metric is not None:
+        v = w.latest(rule.metric)
+        if v is not None:
+            seen = True
+            if not math.isfinite(v):
+                bad[rule.metric] = json_number(v)
+    for vec in rule.vectors:
+        hist = w.rank_history(vec, 1)
+        if len(hist):
+            seen = True
+            if all_finite(hist[-1]):
+                continue  # the usual case
+            ranks = np.flatnonzero(~np.isfinite(hist[-1]))  # (not empty: all_finite said some rank is not finite)
+            bad[f"ranks.{vec}"] = {int(r): json_number(float(hist[-1][r])) for r in ranks[:16].tolist()}
+    if not seen:
+        return None
+    if not bad:
+        return False
+    return Finding(rule, True, "non-finite " + ", ".join(bad), {"nonfinite": bad})
+
+
+def trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
+    if w.latest(rule.metric) is None:
+        return None
+    vals = w.series(rule.metric, rule.window)
+    if len(vals) < rule.window or not all_finite(vals):
+        return None
+    n = len(vals)
+    if rule.direction == "not_decreasing":
+        tc, tt = rate_and_oscillation.centred_steps(n)
+        mean = mean_of(vals)
+        slope = float(np.dot(tc, vals - mean) / tt)
+        fitted_drop = -slope * (n - 1)
+        need = rule.min_rel_change * abs(float(mean))
+        if not fitted_drop <= need:
+            return False
+        return Finding(
+            rule, True,
+            f"{rule.metric} fell by {fitted_drop:.6g} over {n} reports (least squares; needs > {need:.6g})",
+            {"metric": rule.metric, "slope_per_report": slope, "fitted_drop": fitted_drop, "required_drop": need, "window": n, "first": float(vals[0]), "last": float(vals[-1])},
+        )
+    first, last = float(vals[0]), float(vals[-1])
+    growth = last - first
+    if not (growth > 0 and growth >= rule.min_rel_change * abs(first)):
+        return False
+    monotonic = bool((vals[1:] >= vals[:-1]).all())
+    if not monotonic:
+        return False
+    return Finding(
+        rule, True,
+        f"{rule.metric} grew monotonically from {first:.6g} to {last:.6g} over {n} reports",
+        {"metric": rule.metric, "first": first, "last": last, "growth": growth, "monotonic": monotonic, "window": n},
+    )

@@ -1,0 +1,204 @@
+"""The rules of a rules file, one model per kind (threshold, spike, nonfinite, trend, cross_rank,
+desync, rate, oscillation, absence) and :data:`Rule`, the union the ``kind`` field selects from.
+Their evaluation is :mod:`service.evaluate`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, TypeAdapter, field_validator, model_validator
+
+from trainguard.protocol.wire import Severity
+from trainguard.service.diagnosis import DIAGNOSES
+from trainguard.service.rule_actions import Action, NotifyAction
+from trainguard.service.rule_schema import MetricName, RuleName, RulesModel, Vector
+from trainguard.service.rules_bounds import MAX_ACTIONS
+
+__all__ = [
+    "AbsenceRule", "CrossRankRule", "DesyncRule", "NonFiniteRule", "OscillationRule", "RULE_ADAPTER", "RateRule", "Rule",
+    "SpikeRule", "ThresholdRule", "TrendRule",
+]
+
+
+class _RuleBase(RulesModel):
+    name: RuleName
+    severity: Severity = "warning"
+    actions: tuple[Action, ...] = Field(default=(NotifyAction(),), max_length=MAX_ACTIONS)
+    cooldown_s: float = Field(default=300.0, ge=0, allow_inf_nan=False, description="After an alert, the rule cannot fire again for this long.")
+    cap: int = Field(default=0, ge=0, description="At most this many alerts per cap_window_s (0: no cap).")
+    cap_window_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    diagnosis: str = "generic"
+    description: str = Field(default="", max_length=2000)
+    enabled: bool = True
+
+    @field_validator("actions", mode="before")
+    @classmethod
+    def _short_actions(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [{"type": a} if isinstance(a, str) else a for a in value]
+        return value
+
+    @field_validator("diagnosis")
+    @classmethod
+    def _known_diagnosis(cls, value: str) -> str:
+        if value not in DIAGNOSES:
+            raise ValueError(f"unknown diagnosis {value!r}; known: {', '.join(sorted(DIAGNOSES))}")
+        return value
+
+
+class ThresholdRule(_RuleBase):
+    """``metric op value`` in each of the newest ``for_reports`` reports carrying the metric."""
+
+    kind: Literal["threshold"]
+    metric: MetricName
+    op: Literal[">", ">=", "<", "<=", "==", "!="]
+    value: float = Field(allow_inf_nan=False)
+    for_reports: int = Field(default=1, ge=1, le=4096)
+
+
+class SpikeRule(_RuleBase):
+    """The newest value against a baseline of the previous ``window`` finite values.
+
+    ``mode: ratio`` fires when value / baseline >= ratio (``direction: up``; ``down``: baseline /
+    value >= ratio); baselines <= 0 give no verdict. ``mode: zscore`` fires when
+    |value - baseline| / scale >= z in the given direction, where for ``baseline: median`` the scale
+    is 1.482602 * MAD of the window (1 / Phi^-1(3/4)) and for ``baseline: ema`` the exponentially weighted standard
+    deviation (alpha = 2 / (window + 1)).
+    """
+
+    kind: Literal["spike"]
+    metric: MetricName
+    baseline: Literal["median", "ema"] = "median"
+    mode: Literal["ratio", "zscore"] = "ratio"
+    window: int = Field(default=32, ge=2, le=65536)
+    min_history: int = Field(default=8, ge=2)
+    ratio: float = Field(default=5.0, gt=1.0, allow_inf_nan=False)
+    z: float = Field(default=6.0, gt=0, allow_inf_nan=False)
+    direction: Literal["up", "down", "both"] = "up"
+    schedule_discount: bool = Field(default=False, description=(
+        "Divide the spike's score by how far the user's scheduled LR rose over the same window (its newest value "
+        "/ its median there) while the schedule stays within its range: a warm restart or a re-warm moves the "
+        "gradient norm and the loss with the LR it planned. No discount when the scheduled LR is above the highest "
+        "LR the schedule had set before the window (a jump, not a plan)."))
+
+    @model_validator(mode="after")
+    def _history(self) -> "SpikeRule":
+        if self.min_history > self.window:
+            raise ValueError("min_history must be <= window")
+        return self
+
+
+class NonFiniteRule(_RuleBase):
+    """NaN or ±Inf in the newest value of ``metric`` or in any rank of the newest ``vectors``."""
+
+    kind: Literal["nonfinite"]
+    metric: MetricName | None = None
+    vectors: tuple[Vector, ...] = ()
+
+    @model_validator(mode="after")
+    def _something(self) -> "NonFiniteRule":
+        if self.metric is None and not self.vectors:
+            raise ValueError("nonfinite rule needs 'metric' and/or 'vectors'")
+        return self
+
+
+class TrendRule(_RuleBase):
+    """Over the newest ``window`` finite values: ``not_decreasing`` fires when the least-squares
+    line falls by less than ``min_rel_change`` x |mean| over the window; ``increasing`` fires when
+    the values never decrease and the last exceeds the first by at least ``min_rel_change`` x
+    |first| (and is larger)."""
+
+    kind: Literal["trend"]
+    metric: MetricName
+    direction: Literal["not_decreasing", "increasing"]
+    window: int = Field(default=64, ge=3, le=65536)
+    min_rel_change: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class CrossRankRule(_RuleBase):
+    """Across the ranks of one report, for each of the newest ``for_reports`` reports.
+
+    ``check: spread`` fires when max / median of the finite values >= ratio and the max is at least
+    ``min_value`` (a straggler for ``step_time_s``; for ``input_wait_s`` a rank that waits for its
+    data while the others do not; a median of 0 then counts as an infinite ratio), with the same
+    rank the slowest in each of the ``for_reports`` reports (one rank that stays slow, not
+    scheduling noise that lands on a different rank each time).
+    ``check: mismatch`` fires when some rank is non-finite or differs from the median by more than
+    rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
+    ``check: above`` fires when some rank's finite value is >= ``value`` and names those ranks
+    (``data_overlap``: ranks that see the same data).
+    """
+
+    kind: Literal["cross_rank"]
+    vector: Vector
+    check: Literal["spread", "mismatch", "above"]
+    ratio: float = Field(default=1.5, gt=1.0, allow_inf_nan=False)
+    rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
+    min_value: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    value: float | None = Field(default=None, allow_inf_nan=False)
+    for_reports: int = Field(default=1, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _limit(self) -> "CrossRankRule":
+        if (self.check == "above") != (self.value is not None):
+            raise ValueError("'value' is required by check: above, and only by it")
+        return self
+
+
+class DesyncRule(_RuleBase):
+    """Any rank whose ``vector`` (``grad_desync`` or ``param_desync``: its largest relative
+    difference from the other ranks over the layers' element-wise fingerprints) exceeds
+    ``rel_tol`` (the stability guide, 5.3: 1e-5). Names the ranks and, from the report's
+    ``desync`` list, the layers. NaN (a rank whose report failed, or one rank) is no verdict."""
+
+    kind: Literal["desync"]
+    vector: Literal["grad_desync", "param_desync"]
+    rel_tol: float = Field(default=1e-5, ge=0, allow_inf_nan=False)
+
+
+class RateRule(_RuleBase):
+    """A counter's increase per unit of ``per`` over the newest ``window`` + 1 reports:
+    ``(metric[-1] - metric[0]) / (per[-1] - per[0]) > value`` (e.g. the share of steps whose
+    update the mixed-precision loss scaler skipped)."""
+
+    kind: Literal["rate"]
+    metric: MetricName
+    per: MetricName = "trainguard_step"
+    window: int = Field(default=10, ge=1, le=65536)
+    value: float = Field(ge=0, allow_inf_nan=False)
+
+
+class OscillationRule(_RuleBase):
+    """A periodic swing of ``metric`` over the newest ``window`` reports: after removing the
+    least-squares line, the strongest frequency (with its two neighbours) holds at least
+    ``min_power`` of the variance, its period lies between ``min_period`` reports and half the
+    window, the residual repeats itself one period later (its autocorrelation at that lag is at
+    least ``min_autocorrelation``: a single bump, e.g. the loss of a burst of bad batches, puts its
+    power at a long period too, but does not recur), and the swing's amplitude (sqrt(2) x the
+    residual's standard deviation) is at least ``min_rel_amplitude`` of the metric's mean."""
+
+    kind: Literal["oscillation"]
+    metric: MetricName
+    window: int = Field(default=64, ge=8, le=65536)
+    min_power: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    min_period: float = Field(default=2.0, ge=2, allow_inf_nan=False)
+    min_autocorrelation: float = Field(default=0.2, ge=-1, le=1, allow_inf_nan=False)
+    min_rel_amplitude: float = Field(default=0.01, ge=0, allow_inf_nan=False)
+
+
+class AbsenceRule(_RuleBase):
+    """No report for ``seconds``, counted from the later of the last report and the moment the
+    run last became live (registered, re-registered or unpaused: a paused run sends nothing)."""
+
+    kind: Literal["absence"]
+    seconds: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+
+
+Rule = Annotated[
+    Union[ThresholdRule, SpikeRule, NonFiniteRule, TrendRule, CrossRankRule, DesyncRule, RateRule,
+          OscillationRule, AbsenceRule],
+    Field(discriminator="kind"),
+]
+
+#: Validates one rule (a job's override merged into the rule it names).
+RULE_ADAPTER = TypeAdapter(Rule)
