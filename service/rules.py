@@ -44,7 +44,6 @@ from trainguard.service.rule_actions import (
     MomentumAction, NotifyAction, PauseAction, ResetOptimizerAction, RollbackAction, StopAction, VerifyAction,
     WeightDecayScaleAction,
 )
-from trainguard.service.rule_kinds import RULE_ADAPTER as _RULE  # (bench/rules_validation.py)
 from trainguard.service.rule_kinds import (
     AbsenceRule, CrossRankRule, DesyncRule, NonFiniteRule, OscillationRule, RateRule, Rule, SpikeRule, ThresholdRule,
     TrendRule,
