@@ -74,6 +74,13 @@ __all__ = ["HARDWARE_STOP_REASON", "Incident", "RunRecovery", "RecoveryChange", 
            "QUARANTINE_LIMIT", "Snap"]
 
 
+def _settled(desired: DesiredState) -> bool:
+    """The run's fate is decided: paused (a human's now) or asked to stop (it is ending). Reports the
+    ranks send before they apply it (a round trip the agent never waits for) open no incident: a
+    second incident on the same fault would checkpoint again on a run that is stopping."""
+    return desired.paused or desired.stop
+
+
 class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
     """The recovery state of one run (see the module docstring)."""
 
@@ -248,7 +255,7 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
             desired = then(changes, desired, self._judge_window(step, now, values, healthy, experiment, desired,
                                                                  bool(fired or changes)))
             self.ramp.reset()
-        elif self.policy.enabled and not fired:
+        elif self.policy.enabled and not fired and not desired.stop:
             then(changes, desired, self._ramp_up(step, values, healthy, desired))
         elif fired:
             self.ramp.reset()
@@ -274,8 +281,8 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
     def _note_skips(self, step: int, now: float, healthy: bool, desired: DesiredState) -> None:
         """The agent's spike guard skipping steps: the ladder's first rung, the agent's own."""
         skipped = self.reading.skipped_now
-        if self.policy.enabled and not healthy and skipped and "skip" in self._report_ladder() and not desired.paused:
-            # (a paused run is a human's: no incident opens on the reports it sends while paused)
+        if self.policy.enabled and not healthy and skipped and "skip" in self._report_ladder() and not _settled(desired):
+            # (a paused run is a human's, a stopping run is ending: no incident opens on their reports)
             why = f"the agent skipped {skipped} step(s) it did not trust"
             if self.open is None:
                 self._open(step, now, "skip")
@@ -290,7 +297,7 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
         p, verdict = self.policy, self._verdict
         opened = False
         if (p.enabled and self.open is None and verdict is not None and verdict.cause in ("data", "hardware")
-                and not desired.paused and (not healthy or verdict.cause == "hardware")):
+                and not _settled(desired) and (not healthy or verdict.cause == "hardware")):
             self._open(step, now, f"cause:{verdict.cause}")
             opened = True
         elif self._opened_now:

@@ -189,6 +189,26 @@ def test_a_hardware_ladder_that_stops_carries_the_documented_exit_status() -> No
     assert EXIT_HARDWARE_FAULT == 75
 
 
+@pytest.mark.parametrize("ladder", [("checkpoint", "stop"), ("checkpoint", "pause")])
+def test_reports_sent_before_the_ranks_apply_a_stop_or_pause_open_no_second_incident(ladder: tuple[str, ...]) -> None:
+    """The ranks apply the controller's state at the first agreement after the leader's client has
+    it, so under load a further recompute can fail and be reported before the stop (or pause)
+    lands: the run is ending (or a human's), and that report must not open a second incident with
+    a second checkpoint, however many steps the round trip takes."""
+    from trainguard.service.rules import CauseLadders
+
+    policy = POLICY.model_copy(update={"ladders": CauseLadders(hardware=ladder)})
+    nan2 = [math.nan, math.nan]
+    healthy = [_report(i, world=2, ranks={"verify_mismatch": nan2}) for i in range(1, 30)]
+    failing = [_report(i, world=2, ranks={"verify_mismatch": [0.0, 0.4 if i % 5 == 0 else math.nan]}) for i in range(30, 46)]
+    states, incidents = _incidents(healthy + failing, world=2, policy=policy)
+    (inc,) = incidents
+    assert [r["rung"] for r in inc["rungs"]] == list(ladder) and inc["outcome"] == "escalated"
+    decided = states[29]  # the report of step 30, the first failing recompute
+    assert decided.checkpoint_seq == 1 and (decided.stop or decided.paused)
+    assert all(s == decided for s in states[29:])  # steps 35, 40 and 45 fail again: nothing more is decided
+
+
 def test_an_xid_of_the_applications_own_kernels_does_not_make_the_node_suspect() -> None:
     healthy = [_report(i, world=2, ranks={"gpu_xid": [0.0, 0.0]}) for i in range(1, 10)]
     xid = [_report(10, world=2, ranks={"gpu_xid": [13.0, 0.0]})]  # 13: a fault in the application's kernels
