@@ -26,7 +26,6 @@ compare versions of the agent, ``agent_overhead.py`` for what a step costs.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import subprocess
@@ -35,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from callgrind_dump import dumped_instructions  # noqa: E402
 
 _LOOP = r"""
 import sys, torch
@@ -91,13 +92,7 @@ def _per_step(source: Path | None, warm_up: int, steps: int, with_agent: bool) -
         finally:
             if proc.poll() is None:
                 proc.kill()
-        dumps = [f for f in glob.glob(out + ".*") if f.rsplit(".", 1)[1].isdigit()]
-        if not dumps:
-            raise SystemExit("callgrind wrote no dump")
-        for line in Path(max(dumps, key=lambda f: int(f.rsplit(".", 1)[1]))).read_text(errors="replace").splitlines():
-            if line.startswith("summary:"):
-                return int(line.split()[1]) / steps
-    raise SystemExit("no summary line in the callgrind dump")
+        return dumped_instructions(out) / steps
 
 
 def _config(text: str) -> tuple[str, Path | None]:

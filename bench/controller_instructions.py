@@ -29,7 +29,6 @@ A configuration is ``LABEL[@CHECKOUT]=[SERVE ARGUMENTS]``: CHECKOUT (default: th
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import random
 import re
@@ -43,6 +42,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from callgrind_dump import dumped_instructions  # noqa: E402
 from controller_ingest import _body  # noqa: E402 - the same report bodies as the throughput benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,13 +98,7 @@ def _measure(checkout: Path, serve_args: list[str], *, runs: int, world: int, wa
         finally:
             server.terminate()
             server.wait(120)
-        dumps = [f for f in glob.glob(out + ".*") if f.rsplit(".", 1)[1].isdigit()]
-        if not dumps:
-            raise SystemExit("callgrind wrote no dump")
-        for line in Path(max(dumps, key=lambda f: int(f.rsplit(".", 1)[1]))).read_text(errors="replace").splitlines():
-            if line.startswith("summary:"):
-                return int(line.split()[1]) / reports
-        raise SystemExit("no summary line in the callgrind dump")
+        return dumped_instructions(out) / reports
 
 
 def _config(text: str) -> tuple[str, Path, list[str]]:
