@@ -291,6 +291,7 @@ def test_fused_layer_values_dispatch_a_constant_number_of_operators() -> None:
 WORLD = 3
 # (step, what rank 2 perturbs, relative size): reports every 2 steps.
 PLAN = {4: ("grad", 1e-7), 6: ("grad", 1e-4), 8: ("param", 1e-4)}
+STEPS = 12
 
 
 def _worker(rank: int, init: str, out: str) -> None:
@@ -306,7 +307,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     agent = ta.attach(ddp, opt, job="fp", run="fp-1",
                       config=ta.AgentConfig(metrics_port=None, report_every=2, layer_depth=1))
     seen = {}
-    for step in range(1, 9):
+    for step in range(1, STEPS + 1):
         x = torch.randn(4, 80, generator=torch.Generator().manual_seed(100 * step + rank))
         loss = ddp(x).square().mean()
         loss.backward()
@@ -326,7 +327,9 @@ def _worker(rank: int, init: str, out: str) -> None:
             agent.latest()
             # The leader compares; the other ranks do none of it (no findings, no desync vectors).
             seen[step] = ([(d.kind, d.layer, d.ranks, d.rel_diff) for d in agent.desync],
-                          {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "grad_fingerprint")})
+                          {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "grad_fingerprint",
+                                                                 "grad_desync_layer")})
+    seen["detailed"] = agent.reports.rounds.detailed
     agent.close()
     del agent, ddp
     gc.collect()
@@ -338,20 +341,31 @@ def _worker(rank: int, init: str, out: str) -> None:
 def test_ddp_perturbed_rank_and_layer_are_named(tmp_path) -> None:
     out = spawn_ranks(_worker, WORLD, tmp_path, timeout=120)
     for seen in out[1:]:  # only the leader compares the gathered fingerprints
+        assert seen.pop("detailed") == 4   # every rank takes part in the same detail rounds
         assert all(found == [] and set(vectors.values()) == {None} for found, vectors in seen.values())
     seen = out[0]
+    # Per-layer rows gathered at steps 6, 8, 10 and 12, when a rank's whole-model screen differed; not
+    # while in sync (steps 2 and 4: the 1e-7 difference is below the screen's threshold).
+    assert seen.pop("detailed") == 4
     assert seen[2][0] == []                                   # in sync: bit-identical
     assert set(seen[2][1]["grad_desync"]) == {0.0}
     assert len(set(seen[2][1]["grad_fingerprint"])) == 1
+    assert all(math.isnan(v) for v in seen[2][1]["grad_desync_layer"])  # no layer compared
     assert seen[4][0] == []                                   # 1e-7 of the layer's norm: in tolerance
     assert 0 < max(seen[4][1]["grad_desync"]) < 1e-5
     (kind, layer, ranks, rel), *rest = seen[6][0]             # 1e-4: found, rank and layer named
     assert (kind, layer, ranks) == ("grad", "2", (2,))
     assert rel == pytest.approx(1e-4, rel=1e-2)
     assert [d for d in rest if d[0] == "grad"] == []
+    assert seen[6][1]["grad_desync"][:2] == [0.0, 0.0]        # the per-layer comparison's values
+    assert seen[6][1]["grad_desync"][2] == pytest.approx(1e-4, rel=1e-2)
+    assert seen[6][1]["grad_desync_layer"][2] == 1.0           # the index of "2" among the layers "0", "2"
     params = [d for d in seen[8][0] if d[0] == "param"]
-    assert params[0][:3] == ("param", "0", (2,))
+    assert [d[:3] for d in params] == [("param", "0", (2,))]
     assert params[0][3] == pytest.approx(1e-4, rel=1e-2)
+    assert seen[8][1]["grad_desync"] == [0.0, 0.0, 0.0]      # step 8's gradients agree again
+    # The parameters stay apart: every later report compares them layer by layer.
+    assert [d[:3] for d in seen[12][0]] == [("param", "0", (2,))]
 
 
 # ---------------------------------------------------------------- sharded parameters (DTensors)

@@ -1,11 +1,10 @@
 """(3) of ``trainer_agent/agent.py``: ``Agent.end_step``, the close of an optimizer step (its row of the
 report interval, and on a report step the report built, exchanged among the ranks and copied to
-the host), and what the leader does with each published report (the desync warning, the report
-sent to the controller)."""
+the host), and what the leader does with each published report (its cross-rank part resolved,
+the report sent to the controller)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,9 +14,6 @@ import torch
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
-
-#: Logs under the facade's name (``trainer_agent/agent.py``).
-log = logging.getLogger("trainer_agent.agent")
 
 
 class StepEnd:
@@ -145,12 +141,10 @@ class StepEnd:
             self.reports.off_thread(lambda: self._on_ranks(current, rank_values), light)
 
     def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
-        """Leader: a published report's every-rank part (on the cross-rank worker with several ranks)."""
-        desync = getattr(rank_values, "desync", None) or []
-        if desync:
-            log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s",
-                        int(values.get("trainguard_step", -1)), self.config.desync_rel_tol,
-                        "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
-                                  for d in desync[:8]))
+        """Leader: a published report's every-rank part (on the cross-rank worker with several ranks):
+        resolved here, the fingerprints' comparison with it (and the leader's next detail request,
+        ``trainer_agent/report/fingerprint_rounds.py``), with or without a controller."""
+        if isinstance(rank_values, RankVectors):
+            rank_values.resolve()
         if self.control is not None:
             self.control.on_report(values, rank_values)

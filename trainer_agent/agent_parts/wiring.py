@@ -18,6 +18,7 @@ from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
 from trainer_agent.measure import flops
 from trainer_agent.measure.fingerprint import for_ranks
+from trainer_agent.measure.fingerprint_screen import screen_width
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.step_stats import StepMeter
 from trainer_agent.measure.train_parts import TrainParts
@@ -81,7 +82,7 @@ class AgentWiring:
                                        preflight_only=preflight_only)
         exchange = RankExchange(self.world_size, rank=self.rank,
                                 with_state=cfg.controller is not None and self.world_size > 1,
-                                extra_width=fingerprint.width() if fingerprint is not None else 0)
+                                extra_width=screen_width(fingerprint) if fingerprint is not None else 0)
         per_layer = cfg.per_layer == "all" or (cfg.per_layer == "rank0" and self.rank == 0)
         self.reports = ReportPipeline(params, meter, exchange, optimizer=optimizer,
                                       report_every=cfg.report_every, grad_noise=meter.grad_noise,

@@ -164,11 +164,16 @@ class Fingerprinter:
         flat = [t for b in buckets for t in b]
         sq = stats.bucket_norms(buckets, self.device).to(torch.float64).square() if sq is None else sq
         dropped = self.layers  # the row that collects what is left out, then is cut off
+        if self._all and not skip:  # nothing left out: no such row
+            out = torch.zeros(self.layers, self.k + 1, dtype=torch.float64, device=self.device)
+            out[:, self.k].index_add_(0, self._ids, sq).sqrt_()  # the norm column after the projections'
+            self._stage().project_into(out[:, :self.k], flat, skip)
+            return out
         ids = self._unit_or_dropped
         if skip:
             ids = ids.clone().index_fill_(0, torch.tensor(sorted(skip), dtype=torch.long, device=self.device), dropped)
         out = torch.zeros(self.layers + 1, self.k + 1, dtype=torch.float64, device=self.device)
-        out[:, self.k].index_add_(0, ids, sq).sqrt_()  # the norm column after the projections'
+        out[:, self.k].index_add_(0, ids, sq).sqrt_()
         self._stage().project_into(out[:, :self.k], flat, skip)
         return out[:dropped]
 
@@ -236,8 +241,10 @@ class _Stage:
                         w_rows[:s.shape[0]] = s.cpu()
                     weights.append(w_rows)
                     row_units += [units[i]] * rows
-            self.plans.append(_ChunkPlan([i for i, _, _ in chunk], blocks, torch.cat(weights).to(device),
-                                         torch.tensor(row_units, dtype=torch.long, device=device)))
+            w = torch.cat(weights).to(device)
+            self.plans.append(_ChunkPlan([i for i, _, _ in chunk], blocks, w,
+                                         torch.tensor(row_units, dtype=torch.long, device=device),
+                                         torch.empty(w.shape, dtype=torch.float64, device=device)))
         self._views: dict[int, torch.Tensor] = {}
 
     def _view(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -273,7 +280,8 @@ class _Stage:
                 torch_private.foreach_copy_(dst, src)
             products = [block @ r for block, r in plan.blocks]
             rows = products[0] if len(products) == 1 else torch.cat(products)
-            out.index_add_(0, plan.units, (rows * plan.weights).to(torch.float64))
+            # weighted in float32 (the weights are +-1: exact), written as float64: one operator
+            out.index_add_(0, plan.units, torch.mul(rows, plan.weights, out=plan.weighted))
         if direct:
             ids = torch.tensor([fp._ids_host[i] for i in direct], dtype=torch.long, device=fp.device)
             out.index_add_(0, ids, torch.stack([fp.project_one(i, flat[i]) for i in direct]))
@@ -285,6 +293,7 @@ class _ChunkPlan:
     blocks: list[tuple[torch.Tensor, torch.Tensor]]  # (rows of one width: a view of the buffer, r[:width])
     weights: torch.Tensor  # (rows, K) float32: s of a full row, 1 otherwise
     units: torch.Tensor  # (rows,) long: the unit of each row
+    weighted: torch.Tensor  # (rows, K) float64: the weighted rows (written each time)
 
 
 def for_ranks(index: Any, world: int) -> Fingerprinter | None:

@@ -14,7 +14,9 @@ The per-rank values are declared once, in ``trainguard.protocol.rank_values.RANK
 ``RANK_FIELDS`` (the row's columns) and ``WIRE_VECTORS`` (the report's vectors) derive from it, and
 ``trainer_agent/report/pipeline.py`` fills the row from the same declarations.
 
-After the gather every rank reads the leader's state part (``STATE_LEN`` values: O(1)); only the
+After the gather every rank reads the leader's state part (``STATE_LEN`` values: O(1); with a flag
+every rank computed from the rows, such as whether the fingerprints' screens differ, in the same
+read: :meth:`RankExchange.head`); only the
 leader keeps the other ranks' fields and sketches, turned into the report's per-rank vectors and
 ``data_overlap`` off the training thread (``trainer_agent/report/pipeline.py``, ``RankVectors``).
 
@@ -134,9 +136,20 @@ class RankExchange:
         """The leader's desired-state part as host ints (None without one): ``STATE_LEN`` values,
         whatever the world size. On CUDA rows (NCCL) this reads the device: a SYNC, once per
         report step of a controlled multi-rank run."""
+        return self.head(gathered)[0]
+
+    def head(self, gathered: torch.Tensor, flag: torch.Tensor | bool | None = None) -> tuple[list[int] | None, bool]:
+        """:meth:`state`, and ``flag`` (a host bool, or a 0-dim tensor on the rows' device, e.g.
+        computed from them) as a host bool (False without one), in one read: on CUDA rows one
+        SYNC for both."""
+        if flag is None or isinstance(flag, bool):
+            if not self.with_state:
+                return None, bool(flag)
+            return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist(), bool(flag)
         if not self.with_state:
-            return None
-        return gathered[0, :STATE_LEN].cpu().contiguous().view(torch.int64).tolist()
+            return None, bool(flag)  # SYNC on CUDA rows
+        both = torch.cat([gathered[0, :STATE_LEN], flag.to(gathered.dtype).view(1)]).cpu()
+        return both[:STATE_LEN].contiguous().view(torch.int64).tolist(), bool(both[STATE_LEN])
 
     @staticmethod
     def data_overlap(sketch_bits: np.ndarray) -> list[float] | None:
@@ -147,11 +160,12 @@ class RankExchange:
         best, _ = overlaps(bits, SKETCH_K)
         return None if np.isnan(best).all() else best.tolist()
 
-    def agreed(self, gathered: torch.Tensor, proposal: Sequence[int] | None) -> list[int] | None:
-        """The state every rank applies: the leader's part of the rows, or, without a state part
-        (one rank, or no controller), this rank's own ``proposal``."""
+    def agreed(self, leader_state: list[int] | None, proposal: Sequence[int] | None) -> list[int] | None:
+        """The state every rank applies: the leader's part of the rows (``leader_state``, read by
+        :meth:`head`), or, without a state part (one rank, or no controller), this rank's own
+        ``proposal``."""
         if self.with_state:
-            return self.state(gathered)
+            return leader_state
         return list(proposal) if proposal is not None else None
 
     @staticmethod

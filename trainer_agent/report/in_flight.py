@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from trainer_agent.report.cross_rank import Decode, RankVectors
-from trainer_agent.measure.fingerprint import Fingerprinter, findings
 from trainer_agent.report.exchange import RANK_FIELDS
 from trainer_agent.report.host_derived import HostDerived
 
@@ -79,7 +78,7 @@ class InFlight:
 
 
 def pack(step: int, dev: dict[str, torch.Tensor], rows: torch.Tensor, host: dict[str, float], *, leader: bool,
-         device: torch.device, fingerprint: Fingerprinter | None, tol: float, compared: torch.Tensor | None = None,
+         device: torch.device, decode: Decode | None = None, compared: torch.Tensor | None = None,
          sketches: torch.Tensor | None = None, compare: Callable[[], torch.Tensor] | None = None,
          derived: HostDerived | None = None) -> InFlight:
     """The report of ``step`` on its way to the host: its device values ``dev`` (and ``derived``'s)
@@ -87,7 +86,8 @@ def pack(step: int, dev: dict[str, torch.Tensor], rows: torch.Tensor, host: dict
     ``sketches``, copied without a wait (CUDA: into pinned memory, with an event); rows the
     collective left on the host (gloo) are kept, not copied. ``compared``: the fingerprint
     comparison, copied with the report; ``compare``: the same made later, off the training thread
-    (host rows); ``tol``: the fingerprints' tolerance. ``derived``: its scalars join the keyed
+    (host rows); ``decode``: what turns either into per-rank vectors and findings
+    (``trainer_agent/report/fingerprint_rounds.py``). ``derived``: its scalars join the keyed
     values' one ``stack``, its vectors follow them (``torch.cat`` promotes them to float64: no
     operator of their own)."""
     scalars = {**dev, **(derived.scalars if derived is not None else {})}
@@ -96,14 +96,12 @@ def pack(step: int, dev: dict[str, torch.Tensor], rows: torch.Tensor, host: dict
                            for v in scalars.values()])]
     if derived is not None:
         pieces += derived.vectors
-    decode, desync_len = None, 0
-    if compared is not None or compare is not None:
-        if compared is not None:
-            pieces.append(compared)
-            desync_len = compared.numel()
-        assert fingerprint is not None
-        world, names = rows.shape[0], fingerprint.names
-        decode = lambda flat: findings(flat, world, names, tol)  # noqa: E731
+    desync_len = 0
+    if compared is not None:
+        pieces.append(compared)
+        desync_len = compared.numel()
+    if compared is None and compare is None:
+        decode = None
     if leader and rows.device.type == "cpu":  # rows the collective left on the host (gloo): kept, not copied
         rows_kept, sketches_kept = rows, sketches
     else:

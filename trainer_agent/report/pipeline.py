@@ -37,7 +37,8 @@ import torch
 from trainer_agent.measure import stats
 from trainer_agent.report.cross_rank import MAX_QUEUED, CrossRankWorker, RankVectors
 from trainer_agent.report.exporter import sample_key
-from trainer_agent.measure.fingerprint import DesyncFinding, Fingerprinter, desync
+from trainer_agent.measure.fingerprint import DesyncFinding, Fingerprinter
+from trainer_agent.report.fingerprint_rounds import FingerprintRounds
 from trainer_agent.report.in_flight import InFlight, pack
 from trainer_agent.report.interval_rows import IntervalRows
 from trainer_agent.measure.triage_stats import UpdateModel
@@ -119,10 +120,12 @@ class ReportPipeline:
         #: The leader's thread for the cross-rank work (started on first use).
         self.worker = CrossRankWorker(on_error=on_error)
         self.fingerprint = fingerprint
+        #: The fingerprints: a whole-model screen in every report, the per-layer values when the screens differ.
+        self.rounds = None if fingerprint is None else FingerprintRounds(
+            fingerprint, world=exchange.world_size, rank=exchange.rank, tol=desync_rel_tol, group=exchange.group)
         self.update_model = UpdateModel(optimizer, index.params, index.device)
         #: flops_per_token / peak_flops of one device (``trainer_agent/measure/flops.py``): MFU per token/s.
         self.mfu_per_token_rate: float | None = None
-        self.desync_rel_tol = desync_rel_tol
         self.meter = meter
         self.exchange = exchange
         self.optimizer = optimizer
@@ -182,11 +185,11 @@ class ReportPipeline:
             self._layer_metrics(st, param, derived)
         host["trainguard_agent_overhead_seconds"] = overhead
         fields, micro_count = self._rank_fields(dev, st, host, host_step.gpu_xid)
-        extra = self._fingerprints(st)
-        gathered = self.enter_exchange(host_step.step, self.exchange.pack(fields, state, sketch, extra=extra))
         ex = self.exchange
+        extra = self._fingerprints(host_step.step, st)
+        gathered, leader_state, detail = self.enter_exchange(host_step.step, ex.pack(fields, state, sketch, extra=extra))
         every_row = ex.fields(gathered)
-        compared = sketches = compare = None
+        compared = sketches = compare = decode = None
         if ex.leader:  # every rank's rows; the others keep their own (O(1) whatever the world size)
             # the noise scale is the job's (every rank's micro-batch sums): the leader's value
             if self.grad_noise:
@@ -194,23 +197,33 @@ class ReportPipeline:
                                               world_size=self.world_size, tokens=host_step.tokens))
             rows = every_row  # where the collective left them (host rows stay on the host)
             sketches = ex.sketches(gathered)
-            if self.fingerprint is not None:
-                fp, extra = self.fingerprint, ex.extra(gathered)
-                if extra.device.type == "cpu":  # host rows (gloo): compared on the cross-rank worker
-                    compare = lambda: desync(extra, fp.layers, fp.k, fp.groups)  # noqa: E731
+            if self.rounds is not None:
+                rounds, screens = self.rounds, ex.extra(gathered)
+                decode = rounds.decoder(host_step.step, detail is not None)
+                if screens.device.type == "cpu":  # host rows (gloo): compared on the cross-rank worker
+                    compare = lambda: rounds.compare(screens, detail)  # noqa: E731
                 else:  # device rows: compared on the device, no sync
-                    compared = desync(extra.to(self.device), fp.layers, fp.k, fp.groups)
+                    compared = rounds.compare(screens.to(self.device), detail)
         else:
             rows = every_row[ex.rank:ex.rank + 1].to(self.device)
-        agreed = ex.agreed(gathered, state)
+        agreed = ex.agreed(leader_state, state)
         self.pending.append(pack(host_step.step, dev, rows, host, leader=ex.leader, device=self.device,
-                                 fingerprint=self.fingerprint, tol=self.desync_rel_tol, compared=compared,
-                                 sketches=sketches, compare=compare, derived=derived))
+                                 decode=decode, compared=compared, sketches=sketches, compare=compare,
+                                 derived=derived))
         return agreed
 
-    def enter_exchange(self, step: int, row: torch.Tensor) -> torch.Tensor:
+    def enter_exchange(self, step: int, row: torch.Tensor) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
+        """The report step's collectives: the gather of every rank's ``row`` and, when the
+        fingerprints' screens differ, the gather of their per-layer rows to the leader
+        (``trainer_agent/report/fingerprint_rounds.py``: every rank decides alike from the rows).
+        Returns (the gathered rows, the leader's state part, the per-layer rows on the leader)."""
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
-        return self.exchange.gather(row)
+        ex, rounds = self.exchange, self.rounds
+        gathered = ex.gather(row)
+        leader_state, differ = ex.head(gathered, rounds.differ(ex.extra(gathered)) if rounds is not None else None)
+        if not differ or rounds is None:
+            return gathered, leader_state, None
+        return gathered, leader_state, rounds.gather_detail(step, gathered.device)
 
     def join_exchange(self, step: int, state: Sequence[int] | None) -> list[int] | None:
         """After an error while building the report of ``step``: if its exchange was not entered,
@@ -219,7 +232,7 @@ class ReportPipeline:
         if self.gathered_step == step:
             return None
         self.shards.enter_nan(step)
-        return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state)), state)
+        return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state))[1], state)
 
     def _host_values(self, h: HostStep) -> dict[str, float]:
         host = {"trainguard_step": float(h.step),
@@ -297,18 +310,19 @@ class ReportPipeline:
         """This rank's ``RANK_FIELDS`` row (float64 device vector, in that order; ``rank_row``)."""
         return rank_row(dev, host, RowInputs(st, gpu_xid, _filler(dev["trainguard_loss"]), self.zero)), len(st.micro_norms)
 
-    def _fingerprints(self, st: StepState) -> torch.Tensor | None:
-        """This rank's fingerprint part of the row: the gradients the optimizer used (measured in
+    def _fingerprints(self, step: int, st: StepState) -> torch.Tensor | None:
+        """This rank's fingerprint part of the row (the screen of ``fingerprint_rounds.py``; the
+        per-layer values kept for a detail round): the gradients the optimizer used (measured in
         its pre-hook; NaN when no step was taken) and the parameters now, per layer."""
-        fp = self.fingerprint
-        if fp is None:
+        fp, rounds = self.fingerprint, self.rounds
+        if fp is None or rounds is None:
             return None
         # this rank's squared norms of its tensors, when the report has them (no sharding: the
         # sums over the ranks replace them there)
         sq = st.param_sq if st.param_sq is not None and self.index.sharding is None else None
         params = fp.layer_values(self.index.buckets, sq=sq)
         grads = st.grad_fp if st.grad_fp is not None else torch.full_like(params, math.nan)
-        return fp.row(grads, params)  # float32 pairs (fingerprint.py)
+        return rounds.row(step, grads, params)
 
     # ------------------------------------------------------------------ publication
 

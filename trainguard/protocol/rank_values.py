@@ -92,16 +92,20 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
        "row", wire="loss", metric="trainguard_loss", rules=True),
     _R("grad_norm", "1", "Each rank's global gradient norm before clipping at the reported step.",
        "row", wire="grad_norm", metric="trainguard_grad_norm", rules=True),
-    _R("grad_fingerprint", "1", "Each rank's element-wise fingerprint of the gradients its optimizer applied (a fixed "
-       "random +-1 projection of every element): replicas in sync agree on it bit for bit.",
+    _R("grad_fingerprint", "1", "Each rank's whole-model fingerprint of the gradients its optimizer applied (every "
+       "layer's fixed random +-1 projection of its elements over the layer's norm, summed with fixed signs): replicas "
+       "in sync agree on it bit for bit.",
        "fingerprint", wire="grad_fingerprint", rules=True),
-    _R("param_fingerprint", "1", "Each rank's element-wise fingerprint of its parameters: replicas in sync agree on it "
-       "bit for bit.", "fingerprint", wire="param_fingerprint", rules=True),
+    _R("param_fingerprint", "1", "Each rank's whole-model fingerprint of its parameters (as grad_fingerprint): "
+       "replicas in sync agree on it bit for bit.", "fingerprint", wire="param_fingerprint", rules=True),
     _R("grad_desync", "1", "Per rank, the largest relative difference of any layer's gradient fingerprint from the "
-       "other ranks' (difference over the layer's gradient norm; 0 in sync, inf when only some ranks are non-finite).",
+       "other ranks' (difference over the layer's gradient norm; 0 in sync, inf when only some ranks are non-finite). "
+       "Compared layer by layer when the ranks' whole-model fingerprints differ by more than an eighth of the "
+       "agent's tolerance; below that, the whole-model fingerprints' difference.",
        "fingerprint", wire="grad_desync", rules=True),
     _R("param_desync", "1", "Per rank, the largest relative difference of any layer's parameter fingerprint from the "
-       "other ranks' (difference over the layer's parameter norm).", "fingerprint", wire="param_desync", rules=True),
+       "other ranks' (difference over the layer's parameter norm; compared as grad_desync).", "fingerprint",
+       wire="param_desync", rules=True),
     _R("forward_seconds", "seconds", "Wall time each rank spent inside the model's forward during the reported step, "
        "in seconds.", "row", wire="forward_s", metric="trainguard_forward_seconds", rules=True, precision="float32"),
     _R("input_wait_seconds", "seconds", "Mean time per step each rank waited for its batch over the report interval "
@@ -125,9 +129,9 @@ RANK_VALUES: tuple[RankValueSpec, ...] = (
     _R("param_norm", "1", "Global L2 norm of the trainable parameters after the step, as the rank sees it.",
        "row", metric="trainguard_param_norm"),
     _R("grad_desync_layer", "layer index", "Per rank, the index of the layer whose gradient fingerprint differs most "
-       "from the other ranks'.", "fingerprint"),
+       "from the other ranks' (NaN when no layer was compared: the whole-model fingerprints agreed).", "fingerprint"),
     _R("param_desync_layer", "layer index", "Per rank, the index of the layer whose parameter fingerprint differs "
-       "most from the other ranks'.", "fingerprint"),
+       "most from the other ranks' (NaN when no layer was compared).", "fingerprint"),
     # -- layout version 2
     _R("comm_seconds", "seconds", "Mean time per step each rank's DDP gradient all-reduce was in flight over the "
        "report interval (seconds; NaN where not measured: CUDA/NCCL, FSDP2, a communication hook of the user's own).",

@@ -1,0 +1,164 @@
+"""The fingerprints of a report step in two rounds: a whole-model screen in every report's gather,
+the per-layer values only when the screens differ.
+
+1. **Every report step.** Each rank's row of the report's gather carries its screen
+   (``trainer_agent/measure/fingerprint_screen.py``: ``K + 1`` values per kind and replica layout,
+   whatever the depth); its per-layer row (``Fingerprinter.row``, float32 pairs) stays on its
+   device.
+2. **Right after the gather** every rank holds every rank's screen and checks, with the same
+   operations on the same values (so every rank reaches the same answer without a further
+   message), whether any rank's screen differs from the first rank of its replica group by more
+   than :data:`SCREEN_FRACTION` of the tolerance (non-finite against finite included). On CUDA
+   rows the answer is read with the desired state, in one read (``RankExchange.head``).
+3. **Only then** every rank sends its per-layer row to the leader (one ``gather``: the leader
+   receives ``world x layers`` values; the others send theirs and receive nothing), and the leader
+   compares them layer by layer (:func:`~trainer_agent.measure.desync.desync`), off the training
+   thread: that report's per-rank ``*_desync`` values are the per-layer comparison's, exactly as
+   without a screen, its ``*_desync_layer`` name the layer, and its ``desync`` findings the layers
+   and ranks. Otherwise the per-rank ``*_desync`` values are the leader's comparison of the
+   screens (below the threshold for every rank: within tolerance), and ``*_desync_layer`` is NaN
+   (no layer was compared).
+
+In sync the replicas' screens are bit-identical and a report step costs one gather of a few values
+per rank whatever the depth; a difference costs that report step the per-layer gather to the
+leader, which a difference that lasts (parameters that diverged) pays at every report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer_agent.measure.desync import DesyncFinding, desync, findings
+from trainer_agent.measure.fingerprint import Fingerprinter
+from trainer_agent.measure.fingerprint_screen import Screen
+
+__all__ = ["FingerprintRounds", "SCREEN_FRACTION"]
+
+log = logging.getLogger(__name__)
+
+#: A screen difference above this share of the tolerance sends the per-layer values.
+SCREEN_FRACTION = 1 / 8
+
+
+class FingerprintRounds:
+    """The two rounds of one rank (see the module docstring). ``fp``: the per-layer fingerprints;
+    ``world``/``rank``/``group``: the report exchange's; ``tol``: the desync tolerance."""
+
+    def __init__(self, fp: Fingerprinter, *, world: int, rank: int, tol: float,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.fp = fp
+        self.screen = Screen(fp)
+        self.world, self.rank, self.tol, self.group = world, rank, tol, group
+        self._values: tuple[int, torch.Tensor] | None = None  # (report step, its per-layer values)
+        #: Report steps whose per-layer rows were gathered (every rank counts the same).
+        self.detailed = 0
+
+    def width(self) -> int:
+        """The screen's float64 values in a rank's row."""
+        return self.screen.width()
+
+    def row(self, step: int, grads: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """This rank's screen for its row of ``step`` from the per-layer values of the gradients
+        and the parameters (:meth:`Fingerprinter.layer_values`); their per-layer row is kept for
+        :meth:`gather_detail`."""
+        values = torch.stack([grads, params])
+        self._values = (step, values)  # made a row (float32 pairs) only when gathered
+        return self.screen.row(values)
+
+    def differ(self, screens: torch.Tensor) -> torch.Tensor | bool:
+        """Every rank, on the gathered screens (world, :meth:`width`), where the gather left them:
+        whether some rank's screen differs from its group's first rank's by more than
+        ``tol * SCREEN_FRACTION``. Host rows (gloo): a bool, from their numpy view (in sync, one
+        pass over their bits); device rows: a 0-dim bool tensor (no host read here)."""
+        sc = self.screen
+        above = self.tol * SCREEN_FRACTION
+        if screens.device.type == "cpu":
+            values = screens.numpy().reshape(self.world, 2, sc.sets, sc.k + 1)
+            if sc.groups is None:
+                return _apart_host(values, values[:1], above)
+            return any(_apart_host(m, m[:, :1], above)
+                       for m in (values[:, :, s][ranks] for s, ranks in enumerate(sc.host_groups)))
+        values = screens.reshape(self.world, 2, sc.sets, sc.k + 1)
+        if sc.groups is None:
+            return _apart(values, values[:1], above)
+        flags = []
+        for s, (_, ranks) in enumerate(sc.groups):
+            members = values[:, :, s][ranks.to(values.device)]  # (G, c, 2, K + 1)
+            flags.append(_apart(members, members[:, :1], above))
+        return torch.stack(flags).any()
+
+    def gather_detail(self, step: int, backend_device: torch.device) -> torch.Tensor | None:
+        """Every rank, when :meth:`differ` said so: the per-layer row of report step ``step`` to
+        the leader (NaN if this rank built none). The leader gets every rank's, (world, per-layer
+        width) on ``backend_device``; the others None."""
+        self.detailed += 1
+        width = self.fp.width()
+        kept, self._values = self._values, None
+        row = (self.fp.row(kept[1][0], kept[1][1]) if kept is not None and kept[0] == step
+               else torch.full((width,), math.nan, dtype=torch.float64))
+        src = row.to(backend_device)
+        if self.rank == 0:
+            out = torch.empty(self.world, width, dtype=torch.float64, device=backend_device)
+            dist.gather(src, list(out.unbind(0)), group=self.group, group_dst=0)
+            return out
+        dist.gather(src, None, group=self.group, group_dst=0)
+        return None
+
+    def compare(self, screens: torch.Tensor, detail: torch.Tensor | None) -> torch.Tensor:
+        """The leader's comparison of a report's gathered screens, and of its per-layer rows when
+        they were gathered: one float64 vector, the screens' part first (:meth:`decoder`)."""
+        compared = self.screen.compare(screens)
+        if detail is None:
+            return compared
+        fp = self.fp
+        return torch.cat([compared, desync(detail.to(compared.device), fp.layers, fp.k, fp.groups)])
+
+    def decoder(self, step: int, detailed: bool):  # -> cross_rank.Decode
+        """What turns :meth:`compare`'s host vector of the report of ``step`` into the per-rank
+        vectors and the findings (logged as a warning)."""
+        world, sets, tol, names = self.world, self.screen.sets, self.tol, self.fp.names
+        screen_len = 2 * (3 * world + sets)
+
+        def decode(flat: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+            vectors, _ = findings(flat[:screen_len], world, [f"set{i}" for i in range(sets)], tol)
+            if not detailed:
+                for kind in ("grad", "param"):
+                    vectors[f"{kind}_desync_layer"] = [math.nan] * world
+                return vectors, []
+            per_layer, found = findings(flat[screen_len:], world, names, tol)
+            if found:
+                log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s", step, tol,
+                            "; ".join(f"{d.kind} of layer {d.layer!r} on rank(s) {list(d.ranks)}: {d.rel_diff:.3g}"
+                                      for d in found[:8]))
+            for kind in ("grad", "param"):  # the fingerprint stays the screen's: the whole model's
+                for name in ("desync", "desync_layer"):
+                    vectors[f"{kind}_{name}"] = per_layer[f"{kind}_{name}"]
+            return vectors, found
+
+        return decode
+
+
+def _apart(x: torch.Tensor, ref: torch.Tensor, above: float) -> torch.Tensor:
+    """Whether any value of ``x`` differs from ``ref`` (broadcast) by more than ``above``: equal
+    values (NaN included) do not, a NaN against a number does. Device values, without a branch
+    (no sync)."""
+    same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
+    far = ((x - ref).abs() > above) | torch.isnan(x - ref)
+    return (far & ~same).any()
+
+
+def _apart_host(x: np.ndarray, ref: np.ndarray, above: float) -> bool:
+    """:func:`_apart` of host values: first by their bits (one pass: replicas in sync agree bit
+    for bit), then value by value."""
+    if (x.view(np.int64) == ref.view(np.int64)).all():
+        return False
+    with np.errstate(invalid="ignore"):
+        same = (x == ref) | (np.isnan(x) & np.isnan(ref))
+        diff = x - ref
+        far = (np.abs(diff) > above) | np.isnan(diff)
+    return bool((far & ~same).any())
