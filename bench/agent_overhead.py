@@ -116,14 +116,16 @@ class OpCounter(TorchDispatchMode):
 def accelerator_paths():
     """The agent's accelerator formulations, run on the CPU to count their operators: the update
     norms from an in-place difference (not in cache-sized chunks), the non-finite counts by a
-    fused scan of every tensor (not only of those whose norm is non-finite)."""
-    update, count = stats.update_sq_norms, stats.nonfinite_count
+    fused scan of every tensor (not only of those whose norm is non-finite), the gradients'
+    moments by fused passes over every tensor (not large ones chunk by chunk)."""
+    update, count, moments = stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments
     stats.update_sq_norms = functools.partial(update, chunked=False)
     stats.nonfinite_count = functools.partial(count, scan="device")
+    stats.tensor_moments = functools.partial(moments, chunked=False)
     try:
         yield
     finally:
-        stats.update_sq_norms, stats.nonfinite_count = update, count
+        stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments = update, count, moments
 
 
 def bandwidth_gbs(device: torch.device, sync) -> float:

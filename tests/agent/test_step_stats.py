@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -109,8 +110,15 @@ def test_accumulation_that_starts_on_a_report_step_leaves_the_noise_scale_out() 
     assert latest["trainguard_agent_errors_total"] == 0.0
 
 
-def test_sums_and_extremes_match_a_float64_reference_per_tensor() -> None:
-    from trainer_agent.measure import stats
+@pytest.mark.parametrize("chunk", [None, 64, 7])
+def test_sums_and_extremes_match_a_float64_reference_per_tensor(monkeypatch, chunk: int | None) -> None:
+    """The fused passes, and on the CPU the chunked pass over the tensors of more than ``chunk``
+    elements (``chunked_moments.py``; 7 leaves a short last chunk)."""
+    from trainer_agent.measure import chunked_moments, stats
+
+    if chunk is not None:
+        monkeypatch.setattr(stats, "MOMENT_CHUNK", chunk)
+        monkeypatch.setattr(chunked_moments, "MOMENT_CHUNK", chunk)
 
     torch.manual_seed(0)
     tensors = [torch.randn(1000), torch.randn(3, 7).double(), torch.empty(0), torch.randn(5).half(),

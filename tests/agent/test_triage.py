@@ -32,7 +32,15 @@ def _step(model, opt, agent, seed: int, scale: float = 1.0) -> dict[str, torch.T
     return grads
 
 
-def test_layer_gradient_statistics_match_a_naive_reference() -> None:
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_layer_gradient_statistics_match_a_naive_reference(monkeypatch, chunk: int | None) -> None:
+    """With ``chunk``, the weights (35 and 15 elements) are measured chunk by chunk on the CPU
+    (``trainer_agent/measure/chunked_moments.py``) and the biases by the fused passes."""
+    if chunk is not None:
+        from trainer_agent.measure import chunked_moments, stats
+
+        monkeypatch.setattr(stats, "MOMENT_CHUNK", chunk)
+        monkeypatch.setattr(chunked_moments, "MOMENT_CHUNK", chunk)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     agent = ta.attach(model, opt, job="t", run="t-1",

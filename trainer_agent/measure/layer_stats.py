@@ -6,7 +6,8 @@ Split where it costs least:
 - on the device, :meth:`LayerGradStats.measure`: per tensor the five
   :data:`~trainer_agent.measure.stats.MOMENTS` of its ``.grad`` (``stats.tensor_moments``: eight fused
   ``torch._foreach_*`` passes per (device, dtype) chunk and one ``stack`` into one flat float64
-  vector) -- the part that reads the gradients;
+  vector; on the CPU a large gradient chunk by chunk, ``chunked_moments.py``) -- the part that
+  reads the gradients;
 - on the host, once the report's one device-to-host copy has brought that vector over
   (:meth:`GradMoments.per_layer`): the per-layer sums (``np.bincount``) and extremes
   (``np.maximum.at``), the mean ``2 E[relu(g)] - E|g|`` and the standard deviation
@@ -93,13 +94,14 @@ class LayerGradStats:
         self.layers = layers
         self.device = device
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cache: dict = {}  # stats.tensor_moments' buffer on the CPU
 
     def measure(self, params: Sequence[torch.Tensor]) -> GradMoments:
         """The moments of the current ``.grad`` of ``params`` (a parameter without one, or with
         an empty one, is left out)."""
         used = [i for i, p in enumerate(params) if p.grad is not None and p.grad.numel()]
         grads = [params[i].grad for i in used]
-        values, order = stats.tensor_moments(grads, self.device)
+        values, order = stats.tensor_moments(grads, self.device, cache=self._cache)
         key = (tuple(used[i] for i in order), tuple(grads[i].numel() for i in order))
         plan = self._plans.get(key)
         if plan is None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer_agent.compat import torch_private
+from trainer_agent.measure.chunked_moments import MOMENT_CHUNK, chunked_moments
 from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
 from trainer_agent.measure.noise_scale import noise_scale
 
@@ -308,7 +309,8 @@ def _moment_chunks(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return out
 
 
-def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chunked: bool | None = None,
+                   cache: dict | None = None) -> tuple[torch.Tensor, list[int]]:
     """``(values, order)``: the :data:`MOMENTS` of every tensor (none may be empty) as *one* flat
     float64 vector on ``device``, ``len(MOMENTS)`` blocks of ``len(tensors)`` values, the tensors
     in ``order`` (indices into ``tensors``: bucket after bucket; the identity when they share
@@ -319,21 +321,35 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> tup
     ``A = relu(t)`` (no doubling, so no overflow), ``||A||_1``; ``||t||_1``, ``||t||_2`` — and one
     ``torch.stack`` of every 0-dim result at once (the per-block lists concatenated on the host:
     one operator whatever the tensor and block count; ``stack`` promotes the float32 results to
-    float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``."""
+    float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``.
+
+    On the CPU (``chunked``, default: when ``device`` is the CPU) a tensor of more than
+    ``MOMENT_CHUNK`` elements is measured chunk by chunk instead
+    (``trainer_agent/measure/chunked_moments.py``: one read, float64 sums), after the fused
+    passes over the smaller ones; ``cache``: a dict the caller keeps for its buffer."""
     blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
     order: list[int] = []
+    large: dict[int, int] = {}  # tensor -> its place among the large ones
+    if device.type == "cpu" if chunked is None else chunked:
+        large = {i: j for j, i in enumerate(i for i, t in enumerate(tensors)
+                                            if t.numel() > MOMENT_CHUNK and t.device.type == "cpu")}
+    big: list[list[torch.Tensor]] = []
+    if large:
+        cache = {} if cache is None else cache
+        big, cache["moments"] = chunked_moments([tensors[i] for i in large], cache.get("moments"))
     for chunk in _moment_chunks(tensors):
-        ts = [tensors[i] for i in chunk]
-        a = torch_private.foreach_abs(ts)
-        blocks[3] += torch_private.foreach_max(a)
-        torch_private.foreach_neg_(a)
-        blocks[4] += torch_private.foreach_max(a)
-        torch_private.foreach_copy_(a, ts)
-        torch_private.foreach_clamp_min_(a, 0.0)  # relu(t), in the same temporary
-        blocks[0] += torch_private.foreach_norm(a, 1, dtype=torch.float64)
-        del a
-        blocks[1] += torch_private.foreach_norm(ts, 1, dtype=torch.float64)
-        blocks[2] += torch_private.foreach_norm(ts, 2, dtype=norm_dtype(ts[0].dtype))
+        fused = [i for i in chunk if i not in large]
+        if fused:
+            found = _fused_moments([tensors[i] for i in fused])
+            if len(fused) == len(chunk):
+                for block, values in zip(blocks, found):
+                    block += values
+                order += chunk
+                continue
+            at = {i: j for j, i in enumerate(fused)}
+        for i in chunk:  # the fused and the chunked tensors of this chunk, in its order
+            for block, big_block, fused_block in zip(blocks, big, found if fused else big):
+                block.append(big_block[large[i]] if i in large else fused_block[at[i]])
         order += chunk
     if not order:
         return torch.zeros(0, dtype=torch.float64, device=device), order
@@ -342,6 +358,21 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> tup
     n = len(order)
     values[2 * n:3 * n].square_()  # the norms, squared in float64
     return values, order
+
+
+def _fused_moments(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The :data:`MOMENTS` of tensors of one device and dtype, one list per moment: eight fused
+    passes (see :func:`tensor_moments`)."""
+    a = torch_private.foreach_abs(ts)
+    top = torch_private.foreach_max(a)
+    torch_private.foreach_neg_(a)
+    neg_low = torch_private.foreach_max(a)
+    torch_private.foreach_copy_(a, ts)
+    torch_private.foreach_clamp_min_(a, 0.0)  # relu(t), in the same temporary
+    pos = torch_private.foreach_norm(a, 1, dtype=torch.float64)
+    del a
+    return [pos, torch_private.foreach_norm(ts, 1, dtype=torch.float64),
+            torch_private.foreach_norm(ts, 2, dtype=norm_dtype(ts[0].dtype)), top, neg_low]
 
 
 def sums_and_extremes(tensors: Sequence[torch.Tensor], device: torch.device
