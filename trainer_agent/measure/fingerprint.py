@@ -31,9 +31,11 @@ buffer holds at most ``STAGE_ELEMENTS`` values (more tensors: one such pass per 
 Replicas in sync run the same kernels on the same values (the same layout: the same tensor sizes)
 and get bit-identical fingerprints.
 
-The ranks' fingerprints travel in the report step's one collective (``trainer_agent/report/exchange.py``,
-the row's tail, as float32: ``Fingerprinter.row``, 3 float64 slots per layer with K = 2);
-the leader alone compares them (:func:`desync`, ``trainer_agent/measure/desync.py``): a rank's difference is taken against
+The report step's one collective (``trainer_agent/report/exchange.py``) carries a whole-model
+screen of them (``trainer_agent/measure/fingerprint_screen.py``: a few values per rank, whatever the
+depth); the per-layer values (``Fingerprinter.row``: float32, 3 float64 slots per layer with K = 2)
+go to the leader only when the screens differ (``trainer_agent/report/fingerprint_rounds.py``).
+The leader alone compares them (:func:`desync`, ``trainer_agent/measure/desync.py``): a rank's difference is taken against
 both middle values of the ranks (the median for an odd count), so with one bad rank among three
 or more only that rank is named, and with two ranks both are (nothing tells which one is wrong).
 
@@ -183,12 +185,13 @@ class Fingerprinter:
         return self._staging
 
     def width(self) -> int:
-        """float64 slots of one rank's fingerprint part of the report row (:meth:`row`): the
-        gradients' and the parameters' values of every unit as float32, two to a slot."""
+        """float64 slots of one rank's per-layer row (:meth:`row`): the gradients' and the
+        parameters' values of every unit as float32, two to a slot."""
         return self.layers * (self.k + 1)
 
     def row(self, grads: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        """This rank's fingerprint part of the report row from two :meth:`layer_values` results:
+        """This rank's per-layer row (what it sends the leader when the ranks' whole-model
+        fingerprints differ) from two :meth:`layer_values` results:
         ``width()`` float64 slots holding their float32 values (the projections are float32 sums
         already; rounding the per-unit float64 sums to float32 moves them by at most 6e-8 of
         their size, far below any tolerance, and replicas in sync stay bit-identical)."""

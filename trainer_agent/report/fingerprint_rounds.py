@@ -3,8 +3,8 @@ the per-layer values only when the screens differ.
 
 1. **Every report step.** Each rank's row of the report's gather carries its screen
    (``trainer_agent/measure/fingerprint_screen.py``: ``K + 1`` values per kind and replica layout,
-   whatever the depth); its per-layer row (``Fingerprinter.row``, float32 pairs) stays on its
-   device.
+   whatever the depth); its per-layer values stay on its device (made a row,
+   ``Fingerprinter.row``, float32 pairs, only when they are gathered).
 2. **Right after the gather** every rank holds every rank's screen and checks, with the same
    operations on the same values (so every rank reaches the same answer without a further
    message), whether any rank's screen differs from the first rank of its replica group by more
