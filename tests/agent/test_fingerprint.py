@@ -294,18 +294,32 @@ PLAN = {4: ("grad", 1e-7), 6: ("grad", 1e-4), 8: ("param", 1e-4)}
 STEPS = 12
 
 
-def _worker(rank: int, init: str, out: str) -> None:
+def _ddp_rank(rank: int, world: int, init: str, model: nn.Module, run: str, **config):  # type: ignore[no-untyped-def]
+    """This rank's DDP model, SGD and agent (``config``: the AgentConfig's settings)."""
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import trainer_agent as ta
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(80, 64), nn.Tanh(), nn.Linear(64, 80))  # 5120 > TILE weights
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    agent = ta.attach(ddp, opt, job="fp", run="fp-1",
-                      config=ta.AgentConfig(metrics_port=None, report_every=2, layer_depth=1))
+    return ddp, opt, ta.attach(ddp, opt, job="fp", run=run, config=ta.AgentConfig(metrics_port=None, **config))
+
+
+def _save(agent, ddp, rank: int, out: str, seen: dict) -> None:  # type: ignore[no-untyped-def]
+    """The run's end on this rank: how many per-layer rounds it took part in, ``seen`` saved."""
+    seen["detailed"] = agent.reports.rounds.detailed
+    agent.close()
+    del agent, ddp
+    gc.collect()
+    dist.destroy_process_group()
+    torch.save(seen, f"{out}/rank{rank}.pt")
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(80, 64), nn.Tanh(), nn.Linear(64, 80))  # 5120 > TILE weights
+    ddp, opt, agent = _ddp_rank(rank, WORLD, init, model, "fp-1", report_every=2, layer_depth=1)
     seen = {}
     for step in range(1, STEPS + 1):
         x = torch.randn(4, 80, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -329,12 +343,7 @@ def _worker(rank: int, init: str, out: str) -> None:
             seen[step] = ([(d.kind, d.layer, d.ranks, d.rel_diff) for d in agent.desync],
                           {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "grad_fingerprint",
                                                                  "grad_desync_layer")})
-    seen["detailed"] = agent.reports.rounds.detailed
-    agent.close()
-    del agent, ddp
-    gc.collect()
-    dist.destroy_process_group()
-    torch.save(seen, f"{out}/rank{rank}.pt")
+    _save(agent, ddp, rank, out, seen)
 
 
 @pytest.mark.distributed
@@ -366,6 +375,51 @@ def test_ddp_perturbed_rank_and_layer_are_named(tmp_path) -> None:
     assert seen[8][1]["grad_desync"] == [0.0, 0.0, 0.0]      # step 8's gradients agree again
     # The parameters stay apart: every later report compares them layer by layer.
     assert [d[:3] for d in seen[12][0]] == [("param", "0", (2,))]
+
+
+def _failing_worker(world: int, rank: int, init: str, out: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ddp, opt, agent = _ddp_rank(rank, world, init, model, "fp-fail", report_every=1)
+    seen = {}
+    for step in range(1, 5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = ddp(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 1 and step == 3:  # an error in the agent on this rank while it builds the report
+            def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+                raise RuntimeError("injected: this rank's report could not be built")
+
+            agent.reports._rank_fields, kept = boom, agent.reports._rank_fields
+        agent.end_step(loss)
+        if rank == 1 and step == 3:
+            agent.reports._rank_fields = kept
+        latest = agent.latest()
+        seen[step] = ({k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync", "loss")},
+                      [(d.kind, d.layer, d.ranks) for d in agent.desync], latest["trainguard_agent_errors_total"])
+    _save(agent, ddp, rank, out, seen)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_whose_report_failed_is_no_desync(world: int, tmp_path) -> None:
+    """A rank whose report fails to build sends a row of NaN. Its fingerprints stand in as a
+    healthy replica's: no rank reads as desynchronised (two ranks: neither), no per-layer round
+    is gathered for it, and the leader reports no verdict (NaN) where nothing could be compared."""
+    out = spawn_ranks(partial(_failing_worker, world), world, tmp_path, timeout=120)
+    assert [seen.pop("detailed") for seen in out] == [0] * world
+    assert out[1][3][2] >= 1 and out[0][3][2] == 0            # the error counted where it happened
+    vectors, found, _ = out[0][3]
+    assert found == []
+    assert math.isnan(vectors["loss"][1])                      # the failed rank's row
+    expected = [math.nan, math.nan] if world == 2 else [0.0, math.nan, 0.0]  # two ranks: nothing to compare
+    for kind in ("grad_desync", "param_desync"):
+        assert [math.isnan(v) for v in vectors[kind]] == [math.isnan(v) for v in expected]
+        assert [v for v in vectors[kind] if not math.isnan(v)] == [v for v in expected if not math.isnan(v)]
+    for step in (1, 2, 4):                                     # before and after: compared as ever
+        assert out[0][step][0]["grad_desync"] == [0.0] * world and out[0][step][1] == []
 
 
 # ---------------------------------------------------------------- sharded parameters (DTensors)

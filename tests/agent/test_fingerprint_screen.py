@@ -106,7 +106,7 @@ def test_every_rank_decides_alike_whether_the_per_layer_values_are_gathered(size
     norm = math.sqrt(sum(float(x.double().square().sum()) for x, u in zip(xs, fp._ids_host) if u == 1))
     bad[4][10] += size * norm
     screens = _screens(fp, [(xs, xs), (bad, xs), (xs, xs)])
-    assert bool(_rounds(fp).differ(screens)) is differ
+    assert bool(_rounds(fp).differ(screens, np.zeros(3, dtype=bool))) is differ
 
 
 def test_non_finite_screens_differ_only_from_finite_ones() -> None:
@@ -114,8 +114,9 @@ def test_non_finite_screens_differ_only_from_finite_ones() -> None:
     nan = [x.clone() for x in xs]
     nan[0][0] = math.nan
     rounds = _rounds(fp)
-    assert not rounds.differ(_screens(fp, [(nan, xs)] * 3))       # NaN everywhere (no step anywhere): alike
-    assert rounds.differ(_screens(fp, [(xs, xs), (nan, xs), (xs, xs)]))
+    ok = np.zeros(3, dtype=bool)
+    assert not rounds.differ(_screens(fp, [(nan, xs)] * 3), ok)       # NaN everywhere (no step anywhere): alike
+    assert rounds.differ(_screens(fp, [(xs, xs), (nan, xs), (xs, xs)]), ok)
 
 
 def test_replica_groups_are_screened_apart() -> None:
@@ -126,10 +127,11 @@ def test_replica_groups_are_screened_apart() -> None:
     other = [x + 1 for x in xs]
     ranks = [(xs, xs), (xs, xs), (other, other), (other, other)]
     rounds = _rounds(fp, world=4)
-    assert not rounds.differ(_screens(fp, ranks))
+    ok = np.zeros(4, dtype=bool)
+    assert not rounds.differ(_screens(fp, ranks), ok)
     bad = [x.clone() for x in other]
     bad[2][5] += 1e-3
-    assert rounds.differ(_screens(fp, ranks[:3] + [(bad, other)]))
+    assert rounds.differ(_screens(fp, ranks[:3] + [(bad, other)]), ok)
 
 
 def test_the_leaders_vectors_are_the_per_layer_comparisons_when_the_rows_were_gathered() -> None:
@@ -140,7 +142,8 @@ def test_the_leaders_vectors_are_the_per_layer_comparisons_when_the_rows_were_ga
     rounds = _rounds(fp)
     screens = _screens(fp, ranks)
     detail = torch.stack([fp.row(fp.layer_values([g]), fp.layer_values([p])) for g, p in ranks])
-    vectors, found = rounds.decoder(8, True)(rounds.compare(screens, detail).numpy())
+    ok, matrix = torch.zeros(3, dtype=torch.bool), np.zeros((3, 4))
+    vectors, found = rounds.decoder(8, True)(rounds.compare(screens, detail, ok).numpy(), matrix)
     rows = torch.stack([torch.stack([fp.layer_values([g]), fp.layer_values([p])]).to(torch.float32).reshape(-1)
                         for g, p in ranks])
     exact, exact_found = findings(desync(rows.double(), fp.layers, fp.k).numpy(), 3, fp.names, TOL)
@@ -152,6 +155,66 @@ def test_the_leaders_vectors_are_the_per_layer_comparisons_when_the_rows_were_ga
     # the whole-model fingerprint is the screen's, equal on the ranks in sync
     assert vectors["grad_fingerprint"][0] == vectors["grad_fingerprint"][1] != vectors["grad_fingerprint"][2]
     # without the per-layer round: the screens' values, and no layer named
-    vectors, found = rounds.decoder(8, False)(rounds.compare(screens, None).numpy())
+    vectors, found = rounds.decoder(8, False)(rounds.compare(screens, None, ok).numpy(), matrix)
     assert found == [] and all(math.isnan(v) for v in vectors["grad_desync_layer"])
     assert vectors["grad_desync"][:2] == [0.0, 0.0] and vectors["grad_desync"][2] > TOL
+
+
+def test_a_failed_report_stands_in_as_its_replica_and_gets_no_verdict() -> None:
+    """Ranks 0, 1 hold one shard and 2, 3 another; rank 3's report failed (its row all NaN)."""
+    fp0, xs = _model(2)
+    groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]]))]
+    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
+    other = [x + 1 for x in xs]
+    rounds = _rounds(fp, world=4)
+    screens = _screens(fp, [(xs, xs), (xs, xs), (other, other), (other, other)])
+    screens[3] = math.nan
+    failed = np.array([False, False, False, True])
+    matrix = np.zeros((4, 3))
+    matrix[3] = math.nan
+    assert not rounds.differ(screens, failed)
+    assert rounds.differ(screens, np.zeros(4, dtype=bool))  # without the stand-in: NaN against numbers
+    vectors, found = rounds.decoder(5, False)(rounds.compare(screens, None, torch.from_numpy(failed)).numpy(), matrix)
+    assert found == []
+    # rank 2 has no replica left to be compared with: no verdict either
+    assert vectors["grad_desync"][:2] == [0.0, 0.0] and all(math.isnan(v) for v in vectors["grad_desync"][2:])
+    # a real difference beside the failure is still seen, in the per-layer round too
+    bad = [x.clone() for x in xs]
+    bad[4][3] += 1e-2
+    screens[1] = _screens(fp, [(bad, xs)])[0]
+    assert rounds.differ(screens, failed)
+    detail = torch.stack([fp.row(fp.layer_values([g]), fp.layer_values([p]))
+                          for g, p in [(xs, xs), (bad, xs), (other, other), (other, other)]])
+    detail[3] = math.nan
+    vectors, found = rounds.decoder(5, True)(rounds.compare(screens, detail, torch.from_numpy(failed)).numpy(), matrix)
+    assert [(d.kind, d.layer, d.ranks) for d in found] == [("grad", "layer1", (0, 1))]  # two replicas: both named
+    assert vectors["grad_desync"][0] > TOL and vectors["grad_desync"][1] > TOL
+    assert all(math.isnan(v) for v in vectors["grad_desync"][2:])
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_check_on_a_device_decides_as_the_check_on_the_host(grouped: bool) -> None:
+    """``differ_on_device`` (NCCL's rows, run here on CPU tensors) against the host check, over
+    rows in sync, a difference below and above the threshold, NaN, and a failed report."""
+    fp0, xs = _model(2)
+    groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]]))] if grouped else None
+    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
+    rounds = _rounds(fp, world=4)
+    other = [x + 1 for x in xs] if grouped else xs
+    base = [(xs, xs), (xs, xs), (other, other), (other, other)]
+    norm = math.sqrt(sum(float(x.double().square().sum()) for x, u in zip(xs, fp._ids_host) if u == 1))
+    cases = []
+    for size in (0.0, 1e-8, 1e-4):
+        bad = [x.clone() for x in xs]
+        bad[4][2] += size * norm
+        cases.append((_screens(fp, [base[0], (bad, xs)] + base[2:]), np.zeros(4, dtype=bool)))
+    nan = _screens(fp, base)
+    nan[1] = math.nan
+    cases += [(nan, np.zeros(4, dtype=bool)), (nan.clone(), np.array([False, True, False, False]))]
+    decisions = []
+    for screens, failed in cases:
+        host = rounds.differ(screens.numpy(), failed)
+        device = rounds.differ_on_device(screens, torch.from_numpy(failed))
+        assert device.dim() == 0 and bool(device) is host
+        decisions.append(host)
+    assert decisions == [False, False, True, True, False]

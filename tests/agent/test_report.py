@@ -41,8 +41,9 @@ def test_rank_vectors_are_the_columns_the_decoded_fingerprints_and_the_overlap_r
     calls: list[str] = []
     finding = DesyncFinding("grad", "layer0", 0.5, (4,))
 
-    def decode(flat: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+    def decode(flat: np.ndarray, rows: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
         calls.append(threading.current_thread().name)
+        assert rows is matrix  # the rows as they arrived (a failed report's row is all NaN)
         return {"grad_desync": (flat * 2).tolist()}, [finding]
 
     compared = np.arange(world, dtype=np.float64)

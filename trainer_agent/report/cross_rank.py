@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 8
 LIGHT_QUEUED = 64
 
-Decode = Callable[[np.ndarray], tuple[dict[str, list[float]], list[DesyncFinding]]]
+#: (the fingerprint comparison's host vector, the rows' RANK_FIELDS matrix) -> (vectors, findings)
+Decode = Callable[[np.ndarray, np.ndarray], tuple[dict[str, list[float]], list[DesyncFinding]]]
 
 
 class RankVectors(Mapping[str, list[float]]):
@@ -69,7 +70,7 @@ class RankVectors(Mapping[str, list[float]]):
                 if self._compare is not None:
                     self._compared = self._compare().cpu().numpy()
                 if self._decode is not None and self._compared is not None:
-                    found, self._desync = self._decode(self._compared)
+                    found, self._desync = self._decode(self._compared, self.matrix)
                     vectors.update(found)
                 if self._sketches is not None:
                     overlap = RankExchange.data_overlap(self._sketches)

@@ -19,6 +19,13 @@ the per-layer values only when the screens differ.
    screens (below the threshold for every rank: within tolerance), and ``*_desync_layer`` is NaN
    (no layer was compared).
 
+A rank whose report failed to build sends a row of NaN (``RankExchange.nan_row``: every field
+NaN). Its fingerprints are no evidence of a desync: before the check and the comparisons its
+screen and per-layer values are replaced by those of a rank of its replica group whose report
+was built (:func:`stand_in`), and the leader reports NaN for it (no verdict), as for a rank left
+without a replica to compare with. Without that, the NaN set that rank apart by an infinite
+difference, and in a group of two ranks the other one too: a critical alert on a healthy run.
+
 In sync the replicas' screens are bit-identical and a report step costs one gather of a few values
 per rank whatever the depth; a difference costs that report step the per-layer gather to the
 leader, which a difference that lasts (parameters that diverged) pays at every report.
@@ -37,7 +44,7 @@ from trainer_agent.measure.desync import DesyncFinding, desync, findings
 from trainer_agent.measure.fingerprint import Fingerprinter
 from trainer_agent.measure.fingerprint_screen import Screen
 
-__all__ = ["FingerprintRounds", "SCREEN_FRACTION"]
+__all__ = ["FingerprintRounds", "SCREEN_FRACTION", "failed_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +77,30 @@ class FingerprintRounds:
         self._values = (step, values)  # made a row (float32 pairs) only when gathered
         return self.screen.row(values)
 
-    def differ(self, screens: torch.Tensor) -> torch.Tensor | bool:
+    def differ(self, screens: torch.Tensor | np.ndarray, failed: torch.Tensor | np.ndarray) -> torch.Tensor | bool:
         """Every rank, on the gathered screens (world, :meth:`width`), where the gather left them:
         whether some rank's screen differs from its group's first rank's by more than
-        ``tol * SCREEN_FRACTION``. Host rows (gloo): a bool, from their numpy view (in sync, one
+        ``tol * SCREEN_FRACTION``, the ranks ``failed`` (a bool per rank, :func:`failed_ranks`)
+        standing in as their group's. Host rows (gloo), as a numpy array: a bool (in sync, one
         pass over their bits); device rows: a 0-dim bool tensor (no host read here)."""
         sc = self.screen
         above = self.tol * SCREEN_FRACTION
-        if screens.device.type == "cpu":
-            values = screens.numpy().reshape(self.world, 2, sc.sets, sc.k + 1)
+        if isinstance(screens, np.ndarray) or screens.device.type == "cpu":
+            values = np.asarray(screens).reshape(self.world, 2, sc.sets, sc.k + 1)
+            if np.asarray(failed).any():
+                values = stand_in(values.copy(), np.asarray(failed), self._sets(2))
             if sc.groups is None:
                 return _apart_host(values, values[:1], above)
             return any(_apart_host(m, m[:, :1], above)
                        for m in (values[:, :, s][ranks] for s, ranks in enumerate(sc.host_groups)))
-        values = screens.reshape(self.world, 2, sc.sets, sc.k + 1)
+        return self.differ_on_device(screens, failed)
+
+    def differ_on_device(self, screens: torch.Tensor, failed: torch.Tensor) -> torch.Tensor:
+        """:meth:`differ` of rows on a device (any device: the CPU in the tests), as a 0-dim bool
+        tensor, with device operators only (no branch on a value: no host read)."""
+        sc = self.screen
+        above = self.tol * SCREEN_FRACTION
+        values = stand_in(screens.reshape(self.world, 2, sc.sets, sc.k + 1).clone(), failed, self._sets(2))
         if sc.groups is None:
             return _apart(values, values[:1], above)
         flags = []
@@ -91,6 +108,28 @@ class FingerprintRounds:
             members = values[:, :, s][ranks.to(values.device)]  # (G, c, 2, K + 1)
             flags.append(_apart(members, members[:, :1], above))
         return torch.stack(flags).any()
+
+    def _sets(self, axis: int) -> list[tuple[object, object]]:
+        """Per replica layout: (its index or units along ``axis`` of a rank's values, its groups of
+        ranks (G, c)), for :func:`stand_in` (axis 2: the screens' sets; 3: the layers)."""
+        fp, sc = self.fp, self.screen
+        every = np.arange(self.world).reshape(1, -1)
+        if fp.groups is None:
+            return [(slice(None), every)]
+        if axis == 2:
+            return [(s, ranks) for s, ranks in enumerate(sc.host_groups)]
+        return [(units.cpu().numpy(), ranks) for (units, _), ranks in zip(fp.groups, sc.host_groups)]
+
+    def _unjudged(self, failed: np.ndarray) -> np.ndarray:
+        """The ranks without a verdict: those whose report ``failed``, and those left with no
+        replica to be compared with in any of their groups."""
+        if not failed.any():
+            return failed
+        judged = np.zeros(self.world, dtype=bool)
+        for _, groups in self._sets(2):
+            ok = ~failed[groups]  # (G, c)
+            judged[groups[(ok.sum(axis=1) >= 2)[:, None] & ok]] = True
+        return ~judged
 
     def gather_detail(self, step: int, backend_device: torch.device) -> torch.Tensor | None:
         """Every rank, when :meth:`differ` said so: the per-layer row of report step ``step`` to
@@ -109,14 +148,22 @@ class FingerprintRounds:
         dist.gather(src, None, group=self.group, group_dst=0)
         return None
 
-    def compare(self, screens: torch.Tensor, detail: torch.Tensor | None) -> torch.Tensor:
+    def compare(self, screens: torch.Tensor, detail: torch.Tensor | None, failed: torch.Tensor) -> torch.Tensor:
         """The leader's comparison of a report's gathered screens, and of its per-layer rows when
-        they were gathered: one float64 vector, the screens' part first (:meth:`decoder`)."""
-        compared = self.screen.compare(screens)
+        they were gathered, the ``failed`` ranks (a bool tensor per rank) standing in as their
+        group's: one float64 vector, the screens' part first (:meth:`decoder`)."""
+        sc, fp = self.screen, self.fp
+        if bool(failed.any()) if failed.device.type == "cpu" else True:
+            screens = stand_in(screens.reshape(self.world, 2, sc.sets, sc.k + 1).clone(), failed,
+                               self._sets(2)).reshape(self.world, -1)
+        compared = sc.compare(screens)
         if detail is None:
             return compared
-        fp = self.fp
-        return torch.cat([compared, desync(detail.to(compared.device), fp.layers, fp.k, fp.groups)])
+        detail = detail.to(compared.device)
+        if bool(failed.any()) if failed.device.type == "cpu" else True:
+            pairs = detail.contiguous().view(torch.float32).view(self.world, 2, fp.layers, fp.k + 1).clone()
+            detail = stand_in(pairs, failed.to(detail.device), self._sets(3)).reshape(self.world, -1).view(torch.float64)
+        return torch.cat([compared, desync(detail, fp.layers, fp.k, fp.groups)])
 
     def decoder(self, step: int, detailed: bool):  # -> cross_rank.Decode
         """What turns :meth:`compare`'s host vector of the report of ``step`` into the per-rank
@@ -124,12 +171,13 @@ class FingerprintRounds:
         world, sets, tol, names = self.world, self.screen.sets, self.tol, self.fp.names
         screen_len = 2 * (3 * world + sets)
 
-        def decode(flat: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
+        def decode(flat: np.ndarray, matrix: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
             vectors, _ = findings(flat[:screen_len], world, [f"set{i}" for i in range(sets)], tol)
+            unjudged = self._unjudged(np.isnan(matrix).all(axis=1))  # a report that failed to build
             if not detailed:
                 for kind in ("grad", "param"):
                     vectors[f"{kind}_desync_layer"] = [math.nan] * world
-                return vectors, []
+                return _no_verdict(vectors, unjudged), []
             per_layer, found = findings(flat[screen_len:], world, names, tol)
             if found:
                 log.warning("trainguard: ranks disagree at step %d (relative difference above %g): %s", step, tol,
@@ -138,9 +186,47 @@ class FingerprintRounds:
             for kind in ("grad", "param"):  # the fingerprint stays the screen's: the whole model's
                 for name in ("desync", "desync_layer"):
                     vectors[f"{kind}_{name}"] = per_layer[f"{kind}_{name}"]
-            return vectors, found
+            return _no_verdict(vectors, unjudged), found
 
         return decode
+
+
+def failed_ranks(fields: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """Per rank, whether its row of ``fields`` (the gathered ``RANK_FIELDS``) is a report that
+    failed to build (every field NaN: ``RankExchange.nan_row``): a numpy bool array for a numpy
+    array, a bool tensor on the rows' device otherwise (no host read)."""
+    if isinstance(fields, np.ndarray):
+        return np.isnan(fields).all(axis=1)
+    return fields.isnan().all(dim=1)
+
+
+def stand_in(values, failed, sets):  # (torch.Tensor | np.ndarray) -> the same
+    """``values`` (world, 2, units or sets, K + 1; a tensor or an array, changed in place)
+    with each ``failed`` rank's values in each replica layout of ``sets`` ((index or units along
+    axis 2, groups of ranks (G, c)), see :meth:`FingerprintRounds._sets`) replaced by those of the
+    first rank of its group that did not fail (its own when all did). On a device: no host
+    read."""
+    host = isinstance(values, np.ndarray)
+    lib = np if host else torch
+    for where, groups in sets:
+        ranks = groups if host else torch.as_tensor(groups, device=values.device)
+        bad = failed[ranks]  # (G, c)
+        first = (~bad).argmax(1) if host else (~bad).to(torch.int8).argmax(dim=1)  # the first that did not fail
+        ref = ranks[lib.arange(ranks.shape[0]), first]  # (G,)
+        source = lib.where(bad, ref[:, None], ranks)  # (G, c): whose values each member takes
+        take = lib.arange(values.shape[0]) if host else torch.arange(values.shape[0], device=values.device)
+        take[ranks.reshape(-1)] = source.reshape(-1)
+        values[:, :, where] = values[take][:, :, where]
+    return values
+
+
+def _no_verdict(vectors: dict[str, list[float]], unjudged: np.ndarray) -> dict[str, list[float]]:
+    """NaN in the per-rank fingerprint vectors of the ``unjudged`` ranks."""
+    if unjudged.any():
+        for name, values in vectors.items():
+            if len(values) == len(unjudged):
+                vectors[name] = np.where(unjudged, math.nan, values).tolist()
+    return vectors
 
 
 def _apart(x: torch.Tensor, ref: torch.Tensor, above: float) -> torch.Tensor:

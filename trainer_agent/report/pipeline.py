@@ -38,7 +38,7 @@ from trainer_agent.measure import stats
 from trainer_agent.report.cross_rank import MAX_QUEUED, CrossRankWorker, RankVectors
 from trainer_agent.report.exporter import sample_key
 from trainer_agent.measure.fingerprint import DesyncFinding, Fingerprinter
-from trainer_agent.report.fingerprint_rounds import FingerprintRounds
+from trainer_agent.report.fingerprint_rounds import FingerprintRounds, failed_ranks
 from trainer_agent.report.in_flight import InFlight, pack
 from trainer_agent.report.interval_rows import IntervalRows
 from trainer_agent.measure.triage_stats import UpdateModel
@@ -201,9 +201,10 @@ class ReportPipeline:
                 rounds, screens = self.rounds, ex.extra(gathered)
                 decode = rounds.decoder(host_step.step, detail is not None)
                 if screens.device.type == "cpu":  # host rows (gloo): compared on the cross-rank worker
-                    compare = lambda: rounds.compare(screens, detail)  # noqa: E731
+                    compare = lambda: rounds.compare(  # noqa: E731
+                        screens, detail, torch.from_numpy(failed_ranks(every_row.numpy())))
                 else:  # device rows: compared on the device, no sync
-                    compared = rounds.compare(screens.to(self.device), detail)
+                    compared = rounds.compare(screens.to(self.device), detail, failed_ranks(every_row).to(self.device))
         else:
             rows = every_row[ex.rank:ex.rank + 1].to(self.device)
         agreed = ex.agreed(leader_state, state)
@@ -220,7 +221,9 @@ class ReportPipeline:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
         ex, rounds = self.exchange, self.rounds
         gathered = ex.gather(row)
-        leader_state, differ = ex.head(gathered, rounds.differ(ex.extra(gathered)) if rounds is not None else None)
+        rows = gathered.numpy() if gathered.device.type == "cpu" else gathered  # host rows: read with numpy
+        differ = rounds.differ(ex.extra(rows), failed_ranks(ex.fields(rows))) if rounds is not None else None
+        leader_state, differ = ex.head(gathered, differ)
         if not differ or rounds is None:
             return gathered, leader_state, None
         return gathered, leader_state, rounds.gather_detail(step, gathered.device)
