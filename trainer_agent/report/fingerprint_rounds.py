@@ -207,6 +207,10 @@ def stand_in(values, failed, sets):  # (torch.Tensor | np.ndarray) -> the same
     first rank of its group that did not fail (its own when all did). On a device: no host
     read."""
     host = isinstance(values, np.ndarray)
+    if not host and len(sets) == 1 and isinstance(sets[0][0], slice) and sets[0][1].shape == (1, values.shape[0]):
+        # one group of every rank, in order (data parallelism): the first rank that did not fail
+        first = (~failed).to(torch.int8).argmax()
+        return torch.where(failed.view(-1, *([1] * (values.dim() - 1))), values[first], values)
     lib = np if host else torch
     for where, groups in sets:
         ranks = groups if host else torch.as_tensor(groups, device=values.device)
@@ -231,11 +235,9 @@ def _no_verdict(vectors: dict[str, list[float]], unjudged: np.ndarray) -> dict[s
 
 def _apart(x: torch.Tensor, ref: torch.Tensor, above: float) -> torch.Tensor:
     """Whether any value of ``x`` differs from ``ref`` (broadcast) by more than ``above``: equal
-    values (NaN included) do not, a NaN against a number does. Device values, without a branch
-    (no sync)."""
-    same = (x == ref) | (torch.isnan(x) & torch.isnan(ref))
-    far = ((x - ref).abs() > above) | torch.isnan(x - ref)
-    return (far & ~same).any()
+    values (NaN included: their difference is NaN, never above) do not, a NaN against a number
+    does. Device values, without a branch (no sync)."""
+    return (((x - ref).abs() > above) | (torch.isnan(x) ^ torch.isnan(ref))).any()
 
 
 def _apart_host(x: np.ndarray, ref: np.ndarray, above: float) -> bool:
@@ -244,7 +246,4 @@ def _apart_host(x: np.ndarray, ref: np.ndarray, above: float) -> bool:
     if (x.view(np.int64) == ref.view(np.int64)).all():
         return False
     with np.errstate(invalid="ignore"):
-        same = (x == ref) | (np.isnan(x) & np.isnan(ref))
-        diff = x - ref
-        far = (np.abs(diff) > above) | np.isnan(diff)
-    return bool((far & ~same).any())
+        return bool(((np.abs(x - ref) > above) | (np.isnan(x) ^ np.isnan(ref))).any())
