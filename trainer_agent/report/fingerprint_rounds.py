@@ -141,11 +141,13 @@ class FingerprintRounds:
         row = (self.fp.row(kept[1][0], kept[1][1]) if kept is not None and kept[0] == step
                else torch.full((width,), math.nan, dtype=torch.float64))
         src = row.to(backend_device)
+        # the leader's global rank (``group_dst`` came in a later torch than the agent supports)
+        dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         if self.rank == 0:
             out = torch.empty(self.world, width, dtype=torch.float64, device=backend_device)
-            dist.gather(src, list(out.unbind(0)), group=self.group, group_dst=0)
+            dist.gather(src, list(out.unbind(0)), dst=dst, group=self.group)
             return out
-        dist.gather(src, None, group=self.group, group_dst=0)
+        dist.gather(src, None, dst=dst, group=self.group)
         return None
 
     def compare(self, screens: torch.Tensor, detail: torch.Tensor | None, failed: torch.Tensor) -> torch.Tensor:
