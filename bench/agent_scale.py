@@ -21,6 +21,12 @@ steps apart:
 0's figures: every report step then also fingerprints every layer and measures the noise scale's
 incoming gradients before the all-reduce.
 
+``--rows`` prints instead the report step's row against the world size W and the depth (layers):
+its float64 values per rank (the desired state, the fields, the fingerprints' screen, the data
+sketch: ``RankExchange``'s layout for a data-parallel run with a controller) and the bytes each
+rank receives in the all-gather, beside the row that carried every layer's fingerprints (3 values
+per layer) before the screen.
+
 ``--device cuda`` also counts CUDA kernel launches with the profiler (``cuda kernels``). The
 design target: ordinary steps flat in T (at most 10 operators, 0.1 ms at 5,000 tensors), report
 steps at most 100 operators at 5,000 tensors.
@@ -140,6 +146,22 @@ def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> Non
         dist.destroy_process_group()
 
 
+def rows_table(worlds: tuple[int, ...] = (8, 512, 4096, 32768), depths: tuple[int, ...] = (15, 131)) -> None:
+    """The report row per rank and the all-gather's bytes per rank (see the module docstring)."""
+    from trainer_agent.measure.fingerprint import Fingerprinter
+    from trainer_agent.measure.fingerprint_screen import screen_width
+    from trainer_agent.report.exchange import RankExchange
+
+    print("layers | W | row values per-layer -> screen | all-gather MB per rank per-layer -> screen")
+    for layers in depths:
+        fp = Fingerprinter([64] * layers, torch.arange(layers), layers, device=torch.device("cpu"))
+        for world in worlds:
+            wide, narrow = (RankExchange(world, with_state=True, extra_width=w).width
+                            for w in (fp.width(), screen_width(fp)))
+            print(f"{layers} | {world:,} | {wide} -> {narrow} | {world * wide * 8 / 1e6:.2f} -> "
+                  f"{world * narrow * 8 / 1e6:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, nargs="+", default=[100, 1000, 5000])
@@ -147,7 +169,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="report intervals measured per size")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ddp", action="store_true", help="under DDP on 2 gloo ranks (CPU)")
+    ap.add_argument("--rows", action="store_true", help="the report row and the all-gather's bytes per rank")
     args = ap.parse_args()
+    if args.rows:
+        rows_table()
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("agent_scale: --device cuda, but no CUDA device is available")
     if args.ddp and args.device != "cpu":
