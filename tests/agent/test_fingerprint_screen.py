@@ -99,6 +99,13 @@ def _rounds(fp: Fingerprinter, world: int = 3) -> FingerprintRounds:
     return FingerprintRounds(fp, world=world, rank=0, tol=TOL)
 
 
+def _check(rounds: FingerprintRounds, screens: torch.Tensor, failed: np.ndarray) -> bool:
+    """``FingerprintRounds.differ`` on host rows: the gathered screens, and fields all NaN for
+    the ``failed`` ranks (a report that failed to build)."""
+    fields = np.where(failed[:, None], math.nan, 0.0) * np.ones((1, 4))
+    return rounds.differ(screens.numpy(), fields)
+
+
 @pytest.mark.parametrize("size, differ", [(0.0, False), (1e-7, False), (SCREEN_FRACTION * TOL * 3, True), (1e-3, True)])
 def test_every_rank_decides_alike_whether_the_per_layer_values_are_gathered(size: float, differ: bool) -> None:
     fp, xs = _model(3)
@@ -106,7 +113,7 @@ def test_every_rank_decides_alike_whether_the_per_layer_values_are_gathered(size
     norm = math.sqrt(sum(float(x.double().square().sum()) for x, u in zip(xs, fp._ids_host) if u == 1))
     bad[4][10] += size * norm
     screens = _screens(fp, [(xs, xs), (bad, xs), (xs, xs)])
-    assert bool(_rounds(fp).differ(screens, np.zeros(3, dtype=bool))) is differ
+    assert _check(_rounds(fp), screens, np.zeros(3, dtype=bool)) is differ
 
 
 def test_non_finite_screens_differ_only_from_finite_ones() -> None:
@@ -115,8 +122,8 @@ def test_non_finite_screens_differ_only_from_finite_ones() -> None:
     nan[0][0] = math.nan
     rounds = _rounds(fp)
     ok = np.zeros(3, dtype=bool)
-    assert not rounds.differ(_screens(fp, [(nan, xs)] * 3), ok)       # NaN everywhere (no step anywhere): alike
-    assert rounds.differ(_screens(fp, [(xs, xs), (nan, xs), (xs, xs)]), ok)
+    assert not _check(rounds, _screens(fp, [(nan, xs)] * 3), ok)       # NaN everywhere (no step anywhere): alike
+    assert _check(rounds, _screens(fp, [(xs, xs), (nan, xs), (xs, xs)]), ok)
 
 
 def test_replica_groups_are_screened_apart() -> None:
@@ -128,10 +135,10 @@ def test_replica_groups_are_screened_apart() -> None:
     ranks = [(xs, xs), (xs, xs), (other, other), (other, other)]
     rounds = _rounds(fp, world=4)
     ok = np.zeros(4, dtype=bool)
-    assert not rounds.differ(_screens(fp, ranks), ok)
+    assert not _check(rounds, _screens(fp, ranks), ok)
     bad = [x.clone() for x in other]
     bad[2][5] += 1e-3
-    assert rounds.differ(_screens(fp, ranks[:3] + [(bad, other)]), ok)
+    assert _check(rounds, _screens(fp, ranks[:3] + [(bad, other)]), ok)
 
 
 def test_the_leaders_vectors_are_the_per_layer_comparisons_when_the_rows_were_gathered() -> None:
@@ -172,8 +179,8 @@ def test_a_failed_report_stands_in_as_its_replica_and_gets_no_verdict() -> None:
     failed = np.array([False, False, False, True])
     matrix = np.zeros((4, 3))
     matrix[3] = math.nan
-    assert not rounds.differ(screens, failed)
-    assert rounds.differ(screens, np.zeros(4, dtype=bool))  # without the stand-in: NaN against numbers
+    assert not _check(rounds, screens, failed)
+    assert _check(rounds, screens, np.zeros(4, dtype=bool))  # without the stand-in: NaN against numbers
     vectors, found = rounds.decoder(5, False)(rounds.compare(screens, None, torch.from_numpy(failed)).numpy(), matrix)
     assert found == []
     # rank 2 has no replica left to be compared with: no verdict either
@@ -182,7 +189,7 @@ def test_a_failed_report_stands_in_as_its_replica_and_gets_no_verdict() -> None:
     bad = [x.clone() for x in xs]
     bad[4][3] += 1e-2
     screens[1] = _screens(fp, [(bad, xs)])[0]
-    assert rounds.differ(screens, failed)
+    assert _check(rounds, screens, failed)
     detail = torch.stack([fp.row(fp.layer_values([g]), fp.layer_values([p]))
                           for g, p in [(xs, xs), (bad, xs), (other, other), (other, other)]])
     detail[3] = math.nan
@@ -213,7 +220,7 @@ def test_the_check_on_a_device_decides_as_the_check_on_the_host(grouped: bool) -
     cases += [(nan, np.zeros(4, dtype=bool)), (nan.clone(), np.array([False, True, False, False]))]
     decisions = []
     for screens, failed in cases:
-        host = rounds.differ(screens.numpy(), failed)
+        host = _check(rounds, screens, failed)
         device = rounds.differ_on_device(screens, torch.from_numpy(failed))
         assert device.dim() == 0 and bool(device) is host
         decisions.append(host)

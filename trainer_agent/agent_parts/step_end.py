@@ -142,8 +142,8 @@ class StepEnd:
 
     def _on_ranks(self, values: dict[str, float], rank_values: Mapping[str, list[float]]) -> None:
         """Leader: a published report's every-rank part (on the cross-rank worker with several ranks):
-        resolved here, the fingerprints' comparison with it (and the leader's next detail request,
-        ``trainer_agent/report/fingerprint_rounds.py``), with or without a controller."""
+        resolved here, the fingerprints' comparison and its warning with it
+        (``trainer_agent/report/fingerprint_rounds.py``), with or without a controller."""
         if isinstance(rank_values, RankVectors):
             rank_values.resolve()
         if self.control is not None:

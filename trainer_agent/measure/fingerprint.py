@@ -166,18 +166,14 @@ class Fingerprinter:
         flat = [t for b in buckets for t in b]
         sq = stats.bucket_norms(buckets, self.device).to(torch.float64).square() if sq is None else sq
         dropped = self.layers  # the row that collects what is left out, then is cut off
-        if self._all and not skip:  # nothing left out: no such row
-            out = torch.zeros(self.layers, self.k + 1, dtype=torch.float64, device=self.device)
-            out[:, self.k].index_add_(0, self._ids, sq).sqrt_()  # the norm column after the projections'
-            self._stage().project_into(out[:, :self.k], flat, skip)
-            return out
-        ids = self._unit_or_dropped
+        whole = self._all and not skip  # nothing left out: no such row (and no slice to cut it off)
+        ids = self._ids if whole else self._unit_or_dropped
         if skip:
             ids = ids.clone().index_fill_(0, torch.tensor(sorted(skip), dtype=torch.long, device=self.device), dropped)
-        out = torch.zeros(self.layers + 1, self.k + 1, dtype=torch.float64, device=self.device)
-        out[:, self.k].index_add_(0, ids, sq).sqrt_()
+        out = torch.zeros(self.layers + (0 if whole else 1), self.k + 1, dtype=torch.float64, device=self.device)
+        out[:, self.k].index_add_(0, ids, sq).sqrt_()  # the norm column after the projections'
         self._stage().project_into(out[:, :self.k], flat, skip)
-        return out[:dropped]
+        return out if whole else out[:dropped]
 
     def _stage(self) -> _Stage:
         if self._staging is None:

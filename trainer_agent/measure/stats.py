@@ -339,17 +339,14 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
         big, cache["moments"] = chunked_moments([tensors[i] for i in large], cache.get("moments"))
     for chunk in _moment_chunks(tensors):
         fused = [i for i in chunk if i not in large]
-        if fused:
-            found = _fused_moments([tensors[i] for i in fused])
-            if len(fused) == len(chunk):
-                for block, values in zip(blocks, found):
-                    block += values
-                order += chunk
-                continue
+        found = _fused_moments([tensors[i] for i in fused]) if fused else [[] for _ in MOMENTS]
+        if len(fused) == len(chunk):
+            for block, values in zip(blocks, found):
+                block += values
+        else:  # the fused and the chunked tensors of this chunk, in its order
             at = {i: j for j, i in enumerate(fused)}
-        for i in chunk:  # the fused and the chunked tensors of this chunk, in its order
-            for block, big_block, fused_block in zip(blocks, big, found if fused else big):
-                block.append(big_block[large[i]] if i in large else fused_block[at[i]])
+            for block, fused_block, big_block in zip(blocks, found, big):
+                block += [big_block[large[i]] if i in large else fused_block[at[i]] for i in chunk]
         order += chunk
     if not order:
         return torch.zeros(0, dtype=torch.float64, device=device), order

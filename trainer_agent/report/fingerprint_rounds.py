@@ -64,10 +64,16 @@ class FingerprintRounds:
         self._values: tuple[int, torch.Tensor] | None = None  # (report step, its per-layer values)
         #: Report steps whose per-layer rows were gathered (every rank counts the same).
         self.detailed = 0
-
-    def width(self) -> int:
-        """The screen's float64 values in a rank's row."""
-        return self.screen.width()
+        # Per replica layout, for stand_in: (its index along axis 2 of the screens (2) or its units
+        # along the layers (3), its groups of ranks (G, c)), as host arrays and on the device.
+        sc, every = self.screen, np.arange(world).reshape(1, -1)
+        self._host_sets: dict[int, list[tuple[object, np.ndarray]]] = (
+            {2: [(slice(None), every)], 3: [(slice(None), every)]} if fp.groups is None else
+            {2: list(enumerate(sc.host_groups)),
+             3: [(units.cpu().numpy(), ranks) for (units, _), ranks in zip(fp.groups, sc.host_groups)]})
+        self._device_sets = {axis: [(w if isinstance(w, (slice, int)) else torch.as_tensor(w, device=fp.device),
+                                     torch.as_tensor(g, device=fp.device)) for w, g in sets]
+                             for axis, sets in self._host_sets.items()}
 
     def row(self, step: int, grads: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """This rank's screen for its row of ``step`` from the per-layer values of the gradients
@@ -77,30 +83,34 @@ class FingerprintRounds:
         self._values = (step, values)  # made a row (float32 pairs) only when gathered
         return self.screen.row(values)
 
-    def differ(self, screens: torch.Tensor | np.ndarray, failed: torch.Tensor | np.ndarray) -> torch.Tensor | bool:
-        """Every rank, on the gathered screens (world, :meth:`width`), where the gather left them:
-        whether some rank's screen differs from its group's first rank's by more than
-        ``tol * SCREEN_FRACTION``, the ranks ``failed`` (a bool per rank, :func:`failed_ranks`)
-        standing in as their group's. Host rows (gloo), as a numpy array: a bool (in sync, one
-        pass over their bits); device rows: a 0-dim bool tensor (no host read here)."""
+    def differ(self, screens: torch.Tensor | np.ndarray, fields: torch.Tensor | np.ndarray) -> torch.Tensor | bool:
+        """Every rank, on the gathered screens (world, :meth:`width`) and ``RANK_FIELDS``, where
+        the gather left them: whether some rank's screen differs from its group's first rank's by
+        more than ``tol * SCREEN_FRACTION``, a rank whose report failed (:func:`failed_ranks`)
+        standing in as its group's. Host rows (gloo), as numpy arrays: a bool (in sync, one pass
+        over the screens' bits and nothing more); device rows: a 0-dim bool tensor (no host read
+        here)."""
+        if not isinstance(screens, np.ndarray):
+            return self.differ_on_device(screens, failed_ranks(fields))
         sc = self.screen
         above = self.tol * SCREEN_FRACTION
-        if isinstance(screens, np.ndarray) or screens.device.type == "cpu":
-            values = np.asarray(screens).reshape(self.world, 2, sc.sets, sc.k + 1)
-            if np.asarray(failed).any():
-                values = stand_in(values.copy(), np.asarray(failed), self._sets(2))
-            if sc.groups is None:
-                return _apart_host(values, values[:1], above)
-            return any(_apart_host(m, m[:, :1], above)
-                       for m in (values[:, :, s][ranks] for s, ranks in enumerate(sc.host_groups)))
-        return self.differ_on_device(screens, failed)
+        values = screens.reshape(self.world, 2, sc.sets, sc.k + 1)
+        if _same_bits(values, values[:1]):
+            return False  # every rank's screen alike, bit for bit: no group can differ
+        failed = failed_ranks(fields)
+        if failed.any():
+            values = stand_in(values.copy(), failed, self._host_sets[2])
+        if sc.groups is None:
+            return _apart_host(values, values[:1], above)
+        return any(_apart_host(m, m[:, :1], above)
+                   for m in (values[:, :, s][ranks] for s, ranks in enumerate(sc.host_groups)))
 
     def differ_on_device(self, screens: torch.Tensor, failed: torch.Tensor) -> torch.Tensor:
         """:meth:`differ` of rows on a device (any device: the CPU in the tests), as a 0-dim bool
         tensor, with device operators only (no branch on a value: no host read)."""
         sc = self.screen
         above = self.tol * SCREEN_FRACTION
-        values = stand_in(screens.reshape(self.world, 2, sc.sets, sc.k + 1).clone(), failed, self._sets(2))
+        values = stand_in(screens.reshape(self.world, 2, sc.sets, sc.k + 1).clone(), failed, self._device_sets[2])
         if sc.groups is None:
             return _apart(values, values[:1], above)
         flags = []
@@ -109,24 +119,13 @@ class FingerprintRounds:
             flags.append(_apart(members, members[:, :1], above))
         return torch.stack(flags).any()
 
-    def _sets(self, axis: int) -> list[tuple[object, object]]:
-        """Per replica layout: (its index or units along ``axis`` of a rank's values, its groups of
-        ranks (G, c)), for :func:`stand_in` (axis 2: the screens' sets; 3: the layers)."""
-        fp, sc = self.fp, self.screen
-        every = np.arange(self.world).reshape(1, -1)
-        if fp.groups is None:
-            return [(slice(None), every)]
-        if axis == 2:
-            return [(s, ranks) for s, ranks in enumerate(sc.host_groups)]
-        return [(units.cpu().numpy(), ranks) for (units, _), ranks in zip(fp.groups, sc.host_groups)]
-
     def _unjudged(self, failed: np.ndarray) -> np.ndarray:
         """The ranks without a verdict: those whose report ``failed``, and those left with no
         replica to be compared with in any of their groups."""
         if not failed.any():
             return failed
         judged = np.zeros(self.world, dtype=bool)
-        for _, groups in self._sets(2):
+        for _, groups in self._host_sets[2]:
             ok = ~failed[groups]  # (G, c)
             judged[groups[(ok.sum(axis=1) >= 2)[:, None] & ok]] = True
         return ~judged
@@ -155,16 +154,20 @@ class FingerprintRounds:
         they were gathered, the ``failed`` ranks (a bool tensor per rank) standing in as their
         group's: one float64 vector, the screens' part first (:meth:`decoder`)."""
         sc, fp = self.screen, self.fp
-        if bool(failed.any()) if failed.device.type == "cpu" else True:
+        # host values: only when a report failed; device values: always (no host read to choose)
+        stand = bool(failed.any()) if failed.device.type == "cpu" else True
+        sets = self._host_sets if screens.device.type == "cpu" else self._device_sets
+        if stand:
             screens = stand_in(screens.reshape(self.world, 2, sc.sets, sc.k + 1).clone(), failed,
-                               self._sets(2)).reshape(self.world, -1)
+                               _on(sets[2], screens.device)).reshape(self.world, -1)
         compared = sc.compare(screens)
         if detail is None:
             return compared
         detail = detail.to(compared.device)
-        if bool(failed.any()) if failed.device.type == "cpu" else True:
+        if stand:
             pairs = detail.contiguous().view(torch.float32).view(self.world, 2, fp.layers, fp.k + 1).clone()
-            detail = stand_in(pairs, failed.to(detail.device), self._sets(3)).reshape(self.world, -1).view(torch.float64)
+            detail = stand_in(pairs, failed.to(detail.device), _on(sets[3], detail.device)).reshape(
+                self.world, -1).view(torch.float64)
         return torch.cat([compared, desync(detail, fp.layers, fp.k, fp.groups)])
 
     def decoder(self, step: int, detailed: bool):  # -> cross_rank.Decode
@@ -175,7 +178,7 @@ class FingerprintRounds:
 
         def decode(flat: np.ndarray, matrix: np.ndarray) -> tuple[dict[str, list[float]], list[DesyncFinding]]:
             vectors, _ = findings(flat[:screen_len], world, [f"set{i}" for i in range(sets)], tol)
-            unjudged = self._unjudged(np.isnan(matrix).all(axis=1))  # a report that failed to build
+            unjudged = self._unjudged(failed_ranks(matrix))  # a report that failed to build
             if not detailed:
                 for kind in ("grad", "param"):
                     vectors[f"{kind}_desync_layer"] = [math.nan] * world
@@ -226,6 +229,13 @@ def stand_in(values, failed, sets):  # (torch.Tensor | np.ndarray) -> the same
     return values
 
 
+def _on(sets: list, device: torch.device) -> list:
+    """``sets`` (host arrays, or tensors on the fingerprints' device) for values on ``device``."""
+    return sets if all(isinstance(g, np.ndarray) or g.device == device for _, g in sets) else [
+        (w if isinstance(w, (slice, int)) else torch.as_tensor(w, device=device), torch.as_tensor(g, device=device))
+        for w, g in sets]
+
+
 def _no_verdict(vectors: dict[str, list[float]], unjudged: np.ndarray) -> dict[str, list[float]]:
     """NaN in the per-rank fingerprint vectors of the ``unjudged`` ranks."""
     if unjudged.any():
@@ -242,10 +252,15 @@ def _apart(x: torch.Tensor, ref: torch.Tensor, above: float) -> torch.Tensor:
     return (((x - ref).abs() > above) | (torch.isnan(x) ^ torch.isnan(ref))).any()
 
 
+def _same_bits(x: np.ndarray, ref: np.ndarray) -> bool:
+    """Whether ``x`` holds ``ref``'s (broadcast) float64 values bit for bit (NaN included)."""
+    return bool((x.view(np.int64) == ref.view(np.int64)).all())
+
+
 def _apart_host(x: np.ndarray, ref: np.ndarray, above: float) -> bool:
     """:func:`_apart` of host values: first by their bits (one pass: replicas in sync agree bit
     for bit), then value by value."""
-    if (x.view(np.int64) == ref.view(np.int64)).all():
+    if _same_bits(x, ref):
         return False
     with np.errstate(invalid="ignore"):
         return bool(((np.abs(x - ref) > above) | (np.isnan(x) ^ np.isnan(ref))).any())

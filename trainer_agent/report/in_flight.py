@@ -100,8 +100,6 @@ def pack(step: int, dev: dict[str, torch.Tensor], rows: torch.Tensor, host: dict
     if compared is not None:
         pieces.append(compared)
         desync_len = compared.numel()
-    if compared is None and compare is None:
-        decode = None
     if leader and rows.device.type == "cpu":  # rows the collective left on the host (gloo): kept, not copied
         rows_kept, sketches_kept = rows, sketches
     else:

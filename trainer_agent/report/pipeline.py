@@ -221,8 +221,10 @@ class ReportPipeline:
         self.gathered_step = step  # entered (even if it fails): never entered twice per step
         ex, rounds = self.exchange, self.rounds
         gathered = ex.gather(row)
-        rows = gathered.numpy() if gathered.device.type == "cpu" else gathered  # host rows: read with numpy
-        differ = rounds.differ(ex.extra(rows), failed_ranks(ex.fields(rows))) if rounds is not None else None
+        differ = None
+        if rounds is not None:
+            rows = gathered.numpy() if gathered.device.type == "cpu" else gathered  # host rows: read with numpy
+            differ = rounds.differ(ex.extra(rows), ex.fields(rows))
         leader_state, differ = ex.head(gathered, differ)
         if not differ or rounds is None:
             return gathered, leader_state, None
