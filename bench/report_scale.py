@@ -75,7 +75,7 @@ def measure(world: int, rank: int, reports: int) -> tuple[float, float | None]:
     ex = _exchange(world, rank)
     rows = synthetic_rows(ex, world)
     ex.gather = lambda row: rows  # type: ignore[method-assign]
-    agent.reports.exchange, agent.reports.world_size, agent.rank = ex, world, rank
+    agent.reports.exchange, agent.rank = ex, rank  # the pipeline's world_size is its exchange's
     off: list[float] = []
     resolve = getattr(report, "RankVectors", None)
     if resolve is not None:
