@@ -10,7 +10,7 @@ set of units compared by the same groups of ranks; one under data parallelism)::
 
     screen_K(set) = sum over the set's units u of  a_K(u) * log ||x_u||
 
-with fixed signs ``a_k(u)`` in {-1, +1} (the same seed on every rank). Each unit's projection is
+with fixed signs ``a_k(u)`` in {-1, +1} (drawn alike on every rank). Each unit's projection is
 divided by its own norm first, so a difference confined to one unit moves the screen by that
 unit's relative difference (``f_k`` moves by exactly the perturbation, see fingerprint.py; the
 norm's own change adds a term of the order of the perturbed element's share of the norm, about
