@@ -12,7 +12,10 @@ steps apart:
 
 - ``agent ops``: ATen operators the agent adds to a step (dispatched inside a step with the agent
   minus a plain step; a ``torch._foreach_*`` call counts once; on a GPU each is a kernel launch),
-  counted with a ``TorchDispatchMode``, which a loaded machine does not move;
+  counted with a ``TorchDispatchMode``, which a loaded machine does not move. On the CPU they are
+  counted on the agent's accelerator formulations (``agent_overhead.accelerator_paths``): the
+  CPU's own paths for large or many tensors work through cache-sized chunks, a number of
+  operators that follows the elements (loops, not launches), never the tensor count;
 - ``agent CPU ms``: the training thread's CPU time (``time.thread_time``) of a step with the agent
   minus that of a plain step, medians over the rounds: what another process on the machine does
   not move, unlike wall time.
@@ -35,6 +38,7 @@ steps at most 100 operators at 5,000 tensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -47,7 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import trainer_agent as ta  # noqa: E402
-from agent_overhead import OpCounter  # noqa: E402
+from agent_overhead import OpCounter, accelerator_paths  # noqa: E402
 
 
 class Split(nn.Module):
@@ -105,7 +109,7 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
         if r < rounds * every:
             with OpCounter() as plain_count:
                 step(plain, opts[0], False)
-            with OpCounter() as count:
+            with accelerator_paths() if device == "cpu" else contextlib.nullcontext(), OpCounter() as count:
                 step(watched, opts[1], True)
             rows["plain_ops"].append(plain_count.ops)
             rows["report_ops" if report else "ops"].append(count.ops)

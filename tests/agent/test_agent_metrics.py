@@ -488,15 +488,19 @@ def test_device_values_for_the_control_plane(model: Net) -> None:
 
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("refresh", [True, False])
-def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bool) -> None:
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bool, chunk: int) -> None:
     """Both passes (cache-sized chunks on the CPU, in-place difference on an accelerator), with
-    tensors larger than a chunk, several buckets and a non-contiguous parameter."""
-    from trainer_agent.measure import stats
+    tensors larger than a chunk, several buckets and non-contiguous parameters. With chunks of 7
+    elements every chunk is one row (the 20-element tensors span three); with 16 the 4-element
+    tensors and the 20-element ones' last rows share chunks of four rows (staged)."""
+    from trainer_agent.measure import chunked_updates, stats
 
-    monkeypatch.setattr(stats, "_UPDATE_CHUNK", 7)  # 20-element tensors span three chunks
+    monkeypatch.setattr(chunked_updates, "UPDATE_CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
-    after = [[torch.randn(4, 5, generator=g), torch.randn(3, generator=g), torch.randn(5, 4, generator=g).t()],
-             [torch.randn(2, 11, generator=g, dtype=torch.float64)]]
+    after = [[torch.randn(4, 5, generator=g), torch.randn(3, generator=g), torch.randn(5, 4, generator=g).t(),
+              torch.randn(4, generator=g), torch.randn(2, 2, generator=g).t(), torch.randn(4, generator=g)],
+             [torch.randn(2, 11, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)]]
     before = [[a + 0.01 * torch.randn(a.shape, generator=g, dtype=a.dtype) for a in bucket] for bucket in after]
     ref_delta = [float((b.double() - a.double()).pow(2).sum()) for bb, ab in zip(before, after) for b, a in zip(bb, ab)]
     ref_param = [float(a.double().pow(2).sum()) for ab in after for a in ab]
@@ -511,6 +515,9 @@ def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bo
         assert param.tolist() == pytest.approx(ref_param, rel=1e-6)
         assert before_sq.tolist() == pytest.approx(ref_before, rel=1e-6)
         assert refreshed == (refresh and chunked)
+        if chunked:
+            rows = [c.rows for c in cache["update_plan"].chunks]
+            assert max(rows) == (1 if chunk == 7 else 4), rows
         if refreshed:  # the snapshot now holds W_after, for a measured step that follows
             assert all(torch.equal(s, a) for sb, ab in zip(snap, after) for s, a in zip(sb, ab))
         elif chunked:  # the chunked pass leaves W_before alone
@@ -521,9 +528,9 @@ def test_update_sq_norms_against_float64(monkeypatch, chunked: bool, refresh: bo
 def test_large_and_mixed_dtype_parameters_match_reference(monkeypatch, update_ratio: str) -> None:
     """Parameters larger than an update chunk and two dtype buckets (their order differs from the
     optimizer's): every metric, per layer included, equals the float64 reference."""
-    from trainer_agent.measure import stats
+    from trainer_agent.measure import chunked_updates
 
-    monkeypatch.setattr(stats, "_UPDATE_CHUNK", 50)  # emb (512) and head (544) span chunks
+    monkeypatch.setattr(chunked_updates, "UPDATE_CHUNK", 50)  # emb (512) and head (544) span chunks
     torch.manual_seed(4)
     model = Net()
     model.blocks[0].double()  # a float64 layer between float32 ones: two buckets

@@ -39,7 +39,6 @@ def test_layer_gradient_statistics_match_a_naive_reference(monkeypatch, chunk: i
     if chunk is not None:
         from trainer_agent.measure import chunked_moments, stats
 
-        monkeypatch.setattr(stats, "MOMENT_CHUNK", chunk)
         monkeypatch.setattr(chunked_moments, "MOMENT_CHUNK", chunk)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

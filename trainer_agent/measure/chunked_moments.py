@@ -1,57 +1,133 @@
-"""The :data:`~trainer_agent.measure.stats.MOMENTS` of large tensors on the CPU, chunk by chunk
-through one small float64 buffer (``stats.tensor_moments`` calls it for every tensor of more than
-:data:`MOMENT_CHUNK` elements on the CPU).
+"""The :data:`~trainer_agent.measure.stats.MOMENTS` of CPU tensors, chunk by chunk through two
+small buffers that stay in cache (``stats.tensor_moments`` calls it for every CPU tensor when
+measuring on the CPU).
 
 On an accelerator the moments are eight fused ``torch._foreach_*`` passes (few launches,
-bandwidth to spare). On the CPU those passes are loops over the tensors inside ATen, and two of
-them, the float64 L1 norms, first convert the whole tensor to float64: about 9 passes over the
-gradients and 4 full-size temporaries, 534 ms for 36.7 M float32 elements on the project's 2-core
-machine. Here each chunk of :data:`MOMENT_CHUNK` elements is copied into the buffer once, as
-float64 (the buffer stays in the core's L2 cache), and every moment reads it there: its sum, its
-sum of squares (``torch.dot``), then, made absolute in place, its L1 norm and its smallest and
-largest value (``torch.aminmax``). The gradients are read once, nothing is written to memory, and
-every sum is accumulated in float64 (the sum of squares too, where the fused pass squares a
-float32 norm): 85 ms for the same tensors. NaN propagates into every moment of its tensor, as on
-the fused pass.
+bandwidth to spare). On the CPU those passes are loops over the tensors inside ATen: every pass
+pays a fixed cost per tensor (about 1 us, 5,000 tensors of 400 elements took 96 ms), and the two
+float64 L1 norms first convert each whole tensor to float64 (9 passes over the gradients, 534 ms
+for 36.7 M float32 elements on the project's 2-core machine).
+
+Here the elements are laid out once, at the first call for a set of shapes (:class:`MomentPlan`),
+as rows of :data:`MOMENT_CHUNK` elements at most: a large tensor is cut into rows of that length,
+and tensors of the same dtype and length (every block of a transformer repeats its shapes) are
+packed as rows of one chunk, staged with one ``torch._foreach_copy_``. Per chunk of up to
+``MOMENT_CHUNK`` elements, whatever the tensors in it, about eight operators read it while it is
+in cache:
+
+- copied once into a float64 buffer: per row its sum, its sum of squares, then, made absolute in
+  place, its L1 norm -- every sum accumulated in float64;
+- its absolute values in the tensor's own dtype, read as integers of the same width, give each
+  row's smallest and largest ``|x|`` exactly (non-negative IEEE floats order like their bit
+  patterns; an integer ``amin``/``amax`` is several times faster than a float one, which checks
+  for NaN). NaN's bits sort above infinity, so the largest is NaN when one is; the smallest is then
+  made NaN too, as on the fused passes.
+
+Rows of one tensor are then summed (``index_add_``) and their extremes combined
+(``scatter_reduce_``), a handful of operators for all tensors together. Nothing is written to
+memory but the buffers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["MOMENT_CHUNK", "chunked_moments"]
+from trainer_agent.compat import torch_private
+from trainer_agent.measure.chunk_plan import Chunk, ChunkPlan, Pieces, per_tensor_sums
 
-#: Elements per chunk (512 KiB in float64: the buffer stays in a core's L2 cache).
+__all__ = ["MOMENT_CHUNK", "BITS", "MomentPlan", "chunked_moments"]
+
+#: Elements per chunk (512 KiB in float64: the buffers stay in a core's L2 cache).
 MOMENT_CHUNK = 1 << 16
 
+#: The integer type of each float dtype's width: its absolute values' bits order like the values.
+BITS: dict[torch.dtype, torch.dtype] = {torch.float32: torch.int32, torch.float64: torch.int64,
+                                        torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
-def chunked_moments(tensors: list[torch.Tensor], buffer: torch.Tensor | None = None
-                    ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    """Per tensor (CPU tensors) its five moments as 0-dim float64 tensors, in
-    :data:`~trainer_agent.measure.stats.MOMENTS` order and form: ``||relu(t)||_1``, ``||t||_1``,
-    ``||t||`` (squared by the caller, as the fused pass's norm), ``max |t|``, ``-min |t|``; one
-    list per moment. ``buffer``: a float64 buffer of
-    :data:`MOMENT_CHUNK` elements to reuse (made when None); returned with the moments."""
-    if buffer is None or buffer.numel() < MOMENT_CHUNK:
-        buffer = torch.empty(MOMENT_CHUNK, dtype=torch.float64)
-    blocks: list[list[torch.Tensor]] = [[], [], [], [], []]
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        parts: list[torch.Tensor] = []
-        for start in range(0, flat.numel(), MOMENT_CHUNK):
-            chunk = flat[start:start + MOMENT_CHUNK]
-            b = buffer[:chunk.numel()]
-            b.copy_(chunk)  # the one read of the tensor: float64 from here on, in cache
-            parts += [b.sum(), torch.dot(b, b)]
-            b.abs_()
-            parts.append(b.sum())
-            parts += torch.aminmax(b)
-        per = torch.stack(parts).view(-1, 5)  # chunk rows: sum, sum of squares, L1, min |t|, max |t|
-        sums = per[:, :3].sum(dim=0)
-        total, sq, l1 = sums.unbind(0)
-        blocks[0].append((total + l1) / 2)  # ||relu(t)||_1: (sum + L1) / 2
-        blocks[1].append(l1)
-        blocks[2].append(sq.sqrt())
-        blocks[3].append(per[:, 4].amax())
-        blocks[4].append(-per[:, 3].amin())
-    return blocks, buffer
+
+class _Views:
+    """A chunk's views of the two buffers: the staging views (one per row, shaped like its
+    source), the float64 copy as the source's shape and as rows, the absolute values as rows of
+    integers."""
+
+    __slots__ = ("staged", "wide", "wide_flat", "absolute", "wide_rows", "bit_rows")
+
+    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], wide: torch.Tensor, stage: torch.Tensor) -> None:
+        size = c.rows * c.length
+        shape = c.shapes(shapes)
+        self.staged = [stage[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
+        # One row is read straight from its tensor into the float64 buffer (no staging).
+        self.wide = wide[:c.length].view(shape[0]) if c.rows == 1 else wide[:size]
+        self.wide_flat = wide[:size]
+        self.absolute = stage[:c.length].view(shape[0]) if c.rows == 1 else stage[:size]
+        self.wide_rows = wide[:size].view(c.rows, c.length)
+        self.bit_rows = stage[:size].view(BITS[c.dtype]).view(c.rows, c.length)
+
+
+class MomentPlan(ChunkPlan):
+    """A :class:`ChunkPlan` with its buffers: one float64 chunk, one staging chunk per dtype."""
+
+    def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
+        super().__init__(shapes, dtypes, chunk)
+        wide = torch.empty(chunk, dtype=torch.float64)
+        stages = {d: torch.empty(chunk, dtype=d) for d in self.dtypes}
+        self.views = [_Views(c, shapes, wide, stages[c.dtype]) for c in self.chunks]
+
+
+@torch.no_grad()
+def chunked_moments(tensors: Sequence[torch.Tensor], cache: dict | None = None) -> torch.Tensor:
+    """The :data:`~trainer_agent.measure.stats.MOMENTS` of non-empty CPU tensors of the dtypes
+    of :data:`BITS`, as a (5, len(tensors)) float64 tensor, a column per tensor in order:
+    ``||relu(t)||_1``, ``||t||_1``, ``||t||^2``, ``max |t|``, ``-min |t|``. NaN propagates
+    into every moment of its tensor. ``cache``: a dict the caller keeps (the plan and its
+    buffers)."""
+    cache = {} if cache is None else cache
+    shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
+    plan = cache.get("moment_plan")
+    if plan is None or not plan.matches(shapes, dtypes, MOMENT_CHUNK):
+        plan = cache["moment_plan"] = MomentPlan(shapes, dtypes, MOMENT_CHUNK)
+    sums: list[torch.Tensor] = []
+    squares: list[torch.Tensor] = []
+    l1s: list[torch.Tensor] = []
+    bits: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {d: ([], []) for d in plan.dtypes}
+    pieces = Pieces(tensors)
+    for c, v in zip(plan.chunks, plan.views):
+        if c.rows == 1:
+            src = pieces.row(*c.pieces[0], c.length)
+            v.wide.copy_(src)  # the one read of these elements: float64 from here on, in cache
+            torch.abs(src, out=v.absolute)
+        else:
+            torch_private.foreach_copy_(v.staged, pieces.rows(c))
+            v.wide.copy_(v.absolute)
+            v.absolute.abs_()
+        w = v.wide_rows
+        sums.append(w.sum(dim=1))
+        squares.append(torch.mv(w, v.wide_flat) if c.rows == 1 else torch.linalg.vector_norm(w, dim=1).square_())
+        w.abs_()
+        l1s.append(w.sum(dim=1))
+        bits[c.dtype][0].append(v.bit_rows.amin(dim=1))  # (``aminmax`` along a dimension is not vectorized)
+        bits[c.dtype][1].append(v.bit_rows.amax(dim=1))
+    return _per_tensor(plan, tensors, torch.stack([torch.cat(sums), torch.cat(squares), torch.cat(l1s)]), bits)
+
+
+def _per_tensor(plan: MomentPlan, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
+                bits: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> torch.Tensor:
+    """The rows' (sum, sum of squares, L1) and extreme bits combined per tensor, in MOMENTS form."""
+    extremes = torch.cat([torch.stack([torch.cat(low), torch.cat(high)]).view(dtype).to(torch.float64)
+                          for dtype, (low, high) in bits.items()], dim=1)
+    low, high = extremes.unbind(0)
+    low = torch.where(high.isnan(), high, low)  # the integer minimum passes over NaN
+    rows = per_tensor_sums(plan, rows)
+    if not plan.identity:
+        n = plan.tensors
+        high = torch.empty(n, dtype=torch.float64).scatter_reduce_(0, plan.owner, high, "amax", include_self=False)
+        low = torch.empty(n, dtype=torch.float64).scatter_reduce_(0, plan.owner, low, "amin", include_self=False)
+    total, sq, l1 = rows.unbind(0)
+    positive = (total + l1) / 2
+    # A tensor with an infinity (or NaN): (sum + L1) / 2 is no longer its positive part, which is
+    # then summed as it is (rare; these are the CPU's own values, read without a device sync).
+    for i in torch.nonzero(~total.isfinite()).flatten().tolist():
+        positive[i] = tensors[i].detach().double().clamp_min(0).sum()
+    return torch.stack([positive, l1, sq, high, low.neg()])

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from trainer_agent.compat import torch_private
-from trainer_agent.measure.chunked_moments import MOMENT_CHUNK, chunked_moments
+from trainer_agent.measure.chunked_moments import BITS, chunked_moments
+from trainer_agent.measure.chunked_updates import chunked_update_sq_norms
 from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
 from trainer_agent.measure.noise_scale import noise_scale
 
@@ -69,11 +70,6 @@ def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-#: Elements per chunk of the CPU update-norm pass: its difference buffer (256 KiB in float32)
-#: and the two chunks it reads stay in a core's L2 cache.
-_UPDATE_CHUNK = 1 << 16
-
-
 def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]],
                     device: torch.device, cache: dict | None = None, *, before_norms: bool = False,
                     refresh: bool = False, chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
@@ -84,13 +80,11 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
 
     On an accelerator (bandwidth to spare, launches costly): per bucket ``before -= after`` in
     place and fused norms, a handful of launches per bucket; ``refreshed`` is False. On the CPU
-    (bandwidth-bound): the difference is formed chunk by chunk in one small reusable buffer and
-    every norm reads its chunk while it is in cache, so the pass reads ``before`` and ``after``
-    once and writes nothing to memory (8 bytes per fp32 element instead of 20); with
-    ``refresh`` it also copies ``after`` into ``before`` from the cache (``refreshed`` True), so
-    a measured step that follows needs no snapshot copy. Chunk norms are float32, summed per
-    tensor in float64 (more accurate than one float32 norm of a large tensor). ``chunked``
-    chooses the pass (default: chunked on the CPU).
+    (bandwidth-bound, a cost per tensor in every ``_foreach`` loop): chunk by chunk through
+    buffers that stay in cache (``trainer_agent/measure/chunked_updates.py``); with ``refresh``
+    it also copies ``after`` into ``before`` from the cache (``refreshed`` True), so a measured
+    step that follows needs no snapshot copy. ``chunked`` chooses the pass (default: chunked on
+    the CPU).
     """
     cache = {} if cache is None else cache
     columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
@@ -102,88 +96,25 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
             torch_private.foreach_sub_(bucket_b, bucket_a)  # W_before - W_after, in place in the snapshot
             columns[0] += torch_private.foreach_norm(bucket_b, 2, dtype=dtype)
             columns[1] += torch_private.foreach_norm(bucket_a, 2, dtype=dtype)
-        delta, param, *rest = _squared_columns(columns, None, device, cache)
+        delta, param, *rest = _squared_columns(columns, device)
         return delta, param, rest[0] if before_norms else None, False
-    owner: list[int] = []
-    first = 0
-    for bucket_b, bucket_a in zip(before, after):
-        owner += [first + i for i in _small_update_norms(bucket_b, bucket_a, columns, before_norms, refresh)]
-        key = ("buffer", bucket_a[0].dtype)
-        buf = cache.get(key)
-        if buf is None:
-            buf = cache[key] = torch.empty(_UPDATE_CHUNK, dtype=bucket_a[0].dtype)
-        owner += [first + i for i in _chunked_update_norms(bucket_b, bucket_a, buf, columns, before_norms, refresh)]
-        first += len(bucket_a)
-    delta, param, *rest = _squared_columns(columns, owner, device, cache)
+    flat_b = [t for bucket in before for t in bucket]
+    delta, param, *rest = chunked_update_sq_norms(flat_b, [t for bucket in after for t in bucket], cache,
+                                                  before_norms=before_norms, refresh=refresh)
+    if flat_b and flat_b[0].device != device:
+        delta, param, *rest = (v.to(device, non_blocking=True) for v in (delta, param, *rest))
     return delta, param, rest[0] if before_norms else None, refresh
 
 
-def _small_update_norms(bucket_b: Sequence[torch.Tensor], bucket_a: Sequence[torch.Tensor],
-                        columns: list[list[torch.Tensor]], before_norms: bool, refresh: bool) -> list[int]:
-    """The CPU pass over a bucket's tensors of at most one chunk: fused calls, each difference
-    fits in cache as a whole. Appends to ``columns``; returns the tensors' indexes in the bucket."""
-    small = [i for i, a in enumerate(bucket_a) if a.numel() <= _UPDATE_CHUNK]
-    if small:
-        small_b, small_a = [bucket_b[i] for i in small], [bucket_a[i] for i in small]
-        diff = torch_private.foreach_sub(small_b, small_a)
-        dtype = norm_dtype(bucket_a[0].dtype)
-        columns[0] += torch_private.foreach_norm(diff, 2, dtype=dtype)
-        columns[1] += torch_private.foreach_norm(small_a, 2, dtype=dtype)
-        if before_norms:
-            columns[2] += torch_private.foreach_norm(small_b, 2, dtype=dtype)
-        if refresh:
-            torch_private.foreach_copy_(small_b, small_a)
-    return small
-
-
-def _chunked_update_norms(bucket_b: Sequence[torch.Tensor], bucket_a: Sequence[torch.Tensor], buf: torch.Tensor,
-                          columns: list[list[torch.Tensor]], before_norms: bool, refresh: bool) -> list[int]:
-    """The CPU pass over a bucket's larger tensors, chunk by chunk through ``buf``: every norm
-    reads its chunk while it is in cache. Appends one value per chunk to ``columns``; returns the
-    owning tensor's index in the bucket per chunk."""
-    owner: list[int] = []
-    for i, (b, a) in enumerate(zip(bucket_b, bucket_a)):
-        n = a.numel()
-        if n <= _UPDATE_CHUNK:
-            continue
-        flat_b, flat_a = b.view(-1), a.reshape(-1)
-        for start in range(0, n, _UPDATE_CHUNK):
-            stop = min(n, start + _UPDATE_CHUNK)
-            out = buf[: stop - start]
-            chunk_a, chunk_b = flat_a[start:stop], flat_b[start:stop]
-            torch.sub(chunk_b, chunk_a, out=out)
-            # Every norm while the chunk is in cache; the next chunk reuses the buffer.
-            dtype = norm_dtype(out.dtype)
-            columns[0].append(torch.linalg.vector_norm(out, dtype=dtype))
-            columns[1].append(torch.linalg.vector_norm(chunk_a, dtype=dtype))
-            if before_norms:
-                columns[2].append(torch.linalg.vector_norm(chunk_b, dtype=dtype))
-            if refresh:
-                chunk_b.copy_(chunk_a)
-            owner.append(i)
-    return owner
-
-
-def _squared_columns(columns: list[list[torch.Tensor]], owner: list[int] | None, device: torch.device,
-                     cache: dict) -> list[torch.Tensor]:
+def _squared_columns(columns: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
     """The squares of the float norms in ``columns`` (lists of 0-dim tensors of one length), as
-    one float64 vector per column on ``device``; ``owner``: the tensor of each entry (chunks of
-    one tensor are summed into its value; None: one entry per tensor, in order). Fused: one
-    ``stack`` of every column at once, one cast, one in-place square, one ``index_add`` (into
-    zeros kept in ``cache`` with its index) when chunks are summed, one ``unbind``."""
+    one float64 vector per column on ``device``: one ``stack`` of every column at once, one cast,
+    one in-place square, one ``unbind``."""
     k, entries = len(columns), len(columns[0])
     flat = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
                         for column in columns for v in column]).to(torch.float64)
     flat.square_()
-    if owner is None or owner == list(range(entries)):
-        return list(flat.view(k, entries).unbind(0))
-    rows = max(owner) + 1
-    key = ("columns", k, rows, len(owner))
-    plan = cache.get(key)
-    if plan is None or plan[0] != owner:  # the flat index of entry j of column c: c * rows + owner[j]
-        index = torch.tensor([c * rows + i for c in range(k) for i in owner], dtype=torch.long, device=device)
-        plan = cache[key] = (list(owner), index, torch.zeros(k * rows, dtype=torch.float64, device=device))
-    return list(plan[2].index_add(0, plan[1], flat).view(k, rows).unbind(0))
+    return list(flat.view(k, entries).unbind(0))
 
 
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -285,8 +216,8 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
 _STATS_CHUNK_BYTES = 256 << 20
 
 #: The blocks of :func:`tensor_moments`' result, in order: ||relu(t)||_1 and ||t||_1 (float64
-#: accumulation), ||t||^2 (a float32 norm, float64 for float64 tensors, squared in float64),
-#: max |t| and -min |t|.
+#: accumulation), ||t||^2 (on the CPU a float64 sum of squares; on an accelerator a float32 norm,
+#: float64 for float64 tensors, squared in float64), max |t| and -min |t|.
 MOMENTS: tuple[str, ...] = ("pos_l1", "l1", "sq", "max_abs", "neg_min_abs")
 
 
@@ -313,8 +244,8 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
                    cache: dict | None = None) -> tuple[torch.Tensor, list[int]]:
     """``(values, order)``: the :data:`MOMENTS` of every tensor (none may be empty) as *one* flat
     float64 vector on ``device``, ``len(MOMENTS)`` blocks of ``len(tensors)`` values, the tensors
-    in ``order`` (indices into ``tensors``: bucket after bucket; the identity when they share
-    device and dtype). NaN propagates into every block of its tensor.
+    in ``order`` (indices into ``tensors``; the identity when they share device and dtype, or
+    all lie on the CPU). NaN propagates into every block of its tensor.
 
     Eight fused ``torch._foreach_*`` passes per (device, dtype) chunk of at most
     ``_STATS_CHUNK_BYTES`` — ``A = |t|``, ``max(A)``; ``A = -A``, ``max(A) = -min|t|``;
@@ -323,38 +254,35 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
     one operator whatever the tensor and block count; ``stack`` promotes the float32 results to
     float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``.
 
-    On the CPU (``chunked``, default: when ``device`` is the CPU) a tensor of more than
-    ``MOMENT_CHUNK`` elements is measured chunk by chunk instead
-    (``trainer_agent/measure/chunked_moments.py``: one read, float64 sums), after the fused
-    passes over the smaller ones; ``cache``: a dict the caller keeps for its buffer."""
-    blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
-    order: list[int] = []
-    large: dict[int, int] = {}  # tensor -> its place among the large ones
+    On the CPU (``chunked``, default: when ``device`` is the CPU) every CPU tensor of a float
+    dtype is measured chunk by chunk instead (``trainer_agent/measure/chunked_moments.py``: one
+    read, float64 sums, a fixed number of operators per chunk of elements rather than per
+    tensor), before the fused passes over the others; ``cache``: a dict the caller keeps for its
+    buffers."""
+    packed: list[int] = []
     if device.type == "cpu" if chunked is None else chunked:
-        large = {i: j for j, i in enumerate(i for i, t in enumerate(tensors)
-                                            if t.numel() > MOMENT_CHUNK and t.device.type == "cpu")}
-    big: list[list[torch.Tensor]] = []
-    if large:
-        cache = {} if cache is None else cache
-        big, cache["moments"] = chunked_moments([tensors[i] for i in large], cache.get("moments"))
-    for chunk in _moment_chunks(tensors):
-        fused = [i for i in chunk if i not in large]
-        found = _fused_moments([tensors[i] for i in fused]) if fused else [[] for _ in MOMENTS]
-        if len(fused) == len(chunk):
-            for block, values in zip(blocks, found):
+        packed = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype in BITS]
+    parts: list[torch.Tensor] = []
+    if packed:
+        done = chunked_moments(tensors if len(packed) == len(tensors) else [tensors[i] for i in packed], cache)
+        parts.append(done if device.type == "cpu" else done.to(device, non_blocking=True))
+    order = list(packed)
+    taken = set(packed)
+    rest = [i for i in range(len(tensors)) if i not in taken] if len(packed) < len(tensors) else []
+    if rest:
+        blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
+        for chunk in _moment_chunks([tensors[i] for i in rest]):
+            for block, values in zip(blocks, _fused_moments([tensors[rest[i]] for i in chunk])):
                 block += values
-        else:  # the fused and the chunked tensors of this chunk, in its order
-            at = {i: j for j, i in enumerate(fused)}
-            for block, fused_block, big_block in zip(blocks, found, big):
-                block += [big_block[large[i]] if i in large else fused_block[at[i]] for i in chunk]
-        order += chunk
+            order += [rest[i] for i in chunk]
+        fused = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
+                             for block in blocks for v in block]).view(len(MOMENTS), -1)  # float64: blocks 0 and 1 are
+        fused[2].square_()  # the norms, squared in float64
+        parts.append(fused)
     if not order:
         return torch.zeros(0, dtype=torch.float64, device=device), order
-    values = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
-                          for block in blocks for v in block])  # float64: blocks 0 and 1 are
-    n = len(order)
-    values[2 * n:3 * n].square_()  # the norms, squared in float64
-    return values, order
+    values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return values.reshape(-1), order
 
 
 def _fused_moments(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -1,0 +1,97 @@
+"""Tensors laid out as rows of cache-sized chunks, for the CPU's passes over many or large tensors
+(``chunked_moments.py``, ``chunked_updates.py``).
+
+On the CPU a ``torch._foreach_*`` operator is a loop over its tensors inside ATen with a fixed
+cost per tensor (about 1 us), and an operator over a whole large tensor streams it through the
+cache once per statistic. A :class:`ChunkPlan` is made once per set of shapes and dtypes: each
+tensor becomes rows of at most ``chunk`` elements (a large tensor is cut into rows of ``chunk``
+and a shorter last row), and rows of one dtype and length -- the tensors of a model repeat a few
+shapes, one per kind of layer -- are packed into chunks of ``chunk // length`` rows. A pass then
+costs a fixed number of operators per chunk, whatever the tensors in it: a packed chunk is staged
+with one ``torch._foreach_copy_`` into a buffer that stays in cache and reduced along its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Chunk", "ChunkPlan", "Pieces", "per_tensor_sums"]
+
+
+class Chunk:
+    """``rows`` rows of ``length`` elements of ``dtype``: ``pieces``, per row the tensor's index
+    and its first element (-1: the whole tensor, shaped as it is)."""
+
+    __slots__ = ("dtype", "rows", "length", "pieces")
+
+    def __init__(self, dtype: torch.dtype, length: int, pieces: list[tuple[int, int]]) -> None:
+        self.dtype, self.rows, self.length, self.pieces = dtype, len(pieces), length, pieces
+
+    def shapes(self, shapes: Sequence[torch.Size]) -> list[torch.Size | tuple[int]]:
+        """Each row's shape as read from its tensor: the tensor's for a whole one, else flat."""
+        return [shapes[i] if start < 0 else (self.length,) for i, start in self.pieces]
+
+
+class ChunkPlan:
+    """The chunks of tensors of ``shapes`` and ``dtypes`` (see the module docstring), dtype after
+    dtype in order of first appearance; a large tensor's last, shorter row shares its chunk with
+    the rows of other tensors of its length. Empty tensors have no rows."""
+
+    def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
+        self.key = (tuple(shapes), tuple(dtypes), chunk)
+        self.shapes = list(shapes)
+        self.dtypes = list(dict.fromkeys(dtypes))
+        rows: dict[tuple[torch.dtype, int], list[tuple[int, int]]] = {}
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            n = shape.numel()
+            if 0 < n <= chunk:
+                rows.setdefault((dtype, n), []).append((i, -1))
+            for start in range(0, n if n > chunk else 0, chunk):
+                rows.setdefault((dtype, min(chunk, n - start)), []).append((i, start))
+        self.chunks: list[Chunk] = []
+        for (dtype, length), pieces in sorted(rows.items(), key=lambda kv: self.dtypes.index(kv[0][0])):
+            per = chunk // length
+            self.chunks += [Chunk(dtype, length, pieces[k:k + per]) for k in range(0, len(pieces), per)]
+        owner = [i for c in self.chunks for i, _ in c.pieces]
+        self.tensors = len(shapes)
+        #: Every tensor exactly one row, in order: per-row results are per-tensor results.
+        self.identity = owner == list(range(self.tensors))
+        #: The tensor of each row, rows in chunk order.
+        self.owner = torch.tensor(owner, dtype=torch.long)
+
+    def matches(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> bool:
+        return self.key == (tuple(shapes), tuple(dtypes), chunk)
+
+
+class Pieces:
+    """The rows of the current ``tensors`` (one call of a pass): a whole tensor as it is, a
+    piece as a slice of its flattened tensor (flattened once; a view when it is contiguous, so a
+    write to the piece reaches the tensor)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def row(self, i: int, start: int, length: int) -> torch.Tensor:
+        if start < 0:
+            return self.tensors[i]
+        flat = self._flat.get(i)
+        if flat is None:
+            flat = self._flat[i] = self.tensors[i].detach().reshape(-1)
+        return flat[start:start + length]
+
+    def flat_row(self, i: int, start: int, length: int) -> torch.Tensor:
+        """The row flattened (a view when its tensor is contiguous)."""
+        return self.row(i, start, length).reshape(length) if start < 0 else self.row(i, start, length)
+
+    def rows(self, chunk: Chunk) -> list[torch.Tensor]:
+        return [self.row(i, start, chunk.length) for i, start in chunk.pieces]
+
+
+def per_tensor_sums(plan: ChunkPlan, rows: torch.Tensor) -> torch.Tensor:
+    """(k, rows) per-row values summed per tensor: (k, tensors); 0 for a tensor without rows."""
+    if plan.identity:
+        return rows
+    return torch.zeros(rows.shape[0], plan.tensors, dtype=rows.dtype).index_add_(1, plan.owner, rows)

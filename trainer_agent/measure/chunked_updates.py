@@ -1,0 +1,100 @@
+"""The update's squared norms on the CPU, chunk by chunk (``stats.update_sq_norms`` calls it when
+measuring on the CPU): per parameter ``||W_before - W_after||^2``, ``||W_after||^2`` and, when
+asked, ``||W_before||^2``, from the agent's snapshot of ``W_before``.
+
+Laid out by a :class:`~trainer_agent.measure.chunk_plan.ChunkPlan` (made once per set of shapes):
+a chunk that is one row (a large parameter's piece, or a parameter alone at its length) is read
+in place, a chunk of several small parameters of one length is staged with one
+``torch._foreach_copy_`` per side into buffers that stay in cache. Per chunk, whatever the
+parameters in it: the difference into a buffer, then a float32 norm per row of the difference,
+of ``W_after`` and of ``W_before``, while the chunk is in cache. ``W_before`` and ``W_after`` are
+read once and nothing is written to memory (8 bytes per float32 element instead of the 20 of an
+in-place difference and three whole-tensor norms); with ``refresh``, ``W_after`` is also copied
+into the snapshot from the cache, so that a measured step that follows needs no snapshot copy.
+Row norms are squared in float64 and summed per parameter (more accurate than one float32 norm
+of a large tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer_agent.compat import torch_private
+from trainer_agent.measure.chunk_plan import Chunk, ChunkPlan, Pieces, per_tensor_sums
+
+__all__ = ["UPDATE_CHUNK", "chunked_update_sq_norms"]
+
+#: Elements per chunk: the difference buffer (256 KiB in float32) and the chunks it reads stay in
+#: a core's L2 cache.
+UPDATE_CHUNK = 1 << 16
+
+
+class _Views:
+    """A chunk's views of its dtype's three buffers (after, before, difference): per row shaped
+    like its source for staging, and as (rows, length) matrices."""
+
+    __slots__ = ("after", "before", "after_rows", "before_rows", "diff", "diff_rows")
+
+    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], buffers: tuple[torch.Tensor, ...]) -> None:
+        size = c.rows * c.length
+        shape = c.shapes(shapes)
+        after, before, diff = buffers
+        self.after = [after[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
+        self.before = [before[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
+        self.after_rows, self.before_rows = after[:size].view(c.rows, c.length), before[:size].view(c.rows, c.length)
+        self.diff, self.diff_rows = diff[:size], diff[:size].view(c.rows, c.length)
+
+
+class UpdatePlan(ChunkPlan):
+    """A :class:`ChunkPlan` with its buffers, three chunks per dtype."""
+
+    def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
+        super().__init__(shapes, dtypes, chunk)
+        buffers = {d: tuple(torch.empty(chunk, dtype=d) for _ in range(3)) for d in self.dtypes}
+        self.views = [_Views(c, shapes, buffers[c.dtype]) for c in self.chunks]
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], cache: dict, *,
+                            before_norms: bool, refresh: bool) -> list[torch.Tensor]:
+    """Per parameter (CPU tensors, ``before[i]`` the contiguous snapshot of ``after[i]``),
+    float64 vectors: ``[||before - after||^2, ||after||^2]`` and, with ``before_norms``,
+    ``||before||^2``; with ``refresh`` the snapshot holds ``after`` on return. ``cache``: a dict
+    the caller keeps (the plan and its buffers)."""
+    shapes, dtypes = [t.shape for t in after], [t.dtype for t in after]
+    plan = cache.get("update_plan")
+    if plan is None or not plan.matches(shapes, dtypes, UPDATE_CHUNK):
+        plan = cache["update_plan"] = UpdatePlan(shapes, dtypes, UPDATE_CHUNK)
+    columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
+    new, old = Pieces(after), Pieces(before)
+    for c, v in zip(plan.chunks, plan.views):
+        if c.rows == 1:
+            i, start = c.pieces[0]
+            a, b = new.flat_row(i, start, c.length), old.flat_row(i, start, c.length)
+            a_rows, b_rows = a.view(1, c.length), b.view(1, c.length)
+            torch.sub(b, a, out=v.diff)
+        else:
+            torch_private.foreach_copy_(v.after, new.rows(c))
+            torch_private.foreach_copy_(v.before, old.rows(c))
+            a_rows, b_rows = v.after_rows, v.before_rows
+            torch.sub(b_rows, a_rows, out=v.diff_rows)
+        dtype = _norm_dtype(c.dtype)
+        columns[0].append(torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype))
+        columns[1].append(torch.linalg.vector_norm(a_rows, dim=1, dtype=dtype))
+        if before_norms:
+            columns[2].append(torch.linalg.vector_norm(b_rows, dim=1, dtype=dtype))
+        if refresh:  # W_after into the snapshot, from the cache
+            if c.rows == 1:
+                b.copy_(a)
+            else:
+                torch_private.foreach_copy_(old.rows(c), v.after)
+    if not plan.chunks:
+        return [torch.zeros(plan.tensors, dtype=torch.float64) for _ in columns]
+    rows = torch.stack([torch.cat(column).to(torch.float64) for column in columns]).square_()
+    return list(per_tensor_sums(plan, rows).unbind(0))
