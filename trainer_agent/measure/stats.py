@@ -276,13 +276,15 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
                 block += values
             order += [rest[i] for i in chunk]
         fused = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
-                             for block in blocks for v in block]).view(len(MOMENTS), -1)  # float64: blocks 0 and 1 are
-        fused[2].square_()  # the norms, squared in float64
-        parts.append(fused)
+                             for block in blocks for v in block])  # float64: blocks 0 and 1 are
+        n = len(rest)
+        fused[2 * n:3 * n].square_()  # the norms, squared in float64
+        if not parts:
+            return fused, order
+        parts.append(fused.view(len(MOMENTS), n))
     if not order:
         return torch.zeros(0, dtype=torch.float64, device=device), order
-    values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return values.reshape(-1), order
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).reshape(-1), order
 
 
 def _fused_moments(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
