@@ -55,6 +55,26 @@ def _cli_module(checkout: Path) -> str:
     return "trainguard.cli" if (cli / "cli.py").exists() or (cli / "cli" / "__init__.py").exists() else "service.cli"
 
 
+def feed(c: httpx.Client, *, runs: int, world: int, warm_up: int, reports: int, counted=None) -> None:
+    """Register ``runs`` runs of ``world`` ranks, then post ``warm_up`` reports round-robin, call
+    ``counted()`` (if given) and post ``reports`` more, one at a time."""
+    run_ids = [f"bench-run-{i:04d}" for i in range(runs)]
+    for run in run_ids:
+        c.post("/v1/runs", json={
+            "job": "bench-job", "run": run, "world_size": world,
+            "ranks": [{"rank": r, "local_rank": r % 8, "host": _LOOPBACK, "port": 9000 + r} for r in range(world)],
+        }).raise_for_status()
+    rng = random.Random(0)
+    bodies = [_body(rng, "bench-job", step, world) for step in range((warm_up + reports) // runs + 1)]
+    for i in range(warm_up + reports):
+        if i == warm_up and counted is not None:
+            counted()
+        r = c.post(f"/v1/runs/{run_ids[i % runs]}/reports", content=bodies[i // runs],
+                   headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise SystemExit(f"report {i}: {r.status_code} {r.text[:300]}")
+
+
 def _measure(checkout: Path, serve_args: list[str], *, runs: int, world: int, warm_up: int, reports: int) -> float:
     """Instructions per report of one controller process."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,26 +94,9 @@ def _measure(checkout: Path, serve_args: list[str], *, runs: int, world: int, wa
             if url is None:
                 raise SystemExit(f"the controller in {checkout} did not start (exit {server.wait()})")
             with httpx.Client(base_url=url, timeout=600) as c:
-                run_ids = [f"bench-run-{i:04d}" for i in range(runs)]
-                for run in run_ids:
-                    c.post("/v1/runs", json={
-                        "job": "bench-job", "run": run, "world_size": world,
-                        "ranks": [{"rank": r, "local_rank": r % 8, "host": _LOOPBACK, "port": 9000 + r} for r in range(world)],
-                    }).raise_for_status()
-                rng = random.Random(0)
-                bodies = [_body(rng, "bench-job", step, world) for step in range((warm_up + reports) // runs + 1)]
-                headers = {"content-type": "application/json"}
-
-                def post(i: int) -> None:
-                    r = c.post(f"/v1/runs/{run_ids[i % runs]}/reports", content=bodies[i // runs], headers=headers)
-                    if r.status_code != 200:
-                        raise SystemExit(f"report {i}: {r.status_code} {r.text[:300]}")
-
-                for i in range(warm_up):
-                    post(i)
-                subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
-                for i in range(warm_up, warm_up + reports):
-                    post(i)
+                feed(c, runs=runs, world=world, warm_up=warm_up, reports=reports,
+                     counted=lambda: subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True,
+                                                    capture_output=True))
                 subprocess.run(["callgrind_control", "-d", str(server.pid)], check=True, capture_output=True)
         finally:
             server.terminate()

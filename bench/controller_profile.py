@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import pstats
-import random
 import re
 import signal
 import subprocess
@@ -38,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from controller_instructions import _LOOPBACK, _body, _cli_module, _config  # noqa: E402
+from controller_instructions import _LOOPBACK, _cli_module, _config, feed  # noqa: E402
 
 
 #: Runs the controller's CLI module under cProfile with the main thread's CPU time as its clock (a
@@ -74,19 +73,7 @@ def _profile(checkout: Path, serve_args: list[str], out: str, *, runs: int, worl
             if url is None:
                 raise SystemExit(f"the controller in {checkout} did not start (exit {server.wait()})")
             with httpx.Client(base_url=url, timeout=600) as c:
-                run_ids = [f"bench-run-{i:04d}" for i in range(runs)]
-                for run in run_ids:
-                    c.post("/v1/runs", json={
-                        "job": "bench-job", "run": run, "world_size": world,
-                        "ranks": [{"rank": r, "local_rank": r % 8, "host": _LOOPBACK, "port": 9000 + r} for r in range(world)],
-                    }).raise_for_status()
-                rng = random.Random(0)
-                bodies = [_body(rng, "bench-job", step, world) for step in range((warm_up + reports) // runs + 1)]
-                for i in range(warm_up + reports):
-                    r = c.post(f"/v1/runs/{run_ids[i % runs]}/reports", content=bodies[i // runs],
-                               headers={"content-type": "application/json"})
-                    if r.status_code != 200:
-                        raise SystemExit(f"report {i}: {r.status_code} {r.text[:300]}")
+                feed(c, runs=runs, world=world, warm_up=warm_up, reports=reports)
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(120)
