@@ -4,24 +4,22 @@ measuring on the CPU).
 
 On an accelerator the moments are eight fused ``torch._foreach_*`` passes (few launches,
 bandwidth to spare). On the CPU those passes are loops over the tensors inside ATen: every pass
-pays a fixed cost per tensor (about 1 us, 5,000 tensors of 400 elements took 96 ms), and the two
-float64 L1 norms first convert each whole tensor to float64 (9 passes over the gradients, 534 ms
-for 36.7 M float32 elements on the project's 2-core machine).
+pays a fixed cost per tensor (5,000 tensors of 400 elements took 96 ms), and the two float64 L1
+norms first convert each whole tensor to float64 (9 passes over the gradients, 534 ms for 36.7 M
+float32 elements on the project's 2-core machine).
 
-Here the elements are laid out once, at the first call for a set of shapes (:class:`MomentPlan`),
-as rows of :data:`MOMENT_CHUNK` elements at most: a large tensor is cut into rows of that length,
-and tensors of the same dtype and length (every block of a transformer repeats its shapes) are
-packed as rows of one chunk, staged with one ``torch._foreach_copy_``. Per chunk of up to
-``MOMENT_CHUNK`` elements, whatever the tensors in it, about eight operators read it while it is
-in cache:
+Here the tensors are laid out once as rows of chunks (``chunk_plan.py``: large tensors cut into
+rows, small ones of one dtype and length packed, staged with one ``torch._foreach_copy_``), and
+per chunk of up to :data:`MOMENT_CHUNK` elements, whatever the tensors in it, about eight
+operators read it while it is in cache:
 
 - copied once into a float64 buffer: per row its sum, its sum of squares, then, made absolute in
   place, its L1 norm -- every sum accumulated in float64;
 - its absolute values in the tensor's own dtype, read as integers of the same width, give each
   row's smallest and largest ``|x|`` exactly (non-negative IEEE floats order like their bit
   patterns; an integer ``amin``/``amax`` is several times faster than a float one, which checks
-  for NaN). NaN's bits sort above infinity, so the largest is NaN when one is; the smallest is then
-  made NaN too, as on the fused passes.
+  for NaN). NaN's bits sort above infinity, so the largest is NaN when one is; the smallest is
+  then made NaN too, as on the fused passes.
 
 Rows of one tensor are then summed (``index_add_``) and their extremes combined
 (``scatter_reduce_``), a handful of operators for all tensors together. Nothing is written to
@@ -126,8 +124,9 @@ def _per_tensor(plan: MomentPlan, tensors: Sequence[torch.Tensor], rows: torch.T
         low = torch.empty(n, dtype=torch.float64).scatter_reduce_(0, plan.owner, low, "amin", include_self=False)
     total, sq, l1 = rows.unbind(0)
     positive = (total + l1) / 2
-    # A tensor with an infinity (or NaN): (sum + L1) / 2 is no longer its positive part, which is
-    # then summed as it is (rare; these are the CPU's own values, read without a device sync).
-    for i in torch.nonzero(~total.isfinite()).flatten().tolist():
+    # A tensor with an infinity and no NaN: (sum + L1) / 2 is no longer its positive part, which
+    # is then summed as it is (rare; these are the CPU's own values, read without a device sync).
+    # With a NaN every moment is NaN, that one too.
+    for i in torch.nonzero(~total.isfinite() & ~high.isnan()).flatten().tolist():
         positive[i] = tensors[i].detach().double().clamp_min(0).sum()
     return torch.stack([positive, l1, sq, high, low.neg()])
