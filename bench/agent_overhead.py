@@ -100,15 +100,20 @@ class NaiveMetrics:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen operators dispatched while active (each a kernel launch on a GPU, views
-    aside; a ``torch._foreach_*`` call counts once): a machine-independent measure of host work."""
+    """Counts the ATen operators dispatched while active (a ``torch._foreach_*`` call counts once):
+    a machine-independent measure of host work. ``ops`` counts every one; ``views`` those that
+    only make a view of a tensor (``slice``, ``select``, ``view``, ``detach``...: the schema's
+    ``is_view``), which launch no kernel on a GPU, so ``ops - views`` is the GPU's launch count
+    where each other operator is one kernel (a fused ``_foreach_*`` call may be several)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.views += func.is_view
         return func(*args, **(kwargs or {}))
 
 

@@ -12,7 +12,9 @@ steps apart:
 
 - ``agent ops``: ATen operators the agent adds to a step (dispatched inside a step with the agent
   minus a plain step; a ``torch._foreach_*`` call counts once; on a GPU each is a kernel launch),
-  counted with a ``TorchDispatchMode``, which a loaded machine does not move. On the CPU they are
+  counted with a ``TorchDispatchMode``, which a loaded machine does not move, all of them and
+  with views aside (``views aside``: operators that only make a view launch no kernel on a
+  GPU; the target counts launches). On the CPU they are
   counted on the agent's accelerator formulations (``agent_overhead.accelerator_paths``): the
   CPU's own paths for large or many tensors work through cache-sized chunks, a number of
   operators that follows the elements (loops, not launches), never the tensor count;
@@ -100,7 +102,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
             agent.end_step(loss)
 
     rows: dict[str, list[float]] = {"plain_ops": [], "ops": [], "report_ops": [], "plain_ms": [], "ms": [], "report_ms": [],
-                                    "plain_kernels": [], "kernels": [], "report_kernels": []}
+                                    "plain_kernels": [], "kernels": [], "report_kernels": [],
+                                    "plain_computing": [], "computing": [], "report_computing": []}
     for _ in range(2 * every):  # warm-up: first reports, caches, the fused paths
         step(plain, opts[0], False)
         step(watched, opts[1], True)
@@ -113,6 +116,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
                 step(watched, opts[1], True)
             rows["plain_ops"].append(plain_count.ops)
             rows["report_ops" if report else "ops"].append(count.ops)
+            rows["plain_computing"].append(plain_count.ops - plain_count.views)
+            rows["report_computing" if report else "computing"].append(count.ops - count.views)
         else:
             t0 = time.thread_time()
             step(plain, opts[0], False)
@@ -128,6 +133,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
     agent.close()
     med = {k: statistics.median(v) for k, v in rows.items() if v}
     out = {"ops": med["ops"] - med["plain_ops"], "report_ops": med["report_ops"] - med["plain_ops"],
+           "computing": med["computing"] - med["plain_computing"],
+           "report_computing": med["report_computing"] - med["plain_computing"],
            "ms": med["ms"] - med["plain_ms"], "report_ms": med["report_ms"] - med["plain_ms"]}
     if "kernels" in med:
         out["kernels"] = med["kernels"] - med["plain_kernels"]
@@ -144,8 +151,8 @@ def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> Non
         for t in args.tensors:
             m = measure(args.elements, t, args.rounds, "cpu", ddp=True)
             if rank == 0:
-                print(" | ".join([f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['ms']:.3f}",
-                                  f"{m['report_ms']:.3f}"]), flush=True)
+                print(" | ".join([f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
+                                  f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]), flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -183,7 +190,8 @@ def main() -> None:
     if args.ddp and args.device != "cpu":
         sys.exit("agent_scale: --ddp runs on the CPU (gloo)")
     torch.set_num_threads(1)
-    cols = ["tensors", "agent ops/step", "agent ops/report step", "agent CPU ms/step", "agent CPU ms/report step"]
+    cols = ["tensors", "agent ops/step", "agent ops/report step", "views aside/step", "views aside/report step",
+            "agent CPU ms/step", "agent CPU ms/report step"]
     if args.device == "cuda":
         cols += ["cuda kernels/step", "cuda kernels/report step"]
     if args.ddp:
@@ -201,7 +209,8 @@ def main() -> None:
     print(" | ".join(cols))
     for t in args.tensors:
         m = measure(args.elements, t, args.rounds, args.device)
-        cells = [f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]
+        cells = [f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
+                 f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]
         if "kernels" in m:
             cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
         print(" | ".join(cells), flush=True)

@@ -159,14 +159,42 @@ def _bench(name: str):
     return module
 
 
+_COUNTS = ("ops", "report_ops", "computing", "report_computing")
+
+
 def test_report_steps_dispatch_a_constant_number_of_operators() -> None:
     """The report step's statistics are fused over every tensor (``stats.tensor_moments``,
     ``layer_stats``, the host-derived values of ``report_host``): the ATen operators the agent
-    adds, counted as ``bench/agent_scale.py`` counts them (a ``torch._foreach_*`` call once), are
-    the same at 100 and 2,000 tensors, at most 100 on a report step and 10 on an ordinary one.
-    Operator counts are deterministic: no timing is asserted."""
+    adds, counted as ``bench/agent_scale.py`` counts them (a ``torch._foreach_*`` call once, on
+    the accelerator formulations), are the same at 100 and 2,000 tensors, at most 100 on a report
+    step and 10 on an ordinary one, views included. Operator counts are deterministic: no timing
+    is asserted."""
     scale = _bench("agent_scale")
     few, many = (scale.measure(200_000, tensors, rounds=1, device="cpu") for tensors in (100, 2000))
-    assert (few["ops"], few["report_ops"]) == (many["ops"], many["report_ops"])
+    assert [few[k] for k in _COUNTS] == [many[k] for k in _COUNTS]
     assert few["ops"] <= 10
     assert few["report_ops"] <= 100
+    assert 0 < few["report_computing"] < few["report_ops"]
+
+
+def _ddp_operator_counts(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    scale = _bench("agent_scale")
+    counts = [scale.measure(200_000, tensors, rounds=1, device="cpu", ddp=True) for tensors in (100, 2000)]
+    torch.save(counts, f"{out}/rank{rank}.pt")
+
+
+def test_report_steps_under_ddp_launch_a_constant_number_of_kernels(tmp_path) -> None:
+    """Under DDP (2 gloo ranks) a report step also fingerprints every layer, compares the
+    screens and measures the noise scale's incoming gradients: its operators are the same at 100
+    and 2,000 tensors on every rank, and with views aside (no kernel on a GPU) at most 100; an
+    ordinary step stays at most 10."""
+    from tests.control.spawn import spawn_ranks
+
+    for few, many in spawn_ranks(_ddp_operator_counts, 2, tmp_path):
+        assert [few[k] for k in _COUNTS] == [many[k] for k in _COUNTS]
+        assert few["ops"] <= 10
+        assert few["report_computing"] <= 100
