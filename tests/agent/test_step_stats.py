@@ -187,11 +187,11 @@ def _ddp_operator_counts(rank: int, init: str, out: str) -> None:
     torch.save(counts, f"{out}/rank{rank}.pt")
 
 
-def test_report_steps_under_ddp_launch_a_constant_number_of_kernels(tmp_path) -> None:
+def test_report_steps_under_ddp_dispatch_a_constant_number_of_operators(tmp_path) -> None:
     """Under DDP (2 gloo ranks) a report step also fingerprints every layer, compares the
     screens and measures the noise scale's incoming gradients: its operators are the same at 100
-    and 2,000 tensors on every rank, and with views aside (no kernel on a GPU) at most 100; an
-    ordinary step stays at most 10."""
+    and 2,000 tensors on every rank, and with views aside (they launch no kernel on a GPU) at
+    most 100; an ordinary step stays at most 10."""
     from tests.control.spawn import spawn_ranks
 
     for few, many in spawn_ranks(_ddp_operator_counts, 2, tmp_path):
