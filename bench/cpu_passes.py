@@ -14,9 +14,10 @@ so that both see the same machine:
   ||W_before||^2 per tensor, the snapshot refreshed): an in-place difference and fused norms
   (``chunked=False``) beside the chunked pass (``trainer_agent/measure/chunked_updates.py``).
 
-Two sets of float32 tensors: the sizes of ``bench/agent_overhead.py``'s model (77 tensors, 27.4M
-elements: large tensors, cut into chunks) and 5,000 tensors of 400 elements (2M: small tensors of
-one length, packed into chunks). Prints the thread CPU medians, their ratio, and the largest
+Three sets of float32 tensors: the sizes of ``bench/agent_overhead.py``'s model (77 tensors, 27.4M
+elements: large tensors, cut into chunks), 5,000 tensors of 400 elements (2M: small tensors of
+one length, packed into chunks) and 2,000 tensors of 200 to 2,199 elements, every length once
+(4.4M: packed longest first, the shorter rows of a chunk padded). Prints the thread CPU medians, their ratio, and the largest
 relative difference between the two results per value.
 """
 
@@ -70,8 +71,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     harness = [torch.randn(p.shape, generator=gen) for p in GPT(vocab=8192, d=512, layers=6, seq=128).parameters()]
     many = [torch.randn(400, generator=gen) for _ in range(5000)]
+    ragged = [torch.randn(200 + i, generator=gen) for i in range(2000)]
     print(f"thread CPU ms, median of {args.rounds}; torch {torch.__version__}")
-    for label, tensors in (("harness model", harness), ("5,000 x 400", many)):
+    for label, tensors in (("harness model", harness), ("5,000 x 400", many), ("2,000 of 200..2,199", ragged)):
         n = sum(t.numel() for t in tensors)
         print(f"-- {label}: {len(tensors)} tensors, {n:,} float32 elements")
         caches: dict[bool, dict] = {False: {}, True: {}}

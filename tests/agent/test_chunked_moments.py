@@ -43,9 +43,9 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("chunk", [64, 1 << 16])
 def test_every_moment_matches_a_float64_reference(monkeypatch, chunk: int) -> None:
-    """With a chunk of 64 elements the 100-element tensor is a row of 64 and a row of 36 packed
-    with the 36-element tensors of its dtype, and the 30 tensors of 40 elements one row each in
-    chunks of one; at the default chunk every tensor is a whole row."""
+    """With a chunk of 64 elements the 100-element tensor is a row of 64 and a row of 36, and the
+    30 tensors of 40 elements one row each in chunks of one; at the default chunk every tensor is
+    a whole row, the float32 ones all in one chunk, padded to the longest."""
     monkeypatch.setattr(chunked_moments, "MOMENT_CHUNK", chunk)
     tensors = _tensors(0)
     cache: dict = {}
@@ -54,8 +54,11 @@ def test_every_moment_matches_a_float64_reference(monkeypatch, chunk: int) -> No
     assert sum(c.rows for c in plan.chunks) == len(plan.owner)
     if chunk == 64:
         assert not plan.identity and max(c.rows for c in plan.chunks) == 1  # 40 > 64 // 2: one row per chunk
-    else:
-        assert max(c.rows for c in plan.chunks) == 31  # the 40-element float32 tensors (and the 5 x 8), one chunk
+    else:  # every float32 tensor in one chunk, each row padded to the longest (100)
+        packed = max(plan.chunks, key=lambda c: c.rows)
+        assert packed.rows == sum(t.dtype == torch.float32 for t in tensors) and packed.length == 100
+        assert packed.pad is not None and int((~packed.pad).sum()) == sum(
+            t.numel() for t in tensors if t.dtype == torch.float32)
     # The plan and its buffers are reused for new values of the same shapes.
     again = [t * 2 for t in tensors]
     _check(chunked_moments.chunked_moments(again, cache), again)
@@ -70,24 +73,31 @@ def test_rows_of_one_length_share_chunks_and_a_large_tensor_its_last_row(monkeyp
     _check(chunked_moments.chunked_moments(tensors, cache), tensors)
     chunks = [(c.rows, c.length, c.pieces) for c in cache["moment_plan"].chunks]
     # 300 = 128 + 128 + 44: its last row is packed with the five 44-element tensors, two per chunk.
-    assert chunks == [(1, 128, [(0, 0)]), (1, 128, [(0, 128)]), (2, 44, [(0, 256), (1, -1)]),
-                      (2, 44, [(2, -1), (3, -1)]), (2, 44, [(4, -1), (5, -1)])]
+    assert chunks == [(1, 128, [(0, 0, 128)]), (1, 128, [(0, 128, 128)]), (2, 44, [(0, 256, 44), (1, -1, 44)]),
+                      (2, 44, [(2, -1, 44), (3, -1, 44)]), (2, 44, [(4, -1, 44), (5, -1, 44)])]
+    assert all(c.pad is None for c in cache["moment_plan"].chunks)
 
 
 def test_non_finite_values_propagate_per_tensor(monkeypatch) -> None:
     """NaN anywhere in a tensor, in a packed row or a tensor's later row, makes each of its
     moments NaN (the smallest |x| too, which an integer minimum would pass over), and leaves the
-    tensors packed beside it alone; infinities are infinite, and the positive part (the fused
-    passes' ``||relu(t)||_1``) stays exact beside them."""
+    tensors packed beside it alone, padded rows included; infinities are infinite, and the
+    positive part (the fused passes' ``||relu(t)||_1``) stays exact beside them."""
     monkeypatch.setattr(chunked_moments, "MOMENT_CHUNK", 16)
-    tensors = [torch.randn(8) for _ in range(4)] + [torch.randn(40), torch.randn(8).half()]
+    tensors = [torch.randn(8) for _ in range(4)] + [torch.randn(40), torch.randn(8).half(), torch.randn(5),
+                                                    torch.randn(3)]
     tensors[1][3] = math.nan
     tensors[2][0] = math.inf
     tensors[3][5], tensors[3][6] = math.inf, -math.inf
     tensors[4][37] = math.nan  # the 40-element tensor's last row (8 of 16)
     tensors[5][2] = -math.inf
-    got = chunked_moments.chunked_moments(tensors)
+    tensors[6][4] = math.nan  # padded to 8 beside a row of 8
+    tensors[7][0] = -math.inf
+    cache: dict = {}
+    got = chunked_moments.chunked_moments(tensors, cache)
     _check(got, tensors)
+    padded = [c for c in cache["moment_plan"].chunks if c.pad is not None]
+    assert [[i for i, _, _ in c.pieces] for c in padded] == [[4, 6]]  # the 40's last row of 8, and the 5
     assert all(math.isnan(v) for v in got[:, 1].tolist())
     assert all(math.isnan(v) for v in got[:, 4].tolist())
     assert got[3, 2] == math.inf and got[3, 5] == math.inf

@@ -5,10 +5,12 @@ On the CPU a ``torch._foreach_*`` operator is a loop over its tensors inside ATe
 cost per tensor (about 1 us), and an operator over a whole large tensor streams it through the
 cache once per statistic. A :class:`ChunkPlan` is made once per set of shapes and dtypes: each
 tensor becomes rows of at most ``chunk`` elements (a large tensor is cut into rows of ``chunk``
-and a shorter last row), and rows of one dtype and length -- the tensors of a model repeat a few
-shapes, one per kind of layer -- are packed into chunks of ``chunk // length`` rows. A pass then
-costs a fixed number of operators per chunk, whatever the tensors in it: a packed chunk is staged
-with one ``torch._foreach_copy_`` into a buffer that stays in cache and reduced along its rows.
+and a shorter last row), and the shorter rows of one dtype are packed, longest first, into
+chunks of ``chunk // length`` rows of their first row's length (the tensors of a model repeat a
+few shapes, one per kind of layer, so most chunks hold rows of one length; a shorter row is
+padded, and each pass makes its padding neutral). A pass then costs a fixed number of operators
+per chunk, whatever the tensors in it: a packed chunk is staged with one ``torch._foreach_copy_``
+into a buffer that stays in cache and reduced along its rows.
 """
 
 from __future__ import annotations
@@ -21,40 +23,63 @@ __all__ = ["Chunk", "ChunkPlan", "Pieces", "per_tensor_sums"]
 
 
 class Chunk:
-    """``rows`` rows of ``length`` elements of ``dtype``: ``pieces``, per row the tensor's index
-    and its first element (-1: the whole tensor, shaped as it is)."""
+    """``rows`` rows of ``length`` elements of ``dtype``: ``pieces``, per row the tensor's index,
+    its first element (-1: the whole tensor, shaped as it is) and how many of its elements the
+    row holds (``length`` or fewer: the rest of the row is padding, ``pad`` marks it; None when
+    no row is padded)."""
 
-    __slots__ = ("dtype", "rows", "length", "pieces")
+    __slots__ = ("dtype", "rows", "length", "pieces", "pad")
 
-    def __init__(self, dtype: torch.dtype, length: int, pieces: list[tuple[int, int]]) -> None:
+    def __init__(self, dtype: torch.dtype, length: int, pieces: list[tuple[int, int, int]]) -> None:
         self.dtype, self.rows, self.length, self.pieces = dtype, len(pieces), length, pieces
+        sizes = torch.tensor([n for _, _, n in pieces])
+        self.pad: torch.Tensor | None = None
+        if bool((sizes < length).any()):
+            self.pad = torch.arange(length).expand(self.rows, length) >= sizes.unsqueeze(1)
 
     def shapes(self, shapes: Sequence[torch.Size]) -> list[torch.Size | tuple[int]]:
         """Each row's shape as read from its tensor: the tensor's for a whole one, else flat."""
-        return [shapes[i] if start < 0 else (self.length,) for i, start in self.pieces]
+        return [shapes[i] if start < 0 else (n,) for i, start, n in self.pieces]
+
+    def staging(self, buffer: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """One view of ``buffer`` per row, at the row's place, shaped like its source."""
+        return [buffer[k * self.length:k * self.length + n].view(shape)
+                for k, ((_, _, n), shape) in enumerate(zip(self.pieces, self.shapes(shapes)))]
 
 
 class ChunkPlan:
     """The chunks of tensors of ``shapes`` and ``dtypes`` (see the module docstring), dtype after
-    dtype in order of first appearance; a large tensor's last, shorter row shares its chunk with
-    the rows of other tensors of its length. Empty tensors have no rows."""
+    dtype in order of first appearance: first a large tensor's rows of ``chunk`` elements, one
+    chunk each; then the other rows (whole tensors, large tensors' last rows), longest first,
+    packed as many to a chunk as its first, longest row allows, the shorter ones padded (rows of
+    one length, the common case, are not). Empty tensors have no rows."""
 
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         self.key = (tuple(shapes), tuple(dtypes), chunk)
         self.shapes = list(shapes)
         self.dtypes = list(dict.fromkeys(dtypes))
-        rows: dict[tuple[torch.dtype, int], list[tuple[int, int]]] = {}
+        full: dict[torch.dtype, list[Chunk]] = {d: [] for d in self.dtypes}
+        short: dict[torch.dtype, list[tuple[int, int, int]]] = {d: [] for d in self.dtypes}
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
             n = shape.numel()
             if 0 < n <= chunk:
-                rows.setdefault((dtype, n), []).append((i, -1))
+                short[dtype].append((i, -1, n))
+                continue
             for start in range(0, n if n > chunk else 0, chunk):
-                rows.setdefault((dtype, min(chunk, n - start)), []).append((i, start))
+                if n - start >= chunk:
+                    full[dtype].append(Chunk(dtype, chunk, [(i, start, chunk)]))
+                else:
+                    short[dtype].append((i, start, n - start))
         self.chunks: list[Chunk] = []
-        for (dtype, length), pieces in sorted(rows.items(), key=lambda kv: self.dtypes.index(kv[0][0])):
-            per = chunk // length
-            self.chunks += [Chunk(dtype, length, pieces[k:k + per]) for k in range(0, len(pieces), per)]
-        owner = [i for c in self.chunks for i, _ in c.pieces]
+        for dtype in self.dtypes:
+            self.chunks += full[dtype]
+            rows = sorted(short[dtype], key=lambda row: -row[2])  # stable: equal lengths keep their order
+            k = 0
+            while k < len(rows):
+                per = chunk // rows[k][2]
+                self.chunks.append(Chunk(dtype, rows[k][2], rows[k:k + per]))
+                k += per
+        owner = [i for c in self.chunks for i, _, _ in c.pieces]
         self.tensors = len(shapes)
         #: Every tensor exactly one row, in order: per-row results are per-tensor results.
         self.identity = owner == list(range(self.tensors))
@@ -87,7 +112,7 @@ class Pieces:
         return self.row(i, start, length).reshape(length) if start < 0 else self.row(i, start, length)
 
     def rows(self, chunk: Chunk) -> list[torch.Tensor]:
-        return [self.row(i, start, chunk.length) for i, start in chunk.pieces]
+        return [self.row(i, start, n) for i, start, n in chunk.pieces]
 
 
 def per_tensor_sums(plan: ChunkPlan, rows: torch.Tensor) -> torch.Tensor:

@@ -50,12 +50,15 @@ class _Views:
     source), the float64 copy as the source's shape and as rows, the absolute values as rows of
     integers."""
 
-    __slots__ = ("staged", "wide", "wide_flat", "absolute", "wide_rows", "bit_rows")
+    __slots__ = ("staged", "wide", "wide_flat", "absolute", "wide_rows", "bit_rows", "pad_flat", "top")
 
     def __init__(self, c: Chunk, shapes: Sequence[torch.Size], wide: torch.Tensor, stage: torch.Tensor) -> None:
         size = c.rows * c.length
         shape = c.shapes(shapes)
-        self.staged = [stage[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
+        self.staged = c.staging(stage, shapes)
+        # Padding: 0 for the sums and the largest |x|, the largest integer for the smallest.
+        self.pad_flat = None if c.pad is None else c.pad.reshape(-1)
+        self.top = torch.iinfo(BITS[c.dtype]).max
         # One row is read straight from its tensor into the float64 buffer (no staging).
         self.wide = wide[:c.length].view(shape[0]) if c.rows == 1 else wide[:size]
         self.wide_flat = wide[:size]
@@ -93,11 +96,13 @@ def chunked_moments(tensors: Sequence[torch.Tensor], cache: dict | None = None) 
     pieces = Pieces(tensors)
     for c, v in zip(plan.chunks, plan.views):
         if c.rows == 1:
-            src = pieces.row(*c.pieces[0], c.length)
+            src = pieces.row(*c.pieces[0])
             v.wide.copy_(src)  # the one read of these elements: float64 from here on, in cache
             torch.abs(src, out=v.absolute)
         else:
             torch_private.foreach_copy_(v.staged, pieces.rows(c))
+            if v.pad_flat is not None:
+                v.absolute.masked_fill_(v.pad_flat, 0)
             v.wide.copy_(v.absolute)
             v.absolute.abs_()
         w = v.wide_rows
@@ -105,8 +110,10 @@ def chunked_moments(tensors: Sequence[torch.Tensor], cache: dict | None = None) 
         squares.append(torch.mv(w, v.wide_flat) if c.rows == 1 else torch.linalg.vector_norm(w, dim=1).square_())
         w.abs_()
         l1s.append(w.sum(dim=1))
-        bits[c.dtype][0].append(v.bit_rows.amin(dim=1))  # (``aminmax`` along a dimension is not vectorized)
-        bits[c.dtype][1].append(v.bit_rows.amax(dim=1))
+        bits[c.dtype][1].append(v.bit_rows.amax(dim=1))  # (``aminmax`` along a dimension is not vectorized)
+        if c.pad is not None:
+            v.bit_rows.masked_fill_(c.pad, v.top)
+        bits[c.dtype][0].append(v.bit_rows.amin(dim=1))
     return _per_tensor(plan, tensors, torch.stack([torch.cat(sums), torch.cat(squares), torch.cat(l1s)]), bits)
 
 

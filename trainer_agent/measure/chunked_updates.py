@@ -39,10 +39,8 @@ class _Views:
 
     def __init__(self, c: Chunk, shapes: Sequence[torch.Size], buffers: tuple[torch.Tensor, ...]) -> None:
         size = c.rows * c.length
-        shape = c.shapes(shapes)
         after, before, diff = buffers
-        self.after = [after[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
-        self.before = [before[k * c.length:(k + 1) * c.length].view(s) for k, s in enumerate(shape)]
+        self.after, self.before = c.staging(after, shapes), c.staging(before, shapes)
         self.after_rows, self.before_rows = after[:size].view(c.rows, c.length), before[:size].view(c.rows, c.length)
         self.diff, self.diff_rows = diff[:size], diff[:size].view(c.rows, c.length)
 
@@ -75,14 +73,16 @@ def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torc
     new, old = Pieces(after), Pieces(before)
     for c, v in zip(plan.chunks, plan.views):
         if c.rows == 1:
-            i, start = c.pieces[0]
-            a, b = new.flat_row(i, start, c.length), old.flat_row(i, start, c.length)
+            a, b = new.flat_row(*c.pieces[0]), old.flat_row(*c.pieces[0])
             a_rows, b_rows = a.view(1, c.length), b.view(1, c.length)
             torch.sub(b, a, out=v.diff)
         else:
             torch_private.foreach_copy_(v.after, new.rows(c))
             torch_private.foreach_copy_(v.before, old.rows(c))
             a_rows, b_rows = v.after_rows, v.before_rows
+            if c.pad is not None:  # padding: 0 on both sides, adding nothing to a norm
+                a_rows.masked_fill_(c.pad, 0)
+                b_rows.masked_fill_(c.pad, 0)
             torch.sub(b_rows, a_rows, out=v.diff_rows)
         dtype = _norm_dtype(c.dtype)
         columns[0].append(torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype))
