@@ -17,7 +17,7 @@ so that both see the same machine:
 Three sets of float32 tensors: the sizes of ``bench/agent_overhead.py``'s model (77 tensors, 27.4M
 elements: large tensors, cut into chunks), 5,000 tensors of 400 elements (2M: small tensors of
 one length, packed into chunks) and 2,000 tensors of 200 to 2,199 elements, every length once
-(4.4M: packed longest first, the shorter rows of a chunk padded). Prints the thread CPU medians, their ratio, and the largest
+(2.4M: packed longest first, the shorter rows of a chunk padded). Prints the thread CPU medians, their ratio, and the largest
 relative difference between the two results per value.
 """
 
