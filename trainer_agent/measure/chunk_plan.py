@@ -28,10 +28,12 @@ class Chunk:
     row holds (``length`` or fewer: the rest of the row is padding, ``pad`` marks it; None when
     no row is padded)."""
 
-    __slots__ = ("dtype", "rows", "length", "pieces", "pad")
+    __slots__ = ("dtype", "rows", "length", "pieces", "pad", "whole")
 
     def __init__(self, dtype: torch.dtype, length: int, pieces: list[tuple[int, int, int]]) -> None:
         self.dtype, self.rows, self.length, self.pieces = dtype, len(pieces), length, pieces
+        #: The tensors' indexes when every row is a whole tensor (the common case), else None.
+        self.whole = [i for i, _, _ in pieces] if all(start < 0 for _, start, _ in pieces) else None
         sizes = torch.tensor([n for _, _, n in pieces])
         self.pad: torch.Tensor | None = None
         if bool((sizes < length).any()):
@@ -112,6 +114,9 @@ class Pieces:
         return self.row(i, start, length).reshape(length) if start < 0 else self.row(i, start, length)
 
     def rows(self, chunk: Chunk) -> list[torch.Tensor]:
+        if chunk.whole is not None:
+            tensors = self.tensors
+            return [tensors[i] for i in chunk.whole]
         return [self.row(i, start, n) for i, start, n in chunk.pieces]
 
 

@@ -245,6 +245,8 @@ class _Stage:
                                          torch.tensor(row_units, dtype=torch.long, device=device),
                                          torch.empty(w.shape, dtype=torch.float64, device=device)))
         self._views: dict[int, torch.Tensor] = {}
+        # Per plan, the shapes of its tensors when all of them were staged, and their views.
+        self._staged: dict[int, tuple[list[torch.Size], list[torch.Tensor]]] = {}
 
     def _view(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Tensor ``i``'s region of the buffer, shaped like ``x`` (made once per shape)."""
@@ -254,23 +256,41 @@ class _Stage:
             view = self._views[i] = self.buffer[offset:offset + x.numel()].view(x.shape)
         return view
 
+    def _stage(self, plan: _ChunkPlan, flat: Sequence[torch.Tensor], skip: Collection[int],
+               direct: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(buffer views, tensors)`` of ``plan`` to stage, one by one: a tensor left out or
+        missing (a zero in its place) is not; a float64 one is projected directly (appended to
+        ``direct``)."""
+        numels = self.fp._numels
+        dst, src = [], []
+        for i in plan.tensors:
+            x = flat[i]
+            if i in skip or x.numel() != numels[i]:
+                continue  # left out, or a missing gradient: its rows stay 0
+            if x.dtype == torch.float64:
+                direct.append(i)  # projected in float64, in place
+                continue
+            dst.append(self._view(i, x))
+            src.append(x)
+        return dst, src
+
     def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
         """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
         rows of ``out`` ((units + 1, K) float64)."""
         fp = self.fp
         numels = fp._numels
         direct = [i for i in self.direct if i not in skip and flat[i].numel() == numels[i]]
-        for plan in self.plans:
-            dst, src = [], []
-            for i in plan.tensors:
-                x = flat[i]
-                if i in skip or x.numel() != numels[i]:
-                    continue  # left out, or a missing gradient: its rows stay 0
-                if x.dtype == torch.float64:
-                    direct.append(i)  # projected in float64, in place
-                    continue
-                dst.append(self._view(i, x))
-                src.append(x)
+        for k, plan in enumerate(self.plans):
+            src = [flat[i] for i in plan.tensors]
+            shapes = [x.shape for x in src]
+            seen = self._staged.get(k)
+            if (not skip and seen is not None and seen[0] == shapes
+                    and torch.float64 not in {x.dtype for x in src}):
+                dst = seen[1]  # the usual case: every tensor staged, as last time (no loop in Python)
+            else:
+                dst, src = self._stage(plan, flat, skip, direct)
+                if not skip and len(dst) == len(plan.tensors):
+                    self._staged[k] = (shapes, dst)
             if not dst:
                 continue
             if len(self.plans) > 1 or len(dst) < len(plan.tensors):

@@ -99,10 +99,13 @@ class LayerGradStats:
     def measure(self, params: Sequence[torch.Tensor]) -> GradMoments:
         """The moments of the current ``.grad`` of ``params`` (a parameter without one, or with
         an empty one, is left out)."""
-        used = [i for i, p in enumerate(params) if p.grad is not None and p.grad.numel()]
-        grads = [params[i].grad for i in used]
+        every = [p.grad for p in params]
+        numels = [0 if g is None else g.numel() for g in every]
+        used = [i for i, n in enumerate(numels) if n] if 0 in numels else list(range(len(every)))
+        grads = [every[i] for i in used] if len(used) < len(every) else every
         values, order = stats.tensor_moments(grads, self.device, cache=self._cache)
-        key = (tuple(used[i] for i in order), tuple(grads[i].numel() for i in order))
+        ordered = used if order == list(range(len(used))) else [used[i] for i in order]
+        key = (tuple(ordered), tuple([numels[i] for i in ordered]))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 8:  # another set of gradients each time: keep a few

@@ -261,7 +261,7 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
     buffers."""
     packed: list[int] = []
     if device.type == "cpu" if chunked is None else chunked:
-        packed = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.dtype in BITS]
+        packed = [i for i, t in enumerate(tensors) if t.is_cpu and t.dtype in BITS]
     parts: list[torch.Tensor] = []
     if packed:
         done = chunked_moments(tensors if len(packed) == len(tensors) else [tensors[i] for i in packed], cache)
