@@ -247,7 +247,8 @@ def test_fused_layer_values_equal_the_per_tensor_projections() -> None:
 
 def test_fused_layer_values_leave_out_missing_and_skipped_tensors(monkeypatch) -> None:
     fp, xs = _fused_inputs()
-    fp.layer_values(_by_dtype(xs))  # the buffer now holds every tensor
+    every = fp.layer_values(_by_dtype(xs))  # the buffer now holds every tensor
+    assert torch.equal(fp.layer_values(_by_dtype(xs)), every)  # again, through the staging views kept
     missing = list(xs)
     missing[4] = torch.zeros(())  # a parameter without a gradient: its 0-dim stand-in
     units = list(FUSED_UNITS)
@@ -255,6 +256,7 @@ def test_fused_layer_values_leave_out_missing_and_skipped_tensors(monkeypatch) -
     assert torch.allclose(fp.layer_values(_by_dtype(missing)), ref, rtol=1e-5, atol=1e-4)
     ref = _per_tensor_layer_values(fp, xs, units, skip={3, 5, 10})
     assert torch.allclose(fp.layer_values(_by_dtype(xs), skip={3, 5, 10}), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(fp.layer_values(_by_dtype(xs)), every)  # every tensor again: the kept views
     # A small buffer: several chunks, the 3*TILE+100 tensor projected in place; same values.
     monkeypatch.setattr(fingerprint, "STAGE_ELEMENTS", 3 * TILE)
     monkeypatch.setattr(fingerprint, "DIRECT_ELEMENTS", 2 * TILE)
