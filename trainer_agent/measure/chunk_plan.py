@@ -19,7 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Chunk", "ChunkPlan", "Pieces", "per_tensor_sums"]
+__all__ = ["Chunk", "ChunkPlan", "Pieces", "norm_dtype", "per_tensor_sums"]
+
+
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of a norm: float32, float64 for float64 tensors (no narrowing)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Chunk:
@@ -58,7 +63,6 @@ class ChunkPlan:
 
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         self.key = (tuple(shapes), tuple(dtypes), chunk)
-        self.shapes = list(shapes)
         self.dtypes = list(dict.fromkeys(dtypes))
         full: dict[torch.dtype, list[Chunk]] = {d: [] for d in self.dtypes}
         short: dict[torch.dtype, list[tuple[int, int, int]]] = {d: [] for d in self.dtypes}
@@ -111,7 +115,7 @@ class Pieces:
 
     def flat_row(self, i: int, start: int, length: int) -> torch.Tensor:
         """The row flattened (a view when its tensor is contiguous)."""
-        return self.row(i, start, length).reshape(length) if start < 0 else self.row(i, start, length)
+        return self.row(i, start, length).reshape(length)
 
     def rows(self, chunk: Chunk) -> list[torch.Tensor]:
         if chunk.whole is not None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer_agent.compat import torch_private
-from trainer_agent.measure.chunk_plan import Chunk, ChunkPlan, Pieces, per_tensor_sums
+from trainer_agent.measure.chunk_plan import Chunk, ChunkPlan, Pieces, norm_dtype, per_tensor_sums
 
 __all__ = ["UPDATE_CHUNK", "chunked_update_sq_norms"]
 
@@ -54,10 +54,6 @@ class UpdatePlan(ChunkPlan):
         self.views = [_Views(c, shapes, buffers[c.dtype]) for c in self.chunks]
 
 
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @torch.no_grad()
 def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], cache: dict, *,
                             before_norms: bool, refresh: bool) -> list[torch.Tensor]:
@@ -84,7 +80,7 @@ def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torc
                 a_rows.masked_fill_(c.pad, 0)
                 b_rows.masked_fill_(c.pad, 0)
             torch.sub(b_rows, a_rows, out=v.diff_rows)
-        dtype = _norm_dtype(c.dtype)
+        dtype = norm_dtype(c.dtype)
         columns[0].append(torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype))
         columns[1].append(torch.linalg.vector_norm(a_rows, dim=1, dtype=dtype))
         if before_norms:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer_agent.compat import torch_private
+from trainer_agent.measure.chunk_plan import norm_dtype
 from trainer_agent.measure.chunked_moments import BITS, chunked_moments
 from trainer_agent.measure.chunked_updates import chunked_update_sq_norms
 from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
@@ -48,11 +49,6 @@ def buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     return list(groups.values())
-
-
-def norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of a norm: float32, float64 for float64 tensors (no narrowing)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device, *,
@@ -87,8 +83,8 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
     the CPU).
     """
     cache = {} if cache is None else cache
-    columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
     if not (device.type == "cpu" if chunked is None else chunked):
+        columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
         for bucket_b, bucket_a in zip(before, after):
             dtype = norm_dtype(bucket_a[0].dtype)
             if before_norms:
@@ -260,15 +256,16 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
     tensor), before the fused passes over the others; ``cache``: a dict the caller keeps for its
     buffers."""
     packed: list[int] = []
+    rest = list(range(len(tensors)))
     if device.type == "cpu" if chunked is None else chunked:
-        packed = [i for i, t in enumerate(tensors) if t.is_cpu and t.dtype in BITS]
+        chunkable = [t.is_cpu and t.dtype in BITS for t in tensors]
+        packed = [i for i, ok in enumerate(chunkable) if ok]
+        rest = [i for i, ok in enumerate(chunkable) if not ok]
     parts: list[torch.Tensor] = []
     if packed:
-        done = chunked_moments(tensors if len(packed) == len(tensors) else [tensors[i] for i in packed], cache)
+        done = chunked_moments(tensors if not rest else [tensors[i] for i in packed], cache)
         parts.append(done if device.type == "cpu" else done.to(device, non_blocking=True))
     order = list(packed)
-    taken = set(packed)
-    rest = [i for i in range(len(tensors)) if i not in taken] if len(packed) < len(tensors) else []
     if rest:
         blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
         for chunk in _moment_chunks([tensors[i] for i in rest]):
