@@ -445,6 +445,26 @@ def test_nonfinite_count_scans_only_what_it_must() -> None:
     assert (float(b_simple), float(trace)) == (8.0, 16.0)
 
 
+def test_nonfinite_count_device_scan_of_mixed_dtypes() -> None:
+    """The accelerator path with float64 tensors beside float32 and float16 ones (a float64
+    tensor's count may not be narrowed to float32: that raised before), against an element-wise
+    count."""
+    from trainer_agent.measure import stats
+
+    def at(dtype, **values):
+        t = torch.zeros(50, dtype=dtype)
+        for i, v in values.items():
+            t[int(i[1:])] = v
+        return t
+
+    tensors = [at(torch.float64, i3=math.nan), at(torch.float32, i1=math.inf, i2=-math.inf),
+               at(torch.float64, i0=-math.inf), at(torch.float16, i9=math.nan), None, at(torch.float64)]
+    expected = sum(int((~torch.isfinite(t)).sum()) for t in tensors if t is not None)
+    assert expected == 5
+    for scan in ("device", "suspects"):
+        assert float(stats.nonfinite_count(tensors, torch.device("cpu"), scan=scan)) == expected
+
+
 def test_nonfinite_count_device_scan_path() -> None:
     """The accelerator path (fused scan of every tensor, in buckets), run on the CPU."""
     from trainer_agent.measure import stats

@@ -153,19 +153,22 @@ def _suspects_nonfinite(tensors: Sequence[torch.Tensor | None], device: torch.de
 
 
 def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``nonfinite_count``'s device scan: two fused launches per bucket of at most
-    ``_SCAN_BUCKET_BYTES``, one float32 count per tensor."""
+    """``nonfinite_count``'s device scan: the tensors grouped by dtype, two fused launches per
+    bucket of at most ``_SCAN_BUCKET_BYTES``, one count per tensor (float32; float64 for float64
+    tensors, which a norm may not narrow: ``torch.stack`` promotes the mixed list)."""
     counts: list[torch.Tensor] = []
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in [*tensors, None]:
-        if t is not None:
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-        if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
-            nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
-            counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=torch.float32))
-            bucket, size = [], 0
+    for group in buckets(tensors):
+        dtype = norm_dtype(tensors[group[0]].dtype)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i in [*group, None]:
+            if i is not None:
+                bucket.append(tensors[i])
+                size += tensors[i].numel() * tensors[i].element_size()
+            if bucket and (i is None or size >= _SCAN_BUCKET_BYTES):
+                nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
+                counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=dtype))
+                bucket, size = [], 0
     return counts
 
 
