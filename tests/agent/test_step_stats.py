@@ -198,3 +198,51 @@ def test_report_steps_under_ddp_dispatch_a_constant_number_of_operators(tmp_path
         assert [few[k] for k in _COUNTS] == [many[k] for k in _COUNTS]
         assert few["ops"] <= 10
         assert few["report_computing"] <= 100
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu-paths", "accelerator-paths"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_every_metric_on_models_of_other_dtypes(dtype: torch.dtype, accelerator: bool) -> None:
+    """A float64, bfloat16 and float16 model with every metric on every step, on the CPU's own
+    passes and on the accelerator formulations (``bench/agent_overhead.py``'s
+    ``accelerator_paths``): no agent error (a float64 model's gradients once raised in the
+    accelerator's non-finite scan and lost the whole report), the gradient norm and the per-layer
+    norms against float64 references of the gradients the optimizer used, and the non-finite
+    count against an element-wise count."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)).to(dtype)
+    # AdamW's default eps (1e-8) is 0 in float16: 0/0 on the first step.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4 if dtype == torch.float16 else 1e-8)
+    agent = ta.attach(model, opt, job="dtypes", run=f"dtypes-{dtype}-{accelerator}",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every",
+                                            per_layer="all", layer_depth=1))
+    paths = _bench("agent_overhead").accelerator_paths() if accelerator else contextlib.nullcontext()
+    try:
+        with paths:
+            for step in range(3):
+                x = torch.randn(8, 16)
+                if step == 2:  # a corrupt sample: non-finite gradients
+                    x[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+                loss = model(x.to(dtype)).float().square().mean()
+                loss.backward()
+                grads = [p.grad.double() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+                agent.end_step(loss)
+                latest = agent.latest()
+                assert latest["trainguard_agent_errors_total"] == 0.0
+                finite = step < 2
+                true = math.sqrt(sum(float(g.square().sum()) for g in grads))
+                nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads)
+                assert latest["trainguard_nonfinite_grads"] == nonfinite
+                assert (nonfinite > 0) == (step == 2)
+                if finite:
+                    assert math.isclose(latest["trainguard_grad_norm"], true, rel_tol=1e-6)
+                    layer0 = math.sqrt(sum(float(g.square().sum()) for g in grads[:2]))
+                    assert math.isclose(latest['trainguard_layer_grad_norm{layer="0"}'], layer0, rel_tol=1e-6)
+                else:
+                    assert math.isnan(latest["trainguard_grad_norm"])
+    finally:
+        agent.close()
