@@ -3,6 +3,7 @@
     .venv/bin/python bench/agent_scale.py                        # tensors 100, 1000, 5000 (~1 min)
     .venv/bin/python bench/agent_scale.py --tensors 100 5000 --device cuda
     .venv/bin/python bench/agent_scale.py --ddp                  # the same under DDP, 2 gloo ranks
+    .venv/bin/python bench/agent_scale.py --ddp --bucket-view    # DDP(gradient_as_bucket_view=True)
 
 A model of ``--elements`` parameters split into T tensors (T in ``--tensors``) trains with SGD
 (``foreach``: a constant number of operators whatever T) in two copies, one step each per round,
@@ -24,7 +25,9 @@ steps apart:
 
 ``--ddp`` runs both copies under ``DistributedDataParallel`` on 2 gloo ranks (CPU) and prints rank
 0's figures: every report step then also fingerprints every layer and measures the noise scale's
-incoming gradients before the all-reduce.
+incoming gradients before the all-reduce. ``--bucket-view`` makes the gradients views of DDP's
+flat buckets (``gradient_as_bucket_view=True``), from which the agent takes an ordinary step's
+norm (``trainer_agent/measure/bucket_views.py``).
 
 ``--rows`` prints instead the report step's row against the world size W and the depth (layers):
 its float64 values per rank (the desired state, the fields, the fingerprints' screen, the data
@@ -80,13 +83,14 @@ def _kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False) -> dict[str, float]:
+def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False,
+            bucket_view: bool = False) -> dict[str, float]:
     base = Split(elements, tensors).to(device)
     plain, watched = base, copy.deepcopy(base)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        plain, watched = DistributedDataParallel(plain), DistributedDataParallel(watched)
+        plain, watched = (DistributedDataParallel(m, gradient_as_bucket_view=bucket_view) for m in (plain, watched))
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, foreach=True) for m in (plain, watched)]
     agent = ta.attach(watched, opts[1], job="scale", run=f"scale-{tensors}",
                       config=ta.AgentConfig(metrics_port=None, report_every=10))
@@ -149,7 +153,7 @@ def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> Non
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         for t in args.tensors:
-            m = measure(args.elements, t, args.rounds, "cpu", ddp=True)
+            m = measure(args.elements, t, args.rounds, "cpu", ddp=True, bucket_view=args.bucket_view)
             if rank == 0:
                 print(" | ".join([f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
                                   f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]), flush=True)
@@ -180,6 +184,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="report intervals measured per size")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ddp", action="store_true", help="under DDP on 2 gloo ranks (CPU)")
+    ap.add_argument("--bucket-view", action="store_true", help="with --ddp: gradient_as_bucket_view=True")
     ap.add_argument("--rows", action="store_true", help="the report row and the all-gather's bytes per rank")
     args = ap.parse_args()
     if args.rows:
@@ -189,6 +194,8 @@ def main() -> None:
         sys.exit("agent_scale: --device cuda, but no CUDA device is available")
     if args.ddp and args.device != "cpu":
         sys.exit("agent_scale: --ddp runs on the CPU (gloo)")
+    if args.bucket_view and not args.ddp:
+        sys.exit("agent_scale: --bucket-view is a DDP setting: add --ddp")
     torch.set_num_threads(1)
     cols = ["tensors", "agent ops/step", "agent ops/report step", "views aside/step", "views aside/report step",
             "agent CPU ms/step", "agent CPU ms/report step"]

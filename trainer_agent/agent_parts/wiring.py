@@ -17,6 +17,7 @@ from trainer_agent.agent_parts.snapshot_extras import SnapshotExtras
 from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
 from trainer_agent.measure import flops
+from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.fingerprint import for_ranks
 from trainer_agent.measure.fingerprint_screen import screen_width
 from trainer_agent.measure.params import ParamIndex
@@ -67,6 +68,8 @@ class AgentWiring:
         params = ParamIndex(model, optimizer, cfg.layer_depth)
         meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
                           step=clock.read_step, on_error=self.errors.error, clock=clock.now)
+        if BucketViews.applies(model) and params.sharding is None:
+            params.bucket_views = BucketViews(model, params.params)
         self.parts = TrainParts(model, optimizer, scaler, params, meter, self.rank, self.world_size, clock.read_step)
         fingerprint = None
         # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded

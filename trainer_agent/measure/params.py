@@ -13,12 +13,17 @@ every value is this rank's own (one process, or DDP's replicated gradients).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from trainer_agent.measure import stats
 from trainer_agent.compat import torch_private
 from trainer_agent.measure.sharding import Sharding, is_dtensor, local
+
+if TYPE_CHECKING:
+    from trainer_agent.measure.bucket_views import BucketViews
 
 __all__ = ["ParamIndex", "layer_names"]
 
@@ -66,6 +71,9 @@ class ParamIndex:
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self.device = self.buckets[0][0].device
         self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
+        #: DDP's flat gradient buckets, set by the agent when the gradients are views of them
+        #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``).
+        self.bucket_views: BucketViews | None = None
         self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
                          else None)
         layers: dict[str, int] = {}

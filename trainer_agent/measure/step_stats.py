@@ -284,13 +284,27 @@ class StepMeter:
 
     def measure_grads(self) -> None:
         """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
-        element count) into the state. One fused norm per bucket."""
+        element count) into the state. One fused norm per bucket. An ordinary step under DDP with
+        ``gradient_as_bucket_view`` takes only the global norm, from DDP's flat buckets
+        (``ParamIndex.bucket_views``): no work per tensor."""
         st = self.state
+        report = self.schedule.is_report(self._step() + 1)
+        views = self.index.bucket_views
+        if views is not None and not report:
+            scaled = views.norm(self.index.device, wide=self.wide)
+            if scaled is not None:
+                st.grad_norms = None
+                st.scale = self.scale_tensor()
+                self.scaled_grad_norm = scaled
+                st.grad_norm = st.grad_share = unscale(scaled, st.scale)
+                return
         grads = self.index.grads()
         st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
         st.scale = self.scale_tensor()
         sharding = self.index.sharding
-        if self.schedule.is_report(self._step() + 1):
+        if report and views is not None and views.groups is None and views.synced():
+            views.find([p.grad for p in self.index.params])  # on a report step, which reads every gradient anyway
+        if report:
             flat = [g for b in grads for g in b]
             norms = st.grad_norms
             if sharding is not None:  # count each element once: the kept replica's shards only
@@ -320,7 +334,7 @@ class StepMeter:
         """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot."""
         st = self.state
         st.lrs = triage.group_lrs(optimizer)
-        if st.grad_norms is None:
+        if st.grad_norm is None:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
