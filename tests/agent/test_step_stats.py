@@ -246,3 +246,65 @@ def test_every_metric_on_models_of_other_dtypes(dtype: torch.dtype, accelerator:
                     assert math.isnan(latest["trainguard_grad_norm"])
     finally:
         agent.close()
+
+
+class _SparseNet(nn.Module):
+    """An ``nn.Embedding`` and an ``nn.EmbeddingBag`` with sparse gradients beside dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 8, sparse=True)
+        self.bag = nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).mean(1) + self.bag(ids % 50)
+        return self.head(torch.tanh(self.body(x))).square().mean()
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu-paths", "accelerator-paths"])
+def test_sparse_gradients_count_in_the_norm_and_the_nonfinite_count(accelerator: bool, caplog) -> None:
+    """Sparse gradients (repeated indices, so not coalesced) count in the step's gradient norm and
+    non-finite count, against float64 references of their dense form; the per-parameter
+    measurements leave them out with a warning naming them, and nothing raises (they once failed
+    every measurement of the step)."""
+    import contextlib
+    import logging
+
+    torch.manual_seed(0)
+    model = _SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="trainer_agent.agent"):
+        agent = ta.attach(model, opt, job="sparse", run=f"sparse-{accelerator}",
+                          config=ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every",
+                                                per_layer="all", layer_depth=1))
+    assert "emb.weight, bag.weight: sparse gradients" in caplog.text
+    paths = _bench("agent_overhead").accelerator_paths() if accelerator else contextlib.nullcontext()
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with paths:
+            for step in range(3):
+                if step == 2:  # a non-finite weight: every gradient but its own is NaN
+                    with torch.no_grad():
+                        model.head.weight[0, 0] = math.nan
+                loss = model(torch.randint(0, 100, (16, 6), generator=gen))
+                loss.backward()
+                assert not model.emb.weight.grad.is_coalesced()
+                dense = [p.grad.to_dense().double() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+                agent.end_step(loss)
+                latest = agent.latest()
+                assert latest["trainguard_agent_errors_total"] == 0.0
+                want = math.sqrt(sum(float(g.square().sum()) for g in dense))
+                nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in dense)
+                assert latest["trainguard_nonfinite_grads"] == nonfinite
+                if step < 2:
+                    assert math.isclose(latest["trainguard_grad_norm"], want, rel_tol=1e-6)
+                else:
+                    assert nonfinite > 0 and math.isnan(latest["trainguard_grad_norm"])
+                layers = {k for k in latest if k.startswith("trainguard_layer_grad_norm")}
+                assert layers == {'trainguard_layer_grad_norm{layer="body"}', 'trainguard_layer_grad_norm{layer="head"}'}
+    finally:
+        agent.close()

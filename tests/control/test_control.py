@@ -15,6 +15,7 @@ import urllib.request
 import warnings
 import pytest
 import torch
+from torch import nn
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
@@ -366,3 +367,30 @@ def test_a_report_that_fails_to_build_does_not_keep_the_leader_from_applying(ctl
         assert until(lambda: ctl.acks(run) == [(1, 1)], 30.0), ctl.acks(run)
     finally:
         agent.close(2.0)
+
+
+def test_skip_nonfinite_reads_sparse_gradients_set_by_hand() -> None:
+    """Gradients set by hand (no backward pass: the agent has measured nothing when the optimizer
+    steps) and one of them sparse: the skip vote takes the norm of every gradient itself. A NaN
+    in the sparse gradient skips the step; finite ones take it (the norm once raised on the
+    sparse tensor, and the vote, failing open, took the NaN step)."""
+    emb, lin = nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = _attach(model, opt, None, skip_nonfinite=True)
+    try:
+        for step, bad in ((1, False), (2, True), (3, False)):
+            values = torch.full((2, 3), math.nan if bad else 0.5)
+            emb.weight.grad = torch.sparse_coo_tensor(torch.tensor([[2, 2]]), values, (10, 3))
+            lin.weight.grad, lin.bias.grad = torch.ones(1, 3), torch.ones(1)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+            assert not any(changed) if bad else all(changed), step
+            opt.zero_grad()
+            agent.end_step(torch.tensor(1.0))
+        latest = agent.latest()
+        assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
+        assert latest["trainguard_agent_errors_total"] == 0.0
+    finally:
+        agent.close()

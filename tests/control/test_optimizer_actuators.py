@@ -170,3 +170,24 @@ def test_optimizer_commands_change_training_from_the_agreed_step_on_every_rank(t
     assert row["in_force"]["grad_clip_norm"] == CLIP
     unclipped = _reference_step({**row, "in_force": {**row["in_force"], "grad_clip_norm": 0.0}})[0]
     assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(row["after"], unclipped))
+
+
+def test_the_clipping_norm_counts_sparse_gradients() -> None:
+    """``global_grad_norm`` with a sparse embedding gradient (repeated indices: not coalesced)
+    beside dense ones, against the norm of their dense forms; clipping with it leaves the whole
+    gradient at the clipping norm (``torch.nn.utils.get_total_norm`` raises on a sparse tensor)."""
+    from trainer_agent.control.optimizer_actuators import global_grad_norm
+
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(20, 4, sparse=True), nn.Linear(4, 3)
+    lin(emb(torch.tensor([[1, 1, 5], [5, 7, 1]]))).square().sum().backward()
+    params = [emb.weight, lin.weight, lin.bias]
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    want = math.sqrt(sum(float(p.grad.to_dense().double().square().sum()) for p in params))
+    norm = global_grad_norm([p.grad for p in params])
+    assert math.isclose(float(norm), want, rel_tol=1e-6)
+    torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+    clipped = math.sqrt(sum(float(p.grad.to_dense().double().square().sum()) for p in params))
+    assert math.isclose(clipped, 0.5, rel_tol=1e-5)
+    dense_only = [lin.weight.grad, lin.bias.grad]
+    assert torch.equal(global_grad_norm(dense_only), torch.nn.utils.get_total_norm(dense_only))

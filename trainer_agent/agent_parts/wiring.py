@@ -5,6 +5,7 @@ diagnostics, the report pipeline, and, last, the hooks, ``/metrics`` and the con
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +21,16 @@ from trainer_agent.measure import flops
 from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.fingerprint import for_ranks
 from trainer_agent.measure.fingerprint_screen import screen_width
-from trainer_agent.measure.params import ParamIndex
+from trainer_agent.measure.params import ParamIndex, sparse_gradient_params
 from trainer_agent.measure.step_stats import StepMeter
 from trainer_agent.measure.train_parts import TrainParts
 from trainer_agent.report.exchange import RankExchange
 from trainer_agent.report.pipeline import ReportPipeline
 
 __all__ = ["AgentWiring"]
+
+#: The facade's logger (``trainer_agent/agent.py``).
+log = logging.getLogger("trainer_agent.agent")
 
 
 class AgentWiring:
@@ -66,6 +70,11 @@ class AgentWiring:
     def _build_measurement(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         cfg, clock = self.config, self.clock
         params = ParamIndex(model, optimizer, cfg.layer_depth)
+        if params.sparse:
+            names = sparse_gradient_params(model)
+            log.warning("trainguard: %s: sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True); they "
+                        "count in the gradient norm and the non-finite count, and are left out of the per-layer, "
+                        "update-size and fingerprint measurements", ", ".join(names[id(p)] for p in params.sparse))
         meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
                           step=clock.read_step, on_error=self.errors.error, clock=clock.now)
         if BucketViews.applies(model) and params.sharding is None:

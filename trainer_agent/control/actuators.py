@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol import commands
-from trainer_agent.measure import optim
-from trainer_agent.compat import torch_private
+from trainer_agent.measure import optim, stats
 from trainer_agent.control.spike_guard import SpikeGuard
 
 __all__ = ["ACTUATORS", "Actuator", "ActuatorEnv", "GroupOverride", "LrScale", "NonfiniteSkip", "SKIP_REASONS", "Sequenced",
@@ -356,8 +355,7 @@ class NonfiniteSkip:
             norm = self.grad_norm()
             if norm is None:
                 grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                norm = (torch.stack([n.to(grads[0].device, torch.float64) for n in torch_private.foreach_norm(grads)]).sum()
-                        if grads else None)
+                norm = stats.grads_norm(grads) if grads else None
             if norm is not None:
                 value = float(norm)  # SYNC: one device read per optimizer step
                 if not math.isfinite(value):

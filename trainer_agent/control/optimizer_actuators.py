@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from trainer_agent.measure import stats
 from trainer_agent.control.actuators import Actuator, ActuatorEnv, GroupOverride, Sequenced, actuator, state_value
 
 __all__ = ["GradClip", "MomentumScale", "ResetOptimizer", "WeightDecayScale", "global_grad_norm",
@@ -31,7 +32,10 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compi
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all of ``grads`` together, over every shard: a DTensor's (FSDP2, tensor
     parallel) norm is reduced across its mesh (``full_tensor``, a collective on every rank); under
-    DDP the gradients are the same on every rank already. No host sync."""
+    DDP the gradients are the same on every rank already. Sparse gradients (``nn.Embedding(sparse=True)``;
+    never DTensors) count by their coalesced values. No host sync."""
+    if any(g.is_sparse for g in grads):
+        return stats.grads_norm(grads)
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm

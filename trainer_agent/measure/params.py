@@ -25,7 +25,7 @@ from trainer_agent.measure.sharding import Sharding, is_dtensor, local
 if TYPE_CHECKING:
     from trainer_agent.measure.bucket_views import BucketViews
 
-__all__ = ["ParamIndex", "layer_names"]
+__all__ = ["ParamIndex", "layer_names", "sparse_gradient_params"]
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -50,13 +50,19 @@ class ParamIndex:
         names = layer_names(model, layer_depth)
         seen: set[int] = set()
         params: list[torch.Tensor] = []
+        sparse_ids = sparse_gradient_params(model)
+        #: Parameters whose gradients are sparse (``nn.Embedding(sparse=True)``): their gradients
+        #: count in the step's gradient norm and non-finite count (``stats.sparse_sq_norm``), and
+        #: are left out of everything per parameter.
+        self.sparse: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    params.append(p)
+                    (self.sparse if id(p) in sparse_ids else params).append(p)
         if not params:
-            raise ValueError("the optimizer holds no trainable parameter (requires_grad=True)")
+            raise ValueError("the optimizer holds no trainable parameter with a dense gradient "
+                             f"(requires_grad=True; {len(self.sparse)} with sparse gradients)")
         locals_ = [local(p) for p in params]
         order = [i for bucket in stats.buckets(locals_) for i in bucket]
         self.params = [params[i] for i in order]
@@ -117,6 +123,13 @@ class ParamIndex:
     def sq_norms(self) -> torch.Tensor:
         """Per-parameter ||W||^2 (float64 device vector in this order)."""
         return stats.bucket_norms(self.buckets, self.device).to(torch.float64).square()
+
+
+def sparse_gradient_params(model: nn.Module) -> dict[int, str]:
+    """The parameters of ``model`` whose gradients are sparse tensors: the weights of
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``; id -> name."""
+    return {id(m.weight): f"{name}.weight" if name else "weight" for name, m in model.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
 def layer_names(model: nn.Module, layer_depth: int | None = None) -> dict[int, str]:

@@ -28,6 +28,8 @@ __all__ = [
     "bucket_norms",
     "update_sq_norms",
     "sq_norms",
+    "sparse_sq_norm",
+    "grads_norm",
     "nonfinite_count",
     "MOMENTS",
     "tensor_moments",
@@ -131,6 +133,36 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
         return torch.zeros(0, dtype=torch.float64, device=device)
     stacked = torch.stack(column).to(torch.float64)
     return stacked * stacked
+
+
+def sparse_sq_norm(grads: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over sparse COO gradients (``None``: no gradient): the squared norm of all of them together
+    and their number of NaN/Inf elements, float64 scalars on ``device``. Each is coalesced first
+    (repeated indices summed, as the dense gradient holds them); the elements a sparse tensor
+    does not store are zeros, finite and adding nothing."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    bad = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if g is None:
+            continue
+        values = g.coalesce().values() if g.is_sparse else g
+        sq = sq + torch.linalg.vector_norm(values, dtype=torch.float64).square().to(device)
+        bad = bad + (~torch.isfinite(values)).sum().to(device, torch.float64)
+    return sq, bad
+
+
+def grads_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` together, dense and sparse COO (coalesced) alike
+    (``torch.nn.utils.get_total_norm`` takes dense tensors only, whose result it is without a
+    sparse one; with one, a float64 scalar on the first gradient's device)."""
+    dense = [g for g in grads if not g.is_sparse]
+    if len(dense) == len(grads):  # (DTensors stay DTensors: only dense tensors are sharded)
+        return torch.nn.utils.get_total_norm(dense, norm_type=2.0)
+    device = grads[0].device
+    sq, _ = sparse_sq_norm([g for g in grads if g.is_sparse], device)
+    if dense:
+        sq = sq + torch.nn.utils.get_total_norm(dense, norm_type=2.0).to(device, torch.float64).square()
+    return sq.sqrt()
 
 
 #: Bytes of temporaries one bucket of the on-device non-finite count may allocate.

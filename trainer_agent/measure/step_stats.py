@@ -133,8 +133,9 @@ class StepMeter:
         self.scaler = scaler
         self.data_parallel = data_parallel
         #: The noise-scale measurement: needs each rank's full incoming gradient, which sharded
-        #: parameters (FSDP2's reduce-scattered gradients) do not have: off with sharding.
-        self.grad_noise = config.grad_noise and index.sharding is None
+        #: parameters (FSDP2's reduce-scattered gradients) do not have: off with sharding, and with
+        #: sparse gradients (not hooked; the step's norm, which counts them, would not match).
+        self.grad_noise = config.grad_noise and index.sharding is None and not index.sparse
         #: Norms of the (scaled) gradients accumulate in float64 under an enabled GradScaler: the
         #: square of a scaled float32 gradient can overflow float32 (scale 2^127), never float64
         #: (the largest float32 squared is ~1e77), so the unscaled norm stays right for any finite
@@ -295,8 +296,8 @@ class StepMeter:
             if scaled is not None:
                 st.grad_norms = None
                 st.scale = self.scale_tensor()
-                self.scaled_grad_norm = scaled
-                st.grad_norm = st.grad_share = unscale(scaled, st.scale)
+                self.scaled_grad_norm = self._with_sparse(scaled, report)
+                st.grad_norm = st.grad_share = unscale(self.scaled_grad_norm, st.scale)
                 return
         grads = self.index.grads()
         st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
@@ -312,12 +313,23 @@ class StepMeter:
                 norms = norms.index_select(0, sharding.kept_index)
             st.grad_nonfinite = stats.nonfinite_count(flat, self.index.device, norms)
         self.scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
-        st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
         if sharding is None:
-            st.grad_share = st.grad_norm
+            self.scaled_grad_norm = self._with_sparse(self.scaled_grad_norm, report)
+            st.grad_norm = st.grad_share = unscale(self.scaled_grad_norm, st.scale)
         else:
+            st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
             sq = st.grad_norms.to(torch.float64).square()
             st.grad_share = unscale(sharding.shares(sq).sum(), st.scale, power=2)
+
+    def _with_sparse(self, scaled: torch.Tensor, report: bool) -> torch.Tensor:
+        """``scaled`` (the dense gradients' norm) with the sparse gradients' (``ParamIndex.sparse``)
+        added in, and on a report step their non-finite elements added to the count."""
+        if not self.index.sparse:
+            return scaled
+        sq, bad = stats.sparse_sq_norm([p.grad for p in self.index.sparse], self.index.device)
+        if report and self.state.grad_nonfinite is not None:
+            self.state.grad_nonfinite = self.state.grad_nonfinite + bad
+        return (scaled.square() + sq).sqrt()
 
     def scale_tensor(self) -> torch.Tensor | None:
         scaler = self.scaler
