@@ -94,6 +94,15 @@ def test_version_counters_count_in_place_writes():
     assert tp.version_counters([a, b]) == (start[0] + 2, start[1] + 1)
 
 
+def test_view_base_is_the_viewed_tensor():
+    flat = torch.zeros(10)
+    view = flat[2:8].view(2, 3)
+    assert tp.view_base(view) is flat and tp.view_base(flat) is None
+    view.add_(1)  # the view writes into its base
+    assert float(flat.sum()) == 6.0
+    assert tp.view_base(flat.clone()) is None
+
+
 def test_grad_scaler_scale_is_the_live_scale_tensor():
     """Before the first ``scale()``: None. After it: the tensor whose value is ``get_scale()``, the
     very one ``update()`` changes in place (backoff on an inf, growth after the interval)."""

@@ -31,7 +31,7 @@ __all__ = [
     "drop_empty_backward_hooks", "dtensor_local", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
     "grad_scaler_init_scale", "grad_scaler_scale", "optimizer_has_step_hooks", "queue_backward_callback",
-    "tree_leaves", "version_counters",
+    "tree_leaves", "version_counters", "view_base",
 ]
 
 #: The releases every member below was checked against (tests/agent/test_torch_private.py passed on
@@ -47,6 +47,7 @@ PRIVATE_MEMBERS = (
                   "drop_empty_backward_hooks", "test_backward_hook_dict_is_dropped_when_empty"),
     PrivateMember("torch.Tensor._version", "_version", "version_counters",
                   "test_version_counters_count_in_place_writes"),
+    PrivateMember("torch.Tensor._base", "_base", "view_base", "test_view_base_is_the_viewed_tensor"),
     PrivateMember("torch.amp.GradScaler._scale", "_scale", "grad_scaler_scale",
                   "test_grad_scaler_scale_is_the_live_scale_tensor"),
     PrivateMember("torch.amp.GradScaler._init_scale", "_init_scale", "grad_scaler_init_scale",
@@ -113,6 +114,18 @@ def _versions_unknown() -> bool:
 
 
 _NO_VERSION = _versions_unknown()
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (e.g. DDP's flat gradient bucket, for a gradient made a
+    view of it by ``gradient_as_bucket_view``), or None when it is no view.
+
+    Reaches ``Tensor._base``; no public API exposes it. Without it: None (the caller then takes
+    its path per tensor; logged once)."""
+    if not hasattr(tensor, "_base"):
+        degraded("torch.Tensor._base", "gradient norms are taken per tensor, not from DDP's buckets")
+        return None
+    return tensor._base
 
 
 def version_counters(tensors: Iterable[torch.Tensor]) -> tuple[Any, ...]:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from trainer_agent.compat import torch_private
 from trainer_agent.measure import stats
 
 __all__ = ["BucketViews", "ROW"]
@@ -90,7 +91,7 @@ class BucketViews:
         views: dict[int, list[tuple[int, int, int]]] = {}  # bucket id -> (offset, numel, param index)
         bases: dict[int, torch.Tensor] = {}
         for i, g in enumerate(grads):
-            base = None if g is None else g._base
+            base = None if g is None else torch_private.view_base(g)
             if base is None or base.dim() != 1 or not g.is_contiguous() or base.dtype != g.dtype:
                 return False
             bases.setdefault(id(base), base)
@@ -120,7 +121,7 @@ class BucketViews:
             g = param.grad
             if g is None:
                 return None  # unused this step: its bucket cannot be told from a rebuilt one
-            if g._base is not base:
+            if torch_private.view_base(g) is not base:
                 self.groups, self._firsts = None, []  # rebuilt buckets: found again on a report step
                 return None
         self.used += 1
