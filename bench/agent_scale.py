@@ -4,6 +4,7 @@
     .venv/bin/python bench/agent_scale.py --tensors 100 5000 --device cuda
     .venv/bin/python bench/agent_scale.py --ddp                  # the same under DDP, 2 gloo ranks
     .venv/bin/python bench/agent_scale.py --ddp --bucket-view    # DDP(gradient_as_bucket_view=True)
+    .venv/bin/python bench/agent_scale.py --ddp --bucket-view --device cuda   # one GPU: DDP on 1 NCCL rank
 
 A model of ``--elements`` parameters split into T tensors (T in ``--tensors``) trains with SGD
 (``foreach``: a constant number of operators whatever T) in two copies, one step each per round,
@@ -27,7 +28,8 @@ steps apart:
 0's figures: every report step then also fingerprints every layer and measures the noise scale's
 incoming gradients before the all-reduce. ``--bucket-view`` makes the gradients views of DDP's
 flat buckets (``gradient_as_bucket_view=True``), from which the agent takes an ordinary step's
-norm (``trainer_agent/measure/bucket_views.py``).
+norm (``trainer_agent/measure/bucket_views.py``). With ``--device cuda`` DDP runs on one GPU, a
+world of one NCCL rank (the same buckets and reducer), so that the kernels are counted.
 
 ``--rows`` prints instead the report step's row against the world size W and the depth (layers):
 its float64 values per rank (the desired state, the fields, the fingerprints' screen, the data
@@ -150,13 +152,17 @@ def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
     try:
         for t in args.tensors:
-            m = measure(args.elements, t, args.rounds, "cpu", ddp=True, bucket_view=args.bucket_view)
+            m = measure(args.elements, t, args.rounds, args.device, ddp=True, bucket_view=args.bucket_view)
             if rank == 0:
-                print(" | ".join([f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
-                                  f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]), flush=True)
+                cells = [f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
+                         f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]
+                if "kernels" in m:
+                    cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
+                print(" | ".join(cells), flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -183,7 +189,7 @@ def main() -> None:
     ap.add_argument("--elements", type=int, default=2_000_000, help="model size, split over the tensors")
     ap.add_argument("--rounds", type=int, default=3, help="report intervals measured per size")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--ddp", action="store_true", help="under DDP on 2 gloo ranks (CPU)")
+    ap.add_argument("--ddp", action="store_true", help="under DDP: 2 gloo ranks on the CPU, 1 NCCL rank with --device cuda")
     ap.add_argument("--bucket-view", action="store_true", help="with --ddp: gradient_as_bucket_view=True")
     ap.add_argument("--rows", action="store_true", help="the report row and the all-gather's bytes per rank")
     args = ap.parse_args()
@@ -192,8 +198,6 @@ def main() -> None:
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("agent_scale: --device cuda, but no CUDA device is available")
-    if args.ddp and args.device != "cpu":
-        sys.exit("agent_scale: --ddp runs on the CPU (gloo)")
     if args.bucket_view and not args.ddp:
         sys.exit("agent_scale: --bucket-view is a DDP setting: add --ddp")
     torch.set_num_threads(1)
@@ -206,7 +210,15 @@ def main() -> None:
 
         import torch.multiprocessing as mp
 
-        print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 2 gloo ranks, rank 0, "
+        views = ", gradient_as_bucket_view" if args.bucket_view else ""
+        if args.device == "cuda":  # one GPU: DDP over NCCL in a world of one, its buckets and reducer all the same
+            print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 1 NCCL rank{views}, "
+                  f"torch {torch.__version__})")
+            print(" | ".join(cols))
+            with tempfile.TemporaryDirectory() as tmp:
+                _ddp_rank(0, 1, f"file://{tmp}/store", args)
+            return
+        print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 2 gloo ranks{views}, rank 0, "
               f"torch {torch.__version__})")
         print(" | ".join(cols))
         with tempfile.TemporaryDirectory() as tmp:

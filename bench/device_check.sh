@@ -4,7 +4,7 @@
 #   2. FSDP2 on one rank (NCCL, a world of one) with the agent: its global gradient norm against
 #      clip_grad_norm_'s, and the agent's share of the step,
 #   3. the agent's operators and CUDA kernel launches per step and per report step against the
-#      tensor count (bench/agent_scale.py),
+#      tensor count (bench/agent_scale.py), alone and under DDP with gradient_as_bucket_view (one rank),
 #   4. the reaction latency of the closed loop (controller + 2 gloo ranks; CPU-side, here for one table),
 #   5. the CUDA tests (tests/*/test_*cuda*.py).
 # Each part has its own time limit; a part that fails or runs out of time is marked and the rest go on.
@@ -83,6 +83,9 @@ EOF
 
 part "ops and kernels" 120 "^[0-9,]+ \|" -- \
     "$PY" bench/agent_scale.py --device cuda --tensors 100 1000 5000 --rounds 1 --elements 4000000
+
+part "ddp bucket kernels" 60 "^[0-9,]+ \|" -- \
+    "$PY" bench/agent_scale.py --device cuda --ddp --bucket-view --tensors 100 5000 --rounds 1 --elements 4000000
 
 part "reaction latency" 100 "median|steps" -- \
     "$PY" bench/reaction_latency.py --trials 3 --rounds 2 --steps 20
