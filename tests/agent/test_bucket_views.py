@@ -2,6 +2,7 @@
 (``gradient_as_bucket_view=True``), on 2 gloo ranks, against a float64 norm of every ``.grad``
 after every backward pass, normed per row of a bucket (the CPU's way) or per bucket (an
 accelerator's): accumulation under ``no_sync()``, gradients set to None or zeroed, a GradScaler's,
+the agent's own communication hook (``comm_timing``),
 a parameter that no rank uses on some steps and one that only rank 0 uses, several buckets and
 DDP's bucket rebuild after the first step. The norm must equal the per-tensor one wherever the
 buckets are used, and they must be used on the ordinary steps once found."""
@@ -62,7 +63,8 @@ def _worker(rank: int, init: str, out: str, case: str) -> None:
     # "scaler": scaled gradients in the buckets, norms accumulated in float64 and unscaled.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20) if case == "scaler" else None
     agent = ta.attach(ddp, opt, job="bucket-views", run=f"bucket-views-{case}", scaler=scaler,
-                      config=ta.AgentConfig(metrics_port=None, report_every=REPORT_EVERY, fingerprint=False))
+                      config=ta.AgentConfig(metrics_port=None, report_every=REPORT_EVERY, fingerprint=False,
+                                            comm_timing=case == "comm-timing"))  # the agent's own comm hook
     gen = torch.Generator().manual_seed(1 + rank)
     records = []
     for step in range(1, STEPS + 1):
@@ -106,7 +108,7 @@ def _meter_views(model: nn.Module):
         agent.close()
 
 
-@pytest.mark.parametrize("case", ["set-to-none", "zeroed", "fused", "scaler", "head-outside-optimizer"])
+@pytest.mark.parametrize("case", ["set-to-none", "zeroed", "fused", "scaler", "comm-timing", "head-outside-optimizer"])
 def test_ordinary_steps_take_the_norm_from_the_buckets_and_it_equals_every_grads(tmp_path, case: str) -> None:
     from tests.control.spawn import spawn_ranks
 
