@@ -2,7 +2,7 @@
 (``gradient_as_bucket_view=True``), on 2 gloo ranks, against a float64 norm of every ``.grad``
 after every backward pass, normed per row of a bucket (the CPU's way) or per bucket (an
 accelerator's): accumulation under ``no_sync()``, gradients set to None or zeroed, a GradScaler's,
-the agent's own communication hook (``comm_timing``),
+the agent's own communication hook (``comm_timing``), a channels-last convolution,
 a parameter that no rank uses on some steps and one that only rank 0 uses, several buckets and
 DDP's bucket rebuild after the first step. The norm must equal the per-tensor one wherever the
 buckets are used, and they must be used on the ordinary steps once found."""
@@ -32,9 +32,11 @@ class _Net(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(40))
         self.sometimes = nn.Linear(16, 16)
         self.rank0_only = nn.Linear(16, 16)
+        self.conv = nn.Conv2d(2, 4, (1, 3))  # channels-last in the "channels-last" case
         self.head = nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        x = x + self.conv(x.view(-1, 2, 2, 4)).flatten(1)
         for block in self.blocks:  # residual: every layer's gradient counts in the norm
             x = x + 0.2 * torch.tanh(block(x))
         if step % 3:
@@ -55,6 +57,9 @@ def _worker(rank: int, init: str, out: str, case: str) -> None:
     bucket_views.BucketViews.cpu_rows = case != "fused"  # "fused": the accelerator's norm per bucket
     torch.manual_seed(0)
     net = _Net()
+    if case == "channels-last":
+        net = net.to(memory_format=torch.channels_last)
+        assert not net.conv.weight.is_contiguous()
     ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True, find_unused_parameters=True,
                                               bucket_cap_mb=4096 / 2**20)
     # "head-outside-optimizer": the head's bucket holds a tensor the agent does not measure.
@@ -108,7 +113,8 @@ def _meter_views(model: nn.Module):
         agent.close()
 
 
-@pytest.mark.parametrize("case", ["set-to-none", "zeroed", "fused", "scaler", "comm-timing", "head-outside-optimizer"])
+@pytest.mark.parametrize("case", ["set-to-none", "zeroed", "fused", "scaler", "comm-timing", "channels-last",
+                                  "head-outside-optimizer"])
 def test_ordinary_steps_take_the_norm_from_the_buckets_and_it_equals_every_grads(tmp_path, case: str) -> None:
     from tests.control.spawn import spawn_ranks
 

@@ -19,7 +19,7 @@ It is taken only where the buckets hold exactly the gradients, so that it is nev
   a missing one, as the per-tensor norm counts it;
 - the buckets were found tiled exactly by the agent's gradients (:meth:`BucketViews.find`, a pass
   over every gradient on a report step, which reads every tensor anyway): each gradient a
-  contiguous view of a 1-D bucket, side by side without a gap or an overlap, covering it whole —
+  dense view (contiguous or channels-last) of a 1-D bucket, side by side without a gap or an overlap, covering it whole —
   no parameter outside the optimizer (or ignored by DDP) in a bucket or outside one;
 - each bucket's first gradient is still its view: DDP rebuilds its buckets once, after the first
   step, each into new storage, and the check then fails until the next report step finds the
@@ -52,6 +52,13 @@ def _as_rows(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     accelerator's fused norm reduces in blocks already."""
     whole = bucket.numel() // ROW * ROW
     return bucket[:whole].view(-1, ROW), bucket[whole:]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places of its storage: contiguous, or
+    channels-last (DDP's bucket views keep the parameter's strides)."""
+    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
 
 
 class BucketViews:
@@ -92,7 +99,7 @@ class BucketViews:
         bases: dict[int, torch.Tensor] = {}
         for i, g in enumerate(grads):
             base = None if g is None else torch_private.view_base(g)
-            if base is None or base.dim() != 1 or not g.is_contiguous() or base.dtype != g.dtype:
+            if base is None or base.dim() != 1 or not _dense(g) or base.dtype != g.dtype:
                 return False
             bases.setdefault(id(base), base)
             views.setdefault(id(base), []).append((g.storage_offset() - base.storage_offset(), g.numel(), i))
