@@ -278,6 +278,8 @@ def _distributed_worker(rank: int, init: str, out: str) -> None:
     p = nn.Parameter(distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)]))
     shard = tp.dtensor_local(p)
     result["stable"] = tp.dtensor_local(p) is shard  # the same tensor every time
+    plain = torch.ones(2)
+    result["locals"] = [a is b for a, b in zip(tp.dtensor_locals([p, None, plain]), [shard, None, plain])]
     with torch.no_grad():
         public = p.to_local()
     result["same_storage"] = (public.data_ptr(), public.shape) == (shard.data_ptr(), shard.shape)
@@ -297,6 +299,7 @@ def test_distributed_members_in_a_one_rank_gloo_group(tmp_path):
     storage ``to_local()`` returns without grad mode (writes to it are the DTensor's)."""
     (result,) = spawn_ranks(_distributed_worker, 1, tmp_path, timeout=180)
     assert result["degraded"] == {}
+    assert result["locals"] == [True, True, True]  # the list form: shards, anything else as it is
     assert result["timeout"] == timedelta(seconds=123) != result["default"]
     assert result["same_store"]
     assert result["stable"] and result["same_storage"] and result["leaf"] and result["grad_mode_is_a_node"]

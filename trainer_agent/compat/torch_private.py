@@ -28,7 +28,7 @@ from trainer_agent.compat import PrivateMember, PrivateMemberMissing, degraded
 
 __all__ = [
     "CHECKED_VERSIONS", "PRIVATE_MEMBERS", "TorchDispatchMode", "copy_state_dict_metadata", "default_group_timeout",
-    "drop_empty_backward_hooks", "dtensor_local", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
+    "drop_empty_backward_hooks", "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
     "grad_scaler_init_scale", "grad_scaler_scale", "optimizer_has_step_hooks", "queue_backward_callback",
     "tree_leaves", "version_counters", "view_base",
@@ -197,6 +197,12 @@ def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 # ---------------------------------------------------------------------- torch.distributed
 
+try:  # torch >= 2.5: the public DTensor package
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # pragma: no cover - a torch built without distributed support
+    _DTENSOR = None
+
+
 def dtensor_local(t: Any) -> torch.Tensor:
     """A DTensor's local shard itself (no copy, no communication, no autograd node).
 
@@ -210,6 +216,18 @@ def dtensor_local(t: Any) -> torch.Tensor:
         degraded("torch.distributed.tensor.DTensor._local_tensor", "local shards are read with to_local()")
         with torch.no_grad():
             return t.to_local()
+
+
+def dtensor_locals(tensors: Iterable[Any]) -> list[Any]:
+    """Per tensor: a DTensor's local shard itself (:func:`dtensor_local`), any other value (a plain
+    tensor, None) as it is; one pass, without a call per tensor where ``DTensor._local_tensor``
+    is there."""
+    if _DTENSOR is None:
+        return list(tensors)
+    try:
+        return [t._local_tensor if isinstance(t, _DTENSOR) else t for t in tensors]
+    except AttributeError:
+        return [dtensor_local(t) if isinstance(t, _DTENSOR) else t for t in tensors]
 
 
 def default_group_timeout() -> timedelta:

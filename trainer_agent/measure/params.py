@@ -99,11 +99,17 @@ class ParamIndex:
                     gs = [zero if g is None else g for g in gs]
                 out.append(gs)
             return out
-        grads: list[list[torch.Tensor]] = [[] for _ in self.buckets]
-        for p, k in zip(self.params, self.bucket_of):
-            g = p.grad
-            grads[k].append(self.grad_zeros[k] if g is None else local(g))
-        return grads
+        # DTensor parameters: their gradients' local shards, in one pass (the parameters lie
+        # bucket after bucket, so each bucket is a slice of it).
+        flat = torch_private.dtensor_locals([p.grad for p in self.params])
+        out, start = [], 0
+        for bucket, zero in zip(self.buckets, self.grad_zeros):
+            gs = flat[start:start + len(bucket)]
+            start += len(bucket)
+            if any(g is None for g in gs):
+                gs = [zero if g is None else g for g in gs]
+            out.append(gs)
+        return out
 
     def pending_grads(self) -> set[int]:
         """Indices of the DTensor gradients whose placements are not their parameter's (e.g. the
