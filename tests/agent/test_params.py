@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.control.spawn import spawn_ranks
-from trainer_agent.measure.params import ParamIndex, layer_names
+from trainer_agent.measure.params import ParamIndex, layer_names, sparse_gradient_params
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,6 +98,22 @@ def test_outermost_block_wins_and_unlike_siblings_are_not_blocks() -> None:
     assert sorted(grouped(lone)) == ["block.experts.0", "block.experts.1", "block.router"]
     assert grouped(Wrapper(tiny_llama())).keys() == grouped(tiny_llama()).keys()
     assert grouped(Wrapper(tiny_llama()), layer_depth=1).keys() == {"model", "lm_head"}  # "module." is no layer
+
+
+def test_sparse_gradient_parameters_are_named_and_kept_apart() -> None:
+    """The weights of sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules, named without
+    ``torch.compile``'s wrapper; a dense embedding is an ordinary parameter. ``ParamIndex`` keeps
+    the sparse ones apart (``sparse``) and refuses an optimizer with nothing else."""
+    model = nn.ModuleDict({"tok": nn.Embedding(10, 4, sparse=True), "bag": nn.EmbeddingBag(10, 4, sparse=True),
+                           "pos": nn.Embedding(10, 4), "head": nn.Linear(4, 2)})
+    names = sparse_gradient_params(torch.compile(model))
+    assert sorted(names.values()) == ["bag.weight", "tok.weight"]
+    assert set(names) == {id(model["tok"].weight), id(model["bag"].weight)}
+    index = ParamIndex(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert {id(p) for p in index.sparse} == set(names)
+    assert {id(p) for p in index.params} == {id(p) for p in model.parameters()} - set(names)
+    with pytest.raises(ValueError, match="2 with sparse gradients"):
+        ParamIndex(model, torch.optim.SGD([model["tok"].weight, model["bag"].weight], lr=0.1))
 
 
 def test_param_index_orders_layers_as_the_optimizer_holds_them() -> None:

@@ -133,8 +133,9 @@ class ParamIndex:
 
 def sparse_gradient_params(model: nn.Module) -> dict[int, str]:
     """The parameters of ``model`` whose gradients are sparse tensors: the weights of
-    ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``; id -> name."""
-    return {id(m.weight): f"{name}.weight" if name else "weight" for name, m in model.named_modules()
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``; id -> name
+    (without DDP's ``module.`` or ``torch.compile``'s ``_orig_mod.``)."""
+    return {id(m.weight): _unwrapped(f"{name}.weight" if name else "weight") for name, m in model.named_modules()
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
