@@ -289,6 +289,64 @@ def test_ddp_ranks_skip_the_same_nonfinite_step(tmp_path: Path) -> None:
     assert math.isnan(out[0]["ours"][3]["trainguard_loss"]) and math.isfinite(out[1]["ours"][3]["trainguard_loss"])
 
 
+class _MeterNorms(L.Callback):
+    """The agent's gradient norm of each optimizer step, read in a post-step hook (Lightning's
+    closure runs the last backward pass inside ``optimizer.step``), on every step, report step
+    or not."""
+
+    def __init__(self, guard: TrainguardCallback) -> None:
+        self.guard = guard
+        self.norms: list[float] = []
+
+    def on_fit_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        meter = self.guard.agent.parts.meter
+        trainer.optimizers[0].register_step_post_hook(lambda o, a, k: self.norms.append(float(meter.grad_norm)))
+
+
+def _bucket_view_worker(rank: int, init: str, out: str) -> None:
+    """One of 2 DDP ranks under ``DDPStrategy(gradient_as_bucket_view=True)``, accumulating 2
+    micro-batches (Lightning's ``no_sync``), a report every 3 steps."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    guard = TrainguardCallback(job="pl-job", run="pl-buckets", config=ta.AgentConfig(metrics_port=None, report_every=3))
+    norms = _MeterNorms(guard)
+    module = _TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(gradient_as_bucket_view=True),
+                        accumulate_grad_batches=2, max_steps=9, callbacks=[guard, norms], enable_progress_bar=False,
+                        logger=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=out)
+    loader = torch.utils.data.DataLoader(_Tokens(40 * BATCH), batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    views = guard.agent.parts.params.bucket_views
+    torch.save({"norms": norms.norms, "ref": module.ref, "used": None if views is None else views.used,
+                "errors": guard.agent.latest()["trainguard_agent_errors_total"]}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_with_gradient_bucket_views_takes_the_norm_from_the_buckets(tmp_path: Path) -> None:
+    """With ``DDPStrategy(gradient_as_bucket_view=True)`` the callback hands the agent the strategy's
+    DDP wrapper: the ordinary steps' gradient norm comes from DDP's buckets, and on every step it
+    equals the module's own float64 norm of the gradients its optimizer uses."""
+    from tests.control.spawn import spawn_ranks
+
+    for o in spawn_ranks(_bucket_view_worker, 2, tmp_path, timeout=240.0):
+        assert o["errors"] == 0.0
+        assert len(o["norms"]) == 9
+        for step, got in enumerate(o["norms"], start=1):
+            assert got == pytest.approx(o["ref"][step][1], rel=1e-5), step
+        # Found on report step 3, then used on the ordinary steps 4, 5, 7 and 8.
+        assert o["used"] == 4
+
+
 def test_a_resumed_fit_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None:
     def fit(max_steps: int, ckpt_path: str | None = None) -> tuple[TrainguardCallback, _Record, L.Trainer]:
         guard = TrainguardCallback(job="pl-job", run="pl-resume",

@@ -45,6 +45,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from trainer_agent.integrations import StepSession, tokens_of
+from trainer_agent.measure import bucket_views
 
 __all__ = ["TrainguardCallback"]
 
@@ -73,6 +74,11 @@ class TrainguardCallback(Callback):
             raise ValueError(f"TrainguardCallback supports one optimizer, the module configured "
                              f"{len(trainer.optimizers)}")
         agent = self._session.attach(pl_module, trainer.optimizers[0])
+        # The strategy's DDP wrapper (set up before on_fit_start): with gradient_as_bucket_view an
+        # ordinary step's gradient norm comes from its buckets (trainer_agent/measure/bucket_views.py).
+        index = agent.parts.params
+        if index.bucket_views is None:
+            index.bucket_views = bucket_views.for_model(getattr(trainer.strategy, "model", None), index)
         if self._restored is not None:  # fit(ckpt_path=...): the agent goes on from the checkpoint's step
             state, self._restored = self._restored, None
             agent.load_state_dict(state)

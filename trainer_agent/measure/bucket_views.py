@@ -32,6 +32,7 @@ steps always take the per-tensor norms: their per-layer statistics need them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,7 +40,10 @@ from torch import nn
 from trainer_agent.compat import torch_private
 from trainer_agent.measure import stats
 
-__all__ = ["BucketViews", "ROW"]
+if TYPE_CHECKING:
+    from trainer_agent.measure.params import ParamIndex
+
+__all__ = ["BucketViews", "ROW", "for_model"]
 
 #: Elements per row of a bucket normed on the CPU (:func:`_as_rows`).
 ROW = 1 << 14
@@ -59,6 +63,15 @@ def _dense(t: torch.Tensor) -> bool:
     channels-last (DDP's bucket views keep the parameter's strides)."""
     return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
             or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def for_model(model: nn.Module, index: ParamIndex) -> BucketViews | None:
+    """The :class:`BucketViews` of ``model`` for ``index``'s parameters when ``model`` is a DDP
+    model with ``gradient_as_bucket_view`` and no parameter is a DTensor; else None. ``model``
+    may be the wrapper of the module the agent was attached to (a framework's DDP strategy)."""
+    if not BucketViews.applies(model) or index.sharding is not None:
+        return None
+    return BucketViews(model, index.params)
 
 
 class BucketViews:
