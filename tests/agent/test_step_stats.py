@@ -305,6 +305,6 @@ def test_sparse_gradients_count_in_the_norm_and_the_nonfinite_count(accelerator:
                 else:
                     assert nonfinite > 0 and math.isnan(latest["trainguard_grad_norm"])
                 layers = {k for k in latest if k.startswith("trainguard_layer_grad_norm")}
-                assert layers == {'trainguard_layer_grad_norm{layer="body"}', 'trainguard_layer_grad_norm{layer="head"}'}
+                assert layers == {f'trainguard_layer_grad_norm{{layer="{name}"}}' for name in ("body", "head")}
     finally:
         agent.close()

@@ -12,15 +12,17 @@ per row of a bucket, instead of per tensor, combined in float64; about 1e-7 rela
 
 It is taken only where the buckets hold exactly the gradients, so that it is never another value:
 
-- the model the agent was given is a ``DistributedDataParallel`` with ``gradient_as_bucket_view``;
+- the model the agent was given is a ``DistributedDataParallel`` with ``gradient_as_bucket_view``
+  (or a framework's DDP wrapper of it: the Lightning callback hands over ``DDPStrategy``'s);
 - the backward pass that just ended synchronised (not inside ``no_sync()``): at its end DDP's
   reducer has made every used parameter's ``.grad`` a view of its bucket and zeroed the bucket
   views of the parameters without a gradient, so a bucket holds the all-reduced gradients, 0 for
   a missing one, as the per-tensor norm counts it;
 - the buckets were found tiled exactly by the agent's gradients (:meth:`BucketViews.find`, a pass
   over every gradient on a report step, which reads every tensor anyway): each gradient a
-  dense view (contiguous or channels-last) of a 1-D bucket, side by side without a gap or an overlap, covering it whole —
-  no parameter outside the optimizer (or ignored by DDP) in a bucket or outside one;
+  dense view (contiguous or channels-last) of a 1-D bucket, side by side without a gap or an
+  overlap, covering it whole — no parameter outside the optimizer (or ignored by DDP) in a
+  bucket or outside one;
 - each bucket's first gradient is still its view: DDP rebuilds its buckets once, after the first
   step, each into new storage, and the check then fails until the next report step finds the
   new ones.
