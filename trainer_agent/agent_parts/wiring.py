@@ -21,7 +21,7 @@ from trainer_agent.measure import flops
 from trainer_agent.measure import bucket_views
 from trainer_agent.measure.fingerprint import for_ranks
 from trainer_agent.measure.fingerprint_screen import screen_width
-from trainer_agent.measure.params import ParamIndex, sparse_gradient_params
+from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.step_stats import StepMeter
 from trainer_agent.measure.train_parts import TrainParts
 from trainer_agent.report.exchange import RankExchange
@@ -71,10 +71,9 @@ class AgentWiring:
         cfg, clock = self.config, self.clock
         params = ParamIndex(model, optimizer, cfg.layer_depth)
         if params.sparse:
-            names = sparse_gradient_params(model)
             log.warning("trainguard: %s: sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True); they "
                         "count in the gradient norm and the non-finite count, and are left out of the per-layer, "
-                        "update-size and fingerprint measurements", ", ".join(names[id(p)] for p in params.sparse))
+                        "update-size and fingerprint measurements", ", ".join(params.sparse_names))
         meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
                           step=clock.read_step, on_error=self.errors.error, clock=clock.now)
         params.bucket_views = bucket_views.for_model(model, params)

@@ -34,9 +34,7 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     parallel) norm is reduced across its mesh (``full_tensor``, a collective on every rank); under
     DDP the gradients are the same on every rank already. Sparse gradients (``nn.Embedding(sparse=True)``;
     never DTensors) count by their coalesced values. No host sync."""
-    if any(g.is_sparse for g in grads):
-        return stats.grads_norm(grads)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    norm = stats.grads_norm(grads)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
 

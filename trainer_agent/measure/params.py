@@ -60,6 +60,8 @@ class ParamIndex:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     (self.sparse if id(p) in sparse_ids else params).append(p)
+        #: Their names (without a wrapper's prefix), for the warning at attach.
+        self.sparse_names = [sparse_ids[id(p)] for p in self.sparse]
         if not params:
             raise ValueError("the optimizer holds no trainable parameter with a dense gradient "
                              f"(requires_grad=True; {len(self.sparse)} with sparse gradients)")
@@ -88,20 +90,13 @@ class ParamIndex:
         self.layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def grads(self) -> list[list[torch.Tensor]]:
-        """The current ``.grad`` per bucket (the bucket's zero where a parameter has none)."""
-        if self.sharding is None:
-            # No DTensor parameter: no local shard to take, one list per bucket (the per-step
-            # host work is one attribute read per tensor).
-            out = []
-            for bucket, zero in zip(self.buckets, self.grad_zeros):
-                gs = [p.grad for p in bucket]
-                if any(g is None for g in gs):
-                    gs = [zero if g is None else g for g in gs]
-                out.append(gs)
-            return out
-        # DTensor parameters: their gradients' local shards, in one pass (the parameters lie
-        # bucket after bucket, so each bucket is a slice of it).
-        flat = torch_private.dtensor_locals([p.grad for p in self.params])
+        """The current ``.grad`` per bucket (the bucket's zero where a parameter has none): one
+        attribute read per tensor, the DTensors' local shards taken in the same pass
+        (``torch_private.dtensor_locals``); the parameters lie bucket after bucket, so each
+        bucket is a slice."""
+        flat = [p.grad for p in self.params]
+        if self.sharding is not None:
+            flat = torch_private.dtensor_locals(flat)
         out, start = [], 0
         for bucket, zero in zip(self.buckets, self.grad_zeros):
             gs = flat[start:start + len(bucket)]

@@ -135,19 +135,21 @@ def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> to
     return stacked * stacked
 
 
-def sparse_sq_norm(grads: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_sq_norm(grads: Sequence[torch.Tensor | None], device: torch.device, *,
+                   count: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Over sparse COO gradients (``None``: no gradient): the squared norm of all of them together
-    and their number of NaN/Inf elements, float64 scalars on ``device``. Each is coalesced first
-    (repeated indices summed, as the dense gradient holds them); the elements a sparse tensor
-    does not store are zeros, finite and adding nothing."""
+    and, with ``count``, their number of NaN/Inf elements (else None), float64 scalars on
+    ``device``. Each is coalesced first (repeated indices summed, as the dense gradient holds
+    them); the elements a sparse tensor does not store are zeros, finite and adding nothing."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    bad = torch.zeros((), dtype=torch.float64, device=device)
+    bad = torch.zeros((), dtype=torch.float64, device=device) if count else None
     for g in grads:
         if g is None:
             continue
         values = g.coalesce().values() if g.is_sparse else g
         sq = sq + torch.linalg.vector_norm(values, dtype=torch.float64).square().to(device)
-        bad = bad + (~torch.isfinite(values)).sum().to(device, torch.float64)
+        if bad is not None:
+            bad = bad + (~torch.isfinite(values)).sum().to(device, torch.float64)
     return sq, bad
 
 

@@ -326,8 +326,9 @@ class StepMeter:
         added in, and on a report step their non-finite elements added to the count."""
         if not self.index.sparse:
             return scaled
-        sq, bad = stats.sparse_sq_norm([p.grad for p in self.index.sparse], self.index.device)
-        if report and self.state.grad_nonfinite is not None:
+        count = report and self.state.grad_nonfinite is not None
+        sq, bad = stats.sparse_sq_norm([p.grad for p in self.index.sparse], self.index.device, count=count)
+        if bad is not None:
             self.state.grad_nonfinite = self.state.grad_nonfinite + bad
         return (scaled.square() + sq).sqrt()
 
