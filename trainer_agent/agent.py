@@ -197,7 +197,7 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
         #: What the user's scheduler asked for at each step taken (read before lr_scale applies).
         self.scheduled_lr = ScheduledLr()
         self.control: Any = None
-        self.snapshots = self._build_snapshots(model, optimizer, scaler, snapshot_backend)
+        self.snapshots = self._build_snapshots(model, optimizer, snapshot_backend)
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer, scaler)
         self.data = DataRelay.build(data_monitor, config, self.errors.error)
@@ -206,7 +206,7 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
                                     verifier=self.diagnostics.verifier, reports=self.reports)
         self.hooks = AgentHooks(self.parts.meter, self.clock, self.scheduled_lr, verifier=self.diagnostics.verifier,
                                 on_error=self.errors.error, preflight_only=self.diagnostics.preflight_only,
-                                rank=self.rank)
+                                rank=self.rank, on_scaler=self._adopt_scaler if scaler is None else None)
         try:
             self._start(on_checkpoint)
         except BaseException:

@@ -303,11 +303,14 @@ def test_noise_scale_ignores_loss_division_and_loss_scale() -> None:
     assert results[2] == pytest.approx(results[0], rel=RTOL)
 
 
-def test_grad_scaler_overflow_is_a_skipped_step(model: Net) -> None:
+@pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_found"])
+def test_grad_scaler_overflow_is_a_skipped_step(model: Net, passed: bool, caplog) -> None:
+    # Not passed to attach, the scaler is found in the first step it takes (its step() runs the
+    # optimizer's): that step's values are already the unscaled ones, as with the scaler passed.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     capture = Capture(model)
-    agent = ta.attach(model, opt, job="j", run="r", scaler=scaler,
+    agent = ta.attach(model, opt, job="j", run="r", scaler=scaler if passed else None,
                       config=ta.AgentConfig(metrics_port=None, report_every=1, per_layer="off"))
 
     def overflow(step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -335,6 +338,9 @@ def test_grad_scaler_overflow_is_a_skipped_step(model: Net) -> None:
         assert m3["trainguard_grad_variance"] == pytest.approx(trace, rel=RTOL)
         assert m3["trainguard_amp_skipped_steps_total"] == 1 and m3["trainguard_loss_scale"] == 128
         assert m3["trainguard_agent_errors_total"] == 0
+        assert agent.scaler is scaler
+        found = [r for r in caplog.records if "was not passed to attach(scaler=...)" in r.getMessage()]
+        assert len(found) == (0 if passed else 1) and (passed or "from step 1 on" in found[0].getMessage())
     finally:
         agent.close()
 

@@ -137,6 +137,29 @@ def test_grad_scaler_init_scale_is_the_constructor_value():
     assert scaler.get_growth_interval() == 1  # the public getter the pre-flight check uses
 
 
+def test_stepping_grad_scaler_is_found_from_the_optimizer_step_hooks():
+    """From an optimizer step hook: the GradScaler whose ``step()`` runs the step, for an optimizer
+    the scaler unscales first (``_maybe_opt_step``) and for one that unscales inside its own step
+    (fused Adam: called from ``step``); None for a plain ``optimizer.step()``, a disabled scaler's
+    step, and outside any step."""
+    w = nn.Parameter(torch.ones(4))
+    for opt in (torch.optim.SGD([w], lr=0.1), torch.optim.Adam([w], lr=0.1, fused=True)):
+        assert getattr(opt, "_step_supports_amp_scaling", False) == isinstance(opt, torch.optim.Adam)
+        seen: list = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(tp.stepping_grad_scaler()))
+        for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", enabled=False), None):
+            opt.zero_grad()
+            ((scaler.scale(w.sum()) if scaler is not None else w.sum())).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            want = scaler if scaler is not None and scaler.is_enabled() else None
+            assert len(seen) == 1 and seen.pop() is want, (type(opt).__name__, scaler)
+    assert tp.stepping_grad_scaler() is None
+
+
 class _ForwardingOptimizer(torch.optim.Optimizer):
     """Like a framework's wrapper: an ``Optimizer`` subclass that skips ``Optimizer.__init__`` and
     forwards to the optimizer inside."""

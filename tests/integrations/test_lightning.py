@@ -164,6 +164,25 @@ def test_loss_and_grad_norm_equal_the_modules_own_reference(tmp_path: Path, accu
     assert guard.agent._closed
 
 
+def test_mixed_precision_with_a_grad_scaler_measures_the_unscaled_gradients(tmp_path: Path, caplog) -> None:
+    # precision="16-mixed" on a GPU: Lightning's MixedPrecision plugin with a GradScaler, here the
+    # same plugin with float16 autocast and a GradScaler on the CPU. The callback hands the agent
+    # the plugin's scaler, so the norm (measured on the scaled gradients) is the unscaled one.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    guard = TrainguardCallback(job="pl-job", run="pl-amp", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    module = _TinyLM()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    _fit(_trainer(tmp_path, [guard, record], 2, plugins=[plugin], max_steps=4), module, 8 * BATCH)
+    assert guard.agent.scaler is plugin.scaler
+    assert not [r for r in caplog.records if "not passed to attach" in r.getMessage()]  # passed, not found
+    assert sorted(record.ours) == sorted(module.ref) == [1, 2, 3, 4]
+    for step, ours in record.ours.items():
+        assert ours["trainguard_grad_norm"] == pytest.approx(module.ref[step][1], rel=1e-5), step
+        assert ours["trainguard_loss_scale"] == 2.0**10 and ours["trainguard_amp_skipped_steps_total"] == 0.0
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path: Path, accumulation: int) -> None:
     guard = TrainguardCallback(job="pl-job", run="pl-nan",

@@ -6,6 +6,8 @@ Each sequence is made here: a small byte-level GPT trained on CPU with AdamW, th
 Hugging Face scheduler, the agent attached (without a controller: its reports are read with
 ``Agent.latest()`` after every step, ``report_every=1``, the spike guard on), and the reports
 replayed through the default rules with the controller's recovery logic (``engine.simulate``).
+A float16 run with a GradScaler that skips steps on overflow draws no action either, with its
+scaler passed to ``attach`` or not.
 """
 
 from __future__ import annotations
@@ -158,3 +160,37 @@ def test_the_loss_spike_discount_follows_planned_rises_only() -> None:
     assert not evaluate((rule,), _loss_window(restart, bumped), 70.0)[0].active  # a planned rise: discounted
     found = evaluate((rule,), _loss_window(fault, bumped), 70.0)[0]
     assert found.active and "schedule_lr_rise" not in found.values  # above the envelope: not discounted
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_not_passed"])
+def test_a_float16_run_with_its_grad_scalers_skips_draws_no_finding_and_no_action(passed: bool) -> None:
+    # float16 autocast with a GradScaler that doubles its scale every 20 steps: a healthy run whose
+    # scaler skips a step on each overflow. Not passed to attach, the scaler is found at its first
+    # step, whose gradients carry a scale of 2^16: measured scaled, they read as a norm ~1e5.
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=20)
+    agent = ta.attach(model, opt, job="schedules", run="r", scaler=scaler if passed else None,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows, scales = [], []
+    for k in range(STEPS):
+        ids, mask = CORPUS.batch(k, 0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = next_byte_loss(model, ids, mask)
+        scaler.scale(loss).backward()
+        scales.append(scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        rows.append(agent.latest())
+    agent.close(1.0)
+    skipped = sum(1 for a, b in zip(scales, scales[1:] + [scaler.get_scale()]) if b < a)
+    assert skipped >= 3  # the scaler backed off (and skipped the step) several times
+    assert rows[-1]["trainguard_amp_skipped_steps_total"] == skipped
+    assert max(v["trainguard_grad_norm"] for v in rows if math.isfinite(v["trainguard_grad_norm"])) < 100
+    steps = _replay(rows)
+    assert _acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+    assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)

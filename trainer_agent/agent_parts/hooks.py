@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_agent.compat import torch_private
 from trainer_agent.measure import optim
 from trainer_agent.measure.comm_timing import CommTiming
 from trainer_agent.config import AgentConfig
@@ -31,9 +32,13 @@ class AgentHooks:
     is built; ``preflight_only``: under ``trainguard preflight`` an optimizer step ends the script."""
 
     def __init__(self, meter: StepMeter, clock: StepClock, scheduled_lr: ScheduledLr, *, verifier: Any,
-                 on_error: Callable[[str, BaseException], None], preflight_only: bool, rank: int) -> None:
+                 on_error: Callable[[str, BaseException], None], preflight_only: bool, rank: int,
+                 on_scaler: Callable[[Any], None] | None = None) -> None:
         self.meter, self.clock, self.scheduled_lr, self.verifier = meter, clock, scheduled_lr, verifier
         self._error = on_error
+        #: Called with a ``GradScaler`` found stepping the optimizer (:meth:`find_scaler`); None
+        #: once one is known (passed to ``attach`` or found).
+        self.on_scaler = on_scaler
         self.preflight_only, self.rank = preflight_only, rank
         self.control: Any = None
         self.handles: list[Any] = []
@@ -106,10 +111,27 @@ class AgentHooks:
 
     # ------------------------------------------------------------------ (2) optimizer step
 
+    def find_scaler(self) -> None:
+        """Without a ``GradScaler`` passed to ``attach``: the one whose ``step()`` runs this
+        optimizer step, if any, handed to ``on_scaler`` (its gradients were measured scaled; from
+        this step on they are measured as with the scaler passed). Read from the step hooks, so the
+        first step the scaler takes is found (not the ones it skipped before it)."""
+        if self.on_scaler is None:
+            return
+        try:
+            scaler = torch_private.stepping_grad_scaler()
+            if scaler is not None:
+                found, self.on_scaler = self.on_scaler, None
+                found(scaler)
+        except Exception as exc:
+            self.on_scaler = None
+            self._error("grad_scaler", exc)
+
     def grad_norm_before_step(self, optimizer: torch.optim.Optimizer) -> Any:
         """The gradient norm the skip decision reads (``NonfiniteSkip``), before any hook of the
         step runs: the step's scheduled LR is recorded here too, so a step that is then skipped
         still shows what the schedule asked for."""
+        self.find_scaler()
         try:
             self.scheduled_lr.observe(optimizer, self.clock.step)
         except Exception as exc:
@@ -121,6 +143,7 @@ class AgentHooks:
             raise PreflightOnly(None, self.rank)
         clock = self.clock
         t0 = clock.now()
+        self.find_scaler()
         replaced = None
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/measure/optim.py
             replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))

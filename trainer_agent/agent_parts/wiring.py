@@ -56,14 +56,14 @@ class AgentWiring:
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", self.rank if self.world_size > 1 else 0))
 
-    def _build_snapshots(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+    def _build_snapshots(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                          backend: SnapshotBackend | None) -> SnapshotStore | None:
         cfg = self.config
         if cfg.snapshot_every is None:
             if backend is not None:
                 raise ValueError("snapshot_backend needs AgentConfig(snapshot_every=N)")
             return None
-        extras = SnapshotExtras(self.lr_scheduler, scaler, self._spike_guard)
+        extras = SnapshotExtras(self.lr_scheduler, lambda: self.parts.scaler, self._spike_guard)
         return SnapshotStore(model, optimizer, every=cfg.snapshot_every, keep=cfg.snapshot_keep,
                              extra_state=extras.state, load_extra=extras.load, backend=backend)
 
@@ -113,6 +113,16 @@ class AgentWiring:
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
                             on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)
+
+    def _adopt_scaler(self, scaler: Any) -> None:
+        """A ``GradScaler`` not passed to ``attach``, found running the optimizer step
+        (``AgentHooks.find_scaler``): measured with, counted and snapshotted from this step on."""
+        log.warning("trainguard: a GradScaler runs this optimizer's steps but was not passed to attach(scaler=...); "
+                    "from step %d on the gradients are measured unscaled, its skipped steps counted and its state "
+                    "kept with the snapshots. Pass it to attach() so that the steps before are measured unscaled too.",
+                    self.clock.step + 1)
+        self.parts.scaler = scaler
+        self.parts.meter.adopt_scaler(scaler)
 
     def _client(self) -> Any:
         """The controller's client: the leader's, with a controller (else None)."""

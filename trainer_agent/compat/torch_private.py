@@ -16,6 +16,7 @@ Public equivalents used instead of a private member (no adapter needed): the def
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -31,7 +32,7 @@ __all__ = [
     "drop_empty_backward_hooks", "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
     "grad_scaler_init_scale", "grad_scaler_scale", "optimizer_has_step_hooks", "queue_backward_callback",
-    "tree_leaves", "version_counters", "view_base",
+    "stepping_grad_scaler", "tree_leaves", "version_counters", "view_base",
 ]
 
 #: The releases every member below was checked against (tests/agent/test_torch_private.py passed on
@@ -52,6 +53,8 @@ PRIVATE_MEMBERS = (
                   "test_grad_scaler_scale_is_the_live_scale_tensor"),
     PrivateMember("torch.amp.GradScaler._init_scale", "_init_scale", "grad_scaler_init_scale",
                   "test_grad_scaler_init_scale_is_the_constructor_value"),
+    PrivateMember("torch.amp.GradScaler._maybe_opt_step", "_maybe_opt_step", "stepping_grad_scaler",
+                  "test_stepping_grad_scaler_is_found_from_the_optimizer_step_hooks"),
     PrivateMember("torch.optim.Optimizer._optimizer_step_pre_hooks", "_optimizer_step_pre_hooks",
                   "optimizer_has_step_hooks", "test_optimizer_step_hook_registry"),
     PrivateMember("torch.distributed.tensor.DTensor._local_tensor", "_local_tensor", "dtensor_local",
@@ -155,6 +158,35 @@ def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     except AttributeError:
         degraded("torch.amp.GradScaler._scale", "the loss scale is read with get_scale(), one host sync per step")
         return torch.tensor(scaler.get_scale(), dtype=torch.float64)
+
+
+#: The ``GradScaler`` methods that call ``optimizer.step()`` from their own frame: ``step`` (an
+#: optimizer that unscales inside its step, e.g. fused Adam, gets ``grad_scale``/``found_inf`` there)
+#: and ``_maybe_opt_step`` (every other optimizer, after ``unscale_``).
+_SCALER_STEP_FRAMES = frozenset({"step", "_maybe_opt_step"})
+
+
+def stepping_grad_scaler(depth: int = 16) -> torch.amp.GradScaler | None:
+    """The enabled ``GradScaler`` whose ``step()`` is running the optimizer step now, when called
+    from an optimizer step hook; None when no scaler runs it (or it is disabled).
+
+    ``GradScaler.step(optimizer)`` calls ``optimizer.step()`` from its own method, whose ``self``
+    is the scaler: the caller's frames (at most ``depth`` of them) are read, not changed, for a
+    method of those names bound to a ``GradScaler``. A scaler that calls the step another way is
+    not found: None (the caller keeps measuring as without one)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            if frame.f_code.co_name in _SCALER_STEP_FRAMES:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, torch.amp.GradScaler) and owner.is_enabled():
+                    return owner
+        return None
+    finally:
+        del frame
 
 
 def grad_scaler_init_scale(scaler: torch.amp.GradScaler) -> float:

@@ -73,7 +73,9 @@ class TrainguardCallback(Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"TrainguardCallback supports one optimizer, the module configured "
                              f"{len(trainer.optimizers)}")
-        agent = self._session.attach(pl_module, trainer.optimizers[0])
+        # Mixed precision with a GradScaler (precision="16-mixed" on a GPU): the plugin's scaler.
+        agent = self._session.attach(pl_module, trainer.optimizers[0],
+                                     scaler=getattr(trainer.precision_plugin, "scaler", None))
         # The strategy's DDP wrapper (set up before on_fit_start): with gradient_as_bucket_view an
         # ordinary step's gradient norm comes from its buckets (trainer_agent/measure/bucket_views.py).
         index = agent.parts.params

@@ -332,6 +332,18 @@ class StepMeter:
             self.state.grad_nonfinite = self.state.grad_nonfinite + bad
         return (scaled.square() + sq).sqrt()
 
+    def adopt_scaler(self, scaler: Any) -> None:
+        """Measure with ``scaler`` from now on (a ``GradScaler`` found stepping the optimizer,
+        ``AgentHooks.find_scaler``), the step in progress included: its gradients, measured at the
+        end of backward, carry the scale the scaler holds until its ``update()``."""
+        self.scaler, self.wide = scaler, scaler.is_enabled()
+        st = self.state
+        if st.backwards and st.scale is None and st.grad_norm is not None:
+            st.scale = self.scale_tensor()
+            shared = st.grad_share is st.grad_norm  # else sharded: this rank's share of the sum of squares
+            st.grad_norm = unscale(st.grad_norm, st.scale)
+            st.grad_share = st.grad_norm if shared else unscale(st.grad_share, st.scale, power=2)
+
     def scale_tensor(self) -> torch.Tensor | None:
         scaler = self.scaler
         scale = torch_private.grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
