@@ -116,6 +116,41 @@ def test_sparse_gradient_parameters_are_named_and_kept_apart() -> None:
         ParamIndex(model, torch.optim.SGD([model["tok"].weight, model["bag"].weight], lr=0.1))
 
 
+@pytest.mark.parametrize("change", ["unfreeze", "add_param_group"])
+def test_parameters_trainable_after_attach_are_left_out_and_named_once(change: str, caplog) -> None:
+    """A parameter unfrozen after attach, or a param group added (Lightning's BackboneFinetuning
+    does both): measured as before, over the parameters attached, without an agent error (an added
+    group made every report step's update-size ratio fail), and a warning once, with the count."""
+    import trainer_agent as ta
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    backbone, head = list(model[0].parameters()), list(model[2].parameters())
+    for p in backbone:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters() if change == "unfreeze" else head, lr=1e-2, weight_decay=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    assert agent.parts.params.unmeasured(opt) == 0
+    norms = []
+    for step in range(4):
+        if step == 2:
+            for p in backbone:
+                p.requires_grad_(True)
+            if change == "add_param_group":
+                opt.add_param_group({"params": backbone, "lr": 1e-3})
+        model(torch.randn(16, 8)).square().mean().backward()
+        norms.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in head)))
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+        latest = agent.latest()
+        assert latest["trainguard_grad_norm"] == pytest.approx(norms[-1], rel=1e-6)
+        assert math.isfinite(latest["trainguard_update_size_ratio"]) and latest["trainguard_agent_errors_total"] == 0
+    agent.close()
+    told = [r.getMessage() for r in caplog.records if "did not hold at attach" in r.getMessage()]
+    assert len(told) == 1 and "holds 2 trainable parameter(s)" in told[0]
+
+
 def test_param_index_orders_layers_as_the_optimizer_holds_them() -> None:
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -5,6 +5,7 @@ the report sent to the controller)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,9 @@ import torch
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
+
+#: The facade's logger (``trainer_agent/agent.py``).
+log = logging.getLogger("trainer_agent.agent")
 
 
 class StepEnd:
@@ -89,6 +93,12 @@ class StepEnd:
         reports.publish(block=False)
         if not self.schedule.is_report(clock.step):
             return None
+        index = self.parts.params
+        added = 0 if index.grown else index.unmeasured(self.parts.optimizer)
+        if added:
+            log.warning("trainguard: the optimizer holds %d trainable parameter(s) it did not hold at attach (unfrozen "
+                        "since, or added with add_param_group); the gradient norm, update size and per-layer values "
+                        "leave them out (an agent attached after the change measures them).", added)
         host = self._host_step(st, duration, tokens)
         overhead = clock.overhead + meter.overhead + (clock.now() - t0)
         sketch = self._sketch() if reports.exchange.with_state else None

@@ -62,6 +62,9 @@ class ParamIndex:
                     (self.sparse if id(p) in sparse_ids else params).append(p)
         #: Their names (without a wrapper's prefix), for the warning at attach.
         self.sparse_names = [sparse_ids[id(p)] for p in self.sparse]
+        self._attached = frozenset(seen)
+        #: Whether :meth:`unmeasured` found parameters added since attach (then it is not read again).
+        self.grown = False
         if not params:
             raise ValueError("the optimizer holds no trainable parameter with a dense gradient "
                              f"(requires_grad=True; {len(self.sparse)} with sparse gradients)")
@@ -105,6 +108,15 @@ class ParamIndex:
                 gs = [zero if g is None else g for g in gs]
             out.append(gs)
         return out
+
+    def unmeasured(self, optimizer: torch.optim.Optimizer) -> int:
+        """How many trainable parameters ``optimizer`` holds that it did not hold at attach (one
+        unfrozen since, or added with ``add_param_group``): no measurement reads them. Host work
+        per parameter, for report steps; sets :attr:`grown` when there are any."""
+        attached = self._attached
+        count = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in attached)
+        self.grown = count > 0
+        return count
 
     def pending_grads(self) -> set[int]:
         """Indices of the DTensor gradients whose placements are not their parameter's (e.g. the

@@ -200,7 +200,9 @@ class UpdateModel:
         w = np.sqrt(self._group_sum(param_sq))
         n = self._group_sum(self.numel)
         parts = []
-        for k, group in enumerate(self.optimizer.param_groups):
+        # The groups the measured parameters were in at attach (a group added since,
+        # ``add_param_group``, holds none of them: ``ParamSetWatch``).
+        for k, group in enumerate(self.optimizer.param_groups[:self.groups]):
             lr = lrs[k] if k < len(lrs) else group["lr"]
             lr = float(lr if lr is not None else 0.0)
             wd = float(group.get("weight_decay", 0.0) or 0.0)
