@@ -104,7 +104,7 @@ def action(a: Any) -> str:
     if a.type == "rollback":
         notes = []
         if a.unless_skipped:
-            notes.append("unless the agent skipped the step")
+            notes.append("unless the step was not taken")
         if a.lr_factor != 1.0:
             notes.append(f"lr_scale × {_num(a.lr_factor)}")
         return "`rollback`" + (f" ({', '.join(notes)})" if notes else "")
@@ -195,8 +195,8 @@ def rule_sections() -> str:
         if all(a.type == "notify" for a in rule.actions):
             did += ". Nothing in the run changed: what to do is yours to judge"
         if any(a.type == "rollback" and a.unless_skipped for a in rule.actions):
-            did += (". A rollback is not taken when the agent skipped the step (the weights are intact: the "
-                    "recovery ladder watches instead)")
+            did += (". A rollback is not taken when the step was not taken (the agent, or the mixed-precision "
+                    "loss scaler, skipped it: the weights are intact, the recovery ladder watches instead)")
         lines = [
             f"### `{rule.name}`",
             "",

@@ -136,7 +136,8 @@ class ActionContext(Protocol):
         """The step of the newest good snapshot, or None and why there is none."""
 
     def skipped_now(self) -> int:
-        """Steps the agent skipped since the previous report (non-finite or spiking)."""
+        """Steps not taken since the previous report: skipped by the agent (non-finite or
+        spiking) or by the mixed-precision loss scaler (non-finite scaled gradients)."""
 
     def healthy_median(self, metric: str) -> float | None:
         """The median of ``metric`` over the run's healthy reports before the incident (None: none)."""

@@ -194,7 +194,9 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
     # ------------------------------------------------------------------ feeding
 
     def skipped_now(self) -> int:
-        return self.reading.skipped_now
+        # The steps not taken: the agent's skips, and the loss scaler's (for a rollback's
+        # ``unless_skipped``; only the agent's skips open an incident by themselves).
+        return max(self.reading.skipped_now, self.reading.amp_skipped_now)
 
     def before_decide(self, values: dict[str, float]) -> None:
         """The report's measurement, for the actions the rules take on it."""

@@ -38,6 +38,11 @@ class ReportReading:
     """The LR the user's schedule set."""
     skipped_total: float = 0.0
     skipped_now: int = 0
+    amp_total: float = 0.0
+    amp_skipped_now: int = 0
+    """Steps the mixed-precision loss scaler (a GradScaler) skipped since the last report: not
+    taken, the weights as they were, but no sign of trouble by themselves (a healthy float16 run's
+    scaler skips a step whenever it raises its scale too far), so they open no incident."""
     float32_now: float | None = None
     """The newest report's float32 recompute (largest over the ranks)."""
     data_active: bool = False
@@ -56,6 +61,11 @@ class ReportReading:
             self.skipped_total = nonfinite
         spikes = values.get("trainguard_consecutive_skipped_steps", 0.0)
         self.skipped_now = max(rose, int(spikes) if math.isfinite(spikes) else 0)
+        amp = values.get("trainguard_amp_skipped_steps_total")
+        self.amp_skipped_now = 0
+        if amp is not None and math.isfinite(amp):
+            self.amp_skipped_now = max(int(amp - self.amp_total), 0)
+            self.amp_total = amp
         v = values.get(metric)
         self.measured = None if v is None else float(v)
         self.values = values
@@ -74,12 +84,12 @@ class ReportReading:
 
     def save(self) -> tuple[Any, ...]:
         """What a report's undo takes back (the values and the float32 recompute are read afresh)."""
-        return (self.skipped_total, self.skipped_now, self.measured, self.measured_scale, self.lr, self.data_active,
-                self.data_checks)
+        return (self.skipped_total, self.skipped_now, self.amp_total, self.amp_skipped_now, self.measured,
+                self.measured_scale, self.lr, self.data_active, self.data_checks)
 
     def restore(self, saved: tuple[Any, ...]) -> None:
-        (self.skipped_total, self.skipped_now, self.measured, self.measured_scale, self.lr, self.data_active,
-         self.data_checks) = saved
+        (self.skipped_total, self.skipped_now, self.amp_total, self.amp_skipped_now, self.measured,
+         self.measured_scale, self.lr, self.data_active, self.data_checks) = saved
 
 
 @dataclass(slots=True)

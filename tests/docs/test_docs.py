@@ -63,7 +63,7 @@ def test_rules_table_says_what_the_built_in_rules_file_says() -> None:
         types = [a if isinstance(a, str) else a["type"] for a in rule["actions"]]
         assert re.findall(r"`([a-z_]+)`", actions) == types, name
         unless = [a for a in rule["actions"] if isinstance(a, dict) and a.get("unless_skipped")]
-        assert ("unless the agent skipped the step" in actions) == bool(unless), name
+        assert ("unless the step was not taken" in actions) == bool(unless), name
         # the rule's limit is in the condition as the file writes it (1.0e-5 reads 1e-5)
         for key in ("value", "ratio", "z", "seconds", "rel_tol"):
             if key in rule and not (rule["kind"] == "cross_rank" and key == "ratio" and rule["check"] != "spread"):
@@ -76,7 +76,7 @@ def test_rules_table_says_what_the_built_in_rules_file_says() -> None:
 def test_the_built_in_rules_are_not_what_the_old_readme_said() -> None:
     """The README once said "loss NaN -> pause" and "LR x 0.5"; the rules file says otherwise."""
     table = _block("rules.md", "rules")
-    assert "| `loss_nonfinite` | critical | `trainguard_loss`, per-rank `loss` | NaN or ±Inf | `rollback` (unless the agent skipped the step), `notify` |" in table
+    assert "| `loss_nonfinite` | critical | `trainguard_loss`, per-rank `loss` | NaN or ±Inf | `rollback` (unless the step was not taken), `notify` |" in table
     for rule in ("grad_norm_high", "grad_norm_spike", "update_ratio_spike"):
         (row,) = [r for r in table.splitlines() if r.startswith(f"| `{rule}` |")]
         assert _cells(row)[4] == "`adaptive_lr`, `notify`"

@@ -163,10 +163,12 @@ def test_the_loss_spike_discount_follows_planned_rises_only() -> None:
 
 
 @pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_not_passed"])
-def test_a_float16_run_with_its_grad_scalers_skips_draws_no_finding_and_no_action(passed: bool) -> None:
+def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool) -> None:
     # float16 autocast with a GradScaler that doubles its scale every 20 steps: a healthy run whose
     # scaler skips a step on each overflow. Not passed to attach, the scaler is found at its first
-    # step, whose gradients carry a scale of 2^16: measured scaled, they read as a norm ~1e5.
+    # step, whose gradients carry a scale of 2^16: measured scaled, they read as a norm ~1e5. At
+    # step 101 the loss itself overflows once: the scaler skips that step too, so the weights are
+    # as they were, and the rollback the non-finite loss asks for is not taken.
     torch.manual_seed(0)
     model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -177,7 +179,7 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_finding_and_no_actio
     for k in range(STEPS):
         ids, mask = CORPUS.batch(k, 0)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = next_byte_loss(model, ids, mask)
+            loss = next_byte_loss(model, ids, mask) * (math.inf if k == 100 else 1.0)
         scaler.scale(loss).backward()
         scales.append(scaler.get_scale())
         scaler.step(opt)
@@ -190,7 +192,8 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_finding_and_no_actio
     assert skipped >= 3  # the scaler backed off (and skipped the step) several times
     assert rows[-1]["trainguard_amp_skipped_steps_total"] == skipped
     assert max(v["trainguard_grad_norm"] for v in rows if math.isfinite(v["trainguard_grad_norm"])) < 100
+    assert not math.isfinite(rows[100]["trainguard_loss"]) and scales[101] == scales[100] / 2
     steps = _replay(rows)
-    assert _acting(steps) == []
-    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+    assert _acting(steps) == ["101 loss_nonfinite: non-finite trainguard_loss"]
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and s.desired.rollback_seq == 0 for s in steps)
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)

@@ -41,7 +41,8 @@ class CommandContext(Protocol):
         """The step of the newest good snapshot, or None and why there is none."""
 
     def skipped_now(self) -> int:
-        """Steps the agent skipped since the previous report (non-finite or spiking)."""
+        """Steps not taken since the previous report: skipped by the agent (non-finite or
+        spiking) or by the mixed-precision loss scaler (non-finite scaled gradients)."""
 
     def healthy_median(self, metric: str) -> float | None:
         """The median of ``metric`` over the run's healthy reports before the incident (None: none)."""
@@ -75,7 +76,8 @@ def _rollback(d: Any, p: Any, ctx: CommandContext | None) -> Change:
         return Change({"rollback_seq": d.rollback_seq + 1, "rollback_step": target})
     skipped = ctx.skipped_now() if ctx is not None and p.unless_skipped else 0
     if skipped:
-        return Change(note=f"no rollback: the agent skipped {skipped} step(s) and left the weights as they were")
+        return Change(note=f"no rollback: {skipped} step(s) not taken (skipped by the agent or by the "
+                                f"mixed-precision loss scaler), the weights as they were")
     if target is None:
         return Change({"paused": True}, f"rollback refused: {why}; paused for a human")
     scale = min(max(d.lr_scale * p.lr_factor, LR_SCALE_MIN), LR_SCALE_MAX)

@@ -218,8 +218,9 @@ class RollbackAction(RuleAction):
     type: Literal["rollback"] = "rollback"
     lr_factor: float = Field(default=1.0, ge=LR_SCALE_MIN, le=1.0, allow_inf_nan=False)
     unless_skipped: bool = Field(default=False, description=(
-        "No rollback when the agent skipped steps in the report's interval (a non-finite or spiking "
-        "step it did not take left the weights as they were): the incident starts at the skip rung, "
+        "No rollback when steps of the report's interval were not taken (the agent skipped a "
+        "non-finite or spiking step, or the mixed-precision loss scaler one with non-finite "
+        "gradients: the weights as they were): the incident starts at the skip rung, "
         "and the ladder goes on to the rollback if the signals do not come back."))
 
 
