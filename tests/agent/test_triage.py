@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
+from trainer_agent.diagnostics import preflight_gradients
 from trainguard.protocol.wire import Report
 from trainguard.service.engine import simulate
 from trainguard.service.rules import default_rules_text, load_rules
@@ -122,3 +123,29 @@ def test_a_grad_scaler_driven_to_its_floor_trips_the_amp_rules(overflow) -> None
     else:
         assert set(scales) == {16.0} and seen[-1]["trainguard_amp_skipped_steps_total"] == 0.0
         assert not fired & {"amp_loss_scale_floor", "amp_skip_rate"}
+
+
+def test_update_size_ratio_of_muon_follows_its_orthogonalised_update() -> None:
+    # torch.optim.Muon on matrices (it takes nothing else): each update is the momentum
+    # orthogonalised (singular values about 1), scaled by the LR adjusted to the matrix's shape.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 16, bias=False), nn.Tanh(), nn.Linear(16, 32, bias=False))
+    for how, factor in ((None, lambda a, b: max(1.0, a / b) ** 0.5), ("match_rms_adamw", lambda a, b: 0.2 * max(a, b) ** 0.5)):
+        opt = torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.1, adjust_lr_fn=how)
+        agent = ta.attach(model, opt, job="t", run="t-1", config=ta.AgentConfig(metrics_port=None, report_every=1))
+        model(torch.randn(4, 7)).square().mean().backward()  # the pre-flight's simulated step: near its bound
+        check = preflight_gradients.update_check(agent.parts, [p.grad for p in agent.parts.params.params])
+        rows = check.values["layers"]
+        assert set(rows) == {"0", "2"} and all(0.3 < r["ratio"] < 1.2 for r in rows.values()), check
+        opt.zero_grad()
+        for seed in range(3):
+            before = [p.detach().double().clone() for p in model.parameters()]
+            _step(model, opt, agent, seed)
+            ratio = agent.latest()["trainguard_update_size_ratio"]
+            delta = math.sqrt(sum(float((p.detach().double() - b).square().sum()) for p, b in zip(model.parameters(), before)))
+            w = math.sqrt(sum(float(b.square().sum()) for b in before))
+            shapes = [tuple(p.shape) for p in model.parameters()]  # (16, 7) and (32, 16)
+            predicted = 0.02 * math.sqrt(sum(factor(a, b) ** 2 * min(a, b) for a, b in shapes)) + 0.02 * 0.1 * w
+            assert ratio == pytest.approx(delta / predicted, rel=1e-6)
+            assert 0.5 < ratio < 1.2  # about 1: singular values of the orthogonalised update near 1
+        agent.close()

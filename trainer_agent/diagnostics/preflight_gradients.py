@@ -161,7 +161,8 @@ def update_check(parts: TrainParts, grads: list[torch.Tensor | None]) -> Check:
         rel = math.sqrt(d[i] / w[i]) if w[i] > 0 else (0.0 if d[i] == 0 else math.inf)
         rows[layer] = {"update": math.sqrt(d[i]), "predicted": math.sqrt(b[i]), "ratio": ratio, "update_ratio": rel}
     rule = {"adaptive": "lr x sqrt(n)", "sgd": "lr x ||g|| / (1 - momentum)", "trust_ratio": "lr x ||W|| (trust ratio)",
-            "adafactor": "rho_t x d x max(eps2 sqrt(n), ||W||) (relative step)"}[rule]
+            "adafactor": "rho_t x d x max(eps2 sqrt(n), ||W||) (relative step)",
+            "orthogonal": "lr x r x sqrt(min(A, B)) (orthogonalised momentum)"}[rule]
     off = {k: v for k, v in rows.items() if not v["ratio"] <= 3.0 + 1e-3}
     big = {k: v for k, v in rows.items() if not v["update_ratio"] <= 1e-2}
     if off or big:

@@ -21,6 +21,11 @@ rule predicts for the step, and the measured ``||W_after - W_before||`` over it:
   tensors, plus ``lr wd ||W||``;
 - trust-ratio optimizers (LAMB, LARS, by class name): the trust ratio rescales each tensor's step to
   ``lr ||W||``: ``lr ||W||`` for the group;
+- Muon (``torch.optim.Muon``): each matrix's update is its momentum orthogonalised (singular values
+  about 1, so a Frobenius norm of about ``sqrt(min(A, B))`` for an A x B matrix) times the LR that
+  ``adjust_lr_fn`` scales by its shape: ``lr sqrt(sum r^2 min(A, B)) + lr wd ||W||`` over the
+  group's matrices, ``r = sqrt(max(1, A / B))`` (the default) or ``0.2 sqrt(max(A, B))``
+  (``"match_rms_adamw"``);
 
 summed in quadrature over param groups. Any other optimizer has no prediction (the ratio is not
 reported, and the pre-flight says its rule is unknown): :func:`update_rule` names the families. ``trainguard_update_size_ratio`` = measured / predicted:
@@ -45,7 +50,8 @@ import torch
 
 from trainer_agent.measure.layer_stats import LayerGradStats
 
-__all__ = ["LAYER_STATS", "ADAPTIVE", "KNOWN_RULES", "bound_sq", "grad_stats", "group_lrs", "update_rule", "UpdateModel"]
+__all__ = ["LAYER_STATS", "ADAPTIVE", "KNOWN_RULES", "bound_sq", "grad_stats", "group_lrs", "orthogonal_sq", "update_rule",
+           "UpdateModel"]
 
 #: Per-layer metrics of :func:`grad_stats`, in its column order.
 LAYER_STATS: tuple[str, ...] = (
@@ -59,20 +65,23 @@ LAYER_STATS: tuple[str, ...] = (
 ADAPTIVE: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)
 
-UpdateRule = Literal["sgd", "adaptive", "adafactor", "trust_ratio"]
+UpdateRule = Literal["sgd", "adaptive", "adafactor", "trust_ratio", "orthogonal"]
 #: Class-name fragments of other libraries' optimizers (apex, bitsandbytes, timm, torch_optimizer,
 #: transformers), checked over the class's MRO, most specific family first.
 _NAMED_RULES: tuple[tuple[str, UpdateRule], ...] = (
     ("adafactor", "adafactor"), ("lamb", "trust_ratio"), ("lars", "trust_ratio"), ("adam", "adaptive"),
     ("lion", "adaptive"), ("rmsprop", "adaptive"), ("adagrad", "adaptive"), ("sgd", "sgd"))
 #: What the update-size triage and the pre-flight understand, for messages.
-KNOWN_RULES = "SGD, the Adam family (fused, paged and 8-bit variants too), Lion, Adafactor, LAMB and LARS"
+KNOWN_RULES = "SGD, the Adam family (fused, paged and 8-bit variants too), Lion, Adafactor, LAMB, LARS and Muon"
 
 
 def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule | None:
     """The family of ``optimizer``'s update rule, None for one trainguard does not know."""
     if isinstance(optimizer, torch.optim.Adafactor):
         return "adafactor"
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and isinstance(optimizer, muon):
+        return "orthogonal"
     if isinstance(optimizer, ADAPTIVE):
         return "adaptive"
     if isinstance(optimizer, torch.optim.SGD):
@@ -112,6 +121,16 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> list[float | torch.Tensor]:
     return out
 
 
+def orthogonal_sq(group: dict, shape: Sequence[int]) -> float:
+    """Muon's update of an A x B matrix, squared, per unit of LR: ``r^2 min(A, B)``, ``r`` the
+    factor ``torch.optim.Muon``'s ``adjust_lr_fn`` puts on the group's LR for that shape."""
+    a, b = (int(shape[0]), int(shape[1])) if len(shape) >= 2 else (int(shape[0]) if shape else 1, 1)
+    how = group.get("adjust_lr_fn")
+    r = math.sqrt(max(1.0, a / b)) if how in (None, "original") else (
+        0.2 * math.sqrt(max(a, b)) if how == "match_rms_adamw" else 1.0)
+    return r * r * min(a, b)
+
+
 def _adafactor_eps2(group: dict) -> float:
     eps = group.get("eps")
     return float(eps[1]) if isinstance(eps, (tuple, list)) and len(eps) == 2 and eps[1] is not None else 1e-3
@@ -147,6 +166,8 @@ def bound_sq(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
         n = p.numel()
         if rule == "adaptive":
             out.append(lr * lr * n)
+        elif rule == "orthogonal":
+            out.append(lr * lr * orthogonal_sq(group, p.shape))
         elif rule == "sgd":
             g_sq = float(grad.double().square().sum()) if grad is not None else 0.0
             out.append(lr * lr * g_sq / (1.0 - float(group.get("momentum", 0.0) or 0.0)) ** 2)
@@ -176,6 +197,10 @@ class UpdateModel:
         self.groups = len(optimizer.param_groups)
         self.group_ids = np.asarray([group_of[id(p)] for p in params], dtype=np.int64)
         self.numel = np.asarray([float(p.numel()) for p in params], dtype=np.float64)
+        #: Per parameter, its update's square per unit of LR under the Adam-like rules: its element
+        #: count (each element moves by about lr), for Muon ``r^2 min(A, B)`` (:func:`orthogonal_sq`).
+        self.unit_sq = self.numel if self.rule != "orthogonal" else np.asarray(
+            [orthogonal_sq(optimizer.param_groups[k], p.shape) for k, p in zip(self.group_ids, params)])
         self.optimizer = optimizer
         self.device = device
 
@@ -198,15 +223,15 @@ class UpdateModel:
             return None
         g = np.sqrt(self._group_sum(grad_sq))
         w = np.sqrt(self._group_sum(param_sq))
-        n = self._group_sum(self.numel)
+        n = self._group_sum(self.unit_sq)
         parts = []
         # The groups the measured parameters were in at attach (a group added since,
-        # ``add_param_group``, holds none of them: ``ParamSetWatch``).
+        # ``add_param_group``, holds none of them: ``ParamIndex.unmeasured``).
         for k, group in enumerate(self.optimizer.param_groups[:self.groups]):
             lr = lrs[k] if k < len(lrs) else group["lr"]
             lr = float(lr if lr is not None else 0.0)
             wd = float(group.get("weight_decay", 0.0) or 0.0)
-            if self.rule == "adaptive":
+            if self.rule in ("adaptive", "orthogonal"):
                 parts.append(lr * (np.sqrt(n[k]) + wd * w[k]))
             elif self.rule == "sgd":
                 momentum = float(group.get("momentum", 0.0) or 0.0)
