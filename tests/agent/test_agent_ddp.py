@@ -210,3 +210,57 @@ def test_ddp_with_gradient_accumulation_every_metric_against_a_float64_reference
         # each rank's sum of squared micro-batch gradient norms (as incoming: loss / ACCUM)
         assert rv["micro_sq_sum"] == pytest.approx(
             [sum(_sq(m.values()) for m in last["micro"][q]) for q in held], rel=1e-5)
+
+
+def _scaler_worker(rank: int, init: str, out: str) -> None:
+    """The same two DDP runs under a GradScaler, once passed to attach and once found by the agent
+    at its first step: every report's values, per run."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    import trainer_agent as ta
+
+    runs = {}
+    for passed in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        agent = ta.attach(ddp, opt, job="ddp", run=f"ddp-{passed}", scaler=scaler if passed else None,
+                          config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
+        seen = []
+        for step in range(3):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = ddp(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            reduced = sum(float(p.grad.double().square().sum()) for p in model.parameters()) ** 0.5
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            agent.end_step(loss, tokens=TOKENS)
+            seen.append((reduced, agent.latest()))
+        runs[passed] = (seen, agent.scaler is scaler)
+        agent.close()
+        del agent, ddp
+        gc.collect()
+    dist.destroy_process_group()
+    torch.save(runs, f"{out}/rank{rank}.pt")
+
+
+def test_ddp_with_a_grad_scaler_found_at_its_first_step_measures_as_with_it_passed(tmp_path) -> None:
+    for rank, runs in enumerate(spawn_ranks(_scaler_worker, WORLD, tmp_path)):
+        (passed, known), (found, adopted) = runs[True], runs[False]
+        assert known and adopted
+        noise = [step for step, (_, a) in enumerate(passed) if "trainguard_grad_noise_scale" in a]
+        assert noise == ([0, 1, 2] if rank == 0 else []), noise  # the leader's, the step the scaler was found in too
+        for step, ((reduced, a), (_, b)) in enumerate(zip(passed, found)):
+            assert a["trainguard_grad_norm"] == pytest.approx(reduced, rel=1e-6)
+            keys = ("trainguard_grad_norm", "trainguard_grad_noise_scale", "trainguard_grad_variance",
+                    "trainguard_loss_scale", 'trainguard_layer_grad_norm{layer="0"}')
+            assert [k in b for k in keys] == [k in a for k in keys], (step, [k in a for k in keys])
+            for key in (k for k in keys if k in a):
+                # The first step's norms were summed in float32 (with the scaler known: in float64).
+                assert b[key] == (a[key] if step else pytest.approx(a[key], rel=1e-6)), (step, key)
+            assert b["trainguard_agent_errors_total"] == 0
