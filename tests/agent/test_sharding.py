@@ -139,6 +139,46 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-9)
 
 
+def _scaler_worker(rank: int, init: str, out: str) -> None:
+    """FSDP2 on 2 ranks under a GradScaler not passed to attach: the global gradient norm (each
+    rank's share of the sum of squares, summed in the report) against the full tensors'."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    import trainer_agent as ta
+
+    model = _model()
+    _parallelize("fsdp", model, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    agent = ta.attach(model, opt, job="shard", run="shard-amp", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    seen = []
+    for step in range(STEPS):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        reference = math.sqrt(sum(float(_full(p.grad).square().sum()) for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss)
+        seen.append((reference, agent.latest()))
+    found = agent.scaler is scaler
+    agent.close()
+    dist.destroy_process_group()
+    torch.save({"seen": seen, "found": found}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_grad_scaler_found_at_its_first_step_unscales_the_sharded_norm(tmp_path) -> None:
+    for r in spawn_ranks(_scaler_worker, 2, tmp_path, timeout=240.0):
+        assert r["found"]
+        for reference, latest in r["seen"]:
+            assert latest["trainguard_grad_norm"] == pytest.approx(reference, rel=1e-6)
+            assert latest["trainguard_grad_norm_max"] == pytest.approx(reference, rel=1e-6)  # from the shares
+            assert latest["trainguard_loss_scale"] == 2.0**12 and latest["trainguard_agent_errors_total"] == 0
+
+
 @pytest.mark.parametrize("mode,world", [("fsdp", 2), ("hsdp", 4), ("tp", 2)])
 def test_every_metric_equals_the_full_tensor_reference(mode: str, world: int, tmp_path) -> None:
     ranks = spawn_ranks(partial(_worker, mode, world), world, tmp_path, timeout=240.0)
