@@ -63,6 +63,9 @@ class ParamIndex:
         #: Their names (without a wrapper's prefix), for the warning at attach.
         self.sparse_names = [sparse_ids[id(p)] for p in self.sparse]
         self._attached = frozenset(seen)
+        # What can make a parameter trainable later: one frozen at attach, or a group added.
+        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+        self._held = sum(len(g["params"]) for g in optimizer.param_groups)
         #: Whether :meth:`unmeasured` found parameters added since attach (then it is not read again).
         self.grown = False
         if not params:
@@ -112,9 +115,13 @@ class ParamIndex:
     def unmeasured(self, optimizer: torch.optim.Optimizer) -> int:
         """How many trainable parameters ``optimizer`` holds that it did not hold at attach (one
         unfrozen since, or added with ``add_param_group``): no measurement reads them. Host work
-        per parameter, for report steps; sets :attr:`grown` when there are any."""
+        per param group and per parameter frozen at attach while there are none (then per
+        parameter); sets :attr:`grown` when there are any."""
+        groups = optimizer.param_groups
+        if sum(len(g["params"]) for g in groups) == self._held and not any(p.requires_grad for p in self._frozen):
+            return 0
         attached = self._attached
-        count = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in attached)
+        count = sum(1 for g in groups for p in g["params"] if p.requires_grad and id(p) not in attached)
         self.grown = count > 0
         return count
 
