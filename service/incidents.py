@@ -195,7 +195,7 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
 
     def skipped_now(self) -> int:
         # The steps not taken: the agent's skips, and the loss scaler's (for a rollback's
-        # ``unless_skipped``; only the agent's skips open an incident by themselves).
+        # ``unless_skipped``; the scaler's open an incident only with a report unhealthy otherwise).
         return max(self.reading.skipped_now, self.reading.amp_skipped_now)
 
     def before_decide(self, values: dict[str, float]) -> None:
@@ -281,11 +281,14 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
             prev_desired = new
 
     def _note_skips(self, step: int, now: float, healthy: bool, desired: DesiredState) -> None:
-        """The agent's spike guard skipping steps: the ladder's first rung, the agent's own."""
-        skipped = self.reading.skipped_now
-        if self.policy.enabled and not healthy and skipped and "skip" in self._report_ladder() and not _settled(desired):
+        """Steps not taken on an unhealthy report: the ladder's first rung, the trainer's own (the
+        agent's spike guard or non-finite skip, or the mixed-precision loss scaler's skip)."""
+        skipped, scaler = self.reading.skipped_now, self.reading.amp_skipped_now
+        if (self.policy.enabled and not healthy and (skipped or scaler) and "skip" in self._report_ladder()
+                and not _settled(desired)):
             # (a paused run is a human's, a stopping run is ending: no incident opens on their reports)
-            why = f"the agent skipped {skipped} step(s) it did not trust"
+            why = (f"the agent skipped {skipped} step(s) it did not trust" if skipped else
+                   f"the mixed-precision loss scaler skipped {scaler} step(s) with non-finite gradients")
             if self.open is None:
                 self._open(step, now, "skip")
                 self._rung("skip", step, now, "agent", None, why)

@@ -42,7 +42,8 @@ class ReportReading:
     amp_skipped_now: int = 0
     """Steps the mixed-precision loss scaler (a GradScaler) skipped since the last report: not
     taken, the weights as they were, but no sign of trouble by themselves (a healthy float16 run's
-    scaler skips a step whenever it raises its scale too far), so they open no incident."""
+    scaler skips a step whenever it raises its scale too far): they open an incident (its skip
+    rung) only on a report that is unhealthy otherwise, e.g. with a non-finite loss."""
     float32_now: float | None = None
     """The newest report's float32 recompute (largest over the ranks)."""
     data_active: bool = False

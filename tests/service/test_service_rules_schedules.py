@@ -162,13 +162,10 @@ def test_the_loss_spike_discount_follows_planned_rises_only() -> None:
     assert found.active and "schedule_lr_rise" not in found.values  # above the envelope: not discounted
 
 
-@pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_not_passed"])
-def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool) -> None:
-    # float16 autocast with a GradScaler that doubles its scale every 20 steps: a healthy run whose
-    # scaler skips a step on each overflow. Not passed to attach, the scaler is found at its first
-    # step, whose gradients carry a scale of 2^16: measured scaled, they read as a norm ~1e5. At
-    # step 101 the loss itself overflows once: the scaler skips that step too, so the weights are
-    # as they were, and the rollback the non-finite loss asks for is not taken.
+def _train_float16(passed: bool, overflow: range) -> tuple[list[dict[str, float]], list[float], float]:
+    """A float16 run (autocast) with a GradScaler that doubles its scale every 20 steps, passed to
+    attach or not; the loss itself overflows on the steps (0-based) of ``overflow``. Its reports,
+    the scale before each step and the scale at the end."""
     torch.manual_seed(0)
     model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -179,7 +176,7 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool)
     for k in range(STEPS):
         ids, mask = CORPUS.batch(k, 0)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = next_byte_loss(model, ids, mask) * (math.inf if k == 100 else 1.0)
+            loss = next_byte_loss(model, ids, mask) * (math.inf if k in overflow else 1.0)
         scaler.scale(loss).backward()
         scales.append(scaler.get_scale())
         scaler.step(opt)
@@ -188,7 +185,24 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool)
         agent.end_step(loss.detach())
         rows.append(agent.latest())
     agent.close(1.0)
-    skipped = sum(1 for a, b in zip(scales, scales[1:] + [scaler.get_scale()]) if b < a)
+    return rows, scales, scaler.get_scale()
+
+
+def _incidents(steps: list[Any]) -> list[tuple[int, str, list[str]]]:
+    """(onset step, outcome, rungs) of every incident, as the last report left it."""
+    last = {i["id"]: i for s in steps for i in s.incidents}
+    return [(i["onset_step"], i["outcome"], [r["rung"] for r in i["rungs"]]) for i in last.values()]
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_not_passed"])
+def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool) -> None:
+    # A healthy run whose scaler skips a step on each overflow of its scaled gradients. Not passed
+    # to attach, the scaler is found at its first step, whose gradients carry a scale of 2^16:
+    # measured scaled, they read as a norm ~1e5. At step 101 the loss itself overflows once: the
+    # scaler skips that step too, so the weights are as they were, and the rollback the non-finite
+    # loss asks for is not taken; the incident stays at its first rung, the step not taken.
+    rows, scales, last = _train_float16(passed, range(100, 101))
+    skipped = sum(1 for a, b in zip(scales, scales[1:] + [last]) if b < a)
     assert skipped >= 3  # the scaler backed off (and skipped the step) several times
     assert rows[-1]["trainguard_amp_skipped_steps_total"] == skipped
     assert max(v["trainguard_grad_norm"] for v in rows if math.isfinite(v["trainguard_grad_norm"])) < 100
@@ -196,4 +210,16 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool)
     steps = _replay(rows)
     assert _acting(steps) == ["101 loss_nonfinite: non-finite trainguard_loss"]
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and s.desired.rollback_seq == 0 for s in steps)
+    assert _incidents(steps) == [(101, "recovered", ["skip"])]
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
+
+
+def test_a_float16_run_whose_loss_keeps_overflowing_climbs_the_ladder() -> None:
+    # The loss overflows on every step from step 101 on: the scaler skips them all, the weights stay
+    # as they were, but the signals do not come back, and the ladder goes on from its first rung
+    # (without a snapshot to roll back to: paused for a human).
+    rows, _, _ = _train_float16(False, range(100, STEPS))
+    steps = _replay(rows)
+    (onset, outcome, rungs), = _incidents(steps)
+    assert onset == 101 and outcome == "escalated" and rungs[0] == "skip" and len(rungs) > 1
+    assert steps[-1].desired.paused
