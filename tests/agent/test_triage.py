@@ -149,3 +149,41 @@ def test_update_size_ratio_of_muon_follows_its_orthogonalised_update() -> None:
             assert ratio == pytest.approx(delta / predicted, rel=1e-6)
             assert 0.5 < ratio < 1.2  # about 1: singular values of the orthogonalised update near 1
         agent.close()
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["scaler_passed", "scaler_found"])
+def test_a_fused_optimizer_under_a_grad_scaler_is_measured_unscaled_and_its_skips_counted(passed: bool) -> None:
+    # A fused AdamW unscales inside its kernel: in its step hooks the gradients still carry the
+    # scale (GradScaler sets optimizer.grad_scale for the step), and a non-finite step is skipped
+    # by the kernel, not by the scaler (optimizer.found_inf). Every value equals the unfused run's.
+    def run(fused: bool) -> list[dict[str, float]]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        agent = ta.attach(model, opt, job="t", run="t-1", scaler=scaler if passed else None,
+                          config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
+        seen = []
+        for step in range(4):
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().mean() * (math.inf if step == 2 else 1.0)  # step 3 overflows
+            scaler.scale(loss).backward()
+            g_max = max(float(p.grad.double().abs().max()) for p in model.parameters()) / scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            agent.end_step(loss)
+            seen.append({**agent.latest(), "reference_max_abs": g_max})
+        agent.close()
+        return seen
+
+    fused, plain = run(True), run(False)
+    keys = ("trainguard_grad_max_abs", 'trainguard_layer_grad_max_abs{layer="0"}', 'trainguard_layer_grad_std{layer="2"}',
+            "trainguard_amp_skipped_steps_total", "trainguard_loss_scale")
+    for step, (f, p) in enumerate(zip(fused, plain), start=1):
+        # (on step 3 the fused step ran, on non-finite gradients; the scaler skipped the unfused one)
+        compared = keys if step != 3 else keys[3:]
+        assert [f.get(k) for k in compared] == [p.get(k) for k in compared], step
+        assert f["trainguard_agent_errors_total"] == 0
+        if step != 3:
+            assert f["trainguard_grad_max_abs"] == pytest.approx(f["reference_max_abs"], rel=1e-6)
+    assert [f["trainguard_amp_skipped_steps_total"] for f in fused] == [0.0, 0.0, 1.0, 1.0]

@@ -191,3 +191,32 @@ def test_the_clipping_norm_counts_sparse_gradients() -> None:
     assert math.isclose(clipped, 0.5, rel_tol=1e-5)
     dense_only = [lin.weight.grad, lin.bias.grad]
     assert torch.equal(global_grad_norm(dense_only), torch.nn.utils.get_total_norm(dense_only))
+
+
+def test_the_controllers_clipping_of_a_fused_optimizer_under_a_grad_scaler_clips_the_unscaled_norm() -> None:
+    """A fused SGD unscales in its kernel, so in the pre-step hook its gradients still carry the
+    loss scale (2^12): the clip norm is the unscaled gradients', and the step equals the unfused
+    one, whose gradients the scaler unscaled first (clipped as scaled, they moved 4096x too little)."""
+    from trainer_agent.control.actuators import ActuatorEnv
+    from trainer_agent.control.optimizer_actuators import GradClip
+
+    def step(fused: bool) -> tuple[list[torch.Tensor], float]:
+        torch.manual_seed(0)
+        model = nn.Linear(6, 4)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+        clip = GradClip(ActuatorEnv(optimizer=opt, leader=False, on_error=lambda kind, exc: None))
+        clip.max_norm = 0.05
+        opt.register_step_pre_hook(lambda o, a, k: clip.before_step())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        scaler.scale(model(torch.randn(8, 6, generator=torch.Generator().manual_seed(1))).square().mean()).backward()
+        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())) / 2.0**12
+        scaler.step(opt)
+        return [(b - p.detach()) / 0.1 for b, p in zip(before, model.parameters())], norm
+
+    (fused, norm), (plain, _) = step(True), step(False)
+    assert norm > 0.05  # the clip applies
+    applied = math.sqrt(sum(float(g.double().square().sum()) for g in fused))
+    assert math.isclose(applied, 0.05, rel_tol=1e-4)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)

@@ -82,6 +82,10 @@ class StepEnd:
             self.hooks.comm.step_ended(duration)
         if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
             clock.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
+        elif clock.found_inf is not None:  # a fused optimizer's kernel skipped it (found_inf > 0)
+            skipped = (clock.found_inf > 0).to(torch.float64)
+            clock.amp_fused = skipped if clock.amp_fused is None else clock.amp_fused + skipped
+        clock.found_inf = None
         if isinstance(loss, torch.Tensor):
             loss_t = loss.detach().to(self.parts.device, torch.float64)
             if loss_t.dim():
@@ -102,7 +106,7 @@ class StepEnd:
         host = self._host_step(st, duration, tokens)
         overhead = clock.overhead + meter.overhead + (clock.now() - t0)
         sketch = self._sketch() if reports.exchange.with_state else None
-        agreed = reports.build(st, loss_t, host, overhead, self._proposal(), sketch)
+        agreed = reports.build(st, loss_t, host, overhead, self._proposal(), sketch, amp_fused=clock.amp_fused)
         reports.publish(block=False)
         return agreed
 

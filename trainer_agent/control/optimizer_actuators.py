@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from trainer_agent.measure import stats
+from trainer_agent.measure.optim import applied_grad_scale
 from trainer_agent.control.actuators import Actuator, ActuatorEnv, GroupOverride, Sequenced, actuator, state_value
 
 __all__ = ["GradClip", "MomentumScale", "ResetOptimizer", "WeightDecayScale", "global_grad_norm",
@@ -67,6 +68,9 @@ class GradClip(Actuator):
             return
         with torch.no_grad():
             norm = global_grad_norm([p.grad for p in params])
+            scale = applied_grad_scale(self.env.optimizer)
+            if scale is not None:  # still scaled (a fused optimizer under a GradScaler): clip the unscaled norm
+                norm = norm / scale.to(norm.device, norm.dtype)
             norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))  # coefficient 1: unchanged
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
 

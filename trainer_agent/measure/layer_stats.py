@@ -28,6 +28,9 @@ from trainer_agent.measure import stats
 
 __all__ = ["GradMoments", "LayerGradStats"]
 
+#: How each of :data:`~trainer_agent.measure.stats.MOMENTS` scales with the gradients (||g||^2: squared).
+_MOMENT_POWERS = (1, 1, 2, 1, 1)
+
 
 @dataclass(frozen=True, slots=True)
 class GradMoments:
@@ -96,14 +99,19 @@ class LayerGradStats:
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cache: dict = {}  # stats.tensor_moments' buffer on the CPU
 
-    def measure(self, params: Sequence[torch.Tensor]) -> GradMoments:
+    def measure(self, params: Sequence[torch.Tensor], *, scale: torch.Tensor | None = None) -> GradMoments:
         """The moments of the current ``.grad`` of ``params`` (a parameter without one, or with
-        an empty one, is left out)."""
+        an empty one, is left out); ``scale``: the loss scale the gradients still carry (a fused
+        optimizer under a GradScaler, ``optim.applied_grad_scale``), divided out."""
         every = [p.grad for p in params]
         numels = [0 if g is None else g.numel() for g in every]
         used = [i for i, n in enumerate(numels) if n] if 0 in numels else list(range(len(every)))
         grads = [every[i] for i in used] if len(used) < len(every) else every
         values, order = stats.tensor_moments(grads, self.device, cache=self._cache)
+        if scale is not None and len(order):
+            inv = scale.detach().to(values.device, torch.float64).reciprocal().reshape(())
+            per_block = torch.stack([inv ** power for power in _MOMENT_POWERS]).unsqueeze(1)
+            values = (values.view(len(stats.MOMENTS), -1) * per_block).reshape(-1)
         ordered = used if order == list(range(len(used))) else [used[i] for i in order]
         key = (tuple(ordered), tuple([numels[i] for i in ordered]))
         plan = self._plans.get(key)

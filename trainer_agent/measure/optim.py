@@ -21,6 +21,11 @@ Two things follow, handled here:
   gradient is that of the first evaluation (the point the step starts from); later evaluations run
   with the agent's gradient measurement set aside, so they are not counted as micro-batches (the
   noise scale would be wrong) and do not replace the step's gradient norm.
+
+**Fused optimizers under a GradScaler** (``Adam``/``AdamW``/``SGD`` with ``fused=True``) unscale the
+gradients inside their own kernel: ``GradScaler.step`` leaves the gradients scaled and sets the
+scale as ``optimizer.grad_scale`` for the duration of the step (:func:`applied_grad_scale`). What
+reads the gradients in the step hooks divides by it.
 """
 
 from __future__ import annotations
@@ -33,11 +38,20 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+__all__ = ["applied_grad_scale", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
 _MAX_DEPTH = 8
 _NOT_RUN = object()
+
+
+def applied_grad_scale(optimizer: object) -> torch.Tensor | None:
+    """Inside ``optimizer.step()`` (its hooks), the loss scale its gradients still carry: the
+    ``grad_scale`` tensor a ``GradScaler`` sets on an optimizer that unscales in its own kernel
+    (None once the user unscaled them, and for every other optimizer, whose gradients the scaler
+    unscaled in place before the step)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 def _usable(optimizer: object) -> bool:

@@ -25,6 +25,10 @@ class StepClock:
         self.overhead = 0.0
         self.last_end = now()
         self.amp_skipped = 0
+        #: A fused optimizer under a GradScaler skips a non-finite step inside its own kernel
+        #: (``optimizer.found_inf``, read in the pre-step hook): those steps, counted on the device.
+        self.found_inf: torch.Tensor | None = None
+        self.amp_fused: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
         self.row: torch.Tensor | None = None
 
@@ -40,7 +44,7 @@ class StepClock:
             "step": self.step,
             # SYNC: checkpoint time only; reads one device scalar.
             "nonfinite_steps_total": float((reports.nonfinite_steps + reports.interval_nonfinite()).item()),
-            "amp_skipped_steps_total": self.amp_skipped,
+            "amp_skipped_steps_total": self.amp_skipped + (int(self.amp_fused.item()) if self.amp_fused is not None else 0),
         }
 
     def load_counters(self, state: Any, reports: Any) -> None:
@@ -55,6 +59,6 @@ class StepClock:
             raise ValueError(f"malformed trainguard agent state dict: {exc}") from None
         if step < 0 or skipped < 0 or not nonfinite >= 0:
             raise ValueError("malformed trainguard agent state dict: negative counters")
-        self.step, self.amp_skipped = step, skipped
+        self.step, self.amp_skipped, self.amp_fused = step, skipped, None
         reports.nonfinite_steps.fill_(nonfinite)
         reports.interval.zero_()  # steps before the restore are not part of the restored run

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer_agent.measure import stats, triage_stats as triage
+from trainer_agent.measure import optim, stats, triage_stats as triage
 from trainer_agent.compat import torch_private
 from trainer_agent.config import AgentConfig
 from trainer_agent.measure.grad_hooks import GradHooks
@@ -367,7 +367,7 @@ class StepMeter:
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
         if self.config.triage and report and self.index.sharding is None:
-            st.grad_stats = self.layer_stats.measure(self.index.params)
+            st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer))
         if self.fingerprint is not None and report:
             # The gradients this step applies (all-reduced, unscaled and clipped), per layer; their
             # squared norms are the statistics' when those measured every gradient.

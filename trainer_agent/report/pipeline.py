@@ -167,9 +167,11 @@ class ReportPipeline:
     # ------------------------------------------------------------------ report steps
 
     def build(self, st: StepState, loss_t: torch.Tensor, host_step: HostStep, overhead: float,
-              state: Sequence[int] | None, sketch: Sequence[int] | None = None) -> list[int] | None:
+              state: Sequence[int] | None, sketch: Sequence[int] | None = None, *,
+              amp_fused: torch.Tensor | None = None) -> list[int] | None:
         """Build the report of ``host_step.step``, enter the exchange with ``state`` (the leader's
         proposal, or None) and ``sketch`` (this rank's sequences, or None), queue the copy.
+        ``amp_fused``: the steps a fused optimizer skipped itself (device count, ``StepClock``).
         Returns the agreed desired state (None without one)."""
         if len(self.pending) >= MAX_IN_FLIGHT:
             self.publish(block=True, limit=1)  # SYNC: only when the device runs that far behind
@@ -178,6 +180,8 @@ class ReportPipeline:
         dev: dict[str, torch.Tensor] = {}  # sample key -> device scalar
         derived = HostDerived()  # what the host derives from the copy (trainer_agent/report/host_derived.py)
         host = self._host_values(host_step)
+        if amp_fused is not None:
+            dev["trainguard_amp_skipped_steps_total"] = amp_fused + host.pop("trainguard_amp_skipped_steps_total")
         self.rows.values(dev, loss_t, st.grad_norm)
         param = self._param_values(dev, st, derived)
         self._optimizer_values(dev, host, st)
