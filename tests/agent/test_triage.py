@@ -187,3 +187,32 @@ def test_a_fused_optimizer_under_a_grad_scaler_is_measured_unscaled_and_its_skip
         if step != 3:
             assert f["trainguard_grad_max_abs"] == pytest.approx(f["reference_max_abs"], rel=1e-6)
     assert [f["trainguard_amp_skipped_steps_total"] for f in fused] == [0.0, 0.0, 1.0, 1.0]
+
+
+def _zero_worker(rank: int, init: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    model = _model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, eps=1e-12,
+                                  weight_decay=0.0)
+    agent = ta.attach(model, opt, job="t", run="t-1", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    _step(model, opt, agent, 2)
+    ratio = agent.latest().get("trainguard_update_size_ratio")
+    agent.close()
+    dist.destroy_process_group()
+    torch.save({"ratio": ratio}, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_update_size_ratio_of_a_zero_redundancy_optimizer_follows_its_local_optimizers_rule(tmp_path) -> None:
+    # torch.distributed.optim.ZeroRedundancyOptimizer steps each rank's partition with AdamW (then
+    # broadcasts it): Adam's first step moves every weight by lr, a ratio of 1 (as for AdamW alone).
+    from tests.control.spawn import spawn_ranks
+
+    (result,) = spawn_ranks(_zero_worker, 1, tmp_path, timeout=120)
+    assert result["ratio"] == pytest.approx(1.0, rel=1e-3)

@@ -42,6 +42,7 @@ Metric keys (``trainguard/protocol/catalog.py``): ``trainguard_layer_grad_mean``
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Literal
 
@@ -76,7 +77,12 @@ KNOWN_RULES = "SGD, the Adam family (fused, paged and 8-bit variants too), Lion,
 
 
 def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule | None:
-    """The family of ``optimizer``'s update rule, None for one trainguard does not know."""
+    """The family of ``optimizer``'s update rule, None for one trainguard does not know.
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``: its local optimizer's (each rank steps its
+    partition with it and the ranks then broadcast theirs, so every parameter moves by that rule)."""
+    zero = _zero_redundancy()
+    if zero is not None and isinstance(optimizer, zero) and isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer):
+        return update_rule(optimizer.optim)
     if isinstance(optimizer, torch.optim.Adafactor):
         return "adafactor"
     muon = getattr(torch.optim, "Muon", None)
@@ -91,6 +97,12 @@ def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule | None:
         if any(fragment in n for n in names):
             return rule
     return None
+
+
+def _zero_redundancy() -> type | None:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` when its module is loaded (an instance
+    exists only then; importing it here would cost every attach the import), else None."""
+    return getattr(sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer"), "ZeroRedundancyOptimizer", None)
 
 
 def _adafactor_rho(group: dict, step: float) -> tuple[float, float]:
