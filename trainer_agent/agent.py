@@ -28,7 +28,10 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     ``||W_before - W_after||`` (``update_ratio``, ``effective_lr``, per-layer update ratio) and
     the parameter norms (``stats.update_sq_norms``). A GradScaler that skips the step skips these
     hooks: ``end_step`` counts the step in ``trainguard_amp_skipped_steps_total`` (no device read
-    needed to know it).
+    needed to know it); a fused optimizer skips it in its own kernel (``optimizer.found_inf``,
+    counted on the device), with its gradients still scaled in these hooks (``optim.applied_grad_scale``).
+    A GradScaler not passed to ``attach`` is found here, at the first step it takes
+    (``AgentHooks.find_scaler``).
 (3) **end_step**: the step's (loss, gradient norm) row of the report interval, step time and
     tokens/s; on a report step (``ReportSchedule.is_report``) the interval's rows give the
     non-finite accounting, every rank enters the report step's one collective (its row of
