@@ -268,7 +268,8 @@ def _amp_verdict(values: dict[str, Any], scaled: bool) -> CheckTuple:
     if overflow:
         return "amp_overflow", "fail", f"{kind} overflows in the forward pass of {', '.join(list(overflow)[:5])}", values
     if grad_bad and not scaled:
-        return "amp_overflow", "fail", f"{kind} gradients overflow in {', '.join(list(grad_bad)[:5])} without a loss scaler", values
+        return ("amp_overflow", "fail", f"{kind} gradients overflow in {', '.join(list(grad_bad)[:5])} without a loss "
+                "scaler (if the loop uses a GradScaler, pass it to attach as scaler=)", values)
     problems = []
     if grad_bad:
         problems.append(f"gradients overflow at the scaler's scale in {', '.join(list(grad_bad)[:5])}: it will skip "

@@ -118,7 +118,7 @@ def config_checks(parts: TrainParts, declared_params: int | None, clip_grad_norm
                          "no weight decay on biases or normalisation weights"),
                         {"decayed": decayed[:64]} if decayed else {}))
     if scaler is None or not scaler.is_enabled():
-        checks.append(Check("grad_scaler", "skip", "no enabled GradScaler"))
+        checks.append(Check("grad_scaler", "skip", "no enabled GradScaler (one the loop uses is passed to attach as scaler=)"))
     else:
         init = torch_private.grad_scaler_init_scale(scaler)
         interval = int(scaler.get_growth_interval())
