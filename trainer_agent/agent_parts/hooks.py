@@ -144,8 +144,7 @@ class AgentHooks:
         clock = self.clock
         t0 = clock.now()
         self.find_scaler()
-        found_inf = getattr(optimizer, "found_inf", None)  # a fused optimizer under a GradScaler (optim.py)
-        clock.found_inf = found_inf if isinstance(found_inf, torch.Tensor) else None
+        clock.found_inf = optim.fused_found_inf(optimizer)
         replaced = None
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/measure/optim.py
             replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))

@@ -25,7 +25,9 @@ Two things follow, handled here:
 **Fused optimizers under a GradScaler** (``Adam``/``AdamW``/``SGD`` with ``fused=True``) unscale the
 gradients inside their own kernel: ``GradScaler.step`` leaves the gradients scaled and sets the
 scale as ``optimizer.grad_scale`` for the duration of the step (:func:`applied_grad_scale`). What
-reads the gradients in the step hooks divides by it.
+reads the gradients in the step hooks divides by it. A non-finite step is then skipped by that
+kernel, not by the scaler: the step (and its hooks) runs, with ``optimizer.found_inf`` > 0
+(:func:`fused_found_inf`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["applied_grad_scale", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+__all__ = ["applied_grad_scale", "fused_found_inf", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
 _MAX_DEPTH = 8
@@ -50,8 +52,18 @@ def applied_grad_scale(optimizer: object) -> torch.Tensor | None:
     ``grad_scale`` tensor a ``GradScaler`` sets on an optimizer that unscales in its own kernel
     (None once the user unscaled them, and for every other optimizer, whose gradients the scaler
     unscaled in place before the step)."""
-    scale = getattr(optimizer, "grad_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
+    return _step_tensor(optimizer, "grad_scale")
+
+
+def fused_found_inf(optimizer: object) -> torch.Tensor | None:
+    """Inside ``optimizer.step()``: the ``found_inf`` tensor a ``GradScaler`` sets on an optimizer
+    that unscales in its own kernel (> 0: the kernel skips this step), else None."""
+    return _step_tensor(optimizer, "found_inf")
+
+
+def _step_tensor(optimizer: object, name: str) -> torch.Tensor | None:
+    value = getattr(optimizer, name, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _usable(optimizer: object) -> bool:
