@@ -41,7 +41,9 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
 (4) **Forward hooks** on the model: the wall time inside forward on report steps
     (``trainguard_forward_seconds``, ``trainer_agent/measure/forward_timer.py``), and the time each step
     waited for its batch, from the end of ``end_step`` to the next forward
-    (``trainguard_input_wait_seconds``, ``trainer_agent/measure/inputs.py``).
+    (``trainguard_input_wait_seconds``, ``trainer_agent/measure/inputs.py``). A copy of the model
+    (an EMA, a reference model, ``torch.save(model)``) carries inert hooks in their place
+    (``trainer_agent/measure/module_hooks.py``): it copies, and its forward passes are not measured.
 
 Modules, by subpackage: ``measure/`` (``params``: parameter buckets and layers; ``step_stats``:
 the hook bodies of (1) and (2); ``schedule``: which steps report; ``forward_timer`` and ``inputs``:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_agent.measure.module_hooks import module_hook
 from trainer_agent.measure.schedule import ReportSchedule
 
 __all__ = ["ForwardTimer"]
@@ -43,7 +44,8 @@ class ForwardTimer:
         self._seconds = 0.0
         self._events: list[tuple[Any, Any]] = []
         self._previous: list[tuple[Any, Any]] = []  # CUDA: the last report step's pairs
-        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        self.handles = [model.register_forward_pre_hook(module_hook(self._pre)),
+                        model.register_forward_hook(module_hook(self._post))]
         #: True while the agent runs forward passes of its own (a gradient recompute check): not timed.
         self.excluded = False
 
