@@ -1,11 +1,13 @@
-"""The checks ``attach`` makes of its arguments (``trainer_agent/agent.py``): a mistake raises
-``ValueError`` before training starts."""
+"""The checks ``attach`` and ``end_step`` make of their arguments (``trainer_agent/agent.py``): a
+mistake raises ``ValueError`` before training starts, or at the first ``end_step``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
+import torch
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
@@ -13,7 +15,7 @@ from trainguard.protocol.wire import Name
 from trainer_agent.measure import optim
 from trainer_agent.config import AgentConfig
 
-__all__ = ["checked_args", "checked_loader"]
+__all__ = ["checked_args", "checked_end_step", "checked_loader"]
 
 _NAME = TypeAdapter(Name)
 
@@ -53,3 +55,38 @@ def checked_loader(loader: Any) -> Any:
     if not callable(getattr(loader, "values", None)):
         raise ValueError(f"loader must have values() (trainer_agent.data.sharded_dataset.TokenLoader), got {type(loader).__name__}")
     return loader
+
+
+def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float, Any]:
+    """``end_step``'s loss (a tensor of one element, or the float of a real number) and token count
+    (None, a non-negative number, or a tensor of one element, which is read on report steps only);
+    ``ValueError`` for what cannot be either. NaN and Inf losses are values: they pass."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or loss.is_complex():
+            raise ValueError(f"loss must be the step's loss, one real value (e.g. loss.mean()), got a tensor of shape "
+                             f"{tuple(loss.shape)} and dtype {loss.dtype}")
+    elif loss is None or isinstance(loss, (str, bytes, bool)):
+        raise ValueError(f"loss must be a tensor of one element or a real number, got {loss!r}")
+    else:
+        try:
+            loss = float(loss)
+        except (TypeError, ValueError):
+            raise ValueError(f"loss must be a tensor of one element or a real number, got {type(loss).__name__}") from None
+    if tokens is None:
+        return loss, None
+    if isinstance(tokens, torch.Tensor):
+        if tokens.numel() != 1 or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be this rank's token count, one value, got a tensor of shape "
+                             f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
+        return loss, tokens
+    if isinstance(tokens, (str, bytes, bool)) or not _non_negative(tokens):
+        raise ValueError(f"tokens must be this rank's token count, a non-negative number, got {tokens!r}")
+    return loss, tokens if type(tokens) is int else float(tokens)
+
+
+def _non_negative(value: Any) -> bool:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return number >= 0 and not math.isinf(number)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from trainer_agent.agent_parts.attach_args import checked_end_step
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
@@ -29,7 +30,12 @@ class StepEnd:
     def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
-        device tensor (not read here) or a float; ``tokens`` is this rank's token count."""
+        device tensor of one element (not read here) or a float; ``tokens`` is this rank's token
+        count: an int, or a tensor of one element, read on report steps only (on CUDA that read
+        waits for the device: an int from the batch's shape costs nothing). ``ValueError`` for
+        what cannot be a loss or a count (checked before anything else, so a mistake raises at
+        the first step)."""
+        loss, tokens = checked_end_step(loss, tokens)  # ValueError for a mistake, before any state moves
         clock, control, error = self.clock, self.control, self.errors.error
         if self.snapshots is not None and self.snapshots.due(clock.step + 1):
             # Before this step's report is built: the report names the snapshot of its own step.
@@ -115,12 +121,23 @@ class StepEnd:
         hooks, verifier = self.hooks, self.diagnostics.verifier
         forward_s = hooks.forward.take() if hooks.forward is not None else float("nan")
         wait = hooks.input_wait.take() if hooks.input_wait is not None else float("nan")
-        return HostStep(self.clock.step, duration, tokens, forward_s, self.clock.amp_skipped, input_wait=wait,
+        return HostStep(self.clock.step, duration, self._token_count(tokens), forward_s, self.clock.amp_skipped, input_wait=wait,
                         micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=verifier.take() if verifier is not None else math.nan,
                         verify_float32=verifier.take_float32() if verifier is not None else math.nan,
                         gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(),
                         comm=hooks.comm.take() if hooks.comm is not None else {})
+
+    def _token_count(self, tokens: Any) -> float | None:
+        """A report step's token count; a tensor's is read here, and one that is not a count
+        (negative, NaN) is left out and counted as an error."""
+        if not isinstance(tokens, torch.Tensor):
+            return tokens
+        count = float(tokens)
+        if count >= 0 and not math.isinf(count):
+            return count
+        self.errors.error("tokens", ValueError(f"tokens must be a non-negative count, got {count}"))
+        return None
 
     def _sketch(self) -> Any:
         """This rank's sketch of the sequences it observed since the last report (None without a

@@ -62,7 +62,7 @@ class HostStep:
 
     step: int
     duration: float
-    tokens: int | None
+    tokens: float | None
     forward_seconds: float
     amp_skipped: int
     input_wait: float = math.nan
