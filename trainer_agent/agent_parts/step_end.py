@@ -30,11 +30,9 @@ class StepEnd:
     def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
-        device tensor of one element (not read here) or a float; ``tokens`` is this rank's token
-        count: an int, or a tensor of one element, read on report steps only (on CUDA that read
-        waits for the device: an int from the batch's shape costs nothing). ``ValueError`` for
-        what cannot be a loss or a count (checked before anything else, so a mistake raises at
-        the first step)."""
+        device tensor of one element (not read here) or a float; ``tokens``, this rank's token
+        count: an int, or a tensor read on report steps only (on CUDA a wait for the device).
+        ``ValueError`` for what cannot be either, at the first step, before the step moves."""
         loss, tokens = checked_end_step(loss, tokens)  # ValueError for a mistake, before any state moves
         clock, control, error = self.clock, self.control, self.errors.error
         if self.snapshots is not None and self.snapshots.due(clock.step + 1):

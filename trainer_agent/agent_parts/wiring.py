@@ -25,6 +25,7 @@ from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.step_stats import StepMeter
 from trainer_agent.measure.train_parts import TrainParts
 from trainer_agent.report.exchange import RankExchange
+from trainer_agent.report.rank_agreement import require_alike
 from trainer_agent.report.pipeline import ReportPipeline
 
 __all__ = ["AgentWiring"]
@@ -70,6 +71,7 @@ class AgentWiring:
     def _build_measurement(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         cfg, clock = self.config, self.clock
         params = ParamIndex(model, optimizer, cfg.layer_depth)
+        require_alike(params, cfg, self.world_size)  # ValueError on every rank, before anything is hooked
         if params.sparse:
             log.warning("trainguard: %s: sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True); they "
                         "count in the gradient norm and the non-finite count, and are left out of the per-layer, "

@@ -18,7 +18,8 @@ their inverse.
 A gradient is assumed to carry its parameter's placements (as under FSDP2 and the row/column-wise
 tensor-parallel plans). ``Partial`` placements (pending sums) are refused at attach with a
 ``ValueError``: a norm of a pending sum cannot be formed from local values. Pipeline stages (each
-rank holding different plain tensors) are not supported.
+rank holding different plain tensors) are not supported (refused at attach:
+``trainer_agent/report/rank_agreement.py``).
 
 The same placements say which ranks must hold *identical* local tensors (the replicas along the
 ``Replicate`` dimensions): :func:`replica_units` groups them for the cross-rank fingerprints of
