@@ -63,7 +63,9 @@ def condition(rule: Any) -> str:
     kind = rule.kind
     if kind == "threshold":
         text = f"{rule.op} {_num(rule.value)}"
-        return text + (f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else "")
+        text += f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else ""
+        return text + (f", crossing it (within it in one of the {rule.crossing_window} reports before)" if rule.crossing_window
+                       else "")
     if kind == "nonfinite":
         return "NaN or ±Inf"
     if kind == "spike":

@@ -35,12 +35,22 @@ def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
     cmp = _OPS[rule.op]
     if not all(cmp(v, rule.value) for v in vals.tolist()):
         return False
+    if rule.crossing_window and not _crossed(rule, w):
+        return False
     last = float(vals[-1])
     return Finding(
         rule, True,
         f"{rule.metric} = {last:.6g} {rule.op} {rule.value:g}" + (f" for {rule.for_reports} reports" if rule.for_reports > 1 else ""),
         {"metric": rule.metric, "value": json_number(last), "threshold": rule.value, "op": rule.op, "values": [json_number(v) for v in vals.tolist()]},
     )
+
+
+def _crossed(rule: ThresholdRule, w: RuleWindow) -> bool:
+    """Whether a finite value within the limit precedes the newest ``for_reports`` in the rule's
+    crossing window (the metric crossed the limit in this run)."""
+    before = w.series(rule.metric, rule.crossing_window + rule.for_reports)[:-rule.for_reports]
+    cmp = _OPS[rule.op]
+    return any(math.isfinite(v) and not cmp(v, rule.value) for v in before.tolist())
 
 
 #: 1 / Phi^-1(3/4): turns a median absolute deviation into a normal standard deviation.

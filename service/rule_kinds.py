@@ -54,6 +54,11 @@ class ThresholdRule(_RuleBase):
     op: Literal[">", ">=", "<", "<=", "==", "!="]
     value: float = Field(allow_inf_nan=False)
     for_reports: int = Field(default=1, ge=1, le=4096)
+    crossing_window: int = Field(default=0, ge=0, le=65536, description=(
+        "Fire only on a crossing: one of the crossing_window reports before the newest for_reports held a finite "
+        "value within the limit (0: off). A metric beyond the limit since the run's first report is the run's own "
+        "scale, not a change: a loss summed over thousands of tokens gives gradient norms in the thousands from "
+        "step 1, and no LR caused those."))
 
 
 class SpikeRule(_RuleBase):

@@ -63,7 +63,7 @@ class RuleSet:
                 if isinstance(r, (SpikeRule, TrendRule)):
                     reports = max(reports, r.window + 1)
                 elif isinstance(r, ThresholdRule):
-                    reports = max(reports, r.for_reports)
+                    reports = max(reports, r.for_reports + r.crossing_window)
                 elif isinstance(r, CrossRankRule):
                     ranks = max(ranks, r.for_reports)
                 elif isinstance(r, (RateRule, OscillationRule)):

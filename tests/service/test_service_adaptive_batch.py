@@ -132,7 +132,8 @@ def test_the_batch_is_left_alone_while_an_incident_is_open(app_factory, tmp_path
     with app_factory(clock=lambda: now[0], rules=path) as c:
         _register(c, "run-1", {"accumulation_steps": 4})
         run = _Run(c, "run-1", now)
-        # The gradient norm above 1e3 cuts the LR and opens an incident; the variance then drops.
+        # The gradient norm rising above 1e3 cuts the LR and opens an incident; the variance then drops.
+        assert run.report(0.5, trainguard_grad_norm_max=10.0)["lr_scale"] == 1.0
         assert run.report(0.5, trainguard_grad_norm_max=3000.0)["lr_scale"] == 0.5
         (incident,) = c.get("/v1/runs/run-1/incidents").json()["incidents"]
         assert incident["outcome"] == "open"

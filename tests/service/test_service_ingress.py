@@ -51,8 +51,8 @@ def _client(db: Path, *, fast: bool) -> Iterator[TestClient]:
 # (path, body, headers): good reports, then every kind of refusal, then good ones again.
 LONG_RUN = "r" * (MAX_RUN_NAME + 1)
 CASES: list[tuple[str, bytes, dict[str, str]]] = [
-    ("/v1/runs/run-a/reports", _report(1, {"trainguard_loss": 2.0}, loss=[1.0, 2.0, 3.0, 4.0]), _bearer(AG)),
-    ("/v1/runs/run-a/reports", _report(2, {"trainguard_grad_norm_max": 5000.0}), _bearer(AG)),  # fires grad_norm_high
+    ("/v1/runs/run-a/reports", _report(1, {"trainguard_loss": 2.0, "trainguard_grad_norm_max": 10.0}, loss=[1.0, 2.0, 3.0, 4.0]), _bearer(AG)),
+    ("/v1/runs/run-a/reports", _report(2, {"trainguard_grad_norm_max": 5000.0}), _bearer(AG)),  # fires grad_norm_high (a rise)
     ("/v1/runs/run-a/reports", b'{"job":"job-a","step_first":3,"step_last":3,"time":1.0,"values":{"trainguard_loss":NaN}}', _bearer(AG)),
     ("/v1/runs/run-a/reports", _report(4), {}),  # 401: no token
     ("/v1/runs/run-a/reports", _report(4), _bearer("not-a-known-token")),  # 401: unknown token

@@ -59,8 +59,8 @@ def test_incidents_and_rungs_are_counted_and_the_gauges_follow_each_run(app_fact
                               dict(_NONE, adaptive_lr=1.0, rollback=1.0))
 
         climb_ladder(c, "run-1", after=LADDER_STEPS["rollback"])
-        # run-2: an LR action opens an incident, five healthy reports close it (recovered)
-        for step, grad in enumerate([3000.0] + [1.0] * 5, start=1):
+        # run-2: an LR action (the norm rose across 1e3) opens an incident, five healthy reports close it
+        for step, grad in enumerate([1.0, 3000.0] + [1.0] * 5, start=1):
             c.post("/v1/runs/run-2/reports", json={"job": "job-a", "step_first": step, "step_last": step, "time": 1.0,
                                                    "values": {"trainguard_grad_norm_max": grad}})
         incidents = {run: c.get(f"/v1/runs/{run}/incidents").json()["incidents"] for run in ("run-1", "run-2")}

@@ -35,6 +35,8 @@ def test_register_report_poll_ack_flow(app_factory):
                                   "memory_trace_seq": 0, "verify_seq": 0, "data_skip_until": 0, "stop_exit_code": 0,
                                   "grad_clip_norm": 0.0, "reset_optimizer_seq": 0, "reset_optimizer_layers": "",
                                   "momentum_scale": 1.0, "weight_decay_scale": 1.0, "verify_float32_seq": 0}
+        healthy = report_body(5, {"trainguard_loss": 2.6, "trainguard_grad_norm_max": 4.0})
+        assert c.post("/v1/runs/run-1/reports", json=healthy).json()["alerts"] == []
         r = c.post("/v1/runs/run-1/reports", json=report_body(10, {"trainguard_loss": 2.5, "trainguard_grad_norm_max": 3000.0}))
         assert r.status_code == 200
         acc = r.json()
@@ -281,7 +283,8 @@ def test_alertmanager_webhook_in_acts_once(app_factory):
 def test_sd_targets_and_metrics_catalogue(app_factory):
     with app_factory() as c:
         register(c, world_size=2)
-        c.post("/v1/runs/run-1/reports", json=report_body(values={"trainguard_grad_norm_max": 5000.0}))
+        c.post("/v1/runs/run-1/reports", json=report_body(1, values={"trainguard_grad_norm_max": 5.0}))
+        c.post("/v1/runs/run-1/reports", json=report_body(2, values={"trainguard_grad_norm_max": 5000.0}))
         assert c.get("/v1/sd/targets").json() == [
             {"targets": ["127.0.0.1:9100"], "labels": {"job": "job-a", "run": "run-1", "rank": "0"}},
             {"targets": ["127.0.0.1:9101"], "labels": {"job": "job-a", "run": "run-1", "rank": "1"}},
@@ -292,10 +295,10 @@ def test_sd_targets_and_metrics_catalogue(app_factory):
         catalogue = {m.name.removesuffix("_total") for m in CONTROLLER_METRICS}
         assert ours == catalogue
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-        assert samples[("trainguard_controller_reports_total", ())] == 1
+        assert samples[("trainguard_controller_reports_total", ())] == 2
         assert samples[("trainguard_controller_alerts_total", (("rule", "grad_norm_high"), ("severity", "warning")))] == 1
         assert samples[("trainguard_controller_actions_total", (("action", "lr_scale"), ("source", "rule")))] == 1
-        assert samples[("trainguard_controller_ingest_latency_seconds_count", ())] == 1
+        assert samples[("trainguard_controller_ingest_latency_seconds_count", ())] == 2
         assert c.get("/openapi.json").json()["paths"]["/v1/runs/{run}/reports"]["post"]["requestBody"]
         assert c.get("/docs").status_code == 200
 

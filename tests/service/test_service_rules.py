@@ -34,19 +34,33 @@ def series(metric, values, t0=0.0, dt=1.0, **extra):
 
 # -- the default rules' thresholds ---------------------------------------------------------------
 @pytest.mark.parametrize(
-    "metric, value, rule",
+    "metric, at_the_line, value, rule",
     [
-        ("trainguard_data_duplicate_ratio", 0.0501, "data_duplicate_ratio"),
-        ("trainguard_data_token_kl_divergence", 0.1001, "data_token_kl"),
-        ("trainguard_data_special_token_ratio", 1.01e-4, "data_special_token_ratio"),
-        ("trainguard_data_length_shift_pvalue", 0.0499, "data_length_shift"),
-        (GN, 1000.5, "grad_norm_high"),
-        ("trainguard_optimizer_state_nonfinite", 3.0, "optimizer_state_nonfinite"),
+        ("trainguard_data_duplicate_ratio", 0.05, 0.0501, "data_duplicate_ratio"),
+        ("trainguard_data_token_kl_divergence", 0.1, 0.1001, "data_token_kl"),
+        ("trainguard_data_special_token_ratio", 1e-4, 1.01e-4, "data_special_token_ratio"),
+        ("trainguard_data_length_shift_pvalue", 0.05, 0.0499, "data_length_shift"),
+        (GN, 1000.0, 1000.5, "grad_norm_high"),
+        ("trainguard_optimizer_state_nonfinite", 0.0, 3.0, "optimizer_state_nonfinite"),
     ],
 )
-def test_seed_thresholds_fire_just_past_the_line(metric, value, rule):
-    steps = run(DEFAULTS, [make_report(0, 0.0, {metric: value})])
-    assert fired(steps[0]) == [rule]
+def test_seed_thresholds_fire_just_past_the_line(metric, at_the_line, value, rule):
+    steps = run(DEFAULTS, [make_report(0, 0.0, {metric: at_the_line}), make_report(1, 1.0, {metric: value})])
+    assert fired(steps[0]) == [] and fired(steps[1]) == [rule]
+
+
+def test_a_gradient_norm_above_1e3_from_the_first_report_is_the_run_s_scale_and_draws_nothing():
+    # A loss summed over 4,096 tokens: norms in the thousands from step 1, falling as it trains.
+    steps = run(DEFAULTS, series(GN, [7700.0, 5200.0, 3900.0, 3100.0, 2800.0]))
+    assert all(fired(s) == [] and s.desired.lr_scale == 1.0 for s in steps)
+    # The same run crossing 1e3 from below (its norm had been 900) is a rise: it acts.
+    steps = run(DEFAULTS, series(GN, [900.0, 950.0, 7700.0]))
+    assert fired(steps[2]) == ["grad_norm_high"] and steps[2].desired.lr_scale == 0.5
+    # A crossing counts within the rule's window (64 reports) and from finite values only.
+    steps = run(DEFAULTS, series(GN, [900.0] + [2000.0] * 64 + [2500.0]))
+    assert fired(steps[1]) == ["grad_norm_high"] and fired(steps[65]) == []
+    steps = run(DEFAULTS, series(GN, [math.nan, 2000.0]))
+    assert fired(steps[1]) == []
 
 
 @pytest.mark.parametrize(
@@ -269,14 +283,15 @@ def test_absence_fires_during_silence_and_resolves_on_next_report():
 
 
 def test_cooldown_then_refire_halves_again():
-    # fires at t=0, resolves at t=10, condition again at t=100 (cooldown 300 s: suppressed), t=399 fires.
-    reps = [make_report(i, t, {GN: v}) for i, (t, v) in enumerate([(0, 2000.0), (10, 5.0), (100, 2000.0), (399, 2000.0)])]
+    # fires at t=1, resolves at t=10, condition again at t=100 (cooldown 300 s: suppressed), t=302 fires.
+    times_values = [(0, 5.0), (1, 2000.0), (10, 5.0), (100, 2000.0), (302, 2000.0)]
+    reps = [make_report(i, t, {GN: v}) for i, (t, v) in enumerate(times_values)]
     steps = run(DEFAULTS, reps)
-    assert [fired(s) for s in steps] == [["grad_norm_high"], [], [], ["grad_norm_high"]]
-    assert steps[1].resolved == ["grad_norm_high"]
-    assert [(f.rule.name, why) for f, why in steps[2].suppressed] == [("grad_norm_high", "cooldown")]
-    assert [s.desired.lr_scale for s in steps] == [0.5, 0.5, 0.5, 0.25]
-    assert [s.desired.generation for s in steps] == [1, 1, 1, 2]
+    assert [fired(s) for s in steps] == [[], ["grad_norm_high"], [], [], ["grad_norm_high"]]
+    assert steps[2].resolved == ["grad_norm_high"]
+    assert [(f.rule.name, why) for f, why in steps[3].suppressed] == [("grad_norm_high", "cooldown")]
+    assert [s.desired.lr_scale for s in steps] == [1.0, 0.5, 0.5, 0.5, 0.25]
+    assert [s.desired.generation for s in steps] == [0, 1, 1, 1, 2]
 
 
 def test_cap_limits_alerts_per_window():
@@ -326,8 +341,9 @@ jobs:
 """
     rules = load_rules(text)
     for job, expect in (("big-job", []), ("other", ["grad_norm_high"])):
-        steps = simulate(rules.for_job(job), [make_report(0, 0.0, {GN: 2000.0}, job=job)], world_size=1)
-        assert fired(steps[0]) == expect
+        reports = [make_report(0, 0.0, {GN: 10.0}, job=job), make_report(1, 1.0, {GN: 2000.0}, job=job)]
+        steps = simulate(rules.for_job(job), reports, world_size=1)
+        assert fired(steps[1]) == expect
     dup = [make_report(0, 0.0, {"trainguard_data_duplicate_ratio": 0.5}, job="big-job")]
     assert fired(simulate(rules.for_job("big-job"), dup, world_size=1)[0]) == []
 

@@ -7,7 +7,8 @@ Hugging Face scheduler, the agent attached (without a controller: its reports ar
 ``Agent.latest()`` after every step, ``report_every=1``, the spike guard on), and the reports
 replayed through the default rules with the controller's recovery logic (``engine.simulate``).
 A float16 run with a GradScaler that skips steps on overflow draws no action either, with its
-scaler passed to ``attach`` or not.
+scaler passed to ``attach`` or not, nor a loss summed over thousands of tokens (gradient norms
+above 1e3 from the first step).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int], Any]] = {
 
 
 def _train(schedule: Callable[[torch.optim.Optimizer, int], Any], steps: int, *, seed: int = 0,
-           state: dict[str, Any] | None = None, first_step: int = 0) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """The agent's report after every step of a run, and the run's state at its end."""
+           state: dict[str, Any] | None = None, first_step: int = 0,
+           loss_scale: float = 1.0) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """The agent's report after every step of a run, and the run's state at its end. ``loss_scale``:
+    the loss is the mean times this (a loss summed over that many tokens)."""
     torch.manual_seed(seed)
     model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -77,7 +80,7 @@ def _train(schedule: Callable[[torch.optim.Optimizer, int], Any], steps: int, *,
     rows = []
     for k in range(steps):
         ids, mask = CORPUS.batch(first_step + k + seed * 100_000, 0)
-        loss = next_byte_loss(model, ids, mask)
+        loss = next_byte_loss(model, ids, mask) * loss_scale
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -115,6 +118,18 @@ def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
     assert _acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)  # the spike guard skipped nothing
+
+
+def test_a_loss_summed_over_tokens_draws_no_action() -> None:
+    # reduction="sum" over 4,096 tokens: gradient norms in the thousands from the first step, the
+    # run's scale (AdamW's update does not depend on it), not an explosion an LR cut would answer
+    rows, _ = _train(SCHEDULES["cosine"], STEPS, loss_scale=4096.0)
+    norms = [v["trainguard_grad_norm"] for v in rows]
+    assert min(norms) > 1e3 and norms[0] > 5e3
+    steps = _replay(rows)
+    assert _acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+    assert rows[-1]["trainguard_loss"] / 4096 < 0.8 * rows[0]["trainguard_loss"] / 4096  # and it learns
 
 
 def test_a_rewarm_after_resume_draws_no_finding_and_no_action() -> None:

@@ -33,8 +33,14 @@ def _documented_signature(secret: str, headers: dict[str, str], body: bytes) -> 
     return hmac.compare_digest("sha256=" + mac.hexdigest(), headers["x-trainguard-signature"])
 
 
-def _report(values):
-    return {"job": "job-a", "step_first": 1, "step_last": 1, "time": 1.0, "values": values}
+def _report(values, step=1):
+    return {"job": "job-a", "step_first": step, "step_last": step, "time": 1.0, "values": values}
+
+
+def _grad_norm_rises_to(c, value: float) -> None:
+    """A healthy report, then the gradient norm above 1e3: grad_norm_high fires (it acts on a rise)."""
+    assert c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 1.0})).json()["alerts"] == []
+    c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": value}, step=2))
 
 
 def _notify_only(c) -> None:
@@ -53,7 +59,7 @@ def test_500_then_200_is_retried_signed_and_recorded(app_factory, receiver_facto
         assert hook.status_code == 201 and hook.json()["secret"] == SECRET
         assert "secret" not in c.get("/v1/webhooks").json()[0]
         register(c)
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 4321.0}))
+        _grad_norm_rises_to(c, 4321.0)
         wait_until(lambda: len(rx.requests) >= 2)
         deliveries = wait_until(lambda: (d := c.get(f"/v1/webhooks/{hook.json()['id']}/deliveries").json()) and len(d) == 2 and d)
         assert [d["outcome"] for d in deliveries] == ["delivered", "retry"]
@@ -101,8 +107,8 @@ def test_min_severity_and_delete(app_factory, receiver_factory):
         hook = c.post("/v1/webhooks", json={"url": rx.url, "min_severity": "critical"}).json()
         register(c)
         # a warning alert, and the incident its LR action opens: neither is sent
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 5000.0}))
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_loss": "NaN"}))  # critical: sent
+        _grad_norm_rises_to(c, 5000.0)
+        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_loss": "NaN"}, step=3))  # critical: sent
         wait_until(lambda: len(rx.requests) == 2)  # the alert, and the incident escalated by its pause
         assert c.delete(f"/v1/webhooks/{hook['id']}").status_code == 204
         assert c.delete(f"/v1/webhooks/{hook['id']}").status_code == 404
@@ -167,12 +173,12 @@ def test_an_incident_is_sent_when_it_opens_and_when_it_recovers_to_the_webhooks_
             assert c.post("/v1/webhooks", json={"url": rx.url, "secret": SECRET, "min_severity": severity,
                                                 "send_resolved": resolved}).status_code == 201
         register(c)
-        c.post("/v1/runs/run-1/reports", json=_report({"trainguard_grad_norm_max": 3000.0}))  # adaptive LR: opened
-        for step in range(2, 7):  # 5 healthy reports close it: recovered
+        _grad_norm_rises_to(c, 3000.0)  # adaptive LR: opened
+        for step in range(3, 8):  # 5 healthy reports close it: recovered
             body = {"job": "job-a", "step_first": step, "step_last": step, "time": 1.0, "values": {"trainguard_grad_norm_max": 1.0}}
             assert c.post("/v1/runs/run-1/reports", json=body).status_code == 200
         (incident,) = c.get("/v1/runs/run-1/incidents").json()["incidents"]
-        assert (incident["outcome"], incident["closed_step"]) == ("recovered", 6)
+        assert (incident["outcome"], incident["closed_step"]) == ("recovered", 7)
         wait_until(lambda: len(loud.requests) == 4 and len(quiet.requests) == 2 and _pending_zero(c))
     assert pager.requests == []  # critical only: an incident that recovered never concerned it
     # warning + send_resolved: the alert fired and resolved, the incident opened and recovered
