@@ -8,7 +8,8 @@ Hugging Face scheduler, the agent attached (without a controller: its reports ar
 replayed through the default rules with the controller's recovery logic (``engine.simulate``).
 A float16 run with a GradScaler that skips steps on overflow draws no action either, with its
 scaler passed to ``attach`` or not, nor a loss summed over thousands of tokens (gradient norms
-above 1e3 from the first step).
+above 1e3 from the first step), nor a warm-up stepped once per epoch (torchvision's recipes: the LR
+rises 20.8x at the first epoch boundary).
 """
 
 from __future__ import annotations
@@ -41,6 +42,43 @@ def _warm_restarts(opt: torch.optim.Optimizer, steps: int) -> Any:
                                 S.CosineAnnealingWarmRestarts(opt, T_0=60, eta_min=1e-5)], milestones=[20])
 
 
+class PerEpoch:
+    """A scheduler stepped once per epoch of ``EPOCH`` steps, as torchvision's reference recipes
+    step theirs (the loop calls ``step()`` after every optimizer step)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls % EPOCH == 0:
+            self.inner.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.calls = state["calls"]
+
+
+EPOCH = 30
+
+
+def _per_epoch_warmup(opt: torch.optim.Optimizer, steps: int) -> Any:
+    # torchvision's recipe: a linear warm-up from 1 % over 5 epochs, then cosine, stepped per epoch:
+    # the LR rises 20.8x at the first epoch boundary
+    epochs = steps // EPOCH
+    return PerEpoch(S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.01, total_iters=5),
+                                         S.CosineAnnealingLR(opt, T_max=epochs - 5)], milestones=[5]))
+
+
+def _per_epoch_constant_warmup(opt: torch.optim.Optimizer, steps: int) -> Any:
+    # torchvision's "constant" warm-up: 10 % for 3 epochs, then the full LR (a 10x step), decaying
+    return PerEpoch(S.SequentialLR(opt, [S.ConstantLR(opt, factor=0.1, total_iters=3), S.ExponentialLR(opt, 0.8)],
+                                   milestones=[3]))
+
+
 def _wsd(opt: torch.optim.Optimizer, steps: int) -> Any:
     return transformers_optimization.get_wsd_schedule(opt, num_warmup_steps=20, num_decay_steps=steps // 5,
                                                       num_stable_steps=steps - 20 - steps // 5)
@@ -56,6 +94,8 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int], Any]] = {
     "onecycle": lambda opt, steps: S.OneCycleLR(opt, max_lr=LR, total_steps=steps),
     "wsd": _wsd,
     "step_decay": lambda opt, steps: S.StepLR(opt, step_size=60, gamma=0.3),
+    "per_epoch_warmup": _per_epoch_warmup,
+    "per_epoch_constant_warmup": _per_epoch_constant_warmup,
 }
 
 
@@ -114,6 +154,8 @@ def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
     assert max(lrs) == pytest.approx(LR, rel=0.02)
     if name in ("warm_restarts", "hf_cosine_with_restarts"):
         assert sum(1 for a, b in zip(lrs, lrs[1:]) if b > 20 * a) >= 2  # at least two restarts, each a >20x jump
+    if name.startswith("per_epoch"):  # the warm-up's step at an epoch boundary, 20.8x or 10x
+        assert max(b / a for a, b in zip(lrs, lrs[1:])) == pytest.approx(20.8 if name == "per_epoch_warmup" else 10.0)
     steps = _replay(rows)
     assert _acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)

@@ -50,8 +50,12 @@ class ScheduledLr:
     - ``trainguard_scheduler_lr_max``: the largest scheduled LR of the interval's steps (a jump of
       a few steps between two reports is not missed);
     - ``trainguard_scheduler_lr_peak``: the largest scheduled LR of all the steps before the
-      interval, and ``trainguard_scheduler_lr_ratio`` = max / peak: how far the schedule went
-      above every LR the run had trained at. A warm-up climbs by at most ~2x per report interval
+      interval, or the LR the schedule was built on if that is larger (the param groups'
+      ``initial_lr``, which every ``torch.optim.lr_scheduler`` records at construction and a
+      warm-up rises to: a warm-up stepped once per epoch, as torchvision's recipes do, multiplies
+      the LR 20x at its first epoch boundary, within its plan), and
+      ``trainguard_scheduler_lr_ratio`` = max / peak: how far the schedule went above every LR the
+      run had trained at or was built to reach. A warm-up climbs by at most ~2x per report interval
       after its first, a restart (cosine with warm restarts, a re-warm after resume) goes back to
       the peak, decays go below it; a schedule that jumps 1000x goes 1000x above it. Both are left
       out until ``min_steps`` steps were taken before the interval (the first steps of a warm-up
@@ -67,6 +71,8 @@ class ScheduledLr:
         self.last: float | None = None
         self.interval_max: float | None = None
         self.peak: float | None = None
+        #: The largest ``initial_lr`` of the param groups (None without an LR scheduler).
+        self.base: float | None = None
         self.steps = 0
         """Steps observed (before the current interval: :attr:`steps_before`)."""
         self.steps_before = 0
@@ -80,16 +86,17 @@ class ScheduledLr:
             if step == self._observed_step:
                 return
             self._observed_step = step
-        lr = -math.inf
+        lr, base = -math.inf, -math.inf
         for group in optimizer.param_groups:
-            v = group["lr"]
-            if isinstance(v, torch.Tensor):
-                if v.device.type != "cpu":
-                    return  # on the device: no read here
-                v = v.item()  # a CPU tensor: host memory, no device sync
-            lr = max(lr, float(v))
+            v, b = _host(group["lr"]), _host(group.get("initial_lr"))
+            if v is None:
+                return  # on the device: no read here
+            lr = max(lr, v)
+            if b is not None:
+                base = max(base, b)
         if not math.isfinite(lr):
             return  # no groups, or a non-finite LR: nothing the envelope can use
+        self.base = base if math.isfinite(base) and base > 0 else None
         self.last = lr
         self.interval_max = lr if self.interval_max is None else max(self.interval_max, lr)
         self.steps += 1
@@ -104,8 +111,9 @@ class ScheduledLr:
             return out
         out["trainguard_scheduler_lr_max"] = self.interval_max
         if self.peak is not None and self.peak > 0 and self.steps_before >= self.min_steps:
-            out["trainguard_scheduler_lr_peak"] = self.peak
-            out["trainguard_scheduler_lr_ratio"] = self.interval_max / self.peak
+            envelope = self.peak if self.base is None else max(self.peak, self.base)
+            out["trainguard_scheduler_lr_peak"] = envelope
+            out["trainguard_scheduler_lr_ratio"] = self.interval_max / envelope
         self.peak = self.interval_max if self.peak is None else max(self.peak, self.interval_max)
         self.interval_max = None
         self.steps_before = self.steps
@@ -126,3 +134,11 @@ class ScheduledLr:
         self.peak, self.steps, self.steps_before = peak, steps, steps
         self.interval_max = None
         self._observed_step = None
+
+
+def _host(value: Any) -> float | None:
+    """A param group's LR as a host float: a CPU tensor's value (host memory, no device sync);
+    None for a device tensor (no read here) and for no value."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.device.type == "cpu" else None
+    return None if value is None else float(value)
