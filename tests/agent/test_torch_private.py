@@ -329,6 +329,44 @@ def test_distributed_members_in_a_one_rank_gloo_group(tmp_path):
     torch.testing.assert_close(result["full_after_write"], torch.arange(6.0).reshape(2, 3) * 2)
 
 
+def _join_worker(rank: int, init: str, out: str) -> None:
+    import logging
+
+    from torch.distributed.algorithms.join import Join
+
+    import trainer_agent as ta
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainer_agent.agent").addHandler(handler)
+    agent = ta.attach(model, opt, job="join", run="join-1", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    seen = {"outside": tp.join_allows_uneven_inputs(model), "plain": tp.join_allows_uneven_inputs(nn.Linear(1, 1))}
+    for name, throw in (("uneven", False), ("throwing", True)):
+        with Join([model], throw_on_early_termination=throw):
+            seen[name] = tp.join_allows_uneven_inputs(model)
+            for _ in range(2):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                agent.end_step(0.0)
+    seen["after"] = tp.join_allows_uneven_inputs(model)
+    agent.close()
+    del model
+    torch.save({"seen": seen, "warnings": [w for w in warnings if "Join" in w]}, f"{out}/rank{rank}.pt")
+
+
+def test_join_config_says_whether_uneven_inputs_are_allowed(tmp_path):
+    """``Join`` sets it on entry and clears it on exit; inside ``Join([ddp])`` with uneven inputs
+    allowed the agent warns once that Join does not shadow its report collectives."""
+    (result,) = spawn_ranks(_join_worker, 1, tmp_path, timeout=180)
+    assert result["seen"] == {"outside": False, "plain": False, "uneven": True, "throwing": False, "after": False}
+    (warning,) = result["warnings"]
+    assert "throw_on_early_termination=True" in warning
+
+
 def test_fallbacks_when_a_member_is_gone(monkeypatch):
     """What each adapter does on a torch without its member: the documented stand-ins, each
     logged once (the members are taken away here by hand)."""

@@ -1,5 +1,6 @@
 """The agent's error log: an internal error is logged once per kind, counted in
-``trainguard_agent_errors_total``, and training goes on (``trainer_agent/agent.py``)."""
+``trainguard_agent_errors_total``, and training goes on (``trainer_agent/agent.py``); and its
+warnings about the training loop, each logged once."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ErrorLog:
         self._lock = threading.Lock()
         self.count = 0
         self._logged_kinds: set[str] = set()
+        self._warned: set[str] = set()
         self._unknown_values = UnknownValues(self.error)  # a value the catalogue lacks: one error each
 
     def error(self, kind: str, exc: BaseException) -> None:
@@ -33,6 +35,12 @@ class ErrorLog:
         if first:
             log.warning("trainguard agent: %s failed; training goes on, further %s errors are only "
                         "counted in trainguard_agent_errors_total", kind, kind, exc_info=exc)
+
+    def warn_once(self, kind: str, text: str) -> None:
+        """Log ``text`` the first time a warning of ``kind`` is given (not an error: not counted)."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("%s", text)
 
     def unknown(self, values: Mapping[str, float]) -> int:
         """The values the catalogue does not know, each counted once (``UnknownValues``)."""

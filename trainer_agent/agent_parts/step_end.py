@@ -13,9 +13,16 @@ from typing import Any
 import torch
 
 from trainer_agent.agent_parts.attach_args import checked_end_step
+from trainer_agent.compat import torch_private
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
+
+#: Logged once when the model trains inside ``Join`` with uneven inputs allowed.
+_UNEVEN_JOIN = ("trainguard: the model trains inside torch.distributed.algorithms.Join with uneven inputs; Join "
+                "shadows the model's collectives, not the agent's: the rank that runs out of inputs first leaves "
+                "the others waiting in the agent's next report until the process group's timeout. Use "
+                "Join(..., throw_on_early_termination=True) or even inputs (DistributedSampler(drop_last=True)).")
 
 #: The facade's logger (``trainer_agent/agent.py``).
 log = logging.getLogger("trainer_agent.agent")
@@ -101,6 +108,8 @@ class StepEnd:
         reports.publish(block=False)
         if not self.schedule.is_report(clock.step):
             return None
+        if torch_private.join_allows_uneven_inputs(self.parts.model):
+            self.errors.warn_once("join", _UNEVEN_JOIN)
         index = self.parts.params
         added = 0 if index.grown else index.unmeasured(self.parts.optimizer)
         if added:

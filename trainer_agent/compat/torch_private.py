@@ -31,7 +31,8 @@ __all__ = [
     "CHECKED_VERSIONS", "PRIVATE_MEMBERS", "TorchDispatchMode", "copy_state_dict_metadata", "default_group_timeout",
     "drop_empty_backward_hooks", "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
-    "grad_scaler_init_scale", "grad_scaler_scale", "optimizer_has_step_hooks", "queue_backward_callback",
+    "grad_scaler_init_scale", "grad_scaler_scale", "join_allows_uneven_inputs", "optimizer_has_step_hooks",
+    "queue_backward_callback",
     "stepping_grad_scaler", "tree_leaves", "version_counters", "view_base",
 ]
 
@@ -63,6 +64,8 @@ PRIVATE_MEMBERS = (
                   "test_distributed_members_in_a_one_rank_gloo_group"),
     PrivateMember("torch.distributed.Backend.options._timeout", "_timeout", "default_group_timeout",
                   "test_distributed_members_in_a_one_rank_gloo_group"),
+    PrivateMember("torch.distributed.algorithms.Joinable._join_config", "_join_config", "join_allows_uneven_inputs",
+                  "test_join_config_says_whether_uneven_inputs_are_allowed"),
     PrivateMember("torch.utils._pytree.tree_leaves", "_pytree", "tree_leaves",
                   "test_tree_leaves_is_torch_pytree"),
     PrivateMember("torch.utils._python_dispatch.TorchDispatchMode", "_python_dispatch", "TorchDispatchMode",
@@ -228,6 +231,14 @@ def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 
 # ---------------------------------------------------------------------- torch.distributed
+
+def join_allows_uneven_inputs(model: Any) -> bool:
+    """Whether ``model`` (a ``Joinable``: DDP) runs inside ``torch.distributed.algorithms.Join``
+    with uneven inputs allowed (``throw_on_early_termination=False``). Reaches
+    ``Joinable._join_config``, which ``Join.__enter__`` sets: no public API tells."""
+    config = getattr(model, "_join_config", None)
+    return bool(getattr(config, "enable", False)) and not getattr(config, "throw_on_early_termination", True)
+
 
 try:  # torch >= 2.5: the public DTensor package
     from torch.distributed.tensor import DTensor as _DTENSOR
