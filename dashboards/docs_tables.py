@@ -64,8 +64,9 @@ def condition(rule: Any) -> str:
     if kind == "threshold":
         text = f"{rule.op} {_num(rule.value)}"
         text += f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else ""
-        return text + (f", crossing it (within it in one of the {rule.crossing_window} reports before)" if rule.crossing_window
-                       else "")
+        if rule.crossing_window:
+            text += f", crossing it (within it in one of the {rule.crossing_window} reports before)"
+        return text
     if kind == "nonfinite":
         return "NaN or ±Inf"
     if kind == "spike":

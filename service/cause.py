@@ -38,8 +38,9 @@ rule that acts, a health rule, the agent skipping, or a hardware rule; data rule
 notify (a planned switch of the data mixture is not a fault).
 A recompute that *did* reproduce the step's gradient is recorded as evidence against hardware.
 The range the schedule already had is the agent's ``trainguard_scheduler_lr_peak`` (every LR it
-set, and the LR it was built on, which a warm-up rises to), capped after an LR fault by the range before that fault (``RunRecovery``): a rollback restores
-the user's scheduler, so the fault comes again, and its LR is not the schedule's own.
+set, and the LR it was built on, which a warm-up rises to), capped after an LR fault by the range
+before that fault (``RunRecovery``): a rollback restores the user's scheduler, so the fault comes
+again, and its LR is not the schedule's own.
 
 Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read,
 its value, what it was compared with, the cause it points at (or ``"none"``: a check that found

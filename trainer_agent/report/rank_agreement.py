@@ -34,7 +34,8 @@ __all__ = ["RANK_LOCAL_SETTINGS", "config_digest", "layout_digest", "require_ali
 #: ``AgentConfig`` fields that may differ between the ranks of one job.
 RANK_LOCAL_SETTINGS = frozenset({
     "metrics_port", "metrics_host", "per_layer", "job_metrics", "token", "request_timeout_s",
-    "max_buffered_reports", "close_timeout_s", "flops_per_token", "peak_flops", "memory_trace_steps", "desync_rel_tol", "verify_rel_tol", "vocab_size", "special_ids",
+    "max_buffered_reports", "close_timeout_s", "flops_per_token", "peak_flops", "memory_trace_steps",
+    "desync_rel_tol", "verify_rel_tol", "vocab_size", "special_ids",
 })
 
 
