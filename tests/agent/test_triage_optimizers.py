@@ -65,7 +65,7 @@ class Sign(torch.optim.Optimizer):
                     p.add_(p.grad.sign() * p.abs(), alpha=-group["lr"])
 
 
-def _measured_ratio(opt_factory):
+def _measured_ratio(opt_factory, after_step=None):
     model = _model()
     opt = opt_factory(model.parameters())
     agent = ta.attach(model, opt, job="t", run="t-opt", config=ta.AgentConfig(metrics_port=None, report_every=1))
@@ -75,6 +75,8 @@ def _measured_ratio(opt_factory):
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if after_step is not None:
+        after_step(opt)
     agent.end_step(loss)
     got = agent.latest()
     agent.close()
@@ -89,6 +91,20 @@ def test_torch_adafactor_is_predicted_from_its_relative_step_and_update_clipping
     bound = math.sqrt(sum((lr * 1.0 * max(1e-3 * math.sqrt(b.numel()), float(b.norm()))) ** 2 for b in before))
     assert ratio == pytest.approx(delta / bound, rel=1e-6)
     assert 0.3 < ratio <= 1.0 + 1e-6  # the clip to RMS d bounds it (float32 steps); a first step is close to it
+
+
+def test_torch_adafactor_is_predicted_from_the_lr_its_step_applied() -> None:
+    # The scheduler sets the next step's LR before end_step (the last step of a cosine schedule: 0);
+    # the prediction is the step's, made with the LR it applied (before: the next one's, x/0 = inf).
+    lr = 1e-2
+
+    def scheduled_to_zero(opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+
+    ratio, delta, before = _measured_ratio(lambda ps: torch.optim.Adafactor(ps, lr=lr), scheduled_to_zero)
+    bound = math.sqrt(sum((lr * 1.0 * max(1e-3 * math.sqrt(b.numel()), float(b.norm()))) ** 2 for b in before))
+    assert ratio == pytest.approx(delta / bound, rel=1e-6)
 
 
 def test_a_trust_ratio_optimizer_moves_each_tensor_by_lr_times_its_norm() -> None:

@@ -105,14 +105,16 @@ def _zero_redundancy() -> type | None:
     return getattr(sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer"), "ZeroRedundancyOptimizer", None)
 
 
-def _adafactor_rho(group: dict, step: float) -> tuple[float, float]:
-    """(rho_t, clip d) of an Adafactor param group at step ``step`` (torch's or Hugging Face's keys)."""
+def _adafactor_rho(group: dict, step: float, lr: float | None = None) -> tuple[float, float]:
+    """(rho_t, clip d) of an Adafactor param group at step ``step`` (torch's or Hugging Face's keys);
+    ``lr``: the LR that step applied (default: the group's LR now, which a scheduler may have moved
+    on since)."""
     t = max(step, 1.0)
     if group.get("relative_step"):  # Hugging Face: lr is ignored
         start = 1e-6 * t if group.get("warmup_init") else 1e-2
         rho = min(start, 1.0 / math.sqrt(t))
     else:
-        rho = min(float(group["lr"]), 1.0 / math.sqrt(t))
+        rho = min(float(group["lr"] if lr is None else lr), 1.0 / math.sqrt(t))
     return rho, float(group.get("d", group.get("clip_threshold", 1.0)))
 
 
@@ -251,7 +253,7 @@ class UpdateModel:
             elif self.rule == "trust_ratio":
                 parts.append(lr * w[k])
             else:
-                rho, d = _adafactor_rho(group, self._step_of(group))
+                rho, d = _adafactor_rho(group, self._step_of(group), lr)  # the step's LR, not the next one's
                 eps2 = _adafactor_eps2(group)
                 scaled = group.get("scale_parameter", True)
                 floor = np.maximum(param_sq, (eps2 * eps2) * self.numel) if scaled else self.numel
