@@ -12,6 +12,9 @@ Two checks run on every optimizer step or report step of every run:
 - ``ParamIndex.unmeasured`` on report steps: whether the optimizer holds trainable parameters it
   did not hold at attach. Its fast path (per param group, and per parameter frozen at attach)
   beside the full pass over every parameter it falls back to, at 100 and 5,000 tensors.
+- ``checked_end_step`` on every ``end_step``: the loss and token count checked, beside an empty
+  call; ``torch_private.join_allows_uneven_inputs`` on report steps (a DDP model outside Join);
+  and the ``ModuleHook`` wrapper around each of the agent's forward hooks, beside the bare hook.
 
 Best of 5 rounds of 1,000 calls each, thread CPU time, one thread.
 """
@@ -23,7 +26,9 @@ import time
 import torch
 from torch import nn
 
+from trainer_agent.agent_parts.attach_args import checked_end_step
 from trainer_agent.compat import torch_private
+from trainer_agent.measure.module_hooks import module_hook
 from trainer_agent.measure.params import ParamIndex
 
 ROUNDS, CALLS = 5, 1000
@@ -79,6 +84,21 @@ def main() -> None:
     for tensors in (100, 5000):
         fast, full = _unmeasured(tensors)
         print(f"unmeasured() | {tensors:,} tensors | {fast:.2f} | the full pass | {full:.2f}")
+    loss, empty = torch.tensor(2.0), _per_call_us(lambda: None)
+    for case, tokens in (("loss tensor, tokens=None", None), ("loss tensor, tokens=4096", 4096),
+                         ("loss tensor, tokens in a tensor", torch.tensor(4096))):
+        print(f"checked_end_step | {case} | {_per_call_us(lambda: checked_end_step(loss, tokens)):.2f} "
+              f"| an empty call | {empty:.2f}")
+    model = nn.Linear(2, 2)
+    print(f"join_allows_uneven_inputs | a module outside Join | "
+          f"{_per_call_us(lambda: torch_private.join_allows_uneven_inputs(model)):.2f} | an empty call | {empty:.2f}")
+
+    def bare(module: nn.Module, args: object) -> None:
+        return None
+
+    wrapped = module_hook(bare)
+    print(f"ModuleHook | a forward pre-hook call | {_per_call_us(lambda: wrapped(model, ())):.2f} "
+          f"| the bare hook | {_per_call_us(lambda: bare(model, ())):.2f}")
 
 
 if __name__ == "__main__":
