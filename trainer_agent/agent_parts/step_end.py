@@ -128,8 +128,8 @@ class StepEnd:
         hooks, verifier = self.hooks, self.diagnostics.verifier
         forward_s = hooks.forward.take() if hooks.forward is not None else float("nan")
         wait = hooks.input_wait.take() if hooks.input_wait is not None else float("nan")
-        return HostStep(self.clock.step, duration, self._token_count(tokens), forward_s, self.clock.amp_skipped, input_wait=wait,
-                        micro_batches=st.backwards, world_size=self.world_size,
+        return HostStep(self.clock.step, duration, self._token_count(tokens), forward_s, self.clock.amp_skipped,
+                        input_wait=wait, micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=verifier.take() if verifier is not None else math.nan,
                         verify_float32=verifier.take_float32() if verifier is not None else math.nan,
                         gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(),
