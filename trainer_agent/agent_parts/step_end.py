@@ -24,6 +24,15 @@ _UNEVEN_JOIN = ("trainguard: the model trains inside torch.distributed.algorithm
                 "the others waiting in the agent's next report until the process group's timeout. Use "
                 "Join(..., throw_on_early_termination=True) or even inputs (DistributedSampler(drop_last=True)).")
 
+#: After this many ``end_step`` calls, if at least half had backward passes but no optimizer step
+#: (no GradScaler skip either), the loop calls ``end_step`` per micro-batch: warned once. A GradScaler
+#: not passed to ``attach`` skips a few first steps, a loop skips a rare step: never half of these.
+_PER_MICRO_BATCH_STEPS = 32
+_PER_MICRO_BATCH = ("trainguard: %d of the first %d end_step calls closed a step in which optimizer.step() did not run: "
+                    "call end_step once per optimizer step (with gradient accumulation, after the optimizer step that "
+                    "follows the last micro-batch). The agent counts every end_step as a step, so its step numbers, "
+                    "report intervals and per-step values are off by the accumulation factor.")
+
 #: The facade's logger (``trainer_agent/agent.py``).
 log = logging.getLogger("trainer_agent.agent")
 
@@ -93,6 +102,8 @@ class StepEnd:
             self.hooks.comm.step_ended(duration)
         if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
             clock.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
+        elif not st.stepped and st.backwards:
+            clock.unstepped += 1
         elif clock.found_inf is not None:  # a fused optimizer's kernel skipped it (found_inf > 0)
             skipped = (clock.found_inf > 0).to(torch.float64)
             clock.amp_fused = skipped if clock.amp_fused is None else clock.amp_fused + skipped
@@ -106,6 +117,8 @@ class StepEnd:
         clock.loss = loss_t
         clock.row = reports.record_step(clock.step, loss_t, st.grad_share)
         reports.publish(block=False)
+        if clock.step == _PER_MICRO_BATCH_STEPS and 2 * clock.unstepped >= clock.step:
+            self.errors.warn_once("per_micro_batch", _PER_MICRO_BATCH % (clock.unstepped, clock.step))
         if not self.schedule.is_report(clock.step):
             return None
         if torch_private.join_allows_uneven_inputs(self.parts.model):

@@ -125,6 +125,7 @@ class AgentWiring:
                     self.clock.step + 1)
         self.parts.scaler = scaler
         self.parts.meter.adopt_scaler(scaler)
+        self.clock.unstepped = 0  # the steps without an optimizer step so far were this scaler's skips
 
     def _client(self) -> Any:
         """The controller's client: the leader's, with a controller (else None)."""

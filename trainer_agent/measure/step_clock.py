@@ -25,6 +25,9 @@ class StepClock:
         self.overhead = 0.0
         self.last_end = now()
         self.amp_skipped = 0
+        #: Steps whose backward passes no optimizer step followed, no GradScaler's skip either (the
+        #: loop's own skips, or ``end_step`` called per micro-batch: ``Agent.end_step`` tells them apart).
+        self.unstepped = 0
         #: A fused optimizer under a GradScaler skips a non-finite step inside its own kernel
         #: (``optimizer.found_inf``, read in the pre-step hook): those steps, counted on the device.
         self.found_inf: torch.Tensor | None = None
