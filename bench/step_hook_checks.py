@@ -15,6 +15,8 @@ Two checks run on every optimizer step or report step of every run:
 - ``checked_end_step`` on every ``end_step``: the loss and token count checked, beside an empty
   call; ``torch_private.join_allows_uneven_inputs`` on report steps (a DDP model outside Join);
   and the ``ModuleHook`` wrapper around each of the agent's forward hooks, beside the bare hook.
+- ``ScheduledLr``: ``observe`` in every step's pre-hook (the groups' LRs) beside ``take`` once per
+  report, which reads the groups' ``initial_lr`` for the envelope, at 1 and 100 param groups.
 
 Best of 5 rounds of 1,000 calls each, thread CPU time, one thread.
 """
@@ -28,8 +30,9 @@ from torch import nn
 
 from trainer_agent.agent_parts.attach_args import checked_end_step
 from trainer_agent.compat import torch_private
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import ModuleHook
 from trainer_agent.measure.params import ParamIndex
+from trainer_agent.measure.schedule import ScheduledLr
 
 ROUNDS, CALLS = 5, 1000
 
@@ -96,9 +99,17 @@ def main() -> None:
     def bare(module: nn.Module, args: object) -> None:
         return None
 
-    wrapped = module_hook(bare)
+    wrapped = ModuleHook(bare)
     print(f"ModuleHook | a forward pre-hook call | {_per_call_us(lambda: wrapped(model, ())):.2f} "
           f"| the bare hook | {_per_call_us(lambda: bare(model, ())):.2f}")
+    for groups in (1, 100):
+        params = [nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+        opt = torch.optim.AdamW([{"params": [p], "lr": 1e-3 * (i + 1)} for i, p in enumerate(params)])
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # sets every group's initial_lr
+        lr = ScheduledLr(min_steps=1)
+        observe = _per_call_us(lambda: lr.observe(opt))
+        print(f"ScheduledLr.observe | {groups} param group(s), every step | {observe:.2f} | take(optimizer), "
+              f"once per report | {_per_call_us(lambda: (lr.observe(opt), lr.take(opt))) - observe:.2f}")
 
 
 if __name__ == "__main__":

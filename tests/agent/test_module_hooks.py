@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import time
+from pathlib import Path
 
 import torch
 from torch.optim import swa_utils
@@ -89,3 +90,11 @@ def test_module_hook_calls_through_and_copies_to_a_hook_that_returns_none() -> N
     inert = copy.deepcopy(hook)
     assert isinstance(inert, InertHook) and inert(1, 2, output=3) is None and calls == [(1, 2)]
     assert copy.deepcopy(inert) is inert
+
+
+def test_every_module_hook_of_the_agent_is_registered_through_module_hooks() -> None:
+    # A hook registered directly would drag the agent into the model's copies again.
+    package = Path(ta.__file__).parent
+    direct = [str(p.relative_to(package)) for p in package.rglob("*.py")
+              if p.name != "module_hooks.py" and ".register_forward" in p.read_text()]
+    assert direct == []

@@ -58,26 +58,26 @@ def test_the_envelope_holds_the_lr_the_schedule_was_built_on() -> None:
     s = ScheduledLr(min_steps=2)
     for _ in range(3):  # epoch 0: three steps at 0.001
         s.observe(opt)
-    assert s.take()["trainguard_scheduler_lr"] == pytest.approx(1e-3)
+    assert s.take(opt)["trainguard_scheduler_lr"] == pytest.approx(1e-3)
     sched.step()
     s.observe(opt)
-    values = s.take()
+    values = s.take(opt)
     assert values["trainguard_scheduler_lr_max"] == pytest.approx(0.1 * (0.01 + 0.99 / 5))
     assert values["trainguard_scheduler_lr_peak"] == 0.1  # initial_lr, above every LR set so far
     assert values["trainguard_scheduler_lr_ratio"] == pytest.approx(0.01 + 0.99 / 5)
     # a jump beyond the LR it was built on is a jump: 100x the base gives a ratio of 100
     opt.param_groups[0]["lr"] = 10.0
     s.observe(opt)
-    assert s.take()["trainguard_scheduler_lr_ratio"] == pytest.approx(100.0)
+    assert s.take(opt)["trainguard_scheduler_lr_ratio"] == pytest.approx(100.0)
     # without a scheduler (no initial_lr), or an initial_lr on the device, the envelope is what was set
     plain = ScheduledLr(min_steps=1)
     opt = _opt([1e-3])
     opt.param_groups[0]["initial_lr"] = torch.tensor(0.5, device="meta")
     plain.observe(opt)
-    plain.take()
+    plain.take(opt)
     opt.param_groups[0]["lr"] = 2e-2
     plain.observe(opt)
-    assert plain.take()["trainguard_scheduler_lr_ratio"] == pytest.approx(20.0)
+    assert plain.take(opt)["trainguard_scheduler_lr_ratio"] == pytest.approx(20.0)
 
 
 def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:

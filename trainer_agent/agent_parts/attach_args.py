@@ -15,7 +15,7 @@ from trainguard.protocol.wire import Name
 from trainer_agent.measure import optim
 from trainer_agent.config import AgentConfig
 
-__all__ = ["checked_args", "checked_end_step", "checked_loader"]
+__all__ = ["checked_args", "checked_end_step", "checked_loader", "is_token_count"]
 
 _NAME = TypeAdapter(Name)
 
@@ -79,12 +79,13 @@ def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float, Any]
             raise ValueError(f"tokens must be this rank's token count, one value, got a tensor of shape "
                              f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
         return loss, tokens
-    if isinstance(tokens, (str, bytes, bool)) or not _non_negative(tokens):
+    if isinstance(tokens, (str, bytes, bool)) or not is_token_count(tokens):
         raise ValueError(f"tokens must be this rank's token count, a non-negative number, got {tokens!r}")
     return loss, tokens if type(tokens) is int else float(tokens)
 
 
-def _non_negative(value: Any) -> bool:
+def is_token_count(value: Any) -> bool:
+    """Whether ``value`` reads as a token count: a finite, non-negative number."""
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):

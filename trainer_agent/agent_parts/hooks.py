@@ -18,7 +18,7 @@ from trainer_agent.measure.comm_timing import CommTiming
 from trainer_agent.config import AgentConfig
 from trainer_agent.measure.forward_timer import ForwardTimer
 from trainer_agent.measure.inputs import InputWait
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import add_forward_hook
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.diagnostics.preflight import PreflightOnly
 from trainer_agent.measure.schedule import ReportSchedule, ScheduledLr
@@ -60,7 +60,7 @@ class AgentHooks:
         self.handles.append(hooks)
         self.sync_grad_hooks()
         if params.sharding is not None:
-            self.handles.append(model.register_forward_hook(module_hook(self.meter.watch_output)))
+            self.handles.append(add_forward_hook(model, self.meter.watch_output))
         clock = self.clock
         self.forward = ForwardTimer(model, schedule, params.device, step=clock.read_step,
                                     clock=clock.now, on_error=self._error)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from trainer_agent.agent_parts.attach_args import checked_end_step
+from trainer_agent.agent_parts.attach_args import checked_end_step, is_token_count
 from trainer_agent.compat import torch_private
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
@@ -145,7 +145,7 @@ class StepEnd:
                         input_wait=wait, micro_batches=st.backwards, world_size=self.world_size,
                         verify_mismatch=verifier.take() if verifier is not None else math.nan,
                         verify_float32=verifier.take_float32() if verifier is not None else math.nan,
-                        gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(),
+                        gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(self.parts.optimizer),
                         comm=hooks.comm.take() if hooks.comm is not None else {})
 
     def _token_count(self, tokens: Any) -> float | None:
@@ -154,7 +154,7 @@ class StepEnd:
         if not isinstance(tokens, torch.Tensor):
             return tokens
         count = float(tokens)
-        if count >= 0 and not math.isinf(count):
+        if is_token_count(count):
             return count
         self.errors.error("tokens", ValueError(f"tokens must be a non-negative count, got {count}"))
         return None

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from trainer_agent.compat.torch_private import TorchDispatchMode, tree_leaves
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import add_forward_hook, add_forward_pre_hook
 
 __all__ = ["MemoryOwner", "MemoryTrace", "LOOP", "GRAPH", "to_wire"]
 
@@ -105,8 +105,8 @@ class MemoryTrace:
         names = {m: n or type(model).__name__ for n, m in model.named_modules()}
         self._handles = []
         for module, name in names.items():
-            self._handles.append(module.register_forward_pre_hook(module_hook(lambda m, a, n=name: self._stack.append(n))))
-            self._handles.append(module.register_forward_hook(module_hook(lambda m, a, o: self._pop()), always_call=True))
+            self._handles.append(add_forward_pre_hook(module, lambda m, a, n=name: self._stack.append(n)))
+            self._handles.append(add_forward_hook(module, lambda m, a, o: self._pop(), always_call=True))
         #: CUDA only: bytes each module's own forward left allocated, per traced step (worst first
         #: once the trace is over), and the allocator's growth per traced step.
         self.cuda_forward: dict[str, float] = {}
@@ -116,9 +116,9 @@ class MemoryTrace:
             self._cuda_levels: list[int] = []
             self._cuda_stack: list[list[int]] = []  # [allocated before, children's bytes]
             for module, name in names.items():
-                self._handles.append(module.register_forward_pre_hook(module_hook(lambda m, a: self._cuda_enter())))
-                self._handles.append(module.register_forward_hook(
-                    module_hook(lambda m, a, o, n=name: self._cuda_exit(n)), always_call=True))
+                self._handles.append(add_forward_pre_hook(module, lambda m, a: self._cuda_enter()))
+                self._handles.append(add_forward_hook(module, lambda m, a, o, n=name: self._cuda_exit(n),
+                                                      always_call=True))
         self._mode = _Tagger(self)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._mode.__enter__()

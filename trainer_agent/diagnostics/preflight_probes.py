@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_agent.measure.module_hooks import add_forward_hook
 from trainer_agent.measure.sharding import local
 
 __all__ = ["init_check", "loss_boundary_check", "amp_overflow_check", "input_pipeline_check",
@@ -192,7 +193,7 @@ def loss_boundary_check(model: nn.Module, batch: Any, run: ForwardBackward, *, p
             index = torch.zeros(1, dtype=torch.long, device=output.device)
             return output.index_fill(-1, index, _largest_logit(output.dtype))
 
-        handle = head.register_forward_hook(hook)
+        handle = add_forward_hook(head, hook)
         try:
             results["the largest logits"] = _try(run, lambda: batch)
         finally:
@@ -230,7 +231,7 @@ def amp_overflow_check(model: nn.Module, batch: Any, run: ForwardBackward, layer
             seen.setdefault(names.get(module, "?"), []).extend(
                 [(~torch.isfinite(out)).sum(), out.abs().nan_to_num(0.0, posinf=0.0).amax().float()])
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    handles = [add_forward_hook(m, hook) for m in model.modules() if not list(m.children())]
     try:
         with torch.autocast(device_type=device.type, dtype=dtype):
             scale = None

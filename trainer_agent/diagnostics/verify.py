@@ -85,7 +85,7 @@ import torch
 from torch import nn
 
 from trainer_agent.measure.fingerprint import Fingerprinter, rel_diff
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import add_forward_pre_hook
 from trainer_agent.measure.train_parts import TrainParts
 
 __all__ = ["VerifyResult", "VerifyTally", "GradientVerifier"]
@@ -198,7 +198,7 @@ class GradientVerifier:
         if self.armed:
             return
         self.armed, self._stepped, self._rng, self._grads_seen = True, False, None, False
-        self._handle = self.parts.model.register_forward_pre_hook(module_hook(self._pre_forward))
+        self._handle = add_forward_pre_hook(self.parts.model, self._pre_forward)
 
     def disarm(self) -> None:
         self.armed = self.float32 = False

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import add_forward_hook, add_forward_pre_hook
 from trainer_agent.measure.schedule import ReportSchedule
 
 __all__ = ["ForwardTimer"]
@@ -44,8 +44,7 @@ class ForwardTimer:
         self._seconds = 0.0
         self._events: list[tuple[Any, Any]] = []
         self._previous: list[tuple[Any, Any]] = []  # CUDA: the last report step's pairs
-        self.handles = [model.register_forward_pre_hook(module_hook(self._pre)),
-                        model.register_forward_hook(module_hook(self._post))]
+        self.handles = [add_forward_pre_hook(model, self._pre), add_forward_hook(model, self._post)]
         #: True while the agent runs forward passes of its own (a gradient recompute check): not timed.
         self.excluded = False
 

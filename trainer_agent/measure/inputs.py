@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer_agent.measure.module_hooks import module_hook
+from trainer_agent.measure.module_hooks import add_forward_pre_hook
 
 __all__ = ["InputWait"]
 
@@ -38,7 +38,7 @@ class InputWait:
         self.last = math.nan
         """The wait of the last measured step (seconds)."""
         self._lock = threading.Lock()
-        self._handle = model.register_forward_pre_hook(module_hook(self._pre_forward))
+        self._handle = add_forward_pre_hook(model, self._pre_forward)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         ended = self._ended_at

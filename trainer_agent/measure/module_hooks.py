@@ -8,9 +8,10 @@ locks, threads and sockets cannot be copied: ``TypeError: cannot pickle '_thread
 the user's code) or, for a copy that succeeded, time and count the copy's forward passes as the
 training model's.
 
-``module_hook(fn)`` wraps the agent's hook: called, it calls ``fn``; copied or pickled, it becomes
-an ``InertHook``, which does nothing. The agent watches the module it was attached to, not its
-copies (a copy that should be watched gets an agent of its own).
+:func:`add_forward_pre_hook` and :func:`add_forward_hook` register the agent's hooks (every one it
+puts on a module goes through them), each wrapped in a ``ModuleHook``: called, it calls the agent;
+copied or pickled, it becomes an ``InertHook``, which does nothing. The agent watches the module it
+was attached to, not its copies (a copy that should be watched gets an agent of its own).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["InertHook", "ModuleHook", "module_hook"]
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["InertHook", "ModuleHook", "add_forward_hook", "add_forward_pre_hook"]
 
 
 class InertHook:
@@ -58,6 +62,11 @@ class ModuleHook:
         return f"ModuleHook({self.fn!r})"
 
 
-def module_hook(fn: Callable[..., Any]) -> ModuleHook:
-    """``fn`` as a module hook that copies of the module replace with an ``InertHook``."""
-    return ModuleHook(fn)
+def add_forward_pre_hook(module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
+    """``module.register_forward_pre_hook(fn)``, ``fn`` wrapped in a ``ModuleHook``."""
+    return module.register_forward_pre_hook(ModuleHook(fn))
+
+
+def add_forward_hook(module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False) -> RemovableHandle:
+    """``module.register_forward_hook(fn, always_call=...)``, ``fn`` wrapped in a ``ModuleHook``."""
+    return module.register_forward_hook(ModuleHook(fn), always_call=always_call)

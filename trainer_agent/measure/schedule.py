@@ -71,8 +71,6 @@ class ScheduledLr:
         self.last: float | None = None
         self.interval_max: float | None = None
         self.peak: float | None = None
-        #: The largest ``initial_lr`` of the param groups (None without an LR scheduler).
-        self.base: float | None = None
         self.steps = 0
         """Steps observed (before the current interval: :attr:`steps_before`)."""
         self.steps_before = 0
@@ -86,23 +84,24 @@ class ScheduledLr:
             if step == self._observed_step:
                 return
             self._observed_step = step
-        lr, base = -math.inf, -math.inf
+        lr = -math.inf
         for group in optimizer.param_groups:
-            v, b = _host(group["lr"]), _host(group.get("initial_lr"))
-            if v is None:
-                return  # on the device: no read here
-            lr = max(lr, v)
-            if b is not None:
-                base = max(base, b)
+            v = group["lr"]
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cpu":
+                    return  # on the device: no read here
+                v = v.item()  # a CPU tensor: host memory, no device sync
+            lr = max(lr, float(v))
         if not math.isfinite(lr):
             return  # no groups, or a non-finite LR: nothing the envelope can use
-        self.base = base if math.isfinite(base) and base > 0 else None
         self.last = lr
         self.interval_max = lr if self.interval_max is None else max(self.interval_max, lr)
         self.steps += 1
 
-    def take(self) -> dict[str, float]:
-        """The report's values (see the class docstring); the interval starts afresh."""
+    def take(self, optimizer: Any = None) -> dict[str, float]:
+        """The report's values (see the class docstring); the interval starts afresh. ``optimizer``:
+        whose param groups' ``initial_lr`` the envelope holds (read here, once per report, not in
+        every step's hook)."""
         out: dict[str, float] = {}
         if self.last is None:
             return out
@@ -111,7 +110,8 @@ class ScheduledLr:
             return out
         out["trainguard_scheduler_lr_max"] = self.interval_max
         if self.peak is not None and self.peak > 0 and self.steps_before >= self.min_steps:
-            envelope = self.peak if self.base is None else max(self.peak, self.base)
+            base = _built_on(optimizer) if optimizer is not None else None
+            envelope = self.peak if base is None else max(self.peak, base)
             out["trainguard_scheduler_lr_peak"] = envelope
             out["trainguard_scheduler_lr_ratio"] = self.interval_max / envelope
         self.peak = self.interval_max if self.peak is None else max(self.peak, self.interval_max)
@@ -136,9 +136,16 @@ class ScheduledLr:
         self._observed_step = None
 
 
-def _host(value: Any) -> float | None:
-    """A param group's LR as a host float: a CPU tensor's value (host memory, no device sync);
-    None for a device tensor (no read here) and for no value."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.device.type == "cpu" else None
-    return None if value is None else float(value)
+def _built_on(optimizer: Any) -> float | None:
+    """The largest ``initial_lr`` of ``optimizer``'s param groups: the LR its schedule was built on
+    (None without an LR scheduler; a value held on a device is not read)."""
+    base = -math.inf
+    for group in optimizer.param_groups:
+        value = group.get("initial_lr")
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                continue
+            value = value.item()
+        if value is not None:
+            base = max(base, float(value))
+    return base if math.isfinite(base) and base > 0 else None
