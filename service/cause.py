@@ -13,15 +13,18 @@ cause          evidence                                                         
                batch, weights and random state that does not give its gradient back),   then pause and page
                ``grad_desync`` / ``param_desync`` (one rank's fingerprints differ)       or stop
 ``schedule``   the LR the user's scheduler set jumped (x ``lr_jump`` over its healthy    nothing (the alert
-               level) but stays within the range it already had in this run            only notifies)
-               (<= ``schedule_peak_margin`` x its highest healthy value): a warm
-               restart, a re-warm after a resume
+               level) but stays within the range it already had in this run            only notifies; no
+               (<= ``schedule_peak_margin`` x its highest healthy value): a warm        incident opens, not
+               restart, a re-warm after a resume                                        even on the agent's
+                                                                                        skips)
 ``optimizer``  the scheduled LR jumped beyond anything the run had (also when the jump    skip, adaptive LR,
                began and ended inside one report interval: the agent's                  rollback, pause
                ``trainguard_scheduler_lr_ratio`` past the threshold of the rule on it,
                or that rule firing); or the update ratio rose with the LR unchanged
                and clean data; or mixed precision's loss scale collapsed / its
-               overflow skips
+               overflow skips; or a non-finite loss, gradient or optimizer state
+               after the schedule raised the LR within its range (the schedule
+               explains values that rose with the LR, never a NaN)
 ``data``       a data-quality rule of the same window fires (duplicates, token KL,       skip the batches'
                special tokens, length shift); or one batch stands out from its           steps on every
                neighbours (its loss, or at most ``SINGLE_BATCH_SKIPS`` steps the agent   rank, never an LR
@@ -71,6 +74,8 @@ HARDWARE_DIAGNOSES = frozenset({"gpu_xid", "gradient_recompute_mismatch", "grad_
 HARDWARE_XIDS = frozenset({48, 64, 74, 79, 95})
 #: Rule diagnoses whose alerts are data evidence.
 DATA_DIAGNOSES = frozenset({"data_quality"})
+#: Rule diagnoses of non-finite values: never the schedule's own move.
+NONFINITE_DIAGNOSES = frozenset({"loss_nan", "optimizer_state"})
 #: Rule diagnoses of mixed-precision trouble (optimizer numerics).
 _AMP_DIAGNOSES = frozenset({"amp_loss_scale_collapse", "amp_skips"})
 
@@ -176,6 +181,7 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
         ev.add(f"rule:{f.rule.name}", f.values.get("value", f.values.get("values")), f.values.get("threshold"), "data",
                f.summary or f.rule.name)
     batch_outlier = _batch_outlier(ev, window, skipped)
+    nonfinite = lr_jumped and bool(ev.pointing("schedule")) and _nonfinite(ev, active, window)
     # -- the update ratio
     measured = window.latest(metric)
     rose = False
@@ -190,7 +196,21 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
         ev.add(f"rule:{f.rule.name}", f.values.get("value"), f.values.get("threshold", f.values.get("limit")), "optimizer",
                f"{f.summary or f.rule.name} (mixed-precision numerics)")
     return _weigh(ev, lr_jumped=lr_jumped, ratio_jumped=ratio_jumped, data_rules=data_rules, amp=amp, rose=rose,
-                  batch_outlier=batch_outlier)
+                  batch_outlier=batch_outlier, nonfinite=nonfinite)
+
+
+def _nonfinite(ev: _Evidence, active: list[Any], window: Any) -> bool:
+    """Whether the report holds a non-finite loss, gradient or optimizer state (a rule of those
+    diagnoses or of kind ``nonfinite`` firing, or the values themselves): asked when the schedule
+    moved the LR within its range, which explains a loss, gradient or update that rose, not a NaN."""
+    rules = [f.rule.name for f in active if f.rule.kind == "nonfinite" or getattr(f.rule, "diagnosis", "") in NONFINITE_DIAGNOSES]
+    values = [m for m in ("trainguard_loss", "trainguard_grad_norm") if (v := window.latest(m)) is not None and not math.isfinite(v)]
+    if not rules and not values:
+        return False
+    ev.add("nonfinite", rules or values, None, "optimizer",
+           f"non-finite values ({', '.join(rules or values)}) after the schedule raised the LR: the schedule explains a loss "
+           "or gradient that rose with it, not a NaN; the run did not take the LR it was scheduled to take")
+    return True
 
 
 def _hardware_rules(ev: _Evidence, active: list[Any]) -> list[int]:
@@ -313,10 +333,13 @@ def _batch_outlier(ev: _Evidence, window: Any, skipped: int) -> bool:
 
 
 def _weigh(ev: _Evidence, *, lr_jumped: bool, ratio_jumped: bool, data_rules: list[Any], amp: list[Any], rose: bool,
-           batch_outlier: bool) -> Verdict:
+           batch_outlier: bool, nonfinite: bool) -> Verdict:
     """The verdict the evidence (no hardware fault among it) adds up to."""
     sched = ev.pointing("schedule")
     if lr_jumped and sched and not data_rules and not amp:
+        if nonfinite:
+            return Verdict("optimizer", "the run turned non-finite after its schedule raised the LR within the range it "
+                           "already had: more LR than the run can take now", tuple(ev.items))
         return Verdict("schedule", "the user's LR schedule moved the LR within the range the run already had",
                        tuple(ev.items))
     if lr_jumped and not sched:

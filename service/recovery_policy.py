@@ -91,3 +91,12 @@ class RecoveryPolicy(RulesModel):
         """The rungs of an optimizer fault: ``ladders.optimizer`` when given (it replaces
         ``ladder``), else ``ladder``."""
         return self.ladders.optimizer if self.ladders.optimizer is not None else self.ladder
+
+    def ladder_of(self, cause: str) -> tuple[str, ...]:
+        """The rungs of a fault of ``cause``. The user's schedule moving the LR within its own range
+        has none: it is no fault, so no incident opens on it (not even on the agent's skips of its
+        steps) and nothing climbs; a later report that shows what the schedule cannot explain (a
+        non-finite value, the data rules, the loss scaler) is judged afresh."""
+        if cause == "schedule":
+            return ()
+        return tuple(getattr(self.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.optimizer_ladder

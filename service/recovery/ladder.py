@@ -38,8 +38,7 @@ class LadderRungs:
 
     def ladder(self) -> tuple[str, ...]:
         """The rungs of the open incident's cause (the optimizer's: ``ladder``)."""
-        cause = self.open.cause if self.open is not None else "optimizer"
-        return tuple(getattr(self.policy.ladders, cause)) if cause in ("data", "hardware", "unknown") else self.policy.optimizer_ladder
+        return self.policy.ladder_of(self.open.cause if self.open is not None else "optimizer")
 
     # ------------------------------------------------------------------ rungs per cause
 

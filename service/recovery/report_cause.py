@@ -86,5 +86,4 @@ class ReportCause:
         verdict, p = self._verdict, self.policy
         if self.open is not None:
             return self.ladder()
-        return (tuple(getattr(p.ladders, verdict.cause)) if verdict is not None and verdict.cause in ("data", "hardware", "unknown")
-                else p.optimizer_ladder)
+        return p.ladder_of(verdict.cause if verdict is not None else "optimizer")

@@ -634,3 +634,33 @@ def test_a_loss_still_hurt_without_a_snapshot_to_roll_back_to_takes_no_rung_and_
     step_of, inc = _lasting_jump(2.6, snapshots=False)
     assert [r["rung"] for r in inc["rungs"] if r["rung"] != "skip"] == ["adaptive_lr"]
     assert inc["outcome"] == "recovered" and not any(st.paused for st in step_of.values())
+
+
+def _warm_restart(after: int = 12, **restart: float) -> list[Report]:
+    """A cosine cycle decaying from 1e-3 to 1e-5 with a steady loss, then the schedule's warm
+    restart to 1e-3: the agent skips 8 steps, and for ``after`` reports the loss, the gradient
+    norm and the update per unit of LR stay far above where the cycle ended (a run trained close
+    to zero loss, thrown out of its minimum by the restart)."""
+    decay = [_report(i, trainguard_scheduler_lr=1e-3 * 0.99 ** (i * 3) + 1e-5,
+                     trainguard_update_ratio=1e-3 * 0.99 ** (i * 3) + 1e-5) for i in range(1, 151)]
+    over = {"trainguard_loss": 2.6, "trainguard_grad_norm_max": 40.0, "trainguard_update_ratio": 3e-2, **restart}
+    jump = [_report(151, trainguard_scheduler_lr=1e-3, trainguard_consecutive_skipped_steps=8.0, **over)]
+    return decay + jump + [_report(i, trainguard_scheduler_lr=1e-3, **over) for i in range(152, 152 + after)]
+
+
+def test_a_warm_restart_whose_steps_the_agent_skips_opens_no_incident_and_takes_no_rung() -> None:
+    states, incidents = _incidents(_warm_restart())
+    assert incidents == []  # the schedule's own move: no incident, not even on the agent's skips
+    assert all(s.generation == 0 and s.lr_scale == 1.0 and not s.paused for s in states)
+
+
+def test_a_non_finite_loss_after_a_warm_restart_is_the_optimizers() -> None:
+    states, incidents = _incidents(_warm_restart(after=4, trainguard_loss=math.nan))
+    (inc,) = incidents
+    assert inc["cause"] == "optimizer" and inc["onset_step"] == 151
+    (nf,) = [e for e in inc["verdict"]["evidence"] if e["signal"] == "nonfinite"]
+    assert nf["points_to"] == "optimizer" and "loss_nonfinite" in nf["value"]
+    lr = [e for e in inc["verdict"]["evidence"] if e["signal"] == "trainguard_scheduler_lr"]
+    assert lr[0]["points_to"] == "schedule"  # within the schedule's range, but not the schedule's to explain
+    assert {r["rung"] for r in inc["rungs"]} >= {"skip", "adaptive_lr"}  # the rules' LR cut is no longer refused
+    assert states[-1].lr_scale < 1.0

@@ -187,6 +187,38 @@ def test_a_rewarm_after_resume_draws_no_finding_and_no_action() -> None:
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
 
 
+def test_warm_restarts_of_a_run_trained_to_near_zero_loss_draw_no_action() -> None:
+    # A small regression trained to interpolation (loss ~1e-8) with CosineAnnealingWarmRestarts:
+    # each restart throws it out of its minimum, and its loss, gradient norm and update per unit of
+    # LR jump by hundreds of times, far beyond the spike rules' discount for the LR's rise. The
+    # agent's spike guard skips steps there. The cause is the schedule's own move, within the range
+    # it already had: no incident opens, nothing is cut, rolled back or paused.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = S.CosineAnnealingWarmRestarts(opt, T_0=200)
+    agent = ta.attach(model, opt, job="schedules", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True))
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    rows = []
+    for _ in range(2200):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        agent.end_step(loss.detach())
+        if agent.latest().get("trainguard_step", 0) > (rows[-1]["trainguard_step"] if rows else 0):
+            rows.append(agent.latest())
+    agent.close(1.0)
+    assert min(v["trainguard_loss"] for v in rows[180:200]) < 1e-7  # trained close to zero loss
+    steps = _replay(rows)
+    fired = {a.split()[1] for a in _acting(steps) if int(a.split()[0]) > 2000}
+    assert {"grad_norm_spike:", "loss_spike:"} <= fired  # the restart's jumps are there, and seen
+    assert sum(v.get("trainguard_consecutive_skipped_steps", 0) for v in rows[200:]) > 0  # and skipped by the guard
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+
+
 def _loss_window(lrs: list[float], losses: list[float]) -> Any:
     """A window of reports with the given scheduled LRs and losses, and the agent's envelope."""
     from trainguard.service.window import RunWindow
