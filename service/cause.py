@@ -203,8 +203,10 @@ def _nonfinite(ev: _Evidence, active: list[Any], window: Any) -> bool:
     """Whether the report holds a non-finite loss, gradient or optimizer state (a rule of those
     diagnoses or of kind ``nonfinite`` firing, or the values themselves): asked when the schedule
     moved the LR within its range, which explains a loss, gradient or update that rose, not a NaN."""
-    rules = [f.rule.name for f in active if f.rule.kind == "nonfinite" or getattr(f.rule, "diagnosis", "") in NONFINITE_DIAGNOSES]
-    values = [m for m in ("trainguard_loss", "trainguard_grad_norm") if (v := window.latest(m)) is not None and not math.isfinite(v)]
+    rules = [f.rule.name for f in active
+             if f.rule.kind == "nonfinite" or getattr(f.rule, "diagnosis", "") in NONFINITE_DIAGNOSES]
+    values = [m for m in ("trainguard_loss", "trainguard_grad_norm")
+              if (v := window.latest(m)) is not None and not math.isfinite(v)]
     if not rules and not values:
         return False
     ev.add("nonfinite", rules or values, None, "optimizer",

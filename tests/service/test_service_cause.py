@@ -1,6 +1,7 @@
 """The cause verdict (``service/cause.py``) and the rungs each cause takes (``service/incidents.py``),
 replayed through the default rules without I/O (``engine.simulate``): a data burst is skipped with
-the LR untouched, a warm restart of the schedule draws no action, an LR above anything the run had
+the LR untouched, a warm restart of the schedule draws no action (no incident even when the agent
+skips its steps; a NaN after it is the optimizer's), an LR above anything the run had
 is met with the optimizer's ladder, a recompute that does not reproduce a gradient names the rank,
 and an incident of unknown cause runs the troubleshooting experiment."""
 

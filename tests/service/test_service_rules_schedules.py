@@ -9,7 +9,8 @@ replayed through the default rules with the controller's recovery logic (``engin
 A float16 run with a GradScaler that skips steps on overflow draws no action either, with its
 scaler passed to ``attach`` or not, nor a loss summed over thousands of tokens (gradient norms
 above 1e3 from the first step), nor a warm-up stepped once per epoch (torchvision's recipes: the LR
-rises 20.8x at the first epoch boundary).
+rises 20.8x at the first epoch boundary), nor the warm restarts of a run trained close to zero loss
+(its loss and gradient norm jump hundreds of times at each restart).
 """
 
 from __future__ import annotations
