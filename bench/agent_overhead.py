@@ -50,6 +50,7 @@ from torch.nn import functional as F
 import trainer_agent as ta
 from trainer_agent.measure import stats
 from trainer_agent.measure.bucket_views import BucketViews
+from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
 from trainer_agent.compat.torch_private import TorchDispatchMode
 
 
@@ -124,17 +125,17 @@ def accelerator_paths():
     norms from an in-place difference (not in cache-sized chunks), the non-finite counts by a
     fused scan of every tensor (not only of those whose norm is non-finite), the gradients'
     moments by fused passes over every tensor (not large ones chunk by chunk), DDP's gradient
-    buckets normed whole (not row by row)."""
+    buckets and FSDP2's flat gradient buffers normed whole (not row by row)."""
     update, count, moments = stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments
     stats.update_sq_norms = functools.partial(update, chunked=False)
     stats.nonfinite_count = functools.partial(count, scan="device")
     stats.tensor_moments = functools.partial(moments, chunked=False)
-    BucketViews.cpu_rows = False
+    BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = False
     try:
         yield
     finally:
         stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments = update, count, moments
-        BucketViews.cpu_rows = True
+        BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = True
 
 
 def bandwidth_gbs(device: torch.device, sync) -> float:

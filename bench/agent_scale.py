@@ -5,6 +5,7 @@
     .venv/bin/python bench/agent_scale.py --ddp                  # the same under DDP, 2 gloo ranks
     .venv/bin/python bench/agent_scale.py --ddp --bucket-view    # DDP(gradient_as_bucket_view=True)
     .venv/bin/python bench/agent_scale.py --ddp --bucket-view --device cuda   # one GPU: DDP on 1 NCCL rank
+    .venv/bin/python bench/agent_scale.py --fsdp                 # FSDP2, 2 gloo ranks, flat buffers and not
 
 A model of ``--elements`` parameters split into T tensors (T in ``--tensors``) trains with SGD
 (``foreach``: a constant number of operators whatever T) in two copies, one step each per round,
@@ -30,6 +31,13 @@ incoming gradients before the all-reduce. ``--bucket-view`` makes the gradients 
 flat buckets (``gradient_as_bucket_view=True``), from which the agent takes an ordinary step's
 norm (``trainer_agent/measure/bucket_views.py``). With ``--device cuda`` DDP runs on one GPU, a
 world of one NCCL rank (the same buckets and reducer), so that the kernels are counted.
+
+``--fsdp`` runs both copies under FSDP2 on 2 gloo ranks (``fully_shard`` on each of ``--groups``
+blocks of the tensors, then on the root) and prints rank 0's figures twice per T: with an ordinary
+step's norm from FSDP2's flat gradient buffers (``trainer_agent/measure/fsdp_grad_buffers.py``) and
+with that path turned off (the norm per tensor), measured one after the other in the same process.
+Its time columns are the agent's own (``Agent.overhead_seconds_total``, medians per step): the
+difference of two FSDP2 steps' thread CPU times scatters by more than the agent's cost there.
 
 ``--rows`` prints instead the report step's row against the world size W and the depth (layers):
 its float64 values per rank (the desired state, the fields, the fingerprints' screen, the data
@@ -76,6 +84,31 @@ class Split(nn.Module):
         return (flat * x[: flat.numel()]).square().sum()
 
 
+class Blocks(nn.Module):
+    """The same ``elements`` in ``tensors`` vectors, held by ``groups`` modules (one FSDP2 group
+    each under ``--fsdp``: FSDP2 gathers a module's parameters in its forward)."""
+
+    class Block(nn.Module):
+        def __init__(self, sizes: list[int], gen: torch.Generator) -> None:
+            super().__init__()
+            self.parts = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen) * 0.02) for n in sizes])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            flat = torch.cat(list(self.parts))
+            return (flat * x[: flat.numel()]).square().sum()
+
+    def __init__(self, elements: int, tensors: int, groups: int) -> None:
+        super().__init__()
+        size = max(1, elements // tensors)
+        g = torch.Generator().manual_seed(0)
+        per = [tensors // groups + (i < tensors % groups) for i in range(groups)]
+        self.blocks = nn.ModuleList(Blocks.Block([size] * n, g) for n in per)
+        self.offsets = [size * sum(per[:i]) for i in range(groups)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(block(x[offset:]) for block, offset in zip(self.blocks, self.offsets))
+
+
 def _kernels(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,9 +119,16 @@ def _kernels(fn) -> int:
 
 
 def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False,
-            bucket_view: bool = False) -> dict[str, float]:
-    base = Split(elements, tensors).to(device)
+            bucket_view: bool = False, fsdp_groups: int = 0) -> dict[str, float]:
+    base = (Blocks(elements, tensors, fsdp_groups) if fsdp_groups else Split(elements, tensors)).to(device)
     plain, watched = base, copy.deepcopy(base)
+    if fsdp_groups:
+        from torch.distributed.fsdp import fully_shard
+
+        for model in (plain, watched):
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -109,7 +149,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
 
     rows: dict[str, list[float]] = {"plain_ops": [], "ops": [], "report_ops": [], "plain_ms": [], "ms": [], "report_ms": [],
                                     "plain_kernels": [], "kernels": [], "report_kernels": [],
-                                    "plain_computing": [], "computing": [], "report_computing": []}
+                                    "plain_computing": [], "computing": [], "report_computing": [],
+                                    "own_ms": [], "report_own_ms": []}
     for _ in range(2 * every):  # warm-up: first reports, caches, the fused paths
         step(plain, opts[0], False)
         step(watched, opts[1], True)
@@ -128,10 +169,12 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
             t0 = time.thread_time()
             step(plain, opts[0], False)
             t1 = time.thread_time()
+            own = agent.overhead_seconds_total
             step(watched, opts[1], True)
             t2 = time.thread_time()
             rows["plain_ms"].append((t1 - t0) * 1e3)
             rows["report_ms" if report else "ms"].append((t2 - t1) * 1e3)
+            rows["report_own_ms" if report else "own_ms"].append((agent.overhead_seconds_total - own) * 1e3)
         if device == "cuda" and r < 2 * every:
             rows["plain_kernels"].append(_kernels(lambda: step(plain, opts[0], False)))
             report = (agent.step + 1) % every == 0
@@ -141,7 +184,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
     out = {"ops": med["ops"] - med["plain_ops"], "report_ops": med["report_ops"] - med["plain_ops"],
            "computing": med["computing"] - med["plain_computing"],
            "report_computing": med["report_computing"] - med["plain_computing"],
-           "ms": med["ms"] - med["plain_ms"], "report_ms": med["report_ms"] - med["plain_ms"]}
+           "ms": med["ms"] - med["plain_ms"], "report_ms": med["report_ms"] - med["plain_ms"],
+           "own_ms": med["own_ms"], "report_own_ms": med["report_own_ms"]}
     if "kernels" in med:
         out["kernels"] = med["kernels"] - med["plain_kernels"]
         out["report_kernels"] = med["report_kernels"] - med["plain_kernels"]
@@ -164,6 +208,28 @@ def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> Non
                     cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
                 print(" | ".join(cells), flush=True)
     finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from trainer_agent.measure import fsdp_grad_buffers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    for_index = fsdp_grad_buffers.for_index
+    try:
+        for t in args.tensors:
+            for path, finder in (("flat buffers", for_index), ("per tensor", lambda index: None)):
+                fsdp_grad_buffers.for_index = finder  # read by the agent at attach
+                m = measure(args.elements, t, args.rounds, args.device, fsdp_groups=args.groups)
+                if rank == 0:
+                    print(" | ".join([f"{t:,}", path, f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
+                                      f"{m['report_computing']:.0f}", f"{m['own_ms']:.3f}", f"{m['report_own_ms']:.3f}"]),
+                          flush=True)
+    finally:
+        fsdp_grad_buffers.for_index = for_index
         dist.destroy_process_group()
 
 
@@ -191,6 +257,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ddp", action="store_true", help="under DDP: 2 gloo ranks on the CPU, 1 NCCL rank with --device cuda")
     ap.add_argument("--bucket-view", action="store_true", help="with --ddp: gradient_as_bucket_view=True")
+    ap.add_argument("--fsdp", action="store_true", help="under FSDP2: 2 gloo ranks, the flat buffers' path and not")
+    ap.add_argument("--groups", type=int, default=8, help="with --fsdp: fully_shard groups (blocks of the tensors)")
     ap.add_argument("--rows", action="store_true", help="the report row and the all-gather's bytes per rank")
     args = ap.parse_args()
     if args.rows:
@@ -205,6 +273,19 @@ def main() -> None:
             "agent CPU ms/step", "agent CPU ms/report step"]
     if args.device == "cuda":
         cols += ["cuda kernels/step", "cuda kernels/report step"]
+    if args.fsdp:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        if args.device != "cpu":
+            sys.exit("agent_scale: --fsdp runs on 2 gloo ranks on the CPU")
+        print(f"agent cost against the tensor count ({args.elements:,} parameters, FSDP2 on 2 gloo ranks, "
+              f"{args.groups} groups, rank 0, torch {torch.__version__})")
+        print(" | ".join(cols[:1] + ["ordinary step's norm"] + cols[1:5] + ["agent's own ms/step", "agent's own ms/report step"]))
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_fsdp_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
+        return
     if args.ddp:
         import tempfile
 

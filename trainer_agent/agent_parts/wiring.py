@@ -18,7 +18,7 @@ from trainer_agent.agent_parts.snapshot_extras import SnapshotExtras
 from trainer_agent.control.snapshots import SnapshotBackend, SnapshotStore
 from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
 from trainer_agent.measure import flops
-from trainer_agent.measure import bucket_views
+from trainer_agent.measure import bucket_views, fsdp_grad_buffers
 from trainer_agent.measure.fingerprint import for_ranks
 from trainer_agent.measure.fingerprint_screen import screen_width
 from trainer_agent.measure.params import ParamIndex
@@ -78,7 +78,7 @@ class AgentWiring:
                         "update-size and fingerprint measurements", ", ".join(params.sparse_names))
         meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
                           step=clock.read_step, on_error=self.errors.error, clock=clock.now)
-        params.bucket_views = bucket_views.for_model(model, params)
+        params.bucket_views = bucket_views.for_model(model, params) or fsdp_grad_buffers.for_index(params)
         self.parts = TrainParts(model, optimizer, scaler, params, meter, self.rank, self.world_size, clock.read_step)
         fingerprint = None
         # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded

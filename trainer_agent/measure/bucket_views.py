@@ -33,7 +33,7 @@ steps always take the per-tensor norms: their per-layer statistics need them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,13 +45,13 @@ from trainer_agent.measure import stats
 if TYPE_CHECKING:
     from trainer_agent.measure.params import ParamIndex
 
-__all__ = ["BucketViews", "ROW", "for_model"]
+__all__ = ["BucketViews", "ROW", "as_rows", "dense", "for_model", "rows_norm"]
 
-#: Elements per row of a bucket normed on the CPU (:func:`_as_rows`).
+#: Elements per row of a bucket normed on the CPU (:func:`as_rows`).
 ROW = 1 << 14
 
 
-def _as_rows(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def as_rows(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 1-D bucket as (rows of :data:`ROW` elements, the rest): the CPU's float32 norm of one
     long vector accumulates its rounding (2e-4 relative at 6.5 M elements, 1.4e-3 at 25 M); per
     row of 16,384 elements, combined in float64, it stays near 2e-8, at the same speed. An
@@ -60,7 +60,20 @@ def _as_rows(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bucket[:whole].view(-1, ROW), bucket[whole:]
 
 
-def _dense(t: torch.Tensor) -> bool:
+def rows_norm(buffers: Iterable[tuple[torch.Tensor, torch.Tensor]], *, wide: bool) -> torch.Tensor:
+    """The norm of flat buffers given as :func:`as_rows` splits them: each row's norm (float32
+    accumulation, float64 with ``wide`` or a float64 buffer), combined in float64 (a float64 scalar)."""
+    parts = []
+    for rows, rest in buffers:
+        dtype = torch.float64 if wide else stats.norm_dtype(rest.dtype)
+        if rows.numel():
+            parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
+        if rest.numel():
+            parts.append(torch.linalg.vector_norm(rest, dtype=dtype).reshape(1))
+    return torch.linalg.vector_norm(torch.cat(parts).to(torch.float64), dtype=torch.float64)
+
+
+def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``t.numel()`` consecutive places of its storage: contiguous, or
     channels-last (DDP's bucket views keep the parameter's strides)."""
     return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
@@ -80,7 +93,7 @@ class BucketViews:
     """The flat gradient buckets of ``ddp`` (a ``DistributedDataParallel`` with
     ``gradient_as_bucket_view=True``), once :meth:`find` has found them tiled by ``params``' gradients."""
 
-    #: On the CPU, norm the buckets per row (:func:`_as_rows`); False: the accelerator's fused
+    #: On the CPU, norm the buckets per row (:func:`as_rows`); False: the accelerator's fused
     #: norm per bucket (tests run it on the CPU).
     cpu_rows = True
 
@@ -91,7 +104,7 @@ class BucketViews:
         self.groups: list[list[torch.Tensor]] | None = None
         #: Per bucket, the parameter whose gradient is its first view, and the bucket.
         self._firsts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: The CPU's views of the buckets (:func:`_as_rows`).
+        #: The CPU's views of the buckets (:func:`as_rows`).
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: Ordinary steps normed from the buckets (for tests and benchmarks).
         self.used = 0
@@ -101,6 +114,11 @@ class BucketViews:
         """Whether ``model`` is a DDP model whose gradients are views of its buckets."""
         return (isinstance(model, nn.parallel.DistributedDataParallel)
                 and bool(getattr(model, "gradient_as_bucket_view", False)))
+
+    def wants_find(self) -> bool:
+        """Whether a report step should look for the buckets: until found, after a synchronised
+        backward pass (DDP keeps them, rebuilt once, after the first step)."""
+        return self.groups is None and self.synced()
 
     def synced(self) -> bool:
         """Whether the backward pass that just ended all-reduced the gradients (not ``no_sync``)."""
@@ -114,7 +132,7 @@ class BucketViews:
         bases: dict[int, torch.Tensor] = {}
         for i, g in enumerate(grads):
             base = None if g is None else torch_private.view_base(g)
-            if base is None or base.dim() != 1 or not _dense(g) or base.dtype != g.dtype:
+            if base is None or base.dim() != 1 or not dense(g) or base.dtype != g.dtype:
                 return False
             bases.setdefault(id(base), base)
             views.setdefault(id(base), []).append((g.storage_offset() - base.storage_offset(), g.numel(), i))
@@ -131,7 +149,7 @@ class BucketViews:
             groups.setdefault((base.device, base.dtype), []).append(base)
             self._firsts.append((self.params[min(views[key])[2]], base))
         self.groups = list(groups.values())
-        self._rows = [_as_rows(base) for group in self.groups for base in group]
+        self._rows = [as_rows(base) for group in self.groups for base in group]
         return True
 
     def norm(self, device: torch.device, *, wide: bool) -> torch.Tensor | None:
@@ -149,11 +167,4 @@ class BucketViews:
         self.used += 1
         if device.type != "cpu" or not self.cpu_rows:
             return torch.linalg.vector_norm(stats.bucket_norms(self.groups, device, wide=wide), dtype=torch.float64)
-        parts = []
-        for rows, tail in self._rows:
-            dtype = torch.float64 if wide else stats.norm_dtype(tail.dtype)
-            if rows.numel():
-                parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
-            if tail.numel():
-                parts.append(torch.linalg.vector_norm(tail, dtype=dtype).reshape(1))
-        return torch.linalg.vector_norm(torch.cat(parts).to(torch.float64), dtype=torch.float64)
+        return rows_norm(self._rows, wide=wide)

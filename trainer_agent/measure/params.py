@@ -24,6 +24,7 @@ from trainer_agent.measure.sharding import Sharding, is_dtensor, local
 
 if TYPE_CHECKING:
     from trainer_agent.measure.bucket_views import BucketViews
+    from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
 
 __all__ = ["ParamIndex", "layer_names", "sparse_gradient_params"]
 
@@ -85,9 +86,10 @@ class ParamIndex:
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self.device = self.buckets[0][0].device
         self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
-        #: DDP's flat gradient buckets, set by the agent when the gradients are views of them
-        #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``).
-        self.bucket_views: BucketViews | None = None
+        #: The flat buffers the gradients are views of, set by the agent: DDP's gradient buckets
+        #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``) or FSDP2's
+        #: reduce-scatter outputs (``trainer_agent/measure/fsdp_grad_buffers.py``).
+        self.bucket_views: BucketViews | FsdpGradBuffers | None = None
         self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
                          else None)
         layers: dict[str, int] = {}

@@ -286,24 +286,24 @@ class StepMeter:
     def measure_grads(self) -> None:
         """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
         element count) into the state. One fused norm per bucket. An ordinary step under DDP with
-        ``gradient_as_bucket_view`` takes only the global norm, from DDP's flat buckets
-        (``ParamIndex.bucket_views``): no work per tensor."""
+        ``gradient_as_bucket_view``, or under FSDP2, takes only the norm, from DDP's flat buckets or
+        FSDP2's flat gradient buffers (``ParamIndex.bucket_views``): no work per tensor."""
         st = self.state
         report = self.schedule.is_report(self._step() + 1)
-        views = self.index.bucket_views
+        views, sharding = self.index.bucket_views, self.index.sharding
         if views is not None and not report:
             scaled = views.norm(self.index.device, wide=self.wide)
             if scaled is not None:
                 st.grad_norms = None
                 st.scale = self.scale_tensor()
-                self.scaled_grad_norm = self._with_sparse(scaled, report)
-                st.grad_norm = st.grad_share = unscale(self.scaled_grad_norm, st.scale)
+                self.scaled_grad_norm = scaled if sharding is not None else self._with_sparse(scaled, report)
+                st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
+                st.grad_share = st.grad_norm if sharding is None else unscale(views.shared(scaled), st.scale, power=2)
                 return
         grads = self.index.grads()
         st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
         st.scale = self.scale_tensor()
-        sharding = self.index.sharding
-        if report and views is not None and views.groups is None and views.synced():
+        if report and views is not None and views.wants_find():
             views.find([p.grad for p in self.index.params])  # on a report step, which reads every gradient anyway
         if report:
             flat = [g for b in grads for g in b]
