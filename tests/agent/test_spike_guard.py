@@ -1,6 +1,7 @@
 """The spike guard: its threshold against a naive float64 reference, its bounded run of skips,
-a new baseline when the model moved during a data skip, and, on real training, no skip on healthy
-runs, a skipped step that changes nothing, and good data trained after a data skip."""
+a new baseline when the model moved during a data skip or a skipped spike's gradient comes back
+the same, and, on real training, no skip on healthy runs, a skipped step that changes nothing,
+full-batch spikes skipped once each, and good data trained after a data skip."""
 
 from __future__ import annotations
 
@@ -44,19 +45,38 @@ def test_skipped_norms_stay_out_of_the_baseline_and_skips_in_a_row_are_bounded()
         guard.taken(x)
     before = guard.threshold()
     decisions = []
-    for _ in range(5):
-        spike = guard.is_spike(50.0)
+    for norm in (50.0, 51.0, 52.0, 53.0, 54.0):  # a spike of another gradient each step
+        spike = guard.is_spike(norm)
         decisions.append(spike)
         if spike:
             guard.skipped()
         else:
-            guard.taken(50.0)
+            guard.taken(norm)
     assert decisions == [True, True, True, False, False]  # the 4th is taken: 3 in a row is the bound
     # ... and it starts a new baseline (a level shift): nothing is skipped until min_history steps
-    assert guard.restarts == 1 and guard.state_dict()["norms"] == [50.0, 50.0]
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [53.0, 54.0]
     assert guard.threshold() != before
     guard.taken(float("nan"))  # a non-finite norm never joins it
     assert all(math.isfinite(x) for x in guard.state_dict()["norms"])
+
+
+def test_a_skipped_spike_whose_gradient_comes_back_the_same_is_taken_and_starts_a_new_baseline() -> None:
+    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4, max_consecutive=5))
+    for x in (1.0, 1.1, 0.9, 1.0, 1.05):
+        guard.taken(x)
+    assert guard.is_spike(50.0)
+    guard.skipped()
+    assert guard.is_spike(60.0)  # another gradient: still a spike, skipped
+    guard.skipped()
+    assert not guard.is_spike(60.0 * (1 + 1e-7))  # the same again, to rounding: skipping cannot help
+    guard.taken(60.0 * (1 + 1e-7))
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [60.0 * (1 + 1e-7)]
+    # Only right after a skip: a spike equal to an earlier one after a step was taken is a spike.
+    for x in (1.0, 1.1, 0.9, 1.0):
+        guard.taken(x)
+    assert guard.is_spike(300.0)
+    guard.taken(1.0)  # (taken for another reason)
+    assert guard.is_spike(300.0)
 
 
 def _guard_with_history() -> SpikeGuard:
@@ -169,6 +189,40 @@ def test_a_poisoned_batch_is_skipped_and_changes_nothing() -> None:
         assert latest['trainguard_skipped_steps_total{reason="spike"}'] == 1.0
         assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 0.0
         assert latest["trainguard_consecutive_skipped_steps"] == 0.0  # steps were taken since
+    finally:
+        agent.close()
+
+
+def test_full_batch_spikes_are_skipped_once_each() -> None:
+    """Full-batch training (the same 2,048 samples every step) with Adam at a plateau: Adam's
+    oscillation spikes the gradient norm 5-8x over a near-zero baseline from about step 590. A
+    skipped step leaves the weights as they were, so the next step computes the same gradient:
+    the guard takes it, instead of skipping the same gradient 16 times in a row. Each skip is
+    followed by a step whose loss is the skipped step's, exactly (nothing changed in between)."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 16)
+    y = torch.tanh(x @ torch.randn(16, 1)) + 0.05 * torch.randn(2048, 1)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    agent = ta.attach(model, opt, job="spike", run="full-batch",
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True, controller=None))
+    try:
+        losses, skipped = [], []
+        for step in range(1, 701):
+            before = agent.control.skip.skipped_by_reason["spike"]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss)
+            losses.append(float(loss))
+            if agent.control.skip.skipped_by_reason["spike"] > before:
+                skipped.append(step)
+        assert skipped, "no spike: the test needs one"
+        assert all(b - a > 1 for a, b in zip(skipped, skipped[1:])), skipped  # never two in a row
+        for step in skipped:
+            assert losses[step] == losses[step - 1]  # the step after the skip: the same weights and batch
+        assert agent.control.skip.guard.restarts == len(skipped)
     finally:
         agent.close()
 
