@@ -157,6 +157,7 @@ class FsdpGradBuffers:
             head, tail = local(first), local(last)
             base = torch_private.view_base(head)
             if (base is None or torch_private.view_base(tail) is not base or base.numel() != found.numel
+                    or not base.is_contiguous()
                     or head.storage_offset() - base.storage_offset() != found.first_offset
                     or tail.storage_offset() - base.storage_offset() != found.last_offset):
                 self._missed = True
