@@ -192,42 +192,35 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
     return out
 
 
-def _ddp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        for t in args.tensors:
-            m = measure(args.elements, t, args.rounds, args.device, ddp=True, bucket_view=args.bucket_view)
-            if rank == 0:
-                cells = [f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
-                         f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]
-                if "kernels" in m:
-                    cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
-                print(" | ".join(cells), flush=True)
-    finally:
-        dist.destroy_process_group()
+def _row(label: list[str], m: dict[str, float], time: str = "ms") -> str:
+    """One table row: ``label``'s cells, the operator counts, the times (``time``: "ms", the thread
+    CPU difference, or "own_ms", the agent's own time) and, where counted, the CUDA kernels."""
+    cells = [*label, f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
+             f"{m['report_computing']:.0f}", f"{m[time]:.3f}", f"{m['report_' + time]:.3f}"]
+    if "kernels" in m:
+        cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
+    return " | ".join(cells)
 
 
-def _fsdp_rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    """One rank of ``--ddp`` or ``--fsdp``; rank 0 prints. Under ``--fsdp`` each T twice: with the
+    flat gradient buffers and with their finder turned off (read by the agent at attach)."""
     import torch.distributed as dist
 
     from trainer_agent.measure import fsdp_grad_buffers
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=init, rank=rank, world_size=world)
     for_index = fsdp_grad_buffers.for_index
+    paths = (("flat buffers", for_index), ("per tensor", lambda index: None)) if args.fsdp else ((None, for_index),)
     try:
         for t in args.tensors:
-            for path, finder in (("flat buffers", for_index), ("per tensor", lambda index: None)):
-                fsdp_grad_buffers.for_index = finder  # read by the agent at attach
-                m = measure(args.elements, t, args.rounds, args.device, fsdp_groups=args.groups)
+            for path, finder in paths:
+                fsdp_grad_buffers.for_index = finder
+                m = measure(args.elements, t, args.rounds, args.device, ddp=args.ddp, bucket_view=args.bucket_view,
+                            fsdp_groups=args.groups if args.fsdp else 0)
                 if rank == 0:
-                    print(" | ".join([f"{t:,}", path, f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
-                                      f"{m['report_computing']:.0f}", f"{m['own_ms']:.3f}", f"{m['report_own_ms']:.3f}"]),
-                          flush=True)
+                    print(_row([f"{t:,}"] + ([path] if path else []), m, "own_ms" if args.fsdp else "ms"), flush=True)
     finally:
         fsdp_grad_buffers.for_index = for_index
         dist.destroy_process_group()
@@ -266,6 +259,8 @@ def main() -> None:
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("agent_scale: --device cuda, but no CUDA device is available")
+    if args.fsdp and args.ddp:
+        sys.exit("agent_scale: --fsdp and --ddp are two runs: give one")
     if args.bucket_view and not args.ddp:
         sys.exit("agent_scale: --bucket-view is a DDP setting: add --ddp")
     torch.set_num_threads(1)
@@ -284,7 +279,7 @@ def main() -> None:
               f"{args.groups} groups, rank 0, torch {torch.__version__})")
         print(" | ".join(cols[:1] + ["ordinary step's norm"] + cols[1:5] + ["agent's own ms/step", "agent's own ms/report step"]))
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_fsdp_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
+            mp.spawn(_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
         return
     if args.ddp:
         import tempfile
@@ -297,23 +292,18 @@ def main() -> None:
                   f"torch {torch.__version__})")
             print(" | ".join(cols))
             with tempfile.TemporaryDirectory() as tmp:
-                _ddp_rank(0, 1, f"file://{tmp}/store", args)
+                _rank(0, 1, f"file://{tmp}/store", args)
             return
         print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 2 gloo ranks{views}, rank 0, "
               f"torch {torch.__version__})")
         print(" | ".join(cols))
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_ddp_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
+            mp.spawn(_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
         return
     print(f"agent cost against the tensor count ({args.elements:,} parameters, {args.device}, torch {torch.__version__})")
     print(" | ".join(cols))
     for t in args.tensors:
-        m = measure(args.elements, t, args.rounds, args.device)
-        cells = [f"{t:,}", f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
-                 f"{m['report_computing']:.0f}", f"{m['ms']:.3f}", f"{m['report_ms']:.3f}"]
-        if "kernels" in m:
-            cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
-        print(" | ".join(cells), flush=True)
+        print(_row([f"{t:,}"], measure(args.elements, t, args.rounds, args.device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from trainer_agent.measure import stats
 if TYPE_CHECKING:
     from trainer_agent.measure.params import ParamIndex
 
-__all__ = ["BucketViews", "ROW", "as_rows", "dense", "for_model", "rows_norm"]
+__all__ = ["BucketViews", "ROW", "as_rows", "dense", "for_model", "rows_norm", "views_by_base"]
 
 #: Elements per row of a bucket normed on the CPU (:func:`as_rows`).
 ROW = 1 << 14
@@ -78,6 +78,23 @@ def dense(t: torch.Tensor) -> bool:
     channels-last (DDP's bucket views keep the parameter's strides)."""
     return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
             or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def views_by_base(tensors: Sequence[torch.Tensor | None]
+                  ) -> list[tuple[torch.Tensor, list[tuple[int, int, int]]]] | None:
+    """The flat tensors that ``tensors`` are views of: per such base (a contiguous 1-D tensor of the
+    view's dtype), in order of first appearance, the base and its views as (offset in the base,
+    numel, index in ``tensors``), by offset. None when any entry is None, no view, or no dense view
+    of such a base."""
+    views: dict[int, list[tuple[int, int, int]]] = {}
+    bases: dict[int, torch.Tensor] = {}
+    for i, t in enumerate(tensors):
+        base = None if t is None else torch_private.view_base(t)
+        if base is None or base.dim() != 1 or not base.is_contiguous() or base.dtype != t.dtype or not dense(t):
+            return None
+        bases.setdefault(id(base), base)
+        views.setdefault(id(base), []).append((t.storage_offset() - base.storage_offset(), t.numel(), i))
+    return [(base, sorted(views[key])) for key, base in bases.items()]
 
 
 def for_model(model: nn.Module, index: ParamIndex) -> BucketViews | None:
@@ -128,27 +145,19 @@ class BucketViews:
         """Look for the buckets in ``grads`` (``params``' current gradients, in order, after a
         synchronised backward pass); True when they tile the buckets exactly (see the module)."""
         self.groups, self._firsts = None, []
-        views: dict[int, list[tuple[int, int, int]]] = {}  # bucket id -> (offset, numel, param index)
-        bases: dict[int, torch.Tensor] = {}
-        for i, g in enumerate(grads):
-            base = None if g is None else torch_private.view_base(g)
-            if base is None or base.dim() != 1 or not dense(g) or base.dtype != g.dtype:
-                return False
-            bases.setdefault(id(base), base)
-            views.setdefault(id(base), []).append((g.storage_offset() - base.storage_offset(), g.numel(), i))
-        for key, base in bases.items():
+        found = views_by_base(grads)
+        if found is None:
+            return False
+        for base, placed in found:
             end = 0
-            for offset, numel, _ in sorted(views[key]):
+            for offset, numel, _ in placed:
                 if offset != end:
                     return False  # a gap (another tensor's elements) or an overlap
                 end += numel
-            if end != base.numel() or not base.is_contiguous():
+            if end != base.numel():
                 return False
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for key, base in bases.items():
-            groups.setdefault((base.device, base.dtype), []).append(base)
-            self._firsts.append((self.params[min(views[key])[2]], base))
-        self.groups = list(groups.values())
+        self._firsts = [(self.params[placed[0][2]], base) for base, placed in found]
+        self.groups = [[found[i][0] for i in kind] for kind in stats.buckets([base for base, _ in found])]
         self._rows = [as_rows(base) for group in self.groups for base in group]
         return True
 

@@ -45,7 +45,7 @@ import torch
 
 from trainer_agent.compat import torch_private
 from trainer_agent.measure import stats
-from trainer_agent.measure.bucket_views import as_rows, dense, rows_norm
+from trainer_agent.measure.bucket_views import as_rows, rows_norm, views_by_base
 from trainer_agent.measure.sharding import is_dtensor, local
 
 if TYPE_CHECKING:
@@ -106,22 +106,15 @@ class FsdpGradBuffers:
         """Look for the buffers in ``grads`` (``params``' current gradients, DTensors, in order);
         True when they hold exactly the gradients (see the module). One read of the padding."""
         self.groups, self._missed = None, False
-        views: dict[int, list[tuple[int, int, int]]] = {}  # buffer id -> (offset, numel, param index)
-        bases: dict[int, torch.Tensor] = {}
-        for i, g in enumerate(grads):
-            if not is_dtensor(g):
-                return False
-            t = local(g)
-            base = torch_private.view_base(t)
-            if base is None or base.dim() != 1 or not base.is_contiguous() or base.dtype != t.dtype or not dense(t):
-                return False
-            bases.setdefault(id(base), base)
-            views.setdefault(id(base), []).append((t.storage_offset() - base.storage_offset(), t.numel(), i))
+        if not all(is_dtensor(g) for g in grads):
+            return False
+        placed_by_base = views_by_base([local(g) for g in grads])
+        if placed_by_base is None:
+            return False
         padding: list[torch.Tensor] = []
         found = []
-        for key, base in bases.items():
+        for base, placed in placed_by_base:
             end = 0
-            placed = sorted(views[key])
             for offset, numel, _ in placed:
                 if offset < end:
                     return False  # an overlap
@@ -165,9 +158,6 @@ class FsdpGradBuffers:
             buffers.append(base)
         self.used += 1
         if device.type != "cpu" or not self.cpu_rows:
-            by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for b in buffers:
-                by_kind.setdefault((b.device, b.dtype), []).append(b)
-            return torch.linalg.vector_norm(stats.bucket_norms(list(by_kind.values()), device, wide=wide),
-                                            dtype=torch.float64)
+            kinds = [[buffers[i] for i in kind] for kind in stats.buckets(buffers)]
+            return torch.linalg.vector_norm(stats.bucket_norms(kinds, device, wide=wide), dtype=torch.float64)
         return rows_norm(map(as_rows, buffers), wide=wide)

@@ -296,7 +296,7 @@ class StepMeter:
             if scaled is not None:
                 st.grad_norms = None
                 st.scale = self.scale_tensor()
-                self.scaled_grad_norm = scaled if sharding is not None else self._with_sparse(scaled, report)
+                self.scaled_grad_norm = self._with_sparse(scaled, report)  # (no sparse gradient under sharding)
                 st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
                 st.grad_share = st.grad_norm if sharding is None else unscale(views.shared(scaled), st.scale, power=2)
                 return
