@@ -68,7 +68,9 @@ class RulesStore:
 
     def reload_file(self) -> bool:
         """Re-read the ``--rules`` file (SIGHUP). An unreadable or invalid file is logged and the
-        active rules stay. Returns whether new rules apply."""
+        active rules stay, as does a file without a ``rules`` list (empty: e.g. read while an editor
+        rewrites it), which would remove every rule; the file's own ``rules: []`` removes them, as
+        the operator wrote it (:func:`require_rules`). Returns whether new rules apply."""
         path = self.settings.rules
         if path is None:
             log.warning("SIGHUP: no rules file was given (--rules); nothing to reload")
@@ -76,6 +78,7 @@ class RulesStore:
         try:
             text = path.read_text(encoding="utf-8")
             rules = self.validate(text)
+            require_rules(rules, remove_all=True)
         except (OSError, UnicodeDecodeError) as e:
             log.error("SIGHUP: cannot read %s, the active rules stay: %s", path, e)
             return False
