@@ -119,7 +119,7 @@ def _kernels(fn) -> int:
 
 
 def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False,
-            bucket_view: bool = False, fsdp_groups: int = 0) -> dict[str, float]:
+            bucket_view: bool = False, fsdp_groups: int = 0, set_to_none: bool = False) -> dict[str, float]:
     base = (Blocks(elements, tensors, fsdp_groups) if fsdp_groups else Split(elements, tensors)).to(device)
     plain, watched = base, copy.deepcopy(base)
     if fsdp_groups:
@@ -143,7 +143,7 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
         loss = model(x)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         if with_agent:
             agent.end_step(loss)
 
@@ -218,7 +218,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             for path, finder in paths:
                 fsdp_grad_buffers.for_index = finder
                 m = measure(args.elements, t, args.rounds, args.device, ddp=args.ddp, bucket_view=args.bucket_view,
-                            fsdp_groups=args.groups if args.fsdp else 0)
+                            fsdp_groups=args.groups if args.fsdp else 0, set_to_none=args.set_to_none)
                 if rank == 0:
                     print(_row([f"{t:,}"] + ([path] if path else []), m, "own_ms" if args.fsdp else "ms"), flush=True)
     finally:
@@ -250,6 +250,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ddp", action="store_true", help="under DDP: 2 gloo ranks on the CPU, 1 NCCL rank with --device cuda")
     ap.add_argument("--bucket-view", action="store_true", help="with --ddp: gradient_as_bucket_view=True")
+    ap.add_argument("--set-to-none", action="store_true",
+                    help="zero_grad() as training loops call it (gradients set to None); default: zeroed in place")
     ap.add_argument("--fsdp", action="store_true", help="under FSDP2: 2 gloo ranks, the flat buffers' path and not")
     ap.add_argument("--groups", type=int, default=8, help="with --fsdp: fully_shard groups (blocks of the tensors)")
     ap.add_argument("--rows", action="store_true", help="the report row and the all-gather's bytes per rank")
@@ -286,7 +288,7 @@ def main() -> None:
 
         import torch.multiprocessing as mp
 
-        views = ", gradient_as_bucket_view" if args.bucket_view else ""
+        views = (", gradient_as_bucket_view" if args.bucket_view else "") + (", zero_grad() to None" if args.set_to_none else "")
         if args.device == "cuda":  # one GPU: DDP over NCCL in a world of one, its buckets and reducer all the same
             print(f"agent cost against the tensor count ({args.elements:,} parameters, DDP on 1 NCCL rank{views}, "
                   f"torch {torch.__version__})")
@@ -303,7 +305,7 @@ def main() -> None:
     print(f"agent cost against the tensor count ({args.elements:,} parameters, {args.device}, torch {torch.__version__})")
     print(" | ".join(cols))
     for t in args.tensors:
-        print(_row([f"{t:,}"], measure(args.elements, t, args.rounds, args.device)), flush=True)
+        print(_row([f"{t:,}"], measure(args.elements, t, args.rounds, args.device, set_to_none=args.set_to_none)), flush=True)
 
 
 if __name__ == "__main__":

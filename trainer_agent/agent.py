@@ -81,7 +81,8 @@ tokens when ``end_step`` gets ``tokens`` (b = tokens / k per micro-batch), else 
 tr(Sigma) is in units of ``trainguard_grad_norm``^2 x those. DDP's averaging all-reduce is
 assumed. Absent with one micro-batch on one rank, and with sharded parameters (FSDP2, HSDP,
 tensor parallel), where no rank sees a full incoming gradient per micro-batch: absent rather than
-wrong.
+wrong. The incoming gradients' norms are a few fused calls per pass, not one per tensor, wherever
+``.grad`` keeps them until the pass ends (``trainer_agent/measure/backward_pass.py``).
 
 Sharded and parallel parameters (DTensors: FSDP2's ``fully_shard``, HSDP, tensor parallel, and
 their combinations): every step value is measured on the local shards and the report step adds

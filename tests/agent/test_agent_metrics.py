@@ -594,7 +594,7 @@ class SkipFirstMicro(Net):
 def test_noise_scale_with_held_and_immediate_gradient_norms(monkeypatch, held_bytes: int | None) -> None:
     """Incoming gradients of later backward passes are normed in fused batches (held up to a
     byte limit; 1 byte: one at a time) or at once when ``.grad`` is still empty."""
-    from trainer_agent.measure import step_stats as agent_module
+    from trainer_agent.measure import backward_pass as agent_module
 
     if held_bytes is not None:
         monkeypatch.setattr(agent_module, "HELD_GRAD_BYTES", held_bytes)

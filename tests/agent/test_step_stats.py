@@ -308,3 +308,28 @@ def test_sparse_gradients_count_in_the_norm_and_the_nonfinite_count(accelerator:
                 assert layers == {f'trainguard_layer_grad_norm{{layer="{name}"}}' for name in ("body", "head")}
     finally:
         agent.close()
+
+
+def test_a_parameter_frozen_after_attach_is_hooked_without_an_error() -> None:
+    """Freezing part of the model after ``attach`` (a fine-tuning schedule): the report step's
+    per-parameter hooks go on every attached parameter, the frozen ones included, without an
+    error (``register_hook`` refuses a tensor that requires no gradient); the frozen ones never
+    fire, and the noise scale is the one of the parameters that train."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="hooks", run="hooks-3", config=ta.AgentConfig(metrics_port=None, report_every=2))
+    model.blocks[0].requires_grad_(False)
+    for step in range(1, 5):  # two micro-batches per step; steps 2 and 4 report
+        for _ in range(2):
+            model(torch.randn(4, 6)).backward()
+        hooked = _hooked(model)
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+    latest = agent.latest()
+    agent.close()
+    assert hooked == 6  # during the report step's second pass: every parameter, frozen or not
+    assert latest["trainguard_agent_errors_total"] == 0.0
+    assert math.isfinite(latest["trainguard_grad_noise_scale"])
+    assert all(p._backward_hooks is None for p in model.parameters())

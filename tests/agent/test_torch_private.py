@@ -19,64 +19,7 @@ from trainer_agent.compat import DEGRADED
 from trainer_agent.compat import torch_private as tp
 
 
-@pytest.fixture(autouse=True)
-def _no_fallback_taken():
-    before = dict(DEGRADED)
-    yield
-    assert DEGRADED == before, f"an adapter fell back: {DEGRADED}"
-
-
-def test_queued_callback_runs_once_at_the_end_of_backward():
-    """Queued from the first gradient hook, the callback runs after every other gradient is done
-    (the last layer's gradient arrives first, the first layer's last), once, before backward returns."""
-    torch.manual_seed(0)
-    first, last = nn.Linear(3, 4), nn.Linear(4, 2)
-    x = torch.randn(5, 3)
-    events: list[str] = []
-    grads_at_end: list[torch.Tensor | None] = []
-
-    def at_end() -> None:
-        events.append("end")
-        grads_at_end.append(None if first.weight.grad is None else first.weight.grad.clone())
-
-    def on_last_grad(g: torch.Tensor) -> None:
-        events.append("hook")
-        tp.queue_backward_callback(at_end)
-
-    last.weight.register_hook(on_last_grad)
-    first.weight.register_hook(lambda g: events.append("first"))
-    last(torch.tanh(first(x))).square().sum().backward()
-    events.append("returned")
-    assert events == ["hook", "first", "end", "returned"]
-    ref = torch.func.grad(lambda w: torch.func.functional_call(
-        nn.Sequential(first, nn.Tanh(), last), {"0.weight": w}, (x,)).square().sum())(first.weight.detach())
-    torch.testing.assert_close(grads_at_end[0], ref)
-
-
-def test_queue_outside_backward_is_refused_by_the_engine():
-    """The engine's queue exists only inside a backward pass: outside one it raises (the adapter
-    passes the engine's own error on, the callers count it)."""
-    with pytest.raises(RuntimeError):
-        tp.queue_backward_callback(lambda: None)
-
-
-def test_backward_hook_dict_is_dropped_when_empty():
-    w = nn.Parameter(torch.ones(3))
-    assert w._backward_hooks is None
-    handle = w.register_hook(lambda g: g * 2)
-    assert isinstance(w._backward_hooks, dict) and len(w._backward_hooks) == 1
-    tp.drop_empty_backward_hooks(w)  # a hook left: kept
-    assert len(w._backward_hooks) == 1
-    handle.remove()
-    assert w._backward_hooks == {}  # what the adapter exists for: an empty dict stays registered
-    tp.drop_empty_backward_hooks(w)
-    assert w._backward_hooks is None
-    (w * 3).sum().backward()
-    assert w.grad.tolist() == [3.0, 3.0, 3.0]  # autograd works without the dict
-    w.grad = None
-    w.register_hook(lambda g: g * 2)  # and a new hook still takes effect
-    (w * 3).sum().backward()
-    assert w.grad.tolist() == [6.0, 6.0, 6.0]
+pytestmark = pytest.mark.usefixtures("no_adapter_fallback")
 
 
 def test_version_counters_count_in_place_writes():
@@ -373,10 +316,6 @@ def test_fallbacks_when_a_member_is_gone(monkeypatch):
     from trainer_agent import compat
 
     monkeypatch.setattr(compat, "DEGRADED", {})
-    monkeypatch.setattr(tp, "_ENGINE_QUEUE", None)
-    with pytest.raises(compat.PrivateMemberMissing, match="queue_callback"):
-        tp.queue_backward_callback(lambda: None)
-
     class ScalerWithoutScale:
         def get_scale(self) -> float:
             return 256.0
@@ -398,12 +337,7 @@ def test_fallbacks_when_a_member_is_gone(monkeypatch):
     monkeypatch.setattr(tp, "_NO_STEP_HOOKS", True)
     inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
     assert tp.optimizer_has_step_hooks(inner) and not tp.optimizer_has_step_hooks(_ForwardingOptimizer(inner))
-
-    class NoHooks:
-        pass
-
-    tp.drop_empty_backward_hooks(NoHooks())  # type: ignore[arg-type]
     assert sorted(compat.DEGRADED) == sorted([
         "torch.amp.GradScaler._scale", "torch.amp.GradScaler._init_scale",
         "torch.distributed.tensor.DTensor._local_tensor", "torch.Tensor._version",
-        "torch.optim.Optimizer._optimizer_step_pre_hooks", "torch.Tensor._backward_hooks"])
+        "torch.optim.Optimizer._optimizer_step_pre_hooks"])

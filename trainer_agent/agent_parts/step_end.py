@@ -86,12 +86,20 @@ class StepEnd:
                 control.on_end_step(clock.step, agreed)
             except Exception as exc:
                 error("control_end_step", exc)
-        try:
-            hooks.sync_grad_hooks()  # for the next step (the verifier or the controller may have armed it)
-        except Exception as exc:
-            error("gradient_hook", exc)
+        self._sync_grad_hooks()
         if hooks.input_wait is not None:
             hooks.input_wait.step_ended()  # last: a pause above is not input wait
+
+    def _sync_grad_hooks(self) -> None:
+        """The per-parameter hooks for the next step (the verifier or the controller may have armed
+        it); their time counts as the next step's."""
+        clock = self.clock
+        t0 = clock.now()
+        try:
+            self.hooks.sync_grad_hooks()
+        except Exception as exc:
+            self.errors.error("gradient_hook", exc)
+        clock.overhead += clock.now() - t0
 
     def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
         clock, meter, reports, scaler = self.clock, self.parts.meter, self.reports, self.parts.scaler

@@ -79,6 +79,7 @@ class AgentWiring:
         meter = StepMeter(params, cfg, self.schedule, scaler=scaler, data_parallel=self.world_size > 1,
                           step=clock.read_step, on_error=self.errors.error, clock=clock.now)
         params.bucket_views = bucket_views.for_model(model, params) or fsdp_grad_buffers.for_index(params)
+        meter.backward_pass.ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         self.parts = TrainParts(model, optimizer, scaler, params, meter, self.rank, self.world_size, clock.read_step)
         fingerprint = None
         # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded

@@ -1,5 +1,6 @@
-"""Every private member of torch the agent uses, one function (or name) each; nothing else in the
-agent touches one (``tests/architecture/test_private_members.py``).
+"""Every private member of torch the agent uses, one function (or name) each, but the autograd
+engine's (``trainer_agent/compat/torch_hooks.py``); nothing else in the agent touches one
+(``tests/architecture/test_private_members.py``).
 
 Checked against torch 2.13.0 (:data:`CHECKED_VERSIONS`; the test of each member is named in
 :data:`PRIVATE_MEMBERS`, in ``tests/agent/test_torch_private.py``). Where a member is gone the
@@ -23,16 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.variable import Variable
 
 from trainer_agent.compat import PrivateMember, PrivateMemberMissing, degraded
 
 __all__ = [
     "CHECKED_VERSIONS", "PRIVATE_MEMBERS", "TorchDispatchMode", "copy_state_dict_metadata", "default_group_timeout",
-    "drop_empty_backward_hooks", "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
+    "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
     "grad_scaler_init_scale", "grad_scaler_scale", "join_allows_uneven_inputs", "optimizer_has_step_hooks",
-    "queue_backward_callback",
     "stepping_grad_scaler", "tree_leaves", "version_counters", "view_base",
 ]
 
@@ -43,10 +42,6 @@ CHECKED_VERSIONS = {"torch": "2.13.0"}
 
 
 PRIVATE_MEMBERS = (
-    PrivateMember("torch.autograd.Variable._execution_engine.queue_callback", "_execution_engine",
-                  "queue_backward_callback", "test_queued_callback_runs_once_at_the_end_of_backward"),
-    PrivateMember("torch.Tensor._backward_hooks", "_backward_hooks",
-                  "drop_empty_backward_hooks", "test_backward_hook_dict_is_dropped_when_empty"),
     PrivateMember("torch.Tensor._version", "_version", "version_counters",
                   "test_version_counters_count_in_place_writes"),
     PrivateMember("torch.Tensor._base", "_base", "view_base", "test_view_base_is_the_viewed_tensor"),
@@ -78,42 +73,6 @@ PRIVATE_MEMBERS = (
 
 
 # ---------------------------------------------------------------------- autograd
-
-_ENGINE_QUEUE: Callable[[Callable[[], None]], None] | None = getattr(
-    getattr(Variable, "_execution_engine", None), "queue_callback", None)
-
-
-def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once when the backward pass now running ends (after every gradient hook and
-    every callback queued before it, e.g. DDP's all-reduce; FSDP2 queues its own the same way).
-
-    Reaches ``Variable._execution_engine.queue_callback``: the autograd engine's end-of-pass queue.
-    No public API runs code at the end of a backward pass (tensor and module hooks run per
-    gradient; ``torch.autograd.graph.register_multi_grad_hook`` fires when the listed gradients are
-    ready, before DDP's all-reduce finishes). Without it: :class:`PrivateMemberMissing` (the caller
-    counts it; the step's gradient metrics are not measured)."""
-    if _ENGINE_QUEUE is None:
-        raise PrivateMemberMissing("torch.autograd.Variable._execution_engine.queue_callback is gone: "
-                                   "the end of the backward pass cannot be found, gradients are not measured")
-    _ENGINE_QUEUE(callback)
-
-
-_MISSING = object()
-
-
-def drop_empty_backward_hooks(tensor: torch.Tensor) -> None:
-    """Unregister ``tensor``'s gradient-hook dict with autograd when its last hook was removed.
-
-    Reaches ``Tensor._backward_hooks``: ``register_hook`` creates the dict and removing the last
-    handle leaves it empty but registered, so autograd keeps calling into Python for every gradient
-    of that tensor. No public API drops it. Without it: the dict stays (the same values; one Python
-    call per gradient, logged once)."""
-    hooks = getattr(tensor, "_backward_hooks", _MISSING)
-    if hooks is _MISSING:
-        degraded("torch.Tensor._backward_hooks", "removed gradient hooks leave one Python call per gradient")
-    elif hooks is not None and not hooks:
-        tensor._backward_hooks = None
-
 
 def _versions_unknown() -> bool:
     return not isinstance(getattr(torch.empty(0), "_version", None), int)

@@ -42,6 +42,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from trainer_agent.integrations import StepSession, tokens_of
@@ -78,9 +79,11 @@ class TrainguardCallback(Callback):
                                      scaler=getattr(trainer.precision_plugin, "scaler", None))
         # The strategy's DDP wrapper (set up before on_fit_start): with gradient_as_bucket_view an
         # ordinary step's gradient norm comes from its buckets (trainer_agent/measure/bucket_views.py).
-        index = agent.parts.params
+        index, wrapper = agent.parts.params, getattr(trainer.strategy, "model", None)
         if index.bucket_views is None:
-            index.bucket_views = bucket_views.for_model(getattr(trainer.strategy, "model", None), index)
+            index.bucket_views = bucket_views.for_model(wrapper, index)
+        if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+            agent.parts.meter.backward_pass.ddp = wrapper  # the noise scale's incoming gradients (StepMeter._grads_stay)
         if self._restored is not None:  # fit(ckpt_path=...): the agent goes on from the checkpoint's step
             state, self._restored = self._restored, None
             agent.load_state_dict(state)

@@ -14,18 +14,17 @@ from typing import Any
 import torch
 
 from trainer_agent.measure import optim, stats, triage_stats as triage
-from trainer_agent.compat import torch_private
+from trainer_agent.compat import torch_hooks, torch_private
 from trainer_agent.config import AgentConfig
+from trainer_agent.measure.backward_pass import BackwardPass
+from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.grad_hooks import GradHooks
 from trainer_agent.measure.update_snapshot import UpdateSnapshot
 from trainer_agent.measure.layer_stats import GradMoments, LayerGradStats
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.schedule import ReportSchedule
 
-__all__ = ["StepState", "StepMeter", "GradHooks", "HELD_GRAD_BYTES"]
-
-#: Incoming gradients the noise-scale hooks hold at most before norming them (bytes).
-HELD_GRAD_BYTES = 32 << 20
+__all__ = ["StepState", "StepMeter", "GradHooks"]
 
 
 class StepState:
@@ -71,48 +70,6 @@ class StepState:
         self.grad_stats: GradMoments | None = None
 
 
-class BackwardPass:
-    """The backward pass in progress, for :class:`StepMeter`: whether its end-of-backward
-    measurement is queued, and the norms of its incoming gradients (the noise scale's), some
-    held to be normed with the others of their bucket in one fused call (see
-    :meth:`StepMeter.on_grad`). ``norm_dtype``: the accumulation dtype of a gradient's norm."""
-
-    def __init__(self, buckets: int, norm_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
-        self.queued = False
-        self.norms: list[torch.Tensor] = []
-        self._norm_dtype = norm_dtype
-        # Incoming gradients held for one fused norm per bucket, their bytes.
-        self._held: list[list[torch.Tensor]] = [[] for _ in range(buckets)]
-        self._held_bytes = 0
-
-    def norm(self, grad: torch.Tensor) -> None:
-        """Norm an incoming gradient at once."""
-        self.norms.append(torch.linalg.vector_norm(grad, dtype=self._norm_dtype(grad.dtype)))
-
-    def hold(self, bucket: int, grad: torch.Tensor) -> None:
-        """Hold an incoming gradient of ``bucket``; norm every held one once ``HELD_GRAD_BYTES`` are held."""
-        self._held[bucket].append(grad)
-        self._held_bytes += grad.numel() * grad.element_size()
-        if self._held_bytes >= HELD_GRAD_BYTES:
-            self.norm_held()
-
-    def norm_held(self) -> None:
-        for held in self._held:
-            if held:
-                self.norms += torch_private.foreach_norm(held, 2, dtype=self._norm_dtype(held[0].dtype))
-        self.release()
-
-    def release(self) -> None:
-        for held in self._held:
-            held.clear()
-        self._held_bytes = 0
-
-    def clear(self) -> None:
-        """Drop the pass's norms and held gradients."""
-        self.norms = []
-        self.release()
-
-
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:
     return value if scale is None else value / scale**power
 
@@ -152,7 +109,7 @@ class StepMeter:
         #: ||accumulated grad|| times the loss scale, at the last backward end (device scalar).
         self.scaled_grad_norm: torch.Tensor | None = None
         self.last_lrs: list[float | torch.Tensor] | None = None
-        self._pass = BackwardPass(len(index.buckets), self._dtype)
+        self.backward_pass = BackwardPass(len(index.buckets), self._dtype)
         self._snapshot = UpdateSnapshot(index)
         #: The triage's per-layer gradient statistics, fused (its index tensors cached).
         self.layer_stats = LayerGradStats(index.layer_ids, len(index.layers), index.device)
@@ -173,8 +130,8 @@ class StepMeter:
         """Start the next step; returns the finished step's state."""
         finished, self.state = self.state, StepState()
         self._last_backwards = finished.backwards
-        self._pass.queued = False
-        self._pass.clear()  # a backward pass that raised never reached its end
+        self.backward_pass.queued = False
+        self.backward_pass.clear()  # a backward pass that raised never reached its end
         return finished
 
     # ------------------------------------------------------------------ (1) backward
@@ -183,17 +140,16 @@ class StepMeter:
         """Tensor hook of ``index.params[index]``: the incoming gradient of one backward pass,
         before it is accumulated into ``.grad`` (and before any DDP all-reduce).
 
-        For the noise scale its norm is needed. When the parameter already holds a ``.grad``
-        (accumulation into it, in place) the tensor is held and normed with the others of its
-        bucket in one fused call, when ``HELD_GRAD_BYTES`` are held or at the end of the pass.
-        Into an empty ``.grad`` autograd moves the incoming tensor without a copy only if nothing
-        else references it, so that one is normed at once."""
+        For the noise scale its norm is needed, taken in a few fused calls per pass
+        (:class:`~trainer_agent.measure.backward_pass.BackwardPass`)."""
         self.begin_backward()
         if self.grad_noise and (self.data_parallel or self.state.backwards >= 1):
-            if self.index.params[index].grad is None:
-                self._pass.norm(grad)
+            if self.index.params[index].grad is not None:
+                self.backward_pass.hold(self.index.bucket_of[index], grad)
+            elif self.backward_pass.grads_stay:
+                self.backward_pass.fresh(index, grad)
             else:
-                self._pass.hold(self.index.bucket_of[index], grad)
+                self.backward_pass.norm(grad)
 
     def wants_every_grad(self) -> bool:
         """Whether the step in progress needs every incoming gradient from its first backward
@@ -207,7 +163,7 @@ class StepMeter:
     def sentinel(self, grad: torch.Tensor) -> None:
         """Tensor hook of the sentinel parameters (:class:`GradHooks`): starts the end-of-backward
         measurement of the pass."""
-        if not self._pass.queued:
+        if not self.backward_pass.queued:
             try:
                 self.begin_backward()
             except Exception as exc:  # never raise into backward
@@ -219,10 +175,11 @@ class StepMeter:
     def begin_backward(self) -> None:
         """Called by the first gradient hook of a backward pass (or the model output's hook):
         queues the end-of-backward measurement once per pass."""
-        if not self._pass.queued:
-            self._pass.queued = True
-            self._pass.norms = []
-            torch_private.queue_backward_callback(self._backward_end_outer)
+        if not self.backward_pass.queued:
+            self.backward_pass.queued = True
+            self.backward_pass.norms = []
+            self.backward_pass.begin(isinstance(self.index.bucket_views, BucketViews), self._last_backwards is None)
+            torch_hooks.queue_backward_callback(self._backward_end_outer)
 
     def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Forward hook on the model, for sharded parameters: FSDP2 hands the gradients to its
@@ -245,18 +202,26 @@ class StepMeter:
 
     def _backward_end_outer(self) -> None:
         # Re-queue, so that this runs after callbacks queued later in the same backward pass,
-        # in particular DDP's, which finishes the gradient all-reduce.
+        # in particular DDP's, which finishes the gradient all-reduce. The noted incoming
+        # gradients are normed first, before DDP's callback copies the all-reduced ones over them.
+        t0 = self._clock()
         try:
-            torch_private.queue_backward_callback(self._backward_end)
+            self.backward_pass.norm_fresh(self.index.params, self.index.bucket_of)
         except Exception as exc:
-            self._pass.queued = False
+            self.backward_pass.missed = True  # this pass's noise-scale norm is absent, the step's measured
+            self._on_error("backward_end", exc)
+        self.overhead += self._clock() - t0
+        try:
+            torch_hooks.queue_backward_callback(self._backward_end)
+        except Exception as exc:
+            self.backward_pass.queued = False
             self._on_error("backward_end", exc)
 
     def _backward_end(self) -> None:
         t0 = self._clock()
         try:
-            self._pass.queued = False
-            self._pass.norm_held()
+            self.backward_pass.queued = False
+            self.backward_pass.norm_held()
             st = self.state
             first = st.backwards == 0
             self.measure_grads()
@@ -264,11 +229,12 @@ class StepMeter:
                 if first and not self.data_parallel:
                     # The first backward of a step accumulates into zeroed gradients.
                     st.micro_norms.append(self.scaled_grad_norm)
-                elif self._pass.norms:
-                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self._pass.norms),
+                elif self.backward_pass.norms:
+                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self.backward_pass.norms),
                                                                    dtype=torch.float64))
                 elif self.hooks is not None and not self.hooks.full:
                     st.micro_missed = True  # a pass without the hooks: its incoming norm is unknown
+                st.micro_missed |= self.backward_pass.missed
             st.backwards += 1
             hooks = self.hooks
             if (first and self.grad_noise and not self.data_parallel and hooks is not None and not hooks.full
@@ -280,7 +246,7 @@ class StepMeter:
         except Exception as exc:
             self._on_error("backward_end", exc)
         finally:
-            self._pass.clear()
+            self.backward_pass.clear()
             self.overhead += self._clock() - t0
 
     def measure_grads(self) -> None:
