@@ -89,6 +89,19 @@ def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
     return max(lr / median(before), 1.0)
 
 
+def _since_trained_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:
+    """``hist`` (the reports before the newest) cut to those since the run last froze or unfroze
+    part of the model (``trainguard_trainable_elements`` changed): before it the metric was
+    another model's (a linear probe's head alone has a gradient norm tens of times smaller than
+    the whole model's). ``hist`` as it is where the counts do not line up with it (reports
+    without them)."""
+    counts = w.series("trainguard_trainable_elements", len(hist) + 1)
+    if len(counts) != len(hist) + 1:
+        return hist
+    other = np.flatnonzero(counts != counts[-1])
+    return hist if not len(other) else hist[other[-1] + 1:]
+
+
 def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
@@ -101,6 +114,7 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
         bounds = finite_range(hist)
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
             return False
+    hist = _since_trained_change(w, hist)
     if not all_finite(hist):
         hist = hist[np.isfinite(hist)]
     if len(hist) < rule.min_history:

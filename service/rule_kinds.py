@@ -68,7 +68,9 @@ class SpikeRule(_RuleBase):
     value >= ratio); baselines <= 0 give no verdict. ``mode: zscore`` fires when
     |value - baseline| / scale >= z in the given direction, where for ``baseline: median`` the scale
     is 1.482602 * MAD of the window (1 / Phi^-1(3/4)) and for ``baseline: ema`` the exponentially weighted standard
-    deviation (alpha = 2 / (window + 1)).
+    deviation (alpha = 2 / (window + 1)). The window holds only the reports since the run last changed
+    the elements that train (``trainguard_trainable_elements``: part of the model frozen or unfrozen):
+    before it the metric was another model's.
     """
 
     kind: Literal["spike"]

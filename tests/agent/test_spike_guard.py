@@ -79,6 +79,35 @@ def test_a_skipped_spike_whose_gradient_comes_back_the_same_is_taken_and_starts_
     assert guard.is_spike(300.0)
 
 
+def test_a_spike_after_part_of_the_model_was_unfrozen_is_taken_and_starts_a_new_baseline() -> None:
+    """The elements that train are read when a baseline starts and on a spike: a spike under
+    other elements than the baseline's is the run's own change (a linear probe, then the whole
+    model), taken, and a new baseline starts; a spike under the same elements is skipped."""
+    trained = [100]
+    reads = [0]
+
+    def trainable() -> int:
+        reads[0] += 1
+        return trained[0]
+
+    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4), trainable=trainable)
+    for x in (0.5, 0.55, 0.45, 0.5, 0.52):
+        guard.taken(x)
+    assert reads[0] == 1  # once, when the baseline started: not per step
+    assert guard.is_spike(40.0)  # the same elements: a spike
+    guard.skipped()
+    trained[0] = 10_000  # the body unfrozen
+    assert not guard.is_spike(38.0)
+    guard.taken(38.0)
+    assert guard.restarts == 1 and guard.state_dict()["norms"] == [38.0]
+    assert reads[0] == 4  # the two spikes judged, and the new baseline's start
+    for x in (41.0, 29.0, 34.0, 36.0):
+        guard.taken(x)
+    assert guard.is_spike(900.0)  # under the new elements, a spike again
+    trained[0] = 100  # frozen again: the next spike is taken and starts afresh
+    assert not guard.is_spike(0.9 * 900.0)
+
+
 def _guard_with_history() -> SpikeGuard:
     guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4))
     for x in (1.0, 1.1, 0.9, 1.0, 1.05):

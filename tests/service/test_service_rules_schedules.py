@@ -23,14 +23,12 @@ import pytest
 import torch
 
 import trainer_agent as ta
+from tests.service.report_replay import RULES, acting, replay
 from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
 from trainguard.protocol.wire import Report
-from trainguard.service.engine import simulate
-from trainguard.service.rules import default_rules_text, load_rules
 
 transformers_optimization = pytest.importorskip("transformers.optimization")
 
-RULES = load_rules(default_rules_text())
 LR = 2e-3
 STEPS = 240
 CORPUS = ByteCorpus(stdlib_source_bytes(1 << 18), seq_len=32, batch_size=8)
@@ -133,20 +131,6 @@ def _train(schedule: Callable[[torch.optim.Optimizer, int], Any], steps: int, *,
     return rows, end
 
 
-def _replay(rows: list[dict[str, float]]) -> list[Any]:
-    reports = [Report(job="schedules", step_first=int(v["trainguard_step"]), step_last=int(v["trainguard_step"]),
-                      time=float(i), values={k: x for k, x in v.items() if "{" not in k})
-               for i, v in enumerate(rows)]
-    return simulate(RULES.base, reports, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
-
-
-def _acting(steps: list[Any]) -> list[str]:
-    """Findings of rules that act or that make a report unhealthy, as ``step rule: summary``."""
-    health = set(RULES.file.recovery.health_rules)
-    return [f"{s.step_last} {f.finding.rule.name}: {f.finding.summary}" for s in steps for f in s.fired
-            if f.finding.rule.name in health or any(a.type != "notify" for a in f.finding.rule.actions)]
-
-
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
     rows, _ = _train(SCHEDULES[name], STEPS)
@@ -157,8 +141,8 @@ def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
         assert sum(1 for a, b in zip(lrs, lrs[1:]) if b > 20 * a) >= 2  # at least two restarts, each a >20x jump
     if name.startswith("per_epoch"):  # the warm-up's step at an epoch boundary, 20.8x or 10x
         assert max(b / a for a, b in zip(lrs, lrs[1:])) == pytest.approx(20.8 if name == "per_epoch_warmup" else 10.0)
-    steps = _replay(rows)
-    assert _acting(steps) == []
+    steps = replay(rows, "schedules")
+    assert acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)  # the spike guard skipped nothing
 
@@ -169,8 +153,8 @@ def test_a_loss_summed_over_tokens_draws_no_action() -> None:
     rows, _ = _train(SCHEDULES["cosine"], STEPS, loss_scale=4096.0)
     norms = [v["trainguard_grad_norm"] for v in rows]
     assert min(norms) > 1e3 and norms[0] > 5e3
-    steps = _replay(rows)
-    assert _acting(steps) == []
+    steps = replay(rows, "schedules")
+    assert acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
     assert rows[-1]["trainguard_loss"] / 4096 < 0.8 * rows[0]["trainguard_loss"] / 4096  # and it learns
 
@@ -183,8 +167,8 @@ def test_a_rewarm_after_resume_draws_no_finding_and_no_action() -> None:
     second, _ = _train(rewarm, 120, state=state, first_step=120)
     assert second[0]["trainguard_step"] == 121.0
     assert second[0]["trainguard_scheduler_lr"] < 0.05 * first[60]["trainguard_scheduler_lr"]
-    steps = _replay(first + second)
-    assert _acting(steps) == []
+    steps = replay(first + second, "schedules")
+    assert acting(steps) == []
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
 
 
@@ -214,8 +198,8 @@ def test_warm_restarts_of_a_run_trained_to_near_zero_loss_draw_no_action() -> No
             rows.append(agent.latest())
     agent.close(1.0)
     assert min(v["trainguard_loss"] for v in rows[180:200]) < 1e-7  # trained close to zero loss
-    steps = _replay(rows)
-    fired = {a.split()[1] for a in _acting(steps) if int(a.split()[0]) > 2000}
+    steps = replay(rows, "schedules")
+    fired = {a.split()[1] for a in acting(steps) if int(a.split()[0]) > 2000}
     assert {"grad_norm_spike:", "loss_spike:"} <= fired  # the restart's jumps are there, and seen
     skipped = 'trainguard_skipped_steps_total{reason="spike"}'
     assert rows[-1][skipped] > rows[19][skipped]  # and skipped by the guard after the first restart
@@ -299,8 +283,8 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool)
     assert rows[-1]["trainguard_amp_skipped_steps_total"] == skipped
     assert max(v["trainguard_grad_norm"] for v in rows if math.isfinite(v["trainguard_grad_norm"])) < 100
     assert not math.isfinite(rows[100]["trainguard_loss"]) and scales[101] == scales[100] / 2
-    steps = _replay(rows)
-    assert _acting(steps) == ["101 loss_nonfinite: non-finite trainguard_loss"]
+    steps = replay(rows, "schedules")
+    assert acting(steps) == ["101 loss_nonfinite: non-finite trainguard_loss"]
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and s.desired.rollback_seq == 0 for s in steps)
     assert _incidents(steps) == [(101, "recovered", ["skip"])]
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
@@ -311,7 +295,7 @@ def test_a_float16_run_whose_loss_keeps_overflowing_climbs_the_ladder() -> None:
     # as they were, but the signals do not come back, and the ladder goes on from its first rung
     # (without a snapshot to roll back to: paused for a human).
     rows, _, _ = _train_float16(False, range(100, STEPS))
-    steps = _replay(rows)
+    steps = replay(rows, "schedules")
     (onset, outcome, rungs), = _incidents(steps)
     assert onset == 101 and outcome == "escalated" and rungs[0] == "skip" and len(rungs) > 1
     assert steps[-1].desired.paused

@@ -112,7 +112,8 @@ class AgentWiring:
                              optimizer=self.optimizer, metrics_url=self.metrics_url, step=self.clock.read_step,
                              grad_norm=functools.partial(self.hooks.grad_norm_before_step, self.optimizer),
                              accumulation_steps=self.accumulation_base,
-                             named_parameters=self.model.named_parameters)
+                             named_parameters=self.model.named_parameters,
+                             trainable_elements=self.parts.params.trainable_elements)
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
                             on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)

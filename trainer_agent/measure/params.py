@@ -97,6 +97,13 @@ class ParamIndex:
         self.layers: list[str] = list(layers)
         self.layer_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
 
+    def trainable_elements(self) -> int:
+        """Elements of the measured parameters that require a gradient now: a change is the run's
+        own (freezing or unfreezing part of the model), which the spike guard and the controller's
+        spike rules take as a new baseline, not as a spike. One attribute read per tensor: read on
+        report steps and on a spike only."""
+        return sum(p.numel() for p in self.params if p.requires_grad)
+
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none): one
         attribute read per tensor, the DTensors' local shards taken in the same pass

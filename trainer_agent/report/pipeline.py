@@ -29,7 +29,6 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +45,7 @@ from trainer_agent.measure.params import ParamIndex
 from trainer_agent.report.rank_row import RowInputs, rank_row
 from trainer_agent.report.host_derived import HostDerived, PerTensor, layer_vectors, noise_scale_values, update_values
 from trainer_agent.report.exchange import RankExchange
+from trainer_agent.report.host_step import HostStep
 from trainer_agent.report.shard_sums import ShardSums
 from trainer_agent.measure.step_stats import StepMeter, StepState
 
@@ -55,33 +55,6 @@ log = logging.getLogger(__name__)
 
 #: Reports whose device-to-host copy may be in flight at once (the host waits beyond that).
 MAX_IN_FLIGHT = 4
-
-@dataclass(frozen=True, slots=True)
-class HostStep:
-    """What the host knows about the step being reported (no device value)."""
-
-    step: int
-    duration: float
-    tokens: float | None
-    forward_seconds: float
-    amp_skipped: int
-    input_wait: float = math.nan
-    """Mean wait per step for the batch since the last report (``trainer_agent/measure/inputs.py``)."""
-    micro_batches: int = 0
-    """Backward passes of the step on this rank (the batch size without ``tokens``)."""
-    world_size: int = 1
-    verify_mismatch: float = math.nan
-    """Relative difference of the last gradient recompute check since the last report
-    (``trainer_agent/diagnostics/verify.py``; NaN: none)."""
-    verify_float32: float = math.nan
-    """Relative difference of the last float32 recompute since the last report (NaN: none)."""
-    gpu_xid: float = math.nan
-    """Last critical XID code of this rank's GPU since the last report (0: none; NaN: not watched)."""
-    scheduled_lr: Mapping[str, float] = field(default_factory=dict)
-    """What the user's scheduler asked for in the interval (``ScheduledLr.take``: host floats)."""
-    comm: Mapping[str, float] = field(default_factory=dict)
-    """The interval's gradient communication times (``CommTiming.take``; empty without it)."""
-
 
 class _LayerKeys:
     """The per-layer sample keys and the layer of each parameter, made once (host)."""
@@ -263,6 +236,8 @@ class ReportPipeline:
         if h.gpu_xid > 0:  # an XID error in this interval
             host["trainguard_gpu_last_xid"] = h.gpu_xid
         host.update(h.scheduled_lr)
+        if not math.isnan(h.trainable_elements):
+            host["trainguard_trainable_elements"] = h.trainable_elements
         host.update(h.comm)
         host.update(stats.memory(self.device))
         return host
