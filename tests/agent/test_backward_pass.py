@@ -40,6 +40,12 @@ def test_fresh_gradients_are_normed_from_grad_in_one_call_per_bucket() -> None:
     params[1].grad = flat[3:8]  # rebound to a view of other memory (a DDP bucket): not the incoming one
     bp.norm_fresh(params, bucket_of=[0, 1, 0])
     assert bp.missed and bp.norms == []
+    assert bp.rebound  # a DDP with bucket views the agent was not given: at once from the next pass on
+    bp.begin(bucket_views=False, first_step=False)
+    assert not bp.grads_stay
+    bp.rebound = False
+    bp.begin(bucket_views=False, first_step=False)
+    assert bp.grads_stay
 
     bp.clear()
     bp.fresh(0, incoming[0])
@@ -47,7 +53,7 @@ def test_fresh_gradients_are_normed_from_grad_in_one_call_per_bucket() -> None:
     bp.fresh(2, incoming[2])
     params[2].grad = None  # gone (an optimizer stepping in backward): missed, not a made-up norm
     bp.norm_fresh(params, bucket_of=[0, 1, 0])
-    assert bp.missed
+    assert bp.missed and not bp.rebound
 
 
 def _worker(rank: int, init: str, out: str) -> None:
@@ -68,13 +74,14 @@ def _worker(rank: int, init: str, out: str) -> None:
     backward_pass.BackwardPass.norm = counted
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(LAYERS)])
-    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=variant == "bucket_view",
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=variant.endswith("bucket_view"),
                                               static_graph=variant == "static_graph", bucket_cap_mb=0.0001)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         p.register_hook(lambda g, name=name: local.__setitem__(name, g.detach().double().clone()))
-    agent = ta.attach(ddp, opt, job="ddp", run="ddp-fresh",
+    # "inner_bucket_view": attached to the module inside the DDP wrapper, as a framework's callback is
+    agent = ta.attach(model if variant.startswith("inner") else ddp, opt, job="ddp", run="ddp-fresh",
                       config=ta.AgentConfig(metrics_port=None, report_every=1))
     steps = []
     for step in range(STEPS):
@@ -103,18 +110,23 @@ def _sq(tensors) -> float:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", ["default", "bucket_view", "static_graph"])
+@pytest.mark.parametrize("variant", ["default", "bucket_view", "static_graph", "inner_bucket_view"])
 def test_ddp_noise_scale_on_every_step_with_gradients_set_to_none(tmp_path, variant: str) -> None:
     """Report every step, ``zero_grad()`` setting the gradients to None: each step's noise scale
     from the ranks' local gradients. DDP's default copies the all-reduced gradients into ``.grad``
     at the end of the pass, after the incoming ones were normed from it (no norm per tensor);
     with ``gradient_as_bucket_view`` ``.grad`` becomes a view of the bucket being all-reduced, so
     each incoming gradient is normed at once; with ``static_graph`` the first step's all-reduce
-    is queued before the agent's callback, so that step too."""
+    is queued before the agent's callback, so that step too. Attached to the module inside a
+    DDP wrapper with bucket views, the agent finds ``.grad`` rebound at the end of its first pass:
+    that step's noise scale is absent (not wrong), and each gradient is normed at once after it."""
     (tmp_path / "variant").write_text(variant)
     ranks = spawn_ranks(_worker, WORLD, tmp_path)
     tensors = 2 * LAYERS
     for step, last in enumerate(ranks[0]):
+        if variant == "inner_bucket_view" and step == 0:
+            assert last["noise"] is None and last["errors"] == 0
+            continue
         g_small = sum(_sq(loc.values()) for loc in last["locals"]) / WORLD
         g_big = _sq(last["reduced"].values())
         b_small, b_big = TOKENS, WORLD * TOKENS
@@ -126,5 +138,5 @@ def test_ddp_noise_scale_on_every_step_with_gradients_set_to_none(tmp_path, vari
         assert math.isfinite(last["noise"])
     per_tensor = [[s["at_once"] for s in rank] for rank in ranks]
     expected = {"default": [0] * STEPS, "bucket_view": [tensors] * STEPS,
-                "static_graph": [tensors] + [0] * (STEPS - 1)}[variant]
+                "static_graph": [tensors] + [0] * (STEPS - 1), "inner_bucket_view": [0] + [tensors] * (STEPS - 1)}[variant]
     assert per_tensor == [expected] * WORLD

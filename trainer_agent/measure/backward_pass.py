@@ -51,6 +51,9 @@ class BackwardPass:
         self.ddp: Any = None
         #: Whether the pass in progress notes incoming gradients into empty ``.grad`` (:meth:`begin`).
         self.grads_stay = False
+        #: A noted ``.grad`` was found rebound to a view of other memory (a DDP with bucket views
+        #: the agent was not given, e.g. a framework's wrapper): from then on each is normed at once.
+        self.rebound = False
 
     def begin(self, bucket_views: bool, first_step: bool) -> None:
         """A pass starts: whether an incoming gradient moved into an empty ``.grad`` stays there,
@@ -58,9 +61,9 @@ class BackwardPass:
         ``gradient_as_bucket_view`` (``bucket_views``: ``.grad`` becomes a view of the bucket it
         all-reduces during the pass), nor on the agent's first step under a DDP model with
         ``static_graph`` (DDP's first backward pass queues its all-reduce at its start, before
-        the agent's callback)."""
+        the agent's callback); nor after a ``.grad`` was found rebound (:attr:`rebound`)."""
         ddp = self.ddp
-        self.grads_stay = not bucket_views and (
+        self.grads_stay = not (bucket_views or self.rebound) and (
             ddp is None or not (ddp.gradient_as_bucket_view or (ddp.static_graph and first_step)))
 
     def norm(self, grad: torch.Tensor) -> None:
@@ -82,7 +85,8 @@ class BackwardPass:
         """Norm the noted parameters' ``.grad``, one fused call per bucket. Each must still be the
         incoming gradient: the same memory (autograd moved it in), or a copy of it that is no view
         (autograd copies an incoming gradient it cannot move). A view of other memory (a DDP
-        bucket rebound in) or no ``.grad`` at all marks the pass :attr:`missed`."""
+        bucket rebound in) or no ``.grad`` at all marks the pass :attr:`missed`; the first also
+        :attr:`rebound`."""
         if not self._fresh:
             return
         groups: dict[int, list[torch.Tensor]] = {}
@@ -90,6 +94,7 @@ class BackwardPass:
             grad = params[index].grad
             if grad is None or (grad.data_ptr() != ptr and torch_private.view_base(grad) is not None):
                 self.missed = True
+                self.rebound = grad is not None
                 break
             groups.setdefault(bucket_of[index], []).append(grad)
         self._fresh.clear()
