@@ -75,7 +75,8 @@ def condition(rule: Any) -> str:
             text = f"≥ {_num(rule.ratio)}× its {base} of {rule.window} reports"
         else:
             text = f"≥ {_num(rule.z)} robust σ from its {base} of {rule.window} reports"
-        return text + f" (after {rule.min_history})" + ("" if rule.direction == "up" else f", {rule.direction}")
+        text += f" (after {rule.min_history})" + ("" if rule.direction == "up" else f", {rule.direction}")
+        return text + (f", unless it is a level visited and left {rule.recurring} times there" if rule.recurring else "")
     if kind == "trend":
         if rule.direction == "not_decreasing":
             return f"not decreasing over {rule.window} reports"

@@ -102,6 +102,19 @@ def _since_trained_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:
     return hist if not len(other) else hist[other[-1] + 1:]
 
 
+def _visits(hist: np.ndarray, base: float, level: float) -> int:
+    """How many separate times ``hist`` rose to ``level`` (above ``base``) and came back to ``base``
+    or below afterwards (``SpikeRule.recurring``). A rise still in progress at the window's end, or
+    one the window began in, counts only once it came back."""
+    visits, high = 0, False
+    for v in hist.tolist():
+        if not high and v >= level:
+            high = True
+        elif high and v <= base:
+            high, visits = False, visits + 1
+    return visits
+
+
 def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
@@ -146,6 +159,8 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
             return False
         extra = {"zscore": z, "scale": scale, "limit": rule.z}
         summary = f"{rule.metric} = {latest:.6g} is {z:+.3g} sigma from its rolling {rule.baseline} {base:.6g} (limit {rule.z:g})"
+    if rule.recurring and _visits(hist, base, base + 0.5 * (latest - base)) >= rule.recurring:
+        return False
     if rise > 1.0:
         extra["schedule_lr_rise"] = rise
         summary += f", after the schedule's LR rose {rise:.3g}x (score divided by it)"

@@ -82,6 +82,11 @@ class SpikeRule(_RuleBase):
     ratio: float = Field(default=5.0, gt=1.0, allow_inf_nan=False)
     z: float = Field(default=6.0, gt=0, allow_inf_nan=False)
     direction: Literal["up", "down", "both"] = "up"
+    recurring: int = Field(default=0, ge=0, le=1024, description=(
+        "Let a value pass (no finding) when the window's metric rose at least half-way to it and came back to "
+        "its baseline this many separate times or more: a level the metric keeps visiting and leaving is part "
+        "of the run (batches drawn one at a time from sources of different loss), not a spike. A rise that has "
+        "not come back (a burst in progress, the start of training) does not count. 0: off."))
     schedule_discount: bool = Field(default=False, description=(
         "Divide the spike's score by how far the user's scheduled LR rose over the same window (its newest value "
         "/ its median there) while the schedule stays within its range: a warm restart or a re-warm moves the "

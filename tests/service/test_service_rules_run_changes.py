@@ -1,13 +1,17 @@
-"""The built-in rules on a healthy run that changes what it trains: a linear probe (the head alone),
-then the whole model unfrozen. The gradient norm jumps tens of times at the unfreeze; that is the
+"""The built-in rules on healthy runs that change what they train or draw their batches from sources
+of different loss. A linear probe (the head alone), then the whole model unfrozen. The gradient norm jumps tens of times at the unfreeze; that is the
 run's own plan, and draws no finding of a rule that acts, no incident, no change of the run's
-desired state and no step skipped by the agent. Made here as in ``test_service_rules_schedules.py``:
+desired state and no step skipped by the agent. Batches drawn one at a time from an easy and a hard
+corpus: the loss has two levels, and the hard batches, once they recur, are not faults. Made here as in ``test_service_rules_schedules.py``:
 a small byte-level GPT trained on the CPU with AdamW, the agent attached (``report_every=1``, the
 spike guard on), the reports replayed through the default rules (``engine.simulate``).
 """
 
 from __future__ import annotations
 
+
+import random
+from typing import Any
 
 import pytest
 import torch
@@ -101,3 +105,84 @@ def test_the_spike_rules_compare_with_the_reports_since_the_trained_elements_cha
              for change in (False, True)}
     assert (31, "grad_norm_spike") in fired[False]
     assert not any(name == "grad_norm_spike" for _, name in fired[True])
+
+
+def _easy_bytes(n: int = 1 << 16) -> bytes:
+    """A corpus of a few repeated phrases: its loss falls far below the library source's."""
+    rnd = random.Random(0)
+    words = ["the cat", "a dog", "sat on", "the mat", "ran to", "the park", "and", "then", "slept"]
+    text = ""
+    while len(text) < n:
+        text += " ".join(rnd.choice(words) for _ in range(8)) + ".\n"
+    return text.encode()[:n]
+
+
+def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> None:
+    """One batch in five from the hard corpus, chosen at random per batch, a report every step:
+    the hard batches' loss stands 10-30 robust sigma above the easy majority's median, and once the
+    window has seen that level come and go 3 times it is the run's, not a fault."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=32, n_layers=2, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    easy, hard = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), CORPUS
+    pick = torch.Generator().manual_seed(1)
+    agent = ta.attach(model, opt, job="mix", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows, hard_steps = [], []
+    for k in range(600):
+        corpus = hard if torch.rand((), generator=pick).item() < 0.2 else easy
+        if corpus is hard:
+            hard_steps.append(k)
+        ids, mask = corpus.batch(k, 0)
+        loss = next_byte_loss(model, ids, mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach(), tokens=ids.numel())
+        rows.append(agent.latest())
+    agent.close(1.0)
+    losses = [v["trainguard_loss"] for v in rows]
+    late_easy = [losses[k] for k in range(500, 600) if k not in hard_steps]
+    late_hard = [losses[k] for k in hard_steps if k >= 500]
+    assert min(late_hard) > 1.5 * max(late_easy)  # two levels: what the rules must not take for faults
+    steps = replay(rows, "mix")
+    assert acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
+    assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
+
+
+def _losses_window(losses: list[float]) -> Any:
+    from trainguard.service.window import RunWindow
+
+    w = RunWindow(capacity=128, rank_capacity=8, world_size=1, created=0.0)
+    for i, loss in enumerate(losses):
+        w.append(Report(job="j", step_first=i + 1, step_last=i + 1, time=float(i), values={"trainguard_loss": loss}), float(i))
+    return w
+
+
+def test_loss_spike_lets_a_level_visited_and_left_three_times_pass_and_keeps_finding_bursts() -> None:
+    """``recurring: 3``: a loss at a level its window rose to and came back from 3 separate times is
+    no spike; 2 visits are not enough; a burst that has not come back counts for nothing, and the
+    fall from a high start of training once."""
+    from trainguard.service.evaluate import evaluate
+
+    rule = next(r for r in RULES.base if r.name == "loss_spike")
+    assert rule.recurring == 3
+    noise = [1.0 + 0.01 * ((7 * i) % 5) for i in range(70)]
+
+    def found(losses: list[float]) -> bool:
+        return evaluate((rule,), _losses_window(losses), float(len(losses)))[0].active
+
+    def visited(times: int) -> list[float]:
+        out = list(noise[:69])
+        for k in range(times):
+            out[10 + 15 * k] = 3.1  # up, and back to the baseline on the next report
+        return out + [3.0]
+
+    assert found(visited(0)) and found(visited(2))
+    assert not found(visited(3)) and not found(visited(4))
+    assert found(visited(3)[:-1] + [9.0])  # far above the level visited: half-way to it was never reached
+    burst = noise[:60] + [3.1] * 9 + [3.0]  # nine reports up, still up: no visit has ended
+    assert found(burst)
+    falling = noise[:5] + [3.2, 3.0, 2.8] + noise[8:69] + [3.0]  # one fall from a high start: one visit
+    assert found(falling)
