@@ -122,8 +122,7 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     hist = w.series(rule.metric, rule.window + 1)[:-1]
     if (rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up" and latest > 0
             and len(hist) >= rule.min_history):
-        # Quick "no": every value finite and the value below ratio x the window's minimum, hence
-        # below ratio x its median.
+        # Quick "no": every value finite and the value below ratio x the window's minimum (so its median).
         bounds = finite_range(hist)
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
             return False
