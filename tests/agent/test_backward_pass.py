@@ -41,10 +41,10 @@ def test_fresh_gradients_are_normed_from_grad_in_one_call_per_bucket() -> None:
     bp.norm_fresh(params, bucket_of=[0, 1, 0])
     assert bp.missed and bp.norms == []
     assert bp.rebound  # a DDP with bucket views the agent was not given: at once from the next pass on
-    bp.begin(bucket_views=False, first_step=False)
+    bp.begin(first_step=False)
     assert not bp.grads_stay
     bp.rebound = False
-    bp.begin(bucket_views=False, first_step=False)
+    bp.begin(first_step=False)
     assert bp.grads_stay
 
     bp.clear()

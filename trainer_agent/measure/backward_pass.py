@@ -55,15 +55,15 @@ class BackwardPass:
         #: the agent was not given, e.g. a framework's wrapper): from then on each is normed at once.
         self.rebound = False
 
-    def begin(self, bucket_views: bool, first_step: bool) -> None:
+    def begin(self, first_step: bool) -> None:
         """A pass starts: whether an incoming gradient moved into an empty ``.grad`` stays there,
         unchanged, until the pass's end-of-backward callbacks (:meth:`fresh`). Not under DDP with
-        ``gradient_as_bucket_view`` (``bucket_views``: ``.grad`` becomes a view of the bucket it
-        all-reduces during the pass), nor on the agent's first step under a DDP model with
-        ``static_graph`` (DDP's first backward pass queues its all-reduce at its start, before
-        the agent's callback); nor after a ``.grad`` was found rebound (:attr:`rebound`)."""
+        ``gradient_as_bucket_view`` (``.grad`` becomes a view of the bucket it all-reduces during
+        the pass), nor on the agent's first step under a DDP model with ``static_graph`` (DDP's
+        first backward pass queues its all-reduce at its start, before the agent's callback); nor
+        after a ``.grad`` was found rebound (:attr:`rebound`: a DDP the agent was not given)."""
         ddp = self.ddp
-        self.grads_stay = not (bucket_views or self.rebound) and (
+        self.grads_stay = not self.rebound and (
             ddp is None or not (ddp.gradient_as_bucket_view or (ddp.static_graph and first_step)))
 
     def norm(self, grad: torch.Tensor) -> None:

@@ -17,7 +17,6 @@ from trainer_agent.measure import optim, stats, triage_stats as triage
 from trainer_agent.compat import torch_hooks, torch_private
 from trainer_agent.config import AgentConfig
 from trainer_agent.measure.backward_pass import BackwardPass
-from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.grad_hooks import GradHooks
 from trainer_agent.measure.update_snapshot import UpdateSnapshot
 from trainer_agent.measure.layer_stats import GradMoments, LayerGradStats
@@ -178,7 +177,7 @@ class StepMeter:
         if not self.backward_pass.queued:
             self.backward_pass.queued = True
             self.backward_pass.norms = []
-            self.backward_pass.begin(isinstance(self.index.bucket_views, BucketViews), self._last_backwards is None)
+            self.backward_pass.begin(self._last_backwards is None)
             torch_hooks.queue_backward_callback(self._backward_end_outer)
 
     def watch_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
