@@ -314,3 +314,29 @@ def test_good_data_after_a_data_skip_is_trained_when_the_bad_batches_had_moved_t
         assert late < 0.25 * sum(losses[s] for s in range(215, 225)) / 10  # trained back down
     finally:
         agent.close()
+
+
+def test_a_failing_read_of_the_trained_elements_never_reaches_the_training_step(monkeypatch) -> None:
+    """The guard reads the elements that train when a baseline starts, inside the optimizer step:
+    an error there is counted and the step is taken, as the report step's own read is."""
+    from trainer_agent.measure.params import ParamIndex
+
+    def broken(self) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ParamIndex, "trainable_elements", broken)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="guard", run="guard-err",
+                      config=ta.AgentConfig(metrics_port=None, report_every=5, skip_spikes=True))
+    before = model.weight.detach().clone()
+    for _ in range(10):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+    latest = agent.latest()
+    agent.close()
+    assert agent.step == 10 and not torch.equal(model.weight, before)  # every step trained
+    assert latest["trainguard_agent_errors_total"] > 0

@@ -322,10 +322,13 @@ class NonfiniteSkip:
         if bad:
             self.skipped_by_reason[SKIP_REASONS[bad]] += 1
         if self.guard is not None:
-            if bad:
-                self.guard.skipped()
-            else:
-                self.guard.taken(value)
+            try:  # taken() may read the elements that train (a baseline starts): never into the step
+                if bad:
+                    self.guard.skipped()
+                else:
+                    self.guard.taken(value)
+            except Exception as exc:  # noqa: BLE001 - the decision stands; the guard's window misses this step
+                self._on_error("skip_nonfinite", exc)
         return bool(bad)
 
     def _data_skip_covers(self) -> bool:
