@@ -75,17 +75,20 @@ class RuleSet:
 REMOVE_ALL_PARAM = "remove_all_rules"
 
 
-def require_rules(rules: RuleSet, *, remove_all: bool) -> None:
-    """Refuse replacing the rules by a file without any (an empty body, or one without a
+def require_rules(rules: RuleSet, *, remove_all: bool, source: str = "api") -> None:
+    """Refuse replacing the rules by a file without any (an empty body or file, or one without a
     ``rules`` list, would remove every rule, the built-in safety rules included), unless the file
-    says ``rules: []`` explicitly and ``remove_all`` confirms it."""
+    says ``rules: []`` explicitly and ``remove_all`` confirms it (``PUT /v1/rules`` with
+    ``?remove_all_rules=true``; a ``--rules`` file's own ``rules: []`` confirms itself).
+    ``source``: ``"api"`` or ``"file"``, for how the message says to confirm."""
     if rules.file.rules:
         return
     explicit = "rules" in rules.file.model_fields_set
     if explicit and remove_all:
         return
     said = "says 'rules: []'" if explicit else "has no 'rules' list"
+    confirm = (f"send 'rules: []' with ?{REMOVE_ALL_PARAM}=true" if source == "api"
+               else "write 'rules: []' in the file")
     raise RulesError([
         f"the file {said}: it would remove every rule, loss_nonfinite and the other safety rules included. "
-        "To turn one rule off, set 'enabled: false' on it; to really remove every rule, send 'rules: []' "
-        f"with ?{REMOVE_ALL_PARAM}=true"])
+        f"To turn one rule off, set 'enabled: false' on it; to really remove every rule, {confirm}"])

@@ -78,7 +78,7 @@ class RulesStore:
         try:
             text = path.read_text(encoding="utf-8")
             rules = self.validate(text)
-            require_rules(rules, remove_all=True)
+            require_rules(rules, remove_all=True, source="file")
         except (OSError, UnicodeDecodeError) as e:
             log.error("SIGHUP: cannot read %s, the active rules stay: %s", path, e)
             return False

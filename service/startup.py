@@ -28,7 +28,7 @@ import pydantic_core
 from trainguard.service import statements as sql
 from trainguard.service.config import Settings
 from trainguard.service.incidents import RunRecovery
-from trainguard.service.rules import RuleSet
+from trainguard.service.rules import RuleSet, require_rules
 from trainguard.service.runstate import Applied, Finish, Publication, RunState
 from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
@@ -48,6 +48,7 @@ def load_rules_state(store: Store, settings: Settings, clock: Callable[[], float
     if path is not None:
         text = path.read_text(encoding="utf-8")
         rules = validate(text)
+        require_rules(rules, remove_all=True, source="file")  # an empty file would remove every rule
         if rules_row is None or rules_row["text"] != text or rules_row["source"] != f"file:{path}":
             vid = store.write_now(lambda c: sql.insert_rules_version(c, text, f"file:{path}", "startup", clock()))
         else:

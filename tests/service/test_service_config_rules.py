@@ -5,6 +5,7 @@ one database, restarted between the phases."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,32 @@ def test_rules_check_validates_a_file_offline(tmp_path: Path) -> None:
     assert out.returncode == 1 and out.stdout == "" and str(bad) in out.stderr and "Traceback" not in out.stderr
     missing = _check(tmp_path / "nope.yaml")
     assert missing.returncode == 1 and "nope.yaml" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("text", ["", "# the rules\n", "version: 1\nrecovery: {}\n"])
+def test_a_rules_file_without_a_rules_list_stops_the_start_up_instead_of_removing_every_rule(
+        tmp_path: Path, text: str) -> None:
+    """An empty ``--rules`` file (a config map mounted before it was written, an editor's truncation)
+    would remove every rule, the safety rules included: the controller refuses to start, and
+    ``rules check`` says why. The file's own ``rules: []`` removes them, as the operator wrote it."""
+    db, rules_file = tmp_path / "tg.db", tmp_path / "rules.yaml"
+    rules_file.write_text(text)
+    env = dict(os.environ) | ENV
+    bad = subprocess.run([sys.executable, "-m", "trainguard.cli", "serve", "--port", "0", "--db", str(db),
+                          "--rules", str(rules_file)], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+    assert "has no 'rules' list: it would remove every rule" in bad.stderr and "write 'rules: []' in the file" in bad.stderr
+    checked = _check(rules_file)
+    assert checked.returncode == 1 and "has no 'rules' list" in checked.stderr
+
+    rules_file.write_text("rules: []\n")
+    assert _check(rules_file).returncode == 0
+
+
+def test_a_rules_file_saying_no_rules_starts_without_any(tmp_path: Path, serve) -> None:
+    db, rules_file = tmp_path / "tg.db", tmp_path / "rules.yaml"
+    rules_file.write_text("rules: []\n")
+    srv = serve(db, ENV, ["--rules", str(rules_file)])
+    assert _rules(srv.url)["text"] == "rules: []\n"
+    assert _fired(srv.url, "run-1", 1e9) == []
+    srv.stop()

@@ -103,11 +103,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from trainguard.service.rules import RulesError, load_rules
+    from trainguard.service.rules import RulesError, load_rules, require_rules
 
     try:
         with open(args.file, encoding="utf-8") as f:
             rs = load_rules(f.read(), check_names=True)
+        require_rules(rs, remove_all=True, source="file")  # as the controller reads a --rules file
     except (OSError, RulesError) as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
