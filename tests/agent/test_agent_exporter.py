@@ -357,6 +357,9 @@ def test_a_non_leader_serves_its_own_values_and_the_leader_the_jobs_too(tmp_path
             "trainguard_loss_scale", "trainguard_applied_generation",
             'trainguard_skipped_steps_total{reason="spike"}'} <= left_out.keys()
     assert "trainguard_grad_noise_scale" in leader["scraped"]
+    # The elements that train, a job value read per tensor, are read where they are served only.
+    assert leader["scraped"]["trainguard_trainable_elements"] == sum(p.numel() for p in net().parameters())
+    assert "trainguard_trainable_elements" not in other["latest"]
     # the leader's cross-rank worker kept up with a report every 2 steps: nothing lightened or dropped
     assert leader["scraped"]["trainguard_agent_cross_rank_lightened_total"] == 0.0
     assert leader["scraped"]["trainguard_agent_cross_rank_dropped_total"] == 0.0
@@ -386,3 +389,4 @@ def test_with_job_metrics_all_every_rank_serves_a_copy_of_the_jobs_values(tmp_pa
     assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, job_metrics="all",
                                                     names=present - leaders_own)
     assert other["scraped"]["trainguard_grad_norm"] == leader["scraped"]["trainguard_grad_norm"]
+    assert other["scraped"]["trainguard_trainable_elements"] == leader["scraped"]["trainguard_trainable_elements"] == 56

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from trainguard.protocol.catalog import exported_scopes
+from trainguard.protocol.catalog import JOB, exported_scopes
 from trainer_agent.agent_parts.errors import ErrorLog
 from trainer_agent.measure.batch_size import BatchSizeAdvisor
 from trainer_agent.config import AgentConfig
@@ -44,6 +44,9 @@ class MetricsExport:
         self.registry = registry if registry is not None else CollectorRegistry()
         # A rank serves its own values; the job's (the same on every rank) only where the config says.
         scopes = exported_scopes(rank, job_metrics=config.job_metrics, per_layer=config.per_layer)
+        #: This rank serves the job's values (the leader, or every rank with ``job_metrics="all"``):
+        #: a job value read on the host per tensor is read only where it is served.
+        self.serves_job = JOB in scopes
         self._collector = AgentCollector(self.current_values, job=job, run=run, rank=rank, scopes=scopes)
         self.server: MetricsServer | None = None
 

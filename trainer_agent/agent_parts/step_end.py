@@ -155,7 +155,8 @@ class StepEnd:
                         verify_float32=verifier.take_float32() if verifier is not None else math.nan,
                         gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(self.parts.optimizer),
                         comm=hooks.comm.take() if hooks.comm is not None else {},
-                        trainable_elements=float(self.parts.params.trainable_elements()))
+                        trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
+                        else math.nan)  # a job value (the same on every rank), one read per tensor
 
     def _token_count(self, tokens: Any) -> float | None:
         """A report step's token count; a tensor's is read here, and one that is not a count
