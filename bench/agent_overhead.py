@@ -51,7 +51,9 @@ import trainer_agent as ta
 from trainer_agent.measure import stats
 from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
+from trainer_agent.compat import torch_private
 from trainer_agent.compat.torch_private import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes  # the emulation below, hidden from the counters
 
 
 class GPT(nn.Module):
@@ -101,22 +103,70 @@ class NaiveMetrics:
         return out
 
 
+#: CUDA's multi-tensor kernels (``torch._foreach_*``; ATen's ``MultiTensorApply.cuh``): tensors per
+#: launch by the number of tensor lists a kernel reads and writes, blocks per launch, elements per block.
+MTA_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+MTA_BLOCKS, MTA_CHUNK = 320, 65536
+#: Inputs per launch of CUDA's ``cat`` (and so ``stack``; ATen's ``Shape.cu``, ``CAT_ARRAY_BATCH_SIZE``).
+CAT_BATCH = 128
+#: Reductions whose CUDA form adds two launches to its multi-tensor ones (a zero-filled partial buffer
+#: and the per-tensor cleanup kernel).
+_TWO_STAGE = {"_foreach_norm", "_foreach_max"}
+
+
+def cuda_launches(name: str, lists: list[list[torch.Tensor]], is_view: bool) -> int:
+    """A model of the kernels CUDA launches for one operator: 0 for a view or an allocation
+    (``empty``), ``ceil(inputs / CAT_BATCH)`` for ``cat``/``stack``, for a ``torch._foreach_*``
+    call the multi-tensor launches (by its tensors, the lists it reads and writes, and its
+    blocks) plus two for a two-stage reduction, 1 for any other. A model from ATen's constants:
+    ``bench/device_check.sh`` prints the profiler's count beside it on a GPU."""
+    if is_view or name.startswith("empty"):
+        return 0
+    if name in ("cat", "stack"):
+        return max(1, -(-len(lists[0]) // CAT_BATCH)) if lists else 1
+    if not name.startswith("_foreach_") or not lists:
+        return 1
+    depth = len(lists) + (0 if name.endswith("_") or name in _TWO_STAGE else 1)  # an out-of-place op's outputs
+    tensors = lists[0]
+    blocks = sum(-(-t.numel() // MTA_CHUNK) for t in tensors)
+    launches = max(-(-len(tensors) // MTA_TENSORS.get(depth, 30)), -(-blocks // MTA_BLOCKS))
+    return launches + (2 if name in _TWO_STAGE else 0)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ATen operators dispatched while active (a ``torch._foreach_*`` call counts once):
     a machine-independent measure of host work. ``ops`` counts every one; ``views`` those that
     only make a view of a tensor (``slice``, ``select``, ``view``, ``detach``...: the schema's
     ``is_view``), which launch no kernel on a GPU, so ``ops - views`` is the GPU's launch count
-    where each other operator is one kernel (a fused ``_foreach_*`` call may be several)."""
+    where each other operator is one kernel; ``launches``: :func:`cuda_launches`, where a fused
+    ``_foreach_*`` call is one launch per ~110 tensors and a ``stack`` one per 128 inputs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.views = 0
+        self.launches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         self.views += func.is_view
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        self.launches += cuda_launches(func.overloadpacket.__name__, lists, func.is_view)
         return func(*args, **(kwargs or {}))
+
+
+def _norms_in_one_buffer(fused):
+    """``torch._foreach_norm`` as CUDA returns its results: 0-dim views of one contiguous buffer
+    (``ret_per_tensor[i]`` in ATen's ``ForeachReduceOp.cu``), which the agent takes as a vector
+    without stacking them (``trainer_agent/compat/foreach_results.py``). The CPU's separate
+    results are laid out so with dispatch modes off: the operator counters see the norm only."""
+    def norm(tensors, *args, **kwargs):
+        results = fused(tensors, *args, **kwargs)
+        if len(results) < 2:
+            return results
+        with _disable_current_modes():
+            return list(torch.stack(results).unbind(0))
+    return norm
 
 
 @contextlib.contextmanager
@@ -125,16 +175,20 @@ def accelerator_paths():
     norms from an in-place difference (not in cache-sized chunks), the non-finite counts by a
     fused scan of every tensor (not only of those whose norm is non-finite), the gradients'
     moments by fused passes over every tensor (not large ones chunk by chunk), DDP's gradient
-    buckets and FSDP2's flat gradient buffers normed whole (not row by row)."""
+    buckets and FSDP2's flat gradient buffers normed whole (not row by row), and the fused norms'
+    results laid out as CUDA returns them (:func:`_norms_in_one_buffer`)."""
     update, count, moments = stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments
+    fused_norm = torch_private.foreach_norm
     stats.update_sq_norms = functools.partial(update, chunked=False)
     stats.nonfinite_count = functools.partial(count, scan="device")
     stats.tensor_moments = functools.partial(moments, chunked=False)
+    torch_private.foreach_norm = _norms_in_one_buffer(fused_norm)
     BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = False
     try:
         yield
     finally:
         stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments = update, count, moments
+        torch_private.foreach_norm = fused_norm
         BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = True
 
 

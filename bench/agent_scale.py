@@ -21,6 +21,10 @@ steps apart:
   counted on the agent's accelerator formulations (``agent_overhead.accelerator_paths``): the
   CPU's own paths for large or many tensors work through cache-sized chunks, a number of
   operators that follows the elements (loops, not launches), never the tensor count;
+- ``CUDA launch model``: the kernels those operators would launch on CUDA by
+  ``agent_overhead.cuda_launches``, where a ``torch._foreach_*`` call launches once per ~110
+  tensors (ATen's multi-tensor constants) and a ``stack`` once per 128 inputs; a model on the
+  CPU, printed beside the profiler's count (``cuda kernels``) with ``--device cuda``;
 - ``agent CPU ms``: the training thread's CPU time (``time.thread_time``) of a step with the agent
   minus that of a plain step, medians over the rounds: what another process on the machine does
   not move, unlike wall time.
@@ -150,6 +154,7 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
     rows: dict[str, list[float]] = {"plain_ops": [], "ops": [], "report_ops": [], "plain_ms": [], "ms": [], "report_ms": [],
                                     "plain_kernels": [], "kernels": [], "report_kernels": [],
                                     "plain_computing": [], "computing": [], "report_computing": [],
+                                    "plain_launches": [], "launches": [], "report_launches": [],
                                     "own_ms": [], "report_own_ms": []}
     for _ in range(2 * every):  # warm-up: first reports, caches, the fused paths
         step(plain, opts[0], False)
@@ -165,6 +170,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
             rows["report_ops" if report else "ops"].append(count.ops)
             rows["plain_computing"].append(plain_count.ops - plain_count.views)
             rows["report_computing" if report else "computing"].append(count.ops - count.views)
+            rows["plain_launches"].append(plain_count.launches)
+            rows["report_launches" if report else "launches"].append(count.launches)
         else:
             t0 = time.thread_time()
             step(plain, opts[0], False)
@@ -184,6 +191,8 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
     out = {"ops": med["ops"] - med["plain_ops"], "report_ops": med["report_ops"] - med["plain_ops"],
            "computing": med["computing"] - med["plain_computing"],
            "report_computing": med["report_computing"] - med["plain_computing"],
+           "launches": med["launches"] - med["plain_launches"],
+           "report_launches": med["report_launches"] - med["plain_launches"],
            "ms": med["ms"] - med["plain_ms"], "report_ms": med["report_ms"] - med["plain_ms"],
            "own_ms": med["own_ms"], "report_own_ms": med["report_own_ms"]}
     if "kernels" in med:
@@ -196,7 +205,8 @@ def _row(label: list[str], m: dict[str, float], time: str = "ms") -> str:
     """One table row: ``label``'s cells, the operator counts, the times (``time``: "ms", the thread
     CPU difference, or "own_ms", the agent's own time) and, where counted, the CUDA kernels."""
     cells = [*label, f"{m['ops']:.0f}", f"{m['report_ops']:.0f}", f"{m['computing']:.0f}",
-             f"{m['report_computing']:.0f}", f"{m[time]:.3f}", f"{m['report_' + time]:.3f}"]
+             f"{m['report_computing']:.0f}", f"{m['launches']:.0f}", f"{m['report_launches']:.0f}",
+             f"{m[time]:.3f}", f"{m['report_' + time]:.3f}"]
     if "kernels" in m:
         cells += [f"{m['kernels']:.0f}", f"{m['report_kernels']:.0f}"]
     return " | ".join(cells)
@@ -267,7 +277,7 @@ def main() -> None:
         sys.exit("agent_scale: --bucket-view is a DDP setting: add --ddp")
     torch.set_num_threads(1)
     cols = ["tensors", "agent ops/step", "agent ops/report step", "views aside/step", "views aside/report step",
-            "agent CPU ms/step", "agent CPU ms/report step"]
+            "CUDA launch model/step", "CUDA launch model/report step", "agent CPU ms/step", "agent CPU ms/report step"]
     if args.device == "cuda":
         cols += ["cuda kernels/step", "cuda kernels/report step"]
     if args.fsdp:
@@ -279,7 +289,7 @@ def main() -> None:
             sys.exit("agent_scale: --fsdp runs on 2 gloo ranks on the CPU")
         print(f"agent cost against the tensor count ({args.elements:,} parameters, FSDP2 on 2 gloo ranks, "
               f"{args.groups} groups, rank 0, torch {torch.__version__})")
-        print(" | ".join(cols[:1] + ["ordinary step's norm"] + cols[1:5] + ["agent's own ms/step", "agent's own ms/report step"]))
+        print(" | ".join(cols[:1] + ["ordinary step's norm"] + cols[1:7] + ["agent's own ms/step", "agent's own ms/report step"]))
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_rank, args=(2, f"file://{tmp}/store", args), nprocs=2)
         return

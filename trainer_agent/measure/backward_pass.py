@@ -38,7 +38,9 @@ class BackwardPass:
 
     def __init__(self, buckets: int, norm_dtype: Callable[[torch.dtype], torch.dtype]) -> None:
         self.queued = False
-        self.norms: list[torch.Tensor] = []
+        #: The incoming gradients' norms, one list per fused call (``foreach_results.results_vector`` joins
+        #: them without a stack where a call's results lie in one buffer, as CUDA's do).
+        self.norms: list[list[torch.Tensor]] = []
         #: A noted parameter's ``.grad`` was not the incoming gradient at the end of the pass.
         self.missed = False
         self._norm_dtype = norm_dtype
@@ -68,7 +70,7 @@ class BackwardPass:
 
     def norm(self, grad: torch.Tensor) -> None:
         """Norm an incoming gradient at once."""
-        self.norms.append(torch.linalg.vector_norm(grad, dtype=self._norm_dtype(grad.dtype)))
+        self.norms.append([torch.linalg.vector_norm(grad, dtype=self._norm_dtype(grad.dtype))])
 
     def hold(self, bucket: int, grad: torch.Tensor) -> None:
         """Hold an incoming gradient of ``bucket``; norm every held one once ``HELD_GRAD_BYTES`` are held."""
@@ -101,12 +103,12 @@ class BackwardPass:
         if self.missed:
             return
         for grads in groups.values():
-            self.norms += torch_private.foreach_norm(grads, 2, dtype=self._norm_dtype(grads[0].dtype))
+            self.norms.append(torch_private.foreach_norm(grads, 2, dtype=self._norm_dtype(grads[0].dtype)))
 
     def norm_held(self) -> None:
         for held in self._held:
             if held:
-                self.norms += torch_private.foreach_norm(held, 2, dtype=self._norm_dtype(held[0].dtype))
+                self.norms.append(torch_private.foreach_norm(held, 2, dtype=self._norm_dtype(held[0].dtype)))
         self.release()
 
     def release(self) -> None:

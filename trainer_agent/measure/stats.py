@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer_agent.compat import torch_private
+from trainer_agent.compat.foreach_results import results_vector
 from trainer_agent.measure.chunk_plan import norm_dtype
 from trainer_agent.measure.chunked_moments import BITS, chunked_moments
 from trainer_agent.measure.chunked_updates import chunked_update_sq_norms
@@ -57,15 +58,12 @@ def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch
                  wide: bool = False) -> torch.Tensor:
     """L2 norm of every tensor, in float32 (float64 if any bucket is float64, or with ``wide``:
     accumulated in float64, where no float32/16 input can overflow the sum of squares), as one
-    vector on ``device`` (bucket after bucket): one ``torch._foreach_norm`` and one
-    ``torch.stack`` per (device, dtype) bucket."""
-    parts = []
-    for bucket in tensor_buckets:
-        norms = torch_private.foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
-        if bucket[0].device != device:  # parameters on several devices: asynchronous copies
-            norms = [n.to(device, non_blocking=True) for n in norms]
-        parts.append(torch.stack(norms))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    vector on ``device`` (bucket after bucket): one ``torch._foreach_norm`` per (device, dtype)
+    bucket, joined by ``results_vector`` (no ``torch.stack`` where the norms lie in one buffer,
+    as CUDA's do)."""
+    parts = [torch_private.foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
+             for bucket in tensor_buckets]
+    return results_vector(parts, device)
 
 
 def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]],
@@ -86,14 +84,14 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
     """
     cache = {} if cache is None else cache
     if not (device.type == "cpu" if chunked is None else chunked):
-        columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
+        columns: list[list[list[torch.Tensor]]] = [[], [], []] if before_norms else [[], []]
         for bucket_b, bucket_a in zip(before, after):
             dtype = norm_dtype(bucket_a[0].dtype)
             if before_norms:
-                columns[2] += torch_private.foreach_norm(bucket_b, 2, dtype=dtype)
+                columns[2].append(torch_private.foreach_norm(bucket_b, 2, dtype=dtype))
             torch_private.foreach_sub_(bucket_b, bucket_a)  # W_before - W_after, in place in the snapshot
-            columns[0] += torch_private.foreach_norm(bucket_b, 2, dtype=dtype)
-            columns[1] += torch_private.foreach_norm(bucket_a, 2, dtype=dtype)
+            columns[0].append(torch_private.foreach_norm(bucket_b, 2, dtype=dtype))
+            columns[1].append(torch_private.foreach_norm(bucket_a, 2, dtype=dtype))
         delta, param, *rest = _squared_columns(columns, device)
         return delta, param, rest[0] if before_norms else None, False
     flat_b = [t for bucket in before for t in bucket]
@@ -104,34 +102,36 @@ def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Se
     return delta, param, rest[0] if before_norms else None, refresh
 
 
-def _squared_columns(columns: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """The squares of the float norms in ``columns`` (lists of 0-dim tensors of one length), as
-    one float64 vector per column on ``device``: one ``stack`` of every column at once, one cast,
-    one in-place square, one ``unbind``."""
-    k, entries = len(columns), len(columns[0])
-    flat = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
-                        for column in columns for v in column]).to(torch.float64)
+def _squared_columns(columns: list[list[list[torch.Tensor]]], device: torch.device) -> list[torch.Tensor]:
+    """The squares of the float norms in ``columns`` (each a list of fused calls' results, the
+    columns of one length), as one float64 vector per column on ``device``: every column joined
+    at once (``results_vector``: one ``stack``, or the buffers CUDA's norms lie in), one cast, one
+    in-place square, one ``unbind``."""
+    k = len(columns)
+    flat = results_vector([part for column in columns for part in column], device).to(torch.float64)
     flat.square_()
-    return list(flat.view(k, entries).unbind(0))
+    return list(flat.view(k, -1).unbind(0))
 
 
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """Squared L2 norm of each tensor, as a float64 vector on ``device``: ``||t_i||^2``; 0 for a
     ``None`` entry (a parameter without a gradient)."""
     present = [t for t in tensors if t is not None]
-    if all(t.dtype != torch.float64 for t in present):
-        norms = iter(torch_private.foreach_norm(present, 2, dtype=torch.float32) if present else ())
-    else:
-        norms = iter([torch.linalg.vector_norm(t, dtype=norm_dtype(t.dtype)) for t in present])
-    zero = torch.zeros((), dtype=torch.float32, device=device) if len(present) < len(tensors) else None
-    if zero is None and all(t.device == device for t in present):
-        column = list(norms)  # the common case, without a Python call per tensor
-    else:
-        # For parameters spread over several devices: asynchronous device-to-device copies.
-        column = [zero if t is None else next(norms).to(device, non_blocking=True) for t in tensors]
-    if not column:
+    if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    stacked = torch.stack(column).to(torch.float64)
+    if all(t.dtype != torch.float64 for t in present):
+        norms = torch_private.foreach_norm(present, 2, dtype=torch.float32) if present else []
+    else:
+        norms = [torch.linalg.vector_norm(t, dtype=norm_dtype(t.dtype)) for t in present]
+    if len(present) == len(tensors) and all(t.device == device for t in present):
+        stacked = results_vector([norms]).to(torch.float64)  # the common case, without a Python call per tensor
+    else:
+        # A parameter without a gradient (0), or parameters spread over several devices
+        # (asynchronous device-to-device copies).
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        left = iter(norms)
+        stacked = torch.stack([zero if t is None else next(left).to(device, non_blocking=True)
+                               for t in tensors]).to(torch.float64)
     return stacked * stacked
 
 
@@ -186,11 +186,12 @@ def _suspects_nonfinite(tensors: Sequence[torch.Tensor | None], device: torch.de
     return total
 
 
-def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``nonfinite_count``'s device scan: the tensors grouped by dtype, two fused launches per
     bucket of at most ``_SCAN_BUCKET_BYTES``, one count per tensor (float32; float64 for float64
-    tensors, which a norm may not narrow: ``torch.stack`` promotes the mixed list)."""
-    counts: list[torch.Tensor] = []
+    tensors, which a norm may not narrow: joining them promotes the mixed list), one list per
+    bucket."""
+    counts: list[list[torch.Tensor]] = []
     for group in buckets(tensors):
         dtype = norm_dtype(tensors[group[0]].dtype)
         bucket: list[torch.Tensor] = []
@@ -201,7 +202,7 @@ def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 size += tensors[i].numel() * tensors[i].element_size()
             if bucket and (i is None or size >= _SCAN_BUCKET_BYTES):
                 nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
-                counts.extend(torch_private.foreach_norm(nan_where_bad, 0, dtype=dtype))
+                counts.append(torch_private.foreach_norm(nan_where_bad, 0, dtype=dtype))
                 bucket, size = [], 0
     return counts
 
@@ -232,10 +233,10 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
                and t.device != device]
     others = [t for t in tensors if t is not None and t.is_floating_point()
               and t.device != device and t.device.type != "cpu"]
-    counts = [torch.zeros((), dtype=torch.float32, device=device), *_device_nonfinite(on_device)]
-    for t in others:  # parameters on another accelerator: an asynchronous device-to-device copy
-        counts.append((~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True))
-    total = torch.stack(counts).to(torch.float64).sum()
+    # parameters on another accelerator: an asynchronous device-to-device copy each
+    elsewhere = [(~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True) for t in others]
+    counts = [[torch.zeros((), dtype=torch.float32, device=device)], *_device_nonfinite(on_device), elsewhere]
+    total = results_vector([part for part in counts if part]).to(torch.float64).sum()
     if not on_host:
         return total
     # CPU tensors (e.g. AdamW's step counters, offloaded state): counted on the host, where a
@@ -282,9 +283,10 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
 
     Eight fused ``torch._foreach_*`` passes per (device, dtype) chunk of at most
     ``_STATS_CHUNK_BYTES`` — ``A = |t|``, ``max(A)``; ``A = -A``, ``max(A) = -min|t|``;
-    ``A = relu(t)`` (no doubling, so no overflow), ``||A||_1``; ``||t||_1``, ``||t||_2`` — and one
-    ``torch.stack`` of every 0-dim result at once (the per-block lists concatenated on the host:
-    one operator whatever the tensor and block count; ``stack`` promotes the float32 results to
+    ``A = relu(t)`` (no doubling, so no overflow), ``||A||_1``; ``||t||_1``, ``||t||_2`` — and
+    every 0-dim result joined at once (``results_vector``: one ``torch.stack`` of the per-block
+    lists concatenated on the host, one operator whatever the tensor and block count; on CUDA the
+    norms' own buffers, the maxima stacked, one ``cat``; either promotes the float32 results to
     float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``.
 
     On the CPU (``chunked``, default: when ``device`` is the CPU) every CPU tensor of a float
@@ -304,13 +306,13 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
         parts.append(done if device.type == "cpu" else done.to(device, non_blocking=True))
     order = list(packed)
     if rest:
-        blocks: list[list[torch.Tensor]] = [[] for _ in MOMENTS]
+        blocks: list[list[list[torch.Tensor]]] = [[] for _ in MOMENTS]
         for chunk in _moment_chunks([tensors[i] for i in rest]):
             for block, values in zip(blocks, _fused_moments([tensors[rest[i]] for i in chunk])):
-                block += values
+                block.append(values)
             order += [rest[i] for i in chunk]
-        fused = torch.stack([v if v.device == device else v.to(device, non_blocking=True)
-                             for block in blocks for v in block])  # float64: blocks 0 and 1 are
+        # float64 (blocks 0 and 1 are: joining promotes the others), never one call's own buffer
+        fused = results_vector([part for block in blocks for part in block], device)
         n = len(rest)
         fused[2 * n:3 * n].square_()  # the norms, squared in float64
         if not parts:

@@ -15,6 +15,7 @@ import torch
 
 from trainer_agent.measure import optim, stats, triage_stats as triage
 from trainer_agent.compat import torch_hooks, torch_private
+from trainer_agent.compat.foreach_results import results_vector
 from trainer_agent.config import AgentConfig
 from trainer_agent.measure.backward_pass import BackwardPass
 from trainer_agent.measure.grad_hooks import GradHooks
@@ -229,7 +230,7 @@ class StepMeter:
                     # The first backward of a step accumulates into zeroed gradients.
                     st.micro_norms.append(self.scaled_grad_norm)
                 elif self.backward_pass.norms:
-                    st.micro_norms.append(torch.linalg.vector_norm(torch.stack(self.backward_pass.norms),
+                    st.micro_norms.append(torch.linalg.vector_norm(results_vector(self.backward_pass.norms),
                                                                    dtype=torch.float64))
                 elif self.hooks is not None and not self.hooks.full:
                     st.micro_missed = True  # a pass without the hooks: its incoming norm is unknown
