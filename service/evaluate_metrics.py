@@ -89,17 +89,27 @@ def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
     return max(lr / median(before), 1.0)
 
 
-def _since_trained_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:
-    """``hist`` (the reports before the newest) cut to those since the run last froze or unfroze
-    part of the model (``trainguard_trainable_elements`` changed): before it the metric was
-    another model's (a linear probe's head alone has a gradient norm tens of times smaller than
-    the whole model's). ``hist`` as it is where the counts do not line up with it (reports
-    without them)."""
-    counts = w.series("trainguard_trainable_elements", len(hist) + 1)
-    if len(counts) != len(hist) + 1:
-        return hist
-    other = np.flatnonzero(counts != counts[-1])
-    return hist if not len(other) else hist[other[-1] + 1:]
+#: What a run changes by its own plan, each a report value that changes with it: the elements that
+#: train (freezing or unfreezing part of the model) and the optimizer's class (a switch, Adam to
+#: SGD). Before such a change a metric was another run's.
+RUN_CHANGES = ("trainguard_trainable_elements", "trainguard_optimizer_class")
+
+
+def _since_run_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:
+    """``hist`` (the reports before the newest) cut to those since the run last changed what it
+    trains or the optimizer it trains with (a value of :data:`RUN_CHANGES` changed): before it
+    the metric was another model's or another optimizer's (a linear probe's head alone has a
+    gradient norm tens of times smaller than the whole model's; Adam's update per unit of LR is a
+    hundred times SGD's). A marker whose reports do not line up with ``hist`` (reports without
+    it: older agents) is left out."""
+    start = 0
+    for name in RUN_CHANGES:
+        values = w.series(name, len(hist) + 1)
+        if len(values) == len(hist) + 1:
+            other = np.flatnonzero(values != values[-1])
+            if len(other):
+                start = max(start, int(other[-1]) + 1)
+    return hist[start:]
 
 
 def _visits(hist: np.ndarray, base: float, level: float) -> int:
@@ -126,7 +136,7 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
         bounds = finite_range(hist)
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
             return False
-    hist = _since_trained_change(w, hist)
+    hist = _since_run_change(w, hist)
     if not all_finite(hist):
         hist = hist[np.isfinite(hist)]
     if len(hist) < rule.min_history:

@@ -69,8 +69,9 @@ class SpikeRule(_RuleBase):
     |value - baseline| / scale >= z in the given direction, where for ``baseline: median`` the scale
     is 1.482602 * MAD of the window (1 / Phi^-1(3/4)) and for ``baseline: ema`` the exponentially weighted standard
     deviation (alpha = 2 / (window + 1)). The window holds only the reports since the run last changed
-    the elements that train (``trainguard_trainable_elements``: part of the model frozen or unfrozen):
-    before it the metric was another model's.
+    the elements that train (``trainguard_trainable_elements``: part of the model frozen or unfrozen)
+    or its optimizer (``trainguard_optimizer_class``: Adam to SGD): before it the metric was another
+    model's or another optimizer's.
     """
 
     kind: Literal["spike"]

@@ -106,7 +106,8 @@ def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:
     assert v["trainguard_update_ratio_per_lr"] == pytest.approx(v["trainguard_update_ratio"] / (0.5 * 1e-2))
     assert v["trainguard_scheduler_lr_peak"] == pytest.approx(9e-3)
     assert v["trainguard_scheduler_lr_ratio"] == pytest.approx(10 / 9)
-    assert agent.state_dict()["scheduled_lr"] == {"peak": pytest.approx(1e-2), "steps": 10}
+    assert agent.state_dict()["scheduled_lr"] == {"peak": pytest.approx(1e-2), "steps": 10,
+                                                  "optimizer": "torch.optim.adamw.AdamW"}
 
 
 def test_a_step_the_agent_skips_still_reports_what_the_schedule_asked_for() -> None:
@@ -130,3 +131,43 @@ def test_a_step_the_agent_skips_still_reports_what_the_schedule_asked_for() -> N
     assert agent.control.skip.skipped == 1
     assert [v["trainguard_scheduler_lr"] for v in seen] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])
     assert agent.state_dict()["scheduled_lr"]["steps"] == 4  # each step counted once
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["same-optimizer", "adamw-to-sgd"])
+def test_the_envelope_carries_over_a_resume_only_to_an_optimizer_of_the_same_class(switch: bool, caplog) -> None:
+    """The agent's state loaded into an agent attached to a new optimizer: the step count carries
+    over either way; the LR envelope only where the optimizer is of the same class. SGD trains at
+    a hundred times AdamW's LR: measured against AdamW's envelope, its first step would read as an
+    LR jump of 100x (the ``scheduler_lr_jump`` rule's limit is 4x)."""
+    import trainer_agent as ta
+
+    def run(opt, steps, state=None):
+        agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+        if state is not None:
+            agent.load_state_dict(state)
+        seen = []
+        for _ in range(steps):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(1.0)
+            seen.append(agent.latest())
+        agent.close(1.0)
+        return seen, agent.state_dict()
+
+    model = torch.nn.Linear(4, 4)
+    first, state = run(torch.optim.AdamW(model.parameters(), lr=1e-3), 10)
+    second_opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if switch
+                  else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with caplog.at_level("INFO", logger="trainer_agent.agent"):
+        second, _ = run(second_opt, 10, state)
+    assert [v["trainguard_step"] for v in second] == list(range(11, 21))
+    codes = {first[-1]["trainguard_optimizer_class"], second[0]["trainguard_optimizer_class"]}
+    if switch:
+        assert max(v.get("trainguard_scheduler_lr_ratio", 1.0) for v in second) == pytest.approx(1.0)
+        assert "trainguard_scheduler_lr_peak" not in second[0]  # afresh: none for the first 8 steps
+        assert second[-1]["trainguard_scheduler_lr_peak"] == pytest.approx(0.1)
+        assert len(codes) == 2 and "the learning-rate envelope starts afresh" in caplog.text
+    else:
+        assert len(codes) == 1 and "starts afresh" not in caplog.text
+        assert second[0]["trainguard_scheduler_lr_peak"] == pytest.approx(1e-3)

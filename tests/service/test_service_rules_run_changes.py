@@ -1,10 +1,13 @@
-"""The built-in rules on healthy runs that change what they train or draw their batches from sources
-of different loss. A linear probe (the head alone), then the whole model unfrozen. The gradient norm jumps tens of times at the unfreeze; that is the
-run's own plan, and draws no finding of a rule that acts, no incident, no change of the run's
-desired state and no step skipped by the agent. Batches drawn one at a time from an easy and a hard
-corpus: the loss has two levels, and the hard batches, once they recur, are not faults. Made here as in ``test_service_rules_schedules.py``:
-a small byte-level GPT trained on the CPU with AdamW, the agent attached (``report_every=1``, the
-spike guard on), the reports replayed through the default rules (``engine.simulate``).
+"""The built-in rules on healthy runs that change what they train, the optimizer they train with, or
+draw their batches from sources of different loss. A linear probe (the head alone), then the whole
+model unfrozen: the gradient norm jumps tens of times at the unfreeze. Adam, then SGD at a hundred
+times the LR (or back), the agent attached to the new optimizer. Batches drawn one at a time from an
+easy and a hard corpus: the loss has two levels, and the hard batches, once they recur, are not
+faults. Each is the run's own plan, and draws no finding of a rule that acts, no incident, no
+change of the run's desired state and no step skipped by the agent. Made here as in
+``test_service_rules_schedules.py``: a small byte-level GPT trained on the CPU, the agent attached
+(``report_every=1``, the spike guard on), the reports replayed through the default rules
+(``engine.simulate``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ class ProbedGPT(nn.Module):
         return self.head(b.ln_f(x))
 
 
+def _step(model: nn.Module, opt: torch.optim.Optimizer, agent: Any, corpus: ByteCorpus, k: int) -> dict[str, float]:
+    """One training step on batch ``k`` of ``corpus``; the agent's report after it."""
+    ids, mask = corpus.batch(k, 0)
+    loss = next_byte_loss(model, ids, mask)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    agent.end_step(loss.detach(), tokens=ids.numel())
+    return agent.latest()
+
+
 def _train(freeze_after_attach: bool) -> list[dict[str, float]]:
     """The agent's report after every step: the body frozen (after ``attach``, or before it),
     unfrozen at ``UNFREEZE``."""
@@ -58,13 +72,7 @@ def _train(freeze_after_attach: bool) -> list[dict[str, float]]:
     for k in range(STEPS):
         if k == UNFREEZE:
             model.body.requires_grad_(True)
-        ids, mask = CORPUS.batch(k, 0)
-        loss = next_byte_loss(model, ids, mask)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        agent.end_step(loss.detach())
-        rows.append(agent.latest())
+        rows.append(_step(model, opt, agent, CORPUS, k))
     agent.close(1.0)
     return rows
 
@@ -87,16 +95,18 @@ def test_unfreezing_the_body_after_a_linear_probe_draws_no_action(freeze_after_a
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
 
 
-def test_the_spike_rules_compare_with_the_reports_since_the_trained_elements_changed() -> None:
+@pytest.mark.parametrize("marker", ["trainguard_trainable_elements", "trainguard_optimizer_class"])
+def test_the_spike_rules_compare_with_the_reports_since_the_run_changed(marker: str) -> None:
     """The controller alone (the agent's reports made by hand): a gradient norm 40x its median is
-    a ``grad_norm_spike`` when the same elements train, and no finding in the reports after they
-    changed until the rule has ``min_history`` of them."""
+    a ``grad_norm_spike`` when the same elements train with the same optimizer, and no finding in
+    the reports after either changed until the rule has ``min_history`` of them."""
     def reports(change: bool) -> list[Report]:
         out = []
         for i in range(40):
             after = i >= 30
             values = {"trainguard_grad_norm": 20.0 if after else 0.5, "trainguard_grad_norm_max": 20.0 if after else 0.5,
-                      "trainguard_loss": 3.0, "trainguard_trainable_elements": 9000.0 if after and change else 100.0}
+                      "trainguard_loss": 3.0, "trainguard_trainable_elements": 100.0, "trainguard_optimizer_class": 7.0,
+                      marker: 9000.0 if after and change else 100.0}
             out.append(Report(job="probe", step_first=i + 1, step_last=i + 1, time=float(i), values=values))
         return out
 
@@ -105,6 +115,49 @@ def test_the_spike_rules_compare_with_the_reports_since_the_trained_elements_cha
              for change in (False, True)}
     assert (31, "grad_norm_spike") in fired[False]
     assert not any(name == "grad_norm_spike" for _, name in fired[True])
+
+
+def _switched(model: nn.Module, first: torch.optim.Optimizer, make_second: Any, load_state: bool) -> list[dict[str, float]]:
+    """200 steps with ``first``, then 200 with the optimizer ``make_second(parameters)`` makes, the
+    agent attached to it anew (as the docs say for a switch), the old agent's state loaded or not.
+    The report after every step, numbered by the step of the whole run."""
+    rows: list[dict[str, float]] = []
+    opt, state = first, None
+    for k0 in (0, 200):
+        if k0:
+            opt = make_second(list(model.parameters()))
+        agent = ta.attach(model, opt, job="switch", run="r",
+                          config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+        if state is not None and load_state:
+            agent.load_state_dict(state)
+        for k in range(k0, k0 + 200):
+            rows.append(dict(_step(model, opt, agent, CORPUS, k), trainguard_step=float(k + 1)))
+        state = agent.state_dict()
+        agent.close(1.0)
+    return rows
+
+
+@pytest.mark.parametrize("case", ["adam-to-sgd, state loaded", "sgd-to-adamw, new agent"])
+def test_switching_optimizer_mid_run_draws_no_action(case: str) -> None:
+    """Adam at 1e-3, then SGD with momentum at 0.1 (a hundred times the LR), the agent's state
+    loaded into the new agent: the LR envelope was Adam's, and a 100x LR jump would cut the LR to
+    1 %. SGD at 0.1, then AdamW at 3e-3 without the state: Adam's update per unit of LR is a
+    hundred times SGD's, an ``update_ratio_spike`` against the reports before the switch. Both
+    runs train on; nothing acts, nothing is skipped."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=32, n_layers=2, n_heads=2)
+    if case.startswith("adam-to-sgd"):
+        rows = _switched(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), load_state=True)
+    else:
+        rows = _switched(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01), load_state=False)
+    assert rows[199]["trainguard_optimizer_class"] != rows[200]["trainguard_optimizer_class"]
+    steps = replay(rows, "switch")
+    assert acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
+    assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
+    assert rows[-1]["trainguard_loss"] < rows[199]["trainguard_loss"]  # training went on
 
 
 def _easy_bytes(n: int = 1 << 16) -> bytes:
@@ -133,13 +186,7 @@ def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> No
         corpus = hard if torch.rand((), generator=pick).item() < 0.2 else easy
         if corpus is hard:
             hard_steps.append(k)
-        ids, mask = corpus.batch(k, 0)
-        loss = next_byte_loss(model, ids, mask)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        agent.end_step(loss.detach(), tokens=ids.numel())
-        rows.append(agent.latest())
+        rows.append(_step(model, opt, agent, corpus, k))
     agent.close(1.0)
     losses = [v["trainguard_loss"] for v in rows]
     late_easy = [losses[k] for k in range(500, 600) if k not in hard_steps]

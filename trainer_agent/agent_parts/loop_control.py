@@ -4,16 +4,21 @@ controller's requests (``should_stop``, ``exit_code``, ``accumulation_steps``) a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+from trainer_agent.measure.optim import optimizer_class
+
 __all__ = ["LoopControl"]
+
+log = logging.getLogger("trainer_agent.agent")
 
 
 class LoopControl:
     """``Agent``'s answers to the loop, on what the agent holds: ``control`` (the control plane,
-    or None), ``accumulation_base``, ``clock``, ``reports``, ``lr_scheduler``, ``scheduled_lr``
-    and ``errors``."""
+    or None), ``accumulation_base``, ``clock``, ``reports``, ``lr_scheduler``, ``scheduled_lr``,
+    ``parts`` and ``errors``."""
 
     @property
     def accumulation_steps(self) -> int | None:
@@ -55,7 +60,7 @@ class LoopControl:
             state["control"] = self.control.state_dict()
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        state["scheduled_lr"] = self.scheduled_lr.state_dict()
+        state["scheduled_lr"] = self.scheduled_lr.state_dict() | {"optimizer": optimizer_class(self.parts.optimizer)[0]}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -65,5 +70,14 @@ class LoopControl:
             self.control.load_state_dict(state["control"])
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if "scheduled_lr" in state:  # (older checkpoints lack it: the envelope starts afresh)
-            self.scheduled_lr.load_state_dict(state["scheduled_lr"])
+        saved = state.get("scheduled_lr")  # (older checkpoints lack it: the envelope starts afresh)
+        if saved is None:
+            return
+        now = optimizer_class(self.parts.optimizer)[0]
+        if saved.get("optimizer", now) != now:
+            # Another optimizer's LRs say nothing about this one's (SGD trains at 100x Adam's LR):
+            # its envelope starts afresh, as on a run's first step.
+            log.info("trainguard: the agent's state was saved with the optimizer %s, this one is %s: the "
+                     "learning-rate envelope starts afresh", saved.get("optimizer"), now)
+            return
+        self.scheduled_lr.load_state_dict(saved)

@@ -14,6 +14,7 @@ import torch
 
 from trainer_agent.agent_parts.attach_args import checked_end_step, is_token_count
 from trainer_agent.compat import torch_private
+from trainer_agent.measure import optim
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
@@ -156,7 +157,8 @@ class StepEnd:
                         gpu_xid=self.export.take_xid(), scheduled_lr=self.scheduled_lr.take(self.parts.optimizer),
                         comm=hooks.comm.take() if hooks.comm is not None else {},
                         trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
-                        else math.nan)  # a job value (the same on every rank), one read per tensor
+                        else math.nan,  # a job value (the same on every rank), one read per tensor
+                        optimizer_class=optim.optimizer_class(self.parts.optimizer)[1])
 
     def _token_count(self, tokens: Any) -> float | None:
         """A report step's token count; a tensor's is read here, and one that is not a count

@@ -33,6 +33,7 @@ kernel, not by the scaler: the step (and its hooks) runs, with ``optimizer.found
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["applied_grad_scale", "fused_found_inf", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+__all__ = ["applied_grad_scale", "fused_found_inf", "optimizer_class", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
 _MAX_DEPTH = 8
@@ -93,6 +94,20 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
     raise ValueError(
         f"optimizer must be a torch.optim.Optimizer, or a framework's wrapper holding one in .optimizer "
         f"(accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer); got {' wrapping '.join(chain)}")
+
+
+def optimizer_class(optimizer: object) -> tuple[str, float]:
+    """The optimizer's class as ``module.QualName``, and a code of it (its CRC-32, a float: a
+    report value). An optimizer that steps another held in ``.optim`` (``ZeroRedundancyOptimizer``)
+    names both: switching the optimizer under it is a switch too. What changes when a run switches
+    optimizer (Adam to SGD, or back) and re-attaches the agent, and nothing else does: the agent's
+    LR envelope and the controller's spike rules start afresh there."""
+    def name(obj: object) -> str:
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+    inner = getattr(optimizer, "optim", None)
+    full = name(optimizer) + (f"({name(inner)})" if isinstance(inner, torch.optim.Optimizer) else "")
+    return full, float(zlib.crc32(full.encode()))
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any],
