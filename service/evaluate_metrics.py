@@ -90,9 +90,10 @@ def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
 
 
 #: What a run changes by its own plan, each a report value that changes with it: the elements that
-#: train (freezing or unfreezing part of the model) and the optimizer's class (a switch, Adam to
-#: SGD). Before such a change a metric was another run's.
-RUN_CHANGES = ("trainguard_trainable_elements", "trainguard_optimizer_class")
+#: train (freezing or unfreezing part of the model), the optimizer's class (a switch, Adam to SGD)
+#: and the changes the user marked (``Agent.run_changed``: a new loss weight). Before such a change
+#: a metric was another run's.
+RUN_CHANGES = ("trainguard_trainable_elements", "trainguard_optimizer_class", "trainguard_run_changes_total")
 
 
 def _since_run_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:

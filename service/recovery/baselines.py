@@ -13,6 +13,7 @@ from typing import Any
 
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.adaptive_lr import ScheduleBaseline, baseline, corrected_scale
+from trainguard.service.evaluate_metrics import RUN_CHANGES
 from trainguard.service.recovery.reading import ReportReading
 from trainguard.service.rules import AdaptiveLrAction
 
@@ -21,9 +22,15 @@ MEASURED = tuple(dict.fromkeys((*(m for c in REGISTRY for m in c.measures), "tra
 
 
 class HealthyBaselines:
-    """The healthy levels of one run, each kept over the last ``reports`` healthy reports."""
+    """The healthy levels of one run, each kept over the last ``reports`` healthy reports since the
+    run last changed on purpose (:data:`RUN_CHANGES`: part of the model frozen or unfrozen, another
+    optimizer, a change the user marked): SGD's update per unit of LR is a hundredth of Adam's,
+    and judged by Adam's, every SGD report would read as a run training at a fraction of its LR."""
 
     def __init__(self, reports: int, tolerance: float) -> None:
+        self._reports, self._tolerance = reports, tolerance
+        #: The run-change markers of the last healthy report (:data:`RUN_CHANGES`, None where absent).
+        self.regime: tuple[float | None, ...] | None = None
         self.metric: deque[float] = deque(maxlen=reports)
         """The policy's metric (the update ratio)."""
         #: The same for each metric a command's fold measures (``median``).
@@ -40,6 +47,7 @@ class HealthyBaselines:
 
     def resize(self, reports: int, tolerance: float) -> None:
         """Keep the last ``reports`` of each level (a new policy), the newest ones kept."""
+        self._reports, self._tolerance = reports, tolerance
         self.metric = deque(self.metric, maxlen=reports)
         self.measures = {m: deque(v, maxlen=reports) for m, v in self.measures.items()}
         kept = self.schedule
@@ -58,6 +66,7 @@ class HealthyBaselines:
             "schedule": self.schedule.copy(),
             "lr_peak": self.lr_peak,
             "lr_fault_peak": self.lr_fault_peak,
+            "regime": self.regime,
         }
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -67,9 +76,13 @@ class HealthyBaselines:
         self.lr = deque(saved["lr"], maxlen=self.lr.maxlen)
         self.schedule = saved["schedule"]
         self.lr_peak, self.lr_fault_peak = saved["lr_peak"], saved["lr_fault_peak"]
+        self.regime = saved.get("regime")
 
     def add(self, values: dict[str, float], measured: float | None, lr: float | None) -> None:
-        """A healthy report outside incidents at the ceiling: it joins the baselines."""
+        """A healthy report outside incidents at the ceiling: it joins the baselines, which start
+        afresh where the run changed on purpose since the last one (:meth:`_changed`)."""
+        if self._changed(values):
+            self._clear()
         if measured is not None and math.isfinite(measured) and measured > 0:
             self.metric.append(measured)
         for name, kept in self.measures.items():
@@ -83,6 +96,21 @@ class HealthyBaselines:
         top = values.get("trainguard_scheduler_lr_max", lr)
         if self.lr_fault_peak is not None and top is not None and math.isfinite(top):
             self.lr_fault_peak = max(self.lr_fault_peak, float(top))
+
+    def _changed(self, values: dict[str, float]) -> bool:
+        """Whether a run-change marker this report and the last healthy one both carry differs."""
+        regime = tuple(values.get(name) for name in RUN_CHANGES)
+        before, self.regime = self.regime, regime
+        return before is not None and any(a is not None and b is not None and a != b for a, b in zip(before, regime))
+
+    def _clear(self) -> None:
+        """Every level afresh, as for a new run."""
+        self.metric.clear()
+        for kept in self.measures.values():
+            kept.clear()
+        self.lr.clear()
+        self.schedule = ScheduleBaseline(reports=self._reports, tolerance=self._tolerance)
+        self.lr_peak = self.lr_fault_peak = None
 
     def baseline(self) -> float | None:
         """The healthy median of the policy's metric."""

@@ -90,7 +90,7 @@ def test_a_spike_after_part_of_the_model_was_unfrozen_is_taken_and_starts_a_new_
         reads[0] += 1
         return trained[0]
 
-    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4), trainable=trainable)
+    guard = SpikeGuard(SpikeGuardConfig(window=8, min_history=4), regime=trainable)
     for x in (0.5, 0.55, 0.45, 0.5, 0.52):
         guard.taken(x)
     assert reads[0] == 1  # once, when the baseline started: not per step

@@ -352,3 +352,42 @@ def test_a_high_update_per_lr_asks_for_a_cut_only_when_the_update_itself_is_larg
     small = {"trainguard_update_ratio": 1e-5, "trainguard_update_ratio_per_lr": 3.0, "trainguard_scheduler_lr": 1e-3}
     assert sb.small_update(small) and sb.needed(small)[0] == 1.0
     assert sb.copy().small_update(small)  # the copy keeps the update baseline
+
+
+def test_the_healthy_baselines_start_afresh_where_the_run_switched_optimizer() -> None:
+    """Adam's update per unit of LR is ~30x SGD's: after a switch, judged by Adam's healthy levels,
+    every SGD report would read as a run training at a fraction of its LR (``degraded``), and a
+    later incident would climb the ladder to a pause. The levels start afresh at the switch
+    (``trainguard_optimizer_class`` changed) and at a change the user marked; reports of one
+    optimizer, or without the markers (an older agent), stay one run's."""
+    from trainguard.service.recovery.baselines import HealthyBaselines
+
+    def fill(b: HealthyBaselines, code: float | None, per_lr: float, lr: float, loss: float, n: int) -> None:
+        values = {"trainguard_update_ratio_per_lr": per_lr, "trainguard_scheduler_lr": lr, "trainguard_loss": loss}
+        if code is not None:
+            values |= {"trainguard_optimizer_class": code, "trainguard_run_changes_total": 0.0}
+        for _ in range(n):
+            b.add(values, measured=per_lr * lr, lr=lr)
+
+    switched = HealthyBaselines(reports=16, tolerance=1.5)
+    fill(switched, 1.0, per_lr=3.0, lr=1e-3, loss=3.0, n=10)
+    fill(switched, 2.0, per_lr=0.1, lr=0.1, loss=2.5, n=3)
+    assert baseline(switched.schedule.per_lr) == 0.1 and baseline(switched.lr) == 0.1
+    assert switched.baseline() == pytest.approx(0.01) and switched.median("trainguard_loss") == 2.5
+    assert switched.lr_peak == 0.1
+
+    for code in (1.0, None):  # one optimizer throughout, or no markers: every report counts
+        kept = HealthyBaselines(reports=16, tolerance=1.5)
+        fill(kept, code, per_lr=3.0, lr=1e-3, loss=3.0, n=10)
+        fill(kept, code, per_lr=0.1, lr=0.1, loss=2.5, n=3)
+        assert baseline(kept.schedule.per_lr) == 3.0 and kept.lr_peak == 0.1
+
+    marked = HealthyBaselines(reports=16, tolerance=1.5)
+    fill(marked, 1.0, per_lr=3.0, lr=1e-3, loss=3.0, n=10)
+    marked.add({"trainguard_optimizer_class": 1.0, "trainguard_run_changes_total": 1.0, "trainguard_loss": 12.0},
+               measured=3e-3, lr=1e-3)
+    assert marked.median("trainguard_loss") == 12.0  # the loss of the new weight alone
+    saved = marked.save()
+    marked.add({"trainguard_optimizer_class": 2.0, "trainguard_loss": 1.0}, measured=1e-4, lr=0.1)
+    marked.restore(saved)  # an undone report: the regime it had comes back with the levels
+    assert marked.regime == (None, 1.0, 1.0) and marked.median("trainguard_loss") == 12.0

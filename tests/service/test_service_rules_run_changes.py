@@ -160,6 +160,40 @@ def test_switching_optimizer_mid_run_draws_no_action(case: str) -> None:
     assert rows[-1]["trainguard_loss"] < rows[199]["trainguard_loss"]  # training went on
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "not-marked"])
+def test_a_new_loss_weight_marked_as_a_run_change_draws_no_action(marked: bool) -> None:
+    """The loss multiplied by 4 from step 200 (a new loss weight): AdamW's steps do not change, the
+    reported loss and gradient norm jump 4x. Marked with ``Agent.run_changed()`` at that step, it
+    draws no action; unmarked, the rules cannot tell it from a fault and act (what the docs say)."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=32, n_layers=2, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    agent = ta.attach(model, opt, job="weight", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows = []
+    for k in range(320):
+        if k == 200 and marked:
+            agent.run_changed()
+        ids, mask = CORPUS.batch(k, 0)
+        loss = next_byte_loss(model, ids, mask) * (4.0 if k >= 200 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        rows.append(agent.latest())
+    agent.close(1.0)
+    assert rows[-1]["trainguard_run_changes_total"] == (1.0 if marked else 0.0)
+    assert rows[200]["trainguard_loss"] > 3 * rows[199]["trainguard_loss"]
+    steps = replay(rows, "weight")
+    skipped = [v.get("trainguard_consecutive_skipped_steps", 0) for v in rows]
+    if marked:
+        assert acting(steps) == []
+        assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
+        assert max(skipped) == 0
+    else:
+        assert any(" loss_spike:" in line for line in acting(steps))
+
+
 def _easy_bytes(n: int = 1 << 16) -> bytes:
     """A corpus of a few repeated phrases: its loss falls far below the library source's."""
     rnd = random.Random(0)

@@ -51,6 +51,16 @@ class LoopControl:
             self.errors.error("control_should_stop", exc)
             return 0
 
+    def run_changed(self) -> None:
+        """Mark a change the run makes on purpose, at the step in progress, after which its metrics
+        may jump at once and that is no fault: a new loss weight or normalisation (a loss that
+        doubles looks like a loss spike), another objective, another data mixture. Call it on
+        every rank, at the same step. The spike guard takes the first spike after it and starts its
+        baseline afresh; the controller's spike rules compare each metric only with the reports
+        from the next one on (``trainguard_run_changes_total``). Freezing or unfreezing part of the
+        model and switching optimizer are found without it."""
+        self.clock.run_changes += 1
+
     def state_dict(self) -> dict[str, Any]:
         """The agent's counters and control state, for the training checkpoint; with an
         ``lr_scheduler`` given to ``attach``, also its ``state_dict()`` (so that restoring the

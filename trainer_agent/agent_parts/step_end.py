@@ -158,7 +158,8 @@ class StepEnd:
                         comm=hooks.comm.take() if hooks.comm is not None else {},
                         trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
                         else math.nan,  # a job value (the same on every rank), one read per tensor
-                        optimizer_class=optim.optimizer_class(self.parts.optimizer)[1])
+                        optimizer_class=optim.optimizer_class(self.parts.optimizer)[1],
+                        run_changes=float(self.clock.run_changes))
 
     def _token_count(self, tokens: Any) -> float | None:
         """A report step's token count; a tensor's is read here, and one that is not a count

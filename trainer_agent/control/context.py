@@ -40,8 +40,9 @@ class ControlContext:
     """The run's own accumulation steps when it lets the controller change them (else None)."""
     named_parameters: Callable[[], Any] = lambda: ()
     """The model's ``named_parameters`` (the optimizer reset names layers by them)."""
-    trainable_elements: Callable[[], int] | None = None
-    """Elements of the measured parameters that require a gradient now (the spike guard's)."""
+    regime: Callable[[], Any] | None = None
+    """What the run trains now and how (the spike guard's ``regime``): the elements that require a
+    gradient and the changes the user marked."""
 
 
 @dataclass(frozen=True, slots=True)

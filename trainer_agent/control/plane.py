@@ -173,7 +173,7 @@ class ControlPlane(StateAgreement):
         or collective of its own)."""
         if not (cfg.skips_steps or self.controlled):
             return None
-        guard = SpikeGuard(cfg.spike, trainable=self._ctx.trainable_elements) if cfg.spike_guard_on else None
+        guard = SpikeGuard(cfg.spike, regime=self._ctx.regime) if cfg.spike_guard_on else None
         return NonfiniteSkip(self._ctx.optimizer, world_size=self.world_size, group=self._channel.group,
                              grad_norm=self._ctx.grad_norm, on_error=self._on_error, guard=guard,
                              data_skip=self.skipping_data, check_gradients=cfg.skips_steps,

@@ -26,9 +26,10 @@ hundreds of steps it would take a robust median to move. Such a run shows in
 pause).
 
 A spike on a step after the run froze or unfroze part of the model (the elements that require a
-gradient changed since the baseline started) is taken and starts a new baseline,
-as after ``max_consecutive`` skips: a linear probe's head alone has a gradient norm tens of times
-smaller than the whole model's, and skipping the first fine-tuning steps cannot change that.
+gradient changed since the baseline started), or after a change the user marked
+(``Agent.run_changed``: a new loss weight), is taken and starts a new baseline, as after
+``max_consecutive`` skips: a linear probe's head alone has a gradient norm tens of times smaller
+than the whole model's, and skipping the first fine-tuning steps cannot change that.
 
 A skipped spike whose gradient comes back the same on the next step (the same norm, within
 ``REPEAT_RTOL``) is taken at once and starts a new baseline, as after ``max_consecutive`` skips.
@@ -56,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from statistics import median
 from typing import Any
 
@@ -76,12 +77,13 @@ class SpikeGuard:
     """Rolling robust baseline of the gradient norms of the steps taken; pure host code."""
 
     def __init__(self, config: SpikeGuardConfig | None = None, *,
-                 trainable: Callable[[], int] | None = None) -> None:
+                 regime: Callable[[], Hashable] | None = None) -> None:
         self.config = config or SpikeGuardConfig()
-        #: The elements that train now (``ParamIndex.trainable_elements``), read when a baseline
-        #: starts and on a spike only.
-        self.trainable = trainable
-        self._trained: int | None = None  # the elements that trained when the baseline started
+        #: What the run trains now and how: the elements that train (``ParamIndex.trainable_elements``)
+        #: and the changes the user marked (``Agent.run_changed``). Read when a baseline starts and
+        #: on a spike only.
+        self.regime = regime
+        self._trained: Hashable = None  # the regime when the baseline started
         self._norms: deque[float] = deque(maxlen=self.config.window)
         self.consecutive = 0
         """Steps skipped in a row (any reason), reset by a step taken."""
@@ -114,18 +116,18 @@ class SpikeGuard:
                 norm, self._last_spike, rel_tol=REPEAT_RTOL):
             self._rebase = True  # the same gradient again: skipping cannot change it (see the module)
             return False
-        if spike and self._trained_changed():
-            self._rebase = True  # part of the model was frozen or unfrozen: a new regime (see the module)
+        if spike and self._regime_changed():
+            self._rebase = True  # part of the model frozen or unfrozen, a change marked: a new regime (see the module)
             return False
         if spike:
             self._last_spike = norm
         return spike
 
-    def _trained_changed(self) -> bool:
-        """Whether the elements that train changed since the baseline started."""
-        if self.trainable is None:
+    def _regime_changed(self) -> bool:
+        """Whether the regime (:attr:`regime`) changed since the baseline started."""
+        if self.regime is None:
             return False
-        now = self.trainable()
+        now = self.regime()
         before, self._trained = self._trained, now
         return before is not None and now != before
 
@@ -144,8 +146,8 @@ class SpikeGuard:
             self._rebase = False
         self.consecutive, self._last_spike = 0, None
         if math.isfinite(norm):
-            if not self._norms and self.trainable is not None:
-                self._trained = self.trainable()  # a baseline starts: under these elements
+            if not self._norms and self.regime is not None:
+                self._trained = self.regime()  # a baseline starts: under this regime
             self._norms.append(norm)
 
     def skipped(self) -> None:

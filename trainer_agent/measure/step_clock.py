@@ -34,6 +34,8 @@ class StepClock:
         self.amp_fused: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
         self.row: torch.Tensor | None = None
+        #: Changes the user marked (``Agent.run_changed``): a jump of the metrics there is the run's own.
+        self.run_changes = 0
 
     def read_step(self) -> int:
         """The step reader the collaborators get."""
@@ -48,6 +50,7 @@ class StepClock:
             # SYNC: checkpoint time only; reads one device scalar.
             "nonfinite_steps_total": float((reports.nonfinite_steps + reports.interval_nonfinite()).item()),
             "amp_skipped_steps_total": self.amp_skipped + (int(self.amp_fused.item()) if self.amp_fused is not None else 0),
+            "run_changes_total": self.run_changes,
         }
 
     def load_counters(self, state: Any, reports: Any) -> None:
@@ -58,10 +61,11 @@ class StepClock:
             step = int(state["step"])
             nonfinite = float(state["nonfinite_steps_total"])
             skipped = int(state["amp_skipped_steps_total"])
+            changes = int(state.get("run_changes_total", 0))  # (older checkpoints: none marked)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed trainguard agent state dict: {exc}") from None
-        if step < 0 or skipped < 0 or not nonfinite >= 0:
+        if step < 0 or skipped < 0 or changes < 0 or not nonfinite >= 0:
             raise ValueError("malformed trainguard agent state dict: negative counters")
-        self.step, self.amp_skipped, self.amp_fused = step, skipped, None
+        self.step, self.amp_skipped, self.amp_fused, self.run_changes = step, skipped, None, changes
         reports.nonfinite_steps.fill_(nonfinite)
         reports.interval.zero_()  # steps before the restore are not part of the restored run

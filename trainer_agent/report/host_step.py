@@ -37,5 +37,7 @@ class HostStep:
     """The interval's gradient communication times (``CommTiming.take``; empty without it)."""
     trainable_elements: float = math.nan
     """Elements of the measured parameters that require a gradient now (``ParamIndex.trainable_elements``)."""
+    run_changes: float = math.nan
+    """Changes the user marked (``Agent.run_changed``) so far."""
     optimizer_class: float = math.nan
     """A code of the optimizer's class (``measure.optim.optimizer_class``): changes when the run switches optimizer."""

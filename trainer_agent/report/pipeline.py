@@ -238,6 +238,8 @@ class ReportPipeline:
         host.update(h.scheduled_lr)
         if not math.isnan(h.trainable_elements):
             host["trainguard_trainable_elements"] = h.trainable_elements
+        if not math.isnan(h.run_changes):
+            host["trainguard_run_changes_total"] = h.run_changes
         if not math.isnan(h.optimizer_class):
             host["trainguard_optimizer_class"] = h.optimizer_class
         host.update(h.comm)
