@@ -234,9 +234,13 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
         update per unit of LR, when the agent reports it: the schedule does not move that one;
         then the update itself must also be above degrade_ratio x its own healthy median,
         ``ScheduleBaseline.small_update``), or the update per unit of LR below 1 / (2 x
-        degrade_ratio) of its baseline (the optimizer's state still holds the fault: the run
-        trains at a fraction of its LR)."""
-        return self.baselines.degraded(self.reading, self.policy.degrade_ratio)
+        degrade_ratio) of its baseline (the optimizer's state still holds the fault: the run trains
+        at a fraction of its LR) unless the loss is below its healthy median by the margin of
+        ``loss_recovered_ratio`` (the run trains better than before the onset at that update)."""
+        loss, base = self.reading.values.get("trainguard_loss"), self.healthy_median("trainguard_loss")
+        below = (loss is not None and base is not None and math.isfinite(loss)
+                 and loss < base / self.policy.loss_recovered_ratio)
+        return self.baselines.degraded(self.reading, self.policy.degrade_ratio, loss_below=below)
 
     def after_report(self, *, step: int, values: dict[str, float], findings: list[Any], before: DesiredState,
                      desired: DesiredState, fired: list[tuple[str, DesiredState]], now: float) -> list[RecoveryChange]:

@@ -130,8 +130,9 @@ class HealthyBaselines:
             return base, float(per_lr)
         return self.baseline(), reading.measured
 
-    def degraded(self, reading: ReportReading, degrade_ratio: float) -> bool:
-        """See :meth:`~service.incidents.RunRecovery.degraded`."""
+    def degraded(self, reading: ReportReading, degrade_ratio: float, *, loss_below: bool = False) -> bool:
+        """See :meth:`~service.incidents.RunRecovery.degraded`. ``loss_below``: whether the
+        report's loss is clearly below its healthy median."""
         base, measured = self.ramp_measure(reading)
         if base is None or measured is None:
             return False
@@ -144,7 +145,10 @@ class HealthyBaselines:
             # remembers them for ~1/(1 - beta2) steps, so the run trains at a fraction of its LR
             # (0.2x for 200 steps after 5 steps at x200) while its loss stays above where it was.
             # Not recovered: the ladder goes on (a rollback restores the optimizer state too).
-            return True
+            # With the loss clearly below its healthy level the run trains well at its update:
+            # Adam's normalised step also falls on its own as training goes on (a baseline from the
+            # first hundred steps read 4.5 per unit of LR, a healthy run 1.2 a hundred steps later).
+            return not loss_below
         # High per unit of LR, but is the update itself large? While the LR in force is far below
         # the one the baseline was measured at (a rollback's guard, adaptive LR), Adam's normalised
         # step m/sqrt(v) grows towards 1 as the weights stop moving (successive gradients agree):

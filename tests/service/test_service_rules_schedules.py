@@ -299,3 +299,36 @@ def test_a_float16_run_whose_loss_keeps_overflowing_climbs_the_ladder() -> None:
     (onset, outcome, rungs), = _incidents(steps)
     assert onset == 101 and outcome == "escalated" and rungs[0] == "skip" and len(rungs) > 1
     assert steps[-1].desired.paused
+
+
+def test_a_brief_instability_at_a_cyclic_peak_recovers_without_a_pause() -> None:
+    """Adam under CyclicLR (triangular2, 1e-4 to 1e-2, a report every 10 steps): near the first
+    peak the gradient norm goes 10x for ~15 steps and the spike guard skips them, an incident. Then
+    the run trains on, its loss below where it was, its update per unit of LR a quarter of the
+    first reports' (Adam's normalised step falls on its own as training goes on). The signals are
+    back: the incident recovers at its first rung, with no LR cut and no pause. Judged by the update
+    per unit of LR alone, the run read as degraded and was paused at step 150, its loss falling."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=32, n_layers=2, n_heads=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    sched = S.CyclicLR(opt, base_lr=1e-4, max_lr=1e-2, step_size_up=100, mode="triangular2", cycle_momentum=False)
+    agent = ta.attach(model, opt, job="cyclic", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True))
+    corpus = ByteCorpus(stdlib_source_bytes(1 << 19), seq_len=32, batch_size=8)
+    rows = []
+    for k in range(200):
+        ids, mask = corpus.batch(k, 0)
+        loss = next_byte_loss(model, ids, mask)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach(), tokens=ids.numel())
+        if (k + 1) % 10 == 0:
+            rows.append(agent.latest())
+    agent.close(1.0)
+    assert max(v.get("trainguard_consecutive_skipped_steps", 0) for v in rows) > 0  # the instability, skipped
+    steps = replay(rows, "cyclic")
+    incidents = _incidents(steps)
+    assert [rungs for _, _, rungs in incidents] == [["skip"]], incidents
+    assert all(s.desired.lr_scale == 1.0 and not s.desired.paused for s in steps)
