@@ -103,7 +103,7 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
         self._verdict: Verdict | None = None
         """The cause of what the newest report shows (:meth:`consider`), while no incident is open."""
         self._revised = False
-        """The newest report revised the open incident's cause to hardware."""
+        """The newest report revised the open incident's cause (to hardware; a single-batch data verdict to unknown)."""
         self._opened_now = False
         self._scale_before_experiment = 1.0
         self.ramp = self._new_ramp()

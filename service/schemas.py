@@ -30,7 +30,7 @@ class Verdict(BaseModel):
     evidence: list[Evidence]
     ranks: list[int] = Field(description="A hardware fault's suspect ranks.")
     hosts: list[str] = Field(description="The hosts of those ranks, from the run's registration.")
-    revised: dict[str, Any] | None = Field(default=None, description="Later evidence that made the cause hardware: from, step, summary.")
+    revised: dict[str, Any] | None = Field(default=None, description="Later evidence that changed the cause (to hardware; a data verdict made on one batch to unknown once more batches stood out): from, step, summary.")
 
 
 class IncidentRung(BaseModel):

@@ -1,6 +1,7 @@
 """The cause of what a run's newest report shows (``service/cause.py`` judges it): decided before
 the rules' actions are taken, so that an action that does not fit the cause is refused, and kept
-while an incident is open unless hardware evidence revises it. A mixin of
+while an incident is open unless hardware evidence revises it, or the skips that follow refute a
+data verdict made on one batch standing out (:meth:`ReportCause._single_batch_refuted`). A mixin of
 :class:`~service.incidents.RunRecovery` (its state: the open incident, the policy, the newest
 report's reading and the healthy baselines)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, Verdict, judge, refusal
+from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
 from trainguard.service.recovery import replay as _replay
 from trainguard.service.recovery.baselines import HealthyBaselines
 from trainguard.service.recovery.health import alarming
@@ -51,6 +52,8 @@ class ReportCause:
         self._verdict = None
         if not self.policy.enabled:
             return
+        if self.open is not None and self._single_batch_refuted(window):
+            return
         if self.open is not None and (self.open.cause == "hardware"
                                       or not any(f.active and f.rule.diagnosis in _HARDWARE for f in findings)):
             return
@@ -80,6 +83,27 @@ class ReportCause:
                                    e for e in verdict.as_dict()["evidence"] if e["points_to"] == "hardware"))
             inc.cause = "hardware"
             self._revised = True
+
+    def _single_batch_refuted(self, window: Any) -> bool:
+        """Revise a data incident judged on one batch standing out (its loss, or at most
+        ``SINGLE_BATCH_SKIPS`` skipped steps; no data rule among its evidence) to ``unknown`` once
+        the agent has skipped more steps than that in a row with no data rule firing: no one batch
+        is the cause (a schedule's LR past what the run can take makes every batch stand out, and
+        skipping the batches cannot help). The unknown ladder's experiment finds out whether the
+        LR is. True when it revised."""
+        inc = self.open
+        if (inc is None or inc.cause != "data" or self.reading.skipped_now <= SINGLE_BATCH_SKIPS
+                or self.reading.data_active):
+            return False
+        if any(e["points_to"] == "data" and e["signal"].startswith("rule:") for e in inc.verdict.get("evidence", [])):
+            return False
+        inc.verdict = dict(inc.verdict, revised={
+            "from": "data", "step": window.last_step,
+            "summary": f"the agent skipped {self.reading.skipped_now} steps in a row, with no data rule firing: "
+                       "more than one batch stands out, so no single batch is the cause"})
+        inc.cause = "unknown"
+        self._revised = True
+        return True
 
     def _report_ladder(self) -> tuple[str, ...]:
         """The ladder of the open incident, else of the newest report's verdict."""

@@ -250,6 +250,30 @@ def test_an_incident_of_unknown_cause_runs_the_experiment_and_its_outcome_decide
     assert taken[1:] == [("rollback", 70)] and inc["outcome"] == "escalated"
 
 
+def test_a_data_verdict_on_one_batch_is_revised_when_the_skips_go_on() -> None:
+    """One skipped step, the loss up: one batch stands out, a data incident. The agent goes on
+    skipping (3, then 5 steps in a row), with no data rule firing: no single batch is the cause
+    (a schedule's LR past what the run takes makes every batch stand out). The cause is revised
+    to unknown and the unknown ladder's experiment follows, not the data skip; the revision is
+    recorded. With a data rule among the evidence the data verdict stands."""
+    healthy = [_report(i) for i in range(1, 30)]
+    one = [_report(30, trainguard_consecutive_skipped_steps=1.0, trainguard_loss=3.0)]
+    more = [_report(i, trainguard_consecutive_skipped_steps=3.0 if i == 31 else 5.0) for i in range(31, 60)]
+    _, incidents = _incidents(healthy + one + more)
+    (inc,) = incidents
+    assert inc["cause"] == "unknown" and inc["verdict"]["cause"] == "data"  # judged data at the onset
+    assert inc["verdict"]["revised"]["from"] == "data" and inc["verdict"]["revised"]["step"] == 31
+    taken = [r["rung"] for r in inc["rungs"] if r["rung"] != "skip"]
+    assert taken[0] == "experiment" and "data_skip" not in taken
+
+    _, stays = _incidents(healthy + one[:1] + [_report(31, trainguard_consecutive_skipped_steps=1.0)])
+    assert stays[0]["cause"] == "data" and "revised" not in stays[0]["verdict"]  # one batch: nothing refutes it
+    drifted = [_report(30, trainguard_consecutive_skipped_steps=1.0, trainguard_loss=3.0,
+                       trainguard_data_token_kl_divergence=0.5)]  # the token distribution drifted too
+    _, stays = _incidents(healthy + drifted + more)
+    assert stays[0]["cause"] == "data" and "revised" not in stays[0]["verdict"]
+
+
 def test_the_experiment_concludes_optimizer_when_the_symptom_follows_the_lr() -> None:
     healthy = [_report(i) for i in range(1, 30)]
     stuck = [_report(i, trainguard_consecutive_skipped_steps=5.0) for i in range(30, 50)]
