@@ -171,3 +171,36 @@ def test_the_envelope_carries_over_a_resume_only_to_an_optimizer_of_the_same_cla
     else:
         assert len(codes) == 1 and "starts afresh" not in caplog.text
         assert second[0]["trainguard_scheduler_lr_peak"] == pytest.approx(1e-3)
+
+
+def test_marking_run_changes_often_is_warned_about_once(caplog) -> None:
+    """``run_changed()`` counts each mark (``trainguard_run_changes_total``); marks fewer than 16
+    reports apart are warned about, once: each starts the spike rules' baselines afresh."""
+    import trainer_agent as ta
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, report_every=2))
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(1.0)
+
+    with caplog.at_level("WARNING", logger="trainer_agent.agent"):
+        agent.run_changed()
+        steps(32)  # 16 reports later: no warning
+        agent.run_changed()
+        assert "run_changed()" not in caplog.text
+        steps(4)
+        agent.run_changed()
+        steps(4)
+        agent.run_changed()
+        steps(2)
+    assert caplog.text.count("run_changed() at step") == 1
+    assert "4 steps after the last" in caplog.text
+    assert agent.latest()["trainguard_run_changes_total"] == 4.0
+    assert agent.state_dict()["run_changes_total"] == 4
+    agent.close(1.0)

@@ -14,11 +14,16 @@ __all__ = ["LoopControl"]
 
 log = logging.getLogger("trainer_agent.agent")
 
+#: Reports after a change before the spike rules judge again (the default rules' largest ``min_history``).
+RUN_CHANGE_REPORTS = 16
+
 
 class LoopControl:
     """``Agent``'s answers to the loop, on what the agent holds: ``control`` (the control plane,
     or None), ``accumulation_base``, ``clock``, ``reports``, ``lr_scheduler``, ``scheduled_lr``,
-    ``parts`` and ``errors``."""
+    ``parts``, ``config`` and ``errors``."""
+
+    _run_changed_at: int | None = None  # the step of the last run_changed()
 
     @property
     def accumulation_steps(self) -> int | None:
@@ -58,7 +63,17 @@ class LoopControl:
         every rank, at the same step. The spike guard takes the first spike after it and starts its
         baseline afresh; the controller's spike rules compare each metric only with the reports
         from the next one on (``trainguard_run_changes_total``). Freezing or unfreezing part of the
-        model and switching optimizer are found without it."""
+        model and switching optimizer are found without it. Marks fewer than
+        ``RUN_CHANGE_REPORTS`` reports apart are warned about once: the spike rules judge nothing
+        until they have a few reports after a change, so marking often leaves spikes unjudged."""
+        step, last = self.clock.step, self._run_changed_at
+        if last is not None and step - last < RUN_CHANGE_REPORTS * self.config.report_every:
+            self.errors.warn_once("run_changed", (
+                f"trainguard: run_changed() at step {step}, {step - last} steps after the last: after each change "
+                f"the spike rules wait for {RUN_CHANGE_REPORTS} reports before they judge a spike again, so marking "
+                "changes this often leaves loss and gradient spikes unjudged. Mark only a change that moves the "
+                "loss's scale (a new loss weight or normalisation, another objective or data mixture)."))
+        self._run_changed_at = step
         self.clock.run_changes += 1
 
     def state_dict(self) -> dict[str, Any]:
