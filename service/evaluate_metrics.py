@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from trainguard.protocol.catalog import RUN_CHANGE_MARKERS
 from trainguard.service import rate_and_oscillation
 from trainguard.service.finding import Finding, Verdict, json_number
 from trainguard.service.numerics import all_finite, finite_range, mean_of, median
@@ -89,22 +90,16 @@ def _schedule_rise(rule: SpikeRule, w: RuleWindow) -> float:
     return max(lr / median(before), 1.0)
 
 
-#: What a run changes by its own plan, each a report value that changes with it: the elements that
-#: train (freezing or unfreezing part of the model), the optimizer's class (a switch, Adam to SGD)
-#: and the changes the user marked (``Agent.run_changed``: a new loss weight). Before such a change
-#: a metric was another run's.
-RUN_CHANGES = ("trainguard_trainable_elements", "trainguard_optimizer_class", "trainguard_run_changes_total")
-
-
 def _since_run_change(w: RuleWindow, hist: np.ndarray) -> np.ndarray:
     """``hist`` (the reports before the newest) cut to those since the run last changed what it
-    trains or the optimizer it trains with (a value of :data:`RUN_CHANGES` changed): before it
+    trains or the optimizer it trains with, or marked a change (a value of ``RUN_CHANGE_MARKERS``
+    changed, ``trainguard/protocol/catalog.py``): before it
     the metric was another model's or another optimizer's (a linear probe's head alone has a
     gradient norm tens of times smaller than the whole model's; Adam's update per unit of LR is a
     hundred times SGD's). A marker whose reports do not line up with ``hist`` (reports without
     it: older agents) is left out."""
     start = 0
-    for name in RUN_CHANGES:
+    for name in RUN_CHANGE_MARKERS:
         values = w.series(name, len(hist) + 1)
         if len(values) == len(hist) + 1:
             other = np.flatnonzero(values != values[-1])

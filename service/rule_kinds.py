@@ -70,8 +70,8 @@ class SpikeRule(_RuleBase):
     is 1.482602 * MAD of the window (1 / Phi^-1(3/4)) and for ``baseline: ema`` the exponentially weighted standard
     deviation (alpha = 2 / (window + 1)). The window holds only the reports since the run last changed
     the elements that train (``trainguard_trainable_elements``: part of the model frozen or unfrozen)
-    or its optimizer (``trainguard_optimizer_class``: Adam to SGD): before it the metric was another
-    model's or another optimizer's.
+    or its optimizer (``trainguard_optimizer_class``: Adam to SGD), or marked a change
+    (``trainguard_run_changes_total``: a new loss weight): before it the metric was another run's.
     """
 
     kind: Literal["spike"]

@@ -11,9 +11,9 @@ import math
 from collections import deque
 from typing import Any
 
+from trainguard.protocol.catalog import RUN_CHANGE_MARKERS
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.adaptive_lr import ScheduleBaseline, baseline, corrected_scale
-from trainguard.service.evaluate_metrics import RUN_CHANGES
 from trainguard.service.recovery.reading import ReportReading
 from trainguard.service.rules import AdaptiveLrAction
 
@@ -23,13 +23,13 @@ MEASURED = tuple(dict.fromkeys((*(m for c in REGISTRY for m in c.measures), "tra
 
 class HealthyBaselines:
     """The healthy levels of one run, each kept over the last ``reports`` healthy reports since the
-    run last changed on purpose (:data:`RUN_CHANGES`: part of the model frozen or unfrozen, another
+    run last changed on purpose (:data:`RUN_CHANGE_MARKERS`: part of the model frozen or unfrozen, another
     optimizer, a change the user marked): SGD's update per unit of LR is a hundredth of Adam's,
     and judged by Adam's, every SGD report would read as a run training at a fraction of its LR."""
 
     def __init__(self, reports: int, tolerance: float) -> None:
         self._reports, self._tolerance = reports, tolerance
-        #: The run-change markers of the last healthy report (:data:`RUN_CHANGES`, None where absent).
+        #: The run-change markers of the last healthy report (:data:`RUN_CHANGE_MARKERS`, None where absent).
         self.regime: tuple[float | None, ...] | None = None
         self.metric: deque[float] = deque(maxlen=reports)
         """The policy's metric (the update ratio)."""
@@ -99,7 +99,7 @@ class HealthyBaselines:
 
     def _changed(self, values: dict[str, float]) -> bool:
         """Whether a run-change marker this report and the last healthy one both carry differs."""
-        regime = tuple(values.get(name) for name in RUN_CHANGES)
+        regime = tuple(values.get(name) for name in RUN_CHANGE_MARKERS)
         before, self.regime = self.regime, regime
         return before is not None and any(a is not None and b is not None and a != b for a, b in zip(before, regime))
 

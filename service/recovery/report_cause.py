@@ -76,13 +76,18 @@ class ReportCause:
                 fault = self.baselines.lr_fault_peak
                 self.baselines.lr_fault_peak = peak if fault is None else min(fault, peak)
         elif verdict.cause == "hardware":
-            inc = self.open
-            inc.verdict = dict(inc.verdict, revised={"from": inc.cause, "step": window.last_step,
-                                                     "summary": verdict.summary}, ranks=list(verdict.ranks),
-                               hosts=list(verdict.hosts), evidence=list(inc.verdict.get("evidence", [])) + list(
-                                   e for e in verdict.as_dict()["evidence"] if e["points_to"] == "hardware"))
-            inc.cause = "hardware"
-            self._revised = True
+            self._revise("hardware", window.last_step, verdict.summary, ranks=list(verdict.ranks),
+                         hosts=list(verdict.hosts), evidence=list(self.open.verdict.get("evidence", [])) + list(
+                             e for e in verdict.as_dict()["evidence"] if e["points_to"] == "hardware"))
+
+    def _revise(self, cause: str, step: int, summary: str, **verdict: Any) -> None:
+        """Revise the open incident's cause to ``cause`` (``verdict.revised``: from, step, summary;
+        ``verdict``: the verdict's fields the new evidence replaces); its first rungs follow."""
+        inc = self.open
+        assert inc is not None
+        inc.verdict = dict(inc.verdict, revised={"from": inc.cause, "step": step, "summary": summary}, **verdict)
+        inc.cause = cause
+        self._revised = True
 
     def _single_batch_refuted(self, window: Any) -> bool:
         """Revise a data incident judged on one batch standing out (its loss, or at most
@@ -97,12 +102,9 @@ class ReportCause:
             return False
         if any(e["points_to"] == "data" and e["signal"].startswith("rule:") for e in inc.verdict.get("evidence", [])):
             return False
-        inc.verdict = dict(inc.verdict, revised={
-            "from": "data", "step": window.last_step,
-            "summary": f"the agent skipped {self.reading.skipped_now} steps in a row, with no data rule firing: "
-                       "more than one batch stands out, so no single batch is the cause"})
-        inc.cause = "unknown"
-        self._revised = True
+        self._revise("unknown", window.last_step,
+                     f"the agent skipped {self.reading.skipped_now} steps in a row, with no data rule firing: "
+                     "more than one batch stands out, so no single batch is the cause")
         return True
 
     def _report_ladder(self) -> tuple[str, ...]:

@@ -8,8 +8,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_agent.measure.optim import optimizer_class
-
 __all__ = ["LoopControl"]
 
 log = logging.getLogger("trainer_agent.agent")
@@ -22,8 +20,6 @@ class LoopControl:
     """``Agent``'s answers to the loop, on what the agent holds: ``control`` (the control plane,
     or None), ``accumulation_base``, ``clock``, ``reports``, ``lr_scheduler``, ``scheduled_lr``,
     ``parts``, ``config`` and ``errors``."""
-
-    _run_changed_at: int | None = None  # the step of the last run_changed()
 
     @property
     def accumulation_steps(self) -> int | None:
@@ -66,14 +62,14 @@ class LoopControl:
         model and switching optimizer are found without it. Marks fewer than
         ``RUN_CHANGE_REPORTS`` reports apart are warned about once: the spike rules judge nothing
         until they have a few reports after a change, so marking often leaves spikes unjudged."""
-        step, last = self.clock.step, self._run_changed_at
+        step, last = self.clock.step, self.clock.run_changed_at
         if last is not None and step - last < RUN_CHANGE_REPORTS * self.config.report_every:
             self.errors.warn_once("run_changed", (
                 f"trainguard: run_changed() at step {step}, {step - last} steps after the last: after each change "
                 f"the spike rules wait for {RUN_CHANGE_REPORTS} reports before they judge a spike again, so marking "
                 "changes this often leaves loss and gradient spikes unjudged. Mark only a change that moves the "
                 "loss's scale (a new loss weight or normalisation, another objective or data mixture)."))
-        self._run_changed_at = step
+        self.clock.run_changed_at = step
         self.clock.run_changes += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -85,7 +81,7 @@ class LoopControl:
             state["control"] = self.control.state_dict()
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        state["scheduled_lr"] = self.scheduled_lr.state_dict() | {"optimizer": optimizer_class(self.parts.optimizer)[0]}
+        state["scheduled_lr"] = self.scheduled_lr.state_dict() | {"optimizer": self.parts.optimizer_class[0]}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -98,7 +94,7 @@ class LoopControl:
         saved = state.get("scheduled_lr")  # (older checkpoints lack it: the envelope starts afresh)
         if saved is None:
             return
-        now = optimizer_class(self.parts.optimizer)[0]
+        now = self.parts.optimizer_class[0]
         if saved.get("optimizer", now) != now:
             # Another optimizer's LRs say nothing about this one's (SGD trains at 100x Adam's LR):
             # its envelope starts afresh, as on a run's first step.

@@ -14,7 +14,6 @@ import torch
 
 from trainer_agent.agent_parts.attach_args import checked_end_step, is_token_count
 from trainer_agent.compat import torch_private
-from trainer_agent.measure import optim
 from trainer_agent.report.pipeline import HostStep, RankVectors
 
 __all__ = ["StepEnd"]
@@ -158,7 +157,7 @@ class StepEnd:
                         comm=hooks.comm.take() if hooks.comm is not None else {},
                         trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
                         else math.nan,  # a job value (the same on every rank), one read per tensor
-                        optimizer_class=optim.optimizer_class(self.parts.optimizer)[1],
+                        optimizer_class=self.parts.optimizer_class[1],
                         run_changes=float(self.clock.run_changes))
 
     def _token_count(self, tokens: Any) -> float | None:

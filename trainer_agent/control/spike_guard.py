@@ -83,7 +83,7 @@ class SpikeGuard:
         #: and the changes the user marked (``Agent.run_changed``). Read when a baseline starts and
         #: on a spike only.
         self.regime = regime
-        self._trained: Hashable = None  # the regime when the baseline started
+        self._regime_at_start: Hashable = None  # the regime when the baseline started
         self._norms: deque[float] = deque(maxlen=self.config.window)
         self.consecutive = 0
         """Steps skipped in a row (any reason), reset by a step taken."""
@@ -128,7 +128,7 @@ class SpikeGuard:
         if self.regime is None:
             return False
         now = self.regime()
-        before, self._trained = self._trained, now
+        before, self._regime_at_start = self._regime_at_start, now
         return before is not None and now != before
 
     def data_skipped(self) -> None:
@@ -147,7 +147,7 @@ class SpikeGuard:
         self.consecutive, self._last_spike = 0, None
         if math.isfinite(norm):
             if not self._norms and self.regime is not None:
-                self._trained = self.regime()  # a baseline starts: under this regime
+                self._regime_at_start = self.regime()  # a baseline starts: under this regime
             self._norms.append(norm)
 
     def skipped(self) -> None:

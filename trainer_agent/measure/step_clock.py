@@ -36,6 +36,8 @@ class StepClock:
         self.row: torch.Tensor | None = None
         #: Changes the user marked (``Agent.run_changed``): a jump of the metrics there is the run's own.
         self.run_changes = 0
+        #: The step of the last mark (``Agent.run_changed``), None before one.
+        self.run_changed_at: int | None = None
 
     def read_step(self) -> int:
         """The step reader the collaborators get."""

@@ -6,13 +6,14 @@ reader. The narrow view of the agent they get instead of the ``Agent``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainer_agent.measure.forward_timer import ForwardTimer
+from trainer_agent.measure.optim import optimizer_class
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.step_stats import StepMeter
 
@@ -32,6 +33,11 @@ class TrainParts:
     """The optimizer steps completed (``Agent.step``)."""
     forward: ForwardTimer | None = None
     """Set once the agent's hooks are registered."""
+    optimizer_class: tuple[str, float] = field(init=False)
+    """The optimizer's class and its code (``optim.optimizer_class``): fixed for the agent's life."""
+
+    def __post_init__(self) -> None:
+        self.optimizer_class = optimizer_class(self.optimizer)
 
     @property
     def device(self) -> torch.device:

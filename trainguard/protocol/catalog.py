@@ -26,6 +26,7 @@ __all__ = [
     "SCOPES",
     "RANK",
     "JOB",
+    "RUN_CHANGE_MARKERS",
     "LAYER",
     "LABEL_VALUES",
     "BASE_LABELS",
@@ -213,6 +214,14 @@ AGENT_METRICS: tuple[MetricSpec, ...] = STEP_METRICS + DATA_METRICS + CONTROL_ME
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in AGENT_METRICS}
 assert len(BY_NAME) == len(AGENT_METRICS), "duplicate metric name in the catalogue"
+
+#: The job values that change when a run changes by its own plan: the elements that train (freezing
+#: or unfreezing part of the model), the optimizer's class (a switch, Adam to SGD) and the changes
+#: the user marked (``Agent.run_changed``: a new loss weight). Before such a change a metric was
+#: another run's: the controller's spike rules and its recovery's healthy levels start afresh there.
+RUN_CHANGE_MARKERS: tuple[str, ...] = ("trainguard_trainable_elements", "trainguard_optimizer_class",
+                                       "trainguard_run_changes_total")
+assert set(RUN_CHANGE_MARKERS) <= BY_NAME.keys()
 
 
 def spec(name: str) -> MetricSpec:
