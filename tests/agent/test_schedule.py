@@ -162,6 +162,10 @@ def test_the_envelope_carries_over_a_resume_only_to_an_optimizer_of_the_same_cla
     with caplog.at_level("INFO", logger="trainer_agent.agent"):
         second, _ = run(second_opt, 10, state)
     assert [v["trainguard_step"] for v in second] == list(range(11, 21))
+    broken = ta.attach(model, second_opt, job="j", run="r2", config=ta.AgentConfig(metrics_port=None))
+    with pytest.raises(ValueError, match="malformed scheduled-LR state: list"):
+        broken.load_state_dict(dict(state, scheduled_lr=[1e-3, 10]))
+    broken.close(1.0)
     codes = {first[-1]["trainguard_optimizer_class"], second[0]["trainguard_optimizer_class"]}
     if switch:
         assert max(v.get("trainguard_scheduler_lr_ratio", 1.0) for v in second) == pytest.approx(1.0)

@@ -94,6 +94,8 @@ class LoopControl:
         saved = state.get("scheduled_lr")  # (older checkpoints lack it: the envelope starts afresh)
         if saved is None:
             return
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"malformed scheduled-LR state: {type(saved).__name__}, not a dict")
         now = self.parts.optimizer_class[0]
         if saved.get("optimizer", now) != now:
             # Another optimizer's LRs say nothing about this one's (SGD trains at 100x Adam's LR):
