@@ -49,6 +49,11 @@ from torch.nn import functional as F
 
 import trainer_agent as ta
 from trainer_agent.measure import stats
+
+try:  # (a trainer_agent before the staged passes, measured side by side through PYTHONPATH)
+    from trainer_agent.measure import staged
+except ImportError:  # pragma: no cover
+    staged = None
 from trainer_agent.measure.bucket_views import BucketViews
 from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
 from trainer_agent.compat import torch_private
@@ -112,20 +117,24 @@ CAT_BATCH = 128
 #: Reductions whose CUDA form adds two launches to its multi-tensor ones (a zero-filled partial buffer
 #: and the per-tensor cleanup kernel).
 _TWO_STAGE = {"_foreach_norm", "_foreach_max"}
+#: Operators of more than one launch whatever their inputs: ``segment_reduce`` with offsets (their
+#: ``diff``, then CUB's segmented reduction; ATen's ``SegmentReduce.cu``).
+_LAUNCHES = {"segment_reduce": 2}
 
 
 def cuda_launches(name: str, lists: list[list[torch.Tensor]], is_view: bool) -> int:
     """A model of the kernels CUDA launches for one operator: 0 for a view or an allocation
     (``empty``), ``ceil(inputs / CAT_BATCH)`` for ``cat``/``stack``, for a ``torch._foreach_*``
     call the multi-tensor launches (by its tensors, the lists it reads and writes, and its
-    blocks) plus two for a two-stage reduction, 1 for any other. A model from ATen's constants:
+    blocks) plus two for a two-stage reduction, 2 for ``segment_reduce``, 1 for any other
+    (``_chunk_cat`` too: one kernel for all its contiguous inputs). A model from ATen's constants:
     ``bench/device_check.sh`` prints the profiler's count beside it on a GPU."""
     if is_view or name.startswith("empty"):
         return 0
     if name in ("cat", "stack"):
         return max(1, -(-len(lists[0]) // CAT_BATCH)) if lists else 1
     if not name.startswith("_foreach_") or not lists:
-        return 1
+        return _LAUNCHES.get(name, 1)
     depth = len(lists) + (0 if name.endswith("_") or name in _TWO_STAGE else 1)  # an out-of-place op's outputs
     tensors = lists[0]
     blocks = sum(-(-t.numel() // MTA_CHUNK) for t in tensors)
@@ -175,8 +184,9 @@ def accelerator_paths():
     norms from an in-place difference (not in cache-sized chunks), the non-finite counts by a
     fused scan of every tensor (not only of those whose norm is non-finite), the gradients'
     moments by fused passes over every tensor (not large ones chunk by chunk), DDP's gradient
-    buckets and FSDP2's flat gradient buffers normed whole (not row by row), and the fused norms'
-    results laid out as CUDA returns them (:func:`_norms_in_one_buffer`)."""
+    buckets and FSDP2's flat gradient buffers normed whole (not row by row), buckets of many
+    tensors measured by the staged passes (``staged.ON_CPU``), and the fused norms' results laid
+    out as CUDA returns them (:func:`_norms_in_one_buffer`)."""
     update, count, moments = stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments
     fused_norm = torch_private.foreach_norm
     stats.update_sq_norms = functools.partial(update, chunked=False)
@@ -184,12 +194,16 @@ def accelerator_paths():
     stats.tensor_moments = functools.partial(moments, chunked=False)
     torch_private.foreach_norm = _norms_in_one_buffer(fused_norm)
     BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = False
+    if staged is not None:
+        staged.ON_CPU = True
     try:
         yield
     finally:
         stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments = update, count, moments
         torch_private.foreach_norm = fused_norm
         BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = True
+        if staged is not None:
+            staged.ON_CPU = False
 
 
 def bandwidth_gbs(device: torch.device, sync) -> float:

@@ -100,7 +100,7 @@ part "reaction latency" 100 "median|steps" -- \
 
 part "cuda tests" 150 "passed|failed|error" -- \
     "$PY" -m pytest -q -p no:cacheprovider tests/agent/test_agent_cuda.py tests/control/test_control_cuda.py \
-    tests/data/test_data_cuda.py
+    tests/data/test_data_cuda.py "tests/agent/test_staged.py::test_staged_passes_on_cuda_match_the_fused_ones"
 
 echo
 echo "device_check summary (logs in $OUT)"

@@ -16,18 +16,22 @@ from torch import nn
 
 from tests.control.spawn import spawn_ranks
 from trainer_agent.measure import fingerprint
-from trainer_agent.measure.fingerprint import TILE, Fingerprinter, desync, findings
+from trainer_agent.measure.fingerprint import LARGE_ELEMENTS, Fingerprinter, desync, findings
+
+TILE = LARGE_ELEMENTS  # from here on a tensor is laid out in LARGE_ROWS rows
 
 
 def _weights(fp: Fingerprinter, i: int, n: int) -> torch.Tensor:
-    """The +-1 weights of tensor ``i`` (numel ``n``) as a dense (n, K) float64 matrix."""
-    r = fp._r[torch.float32].double()
-    s = fp._s[i]
-    m = 0 if s is None else s.shape[0]
-    w = torch.empty(n, fp.k, dtype=torch.float64)
-    for j in range(n):
-        w[j] = s[j // TILE].double() * r[j % TILE] if j < m * TILE else r[j - m * TILE]
-    return w
+    """The +-1 weights of tensor ``i`` (numel ``n``) as a dense (n, K) float64 matrix: element
+    ``j`` in row ``j // w`` and column ``j % w`` of its layout of ``w = ceil(n / rows)`` columns
+    (16 rows below TILE elements, 4096 from there), the row's sign times the column's."""
+    rows = 16 if n < TILE else 4096
+    w = -(-n // rows)
+    s = fp.s_for(rows, torch.float32).double()
+    r = fp.r_host(i).double()
+    assert s.shape == (rows, fp.k) and r.shape == (w, fp.k)
+    j = torch.arange(n)
+    return s[j // w] * r[j % w]
 
 
 def test_projection_matches_a_naive_sum_and_moves_by_the_perturbation() -> None:
@@ -207,8 +211,9 @@ def _by_dtype(xs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
-# Every layout the staging buffer has: small tensors of several row widths, a tensor of exactly
-# TILE, full rows with and without a tail, a non-contiguous one, a bf16 one, a float64 one
+# Every layout the staged chunks have: small tensors (16 rows) of several widths, one whose first
+# dimension 16 divides (copied as it is) and others (flattened), a tensor of exactly TILE elements
+# and larger ones (4096 rows), padded and not, a non-contiguous one, a bf16 one, a float64 one
 # (projected in place), a left-out one.
 FUSED_SHAPES = [(3,), (17,), (20, 20), (64, 64), (TILE + 5,), (3 * TILE + 100,), (1,), (64, 32), (2049,),
                 (50, 100), (7, 9)]
@@ -257,12 +262,15 @@ def test_fused_layer_values_leave_out_missing_and_skipped_tensors(monkeypatch) -
     ref = _per_tensor_layer_values(fp, xs, units, skip={3, 5, 10})
     assert torch.allclose(fp.layer_values(_by_dtype(xs), skip={3, 5, 10}), ref, rtol=1e-5, atol=1e-4)
     assert torch.equal(fp.layer_values(_by_dtype(xs)), every)  # every tensor again: the kept views
-    # A small buffer: several chunks, the 3*TILE+100 tensor projected in place; same values.
-    monkeypatch.setattr(fingerprint, "STAGE_ELEMENTS", 3 * TILE)
+    # A small buffer: the small float32 tensors in several chunks, the 3*TILE+100 tensor projected
+    # in place (as the float64 one always is); same values.
+    monkeypatch.setattr(fingerprint, "STAGE_ELEMENTS", 2000)
     monkeypatch.setattr(fingerprint, "DIRECT_ELEMENTS", 2 * TILE)
     chunked = Fingerprinter([x.numel() for x in xs], torch.tensor(FUSED_UNITS), 4, device=torch.device("cpu"))
     got = chunked.layer_values(_by_dtype(xs))
-    assert len(chunked._stage().plans) > 1 and chunked._stage().direct == [5]
+    plan = chunked._stage(xs)
+    assert len([c for c in plan.chunks if c.rows == 16 and c.dtype == torch.float32]) > 1
+    assert plan.direct == [5, 10]
     assert torch.allclose(got, _per_tensor_layer_values(chunked, xs, units), rtol=1e-5, atol=1e-4)
 
 

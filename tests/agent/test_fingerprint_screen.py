@@ -86,7 +86,7 @@ def test_a_non_finite_layer_stays_in_its_own_replica_layout() -> None:
     """With two replica layouts, a NaN in a unit of one leaves the other's sums finite."""
     fp0, xs = _model(4)
     groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1, 2]])), (torch.tensor([2, 3]), torch.tensor([[0, 1, 2]]))]
-    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 4, device=CPU, groups=groups)
+    fp = Fingerprinter(fp0.numels, torch.tensor(fp0._ids_host), 4, device=CPU, groups=groups)
     sc = Screen(fp)
     assert sc.sets == 2 and sc.width() == screen_width(fp) == 2 * 2 * (fp.k + 1)
     nan = [x.clone() for x in xs]
@@ -130,7 +130,7 @@ def test_replica_groups_are_screened_apart() -> None:
     """Ranks 0, 1 hold one shard and 2, 3 another: their screens differ by design, not a desync."""
     fp0, xs = _model(2)
     groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]]))]
-    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
+    fp = Fingerprinter(fp0.numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
     other = [x + 1 for x in xs]
     ranks = [(xs, xs), (xs, xs), (other, other), (other, other)]
     rounds = _rounds(fp, world=4)
@@ -171,7 +171,7 @@ def test_a_failed_report_stands_in_as_its_replica_and_gets_no_verdict() -> None:
     """Ranks 0, 1 hold one shard and 2, 3 another; rank 3's report failed (its row all NaN)."""
     fp0, xs = _model(2)
     groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]]))]
-    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
+    fp = Fingerprinter(fp0.numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
     other = [x + 1 for x in xs]
     rounds = _rounds(fp, world=4)
     screens = _screens(fp, [(xs, xs), (xs, xs), (other, other), (other, other)])
@@ -205,7 +205,7 @@ def test_the_check_on_a_device_decides_as_the_check_on_the_host(grouped: bool) -
     rows in sync, a difference below and above the threshold, NaN, and a failed report."""
     fp0, xs = _model(2)
     groups = [(torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]]))] if grouped else None
-    fp = Fingerprinter(fp0._numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
+    fp = Fingerprinter(fp0.numels, torch.tensor(fp0._ids_host), 2, device=CPU, groups=groups)
     rounds = _rounds(fp, world=4)
     other = [x + 1 for x in xs] if grouped else xs
     base = [(xs, xs), (xs, xs), (other, other), (other, other)]

@@ -230,6 +230,32 @@ def test_foreach_op_is_torch_and_matches_a_loop(op):
                 torch.testing.assert_close(a, b, equal_nan=True)
 
 
+def test_chunk_cat_is_torch_and_matches_a_loop() -> None:
+    """``chunk_cat`` is ``torch._chunk_cat(tensors, 0, chunks)``, and its stand-in (each tensor cut
+    along its first dimension into ``chunks`` zero-padded parts, joined per tensor) lays out the
+    same values (NaN and infinities as they are, non-contiguous tensors too, into ``out`` of a
+    wider dtype); ``flat_cat`` is one chunk: the tensors flattened one after the other."""
+    assert tp._CHUNK_CAT is torch._chunk_cat
+    xs, _ = _lists()
+    xs.append(torch.randn(4, 3).t())
+    for chunks in (1, 2, 4):
+        want = tp._chunk_cat_loop(xs, chunks)
+        assert want.shape[0] == chunks
+        torch.testing.assert_close(tp.chunk_cat(xs, chunks), want, equal_nan=True)
+        out = torch.empty(want.shape, dtype=torch.float64)
+        torch.testing.assert_close(tp.chunk_cat(xs, chunks, out=out), want.double(), equal_nan=True)
+        loop_out = torch.empty(want.shape)
+        torch.testing.assert_close(tp._chunk_cat_loop(xs, chunks, out=loop_out), want, equal_nan=True)
+    # element j of a tensor of n elements in (chunks, ceil(n / chunks)) rows: the third's row 1
+    ragged = tp.chunk_cat([torch.arange(6.0).view(3, 2), torch.arange(5.0)], 4)
+    assert ragged.tolist() == [[0, 1, 0, 1], [2, 3, 2, 3], [4, 5, 4, 0], [0, 0, 0, 0]]
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    torch.testing.assert_close(tp.flat_cat(xs), flat, equal_nan=True)
+    out = torch.empty(flat.numel() + 5)
+    assert tp.flat_cat(xs, out=out[:flat.numel()]).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out[:flat.numel()], flat, equal_nan=True)
+
+
 def _distributed_worker(rank: int, init: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -43,9 +43,9 @@ def one_buffer(results: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((n,), (1,), 0)
 
 
-def results_vector(parts: Sequence[Sequence[torch.Tensor]], device: torch.device | None = None) -> torch.Tensor:
-    """The results of several fused calls (``parts``, one list per call, none empty in all), in
-    order, as one vector on ``device`` (default: where they are), in the dtype ``torch.stack``
+def results_vector(parts: Sequence[Sequence[torch.Tensor] | torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The results of several fused calls (``parts``, one list per call, or a 1-D tensor of
+    results already joined; none empty in all), in order, as one vector on ``device`` (default: where they are), in the dtype ``torch.stack``
     would give them. A part lying in one buffer (:func:`one_buffer`) is taken as that buffer (one
     copy to ``device`` where it lies elsewhere); the others are stacked, consecutive ones in one
     ``torch.stack``; several pieces are joined by one ``torch.cat``. All parts stacked (the CPU):
@@ -53,7 +53,7 @@ def results_vector(parts: Sequence[Sequence[torch.Tensor]], device: torch.device
     pieces: list[torch.Tensor] = []
     loose: list[torch.Tensor] = []
     for part in parts:
-        vector = one_buffer(part)
+        vector = part if isinstance(part, torch.Tensor) else one_buffer(part)
         if vector is None:
             loose += part if device is None else [v if v.device == device else v.to(device, non_blocking=True)
                                                   for v in part]

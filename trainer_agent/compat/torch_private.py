@@ -29,7 +29,7 @@ from trainer_agent.compat import PrivateMember, PrivateMemberMissing, degraded
 
 __all__ = [
     "CHECKED_VERSIONS", "PRIVATE_MEMBERS", "TorchDispatchMode", "copy_state_dict_metadata", "default_group_timeout",
-    "dtensor_local", "dtensor_locals", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
+    "chunk_cat", "dtensor_local", "dtensor_locals", "flat_cat", "foreach_abs", "foreach_clamp_min_", "foreach_copy_",
     "foreach_max", "foreach_mul", "foreach_neg_", "foreach_norm", "foreach_sub", "foreach_sub_",
     "grad_scaler_init_scale", "grad_scaler_scale", "join_allows_uneven_inputs", "optimizer_has_step_hooks",
     "stepping_grad_scaler", "tree_leaves", "version_counters", "view_base",
@@ -69,6 +69,7 @@ PRIVATE_MEMBERS = (
                   "test_state_dict_metadata_carries_module_versions"),
     *(PrivateMember(f"torch._foreach_{op}", f"_foreach_{op}", f"foreach_{op}", "test_foreach_op_is_torch_and_matches_a_loop")
       for op in ("norm", "sub", "sub_", "copy_", "mul", "abs", "max", "neg_", "clamp_min_")),
+    PrivateMember("torch._chunk_cat", "_chunk_cat", "chunk_cat", "test_chunk_cat_is_torch_and_matches_a_loop"),
 )
 
 
@@ -356,3 +357,42 @@ foreach_abs = _foreach("abs")
 foreach_max = _foreach("max")
 foreach_neg_ = _foreach("neg_")
 foreach_clamp_min_ = _foreach("clamp_min_")
+
+
+# ---------------------------------------------------------------------- one copy of many tensors
+
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)
+
+
+def _chunk_cat_loop(tensors: list[torch.Tensor], chunks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    columns = []
+    for t in tensors:
+        rows = t.reshape(t.shape[0] if t.dim() else 1, -1)
+        height = -(-rows.shape[0] // chunks)
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, height * chunks - rows.shape[0]))
+        columns.append(padded.reshape(chunks, -1))
+    return torch.cat(columns, dim=1) if out is None else torch.cat(columns, dim=1, out=out)
+
+
+def chunk_cat(tensors: list[torch.Tensor], chunks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._chunk_cat(tensors, 0, chunks)``: each tensor (one device and dtype, none 0-dim) cut
+    along its first dimension into ``chunks`` equal parts (zero-padded at its end), and part ``k``
+    of every tensor, one after the other, as row ``k`` of a (chunks, columns) tensor (into ``out``
+    when given, which may be float32 for bfloat16 tensors: the CUDA kernel casts). On CUDA one
+    kernel for any number of contiguous tensors (FSDP2 packs its reduce-scatter input with it),
+    where ``torch.cat`` launches once per 128 inputs. Without it, the same layout padded and
+    joined per tensor: the same values (logged once)."""
+    if _CHUNK_CAT is None:
+        degraded("torch._chunk_cat", "the tensors padded and joined one by one (the same values, more launches)")
+        return _chunk_cat_loop(tensors, chunks, out)
+    return _CHUNK_CAT(tensors, 0, chunks) if out is None else _CHUNK_CAT(tensors, 0, chunks, out=out)
+
+
+def flat_cat(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The elements of ``tensors`` (one device and dtype, none 0-dim), each flattened, one tensor
+    after the other, as one 1-D tensor (into ``out``, 1-D, when given): :func:`chunk_cat` with
+    one chunk, which pads nothing."""
+    if out is None:
+        return chunk_cat(tensors, 1).view(-1)
+    chunk_cat(tensors, 1, out=out.view(1, -1))
+    return out

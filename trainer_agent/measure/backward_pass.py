@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trainer_agent.compat import torch_private
+from trainer_agent.measure import staged
 
 __all__ = ["BackwardPass", "HELD_GRAD_BYTES"]
 
@@ -40,7 +41,7 @@ class BackwardPass:
         self.queued = False
         #: The incoming gradients' norms, one list per fused call (``foreach_results.results_vector`` joins
         #: them without a stack where a call's results lie in one buffer, as CUDA's do).
-        self.norms: list[list[torch.Tensor]] = []
+        self.norms: list[list[torch.Tensor] | torch.Tensor] = []
         #: A noted parameter's ``.grad`` was not the incoming gradient at the end of the pass.
         self.missed = False
         self._norm_dtype = norm_dtype
@@ -103,13 +104,24 @@ class BackwardPass:
         if self.missed:
             return
         for grads in groups.values():
-            self.norms.append(torch_private.foreach_norm(grads, 2, dtype=self._norm_dtype(grads[0].dtype)))
+            self._norm(grads)
 
     def norm_held(self) -> None:
         for held in self._held:
             if held:
-                self.norms.append(torch_private.foreach_norm(held, 2, dtype=self._norm_dtype(held[0].dtype)))
+                self._norm(held)
         self.release()
+
+    def _norm(self, grads: list[torch.Tensor]) -> None:
+        """The norms of ``grads`` (one bucket) into :attr:`norms`: one fused norm, or for many
+        gradients one copy and one norm per stage of elements (``staged.staged_norms``: the
+        noise scale reads their total norm only)."""
+        dtype = self._norm_dtype(grads[0].dtype)
+        plan = staged.plan_for(grads, grads[0].device)
+        if plan is None:
+            self.norms.append(torch_private.foreach_norm(grads, 2, dtype=dtype))
+        else:
+            self.norms.append(staged.staged_norms(grads, plan, dtype))
 
     def release(self) -> None:
         for held in self._held:

@@ -7,26 +7,28 @@ projection can. For every layer the agent computes ``K`` projections
 
     f_k(layer) = sum_i w_k[i] * x[i]          (x: the layer's gradient or parameter elements)
 
-with weights ``w_k[i] = s_k[row] * r_k[col]`` in {-1, +1}: each tensor, flattened, is viewed as
-rows of ``TILE`` elements (``G``, shape (m, TILE), plus a tail of fewer than ``TILE``), and
-``f_k = s_k^T G r_k + r_k[:tail] . tail``. The signs come from a fixed generator seed (the same on
-every rank and in every process), one tile ``r`` shared by all tensors and one short ``s`` per
-tensor (``m`` = numel / TILE values), so the weights cost ``TILE + numel / TILE`` values, not one
-per element, and one pass reads each tensor once (a matrix-vector product: bandwidth-bound, like a
-norm). Because every weight has magnitude 1, changing one element by ``d`` moves ``f_k`` by exactly
-``d``: the relative difference ``|f_k(rank a) - f_k(rank b)| / ||x_layer||`` is the size of the
-perturbation relative to the layer's norm (E[f_k^2] = ||x||^2), whatever element it hit.
+with weights ``w_k[i] = s_k[row] * r_k[col]`` in {-1, +1}: each tensor of ``n`` elements,
+flattened, is laid out as ``rows_of(n)`` rows (``SMALL_ROWS`` below ``LARGE_ELEMENTS`` elements,
+``LARGE_ROWS`` from there) of ``width_of(n)`` elements, its last rows zero-padded, and
+``f_k = sum_col r_k[col] (X^T s_k)[col]``. The signs come from fixed generator seeds (the same on
+every rank and in every process): ``s`` one column of signs per row count, shared by all tensors,
+and ``r`` one per tensor (``width_of(n)`` values, from a generator of the tensor's own index), so
+the weights cost ``n / rows + rows`` values, not one per element, and one pass reads each tensor
+once (a matrix product: bandwidth-bound, like a norm). Because every weight has magnitude 1,
+changing one element by ``d`` moves ``f_k`` by exactly ``d``: the relative difference
+``|f_k(rank a) - f_k(rank b)| / ||x_layer||`` is the size of the perturbation relative to the
+layer's norm (E[f_k^2] = ||x||^2), whatever element it hit.
 
 On report steps the projections of every tensor are computed together
-(:meth:`Fingerprinter.layer_values`), with a number of operators that does not grow with the
-tensor count: one fused ``torch._foreach_copy_`` stages the tensors into a persistent buffer laid
-out as rows (a tensor of ``TILE`` elements or more: its rows of ``TILE``, the tail zero-padded; a
-smaller one: one row of the next power of two, at least ``MIN_ROW``), one matrix product per row
-width gives every row's ``G r`` at once, each row is weighted by its ``s`` (1 for a tail or a small
-tensor) and one ``index_add_`` sums the rows per layer. Zero padding leaves every value what the
-per-tensor formula gives (up to float32 rounding: the same weights, summed in another order). The
-buffer holds at most ``STAGE_ELEMENTS`` values (more tensors: one such pass per chunk); a tensor of
-``DIRECT_ELEMENTS`` or more is projected in place (its own launches cost little next to reading it).
+(:meth:`Fingerprinter.layer_values`, ``trainer_agent/measure/fingerprint_stage.py``), with a number of
+kernel launches that does not grow with the tensor count: this layout is the one
+``torch._chunk_cat`` makes, so one copy (one CUDA kernel) puts all tensors of one row count and
+dtype side by side as the columns of one buffer, and one matrix product, one product with the
+columns' signs and one ``index_add_`` into the layers follow; at most ``STAGE_ELEMENTS`` buffer
+values per such chunk. The padding is zeros: every value is what the per-tensor formula
+(:meth:`Fingerprinter.project_one`) gives, up to float32 rounding (the same weights, summed in
+another order). A tensor of ``DIRECT_ELEMENTS`` or more, or a float64 one, is projected in place
+(its own launches cost little next to reading it).
 
 Replicas in sync run the same kernels on the same values (the same layout: the same tensor sizes)
 and get bit-identical fingerprints.
@@ -56,28 +58,40 @@ no fingerprint.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer_agent.measure import stats
+from trainer_agent.measure.fingerprint_stage import FusedProjections
 from trainer_agent.measure.desync import DesyncFinding, desync, findings, rel_diff
-from trainer_agent.compat import torch_private
 from trainer_agent.measure.sharding import replica_units
 
-__all__ = ["TILE", "SEED", "STAGE_ELEMENTS", "DIRECT_ELEMENTS", "MIN_ROW", "Fingerprinter", "DesyncFinding", "desync", "findings", "for_ranks", "rel_diff"]
+__all__ = ["SMALL_ROWS", "LARGE_ROWS", "LARGE_ELEMENTS", "SEED", "STAGE_ELEMENTS", "DIRECT_ELEMENTS", "rows_of",
+           "width_of", "Fingerprinter", "DesyncFinding", "desync", "findings", "for_ranks", "rel_diff"]
 
-#: Elements per row of the rank-1 sign pattern.
-TILE = 4096
+#: Rows of a tensor's layout (see the module docstring): few for a small tensor (at most
+#: ``SMALL_ROWS - 1`` padding elements), many for a large one (few signs per tensor).
+SMALL_ROWS = 16
+LARGE_ROWS = 4096
+#: Elements from which a tensor is laid out in ``LARGE_ROWS`` rows.
+LARGE_ELEMENTS = 1 << 16
 #: Seed of the sign patterns: the same on every rank.
 SEED = 0x5EED_F1A9
-#: Most values of the staging buffer of the fused projections (float32: 64 MiB).
+#: Most values of one staged chunk's buffer (float32: 64 MiB).
 STAGE_ELEMENTS = 1 << 24
 #: Tensors at least this large are projected in place, not staged.
 DIRECT_ELEMENTS = 1 << 22
-#: Narrowest row of a small tensor in the staging buffer.
-MIN_ROW = 16
+
+
+def rows_of(numel: int) -> int:
+    """Rows of the layout of a tensor of ``numel`` elements."""
+    return SMALL_ROWS if numel < LARGE_ELEMENTS else LARGE_ROWS
+
+
+def width_of(numel: int) -> int:
+    """Elements per row of the layout of a tensor of ``numel`` elements (the last rows padded)."""
+    return -(-numel // rows_of(numel))
 
 
 def _signs(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
@@ -112,23 +126,37 @@ class Fingerprinter:
         self.layer_ids = self._ids if self._all else self._ids[self._keep_index]
         self._unit_or_dropped = torch.where(self._ids >= 0, self._ids, layers)
         self.device = device
-        self._staging: _Stage | None = None  # the fused projections' plan and buffer (first use)
-        self._r = {torch.float32: _signs(torch.Generator().manual_seed(SEED), (TILE, projections)).to(device)}
-        self._numels = list(numels)
-        self._s: list[torch.Tensor | None] = []
-        for i, n in enumerate(numels):
-            m = n // TILE if n >= TILE else 0
-            # One generator per tensor: its pattern depends on its own index and size only, so two
-            # ranks holding the same shard draw the same weights whatever the sizes of their
-            # other (unevenly sharded) tensors.
-            self._s.append(_signs(torch.Generator().manual_seed(SEED + 1 + i), (m, projections)).to(device)
-                           if m else None)
+        self._plans: dict[tuple[torch.dtype, ...], FusedProjections] = {}  # the fused projections, per dtypes
+        self.numels = list(numels)
+        gen = torch.Generator().manual_seed(SEED)
+        self._s = {rows: {torch.float32: _signs(gen, (rows, projections)).to(device)} for rows in (SMALL_ROWS, LARGE_ROWS)}
+        # One generator per tensor: its signs depend on its own index and size only, so two ranks
+        # holding the same shard draw the same weights whatever the sizes of their other
+        # (unevenly sharded) tensors. Kept on the host; on the device laid out per staged chunk.
+        self._r_host = [_signs(torch.Generator().manual_seed(SEED + 1 + i), (width_of(n), projections)) if n else None
+                        for i, n in enumerate(numels)]
+        self._r: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def _r_for(self, dtype: torch.dtype) -> torch.Tensor:
-        r = self._r.get(dtype)
+    def s_for(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """The row signs of a layout of ``rows`` rows, (rows, K), in ``dtype``."""
+        by_dtype = self._s[rows]
+        s = by_dtype.get(dtype)
+        if s is None:
+            s = by_dtype[dtype] = by_dtype[torch.float32].to(dtype)
+        return s
+
+    def r_host(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s column signs, (width_of(numel), K) float32 on the host."""
+        return self._r_host[i]
+
+    def _r_for(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        r = self._r.get((i, dtype))
         if r is None:
-            r = self._r[dtype] = self._r[torch.float32].to(dtype)
+            r = self._r[(i, dtype)] = self._r_host[i].to(self.device, dtype)
         return r
+
+    def unit_of(self, i: int) -> int:
+        return self._ids_host[i]
 
     def project(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(len(tensors), K) float64 projections, in the order of ``tensors`` (a 0-dim tensor
@@ -136,24 +164,23 @@ class Fingerprinter:
         return torch.stack([self.project_one(i, x) for i, x in enumerate(tensors)])
 
     def project_one(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """(K,) float64 projections of ``x``, laid out as tensor ``i`` (0 for a 0-dim stand-in)."""
-        s, numel = self._s[i], self._numels[i]
+        """(K,) float64 projections of ``x``, laid out as tensor ``i`` (0 for a 0-dim stand-in):
+        its ``rows_of(n)`` rows of ``w = width_of(n)`` elements, ``X^T s`` times ``r``, summed,
+        plus the last, partial row's share."""
+        numel = self.numels[i]
         if x.numel() != numel:  # the 0-dim stand-in of a missing gradient
             return torch.zeros(self.k, dtype=torch.float64, device=self.device)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         flat = x.detach().reshape(-1)
         if flat.dtype != dtype:
             flat = flat.to(dtype)  # bf16/fp16: project in float32 (a bf16 sum has ~3 digits)
-        r = self._r_for(dtype)
-        n = flat.numel()
-        if s is None:
-            return (flat @ r[:n]).to(torch.float64)
-        m = s.shape[0]
-        main = flat[: m * TILE].view(m, TILE) @ r  # (m, K)
-        f = (main * s.to(dtype)).sum(0)
-        tail = n - m * TILE
+        w = width_of(numel)
+        s, r = self.s_for(rows_of(numel), dtype), self._r_for(i, dtype)
+        full = numel // w
+        f = ((flat[:full * w].view(full, w).t() @ s[:full]) * r).sum(0)
+        tail = numel - full * w
         if tail:
-            f = f + flat[m * TILE:] @ r[:tail]
+            f = f + s[full] * (flat[full * w:] @ r[:tail])
         return f.to(torch.float64)
 
     def layer_values(self, buckets: Sequence[Sequence[torch.Tensor]], skip: Collection[int] = (),
@@ -172,13 +199,18 @@ class Fingerprinter:
             ids = ids.clone().index_fill_(0, torch.tensor(sorted(skip), dtype=torch.long, device=self.device), dropped)
         out = torch.zeros(self.layers + (0 if whole else 1), self.k + 1, dtype=torch.float64, device=self.device)
         out[:, self.k].index_add_(0, ids, sq).sqrt_()  # the norm column after the projections'
-        self._stage().project_into(out[:, :self.k], flat, skip)
+        self._stage(flat).project_into(out[:, :self.k], flat, skip)
         return out if whole else out[:dropped]
 
-    def _stage(self) -> _Stage:
-        if self._staging is None:
-            self._staging = _Stage(self, self._numels, self._ids.tolist())
-        return self._staging
+    def _stage(self, flat: Sequence[torch.Tensor]) -> FusedProjections:
+        """The fused projections' plan for the dtypes of ``flat`` (made at first use)."""
+        dtypes = tuple([x.dtype for x in flat])
+        plan = self._plans.get(dtypes)
+        if plan is None:
+            if len(self._plans) >= 4:
+                self._plans.clear()
+            plan = self._plans[dtypes] = FusedProjections(self, [x.shape for x in flat], dtypes, self._ids_host)
+        return plan
 
     def width(self) -> int:
         """float64 slots of one rank's per-layer row (:meth:`row`): the gradients' and the
@@ -192,127 +224,6 @@ class Fingerprinter:
         already; rounding the per-unit float64 sums to float32 moves them by at most 6e-8 of
         their size, far below any tolerance, and replicas in sync stay bit-identical)."""
         return torch.stack([grads, params]).to(torch.float32).view(-1).view(torch.float64)
-
-
-class _Stage:
-    """The fused projections of one :class:`Fingerprinter` (see the module docstring): the tensors
-    below ``DIRECT_ELEMENTS`` in chunks of at most ``STAGE_ELEMENTS`` buffer values, each chunk laid
-    out as blocks of rows of one width (``TILE`` for the tensors of ``TILE`` elements or more; the
-    next power of two for a smaller one), with each row's weights (``s``, or 1) and unit."""
-
-    def __init__(self, fp: Fingerprinter, numels: Sequence[int], units: Sequence[int]) -> None:
-        self.fp = fp
-        device, k = fp.device, fp.k
-        self.direct = [i for i, n in enumerate(numels) if units[i] >= 0 and n >= DIRECT_ELEMENTS]
-        staged = [i for i, n in enumerate(numels) if units[i] >= 0 and 0 < n < DIRECT_ELEMENTS]
-        # chunks: lists of (tensor, row width, rows)
-        chunks: list[list[tuple[int, int, int]]] = [[]]
-        size = 0
-        for i in staged:
-            n = numels[i]
-            width = TILE if n >= TILE else max(MIN_ROW, 1 << (n - 1).bit_length())
-            rows = -(-n // width)
-            if size + rows * width > STAGE_ELEMENTS and chunks[-1]:
-                chunks.append([])
-                size = 0
-            chunks[-1].append((i, width, rows))
-            size += rows * width
-        self.chunks = [c for c in chunks if c]
-        self.capacity = max((sum(w * r for _, w, r in c) for c in self.chunks), default=0)
-        self.buffer = torch.zeros(self.capacity, dtype=torch.float32, device=device)
-        r = fp._r_for(torch.float32)
-        self.plans: list[_ChunkPlan] = []
-        self.place: dict[int, tuple[int, int]] = {}  # tensor -> (chunk, offset in the buffer)
-        for c, chunk in enumerate(self.chunks):
-            widths = sorted({w for _, w, _ in chunk}, reverse=True)
-            blocks, weights, row_units = [], [], []
-            offset = 0
-            for width in widths:
-                members = [(i, rows) for i, w, rows in chunk if w == width]
-                total = sum(rows for _, rows in members)
-                blocks.append((self.buffer[offset:offset + total * width].view(total, width), r[:width]))
-                for i, rows in members:
-                    self.place[i] = (c, offset)
-                    offset += rows * width
-                    w_rows = torch.ones(rows, k, dtype=torch.float32)
-                    s = fp._s[i]
-                    if s is not None:  # the full rows: s; a tail row: 1
-                        w_rows[:s.shape[0]] = s.cpu()
-                    weights.append(w_rows)
-                    row_units += [units[i]] * rows
-            w = torch.cat(weights).to(device)
-            self.plans.append(_ChunkPlan([i for i, _, _ in chunk], blocks, w,
-                                         torch.tensor(row_units, dtype=torch.long, device=device),
-                                         torch.empty(w.shape, dtype=torch.float64, device=device)))
-        self._views: dict[int, torch.Tensor] = {}
-        # Per plan, the shapes of its tensors when all of them were staged, and their views.
-        self._staged: dict[int, tuple[list[torch.Size], list[torch.Tensor]]] = {}
-
-    def _view(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Tensor ``i``'s region of the buffer, shaped like ``x`` (made once per shape)."""
-        view = self._views.get(i)
-        if view is None or view.shape != x.shape:
-            _, offset = self.place[i]
-            view = self._views[i] = self.buffer[offset:offset + x.numel()].view(x.shape)
-        return view
-
-    def _stage(self, plan: _ChunkPlan, flat: Sequence[torch.Tensor], skip: Collection[int],
-               direct: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(buffer views, tensors)`` of ``plan`` to stage, one by one: a tensor left out or
-        missing (a zero in its place) is not; a float64 one is projected directly (appended to
-        ``direct``)."""
-        numels = self.fp._numels
-        dst, src = [], []
-        for i in plan.tensors:
-            x = flat[i]
-            if i in skip or x.numel() != numels[i]:
-                continue  # left out, or a missing gradient: its rows stay 0
-            if x.dtype == torch.float64:
-                direct.append(i)  # projected in float64, in place
-                continue
-            dst.append(self._view(i, x))
-            src.append(x)
-        return dst, src
-
-    def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
-        """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
-        rows of ``out`` ((units + 1, K) float64)."""
-        fp = self.fp
-        numels = fp._numels
-        direct = [i for i in self.direct if i not in skip and flat[i].numel() == numels[i]]
-        for k, plan in enumerate(self.plans):
-            src = [flat[i] for i in plan.tensors]
-            shapes = [x.shape for x in src]
-            seen = self._staged.get(k)
-            if (not skip and seen is not None and seen[0] == shapes
-                    and torch.float64 not in {x.dtype for x in src}):
-                dst = seen[1]  # the usual case: every tensor staged, as last time (no loop in Python)
-            else:
-                dst, src = self._stage(plan, flat, skip, direct)
-                if not skip and len(dst) == len(plan.tensors):
-                    self._staged[k] = (shapes, dst)
-            if not dst:
-                continue
-            if len(self.plans) > 1 or len(dst) < len(plan.tensors):
-                self.buffer.zero_()  # the padding, and the regions not copied now, read 0
-            with torch.no_grad():  # (no detach per tensor: one operator each)
-                torch_private.foreach_copy_(dst, src)
-            products = [block @ r for block, r in plan.blocks]
-            rows = products[0] if len(products) == 1 else torch.cat(products)
-            # weighted in float32 (the weights are +-1: exact), written as float64: one operator
-            out.index_add_(0, plan.units, torch.mul(rows, plan.weights, out=plan.weighted))
-        if direct:
-            ids = torch.tensor([fp._ids_host[i] for i in direct], dtype=torch.long, device=fp.device)
-            out.index_add_(0, ids, torch.stack([fp.project_one(i, flat[i]) for i in direct]))
-
-
-@dataclass(frozen=True, slots=True)
-class _ChunkPlan:
-    tensors: list[int]
-    blocks: list[tuple[torch.Tensor, torch.Tensor]]  # (rows of one width: a view of the buffer, r[:width])
-    weights: torch.Tensor  # (rows, K) float32: s of a full row, 1 otherwise
-    units: torch.Tensor  # (rows,) long: the unit of each row
-    weighted: torch.Tensor  # (rows, K) float64: the weighted rows (written each time)
 
 
 def for_ranks(index: Any, world: int) -> Fingerprinter | None:

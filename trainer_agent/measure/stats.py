@@ -18,11 +18,12 @@ import torch
 
 from trainer_agent.compat import torch_private
 from trainer_agent.compat.foreach_results import results_vector
+from trainer_agent.measure import staged
 from trainer_agent.measure.chunk_plan import norm_dtype
 from trainer_agent.measure.chunked_moments import BITS, chunked_moments
-from trainer_agent.measure.chunked_updates import chunked_update_sq_norms
 from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
 from trainer_agent.measure.noise_scale import noise_scale
+from trainer_agent.measure.update_norms import update_sq_norms  # noqa: F401 - stats.update_sq_norms: the step meter's
 
 __all__ = [
     "buckets",
@@ -55,62 +56,28 @@ def buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device, *,
-                 wide: bool = False) -> torch.Tensor:
+                 wide: bool = False, staged_ok: bool = False) -> torch.Tensor:
     """L2 norm of every tensor, in float32 (float64 if any bucket is float64, or with ``wide``:
     accumulated in float64, where no float32/16 input can overflow the sum of squares), as one
     vector on ``device`` (bucket after bucket): one ``torch._foreach_norm`` per (device, dtype)
     bucket, joined by ``results_vector`` (no ``torch.stack`` where the norms lie in one buffer,
-    as CUDA's do)."""
-    parts = [torch_private.foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
-             for bucket in tensor_buckets]
-    return results_vector(parts, device)
-
-
-def update_sq_norms(before: Sequence[Sequence[torch.Tensor]], after: Sequence[Sequence[torch.Tensor]],
-                    device: torch.device, cache: dict | None = None, *, before_norms: bool = False,
-                    refresh: bool = False, chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-    """Squared norms for the update ratio, per tensor pair, as float64 vectors on ``device``
-    (bucket after bucket): ``(||before_i - after_i||^2, ||after_i||^2, ||before_i||^2 or None,
-    refreshed)``. ``before`` is the agent's snapshot: it may be overwritten. ``cache``: a dict the
-    caller keeps between calls (the reusable buffer and the chunk index).
-
-    On an accelerator (bandwidth to spare, launches costly): per bucket ``before -= after`` in
-    place and fused norms, a handful of launches per bucket; ``refreshed`` is False. On the CPU
-    (bandwidth-bound, a cost per tensor in every ``_foreach`` loop): chunk by chunk through
-    buffers that stay in cache (``trainer_agent/measure/chunked_updates.py``); with ``refresh``
-    it also copies ``after`` into ``before`` from the cache (``refreshed`` True), so a measured
-    step that follows needs no snapshot copy. ``chunked`` chooses the pass (default: chunked on
-    the CPU).
-    """
-    cache = {} if cache is None else cache
-    if not (device.type == "cpu" if chunked is None else chunked):
-        columns: list[list[list[torch.Tensor]]] = [[], [], []] if before_norms else [[], []]
-        for bucket_b, bucket_a in zip(before, after):
-            dtype = norm_dtype(bucket_a[0].dtype)
-            if before_norms:
-                columns[2].append(torch_private.foreach_norm(bucket_b, 2, dtype=dtype))
-            torch_private.foreach_sub_(bucket_b, bucket_a)  # W_before - W_after, in place in the snapshot
-            columns[0].append(torch_private.foreach_norm(bucket_b, 2, dtype=dtype))
-            columns[1].append(torch_private.foreach_norm(bucket_a, 2, dtype=dtype))
-        delta, param, *rest = _squared_columns(columns, device)
-        return delta, param, rest[0] if before_norms else None, False
-    flat_b = [t for bucket in before for t in bucket]
-    delta, param, *rest = chunked_update_sq_norms(flat_b, [t for bucket in after for t in bucket], cache,
-                                                  before_norms=before_norms, refresh=refresh)
-    if flat_b and flat_b[0].device != device:
-        delta, param, *rest = (v.to(device, non_blocking=True) for v in (delta, param, *rest))
-    return delta, param, rest[0] if before_norms else None, refresh
-
-
-def _squared_columns(columns: list[list[list[torch.Tensor]]], device: torch.device) -> list[torch.Tensor]:
-    """The squares of the float norms in ``columns`` (each a list of fused calls' results, the
-    columns of one length), as one float64 vector per column on ``device``: every column joined
-    at once (``results_vector``: one ``stack``, or the buffers CUDA's norms lie in), one cast, one
-    in-place square, one ``unbind``."""
-    k = len(columns)
-    flat = results_vector([part for column in columns for part in column], device).to(torch.float64)
-    flat.square_()
-    return list(flat.view(k, -1).unbind(0))
+    as CUDA's do). With ``staged_ok`` (a report step, which copies the gradients for its other
+    statistics anyway) a bucket of many plain tensors (``staged.plan_for``) is measured by the
+    staged pass instead: float64 sums of squares, a fixed number of launches per stage of
+    elements, each norm rounded to the dtype the fused norm has."""
+    plans = [staged.plan_for(bucket, device) if staged_ok else None for bucket in tensor_buckets]
+    if all(plan is None for plan in plans):
+        parts = [torch_private.foreach_norm(bucket, 2, dtype=torch.float64 if wide else norm_dtype(bucket[0].dtype))
+                 for bucket in tensor_buckets]
+        return results_vector(parts, device)
+    vectors = []
+    for bucket, plan in zip(tensor_buckets, plans):
+        dtype = torch.float64 if wide else norm_dtype(bucket[0].dtype)
+        if plan is None:
+            vectors.append(results_vector([torch_private.foreach_norm(bucket, 2, dtype=dtype)], device))
+        else:
+            vectors.append(staged.staged_sq_norms(bucket, plan).sqrt_().to(device, dtype))
+    return vectors[0] if len(vectors) == 1 else torch.cat(vectors)
 
 
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -190,9 +157,15 @@ def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor
     """``nonfinite_count``'s device scan: the tensors grouped by dtype, two fused launches per
     bucket of at most ``_SCAN_BUCKET_BYTES``, one count per tensor (float32; float64 for float64
     tensors, which a norm may not narrow: joining them promotes the mixed list), one list per
-    bucket."""
+    bucket; a group of many plain tensors (``staged.plan_for``) three launches per stage of
+    elements and one float64 count (``staged.staged_nonfinite``)."""
     counts: list[list[torch.Tensor]] = []
     for group in buckets(tensors):
+        members = [tensors[i] for i in group]
+        plan = staged.plan_for(members, members[0].device)
+        if plan is not None:
+            counts.append([staged.staged_nonfinite(members, plan)])
+            continue
         dtype = norm_dtype(tensors[group[0]].dtype)
         bucket: list[torch.Tensor] = []
         size = 0
@@ -235,8 +208,13 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
               and t.device != device and t.device.type != "cpu"]
     # parameters on another accelerator: an asynchronous device-to-device copy each
     elsewhere = [(~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True) for t in others]
-    counts = [[torch.zeros((), dtype=torch.float32, device=device)], *_device_nonfinite(on_device), elsewhere]
-    total = results_vector([part for part in counts if part]).to(torch.float64).sum()
+    counts = [part for part in (*_device_nonfinite(on_device), elsewhere) if part]
+    if len(counts) == 1 and len(counts[0]) == 1 and counts[0][0].dtype == torch.float64:
+        total = counts[0][0]  # one staged count (a float64 scalar): nothing to join
+    elif counts:
+        total = results_vector(counts).to(torch.float64).sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
     if not on_host:
         return total
     # CPU tensors (e.g. AdamW's step counters, offloaded state): counted on the host, where a
@@ -287,7 +265,11 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
     every 0-dim result joined at once (``results_vector``: one ``torch.stack`` of the per-block
     lists concatenated on the host, one operator whatever the tensor and block count; on CUDA the
     norms' own buffers, the maxima stacked, one ``cat``; either promotes the float32 results to
-    float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``.
+    float64 exactly). The sum of a tensor's elements is ``2 ||relu(t)||_1 - ||t||_1``. A bucket
+    of many plain tensors (``staged.plan_for``) is measured by the staged passes instead
+    (``trainer_agent/measure/staged.py``: one copy of the bucket, segmented reductions, a fixed
+    number of launches per stage of elements whatever the tensor count), its tensors after the
+    others in ``order``.
 
     On the CPU (``chunked``, default: when ``device`` is the CPU) every CPU tensor of a float
     dtype is measured chunk by chunk instead (``trainer_agent/measure/chunked_moments.py``: one
@@ -306,21 +288,47 @@ def tensor_moments(tensors: Sequence[torch.Tensor], device: torch.device, *, chu
         parts.append(done if device.type == "cpu" else done.to(device, non_blocking=True))
     order = list(packed)
     if rest:
-        blocks: list[list[list[torch.Tensor]]] = [[] for _ in MOMENTS]
-        for chunk in _moment_chunks([tensors[i] for i in rest]):
-            for block, values in zip(blocks, _fused_moments([tensors[rest[i]] for i in chunk])):
-                block.append(values)
-            order += [rest[i] for i in chunk]
-        # float64 (blocks 0 and 1 are: joining promotes the others), never one call's own buffer
-        fused = results_vector([part for block in blocks for part in block], device)
-        n = len(rest)
-        fused[2 * n:3 * n].square_()  # the norms, squared in float64
+        values, measured = _accelerator_moments(tensors, rest, device)
+        order += measured
         if not parts:
-            return fused, order
-        parts.append(fused.view(len(MOMENTS), n))
+            return values.reshape(-1), order
+        parts.append(values)
     if not order:
         return torch.zeros(0, dtype=torch.float64, device=device), order
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).reshape(-1), order
+
+
+def _accelerator_moments(tensors: Sequence[torch.Tensor], rest: list[int], device: torch.device
+                         ) -> tuple[torch.Tensor, list[int]]:
+    """``tensor_moments`` of ``tensors[rest]`` off the CPU's chunked pass: ``(values, order)``,
+    values (len(MOMENTS), len(rest)) on ``device``, a column per tensor in ``order``. A bucket
+    the staged passes take (``staged.plan_for``: many plain tensors) costs a fixed number of
+    launches per stage of elements; the others fused passes per chunk of at most
+    ``_STATS_CHUNK_BYTES``."""
+    staged_parts: list[torch.Tensor] = []
+    staged_order: list[int] = []
+    fused_rest: list[int] = []
+    for bucket in buckets([tensors[i] for i in rest]):
+        members = [tensors[rest[i]] for i in bucket]
+        plan = staged.plan_for(members, device)
+        if plan is None:
+            fused_rest += [rest[i] for i in bucket]
+        else:
+            staged_parts.append(staged.staged_moments(members, plan))
+            staged_order += [rest[i] for i in bucket]
+    order: list[int] = []
+    if fused_rest:
+        blocks: list[list[list[torch.Tensor]]] = [[] for _ in MOMENTS]
+        for chunk in _moment_chunks([tensors[i] for i in fused_rest]):
+            for block, values in zip(blocks, _fused_moments([tensors[fused_rest[i]] for i in chunk])):
+                block.append(values)
+            order += [fused_rest[i] for i in chunk]
+        # float64 (blocks 0 and 1 are: joining promotes the others), never one call's own buffer
+        fused = results_vector([part for block in blocks for part in block], device)
+        n = len(fused_rest)
+        fused[2 * n:3 * n].square_()  # the norms, squared in float64
+        staged_parts.insert(0, fused.view(len(MOMENTS), n))
+    return (staged_parts[0] if len(staged_parts) == 1 else torch.cat(staged_parts, dim=1)), order + staged_order
 
 
 def _fused_moments(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -267,7 +267,7 @@ class StepMeter:
                 st.grad_share = st.grad_norm if sharding is None else unscale(views.shared(scaled), st.scale, power=2)
                 return
         grads = self.index.grads()
-        st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide)
+        st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide, staged_ok=report)
         st.scale = self.scale_tensor()
         if report and views is not None and views.wants_find():
             views.find([p.grad for p in self.index.params])  # on a report step, which reads every gradient anyway

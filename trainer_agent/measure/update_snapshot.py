@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer_agent.measure import stats
+from trainer_agent.measure import staged, stats
 from trainer_agent.compat import torch_private
 from trainer_agent.measure.params import ParamIndex
 
@@ -31,6 +31,9 @@ class UpdateSnapshot:
     def __init__(self, index: ParamIndex) -> None:
         self.index = index
         self._tensors: list[list[torch.Tensor]] | None = None
+        # Per bucket: the snapshot as one flat buffer and its staged layout, or None (made with _tensors).
+        self._flats: list[torch.Tensor | None] = []
+        self._plans: list[staged.StagePlan | None] = []
         # Version counters when the CPU update pass last copied W_after into the snapshot (None:
         # the snapshot is not the current weights).
         self._versions: tuple[int, ...] | None = None
@@ -42,15 +45,38 @@ class UpdateSnapshot:
         and ``st.before_sq`` when the last measured ``||W_after||`` is still the weights'."""
         versions = self.index.versions()
         if self._tensors is None:
-            self._tensors = [[torch.empty_like(p, memory_format=torch.contiguous_format) for p in b]
-                             for b in self.index.buckets]
+            self._allocate()
         if self._versions != versions:
-            for snap, bucket in zip(self._tensors, self.index.buckets):
-                torch_private.foreach_copy_(snap, bucket)
+            for snap, flat, plan, bucket in zip(self._tensors, self._flats, self._plans, self.index.buckets):
+                if plan is None:
+                    torch_private.foreach_copy_(snap, bucket)
+                    continue
+                for stage in plan.stages:  # one copy per stage of elements, whatever the tensor count
+                    torch_private.flat_cat(stage.inputs(bucket), out=flat[stage.begin:stage.begin + stage.size])
         self._versions = None  # the post-step hook consumes it
         st.snapshot_taken = True
         if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
             st.before_sq = self._param_sq_prev[0]
+
+    def _allocate(self) -> None:
+        """The snapshot's tensors: per bucket one like each parameter, or, for a bucket the staged
+        passes measure (``staged.plan_for``), views of one flat buffer in their layout (copied
+        and compared with a fixed number of launches per stage of elements)."""
+        self._tensors, self._flats, self._plans = [], [], []
+        for bucket in self.index.buckets:
+            plan = staged.plan_for(bucket, self.index.device)
+            flat = None
+            if plan is None:
+                snap = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in bucket]
+            else:
+                flat = torch.empty(plan.elements, dtype=bucket[0].dtype, device=bucket[0].device)
+                snap, at = [], 0
+                for p in bucket:
+                    snap.append(flat[at:at + p.numel()].view(p.shape))
+                    at += p.numel()
+            self._tensors.append(snap)
+            self._flats.append(flat)
+            self._plans.append(plan)
 
     def measure(self, st: StepState, *, refresh: bool) -> None:
         """Post-hook of a measured step: the update's squared norms into ``st``; with ``refresh``
@@ -58,7 +84,7 @@ class UpdateSnapshot:
         assert self._tensors is not None
         st.delta_sq, st.param_sq, before_sq, refreshed = stats.update_sq_norms(
             self._tensors, self.index.buckets, self.index.device, self._norm_cache,
-            before_norms=st.before_sq is None, refresh=refresh)
+            before_norms=st.before_sq is None, refresh=refresh, flat_before=self._flats)
         if st.before_sq is None:
             st.before_sq = before_sq
         versions = self.index.versions()

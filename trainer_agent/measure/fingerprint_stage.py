@@ -1,0 +1,144 @@
+"""The fused projections of a :class:`~trainer_agent.measure.fingerprint.Fingerprinter`: every
+tensor below ``DIRECT_ELEMENTS`` projected with a fixed number of launches per staged chunk,
+whatever the tensor count.
+
+A tensor of ``n`` elements is laid out as ``rows_of(n)`` rows of ``width_of(n)`` elements
+(zero-padded at its end; see ``fingerprint.py``), which is what ``torch._chunk_cat(tensors, 0,
+rows)`` makes of a 1-D tensor, and of a tensor whose first dimension ``rows`` divides: one copy,
+on CUDA one kernel for all of them, puts the tensors of one row count and dtype side by side as
+the columns of one (rows, columns) buffer. Then, per chunk: ``buffer^T @ s`` (one matrix product:
+every column's sum weighted by the rows' signs), times each column's sign ``r`` (one product, the
+per-tensor signs laid out once beside the columns) and one ``index_add_`` of the columns into
+their units: four launches per chunk of at most ``STAGE_ELEMENTS`` buffer values. A tensor whose
+first dimension ``rows`` does not divide is flattened first (a view, made per report); float64
+tensors and those of ``DIRECT_ELEMENTS`` or more are projected in place (``project_one``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+from trainer_agent.compat import torch_private
+
+__all__ = ["FusedProjections"]
+
+
+class _Chunk:
+    """Tensors of one row count and dtype, side by side in the buffer: their indexes, shapes,
+    positions to flatten, the buffer's (rows, columns) view, each column's signs ``r`` (columns,
+    K), unit and weighted projections (columns, K: written each time)."""
+
+    __slots__ = ("tensors", "shapes", "flatten", "dtype", "rows", "view", "r", "units", "weighted", "_skips", "_zeros")
+
+    def __init__(self, fp: Any, tensors: list[int], shapes: list[torch.Size], dtype: torch.dtype, rows: int,
+                 buffer: torch.Tensor, units: Sequence[int]) -> None:
+        from trainer_agent.measure.fingerprint import width_of
+
+        self.tensors, self.shapes, self.dtype, self.rows = tensors, shapes, dtype, rows
+        self.flatten = [k for k, s in enumerate(shapes) if len(s) == 0 or (len(s) > 1 and s[0] % rows)]
+        widths = [width_of(fp.numels[i]) for i in tensors]
+        columns = sum(widths)
+        self.view = buffer[:rows * columns].view(rows, columns)
+        self.r = torch.cat([fp.r_host(i) for i in tensors]).to(fp.device)
+        self.units = torch.repeat_interleave(torch.tensor([units[i] for i in tensors], dtype=torch.long),
+                                             torch.tensor(widths)).to(fp.device)
+        self.weighted = torch.empty(columns, fp.k, dtype=torch.float64, device=fp.device)
+        self._skips: dict[frozenset[int], torch.Tensor] = {}
+        self._zeros: dict[int, torch.Tensor] = {}
+
+    def inputs(self, flat: Sequence[torch.Tensor], numels: Sequence[int]) -> list[torch.Tensor]:
+        """This chunk's tensors of ``flat`` as ``chunk_cat`` lays them out: as they are where their
+        shapes are the plan's (the usual case: no loop over them in Python but the list), else
+        flattened, a missing gradient's 0-dim stand-in as zeros."""
+        xs = [flat[i] for i in self.tensors]
+        if [x.shape for x in xs] == self.shapes:
+            for k in self.flatten:
+                xs[k] = xs[k].reshape(-1)
+            return xs
+        for k, i in enumerate(self.tensors):
+            if xs[k].numel() != numels[i]:  # no gradient: zeros in its place (projected to 0)
+                zeros = self._zeros.get(i)
+                if zeros is None:
+                    zeros = self._zeros[i] = torch.zeros(numels[i], dtype=self.dtype, device=self.view.device)
+                xs[k] = zeros
+            elif xs[k].dim() != 1:
+                xs[k] = xs[k].reshape(-1)
+        return xs
+
+    def units_without(self, skip: Collection[int], dropped: int, numels: Sequence[int]) -> torch.Tensor:
+        """The columns' units with those of the tensors in ``skip`` moved to the ``dropped`` row."""
+        key = frozenset(i for i in skip if i in set(self.tensors))
+        if not key:
+            return self.units
+        units = self._skips.get(key)
+        if units is None:
+            from trainer_agent.measure.fingerprint import width_of
+
+            moved, at = [], 0
+            for i in self.tensors:
+                w = width_of(numels[i])
+                if i in key:
+                    moved += range(at, at + w)
+                at += w
+            index = torch.tensor(moved, dtype=torch.long, device=self.units.device)
+            units = self._skips[key] = self.units.clone().index_fill_(0, index, dropped)
+        return units
+
+
+class FusedProjections:
+    """The plan of a :class:`Fingerprinter`'s fused projections for tensors of ``shapes`` and
+    ``dtypes`` (made at first use, one per set of dtypes): chunks of at most ``STAGE_ELEMENTS``
+    buffer values per (row count, dtype), the tensors projected in place (``direct``) apart."""
+
+    def __init__(self, fp: Any, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+                 units: Sequence[int]) -> None:
+        from trainer_agent.measure import fingerprint
+
+        self.fp = fp
+        numels = fp.numels
+        big, stage = fingerprint.DIRECT_ELEMENTS, fingerprint.STAGE_ELEMENTS
+        self.direct = [i for i, n in enumerate(numels)
+                       if units[i] >= 0 and n and (n >= big or dtypes[i] == torch.float64)]
+        groups: dict[tuple[int, torch.dtype], list[list[int]]] = {}
+        sizes: dict[tuple[int, torch.dtype], int] = {}
+        for i, n in enumerate(numels):
+            if units[i] < 0 or not 0 < n < big or dtypes[i] == torch.float64:
+                continue
+            key = (fingerprint.rows_of(n), dtypes[i])
+            size = key[0] * fingerprint.width_of(n)
+            chunks = groups.setdefault(key, [[]])
+            if chunks[-1] and sizes[key] + size > stage:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(i)
+            sizes[key] = sizes.get(key, 0) + size
+        capacity = max((rows * sum(fingerprint.width_of(numels[i]) for i in c)
+                        for (rows, _), chunks in groups.items() for c in chunks), default=0)
+        self.buffer = torch.zeros(capacity, dtype=torch.float32, device=fp.device)
+        self.chunks = [_Chunk(fp, c, [shapes[i] for i in c], dtype, rows, self.buffer, units)
+                       for (rows, dtype), chunks in groups.items() for c in chunks if c]
+
+    def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
+        """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
+        rows of ``out`` ((units + 1, K) float64; the last row collects what ``skip`` leaves out)."""
+        fp = self.fp
+        numels = fp.numels
+        dropped = out.shape[0] - 1
+        with torch.no_grad():  # parameters are copied, not differentiated
+            for chunk in self.chunks:
+                xs = chunk.inputs(flat, numels)
+                if chunk.dtype in (torch.float32, torch.bfloat16):  # (CUDA's kernel widens bfloat16)
+                    torch_private.chunk_cat(xs, chunk.rows, out=chunk.view)
+                else:
+                    chunk.view.copy_(torch_private.chunk_cat(xs, chunk.rows))
+                sums = chunk.view.t() @ fp.s_for(chunk.rows, torch.float32)  # (columns, K)
+                units = chunk.units_without(skip, dropped, numels) if skip else chunk.units
+                # signed in float32 (the signs are +-1: exact), written as float64: one operator
+                out.index_add_(0, units, torch.mul(sums, chunk.r, out=chunk.weighted))
+            direct = [i for i in self.direct if i not in skip and flat[i].numel() == numels[i]]
+            if direct:
+                ids = torch.tensor([fp.unit_of(i) for i in direct], dtype=torch.long, device=fp.device)
+                out.index_add_(0, ids, torch.stack([fp.project_one(i, flat[i]) for i in direct]))

@@ -1,0 +1,255 @@
+"""Per-tensor statistics of many tensors in a number of kernel launches that does not grow with
+the tensor count: the accelerator's passes of a report step over the gradients (their moments,
+their non-finite count) and over the update (``stats.tensor_moments``, ``stats.nonfinite_count``,
+``stats.update_sq_norms``) for a bucket (one device and dtype) of at least
+:data:`STAGED_MIN_TENSORS` tensors.
+
+A ``torch._foreach_*`` pass launches a CUDA kernel per ~110 tensors (ATen's multi-tensor apply),
+so the report step's fifteen fused passes over 5,000 gradients were about a thousand launches.
+Here the tensors are instead
+
+- laid out once per set of shapes (:class:`StagePlan`): one after the other, in *stages* of at
+  most :data:`STAGE_ELEMENTS` elements (a larger tensor is cut), each stage cut into *pieces* of
+  at most :data:`PIECE` elements: a tensor, or a part of a larger one;
+- copied a stage at a time into one flat buffer (``torch_private.flat_cat``: ``torch._chunk_cat``,
+  one CUDA kernel for any number of contiguous tensors of one dtype; FSDP2 packs its
+  reduce-scatter input with it);
+- widened to float64 in a second buffer, transformed there in place (``clamp_min_``, ``abs_``,
+  ``square_``) and reduced per piece with ``torch.segment_reduce`` (CUB's segmented reduction
+  on CUDA, one block per segment: no piece is longer than :data:`PIECE`, so that a large tensor
+  keeps every multiprocessor busy);
+- combined per tensor (``index_add_``, ``scatter_reduce_``) where a tensor has several pieces.
+
+A stage is about a dozen launches whatever its tensors; its temporaries are the stage in the
+tensors' dtype and in float64 (192 MiB for float32 at :data:`STAGE_ELEMENTS`, released after the
+pass). Every sum is float64 over float64 values: the fused passes' L1 norms accumulate in float64
+too, and their float32 L2 norm (squared in float64) is here a float64 sum of squares, as precise
+or more. NaN propagates into every statistic of its tensor, as on the fused passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from trainer_agent.compat import torch_private
+
+__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for",
+           "staged_moments", "staged_sq_norms", "staged_norms", "staged_nonfinite", "staged_update_sq_norms"]
+
+#: Elements per stage (one ``flat_cat``, one float64 buffer): 128 MiB in float64.
+STAGE_ELEMENTS = 1 << 24
+
+#: Elements per piece at most: a segment of CUB's segmented reduction is one thread block.
+PIECE = 1 << 16
+
+#: Tensors a bucket needs for the staged passes: with fewer, a fused pass is one or two launches.
+STAGED_MIN_TENSORS = 128
+
+#: Plain dense tensors only: a DTensor (or another tensor subclass) is measured by the fused
+#: passes, which dispatch through it.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+#: True: the CPU takes the staged passes too (``bench/agent_overhead.accelerator_paths`` counts
+#: the accelerator's operators on the CPU; the tests). The CPU's own passes are chunked
+#: (``chunk_plan.py``), by elements not tensors, in cache.
+ON_CPU = False
+
+
+#: Plans by (shapes, dtype, device, stage, piece): the same buckets come back every report.
+_PLANS: OrderedDict[tuple, StagePlan] = OrderedDict()
+_PLANS_KEPT = 16
+
+
+class Stage:
+    """Consecutive elements ``[begin, begin + size)`` of the flat layout: ``members`` (per tensor
+    or part of one: its index, its first element, -1 for the whole tensor as it is, and its
+    length), ``whole`` (the members' tensor indexes when each is a whole tensor of at least one
+    dimension, else None), ``offsets`` (the pieces' bounds in the stage, int64 on the device)."""
+
+    __slots__ = ("begin", "size", "members", "whole", "offsets")
+
+    def __init__(self, begin: int, members: list[tuple[int, int, int]], bounds: list[int],
+                 device: torch.device, scalars: set[int]) -> None:
+        self.begin, self.members = begin, members
+        self.size = sum(n for _, _, n in members)
+        whole = all(start < 0 and i not in scalars for i, start, _ in members)
+        self.whole = [i for i, _, _ in members] if whole else None
+        self.offsets = torch.tensor(bounds, dtype=torch.long).to(device)
+
+    def inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The members of ``tensors`` to copy: whole tensors as they are, parts as flat slices."""
+        if self.whole is not None:
+            return [tensors[i] for i in self.whole]
+        out = []
+        for i, start, n in self.members:
+            t = tensors[i]
+            out.append(t.reshape(-1) if start < 0 else t.reshape(-1)[start:start + n])
+        return out
+
+    def reduce(self, values: torch.Tensor, how: str) -> torch.Tensor:
+        """``values`` (this stage, flat) reduced per piece: ``"sum"``, ``"max"`` or ``"min"``."""
+        return torch.segment_reduce(values, how, offsets=self.offsets, axis=0, unsafe=True)
+
+
+class StagePlan:
+    """The layout of tensors of ``shapes`` (one device and dtype) in stages and pieces (see the
+    module docstring). ``owner``: the tensor of each piece, pieces in stage order (int64 on the
+    device); ``identity``: every tensor exactly one piece, in order (per-piece results are
+    per-tensor results)."""
+
+    def __init__(self, shapes: Sequence[torch.Size], device: torch.device, *,
+                 stage: int = STAGE_ELEMENTS, piece: int = PIECE) -> None:
+        if stage < 1 or piece < 1:
+            raise ValueError(f"stage and piece must be positive, got {stage} and {piece}")
+        self.tensors = len(shapes)
+        self.stages: list[Stage] = []
+        scalars = {i for i, s in enumerate(shapes) if len(s) == 0}
+        members: list[tuple[int, int, int]] = []
+        bounds, owner = [0], []
+        begin = size = 0
+        for i, shape in enumerate(shapes):
+            n, start = shape.numel(), 0
+            if n <= stage and size + n > stage:  # a tensor that fits a stage is not cut
+                self.stages.append(Stage(begin, members, bounds, device, scalars))
+                begin, size, members, bounds = begin + size, 0, [], [0]
+            while start < n:
+                if size == stage:
+                    self.stages.append(Stage(begin, members, bounds, device, scalars))
+                    begin, size, members, bounds = begin + size, 0, [], [0]
+                take = min(n - start, stage - size)
+                members.append((i, -1 if take == n else start, take))
+                for a in range(0, take, piece):
+                    owner.append(i)
+                    bounds.append(size + min(a + piece, take))
+                size += take
+                start += take
+        if members:
+            self.stages.append(Stage(begin, members, bounds, device, scalars))
+        self.owner = torch.tensor(owner, dtype=torch.long).to(device)
+        self.identity = owner == list(range(self.tensors))
+        self.elements = begin + size
+
+    def per_tensor_sums(self, rows: torch.Tensor) -> torch.Tensor:
+        """(k, pieces) per-piece sums summed per tensor: (k, tensors); 0 for an empty tensor."""
+        if self.identity:
+            return rows
+        return torch.zeros(rows.shape[0], self.tensors, dtype=rows.dtype,
+                           device=rows.device).index_add_(1, self.owner, rows)
+
+    def per_tensor_extreme(self, values: torch.Tensor, how: str) -> torch.Tensor:
+        """Per-piece maxima (``"amax"``) or minima (``"amin"``) combined per tensor."""
+        if self.identity:
+            return values
+        out = torch.empty(self.tensors, dtype=values.dtype, device=values.device)
+        return out.scatter_reduce_(0, self.owner, values, how, include_self=False)
+
+
+def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan | None:
+    """The plan of ``tensors`` (one bucket) when the staged passes measure them, else None: on an
+    accelerator (or on the CPU with :data:`ON_CPU`), for :data:`STAGED_MIN_TENSORS` tensors or
+    more, every one a plain dense tensor of one float dtype on ``device``."""
+    if len(tensors) < STAGED_MIN_TENSORS or (device.type == "cpu" and not ON_CPU):
+        return None
+    first = tensors[0]
+    if first.device != device or not first.is_floating_point() or first.layout != torch.strided:
+        return None
+    kinds = {(t.dtype, type(t)) for t in tensors}  # one dtype, plain tensors (callers pass one device)
+    if len(kinds) != 1 or type(first) not in _PLAIN:
+        return None
+    key = (tuple([t.shape for t in tensors]), first.dtype, first.device, STAGE_ELEMENTS, PIECE)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    plan = StagePlan(key[0], first.device)
+    if not plan.stages:  # every tensor empty: nothing to copy
+        return None
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def staged_moments(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
+    """The :data:`~trainer_agent.measure.stats.MOMENTS` of non-empty ``tensors`` (laid out by
+    ``plan``) as a (5, len(tensors)) float64 tensor, a column per tensor: ``||relu(t)||_1``,
+    ``||t||_1``, ``||t||^2``, ``max |t|``, ``-min |t|``; NaN in every row of a tensor with one."""
+    columns: list[list[torch.Tensor]] = [[] for _ in range(5)]
+    for st in plan.stages:
+        flat = torch_private.flat_cat(st.inputs(tensors))
+        wide = torch.empty(st.size, dtype=torch.float64, device=flat.device)
+        wide.copy_(flat).clamp_min_(0.0)  # relu (NaN stays NaN)
+        columns[0].append(st.reduce(wide, "sum"))
+        wide.copy_(flat).abs_()
+        columns[1].append(st.reduce(wide, "sum"))
+        columns[3].append(st.reduce(wide, "max"))
+        columns[4].append(st.reduce(wide, "min"))
+        wide.square_()  # |t|^2 in float64: no float32 value overflows it
+        columns[2].append(st.reduce(wide, "sum"))
+    pieces = torch.stack([torch.cat(c) if len(c) > 1 else c[0] for c in columns])
+    if plan.identity:  # a piece per tensor: ATen's segmented maximum and minimum propagate NaN
+        pieces[4].neg_()
+        return pieces
+    low = plan.per_tensor_extreme(pieces[4], "amin").neg_()
+    out = torch.cat([plan.per_tensor_sums(pieces[:3]), plan.per_tensor_extreme(pieces[3], "amax")[None], low[None]])
+    # A NaN makes its tensor's L1 norm NaN: every moment of the tensor NaN, whatever the order in
+    # which a scattered maximum meets it.
+    return out.masked_fill_(out[1].isnan(), math.nan)
+
+
+def staged_sq_norms(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
+    """``||t||^2`` of each of ``tensors`` (laid out by ``plan``), a float64 vector: per stage one
+    copy, widened and squared in float64, one segmented sum."""
+    parts = []
+    for st in plan.stages:
+        flat = torch_private.flat_cat(st.inputs(tensors))
+        wide = torch.empty(st.size, dtype=torch.float64, device=flat.device)
+        parts.append(st.reduce(wide.copy_(flat).square_(), "sum"))
+    return plan.per_tensor_sums((torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(0))[0]
+
+
+def staged_norms(tensors: Sequence[torch.Tensor], plan: StagePlan, dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm of each stage of ``tensors`` (laid out by ``plan``) accumulated in ``dtype``,
+    a vector whose norm is the norm of all of them: per stage one copy and one norm."""
+    norms = [torch.linalg.vector_norm(torch_private.flat_cat(st.inputs(tensors)), dtype=dtype) for st in plan.stages]
+    return norms[0].reshape(1) if len(norms) == 1 else torch.stack(norms)
+
+
+def staged_nonfinite(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
+    """The number of NaN/Inf elements of ``tensors`` (laid out by ``plan``), a float64 scalar:
+    per stage its copy times 0 (NaN exactly where an element is not finite), counted by an
+    ord-0 norm in float64 (exact)."""
+    total = None
+    for st in plan.stages:
+        flat = torch_private.flat_cat(st.inputs(tensors))
+        flat.mul_(0.0)
+        count = torch.linalg.vector_norm(flat, 0, dtype=torch.float64)
+        total = count if total is None else total.add_(count)
+    return total if total is not None else torch.zeros((), dtype=torch.float64, device=plan.owner.device)
+
+
+def staged_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], plan: StagePlan, *,
+                           before_norms: bool, flat_before: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per tensor pair (``before[i]`` the agent's snapshot of ``after[i]``, laid out by ``plan``),
+    float64 vectors: ``[||before - after||^2, ||after||^2]`` and, with ``before_norms``,
+    ``||before||^2``. ``flat_before``: the snapshot as one flat buffer in the plan's layout (the
+    difference is then made in it, as the fused pass makes it in the snapshot), else each stage of
+    ``before`` is copied. The difference is taken in the tensors' dtype, as the optimizer's
+    update was; its square and sum in float64."""
+    columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
+    for st in plan.stages:
+        a = torch_private.flat_cat(st.inputs(after))
+        b = (flat_before[st.begin:st.begin + st.size] if flat_before is not None
+             else torch_private.flat_cat(st.inputs(before)))
+        wide = torch.empty(st.size, dtype=torch.float64, device=a.device)
+        if before_norms:
+            columns[2].append(st.reduce(wide.copy_(b).square_(), "sum"))
+        b.sub_(a)
+        columns[0].append(st.reduce(wide.copy_(b).square_(), "sum"))
+        columns[1].append(st.reduce(wide.copy_(a).square_(), "sum"))
+    pieces = torch.stack([torch.cat(c) if len(c) > 1 else c[0] for c in columns])
+    return list(plan.per_tensor_sums(pieces).unbind(0))
