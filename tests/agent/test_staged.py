@@ -251,24 +251,32 @@ class _Wide(nn.Module):
         return torch.stack([torch.tanh(layer(x)) for layer in self.layers]).sum(0).square().mean()
 
 
-def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes() -> None:
+@pytest.mark.parametrize("break_at", [None, 2], ids=["staged", "staged-then-failing"])
+def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatch, break_at: int | None) -> None:
     """The same training twice, one step at a time, every metric on every step: on the CPU's own
     passes, and on the accelerator formulations (``accelerator_paths``), where the 300-tensor
     bucket takes the staged passes, the update's snapshot one flat buffer. Every reported value
-    agrees; a non-finite step is counted alike."""
+    agrees; a non-finite step is counted alike. Where the staged copy starts failing (step 2 of
+    ``staged-then-failing``: first met by the snapshot's copy before the optimizer step), nothing
+    is lost: the fused passes measure from then on, the snapshot copied into its flat buffer's
+    views, and every value still agrees, with no agent error."""
+    from trainer_agent.compat import torch_private
+
+    monkeypatch.setattr(staged, "FAILED", None)
     overhead = _bench("agent_overhead")
     torch.manual_seed(0)
-    models = [_Wide(), None]
-    models[1] = _Wide()
+    models = [_Wide(), _Wide()]
     models[1].load_state_dict(models[0].state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     config = ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every", per_layer="all", layer_depth=2)
     agents = [ta.attach(m, o, job="staged", run=f"staged-{i}", config=config) for i, (m, o) in enumerate(zip(models, opts))]
     try:
-        for step in range(4):
+        for step in range(5):
             x = torch.randn(16, 8)
-            if step == 3:
+            if step == 4:
                 x[0, 0] = math.nan
+            if step == break_at:
+                monkeypatch.setattr(torch_private, "chunk_cat", _raises)
             latest = []
             for i, (model, opt, agent) in enumerate(zip(models, opts, agents)):
                 with overhead.accelerator_paths() if i else contextlib.nullcontext():
@@ -280,16 +288,21 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes() -> None:
                 latest.append(agent.latest())
             cpu, acc = latest
             assert acc["trainguard_agent_errors_total"] == cpu["trainguard_agent_errors_total"] == 0
+            assert (staged.FAILED is not None) == (break_at is not None and step >= break_at)
             assert set(acc) == set(cpu)
             for key, value in cpu.items():
                 if "seconds" in key or "per_second" in key or "memory" in key or "overhead" in key:
                     continue
                 assert _close(acc[key], value, 1e-6) or (value == 0 and abs(acc[key]) < 1e-12), (step, key, acc[key], value)
-            assert (cpu["trainguard_nonfinite_grads"] > 0) == (step == 3)
-        assert any(plan.tensors == 300 for plan in staged._PLANS.values())  # the staged passes did measure
+            assert (cpu["trainguard_nonfinite_grads"] > 0) == (step == 4)
+        assert break_at is not None or any(plan.tensors == 300 for plan in staged._PLANS.values())
     finally:
         for agent in agents:
             agent.close()
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("chunk_cat: not on this build")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -310,3 +323,48 @@ def test_staged_passes_on_cuda_match_the_fused_ones(dtype: torch.dtype) -> None:
     delta, _, _, _ = stats.update_sq_norms([[t.clone() for t in before]], [after], device)
     want = torch.tensor([float((b - a).double().square().sum()) for b, a in zip(before, after)], dtype=torch.float64)
     torch.testing.assert_close(delta.cpu(), want, rtol=1e-9, atol=0)
+
+
+def test_a_failing_staged_pass_turns_them_off_and_the_fused_passes_measure(monkeypatch, caplog) -> None:
+    """A staged pass that raises (an operator a build lacks, a layout it refuses) costs nothing
+    but a warning: the fused passes measure the same values, this time and from then on."""
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    monkeypatch.setattr(staged, "FAILED", None)
+    g = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(int(n), generator=g) for n in torch.randint(1, 400, (200,), generator=g)]
+    tensors[3][1] = math.nan
+    want_values, _ = stats.tensor_moments(tensors, CPU, chunked=False)  # staged: works
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("segment_reduce: not implemented for this build")
+
+    monkeypatch.setattr(torch, "segment_reduce", broken)
+    with caplog.at_level("WARNING"):
+        values, order = stats.tensor_moments(tensors, CPU, chunked=False)
+    assert staged.FAILED is not None and "not implemented" in staged.FAILED
+    assert sum("fused passes from now on" in r.getMessage() for r in caplog.records) == 1
+    assert order == list(range(200))
+    torch.testing.assert_close(values, want_values, rtol=1e-6, atol=0, equal_nan=True)
+    assert staged.plan_for(tensors, CPU) is None  # off from now on
+    assert float(stats.nonfinite_count(tensors, CPU, scan="device")) == 1
+
+
+def test_a_failing_staged_update_loses_that_report_only(monkeypatch) -> None:
+    """The update's staged pass makes the difference in the snapshot itself: where it fails it
+    raises (the report step counts an agent error and goes on), and the next measurement takes
+    the fused passes."""
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    monkeypatch.setattr(staged, "FAILED", None)
+    after = [[torch.randn(20) for _ in range(200)]]
+    before = [[a + 0.5 for a in after[0]]]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no segmented reduction here")
+
+    monkeypatch.setattr(torch, "segment_reduce", broken)
+    with pytest.raises(RuntimeError, match="fused passes from the next report on"):
+        stats.update_sq_norms([[t.clone() for t in before[0]]], after, CPU, chunked=False)
+    delta, param, _, _ = stats.update_sq_norms([[t.clone() for t in before[0]]], after, CPU, chunked=False)
+    torch.testing.assert_close(delta, torch.full((200,), 0.25 * 20, dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(param, torch.stack([a.double().square().sum() for a in after[0]]), rtol=1e-6, atol=0)
+

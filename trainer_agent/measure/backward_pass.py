@@ -118,10 +118,8 @@ class BackwardPass:
         noise scale reads their total norm only)."""
         dtype = self._norm_dtype(grads[0].dtype)
         plan = staged.plan_for(grads, grads[0].device)
-        if plan is None:
-            self.norms.append(torch_private.foreach_norm(grads, 2, dtype=dtype))
-        else:
-            self.norms.append(staged.staged_norms(grads, plan, dtype))
+        norms = None if plan is None else staged.attempt(staged.staged_norms, grads, plan, dtype)
+        self.norms.append(torch_private.foreach_norm(grads, 2, dtype=dtype) if norms is None else norms)
 
     def release(self) -> None:
         for held in self._held:

@@ -25,19 +25,25 @@ tensors' dtype and in float64 (192 MiB for float32 at :data:`STAGE_ELEMENTS`, re
 pass). Every sum is float64 over float64 values: the fused passes' L1 norms accumulate in float64
 too, and their float32 L2 norm (squared in float64) is here a float64 sum of squares, as precise
 or more. NaN propagates into every statistic of its tensor, as on the fused passes.
+
+Should a staged pass raise (:func:`attempt`: an operator a build lacks, a layout it refuses),
+the staged passes are off for the process, a warning says so once, and the fused passes measure
+the same values from then on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for",
+__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for", "attempt",
            "staged_moments", "staged_sq_norms", "staged_norms", "staged_nonfinite", "staged_update_sq_norms"]
 
 #: Elements per stage (one ``flat_cat``, one float64 buffer): 128 MiB in float64.
@@ -58,6 +64,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: (``chunk_plan.py``), by elements not tensors, in cache.
 ON_CPU = False
 
+
+#: Why the staged passes were turned off for this process (their first error), or None.
+FAILED: str | None = None
+
+log = logging.getLogger(__name__)
 
 #: Plans by (shapes, dtype, device, stage, piece): the same buckets come back every report.
 _PLANS: OrderedDict[tuple, StagePlan] = OrderedDict()
@@ -152,7 +163,7 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
     """The plan of ``tensors`` (one bucket) when the staged passes measure them, else None: on an
     accelerator (or on the CPU with :data:`ON_CPU`), for :data:`STAGED_MIN_TENSORS` tensors or
     more, every one a plain dense tensor of one float dtype on ``device``."""
-    if len(tensors) < STAGED_MIN_TENSORS or (device.type == "cpu" and not ON_CPU):
+    if len(tensors) < STAGED_MIN_TENSORS or (device.type == "cpu" and not ON_CPU) or FAILED is not None:
         return None
     first = tensors[0]
     if first.device != device or not first.is_floating_point() or first.layout != torch.strided:
@@ -172,6 +183,22 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
     while len(_PLANS) > _PLANS_KEPT:
         _PLANS.popitem(last=False)
     return plan
+
+
+def attempt(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a staged pass), or None where it raises: the staged passes are then
+    turned off for this process (:data:`FAILED`, logged once) and the caller takes the fused
+    passes, this time and from then on. The staged passes write nothing but their own buffers
+    (the update's snapshot aside, whose caller re-raises instead)."""
+    global FAILED
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        FAILED = f"{type(e).__name__}: {e}"
+        _PLANS.clear()
+        log.warning("trainguard: the staged per-tensor statistics failed (%s); measuring with the fused passes "
+                    "from now on (the same values, more kernel launches)", FAILED)
+        return None
 
 
 def staged_moments(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:

@@ -73,10 +73,11 @@ def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch
     vectors = []
     for bucket, plan in zip(tensor_buckets, plans):
         dtype = torch.float64 if wide else norm_dtype(bucket[0].dtype)
-        if plan is None:
+        sq = None if plan is None else staged.attempt(staged.staged_sq_norms, bucket, plan)
+        if sq is None:
             vectors.append(results_vector([torch_private.foreach_norm(bucket, 2, dtype=dtype)], device))
         else:
-            vectors.append(staged.staged_sq_norms(bucket, plan).sqrt_().to(device, dtype))
+            vectors.append(sq.sqrt_().to(device, dtype))
     return vectors[0] if len(vectors) == 1 else torch.cat(vectors)
 
 
@@ -163,8 +164,9 @@ def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor
     for group in buckets(tensors):
         members = [tensors[i] for i in group]
         plan = staged.plan_for(members, members[0].device)
-        if plan is not None:
-            counts.append([staged.staged_nonfinite(members, plan)])
+        count = None if plan is None else staged.attempt(staged.staged_nonfinite, members, plan)
+        if count is not None:
+            counts.append([count])
             continue
         dtype = norm_dtype(tensors[group[0]].dtype)
         bucket: list[torch.Tensor] = []
@@ -311,10 +313,11 @@ def _accelerator_moments(tensors: Sequence[torch.Tensor], rest: list[int], devic
     for bucket in buckets([tensors[i] for i in rest]):
         members = [tensors[rest[i]] for i in bucket]
         plan = staged.plan_for(members, device)
-        if plan is None:
+        values = None if plan is None else staged.attempt(staged.staged_moments, members, plan)
+        if values is None:
             fused_rest += [rest[i] for i in bucket]
         else:
-            staged_parts.append(staged.staged_moments(members, plan))
+            staged_parts.append(values)
             staged_order += [rest[i] for i in bucket]
     order: list[int] = []
     if fused_rest:

@@ -66,8 +66,11 @@ def _accelerator_update(before: Sequence[Sequence[torch.Tensor]], after: Sequenc
         plan = staged.plan_for(bucket_a, device)
         if plan is not None:
             flat = None if flat_before is None else flat_before[b]
-            kinds.append(staged.staged_update_sq_norms(bucket_b, bucket_a, plan, before_norms=before_norms,
-                                                       flat_before=flat))
+            done = staged.attempt(staged.staged_update_sq_norms, bucket_b, bucket_a, plan,
+                                  before_norms=before_norms, flat_before=flat)
+            if done is None:  # the snapshot may be half-compared: this report's update is lost
+                raise RuntimeError(f"the staged update norms failed ({staged.FAILED}); the fused passes from the next report on")
+            kinds.append(done)
             continue
         dtype = norm_dtype(bucket_a[0].dtype)
         if before_norms:

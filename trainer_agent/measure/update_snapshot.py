@@ -48,11 +48,9 @@ class UpdateSnapshot:
             self._allocate()
         if self._versions != versions:
             for snap, flat, plan, bucket in zip(self._tensors, self._flats, self._plans, self.index.buckets):
-                if plan is None:
+                # one copy per stage of elements, whatever the tensor count (else one fused copy)
+                if plan is None or staged.FAILED is not None or staged.attempt(_copy_flat, plan, bucket, flat) is None:
                     torch_private.foreach_copy_(snap, bucket)
-                    continue
-                for stage in plan.stages:  # one copy per stage of elements, whatever the tensor count
-                    torch_private.flat_cat(stage.inputs(bucket), out=flat[stage.begin:stage.begin + stage.size])
         self._versions = None  # the post-step hook consumes it
         st.snapshot_taken = True
         if self._param_sq_prev is not None and self._param_sq_prev[1] == versions:
@@ -99,3 +97,10 @@ class UpdateSnapshot:
         """A report step without the update measured: ``||W_after||`` alone."""
         st.param_sq = self.index.sq_norms()
         self._param_sq_prev = (st.param_sq, self.index.versions())
+
+
+def _copy_flat(plan: staged.StagePlan, bucket: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """``bucket`` into ``flat`` (its snapshot in ``plan``'s layout), a copy per stage."""
+    for stage in plan.stages:
+        torch_private.flat_cat(stage.inputs(bucket), out=flat[stage.begin:stage.begin + stage.size])
+    return flat
