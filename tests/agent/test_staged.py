@@ -165,6 +165,13 @@ def test_update_norms_match_a_float64_reference(flat: bool, dtype: torch.dtype) 
         assert all(_close(a, b, 1e-12) for a, b in zip(got.tolist(), want))
     if flat:  # the difference was made in the snapshot, as the fused pass makes it
         assert torch.equal(flat_before[:after[0].numel()], (before[0] - after[0]).reshape(-1))
+    # parameters that require grad, measured with autograd on: no graph recorded, nothing held
+    params = [nn.Parameter(a.clone()) for a in after]
+    flat_before = torch.cat([b.reshape(-1) for b in before]) if flat else None
+    results = staged.staged_update_sq_norms(before, params, plan, before_norms=True, flat_before=flat_before)
+    assert not any(r.requires_grad for r in results)
+    assert flat_before is None or not flat_before.requires_grad
+    assert not staged.staged_moments(params, plan).requires_grad
 
 
 def test_plan_for_takes_many_plain_tensors_of_one_dtype_on_an_accelerator_only(monkeypatch) -> None:

@@ -201,6 +201,7 @@ def attempt(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         return None
 
 
+@torch.no_grad()
 def staged_moments(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
     """The :data:`~trainer_agent.measure.stats.MOMENTS` of non-empty ``tensors`` (laid out by
     ``plan``) as a (5, len(tensors)) float64 tensor, a column per tensor: ``||relu(t)||_1``,
@@ -228,6 +229,7 @@ def staged_moments(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Te
     return out.masked_fill_(out[1].isnan(), math.nan)
 
 
+@torch.no_grad()
 def staged_sq_norms(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
     """``||t||^2`` of each of ``tensors`` (laid out by ``plan``), a float64 vector: per stage one
     copy, widened and squared in float64, one segmented sum."""
@@ -239,6 +241,7 @@ def staged_sq_norms(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.T
     return plan.per_tensor_sums((torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(0))[0]
 
 
+@torch.no_grad()
 def staged_norms(tensors: Sequence[torch.Tensor], plan: StagePlan, dtype: torch.dtype) -> torch.Tensor:
     """The L2 norm of each stage of ``tensors`` (laid out by ``plan``) accumulated in ``dtype``,
     a vector whose norm is the norm of all of them: per stage one copy and one norm."""
@@ -246,6 +249,7 @@ def staged_norms(tensors: Sequence[torch.Tensor], plan: StagePlan, dtype: torch.
     return norms[0].reshape(1) if len(norms) == 1 else torch.stack(norms)
 
 
+@torch.no_grad()
 def staged_nonfinite(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Tensor:
     """The number of NaN/Inf elements of ``tensors`` (laid out by ``plan``), a float64 scalar:
     per stage its copy times 0 (NaN exactly where an element is not finite), counted by an
@@ -259,6 +263,7 @@ def staged_nonfinite(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.
     return total if total is not None else torch.zeros((), dtype=torch.float64, device=plan.owner.device)
 
 
+@torch.no_grad()
 def staged_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], plan: StagePlan, *,
                            before_norms: bool, flat_before: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per tensor pair (``before[i]`` the agent's snapshot of ``after[i]``, laid out by ``plan``),

@@ -99,6 +99,7 @@ class UpdateSnapshot:
         self._param_sq_prev = (st.param_sq, self.index.versions())
 
 
+@torch.no_grad()
 def _copy_flat(plan: staged.StagePlan, bucket: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
     """``bucket`` into ``flat`` (its snapshot in ``plan``'s layout), a copy per stage."""
     for stage in plan.stages:
