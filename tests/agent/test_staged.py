@@ -375,3 +375,46 @@ def test_a_failing_staged_update_loses_that_report_only(monkeypatch) -> None:
     torch.testing.assert_close(delta, torch.full((200,), 0.25 * 20, dtype=torch.float64), rtol=1e-6, atol=0)
     torch.testing.assert_close(param, torch.stack([a.double().square().sum() for a in after[0]]), rtol=1e-6, atol=0)
 
+
+
+def test_every_input_is_copied_in_logical_order() -> None:
+    """CUDA's ``_chunk_cat`` copies a dense tensor in memory order: a non-contiguous tensor (a
+    transposed weight, a channels_last convolution) is handed to it flattened in logical order,
+    so that the snapshot's views and the fused fallback see the same elements."""
+    tensors = [torch.randn(3, 4).t(), torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last), torch.randn(5)]
+    plan = StagePlan([t.shape for t in tensors], CPU)
+    inputs = plan.stages[0].inputs(tensors)
+    assert all(x.is_contiguous() for x in inputs)
+    assert torch.equal(torch.cat([x.reshape(-1) for x in inputs]), torch.cat([t.reshape(-1) for t in tensors]))
+
+
+def test_an_empty_tensor_among_cut_ones_has_no_extremes() -> None:
+    """Pieces combined per tensor: a tensor without pieces (empty) keeps the extremes of no
+    element, -inf and +inf, never an uninitialized value."""
+    tensors = [torch.randn(300), torch.zeros(0), torch.randn(100)]
+    plan = _plan(tensors)
+    assert not plan.identity
+    got = staged.staged_moments(tensors, plan)
+    assert got[3, 1] == -math.inf and got[4, 1] == -math.inf  # max |t| = -inf, -min |t| = -inf
+    assert got[:3, 1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_plan_for_lays_out_with_the_module_sizes(monkeypatch) -> None:
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    monkeypatch.setattr(staged, "STAGE_ELEMENTS", 1000)
+    monkeypatch.setattr(staged, "PIECE", 100)
+    tensors = [torch.randn(30) for _ in range(staged.STAGED_MIN_TENSORS)]
+    plan = staged.plan_for(tensors, CPU)
+    assert len(plan.stages) == math.ceil(30 * len(tensors) / 990) and max(st.size for st in plan.stages) <= 1000
+
+
+def test_out_of_memory_falls_back_for_that_call_only(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(staged, "FAILED", None)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 192.00 MiB")
+
+    with caplog.at_level("WARNING"):
+        assert staged.attempt(oom) is None
+    assert staged.FAILED is None  # the next report tries the staged passes again
+    assert any("out of memory" in r.getMessage() for r in caplog.records)

@@ -130,11 +130,8 @@ class Fingerprinter:
         self.numels = list(numels)
         gen = torch.Generator().manual_seed(SEED)
         self._s = {rows: {torch.float32: _signs(gen, (rows, projections)).to(device)} for rows in (SMALL_ROWS, LARGE_ROWS)}
-        # One generator per tensor: its signs depend on its own index and size only, so two ranks
-        # holding the same shard draw the same weights whatever the sizes of their other
-        # (unevenly sharded) tensors. Kept on the host; on the device laid out per staged chunk.
-        self._r_host = [_signs(torch.Generator().manual_seed(SEED + 1 + i), (width_of(n), projections)) if n else None
-                        for i, n in enumerate(numels)]
+        # Tensor i's column signs, made from its own generator when needed (laid out per staged
+        # chunk; kept on the device for those projected in place).
         self._r: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def s_for(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,13 +143,16 @@ class Fingerprinter:
         return s
 
     def r_host(self, i: int) -> torch.Tensor:
-        """Tensor ``i``'s column signs, (width_of(numel), K) float32 on the host."""
-        return self._r_host[i]
+        """Tensor ``i``'s column signs, (width_of(numel), K) float32 on the host: from a generator
+        of its own, so that they depend on its index and size only (two ranks holding the same
+        shard draw the same weights whatever the sizes of their other, unevenly sharded,
+        tensors)."""
+        return _signs(torch.Generator().manual_seed(SEED + 1 + i), (width_of(self.numels[i]), self.k))
 
     def _r_for(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         r = self._r.get((i, dtype))
         if r is None:
-            r = self._r[(i, dtype)] = self._r_host[i].to(self.device, dtype)
+            r = self._r[(i, dtype)] = self.r_host(i).to(self.device, dtype)
         return r
 
     def unit_of(self, i: int) -> int:

@@ -10,13 +10,13 @@ the columns of one (rows, columns) buffer. Then, per chunk: ``s^T @ buffer`` (on
 every column's sum weighted by the rows' signs), times each column's sign ``r`` (one product, the
 per-tensor signs laid out once beside the columns) and one ``index_add_`` of the columns into
 their units: four launches per chunk of at most ``STAGE_ELEMENTS`` buffer values. A tensor whose
-first dimension ``rows`` does not divide is flattened first (a view, kept while the tensor lives); float64
+first dimension ``rows`` does not divide, or one not contiguous (CUDA's kernel would copy it in
+memory order), is flattened first (in logical order); float64
 tensors and those of ``DIRECT_ELEMENTS`` or more are projected in place (``project_one``).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -30,10 +30,9 @@ __all__ = ["FusedProjections"]
 class _Chunk:
     """Tensors of one row count and dtype, side by side in the buffer: their indexes, shapes,
     positions to flatten, the buffer's (rows, columns) view, each column's signs ``r`` (K,
-    columns), unit and weighted projections (K, columns: written each time)."""
+    columns) and unit."""
 
-    __slots__ = ("tensors", "shapes", "flatten", "dtype", "rows", "view", "r", "units", "weighted", "_skips", "_zeros",
-                 "_flat", "_members")
+    __slots__ = ("tensors", "shapes", "flatten", "dtype", "rows", "view", "r", "units", "_skips", "_zeros", "_members")
 
     def __init__(self, fp: Any, tensors: list[int], shapes: list[torch.Size], dtype: torch.dtype, rows: int,
                  buffer: torch.Tensor, units: Sequence[int]) -> None:
@@ -44,13 +43,16 @@ class _Chunk:
         widths = [width_of(fp.numels[i]) for i in tensors]
         columns = sum(widths)
         self.view = buffer[:rows * columns].view(rows, columns)
-        self.r = torch.cat([fp.r_host(i) for i in tensors]).t().contiguous().to(fp.device)  # (K, columns)
+        # The (K, columns) signs and the columns' units (a column per 16 elements of a small tensor):
+        # on an accelerator int8 and int32, 5 bytes per column kept on the device; on the CPU
+        # float32 and int64 (its mixed-dtype product and int32 index_add_ are 10-15x slower).
+        compact = fp.device.type != "cpu"
+        r = torch.cat([fp.r_host(i) for i in tensors]).t()
+        self.r = r.to(torch.int8 if compact else torch.float32).contiguous().to(fp.device)
         self.units = torch.repeat_interleave(torch.tensor([units[i] for i in tensors], dtype=torch.long),
-                                             torch.tensor(widths)).to(fp.device)
-        self.weighted = torch.empty(fp.k, columns, dtype=torch.float64, device=fp.device)
+                                             torch.tensor(widths)).to(torch.int32 if compact else torch.long).to(fp.device)
         self._skips: dict[frozenset[int], torch.Tensor] = {}
         self._zeros: dict[int, torch.Tensor] = {}
-        self._flat: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._members = set(tensors)
 
     def inputs(self, flat: Sequence[torch.Tensor], numels: Sequence[int]) -> list[torch.Tensor]:
@@ -58,9 +60,9 @@ class _Chunk:
         shapes are the plan's (the usual case: no loop over them in Python but the list), else
         flattened, a missing gradient's 0-dim stand-in as zeros."""
         xs = [flat[i] for i in self.tensors]
-        if [x.shape for x in xs] == self.shapes:
+        if [x.shape for x in xs] == self.shapes and all(x.is_contiguous() for x in xs):
             for k in self.flatten:
-                xs[k] = self._flattened(k, xs[k])
+                xs[k] = xs[k].reshape(-1)  # (a view: contiguous)
             return xs
         for k, i in enumerate(self.tensors):
             if xs[k].numel() != numels[i]:  # no gradient: zeros in its place (projected to 0)
@@ -68,21 +70,10 @@ class _Chunk:
                 if zeros is None:
                     zeros = self._zeros[i] = torch.zeros(numels[i], dtype=self.dtype, device=self.view.device)
                 xs[k] = zeros
-            elif xs[k].dim() != 1:
+            elif xs[k].dim() != 1 or not xs[k].is_contiguous():
+                # flattened in logical order (CUDA's kernel copies a dense tensor in memory order)
                 xs[k] = xs[k].reshape(-1)
         return xs
-
-    def _flattened(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (at position ``k``) flattened: the view made for the same tensor last time (a
-        parameter, a gradient kept between steps: no operator), else a new one, kept with a weak
-        reference to ``x`` (a gradient set to None is not kept alive by it)."""
-        kept = self._flat.get(k)
-        if kept is not None and kept[0]() is x:
-            return kept[1]
-        view = x.reshape(-1)
-        if view.data_ptr() == x.data_ptr() and x.is_contiguous():  # a view: it follows x's values
-            self._flat[k] = (weakref.ref(x), view)
-        return view
 
     def units_without(self, skip: Collection[int], dropped: int, numels: Sequence[int]) -> torch.Tensor:
         """The columns' units with those of the tensors in ``skip`` moved to the ``dropped`` row."""
@@ -136,6 +127,7 @@ class FusedProjections:
         self.buffer = torch.zeros(capacity, dtype=torch.float32, device=fp.device)
         self.chunks = [_Chunk(fp, c, [shapes[i] for i in c], dtype, rows, self.buffer, units)
                        for (rows, dtype), chunks in groups.items() for c in chunks if c]
+        self._direct_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
         """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
@@ -154,9 +146,12 @@ class FusedProjections:
                 # the buffer read row after row (4x faster on a CPU than columns after columns)
                 sums = fp.s_for(chunk.rows, torch.float32).t() @ chunk.view
                 units = chunk.units_without(skip, dropped, numels) if skip else chunk.units
-                # signed in float32 (the signs are +-1: exact), written as float64: one operator
-                out.index_add_(0, units, torch.mul(sums, chunk.r, out=chunk.weighted).t())
-            direct = [i for i in self.direct if i not in skip and flat[i].numel() == numels[i]]
+                # signed (the signs are +-1: exact) and written as float64, a temporary: one operator
+                weighted = torch.empty(sums.shape, dtype=torch.float64, device=sums.device)
+                out.index_add_(0, units, torch.mul(sums, chunk.r, out=weighted).t())
+            direct = tuple(i for i in self.direct if i not in skip and flat[i].numel() == numels[i])
             if direct:
-                ids = torch.tensor([fp.unit_of(i) for i in direct], dtype=torch.long, device=fp.device)
+                ids = self._direct_ids.get(direct)
+                if ids is None:  # once per set (no host-to-device copy per report)
+                    ids = self._direct_ids[direct] = torch.tensor([fp.unit_of(i) for i in direct], device=fp.device)
                 out.index_add_(0, ids, torch.stack([fp.project_one(i, flat[i]) for i in direct]))

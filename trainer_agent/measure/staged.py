@@ -81,7 +81,7 @@ class Stage:
     length), ``whole`` (the members' tensor indexes when each is a whole tensor of at least one
     dimension, else None), ``offsets`` (the pieces' bounds in the stage, int64 on the device)."""
 
-    __slots__ = ("begin", "size", "members", "whole", "offsets")
+    __slots__ = ("begin", "size", "members", "whole", "_bounds", "_device", "_offsets")
 
     def __init__(self, begin: int, members: list[tuple[int, int, int]], bounds: list[int],
                  device: torch.device, scalars: set[int]) -> None:
@@ -89,16 +89,29 @@ class Stage:
         self.size = sum(n for _, _, n in members)
         whole = all(start < 0 and i not in scalars for i, start, _ in members)
         self.whole = [i for i, _, _ in members] if whole else None
-        self.offsets = torch.tensor(bounds, dtype=torch.long).to(device)
+        self._bounds, self._device = bounds, device
+        self._offsets: torch.Tensor | None = None
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """The pieces' bounds in the stage (int64 on the device), copied there at first use."""
+        if self._offsets is None:
+            self._offsets = _on_device(self._bounds, self._device)
+        return self._offsets
 
     def inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The members of ``tensors`` to copy: whole tensors as they are, parts as flat slices."""
+        """The members of ``tensors`` to copy, each in its logical order: whole contiguous tensors
+        as they are, parts as flat slices, others (0-dim, non-contiguous: CUDA's kernel would copy
+        those in memory order) flattened."""
         if self.whole is not None:
-            return [tensors[i] for i in self.whole]
+            xs = [tensors[i] for i in self.whole]
+            if all(x.is_contiguous() for x in xs):
+                return xs
+            return [x if x.is_contiguous() else x.reshape(-1) for x in xs]
         out = []
         for i, start, n in self.members:
-            t = tensors[i]
-            out.append(t.reshape(-1) if start < 0 else t.reshape(-1)[start:start + n])
+            t = tensors[i].reshape(-1)
+            out.append(t if start < 0 else t[start:start + n])
         return out
 
     def reduce(self, values: torch.Tensor, how: str) -> torch.Tensor:
@@ -140,9 +153,17 @@ class StagePlan:
                 start += take
         if members:
             self.stages.append(Stage(begin, members, bounds, device, scalars))
-        self.owner = torch.tensor(owner, dtype=torch.long).to(device)
+        self._owner_host, self.device = owner, device
+        self._owner: torch.Tensor | None = None
         self.identity = owner == list(range(self.tensors))
         self.elements = begin + size
+
+    @property
+    def owner(self) -> torch.Tensor:
+        """The tensor of each piece, pieces in stage order (int64 on the device, at first use)."""
+        if self._owner is None:
+            self._owner = _on_device(self._owner_host, self.device)
+        return self._owner
 
     def per_tensor_sums(self, rows: torch.Tensor) -> torch.Tensor:
         """(k, pieces) per-piece sums summed per tensor: (k, tensors); 0 for an empty tensor."""
@@ -155,8 +176,18 @@ class StagePlan:
         """Per-piece maxima (``"amax"``) or minima (``"amin"``) combined per tensor."""
         if self.identity:
             return values
-        out = torch.empty(self.tensors, dtype=values.dtype, device=values.device)
-        return out.scatter_reduce_(0, self.owner, values, how, include_self=False)
+        start = -math.inf if how == "amax" else math.inf  # an empty tensor's: no element
+        out = torch.full((self.tensors,), start, dtype=values.dtype, device=values.device)
+        return out.scatter_reduce_(0, self.owner, values, how)
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``: from pinned memory, without waiting, on CUDA
+    (a plan made during a step makes no host-device synchronization)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan | None:
@@ -176,7 +207,7 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
-    plan = StagePlan(key[0], first.device)
+    plan = StagePlan(key[0], first.device, stage=STAGE_ELEMENTS, piece=PIECE)
     if not plan.stages:  # every tensor empty: nothing to copy
         return None
     _PLANS[key] = plan
@@ -188,11 +219,15 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
 def attempt(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a staged pass), or None where it raises: the staged passes are then
     turned off for this process (:data:`FAILED`, logged once) and the caller takes the fused
-    passes, this time and from then on. The staged passes write nothing but their own buffers
-    (the update's snapshot aside, whose caller re-raises instead)."""
+    passes, this time and from then on; out of memory only this time. The staged passes write
+    nothing but their own buffers (the update's snapshot aside, whose caller re-raises instead)."""
     global FAILED
     try:
         return fn(*args, **kwargs)
+    except torch.OutOfMemoryError:  # this report's temporaries: the fused passes need fewer
+        log.warning("trainguard: out of memory for the staged per-tensor statistics of this report; "
+                    "measuring it with the fused passes")
+        return None
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
         FAILED = f"{type(e).__name__}: {e}"
         _PLANS.clear()
@@ -256,11 +291,11 @@ def staged_nonfinite(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.
     ord-0 norm in float64 (exact)."""
     total = None
     for st in plan.stages:
-        flat = torch_private.flat_cat(st.inputs(tensors))
+        flat = torch_private.flat_cat(st.inputs(tensors))  # a new buffer (cat): ours to overwrite
         flat.mul_(0.0)
         count = torch.linalg.vector_norm(flat, 0, dtype=torch.float64)
         total = count if total is None else total.add_(count)
-    return total if total is not None else torch.zeros((), dtype=torch.float64, device=plan.owner.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64, device=plan.device)
 
 
 @torch.no_grad()
