@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 
 #: Plans by (shapes, dtype, device, stage, piece): the same buckets come back every report.
 _PLANS: OrderedDict[tuple, StagePlan] = OrderedDict()
-_PLANS_KEPT = 16
+_PLANS_KEPT = 64  # (the noise scale's held gradients come in a few fixed subsets per backward pass)
 
 
 class Stage:
