@@ -95,6 +95,9 @@ part "ops and kernels" 120 "^[0-9,]+ \|" -- \
 part "ddp bucket kernels" 60 "^[0-9,]+ \|" -- \
     "$PY" bench/agent_scale.py --device cuda --ddp --bucket-view --tensors 100 5000 --rounds 1 --elements 4000000
 
+part "fingerprint kernels" 40 "^[0-9,]+ \|" -- \
+    "$PY" bench/fingerprint_projection.py --device cuda --tensors 100 5000 --rounds 3
+
 part "reaction latency" 100 "median|steps" -- \
     "$PY" bench/reaction_latency.py --trials 3 --rounds 2 --steps 20
 
