@@ -258,15 +258,19 @@ class _Wide(nn.Module):
         return torch.stack([torch.tanh(layer(x)) for layer in self.layers]).sum(0).square().mean()
 
 
-@pytest.mark.parametrize("break_at", [None, 2], ids=["staged", "staged-then-failing"])
-def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatch, break_at: int | None) -> None:
+@pytest.mark.parametrize("break_at, every", [(None, 1), (2, 1), (None, 3)],
+                         ids=["staged", "staged-then-failing", "staged-ordinary-steps"])
+def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatch, break_at: int | None,
+                                                                       every: int) -> None:
     """The same training twice, one step at a time, every metric on every step: on the CPU's own
     passes, and on the accelerator formulations (``accelerator_paths``), where the 300-tensor
     bucket takes the staged passes, the update's snapshot one flat buffer. Every reported value
     agrees; a non-finite step is counted alike. Where the staged copy starts failing (step 2 of
     ``staged-then-failing``: first met by the snapshot's copy before the optimizer step), nothing
     is lost: the fused passes measure from then on, the snapshot copied into its flat buffer's
-    views, and every value still agrees, with no agent error."""
+    views, and every value still agrees, with no agent error. With a report every 3 steps the
+    ordinary steps' gradient norm is one norm of the staged copy (``stats.staged_total_norm``):
+    the interval's largest and the reported values agree too."""
     from trainer_agent.compat import torch_private
 
     monkeypatch.setattr(staged, "FAILED", None)
@@ -275,10 +279,10 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
     models = [_Wide(), _Wide()]
     models[1].load_state_dict(models[0].state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    config = ta.AgentConfig(metrics_port=None, report_every=1, update_ratio="every", per_layer="all", layer_depth=2)
+    config = ta.AgentConfig(metrics_port=None, report_every=every, update_ratio="every", per_layer="all", layer_depth=2)
     agents = [ta.attach(m, o, job="staged", run=f"staged-{i}", config=config) for i, (m, o) in enumerate(zip(models, opts))]
     try:
-        for step in range(5):
+        for step in range(6):
             x = torch.randn(16, 8)
             if step == 4:
                 x[0, 0] = math.nan
@@ -301,7 +305,11 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
                 if "seconds" in key or "per_second" in key or "memory" in key or "overhead" in key:
                     continue
                 assert _close(acc[key], value, 1e-6) or (value == 0 and abs(acc[key]) < 1e-12), (step, key, acc[key], value)
-            assert (cpu["trainguard_nonfinite_grads"] > 0) == (step == 4)
+            if every == 1:
+                assert (cpu["trainguard_nonfinite_grads"] > 0) == (step >= 4)  # (NaN weights from step 4 on)
+        if every == 3:  # the second report's interval held step 4's NaN, an ordinary step
+            assert acc["trainguard_nonfinite_steps_total"] == cpu["trainguard_nonfinite_steps_total"] >= 1
+            assert math.isfinite(acc["trainguard_grad_norm_max"])
         assert break_at is not None or any(plan.tensors == 300 for plan in staged._PLANS.values())
     finally:
         for agent in agents:

@@ -253,20 +253,23 @@ class StepMeter:
         """Per-tensor norms of the current ``.grad`` (and, on report steps, their non-finite
         element count) into the state. One fused norm per bucket. An ordinary step under DDP with
         ``gradient_as_bucket_view``, or under FSDP2, takes only the norm, from DDP's flat buckets or
-        FSDP2's flat gradient buffers (``ParamIndex.bucket_views``): no work per tensor."""
+        FSDP2's flat gradient buffers (``ParamIndex.bucket_views``): no work per tensor; so does an
+        ordinary step on an accelerator whose buckets hold many small gradients
+        (``stats.staged_total_norm``: one copy and one norm per bucket)."""
         st = self.state
         report = self.schedule.is_report(self._step() + 1)
         views, sharding = self.index.bucket_views, self.index.sharding
         if views is not None and not report:
             scaled = views.norm(self.index.device, wide=self.wide)
-            if scaled is not None:
-                st.grad_norms = None
-                st.scale = self.scale_tensor()
-                self.scaled_grad_norm = self._with_sparse(scaled, report)  # (no sparse gradient under sharding)
-                st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
-                st.grad_share = st.grad_norm if sharding is None else unscale(views.shared(scaled), st.scale, power=2)
+            if scaled is not None:  # (no sparse gradient under sharding)
+                self._total_only(scaled, None if sharding is None else views.shared(scaled))
                 return
         grads = self.index.grads()
+        if not report and sharding is None:  # many small gradients: one copy, one norm (staged)
+            scaled = stats.staged_total_norm(grads, self.index.device)
+            if scaled is not None:
+                self._total_only(scaled, None)
+                return
         st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide, staged_ok=report)
         st.scale = self.scale_tensor()
         if report and views is not None and views.wants_find():
@@ -286,6 +289,16 @@ class StepMeter:
             st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
             sq = st.grad_norms.to(torch.float64).square()
             st.grad_share = unscale(sharding.shares(sq).sum(), st.scale, power=2)
+
+    def _total_only(self, scaled: torch.Tensor, shared: torch.Tensor | None) -> None:
+        """An ordinary step's norm without per-tensor norms: ``scaled`` the dense gradients' (as
+        the loss scale leaves them), ``shared`` this rank's share of their square under sharding."""
+        st = self.state
+        st.grad_norms = None
+        st.scale = self.scale_tensor()
+        self.scaled_grad_norm = self._with_sparse(scaled, False)
+        st.grad_norm = unscale(self.scaled_grad_norm, st.scale)
+        st.grad_share = st.grad_norm if shared is None else unscale(shared, st.scale, power=2)
 
     def _with_sparse(self, scaled: torch.Tensor, report: bool) -> torch.Tensor:
         """``scaled`` (the dense gradients' norm) with the sparse gradients' (``ParamIndex.sparse``)
