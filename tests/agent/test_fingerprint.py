@@ -560,3 +560,19 @@ def test_sharded_replicas_perturbed_rank_and_layer_are_named(mode: str, tmp_path
     assert [d[:3] for d in params] == [("param", "0", group)]
     assert params[0][3] == pytest.approx(1e-4, rel=1e-2)
     assert all(seen[5][1]["param_desync"][r] == 0.0 for r in others)
+
+
+def test_a_plan_made_while_a_gradient_is_missing_serves_every_later_report() -> None:
+    """The fused plan is made at first use: where a gradient is missing then (a 0-dim stand-in of
+    the same dtype), its tensor is still laid out at its full size, projected as zeros that time
+    and as itself once present, without and with shapes the plan did not see (a flattened view)."""
+    fp, xs = _fused_inputs()
+    xs[7] = xs[7].contiguous()  # every tensor of the chunk contiguous: the plan's fast path
+    missing = list(xs)
+    missing[2] = torch.zeros(())  # (20, 20) float32, like its neighbours: the same plan
+    units = list(FUSED_UNITS)
+    ref = _per_tensor_layer_values(fp, missing, [u if i != 2 else -1 for i, u in enumerate(units)])
+    assert torch.allclose(fp.layer_values(_by_dtype(missing)), ref, rtol=1e-5, atol=1e-4)
+    for present in (xs, [x.reshape(-1) if i == 2 else x for i, x in enumerate(xs)]):
+        ref = _per_tensor_layer_values(fp, present, units)
+        assert torch.allclose(fp.layer_values(_by_dtype(present)), ref, rtol=1e-5, atol=1e-4)

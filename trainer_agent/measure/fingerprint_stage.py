@@ -38,8 +38,9 @@ class _Chunk:
                  buffer: torch.Tensor, units: Sequence[int]) -> None:
         from trainer_agent.measure.fingerprint import width_of
 
-        self.tensors, self.shapes, self.dtype, self.rows = tensors, shapes, dtype, rows
-        self.flatten = [k for k, s in enumerate(shapes) if len(s) == 0 or (len(s) > 1 and s[0] % rows)]
+        self.tensors, self.dtype, self.rows = tensors, dtype, rows
+        # (a missing gradient's 0-dim stand-in when the plan was made: its tensor, flattened)
+        self._expect([s if s.numel() == fp.numels[i] else torch.Size([fp.numels[i]]) for i, s in zip(tensors, shapes)])
         widths = [width_of(fp.numels[i]) for i in tensors]
         columns = sum(widths)
         self.view = buffer[:rows * columns].view(rows, columns)
@@ -55,6 +56,12 @@ class _Chunk:
         self._zeros: dict[int, torch.Tensor] = {}
         self._members = set(tensors)
 
+    def _expect(self, shapes: list[torch.Size]) -> None:
+        """The shapes the fast path of :meth:`inputs` takes as they are, and which of them it
+        flattens (0-dim, or a first dimension ``rows`` does not divide)."""
+        self.shapes = shapes
+        self.flatten = [k for k, s in enumerate(shapes) if len(s) == 0 or (len(s) > 1 and s[0] % self.rows)]
+
     def inputs(self, flat: Sequence[torch.Tensor], numels: Sequence[int]) -> list[torch.Tensor]:
         """This chunk's tensors of ``flat`` as ``chunk_cat`` lays them out: as they are where their
         shapes are the plan's (the usual case: no loop over them in Python but the list), else
@@ -64,15 +71,18 @@ class _Chunk:
             for k in self.flatten:
                 xs[k] = xs[k].reshape(-1)  # (a view: contiguous)
             return xs
+        shapes, missing = [x.shape for x in xs], False
         for k, i in enumerate(self.tensors):
             if xs[k].numel() != numels[i]:  # no gradient: zeros in its place (projected to 0)
                 zeros = self._zeros.get(i)
                 if zeros is None:
                     zeros = self._zeros[i] = torch.zeros(numels[i], dtype=self.dtype, device=self.view.device)
-                xs[k] = zeros
+                xs[k], missing = zeros, True
             elif xs[k].dim() != 1 or not xs[k].is_contiguous():
                 # flattened in logical order (CUDA's kernel copies a dense tensor in memory order)
                 xs[k] = xs[k].reshape(-1)
+        if not missing:  # every tensor present with new shapes: the fast path's from now on
+            self._expect(shapes)
         return xs
 
     def units_without(self, skip: Collection[int], dropped: int, numels: Sequence[int]) -> torch.Tensor:
