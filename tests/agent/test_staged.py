@@ -426,3 +426,14 @@ def test_out_of_memory_falls_back_for_that_call_only(monkeypatch, caplog) -> Non
         assert staged.attempt(oom) is None
     assert staged.FAILED is None  # the next report tries the staged passes again
     assert any("out of memory" in r.getMessage() for r in caplog.records)
+
+
+def test_only_buckets_of_many_small_tensors_norm_an_ordinary_step_from_one_copy(monkeypatch) -> None:
+    """Decided once from the parameters: every bucket of at least STAGED_MIN_TENSORS tensors and
+    at most one stage of elements; a larger model's ordinary steps then look up no plan."""
+    monkeypatch.setattr(staged, "STAGE_ELEMENTS", 1000)
+    many = [torch.randn(5) for _ in range(staged.STAGED_MIN_TENSORS)]
+    assert staged.fits_one_stage([many])
+    assert not staged.fits_one_stage([many, many[:-1]])  # a bucket of too few
+    assert not staged.fits_one_stage([many + [torch.randn(400)]])  # more than one stage
+    assert not staged.fits_one_stage([])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer_agent.measure import stats
+from trainer_agent.measure import staged, stats
 from trainer_agent.compat import torch_private
 from trainer_agent.measure.sharding import Sharding, is_dtensor, local
 
@@ -86,6 +86,7 @@ class ParamIndex:
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self.device = self.buckets[0][0].device
         self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
+        self.many_small = staged.fits_one_stage(self.buckets)  #: ordinary steps: stats.staged_total_norm
         #: The flat buffers the gradients are views of, set by the agent: DDP's gradient buckets
         #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``) or FSDP2's
         #: reduce-scatter outputs (``trainer_agent/measure/fsdp_grad_buffers.py``).

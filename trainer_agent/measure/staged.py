@@ -43,7 +43,8 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for", "attempt",
+__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for", "fits_one_stage",
+           "attempt",
            "staged_moments", "staged_sq_norms", "staged_norms", "staged_nonfinite", "staged_update_sq_norms"]
 
 #: Elements per stage (one ``flat_cat``, one float64 buffer): 128 MiB in float64.
@@ -214,6 +215,15 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
     while len(_PLANS) > _PLANS_KEPT:
         _PLANS.popitem(last=False)
     return plan
+
+
+def fits_one_stage(buckets: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Whether every bucket holds enough tensors for the staged passes and fits one stage: the
+    many small tensors an ordinary step may norm from one copy (``stats.staged_total_norm``).
+    Decided once from the parameters (their gradients have their sizes), so that a larger model's
+    ordinary steps look up no plan at all."""
+    return bool(buckets) and all(len(b) >= STAGED_MIN_TENSORS and sum(t.numel() for t in b) <= STAGE_ELEMENTS
+                                 for b in buckets)
 
 
 def attempt(fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:

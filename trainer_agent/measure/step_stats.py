@@ -265,7 +265,7 @@ class StepMeter:
                 self._total_only(scaled, None if sharding is None else views.shared(scaled))
                 return
         grads = self.index.grads()
-        if not report and sharding is None:  # many small gradients: one copy, one norm (staged)
+        if not report and sharding is None and self.index.many_small:  # one copy, one norm (staged)
             scaled = stats.staged_total_norm(grads, self.index.device)
             if scaled is not None:
                 self._total_only(scaled, None)
