@@ -269,7 +269,7 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
     ``staged-then-failing``: first met by the snapshot's copy before the optimizer step), nothing
     is lost: the fused passes measure from then on, the snapshot copied into its flat buffer's
     views, and every value still agrees, with no agent error. With a report every 3 steps the
-    ordinary steps' gradient norm is one norm of the staged copy (``stats.staged_total_norm``):
+    ordinary steps' gradient norm is one norm of the staged copy (``OneCopyNorm``):
     the interval's largest and the reported values agree too."""
     from trainer_agent.compat import torch_private
 
@@ -311,6 +311,9 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
             assert acc["trainguard_nonfinite_steps_total"] == cpu["trainguard_nonfinite_steps_total"] >= 1
             assert math.isfinite(acc["trainguard_grad_norm_max"])
         assert break_at is not None or any(plan.tensors == 300 for plan in staged._PLANS.values())
+        # The ordinary steps (every 3: steps 0, 1, 3, 4) normed from one copy, until it failed.
+        assert agents[1].parts.params.one_copy.used == {(None, 3): 4, (None, 1): 0, (2, 1): 0}[break_at, every]
+        assert agents[0].parts.params.one_copy.used == 0  # the CPU's own passes
     finally:
         for agent in agents:
             agent.close()

@@ -3,7 +3,7 @@ test instead of blocking the suite), and load what each rank saved.
 
 A rank that is still running shortly before the deadline writes every thread's stack to stderr
 (``faulthandler``) and exits, so that a hang fails with the place where each rank waits instead of
-a bare timeout. Each rank's stdout and stderr go to a file beside its results, copied to the test's
+a bare timeout; a rank that crashes (a signal) writes its Python stacks the same way. Each rank's stdout and stderr go to a file beside its results, copied to the test's
 stderr when the ranks are done (pytest shows it with a failure), stacks included."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def _rank_main(rank: int, worker: Callable[..., None], init: str, out: str, dump
     os.dup2(log, 1)  # the file descriptors, so that C++ (gloo) and faulthandler write there too
     os.dup2(log, 2)
     os.close(log)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks
     faulthandler.dump_traceback_later(dump_after, exit=True, file=sys.stderr)
     try:
         worker(rank, init, out)

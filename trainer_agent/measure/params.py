@@ -13,13 +13,15 @@ every value is this rank's own (one process, or DDP's replicated gradients).
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from trainer_agent.measure import staged, stats
+from trainer_agent.measure import stats
 from trainer_agent.compat import torch_private
+from trainer_agent.measure.one_copy_norm import OneCopyNorm
 from trainer_agent.measure.sharding import Sharding, is_dtensor, local
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
 
 __all__ = ["ParamIndex", "layer_names", "sparse_gradient_params"]
+
+_GRAD = operator.attrgetter("grad")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -86,13 +90,13 @@ class ParamIndex:
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self.device = self.buckets[0][0].device
         self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
-        self.many_small = staged.fits_one_stage(self.buckets)  #: ordinary steps: stats.staged_total_norm
         #: The flat buffers the gradients are views of, set by the agent: DDP's gradient buckets
         #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``) or FSDP2's
         #: reduce-scatter outputs (``trainer_agent/measure/fsdp_grad_buffers.py``).
         self.bucket_views: BucketViews | FsdpGradBuffers | None = None
         self.sharding = (Sharding(self.params, self.device) if any(is_dtensor(p) for p in self.params)
                          else None)
+        self.one_copy = OneCopyNorm.for_buckets(self.params, self.buckets) if self.sharding is None else None  #: ordinary steps
         layers: dict[str, int] = {}
         ids = [layers.setdefault(names.get(id(p), "unnamed"), len(layers)) for p in self.params]
         self.layers: list[str] = list(layers)
@@ -110,7 +114,7 @@ class ParamIndex:
         attribute read per tensor, the DTensors' local shards taken in the same pass
         (``torch_private.dtensor_locals``); the parameters lie bucket after bucket, so each
         bucket is a slice."""
-        flat = [p.grad for p in self.params]
+        flat = list(map(_GRAD, self.params))
         if self.sharding is not None:
             flat = torch_private.dtensor_locals(flat)
         out, start = [], 0

@@ -58,7 +58,7 @@ STAGED_MIN_TENSORS = 128
 
 #: Plain dense tensors only: a DTensor (or another tensor subclass) is measured by the fused
 #: passes, which dispatch through it.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: True: the CPU takes the staged passes too (``bench/agent_overhead.accelerator_paths`` counts
 #: the accelerator's operators on the CPU; the tests). The CPU's own passes are chunked
@@ -201,7 +201,7 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
     if first.device != device or not first.is_floating_point() or first.layout != torch.strided:
         return None
     kinds = {(t.dtype, type(t)) for t in tensors}  # one dtype, plain tensors (callers pass one device)
-    if len(kinds) != 1 or type(first) not in _PLAIN:
+    if len(kinds) != 1 or type(first) not in PLAIN:
         return None
     key = (tuple([t.shape for t in tensors]), first.dtype, first.device, STAGE_ELEMENTS, PIECE)
     plan = _PLANS.get(key)
@@ -219,7 +219,7 @@ def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan
 
 def fits_one_stage(buckets: Sequence[Sequence[torch.Tensor]]) -> bool:
     """Whether every bucket holds enough tensors for the staged passes and fits one stage: the
-    many small tensors an ordinary step may norm from one copy (``stats.staged_total_norm``).
+    many small tensors an ordinary step may norm from one copy (``one_copy_norm.OneCopyNorm``).
     Decided once from the parameters (their gradients have their sizes), so that a larger model's
     ordinary steps look up no plan at all."""
     return bool(buckets) and all(len(b) >= STAGED_MIN_TENSORS and sum(t.numel() for t in b) <= STAGE_ELEMENTS

@@ -28,7 +28,6 @@ from trainer_agent.measure.update_norms import update_sq_norms  # noqa: F401 - s
 __all__ = [
     "buckets",
     "bucket_norms",
-    "staged_total_norm",
     "update_sq_norms",
     "sq_norms",
     "sparse_sq_norm",
@@ -80,23 +79,6 @@ def bucket_norms(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch
         else:
             vectors.append(sq.sqrt_().to(device, dtype))
     return vectors[0] if len(vectors) == 1 else torch.cat(vectors)
-
-
-def staged_total_norm(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor | None:
-    """The L2 norm of all of ``tensor_buckets`` together (a float64 scalar on ``device``) where
-    every bucket is one the staged passes take and fits one stage (``staged.plan_for``: many
-    small tensors, launch-bound): per bucket one copy and one float64-accumulated norm, a
-    handful of launches whatever the tensor count, for a copy of at most ``STAGE_ELEMENTS``
-    elements. Else None: the fused per-tensor norms cost no more than their reading then."""
-    plans = [staged.plan_for(bucket, device) for bucket in tensor_buckets]
-    if not plans or any(plan is None or len(plan.stages) != 1 for plan in plans):
-        return None
-    norms = [staged.attempt(staged.staged_norms, bucket, plan, torch.float64)
-             for bucket, plan in zip(tensor_buckets, plans)]
-    if any(n is None for n in norms):
-        return None
-    joined = norms[0] if len(norms) == 1 else torch.cat(norms)
-    return torch.linalg.vector_norm(joined.to(device), dtype=torch.float64)
 
 
 def sq_norms(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

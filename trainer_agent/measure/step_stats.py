@@ -255,7 +255,7 @@ class StepMeter:
         ``gradient_as_bucket_view``, or under FSDP2, takes only the norm, from DDP's flat buckets or
         FSDP2's flat gradient buffers (``ParamIndex.bucket_views``): no work per tensor; so does an
         ordinary step on an accelerator whose buckets hold many small gradients
-        (``stats.staged_total_norm``: one copy and one norm per bucket)."""
+        (``one_copy_norm.OneCopyNorm``: one copy and one norm per bucket)."""
         st = self.state
         report = self.schedule.is_report(self._step() + 1)
         views, sharding = self.index.bucket_views, self.index.sharding
@@ -264,12 +264,12 @@ class StepMeter:
             if scaled is not None:  # (no sparse gradient under sharding)
                 self._total_only(scaled, None if sharding is None else views.shared(scaled))
                 return
-        grads = self.index.grads()
-        if not report and sharding is None and self.index.many_small:  # one copy, one norm (staged)
-            scaled = stats.staged_total_norm(grads, self.index.device)
+        if not report and self.index.one_copy is not None:  # one copy, one norm per bucket
+            scaled = self.index.one_copy.norm(self.index.device)
             if scaled is not None:
                 self._total_only(scaled, None)
                 return
+        grads = self.index.grads()
         st.grad_norms = stats.bucket_norms(grads, self.index.device, wide=self.wide, staged_ok=report)
         st.scale = self.scale_tensor()
         if report and views is not None and views.wants_find():

@@ -1,0 +1,136 @@
+"""The agent's host work on an ordinary step against the tensor count, as a GPU would see it.
+
+    .venv/bin/python bench/ordinary_step_host.py                     # tensors 100, 1000, 5000 (~1 min)
+    PYTHONPATH=/path/to/other/checkout .venv/bin/python bench/ordinary_step_host.py   # that code's
+
+On a GPU an ordinary step's work on the device is a handful of asynchronous launches (the
+modeled counts of ``bench/agent_scale.py``); what the training thread pays is the host work
+around them: Python, the dispatcher, a launch's own overhead. On the CPU the copy that a CUDA
+kernel makes of a bucket of many small gradients (``torch._chunk_cat``) is instead computed
+in place on the calling thread, element by element and tensor by tensor, which a GPU run never
+pays. So this bench runs the agent's accelerator formulations on the CPU
+(``agent_overhead.accelerator_paths``) with that one copy replaced by a preallocated buffer of
+its size (what the launch returns at once on a GPU), and prints, per tensor count T (a model of
+``--elements`` parameters split into T vectors, SGD, gradients kept between steps or set to None):
+
+- ``agent ms/step``: the agent's own time inside an ordinary step (``overhead_seconds_total``,
+  median over ``--steps`` steps), its backward-end hook and ``end_step`` together;
+- ``read ms``: one Python read of every parameter's ``.grad`` (``[p.grad for p in params]``),
+  the floor for any measurement that looks at each step's gradients from Python;
+- ``optimizer host ms``: ``torch.optim.SGD(foreach=True).step()`` of the same parameters with
+  its kernels as cheap as the stubbed copy (the optimizer's own per-tensor Python: its
+  ``_init_group`` reads every parameter's gradient and state every step);
+- ``ns/tensor``: the agent's time per tensor above the 100-tensor model's.
+
+Medians of the training thread's time; the machine's load moves them a little, so compare rows
+of one run, and runs of two checkouts made one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trainer_agent as ta  # noqa: E402
+from agent_overhead import accelerator_paths  # noqa: E402
+from trainer_agent.compat import torch_private  # noqa: E402
+
+
+@contextlib.contextmanager
+def launched_copies():
+    """``torch_private.chunk_cat`` returning a buffer of the copy's size without computing it:
+    the host side of one CUDA launch (no value read from it matters to the timing)."""
+    real = torch_private.chunk_cat
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def stub(tensors, chunks, out=None):
+        if out is not None:
+            return out
+        total = _numel(tensors)
+        key = (total, chunks, tensors[0].dtype)
+        if key not in buffers:
+            buffers[key] = torch.zeros(chunks, -(-total // chunks), dtype=tensors[0].dtype)
+        return buffers[key]
+
+    torch_private.chunk_cat = stub
+    try:
+        yield
+    finally:
+        torch_private.chunk_cat = real
+
+
+_SIZES: dict[int, int] = {}
+
+
+def _numel(tensors) -> int:
+    """The elements of ``tensors``, once per list length (the model's buckets do not change)."""
+    n = len(tensors)
+    if n not in _SIZES:
+        _SIZES[n] = sum(t.numel() for t in tensors)
+    return _SIZES[n]
+
+
+class Split(nn.Module):
+    def __init__(self, elements: int, tensors: int) -> None:
+        super().__init__()
+        size = max(1, elements // tensors)
+        self.parts = nn.ParameterList([nn.Parameter(torch.full((size,), 0.01)) for _ in range(tensors)])
+
+
+def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[str, float]:
+    model = Split(elements, tensors)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
+    agent = ta.attach(model, opt, job="host", run=f"host-{tensors}",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1_000_000))
+    own, read, optim = [], [], []
+    for k in range(steps + 5):
+        before = agent.overhead_seconds_total
+        loss = torch.cat(list(params)).sum()
+        loss.backward()  # the agent's backward-end hook measures the gradients
+        t0 = time.thread_time()
+        _ = [p.grad for p in params]
+        t1 = time.thread_time()
+        opt.step()
+        t2 = time.thread_time()
+        opt.zero_grad(set_to_none=set_to_none)
+        agent.end_step(loss.detach())
+        if k >= 5:
+            own.append((agent.overhead_seconds_total - before) * 1e3)
+            read.append((t1 - t0) * 1e3)
+            optim.append((t2 - t1) * 1e3)
+    agent.close()
+    return {"own": statistics.median(own), "read": statistics.median(read), "optim": statistics.median(optim)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tensors", type=int, nargs="+", default=[100, 1000, 5000])
+    ap.add_argument("--elements", type=int, default=200_000)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) between steps")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"agent host work on ordinary steps (accelerator formulations, the copy launched, not computed; "
+          f"{args.elements:,} parameters, trainer_agent from {Path(ta.__file__).resolve().parent})")
+    print("tensors | agent ms/step | read ms | optimizer host ms | ns/tensor")
+    base = None
+    with accelerator_paths(), launched_copies():
+        for t in args.tensors:
+            m = measure(args.elements, t, args.steps, args.set_to_none)
+            base = (t, m["own"]) if base is None else base
+            per = (m["own"] - base[1]) / (t - base[0]) * 1e6 if t != base[0] else float("nan")
+            print(f"{t:,} | {m['own']:.3f} | {m['read']:.3f} | {m['optim']:.3f} | {per:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
