@@ -13,8 +13,9 @@ pays. So this bench runs the agent's accelerator formulations on the CPU
 its size (what the launch returns at once on a GPU), and prints, per tensor count T (a model of
 ``--elements`` parameters split into T vectors, SGD, gradients kept between steps or set to None):
 
-- ``agent ms/step``: the agent's own time inside an ordinary step (``overhead_seconds_total``,
-  median over ``--steps`` steps), its backward-end hook and ``end_step`` together;
+- ``agent ms/step``: the agent's own time inside an ordinary step (``overhead_seconds_total``
+  on a clock of the thread's CPU time, median over ``--steps`` steps), its backward-end hook and ``end_step`` together; ``agent
+  ms/report step`` the same on the report steps (one in 10, the default), without a controller;
 - ``read ms``: one Python read of every parameter's ``.grad`` (``[p.grad for p in params]``),
   the floor for any measurement that looks at each step's gradients from Python;
 - ``optimizer host ms``: ``torch.optim.SGD(foreach=True).step()`` of the same parameters with
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import trainer_agent as ta  # noqa: E402
 from agent_overhead import accelerator_paths  # noqa: E402
+from trainer_agent.agent import Agent  # noqa: E402
 from trainer_agent.compat import torch_private  # noqa: E402
 
 
@@ -68,6 +70,8 @@ def launched_copies():
         torch_private.chunk_cat = real
 
 
+REPORT_EVERY = 10
+
 _SIZES: dict[int, int] = {}
 
 
@@ -90,11 +94,13 @@ def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[
     model = Split(elements, tensors)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
-    agent = ta.attach(model, opt, job="host", run=f"host-{tensors}",
-                      config=ta.AgentConfig(metrics_port=None, report_every=1_000_000))
-    own, read, optim = [], [], []
-    for k in range(steps + 5):
+    # The agent's clock on this thread's CPU time: what it spends, not what the machine's load adds.
+    agent = Agent(model, opt, job="host", run=f"host-{tensors}", clock=time.thread_time,
+                  config=ta.AgentConfig(metrics_port=None, report_every=REPORT_EVERY))
+    own, report_own, read, optim = [], [], [], []
+    for k in range(steps + 2 * REPORT_EVERY):
         before = agent.overhead_seconds_total
+        report = (agent.step + 1) % REPORT_EVERY == 0
         loss = torch.cat(list(params)).sum()
         loss.backward()  # the agent's backward-end hook measures the gradients
         t0 = time.thread_time()
@@ -104,32 +110,34 @@ def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[
         t2 = time.thread_time()
         opt.zero_grad(set_to_none=set_to_none)
         agent.end_step(loss.detach())
-        if k >= 5:
-            own.append((agent.overhead_seconds_total - before) * 1e3)
+        if k >= 2 * REPORT_EVERY:  # (the first reports make the staged plans)
+            (report_own if report else own).append((agent.overhead_seconds_total - before) * 1e3)
             read.append((t1 - t0) * 1e3)
             optim.append((t2 - t1) * 1e3)
     agent.close()
-    return {"own": statistics.median(own), "read": statistics.median(read), "optim": statistics.median(optim)}
+    return {"own": statistics.median(own), "report": statistics.median(report_own), "read": statistics.median(read),
+            "optim": statistics.median(optim)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, nargs="+", default=[100, 1000, 5000])
     ap.add_argument("--elements", type=int, default=200_000)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=100, help="measured steps (one in 10 a report step)")
     ap.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) between steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"agent host work on ordinary steps (accelerator formulations, the copy launched, not computed; "
           f"{args.elements:,} parameters, trainer_agent from {Path(ta.__file__).resolve().parent})")
-    print("tensors | agent ms/step | read ms | optimizer host ms | ns/tensor")
+    print("tensors | agent ms/step | agent ms/report step | read ms | optimizer host ms | ns/tensor (step)")
     base = None
     with accelerator_paths(), launched_copies():
         for t in args.tensors:
             m = measure(args.elements, t, args.steps, args.set_to_none)
             base = (t, m["own"]) if base is None else base
             per = (m["own"] - base[1]) / (t - base[0]) * 1e6 if t != base[0] else float("nan")
-            print(f"{t:,} | {m['own']:.3f} | {m['read']:.3f} | {m['optim']:.3f} | {per:.0f}", flush=True)
+            print(f"{t:,} | {m['own']:.3f} | {m['report']:.3f} | {m['read']:.3f} | {m['optim']:.3f} | {per:.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,44 @@ def _visits(hist: np.ndarray, base: float, level: float) -> int:
     return visits
 
 
+#: Values of the window the trend line of ``SpikeRule.trend_with`` is fitted to at most (its pairs: O(n^2)).
+_TREND_POINTS = 64
+
+
+def _trend_level(hist: np.ndarray) -> float | None:
+    """Where a robust line through ``log(hist)`` puts the next value (Theil-Sen: the median of the
+    pairwise slopes, the median intercept), for ``SpikeRule.trend_with``; None unless the line
+    rises and every value is positive."""
+    y = hist[-_TREND_POINTS:]
+    if len(y) < 3 or not bool((y > 0).all()):
+        return None
+    y = np.log(y)
+    i, j = np.triu_indices(len(y), 1)
+    slope = float(np.median((y[j] - y[i]) / (j - i)))
+    if not slope > 0:
+        return None
+    return math.exp(float(np.median(y - slope * np.arange(len(y)))) + slope * len(y))
+
+
+#: A value more than this multiple of the largest of the 3 before it is a jump, not part of a climb
+#: (the agent's spike guard draws the same line: ``SpikeGuardConfig.min_jump``).
+_CLIMB_JUMP = 2.0
+
+
+def _climbs(values: np.ndarray) -> bool:
+    """Whether no value of ``values`` is more than :data:`_CLIMB_JUMP` times the largest of the 3
+    before it: a rise made report by report, not a level that jumped once."""
+    xs = values.tolist()
+    return all(x <= _CLIMB_JUMP * max(xs[max(0, i - 3):i]) for i, x in enumerate(xs) if i)
+
+
+def _not_risen(w: RuleWindow, metric: str, reports: int) -> bool:
+    """Whether ``metric``'s newest value is at or below its median over the ``reports`` before it."""
+    values = w.series(metric, reports + 1)
+    values = values[np.isfinite(values)]
+    return len(values) >= 2 and float(values[-1]) <= median(values[:-1])
+
+
 def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None or not math.isfinite(latest):
@@ -154,6 +192,13 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
         if not score / rise >= rule.ratio:
             return False
         extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
+        if rule.trend_with is not None:
+            level = _trend_level(hist)
+            if (level is not None and level > base and _climbs(np.append(hist, latest))
+                    and _not_risen(w, rule.trend_with, len(hist))):
+                if not latest / level / rise >= rule.ratio:
+                    return False  # on the window's own rising trend, the loss not rising: the run's
+                extra["trend_level"] = level
         summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
     else:
         scale = max(scale, 1e-12 * max(abs(base), 1.0))

@@ -88,6 +88,14 @@ class SpikeRule(_RuleBase):
         "its baseline this many separate times or more: a level the metric keeps visiting and leaving is part "
         "of the run (batches drawn one at a time from sources of different loss), not a spike. A rise that has "
         "not come back (a burst in progress, the start of training) does not count. 0: off."))
+    trend_with: MetricName | None = Field(default=None, description=(
+        "Ratio mode, upwards, from the median: while this metric (the loss) is at or below its median over the "
+        "same reports, and the window and the value climbed report by report (none more than 2x the largest of "
+        "the 3 before it), judge the value against where the window's own rising trend puts it (a robust line "
+        "through the logarithms of its values, Theil-Sen) when that is above the median: a gradient norm that "
+        "climbs while the loss falls (a diffusion model's first hundred steps) is the run's, not a spike. A "
+        "jump, a level that jumped within the window, or a rise with the loss rising too is judged against "
+        "the median."))
     schedule_discount: bool = Field(default=False, description=(
         "Divide the spike's score by how far the user's scheduled LR rose over the same window (its newest value "
         "/ its median there) while the schedule stays within its range: a warm restart or a re-warm moves the "
@@ -98,6 +106,8 @@ class SpikeRule(_RuleBase):
     def _history(self) -> "SpikeRule":
         if self.min_history > self.window:
             raise ValueError("min_history must be <= window")
+        if self.trend_with is not None and (self.mode, self.baseline, self.direction) != ("ratio", "median", "up"):
+            raise ValueError("trend_with needs mode: ratio, baseline: median and direction: up")
         return self
 
 

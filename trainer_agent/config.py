@@ -40,18 +40,27 @@ class SpikeGuardConfig:
     """... and more than this multiple of the median."""
     max_consecutive: int = 16
     """After this many skipped steps in a row the next one is taken whatever its norm."""
+    min_jump: float = 2.0
+    """... and more than this multiple of the largest norm of the last 3 steps taken: a norm that
+    climbs step by step, however far, is the run's (a diffusion model's first hundred steps)."""
+    recurring: int = 3
+    """A norm at a level the last ``min_history`` steps judged rose to (at least half-way from the
+    median) and came back down from this many separate times or more is the run's own level,
+    taken (a second task's batches every few steps). 0: off."""
 
     def __post_init__(self) -> None:
         if type(self.window) is not int or self.window < 4:
             raise ValueError(f"spike window must be an int >= 4, got {self.window!r}")
         if type(self.min_history) is not int or not 4 <= self.min_history <= self.window:
             raise ValueError(f"spike min_history must be an int in [4, window], got {self.min_history!r}")
-        for name in ("sigmas", "min_ratio"):
+        for name in ("sigmas", "min_ratio", "min_jump"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
                 raise ValueError(f"spike {name} must be a finite number >= 1, got {v!r}")
         if type(self.max_consecutive) is not int or self.max_consecutive < 1:
             raise ValueError(f"spike max_consecutive must be a positive int, got {self.max_consecutive!r}")
+        if type(self.recurring) is not int or self.recurring < 0:
+            raise ValueError(f"spike recurring must be an int >= 0, got {self.recurring!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -80,6 +80,32 @@ def test_the_envelope_holds_the_lr_the_schedule_was_built_on() -> None:
     assert plain.take(opt)["trainguard_scheduler_lr_ratio"] == pytest.approx(20.0)
 
 
+def test_a_step_above_the_envelope_is_a_jump_until_a_report_takes_it_in() -> None:
+    """``above_envelope``, what the spike guard reads on a climbing gradient norm: a warm-up below
+    the LR the schedule was built on is not a jump; 10x that LR is, on every step of its interval,
+    until the report after it makes it part of the envelope; nothing before ``min_steps`` steps."""
+    opt = _opt([0.1])
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=5)
+    s = ScheduledLr(min_steps=2)
+    s.observe(opt)
+    assert not s.above_envelope(opt)  # no envelope yet
+    for _ in range(4):
+        sched.step()
+        s.observe(opt)
+        assert not s.above_envelope(opt)  # the warm-up climbs 20x, towards initial_lr
+        s.take(opt)
+    opt.param_groups[0]["lr"] = 0.1 * 1.04
+    s.observe(opt)
+    assert not s.above_envelope(opt)  # within the tolerance
+    opt.param_groups[0]["lr"] = 1.0
+    for _ in range(3):
+        s.observe(opt)
+        assert s.above_envelope(opt)
+    s.take(opt)
+    s.observe(opt)
+    assert not s.above_envelope(opt)  # the report took it in: the run has trained at it since
+
+
 def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:
     # The agent's report of each step: the scheduled LR of that step (not the next one, which the
     # scheduler has set by end_step), unchanged by lr_scale, and the update per unit of applied LR.

@@ -405,6 +405,7 @@ def test_spike_ratio_verdicts_equal_the_definition_on_random_windows() -> None:
 
     rule = next(r for r in DEFAULTS.for_job("job-a") if r.name == "grad_norm_spike")
     assert rule.mode == "ratio" and rule.baseline == "median" and rule.direction == "up"
+    rule = rule.model_copy(update={"recurring": 0, "trend_with": None})  # (their own tests below)
     rng = np.random.default_rng(7)
     specials = [math.nan, math.inf, -math.inf, 0.0, -1.0]
     verdicts = {True: 0, False: 0, None: 0}
@@ -424,6 +425,58 @@ def test_spike_ratio_verdicts_equal_the_definition_on_random_windows() -> None:
         assert finding.active is expect, (trial, values)
         verdicts[expect] += 1
     assert min(verdicts.values()) >= 30  # every verdict was exercised
+
+
+def _naive_trend_verdict(hist: list[float], latest: float, losses: list[float], ratio: float) -> bool:
+    """``trend_with`` by its definition, with scipy's Theil-Sen estimator: a value >= ratio x the
+    median is judged against the robust line through the window's logarithms instead (where it
+    rises above the median) when the window and the value climbed (none > 2x the largest of the 3
+    before it) and the loss is at or below its median over the window."""
+    base = statistics.median(hist)
+    if latest / base < ratio:
+        return False
+    xs = hist + [latest]
+    climbs = all(xs[i] <= 2.0 * max(xs[max(0, i - 3):i]) for i in range(1, len(xs)))
+    fit = scipy.stats.theilslopes(np.log(hist), np.arange(len(hist)), method="joint")
+    if fit.slope > 0 and climbs and losses[-1] <= statistics.median(losses[:-1]):
+        level = math.exp(fit.intercept + fit.slope * len(hist))
+        if level > base:
+            return latest / level >= ratio
+    return True
+
+
+def test_spike_verdicts_on_a_rising_trend_equal_the_definition_on_random_windows() -> None:
+    """``grad_norm_spike``'s ``trend_with: trainguard_loss`` against its definition (above), on
+    random windows: climbs of 0-50 % per report with noise, some with a jump inside, the newest
+    value climbing on or jumping off, the loss falling or rising. Every outcome is exercised: a
+    spike, no spike, and a value >= 5x its median that the trend clears."""
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+
+    rule = next(r for r in DEFAULTS.for_job("job-a") if r.name == "grad_norm_spike")
+    assert rule.trend_with == LOSS
+    rule = rule.model_copy(update={"recurring": 0, "schedule_discount": False})
+    rng = np.random.default_rng(5)
+    outcomes = {"spike": 0, "quiet": 0, "cleared": 0}
+    for trial in range(500):
+        n = int(rng.integers(rule.min_history, rule.window + 1))
+        rate = float(rng.uniform(1.0, 1.5))
+        hist = [float(rate ** i * np.exp(rng.normal(0, 0.05))) for i in range(n)]
+        if rng.random() < 0.25:  # a level that jumped inside the window
+            at = int(rng.integers(1, n))
+            hist[at:] = [v * 12.0 for v in hist[at:]]
+        latest = hist[-1] * (rate if rng.random() < 0.6 else float(rng.choice([3.0, 8.0, 30.0])))
+        slope = float(rng.choice([-0.02, 0.01]))
+        losses = [3.0 * math.exp(slope * i) for i in range(n + 1)]
+        window = RunWindow(capacity=128, rank_capacity=4, world_size=1, created=0.0)
+        for i, v in enumerate(hist + [latest]):
+            window.append_raw({GN: v, LOSS: losses[i]}, {}, i, float(i))
+        (finding,) = evaluate((rule,), window, float(n))
+        expect = _naive_trend_verdict(hist, latest, losses, rule.ratio)
+        assert finding.active is expect, (trial, hist, latest, losses[-1])
+        median_says = latest / statistics.median(hist) >= rule.ratio
+        outcomes["spike" if expect else "cleared" if median_says else "quiet"] += 1
+    assert min(outcomes.values()) >= 30, outcomes
 
 
 def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None:

@@ -113,7 +113,8 @@ class AgentWiring:
                              grad_norm=functools.partial(self.hooks.grad_norm_before_step, self.optimizer),
                              accumulation_steps=self.accumulation_base,
                              named_parameters=self.model.named_parameters,
-                             regime=lambda: (self.parts.params.trainable_elements(), self.clock.run_changes))
+                             regime=lambda: (self.parts.params.trainable_elements(), self.clock.run_changes),
+                             lr_jumped=functools.partial(self.scheduled_lr.above_envelope, self.optimizer))
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
                             on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)

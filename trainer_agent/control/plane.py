@@ -173,7 +173,8 @@ class ControlPlane(StateAgreement):
         or collective of its own)."""
         if not (cfg.skips_steps or self.controlled):
             return None
-        guard = SpikeGuard(cfg.spike, regime=self._ctx.regime) if cfg.spike_guard_on else None
+        guard = (SpikeGuard(cfg.spike, regime=self._ctx.regime, lr_jumped=self._ctx.lr_jumped)
+                 if cfg.spike_guard_on else None)
         return NonfiniteSkip(self._ctx.optimizer, world_size=self.world_size, group=self._channel.group,
                              grad_norm=self._ctx.grad_norm, on_error=self._on_error, guard=guard,
                              data_skip=self.skipping_data, check_gradients=cfg.skips_steps,

@@ -15,6 +15,24 @@ with an ordinary gradient norm is not skipped here: the controller's ``loss_spik
 in the next report and acts (adaptive LR, rollback). A bad batch whose loss spikes almost always
 spikes the gradient norm too, and that is skipped here.
 
+Two kinds of large norm are the run's own, not a batch's, and are taken:
+
+- A *climb*: a norm above the threshold but at most ``min_jump`` (2x) the largest norm of the last
+  3 steps taken. A bad batch jumps at once; a gradient norm that rises step by step is the model
+  leaving its initialization or a schedule moving it. A diffusion model's norm rises 25x over its
+  first 40 steps while its loss falls, never more than 1.6x from one step to the next: judged
+  against the median alone, its first 16 steps after ``min_history`` were skipped in a row. Not
+  while the LR the schedule asks for is above every LR the run trained at or was built on
+  (``lr_jumped``: ``ScheduledLr.above_envelope``): a schedule that jumped 10x climbs too, and
+  the steps skipped until the controller cuts the LR are weights not damaged.
+- A *recurring level*: a norm at a level that the last ``min_history`` steps judged (taken or
+  skipped) rose to, at least half-way up from the median, and came back down from (below a
+  quarter of the way) ``recurring`` (3) separate times or more. A multitask run whose second task comes every 5th step with a norm
+  5-7x the first task's had every one of those steps skipped, one at a time (so never
+  ``max_consecutive`` in a row), and the second task stopped learning. A level visited that
+  often is the run's mixture; a corrupted batch now and then (one in 30) never visits it 3 times
+  in 32 steps, and a burst of bad batches is one visit.
+
 Skipped steps do not enter the window (the baseline stays that of the healthy steps). After
 ``max_consecutive`` skipped steps in a row the guard stops skipping and takes the step: a
 persistent change (e.g. the user's own LR schedule jumped, or the data mixture changed) is not
@@ -55,6 +73,7 @@ all-reduce, ``trainer_agent/control/actuators.py``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -77,8 +96,12 @@ class SpikeGuard:
     """Rolling robust baseline of the gradient norms of the steps taken; pure host code."""
 
     def __init__(self, config: SpikeGuardConfig | None = None, *,
-                 regime: Callable[[], Hashable] | None = None) -> None:
+                 regime: Callable[[], Hashable] | None = None, lr_jumped: Callable[[], bool] | None = None) -> None:
         self.config = config or SpikeGuardConfig()
+        #: Whether the LR the schedule asks for now is above every LR the run trained at or was
+        #: built on (``ScheduledLr.above_envelope``): a climb is then not the run's. Read on a
+        #: climbing norm above the threshold only.
+        self.lr_jumped = lr_jumped
         #: What the run trains now and how: the elements that train (``ParamIndex.trainable_elements``)
         #: and the changes the user marked (``Agent.run_changed``). Read when a baseline starts and
         #: on a spike only.
@@ -92,6 +115,8 @@ class SpikeGuard:
         self._after_data_skip = False  # the next step judged is the first after a data skip
         self._rebase = False  # the next step taken starts a new baseline
         self._last_spike: float | None = None  # the norm of the last step judged a spike, until one is taken
+        #: The finite norms of the last ``min_history`` steps judged, taken or skipped (recurring levels).
+        self._judged: deque[float] = deque(maxlen=self.config.min_history)
 
     def threshold(self) -> float:
         """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
@@ -106,7 +131,7 @@ class SpikeGuard:
         """True when the step with this (finite) global gradient norm should not be taken."""
         if self.consecutive >= self.config.max_consecutive:
             return False
-        spike = norm > self.threshold()
+        spike = norm > self.threshold() and not self._climb(norm) and not self._recurring(norm)
         if self._after_data_skip:
             self._after_data_skip = False
             if spike:  # the bad batches trained before the data skip moved the model: a new regime
@@ -122,6 +147,27 @@ class SpikeGuard:
         if spike:
             self._last_spike = norm
         return spike
+
+    def _climb(self, norm: float) -> bool:
+        """Whether ``norm`` is at most ``min_jump`` times the largest of the last 3 norms taken."""
+        recent = max(itertools.islice(reversed(self._norms), 3), default=0.0)
+        return norm <= self.config.min_jump * recent and not (self.lr_jumped is not None and self.lr_jumped())
+
+    def _recurring(self, norm: float) -> bool:
+        """Whether the steps judged lately rose to ``norm``'s level (half-way up from the median)
+        and came back down (below a quarter of the way: the median's own noise is no obstacle)
+        ``recurring`` separate times or more."""
+        if not self.config.recurring:
+            return False
+        base = median(self._norms)
+        level, back = base + 0.5 * (norm - base), base + 0.25 * (norm - base)
+        visits, high = 0, False
+        for x in self._judged:
+            if not high and x >= level:
+                high = True
+            elif high and x <= back:
+                high, visits = False, visits + 1
+        return visits >= self.config.recurring
 
     def _regime_changed(self) -> bool:
         """Whether the regime (:attr:`regime`) changed since the baseline started."""
@@ -142,6 +188,7 @@ class SpikeGuard:
         spike's gradient again, it starts a new baseline."""
         if self.consecutive >= self.config.max_consecutive or self._rebase:
             self._norms.clear()
+            self._judged.clear()
             self.restarts += 1
             self._rebase = False
         self.consecutive, self._last_spike = 0, None
@@ -149,22 +196,30 @@ class SpikeGuard:
             if not self._norms and self.regime is not None:
                 self._regime_at_start = self.regime()  # a baseline starts: under this regime
             self._norms.append(norm)
+            self._judged.append(norm)
 
-    def skipped(self) -> None:
+    def skipped(self, norm: float = math.nan) -> None:
+        """The step was skipped (a spike, or a non-finite gradient: ``norm``): out of the window,
+        but a finite norm counts among the steps judged (recurring levels)."""
         self.consecutive += 1
+        if math.isfinite(norm):
+            self._judged.append(norm)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip}
+        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip,
+                "judged": list(self._judged)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             norms = [float(x) for x in state["norms"]]
             consecutive = int(state["consecutive"])
             after_data_skip = state.get("after_data_skip", False)  # (absent from older snapshots)
+            judged = [float(x) for x in state.get("judged", norms)]  # (absent from older snapshots: the taken ones)
             if not isinstance(after_data_skip, bool):
                 raise TypeError(f"after_data_skip must be a bool, got {after_data_skip!r}")
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed spike guard state: {exc!r}") from None
         self._norms = deque(norms[-self.config.window:], maxlen=self.config.window)
+        self._judged = deque((x for x in judged if math.isfinite(x)), maxlen=self.config.min_history)
         self.consecutive = max(consecutive, 0)
         self._after_data_skip, self._rebase = after_data_skip, False

@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReportSchedule", "ScheduledLr"]
+__all__ = ["ENVELOPE_TOLERANCE", "ReportSchedule", "ScheduledLr"]
+
+#: How far above its envelope a scheduled LR may go and still be the schedule's plan (the
+#: controller's ``service/adaptive_lr.SCHEDULE_TOLERANCE``).
+ENVELOPE_TOLERANCE = 1.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,18 @@ class ScheduledLr:
         self.interval_max = None
         self.steps_before = self.steps
         return out
+
+    def above_envelope(self, optimizer: Any) -> bool:
+        """Whether the last step's scheduled LR is more than ``ENVELOPE_TOLERANCE`` times the
+        envelope of :meth:`take` (every LR of the steps before the current report interval, and
+        the LR the schedule was built on): a jump the schedule did not plan. False until
+        ``min_steps`` steps were taken before the interval. The spike guard reads it on a
+        climbing gradient norm only."""
+        if self.last is None or self.peak is None or self.steps_before < self.min_steps:
+            return False
+        base = _built_on(optimizer)
+        envelope = self.peak if base is None else max(self.peak, base)
+        return self.last > ENVELOPE_TOLERANCE * envelope
 
     def state_dict(self) -> dict[str, Any]:
         return {"peak": self.peak, "steps": self.steps}

@@ -1,0 +1,139 @@
+"""The built-in rules and the agent's spike guard on healthy workloads whose gradient norm moves in
+ways a spike detector can misread: no finding of a rule that acts, no incident, no change of the
+run's desired state, no step skipped by the guard.
+
+- A diffusion model (epsilon prediction, timesteps drawn per sample): its gradient norm climbs
+  more than 10x over its first 40 steps while its loss falls, never 2x from one step to the next.
+  Judged against the median alone, the guard skipped 16 steps in a row as soon as it armed and
+  the rules cut the LR to 0.1x.
+- A multitask model whose second task (a regression) comes every 5th step with a gradient norm
+  4-7x the first task's (a classification). The guard skipped every one of those steps, one at a
+  time, and the second task stopped learning; the rules opened incidents that climbed to a pause.
+
+Each run trains for real on the CPU with the agent attached (``report_every`` 1 and 10, the spike
+guard on) and its reports are replayed through the default rules with the controller's recovery
+logic (``engine.simulate``), as ``test_service_rules_schedules.py`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trainer_agent as ta
+from tests.service.report_replay import acting, replay
+
+STEPS = 240
+SKIPPED = 'trainguard_skipped_steps_total{reason="spike"}'
+
+
+def _mlp(*sizes: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.SiLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _diffusion(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[int], tuple[torch.Tensor, str]]]:
+    """A small MLP denoiser of 8x8 binary images, DDPM's linear schedule over 1,000 steps."""
+    g = torch.Generator().manual_seed(1234)
+    images = torch.randn(10, 64, generator=g).sign()
+    alpha_bar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)
+
+    class Denoiser(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.time = _mlp(32, 128, 128)
+            self.net = _mlp(64 + 128, 256, 256, 64)
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            angles = t[:, None].float() * torch.exp(-math.log(10000) * torch.arange(16) / 16)[None]
+            return self.net(torch.cat([x, self.time(torch.cat([angles.sin(), angles.cos()], 1))], 1))
+
+    torch.manual_seed(seed)
+    model = Denoiser()
+    data = torch.Generator().manual_seed(seed + 99)
+
+    def loss(k: int) -> tuple[torch.Tensor, str]:
+        x0 = images[torch.randint(0, 10, (64,), generator=data)] + 0.1 * torch.randn(64, 64, generator=data)
+        t = torch.randint(0, 1000, (64,), generator=data)
+        noise = torch.randn(64, 64, generator=data)
+        ab = alpha_bar[t][:, None]
+        return F.mse_loss(model(ab.sqrt() * x0 + (1 - ab).sqrt() * noise, t), noise), "denoise"
+
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0), loss
+
+
+def _multitask(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[int], tuple[torch.Tensor, str]]]:
+    """A shared trunk, a 10-way classification head, and a regression head trained every 5th step."""
+    g = torch.Generator().manual_seed(1234)
+    wa, wb = torch.randn(32, 10, generator=g), torch.randn(32, 4, generator=g)
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"trunk": _mlp(32, 128, 128), "a": nn.Linear(128, 10), "b": nn.Linear(128, 4)})
+    data = torch.Generator().manual_seed(seed + 99)
+
+    def loss(k: int) -> tuple[torch.Tensor, str]:
+        x = torch.randn(64, 32, generator=data)
+        h = F.relu(model["trunk"](x))
+        if k % 5 == 4:
+            return F.mse_loss(model["b"](h), 6 * torch.tanh(x @ wb / 4)), "b"
+        return F.cross_entropy(model["a"](h), (x @ wa).argmax(1)), "a"
+
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss
+
+
+def _train(make: Callable[[int], Any], seed: int, every: int) -> tuple[list[dict[str, float]], list[tuple[str, float, float]]]:
+    """The agent's reports (one per report step) and, per step, (task, loss, gradient norm)."""
+    model, opt, loss_of = make(seed)
+    agent = ta.attach(model, opt, job="workload", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=every, skip_spikes=True))
+    rows, trace = [], []
+    for k in range(STEPS):
+        loss, task = loss_of(k)
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
+        trace.append((task, float(loss), norm))
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        if (k + 1) % every == 0:
+            rows.append(agent.latest())
+    agent.close(1.0)
+    return rows, trace
+
+
+def _quiet(rows: list[dict[str, float]]) -> None:
+    steps = replay(rows, "workload")
+    assert acting(steps) == []
+    assert all(not s.incidents for s in steps)
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.desired.paused for s in steps)
+    assert rows[-1][SKIPPED] == 0
+
+
+@pytest.mark.parametrize("every", [1, 10])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_diffusion_models_climbing_gradient_norm_draws_no_action(seed: int, every: int) -> None:
+    rows, trace = _train(_diffusion, seed, every)
+    norms, losses = [n for _, _, n in trace], [v for _, v, _ in trace]
+    assert max(norms[:60]) > 10 * norms[0] and sum(losses[50:60]) < 0.7 * sum(losses[:10])  # climbs, loss falls
+    assert max(b / max(norms[max(0, i - 3):i + 1]) for i, b in enumerate(norms[1:])) < 2.0  # never a jump
+    _quiet(rows)
+
+
+@pytest.mark.parametrize("every", [1, 10])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_second_task_every_fifth_step_draws_no_action_and_keeps_learning(seed: int, every: int) -> None:
+    rows, trace = _train(_multitask, seed, every)
+    a = [n for task, _, n in trace[100:] if task == "a"]
+    b = [n for task, _, n in trace[100:] if task == "b"]
+    assert statistics.median(b) > 4 * statistics.median(a)  # the second task's norm, a level of its own
+    b_losses = [v for task, v, _ in trace if task == "b"]
+    assert b_losses[-1] < 0.5 * b_losses[0]  # trained, not skipped
+    _quiet(rows)
