@@ -152,11 +152,31 @@ def _climbs(values: np.ndarray) -> bool:
     return all(x <= _CLIMB_JUMP * max(xs[max(0, i - 3):i]) for i, x in enumerate(xs) if i)
 
 
-def _not_risen(w: RuleWindow, metric: str, reports: int) -> bool:
-    """Whether ``metric``'s newest value is at or below its median over the ``reports`` before it."""
-    values = w.series(metric, reports + 1)
+def _not_risen(w: RuleWindow, rule: SpikeRule, hist: np.ndarray) -> bool:
+    """Whether ``rule.trend_with``'s newest value is at or below its median over the reports of
+    ``hist`` (the window) before it."""
+    values = w.series(str(rule.trend_with), len(hist) + 1)
     values = values[np.isfinite(values)]
     return len(values) >= 2 and float(values[-1]) <= median(values[:-1])
+
+
+def _ratio_judged(rule: SpikeRule, w: RuleWindow, hist: np.ndarray, latest: float,
+                  base: float) -> tuple[float, dict[str, Any], str] | None:
+    """A ratio rule's score of ``latest`` against ``base`` (> 0, as ``latest``): (the schedule's LR
+    rise it was divided by, the finding's values, its summary) when it reaches ``rule.ratio``, else
+    None (below it, or on the window's own rising trend: ``SpikeRule.trend_with``)."""
+    up, down = latest / base, base / latest
+    score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
+    rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.ratio else 1.0
+    if not score / rise >= rule.ratio:
+        return None
+    extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
+    level = _trend_level(hist) if rule.trend_with is not None else None
+    if level is not None and level > base and _climbs(np.append(hist, latest)) and _not_risen(w, rule, hist):
+        if not latest / level / rise >= rule.ratio:
+            return None  # on the window's own rising trend, the loss not rising: the run's
+        extra["trend_level"] = level
+    return rise, extra, f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
 
 
 def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
@@ -171,35 +191,23 @@ def spike(rule: SpikeRule, w: RuleWindow, now: float) -> Verdict:
         if bounds is not None and 0 < bounds[0] and latest < rule.ratio * bounds[0]:
             return False
     hist = _since_run_change(w, hist)
-    if not all_finite(hist):
-        hist = hist[np.isfinite(hist)]
+    hist = hist if all_finite(hist) else hist[np.isfinite(hist)]
     if len(hist) < rule.min_history:
         return None
     if rule.baseline == "median":
         base = median(hist)
         if rule.mode == "zscore" and (latest <= base if rule.direction == "up" else latest >= base if rule.direction == "down" else False):
             return False  # on the quiet side of the median: no z-score in that direction reaches z > 0
-        # The MAD is only needed for z-scores (an alert's values never show it in ratio mode).
-        scale = _MAD_TO_SIGMA * median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan
+        scale = _MAD_TO_SIGMA * median(np.abs(hist - base)) if rule.mode == "zscore" else math.nan  # (z-scores only)
     else:
         base, scale = _ema(hist, 2.0 / (rule.window + 1))
     if rule.mode == "ratio":
         if base <= 0 or latest <= 0:
             return None
-        up, down = latest / base, base / latest
-        score = up if rule.direction == "up" else down if rule.direction == "down" else max(up, down)
-        rise = _schedule_rise(rule, w) if rule.schedule_discount and score >= rule.ratio else 1.0
-        if not score / rise >= rule.ratio:
+        judged = _ratio_judged(rule, w, hist, latest, base)
+        if judged is None:
             return False
-        extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
-        if rule.trend_with is not None:
-            level = _trend_level(hist)
-            if (level is not None and level > base and _climbs(np.append(hist, latest))
-                    and _not_risen(w, rule.trend_with, len(hist))):
-                if not latest / level / rise >= rule.ratio:
-                    return False  # on the window's own rising trend, the loss not rising: the run's
-                extra["trend_level"] = level
-        summary = f"{rule.metric} = {latest:.6g} is {score:.3g}x its rolling {rule.baseline} {base:.6g} (limit {rule.ratio:g}x)"
+        rise, extra, summary = judged
     else:
         scale = max(scale, 1e-12 * max(abs(base), 1.0))
         z = (latest - base) / scale

@@ -82,7 +82,7 @@ def test_the_envelope_holds_the_lr_the_schedule_was_built_on() -> None:
 
 def test_a_step_above_the_envelope_is_a_jump_until_a_report_takes_it_in() -> None:
     """``above_envelope``, what the spike guard reads on a climbing gradient norm: a warm-up below
-    the LR the schedule was built on is not a jump; 10x that LR is, on every step of its interval,
+    the LR the schedule was built on is not a jump, nor 3.9x it; 10x is, on every step of its interval,
     until the report after it makes it part of the envelope; nothing before ``min_steps`` steps."""
     opt = _opt([0.1])
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=5)
@@ -94,9 +94,9 @@ def test_a_step_above_the_envelope_is_a_jump_until_a_report_takes_it_in() -> Non
         s.observe(opt)
         assert not s.above_envelope(opt)  # the warm-up climbs 20x, towards initial_lr
         s.take(opt)
-    opt.param_groups[0]["lr"] = 0.1 * 1.04
+    opt.param_groups[0]["lr"] = 0.1 * 3.9
     s.observe(opt)
-    assert not s.above_envelope(opt)  # within the tolerance
+    assert not s.above_envelope(opt)  # no more than the built-in rule's 4x: a climb the plan may make
     opt.param_groups[0]["lr"] = 1.0
     for _ in range(3):
         s.observe(opt)
@@ -234,3 +234,11 @@ def test_marking_run_changes_often_is_warned_about_once(caplog) -> None:
     assert agent.latest()["trainguard_run_changes_total"] == 4.0
     assert agent.state_dict()["run_changes_total"] == 4
     agent.close(1.0)
+
+
+def test_the_jump_the_guard_reads_is_the_built_in_rules() -> None:
+    from trainer_agent.measure.schedule import LR_JUMP
+    from trainguard.service.rules import default_rules_text, load_rules
+
+    (rule,) = [r for r in load_rules(default_rules_text()).base if r.name == "scheduler_lr_jump"]
+    assert (rule.metric, rule.op, rule.value) == ("trainguard_scheduler_lr_ratio", ">", LR_JUMP)

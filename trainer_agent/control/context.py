@@ -44,8 +44,9 @@ class ControlContext:
     """What the run trains now and how (the spike guard's ``regime``): the elements that require a
     gradient and the changes the user marked."""
     lr_jumped: Callable[[], bool] | None = None
-    """Whether this step's scheduled LR is above every LR the run trained at or was built on (the
-    spike guard's ``lr_jumped``: ``ScheduledLr.above_envelope``)."""
+    """Whether this step's scheduled LR jumped above every LR the run trained at or was built on
+    (more than ``schedule.LR_JUMP`` times: the spike guard's ``lr_jumped``,
+    ``ScheduledLr.above_envelope``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,10 @@ Two kinds of large norm are the run's own, not a batch's, and are taken:
   leaving its initialization or a schedule moving it. A diffusion model's norm rises 25x over its
   first 40 steps while its loss falls, never more than 1.6x from one step to the next: judged
   against the median alone, its first 16 steps after ``min_history`` were skipped in a row. Not
-  while the LR the schedule asks for is above every LR the run trained at or was built on
-  (``lr_jumped``: ``ScheduledLr.above_envelope``): a schedule that jumped 10x climbs too, and
-  the steps skipped until the controller cuts the LR are weights not damaged.
+  while the LR the schedule asks for jumped above every LR the run trained at or was built on
+  (more than 4x, the built-in rule ``scheduler_lr_jump``'s limit: ``lr_jumped``,
+  ``ScheduledLr.above_envelope``): a schedule that jumped 10x climbs too, and the steps skipped
+  until the controller cuts the LR are weights not damaged.
 - A *recurring level*: a norm at a level that the last ``min_history`` steps judged (taken or
   skipped) rose to, at least half-way up from the median, and came back down from (below a
   quarter of the way) ``recurring`` (3) separate times or more. A multitask run whose second task comes every 5th step with a norm
@@ -98,7 +99,7 @@ class SpikeGuard:
     def __init__(self, config: SpikeGuardConfig | None = None, *,
                  regime: Callable[[], Hashable] | None = None, lr_jumped: Callable[[], bool] | None = None) -> None:
         self.config = config or SpikeGuardConfig()
-        #: Whether the LR the schedule asks for now is above every LR the run trained at or was
+        #: Whether the LR the schedule asks for now jumped above every LR the run trained at or was
         #: built on (``ScheduledLr.above_envelope``): a climb is then not the run's. Read on a
         #: climbing norm above the threshold only.
         self.lr_jumped = lr_jumped

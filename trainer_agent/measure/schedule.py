@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENVELOPE_TOLERANCE", "ReportSchedule", "ScheduledLr"]
+__all__ = ["LR_JUMP", "ReportSchedule", "ScheduledLr"]
 
-#: How far above its envelope a scheduled LR may go and still be the schedule's plan (the
-#: controller's ``service/adaptive_lr.SCHEDULE_TOLERANCE``).
-ENVELOPE_TOLERANCE = 1.05
+#: A scheduled LR more than this multiple of its envelope is a jump, not the schedule's plan: the
+#: built-in rule ``scheduler_lr_jump``'s limit (a warm-up or a cyclic schedule climbs by at most
+#: ~2x per report interval after its first; a schedule bug multiplies the LR by 10 or 1000).
+LR_JUMP = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,16 +125,16 @@ class ScheduledLr:
         return out
 
     def above_envelope(self, optimizer: Any) -> bool:
-        """Whether the last step's scheduled LR is more than ``ENVELOPE_TOLERANCE`` times the
-        envelope of :meth:`take` (every LR of the steps before the current report interval, and
-        the LR the schedule was built on): a jump the schedule did not plan. False until
-        ``min_steps`` steps were taken before the interval. The spike guard reads it on a
-        climbing gradient norm only."""
+        """Whether the last step's scheduled LR is more than :data:`LR_JUMP` times the envelope
+        of :meth:`take` (every LR of the steps before the current report interval, and the LR the
+        schedule was built on): a jump the schedule did not plan. False until ``min_steps``
+        steps were taken before the interval. The spike guard reads it on a climbing gradient
+        norm only."""
         if self.last is None or self.peak is None or self.steps_before < self.min_steps:
             return False
         base = _built_on(optimizer)
         envelope = self.peak if base is None else max(self.peak, base)
-        return self.last > ENVELOPE_TOLERANCE * envelope
+        return self.last > LR_JUMP * envelope
 
     def state_dict(self) -> dict[str, Any]:
         return {"peak": self.peak, "steps": self.steps}
