@@ -44,9 +44,9 @@ class SpikeGuardConfig:
     """... and more than this multiple of the largest norm of the last 3 steps taken: a norm that
     climbs step by step, however far, is the run's (a diffusion model's first hundred steps)."""
     recurring: int = 3
-    """A norm at a level the last ``min_history`` steps judged rose to (at least half-way from the
+    """A norm at a level the last ``min_history`` steps taken rose to (at least half-way from the
     median) and came back down from this many separate times or more is the run's own level,
-    taken (a second task's batches every few steps). 0: off."""
+    taken (a second task's batches every few steps). Skipped steps never count. 0: off."""
 
     def __post_init__(self) -> None:
         if type(self.window) is not int or self.window < 4:

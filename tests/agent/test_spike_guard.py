@@ -356,7 +356,7 @@ def _judge(guard: SpikeGuard, norm: float) -> bool:
     """One step through the guard as the agent runs it: judged, then taken or skipped."""
     spike = guard.is_spike(norm)
     if spike:
-        guard.skipped(norm)
+        guard.skipped()
     else:
         guard.taken(norm)
     return spike
@@ -378,11 +378,14 @@ def test_a_norm_that_climbs_step_by_step_is_taken_however_far_it_goes() -> None:
     assert _judge(guard, 2.5 * norm)  # a jump: a spike
 
 
-def test_a_level_the_run_keeps_visiting_is_taken_and_a_rare_one_is_skipped() -> None:
-    """A second task every 5th step at 6x the first task's norm: taken when the guard arms with
-    it in its history, and, when it starts only after the guard armed, taken from its 4th visit
-    on (the first 3 skipped, one at a time). A corrupted batch one step in 30 (20x) is skipped
-    every time. The same levels with ``recurring`` 0: skipped every time."""
+def test_a_level_the_run_keeps_visiting_is_taken_and_a_poisoned_one_is_skipped() -> None:
+    """A second task every 5th step at 6x the first task's norm, trained from the start: taken
+    (its steps were taken before the guard armed: the level is in the window). With ``recurring``
+    0: skipped every time. Levels the guard skipped never count: a gradient poisoned 50x every 8th
+    step after the guard armed, a corrupted batch every 5th or every 30th, are skipped every time.
+    A second task that starts after the guard armed is such a level too, until the run marks the
+    change (``regime``: ``Agent.run_changed``): its first step is then taken and starts a new
+    baseline, and the task is trained from then on."""
     rng = random.Random(0)
 
     def task_a() -> float:
@@ -391,23 +394,32 @@ def test_a_level_the_run_keeps_visiting_is_taken_and_a_rare_one_is_skipped() -> 
     for recurring in (3, 0):
         guard = SpikeGuard(SpikeGuardConfig(window=32, min_history=16, recurring=recurring))
         skipped = [step for step in range(200) if _judge(guard, 6.0 if step % 5 == 4 else task_a())]
-        assert skipped == ([] if recurring else [s for s in range(19, 200, 5)]), skipped
-    late = SpikeGuard(SpikeGuardConfig(window=32, min_history=16))
-    skipped = [step for step in range(200) if _judge(late, 6.0 if step >= 50 and step % 5 == 4 else task_a())]
-    assert skipped == [54, 59, 64], skipped
-    rare = SpikeGuard(SpikeGuardConfig(window=32, min_history=16))
-    skipped = [step for step in range(300) if _judge(rare, 20.0 if step % 30 == 29 else task_a())]
-    assert skipped == list(range(29, 300, 30)), skipped
+        assert skipped == ([] if recurring else list(range(19, 200, 5))), skipped
+    for period, norm in ((8, 50.0), (5, 20.0), (30, 20.0)):
+        faulty = SpikeGuard(SpikeGuardConfig(window=32, min_history=16))
+        skipped = [step for step in range(300) if _judge(faulty, norm if step >= 40 and step % period == 0 else task_a())]
+        assert skipped == [s for s in range(40, 300) if s % period == 0], (period, skipped)
+    marks = [0]
+    late = SpikeGuard(SpikeGuardConfig(window=32, min_history=16), regime=lambda: marks[0])
+    skipped = []
+    for step in range(300):
+        if step == 150:
+            marks[0] += 1  # agent.run_changed(): the second task starts
+        if _judge(late, 6.0 if step >= 100 and step % 5 == 4 else task_a()):
+            skipped.append(step)
+    assert skipped == list(range(104, 150, 5)), skipped  # unmarked: skipped; marked at 150: trained
+    assert late.restarts == 1
 
 
-def test_the_steps_judged_survive_a_round_trip() -> None:
+def test_the_recurring_level_survives_a_round_trip() -> None:
     guard = SpikeGuard(SpikeGuardConfig(window=32, min_history=16))
     for step in range(60):
-        _judge(guard, 6.0 if step >= 40 and step % 5 == 4 else 1.0 + 0.01 * (step % 3))
+        _judge(guard, 6.0 if step % 5 == 4 else 1.0 + 0.01 * (step % 3))
     again = SpikeGuard(SpikeGuardConfig(window=32, min_history=16))
     again.load_state_dict(guard.state_dict())
-    assert guard.state_dict()["judged"].count(6.0) == 4 and again.state_dict() == guard.state_dict()
-    assert not again.is_spike(6.0)  # 3 visits, skipped or not, in the restored history
+    assert again.state_dict() == guard.state_dict() and guard.state_dict()["norms"].count(6.0) >= 3
+    assert not again.is_spike(6.0)  # 3 visits in the restored window
+    assert again.is_spike(30.0)  # another level: a spike
 
 
 def test_a_climb_while_the_schedule_jumped_is_judged_against_the_median() -> None:

@@ -176,7 +176,7 @@ def test_defaults_stated_in_prose_are_the_codes() -> None:
             f"{guard.window} steps taken") in rules
     assert f"After {guard.max_consecutive} skips in a row" in rules
     assert f"(at most {guard.min_jump:g}x the largest norm of the 3 steps taken before it:" in rules
-    assert (f"(one the last {guard.min_history} steps judged rose to and came back from {guard.recurring} "
+    assert (f"(one the last {guard.min_history} steps taken rose to and came back from {guard.recurring} "
             "times or more:") in rules
     assert f"({recovery.window_reports} and {recovery.window_steps} by default)" in rules
     assert f"(`AgentConfig.memory_trace_steps`, {agent.memory_trace_steps})" in attach

@@ -324,7 +324,7 @@ class NonfiniteSkip:
         if self.guard is not None:
             try:  # taken() may read the elements that train (a baseline starts): never into the step
                 if bad:
-                    self.guard.skipped(value)
+                    self.guard.skipped()
                 else:
                     self.guard.taken(value)
             except Exception as exc:  # noqa: BLE001 - the decision stands; the guard's window misses this step

@@ -26,13 +26,17 @@ Two kinds of large norm are the run's own, not a batch's, and are taken:
   (more than 4x, the built-in rule ``scheduler_lr_jump``'s limit: ``lr_jumped``,
   ``ScheduledLr.above_envelope``): a schedule that jumped 10x climbs too, and the steps skipped
   until the controller cuts the LR are weights not damaged.
-- A *recurring level*: a norm at a level that the last ``min_history`` steps judged (taken or
-  skipped) rose to, at least half-way up from the median, and came back down from (below a
-  quarter of the way) ``recurring`` (3) separate times or more. A multitask run whose second task comes every 5th step with a norm
-  5-7x the first task's had every one of those steps skipped, one at a time (so never
-  ``max_consecutive`` in a row), and the second task stopped learning. A level visited that
-  often is the run's mixture; a corrupted batch now and then (one in 30) never visits it 3 times
-  in 32 steps, and a burst of bad batches is one visit.
+- A *recurring level*: a norm at a level that the last ``min_history`` steps *taken* rose to,
+  at least half-way up from the median, and came back down from (below a quarter of the way)
+  ``recurring`` (3) separate times or more. A multitask run whose second task comes every 5th
+  step with a norm 5-7x the first task's had every one of those steps skipped, one at a time (so
+  never ``max_consecutive`` in a row), and the second task stopped learning; its steps were
+  taken before the guard armed, so their level is in the window. Steps the guard skipped never
+  count: a gradient poisoned every 8th step, or a corrupted batch every 5th, is skipped every
+  time (counted, the first 3 skips made the level "recurring" and a 50x gradient was trained
+  from the 4th on: +10 % final loss with AdamW, a divergence with SGD). A second task added
+  mid-run is such a level too: mark it (``Agent.run_changed``), and the guard starts its
+  baseline afresh with it.
 
 Skipped steps do not enter the window (the baseline stays that of the healthy steps). After
 ``max_consecutive`` skipped steps in a row the guard stops skipping and takes the step: a
@@ -116,8 +120,6 @@ class SpikeGuard:
         self._after_data_skip = False  # the next step judged is the first after a data skip
         self._rebase = False  # the next step taken starts a new baseline
         self._last_spike: float | None = None  # the norm of the last step judged a spike, until one is taken
-        #: The finite norms of the last ``min_history`` steps judged, taken or skipped (recurring levels).
-        self._judged: deque[float] = deque(maxlen=self.config.min_history)
 
     def threshold(self) -> float:
         """The norm above which a step is a spike now (inf before ``min_history`` steps)."""
@@ -155,15 +157,15 @@ class SpikeGuard:
         return norm <= self.config.min_jump * recent and not (self.lr_jumped is not None and self.lr_jumped())
 
     def _recurring(self, norm: float) -> bool:
-        """Whether the steps judged lately rose to ``norm``'s level (half-way up from the median)
-        and came back down (below a quarter of the way: the median's own noise is no obstacle)
-        ``recurring`` separate times or more."""
+        """Whether the last ``min_history`` steps taken rose to ``norm``'s level (half-way up from
+        the median) and came back down (below a quarter of the way: the median's own noise is no
+        obstacle) ``recurring`` separate times or more."""
         if not self.config.recurring:
             return False
         base = median(self._norms)
         level, back = base + 0.5 * (norm - base), base + 0.25 * (norm - base)
         visits, high = 0, False
-        for x in self._judged:
+        for x in itertools.islice(self._norms, max(0, len(self._norms) - self.config.min_history), None):
             if not high and x >= level:
                 high = True
             elif high and x <= back:
@@ -189,7 +191,6 @@ class SpikeGuard:
         spike's gradient again, it starts a new baseline."""
         if self.consecutive >= self.config.max_consecutive or self._rebase:
             self._norms.clear()
-            self._judged.clear()
             self.restarts += 1
             self._rebase = False
         self.consecutive, self._last_spike = 0, None
@@ -197,30 +198,22 @@ class SpikeGuard:
             if not self._norms and self.regime is not None:
                 self._regime_at_start = self.regime()  # a baseline starts: under this regime
             self._norms.append(norm)
-            self._judged.append(norm)
 
-    def skipped(self, norm: float = math.nan) -> None:
-        """The step was skipped (a spike, or a non-finite gradient: ``norm``): out of the window,
-        but a finite norm counts among the steps judged (recurring levels)."""
+    def skipped(self) -> None:
         self.consecutive += 1
-        if math.isfinite(norm):
-            self._judged.append(norm)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip,
-                "judged": list(self._judged)}
+        return {"norms": list(self._norms), "consecutive": self.consecutive, "after_data_skip": self._after_data_skip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             norms = [float(x) for x in state["norms"]]
             consecutive = int(state["consecutive"])
             after_data_skip = state.get("after_data_skip", False)  # (absent from older snapshots)
-            judged = [float(x) for x in state.get("judged", norms)]  # (absent from older snapshots: the taken ones)
             if not isinstance(after_data_skip, bool):
                 raise TypeError(f"after_data_skip must be a bool, got {after_data_skip!r}")
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed spike guard state: {exc!r}") from None
         self._norms = deque(norms[-self.config.window:], maxlen=self.config.window)
-        self._judged = deque((x for x in judged if math.isfinite(x)), maxlen=self.config.min_history)
         self.consecutive = max(consecutive, 0)
         self._after_data_skip, self._rebase = after_data_skip, False
