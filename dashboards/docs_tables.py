@@ -76,7 +76,7 @@ def condition(rule: Any) -> str:
         else:
             text = f"≥ {_num(rule.z)} robust σ from its {base} of {rule.window} reports"
         text += f" (after {rule.min_history})" + ("" if rule.direction == "up" else f", {rule.direction}")
-        if rule.trend_with:
+        if rule.trend_with and (rule.mode, rule.baseline, rule.direction) == ("ratio", "median", "up"):
             text += (f" and of its own rising trend there when it climbed report by report (≤ 2× the 3 before)"
                      f" while `{rule.trend_with}` is not above its median")
         return text + (f", unless it is a level visited and left {rule.recurring} times there" if rule.recurring else "")

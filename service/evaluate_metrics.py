@@ -124,6 +124,9 @@ def _visits(hist: np.ndarray, base: float, level: float) -> int:
 #: Values of the window the trend line of ``SpikeRule.trend_with`` is fitted to at most (its pairs: O(n^2)).
 _TREND_POINTS = 64
 
+#: The largest logarithm of a trend level (``math.exp`` overflows above ~709): beyond it, no trend judgement.
+_LOG_MAX = 700.0
+
 
 def _trend_level(hist: np.ndarray) -> float | None:
     """Where a robust line through ``log(hist)`` puts the next value (Theil-Sen: the median of the
@@ -135,9 +138,10 @@ def _trend_level(hist: np.ndarray) -> float | None:
     y = np.log(y)
     i, j = np.triu_indices(len(y), 1)
     slope = float(np.median((y[j] - y[i]) / (j - i)))
-    if not slope > 0:
+    level = float(np.median(y - slope * np.arange(len(y)))) + slope * len(y)
+    if not slope > 0 or level > _LOG_MAX:
         return None
-    return math.exp(float(np.median(y - slope * np.arange(len(y)))) + slope * len(y))
+    return math.exp(level)
 
 
 #: A value more than this multiple of the largest of the 3 before it is a jump, not part of a climb
@@ -153,11 +157,15 @@ def _climbs(values: np.ndarray) -> bool:
 
 
 def _not_risen(w: RuleWindow, rule: SpikeRule, hist: np.ndarray) -> bool:
-    """Whether ``rule.trend_with``'s newest value is at or below its median over the reports of
-    ``hist`` (the window) before it."""
-    values = w.series(str(rule.trend_with), len(hist) + 1)
-    values = values[np.isfinite(values)]
-    return len(values) >= 2 and float(values[-1]) <= median(values[:-1])
+    """Whether ``rule.trend_with``'s value in the newest report is finite and at or below its
+    median over the reports of ``hist`` (the window) before it; False when the newest report
+    lacks it or it is NaN or infinite (a loss that blew up has risen)."""
+    latest = w.latest(str(rule.trend_with))
+    if latest is None or not math.isfinite(latest):
+        return False
+    before = w.series(str(rule.trend_with), len(hist) + 1)[:-1]
+    before = before[np.isfinite(before)]
+    return len(before) >= 1 and latest <= median(before)
 
 
 def _ratio_judged(rule: SpikeRule, w: RuleWindow, hist: np.ndarray, latest: float,
@@ -171,7 +179,7 @@ def _ratio_judged(rule: SpikeRule, w: RuleWindow, hist: np.ndarray, latest: floa
     if not score / rise >= rule.ratio:
         return None
     extra: dict[str, Any] = {"ratio": score, "limit": rule.ratio}
-    level = _trend_level(hist) if rule.trend_with is not None else None
+    level = _trend_level(hist) if rule.trend_with is not None and rule.baseline == "median" and rule.direction == "up" else None
     if level is not None and level > base and _climbs(np.append(hist, latest)) and _not_risen(w, rule, hist):
         if not latest / level / rise >= rule.ratio:
             return None  # on the window's own rising trend, the loss not rising: the run's

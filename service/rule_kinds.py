@@ -95,7 +95,7 @@ class SpikeRule(_RuleBase):
         "through the logarithms of its values, Theil-Sen) when that is above the median: a gradient norm that "
         "climbs while the loss falls (a diffusion model's first hundred steps) is the run's, not a spike. A "
         "jump, a level that jumped within the window, or a rise with the loss rising too is judged against "
-        "the median."))
+        "the median. Ignored in other modes (a job's override of the mode keeps the rule valid)."))
     schedule_discount: bool = Field(default=False, description=(
         "Divide the spike's score by how far the user's scheduled LR rose over the same window (its newest value "
         "/ its median there) while the schedule stays within its range: a warm restart or a re-warm moves the "
@@ -106,8 +106,6 @@ class SpikeRule(_RuleBase):
     def _history(self) -> "SpikeRule":
         if self.min_history > self.window:
             raise ValueError("min_history must be <= window")
-        if self.trend_with is not None and (self.mode, self.baseline, self.direction) != ("ratio", "median", "up"):
-            raise ValueError("trend_with needs mode: ratio, baseline: median and direction: up")
         return self
 
 

@@ -145,3 +145,20 @@ def test_operators_do_not_grow_with_the_tensor_count() -> None:
         counts.append((count.ops - count.views, count.launches))
     assert counts[0] == counts[1]
     assert counts[0][1] <= 4
+
+
+def test_an_empty_parameter_is_left_out_and_a_cast_model_takes_the_fused_norms() -> None:
+    """``_chunk_cat`` refuses an empty tensor: an empty parameter (and its empty gradient) is left
+    out of the copy, nothing turned off. A model cast to another dtype after the norm was built
+    (``model.half()``) is normed by the fused passes for that step (None here), nothing turned off."""
+    params = _params()
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    empty.grad = torch.zeros(0, 4)
+    with_empty = params[:7] + [empty] + params[7:]
+    norm = OneCopyNorm.for_buckets(with_empty, [with_empty])
+    assert math.isclose(float(norm.norm(CPU)), _reference(params), rel_tol=1e-12)
+    assert staged.FAILED is None
+    for p in params:
+        p.data = p.data.double()
+        p.grad = p.grad.double()
+    assert norm.norm(CPU) is None and staged.FAILED is None

@@ -104,6 +104,15 @@ def test_a_step_above_the_envelope_is_a_jump_until_a_report_takes_it_in() -> Non
     s.take(opt)
     s.observe(opt)
     assert not s.above_envelope(opt)  # the report took it in: the run has trained at it since
+    # An LR of 0 for the first steps, without a scheduler: no envelope (take() reports no ratio either)
+    zero = ScheduledLr(min_steps=2)
+    opt = _opt([0.0])
+    for _ in range(3):
+        zero.observe(opt)
+    zero.take(opt)
+    opt.param_groups[0]["lr"] = 1e-3
+    zero.observe(opt)
+    assert not zero.above_envelope(opt) and "trainguard_scheduler_lr_ratio" not in zero.take(opt)
 
 
 def test_the_agent_reports_the_lr_the_schedule_set_before_lr_scale() -> None:

@@ -479,6 +479,41 @@ def test_spike_verdicts_on_a_rising_trend_equal_the_definition_on_random_windows
     assert min(outcomes.values()) >= 30, outcomes
 
 
+def test_a_trend_is_not_judged_with_a_blown_up_loss_an_overflowing_line_or_in_another_mode() -> None:
+    """``trend_with`` clears a climb only while the newest report's loss is finite and at or below
+    its median: a NaN or infinite loss, or none in the newest report, is judged against the median.
+    A line whose level would overflow a float gives no trend (no error). A job that overrides the
+    rule's mode keeps a valid rule: the trend is ignored outside ratio mode."""
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+
+    rule = next(r for r in DEFAULTS.for_job("job-a") if r.name == "grad_norm_spike")
+    rule = rule.model_copy(update={"recurring": 0, "schedule_discount": False})
+    climb = [0.1 * 1.15 ** i for i in range(33)]  # the newest 5.7x the window's median, 1.15x its predecessor
+
+    def verdict(values: list[float], last_loss: float | None) -> bool:
+        window = RunWindow(capacity=128, rank_capacity=4, world_size=1, created=0.0)
+        for i, v in enumerate(values):
+            row = {GN: v}
+            if i < len(values) - 1:
+                row[LOSS] = 3.0 - 0.01 * i
+            elif last_loss is not None:
+                row[LOSS] = last_loss
+            window.append_raw(row, {}, i, float(i))
+        (finding,) = evaluate((rule,), window, float(len(values)))
+        return finding.active
+
+    assert climb[-1] / statistics.median(climb[:-1]) >= rule.ratio
+    assert verdict(climb, 2.5) is False  # the loss falling: the trend clears it
+    for blown_up in (math.nan, math.inf, None):
+        assert verdict(climb, blown_up) is True
+    huge = [1e300 * 1.2 ** i for i in range(32)] + [1e300 * 1.2 ** 31 * 1.9]
+    assert verdict(huge, 2.5) in (True, False)  # evaluated, no OverflowError
+    overrides = load_rules(default_rules_text() + "\njobs:\n  job-z:\n    - {name: grad_norm_spike, mode: zscore, z: 6}\n")
+    zrule = next(r for r in overrides.for_job("job-z") if r.name == "grad_norm_spike")
+    assert zrule.mode == "zscore" and zrule.trend_with == LOSS
+
+
 def test_straggler_spread_verdicts_equal_the_definition_on_random_rows() -> None:
     """The step-time straggler rule (with its quick "no" on the newest row) against its
     definition: in each of the last 3 reports max / median of the finite values >= ratio and max

@@ -21,9 +21,12 @@ parameter unused this step) makes ``_chunk_cat`` raise ``TypeError`` before it c
 that bucket is then copied with a one-element zero in its place (norm 0), so the common step
 tests nothing per tensor.
 
-Should a copy fail otherwise (a sparse gradient set by hand, a build without the operator), the
-staged passes are turned off for the process (``staged.attempt``) and the caller takes the fused
-per-tensor norms, the same values.
+Empty parameters are left out of the copy (``_chunk_cat`` refuses them; they add nothing), each
+bucket's norm is moved to the index's device before they are joined (buckets on several devices),
+and a model cast to another dtype since attach is normed by the fused passes. Should a copy fail
+otherwise (a sparse gradient set by hand, a build without the operator), the staged passes are
+turned off for the process (``staged.attempt``) and the caller takes the fused per-tensor norms,
+the same values.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class OneCopyNorm:
             start += len(bucket)
         #: Per bucket, the places of its 0-dim parameters (their gradients are copied as 1-element views).
         self.scalars = [[i for i, t in enumerate(bucket) if t.dim() == 0] for bucket in buckets]
+        #: Per bucket, the places of its non-empty parameters where it has empty ones (``_chunk_cat``
+        #: refuses an empty tensor; an empty gradient adds nothing to the norm), else None.
+        self.kept = [[i for i, t in enumerate(bucket) if t.numel()] if any(not t.numel() for t in bucket) else None
+                     for bucket in buckets]
+        self.dtypes = [b[0].dtype for b in buckets]
         self.zeros = [torch.zeros(1, dtype=b[0].dtype, device=b[0].device) for b in buckets]
         #: Ordinary steps whose norm came from the copies.
         self.used = 0
@@ -75,23 +83,31 @@ class OneCopyNorm:
         staged passes do not run here (the CPU without ``staged.ON_CPU``) or have failed."""
         if staged.FAILED is not None or (device.type == "cpu" and not staged.ON_CPU):
             return None
-        norms = staged.attempt(self._norms, list(map(_GRAD, self.params)))
+        grads = list(map(_GRAD, self.params))
+        for (start, _), dtype in zip(self.bounds, self.dtypes):
+            first = grads[start]
+            if first is not None and first.dtype != dtype:
+                return None  # the model was cast since attach (``model.half()``): the fused norms this time
+        norms = staged.attempt(self._norms, grads, device)
         if norms is None:
             return None
         self.used += 1
-        return torch.linalg.vector_norm(norms.to(device), dtype=torch.float64)
+        return torch.linalg.vector_norm(norms, dtype=torch.float64)
 
     @torch.no_grad()
-    def _norms(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    def _norms(self, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+        """Each bucket's norm (float64, on ``device``)."""
         norms = []
-        for (start, end), scalars, zero in zip(self.bounds, self.scalars, self.zeros):
+        for (start, end), scalars, kept, zero in zip(self.bounds, self.scalars, self.kept, self.zeros):
             bucket = grads[start:end]
             for i in scalars:
                 if bucket[i] is not None:
                     bucket[i] = bucket[i].reshape(1)
+            if kept is not None:
+                bucket = [bucket[i] for i in kept] or [zero]
             try:
                 flat = torch_private.flat_cat(bucket)
             except (TypeError, AttributeError):  # a missing gradient (None): nothing was copied
                 flat = torch_private.flat_cat([zero if g is None else g for g in bucket])
-            norms.append(torch.linalg.vector_norm(flat, dtype=torch.float64).reshape(1))
+            norms.append(torch.linalg.vector_norm(flat, dtype=torch.float64).reshape(1).to(device))
         return norms[0] if len(norms) == 1 else torch.cat(norms)

@@ -130,8 +130,8 @@ class ScheduledLr:
         schedule was built on): a jump the schedule did not plan. False until ``min_steps``
         steps were taken before the interval. The spike guard reads it on a climbing gradient
         norm only."""
-        if self.last is None or self.peak is None or self.steps_before < self.min_steps:
-            return False
+        if self.last is None or self.peak is None or not self.peak > 0 or self.steps_before < self.min_steps:
+            return False  # (an LR of 0 so far, without initial_lr, gives no envelope, as in take())
         base = _built_on(optimizer)
         envelope = self.peak if base is None else max(self.peak, base)
         return self.last > LR_JUMP * envelope
