@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import trainer_agent as ta  # noqa: E402
 from agent_overhead import accelerator_paths  # noqa: E402
+from agent_scale import Split  # noqa: E402
 from trainer_agent.agent import Agent  # noqa: E402
 from trainer_agent.compat import torch_private  # noqa: E402
 
@@ -83,15 +83,9 @@ def _numel(tensors) -> int:
     return _SIZES[n]
 
 
-class Split(nn.Module):
-    def __init__(self, elements: int, tensors: int) -> None:
-        super().__init__()
-        size = max(1, elements // tensors)
-        self.parts = nn.ParameterList([nn.Parameter(torch.full((size,), 0.01)) for _ in range(tensors)])
-
-
 def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[str, float]:
     model = Split(elements, tensors)
+    x = torch.randn(elements + tensors)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
     # The agent's clock on this thread's CPU time: what it spends, not what the machine's load adds.
@@ -101,7 +95,7 @@ def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[
     for k in range(steps + 2 * REPORT_EVERY):
         before = agent.overhead_seconds_total
         report = (agent.step + 1) % REPORT_EVERY == 0
-        loss = torch.cat(list(params)).sum()
+        loss = model(x)
         loss.backward()  # the agent's backward-end hook measures the gradients
         t0 = time.thread_time()
         _ = [p.grad for p in params]

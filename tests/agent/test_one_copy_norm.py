@@ -49,11 +49,15 @@ def _reference(params) -> float:
     return math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in params if p.grad is not None))
 
 
+def _grads(params) -> list[torch.Tensor | None]:
+    return [p.grad for p in params]
+
+
 def _norm(params) -> torch.Tensor | None:
     buckets = [[p for p in params if p.dtype == d] for d in dict.fromkeys(p.dtype for p in params)]
-    norm = OneCopyNorm.for_buckets([p for b in buckets for p in b], buckets)
+    norm = OneCopyNorm.for_buckets(buckets)
     assert norm is not None
-    return norm.norm(CPU)
+    return norm.norm(_grads([p for b in buckets for p in b]), CPU)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -91,26 +95,26 @@ def test_only_buckets_of_many_small_plain_tensors_qualify(monkeypatch) -> None:
     floating-point tensors and at most one stage of elements."""
     monkeypatch.setattr(staged, "STAGE_ELEMENTS", 1000)
     many = [torch.randn(5) for _ in range(N)]
-    assert OneCopyNorm.for_buckets(many, [many]) is not None
-    assert OneCopyNorm.for_buckets(many + many[:-1], [many, many[:-1]]) is None  # a bucket of too few
+    assert OneCopyNorm.for_buckets([many]) is not None
+    assert OneCopyNorm.for_buckets([many, many[:-1]]) is None  # a bucket of too few
     big = many + [torch.randn(400)]
-    assert OneCopyNorm.for_buckets(big, [big]) is None  # more than one stage
+    assert OneCopyNorm.for_buckets([big]) is None  # more than one stage
 
     class Wrapped(torch.Tensor):
         pass
 
     wrapped = many[:-1] + [torch.randn(5).as_subclass(Wrapped)]
-    assert OneCopyNorm.for_buckets(wrapped, [wrapped]) is None  # a subclass dispatches its own way
-    assert OneCopyNorm.for_buckets([], []) is None
+    assert OneCopyNorm.for_buckets([wrapped]) is None  # a subclass dispatches its own way
+    assert OneCopyNorm.for_buckets([]) is None
 
 
 def test_nothing_on_the_cpu_unless_the_staged_passes_run_there(monkeypatch) -> None:
     params = _params()
-    norm = OneCopyNorm.for_buckets(params, [params])
+    norm = OneCopyNorm.for_buckets([params])
     monkeypatch.setattr(staged, "ON_CPU", False)
-    assert norm.norm(CPU) is None and norm.used == 0
+    assert norm.norm(_grads(params), CPU) is None and norm.used == 0
     monkeypatch.setattr(staged, "ON_CPU", True)
-    assert norm.norm(CPU) is not None and norm.used == 1
+    assert norm.norm(_grads(params), CPU) is not None and norm.used == 1
 
 
 def test_a_copy_that_fails_turns_the_staged_passes_off_and_returns_nothing(caplog) -> None:
@@ -118,12 +122,12 @@ def test_a_copy_that_fails_turns_the_staged_passes_off_and_returns_nothing(caplo
     fused norms (None here), and the staged passes are off from then on."""
     params = _params()
     params[6].grad = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([2.0]), (1,), check_invariants=True)
-    norm = OneCopyNorm.for_buckets(params, [params])
+    norm = OneCopyNorm.for_buckets([params])
     with caplog.at_level("WARNING"):
-        assert norm.norm(CPU) is None
+        assert norm.norm(_grads(params), CPU) is None
     assert staged.FAILED is not None
     params[6].grad = torch.ones(1)
-    assert norm.norm(CPU) is None  # off for the process
+    assert norm.norm(_grads(params), CPU) is None  # off for the process
 
 
 def test_operators_do_not_grow_with_the_tensor_count() -> None:
@@ -139,9 +143,9 @@ def test_operators_do_not_grow_with_the_tensor_count() -> None:
         params = [torch.nn.Parameter(torch.zeros(40_000 // n)) for _ in range(n)]
         for p in params:
             p.grad = torch.randn(p.shape)
-        norm = OneCopyNorm.for_buckets(params, [params])
+        norm = OneCopyNorm.for_buckets([params])
         with overhead.OpCounter() as count:
-            norm.norm(CPU)
+            norm.norm(_grads(params), CPU)
         counts.append((count.ops - count.views, count.launches))
     assert counts[0] == counts[1]
     assert counts[0][1] <= 4
@@ -155,10 +159,10 @@ def test_an_empty_parameter_is_left_out_and_a_cast_model_takes_the_fused_norms()
     empty = torch.nn.Parameter(torch.zeros(0, 4))
     empty.grad = torch.zeros(0, 4)
     with_empty = params[:7] + [empty] + params[7:]
-    norm = OneCopyNorm.for_buckets(with_empty, [with_empty])
-    assert math.isclose(float(norm.norm(CPU)), _reference(params), rel_tol=1e-12)
+    norm = OneCopyNorm.for_buckets([with_empty])
+    assert math.isclose(float(norm.norm(_grads(with_empty), CPU)), _reference(params), rel_tol=1e-12)
     assert staged.FAILED is None
     for p in params:
         p.data = p.data.double()
         p.grad = p.grad.double()
-    assert norm.norm(CPU) is None and staged.FAILED is None
+    assert norm.norm(_grads(with_empty), CPU) is None and staged.FAILED is None

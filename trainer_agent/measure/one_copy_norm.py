@@ -12,8 +12,8 @@ Everything that does not change between steps is settled once, at attach, from t
 a gradient has its parameter's shape, dtype and device (autograd refuses any other), so whether
 the buckets qualify, where each bucket lies in the parameter list and which gradients are 0-dim
 (``_chunk_cat`` takes tensors of one dimension or more) are known before the first step. Per step
-the host work is one attribute read per tensor (``map`` of an ``attrgetter``: no bytecode per
-tensor) and one ``_chunk_cat`` call per bucket, whose CUDA launch walks the list in C++; nothing
+the host work is the index's one read of every ``.grad`` (``ParamIndex.flat_grads``: ``map`` of an
+``attrgetter``, no bytecode per tensor) and one ``_chunk_cat`` call per bucket, whose CUDA launch walks the list in C++; nothing
 builds a key of shapes or tests each tensor's layout. The order in which a dense gradient's
 elements are copied (CUDA copies a dense tensor in memory order, any other through ATen's general
 path in logical order) does not change its sum of squares. A missing gradient (``None``: a
@@ -31,7 +31,6 @@ the same values.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -41,15 +40,11 @@ from trainer_agent.measure import staged
 
 __all__ = ["OneCopyNorm"]
 
-_GRAD = operator.attrgetter("grad")
-
-
 class OneCopyNorm:
-    """The gradients of ``params`` (plain tensors, bucket after bucket as ``buckets`` holds them),
-    normed from one copy per bucket. Build with :meth:`for_buckets`."""
+    """The gradients of the parameters of ``buckets`` (plain tensors; their gradients come in one
+    list, bucket after bucket), normed from one copy per bucket. Build with :meth:`for_buckets`."""
 
-    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[torch.Tensor]]) -> None:
-        self.params = list(params)
+    def __init__(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
         self.bounds: list[tuple[int, int]] = []
         start = 0
         for bucket in buckets:
@@ -61,13 +56,12 @@ class OneCopyNorm:
         #: refuses an empty tensor; an empty gradient adds nothing to the norm), else None.
         self.kept = [[i for i, t in enumerate(bucket) if t.numel()] if any(not t.numel() for t in bucket) else None
                      for bucket in buckets]
-        self.dtypes = [b[0].dtype for b in buckets]
         self.zeros = [torch.zeros(1, dtype=b[0].dtype, device=b[0].device) for b in buckets]
         #: Ordinary steps whose norm came from the copies.
         self.used = 0
 
     @classmethod
-    def for_buckets(cls, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[torch.Tensor]]) -> OneCopyNorm | None:
+    def for_buckets(cls, buckets: Sequence[Sequence[torch.Tensor]]) -> OneCopyNorm | None:
         """The norm for these parameters when every bucket holds enough plain floating-point dense
         tensors for the staged passes and fits one stage (``staged.fits_one_stage``), else None: a
         larger model's ordinary steps keep the fused norm, which then costs no more than reading."""
@@ -76,17 +70,17 @@ class OneCopyNorm:
         if not all(type(t) in staged.PLAIN and t.is_floating_point() and t.layout == torch.strided
                    for bucket in buckets for t in bucket):
             return None
-        return cls(params, buckets)
+        return cls(buckets)
 
-    def norm(self, device: torch.device) -> torch.Tensor | None:
-        """The L2 norm of every current gradient (a float64 scalar on ``device``), or None where the
-        staged passes do not run here (the CPU without ``staged.ON_CPU``) or have failed."""
+    def norm(self, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+        """The L2 norm of ``grads`` (the parameters' current ``.grad``, in the buckets' order; a
+        float64 scalar on ``device``), or None where the staged passes do not run here (the CPU
+        without ``staged.ON_CPU``) or have failed."""
         if staged.FAILED is not None or (device.type == "cpu" and not staged.ON_CPU):
             return None
-        grads = list(map(_GRAD, self.params))
-        for (start, _), dtype in zip(self.bounds, self.dtypes):
+        for (start, _), zero in zip(self.bounds, self.zeros):
             first = grads[start]
-            if first is not None and first.dtype != dtype:
+            if first is not None and first.dtype != zero.dtype:
                 return None  # the model was cast since attach (``model.half()``): the fused norms this time
         norms = staged.attempt(self._norms, grads, device)
         if norms is None:

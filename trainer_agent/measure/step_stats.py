@@ -265,7 +265,7 @@ class StepMeter:
                 self._total_only(scaled, None if sharding is None else views.shared(scaled))
                 return
         if not report and self.index.one_copy is not None:  # one copy, one norm per bucket
-            scaled = self.index.one_copy.norm(self.index.device)
+            scaled = self.index.one_copy.norm(self.index.flat_grads(), self.index.device)
             if scaled is not None:
                 self._total_only(scaled, None)
                 return
