@@ -152,7 +152,8 @@ def test_the_state_after_a_data_skip_survives_a_round_trip_and_bad_states_are_re
 
 
 @pytest.mark.parametrize("bad", [{"window": 2}, {"min_history": 200}, {"sigmas": 0.5}, {"min_ratio": math.inf},
-                                 {"max_consecutive": 0}])
+                                 {"max_consecutive": 0}, {"min_jump": 0.5}, {"min_jump": math.nan}, {"recurring": -1},
+                                 {"recurring": 1.5}, {"recurring": True}])
 def test_bad_thresholds_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SpikeGuardConfig(**bad)
