@@ -188,9 +188,12 @@ def accelerator_paths():
     tensors measured by the staged passes (``staged.ON_CPU``), and the fused norms' results laid
     out as CUDA returns them (:func:`_norms_in_one_buffer`)."""
     update, count, moments = stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments
+    bucket_count = getattr(stats, "bucket_nonfinite", None)  # (absent from older checkouts)
     fused_norm = torch_private.foreach_norm
     stats.update_sq_norms = functools.partial(update, chunked=False)
     stats.nonfinite_count = functools.partial(count, scan="device")
+    if bucket_count is not None:
+        stats.bucket_nonfinite = functools.partial(bucket_count, scan="device")
     stats.tensor_moments = functools.partial(moments, chunked=False)
     torch_private.foreach_norm = _norms_in_one_buffer(fused_norm)
     BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = False
@@ -200,6 +203,8 @@ def accelerator_paths():
         yield
     finally:
         stats.update_sq_norms, stats.nonfinite_count, stats.tensor_moments = update, count, moments
+        if bucket_count is not None:
+            stats.bucket_nonfinite = bucket_count
         torch_private.foreach_norm = fused_norm
         BucketViews.cpu_rows = FsdpGradBuffers.cpu_rows = True
         if staged is not None:

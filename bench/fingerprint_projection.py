@@ -10,7 +10,9 @@ a 2-D one whose first dimension the layout's 16 rows do not divide, the others 1
 5 tensors, the squared norms given (the report step has them). Per T: the ATen operators of one
 ``layer_values`` call once its plan is made (``agent_overhead.OpCounter``: all, views aside, and
 the model of their CUDA launches), the thread CPU ms of a call (best of ``--rounds``; on a GPU,
-synchronized), and on a GPU the kernels the profiler counts. Run it against another
+synchronized), the same for the tensors tagged with their settled layout as the agent passes its
+parameters and gradients (``staged.Settled``: no shape read per tensor), and on a GPU the kernels
+the profiler counts. Run it against another
 ``trainer_agent`` through ``PYTHONPATH`` to compare.
 """
 
@@ -35,13 +37,17 @@ def _tensors(elements: int, count: int, device: torch.device) -> list[torch.Tens
     return out
 
 
-def measure(elements: int, count: int, rounds: int, device: torch.device) -> dict[str, float]:
+def measure(elements: int, count: int, rounds: int, device: torch.device, settled: bool = False) -> dict[str, float]:
     xs = _tensors(elements, count, device)
     units = torch.arange(count) // 5
     fp = Fingerprinter([x.numel() for x in xs], units, int(units.max()) + 1, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     # the squared norms come with the report step's other statistics (the step's gradient norms)
     sq = torch.stack([x.double().square().sum() for x in xs])
+    if settled:  # as the agent passes its parameters and gradients: tagged with their layout
+        from trainer_agent.measure import staged
+
+        xs = staged.Settled(xs, staged.Layout(xs))
     fp.layer_values([xs], sq=sq)  # first use: the plan
     with OpCounter() as count_ops:
         fp.layer_values([xs], sq=sq)
@@ -74,10 +80,17 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(1)
     print(f"fingerprint projections of {args.elements:,} float32 elements ({device.type}, torch {torch.__version__})")
-    print("tensors | ops | views aside | CUDA launch model | thread CPU ms" + (" | cuda kernels" if device.type == "cuda" else ""))
+    try:
+        from trainer_agent.measure.staged import Settled  # noqa: F401
+        layouts = True
+    except ImportError:  # an older checkout: its lists as they are
+        layouts = False
+    print("tensors | ops | views aside | CUDA launch model | thread CPU ms | thread CPU ms, settled layout"
+          + (" | cuda kernels" if device.type == "cuda" else ""))
     for count in args.tensors:
         m = measure(args.elements, count, args.rounds, device)
-        row = f"{count:,} | {m['ops']} | {m['computing']} | {m['launches']} | {m['ms']:.3f}"
+        ms = measure(args.elements, count, args.rounds, device, settled=True)["ms"] if layouts else float("nan")
+        row = f"{count:,} | {m['ops']} | {m['computing']} | {m['launches']} | {m['ms']:.3f} | {ms:.3f}"
         print(row + (f" | {m['kernels']}" if "kernels" in m else ""), flush=True)
 
 

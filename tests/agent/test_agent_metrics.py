@@ -493,6 +493,31 @@ def test_nonfinite_count_device_scan_in_small_buckets(monkeypatch) -> None:
     assert float(stats.nonfinite_count(tensors, torch.device("cpu"), scan="device")) == 3
 
 
+def test_bucket_nonfinite_counts_as_nonfinite_count(monkeypatch) -> None:
+    """The count over buckets (``ParamIndex.grads()``: each of one device and dtype, as the report
+    step reads them) equals an element-wise count, on both scans, through the fused scan of small
+    buckets and the staged one of a bucket of many tensors (its plan from the settled layout)."""
+    from trainer_agent.measure import staged, stats
+
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(6)
+    many = [torch.randn(int(n), generator=g) for n in torch.randint(1, 40, (staged.STAGED_MIN_TENSORS,), generator=g)]
+    many[7][0], many[90][-1] = math.nan, -math.inf
+    small64 = [torch.randn(9, dtype=torch.float64, generator=g) for _ in range(3)]
+    small64[1][4] = math.inf
+    halves = [torch.tensor([math.nan, 1.0, math.nan], dtype=torch.float16)]
+    buckets = [staged.Settled(many, staged.Layout(many)), small64, halves, [torch.arange(3)]]
+    expected = sum(int((~torch.isfinite(t)).sum()) for b in buckets for t in b if t.is_floating_point())
+    assert expected == 5
+    for scan in ("device", "suspects"):
+        assert float(stats.bucket_nonfinite(buckets, cpu, scan=scan)) == expected
+    assert float(stats.bucket_nonfinite(buckets[:1], cpu, scan="device")) == 2  # the staged count alone
+    assert float(stats.bucket_nonfinite([], cpu, scan="device")) == 0
+    with pytest.raises(ValueError):
+        stats.bucket_nonfinite(buckets, cpu, scan="sometimes")
+
+
 def test_device_values_for_the_control_plane(model: Net) -> None:
     """grad_norm_device holds the pre-clip norm when optimizer.step() starts; loss_device and
     step_finite_device describe the last end_step; rank_values has this rank's values."""

@@ -274,6 +274,38 @@ def test_fused_layer_values_leave_out_missing_and_skipped_tensors(monkeypatch) -
     assert torch.allclose(got, _per_tensor_layer_values(chunked, xs, units), rtol=1e-5, atol=1e-4)
 
 
+def test_settled_buckets_are_projected_from_their_layouts(monkeypatch) -> None:
+    """Buckets tagged with their settled layouts (``staged.Settled``: the index's parameters and
+    their gradients) are projected with a plan made from the layouts, the same values as the
+    per-tensor projections and as untagged buckets, the non-contiguous tensor flattened in logical
+    order all the same; no tensor's shape is read for it. A bucket cast to another dtype is
+    projected from its own shapes and dtypes."""
+    from trainer_agent.measure import staged
+
+    fp, xs = _fused_inputs()
+    ref = _per_tensor_layer_values(fp, xs, FUSED_UNITS)
+    buckets = _by_dtype(xs)
+    settled = [staged.Settled(b, staged.Layout(b)) for b in buckets]
+    plain = fp.layer_values(buckets)
+    assert torch.allclose(plain, ref, rtol=1e-5, atol=1e-4)
+
+    class Blind(torch.Tensor):  # a read of .shape fails the test
+        @property
+        def shape(self):
+            raise AssertionError("shape read")
+
+    def blind(t: torch.Tensor) -> torch.Tensor:
+        return t.as_subclass(Blind) if t.dtype == torch.float32 and t.numel() < 4096 else t
+    got = fp.layer_values(settled)
+    assert torch.equal(got, plain)
+    monkeypatch.setattr(staged, "PLAIN", (torch.Tensor, torch.nn.Parameter, Blind))
+    hidden = [staged.Settled([blind(t) for t in b], b.layout) for b in settled]
+    sq = torch.stack([x.double().square().sum() for x in xs])  # (bucket_norms would read the shapes)
+    assert torch.equal(fp.layer_values(hidden, sq=sq), fp.layer_values(buckets, sq=sq))
+    cast = [staged.Settled([t.double() for t in b], b.layout) if b[0].dtype == torch.float32 else b for b in settled]
+    assert torch.allclose(fp.layer_values(cast), plain, rtol=1e-5, atol=1e-4)
+
+
 def test_fused_layer_values_dispatch_a_constant_number_of_operators() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -223,3 +223,33 @@ def test_ddp_desync_names_the_block(tmp_path) -> None:
     assert out[1] == []  # the leader compares; the other rank holds no findings
     # with two ranks either one may be the odd one out; the block is named, not "model.layers"
     assert [(kind, layer) for kind, layer, _ in out[0] if kind == "grad"] == [("grad", PERTURBED)]
+
+
+def test_gradients_come_settled_and_the_counts_follow_the_parameters() -> None:
+    """``grads()`` tags a bucket whose gradients are all present with its parameters' settled
+    layout (their shapes, known at attach), and not one with a gradient missing (its stand-in zero
+    has another shape); ``trainable_elements`` follows freezing; ``versions`` moves with an
+    in-place write, as the counters read one by one do."""
+    from trainer_agent.measure import staged
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 1).double())
+    index = ParamIndex(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(5, 4)
+    model[2](model[1](model[0](x)).double()).sum().backward()
+    grads = index.grads()
+    assert [type(b) for b in grads] == [staged.Settled, staged.Settled]
+    assert [b.layout for b in grads] == [b.layout for b in index.buckets]
+    assert [[g.shape for g in b] for b in grads] == [list(b.layout.shapes) for b in index.buckets]
+    model[1].bias.grad = None
+    grads = index.grads()
+    assert type(grads[0]) is list and type(grads[1]) is staged.Settled
+    assert grads[0][3].shape == () and float(grads[0][3]) == 0.0
+    assert index.trainable_elements() == 15 + 8 + 3
+    model[1].requires_grad_(False)
+    assert index.trainable_elements() == 15 + 3
+    before = index.versions()
+    assert before == tuple(p._version for p in index.locals)
+    with torch.no_grad():
+        model[2].weight.mul_(2)
+    after = index.versions()
+    assert after != before and after == tuple(p._version for p in index.locals)

@@ -310,7 +310,9 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
         if every == 3:  # the second report's interval held step 4's NaN, an ordinary step
             assert acc["trainguard_nonfinite_steps_total"] == cpu["trainguard_nonfinite_steps_total"] >= 1
             assert math.isfinite(acc["trainguard_grad_norm_max"])
-        assert break_at is not None or any(plan.tensors == 300 for plan in staged._PLANS.values())
+        # The 300-tensor bucket was planned from its settled layout (the staged passes ran on it).
+        planned = [plan for bucket in agents[1].parts.params.buckets for plan in bucket.layout._plans.values()]
+        assert break_at is not None or any(plan is not None and plan.tensors == 300 for plan in planned)
         # The ordinary steps (every 3: steps 0, 1, 3, 4) normed from one copy, until it failed.
         assert agents[1].parts.params.one_copy.used == {(None, 3): 4, (None, 1): 0, (2, 1): 0}[break_at, every]
         assert agents[0].parts.params.one_copy.used == 0  # the CPU's own passes
@@ -440,3 +442,83 @@ def test_only_buckets_of_many_small_tensors_norm_an_ordinary_step_from_one_copy(
     assert not staged.fits_one_stage([many, many[:-1]])  # a bucket of too few
     assert not staged.fits_one_stage([many + [torch.randn(400)]])  # more than one stage
     assert not staged.fits_one_stage([])
+
+
+def _plan_layout(plan: StagePlan) -> list:
+    return [(st.begin, st.size, st.members, st.whole, st._bounds) for st in plan.stages] + [plan._owner_host]
+
+
+def test_a_settled_list_is_planned_from_its_layout_as_from_its_shapes(monkeypatch) -> None:
+    """A list tagged with its settled layout (``staged.Settled``: a bucket of parameters, its
+    gradients) gets the plan its shapes give, made once per stage and piece size, and reads no
+    tensor's shape to get it; a list whose first tensor no longer has the layout's dtype (a model
+    cast since) is planned from its own shapes."""
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    monkeypatch.setattr(staged, "STAGE_ELEMENTS", 256)
+    monkeypatch.setattr(staged, "PIECE", 32)
+    g = torch.Generator().manual_seed(4)
+    params = [torch.randn(int(n), generator=g) for n in torch.randint(1, 90, (staged.STAGED_MIN_TENSORS,), generator=g)]
+    params[5] = torch.randn(3, 7, generator=g).t()
+    layout = staged.Layout(params)
+    settled = staged.Settled([torch.zeros_like(p) for p in params], layout)
+    plan = staged.plan_for(settled, CPU)
+    assert _plan_layout(plan) == _plan_layout(StagePlan([p.shape for p in params], CPU, stage=256, piece=32))
+    assert staged.plan_for(staged.Settled(list(settled), layout), CPU) is plan  # made once
+
+    class NoShape(torch.Tensor):  # a read of .shape would raise
+        pass
+    monkeypatch.setattr(staged, "PLAIN", (torch.Tensor, torch.nn.Parameter, NoShape))
+    blind = staged.Settled([settled[0].as_subclass(NoShape)] + list(settled[1:]), layout)
+    monkeypatch.setattr(NoShape, "shape", property(lambda self: (_ for _ in ()).throw(AssertionError("read"))))
+    assert staged.plan_for(blind, CPU) is plan
+    monkeypatch.setattr(staged, "PIECE", 16)  # another piece size: another plan, from the same layout
+    assert staged.plan_for(settled, CPU).stages[0]._bounds[1] == min(16, params[0].numel())
+    cast = staged.Settled([p.double() for p in params], layout)
+    assert staged.plan_for(cast, CPU) is not None and staged.plan_for(cast, CPU) is not plan
+
+
+def test_order_free_passes_take_non_contiguous_tensors_as_they_are() -> None:
+    """The norms, moments and counts of whole tensors copy them without testing or fixing their
+    layout (the elements of a tensor in any order have its statistics), and still match float64
+    references for transposed, channels-last and strided tensors; the ordered inputs (the
+    update's snapshot) stay contiguous in logical order."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(30, 20, generator=g).t(), torch.randn(2, 3, 4, 4, generator=g).to(memory_format=torch.channels_last),
+               torch.randn(50, generator=g)[::2], torch.randn(40, generator=g)]
+    tensors[1][0, 1, 2, 3] = math.nan
+    plan = StagePlan([t.shape for t in tensors], CPU)
+    stage = plan.stages[0]
+    taken = stage.inputs(tensors, ordered=False)
+    assert len(taken) == 4 and all(x is t for x, t in zip(taken, tensors))
+    ordered = stage.inputs(tensors)
+    assert ordered[0].is_contiguous() and ordered[1].is_contiguous()
+    assert torch.equal(torch.cat([x.reshape(-1) for x in ordered]).nan_to_num(), torch.cat([t.reshape(-1) for t in tensors]).nan_to_num())
+    got = staged.staged_moments(tensors, plan)
+    for j, t in enumerate(tensors):
+        for k, want in enumerate(_reference(t)):
+            assert _close(float(got[k, j]), want, 1e-12), (j, k)
+    sq = staged.staged_sq_norms(tensors, plan)
+    assert _close(float(sq[0]), float(tensors[0].double().square().sum()), 1e-12) and math.isnan(sq[1])
+    assert float(staged.staged_nonfinite(tensors, plan)) == 1
+
+
+def test_empty_tensors_between_whole_ones_are_left_out_of_the_copy() -> None:
+    """An empty parameter between others of one stage (the copy refuses empty tensors): the
+    members around it are copied without it, every statistic matches the reference, the empty
+    tensor's norm is 0 and its extremes those of no element."""
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(5, generator=g), torch.zeros(0), torch.randn(3, 4, generator=g), torch.zeros(2, 0),
+               torch.randn(7, generator=g)]
+    plan = StagePlan([t.shape for t in tensors], CPU)
+    assert plan.stages[0].whole == [0, 2, 4]
+    got = staged.staged_moments(tensors, plan)
+    for j in (0, 2, 4):
+        for k, want in enumerate(_reference(tensors[j])):
+            assert _close(float(got[k, j]), want, 1e-12), (j, k)
+    assert got[:3, 1].tolist() == [0.0, 0.0, 0.0] and got[3, 1] == -math.inf
+    sq = staged.staged_sq_norms(tensors, plan)
+    assert sq[1] == sq[3] == 0 and _close(float(sq[2]), float(tensors[2].double().square().sum()), 1e-12)
+    assert float(staged.staged_nonfinite(tensors, plan)) == 0
+    after = [t + 1 for t in tensors]
+    delta, param = staged.staged_update_sq_norms(tensors, after, plan, before_norms=False)
+    assert delta.tolist() == pytest.approx([5.0, 0.0, 12.0, 0.0, 7.0], rel=1e-6)  # (float32 differences)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -104,7 +105,7 @@ def version_counters(tensors: Iterable[torch.Tensor]) -> tuple[Any, ...]:
     if _NO_VERSION:
         degraded("torch.Tensor._version", "parameter snapshots are re-copied on every measured step")
         return (object(),)
-    return tuple(t._version for t in tensors)
+    return tuple(map(operator.attrgetter("_version"), tensors))
 
 
 # ---------------------------------------------------------------------- GradScaler

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from trainer_agent.measure import stats
+from trainer_agent.measure import staged, stats
 from trainer_agent.measure.fingerprint_stage import FusedProjections
 from trainer_agent.measure.desync import DesyncFinding, desync, findings, rel_diff
 from trainer_agent.measure.sharding import replica_units
@@ -87,6 +87,15 @@ DIRECT_ELEMENTS = 1 << 22
 def rows_of(numel: int) -> int:
     """Rows of the layout of a tensor of ``numel`` elements."""
     return SMALL_ROWS if numel < LARGE_ELEMENTS else LARGE_ROWS
+
+
+def _layouts(buckets: Sequence[Sequence[torch.Tensor]]) -> tuple[staged.Layout, ...] | None:
+    """The settled layouts of ``buckets`` (``staged.Settled``: the index's parameters, its gradients
+    with none missing) when every bucket has one and still its dtype, else None."""
+    layouts = tuple(getattr(b, "layout", None) for b in buckets)
+    if all(layout is not None and layout.shapes and b[0].dtype == layout.dtype for b, layout in zip(buckets, layouts)):
+        return layouts
+    return None
 
 
 def width_of(numel: int) -> int:
@@ -126,7 +135,7 @@ class Fingerprinter:
         self.layer_ids = self._ids if self._all else self._ids[self._keep_index]
         self._unit_or_dropped = torch.where(self._ids >= 0, self._ids, layers)
         self.device = device
-        self._plans: dict[tuple[torch.dtype, ...], FusedProjections] = {}  # the fused projections, per dtypes
+        self._plans: dict[tuple, FusedProjections] = {}  # the fused projections, per dtypes or per set of layouts
         self.numels = list(numels)
         gen = torch.Generator().manual_seed(SEED)
         self._s = {rows: {torch.float32: _signs(gen, (rows, projections)).to(device)} for rows in (SMALL_ROWS, LARGE_ROWS)}
@@ -199,17 +208,24 @@ class Fingerprinter:
             ids = ids.clone().index_fill_(0, torch.tensor(sorted(skip), dtype=torch.long, device=self.device), dropped)
         out = torch.zeros(self.layers + (0 if whole else 1), self.k + 1, dtype=torch.float64, device=self.device)
         out[:, self.k].index_add_(0, ids, sq).sqrt_()  # the norm column after the projections'
-        self._stage(flat).project_into(out[:, :self.k], flat, skip)
+        layouts = _layouts(buckets)
+        self._stage(flat, layouts).project_into(out[:, :self.k], flat, skip, settled=layouts is not None)
         return out if whole else out[:dropped]
 
-    def _stage(self, flat: Sequence[torch.Tensor]) -> FusedProjections:
-        """The fused projections' plan for the dtypes of ``flat`` (made at first use)."""
-        dtypes = tuple([x.dtype for x in flat])
-        plan = self._plans.get(dtypes)
+    def _stage(self, flat: Sequence[torch.Tensor], layouts: tuple[staged.Layout, ...] | None = None) -> FusedProjections:
+        """The fused projections' plan for the dtypes of ``flat`` (made at first use); for buckets
+        of settled layouts, per set of layouts, from their shapes and dtypes (no read per tensor)."""
+        key: tuple = layouts if layouts is not None else tuple([x.dtype for x in flat])
+        plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 4:
                 self._plans.clear()
-            plan = self._plans[dtypes] = FusedProjections(self, [x.shape for x in flat], dtypes, self._ids_host)
+            if layouts is None:
+                shapes, dtypes = [x.shape for x in flat], key
+            else:
+                shapes = [s for layout in layouts for s in layout.shapes]
+                dtypes = tuple(layout.dtype for layout in layouts for _ in layout.shapes)
+            plan = self._plans[key] = FusedProjections(self, shapes, dtypes, self._ids_host)
         return plan
 
     def width(self) -> int:

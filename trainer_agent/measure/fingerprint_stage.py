@@ -26,6 +26,8 @@ from trainer_agent.compat import torch_private
 
 __all__ = ["FusedProjections"]
 
+_CONTIGUOUS = torch.Tensor.is_contiguous
+
 
 class _Chunk:
     """Tensors of one row count and dtype, side by side in the buffer: their indexes, shapes,
@@ -62,16 +64,17 @@ class _Chunk:
         self.shapes = shapes
         self.flatten = [k for k, s in enumerate(shapes) if len(s) == 0 or (len(s) > 1 and s[0] % self.rows)]
 
-    def inputs(self, flat: Sequence[torch.Tensor], numels: Sequence[int]) -> list[torch.Tensor]:
+    def inputs(self, flat: Sequence[torch.Tensor], numels: Sequence[int], settled: bool = False) -> list[torch.Tensor]:
         """This chunk's tensors of ``flat`` as ``chunk_cat`` lays them out: as they are where their
         shapes are the plan's (the usual case: no loop over them in Python but the list), else
-        flattened, a missing gradient's 0-dim stand-in as zeros."""
+        flattened, a missing gradient's 0-dim stand-in as zeros. ``settled``: ``flat`` has the
+        shapes of the settled layouts the plan was made from (their shapes are not read)."""
         xs = [flat[i] for i in self.tensors]
-        if [x.shape for x in xs] == self.shapes and all(x.is_contiguous() for x in xs):
+        if (settled or [x.shape for x in xs] == self.shapes) and all(map(_CONTIGUOUS, xs)):
             for k in self.flatten:
                 xs[k] = xs[k].reshape(-1)  # (a view: contiguous)
             return xs
-        shapes, missing = [x.shape for x in xs], False
+        shapes, missing = None if settled else [x.shape for x in xs], False
         for k, i in enumerate(self.tensors):
             if xs[k].numel() != numels[i]:  # no gradient: zeros in its place (projected to 0)
                 zeros = self._zeros.get(i)
@@ -81,7 +84,7 @@ class _Chunk:
             elif xs[k].dim() != 1 or not xs[k].is_contiguous():
                 # flattened in logical order (CUDA's kernel copies a dense tensor in memory order)
                 xs[k] = xs[k].reshape(-1)
-        if not missing:  # every tensor present with new shapes: the fast path's from now on
+        if not missing and shapes is not None:  # every tensor present with new shapes: the fast path's from now on
             self._expect(shapes)
         return xs
 
@@ -139,15 +142,17 @@ class FusedProjections:
                        for (rows, dtype), chunks in groups.items() for c in chunks if c]
         self._direct_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int]) -> None:
+    def project_into(self, out: torch.Tensor, flat: Sequence[torch.Tensor], skip: Collection[int], *,
+                     settled: bool = False) -> None:
         """Add the projections of the tensors ``flat`` (the fingerprinter's layout) to their units'
-        rows of ``out`` ((units + 1, K) float64; the last row collects what ``skip`` leaves out)."""
+        rows of ``out`` ((units + 1, K) float64; the last row collects what ``skip`` leaves out).
+        ``settled``: the plan was made from the settled layouts ``flat`` has."""
         fp = self.fp
         numels = fp.numels
         dropped = out.shape[0] - 1
         with torch.no_grad():  # parameters are copied, not differentiated
             for chunk in self.chunks:
-                xs = chunk.inputs(flat, numels)
+                xs = chunk.inputs(flat, numels, settled)
                 if chunk.dtype in (torch.float32, torch.bfloat16):  # (CUDA's kernel widens bfloat16)
                     torch_private.chunk_cat(xs, chunk.rows, out=chunk.view)
                 else:

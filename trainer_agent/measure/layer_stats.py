@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer_agent.measure import stats
+from trainer_agent.measure import staged, stats
 
 __all__ = ["GradMoments", "LayerGradStats"]
 
@@ -98,20 +98,27 @@ class LayerGradStats:
         self.device = device
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cache: dict = {}  # stats.tensor_moments' buffer on the CPU
+        self._everything: tuple | None = None  # (bucket layouts, host arrays of every parameter)
 
-    def measure(self, params: Sequence[torch.Tensor], *, scale: torch.Tensor | None = None) -> GradMoments:
+    def measure(self, params: Sequence[torch.Tensor], *, scale: torch.Tensor | None = None,
+                grads: Sequence[Sequence[torch.Tensor]] | None = None) -> GradMoments:
         """The moments of the current ``.grad`` of ``params`` (a parameter without one, or with
         an empty one, is left out); ``scale``: the loss scale the gradients still carry (a fused
-        optimizer under a GradScaler, ``optim.applied_grad_scale``), divided out."""
+        optimizer under a GradScaler, ``optim.applied_grad_scale``), divided out. ``grads``: those
+        gradients per bucket, as ``ParamIndex.grads()`` reads them: where every bucket is settled
+        (``staged.Settled``: no gradient missing) and taken by the staged passes (many tensors on
+        an accelerator), they are measured with no host work per tensor."""
+        settled = None if grads is None else self._settled(grads)
+        if settled is not None:
+            values, (measured, layer_of, numels) = settled
+            return GradMoments(self._unscaled(values, scale), measured, layer_of, numels,
+                               params=len(params), layers=self.layers, in_order=True)
         every = [p.grad for p in params]
         numels = [0 if g is None else g.numel() for g in every]
         used = [i for i, n in enumerate(numels) if n] if 0 in numels else list(range(len(every)))
         grads = [every[i] for i in used] if len(used) < len(every) else every
         values, order = stats.tensor_moments(grads, self.device, cache=self._cache)
-        if scale is not None and len(order):
-            inv = scale.detach().to(values.device, torch.float64).reciprocal().reshape(())
-            per_block = torch.stack([inv ** power for power in _MOMENT_POWERS]).unsqueeze(1)
-            values = (values.view(len(stats.MOMENTS), -1) * per_block).reshape(-1)
+        values = self._unscaled(values, scale) if len(order) else values
         ordered = used if order == list(range(len(used))) else [used[i] for i in order]
         key = (tuple(ordered), tuple([numels[i] for i in ordered]))
         plan = self._plans.get(key)
@@ -122,3 +129,36 @@ class LayerGradStats:
             plan = self._plans[key] = (measured, self.layer_ids[measured], np.asarray(key[1], dtype=np.float64))
         return GradMoments(values, *plan, params=len(params), layers=self.layers,
                            in_order=key[0] == tuple(range(len(params))))
+
+    def _settled(self, grads: Sequence[Sequence[torch.Tensor]]
+                 ) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Every gradient's moments in parameter order from the staged passes, with the host
+        arrays of all parameters (made once per set of layouts), or None where a bucket is not
+        settled, holds an empty parameter or is not taken by them."""
+        if not grads or not all(isinstance(b, staged.Settled) for b in grads):
+            return None
+        key = tuple(id(b.layout) for b in grads)
+        if self._everything is None or self._everything[0] != key:
+            numels = np.asarray([math.prod(s) for b in grads for s in b.layout.shapes], dtype=np.float64)
+            measured = np.arange(len(numels), dtype=np.int64)
+            self._everything = (key, (measured, self.layer_ids[measured], numels) if numels.all() else None)
+        arrays = self._everything[1]
+        if arrays is None or len(arrays[0]) != len(self.layer_ids):
+            return None
+        parts = []
+        for bucket in grads:
+            plan = staged.plan_for(bucket, self.device)
+            values = None if plan is None else staged.attempt(staged.staged_moments, bucket, plan)
+            if values is None:
+                return None
+            parts.append(values)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).reshape(-1), arrays
+
+    @staticmethod
+    def _unscaled(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """``values`` (the moments' blocks) with the loss ``scale`` divided out of each."""
+        if scale is None:
+            return values
+        inv = scale.detach().to(values.device, torch.float64).reciprocal().reshape(())
+        per_block = torch.stack([inv ** power for power in _MOMENT_POWERS]).unsqueeze(1)
+        return (values.view(len(stats.MOMENTS), -1) * per_block).reshape(-1)

@@ -13,13 +13,15 @@ every value is this rank's own (one process, or DDP's replicated gradients).
 
 from __future__ import annotations
 
+import functools
 import operator
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from trainer_agent.measure import stats
+from trainer_agent.measure import staged, stats
 from trainer_agent.compat import torch_private
 from trainer_agent.measure.one_copy_norm import OneCopyNorm
 from trainer_agent.measure.sharding import Sharding, is_dtensor, local
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["ParamIndex", "layer_names", "sparse_gradient_params"]
 
 _GRAD = operator.attrgetter("grad")
+_IS_NONE = functools.partial(operator.is_, None)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -76,20 +80,14 @@ class ParamIndex:
         if not params:
             raise ValueError("the optimizer holds no trainable parameter with a dense gradient "
                              f"(requires_grad=True; {len(self.sparse)} with sparse gradients)")
-        locals_ = [local(p) for p in params]
-        order = [i for bucket in stats.buckets(locals_) for i in bucket]
-        self.params = [params[i] for i in order]
-        self.buckets: list[list[torch.Tensor]] = []
-        for i in order:
-            p = locals_[i]
-            last = self.buckets[-1][0] if self.buckets else None
-            if last is None or (p.device, p.dtype) != (last.device, last.dtype):
-                self.buckets.append([])
-            self.buckets[-1].append(p)
+        self.params, self.buckets = _bucketed(params)
+        #: The (local) tensors of ``buckets``, bucket after bucket.
+        self.locals = [p for bucket in self.buckets for p in bucket]
         self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]
         self.grad_zeros = [torch.zeros((), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
         self.device = self.buckets[0][0].device
-        self.numel = sum(p.numel() for p in self.params)  # a DTensor's numel is the global one
+        self._numels = [p.numel() for p in self.params]  # a DTensor's numel is the global one
+        self.numel = sum(self._numels)
         #: The flat buffers the gradients are views of, set by the agent: DDP's gradient buckets
         #: (``gradient_as_bucket_view``; ``trainer_agent/measure/bucket_views.py``) or FSDP2's
         #: reduce-scatter outputs (``trainer_agent/measure/fsdp_grad_buffers.py``).
@@ -107,7 +105,7 @@ class ParamIndex:
         own (freezing or unfreezing part of the model), which the spike guard and the controller's
         spike rules take as a new baseline, not as a spike. One attribute read per tensor: read on
         report steps and on a spike only."""
-        return sum(p.numel() for p in self.params if p.requires_grad)
+        return sum(compress(self._numels, map(_REQUIRES_GRAD, self.params)))
 
     def flat_grads(self) -> list[torch.Tensor | None]:
         """The current ``.grad`` of every parameter, in order: one attribute read per tensor
@@ -126,8 +124,10 @@ class ParamIndex:
         for bucket, zero in zip(self.buckets, self.grad_zeros):
             gs = flat[start:start + len(bucket)]
             start += len(bucket)
-            if any(g is None for g in gs):
+            if any(map(_IS_NONE, gs)):  # (not ``None in gs``: that calls Tensor.__eq__ per tensor)
                 gs = [zero if g is None else g for g in gs]
+            elif self.sharding is None:  # a gradient has its parameter's shape and dtype
+                gs = staged.Settled(gs, bucket.layout)
             out.append(gs)
         return out
 
@@ -157,11 +157,25 @@ class ParamIndex:
     def versions(self) -> tuple[object, ...]:
         """Autograd's version counters of the (local) tensors (host ints): they move on every
         in-place write."""
-        return torch_private.version_counters(p for bucket in self.buckets for p in bucket)
+        return torch_private.version_counters(self.locals)
 
     def sq_norms(self) -> torch.Tensor:
         """Per-parameter ||W||^2 (float64 device vector in this order)."""
         return stats.bucket_norms(self.buckets, self.device).to(torch.float64).square()
+
+
+def _bucketed(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[staged.Settled]]:
+    """``params`` ordered bucket after bucket (``stats.buckets`` of their local tensors), and the
+    local tensors per bucket, each bucket's shapes settled (``staged.Layout``: its gradients are
+    planned without reading a shape per tensor)."""
+    locals_ = [local(p) for p in params]
+    groups = stats.buckets(locals_)
+    ordered = [params[i] for group in groups for i in group]
+    buckets = []
+    for group in groups:
+        members = [locals_[i] for i in group]
+        buckets.append(staged.Settled(members, staged.Layout(members)))
+    return ordered, buckets
 
 
 def sparse_gradient_params(model: nn.Module) -> dict[int, str]:

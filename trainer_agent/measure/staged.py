@@ -43,8 +43,8 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "plan_for", "fits_one_stage",
-           "attempt",
+__all__ = ["STAGE_ELEMENTS", "PIECE", "STAGED_MIN_TENSORS", "ON_CPU", "Stage", "StagePlan", "Layout", "Settled",
+           "plan_for", "fits_one_stage", "attempt",
            "staged_moments", "staged_sq_norms", "staged_norms", "staged_nonfinite", "staged_update_sq_norms"]
 
 #: Elements per stage (one ``flat_cat``, one float64 buffer): 128 MiB in float64.
@@ -71,6 +71,8 @@ FAILED: str | None = None
 
 log = logging.getLogger(__name__)
 
+_CONTIGUOUS = torch.Tensor.is_contiguous
+
 #: Plans by (shapes, dtype, device, stage, piece): the same buckets come back every report.
 _PLANS: OrderedDict[tuple, StagePlan] = OrderedDict()
 _PLANS_KEPT = 64  # (the noise scale's held gradients come in a few fixed subsets per backward pass)
@@ -79,8 +81,8 @@ _PLANS_KEPT = 64  # (the noise scale's held gradients come in a few fixed subset
 class Stage:
     """Consecutive elements ``[begin, begin + size)`` of the flat layout: ``members`` (per tensor
     or part of one: its index, its first element, -1 for the whole tensor as it is, and its
-    length), ``whole`` (the members' tensor indexes when each is a whole tensor of at least one
-    dimension, else None), ``offsets`` (the pieces' bounds in the stage, int64 on the device)."""
+    length), ``whole`` (when each is a whole tensor of at least one dimension, the members'
+    tensors: a slice of them, or their indexes where empty tensors lie between; else None), ``offsets`` (the pieces' bounds in the stage, int64 on the device)."""
 
     __slots__ = ("begin", "size", "members", "whole", "_bounds", "_device", "_offsets")
 
@@ -89,7 +91,10 @@ class Stage:
         self.begin, self.members = begin, members
         self.size = sum(n for _, _, n in members)
         whole = all(start < 0 and i not in scalars for i, start, _ in members)
-        self.whole = [i for i, _, _ in members] if whole else None
+        ids = [i for i, _, _ in members]
+        # a slice where no empty tensor lies between them (an empty one has no member)
+        self.whole = (None if not whole else slice(ids[0], ids[-1] + 1) if ids[-1] - ids[0] == len(ids) - 1
+                      else ids)
         self._bounds, self._device = bounds, device
         self._offsets: torch.Tensor | None = None
 
@@ -100,13 +105,15 @@ class Stage:
             self._offsets = _on_device(self._bounds, self._device)
         return self._offsets
 
-    def inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def inputs(self, tensors: Sequence[torch.Tensor], *, ordered: bool = True) -> list[torch.Tensor]:
         """The members of ``tensors`` to copy, each in its logical order: whole contiguous tensors
         as they are, parts as flat slices, others (0-dim, non-contiguous: CUDA's kernel would copy
-        those in memory order) flattened."""
+        those in memory order) flattened. Without ``ordered`` (a statistic of each tensor's
+        elements whatever their order: norms, moments, counts) whole tensors are taken as they
+        are, their contiguity untested: a copy in memory order holds the same elements."""
         if self.whole is not None:
-            xs = [tensors[i] for i in self.whole]
-            if all(x.is_contiguous() for x in xs):
+            xs = tensors[self.whole] if type(self.whole) is slice else [tensors[i] for i in self.whole]
+            if not ordered or all(map(_CONTIGUOUS, xs)):
                 return xs
             return [x if x.is_contiguous() else x.reshape(-1) for x in xs]
         out = []
@@ -191,15 +198,57 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+class Layout:
+    """The shapes and dtype of one bucket of parameters, settled once (at attach): a list of
+    tensors tagged with it (:class:`Settled`: the bucket itself, its gradients, its snapshot) is
+    planned without reading each tensor's shape and type. A gradient has its parameter's shape,
+    dtype and device (autograd refuses any other), so the tag stays true of every step's
+    gradients; a bucket cast to another dtype since is planned as an untagged list. (A parameter
+    whose ``.data`` is replaced by a tensor of another shape after attach is outside this: the
+    optimizer's state would not fit it either.)"""
+
+    __slots__ = ("shapes", "dtype", "plain", "_plans")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.shapes = tuple(t.shape for t in tensors)
+        self.dtype = tensors[0].dtype if tensors else None
+        self.plain = bool(tensors) and all(type(t) in PLAIN and t.dtype == self.dtype and t.layout == torch.strided
+                                           for t in tensors)
+        self._plans: dict[tuple, StagePlan | None] = {}
+
+    def plan(self, device: torch.device) -> StagePlan | None:
+        """The plan of this layout at the current stage and piece sizes (made once each)."""
+        key = (device, STAGE_ELEMENTS, PIECE)
+        if key not in self._plans:
+            plan = StagePlan(self.shapes, device, stage=STAGE_ELEMENTS, piece=PIECE)
+            self._plans[key] = plan if plan.stages else None
+        return self._plans[key]
+
+
+class Settled(list):
+    """A list of tensors whose :class:`Layout` is known (``layout``): see :func:`plan_for`."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: Layout) -> None:
+        super().__init__(tensors)
+        self.layout = layout
+
+
 def plan_for(tensors: Sequence[torch.Tensor], device: torch.device) -> StagePlan | None:
     """The plan of ``tensors`` (one bucket) when the staged passes measure them, else None: on an
     accelerator (or on the CPU with :data:`ON_CPU`), for :data:`STAGED_MIN_TENSORS` tensors or
-    more, every one a plain dense tensor of one float dtype on ``device``."""
+    more, every one a plain dense tensor of one float dtype on ``device``. A :class:`Settled`
+    list whose first tensor still has its layout's dtype is planned from the layout: no host
+    work per tensor."""
     if len(tensors) < STAGED_MIN_TENSORS or (device.type == "cpu" and not ON_CPU) or FAILED is not None:
         return None
     first = tensors[0]
     if first.device != device or not first.is_floating_point() or first.layout != torch.strided:
         return None
+    layout = getattr(tensors, "layout", None)
+    if layout is not None and layout.plain and first.dtype == layout.dtype and type(first) in PLAIN:
+        return layout.plan(device)
     kinds = {(t.dtype, type(t)) for t in tensors}  # one dtype, plain tensors (callers pass one device)
     if len(kinds) != 1 or type(first) not in PLAIN:
         return None
@@ -253,7 +302,7 @@ def staged_moments(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.Te
     ``||t||_1``, ``||t||^2``, ``max |t|``, ``-min |t|``; NaN in every row of a tensor with one."""
     columns: list[list[torch.Tensor]] = [[] for _ in range(5)]
     for st in plan.stages:
-        flat = torch_private.flat_cat(st.inputs(tensors))
+        flat = torch_private.flat_cat(st.inputs(tensors, ordered=False))
         wide = torch.empty(st.size, dtype=torch.float64, device=flat.device)
         wide.copy_(flat).clamp_min_(0.0)  # relu (NaN stays NaN)
         columns[0].append(st.reduce(wide, "sum"))
@@ -280,7 +329,7 @@ def staged_sq_norms(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.T
     copy, widened and squared in float64, one segmented sum."""
     parts = []
     for st in plan.stages:
-        flat = torch_private.flat_cat(st.inputs(tensors))
+        flat = torch_private.flat_cat(st.inputs(tensors, ordered=False))
         wide = torch.empty(st.size, dtype=torch.float64, device=flat.device)
         parts.append(st.reduce(wide.copy_(flat).square_(), "sum"))
     return plan.per_tensor_sums((torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(0))[0]
@@ -290,7 +339,8 @@ def staged_sq_norms(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.T
 def staged_norms(tensors: Sequence[torch.Tensor], plan: StagePlan, dtype: torch.dtype) -> torch.Tensor:
     """The L2 norm of each stage of ``tensors`` (laid out by ``plan``) accumulated in ``dtype``,
     a vector whose norm is the norm of all of them: per stage one copy and one norm."""
-    norms = [torch.linalg.vector_norm(torch_private.flat_cat(st.inputs(tensors)), dtype=dtype) for st in plan.stages]
+    norms = [torch.linalg.vector_norm(torch_private.flat_cat(st.inputs(tensors, ordered=False)), dtype=dtype)
+             for st in plan.stages]
     return norms[0].reshape(1) if len(norms) == 1 else torch.stack(norms)
 
 
@@ -301,7 +351,7 @@ def staged_nonfinite(tensors: Sequence[torch.Tensor], plan: StagePlan) -> torch.
     ord-0 norm in float64 (exact)."""
     total = None
     for st in plan.stages:
-        flat = torch_private.flat_cat(st.inputs(tensors))  # a new buffer (cat): ours to overwrite
+        flat = torch_private.flat_cat(st.inputs(tensors, ordered=False))  # a new buffer (cat): ours to overwrite
         flat.mul_(0.0)
         count = torch.linalg.vector_norm(flat, 0, dtype=torch.float64)
         total = count if total is None else total.add_(count)

@@ -33,6 +33,7 @@ __all__ = [
     "sparse_sq_norm",
     "grads_norm",
     "nonfinite_count",
+    "bucket_nonfinite",
     "MOMENTS",
     "tensor_moments",
     "sums_and_extremes",
@@ -154,28 +155,27 @@ def _suspects_nonfinite(tensors: Sequence[torch.Tensor | None], device: torch.de
     return total
 
 
-def _device_nonfinite(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``nonfinite_count``'s device scan: the tensors grouped by dtype, two fused launches per
-    bucket of at most ``_SCAN_BUCKET_BYTES``, one count per tensor (float32; float64 for float64
-    tensors, which a norm may not narrow: joining them promotes the mixed list), one list per
-    bucket; a group of many plain tensors (``staged.plan_for``) three launches per stage of
-    elements and one float64 count (``staged.staged_nonfinite``)."""
+def _device_nonfinite(groups: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """``nonfinite_count``'s device scan of ``groups`` (each of one device and dtype): two fused
+    launches per bucket of at most ``_SCAN_BUCKET_BYTES``, one count per tensor (float32; float64
+    for float64 tensors, which a norm may not narrow: joining them promotes the mixed list), one
+    list per bucket; a group of many plain tensors (``staged.plan_for``) three launches per stage
+    of elements and one float64 count (``staged.staged_nonfinite``)."""
     counts: list[list[torch.Tensor]] = []
-    for group in buckets(tensors):
-        members = [tensors[i] for i in group]
+    for members in groups:
         plan = staged.plan_for(members, members[0].device)
         count = None if plan is None else staged.attempt(staged.staged_nonfinite, members, plan)
         if count is not None:
             counts.append([count])
             continue
-        dtype = norm_dtype(tensors[group[0]].dtype)
+        dtype = norm_dtype(members[0].dtype)
         bucket: list[torch.Tensor] = []
         size = 0
-        for i in [*group, None]:
-            if i is not None:
-                bucket.append(tensors[i])
-                size += tensors[i].numel() * tensors[i].element_size()
-            if bucket and (i is None or size >= _SCAN_BUCKET_BYTES):
+        for t in [*members, None]:
+            if t is not None:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+            if bucket and (t is None or size >= _SCAN_BUCKET_BYTES):
                 nan_where_bad = torch_private.foreach_mul(bucket, 0.0)
                 counts.append(torch_private.foreach_norm(nan_where_bad, 0, dtype=dtype))
                 bucket, size = [], 0
@@ -197,18 +197,37 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     is not finite, and its ord-0 norm counts those. Tensors on the CPU (e.g. AdamW's ``step``
     scalars) are counted on the host and added as a number: no copy to the device.
     """
+    if _scan(scan, device) == "suspects":
+        return _suspects_nonfinite(tensors, device, sq)
+    present = [t for t in tensors if t is not None and t.is_floating_point()]
+    return _count_groups([[present[i] for i in group] for group in buckets(present)], device)
+
+
+def bucket_nonfinite(tensor_buckets: Sequence[Sequence[torch.Tensor]], device: torch.device,
+                     sq: torch.Tensor | None = None, *, scan: str = "auto") -> torch.Tensor:
+    """:func:`nonfinite_count` of the tensors of ``tensor_buckets``, each bucket of one device and
+    dtype (``ParamIndex.grads()``): the device scan does no host work per tensor."""
+    if _scan(scan, device) == "suspects":
+        return _suspects_nonfinite([t for bucket in tensor_buckets for t in bucket], device, sq)
+    return _count_groups([b for b in tensor_buckets if b and b[0].is_floating_point()], device)
+
+
+def _scan(scan: str, device: torch.device) -> str:
     if scan == "auto":
-        scan = "suspects" if device.type == "cpu" else "device"
+        return "suspects" if device.type == "cpu" else "device"
     if scan not in ("suspects", "device"):
         raise ValueError(f"scan must be 'auto', 'suspects' or 'device', got {scan!r}")
-    if scan == "suspects":
-        return _suspects_nonfinite(tensors, device, sq)
-    on_device = [t for t in tensors if t is not None and t.is_floating_point() and t.device == device]
-    on_host = [t for t in tensors if t is not None and t.is_floating_point() and t.device.type == "cpu"
-               and t.device != device]
-    others = [t for t in tensors if t is not None and t.is_floating_point()
-              and t.device != device and t.device.type != "cpu"]
-    # parameters on another accelerator: an asynchronous device-to-device copy each
+    return scan
+
+
+def _count_groups(groups: list[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The device scan's count over ``groups`` (floating-point tensors, each group of one device
+    and dtype): the groups on ``device`` scanned there; on another accelerator an asynchronous
+    device-to-device copy of each tensor's count; on the CPU counted on the host (AdamW's step
+    counters, offloaded state: a read there is no device sync) and added as a number."""
+    on_device = [g for g in groups if g[0].device == device]
+    on_host = [t for g in groups if g[0].device.type == "cpu" and g[0].device != device for t in g]
+    others = [t for g in groups if g[0].device != device and g[0].device.type != "cpu" for t in g]
     elsewhere = [(~torch.isfinite(t)).sum().to(device, torch.float32, non_blocking=True) for t in others]
     counts = [part for part in (*_device_nonfinite(on_device), elsewhere) if part]
     if len(counts) == 1 and len(counts[0]) == 1 and counts[0][0].dtype == torch.float64:
@@ -219,8 +238,6 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
         total = torch.zeros((), dtype=torch.float64, device=device)
     if not on_host:
         return total
-    # CPU tensors (e.g. AdamW's step counters, offloaded state): counted on the host, where a
-    # read is no device sync, and added as a number.
     host_count = float(nonfinite_count(on_host, torch.device("cpu"), scan="suspects"))
     return total + host_count if host_count else total
 

@@ -274,13 +274,12 @@ class StepMeter:
         st.scale = self.scale_tensor()
         if report and views is not None and views.wants_find():
             views.find([p.grad for p in self.index.params])  # on a report step, which reads every gradient anyway
-        if report:
+        if report and sharding is None:
+            st.grad_nonfinite = stats.bucket_nonfinite(grads, self.index.device, st.grad_norms)
+        elif report:  # count each element once: the kept replica's shards only
             flat = [g for b in grads for g in b]
-            norms = st.grad_norms
-            if sharding is not None:  # count each element once: the kept replica's shards only
-                flat = [flat[i] for i in sharding.kept]
-                norms = norms.index_select(0, sharding.kept_index)
-            st.grad_nonfinite = stats.nonfinite_count(flat, self.index.device, norms)
+            st.grad_nonfinite = stats.nonfinite_count([flat[i] for i in sharding.kept], self.index.device,
+                                                      st.grad_norms.index_select(0, sharding.kept_index))
         self.scaled_grad_norm = torch.linalg.vector_norm(st.grad_norms, dtype=torch.float64)
         if sharding is None:
             self.scaled_grad_norm = self._with_sparse(self.scaled_grad_norm, report)
@@ -345,12 +344,14 @@ class StepMeter:
         report = self.schedule.is_report(self._step() + 1)
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
+        # The gradients this step applies (all-reduced, unscaled and clipped), read once.
+        grads = self.index.grads() if report and (self.config.triage or self.fingerprint is not None) else None
         if self.config.triage and report and self.index.sharding is None:
-            st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer))
+            st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer),
+                                                     grads=grads)
         if self.fingerprint is not None and report:
-            # The gradients this step applies (all-reduced, unscaled and clipped), per layer; their
-            # squared norms are the statistics' when those measured every gradient.
-            st.grad_fp = self.fingerprint.layer_values(self.index.grads(), skip=self.index.pending_grads(),
+            # Per layer; their squared norms are the statistics' when those measured every gradient.
+            st.grad_fp = self.fingerprint.layer_values(grads, skip=self.index.pending_grads(),
                                                        sq=st.grad_stats.device_sq() if st.grad_stats else None)
         mode = self.config.update_ratio
         if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):

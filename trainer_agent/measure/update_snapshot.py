@@ -43,10 +43,12 @@ class UpdateSnapshot:
     def take(self, st: StepState) -> None:
         """Pre-hook of a measured step: W_before into the snapshot (unless it holds it already),
         and ``st.before_sq`` when the last measured ``||W_after||`` is still the weights'."""
-        versions = self.index.versions()
+        # Version counters only where a reading to compare them with is kept (a measured step just before).
+        known = self._versions is not None or self._param_sq_prev is not None
+        versions = self.index.versions() if known else None
         if self._tensors is None:
             self._allocate()
-        if self._versions != versions:
+        if self._versions is None or self._versions != versions:
             for snap, flat, plan, bucket in zip(self._tensors, self._flats, self._plans, self.index.buckets):
                 # one copy per stage of elements, whatever the tensor count (else one fused copy)
                 if plan is None or staged.FAILED is not None or staged.attempt(_copy_flat, plan, bucket, flat) is None:
@@ -85,8 +87,9 @@ class UpdateSnapshot:
             before_norms=st.before_sq is None, refresh=refresh, flat_before=self._flats)
         if st.before_sq is None:
             st.before_sq = before_sq
-        versions = self.index.versions()
-        self._param_sq_prev = (st.param_sq, versions)
+        # Kept for the next step when it is measured too (else ``forget`` drops them before any use).
+        versions = self.index.versions() if refresh else None
+        self._param_sq_prev = None if versions is None else (st.param_sq, versions)
         self._versions = versions if refreshed else None
 
     def forget(self) -> None:
