@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ordinary_step_host.py                     # tensors 100, 1000, 5000 (~1 min)
     PYTHONPATH=/path/to/other/checkout .venv/bin/python bench/ordinary_step_host.py   # that code's
+    .venv/bin/python bench/ordinary_step_host.py --gc --tensors 100 5000   # garbage collections, agent on and off
 
 On a GPU an ordinary step's work on the device is a handful of asynchronous launches (the
 modeled counts of ``bench/agent_scale.py``); what the training thread pays is the host work
@@ -113,14 +114,64 @@ def measure(elements: int, tensors: int, steps: int, set_to_none: bool) -> dict[
             "optim": statistics.median(optim)}
 
 
+def collections(elements: int, tensors: int, steps: int, agent_on: bool, held: int) -> tuple[list[int], float]:
+    """Garbage collections per generation over ``steps`` report steps (``report_every=1``) of the
+    same model with the agent on or off, in a process holding ``held`` more Python objects (a
+    training process's datasets, tokenizers, configs: what a full collection walks), and the
+    milliseconds per step they took."""
+    import gc
+
+    model = Split(elements, tensors)
+    x = torch.randn(elements + tensors)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
+    agent = (Agent(model, opt, job="gc", run=f"gc-{tensors}", config=ta.AgentConfig(metrics_port=None, report_every=1))
+             if agent_on else None)
+    held_objects = [[i] for i in range(held)]
+    counts, spent, started = [0, 0, 0], [0.0], [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            counts[info["generation"]] += 1
+            spent[0] += time.perf_counter() - started[0]
+
+    for k in range(steps + 10):
+        if k == 10:  # (the first steps make the plans)
+            gc.callbacks.append(watch)
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if agent is not None:
+            agent.end_step(loss.detach())
+    gc.callbacks.remove(watch)
+    if agent is not None:
+        agent.close()
+    del held_objects
+    return counts, spent[0] / steps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, nargs="+", default=[100, 1000, 5000])
     ap.add_argument("--elements", type=int, default=200_000)
     ap.add_argument("--steps", type=int, default=100, help="measured steps (one in 10 a report step)")
     ap.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True) between steps")
+    ap.add_argument("--gc", action="store_true",
+                    help="instead: garbage collections per 100 report steps, the agent on and off")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.gc:
+        print(f"garbage collections per 100 report steps (report_every=1, accelerator formulations, the copy "
+              f"launched; 1,000,000 more objects held; trainer_agent from {Path(ta.__file__).resolve().parent})")
+        print("tensors | agent | gen 0 | gen 1 | gen 2 (full) | ms/step in collections")
+        with accelerator_paths(), launched_copies():
+            for t in args.tensors:
+                for on in (False, True):
+                    (g0, g1, g2), ms = collections(args.elements, t, 100, on, 1_000_000)
+                    print(f"{t:,} | {'on' if on else 'off'} | {g0} | {g1} | {g2} | {ms:.3f}", flush=True)
+        return
     print(f"agent host work on ordinary steps (accelerator formulations, the copy launched, not computed; "
           f"{args.elements:,} parameters, trainer_agent from {Path(ta.__file__).resolve().parent})")
     print("tensors | agent ms/step | agent ms/report step | read ms | optimizer host ms | ns/tensor (step)")
