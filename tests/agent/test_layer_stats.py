@@ -89,3 +89,26 @@ def test_a_missing_gradient_or_the_cpu_reads_each_parameter(index: ParamIndex, m
     moments = layer.measure(index.params, grads=grads)
     assert not moments.in_order and len(moments.measured) == 192 and 3 not in moments.measured.tolist()
     np.testing.assert_allclose(_per_layer(moments), _reference(index), rtol=1e-9)
+
+
+def test_a_bucket_the_staged_passes_do_not_take_sends_every_gradient_once_to_the_other_path(monkeypatch) -> None:
+    """A large bucket the staged passes take beside a small one they do not (fewer tensors than
+    ``STAGED_MIN_TENSORS``, here float64): the settled path gives way before any staged pass runs,
+    so the large bucket's gradients are not measured twice (on the CPU the path that takes both
+    buckets runs no staged pass), and every layer matches the float64 reference."""
+    torch.manual_seed(1)
+    model = _Blocks()
+    model.extra = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    (model(torch.randn(20)) + model.extra.square().sum()).backward()
+    index = ParamIndex(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setattr(staged, "ON_CPU", True)
+    grads = index.grads()
+    assert [len(b) for b in grads] == [193, 1] and all(isinstance(b, staged.Settled) for b in grads)
+    calls = []
+    real = staged.staged_moments
+    monkeypatch.setattr(staged, "staged_moments", lambda tensors, plan: calls.append(len(tensors)) or real(tensors, plan))
+    layer = LayerGradStats(index.layer_ids, len(index.layers), index.device)
+    moments = layer.measure(index.params, grads=grads)
+    assert calls == []  # (a staged pass of the large bucket thrown away: [193])
+    assert len(moments.measured) == 194
+    np.testing.assert_allclose(_per_layer(moments), _reference(index), rtol=1e-9)

@@ -145,10 +145,12 @@ class LayerGradStats:
         arrays = self._everything[1]
         if arrays is None or len(arrays[0]) != len(self.layer_ids):
             return None
+        plans = [staged.plan_for(bucket, self.device) for bucket in grads]
+        if None in plans:  # (before any pass: a bucket the staged passes do not take sends all to the other path)
+            return None
         parts = []
-        for bucket in grads:
-            plan = staged.plan_for(bucket, self.device)
-            values = None if plan is None else staged.attempt(staged.staged_moments, bucket, plan)
+        for bucket, plan in zip(grads, plans):
+            values = staged.attempt(staged.staged_moments, bucket, plan)
             if values is None:
                 return None
             parts.append(values)
