@@ -21,11 +21,12 @@ from trainguard.service.controller import Controller
 from trainguard.service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from trainguard.service import openapi
 from trainguard.service.ingress import ReportIngress
+from trainguard.service.json_text import JsonText
 from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
-from trainguard.service.schemas import RulesTestRequest, validation_summary
+from trainguard.service.schemas import RulesTestRequest, nan_safe, validation_summary
 from trainguard.service.standby import Standby, StandbyGate
 from trainguard.service.startup import LoadingGate, StartupLoader
 from trainguard.service.store import GroupCommitStore, StoreError, open_store, shown_db
@@ -36,6 +37,8 @@ __all__ = ["create_app"]
 
 #: Longest refused value a 422 repeats (JSON characters); a longer one is cut, with its length.
 ECHO_LIMIT = 512
+#: Most problems a 422 lists (its detail says how many there were): 900 bad keys made a 220 KB answer.
+ERRORS_SHOWN = 20
 
 
 def _bounded_input(error: dict) -> dict:
@@ -141,8 +144,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         # unpaired surrogate escape ("\\ud800", which Python's json accepts) made the 422 itself
         # fail to encode: a 500. Escaped JSON encodes every string.
         assert isinstance(exc, RequestValidationError)
-        errors = [_bounded_input(e) for e in jsonable_encoder(exc.errors())]
-        body = json.dumps({"detail": validation_summary(errors), "errors": errors}).encode()
+        every = exc.errors()
+        errors = [_bounded_input(e) for e in jsonable_encoder(every[:ERRORS_SHOWN])]
+        detail = validation_summary(errors, total=len(every))
+        # (NaN and Infinity as the wire's strings: a bare NaN token is not JSON a browser or Go parses)
+        body = json.dumps(nan_safe({"detail": detail, "errors": errors}), allow_nan=False).encode()
         return Response(body, status_code=422, media_type="application/json")
 
     app.add_exception_handler(RequestValidationError, request_invalid)
@@ -154,6 +160,7 @@ def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable
     the body limit, report ingress (and the OpenAPI document of every status)."""
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
+    app.add_middleware(JsonText)  # inside ReportIngress: reports are parsed by pydantic, which refuses the same
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
     app.add_middleware(LoadingGate, loader=loader)  # 503 'loading' until the runs are read back

@@ -111,8 +111,8 @@ class ReportIngest:
         return st
 
     def _checked_values(self, st: RunState, report: Report) -> dict[str, np.ndarray]:
-        """The report's per-rank vectors; 422 past the run's series limit or for a vector not of
-        the run's world size."""
+        """The report's per-rank vectors; 422 past the run's series limit, for a vector not of
+        the run's world size or a desync layer naming a rank beyond it."""
         run = st.run
         cols, limit = st.window.columns, self.settings.max_series_per_run
         if len(cols) + len(report.values) > limit:  # (cheap test first: the usual report adds no name)
@@ -126,4 +126,9 @@ class ReportIngest:
             if n and n != st.world_size:
                 self.metrics.rejected.labels("invalid").inc()
                 raise Invalid(f"ranks.{name} has {n} values; the run's world_size is {st.world_size}")
+        for layer in report.desync:
+            if layer.ranks and max(layer.ranks) >= st.world_size:
+                self.metrics.rejected.labels("invalid").inc()
+                raise Invalid(f"desync layer {layer.layer!r} names rank {max(layer.ranks)}; the run's world_size is "
+                              f"{st.world_size}")
         return rank_vectors(report.ranks)

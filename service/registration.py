@@ -110,6 +110,9 @@ class Registration:
         bad = [r.rank for r in reg.ranks if r.rank >= reg.world_size]
         if bad:
             raise Invalid(f"ranks {bad[:8]} are >= world_size {reg.world_size}")
+        bad = [r.rank for r in reg.ranks if r.local_rank >= reg.world_size]  # (a node holds no more ranks than the job)
+        if bad:
+            raise Invalid(f"ranks {bad[:8]}: local_rank must be < world_size {reg.world_size}")
         if reg.world_size > self.settings.max_world_size:
             self.metrics.registrations_rejected.labels("world_size_limit").inc()
             raise Invalid(f"world_size {reg.world_size} exceeds this controller's limit of {self.settings.max_world_size} "

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainguard.protocol.wire import DesiredState, Report, Severity
 from trainguard.service.rules import Rung
+from trainguard.service.runstate import valid_host
 
 __all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
 
@@ -112,11 +113,16 @@ class WebhookCreate(BaseModel):
         if not url.startswith(("http://", "https://")):
             raise ValueError("url must start with http:// or https://")
         try:
-            host = httpx.URL(url).host
+            parsed = httpx.URL(url)
         except httpx.InvalidURL as e:
             raise ValueError(f"url is not a valid URL: {e}") from None
-        if not host:
+        if not parsed.host:
             raise ValueError("url has no host")
+        host = parsed.raw_host.decode("ascii", "replace")  # (an international name as its ASCII form)
+        if not valid_host(host):
+            raise ValueError(f"url's host {host[:80]!r} is not a host name or an IP address")
+        if parsed.port is not None and not 1 <= parsed.port <= 65535:
+            raise ValueError(f"url's port {parsed.port} is not a port (1-65535)")
         return url
 
 
@@ -191,9 +197,10 @@ def nan_safe(value: Any) -> Any:
     return value
 
 
-def validation_summary(errors: list[dict[str, Any]], shown: int = 3) -> str:
+def validation_summary(errors: list[dict[str, Any]], shown: int = 3, total: int | None = None) -> str:
     """The ``detail`` sentence of a 422 for a request that does not validate (its ``errors`` list
-    each field): the first ``shown`` problems, then how many more."""
+    each field, the first of ``total``): the first ``shown`` problems, then how many more."""
+    total = len(errors) if total is None else total
     parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in errors[:shown]]
-    more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
+    more = f" (and {total - shown} more)" if total > shown else ""
     return "the request does not validate: " + "; ".join(parts) + more

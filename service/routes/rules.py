@@ -17,7 +17,7 @@ from trainguard.service.rules import MAX_ACTIONS, MAX_JOBS, MAX_NODES, MAX_OVERR
 from trainguard.service.schemas import RulesTestRequest, nan_safe
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["router", "SimulationGate", "SIMULATIONS_RUNNING", "SIMULATIONS_WAITING", "MAX_EVALUATIONS"]
+__all__ = ["router", "SimulationGate", "SIMULATIONS_RUNNING", "SIMULATIONS_WAITING", "MAX_EVALUATIONS", "MAX_RANK_REPORTS"]
 
 router = APIRouter(prefix="/v1", tags=["rules"])
 
@@ -61,17 +61,22 @@ SIMULATIONS_WAITING = 8
 #: Most rule evaluations one simulation may take (the job's enabled rules x the reports): a few
 #: seconds of CPU. The built-in rules over 10,000 reports take 300,000.
 MAX_EVALUATIONS = 500_000
+#: Most rank values one simulation may replay (the reports x ``world_size``): the per-rank rules
+#: read every rank of every report, about a microsecond each (a few seconds in all), and the
+#: rank windows hold them. 152 reports of 32,768 ranks, 1,220 of 4,096, 10,000 of 500.
+MAX_RANK_REPORTS = 5_000_000
 
 
 @router.post(
     "/rules/test", summary="Replay reports through rules: alerts and desired states, no side effects",
     description=f"Runs in a worker thread, {SIMULATIONS_RUNNING} at a time; with {SIMULATIONS_WAITING} more waiting, "
     "further calls are answered 429 (retry later). Reports keep flowing meanwhile. One simulation evaluates at most "
-    f"{MAX_EVALUATIONS:,} rules in all (the job's enabled rules x the reports); beyond, 422 names the limit.",
+    f"{MAX_EVALUATIONS:,} rules in all (the job's enabled rules x the reports) and {MAX_RANK_REPORTS:,} rank values "
+    "(the reports x world_size, which may not exceed TRAINGUARD_MAX_WORLD_SIZE); beyond, 422 names the limit.",
     # (the body is parsed in the worker thread; service/openapi.py adds RulesTestRequest to the schemas)
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RulesTestRequest"}}}}},
 )
-async def test_rules(request: Request, ctl: ControllerDep, _: ReadDep) -> Response:
+async def test_rules(request: Request, ctl: ControllerDep, _: RulesDep) -> Response:
     gate: SimulationGate = request.app.state.simulations
     raw = await request.body()
     async with gate:
@@ -85,6 +90,14 @@ async def test_rules(request: Request, ctl: ControllerDep, _: ReadDep) -> Respon
 def _simulate(ctl: Any, raw: bytes) -> bytes:
     """Parse, validate and replay (in a worker thread: none of it touches the controller's state)."""
     body = RulesTestRequest.model_validate_json(raw)
+    limit = ctl.settings.max_world_size
+    if body.world_size > limit:
+        raise Invalid(f"world_size {body.world_size:,} exceeds TRAINGUARD_MAX_WORLD_SIZE={limit:,}: the controller "
+                      "accepts no run that large")
+    if len(body.reports) * body.world_size > MAX_RANK_REPORTS:
+        raise Invalid(f"{len(body.reports):,} reports x world_size {body.world_size:,} is "
+                      f"{len(body.reports) * body.world_size:,} rank values; a simulation takes at most "
+                      f"{MAX_RANK_REPORTS:,} (send fewer reports)")
     rules = ctl.validate_rules(body.rules) if body.rules is not None else ctl.rules
     evaluations = len(rules.for_job(body.job)) * len(body.reports)
     if evaluations > MAX_EVALUATIONS:

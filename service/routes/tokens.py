@@ -5,6 +5,7 @@ the tokens it created, an administrator (every operator scope) all of them
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path
@@ -18,6 +19,21 @@ from trainguard.protocol.wire import MAX_INT
 __all__ = ["router", "TokenCreate"]
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
+_JOB_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]!-]+")
+
+
+def _brackets_closed(pattern: str) -> bool:
+    """Whether every ``[`` of a shell-style pattern is closed by a later ``]`` (an unclosed one
+    would stand for itself, which no job name holds)."""
+    depth = 0
+    for ch in pattern:
+        if ch == "[":
+            if depth:
+                return False
+            depth = 1
+        elif ch == "]" and depth:
+            depth = 0
+    return depth == 0
 TokenId = Annotated[int, Path(ge=1, le=MAX_INT)]
 
 
@@ -39,6 +55,15 @@ class TokenCreate(BaseModel):
         if bad:
             raise ValueError(f"a token name must be printable text (it is logged and listed): it contains {', '.join(bad)}")
         return name
+
+    @field_validator("job")
+    @classmethod
+    def _job_pattern(cls, job: str | None) -> str | None:
+        # A job name's characters and the pattern's own (* ? [ ] !): anything else never matches a job.
+        if job is not None and (not _JOB_PATTERN.fullmatch(job) or not _brackets_closed(job)):
+            raise ValueError("a job pattern holds a job name's characters (letters, digits, '.', '_', ':', '-') and "
+                             f"the wildcards * ? [...] [!...] only, each '[' closed: {job[:80]!r}")
+        return job
 
     @field_validator("scopes")
     @classmethod

@@ -115,7 +115,7 @@ def test_output_piped_into_head_ends_quietly(served, command) -> None:
             r = c.post("/v1/runs", json={"job": "job-pipe", "run": f"run-{i:04d}", "world_size": 1, "ranks": []})
             assert r.status_code == 200, r.text
         if command[0] == "status":  # a run whose status is large: many reported series
-            values = {f"trainguard_custom_series_{k:04d}_{'x' * 100}": float(k) for k in range(900)}
+            values = {f"trainguard_custom_series_{k:04d}_{'x' * 98}": float(k) for k in range(1000)}  # (names of 128 characters)
             r = c.post("/v1/runs/run-0007/reports", json={"job": "job-pipe", "step_first": 1, "step_last": 1,
                                                           "time": 1.0, "values": values})
             assert r.status_code == 200, r.text

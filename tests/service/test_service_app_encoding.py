@@ -1,5 +1,6 @@
 """A JSON body with an unpaired surrogate escape ("\\ud800": valid JSON, not encodable as UTF-8)
-is answered 422 with the reason, never 500, and changes nothing."""
+is answered 422 with the reason, never 500, and changes nothing (a pair of escapes is text:
+``tests/service/test_service_json_text.py``)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,6 @@ def test_unpaired_surrogate_is_422(app_factory: Callable[..., Any], method: str,
         assert (run["status"], run["desired_generation"]) == ("registered", 0)
         assert [r["run"] for r in c.get("/v1/runs").json()] == ["run-1"]
         assert c.get("/v1/webhooks").json() == []
-
-
-def test_paired_surrogates_are_ordinary_text(app_factory: Callable[..., Any]) -> None:
-    with app_factory() as c:
-        register(c, world_size=1)
-        r = c.post("/v1/runs/run-1/pause", content=b'{"reason":"\\ud83d\\ude00 spike"}', headers=_H)
-        assert r.status_code == 200, r.text
-        assert c.get("/v1/runs/run-1").json()["desired"]["reason"] == "\U0001F600 spike"
 
 
 

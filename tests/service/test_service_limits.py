@@ -94,7 +94,7 @@ def test_a_run_of_the_largest_world_size_registers_and_reports_and_other_bodies_
         job="job-a", step_first=1, step_last=1, time=1.0,
         values={name: longest for name, m in BY_NAME.items() if not m.labels},
         ranks=RankValues(**{field: [longest] * world for field in RankValues.model_fields}),
-        desync=[DesyncLayer(kind="grad", layer=f"{i:03d}" + "l" * 509, rel_diff=longest, ranks=list(range(64)))
+        desync=[DesyncLayer(kind="grad", layer=f"{i:03d}" + "l" * 509, rel_diff=-longest, ranks=list(range(64)))
                 for i in range(MAX_DESYNC_LAYERS)])
     body = json.dumps(report.model_dump(), separators=(",", ":")).encode()  # an older agent's JSON lists: the largest
     assert settings.max_body_bytes < len(body) <= report_body_bytes(world)

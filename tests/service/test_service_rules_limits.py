@@ -67,9 +67,11 @@ def test_an_alias_to_its_own_ancestor_is_refused() -> None:
         load_rules("rules: &R [{name: a, kind: threshold, metric: trainguard_loss, op: '>', value: 1, actions: *R}]")
 
 
-def test_a_read_only_token_cannot_send_an_alias_bomb_to_the_rules_test(app_factory) -> None:
+def test_an_alias_bomb_sent_to_the_rules_test_is_refused_and_a_read_only_token_may_not_send_it(app_factory) -> None:
     with app_factory(**TOKENS) as c:
         r = c.post("/v1/rules/test", json={"rules": alias_bomb(), "reports": []}, headers=AS_RO)
+        assert r.status_code == 403  # testing rules takes the rules scope, as replacing them does
+        r = c.post("/v1/rules/test", json={"rules": alias_bomb(), "reports": []}, headers=AS_OP)
         assert r.status_code == 422
         assert r.json()["reasons"][0].startswith(f"the rules file holds more than {MAX_NODES:,} YAML nodes")
 
@@ -79,12 +81,12 @@ def test_a_simulation_beyond_the_evaluation_limit_is_refused_before_it_runs(app_
     reports = MAX_EVALUATIONS // MAX_RULES + 1
     body = {"rules": rules, "reports": [{"job": "test", "step_first": i, "step_last": i, "time": float(i)} for i in range(reports)]}
     with app_factory(**TOKENS) as c:
-        r = c.post("/v1/rules/test", json=body, headers=AS_RO)
+        r = c.post("/v1/rules/test", json=body, headers=AS_OP)
         assert r.status_code == 422
         assert r.json()["detail"] == (f"{MAX_RULES:,} rules x {reports:,} reports is {MAX_RULES * reports:,} rule evaluations; "
                                       f"a simulation takes at most {MAX_EVALUATIONS:,} (send fewer reports or rules)")
         within = dict(body, reports=body["reports"][:3])
-        assert c.post("/v1/rules/test", json=within, headers=AS_RO).status_code == 200
+        assert c.post("/v1/rules/test", json=within, headers=AS_OP).status_code == 200
 
 
 @pytest.mark.parametrize("what, text, reason", [
@@ -191,3 +193,29 @@ def test_healthz_is_answered_while_a_large_rules_file_is_validated(tmp_path: Pat
 def test_the_default_rules_are_well_within_the_limits() -> None:
     text = default_rules_text()
     assert expanded_nodes(text) * 10 < MAX_NODES and len(load_rules(text).base) * 10 < MAX_RULES
+
+
+def test_a_simulation_of_more_ranks_than_a_run_may_have_or_of_too_many_rank_values_is_refused(app_factory) -> None:
+    """``world_size`` at most the controller's TRAINGUARD_MAX_WORLD_SIZE, and the reports x
+    world_size at most ``MAX_RANK_REPORTS``: each refused with the limit named before any rule runs."""
+    from trainguard.service.routes.rules import MAX_RANK_REPORTS
+
+    def body(world: int, reports: int) -> dict:
+        return {"world_size": world, "reports": [
+            {"job": "test", "step_first": i, "step_last": i, "time": float(i), "ranks": {"loss": {"fill": 1.0, "n": world}}}
+            for i in range(reports)]}
+
+    with app_factory(max_world_size=64, **TOKENS) as c:
+        r = c.post("/v1/rules/test", json=body(65, 1), headers=AS_OP)
+        assert r.status_code == 422
+        assert r.json()["detail"] == ("world_size 65 exceeds TRAINGUARD_MAX_WORLD_SIZE=64: the controller accepts no run "
+                                      "that large")
+        assert c.post("/v1/rules/test", json=body(64, 2), headers=AS_OP).status_code == 200
+    with app_factory(**TOKENS) as c:
+        reports = MAX_RANK_REPORTS // 32_768 + 1
+        r = c.post("/v1/rules/test", json=body(32_768, reports), headers=AS_OP)
+        assert r.status_code == 422
+        assert r.json()["detail"] == (f"{reports} reports x world_size 32,768 is {reports * 32_768:,} rank values; a "
+                                      f"simulation takes at most {MAX_RANK_REPORTS:,} (send fewer reports)")
+        answer = c.post("/v1/rules/test", json=body(32_768, 3), headers=AS_OP).json()
+        assert [s["index"] for s in answer["steps"]] == [0, 1, 2]

@@ -75,8 +75,11 @@ def test_fleet_tokens(tmp_path) -> None:
 def test_token_requests_are_validated(app_factory) -> None:
     with app_factory(operator_tokens=(OP,)) as c:
         for body in ({"scopes": ["root"]}, {"scopes": ["agent", "read"]}, {"scopes": ["read"], "job": "x*"}, {"scopes": []},
-                     {"scopes": ["agent"], "ttl_s": -1}):
+                     {"scopes": ["agent"], "ttl_s": -1}, *({"scopes": ["agent"], "job": job} for job in (
+                         "\x00", "a\nb", "[", "llm-[7b", "a b", "llm/7b", "job*\u202e"))):
             assert c.post("/v1/tokens", json=body, headers=_h(OP)).status_code == 422, body
+        for job in ("llm-7b*", "job-[ab]?", "run-[!x]*", "*"):  # a job name's characters and the wildcards
+            assert c.post("/v1/tokens", json={"scopes": ["agent"], "job": job}, headers=_h(OP)).status_code == 201, job
         r = c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(OP)).json()
         assert c.get("/v1/runs", headers=_h(r["token"])).status_code == 200
         assert c.post("/v1/runs/x/pause", headers=_h(r["token"])).status_code == 403

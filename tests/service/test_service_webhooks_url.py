@@ -1,5 +1,6 @@
-"""A webhook URL httpx cannot parse is refused at creation (422) and, if one is already stored,
-fails its own delivery without ending delivery for every other webhook."""
+"""A webhook URL httpx cannot parse, or whose host or port is none (a port beyond 65535, a space
+in the host, a label over 63 characters), is refused at creation (422) and, if one is already
+stored, fails its own delivery without ending delivery for every other webhook."""
 
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ import pytest
 from tests.service.conftest import register, wait_until
 
 
-@pytest.mark.parametrize("url", ["http://host:abc/hook", "http://[::1/hook", "http://exa\x00mple/hook", "http:///hook"])
+@pytest.mark.parametrize("url", ["http://host:abc/hook", "http://[::1/hook", "http://exa\x00mple/hook", "http:///hook",
+                                 "http://host:99999/hook", "http://host:-1/hook", "http://[::1]:0/hook", "http://exa mple.com/hook",
+                                 "http://" + "a" * 64 + ".example.com/hook"])
 def test_unparseable_webhook_url_is_422(app_factory: Callable[..., Any], url: str) -> None:
     with app_factory() as c:
         r = c.post("/v1/webhooks", json={"url": url})
         assert r.status_code == 422, r.text
         assert c.get("/v1/webhooks").json() == []
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:65535/hook", "http://[::1]:1/hook", "https://hooks.example.com/services/T0/B0",
+                                 "http://bücher.example/hook", "http://sink_1.local/hook"])
+def test_urls_of_real_hosts_and_ports_are_taken(app_factory: Callable[..., Any], url: str) -> None:
+    with app_factory() as c:
+        r = c.post("/v1/webhooks", json={"url": url})
+        assert r.status_code == 201, r.text
+        assert [w["url"] for w in c.get("/v1/webhooks").json()] == [url]
 
 
 def test_a_stored_bad_url_does_not_stop_delivery_to_other_webhooks(app_factory: Callable[..., Any], receiver_factory: Any, tmp_path: Any) -> None:

@@ -141,12 +141,13 @@ class MetricsExport:
             quarantine()
         located = getattr(self.loader, "located_last", None)
         if located is not None and client is not None:
+            from trainguard.protocol.base import printable
             from trainguard.protocol.wire import QuarantinedSamples, QuarantineReport
 
             where = located()
             if where:
                 client.post_quarantine(QuarantineReport(step=step, samples=[
-                    QuarantinedSamples(shard=shard[-1024:], indices=idx) for shard, idx in list(where.items())[:256]]))
+                    QuarantinedSamples(shard=printable(shard)[-1024:], indices=idx) for shard, idx in list(where.items())[:256]]))
 
     def close(self, timeout: float) -> None:
         if self.server is not None:

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from trainguard.protocol.catalog import BY_NAME
+from trainguard.protocol.base import printable
 from trainguard.protocol.wire import MAX_DESYNC_LAYERS, DesyncLayer, RankEndpoint, RankValues, Report, RunRegistration
 from trainer_agent.report.client import ControllerClient
 from trainer_agent.config import AgentConfig
@@ -102,7 +103,7 @@ class RunReporter:
             values=job_values,
             ranks=RankValues(**{wire: list(rank_values.get(field, nan)) for wire, field in WIRE_VECTORS.items()}),
             applied_generation=applied_generation,
-            desync=[DesyncLayer(kind=d.kind, layer=d.layer[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))
+            desync=[DesyncLayer(kind=d.kind, layer=printable(d.layer)[:512], rel_diff=d.rel_diff, ranks=list(d.ranks[:64]))
                     for d in getattr(rank_values, "desync", ())[:MAX_DESYNC_LAYERS]],
         )
         self.last_step = published

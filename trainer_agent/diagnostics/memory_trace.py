@@ -225,13 +225,14 @@ class MemoryTrace:
 
 def to_wire(trace: MemoryTrace | None, report: list[MemoryOwner], *, rank: int, step: int, cuda: bool) -> Any:
     """The controller's ``MemoryReport`` of a finished ``trace`` (its worst owners first)."""
+    from trainguard.protocol.base import printable
     from trainguard.protocol.wire import MemoryOwnerEntry, MemoryReport
 
     forward = trace.cuda_forward if trace is not None else {}
     return MemoryReport(
         rank=rank, step=step, steps=trace.steps if trace is not None else 1, device="cuda" if cuda else "cpu",
-        owners=[MemoryOwnerEntry(owner=r.owner[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
+        owners=[MemoryOwnerEntry(owner=printable(r.owner)[:512], bytes_per_step=r.bytes_per_step, tensors=r.tensors)
                 for r in report[:32]],
         allocator_growth_bytes_per_step=trace.cuda_growth_per_step if trace is not None else None,
-        layer_forward_bytes=[MemoryOwnerEntry(owner=k[:512], bytes_per_step=max(v, 0.0), tensors=0)
+        layer_forward_bytes=[MemoryOwnerEntry(owner=printable(k)[:512], bytes_per_step=max(v, 0.0), tensors=0)
                              for k, v in list(forward.items())[:32]])

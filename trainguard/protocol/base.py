@@ -6,10 +6,10 @@ from __future__ import annotations
 import operator
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints
 from pydantic_core import PydanticCustomError
 
-__all__ = ["MAX_INT", "Name", "Value", "Int", "WireModel"]
+__all__ = ["MAX_INT", "MAX_RANK", "Name", "MetricName", "Text", "Value", "Int", "Rank", "WireModel", "printable"]
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
@@ -20,8 +20,34 @@ Name = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", strict=True)
 ]
 
+#: A report value's key: a Prometheus metric name (the agent's catalogue's are up to 43 characters).
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_:][A-Za-z0-9_:]{0,127}$", strict=True)]
+
 #: A metric value: any float, NaN and ±Inf included.
 Value = float
+
+
+def _printable_text(text: str) -> str:
+    """A name shown to people (a layer, a shard, a check): printable characters only. A control
+    character, a lone surrogate or a bidirectional override would garble the console, the logs and
+    the messages sent to webhooks."""
+    if not text.isprintable():
+        bad = sorted({f"U+{ord(ch):04X}" for ch in text if not ch.isprintable()})
+        raise PydanticCustomError("printable_text", "must be printable text; it contains {bad}", {"bad": ", ".join(bad[:8])})
+    return text
+
+
+#: Printable text (bounded by each field's ``max_length``): see :func:`printable` for the agent's side.
+Text = Annotated[str, AfterValidator(_printable_text)]
+
+
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable written as its escape (``\\n``,
+    ``\\x00``, ``\\u202e``): what the agent sends of a name it does not choose (a module's, a
+    file's), which the wire's :data:`Text` fields take."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _integer(value: Any) -> Any:
@@ -43,6 +69,11 @@ def _integer(value: Any) -> Any:
 
 #: Every integer of the wire: integral numbers only, never a boolean or a string.
 Int = Annotated[int, Strict(), BeforeValidator(_integer)]
+
+#: Largest rank number: a registration declares at most 1,000,000 ranks.
+MAX_RANK = 999_999
+#: A global rank's number.
+Rank = Annotated[Int, Field(ge=0, le=MAX_RANK)]
 
 
 class WireModel(BaseModel):

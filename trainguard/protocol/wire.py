@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from trainguard.protocol.base import MAX_INT, Int, Name, Value, WireModel
+from trainguard.protocol.base import MAX_INT, Int, MetricName, Name, Rank, Text, Value, WireModel
 from trainguard.protocol.commands import (
     EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, MAX_ACCUMULATION_STEPS, AccumulationRequest, CommandRequest,
     REGISTRY, DesiredState, LrRule, LrScaleRequest,
@@ -81,8 +81,8 @@ DIAGNOSTIC_COMMANDS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.opera
 class RankEndpoint(WireModel):
     """Where Prometheus scrapes one rank's ``/metrics``."""
 
-    rank: Int = Field(ge=0, description="Global rank.")
-    local_rank: Int = Field(ge=0, description="Rank within its node.")
+    rank: Rank = Field(description="Global rank.")
+    local_rank: Rank = Field(description="Rank within its node.")
     host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
     port: Int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
 
@@ -113,7 +113,7 @@ class RunRegistration(WireModel):
     run: Name
     world_size: Int = Field(ge=1, le=1_000_000)
     ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
-    agent_version: str = Field(default="", max_length=64)
+    agent_version: Text = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("config")
@@ -146,9 +146,16 @@ class DesyncLayer(WireModel):
     """A layer whose fingerprints differ across ranks (gradients or parameters)."""
 
     kind: Literal["grad", "param"]
-    layer: str = Field(max_length=512)
-    rel_diff: Value
-    ranks: list[Int] = Field(default_factory=list, max_length=64)
+    layer: Text = Field(max_length=512)
+    rel_diff: Value = Field(description="A relative difference: not negative (NaN where a fingerprint is not finite).")
+    ranks: list[Rank] = Field(default_factory=list, max_length=64)
+
+    @field_validator("rel_diff")
+    @classmethod
+    def _not_negative(cls, rel_diff: float) -> float:
+        if rel_diff < 0:  # (NaN compares False: it stays)
+            raise ValueError("rel_diff is a relative difference: it cannot be negative")
+        return rel_diff
 
 
 #: Most desynchronised layers a report names.
@@ -167,7 +174,7 @@ class Report(WireModel):
     step_first: Int = Field(ge=0, le=MAX_INT)
     step_last: Int = Field(ge=0, le=MAX_INT)
     time: float = Field(strict=True, allow_inf_nan=False, description="Unix time at the leader when sent.")
-    values: dict[str, Value] = Field(default_factory=dict, max_length=4096)
+    values: dict[MetricName, Value] = Field(default_factory=dict, max_length=4096)
     ranks: RankValues = Field(default_factory=RankValues)
     applied_generation: Int = Field(default=0, ge=0, le=MAX_INT)
     desync: list[DesyncLayer] = Field(
@@ -202,13 +209,19 @@ class RunFinished(WireModel):
     controller stops expecting reports from it until it registers again."""
 
     step: Int = Field(ge=0, le=MAX_INT, description="The last step the run completed.")
-    reason: str = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
+    reason: Text = Field(default="completed", max_length=200, description="Why it ended, e.g. 'completed' or 'stopped'.")
+
+
+#: Longest pre-flight a result may report (a day: it runs a few steps' worth of checks).
+MAX_PREFLIGHT_SECONDS = 86_400.0
+#: Most steps a memory trace may report (the agent traces a few).
+MAX_TRACE_STEPS = 1_000_000
 
 
 class PreflightCheck(WireModel):
     """One pre-flight check's outcome."""
 
-    name: str = Field(min_length=1, max_length=64)
+    name: Text = Field(min_length=1, max_length=64)
     status: Literal["pass", "warn", "fail", "skip"]
     detail: str = Field(default="", max_length=2000)
 
@@ -216,25 +229,25 @@ class PreflightCheck(WireModel):
 class PreflightResult(WireModel):
     """``POST /v1/runs/{run}/preflight``: the checks run on a real batch before the first step."""
 
-    rank: Int = Field(default=0, ge=0)
-    seconds: float = Field(strict=True, ge=0, allow_inf_nan=False)
+    rank: Rank = 0
+    seconds: float = Field(strict=True, ge=0, le=MAX_PREFLIGHT_SECONDS, allow_inf_nan=False)
     checks: list[PreflightCheck] = Field(max_length=64)
 
 
 class MemoryOwnerEntry(WireModel):
     """Who keeps memory alive across steps: a layer, or the training loop."""
 
-    owner: str = Field(max_length=512)
+    owner: Text = Field(max_length=512)
     bytes_per_step: float = Field(strict=True, ge=0, allow_inf_nan=False)
-    tensors: Int = Field(ge=0)
+    tensors: Int = Field(ge=0, le=MAX_INT)
 
 
 class MemoryReport(WireModel):
     """``POST /v1/runs/{run}/memory-report``: the result of a memory trace on one rank, worst first."""
 
-    rank: Int = Field(default=0, ge=0)
+    rank: Rank = 0
     step: Int = Field(ge=0, le=MAX_INT, description="The step at which the trace ended.")
-    steps: Int = Field(ge=1, description="Steps traced.")
+    steps: Int = Field(ge=1, le=MAX_TRACE_STEPS, description="Steps traced.")
     owners: list[MemoryOwnerEntry] = Field(default_factory=list, max_length=32)
     device: Literal["cpu", "cuda"] = "cpu"
     allocator_growth_bytes_per_step: float | None = Field(
@@ -249,8 +262,16 @@ class MemoryReport(WireModel):
 class QuarantinedSamples(WireModel):
     """The samples of one shard that a data skip left out (``TokenLoader.quarantine``)."""
 
-    shard: str = Field(min_length=1, max_length=1024, description="The shard's base path, as the loader opened it.")
-    indices: list[Int] = Field(max_length=65536, description="Indices of the sequences within the shard, ascending.")
+    shard: Text = Field(min_length=1, max_length=1024, description="The shard's base path, as the loader opened it.")
+    indices: list[Int] = Field(max_length=65536, description="Indices of the sequences within the shard (taken "
+                               "in ascending order, each once).")
+
+    @field_validator("indices")
+    @classmethod
+    def _ascending(cls, indices: list[int]) -> list[int]:
+        if indices and (min(indices) < 0 or max(indices) > MAX_INT):
+            raise ValueError(f"indices are sequence indices within a shard: 0..{MAX_INT}")
+        return sorted(set(indices))
 
 
 class QuarantineReport(WireModel):

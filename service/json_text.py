@@ -1,0 +1,96 @@
+"""JSON bodies whose strings are text, as a plain ASGI middleware (:class:`JsonText`).
+
+JSON writes a character outside the Basic Multilingual Plane as a pair of UTF-16 surrogate
+escapes (``"\\ud83d\\ude00"``); one escape alone (``"\\ud800"``) is no character at all. Python's
+``json`` module, which FastAPI parses bodies with, accepts it and yields a string that cannot be
+encoded as UTF-8: the request validates, and then storing its value or repeating it in the
+answer raised (a 500), after part of the work was done. Pydantic's own parser, which the report
+path uses, refuses such a body; this middleware gives every other route the same answer, a 422,
+before any of them reads the body.
+
+Only a body holding an escape of the surrogate range (``\\uD800``-``\\uDFFF``, found by one scan
+of the bytes) is parsed here, to tell a pair from a lone one; any other body costs the scan.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from trainguard.service.limits import replay
+from trainguard.service.schemas import validation_summary
+
+__all__ = ["JsonText", "ECHO_CHARACTERS", "unpaired_surrogate"]
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_METHODS = ("POST", "PUT", "PATCH")
+#: Characters of the refused string the answer repeats at most.
+ECHO_CHARACTERS = 200
+
+
+def unpaired_surrogate(body: bytes) -> tuple[list[Any], str] | None:
+    """Where the JSON ``body`` first holds a string (a key or a value) with an unpaired surrogate:
+    its location (the keys and indexes down to it, ``"[key]"`` after a key, as pydantic names
+    them) and the string; None where there is none (also for a body that is no JSON: the route
+    answers that)."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    while stack:  # (no recursion: a body may nest thousands deep)
+        item, loc = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, [*loc, k]) for k, v in item.items())
+            stack.extend((k, [*loc, k, "[key]"]) for k in item)
+        elif isinstance(item, list):
+            stack.extend((v, [*loc, i]) for i, v in enumerate(item))
+        elif isinstance(item, str) and any("\ud800" <= ch <= "\udfff" for ch in item):
+            return loc, item
+    return None
+
+
+class JsonText:
+    """Answer 422 to a POST, PUT or PATCH whose JSON body holds a string with an unpaired
+    surrogate escape; pass every other request to ``app`` (the body read once, then replayed)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in _METHODS or not _json(scope):
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        bad = unpaired_surrogate(body)
+        if bad is None:
+            await self.app(scope, replay(body, receive), send)
+            return
+        loc, text = bad
+        # The shape of the API's other 422s for a body that does not validate (``service/app.py``).
+        errors = [{"type": "string_unicode", "loc": ["body", *loc], "input": text[:ECHO_CHARACTERS],
+                   "msg": "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is "
+                          "no character: send text (a character beyond U+FFFF as its two escapes, or as UTF-8)"}]
+        answer = json.dumps({"detail": validation_summary(errors), "errors": errors}).encode()
+        await send({"type": "http.response.start", "status": 422,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+def _json(scope: dict[str, Any]) -> bool:
+    """Whether FastAPI would parse the body as JSON: its content type says JSON, or it has none."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return b"json" in value.lower()
+    return True

@@ -1,0 +1,47 @@
+"""The wire's base types (``trainguard/protocol/base.py``): printable text, metric names, ranks,
+and the agent's escaping of names it does not choose."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from trainguard.protocol.base import MAX_RANK, MetricName, Rank, Text, printable
+from trainguard.protocol.wire import DesyncLayer, MemoryOwnerEntry, QuarantinedSamples
+
+_TEXT = TypeAdapter(Text)
+
+
+@pytest.mark.parametrize("name", ["blocks.0.attn", "layers.ünïcode", "a b", "x" * 512, "", "\U0001F600"])
+def test_printable_text_is_taken_as_it_is(name: str) -> None:
+    assert _TEXT.validate_python(name) == name
+    assert printable(name) == name
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("a\nb", "a\\nb"), ("a\x00b", "a\\x00b"), ("tab\there", "tab\\there"), ("rtl\u202eoverride", "rtl\\u202eoverride"),
+    ("lone\ud800", "lone\\ud800"), ("del\x7f", "del\\x7f"),
+])
+def test_what_is_not_printable_is_refused_on_the_wire_and_escaped_by_the_agent(name: str, shown: str) -> None:
+    with pytest.raises(ValidationError, match="must be printable text"):
+        _TEXT.validate_python(name)
+    assert printable(name) == shown
+    assert _TEXT.validate_python(printable(name)) == shown  # what the agent sends validates
+    # Every wire field of a name the agent does not choose (a module's, a file's) takes the escaped form.
+    assert DesyncLayer(kind="grad", layer=printable(name), rel_diff=0.1).layer == shown
+    assert MemoryOwnerEntry(owner=printable(name), bytes_per_step=1.0, tensors=1).owner == shown
+    assert QuarantinedSamples(shard=printable("/data/" + name), indices=[3, 1, 1]).indices == [1, 3]
+
+
+def test_metric_names_and_ranks_have_their_bounds() -> None:
+    names = TypeAdapter(MetricName)
+    for ok in ("trainguard_loss", "a:b_c", "_x", "n" * 128):
+        assert names.validate_python(ok) == ok
+    for bad in ("", "1x", "a-b", "a b", "n" * 129, "ünï"):
+        with pytest.raises(ValidationError):
+            names.validate_python(bad)
+    ranks = TypeAdapter(Rank)
+    assert ranks.validate_python(MAX_RANK) == 999_999 and ranks.validate_python(0) == 0
+    for bad in (-1, MAX_RANK + 1, True, "3"):
+        with pytest.raises(ValidationError):
+            ranks.validate_python(bad)
