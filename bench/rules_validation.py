@@ -10,15 +10,24 @@ Prints, side by side:
    is built, against building its expansion (``yaml.safe_load`` and validating every job's overrides,
    what the loader did before the node limit), with the peak Python allocation of each (tracemalloc).
 
-Run: ``.venv/bin/python bench/rules_validation.py`` (about 30 s; the bomb's expansion is measured
+4. ``POST /v1/rules/test`` at its limits (a controller in this process, the built-in rules): the
+   largest simulation it takes at each world size (the reports x ``world_size`` at
+   ``MAX_RANK_REPORTS``, every per-rank vector filled), its seconds and the process's peak RSS,
+   beside the next larger one's refusal; and a world size beyond ``TRAINGUARD_MAX_WORLD_SIZE``.
+
+Run: ``.venv/bin/python bench/rules_validation.py`` (about 45 s; the bomb's expansion is measured
 on 100 jobs, a tenth of the refused file, so the comparison stays short).
 """
 
 from __future__ import annotations
 
+import json
+import resource
+import tempfile
 import time
 import tracemalloc
 from collections import Counter
+from pathlib import Path
 
 import yaml
 
@@ -95,5 +104,50 @@ def main() -> None:
           f"(x{expanded / refused:,.0f} the refusal of the file ten times its size)")
 
 
+def simulations() -> None:
+    from fastapi.testclient import TestClient
+
+    from trainguard.protocol.rank_values import RankValues
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+    from trainguard.service.routes import rules as rules_routes
+    from trainguard.service.routes.rules import MAX_RANK_REPORTS
+
+    def body(world: int, reports: int) -> bytes:
+        vectors = {name: {"fill": 1.0, "n": world} for name in RankValues.model_fields}
+        return json.dumps({"world_size": world, "reports": [
+            {"job": "test", "step_first": i, "step_last": i, "time": float(i), "values": {"trainguard_loss": 2.0},
+             "ranks": vectors} for i in range(reports)]}).encode()
+
+    print(f"4. POST /v1/rules/test at its limits (reports x world_size <= {MAX_RANK_REPORTS:,}; the built-in rules)")
+    with tempfile.TemporaryDirectory() as d, TestClient(create_app(Settings(db=Path(d) / "tg.db"))) as c:
+        for world in (32_768, 4_096, 2_048):
+            most = min(MAX_RANK_REPORTS // world, 10_000)
+            for reports in (most, most + 1):
+                t = time.perf_counter()
+                r = c.post("/v1/rules/test", content=body(world, reports), headers={"content-type": "application/json"})
+                took = time.perf_counter() - t
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                print(f"   world_size {world:>6,} x {reports:>6,} reports: {r.status_code} in {took:6.2f} s, "
+                      f"peak RSS {rss:,.0f} MiB" + ("" if r.status_code == 200 else f"  ({r.json()['detail'][:60]}...)"))
+        t = time.perf_counter()
+        r = c.post("/v1/rules/test", content=body(1_000_000, 10), headers={"content-type": "application/json"})
+        print(f"   world_size 1,000,000 x 10 reports: {r.status_code} in {time.perf_counter() - t:.3f} s "
+              f"({r.json()['detail'][:70]}...)")
+    # What the same request cost before these limits (any token with the read scope could send it).
+    rules_routes.MAX_RANK_REPORTS = 10**12
+    try:
+        with tempfile.TemporaryDirectory() as d, TestClient(create_app(Settings(db=Path(d) / "tg.db",
+                                                                              max_world_size=1_000_000))) as c:
+            t = time.perf_counter()
+            r = c.post("/v1/rules/test", content=body(1_000_000, 10), headers={"content-type": "application/json"})
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"   without the limits, world_size 1,000,000 x 10 reports ({len(body(1_000_000, 10)):,} bytes): "
+                  f"{r.status_code} in {time.perf_counter() - t:.2f} s, peak RSS {rss:,.0f} MiB")
+    finally:
+        rules_routes.MAX_RANK_REPORTS = MAX_RANK_REPORTS
+
+
 if __name__ == "__main__":
     main()
+    simulations()
