@@ -118,7 +118,7 @@ from trainer_agent.agent_parts.diagnostic_calls import DiagnosticCalls
 from trainer_agent.agent_parts.loop_control import LoopControl
 from trainer_agent.agent_parts.step_end import StepEnd
 from trainer_agent.agent_parts.wiring import AgentWiring
-from trainer_agent.config import AgentConfig
+from trainer_agent.config import MAX_TIMEOUT_S, AgentConfig
 from trainer_agent.data.relay import DataRelay
 from trainer_agent.measure.fingerprint import DesyncFinding
 from trainer_agent.report.exchange import RANK_FIELDS
@@ -279,6 +279,9 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
         server. Returns within about ``timeout`` seconds (default ``config.close_timeout_s``),
         plus the time a snapshot backend's ``close()`` (if it has one) takes to finish a pending
         write."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout must be None or a number of seconds in [0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
         if self._closed:
             return
         self._closed = True
@@ -293,7 +296,10 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
         self.reports.flush(max(0.0, deadline - time.monotonic()), stop=True)  # the leader's last reports go on
         self.hooks.remove()
         if self.data is not None:
-            self.data.close(max(0.0, deadline - time.monotonic()))
+            try:
+                self.data.close(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # (the /metrics server below closes all the same)
+                self.errors.error("data_close", exc)
         backend = self.snapshots.backend if self.snapshots is not None else None
         if backend is not None and callable(getattr(backend, "close", None)):
             try:  # a pending snapshot write ends before the process (and its process group) does

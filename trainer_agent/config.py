@@ -75,7 +75,8 @@ class AgentConfig:
     """Steps between two host reads of the device statistics. Step metrics that are only
     exported (param norm, update ratio, per-layer norms, non-finite element counts, optimizer
     state check) are computed on report steps only; per-step counters (non-finite steps, AMP
-    skips) are accumulated on the device every step and read at the report."""
+    skips) are accumulated on the device every step and read at the report. At most 1,000,000
+    (the interval's rows take 16 bytes a step on the device)."""
 
     metrics_port: int | None = 9400
     """Base port of the rank's ``/metrics`` endpoint; the rank serves on ``metrics_port +
@@ -171,7 +172,8 @@ class AgentConfig:
 
     vocab_size: int | None = None
     """When set (and no ``data_monitor`` is given to ``attach``), the agent builds a
-    ``DataMonitor(vocab_size, special_ids)`` and feeds it the batches of ``observe_batch``."""
+    ``DataMonitor(vocab_size, special_ids)`` and feeds it the batches of ``observe_batch``. At
+    most 4,194,304 ids (the monitor's table takes about 23 bytes an id)."""
 
     special_ids: tuple[int, ...] = ()
     """Control/special/unknown token ids for the data monitor the agent builds."""
@@ -222,13 +224,13 @@ class AgentConfig:
     ``snapshot_backend``, whatever the backend keeps)."""
 
     request_timeout_s: float = 2.0
-    """Timeout of every request to the controller, in seconds."""
+    """Timeout of every request to the controller, in seconds (at most a day)."""
 
     max_buffered_reports: int = 64
     """Reports kept while the controller is unreachable; the oldest are dropped beyond this."""
 
     close_timeout_s: float = 5.0
-    """Default deadline of ``Agent.close()`` in seconds."""
+    """Default deadline of ``Agent.close()`` in seconds (at most a day)."""
 
     flops_per_token: float | None = None
     """Model FLOPs of one token's forward and backward pass, for ``trainguard_mfu``
@@ -240,6 +242,11 @@ class AgentConfig:
     of the CUDA device by its name (``trainer_agent.measure.flops.PEAK_FLOPS``), none on a CPU."""
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first setting out of its range (``attach`` checks again: the
+        dataclass can be changed after it was made)."""
         for name in _POSITIVE_INTS:
             _positive_int(name, getattr(self, name))
         for name in _OPTIONAL_POSITIVE_INTS:
@@ -260,8 +267,9 @@ class AgentConfig:
             if not _finite(getattr(self, name), at_least=0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         for name in ("request_timeout_s", "close_timeout_s"):
-            if not _finite(getattr(self, name), above=0):
-                raise ValueError(f"{name} must be a positive finite number of seconds, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not _finite(value, above=0) or value > MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
         self._check_others()
 
     def _check_others(self) -> None:
@@ -272,17 +280,26 @@ class AgentConfig:
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ValueError("metrics_host must be a non-empty string")
         if not isinstance(self.preflight_fatal, bool):
+            if isinstance(self.preflight_fatal, str) or not isinstance(self.preflight_fatal, (tuple, list, set, frozenset)):
+                raise ValueError(f"preflight_fatal must be a bool or a tuple of check names (e.g. ('nonfinite',)), "
+                                 f"got {self.preflight_fatal!r}")
             self.preflight_fatal = tuple(self.preflight_fatal)
-            if not all(isinstance(n, str) for n in self.preflight_fatal):
+            if not all(isinstance(n, str) and n for n in self.preflight_fatal):
                 raise ValueError(f"preflight_fatal must be a bool or check names, got {self.preflight_fatal!r}")
         if self.skip_spikes is not None and not isinstance(self.skip_spikes, bool):
             raise ValueError(f"skip_spikes must be None or a bool, got {self.skip_spikes!r}")
         if not isinstance(self.spike, SpikeGuardConfig):
             raise ValueError(f"spike must be a SpikeGuardConfig, got {type(self.spike).__name__}")
+        if isinstance(self.special_ids, (str, bytes)) or not isinstance(self.special_ids, (tuple, list, set, frozenset, range)):
+            raise ValueError(f"special_ids must be a tuple of token ids, got {self.special_ids!r}")
         self.special_ids = tuple(self.special_ids)
         for i in self.special_ids:
             if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
                 raise ValueError(f"special_ids must be token ids in [0, vocab_size), got {i!r}")
+        for name in ("controller", "token"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
+                raise ValueError(f"{name} must be None or a non-empty printable string, got a {type(value).__name__}")
         if self.controller is not None:
             controller_urls(self.controller)
 
@@ -301,6 +318,13 @@ class AgentConfig:
 _POSITIVE_INTS = ("report_every", "sync_every", "max_buffered_reports", "memory_trace_steps", "snapshot_keep")
 _OPTIONAL_POSITIVE_INTS = ("layer_depth", "verify_every", "snapshot_every", "vocab_size")
 _BOOLS = ("grad_noise", "comm_timing", "triage", "fingerprint", "skip_nonfinite")
+#: Upper bounds of the int settings that size what the agent allocates: a report interval's rows
+#: (16 bytes a step), the data monitor's table per token id (about 23 bytes an id), the reports and
+#: steps kept or traced.
+_INT_LIMITS = {"report_every": 1_000_000, "vocab_size": 1 << 22, "max_buffered_reports": 100_000,
+               "memory_trace_steps": 1_000_000, "snapshot_keep": 64, "sync_every": 1_000_000}
+#: Longest request and close timeout (a day; ``threading`` refuses waits of about 9e9 s and more).
+MAX_TIMEOUT_S = 86_400.0
 _CHOICES = {"per_layer": ("rank0", "all", "off"), "job_metrics": ("rank0", "all"),
             "update_ratio": ("report", "every", "off")}
 
@@ -326,5 +350,6 @@ def _finite(value: object, *, above: float | None = None, at_least: float | None
 
 
 def _positive_int(name: str, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    most = _INT_LIMITS.get(name)
+    if type(value) is not int or value < 1 or (most is not None and value > most):
+        raise ValueError(f"{name} must be an int in 1..{most or 'any'}, got {value!r}")

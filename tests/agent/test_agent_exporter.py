@@ -132,10 +132,28 @@ def test_per_layer_off_and_no_server() -> None:
     {"controller": "ftp://x"}, {"request_timeout_s": 0}, {"close_timeout_s": math.inf},
     {"vocab_size": 0}, {"vocab_size": 10, "special_ids": (10,)}, {"max_buffered_reports": 0},
     {"grad_noise": "yes"}, {"job_metrics": "leader"}, {"job_metrics": "off"},
+    # sizes of what the agent allocates, and waits threading cannot take
+    {"report_every": 10**30}, {"report_every": 1_000_001}, {"vocab_size": 10**30}, {"vocab_size": (1 << 22) + 1},
+    {"request_timeout_s": 1e12}, {"close_timeout_s": 1e30}, {"snapshot_keep": 65}, {"max_buffered_reports": 10**9},
+    # types that iterated or split into something else
+    {"preflight_fatal": "nonfinite"}, {"preflight_fatal": None}, {"preflight_fatal": 0}, {"preflight_fatal": ("",)},
+    {"special_ids": None}, {"special_ids": 5}, {"special_ids": "ab"}, {"controller": 123}, {"controller": ""},
+    {"token": 123}, {"token": ["x"]}, {"token": "a\nb"},
 ])
 def test_config_rejects_bad_values(kwargs) -> None:
     with pytest.raises(ValueError):
         ta.AgentConfig(**kwargs)
+
+
+def test_config_takes_the_bounds_themselves_and_attach_checks_a_config_changed_since() -> None:
+    cfg = ta.AgentConfig(metrics_port=None, report_every=1_000_000, vocab_size=1 << 22, request_timeout_s=86_400,
+                         close_timeout_s=86_400, preflight_fatal=["nonfinite"], special_ids=[0, 1], token="t0k3n")
+    assert cfg.preflight_fatal == ("nonfinite",) and cfg.special_ids == (0, 1)
+    cfg = ta.AgentConfig(metrics_port=None)
+    cfg.report_every = 0  # a dataclass: changed after __post_init__ checked it
+    model = net()
+    with pytest.raises(ValueError, match="report_every must be an int in 1..1000000, got 0"):
+        ta.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), job="j", run="r", config=cfg)
 
 
 def test_config_reads_controller_and_token_from_env(monkeypatch) -> None:

@@ -44,6 +44,8 @@ def loop():  # type: ignore[no-untyped-def]
     ("mean", "24", "got '24'"),
     ("mean", True, "got True"),
     ("mean", torch.tensor([12, 12]), r"one value, got a tensor of shape \(2,\)"),
+    (10**400, None, "within float64's range, got an int of 401 digits"),
+    (torch.tensor(True), None, "dtype torch.bool"),
 ])
 def test_a_loss_or_token_count_that_cannot_be_one_raises_before_the_step_moves(loop, loss, tokens, message) -> None:  # type: ignore[no-untyped-def]
     agent, step = loop
@@ -76,3 +78,55 @@ def test_nan_and_inf_losses_pass_as_values() -> None:
     for loss in (math.nan, math.inf, torch.tensor(math.nan), torch.tensor([math.inf]), np.float32(-math.inf)):
         checked, _ = checked_end_step(loss, None)
         assert not math.isfinite(float(checked))
+
+
+def test_an_optimizer_of_none_of_the_models_parameters_is_refused_at_attach() -> None:
+    model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="the optimizer holds none of the model's parameters \\(2 in the model, 2 in"):
+        ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None))
+    with pytest.raises(ValueError, match="0 in the model"):
+        ta.attach(torch.nn.ReLU(), opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None))
+    # An optimizer holding the model's parameters and one more (a learned temperature, say) is fine.
+    extra = torch.nn.Parameter(torch.ones(()))
+    both = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    ta.attach(model, both, job="j", run="r", config=ta.AgentConfig(metrics_port=None)).close()
+
+
+def test_close_refuses_a_timeout_it_cannot_wait_and_stays_open_until_a_good_one() -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=0))
+    url = agent.metrics_url
+    for bad in (math.inf, 1e30, -1, "abc", True):
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+            agent.close(timeout=bad)
+    import urllib.request
+
+    assert urllib.request.urlopen(url, timeout=5).status == 200  # still serving: nothing was closed
+    agent.close(timeout=5)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_gradients_from_autograd_grad_set_by_hand_are_measured() -> None:
+    """A loop that takes its gradients with ``torch.autograd.grad`` and sets ``.grad`` itself: that
+    pass writes no ``.grad``, so the norm is the one the optimizer is given (it read 0 before)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    x = torch.randn(8, 4)
+    try:
+        for _ in range(3):
+            loss = model(x).pow(2).mean()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            want = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss.detach())
+            assert agent.latest()["trainguard_grad_norm"] == pytest.approx(want, rel=1e-6)
+    finally:
+        agent.close()

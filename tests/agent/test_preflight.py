@@ -145,6 +145,17 @@ def test_nonfinite_loss_fails_and_can_be_fatal_by_configuration() -> None:
     agent.close()
 
 
+def test_a_fatal_check_name_the_pre_flight_does_not_run_is_warned_about(caplog) -> None:
+    model = Net()
+    agent = _agent(model, torch.optim.SGD(model.parameters(), lr=0.1), preflight_fatal=("nonfinte",))
+    with caplog.at_level("WARNING", logger="trainer_agent.diagnostics.preflight_report"):
+        report = agent.preflight(_batch(), loss_fn=lambda m, b: m(b) * math.nan)  # fails, but names no fatal check
+    assert report.status("nonfinite") == "fail"
+    assert "preflight_fatal names nonfinte, which this pre-flight did not run" in caplog.text
+    assert "nonfinite" in caplog.text.split("it ran: ")[1]
+    agent.close()
+
+
 def test_data_check_reads_the_batch_token_ids() -> None:
     class Lm(nn.Module):
         def __init__(self) -> None:

@@ -28,6 +28,7 @@ def checked_args(model: Any, optimizer: Any, *, job: str, run: str, scaler: Any,
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     optimizer = optim.unwrap_optimizer(optimizer)  # ValueError naming what was passed
+    _shares_parameters(model, optimizer)
     for what, value in (("job", job), ("run", run)):
         try:
             _NAME.validate_python(value)
@@ -39,6 +40,8 @@ def checked_args(model: Any, optimizer: Any, *, job: str, run: str, scaler: Any,
         config = AgentConfig()
     elif not isinstance(config, AgentConfig):
         raise ValueError(f"config must be an AgentConfig, got {type(config).__name__}")
+    else:
+        config.validate()  # (a setting changed since the config was made)
     if controller is not None or token is not None:
         config = replace(config, controller=controller if controller is not None else config.controller,
                          token=token if token is not None else config.token)
@@ -49,6 +52,16 @@ def checked_args(model: Any, optimizer: Any, *, job: str, run: str, scaler: Any,
     if loader is not None:
         checked_loader(loader)
     return optimizer, config
+
+
+def _shares_parameters(model: nn.Module, optimizer: Any) -> None:
+    """``ValueError`` when the optimizer updates none of the model's parameters (another model's
+    optimizer, or a model without parameters): the agent would measure gradients nobody makes."""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+    if held and not any(id(p) in own for p in held):
+        raise ValueError(f"the optimizer holds none of the model's parameters ({len(own)} in the model, {len(held)} in "
+                         "the optimizer): pass the model the optimizer trains (the same object, or its DDP/FSDP wrapper)")
 
 
 def checked_loader(loader: Any) -> Any:
@@ -62,7 +75,7 @@ def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float, Any]
     (None, a non-negative number, or a tensor of one element, which is read on report steps only);
     ``ValueError`` for what cannot be either. NaN and Inf losses are values: they pass."""
     if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1 or loss.is_complex():
+        if loss.numel() != 1 or loss.is_complex() or loss.dtype == torch.bool:
             raise ValueError(f"loss must be the step's loss, one real value (e.g. loss.mean()), got a tensor of shape "
                              f"{tuple(loss.shape)} and dtype {loss.dtype}")
     elif loss is None or isinstance(loss, (str, bytes, bool)):
@@ -72,6 +85,8 @@ def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float, Any]
             loss = float(loss)
         except (TypeError, ValueError):
             raise ValueError(f"loss must be a tensor of one element or a real number, got {type(loss).__name__}") from None
+        except OverflowError:  # (an int beyond float64)
+            raise ValueError(f"loss must be a real number within float64's range, got an int of {len(str(loss))} digits") from None
     if tokens is None:
         return loss, None
     if isinstance(tokens, torch.Tensor):

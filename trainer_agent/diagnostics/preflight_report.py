@@ -4,11 +4,14 @@ a ``fatal`` pre-flight raises, and the exception that ends a script under ``trai
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from trainguard.protocol.wire import PreflightCheck, PreflightResult
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Status", "Check", "PreflightReport", "PreflightOnly", "PREFLIGHT_ONLY_ENV", "raise_if_fatal", "to_wire"]
 
@@ -74,7 +77,11 @@ class PreflightReport:
 
 def raise_if_fatal(report: PreflightReport, fatal: bool | Iterable[str]) -> None:
     """``RuntimeError`` when a check named in ``fatal`` (every check for True) failed."""
-    names = {c.name for c in report.checks} if fatal is True else set(fatal or ())
+    ran = {c.name for c in report.checks}
+    names = ran if fatal is True else set(fatal or ())
+    if names - ran:  # a misspelt name would never fail the run: say so
+        log.warning("trainguard pre-flight: preflight_fatal names %s, which this pre-flight did not run (it ran: %s)",
+                    ", ".join(sorted(names - ran)), ", ".join(sorted(ran)))
     failed = [c for c in report.failed if c.name in names]
     if failed:
         raise RuntimeError("trainguard pre-flight failed: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
