@@ -225,8 +225,11 @@ def _check_origin(request: Request) -> None:
     if external:  # behind a proxy that rewrites Host, the public address the browser uses
         parts = urlsplit(external)
         allowed.add(_origin_key(parts.scheme, parts.netloc))
-    parts = urlsplit(origin)
-    key = _origin_key(parts.scheme, parts.netloc) if parts.scheme in ("http", "https") else None
+    try:
+        parts = urlsplit(origin)
+    except ValueError:  # (an Origin that is no URL, e.g. "http://[::1": refused like another site's)
+        parts = None
+    key = _origin_key(parts.scheme, parts.netloc) if parts is not None and parts.scheme in ("http", "https") else None
     if key is None or key not in allowed:
         raise HTTPException(403, "cross-origin request refused: the Origin's scheme, host and port must be this "
                             "controller's (behind a proxy, set TRAINGUARD_EXTERNAL_URL to the public address)")

@@ -265,3 +265,53 @@ def test_a_command_added_to_the_registry_is_a_verb_without_editing_the_cli(monke
     with pytest.raises(SystemExit) as exit_:
         cli.main(["tilt", "run-x", "2", "--mode", "c"])
     assert exit_.value.code == 2 and "invalid choice: 'c'" in capsys.readouterr().err
+
+
+def test_a_run_name_that_would_be_another_path_is_refused_before_anything_is_sent(served) -> None:
+    """``checkpoint other/../run-1`` checkpointed run-1 (the URL's path was normalised); a name
+    with a control character or a query ended in a traceback or printed null."""
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"job": "job-cli", "run": "run-1", "world_size": 1, "ranks": []}).status_code == 200
+        for argv in (["checkpoint", "other-run/../run-1"], ["status", "../runs"], ["status", ""], ["incidents", "?"],
+                     ["pause", "a\tb"], ["events", "run-1/x"], ["alerts", "--run", "a b"]):
+            out = _cli(s.url, *argv)
+            assert out.returncode == 2 and "not a run name" in out.stderr and "Traceback" not in out.stderr, argv
+        assert _desired(c, "run-1")["generation"] == 0
+        follow = subprocess.run([str(TRAINGUARD), "events", "no-such-run", "--follow", "--url", s.url], capture_output=True,
+                                text=True, timeout=30, env=_env())
+        assert follow.returncode == 1 and "HTTP 404" in follow.stderr  # at once, not a stream that never speaks
+
+
+def test_urls_tokens_durations_and_files_the_cli_cannot_use_are_one_line_errors(tmp_path, capsys) -> None:
+    for argv, message in ((["runs", "--url", "http://[::1"], "is not a URL"),
+                          (["runs", "--url", "http://127.0.0.1:abc"], "is not a URL"),
+                          (["runs", "--url", "http://127.0.0.1:9", "--token", "tök€n"], "--token must be ASCII text")):
+        assert cli.main(argv) == 1, argv
+        assert message in capsys.readouterr().err
+    for ttl in ("inf", "1e308d", "0", "-1h", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive and finite"):
+            cli.parse_ttl(ttl)
+    bad = tmp_path / "rules.yaml"
+    bad.write_bytes(b"\xff\xfe rules: []")
+    assert cli.main(["rules", "check", str(bad)]) == 1
+    assert "can't decode" in capsys.readouterr().err
+    down = cli.main(["serve", "--db", "postgresql://x@127.0.0.1:1/db", "--port", "0"])
+    assert down == 2 and capsys.readouterr().err.startswith("trainguard serve: ")
+
+
+def test_a_redirect_is_an_error_not_an_empty_answer() -> None:
+    from trainguard.cli.client import checked
+
+    with pytest.raises(SystemExit, match="HTTP 301: redirected to 'https://tg.example/v1/runs'"):
+        checked(httpx.Response(301, headers={"location": "https://tg.example/v1/runs"}))
+    assert checked(httpx.Response(200, json=[1])) == [1]
+
+
+def test_events_print_control_characters_escaped() -> None:
+    from trainguard.cli.reads import _fmt_event
+
+    line = _fmt_event({"id": 7, "time": 0.0, "run": "run-1", "kind": "command", "actor": "op\x1b[2J",
+                       "generation": 3, "reason": "evil\x1b[31mRED\rOVER\x00"})
+    assert "\x1b" not in line and "\r" not in line and "\x00" not in line
+    assert line.endswith("op\\x1b[2J gen=3: evil\\x1b[31mRED\\rOVER\\x00")

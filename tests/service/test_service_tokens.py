@@ -103,6 +103,11 @@ def test_cli_creates_lists_and_revokes_tokens_against_a_served_controller(tmp_pa
     assert main(["token", "list", "--json", *common]) == 0
     rows = __import__("json").loads(capsys.readouterr().out)
     assert rows[0]["name"] == "fleet" and rows[0]["expires_at"] - rows[0]["created_at"] == 30 * 86400
+    assert main(["token", "create", "--scope", "read", "--ttl", "0.001s", "--name", "brief", *common]) == 0
+    capsys.readouterr()
+    assert main(["token", "list", *common]) == 0
+    states = {line.split()[1]: line.split()[-2] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert states == {"fleet": "live", "brief": "expired"}  # (an expired token read "live")
     assert main(["token", "revoke", "1", *common]) == 0
     capsys.readouterr()
     assert httpx.get(srv.url + "/v1/runs/r-1/desired", headers=_h(token)).status_code == 401

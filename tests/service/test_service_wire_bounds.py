@@ -113,3 +113,16 @@ def test_a_422_is_strict_json_and_lists_at_most_twenty_problems(app_factory: Cal
                           ["values"])
         assert len(answer["errors"]) == ERRORS_SHOWN == 20
         assert answer["detail"].endswith("(and 897 more)")
+
+
+def test_a_commands_reason_holds_no_control_character_but_tab_and_newline(app_factory: Callable[..., Any]) -> None:
+    """A reason is printed by ``trainguard events`` on operators' terminals: ESC sequences, CR and
+    NUL would act on them, a bidirectional override would reverse the text."""
+    with app_factory() as client:
+        register(client, world_size=1)
+        for reason in ("evil\x1b[31mRED", "a\rOVERWRITE", "a\x00b", "rtl\u202eevil", "\x9b2J"):
+            _refused(client, "/v1/runs/run-1/checkpoint", {"reason": reason}, ["body", "reason"])
+        assert client.get("/v1/runs/run-1").json()["desired_generation"] == 0
+        r = client.post("/v1/runs/run-1/checkpoint", json={"reason": "loss spike\n\tsee the dashboard; 損失"})
+        assert r.status_code == 200, r.text
+        assert client.get("/v1/runs/run-1").json()["desired"]["reason"] == "loss spike\n\tsee the dashboard; 損失"

@@ -301,6 +301,8 @@ def test_a_burst_of_audit_events_does_not_rebuild_the_run_status_per_event(make,
     ("https://tg.example", "https://tg.example", 200),  # the public address behind a TLS proxy
     ("https://tg.example:443", "https://tg.example", 200),
     ("http://tg.example", "https://tg.example", 403),
+    ("http://[::1", "", 403),  # no URL at all (urlsplit raised: a 500 before)
+    ("http://[vx.x]", "", 403),
 ])
 def test_the_origin_must_match_in_scheme_host_and_port(tmp_path, origin: str, external: str, status: int) -> None:
     settings = Settings(db=tmp_path / "tg.db", external_url=external, **TOKENS)

@@ -46,9 +46,10 @@ import httpx
 from pydantic import ValidationError
 
 from trainguard.cli import reads
-from trainguard.cli.client import DEFAULT_URL, checked, connect, show, when
+from trainguard.cli.client import DEFAULT_URL, run_name
 from trainguard.cli.reads import format_incidents, format_verdict
 from trainguard.cli.run_commands import add_command
+from trainguard.cli.tokens import add_token, parse_ttl
 from trainguard.protocol.commands import REGISTRY
 
 __all__ = ["main", "format_incidents", "format_verdict", "parse_ttl", "preflight"]
@@ -57,6 +58,7 @@ __all__ = ["main", "format_incidents", "format_verdict", "parse_ttl", "preflight
 def _serve(args: argparse.Namespace) -> int:
     from trainguard.service.app import create_app
     from trainguard.service.config import Settings
+    from trainguard.service.group_commit import StoreError
     from trainguard.service.rules import RulesError
     from trainguard.service.server import ControllerServer, make_config, startup_banner
 
@@ -68,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         print(f"trainguard serve: {msgs}", file=sys.stderr)
         return 2
-    except (RulesError, ValueError, OSError) as e:
+    except (RulesError, ValueError, OSError, StoreError) as e:
         print(f"trainguard serve: {e}", file=sys.stderr)
         return 2
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
@@ -109,60 +111,13 @@ def _rules_check(args: argparse.Namespace) -> int:
         with open(args.file, encoding="utf-8") as f:
             rs = load_rules(f.read(), check_names=True)
         require_rules(rs, remove_all=True, source="file")  # as the controller reads a --rules file
-    except (OSError, RulesError) as e:
+    except (OSError, RulesError, UnicodeDecodeError) as e:
         print(f"{args.file}: {e}", file=sys.stderr)
         return 1
     off = len(rs.file.rules) - len(rs.base)  # rules turned off (enabled: false): validated, not evaluated
     print(f"{args.file}: {len(rs.base)} rules" + (f" ({off} more turned off)" if off else "")
           + f", overrides for {len(rs.by_job)} job(s): OK")
     return 0
-
-
-_TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_ttl(text: str) -> float:
-    """``30d``, ``12h``, ``90m``, ``3600s`` or plain seconds -> seconds."""
-    unit = text[-1:].lower()
-    number = text[:-1] if unit in _TTL_UNITS else text
-    try:
-        value = float(number) * _TTL_UNITS.get(unit, 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 3600s)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
-    return value
-
-
-def _token(args: argparse.Namespace) -> int:
-    with connect(args) as c:
-        if args.token_cmd == "create":
-            body: dict[str, Any] = {"name": args.name, "scopes": args.scope.split("+"), "ttl_s": args.ttl}
-            if args.job is not None:
-                body["job"] = args.job
-            made = checked(c.post("/v1/tokens", json=body))
-            if args.json:
-                show(made)
-            else:
-                expires = "never" if made["expires_at"] is None else when(made["expires_at"])
-                print(f"token {made['id']} ({'+'.join(made['scopes'])}, jobs {made['job_pattern'] or '-'}, expires {expires}):")
-                print(made["token"])
-                print("It is shown only this once: store it now.", file=sys.stderr)
-        elif args.token_cmd == "list":
-            rows = checked(c.get("/v1/tokens"))
-            if args.json:
-                show(rows)
-                return 0
-            print(f"{'ID':>4} {'NAME':<20} {'SCOPES':<22} {'JOBS':<14} {'EXPIRES':<19} {'STATE':<8} CREATOR")
-            for t in rows:
-                state = "revoked" if t["revoked_at"] else "live"
-                expires = "never" if t["expires_at"] is None else when(t["expires_at"])
-                print(f"{t['id']:>4} {t['name'][:20]:<20} {'+'.join(t['scopes']):<22} {(t['job_pattern'] or '-'):<14} {expires:<19} {state:<8} {t['creator']}")
-        else:
-            show(checked(c.delete(f"/v1/tokens/{args.id}")))
-    return 0
-
-
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -265,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_run_commands(sub, client)
     _add_rules(sub)
-    _add_token(sub, client)
+    add_token(sub, client)
     _add_wrappers(sub)
     return p
 
@@ -296,22 +251,22 @@ def _add_run_commands(sub: Any, client: argparse.ArgumentParser) -> None:
     s.add_argument("--job")
     s.set_defaults(func=reads.runs)
     s = sub.add_parser("status", parents=[client], help="a run's status")
-    s.add_argument("run")
+    s.add_argument("run", type=run_name)
     s.set_defaults(func=reads.status)
     for spec in REGISTRY:
         if spec.operator:
             add_command(sub, client, spec)
     s = sub.add_parser("incidents", parents=[client], help="a run's incidents and the escalation rungs taken")
-    s.add_argument("run")
+    s.add_argument("run", type=run_name)
     s.set_defaults(func=reads.incidents)
     s = sub.add_parser("events", parents=[client], help="a run's audit log")
-    s.add_argument("run")
+    s.add_argument("run", type=run_name)
     s.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (Server-Sent Events)")
     s.add_argument("--after", type=int, default=0, help="only events with a larger id")
     s.set_defaults(func=reads.events)
     s = sub.add_parser("alerts", parents=[client], help="alerts, newest first")
     s.add_argument("--state", choices=["firing", "resolved"])
-    s.add_argument("--run")
+    s.add_argument("--run", type=run_name)
     s.set_defaults(func=reads.alerts)
 
 
@@ -321,22 +276,6 @@ def _add_rules(sub: Any) -> None:
     r = rsub.add_parser("check", help="validate a rules file offline")
     r.add_argument("file")
     r.set_defaults(func=_rules_check)
-
-
-def _add_token(sub: Any, client: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("token", help="tokens for a fleet: create, list, revoke (needs a token with the tokens scope)")
-    tsub = s.add_subparsers(dest="token_cmd", required=True)
-    t = tsub.add_parser("create", parents=[client], help="create a token (printed once)")
-    t.add_argument("--scope", required=True, help="'agent', or operator scopes joined by '+' (read+command)")
-    t.add_argument("--job", default=None, help="agent tokens: jobs whose runs it may register, e.g. 'llm-7b*'")
-    t.add_argument("--ttl", type=parse_ttl, default=None, help="lifetime: 30d, 12h, 90m, 3600s (default: none)")
-    t.add_argument("--name", default="", help="what it is for")
-    t.set_defaults(func=_token)
-    t = tsub.add_parser("list", parents=[client], help="list tokens (never the tokens themselves)")
-    t.set_defaults(func=_token)
-    t = tsub.add_parser("revoke", parents=[client], help="revoke a token by id")
-    t.add_argument("id", type=int)
-    t.set_defaults(func=_token)
 
 
 def _add_wrappers(sub: Any) -> None:
@@ -389,5 +328,11 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(args.func(args) or 0)
     except httpx.HTTPError as e:
         print(f"trainguard: cannot reach the controller at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
+        return 1
+    except httpx.InvalidURL as e:  # (not an HTTPError: a --url that is no URL)
+        print(f"trainguard: --url {getattr(args, 'url', '?')!r} is not a URL: {e}", file=sys.stderr)
+        return 1
+    except UnicodeEncodeError:  # (a header holds ASCII only: the token)
+        print("trainguard: --token must be ASCII text (a token as the controller printed it)", file=sys.stderr)
         return 1
 

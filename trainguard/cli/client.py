@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from datetime import datetime
 from typing import Any
 
 import httpx
 
-__all__ = ["DEFAULT_URL", "connect", "checked", "show", "when"]
+__all__ = ["DEFAULT_URL", "connect", "checked", "show", "when", "run_name"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def connect(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
@@ -21,8 +23,21 @@ def connect(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Cli
     return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=timeout)
 
 
+def run_name(text: str) -> str:
+    """A run's name as the controller names runs (``argparse`` type): anything else would become
+    another path in the URL (``other/../run-1`` is run-1) or never match a run."""
+    if not _RUN_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a run name: {text!r} (letters, digits, '.', '_', ':', '-'; "
+                                         "at most 128 characters, starting with a letter or digit)")
+    return text
+
+
 def checked(resp: httpx.Response) -> Any:
-    """The answer's JSON; ``SystemExit`` (status 1) with the status and the controller's detail for an error."""
+    """The answer's JSON; ``SystemExit`` (status 1) with the status and the controller's detail for an
+    error, or for a redirect (the controller answers none: a proxy in between, or another server)."""
+    if 300 <= resp.status_code < 400:
+        raise SystemExit(f"error: HTTP {resp.status_code}: redirected to {resp.headers.get('location', '?')!r}; "
+                         "give --url the controller's own address")
     if resp.status_code >= 400:
         try:
             detail = resp.json()

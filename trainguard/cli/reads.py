@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from trainguard.cli.client import checked, connect, show
+from trainguard.protocol.base import printable
 
 __all__ = ["runs", "status", "incidents", "events", "alerts", "format_incidents", "format_verdict"]
 
@@ -87,7 +88,8 @@ def _fmt_event(ev: dict[str, Any]) -> str:
 
     when = datetime.fromtimestamp(ev["time"]).strftime("%Y-%m-%d %H:%M:%S")
     gen = "" if ev.get("generation") is None else f" gen={ev['generation']}"
-    return f"{ev['id']:>6} {when} {ev['run']} {ev['kind']:<10} {ev['actor']}{gen}: {ev['reason']}"
+    # (escaped: a reason is free text, and a control character would act on the terminal)
+    return f"{ev['id']:>6} {when} {ev['run']} {ev['kind']:<10} {printable(ev['actor'])}{gen}: {printable(ev['reason'])}"
 
 
 def events(args: argparse.Namespace) -> int:
@@ -96,6 +98,7 @@ def events(args: argparse.Namespace) -> int:
             for ev in checked(c.get(f"/v1/runs/{args.run}/events", params={"after": args.after})):
                 print(json.dumps(ev) if args.json else _fmt_event(ev))
             return 0
+        checked(c.get(f"/v1/runs/{args.run}"))  # a run that does not exist: 404 now, not a stream of nothing
         params = {"run": args.run, "after": args.after}
         try:
             with c.stream("GET", "/v1/events/stream", params=params) as resp:

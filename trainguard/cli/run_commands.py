@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainguard.cli.client import checked, connect, show
+from trainguard.cli.client import checked, connect, run_name, show
 from trainguard.protocol.command_inputs import command_inputs, validation_message
 from trainguard.protocol.commands import BY_NAME, CommandSpec
 
@@ -24,7 +24,7 @@ def add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) ->
     given right after RUN (``trainguard lr-scale RUN 0.5``, ``trainguard reset-optimizer RUN a b``)."""
     summary = spec.summary.replace("%", "%%")  # argparse formats help texts with %
     s = sub.add_parser(spec.url, parents=[client], help=summary, description=summary)
-    s.add_argument("run")
+    s.add_argument("run", type=run_name)
     inputs = command_inputs(spec.request)
     types = {"number": float, "integer": int, "text": str, "list": str, "choice": str}
     for i, inp in enumerate(inputs):

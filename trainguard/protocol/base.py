@@ -4,12 +4,13 @@ command registry (:mod:`trainguard.protocol.commands`): pydantic only."""
 from __future__ import annotations
 
 import operator
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints
 from pydantic_core import PydanticCustomError
 
-__all__ = ["MAX_INT", "MAX_RANK", "Name", "MetricName", "Text", "Value", "Int", "Rank", "WireModel", "printable"]
+__all__ = ["MAX_INT", "MAX_RANK", "Name", "MetricName", "Text", "Prose", "Value", "Int", "Rank", "WireModel", "printable"]
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
@@ -39,6 +40,23 @@ def _printable_text(text: str) -> str:
 
 #: Printable text (bounded by each field's ``max_length``): see :func:`printable` for the agent's side.
 Text = Annotated[str, AfterValidator(_printable_text)]
+
+#: Control characters and the bidirectional overrides that text written by people may not hold
+#: (tab and newline may: a reason of several lines): ESC sequences, CR and NUL act on a terminal
+#: that prints the audit log, an override reverses what follows it.
+_NOT_PROSE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _prose(text: str) -> str:
+    bad = sorted({f"U+{ord(ch):04X}" for ch in _NOT_PROSE.findall(text)})
+    if bad:
+        raise PydanticCustomError("prose_text", "must be text without control characters (tab and newline aside); "
+                                  "it contains {bad}", {"bad": ", ".join(bad[:8])})
+    return text
+
+
+#: Text written by people (a command's reason): any characters but controls other than tab and newline.
+Prose = Annotated[str, AfterValidator(_prose)]
 
 
 def printable(text: str) -> str:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from trainguard.protocol.base import MAX_INT, Int, WireModel
+from trainguard.protocol.base import MAX_INT, Int, Prose, WireModel
 
 #: The range every LR multiplier is held in: an operator's value must lie in it, and a rule's or
 #: Alertmanager's factor is clamped to it (repeated halvings stop at the floor).
@@ -43,7 +43,7 @@ MAX_RESET_LAYERS = 64
 class CommandRequest(WireModel):
     """Body of an operator command without parameters (pause, resume, checkpoint, stop, ...)."""
 
-    reason: str = Field(default="", max_length=2000)
+    reason: Prose = Field(default="", max_length=2000)
 
 
 class RuleAction(BaseModel):
