@@ -65,6 +65,37 @@ def test_grad_norm_max_is_the_largest_finite_norm_of_the_interval() -> None:
     assert maxima[8] > 5 * maxima[4]  # the spike at step 6 was not a report step, and is not lost
 
 
+def test_grad_norm_max_is_nan_when_no_step_of_the_interval_had_a_finite_norm() -> None:
+    """It read 0.0 (a vanished gradient) when every norm of the interval was NaN; one finite norm
+    among NaN and Inf ones is still the interval's largest finite norm."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                      config=ta.AgentConfig(report_every=2, metrics_port=None))
+    poison = {4: math.nan, 5: math.inf, 6: math.nan}  # report 4: one finite norm beside a NaN; report 6: none
+    norms: dict[int, float] = {}
+    maxima: dict[int, float] = {}
+    try:
+        for step in range(1, 7):
+            loss = model(torch.randn(16, 6)).pow(2).mean() * poison.get(step, 1.0)
+            opt.zero_grad()
+            loss.backward()
+            norms[step] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+            for p in model.parameters():
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)  # (the weights stay finite for the next steps)
+            opt.step()
+            agent.end_step(loss.detach())
+            if step % 2 == 0:
+                maxima[step] = agent.latest()["trainguard_grad_norm_max"]
+    finally:
+        agent.close(timeout=5.0)
+    assert not math.isfinite(norms[4]) and not math.isfinite(norms[5]) and not math.isfinite(norms[6])
+    assert maxima[2] == pytest.approx(max(norms[1], norms[2]), rel=1e-6)
+    assert maxima[4] == pytest.approx(norms[3], rel=1e-6)  # the finite one of the interval
+    assert math.isnan(maxima[6])  # steps 5 and 6: no finite norm (0.0 before)
+
+
 def test_batches_the_data_monitor_drops_count_as_agent_errors() -> None:
     import threading
 

@@ -4,6 +4,8 @@ report step (``trainer_agent/report/pipeline.py``), without a host-device sync."
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["IntervalRows"]
@@ -56,5 +58,7 @@ class IntervalRows:
         dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
-            dev["trainguard_grad_norm_max"] = norms.nan_to_num(0.0, 0.0, 0.0).amax()  # the largest finite one
+            # The largest finite one; -inf (norms are never negative) when none was: NaN on the
+            # host (``in_flight.InFlight.read``), not a 0 that reads as a vanished gradient.
+            dev["trainguard_grad_norm_max"] = norms.nan_to_num(-math.inf, -math.inf, -math.inf).amax()
         rows.zero_()  # after its last reader above (device order)

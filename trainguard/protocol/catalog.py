@@ -110,7 +110,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_step", "steps", "Optimizer steps completed (the step number of the last end_step)."),
     _g("trainguard_loss", "1", "Loss passed to end_step at the last reported step; when a step since the previous report had a non-finite loss, the first such value instead (a NaN between reports is never lost)."),
     _g("trainguard_grad_norm", "1", "Global L2 norm of all gradients before clipping: sqrt(sum_p ||g_p||^2); for an accumulated step, of the accumulated gradient.", scope=JOB),
-    _g("trainguard_grad_norm_max", "1", "Largest finite global gradient norm (pre-clip) over the steps since the previous report: a spike between two reports is not missed. The controller's gradient rules read it.", scope=JOB),
+    _g("trainguard_grad_norm_max", "1", "Largest finite global gradient norm (pre-clip) over the steps since the previous report (NaN when none was finite): a spike between two reports is not missed. The controller's gradient rules read it.", scope=JOB),
     _g("trainguard_param_norm", "1", "Global L2 norm of the trainable parameters after the step: sqrt(sum_p ||W_p||^2).", scope=JOB),
     _g("trainguard_param_scale", "1", "Root mean square of the trainable parameters: ||W|| / sqrt(n), n = number of trainable elements; comparable across model sizes.", scope=JOB),
     _g("trainguard_update_ratio", "1", "Relative size of the last update: ||W_after - W_before|| / ||W_before|| over all trainable parameters. Healthy band about 1e-4..1e-2.", scope=JOB),
