@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from trainguard.service import statements as sql
 from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES, is_administrator
 from trainguard.service.deps import ControllerDep, TokensDep
+from trainguard.protocol.base import not_printable
 from trainguard.protocol.wire import MAX_INT
 
 __all__ = ["router", "TokenCreate"]
@@ -51,7 +52,7 @@ class TokenCreate(BaseModel):
     @field_validator("name")
     @classmethod
     def _printable(cls, name: str) -> str:
-        bad = sorted({f"U+{ord(ch):04X}" for ch in name if not ch.isprintable()})
+        bad = not_printable(name)
         if bad:
             raise ValueError(f"a token name must be printable text (it is logged and listed): it contains {', '.join(bad)}")
         return name

@@ -7,7 +7,6 @@ it is on the CPU; :meth:`InFlight.read` turns it into the report's host values a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +56,6 @@ class InFlight:
         at = d + self.desync_len
         flat = self.buffer.numpy()  # a view (pinned buffer or CPU tensor): no device read
         values = dict(zip(self.keys, flat[:n].tolist()))
-        if values.get("trainguard_grad_norm_max") == -math.inf:  # no step of the interval had a finite norm
-            values["trainguard_grad_norm_max"] = math.nan
         if not self.leader or (self.ranks == 1 and self.decode is None and not self.sketch_len):
             # one rank's values (this rank's own); lists of one
             own = self.rows.numpy()[:1] if self.rows is not None else flat[at:at + len(RANK_FIELDS)].reshape(1, -1)

@@ -8,7 +8,15 @@ import math
 
 import torch
 
+from trainer_agent.report.host_derived import HostDerived, Raw
+
 __all__ = ["IntervalRows"]
+
+
+def _no_finite_norm(raw: Raw, values: dict[str, float]) -> None:
+    """Host job: ``trainguard_grad_norm_max`` is NaN where no step of the interval had a finite norm."""
+    if values.get("trainguard_grad_norm_max") == -math.inf:
+        values["trainguard_grad_norm_max"] = math.nan
 
 
 class IntervalRows:
@@ -41,8 +49,10 @@ class IntervalRows:
             nan_where_bad = self.interval * 0
         return torch.count_nonzero(nan_where_bad.sum(dim=1))
 
-    def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        """The interval's report values into ``dev``, then the rows zeroed for the next one."""
+    def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor, grad_norm: torch.Tensor | None,
+               derived: HostDerived) -> None:
+        """The interval's report values into ``dev`` (and what the host makes of them into
+        ``derived``), then the rows zeroed for the next one."""
         rows = self.interval
         nan_where_bad = rows * 0  # x * 0 is NaN exactly where x is NaN or +-Inf, else 0
         losses, norms = rows.unbind(1)
@@ -58,7 +68,8 @@ class IntervalRows:
         dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
-            # The largest finite one; -inf (norms are never negative) when none was: NaN on the
-            # host (``in_flight.InFlight.read``), not a 0 that reads as a vanished gradient.
+            # The largest finite one; -inf (norms are never negative) when none was, which the host
+            # makes NaN: not a 0 that reads as a vanished gradient.
             dev["trainguard_grad_norm_max"] = norms.nan_to_num(-math.inf, -math.inf, -math.inf).amax()
+            derived.job(_no_finite_norm)
         rows.zero_()  # after its last reader above (device order)

@@ -155,7 +155,7 @@ class ReportPipeline:
         host = self._host_values(host_step)
         if amp_fused is not None:
             dev["trainguard_amp_skipped_steps_total"] = amp_fused + host.pop("trainguard_amp_skipped_steps_total")
-        self.rows.values(dev, loss_t, st.grad_norm)
+        self.rows.values(dev, loss_t, st.grad_norm, derived)
         param = self._param_values(dev, st, derived)
         self._optimizer_values(dev, host, st)
         if self.per_layer:

@@ -11,10 +11,12 @@ from typing import Any
 
 import httpx
 
+from trainguard.protocol.base import NAME_PATTERN
+
 __all__ = ["DEFAULT_URL", "connect", "checked", "show", "when", "run_name"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_RUN_NAME = re.compile(NAME_PATTERN)  # the controller's run names
 
 
 def connect(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:

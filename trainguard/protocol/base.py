@@ -10,16 +10,15 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints
 from pydantic_core import PydanticCustomError
 
-__all__ = ["MAX_INT", "MAX_RANK", "Name", "MetricName", "Text", "Prose", "Value", "Int", "Rank", "WireModel", "printable"]
+__all__ = ["MAX_INT", "MAX_RANK", "NAME_PATTERN", "Name", "not_printable", "MetricName", "Text", "Prose", "Value", "Int", "Rank", "WireModel", "printable"]
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
 MAX_INT = 2**63 - 1
 
 #: Job and run identifiers: also used in URLs and as Prometheus label values.
-Name = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$", strict=True)
-]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, strict=True)]
 
 #: A report value's key: a Prometheus metric name (the agent's catalogue's are up to 43 characters).
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_:][A-Za-z0-9_:]{0,127}$", strict=True)]
@@ -28,12 +27,17 @@ MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_:][A-Za-z0-9_:]
 Value = float
 
 
+def not_printable(text: str) -> list[str]:
+    """The characters of ``text`` that are not printable, as sorted ``U+XXXX`` (none: ``[]``)."""
+    return [] if text.isprintable() else sorted({f"U+{ord(ch):04X}" for ch in text if not ch.isprintable()})
+
+
 def _printable_text(text: str) -> str:
     """A name shown to people (a layer, a shard, a check): printable characters only. A control
     character, a lone surrogate or a bidirectional override would garble the console, the logs and
     the messages sent to webhooks."""
-    if not text.isprintable():
-        bad = sorted({f"U+{ord(ch):04X}" for ch in text if not ch.isprintable()})
+    bad = not_printable(text)
+    if bad:
         raise PydanticCustomError("printable_text", "must be printable text; it contains {bad}", {"bad": ", ".join(bad[:8])})
     return text
 
