@@ -62,11 +62,13 @@ def operator_only_rules(directory: Path) -> Path:
 
 class ControllerProcess:
     """``trainguard serve`` on a free loopback port with its own SQLite file; ``kill()`` sends
-    SIGKILL, ``start()`` starts it again on the same database (a new port unless given)."""
+    SIGKILL, ``start()`` starts it again on the same database (a new port unless given). ``env``:
+    ``TRAINGUARD_*`` settings for it (none from this process's environment are passed on)."""
 
-    def __init__(self, db: Path, rules: Path | None = None) -> None:
+    def __init__(self, db: Path, rules: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.db = db
         self.rules = rules
+        self.env = env or {}
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.port = 0
@@ -75,7 +77,7 @@ class ControllerProcess:
         self.proc = subprocess.Popen(
             [TRAINGUARD, "serve", "--host", "127.0.0.1", "--port", str(port), "--db", str(self.db)]
             + (["--rules", str(self.rules)] if self.rules is not None else []),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env() | self.env, cwd=ROOT,
         )
         assert self.proc.stdout is not None
         lines = []

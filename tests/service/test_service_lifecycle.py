@@ -160,6 +160,33 @@ def test_no_absence_alert_right_after_a_long_pause_ends(app_factory, hold):
         assert alert["values"]["silent_since"] == T0 + 3_600.0 and alert["values"]["last_report_at"] == T0
 
 
+def _evaluations(c) -> float:  # type: ignore[no-untyped-def]
+    """The controller's rule evaluations so far (absence checks included), from its /metrics."""
+    (line,) = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("trainguard_controller_rule_evaluations_total ")]
+    return float(line.split()[1])
+
+
+def test_the_time_a_controller_was_down_is_not_a_run_s_silence(app_factory):
+    now = [T0]
+    with app_factory(clock=lambda: now[0], tick_s=0.02) as c:
+        register(c, run="quiet")  # silent before the controller goes down: its alert fires
+        now[0] = T0 + 301.0
+        wait_until(lambda: status(c, "quiet")["status"] == "silent")
+        register(c, run="live")
+        assert c.post("/v1/runs/live/reports", json=report(1)).status_code == 200
+    now[0] = T0 + 1_000.0  # down for 699 s, more than the limit: "live" could not report meanwhile
+    with app_factory(clock=lambda: now[0], tick_s=0.02) as c:
+        ticks = _evaluations(c)
+        wait_until(lambda: _evaluations(c) >= ticks + 4)  # the ticker checked both runs at least twice
+        assert status(c, "live")["status"] == "running" and status(c, "live")["firing"] == []
+        assert status(c, "quiet")["status"] == "silent"  # silent before the restart: still firing, not resolved
+        assert [e["kind"] for e in c.get("/v1/runs/quiet/events").json()] == ["registered", "alert"]
+        now[0] = T0 + 1_300.0  # 300 s after the restart without a report: genuinely silent
+        wait_until(lambda: status(c, "live")["status"] == "silent")
+        (alert,) = status(c, "live")["firing_alerts"]
+        assert alert["values"]["silent_since"] == T0 + 1_000.0 and alert["values"]["last_report_at"] == T0 + 301.0
+
+
 # -- persistence --------------------------------------------------------------------------------
 def test_finished_and_resume_time_survive_a_restart_and_re_registration_makes_the_run_live(app_factory):
     now = [T0]

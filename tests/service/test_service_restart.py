@@ -1,5 +1,7 @@
 """A real ``trainguard serve`` process: SIGKILL and restart lose nothing (reports, desired state,
-alerts, audit log, a webhook message that was in flight); the CLI and the SSE stream."""
+alerts, audit log, a webhook message that was in flight); the CLI and the SSE stream. A healthy
+two-rank gloo job outlives a controller down for longer than the absence limit: no alert, no
+action, the command issued before the kill applied once on both ranks at the same step."""
 
 from __future__ import annotations
 
@@ -7,12 +9,17 @@ import json
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from trainguard.service.webhooks import verify
+from tests.control.procs import ROOT, ControllerProcess, Ranks, until
 from tests.service.conftest import wait_until
+from tests.tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -93,3 +100,61 @@ def test_sigkill_restart_loses_nothing(tmp_path, serve, receiver_factory):
     finally:
         follow.kill()
         follow.wait(10)
+
+
+SILENT_S = 7.0  # run_silent's limit here: longer than the agent's longest retry wait (5 s) after an outage
+
+
+def _evaluations(url: str) -> float:
+    """The controller's rule evaluations so far (reports' and the absence ticker's)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("trainguard_controller_rule_evaluations_total ")]
+    return float(line.split()[1])
+
+
+@pytest.mark.distributed
+def test_a_healthy_job_outlives_a_controller_down_longer_than_the_absence_limit(tmp_path: Path) -> None:
+    rules = yaml.safe_load((ROOT / "service" / "default_rules.yaml").read_text())
+    (silent,) = [r for r in rules["rules"] if r["name"] == "run_silent"]
+    silent["seconds"] = SILENT_S
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    ctl = ControllerProcess(tmp_path / "tg.db", rules=tmp_path / "rules.yaml", env={"TRAINGUARD_TICK_S": "0.1"}).start()
+    run = "outage-0"
+    try:
+        with FaultProxy(ctl.port) as proxy:
+            ranks = Ranks(2, {"scenario": "trials", "controller": proxy.url, "prefix": "outage", "trials": 1,
+                              "max_steps": 100_000, "jitter_s": 0.01}, tmp_path)
+            try:
+                assert until(lambda: ranks.exited() or (ctl.run_detail(run) or {}).get("reports", 0) >= 10, 120, 0.05)
+                gen = ctl.command(run, "checkpoint")["desired"]["generation"]
+                ctl.kill()  # right after the command: the ranks may not have seen it yet
+                proxy.set_mode("down")
+                time.sleep(SILENT_S + 1.0)  # down for longer than the limit
+                ctl.start()
+                proxy.set_upstream(ctl.port)
+                # The job cannot reach the restarted controller until its ticker has checked the run.
+                ticks = _evaluations(ctl.url)
+                assert until(lambda: _evaluations(ctl.url) >= ticks + 2, 60, 0.02)
+                assert ctl.run_detail(run)["firing"] == []  # the controller's downtime is no silence of the run
+                proxy.set_mode("pass")
+                assert until(lambda: ranks.exited() or ctl.run_detail(run)["applied_generation"] == gen, 60, 0.05)
+                reports = ctl.run_detail(run)["reports"]
+                assert until(lambda: ranks.exited() or ctl.run_detail(run)["reports"] >= reports + 10, 60, 0.05)
+                stop = ctl.command(run, "stop")["desired"]["generation"]
+                codes = ranks.wait(120)
+            finally:
+                ranks.kill()
+        assert codes == [0, 0], ranks.output()
+        logs = [json.loads((tmp_path / f"trials-rank{r}.json").read_text())[0] for r in range(2)]
+        # every rank: the checkpoint once, the stop, at the same steps; nothing else applied
+        assert [h[:6] for h in logs[0]["history"]] == [h[:6] for h in logs[1]["history"]]
+        assert [h[0] for h in logs[0]["history"]] == [gen, stop]
+        (ckpt, _), (end, _) = [(h[1], h[4]) for h in logs[0]["history"]]
+        assert logs[0]["checkpoints"] == logs[1]["checkpoints"] == [ckpt, end]
+        assert len(logs[0]["steps"]) == len(logs[1]["steps"]) == end
+        events = httpx.get(f"{ctl.url}/v1/runs/{run}/events", timeout=10).json()
+        assert not [e for e in events if e["kind"] == "alert" and e["data"]["rule"] == "run_silent"]
+        assert [e["generation"] for e in events if e["kind"] == "desired"] == [gen, stop]  # the operator's only
+        assert httpx.get(f"{ctl.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
+    finally:
+        ctl.kill()
