@@ -21,7 +21,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.outcomes import OutcomeRecorder
 from trainguard.service.rules_store import RulesStore
 from trainguard.service.run_owners import RunOwners
-from trainguard.service.runstate import RunState, resent
+from trainguard.service.runstate import RunState, resent, went_back
 from trainguard.service.transaction import Transaction
 from trainguard.service.webhooks import incident_update
 from trainguard.service.window import VECTORS, rank_vectors
@@ -66,6 +66,8 @@ class ReportIngest:
             return b'{"desired":' + st.publication.json + b',"alerts":[]}'
         now = self.clock()
         tx = Transaction()
+        if went_back(st.last_report, st.window.last_step, report.step_first):
+            tx.assign(st, window=st.window.restarted())  # the rules judge the job's new course only
         saved = st.window.save_next(ranks=bool(ranks))
         tx.on_rollback(lambda: st.window.rollback(saved))
         tx.assign(st.applied, reported=report.applied_generation)

@@ -18,7 +18,7 @@ from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["Applied", "Finish", "Publication", "RunState", "live", "action_names", "resent", "target_address"]
+__all__ = ["Applied", "Finish", "Publication", "RunState", "live", "action_names", "resent", "target_address", "went_back"]
 
 
 @dataclass(slots=True, eq=False)
@@ -185,6 +185,13 @@ def resent(last: tuple[int, int, float, dict[str, float], dict[str, np.ndarray]]
     if digest:
         return digest == ranks_digest(ranks)
     return all(np.array_equal(prev_ranks[k], v, equal_nan=True) for k, v in ranks.items())
+
+
+def went_back(last: tuple[Any, ...] | None, last_step: int | None, step_first: int) -> bool:
+    """Whether a report is the first since the run (re-)registered (``last``, the last report
+    since then, is None) and of a step it reported before (``last_step``, the window's newest):
+    its restarted job resumed from an earlier checkpoint."""
+    return last is None and last_step is not None and step_first <= last_step
 
 
 def live(d: DesiredState) -> bool:

@@ -29,7 +29,7 @@ from trainguard.service import statements as sql
 from trainguard.service.config import Settings
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.rules import RuleSet, require_rules
-from trainguard.service.runstate import Applied, Finish, Publication, RunState
+from trainguard.service.runstate import Applied, Finish, Publication, RunState, went_back
 from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
 from trainguard.protocol.wire import DesiredState
@@ -96,7 +96,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         recovery=RunRecovery.for_config(json.loads(row["config"]), ceiling=desired.lr_scale),
     )
     st.recovery.restore_incidents(store.read_now(lambda c: sql.recent_incidents(c, st.id, st.recovery.incidents.maxlen or 100)))
-    reports = store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports))
+    reports = _course(store.read_now(lambda c: sql.recent_reports(c, st.id, s.window_reports)), row["registered_at"])
     # The newest report's seq is the number of reports the run sent (``ReportIngest`` numbers them
     # from 1), however many older ones the database still holds.
     window.count = reports[-1]["seq"] - len(reports) if reports else 0
@@ -126,6 +126,16 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
         last = reports[-1]
         st.last_report = (last["step_first"], last["step_last"], last["time"], json.loads(last["vals"]), ranks)
     return st
+
+
+def _course(reports: list[sqlite3.Row], registered_at: float) -> list[sqlite3.Row]:
+    """The reports of the job's present course, as ingesting them left the window: from the
+    first report since the run's registration on when that one went back to a step reported
+    before (``runstate.went_back``: the window restarted there), else all of them."""
+    for i, rep in enumerate(reports):
+        if rep["received"] >= registered_at:
+            return reports[i:] if i and went_back(None, reports[i - 1]["step_last"], rep["step_first"]) else reports
+    return reports
 
 
 #: The ``X-Trainguard-Role`` of a controller reading its runs back: it holds the database (it is

@@ -220,6 +220,15 @@ class RunWindow:
         self.count, self._last_received = count, last_received
         return True
 
+    def restarted(self) -> "RunWindow":
+        """A window without the reports held here, its sequence numbers carrying on from
+        :attr:`count`: for a run whose restarted job went back to an earlier step (it resumed
+        from an older checkpoint), whose reports held here are of steps it will take again."""
+        fresh = RunWindow(capacity=self.capacity, rank_capacity=self._ring.capacity, world_size=self._ring.world_size,
+                          created=self._last_received)
+        fresh.count = self.count
+        return fresh
+
     def resize_world(self, world_size: int) -> None:
         """A re-registration with another world size: drop the per-rank history only."""
         if world_size != self._ring.world_size:

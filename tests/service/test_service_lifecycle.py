@@ -187,6 +187,33 @@ def test_the_time_a_controller_was_down_is_not_a_run_s_silence(app_factory):
         assert alert["values"]["silent_since"] == T0 + 1_000.0 and alert["values"]["last_report_at"] == T0 + 301.0
 
 
+def _loss_report(step: int) -> dict:
+    """A healthy run's report: the loss falls from 10 towards 1 along the steps (as it would again
+    after a resume from an earlier step's checkpoint), the gradient norm steady."""
+    loss = 1.0 + 9.0 * 0.9 ** step
+    return {"job": "job-a", "step_first": step, "step_last": step, "time": float(step),
+            "values": {"trainguard_loss": loss, "trainguard_grad_norm_max": 1.0 + 0.01 * (step % 3)}}
+
+
+def test_a_job_restarted_from_an_earlier_checkpoint_is_judged_on_its_new_course(app_factory):
+    with app_factory() as c:
+        register(c, run="resumed")
+        for step in range(1, 61):
+            assert c.post("/v1/runs/resumed/reports", json=_loss_report(step)).json()["alerts"] == []
+        register(c, run="resumed")  # the job died at step 60 and restarts from its checkpoint of step 5
+        alerts = [c.post("/v1/runs/resumed/reports", json=_loss_report(step)).json()["alerts"] for step in range(6, 30)]
+        assert alerts == [[]] * 24  # the loss of step 6 is not a spike over the steps 45-60 it left
+        window = c.app.state.controller.runs["resumed"].window
+        live = (window.count, window.series("trainguard_loss", 128).tolist())
+        assert live == (84, [_loss_report(step)["values"]["trainguard_loss"] for step in range(6, 30)])
+        events = c.get("/v1/runs/resumed/events").json()
+        assert [e["kind"] for e in events] == ["registered", "registered"] and status(c, "resumed")["firing"] == []
+    with app_factory() as c:  # a restarted controller reads the same window back
+        window = c.app.state.controller.runs["resumed"].window
+        assert (window.count, window.series("trainguard_loss", 128).tolist()) == live
+        assert c.post("/v1/runs/resumed/reports", json=_loss_report(30)).json()["alerts"] == []
+
+
 # -- persistence --------------------------------------------------------------------------------
 def test_finished_and_resume_time_survive_a_restart_and_re_registration_makes_the_run_live(app_factory):
     now = [T0]

@@ -1,7 +1,8 @@
 """A real ``trainguard serve`` process: SIGKILL and restart lose nothing (reports, desired state,
 alerts, audit log, a webhook message that was in flight); the CLI and the SSE stream. A healthy
 two-rank gloo job outlives a controller down for longer than the absence limit: no alert, no
-action, the command issued before the kill applied once on both ranks at the same step."""
+action, the command issued before the kill applied once on both ranks at the same step. A job
+that dies and restarts from an earlier checkpoint is judged on its new course: no false alert."""
 
 from __future__ import annotations
 
@@ -155,6 +156,39 @@ def test_a_healthy_job_outlives_a_controller_down_longer_than_the_absence_limit(
         events = httpx.get(f"{ctl.url}/v1/runs/{run}/events", timeout=10).json()
         assert not [e for e in events if e["kind"] == "alert" and e["data"]["rule"] == "run_silent"]
         assert [e["generation"] for e in events if e["kind"] == "desired"] == [gen, stop]  # the operator's only
+        assert httpx.get(f"{ctl.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
+    finally:
+        ctl.kill()
+
+
+@pytest.mark.distributed
+def test_a_job_restarted_from_an_earlier_checkpoint_opens_no_incident(tmp_path: Path) -> None:
+    ctl = ControllerProcess(tmp_path / "tg.db").start()  # the default rules, recovery included
+    run, worker = "resume-0", str(ROOT / "tests" / "control" / "resume_worker.py")
+    try:
+        first = Ranks(2, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,
+                          "crash_step": 150, "max_steps": 400}, tmp_path, worker=worker)
+        assert first.wait(180) == [1, 1], first.output()  # died at step 150
+        assert until(lambda: ctl.run_detail(run)["last_step"] == 149, 30, 0.05)  # (the report of step 150 died with it)
+        second = Ranks(2, {"scenario": "resume", "phase": "resume", "run": run, "controller": ctl.url,
+                           "max_steps": 400}, tmp_path, worker=worker)
+        try:
+            assert until(lambda: second.exited() or ctl.run_detail(run)["reports"] >= 149 + 40, 120, 0.05)
+            gen = ctl.command(run, "checkpoint")["desired"]["generation"]
+            assert until(lambda: second.exited() or ctl.run_detail(run)["applied_generation"] == gen, 60, 0.05)
+            stop = ctl.command(run, "stop")["desired"]["generation"]
+            codes = second.wait(120)
+        finally:
+            second.kill()
+        assert codes == [0, 0], second.output()
+        logs = [json.loads((tmp_path / f"resume-rank{r}.json").read_text()) for r in range(2)]
+        assert logs[0]["history"] == logs[1]["history"] and [h[0] for h in logs[0]["history"]] == [gen, stop]
+        assert logs[0]["checkpoints"] == logs[1]["checkpoints"] == [h[1] for h in logs[0]["history"]]
+        assert [r["steps"][0] for r in ctl.reports(run)][148:151] == [149, 11, 12]  # the step went back
+        events = httpx.get(f"{ctl.url}/v1/runs/{run}/events", timeout=10).json()
+        assert [e["generation"] for e in events if e["kind"] == "desired"] == [gen, stop]  # the operator's only
+        # (loss_not_decreasing, info, notify only, reads this small model's plateau, restart or not)
+        assert not [e["data"]["rule"] for e in events if e["kind"] == "alert" and e["data"]["rule"] != "loss_not_decreasing"]
         assert httpx.get(f"{ctl.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
     finally:
         ctl.kill()
