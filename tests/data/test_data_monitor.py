@@ -288,3 +288,24 @@ def test_registry_export_parsed_from_exposition():
         DataMonitor(100, registry=registry)
     with pytest.raises(ValueError, match="label"):
         DataMonitor(100, labels={"host": "x"})
+
+
+def test_all_padding_rows_are_no_sequences():
+    # A quarantined sample of TokenBatches (or a batch padded to its size) is a row of padding:
+    # counted as an empty sequence, every such row duplicated the others and shortened the lengths.
+    rng = np.random.default_rng(6)
+    rows = [list(rng.integers(1, 100, int(n))) for n in rng.integers(3, 12, 60)]
+    monitor = DataMonitor(100, window=200, near_duplicates=True, length_reference=20, min_length_samples=20)
+    real: list[tuple[int, ...]] = []
+    for start in range(0, 60, 6):
+        batch = rows[start:start + 6]
+        ids, mask = padded(batch + [[], []], 12, left=start % 12 == 0)  # two rows of padding
+        monitor.observe_batch(ids, mask)
+        real.extend(tuple(int(t) for t in s) for s in batch)
+    v = monitor.values()
+    assert v["trainguard_data_sequences_total"] == 60.0
+    assert v["trainguard_data_tokens_total"] == float(sum(len(s) for s in real))
+    assert v[DUP] == pytest.approx(naive_duplicate_ratio(real, 200), abs=1e-12) and v[DUP] == 0.0
+    assert v[NEAR] == 0.0
+    lengths = [len(s) for s in real]
+    assert v[PVALUE] == pytest.approx(stats.ks_2samp(lengths[:20], lengths[20:]).pvalue, abs=1e-9)

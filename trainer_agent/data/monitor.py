@@ -22,7 +22,8 @@ metric                                    definition
 ``trainguard_data_length_shift_pvalue``   two-sample Kolmogorov-Smirnov p-value, reference
                                           lengths vs window lengths. Alert when p < 0.05.
 ``trainguard_data_tokens_total``          non-padding tokens observed (token batches only).
-``trainguard_data_sequences_total``       sequences (or texts) observed.
+``trainguard_data_sequences_total``       sequences (or texts) observed; a row that is all
+                                          padding is no sequence and is not observed.
 ========================================  ====================================================
 
 Design, and what it costs
@@ -45,7 +46,8 @@ Design, and what it costs
 * ``DataFeed`` moves all of it off the training step: see its docstring.
 
 Exact duplicates and near-duplicates are measured on the content of the non-padding tokens, so the
-same sequence padded left, right or not at all is the same content.
+same sequence padded left, right or not at all is the same content; a row that is all padding (a
+quarantined sample of ``TokenBatches``) is left out of every signal.
 """
 
 from __future__ import annotations

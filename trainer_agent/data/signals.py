@@ -167,6 +167,9 @@ def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size
     else:
         flat = ids[mask]
         lengths = np.count_nonzero(mask, axis=1).astype(np.int64)
+        # A row that is all padding (a quarantined sample, a batch padded to its size) holds no
+        # sequence: it is left out, not counted as an empty sequence duplicating the others.
+        lengths = lengths[lengths > 0]
     if flat.size == 0:
         raise ValueError("batch holds no non-padding tokens")
     if vocab_size is not None:
@@ -176,7 +179,7 @@ def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size
             raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
         if flat.dtype != np.int64:
             flat = flat.astype(np.int64)
-    starts = np.zeros(nseq, dtype=np.int64)
+    starts = np.zeros(lengths.size, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     return _Batch(flat, lengths, starts)
 
