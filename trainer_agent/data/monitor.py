@@ -115,23 +115,46 @@ class DataMonitorConfig:
         for name in ("vocab_size", "window", "reference_tokens", "shingle", "bands", "rows", "min_length_samples",
                      "length_reference"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            if value is None:
+                continue
+            if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        if self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        self.special_ids = tuple(int(i) for i in self.special_ids)
-        for i in self.special_ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"special id {i} outside the vocabulary [0, {self.vocab_size})")
-        for name in ("window", "reference_tokens", "shingle", "bands", "rows", "min_length_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.length_reference is not None and self.length_reference < 1:
-            raise ValueError(f"length_reference must be >= 1, got {self.length_reference}")
-        if not (math.isfinite(self.kl_epsilon) and self.kl_epsilon > 0):
-            raise ValueError(f"kl_epsilon must be finite and > 0, got {self.kl_epsilon}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value > _LIMITS.get(name, value):
+                raise ValueError(f"{name} must be <= {_LIMITS[name]} ({_LIMIT_REASONS[name]}), got {value}")
+        self.special_ids = _token_ids(self.special_ids, self.vocab_size)
+        if self.pad_id is not None and not _is_int(self.pad_id):
+            raise ValueError(f"pad_id must be an integer or None, got {self.pad_id!r}")
+        eps = self.kl_epsilon
+        if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"kl_epsilon must be finite and > 0, got {eps!r}")
         if self.bands * self.rows > 4096:
             raise ValueError("bands * rows must be <= 4096")
+
+
+#: Upper bounds of the settings that size what a monitor allocates, and why.
+_LIMITS = {"vocab_size": 1 << 22, "window": 1 << 24, "length_reference": 1 << 24, "shingle": 4096}
+_LIMIT_REASONS = {"vocab_size": "the monitor keeps about 24 bytes per token id",
+                  "window": "the monitor keeps about 90 bytes and the tokens of each window sequence",
+                  "length_reference": "the reference keeps every length", "shingle": "tokens per shingle"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
+    """``ids`` as a tuple of token ids in ``[0, vocab_size)``; ``ValueError`` for anything else."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"special_ids must be a collection of token ids, got {ids!r}")
+    out = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)  # an array or tensor of ids
+    for i in out:
+        if not _is_int(i):
+            raise ValueError(f"special ids must be integers, got {i!r}")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"special id {i} outside the vocabulary [0, {vocab_size})")
+    return tuple(int(i) for i in out)
 
 
 class DataMonitor:
@@ -167,7 +190,7 @@ class DataMonitor:
         reference_lengths: Any = None,
         **options: Any,
     ) -> None:
-        self.config = DataMonitorConfig(vocab_size=vocab_size, special_ids=tuple(special_ids),
+        self.config = DataMonitorConfig(vocab_size=vocab_size, special_ids=special_ids,
                                         window=window, reference_tokens=reference_tokens, **options)
         cfg = self.config
         self.labels = _base_labels(labels)
