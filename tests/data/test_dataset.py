@@ -346,6 +346,40 @@ def test_a_corrupt_index_raises_in_the_training_loop(tmp_path: Path, workers: in
     assert loader.batch == 0  # nothing was received
 
 
+def test_a_shard_listed_twice_is_refused(shards) -> None:  # type: ignore[no-untyped-def]
+    infos, _ = shards
+    base = infos[0].path
+    # Each spelling read the shard's sequences twice an epoch (as many sequences as two shards).
+    for listed in ([infos[0], infos[0]], [base, infos[1].path, base.with_name(base.name + ".bin")],
+                   [base, base.parent / ".." / base.parent.name / base.name]):
+        with pytest.raises(ValueError, match="listed twice"):
+            TokenBatches(listed, batch_size=2, seq_len=8, rank=0, world_size=1)
+    one = TokenBatches(base.with_name(base.name + ".json"), batch_size=2, seq_len=8, rank=0, world_size=1)
+    assert one.paths == [base] and one.sequences == infos[0].sequences
+
+
+def test_an_index_length_that_wraps_the_bounds_check_is_corrupt(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path / "s", vocab_size=VOCAB, monitor=False) as w:
+        w.add([1, 2, 3])
+        w.add([4, 5])
+    entries = np.fromfile(tmp_path / "s.idx", dtype="<i8").reshape(2, 2)
+    entries[0] = (2, 2**63 - 1)  # offset + length wraps to a negative int64: read as in bounds
+    entries.tofile(tmp_path / "s.idx")
+    shard = TokenShard(tmp_path / "s")
+    with pytest.raises(ValueError, match="corrupt index"):
+        shard.sequence(0)
+    assert shard.sequence(1).tolist() == [4, 5]
+
+
+def test_a_description_with_an_infinite_count_is_malformed(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path / "s", vocab_size=VOCAB, monitor=False) as w:
+        w.add([1, 2, 3])
+    meta = (tmp_path / "s.json").read_text().replace('"sequences": 1', '"sequences": Infinity')
+    (tmp_path / "s.json").write_text(meta)  # Python's json reads it: int() raised OverflowError
+    with pytest.raises(ValueError, match="malformed shard description"):
+        TokenShard(tmp_path / "s")
+
+
 def test_the_documented_import_path_gives_the_modules_own_objects():
     """``trainer_agent.dataset`` (the documented path) re-exports the three modules of the dataset."""
     import trainer_agent.dataset as documented

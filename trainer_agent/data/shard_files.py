@@ -223,9 +223,7 @@ class TokenShard:
     shard."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        base = Path(path)
-        if base.suffix in (".bin", ".idx", ".json"):
-            base = base.with_suffix("")
+        base = _base(path)
         self.path = base
         bin_path, idx_path, json_path = _files(base)
         try:
@@ -240,7 +238,7 @@ class TokenShard:
             self.sequences = int(meta["sequences"])
             self.tokens = int(meta["tokens"])
             self.quality: dict[str, float] = dict(meta.get("quality") or {})
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"{json_path}: malformed shard description ({exc!r})") from None
         if self.dtype not in (np.dtype("<u2"), np.dtype("<u4")) or self.sequences < 1 or self.tokens < 1:
             raise ValueError(f"{json_path}: dtype {self.dtype}, {self.sequences} sequences, {self.tokens} tokens")
@@ -267,8 +265,9 @@ class TokenShard:
         rows = self.index[local]
         offsets, lengths = rows[:, 0], rows[:, 1]
         item = self.dtype.itemsize
+        # Compared without a sum, which a corrupt length near 2**63 wraps to a negative number.
         if ((offsets < 0) | (lengths < 1) | (offsets % item != 0)
-                | (offsets // item + lengths > self.tokens)).any():
+                | (lengths > self.tokens - offsets // item)).any():
             raise ValueError(f"{self.path}.idx: an entry points outside {self.path}.bin (corrupt index)")
         return offsets // item, lengths
 
@@ -280,6 +279,12 @@ class TokenShard:
         return self.data[start: start + length]
 
 
+def _base(path: str | os.PathLike[str]) -> Path:
+    """The base path of a shard given by its base path or by one of its three files."""
+    base = Path(path)
+    return base.with_suffix("") if base.suffix in (".bin", ".idx", ".json") else base
+
+
 def _shard_paths(shards: str | os.PathLike[str] | Sequence[Any]) -> list[Path]:
     if isinstance(shards, (str, os.PathLike)):
         root = Path(shards)
@@ -288,8 +293,13 @@ def _shard_paths(shards: str | os.PathLike[str] | Sequence[Any]) -> list[Path]:
             if not paths:
                 raise ValueError(f"no shard in {root}")
             return paths
-        return [root]
-    paths = [Path(s.path if isinstance(s, (ShardInfo, TokenShard)) else s) for s in shards]
+        return [_base(root)]
+    paths = [_base(s.path if isinstance(s, (ShardInfo, TokenShard)) else s) for s in shards]
     if not paths:
         raise ValueError("no shard given")
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        first = seen.setdefault(p.resolve(), p)
+        if first is not p:
+            raise ValueError(f"shard {p} is listed twice (also as {first}): an epoch would read its sequences twice")
     return paths
