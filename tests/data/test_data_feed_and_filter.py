@@ -125,3 +125,33 @@ def test_default_score_penalises_duplicates_and_special_tokens():
     filt = QualityFilter([a, a, b], score=DefaultQualityScore(duplicate_score=0.9))
     filt.step = 100_000  # threshold ~0.95: the duplicate is dropped
     assert list(filt) == [a, b] and filt.dropped == 1
+
+
+def test_a_sample_without_a_token_is_dropped_and_counted_not_raised():
+    # An empty sample or one that is all padding raised ValueError out of the filter's iteration:
+    # the training loop stopped on one bad sample.
+    empty, padding = torch.zeros(0, dtype=torch.long), {"input_ids": [3, 4], "attention_mask": [0, 0]}
+    a, b = [5, 6, 7], [8, 9]
+    filt = QualityFilter([a, empty, padding, b, a], score=DefaultQualityScore(window=10))
+    assert list(filt) == [a, b, a]  # step 0: threshold 0.8, the duplicate (0.9) kept
+    assert (filt.kept, filt.dropped) == (3, 2)
+    score = DefaultQualityScore(pad_id=0)
+    assert score([0, 0, 0]) == 0.0 and score([[1, 2], [0, 0]]) == 1.0 and score([1, 2]) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dynamic_threshold(math.nan), "step"),                     # a NaN threshold dropped every sample
+    (lambda: dynamic_threshold(1, decay_steps=math.nan), "decay_steps"),
+    (lambda: dynamic_threshold(1, initial=math.nan), "finite"),
+    (lambda: DefaultQualityScore(window=5.5), "window"),                # a TypeError
+    (lambda: DefaultQualityScore(duplicate_score="0.9"), "duplicate_score"),
+    (lambda: QualityFilter([], seed="a"), "seed"),
+])
+def test_bad_cleaning_settings_are_value_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_numpy_integer_settings_are_taken():
+    assert DefaultQualityScore(window=np.int64(3))([1, 2]) == 1.0
+    assert list(QualityFilter([[1]], score=lambda s: 1.0, seed=np.int64(3))) == [[1]]

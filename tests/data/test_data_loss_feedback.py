@@ -73,3 +73,14 @@ def test_bad_feedback_is_refused() -> None:
         sample_identity([0.5, 1.5])
     filt.record_losses([0, 1], [0.5, 0.7], keys=True)  # keys given directly
     assert filt.learned_cutoff() == pytest.approx(np.quantile([0.5, 0.7], 0.2))
+
+
+@pytest.mark.parametrize("column", [np.array([[0.1], [5.0]]), torch.tensor([[0.1], [5.0]])])
+def test_losses_of_shape_b_by_1_are_one_per_sample(column) -> None:
+    # A [B, 1] array or tensor raised TypeError half-way, leaving a list stored as a loss: the
+    # filter's next iteration then raised TypeError in the training loop.
+    a, b = [5, 6, 7], [8, 9, 10]
+    filt = QualityFilter([a, b], score=lambda s: 1.0, learned_quantile=0.5, learned_keep=0.0)
+    filt.record_losses([a, b], column)
+    assert filt.learned_cutoff() == pytest.approx(np.quantile([0.1, 5.0], 0.5))
+    assert list(filt) == [b] and filt.downsampled == 1

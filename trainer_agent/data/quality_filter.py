@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -30,10 +31,12 @@ def dynamic_threshold(step: float, initial: float = 0.8, final: float = 0.95,
 
     Starts at ``initial`` (keep more noisy data early, for robustness) and rises towards
     ``final``."""
-    if step < 0:
+    if not step >= 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    if decay_steps <= 0:
+    if not decay_steps > 0:
         raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+    if not (math.isfinite(initial) and math.isfinite(final)):
+        raise ValueError(f"initial and final must be finite, got {initial}, {final}")
     return final - (final - initial) * math.exp(-step / decay_steps)
 
 
@@ -53,22 +56,25 @@ class DefaultQualityScore:
 
     def __init__(self, *, special_ids: Iterable[int] = (), window: int = 10_000,
                  duplicate_score: float = 0.9, pad_id: int | None = None) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        if not 0.0 <= duplicate_score <= 1.0:
-            raise ValueError(f"duplicate_score must lie in [0, 1], got {duplicate_score}")
+        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if not (isinstance(duplicate_score, numbers.Real) and 0.0 <= duplicate_score <= 1.0):
+            raise ValueError(f"duplicate_score must lie in [0, 1], got {duplicate_score!r}")
         self.special_ids = np.array(sorted({int(i) for i in special_ids}), dtype=np.int64)
         self.duplicate_score = duplicate_score
         self.pad_id = pad_id
         self._hasher = _Hasher(None, 1, 1, 1)
-        self._recent: deque[int] = deque(maxlen=window)
+        self._recent: deque[int] = deque(maxlen=int(window))
         self._seen: Counter[int] = Counter()
 
     def __call__(self, sample: Any) -> float:
+        """The sample's score; 0 for a sample without a token (empty, or all padding)."""
         if isinstance(sample, Mapping):
-            batch = _flatten(sample["input_ids"], sample.get("attention_mask"), self.pad_id, None)
+            batch = _flatten(sample["input_ids"], sample.get("attention_mask"), self.pad_id, None, allow_empty=True)
         else:
-            batch = _flatten(sample, None, self.pad_id, None)
+            batch = _flatten(sample, None, self.pad_id, None, allow_empty=True)
+        if batch.flat.size == 0:
+            return 0.0  # nothing to learn from: dropped at any threshold, and counted
         hashes, _ = self._hasher.digest(batch, near=False)
         score = 1.0
         if self.special_ids.size:
@@ -150,6 +156,8 @@ class QualityFilter:
         for name, v in (("loss_window", loss_window), ("max_tracked", max_tracked)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.dataset = dataset
         self.score = score if score is not None else DefaultQualityScore()
         self.current_step = current_step
@@ -182,7 +190,8 @@ class QualityFilter:
         keys (see ``key``). ``ValueError`` for a length mismatch or non-numeric losses."""
         if isinstance(losses, torch.Tensor):
             losses = losses.detach().to("cpu", torch.float64).numpy()
-        values = np.asarray(losses, dtype=np.float64).reshape(-1) if not isinstance(losses, np.ndarray) else losses
+        values = np.asarray(losses, dtype=np.float64) if not isinstance(losses, np.ndarray) else losses
+        values = values.reshape(-1)  # one loss per sample: [B] or [B, 1]
         if values.dtype.kind not in "fiu":
             raise ValueError(f"losses must be numbers, got dtype {values.dtype}")
         ks = list(samples) if keys else [self.key(s) for s in samples]

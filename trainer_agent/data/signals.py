@@ -138,7 +138,13 @@ def _as_numpy(x: Any, what: str) -> np.ndarray:
     return arr
 
 
-def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size: int | None) -> _Batch:
+_NO_TOKENS = _Batch(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size: int | None,
+             *, allow_empty: bool = False) -> _Batch:
+    """The batch's non-padding tokens; a batch without any is a ``ValueError`` (with
+    ``allow_empty``: a batch of no sequence)."""
     ids = _as_numpy(input_ids, "input_ids")
     if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids must hold integers, got dtype {ids.dtype}")
@@ -147,19 +153,10 @@ def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size
     elif ids.ndim != 2:
         raise ValueError(f"input_ids must be 1-D (one sequence) or 2-D (batch), got shape {ids.shape}")
     if ids.size == 0:
+        if allow_empty:
+            return _NO_TOKENS
         raise ValueError(f"empty batch: input_ids has shape {ids.shape}")
-    mask = None
-    if attention_mask is not None:
-        m = _as_numpy(attention_mask, "attention_mask")
-        if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.integer):
-            raise ValueError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {m.dtype}")
-        if m.ndim == 1:
-            m = m[None, :]
-        if m.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {m.shape} differs from input_ids shape {ids.shape}")
-        mask = m if m.dtype == np.bool_ else m != 0
-    elif pad_id is not None:
-        mask = ids != pad_id
+    mask = _token_mask(ids, attention_mask, pad_id)
     nseq, width = ids.shape
     if mask is None:
         flat = ids.reshape(-1)
@@ -171,6 +168,8 @@ def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size
         # sequence: it is left out, not counted as an empty sequence duplicating the others.
         lengths = lengths[lengths > 0]
     if flat.size == 0:
+        if allow_empty:
+            return _NO_TOKENS
         raise ValueError("batch holds no non-padding tokens")
     if vocab_size is not None:
         lo, hi = int(flat.min()), int(flat.max())
@@ -182,6 +181,20 @@ def _flatten(input_ids: Any, attention_mask: Any, pad_id: int | None, vocab_size
     starts = np.zeros(lengths.size, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     return _Batch(flat, lengths, starts)
+
+
+def _token_mask(ids: np.ndarray, attention_mask: Any, pad_id: int | None) -> np.ndarray | None:
+    """True on the tokens of ``ids`` [B, L], from the attention mask or else ``pad_id``; None: all."""
+    if attention_mask is None:
+        return None if pad_id is None else ids != pad_id
+    m = _as_numpy(attention_mask, "attention_mask")
+    if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.integer):
+        raise ValueError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {m.dtype}")
+    if m.ndim == 1:
+        m = m[None, :]
+    if m.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {m.shape} differs from input_ids shape {ids.shape}")
+    return m if m.dtype == np.bool_ else m != 0
 
 
 # Ordinary whitespace is not counted as a control character in raw text.
