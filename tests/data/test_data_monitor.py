@@ -237,6 +237,12 @@ def test_inputs_dtypes_shapes_and_devices_agree():
     (torch.zeros((1, 2, 3), dtype=torch.int64), None, "1-D"),
     (torch.tensor([[1, 2]]), torch.tensor([[1, 1, 1]]), "shape"),
     (torch.tensor([[1, 2]]), torch.tensor([[1.0, 1.0]]), "attention_mask"),
+    # Each of these raised numpy's or torch's own error (TypeError, NotImplementedError) or a
+    # message that did not say what to pass.
+    ({"input_ids": torch.tensor([[1, 2]])}, None, "got a dict; pass its 'input_ids'"),
+    ([[1, 2], [3]], None, "rows of one length"),
+    (torch.zeros((2, 3), dtype=torch.int64, device="meta"), None, "dense tensor with data"),
+    (torch.tensor([[1, 0], [0, 2]]).to_sparse(), None, "dense tensor with data"),
 ])
 def test_bad_batches_raise_and_leave_the_monitor_unchanged(ids, mask, match):
     monitor = DataMonitor(128, window=10)

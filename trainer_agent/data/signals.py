@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -129,12 +129,20 @@ def _as_numpy(x: Any, what: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.dtype.is_complex:
             raise ValueError(f"{what} must hold integers, got a {x.dtype} tensor")
+        if x.is_meta or x.layout != torch.strided:
+            raise ValueError(f"{what} must be a dense tensor with data, got a {x.layout} tensor on {x.device}")
         # Host-device sync point when x is on an accelerator: the standalone monitor reads the
         # batch now. Inside a training loop, hand the batch to DataFeed instead (no sync).
         return x.detach().cpu().numpy()
-    arr = np.asarray(x)
+    if isinstance(x, Mapping):  # a whole batch: {"input_ids": ..., "attention_mask": ...}
+        raise ValueError(f"{what} must be a tensor or array, got a {type(x).__name__}; pass its "
+                         f"'input_ids' and 'attention_mask'")
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged rows
+        arr = np.empty(0, dtype=object)
     if arr.dtype == object:
-        raise ValueError(f"{what} must be a rectangular integer array")
+        raise ValueError(f"{what} must be a rectangular integer array (rows of one length)")
     return arr
 
 
