@@ -389,3 +389,23 @@ def test_the_documented_import_path_gives_the_modules_own_objects():
         for name in module.__all__:
             assert getattr(documented, name) is getattr(module, name), name
     assert set(documented.__all__) == {n for m in (shard_files, sharded_dataset, token_loader) for n in m.__all__}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_token_id_outside_the_shards_vocabulary_raises_in_the_training_loop(tmp_path: Path, workers: int) -> None:
+    # A corrupt .bin (ids are uint16 for a vocabulary of 1000) handed ids >= vocab_size to the
+    # model's embedding: an IndexError there, a device-side assert on CUDA.
+    seqs = _sequences(8)
+    write_shards(tmp_path, seqs, vocab_size=VOCAB, tokens_per_shard=10**9, monitor=False, prefix="p")
+    data = np.fromfile(tmp_path / "p-00000.bin", dtype="<u2")
+    victim = 5
+    data[sum(len(s) for s in seqs[:victim]) + 2] = 60_000
+    data.tofile(tmp_path / "p-00000.bin")
+    ds = TokenBatches(tmp_path, batch_size=1, seq_len=64, pad_id=VOCAB + 7, rank=0, world_size=1)
+    loader = TokenLoader(ds, num_workers=workers)
+    got = []
+    with pytest.raises(ValueError, match=f"sequence {victim} holds token id 60000, outside the vocabulary"):
+        for batch in loader:
+            got.append(batch)
+    assert len(got) == int(np.flatnonzero(ds.order(0)(np.arange(8)) == victim)[0])  # the batches before it
+    assert all(int(b["input_ids"][b["attention_mask"] == 1].max()) < VOCAB for b in got)  # padding VOCAB + 7 is no token

@@ -140,6 +140,8 @@ class TokenBatches(IterableDataset):
     docstring for the order and the seeds.
 
     ``rank``/``world_size``: default to the default process group's (0 and 1 without one).
+    A batch of a corrupt shard (an index entry outside its ``.bin``, a token id outside its
+    vocabulary) is a ``ValueError`` in the training loop, naming the shard and the sequence.
     """
 
     def __init__(self, shards: str | os.PathLike[str] | Sequence[Any], *, batch_size: int, seq_len: int,
@@ -163,6 +165,7 @@ class TokenBatches(IterableDataset):
         self.sequences = sum(len(s) for s in opened)
         self.tokens = sum(s.tokens for s in opened)
         self._starts = np.cumsum([0] + [len(s) for s in opened[:-1]], dtype=np.int64)
+        self._vocab_sizes = [s.vocab_size for s in opened]
         self.batches_per_epoch = self.sequences // (world_size * batch_size)
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.sequences} sequences make no batch of {batch_size} on each of {world_size} ranks")
@@ -240,8 +243,22 @@ class TokenBatches(IterableDataset):
             input_ids[row, :length] = data[s][start: start + length]
             mask[row, :length] = 1
             tokens += length
+        if tokens and int(input_ids.max()) >= min(self._vocab_sizes):  # padding included: rare
+            self._check_vocabulary(epoch, batch, input_ids, mask)
         return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(mask),
                 "tokens": tokens}
+
+    def _check_vocabulary(self, epoch: int, batch: int, input_ids: np.ndarray, mask: np.ndarray) -> None:
+        """``ValueError`` for a token id outside its shard's vocabulary (a corrupt ``.bin``), which
+        would reach the model's embedding."""
+        which, _, _ = self._plan(epoch, batch)
+        for row, seq in enumerate(self.sequence_ids(epoch, batch).tolist()):
+            vocab = self._vocab_sizes[which[row]]
+            tokens = input_ids[row][mask[row] == 1]
+            if tokens.size and int(tokens.max()) >= vocab:
+                (path, (index,)), = self.locate([seq]).items()
+                raise ValueError(f"{path}.bin: sequence {index} holds token id {int(tokens.max())}, outside "
+                                 f"the vocabulary [0, {vocab}) of {path}.json (a corrupt shard)")
 
     def locate(self, ids: Iterable[int]) -> dict[str, list[int]]:
         """Where global sequence numbers ``ids`` live: ``{shard base path: [index in that shard]}``."""
