@@ -183,6 +183,51 @@ def test_mixed_precision_with_a_grad_scaler_measures_the_unscaled_gradients(tmp_
         assert ours["trainguard_loss_scale"] == 2.0**10 and ours["trainguard_amp_skipped_steps_total"] == 0.0
 
 
+class _ManualLM(_TinyLM):
+    """Manual optimization as Lightning's docs write it: ``manual_backward`` of each micro-batch's
+    loss divided by the micro-batches per step, an optimizer step after the last, no loss returned."""
+
+    def __init__(self, accumulation: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.accumulation = accumulation
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        opt = self.optimizers()
+        ids = batch["input_ids"]
+        loss = nn.functional.cross_entropy(self.out(self.emb(ids[:, :-1])).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        self.micro.append(loss.item())
+        self.manual_backward(loss / self.accumulation)
+        if (batch_idx + 1) % self.accumulation == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_manual_optimization_without_a_returned_loss_reports_each_step(tmp_path: Path, accumulation: int) -> None:
+    # Under float16 mixed precision with a GradScaler: manual_backward is given the unscaled loss,
+    # which the plugin scales before the backward pass; the reported loss is the unscaled one.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    guard = TrainguardCallback(job="pl-job", run="pl-manual", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    module = _ManualLM(accumulation)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = _trainer(tmp_path, [guard, record], 1, plugins=[plugin], max_steps=4)
+    _fit(trainer, module, 8 * accumulation * BATCH)
+    assert trainer.global_step == 4 and guard.agent.step == 4
+    assert sorted(record.ours) == sorted(module.ref) == [1, 2, 3, 4]
+    for step, ours in record.ours.items():
+        ref_loss, ref_norm = module.ref[step]  # the mean of the step's micro-batch losses
+        assert ours["trainguard_step"] == step
+        assert ours["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6), step
+        assert ours["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5), step
+        assert ours["trainguard_tokens_per_second"] * ours["trainguard_step_duration_seconds"] == pytest.approx(
+            BATCH * SEQ * accumulation)
+    assert guard.agent.latest()["trainguard_agent_errors_total"] == 0.0
+    assert "manual_backward" not in vars(module)  # unwrapped at fit end
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path: Path, accumulation: int) -> None:
     guard = TrainguardCallback(job="pl-job", run="pl-nan",

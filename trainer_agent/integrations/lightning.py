@@ -12,7 +12,10 @@
                          counted; when ``trainer.global_step`` moved (an optimizer step was taken or
                          skipped), ``agent.end_step(loss)`` with the *mean of the micro-batches'
                          training_step losses*, whatever the window's length (the last window of an
-                         epoch may be shorter). The controller's ``stop`` sets ``trainer.should_stop``;
+                         epoch may be shorter). Manual optimization, a ``training_step`` that returns
+                         no loss: the losses it gave to ``manual_backward``, and the step's loss is
+                         the *sum* of its micro-batches' (the loss its gradient is of).
+                         The controller's ``stop`` sets ``trainer.should_stop``;
                          its ``checkpoint`` (and a stop) calls ``trainer.save_checkpoint`` into
                          ``checkpoint_dir`` (default: the ModelCheckpoint's folder, else
                          ``<default_root_dir>/checkpoints``) as ``trainguard-step=<step>.ckpt``.
@@ -33,7 +36,9 @@ step still ran the closure once (``trainer_agent/measure/optim.py``).
 Tokens per micro-batch: ``count_tokens(batch)`` when given, else the ``input_ids`` of a mapping or an
 integer tensor (alone or first in a tuple/list); another batch has no token count. Keyword arguments
 after ``run`` go to ``trainer_agent.attach`` (``config``, ``controller``, ``token``, ...). One
-optimizer (automatic optimization, or manual with one optimizer).
+optimizer (automatic optimization, or manual with one optimizer; under manual optimization the
+callback wraps the module instance's ``manual_backward`` from fit start to fit end, to add up the
+losses it is given, before a GradScaler scales them).
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class TrainguardCallback(Callback):
         self._count_tokens = count_tokens or tokens_of
         self._global_step = 0
         self._restored: dict[str, Any] | None = None
+        self._backward_loss: Any = None  # manual optimization: this batch's losses given to manual_backward
+        self._summed = False  # the step's loss is the sum of its micro-batches' (their backward losses)
+        self._wrapped: tuple[LightningModule, bool, Any] | None = None
 
     @property
     def agent(self) -> Any:
@@ -88,6 +96,9 @@ class TrainguardCallback(Callback):
             state, self._restored = self._restored, None
             agent.load_state_dict(state)
         self._global_step = trainer.global_step
+        self._backward_loss, self._summed = None, False
+        if not pl_module.automatic_optimization:
+            self._wrap_manual_backward(pl_module)
 
     def state_dict(self) -> dict[str, Any]:
         """Saved by Lightning in every checkpoint: the agent's counters and control state."""
@@ -102,6 +113,9 @@ class TrainguardCallback(Callback):
                            batch_idx: int) -> None:
         session = self._session
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        backward, self._backward_loss = self._backward_loss, None
+        if not hasattr(loss, "detach") and backward is not None:  # manual optimization, no loss returned
+            loss, self._summed = backward, True
         if loss is not None and hasattr(loss, "detach"):
             session.add_micro_batch(loss, self._count_tokens(batch))
         if trainer.global_step == self._global_step:
@@ -110,7 +124,9 @@ class TrainguardCallback(Callback):
         # Lightning divides each micro-batch's loss by accumulate_grad_batches (automatic optimization)
         normalised_by = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         count = session.micro_batches
-        session.end_step(normalised_by / count if count else 1.0)  # may block while paused
+        scale = 1.0 if self._summed or not count else normalised_by / count
+        self._summed = False
+        session.end_step(scale)  # may block while paused
         if session.take_checkpoint_request():
             trainer.save_checkpoint(os.path.join(self._dirpath(trainer), f"trainguard-step={trainer.global_step}.ckpt"))
         applied = session.applied_lrs()
@@ -120,10 +136,39 @@ class TrainguardCallback(Callback):
             trainer.should_stop = True
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._unwrap()
         self._session.close()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._unwrap()
         self._session.close()
+
+    # ------------------------------------------------------------------ manual optimization's losses
+
+    def _wrap_manual_backward(self, module: LightningModule) -> None:
+        inner = module.manual_backward  # the bound method (or a user's own override)
+
+        def manual_backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                detached = loss.detach()
+                self._backward_loss = detached if self._backward_loss is None else self._backward_loss + detached
+            except Exception as exc:  # noqa: BLE001 - never raise into the loop; Lightning reports its own
+                if self._session.agent is not None:
+                    self._session.agent._error("integration_loss", exc)
+            return inner(loss, *args, **kwargs)
+
+        self._unwrap()
+        self._wrapped = (module, "manual_backward" in vars(module), inner)
+        object.__setattr__(module, "manual_backward", manual_backward)
+
+    def _unwrap(self) -> None:
+        wrapped, self._wrapped = self._wrapped, None
+        if wrapped is not None:
+            module, had_own, inner = wrapped
+            if had_own:
+                object.__setattr__(module, "manual_backward", inner)
+            else:
+                vars(module).pop("manual_backward", None)
 
     def _dirpath(self, trainer: Trainer) -> str:
         if self._checkpoint_dir is not None:
