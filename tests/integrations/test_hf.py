@@ -128,6 +128,42 @@ def test_a_resumed_train_goes_on_from_the_checkpoints_step(tmp_path: Path) -> No
     assert sorted(record.ours) == [4, 5] and [record.ours[s]["trainguard_step"] for s in (4, 5)] == [4.0, 5.0]
 
 
+class _Interrupt(TrainerCallback):
+    """Raises KeyboardInterrupt out of ``train()`` at the end of step 2, once (a Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.armed and state.global_step == 2:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("closed_by_user", [False, True])
+def test_a_train_after_one_that_raised_reports_the_trainers_values(tmp_path: Path, closed_by_user: bool) -> None:
+    guard = TrainguardCallback(job="hf-job", run="hf-retry", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    trainer = Trainer(model=_model(), args=_args(tmp_path, 2, 3), train_dataset=_Tokens(64),
+                      callbacks=[guard, record, _Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    first = guard.agent
+    if closed_by_user:  # the module docstring's finally
+        first.close()
+    record.ours.clear()
+    record.logged.clear()
+    trainer.train()  # the Trainer starts again from step 1
+    assert guard.agent is not first and first._closed
+    assert sorted(record.logged) == sorted(record.ours) == [1, 2, 3]
+    for step in (1, 2, 3):
+        ours, logged = record.ours[step], record.logged[step]
+        assert ours["trainguard_step"] == step
+        assert ours["trainguard_loss"] == pytest.approx(logged["loss"], rel=1e-7), step
+        assert ours["trainguard_grad_norm"] == pytest.approx(logged["grad_norm"], rel=1e-5), step
+    assert "training_step" not in vars(trainer) and "log" not in vars(trainer)
+
+
 @pytest.mark.integration
 def test_operator_commands_act_on_the_trainer(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path / "trainguard.db").start()

@@ -38,7 +38,8 @@ wrapper only adds up the returned loss, a device tensor (no host read). It wraps
 both at ``on_train_end``. Keyword arguments after
 ``run`` go to ``trainer_agent.attach`` (``config``, ``controller``, ``token``, ...). When ``train()``
 raises, the Trainer calls no end hook: close the agent in your ``finally`` (``callback.agent.close()``;
-a second close does nothing).
+a second close does nothing); a later ``train()`` unwraps the Trainer and attaches a new agent all
+the same.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class TrainguardCallback(TrainerCallback):
         return self._session.agent
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._unwrap()  # a train() that raised left the Trainer wrapped and its agent open
+        self._session.close()
         trainer = self._find_trainer(inspect.currentframe())
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         agent = self._session.attach(kwargs["model"], kwargs["optimizer"], scaler=scaler,
