@@ -432,3 +432,30 @@ def test_a_resumed_fit_goes_on_from_the_checkpoints_step(tmp_path: Path) -> None
     latest = guard.agent.latest()
     assert latest['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0  # step 2's skip, restored with the control state
     assert latest["trainguard_nonfinite_steps_total"] == 1.0
+
+
+def test_a_fit_resumed_from_a_step_checkpoint_with_accumulation_ends_the_trainers_steps(tmp_path: Path) -> None:
+    # Lightning restores global_step after on_fit_start: the resumed fit's first micro-batch (of 2)
+    # is not the end of a step.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    guard = TrainguardCallback(job="pl-job", run="pl-resume-acc", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    _fit(L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=2, max_steps=4, callbacks=[guard, checkpoints],
+                   enable_progress_bar=False, logger=False, enable_model_summary=False, default_root_dir=str(tmp_path)),
+         _TinyLM(), 20 * BATCH)
+    guard = TrainguardCallback(job="pl-job", run="pl-resume-acc", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    module = _TinyLM()
+    trainer = _trainer(tmp_path, [guard, record], 2, max_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(_Tokens(20 * BATCH), batch_size=BATCH),
+                    ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt"))
+    assert trainer.global_step == 6 and guard.agent.step == 6
+    assert sorted(module.ref) == [4, 5, 6]
+    for step in (4, 5, 6):
+        ours, (ref_loss, ref_norm) = record.ours[step], module.ref[step]
+        assert ours["trainguard_step"] == step
+        assert ours["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6), step
+        assert ours["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5), step

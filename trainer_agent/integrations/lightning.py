@@ -95,10 +95,13 @@ class TrainguardCallback(Callback):
         if self._restored is not None:  # fit(ckpt_path=...): the agent goes on from the checkpoint's step
             state, self._restored = self._restored, None
             agent.load_state_dict(state)
-        self._global_step = trainer.global_step
         self._backward_loss, self._summed = None, False
         if not pl_module.automatic_optimization:
             self._wrap_manual_backward(pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After fit(ckpt_path=...) restored the loops (after on_fit_start): the checkpoint's step.
+        self._global_step = trainer.global_step
 
     def state_dict(self) -> dict[str, Any]:
         """Saved by Lightning in every checkpoint: the agent's counters and control state."""
