@@ -45,6 +45,30 @@ def test_forward_seconds_sums_micro_batches_on_report_steps_only() -> None:
         agent.close()
 
 
+def test_forwards_without_gradients_between_steps_are_not_the_step_s() -> None:
+    """An evaluation (``no_grad``) and a generation (``inference_mode``) between two training steps
+    run the model's forward too; they are not the training step's forward."""
+    import trainer_agent as ta
+
+    model = Sleepy(SLEEP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="fwd", run="fwd-eval", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    try:
+        model.sleep = 10 * SLEEP
+        with torch.no_grad():
+            model(torch.randn(5, 4))
+        with torch.inference_mode():
+            model(torch.randn(5, 4))
+        model.sleep = SLEEP
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(0.0)
+        assert SLEEP <= agent.latest()["trainguard_forward_seconds"] < 10 * SLEEP
+    finally:
+        agent.close()
+
+
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)

@@ -4,7 +4,9 @@ Under data parallelism every rank's step time is equalised by the gradient all-r
 ranks wait for the slow one inside backward), so a straggler shows in the time it spends in its own
 forward pass, not in its step time. Measured by a forward pre-hook and a forward hook on the model
 given to ``attach``, on the steps that end with a report only, summed over the micro-batches of the
-step:
+step. Forwards run without gradients (an evaluation or a generation under ``torch.no_grad()`` or
+``torch.inference_mode()`` between training steps) are not the step's and are not timed: a rank
+that evaluates alone would otherwise read as a straggler.
 
 - CPU parameters: the host clock (the forward's work is synchronous).
 - CUDA parameters: a pair of CUDA events around each forward (recording them does not sync). They
@@ -49,7 +51,7 @@ class ForwardTimer:
         self.excluded = False
 
     def _measured(self) -> bool:
-        return not self.excluded and self._schedule.is_report(self._step() + 1)
+        return not self.excluded and torch.is_grad_enabled() and self._schedule.is_report(self._step() + 1)
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         try:
