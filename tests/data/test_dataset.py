@@ -86,6 +86,17 @@ def test_large_vocabulary_uses_uint32(tmp_path: Path) -> None:
     assert shard.data.dtype == np.dtype("<u4") and shard.sequence(0).tolist() == [99_999, 70_000, 1]
 
 
+def test_a_numpy_integer_vocabulary_size_is_a_vocabulary_size(tmp_path: Path) -> None:
+    """A vocabulary size read from a tokenizer's numpy array (``np.int64``), as the data monitor
+    takes it; a bool is no size."""
+    with ShardWriter(tmp_path / "np", vocab_size=np.int64(300), monitor=True) as w:
+        w.add([299, 7])
+    shard = TokenShard(tmp_path / "np")
+    assert shard.vocab_size == 300 and type(shard.vocab_size) is int and shard.sequence(0).tolist() == [299, 7]
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
+        ShardWriter(tmp_path / "bool", vocab_size=True)
+
+
 @pytest.mark.parametrize("bad, message", [
     ([1, VOCAB], "outside the vocabulary"),
     ([-1, 2], "outside the vocabulary"),

@@ -124,7 +124,8 @@ class DataFeed:
                 return  # closed while the queue was full (no room for the stop signal): drained
 
     def _count_error(self, exc: Exception) -> None:
-        self.errors += 1
+        with self._cond:  # the training thread (staging) and the worker both count
+            self.errors += 1
         if type(exc) not in self._logged:
             self._logged.add(type(exc))
             self._log.warning("trainguard data monitor: batch skipped (%s: %s); further %s are counted, "

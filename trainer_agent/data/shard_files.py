@@ -7,6 +7,7 @@ sequences)."""
 from __future__ import annotations
 import json
 import mmap
+import numbers
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class ShardInfo:
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
-    if type(vocab_size) is not int or vocab_size < 1:
+    if not isinstance(vocab_size, numbers.Integral) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     if vocab_size <= 1 << 16:
         return np.dtype("<u2")
@@ -71,7 +72,7 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike[str], *, vocab_size: int, special_ids: Iterable[int] = (),
                  monitor: bool = True, monitor_window: int = 10_000, monitor_batch: int = 256) -> None:
         self.dtype = _dtype_for(vocab_size)
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size = int(vocab_size)  # a numpy integer too (the description is JSON)
         self.base = Path(path)
         self._bin, self._idx, self._json = _files(self.base)
         for f in (self._bin, self._idx, self._json):
