@@ -5,6 +5,7 @@ its own, or accumulates and calls ``end_step`` after the optimizer step, is not.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -51,3 +52,41 @@ def test_end_step_per_micro_batch_is_told_once(caplog: pytest.LogCaptureFixture)
 def test_a_loop_calling_end_step_per_optimizer_step_is_not_warned(caplog: pytest.LogCaptureFixture, mode: str) -> None:
     found, step = _warnings(caplog, mode)
     assert step == 60 and found == []
+
+
+def _closed_agent(run: str) -> tuple[ta.Agent, torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run=run, config=ta.AgentConfig(metrics_port=None, report_every=2))
+    for _ in range(3):
+        model(torch.randn(2, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(1.0)
+    agent.close()
+    return agent, model, opt
+
+
+def test_end_step_after_close_is_warned_once_and_does_nothing() -> None:
+    agent, model, opt = _closed_agent("r-closed")
+    reported = agent.latest()["trainguard_step"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded: the agent itself gives just one
+        for _ in range(5):  # a loop that goes on after a framework callback closed the agent
+            model(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(torch.tensor(2.0))
+        _, other_model, other_opt = _closed_agent("r-closed-2")
+        other = ta.attach(other_model, other_opt, job="j", run="r-closed-3",
+                          config=ta.AgentConfig(metrics_port=None))
+        other.close()
+        other.end_step(1.0)  # another agent: warned of its own
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert messages[0].startswith("trainguard: end_step of run 'r-closed' after the agent was closed")
+    assert messages[1].startswith("trainguard: end_step of run 'r-closed-3' after the agent was closed")
+    assert caught[0].filename == __file__  # it points at the loop's end_step call
+    assert agent.step == 3  # the 3 steps before close
+    assert agent.latest()["trainguard_step"] == reported == 2.0  # no report built after close
+    assert agent.errors.count == 0

@@ -38,9 +38,15 @@ class ErrorLog:
 
     def warn_once(self, kind: str, text: str) -> None:
         """Log ``text`` the first time a warning of ``kind`` is given (not an error: not counted)."""
-        if kind not in self._warned:
-            self._warned.add(kind)
+        if self.first_warning(kind):
             log.warning("%s", text)
+
+    def first_warning(self, kind: str) -> bool:
+        """True the first time a warning of ``kind`` is asked for, False after."""
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        return first
 
     def unknown(self, values: Mapping[str, float]) -> int:
         """The values the catalogue does not know, each counted once (``UnknownValues``)."""

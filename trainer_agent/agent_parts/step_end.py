@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,11 @@ _PER_MICRO_BATCH = ("trainguard: %d of the first %d end_step calls closed a step
                     "follows the last micro-batch). The agent counts every end_step as a step, so its step numbers, "
                     "report intervals and per-step values are off by the accumulation factor.")
 
+#: Warned (``warnings.warn``) at the first ``end_step`` after ``close``: the call does nothing.
+_AFTER_CLOSE = ("trainguard: end_step of run {run!r} after the agent was closed (agent.close(), or a framework "
+                "callback that closed it at the end of training): the step is not measured or reported; further "
+                "end_step calls of this agent are ignored without a warning.")
+
 #: The facade's logger (``trainer_agent/agent.py``).
 log = logging.getLogger("trainer_agent.agent")
 
@@ -40,15 +46,18 @@ log = logging.getLogger("trainer_agent.agent")
 class StepEnd:
     """``Agent``'s end of step and report publication, on what the agent holds: ``clock``,
     ``parts``, ``reports``, ``schedule``, ``hooks``, ``diagnostics``, ``export``, ``data``,
-    ``snapshots``, ``control``, ``scheduled_lr``, ``errors``, ``config``, ``rank`` and
-    ``world_size``."""
+    ``snapshots``, ``control``, ``scheduled_lr``, ``errors``, ``config``, ``rank``,
+    ``world_size``, ``run`` and ``_closed`` (set by ``close``)."""
 
     def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
         device tensor of one element (not read here) or a float; ``tokens``, this rank's token
         count: an int, or a tensor read on report steps only (on CUDA a wait for the device).
-        ``ValueError`` for what cannot be either, at the first step, before the step moves."""
+        ``ValueError`` for what cannot be either, at the first step, before the step moves.
+        After ``close`` it does nothing (warned once: the loop went on after the agent closed)."""
+        if self._closed_warned():
+            return
         loss, tokens = checked_end_step(loss, tokens)  # ValueError for a mistake, before any state moves
         clock, control, error = self.clock, self.control, self.errors.error
         if self.snapshots is not None and self.snapshots.due(clock.step + 1):
@@ -89,6 +98,12 @@ class StepEnd:
         self._sync_grad_hooks()
         if hooks.input_wait is not None:
             hooks.input_wait.step_ended()  # last: a pause above is not input wait
+
+    def _closed_warned(self) -> bool:
+        """True after ``close`` (the first time, warned, pointing at the loop's ``end_step`` call)."""
+        if self._closed and self.errors.first_warning("end_step_after_close"):
+            warnings.warn(_AFTER_CLOSE.format(run=self.run), stacklevel=3)
+        return self._closed
 
     def _sync_grad_hooks(self) -> None:
         """The per-parameter hooks for the next step (the verifier or the controller may have armed
