@@ -207,6 +207,8 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
         self.schedule = ReportSchedule(config.report_every, config.sync_every)
         self._build_measurement(model, optimizer, scaler)
         self.data = DataRelay.build(data_monitor, config, self.errors.error)
+        if self.data is not None:  # its bad and dropped batches are agent errors too
+            self.errors.count_also(lambda data=self.data: data.errors)
         self.export = MetricsExport(config, self.errors, registry, job=job, run=run, rank=self.rank,
                                     device=self.device, data=self.data, snapshots=self.snapshots,
                                     verifier=self.diagnostics.verifier, reports=self.reports)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from trainer_agent.report.exporter import UnknownValues
 
@@ -22,14 +22,26 @@ class ErrorLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.count = 0
+        self._count = 0
+        self._counted_elsewhere: list[Callable[[], int]] = []
         self._logged_kinds: set[str] = set()
         self._warned: set[str] = set()
         self._unknown_values = UnknownValues(self.error)  # a value the catalogue lacks: one error each
 
+    @property
+    def count(self) -> int:
+        """Every error the agent counted: those given to ``error`` and those its collaborators
+        count themselves (``count_also``); the value of ``trainguard_agent_errors_total``."""
+        return self._count + sum(read() for read in self._counted_elsewhere)
+
+    def count_also(self, read: Callable[[], int]) -> None:
+        """Add ``read()``, a count of errors a collaborator keeps (the data feed's bad and dropped
+        batches), to ``count``."""
+        self._counted_elsewhere.append(read)
+
     def error(self, kind: str, exc: BaseException) -> None:
         with self._lock:
-            self.count += 1
+            self._count += 1
             first = kind not in self._logged_kinds
             self._logged_kinds.add(kind)
         if first:

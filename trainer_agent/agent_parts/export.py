@@ -93,10 +93,8 @@ class MetricsExport:
         """Host values only: called by the /metrics collector from the HTTP thread."""
         with self._lock:
             values = dict(self._published)
-        errors = self._errors.count
         if self._data is not None:
             values.update(self._data.values)
-            errors += self._data.errors
         if self._snapshots is not None:
             newest = self._snapshots.newest_step
             if newest is not None:
@@ -104,23 +102,22 @@ class MetricsExport:
             values["trainguard_rollbacks_total"] = float(self._snapshots.rollbacks)
         for kind, source in (("loader_values", self.loader), ("control_values", self.control)):
             if source is not None:
-                errors += self._read(kind, source.values, values)
+                self._read(kind, source.values, values)
         if self._verifier is not None:
             values.update(self._verifier.values())
         values.update(self._reports.worker_values())
         if self.gpu is not None:
-            errors += self._read("gpu_health", self.gpu.read, values)
-        values["trainguard_agent_errors_total"] = float(errors + self._errors.unknown(values))
+            self._read("gpu_health", self.gpu.read, values)
+        self._errors.unknown(values)  # (counted in the error log)
+        values["trainguard_agent_errors_total"] = float(self._errors.count)  # last: the errors above in it
         return values
 
-    def _read(self, kind: str, read: Any, values: dict[str, float]) -> int:
-        """``values`` updated with ``read()``; 1 when it failed (an agent error), else 0."""
+    def _read(self, kind: str, read: Any, values: dict[str, float]) -> None:
+        """``values`` updated with ``read()``; a failure is an agent error."""
         try:
             values.update(read())
         except Exception as exc:
             self._errors.error(kind, exc)
-            return 1
-        return 0
 
     def take_xid(self) -> float:
         """The last XID error of this rank's GPU since the last report (NaN: none or no NVML)."""
