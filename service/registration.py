@@ -4,6 +4,7 @@ once even when two ranks register the same run at the same time."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from typing import Any, Callable
 
@@ -15,12 +16,36 @@ from trainguard.service.errors import Conflict, Invalid, TooMany
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.run_owners import RunOwners
-from trainguard.service.runstate import Finish, Publication, RunState, valid_host
+from trainguard.service.runstate import Finish, Publication, RunState, target_address, valid_host
 from trainguard.service.transaction import Transaction, Written
 from trainguard.service.window import RunWindow
-from trainguard.protocol.wire import DesiredState, RunRegistered, RunRegistration
+from trainguard.protocol.wire import DesiredState, RankEndpoint, RunRegistered, RunRegistration
 
-__all__ = ["Registration"]
+__all__ = ["Registration", "shared_endpoints"]
+
+log = logging.getLogger("trainguard.controller")
+
+#: Shared endpoints and ranks of each named in a registration's warning (the rest counted).
+_SHOWN = 4
+
+
+def shared_endpoints(ranks: list[RankEndpoint]) -> str:
+    """The /metrics endpoints (host:port) that two or more of ``ranks`` registered, as a warning
+    ('' when every rank's is its own). Not refused: the run's monitoring and control do not depend
+    on them, and a loopback ``metrics_host`` (the agent's default) registers one from every node."""
+    by_address: dict[str, list[int]] = {}
+    for r in ranks:
+        by_address.setdefault(target_address(r.host.lower(), r.port), []).append(r.rank)
+    shared = [(address, found) for address, found in by_address.items() if len(found) > 1]
+    if not shared:
+        return ""
+    named = "; ".join(f"{address} by ranks {', '.join(map(str, found[:_SHOWN]))}"
+                      + (f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else "")
+                      for address, found in shared[:_SHOWN])
+    more = f" (and {len(shared) - _SHOWN} more endpoints)" if len(shared) > _SHOWN else ""
+    return (f"one /metrics endpoint registered by several ranks: {named}{more}; Prometheus scrapes one process "
+            "there, not each rank: give every rank a host other hosts reach (AgentConfig.metrics_host) and a port "
+            "of its own")
 
 
 class Registration:
@@ -58,6 +83,7 @@ class Registration:
         fields = dict(world_size=reg.world_size, ranks=ranks, agent_version=reg.agent_version, config=reg.config, now=now)
         data = {"world_size": reg.world_size, "ranks": len(ranks), "agent_version": reg.agent_version}
         first = st is None
+        reason = self._event_reason(reg, first)
         if st is not None:
             self._reregister(tx, st, reg, ranks, now)
         generation = 0 if st is None else st.desired.generation
@@ -71,7 +97,7 @@ class Registration:
             if own:
                 sql.own_run(c, reg.run, digest, now)
             event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
-                                     reason="registered" if first else "re-registered", generation=generation, data=data)
+                                     reason=reason, generation=generation, data=data)
             return Written(events=[event], value=run_id)
 
         if not first:
@@ -85,6 +111,15 @@ class Registration:
             done.set_result(None)
         st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired)
+
+    @staticmethod
+    def _event_reason(reg: RunRegistration, first: bool) -> str:
+        """The registration event's reason; /metrics endpoints shared by ranks are warned of there
+        (``trainguard events``) and in the controller's log."""
+        shared = shared_endpoints(reg.ranks)
+        if shared:
+            log.warning("run %r: %s", reg.run, shared)
+        return ("registered" if first else "re-registered") + (f"; {shared}" if shared else "")
 
     def _claim(self, tx: Transaction, principal: Principal, run: str) -> tuple[bool, bool]:
         """(bind, own): a configured agent token not bound yet is bound to ``run``; a token created
