@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from trainguard.protocol.base import MAX_RANK, MetricName, Rank, Text, printable
-from trainguard.protocol.wire import DesyncLayer, MemoryOwnerEntry, QuarantinedSamples
+from trainguard.protocol.base import MAX_RANK, MetricName, Rank, Text, Value, printable
+from trainguard.protocol.wire import DesyncLayer, MemoryOwnerEntry, QuarantinedSamples, Report
 
 _TEXT = TypeAdapter(Text)
 
@@ -45,3 +45,20 @@ def test_metric_names_and_ranks_have_their_bounds() -> None:
     for bad in (-1, MAX_RANK + 1, True, "3"):
         with pytest.raises(ValidationError):
             ranks.validate_python(bad)
+
+
+@pytest.mark.parametrize("text", ["true", "false"])
+def test_a_boolean_is_no_metric_value(text: str) -> None:
+    values = TypeAdapter(dict[str, Value])
+    with pytest.raises(ValidationError, match="Input should be a number, not a boolean") as raised:
+        values.validate_json(f'{{"trainguard_loss": {text}}}')
+    assert raised.value.errors()[0]["loc"] == ("trainguard_loss",)
+    with pytest.raises(ValidationError, match="not a boolean"):
+        Report.model_validate_json('{"job": "j", "step_first": 1, "step_last": 1, "time": 1.0, '
+                                   f'"ranks": {{"loss": [1.5, {text}]}}}}')
+    with pytest.raises(ValidationError, match="not a boolean"):
+        DesyncLayer(kind="grad", layer="a", rel_diff=True)
+    # Numbers, integers and the wire's non-finite strings stay values.
+    read = values.validate_json('{"a": 1.5, "b": 2, "c": "NaN", "d": "-Infinity"}')
+    assert read["a"] == 1.5 and read["b"] == 2.0 and read["c"] != read["c"] and read["d"] == float("-inf")
+

@@ -126,3 +126,16 @@ def test_a_commands_reason_holds_no_control_character_but_tab_and_newline(app_fa
         r = client.post("/v1/runs/run-1/checkpoint", json={"reason": "loss spike\n\tsee the dashboard; 損失"})
         assert r.status_code == 200, r.text
         assert client.get("/v1/runs/run-1").json()["desired"]["reason"] == "loss spike\n\tsee the dashboard; 損失"
+
+
+def test_a_boolean_report_value_is_422_naming_it_and_stores_nothing(app_factory: Callable[..., Any]) -> None:
+    with app_factory() as client:
+        register(client, world_size=2)
+        for body, where in ((_report(values={"trainguard_loss": True}), "values.trainguard_loss"),
+                            (_report(ranks={"loss": [1.5, False]}), "ranks.loss.list.1")):
+            r = client.post("/v1/runs/run-1/reports", json=body)
+            assert r.status_code == 422, r.text
+            assert r.json()["detail"] == f"the request does not validate: {where}: Input should be a number, not a boolean"
+        assert client.get("/v1/runs/run-1").json()["reports"] == 0
+        r = client.post("/v1/runs/run-1/reports", json=_report(values={"trainguard_loss": 1, "trainguard_grad_norm": "NaN"}))
+        assert r.status_code == 200, r.text  # numbers (an integer, the wire's NaN) are values

@@ -23,8 +23,16 @@ Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, strict=True)]
 #: A report value's key: a Prometheus metric name (the agent's catalogue's are up to 43 characters).
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_:][A-Za-z0-9_:]{0,127}$", strict=True)]
 
-#: A metric value: any float, NaN and ±Inf included.
-Value = float
+def _not_boolean(value: Any) -> Any:
+    """A metric value's input: ``true``/``false`` are refused (no metric of the catalogue is a
+    boolean, and 1.0/0.0 read from them would be values nothing measured)."""
+    if type(value) is bool:
+        raise PydanticCustomError("float_type", "Input should be a number, not a boolean")
+    return value
+
+
+#: A metric value: any float, NaN and ±Inf included; never a boolean.
+Value = Annotated[float, BeforeValidator(_not_boolean)]
 
 
 def not_printable(text: str) -> list[str]:
