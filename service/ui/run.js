@@ -30,6 +30,16 @@ const RANK_CHARTS = [
 ];
 const RANK_COLUMNS = ["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint"];
 
+// An evidence value (a number, a rank -> value map, a list, ...): its numbers as the page shows every
+// number (the wire's "NaN" and "Infinity" strings too: unquoted, as NaN and Infinity), the rest as JSON.
+export function evidenceText(x) {
+  const n = num(x);
+  if (typeof n === "number") return fmt(n);
+  if (Array.isArray(x)) return `[${x.map(evidenceText).join(", ")}]`;
+  if (x !== null && typeof x === "object") return `{${Object.entries(x).map(([k, v]) => `${JSON.stringify(k)}: ${evidenceText(v)}`).join(", ")}}`;
+  return JSON.stringify(x);
+}
+
 export class RunPage {
   constructor(root, run, { onAuth }) {
     this.root = root;
@@ -243,13 +253,12 @@ export class RunPage {
   // The cause of an incident and the evidence (what was read, its value, what it points at).
   verdictBlock(i) {
     const v = i.verdict || {};
-    const show = (x) => (typeof x === "number" ? fmt(x) : JSON.stringify(x));
     const suspects = (v.ranks || []).map((r, k) => `rank ${r} on ${(v.hosts || [])[k]}`).join(", ");
     const exp = i.experiment;
     return h("div", { class: "verdict", dataset: { cause: i.cause || "unknown" } },
       h("p", {}, h("strong", {}, `cause: ${i.cause || "unknown"}`), ` · ${v.summary || ""}`, suspects ? ` · ${suspects}` : null),
       h("ul", { class: "evidence" }, (v.evidence || []).map((e) => h("li", { dataset: { pointsTo: e.points_to, signal: e.signal } },
-        h("strong", {}, e.points_to), ` ${e.signal} = ${show(e.value)}: ${e.detail}`))),
+        h("strong", {}, e.points_to), ` ${e.signal} = ${evidenceText(e.value)}: ${e.detail}`))),
       exp ? h("p", { class: "experiment" }, `experiment: LR x${exp.lr_factor} for steps ${exp.from_step}-${exp.until_step}: ${exp.conclusion || "running"}`) : null,
       i.data_skipped ? h("p", { class: "data-skipped" }, `optimizer steps ${i.data_skipped[0]}-${i.data_skipped[1]} skipped on every rank for their data`) : null);
   }

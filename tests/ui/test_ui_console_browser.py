@@ -131,6 +131,17 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     agent.close()
 
 
+def test_incident_evidence_shows_its_numbers_as_the_page_shows_numbers(page: Page, controller: Controller) -> None:
+    # the wire's non-finite strings, alone or in a rank -> value map, unquoted like every number of the page
+    page.sign_in(OPERATOR)
+    shown = page.page.evaluate("""async () => {
+      const { evidenceText } = await import("/ui/static/run.js");
+      return [evidenceText("NaN"), evidenceText("-Infinity"), evidenceText({ 3: "Infinity", 5: 0.25 }),
+              evidenceText(["loss_nonfinite"]), evidenceText(0.001234567), evidenceText(null)];
+    }""")
+    assert shown == ["NaN", "-Infinity", '{"3": Infinity, "5": 0.25}', '["loss_nonfinite"]', "0.001235", "null"]
+
+
 class _Training:
     """A real agent on a small model, trained in a thread until told to stop: the step counter of
     the loop is kept apart from the agent's, to check the step the page shows."""

@@ -10,7 +10,7 @@ from typing import Any
 from trainguard.cli.client import checked, connect, show
 from trainguard.protocol.base import printable
 
-__all__ = ["runs", "status", "incidents", "events", "alerts", "format_incidents", "format_verdict"]
+__all__ = ["runs", "status", "incidents", "events", "alerts", "format_incidents", "format_verdict", "evidence_text"]
 
 
 def runs(args: argparse.Namespace) -> int:
@@ -64,8 +64,8 @@ def format_verdict(inc: dict[str, Any]) -> list[str]:
     if verdict.get("ranks"):
         lines.append("  suspect: " + ", ".join(f"rank {r} on {h}" for r, h in zip(verdict["ranks"], verdict.get("hosts", []))))
     for e in verdict.get("evidence", []):
-        ref = "" if e.get("reference") is None else f" (against {json.dumps(e['reference'])})"
-        lines.append(f"    {e['points_to']:<9} {e['signal']} = {json.dumps(e['value'])}{ref}: {e['detail']}")
+        ref = "" if e.get("reference") is None else f" (against {evidence_text(e['reference'])})"
+        lines.append(f"    {e['points_to']:<9} {e['signal']} = {evidence_text(e['value'])}{ref}: {e['detail']}")
     if verdict.get("revised"):
         rev = verdict["revised"]
         lines.append(f"  revised at step {rev['step']} from {rev['from']}: {rev['summary']}")
@@ -81,6 +81,23 @@ def format_verdict(inc: dict[str, Any]) -> list[str]:
         shown = ", ".join(str(i) for i in indices[:20]) + (f", ... ({len(indices)} in all)" if len(indices) > 20 else "")
         lines.append(f"  quarantined in {shard}: sequences {shown}")
     return lines
+
+
+#: The wire's strings for non-finite numbers, as Python prints those numbers.
+_NON_FINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
+
+
+def evidence_text(value: Any) -> str:
+    """An evidence value (a number, a rank -> value map, a list, ...) as JSON, but with its
+    numbers as Python prints them: the wire's ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` are
+    nan, inf and -inf, unquoted like every other number."""
+    if isinstance(value, str):
+        return _NON_FINITE.get(value) or json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {evidence_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(evidence_text(v) for v in value) + "]"
+    return repr(value) if isinstance(value, float) else json.dumps(value)  # (a float NaN: nan, as JSON: NaN)
 
 
 def _fmt_event(ev: dict[str, Any]) -> str:
