@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 
 from trainguard.service.auth import AGENT_SCOPE, TokenTable, authorization_header
 from trainguard.service.controller import Controller
-from trainguard.service.limits import PRINCIPAL_KEY, replay
+from trainguard.service.limits import PRINCIPAL_KEY, read_body, replay
 from trainguard.protocol.wire import API_PREFIX
 
 __all__ = ["ReportIngress", "MAX_RUN_NAME"]
@@ -62,7 +62,7 @@ class ReportIngress:
         if principal is None or AGENT_SCOPE not in principal.scopes:
             await self.app(scope, receive, send)  # the route's dependency answers 401/403
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)  # (bounded: BodyLimit runs first)
         if body is None:
             return  # the client went away
         try:
@@ -90,23 +90,3 @@ class ReportIngress:
         if not run or len(run) > MAX_RUN_NAME or "/" in run:
             return None
         return run
-
-
-async def _read_body(receive: Callable[[], Any]) -> bytes | None:
-    """The whole request body (its size is bounded by :class:`service.limits.BodyLimit`, which
-    runs first); ``None`` when the client disconnected."""
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        return None
-    body = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    chunks = [body]
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from trainguard.service.limits import replay
+from trainguard.service.limits import read_body, replay
 from trainguard.service.schemas import validation_summary
 
 __all__ = ["JsonText", "ECHO_CHARACTERS", "unpaired_surrogate"]
@@ -64,15 +64,9 @@ class JsonText:
         if scope["type"] != "http" or scope["method"] not in _METHODS or not _json(scope):
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)  # (bounded: BodyLimit runs first)
+        if body is None:
+            return  # the client went away
         bad = unpaired_surrogate(body)
         if bad is None:
             await self.app(scope, replay(body, receive), send)

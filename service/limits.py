@@ -1,4 +1,5 @@
-"""Request-body size limit as a plain ASGI middleware (no per-request thread or task).
+"""Request-body size limit as a plain ASGI middleware (no per-request thread or task), and the
+one reader of a whole request body the middlewares share (:func:`read_body`, :func:`replay`).
 
 Registrations and reports grow with the run's world size (an endpoint per rank; a value per rank
 in each per-rank vector): their limits follow from ``TRAINGUARD_MAX_WORLD_SIZE``
@@ -9,13 +10,15 @@ accepts can register and report, however low ``TRAINGUARD_MAX_BODY_BYTES`` is se
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from trainguard.protocol.catalog import BY_NAME
 from trainguard.protocol.wire import API_PREFIX, MAX_DESYNC_LAYERS, RankValues
 from trainguard.service.auth import authorization_header
 
-__all__ = ["BodyLimit", "Authenticate", "PRINCIPAL_KEY", "replay", "registration_body_bytes", "report_body_bytes"]
+__all__ = ["BodyLimit", "BodyTooLarge", "Authenticate", "PRINCIPAL_KEY", "read_body", "replay", "registration_body_bytes",
+           "report_body_bytes"]
 
 #: The most bytes one number takes in an agent's report (compact JSON): the longest float64
 #: (``-2.2250738585072014e-308``, 24 characters; NaN and Inf are shorter strings) and a comma.
@@ -98,20 +101,13 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         # No Content-Length (chunked): read it here, bounded, then replay it.
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > max_bytes:
-                await self._refuse(send, 413, f"request body exceeds the limit of {max_bytes} bytes ({setting})")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, replay(b"".join(chunks), receive), send)
+        try:
+            body = await read_body(receive, max_bytes)
+        except BodyTooLarge:
+            await self._refuse(send, 413, f"request body exceeds the limit of {max_bytes} bytes ({setting})")
+            return
+        if body is not None:  # (else the client went away)
+            await self.app(scope, replay(body, receive), send)
 
     @staticmethod
     async def _refuse(send: Any, status: int, detail: str) -> None:
@@ -119,6 +115,28 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class BodyTooLarge(Exception):
+    """A request body past the limit :func:`read_body` was given (the rest left unread)."""
+
+
+async def read_body(receive: Any, max_bytes: float = math.inf) -> bytes | None:
+    """The whole request body from the ASGI ``receive``; None when the client disconnected first.
+    :class:`BodyTooLarge` as soon as more than ``max_bytes`` arrived."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > max_bytes:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)  # (one chunk: that chunk itself, no copy)
 
 
 def replay(body: bytes, receive: Any) -> Any:

@@ -4,14 +4,17 @@ limit, and a counter by reason; what is held stays bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.service.conftest import register
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
+from trainguard.service.limits import BodyTooLarge, read_body
 
 
 def _counter(c: TestClient, name: str, reason: str) -> float:
@@ -115,3 +118,30 @@ def test_a_run_of_the_largest_world_size_registers_and_reports_and_other_bodies_
         assert r.status_code == 413 and "TRAINGUARD_MAX_WORLD_SIZE=32768" in r.json()["detail"]
         r = c.put("/v1/rules", content=b"#" * (settings.max_body_bytes + 1))
         assert r.status_code == 413 and "TRAINGUARD_MAX_BODY_BYTES" in r.json()["detail"]
+
+
+def _receiver(*messages: dict) -> tuple[object, list[dict]]:
+    """An ASGI ``receive`` over ``messages``, and the list of those it handed out."""
+    given: list[dict] = []
+
+    async def receive() -> dict:
+        given.append(messages[len(given)])
+        return given[-1]
+
+    return receive, given
+
+
+def test_the_body_reader_joins_chunks_stops_past_its_limit_and_sees_a_disconnect() -> None:
+    chunks = ({"type": "http.request", "body": b"abc", "more_body": True},
+              {"type": "http.request", "body": b"defg", "more_body": True},
+              {"type": "http.request", "body": b"h", "more_body": False})
+    receive, given = _receiver(*chunks)
+    assert asyncio.run(read_body(receive)) == b"abcdefgh" and len(given) == 3
+    receive, given = _receiver(*chunks)
+    assert asyncio.run(read_body(receive, max_bytes=8)) == b"abcdefgh"
+    receive, given = _receiver(*chunks)
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(receive, max_bytes=6))
+    assert len(given) == 2  # the 7th byte arrived: nothing more is read
+    receive, given = _receiver(chunks[0], {"type": "http.disconnect"})
+    assert asyncio.run(read_body(receive)) is None
