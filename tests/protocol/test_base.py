@@ -47,18 +47,22 @@ def test_metric_names_and_ranks_have_their_bounds() -> None:
             ranks.validate_python(bad)
 
 
-@pytest.mark.parametrize("text", ["true", "false"])
-def test_a_boolean_is_no_metric_value(text: str) -> None:
+@pytest.mark.parametrize("text, message", [
+    *((b, "Input should be a number, not a boolean") for b in ("true", "false")),
+    *((t, "Input should be a number, or the string NaN, Infinity or -Infinity")
+      for t in ('"1.5"', '"nan"', '"inf"', '" 2 "', '"Infinity "', '""')),
+])
+def test_a_boolean_or_a_string_is_no_metric_value_but_the_wire_s_non_finite_ones(text: str, message: str) -> None:
     values = TypeAdapter(dict[str, Value])
-    with pytest.raises(ValidationError, match="Input should be a number, not a boolean") as raised:
+    with pytest.raises(ValidationError, match=message) as raised:
         values.validate_json(f'{{"trainguard_loss": {text}}}')
     assert raised.value.errors()[0]["loc"] == ("trainguard_loss",)
-    with pytest.raises(ValidationError, match="not a boolean"):
+    with pytest.raises(ValidationError, match=message):
         Report.model_validate_json('{"job": "j", "step_first": 1, "step_last": 1, "time": 1.0, '
                                    f'"ranks": {{"loss": [1.5, {text}]}}}}')
-    with pytest.raises(ValidationError, match="not a boolean"):
-        DesyncLayer(kind="grad", layer="a", rel_diff=True)
-    # Numbers, integers and the wire's non-finite strings stay values.
-    read = values.validate_json('{"a": 1.5, "b": 2, "c": "NaN", "d": "-Infinity"}')
+    with pytest.raises(ValidationError, match=message):
+        DesyncLayer.model_validate_json(f'{{"kind": "grad", "layer": "a", "rel_diff": {text}}}')
+    # Numbers, integers and the wire's non-finite strings (and bare tokens) stay values.
+    read = values.validate_json('{"a": 1.5, "b": 2, "c": "NaN", "d": "-Infinity", "e": "Infinity", "f": NaN}')
     assert read["a"] == 1.5 and read["b"] == 2.0 and read["c"] != read["c"] and read["d"] == float("-inf")
-
+    assert read["e"] == float("inf") and read["f"] != read["f"]

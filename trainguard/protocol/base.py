@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints
 from pydantic_core import PydanticCustomError
 
-__all__ = ["MAX_INT", "MAX_RANK", "NAME_PATTERN", "Name", "not_printable", "MetricName", "Text", "Prose", "Value", "Int", "Rank", "WireModel", "printable"]
+__all__ = ["MAX_INT", "MAX_RANK", "NAME_PATTERN", "Name", "not_printable", "MetricName", "NON_FINITE_STRINGS", "Text", "Prose", "Value", "Int", "Rank", "WireModel", "printable"]
 
 #: Largest integer a step, generation or id may be: SQLite's INTEGER is a signed 64-bit number,
 #: so a bigger one could be validated here and then fail (500) when it is stored.
@@ -23,16 +23,27 @@ Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, strict=True)]
 #: A report value's key: a Prometheus metric name (the agent's catalogue's are up to 43 characters).
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_:][A-Za-z0-9_:]{0,127}$", strict=True)]
 
-def _not_boolean(value: Any) -> Any:
-    """A metric value's input: ``true``/``false`` are refused (no metric of the catalogue is a
-    boolean, and 1.0/0.0 read from them would be values nothing measured)."""
+#: The strings a metric value may be: JSON has no literal for NaN and the infinities, and the wire
+#: writes them so (``ser_json_inf_nan="strings"``).
+NON_FINITE_STRINGS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _metric_value(value: Any) -> Any:
+    """A metric value's input: a number, or one of :data:`NON_FINITE_STRINGS`. ``true``/``false``
+    are refused (no metric of the catalogue is a boolean, and 1.0/0.0 read from them would be values
+    nothing measured), and so is any other string (``"1.5"``, ``"nan"``: no sender writes them)."""
     if type(value) is bool:
         raise PydanticCustomError("float_type", "Input should be a number, not a boolean")
+    if isinstance(value, str):
+        if value not in NON_FINITE_STRINGS:
+            raise PydanticCustomError("float_type", "Input should be a number, or the string NaN, Infinity or -Infinity")
+        return NON_FINITE_STRINGS[value]
     return value
 
 
-#: A metric value: any float, NaN and ±Inf included; never a boolean.
-Value = Annotated[float, BeforeValidator(_not_boolean)]
+#: A metric value: any float, NaN and ±Inf included (as numbers or the strings of
+#: :data:`NON_FINITE_STRINGS`); never a boolean, never another string.
+Value = Annotated[float, BeforeValidator(_metric_value)]
 
 
 def not_printable(text: str) -> list[str]:
