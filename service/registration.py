@@ -16,7 +16,7 @@ from trainguard.service.errors import Conflict, Invalid, TooMany
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.run_owners import RunOwners
-from trainguard.service.runstate import Finish, Publication, RunState, target_address, valid_host
+from trainguard.service.runstate import Finish, Publication, RunState, desired_state, target_address, valid_host
 from trainguard.service.transaction import Transaction, Written
 from trainguard.service.window import RunWindow
 from trainguard.protocol.wire import DesiredState, RankEndpoint, RunRegistered, RunRegistration
@@ -88,24 +88,29 @@ class Registration:
             self._reregister(tx, st, reg, ranks, now)
         generation = 0 if st is None else st.desired.generation
 
+        applied = None if first else max(st.applied.generation, st.applied.reported)
+
         def op(c: sqlite3.Connection) -> Written:
             run_id = sql.insert_run(c, run=reg.run, job=reg.job, **fields) if first else st.id
+            stored = None
             if not first:
                 sql.update_run_registration(c, run_id, **fields)
+                stored = sql.published_desired(c, run_id, applied) if applied else {}
             if bind:
                 sql.bind_agent(c, digest, reg.run, now)
             if own:
                 sql.own_run(c, reg.run, digest, now)
             event = sql.insert_event(c, run_id, now=now, kind="registered", actor=principal.actor,
                                      reason=reason, generation=generation, data=data)
-            return Written(events=[event], value=run_id)
+            return Written(events=[event], value=(run_id, stored))
 
         if not first:
-            await self.commit(tx, op)
-            return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired)
+            written = await self.commit(tx, op)
+            return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired,
+                                 applied=desired_state(written.value[1]))
         done = self._registering[reg.run] = asyncio.get_running_loop().create_future()
         try:
-            await self.commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value, now, digest))
+            await self.commit(tx, op, after=lambda w: self._add_run(reg, ranks, w.value[0], now, digest))
         finally:
             del self._registering[reg.run]
             done.set_result(None)

@@ -18,7 +18,7 @@ from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["Applied", "Finish", "Publication", "RunState", "live", "action_names", "resent", "target_address", "went_back"]
+__all__ = ["Applied", "Finish", "Publication", "RunState", "desired_state", "live", "action_names", "resent", "target_address", "went_back"]
 
 
 @dataclass(slots=True, eq=False)
@@ -192,6 +192,17 @@ def went_back(last: tuple[Any, ...] | None, last_step: int | None, step_first: i
     since then, is None) and of a step it reported before (``last_step``, the window's newest):
     its restarted job resumed from an earlier checkpoint."""
     return last is None and last_step is not None and step_first <= last_step
+
+
+def desired_state(data: dict[str, Any] | None) -> DesiredState | None:
+    """A desired state stored as a JSON object (fields a newer registry added take their defaults;
+    fields it no longer has are dropped); None for None, or one that no longer validates."""
+    if data is None:
+        return None
+    try:
+        return DesiredState.model_validate({k: v for k, v in data.items() if k in DesiredState.model_fields})
+    except ValueError:
+        return None
 
 
 def live(d: DesiredState) -> bool:

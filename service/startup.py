@@ -100,6 +100,7 @@ def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:
     # The newest report's seq is the number of reports the run sent (``ReportIngest`` numbers them
     # from 1), however many older ones the database still holds.
     window.count = reports[-1]["seq"] - len(reports) if reports else 0
+    st.applied.reported = reports[-1]["applied_generation"] if reports else 0  # what its newest report said applied
     # every report's values in one parse (the stored text is JSON with NaN/Infinity tokens)
     stored = pydantic_core.from_json("[" + ",".join(rep["vals"] for rep in reports) + "]", allow_inf_nan=True)
     names: set[str] = set()

@@ -93,6 +93,15 @@ def decode_ranks(row: sqlite3.Row, world_size: int, vector_names: tuple[str, ...
     return rank_store.decode(row["ranks_mask"], row["ranks"], row["ranks_format"], world_size, vector_names)
 
 
+def published_desired(conn: sqlite3.Connection, run_id: int, generation: int) -> dict[str, Any] | None:
+    """The desired state (as its stored JSON object) that published ``generation`` of a run, from
+    its ``desired`` audit event; None when none is stored."""
+    row = conn.execute("SELECT data FROM events WHERE run_id = ? AND kind = 'desired' AND generation = ? "
+                       "ORDER BY id DESC LIMIT 1", (run_id, generation)).fetchone()
+    desired = json.loads(row[0]).get("desired") if row is not None else None
+    return desired if isinstance(desired, dict) else None
+
+
 def recent_incidents(conn: sqlite3.Connection, run_id: int, limit: int) -> list[dict[str, Any]]:
     """The last state of each of a run's newest ``limit`` incidents, oldest first, from its
     ``incident`` audit events (each carries the whole incident as it was after that change)."""

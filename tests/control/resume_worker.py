@@ -3,7 +3,8 @@ script, as ``dist_worker.py`` is (``RANK``, ``WORLD_SIZE``, ``DIST_INIT_METHOD``
 
 ``"phase": "first"``
     Train with Adam, save the model, optimizer, scheduler and every rank's agent state at
-    ``ckpt_step``, and die without closing anything at ``crash_step`` (``os._exit``).
+    ``ckpt_step``, and die without closing anything at ``crash_step`` (``os._exit``), or with
+    ``"crash_after_ack"`` at the first step after the controller recorded an applied generation.
 ``"phase": "resume"``
     Attach to the same run, load that checkpoint (the step goes back to ``ckpt_step``) and train to
     ``max_steps`` or until the controller stops the run; write this rank's applied generations
@@ -48,6 +49,17 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.opti
     return loss
 
 
+def _acked(agent: ta.Agent, cfg: dict) -> bool:
+    """With ``"crash_after_ack"``: whether the leader's client has sent an ack (the controller
+    recorded an applied generation), the same answer on every rank (a broadcast)."""
+    if not cfg.get("crash_after_ack"):
+        return False
+    client = agent.control.client
+    flag = torch.tensor([int(client is not None and client.counts.acks_sent > 0)])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -80,7 +92,7 @@ def main() -> None:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                             "agent": states, "step": step}, saved)
             dist.barrier()
-        if first and step == cfg["crash_step"]:
+        if first and (step == cfg["crash_step"] or _acked(agent, cfg)):
             os._exit(1)  # the job dies: nothing closed, nothing flushed
     history = [[a.generation, a.step, a.paused, a.lr_scale, a.checkpoint_seq, a.stop] for a in agent.control.history]
     agent.close(3.0)

@@ -1,6 +1,8 @@
 """Registering a run (service/registration.py): two ranks that register one /metrics endpoint
 (host:port) are accepted (the run is monitored and controlled all the same) and warned of in the
-registration event, naming the ranks; ranks with endpoints of their own, or none, are not."""
+registration event, naming the ranks; ranks with endpoints of their own, or none, are not. Registering
+it again (its job restarted): what the answer says the run's processes applied, and what the
+controller forgets of the process that ended."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.service.conftest import register
+from tests.service.conftest import LADDER_STEPS, LADDER_STRIDE, climb_ladder, register
 
 
 def _ranks(*endpoints: tuple[int, str, int]) -> list[dict[str, Any]]:
@@ -57,3 +59,54 @@ def test_ranks_with_endpoints_of_their_own_or_none_are_not_warned(app_factory, r
         register(client, world_size=4)  # a restart of the run: its ranks' ports of their own
         events = client.get("/v1/runs/run-1/events").json()
     assert [e["reason"] for e in events if e["kind"] == "registered"] == ["registered", "re-registered"]
+
+
+def _report(c: Any, step: int, values: dict[str, float] | None = None, **extra: Any) -> dict[str, Any]:
+    body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step), "values": values or {}, **extra}
+    resp = c.post("/v1/runs/run-1/reports", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_registration_again_answers_the_state_the_runs_processes_applied(app_factory) -> None:
+    with app_factory() as c:
+        assert register(c)["applied"] is None  # a new run: nothing applied by anyone
+        first = c.post("/v1/runs/run-1/checkpoint", json={"reason": "a"}).json()["desired"]
+        assert c.post("/v1/runs/run-1/acks", json={"generation": first["generation"], "step": 5}).status_code == 200
+        second = c.post("/v1/runs/run-1/checkpoint", json={"reason": "b"}).json()["desired"]
+        again = register(c)
+        assert again["desired"]["checkpoint_seq"] == second["checkpoint_seq"] == 2
+        assert again["applied"] == first  # the second checkpoint: taken by no process
+        # a report's applied generation counts as well (its ack may have been lost)
+        _report(c, 6, applied_generation=second["generation"])
+        assert register(c)["applied"] == second
+    with app_factory() as c:  # and after a controller restart, from its database
+        assert register(c)["applied"] == second
+        register(c, "run-2")
+        assert register(c, "run-2")["applied"] == register(c, "run-3")["desired"]  # never applied: the initial state
+
+
+def test_a_registration_again_forgets_the_snapshots_of_the_process_that_ended(app_factory) -> None:
+    with app_factory() as c:
+        register(c)
+        climb_ladder(c, until=LADDER_STEPS["adaptive_lr"])  # a good snapshot, then an incident opens
+        assert [s["good"] for s in c.get("/v1/runs/run-1/incidents").json()["snapshots"]] == [True]
+        (opened,) = c.get("/v1/runs/run-1/incidents").json()["incidents"]
+        register(c)  # the job restarted: its snapshots were in the memory of the process that ended
+        recorded = c.get("/v1/runs/run-1/incidents").json()
+        assert recorded["snapshots"] == [] and recorded["incidents"] == [opened]  # the incident carried on
+        refused = c.post("/v1/runs/run-1/rollback", json={"reason": "by hand"})
+        assert refused.status_code == 409 and "no snapshot" in refused.text
+        # the signals stay bad on the new process: the ladder never rolls back to a snapshot it lacks
+        for step in range(LADDER_STEPS["adaptive_lr"] + LADDER_STRIDE, LADDER_STEPS["pause"] + 1, LADDER_STRIDE):
+            _report(c, step, {"trainguard_grad_norm_max": 3000.0})
+        (after,) = c.get("/v1/runs/run-1/incidents").json()["incidents"]
+        assert after["id"] == opened["id"] and "rollback refused: the run reports no snapshot" in after["rungs"][-1]["reason"]
+        assert c.get("/v1/runs/run-1/desired").json()["rollback_seq"] == 0  # (paused for a human instead)
+        c.post("/v1/runs/run-1/resume", json={"reason": "by hand"})
+        # the new process's own snapshot, once confirmed, is a rollback's target again
+        for step in range(LADDER_STEPS["pause"] + LADDER_STRIDE, LADDER_STEPS["pause"] + 12 * LADDER_STRIDE, LADDER_STRIDE):
+            _report(c, step, {"trainguard_snapshot_step": float(LADDER_STEPS["pause"] + LADDER_STRIDE),
+                              "trainguard_grad_norm_max": 1.0})
+        assert c.post("/v1/runs/run-1/rollback", json={"reason": "by hand"}).json()["desired"]["rollback_step"] == \
+            LADDER_STEPS["pause"] + LADDER_STRIDE

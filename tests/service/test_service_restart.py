@@ -192,3 +192,43 @@ def test_a_job_restarted_from_an_earlier_checkpoint_opens_no_incident(tmp_path: 
         assert httpx.get(f"{ctl.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
     finally:
         ctl.kill()
+
+
+def _resumed(tmp_path: Path, ctl: ControllerProcess, run: str, phase: str, max_steps: int) -> list[list[int]]:
+    """Restart the job of ``run`` from its step-10 checkpoint, to ``max_steps`` or a stop: each
+    rank's ``on_checkpoint`` steps."""
+    worker = str(ROOT / "tests" / "control" / "resume_worker.py")
+    ranks = Ranks(2, {"scenario": phase, "phase": "resume", "run": run, "controller": ctl.url, "max_steps": max_steps},
+                  tmp_path, worker=worker)
+    try:
+        assert ranks.wait(120) == [0, 0], ranks.output()
+    finally:
+        ranks.kill()
+    return [json.loads((tmp_path / f"resume-rank{r}.json").read_text())["checkpoints"] for r in range(2)]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_requested_while_the_job_was_down_is_taken_at_its_restart(tmp_path: Path) -> None:
+    ctl = ControllerProcess(tmp_path / "tg.db").start()
+    run, worker = "down-0", str(ROOT / "tests" / "control" / "resume_worker.py")
+    try:
+        first = Ranks(2, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,
+                          "crash_step": -1, "crash_after_ack": True, "max_steps": 100_000}, tmp_path, worker=worker)
+        try:
+            assert until(lambda: first.exited() or (ctl.run_detail(run) or {}).get("reports", 0) >= 15, 120, 0.05)
+            taken = ctl.command(run, "checkpoint")["desired"]["generation"]
+            assert first.wait(120) == [1, 1], first.output()  # died once the controller had its ack
+        finally:
+            first.kill()
+        assert ctl.run_detail(run)["applied_generation"] == taken
+        # The checkpoint the first job applied is not taken again (its step-10 checkpoint predates it) ...
+        assert _resumed(tmp_path, ctl, run, "again", 20) == [[], []]
+        # ... one requested while no job ran is taken once, at the first step after the restore, on
+        # every rank (not inside attach, before the job restored its checkpoint) ...
+        ctl.command(run, "checkpoint")
+        assert _resumed(tmp_path, ctl, run, "due", 20) == [[11], [11]]
+        # ... and a run stopped while no job ran stops before its first step without a checkpoint.
+        ctl.command(run, "stop")
+        assert _resumed(tmp_path, ctl, run, "stopped", 20) == [[], []]
+    finally:
+        ctl.kill()

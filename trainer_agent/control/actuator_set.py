@@ -17,7 +17,7 @@ import torch
 from trainguard.protocol.commands import REGISTRY
 from trainguard.protocol.wire import DesiredState
 from trainer_agent.control import optimizer_actuators, run_actuators  # noqa: F401 - both register their actuators on import
-from trainer_agent.control.actuators import ACTUATORS, Actuator, ActuatorEnv, LrScale, check_actuators
+from trainer_agent.control.actuators import ACTUATORS, Actuator, ActuatorEnv, LrScale, Sequenced, check_actuators
 
 __all__ = ["ActuatorSet"]
 
@@ -45,6 +45,9 @@ class ActuatorSet:
         self.rollback = self._named("rollback", run_actuators.Rollback)
         self.lr = LrScale(optimizer)
         self._on_error = on_error
+        self._due: list[Actuator] = []
+        self.seq_fields = [a.seq_field for a in self.order if isinstance(a, Sequenced)]
+        """The sequence commands' fields, the same order on every rank."""
 
     def _named(self, name: str, kind: type) -> Any:
         act = self.by_name[name]
@@ -76,11 +79,19 @@ class ActuatorSet:
         """Each actuator acts on a newer ``state`` (replacing ``old``) at ``step``."""
         self._each(self.order, lambda act: act.apply(state, old, step))
 
-    def start(self, agreed: DesiredState) -> None:
-        """The state agreed at start: sequence requests made before this process started were
-        meant for the process that ran then (a checkpoint: served by the one the run restarts from)."""
+    def start(self, agreed: DesiredState, before: Mapping[str, int] | None) -> None:
+        """The state agreed at start, and the sequence numbers the run's processes last applied
+        (None: not known; every request counts as served): see ``Sequenced``."""
         for act in self.order:
-            act.start(agreed)
+            act.start(agreed, before)
+        self._due = [a for a in self.order if isinstance(a, Sequenced) and a.due]
+
+    def serve_due(self, applied: DesiredState, step: int) -> None:
+        """At the first step every rank agreed at after start: the requests made while the job was
+        down that no process applied and the run's checkpoint did not serve (a checkpoint, a
+        diagnostic), with the state applied now."""
+        due, self._due = self._due, []
+        self._each(due, lambda act: act.serve_due(applied, step))
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}

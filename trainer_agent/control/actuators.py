@@ -28,6 +28,7 @@ while it waits, with the client and the c10d store.
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -44,6 +45,9 @@ from trainer_agent.control.spike_guard import SpikeGuard
 
 __all__ = ["ACTUATORS", "Actuator", "ActuatorEnv", "GroupOverride", "LrScale", "NonfiniteSkip", "SKIP_REASONS", "Sequenced",
            "actuator", "check_actuators", "malformed", "state_value"]
+
+#: The actuators log under the control plane's name (``trainer_agent/control/plane.py``).
+log = logging.getLogger("trainer_agent.control.plane")
 
 #: Why a step was skipped (``trainguard_skipped_steps_total{reason}``), by the flag value the
 #: ranks all-reduce (max: a non-finite gradient on any rank wins over a spike on another).
@@ -81,10 +85,10 @@ class Actuator:
     def __init__(self, env: ActuatorEnv) -> None:
         self.env = env
 
-    def start(self, initial: Any) -> None:
-        """The state agreed before the first step of this process (the registration's): requests
-        made before it started (a checkpoint, a rollback, a reset) were meant for the process that
-        ran then and count as served. :meth:`apply` follows with the same state."""
+    def start(self, initial: Any, before: Mapping[str, int] | None) -> None:
+        """The state agreed before the first step of this process (the registration's), and the
+        sequence numbers of the state the run's processes last applied (``before``, by field;
+        None: not known). :meth:`apply` follows with ``initial``."""
 
     def apply(self, new: Any, old: Any, step: int) -> None:
         """Act on a newer agreed ``new`` state (``old``: the one applied before), after the
@@ -115,30 +119,56 @@ class Actuator:
 
 
 class Sequenced(Actuator):
-    """Acts once per newer ``seq_field`` (the largest one served is kept)."""
+    """Acts once per newer ``seq_field`` (the largest one served is kept).
+
+    At start, a request some process of the run applied counts as served. One that none applied
+    (made while the job was down) is ``due`` when the command is ``carried`` (a checkpoint, a
+    diagnostic): acted on at the first step every rank agrees at (:meth:`serve_due`), after the
+    run restored its checkpoint, unless that checkpoint served it. A request that changes training
+    (a rollback, an optimizer reset) was aimed at the state of the process that ended and is not
+    taken (logged): the job resumes from its own checkpoint instead."""
 
     seq_field: ClassVar[str] = ""
+    carried: ClassVar[bool] = False
 
     def __init__(self, env: ActuatorEnv) -> None:
         super().__init__(env)
         self.served = 0
+        self.due = 0  # a request agreed at start that no process applied (0: none)
 
-    def start(self, initial: Any) -> None:
-        self.served = getattr(initial, self.seq_field)
+    def start(self, initial: Any, before: Mapping[str, int] | None) -> None:
+        seq = getattr(initial, self.seq_field)
+        self.served = seq
+        unserved = before is not None and before.get(self.seq_field, seq) < seq
+        if unserved and self.carried:
+            self.due = seq
+        elif unserved and self.env.leader:
+            log.warning("trainguard: a %s requested while the job was down is not taken: it was meant for the "
+                        "process that ended; this one resumes from its own checkpoint", self.command)
 
     def apply(self, new: Any, old: Any, step: int) -> None:
         seq = getattr(new, self.seq_field)
         if seq > self.served:
-            self.served = seq
+            self.served, self.due = seq, 0
             self.act(new, step)
+
+    def serve_due(self, applied: Any, step: int) -> None:
+        """Act on the request due since start (if any) at ``step``, with the state applied now."""
+        if self.due:
+            self.due = 0
+            self.act(applied, step)
 
     def act(self, new: Any, step: int) -> None:
         """The request itself (once per newer sequence number)."""
         raise NotImplementedError
 
     def persisted_served(self, state: Mapping[str, Any]) -> None:
-        """The larger of the served number and the checkpoint's (absent: 0)."""
-        self.served = max(self.served, state_value(state, self.seq_field, int, 0, ok=lambda v: v >= 0))
+        """The larger of the served number and the checkpoint's (absent: 0); a request due since
+        start that the checkpoint served is no longer due."""
+        persisted = state_value(state, self.seq_field, int, 0, ok=lambda v: v >= 0)
+        self.served = max(self.served, persisted)
+        if persisted >= self.due:
+            self.due = 0
 
 
 #: command name -> its actuator class.

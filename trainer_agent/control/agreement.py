@@ -62,27 +62,32 @@ class StateAgreement:
                       "is off for the rest of this run, training goes on", exc)
             return
         self._apply(state, step)
+        if not self.should_stop:
+            self.acts.serve_due(self._applied, step)
 
     def _start(self) -> None:
-        """Agree on the registration's desired state and apply it before the first step. A
-        checkpoint requested before this process started is considered served by the checkpoint
-        the run restarts from."""
-        initial = DesiredState()
+        """Agree on the registration's desired state and apply it before the first step, with the
+        sequence numbers of the state the run's processes last applied (the registration's
+        ``applied``): a checkpoint no process took is due at the first step (``Sequenced``)."""
+        initial, before = DesiredState(), None
         client = self.client
         if client is not None:
             initial = client.wait_registered(self._ctx.config.request_timeout_s) or initial
+            before = client.applied_before if initial.generation else None
         if self.leader:
             self._channel.publish_texts(initial)  # a failure: the other ranks keep that command's fields
+        fields = self.acts.seq_fields
+        known = [1, *(getattr(before, f) for f in fields)] if before is not None else [0] * (len(fields) + 1)
         try:
-            state = self._channel.broadcast(encode_state(initial))
+            state = self._channel.broadcast(encode_state(initial) + known, STATE_LEN + len(known))
         except Exception as exc:  # noqa: BLE001 - fail open
             self._broken = True
             self._on_error("control_agreement", exc)
             return
-        agreed = self._decode(state)
+        agreed = self._decode(state[:STATE_LEN])
         if agreed is None:
             return
-        self.acts.start(agreed)
+        self.acts.start(agreed, dict(zip(fields, state[STATE_LEN + 1:])) if state[STATE_LEN] else None)
         self._apply_decoded(agreed, self._ctx.step())
 
     def _apply(self, state: list[int], step: int) -> None:

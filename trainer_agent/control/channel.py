@@ -58,12 +58,12 @@ class StateChannel:
         self._on_error = on_error
         self._closed = closed
 
-    def broadcast(self, leader_state: list[int] | None) -> list[int]:
-        """The leader's encoded state on every rank (the others pass anything)."""
+    def broadcast(self, leader_state: list[int] | None, length: int = STATE_LEN) -> list[int]:
+        """The leader's encoded state (``length`` int64) on every rank (the others pass anything)."""
         if self.world_size == 1:
             assert leader_state is not None
             return leader_state
-        t = torch.tensor(leader_state if self.leader else [0] * STATE_LEN, dtype=torch.int64)
+        t = torch.tensor(leader_state if self.leader else [0] * length, dtype=torch.int64)
         dist.broadcast(t, src=0, group=self.group)  # gloo, CPU tensor: no device sync
         return t.tolist()
 

@@ -3,7 +3,8 @@ rollback, gradient accumulation, the diagnostic requests and the data skip (the 
 interface: ``trainer_agent/control/actuators.py``).
 
 Sequence commands (checkpoint, rollback, memory trace, verify, verify_float32) act once per newer sequence number;
-a number agreed before this process started counts as served. Level commands (pause, lr_scale,
+at start, a number some process of the run applied counts as served (one none applied:
+``Sequenced``). Level commands (pause, lr_scale,
 accumulation, data skip) hold the agreed value.
 """
 
@@ -48,16 +49,33 @@ class Pause(Actuator):
 
 @actuator("checkpoint")
 class Checkpoint(Sequenced):
-    """``on_checkpoint(step)`` once per newer ``checkpoint_seq``, and once before a stop (one
-    call when both come in one state). Phase 1: after the state's other changes."""
+    """``on_checkpoint(step)`` once per newer ``checkpoint_seq``, and once before a stop applied by
+    this process (one call when both come in one state; a run stopped before this process started
+    is not checkpointed: it has trained nothing). Phase 1: after the state's other changes. A
+    checkpoint requested while the job was down is taken at the restarted job's first step
+    (``Sequenced``)."""
 
     seq_field = "checkpoint_seq"
     phase = 1
+    carried = True
+
+    def __init__(self, env: ActuatorEnv) -> None:
+        super().__init__(env)
+        self.stopped = False
+
+    def start(self, initial: Any, before: Mapping[str, int] | None) -> None:
+        super().start(initial, before)
+        self.stopped = initial.stop
 
     def apply(self, new: Any, old: Any, step: int) -> None:
-        newer = new.checkpoint_seq > self.served
-        self.served = max(self.served, new.checkpoint_seq)
-        if (newer or (new.stop and not old.stop)) and self.env.on_checkpoint is not None:
+        stopping = new.stop and not self.stopped
+        self.stopped = new.stop
+        if new.checkpoint_seq > self.served or stopping:
+            self.served, self.due = max(self.served, new.checkpoint_seq), 0
+            self.act(new, step)
+
+    def act(self, new: Any, step: int) -> None:
+        if self.env.on_checkpoint is not None:
             try:
                 self.env.on_checkpoint(step)
             except Exception as exc:  # noqa: BLE001 - the user's callback must not break agreement
@@ -67,7 +85,8 @@ class Checkpoint(Sequenced):
         return {"checkpoint_seq": self.served}
 
     def load_state_dict(self, state: Mapping[str, Any], newer: bool) -> None:
-        self.served = max(self.served, state_value(state, "checkpoint_seq", int, ok=lambda v: v >= 0))
+        state_value(state, self.seq_field, int)  # required (every agent's checkpoint has one)
+        self.persisted_served(state)
 
 
 @actuator("stop")
@@ -198,7 +217,10 @@ class Accumulation(Actuator):
 
 class _Diagnose(Sequenced):
     """``on_diagnose(command, step)`` once per newer request: the agent starts a memory trace or
-    arms the next step's gradient recompute check (``trainer_agent/diagnostics/verify.py``)."""
+    arms the next step's gradient recompute check (``trainer_agent/diagnostics/verify.py``); one
+    requested while the job was down runs from the restarted job's first step."""
+
+    carried = True
 
     def act(self, new: Any, step: int) -> None:
         if self.env.on_diagnose is None:

@@ -121,6 +121,8 @@ class ControllerClient:
                                     on_refused_command=self._failures.refuse_command)
         self._outbox = Outbox(max_buffered_reports, self.counts)
         self._desired: DesiredState | None = None
+        self.applied_before: DesiredState | None = None
+        """The registration answer's state the run's processes last applied (None: not said)."""
         self._registered = False
         self._first_attempt = threading.Event()
         self._closing = False
@@ -302,6 +304,7 @@ class ControllerClient:
             self._registered = True
             if answer is not None:  # else its desired state was refused: the run is registered all the same
                 self._observe(answer.desired)
+                self.applied_before = answer.applied
         self._first_attempt.set()
 
     def _send_item(self, http: httpx.Client, op: str, item: Report | Ack) -> None:

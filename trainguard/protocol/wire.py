@@ -140,6 +140,10 @@ class RunRegistered(WireModel):
     job: str
     run: str
     desired: DesiredState
+    applied: DesiredState | None = Field(
+        default=None, description="The desired state the run's processes last applied (acknowledged or reported), "
+        "when the run registers again: a request of 'desired' with a newer sequence number was taken by no process "
+        "(a checkpoint requested while the job was down). None: a new run, or not known.")
 
 
 class DesyncLayer(WireModel):
