@@ -17,7 +17,8 @@ registration config), spaced out by ``trainguard/protocol/retention.py`` as the 
 them. A snapshot becomes *good* after ``snapshot_confirm_reports``
 healthy reports following the one that first carried it; an unhealthy report before then taints
 it for good (the anomaly may have begun before it was taken). A rollback goes to the newest good
-snapshot: taken before the onset by construction. With none, it is refused with the reason.
+snapshot: taken before the onset by construction. With none, it is refused with the reason. A
+run that registers again (its job restarted) holds none until the new process reports its own.
 
 **Incidents and the ladder** (``recovery`` section of the rules file). An incident opens when a
 rule's actions change the desired state, or when a report shows the agent's spike guard skipping
@@ -142,6 +143,17 @@ class RunRecovery(ReportCause, SavedRecovery, LadderRungs):
         self.skips_nonfinite = config.get("skip_nonfinite") is True or config.get("skip_spikes") is True
         steps = config.get("accumulation_steps")
         self._own_accumulation = steps if type(steps) is int and steps >= 1 else None
+
+    def job_restarted(self) -> None:
+        """The run's job registered again: a new process. The snapshots the old one held in memory
+        are gone with it (no rollback may name them); an open incident stays open, its rung's
+        window afresh from the new process's reports (the rung acted on the process that ended).
+        The healthy baselines stay: they describe the run, which goes on."""
+        self.snapshot_book.held.clear()
+        self._last_step = None
+        if self.open is not None:
+            self.window.restart(0)  # (the job may resume from a step before the rung's)
+            self.window.healthy_in_a_row = 0
 
     def _new_ramp(self) -> LrRamp:
         p = self.policy

@@ -168,6 +168,9 @@ class Registration:
                   registered_at=now, live_since=now,  # a restarted job is live again, finished or not
                   finish=Finish(), last_report=None)
         st.recovery.configure(reg.config)
+        saved = st.recovery.save()
+        st.recovery.job_restarted()  # a new process: the old one's snapshots are gone
+        tx.on_rollback(lambda: st.recovery.restore(saved))
 
     def _check_run_limits(self, digest: str) -> None:
         """429 when a new run would exceed the controller's or the registering token's limit."""
