@@ -66,12 +66,7 @@ class Registration:
         self._check_ranks(reg)
         now = self.clock()
         ranks = [r.model_dump() for r in reg.ranks]
-        waited = False
-        while (registering := self._registering.get(reg.run)) is not None:
-            await asyncio.shield(registering)  # a concurrent first registration of this run
-            waited = True
-        if waited:  # the other registration may have claimed the run meanwhile
-            self.access.check_agent(principal, reg.run, registering=True, job=reg.job)
+        await self._after_concurrent_registration(reg, principal)
         st = self.runs.get(reg.run)
         digest = principal.token_digest
         if st is None:
@@ -116,6 +111,16 @@ class Registration:
             done.set_result(None)
         st = self.runs[reg.run]
         return RunRegistered(job=st.job, run=st.run, desired=st.publication.desired)
+
+    async def _after_concurrent_registration(self, reg: RunRegistration, principal: Principal) -> None:
+        """Wait out a concurrent first registration of ``reg.run``; the other registration may
+        have claimed the run meanwhile, so access is checked again after it."""
+        waited = False
+        while (registering := self._registering.get(reg.run)) is not None:
+            await asyncio.shield(registering)
+            waited = True
+        if waited:
+            self.access.check_agent(principal, reg.run, registering=True, job=reg.job)
 
     @staticmethod
     def _event_reason(reg: RunRegistration, first: bool) -> str:
