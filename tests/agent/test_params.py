@@ -100,6 +100,61 @@ def test_outermost_block_wins_and_unlike_siblings_are_not_blocks() -> None:
     assert grouped(Wrapper(tiny_llama()), layer_depth=1).keys() == {"model", "lm_head"}  # "module." is no layer
 
 
+LLAMA_LAYERS = ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm"]
+LLAMA_DEPTH_4 = sorted(["lm_head", "model.embed_tokens", "model.norm"]
+                       + [f"model.layers.{i}.{part}" for i in range(3)
+                          for part in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")])
+
+
+def _wrapped_llama() -> nn.Module:
+    """The torchtitan patterns on Llama's blocks: activation checkpointing of every other block
+    (``checkpoint_wrapper``), ``torch.compile`` of another, one left as it is."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = tiny_llama()
+    layers = model.model.layers
+    layers[0] = checkpoint_wrapper(layers[0])
+    layers.register_module("1", torch.compile(layers[1]))
+    layers[2] = checkpoint_wrapper(layers[2])
+    return model
+
+
+def test_wrapped_blocks_are_named_as_the_blocks_they_wrap() -> None:
+    """A block under ``checkpoint_wrapper`` or ``torch.compile`` is a block like its unwrapped
+    siblings, and the wrapper's attribute (``_checkpoint_wrapped_module``, ``_orig_mod``) is no
+    part of a layer name or of ``layer_depth``'s count (they made ``model.layers.1._orig_mod`` one
+    layer at depth 4, and the lone unwrapped block's modules layers of their own)."""
+    model = _wrapped_llama()
+    layers = grouped(model)
+    assert sorted(layers) == LLAMA_LAYERS
+    assert len(layers["model.layers.1"]) == len(list(model.model.layers[1].parameters()))
+    assert sorted(grouped(model, layer_depth=4)) == LLAMA_DEPTH_4
+    assert sorted(grouped(Wrapper(model), layer_depth=4)) == LLAMA_DEPTH_4
+
+
+def _fsdp_names_worker(rank: int, init: str, out: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    model = tiny_llama()
+    layers = model.model.layers
+    layers[0] = checkpoint_wrapper(layers[0])
+    for layer in layers:  # fully_shard swaps their classes: FSDPCheckpointWrapper, FSDPLlamaDecoderLayer
+        fully_shard(layer)
+    fully_shard(model)
+    names = (sorted(grouped(model)), sorted(grouped(model, layer_depth=4)))
+    dist.destroy_process_group()
+    torch.save(names, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_fsdp2_sharded_wrapped_blocks_are_named_as_the_blocks_they_wrap(tmp_path) -> None:
+    [(layers, depth_4)] = spawn_ranks(_fsdp_names_worker, 1, tmp_path, timeout=120)
+    assert layers == LLAMA_LAYERS
+    assert depth_4 == LLAMA_DEPTH_4
+
+
 def test_sparse_gradient_parameters_are_named_and_kept_apart() -> None:
     """The weights of sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules, named without
     ``torch.compile``'s wrapper; a dense embedding is an ordinary parameter. ``ParamIndex`` keeps

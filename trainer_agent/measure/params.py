@@ -37,6 +37,15 @@ _IS_NONE = functools.partial(operator.is_, None)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: The attribute under which a wrapper module holds the module it wraps, anywhere in a path:
+#: ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), ``checkpoint_wrapper``'s
+#: ``CheckpointWrapper`` (``_checkpoint_wrapped_module``), FSDP1 (``_fsdp_wrapped_module``).
+_WRAPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+try:  # FSDP2's fully_shard swaps a module's class for FSDP<Class>(FSDPModule, Class)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - a torch built without distributed support
+    FSDPModule = None  # type: ignore[assignment,misc]
 
 
 class ParamIndex:
@@ -196,8 +205,11 @@ def layer_names(model: nn.Module, layer_depth: int | None = None) -> dict[int, s
     stay in their block). A parameter outside every repeated block belongs to the module that
     holds it (``transformer.wte``, ``model.norm``, ``lm_head``). With ``layer_depth`` the
     module path is cut at that many components instead (``blocks.3.attn.qkv.weight`` is in
-    ``blocks.3`` at depth 2; shallower modules keep their full path). Wrapper prefixes (DDP's
-    ``module.``, ``torch.compile``'s ``_orig_mod.``) are not part of a name."""
+    ``blocks.3`` at depth 2; shallower modules keep their full path). Wrappers are not part of a
+    name, nor of a depth: DDP's ``module.`` prefix, and anywhere in a path the module a
+    ``torch.compile``, ``checkpoint_wrapper`` or FSDP1 wrapper holds (``blocks.3._orig_mod.attn``
+    is ``blocks.3.attn``); a block is told from its siblings by the class it wraps (per-layer
+    activation checkpointing of every other block leaves them one kind of block)."""
     blocks = set() if layer_depth is not None else _repeated_blocks(model)
     out: dict[int, str] = {}
     for name, p in model.named_parameters():
@@ -220,18 +232,32 @@ def _module_of(name: str) -> list[str]:
 
 def _repeated_blocks(model: nn.Module) -> set[str]:
     """Module paths of the children of ModuleLists and Sequentials that have a sibling of their
-    class (FSDP2's ``fully_shard`` gives every wrapped block of one class the same new class)."""
+    class (:func:`_wrapped_class`: a wrapped block is one of its kind)."""
     out: set[str] = set()
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.named_children())
-            classes = [type(child) for _, child in children]
-            out.update(f"{path}.{name}" if path else name for name, child in children
-                       if classes.count(type(child)) > 1)
+            classes = [_wrapped_class(child) for _, child in children]
+            out.update(f"{path}.{name}" if path else name for (name, _), cls in zip(children, classes)
+                       if classes.count(cls) > 1)
     return out
+
+
+def _wrapped_class(module: nn.Module) -> type:
+    """The class of the module that ``module`` stands for: through the wrappers of :data:`_WRAPPED`,
+    and FSDP2's class swap undone (``FSDPBlock`` is ``Block``)."""
+    inner: nn.Module | None = module
+    while inner is not None:
+        module = inner
+        inner = next((child for name, child in module.named_children() if name in _WRAPPED), None)
+    cls = type(module)
+    if FSDPModule is not None and issubclass(cls, FSDPModule):
+        cls = next((base for base in cls.__bases__ if base is not FSDPModule), cls)
+    return cls
 
 
 def _unwrapped(name: str) -> str:
     while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
         name = name.split(".", 1)[1]
-    return name
+    parts = name.split(".")
+    return ".".join(part for part in parts if part not in _WRAPPED) if _WRAPPED.intersection(parts) else name
