@@ -169,3 +169,46 @@ def test_the_levels_survive_a_restart_and_a_malformed_state_changes_nothing() ->
     assert (applied.lr_scale, applied.grad_clip_norm, applied.momentum_scale, applied.reset_optimizer_seq) == (
         0.5, 1.5, 0.8, 3)
     agent.close(1.0)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(torch.tanh(self.attn(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self, wrap) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.blocks = nn.ModuleList([wrap(_Block()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_optimizer_reset_by_layer_name_finds_the_layer_inside_wrapped_blocks() -> None:
+    """Blocks under ``checkpoint_wrapper`` (and ``torch.compile``: the same rule for ``_orig_mod``):
+    the layer metrics name ``blocks.1.mlp``, and a reset of that name drops exactly its state."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = _Blocks(checkpoint_wrapper)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, layer_depth=3, skip_nonfinite=True))
+    try:
+        assert "blocks.1.mlp" in agent.parts.params.layers
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(1.0)
+        agent.control._set(DesiredState(generation=1, reset_optimizer_seq=1, reset_optimizer_layers="blocks.1.mlp"), 1)
+        dropped = {n for n, p in model.named_parameters() if p not in opt.state}
+        assert dropped == {"blocks.1._checkpoint_wrapped_module.mlp.weight", "blocks.1._checkpoint_wrapped_module.mlp.bias"}
+        assert agent.control.values()["trainguard_optimizer_reset_parameters"] == 2.0
+    finally:
+        agent.close(1.0)

@@ -18,6 +18,7 @@ import torch
 
 from trainer_agent.measure import stats
 from trainer_agent.measure.optim import applied_grad_scale
+from trainer_agent.measure.params import unwrapped_name
 from trainer_agent.control.actuators import Actuator, ActuatorEnv, GroupOverride, Sequenced, actuator, state_value
 
 __all__ = ["GradClip", "MomentumScale", "ResetOptimizer", "WeightDecayScale", "global_grad_norm",
@@ -27,7 +28,6 @@ log = logging.getLogger("trainer_agent.control.plane")
 
 #: The largest momentum (beta1, SGD momentum) the momentum command sets: at 1 nothing is forgotten.
 MOMENTUM_MAX = 0.999
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -92,8 +92,9 @@ class ResetOptimizer(Sequenced):
     Adam's moments and step count, SGD's momentum buffer; on each rank its shard under FSDP2) of
     the parameters whose names start with one of the comma-separated ``reset_optimizer_layers``
     (every parameter when empty) is dropped; the optimizer initialises it afresh at their next
-    step. Names are the model's ``named_parameters`` without DDP's ``module.`` or
-    ``torch.compile``'s ``_orig_mod.``; either spelling matches."""
+    step. Names are the model's ``named_parameters`` as the layer metrics name them: without DDP's
+    ``module.``, or ``torch.compile``'s ``_orig_mod`` and ``checkpoint_wrapper``'s
+    ``_checkpoint_wrapped_module`` anywhere in the path; either spelling matches."""
 
     seq_field = "reset_optimizer_seq"
 
@@ -133,9 +134,9 @@ class ResetOptimizer(Sequenced):
 
 
 def _matches(name: str, prefixes: list[str]) -> bool:
-    bare = name
-    while bare.startswith(_WRAPPER_PREFIXES):
-        bare = bare.split(".", 1)[1]
+    """Whether parameter ``name`` is under one of ``prefixes``, spelt with the wrappers' path
+    components or, as layer metrics name it, without them (``params.unwrapped_name``)."""
+    bare = unwrapped_name(name)
     return any(name.startswith(p) or bare.startswith(p) for p in prefixes)
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from trainer_agent.measure.bucket_views import BucketViews
     from trainer_agent.measure.fsdp_grad_buffers import FsdpGradBuffers
 
-__all__ = ["ParamIndex", "layer_names", "sparse_gradient_params"]
+__all__ = ["ParamIndex", "layer_names", "sparse_gradient_params", "unwrapped_name"]
 
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
@@ -191,7 +191,7 @@ def sparse_gradient_params(model: nn.Module) -> dict[int, str]:
     """The parameters of ``model`` whose gradients are sparse tensors: the weights of
     ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``; id -> name
     (without DDP's ``module.`` or ``torch.compile``'s ``_orig_mod.``)."""
-    return {id(m.weight): _unwrapped(f"{name}.weight" if name else "weight") for name, m in model.named_modules()
+    return {id(m.weight): unwrapped_name(f"{name}.weight" if name else "weight") for name, m in model.named_modules()
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
@@ -214,12 +214,12 @@ def layer_names(model: nn.Module, layer_depth: int | None = None) -> dict[int, s
     out: dict[int, str] = {}
     for name, p in model.named_parameters():
         if layer_depth is not None:
-            module = _module_of(_unwrapped(name))
+            module = _module_of(unwrapped_name(name))
             out[id(p)] = ".".join(module[:layer_depth])
         else:  # blocks are paths in the wrapped model: unwrapped once found
             module = _module_of(name)
             layer = next((module[:i] for i in range(1, len(module) + 1) if ".".join(module[:i]) in blocks), module)
-            out[id(p)] = _unwrapped(".".join(layer))
+            out[id(p)] = unwrapped_name(".".join(layer))
     return out
 
 
@@ -256,7 +256,10 @@ def _wrapped_class(module: nn.Module) -> type:
     return cls
 
 
-def _unwrapped(name: str) -> str:
+def unwrapped_name(name: str) -> str:
+    """``name`` without the wrappers' path components: DDP's and ``torch.compile``'s leading
+    ``module.``/``_orig_mod.``, and :data:`_WRAPPED` anywhere (``layers.1._orig_mod.mlp`` is
+    ``layers.1.mlp``): the names layer metrics carry."""
     while name.startswith(_WRAPPER_PREFIXES):  # DDP / DataParallel / torch.compile wrappers
         name = name.split(".", 1)[1]
     parts = name.split(".")
