@@ -1,7 +1,7 @@
 """Fail-open: a real controller process behind the fault proxy, the real agent in this process.
 
 For every fault (down at start, black hole, 3 s per answer, connection reset, 500, garbage,
-killed and restarted): no step waits on the controller, /metrics keeps answering, nothing raises
+killed and restarted, answers slower than the request timeout): no step waits on the controller, /metrics keeps answering, nothing raises
 into the loop, reports resume when the controller is back, a command issued during the fault is
 applied afterwards, and ``close()`` returns within its deadline. And ``close()`` tells the
 controller the run finished, or, when it black-holes, returns in time anyway.
@@ -208,3 +208,56 @@ def test_killed_and_restarted_controller_loses_no_command(tmp_path: Path) -> Non
             assert loop.close(1.0) < 1.0 + REQUEST_TIMEOUT_S
     finally:
         ctl.kill()
+
+
+def _steps_flowing(loop: Loop, n: int) -> list[float]:
+    """``n`` steps, each report accepted before the next step (a loaded controller cannot fill the buffer)."""
+    client, times = loop.agent.control.client, []
+    for _ in range(n):
+        sent = client.counts.reports_sent
+        times += loop.steps(1)
+        assert until(lambda: client.counts.reports_sent > sent, 30.0), client.counts
+    return times
+
+
+@pytest.mark.parametrize("slowness", ["proxy-reset", "kept-alive"])
+def test_a_controller_slower_than_the_request_timeout_then_normal(controller: ControllerProcess, slowness: str) -> None:
+    """Every request takes 2 s, twice the agent's request timeout, for a while; then the controller
+    is fast again. ``proxy-reset``: the open connections are reset when its speed changes;
+    ``kept-alive``: they are not (a real server's slowness is not per connection)."""
+    buffered, timeout = 8, 1.0
+    with FaultProxy(controller.port) as proxy:
+        loop = Loop(proxy.url, f"slow-{slowness}", request_timeout_s=timeout, max_buffered_reports=buffered)
+        client = loop.agent.control.client
+        assert until(lambda: client.up, 60.0)
+        normal = _steps_flowing(loop, 20)
+        slow_from = int(loop.agent.latest()["trainguard_step"])
+        accepted = proxy.accepted
+        proxy.set_latency(2.0) if slowness == "kept-alive" else proxy.set_mode("pass", latency_s=2.0)
+        faulty: list[float] = []
+        # Train on until the proxy took 5 new connections: the sender timed out 3 times at least (a
+        # timed-out request's connection is closed; the poller's long poll outlasts the delay), and
+        # backs off longer each time.
+        assert until(lambda: faulty.extend(loop.steps(1)) or proxy.accepted >= accepted + 5, 60.0, 0.0)
+        assert client.counts.reports_dropped > 0
+        # a step that waited on one request would last the request timeout
+        assert max(faulty) < max(normal) + timeout, (max(normal), [round(t * 1e3) for t in faulty])
+        recovered_at = int(loop.agent.latest()["trainguard_step"])  # the newest report: the buffer's last
+        proxy.set_latency(0.0) if slowness == "kept-alive" else proxy.set_mode("pass")
+        buffer = set(range(recovered_at - buffered + 1, recovered_at + 1))
+        stored = lambda: {r["steps"][1] for r in controller.reports(loop.run)}  # noqa: E731
+        assert until(lambda: buffer <= stored(), 60.0), (sorted(buffer - stored()), client.counts)
+        dropped = client.counts.reports_dropped
+        _steps_flowing(loop, 20)
+        last = int(loop.agent.latest()["trainguard_step"])
+        assert until(lambda: max(stored()) == last, 30.0)
+        # one report per step, each sent or counted dropped; none dropped once the controller is back
+        assert client.counts.reports_sent + client.counts.reports_dropped == last and client.pending()[0] == 0
+        assert client.counts.reports_dropped == dropped
+        missing = set(range(1, last + 1)) - stored()
+        # the reports kept in the buffer, and every one after, reached the controller; only reports
+        # of the slow while are missing, and each of them was counted dropped
+        assert missing and min(missing) > slow_from and max(missing) <= recovered_at - buffered, sorted(missing)
+        assert len(missing) <= dropped
+        assert loop.scrape()["trainguard_agent_reports_dropped_total"] == dropped
+        assert loop.close(1.0) < 1.0 + timeout

@@ -6,6 +6,7 @@
         proxy.set_mode("pass", latency_s=2.0)          # forward, each request delayed 2 s
         proxy.set_mode("down")                         # nothing listens: connection refused
         proxy.set_mode("pass")                         # back to normal, same port
+        proxy.set_latency(2.0)                         # slower, kept-alive connections too
 
 Modes:
 
@@ -28,6 +29,9 @@ Modes:
 
 Changing the mode resets the connections that are open, so a client holding a keep-alive
 connection sees the new fault on its next request (as it would if the server had been killed).
+:meth:`FaultProxy.set_latency` changes the delay of ``pass`` without resetting anything: the open
+connections get slower or faster too, as with a real server whose slowness is not per connection
+(one that is overloaded, then recovers, while its clients keep their connections alive).
 The proxy needs no upstream for the modes that do not forward. Threads are daemons; ``close()``
 ends them.
 """
@@ -129,6 +133,16 @@ class FaultProxy:
         elif mode != "down" and self._listener is None:
             self._listen()
 
+    def set_latency(self, latency_s: float) -> None:
+        """Delay every request by ``latency_s`` from now on, on the open connections too (none is
+        reset); the mode must be ``pass``."""
+        if latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        with self._lock:
+            if self._mode != "pass":
+                raise ValueError(f"set_latency needs the pass mode, the proxy is in {self._mode!r}")
+            self._latency_s = latency_s
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -186,11 +200,11 @@ class FaultProxy:
                 if self._closed:
                     _hard_close(conn)
                     return
-                mode, latency, upstream = self._mode, self._latency_s, self._upstream
+                mode, upstream = self._mode, self._upstream
                 self._conns.add(conn)
                 self.accepted += 1
             threading.Thread(
-                target=self._serve, args=(conn, mode, latency, upstream), name="faultproxy-conn", daemon=True
+                target=self._serve, args=(conn, mode, upstream), name="faultproxy-conn", daemon=True
             ).start()
 
     def _forget(self, *socks: socket.socket) -> None:
@@ -198,7 +212,7 @@ class FaultProxy:
             for s in socks:
                 self._conns.discard(s)
 
-    def _serve(self, conn: socket.socket, mode: str, latency: float, upstream: tuple[str, int | None]) -> None:
+    def _serve(self, conn: socket.socket, mode: str, upstream: tuple[str, int | None]) -> None:
         try:
             if mode == "reset":
                 self._forget(conn)
@@ -209,7 +223,7 @@ class FaultProxy:
             elif mode in ("http500", "garbage", "junk"):
                 self._answer_canned(conn, {"http500": _HTTP500, "garbage": _GARBAGE, "junk": _JUNK}[mode])
             else:
-                self._forward(conn, latency, upstream)
+                self._forward(conn, upstream)
         except (OSError, ValueError):  # a socket reset by set_mode()/close() under our feet
             pass
         finally:
@@ -230,7 +244,7 @@ class FaultProxy:
         conn.sendall(answer)
         conn.shutdown(socket.SHUT_WR)
 
-    def _forward(self, conn: socket.socket, latency: float, upstream: tuple[str, int | None]) -> None:
+    def _forward(self, conn: socket.socket, upstream: tuple[str, int | None]) -> None:
         host, port = upstream
         if port is None:
             _hard_close(conn)
@@ -255,6 +269,7 @@ class FaultProxy:
                     data = s.recv(65536)
                     if not data:
                         return
+                    latency = self._latency_s  # read per request: set_latency applies to this one
                     if s is conn and latency > 0:
                         time.sleep(latency)
                     peers[s].sendall(data)
