@@ -246,8 +246,11 @@ class LadderRungs:
             return None if new is None else new.model_copy(update={"stop_exit_code": code})
         if rung == "data_skip":
             until = max(d.data_skip_until, step + self.policy.data_skip_steps)
-            return d.model_copy(update={"generation": d.generation + 1, "data_skip_until": until,
-                                        "reason": f"{why}: skipping the batches of steps {step + 1}-{until} on every rank, "
+            # the steps from the next one (a skip still running: from its first); a job resumed from
+            # an earlier checkpoint trains on the steps before them
+            first = d.data_skip_from if 0 < d.data_skip_from <= step < d.data_skip_until else step + 1
+            return d.model_copy(update={"generation": d.generation + 1, "data_skip_from": first, "data_skip_until": until,
+                                        "reason": f"{why}: skipping the batches of steps {first}-{until} on every rank, "
                                                   f"the LR untouched"[:2000]})
         spec = BY_NAME.get(rung)
         if spec is not None and spec.remedy:  # an optimizer remedy: its rule action with the defaults

@@ -8,7 +8,8 @@ script, as ``dist_worker.py`` is (``RANK``, ``WORLD_SIZE``, ``DIST_INIT_METHOD``
 ``"phase": "resume"``
     Attach to the same run, load that checkpoint (the step goes back to ``ckpt_step``) and train to
     ``max_steps`` or until the controller stops the run; write this rank's applied generations
-    (``ControlPlane.history``) and ``on_checkpoint`` calls to ``out``/resume-rank<r>.json.
+    (``ControlPlane.history``), ``on_checkpoint`` calls and the steps skipped for their data (the
+    controller's data skip) to ``out``/resume-rank<r>.json.
 """
 
 from __future__ import annotations
@@ -82,9 +83,13 @@ def main() -> None:
         sched.load_state_dict(state["sched"])
         agent.load_state_dict(state["agent"][rank])
         step = state["step"]
+    data_skipped: list[int] = []  # the steps whose optimizer step was skipped for their data
     while not agent.should_stop and step < cfg["max_steps"]:
         step += 1
+        skipped = agent.control.skip.skipped_by_reason["data"]
         agent.end_step(_train(model, opt, sched, _batch(rank, step)))
+        if agent.control.skip.skipped_by_reason["data"] > skipped:
+            data_skipped.append(step)
         if first and step == cfg["ckpt_step"]:
             states: list[object] = [None] * world
             dist.all_gather_object(states, agent.state_dict())
@@ -96,7 +101,8 @@ def main() -> None:
             os._exit(1)  # the job dies: nothing closed, nothing flushed
     history = [[a.generation, a.step, a.paused, a.lr_scale, a.checkpoint_seq, a.stop] for a in agent.control.history]
     agent.close(3.0)
-    (out / f"resume-rank{rank}.json").write_text(json.dumps({"history": history, "checkpoints": checkpoints}))
+    (out / f"resume-rank{rank}.json").write_text(json.dumps({"history": history, "checkpoints": checkpoints,
+                                                             "data_skipped": data_skipped}))
     dist.destroy_process_group()
 
 

@@ -160,7 +160,7 @@ OUT_OF_BOUNDS = [
     ("lr_scale", 0.0), ("lr_scale", -2.0), ("lr_scale", "NaN"), ("checkpoint_seq", -1), ("checkpoint_seq", 2**63),
     ("stop", 2), ("rollback_seq", -1), ("rollback_step", -5), ("reason", "x" * 2001), ("accumulation_steps", 65537),
     ("accumulation_steps", -1), ("accumulation_lr_rule", "cubic"), ("memory_trace_seq", -1), ("verify_seq", -1),
-    ("data_skip_until", -1), ("stop_exit_code", 256), ("grad_clip_norm", -1.0), ("grad_clip_norm", 1e7),
+    ("data_skip_until", -1), ("data_skip_from", -1), ("stop_exit_code", 256), ("grad_clip_norm", -1.0), ("grad_clip_norm", 1e7),
     ("reset_optimizer_seq", -1), ("reset_optimizer_layers", "x" * (64 * 257 + 1)), ("momentum_scale", 0.0),
     ("momentum_scale", 11.0), ("weight_decay_scale", -1.0), ("weight_decay_scale", 101.0),
     ("verify_float32_seq", -1), ("verify_float32_seq", 2**63),

@@ -3,12 +3,17 @@ the agent's data monitor attached, a real ``trainguard serve`` with the built-in
 steps the batches are corrupted bytes. The controller's verdict is ``data``; every rank skips the
 optimizer steps of those batches at the same steps, the LR stays the scheduler's, the ranks'
 weights stay identical, nothing pauses, and each rank's loader quarantines exactly the samples of
-the batches whose steps were skipped for their data, which the incident names by shard."""
+the batches whose steps were skipped for their data, which the incident names by shard.
+
+And a job restarted from a checkpoint taken before a data skip skips the steps of the bad batches
+only, not every step from its restored one up to the skip's end."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.control.procs import ControllerProcess
+from trainguard.protocol.wire import DesiredState
+from tests.control.procs import ROOT, ControllerProcess, Ranks
 from tests.control.spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -127,3 +133,40 @@ def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(contro
     everywhere = sorted({int(i) for log in logs for i in log["skip"]})
     assert incident["quarantined"] == TokenBatches(tmp_path / "shards", batch_size=8, seq_len=33, seed=1, rank=0,
                                                    world_size=WORLD).locate(everywhere)
+
+
+def _set_data_skip(db: Path, run: str, first: int, until: int) -> int:
+    """Write the data skip a data incident's ladder gives (steps ``first``-``until``) into the
+    desired state of ``run`` in a stopped controller's database; its generation."""
+    with sqlite3.connect(db) as con:
+        (text,) = con.execute("SELECT desired FROM runs WHERE run=?", (run,)).fetchone()
+        d = DesiredState.model_validate_json(text) if text is not None else DesiredState()  # none given yet
+        d = d.model_copy(update={"generation": d.generation + 1, "data_skip_from": first, "data_skip_until": until,
+                                 "reason": "a data incident's data_skip rung"})
+        con.execute("UPDATE runs SET desired=?, generation=? WHERE run=?", (d.model_dump_json(), d.generation, run))
+    return d.generation
+
+
+def test_a_job_restarted_before_a_data_skip_skips_only_the_bad_batches(tmp_path: Path) -> None:
+    """The job checkpoints at step 10 and dies at step 40, after the controller asked every rank to
+    skip the batches of steps 25-30; restarted from step 10, it trains on steps 11-24 and 31-40."""
+    ctl, run, worker = ControllerProcess(tmp_path / "tg.db"), "rewound-skip", str(ROOT / "tests/control/resume_worker.py")
+    try:
+        ctl.start()
+        first = Ranks(WORLD, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,
+                              "crash_step": 40, "max_steps": 40}, tmp_path, worker=worker)
+        assert first.wait(180) == [1, 1], first.output()  # died at step 40
+        ctl.kill()
+        gen = _set_data_skip(ctl.db, run, 25, 30)
+        ctl.start()
+        again = Ranks(WORLD, {"scenario": "resume", "phase": "resume", "run": run, "controller": ctl.url,
+                              "max_steps": 40}, tmp_path, worker=worker)
+        try:
+            assert again.wait(180) == [0, 0], again.output()
+        finally:
+            again.kill()
+        logs = [json.loads((tmp_path / f"resume-rank{r}.json").read_text()) for r in range(WORLD)]
+        assert [h[0] for h in logs[0]["history"]] == [gen] and logs[0]["history"][0][1] < 25  # applied before step 25
+        assert logs[0]["data_skipped"] == logs[1]["data_skipped"] == list(range(25, 31))
+    finally:
+        ctl.kill()

@@ -17,9 +17,9 @@ from trainguard.protocol.commands import (
 
 #: The agreement's layout as of STATE_LAYOUT_VERSION. A field added, removed or moved changes the
 #: int64 every rank reads at each position: bump the version with the layout.
-PINNED_LAYOUT = (3, (
+PINNED_LAYOUT = (4, (
     "generation", "paused", "checkpoint_seq", "stop", "stop_exit_code", "lr_scale", "rollback_seq", "rollback_step",
-    "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until",
+    "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until", "data_skip_from",
     "grad_clip_norm", "reset_optimizer_seq", "reset_optimizer_layers", "momentum_scale", "weight_decay_scale",
     "verify_float32_seq",
 ))
@@ -44,10 +44,10 @@ def _bits(x: float) -> int:
 def test_encoding_by_hand_and_back() -> None:
     d = DesiredState(generation=7, paused=True, checkpoint_seq=3, stop=True, stop_exit_code=75, lr_scale=0.25,
                      rollback_seq=2, rollback_step=90, accumulation_steps=8, accumulation_lr_rule="linear",
-                     memory_trace_seq=1, verify_seq=4, data_skip_until=120, grad_clip_norm=1.5, reset_optimizer_seq=1,
-                     reset_optimizer_layers="layers.3.,head", momentum_scale=1.1, weight_decay_scale=0.0,
+                     memory_trace_seq=1, verify_seq=4, data_skip_until=120, data_skip_from=113, grad_clip_norm=1.5,
+                     reset_optimizer_seq=1, reset_optimizer_layers="layers.3.,head", momentum_scale=1.1, weight_decay_scale=0.0,
                      verify_float32_seq=5, reason="x")
-    expected = [7, 1, 3, 1, 75, _bits(0.25), 2, 90, 8, 2, 1, 4, 120, _bits(1.5), 1, text_key("layers.3.,head"),
+    expected = [7, 1, 3, 1, 75, _bits(0.25), 2, 90, 8, 2, 1, 4, 120, 113, _bits(1.5), 1, text_key("layers.3.,head"),
                 _bits(1.1), _bits(0.0), 5]
     assert encode_state(d) == expected
     assert state_texts(d) == {text_key("layers.3.,head"): "layers.3.,head"}
@@ -62,9 +62,9 @@ def test_a_text_key_is_never_zero_and_the_empty_text_is_zero() -> None:
 
 
 @pytest.mark.parametrize("broken, message", [
-    (lambda v: v[:-1], "has 19 values"),
+    (lambda v: v[:-1], "has 20 values"),
     (lambda v: v[:9] + [3] + v[10:], "no choice number 3"),  # accumulation_lr_rule
-    (lambda v: v[:15] + [12345] + v[16:], "did not arrive"),  # reset_optimizer_layers
+    (lambda v: v[:16] + [12345] + v[17:], "did not arrive"),  # reset_optimizer_layers
     (lambda v: v[:5] + [_bits(math.nan)] + v[6:], "out of bounds"),  # lr_scale NaN
     (lambda v: v[:4] + [999] + v[5:], "out of bounds"),  # stop_exit_code > 255
 ])
@@ -213,3 +213,12 @@ def test_every_rule_action_is_named_after_its_command_and_every_url_is_unique() 
     assert set(actions) == {"pause", "checkpoint", "stop", "lr_scale", "rollback", "accumulation", "memory_trace", "verify",
                             "verify_float32", "grad_clip", "reset_optimizer", "momentum", "weight_decay_scale"}
     assert len({s.url for s in REGISTRY}) == len(REGISTRY)
+
+
+def test_a_data_skip_names_its_first_and_last_step() -> None:
+    d = DesiredState(generation=3)
+    changed, _ = apply_command(d, BY_NAME["data_skip"], c.DataSkipRequest(first=25, until=30))
+    assert changed == {"data_skip_from": 25, "data_skip_until": 30}
+    assert apply_command(d, BY_NAME["data_skip"], c.DataSkipRequest(until=30))[0] == {"data_skip_until": 30}
+    with pytest.raises(ValidationError, match=r"first \(31\) is after until \(30\)"):
+        c.DataSkipRequest(first=31, until=30)

@@ -76,6 +76,9 @@ def test_a_data_burst_is_skipped_with_the_lr_untouched() -> None:
     # (8 steps ahead, renewed when 4 or fewer remain: at 64 to 72, at 68 to 76)
     step_of = {r.step_last: s for r, s in zip(healthy + burst + after, states)}
     assert [step_of[s].data_skip_until for s in (59, 60, 63, 64, 68, 69, 70)] == [0, 68, 68, 72, 76, 76, 76]
+    # from the first bad batch's step on, renewals included (a job restarted from an earlier
+    # checkpoint trains on the steps before it)
+    assert [step_of[s].data_skip_from for s in (59, 60, 64, 68, 70)] == [0, 61, 61, 61, 61]
     assert inc["data_skipped"] == [61, 76]
 
 

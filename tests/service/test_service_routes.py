@@ -32,7 +32,8 @@ def test_register_report_poll_ack_flow(app_factory):
         assert reg["desired"] == {"generation": 0, "paused": False, "lr_scale": 1.0, "checkpoint_seq": 0, "stop": False,
                                   "rollback_seq": 0, "rollback_step": 0, "reason": "",
                                   "accumulation_steps": 0, "accumulation_lr_rule": "none",
-                                  "memory_trace_seq": 0, "verify_seq": 0, "data_skip_until": 0, "stop_exit_code": 0,
+                                  "memory_trace_seq": 0, "verify_seq": 0, "data_skip_until": 0, "data_skip_from": 0,
+                                  "stop_exit_code": 0,
                                   "grad_clip_norm": 0.0, "reset_optimizer_seq": 0, "reset_optimizer_layers": "",
                                   "momentum_scale": 1.0, "weight_decay_scale": 1.0, "verify_float32_seq": 0}
         healthy = report_body(5, {"trainguard_loss": 2.6, "trainguard_grad_norm_max": 4.0})

@@ -163,6 +163,7 @@ def test_a_run_stored_at_schema_9_loads_the_desired_state_its_columns_held(store
     expected = {"generation": 7, "paused": True, "lr_scale": 0.3, "checkpoint_seq": 2, "stop": False, "rollback_seq": 1,
                 "rollback_step": 40, "reason": "paused by an incident", "accumulation_steps": 8,
                 "accumulation_lr_rule": "sqrt", "memory_trace_seq": 0, "verify_seq": 3, "data_skip_until": 0,
+                "data_skip_from": 0,
                 "stop_exit_code": 0, "grad_clip_norm": 0.0, "reset_optimizer_seq": 0, "reset_optimizer_layers": "",
                 "momentum_scale": 1.0, "weight_decay_scale": 1.0, "verify_float32_seq": 0}
     with TestClient(create_app(Settings(db=store_db, tick_s=60))) as c:

@@ -248,19 +248,22 @@ class VerifyFloat32(_Diagnose):
 
 @actuator("data_skip")
 class DataSkip(Actuator):
-    """Every rank skips the optimizer steps up to ``data_skip_until`` (a data fault; read by the
-    optimizer's step wrapper, ``NonfiniteSkip.data_skip``)."""
+    """Every rank skips the optimizer steps from ``data_skip_from`` up to ``data_skip_until`` (a
+    data fault; read by the optimizer's step wrapper, ``NonfiniteSkip.data_skip``). A job that
+    resumed from an earlier checkpoint trains on the steps before ``data_skip_from``; without one
+    (0: a controller older than the field) every step up to ``data_skip_until`` is skipped."""
 
     def __init__(self, env: ActuatorEnv) -> None:
         super().__init__(env)
-        self.until = 0
+        self.first, self.until = 0, 0
 
     def apply(self, new: Any, old: Any, step: int) -> None:
-        if new.data_skip_until != self.until and self.env.leader and new.data_skip_until > step:
+        first, until = new.data_skip_from, new.data_skip_until
+        if (first, until) != (self.first, self.until) and self.env.leader and until > step:
             log.warning("trainguard: skipping the optimizer steps %d-%d on every rank for their data (the LR is "
-                        "untouched)", step + 1, new.data_skip_until)
-        self.until = new.data_skip_until
+                        "untouched)", max(first, step + 1), until)
+        self.first, self.until = first, until
 
     def covers(self, step: int) -> bool:
         """Whether the optimizer step of ``step`` is skipped for its data."""
-        return self.until > 0 and step <= self.until
+        return self.until > 0 and self.first <= step <= self.until

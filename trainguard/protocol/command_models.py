@@ -143,9 +143,18 @@ class AccumulationAction(RuleAction):
 
 
 class DataSkipRequest(CommandRequest):
-    """The data-skip rung's parameter: the last step whose optimizer step every rank skips."""
+    """The data-skip rung's parameters: the first and the last step whose optimizer step every rank
+    skips (the steps whose batches are bad)."""
 
+    first: Int = Field(default=0, ge=0, le=MAX_INT, description=(
+        "The first step whose optimizer step is skipped; 0: every step up to 'until'."))
     until: Int = Field(ge=0, le=MAX_INT, description="The last step whose optimizer step is skipped.")
+
+    @model_validator(mode="after")
+    def _first_before_until(self) -> DataSkipRequest:
+        if self.first > self.until:
+            raise ValueError(f"first ({self.first}) is after until ({self.until})")
+        return self
 
 
 class GradClipRequest(CommandRequest):

@@ -275,9 +275,13 @@ REGISTRY: tuple[CommandSpec, ...] = (
         rule_action=VerifyAction, kind="diagnostic"),
     CommandSpec(
         "data_skip", "Skip the optimizer steps of a data fault's batches on every rank (the incident's data_skip rung)",
-        lambda d, p, ctx: Change({"data_skip_until": p.until}), request=DataSkipRequest,
-        fields=(_f("data_skip_until", "int", 0, "Every rank skips the optimizer step of each step up to and including "
-                   "this one (a data fault: the batches are not learned from; the LR is untouched); 0: none.", **_SEQ),),
+        lambda d, p, ctx: Change({"data_skip_until": p.until, "data_skip_from": p.first}), request=DataSkipRequest,
+        fields=(_f("data_skip_until", "int", 0, "Every rank skips the optimizer step of each step from data_skip_from "
+                   "up to and including this one (a data fault: the batches are not learned from; the LR is untouched); "
+                   "0: none.", **_SEQ),
+                _f("data_skip_from", "int", 0, "The first step data_skip_until's skip covers (the first bad batch's): "
+                   "a job that resumes from an earlier checkpoint trains on the steps before it; 0: every step up to "
+                   "data_skip_until (a controller older than this field).", **_SEQ)),
         operator=False, alertmanager=False, console=False),
     CommandSpec(
         "grad_clip", "Clip the global gradient norm on every rank before each optimizer step (0: end the clipping)",
@@ -352,7 +356,7 @@ DesiredState = create_model(
 STATE_LEN = 1 + len(STATE_FIELDS)
 #: Changes whenever the layout does (a field added, removed or moved): ranks of one job run one
 #: agent version, and the pinned test says when this must change.
-STATE_LAYOUT_VERSION = 3
+STATE_LAYOUT_VERSION = 4
 
 
 def encode_state(d: Any) -> list[int]:
