@@ -8,6 +8,7 @@ with its field and value, and a report refused as too large (413) is counted, no
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 
@@ -175,13 +176,14 @@ class ScriptedController:
         self.state: dict = {"generation": 1}
         self.report_status = 200
         self.reports = 0
+        self.registered_extra = b""  # more fields of the registration answer (raw JSON)
         self.srv = RawServer(self._handle)
         self.url = self.srv.url
 
     def _handle(self, srv: RawServer, conn: socket.socket, path: str) -> None:
         desired = json.dumps(self.state).encode()
         if path == "/v1/runs":
-            _ok(conn, b'{"job":"job-a","run":"run-a","desired":%s}' % desired)
+            _ok(conn, b'{"job":"job-a","run":"run-a","desired":%s%s}' % (desired, self.registered_extra))
         elif path.endswith("/desired"):
             _ok(conn, desired)
         elif path.endswith("/reports"):
@@ -271,3 +273,29 @@ def test_the_agent_keeps_its_lr_under_a_huge_lr_scale_and_counts_a_413(caplog: p
     assert any("command_out_of_bounds:lr_scale" in m and "lr_scale=1e+30" in m for m in logged)
     too_large = [m for m in logged if "report_too_large" in m]
     assert len(too_large) == 1 and "TRAINGUARD_MAX_WORLD_SIZE" in too_large[0]  # once, though 3 were refused
+
+
+def test_a_newer_controllers_fields_are_ignored_and_the_rest_applied(caplog: pytest.LogCaptureFixture) -> None:
+    """A controller newer than the agent answers with fields the agent's protocol does not have
+    (in the registration answer and in the desired state): the agent applies what it knows, refuses
+    nothing, and names the unknown fields in one warning each."""
+    ctl = ScriptedController()
+    ctl.state = {"generation": 3, "lr_scale": 0.5, "a_newer_command_seq": 2}
+    ctl.registered_extra = b',"a_newer_answer":{"x":[1,"NaN"]}'
+    errors: list[tuple[str, str]] = []
+    c = ControllerClient(ctl.url, registration=REG, request_timeout_s=5.0, long_poll_s=0.05,
+                         on_error=lambda kind, exc: errors.append((kind, str(exc))))
+    with caplog.at_level(logging.WARNING, logger="trainer_agent"):
+        c.start()
+        try:
+            assert c.wait_registered(30) == DesiredState(generation=3, lr_scale=0.5)
+            ctl.state = {"generation": 5, "lr_scale": 0.25, "a_newer_command_seq": 3, "reason": "NaN loss"}
+            assert until(lambda: c.desired is not None and c.desired.generation == 5, timeout=30)
+            assert c.desired == DesiredState(generation=5, lr_scale=0.25, reason="NaN loss")
+            assert errors == [] and c.counts.commands_refused == 0
+        finally:
+            assert c.close(5.0)
+            ctl.srv.close()
+    named = sorted(name for r in caplog.records if "does not know" in r.getMessage()
+                   for name in r.getMessage().split("does not know: ")[1].split(";")[0].split(", "))
+    assert named == ["a_newer_answer", "a_newer_command_seq"]  # each once, though answered again and again

@@ -39,6 +39,7 @@ from trainguard.protocol.wire import (
 from trainer_agent.compat.httpx_private import install_network_backend
 from trainer_agent.config import controller_urls
 from trainer_agent.report.outbox import SendCounts
+from trainer_agent.version import __version__
 
 __all__ = ["MAX_ANSWER_BYTES", "ControllerLink", "Failures", "Refused", "TooLarge", "Unknown", "controller_urls"]
 
@@ -103,6 +104,24 @@ def _command_fields(exc: ValidationError, answer_type: type[WireModel]) -> list[
             return None  # not a desired state at all (garbage, not JSON, not an object): unreadable
         out.append((".".join(str(part) for part in loc), error.get("input")))
     return out
+
+
+def _without_unknown_fields(exc: ValidationError, content: bytes) -> tuple[bytes, list[str]] | None:
+    """When fields unknown to this agent's protocol are among ``exc``'s errors (a controller newer
+    than the agent: forward compatibility), the answer without them and their dotted names; else None."""
+    unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden" and e["loc"]]
+    if not unknown:
+        return None
+    try:
+        answer = json.loads(content)
+        for loc in unknown:
+            holder = answer
+            for part in loc[:-1]:
+                holder = holder[part]
+            del holder[loc[-1]]
+    except (ValueError, LookupError, TypeError):
+        return None
+    return json.dumps(answer).encode(), [".".join(map(str, loc[1:] if loc[0] == "desired" else loc)) for loc in unknown]
 
 
 class Refused(Exception):
@@ -199,6 +218,7 @@ class ControllerLink:
         self._transport = transport
         self.aborters = {"sender": _AbortableBackend(), "poller": _AbortableBackend()}
         self._on_refused_command = on_refused_command
+        self._unknown_logged: set[str] = set()
         self.up = False
         """True after the last exchange with the controller got a 2xx answer."""
 
@@ -285,6 +305,10 @@ class ControllerLink:
         try:
             answer = answer_type.model_validate_json(content)
         except ValidationError as exc:
+            known = _without_unknown_fields(exc, content)
+            if known is not None:  # a newer controller's fields: the rest is read as this agent knows it
+                self._note_unknown_fields(known[1])
+                return self._parse(at, known[0], answer_type)
             refused = _command_fields(exc, answer_type)
             if refused is None:
                 self.up = False
@@ -296,6 +320,15 @@ class ControllerLink:
             log.info("trainguard: controller %s reachable again", self.bases[at])
         self.up = True
         return answer
+
+    def _note_unknown_fields(self, fields: list[str]) -> None:
+        """Log, once per field, the fields of a controller's answer this agent does not know."""
+        new = sorted(set(fields) - self._unknown_logged)
+        if new:
+            self._unknown_logged.update(new)
+            log.warning("trainguard: the controller's answers hold fields this agent (trainer_agent %s) does not know: "
+                        "%s; they are ignored and the rest is applied. The controller is newer than this agent: "
+                        "commands that need them take effect only with an agent as new", __version__, ", ".join(new))
 
     def _move_on(self, at: int) -> None:
         """After a failure at controller ``at``: the next one of several (once per failure, even
