@@ -61,7 +61,7 @@ import numpy as np
 
 from trainguard.protocol.commands import REGISTRY
 
-__all__ = ["CAUSES", "Cause", "Verdict", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
+__all__ = ["CAUSES", "Cause", "Verdict", "GRAD_JUMP", "GRAD_NORM", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
 
 Cause = Literal["schedule", "optimizer", "data", "hardware", "unknown"]
 CAUSES: tuple[Cause, ...] = ("schedule", "optimizer", "data", "hardware", "unknown")
@@ -96,6 +96,8 @@ LOSS_Z = 6.0
 UPDATE_RISE = 1.5
 #: Steps skipped in a row that can still be one bad batch (more: something lasts).
 SINGLE_BATCH_SKIPS = 2
+#: One batch's gradient jump: GRAD_NORM >= GRAD_JUMP x its neighbours' median, the report before within _GRAD_CALM x.
+GRAD_JUMP, _GRAD_CALM, GRAD_EXPLAINS, GRAD_NORM = 5.0, 2.0, 3.0, "trainguard_grad_norm_max"
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,8 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     if measured is not None and metric_baseline is not None and metric_baseline > 0:
         rel = measured / metric_baseline if math.isfinite(measured) else math.inf
         rose = rel > UPDATE_RISE
+        if rose and rel <= GRAD_EXPLAINS and not batch_outlier and _gradient_jump(ev, window):
+            rose, batch_outlier = False, True
         ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
                f"the update ratio is {rel:.3g}x its healthy level")
     # -- mixed precision
@@ -334,6 +338,20 @@ def _batch_outlier(ev: _Evidence, window: Any, skipped: int) -> bool:
     return batch_outlier
 
 
+def _gradient_jump(ev: _Evidence, window: Any) -> bool:
+    """Whether the newest gradient norm jumped alone (GRAD_JUMP): an update ratio up with it by at most GRAD_EXPLAINS x
+    is that gradient through the optimizer's step (Adam's momentum takes a tenth: a healthy run's step went 2x
+    as far on a gradient 5x its neighbours'), not an LR the run cannot take."""
+    hist = (h := window.series(GRAD_NORM, 65))[np.isfinite(h)]
+    base, latest, before = (float(np.median(hist[:-1])), float(hist[-1]), float(hist[-2])) if len(hist) >= 10 else (0, 0, 0)
+    if not (base > 0 and latest >= GRAD_JUMP * base and before <= _GRAD_CALM * base):
+        return False
+    ev.add(GRAD_NORM, latest, base, "data",
+           f"the batch's gradient norm is {latest / base:.3g}x its neighbours' median, the report before at its level: "
+           "the update ratio rose with this one gradient")
+    return True
+
+
 def _weigh(ev: _Evidence, *, lr_jumped: bool, ratio_jumped: bool, data_rules: list[Any], amp: list[Any], rose: bool,
            batch_outlier: bool, nonfinite: bool) -> Verdict:
     """The verdict the evidence (no hardware fault among it) adds up to."""
@@ -355,7 +373,7 @@ def _weigh(ev: _Evidence, *, lr_jumped: bool, ratio_jumped: bool, data_rules: li
     if rose:
         return Verdict("optimizer", "the update ratio rose with the LR and the data unchanged", tuple(ev.items))
     if batch_outlier and not ev.pointing("unknown"):
-        return Verdict("data", "one batch stands out from its neighbours with the LR and the update ratio unchanged",
+        return Verdict("data", "one batch stands out from its neighbours with the LR unchanged",
                        tuple(ev.items))
     return Verdict("unknown", "no evidence points at one cause", tuple(ev.items))
 

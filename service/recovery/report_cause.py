@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
+from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, GRAD_JUMP, GRAD_NORM, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
 from trainguard.service.recovery import replay as _replay
 from trainguard.service.recovery.baselines import HealthyBaselines
 from trainguard.service.recovery.health import alarming
@@ -91,20 +91,26 @@ class ReportCause:
 
     def _single_batch_refuted(self, window: Any) -> bool:
         """Revise a data incident judged on one batch standing out (its loss, or at most
-        ``SINGLE_BATCH_SKIPS`` skipped steps; no data rule among its evidence) to ``unknown`` once
-        the agent has skipped more steps than that in a row with no data rule firing: no one batch
+        ``SINGLE_BATCH_SKIPS`` skipped steps, or its gradient norm's jump; no data rule among its
+        evidence) to ``unknown`` once the agent has skipped more steps than that in a row, or a later
+        report's gradient norm is still that jump's size, with no data rule firing: no one batch
         is the cause (a schedule's LR past what the run can take makes every batch stand out, and
         skipping the batches cannot help). The unknown ladder's experiment finds out whether the
         LR is. True when it revised."""
         inc = self.open
-        if (inc is None or inc.cause != "data" or self.reading.skipped_now <= SINGLE_BATCH_SKIPS
-                or self.reading.data_active):
+        if inc is None or inc.cause != "data" or self.reading.data_active:
             return False
-        if any(e["points_to"] == "data" and e["signal"].startswith("rule:") for e in inc.verdict.get("evidence", [])):
+        evidence = inc.verdict.get("evidence", [])
+        if any(e["points_to"] == "data" and e["signal"].startswith("rule:") for e in evidence):
+            return False
+        if self.reading.skipped_now > SINGLE_BATCH_SKIPS:
+            why = f"the agent skipped {self.reading.skipped_now} steps in a row"
+        elif (jump := _gradient_jump_stays(evidence, window)) is not None:
+            why = f"the gradient norm is still {jump:.3g}x its level before the onset"
+        else:
             return False
         self._revise("unknown", window.last_step,
-                     f"the agent skipped {self.reading.skipped_now} steps in a row, with no data rule firing: "
-                     "more than one batch stands out, so no single batch is the cause")
+                     f"{why}, with no data rule firing: more than one batch stands out, so no single batch is the cause")
         return True
 
     def _report_ladder(self) -> tuple[str, ...]:
@@ -113,3 +119,15 @@ class ReportCause:
         if self.open is not None:
             return self.ladder()
         return p.ladder_of(verdict.cause if verdict is not None else "optimizer")
+
+
+def _gradient_jump_stays(evidence: list[dict[str, Any]], window: Any) -> float | None:
+    """The newest gradient norm over the level before the onset, when the verdict's gradient jump
+    (``cause._gradient_jump``'s evidence) has not come back: still at least ``GRAD_JUMP`` times
+    that level (an explosion, not one batch); else None."""
+    base = next((e["reference"] for e in evidence if e["signal"] == GRAD_NORM and e["points_to"] == "data"), None)
+    latest = window.latest(GRAD_NORM)
+    if not isinstance(base, float) or not base > 0 or latest is None:
+        return None
+    ratio = latest / base if math.isfinite(latest) else math.inf
+    return ratio if ratio >= GRAD_JUMP else None

@@ -692,3 +692,37 @@ def test_a_non_finite_loss_after_a_warm_restart_is_the_optimizers() -> None:
     assert lr[0]["points_to"] == "schedule"  # within the schedule's range, but not the schedule's to explain
     assert {r["rung"] for r in inc["rungs"]} >= {"skip", "adaptive_lr"}  # the rules' LR cut is no longer refused
     assert states[-1].lr_scale < 1.0
+
+
+def _gradient_jump(after: list[float]) -> tuple[list, list[dict]]:
+    """40 healthy reports, then the gradient norm 6x (the update ratio 2.5x: the step a jumped
+    gradient gives through Adam's momentum), then the gradient norms of ``after``."""
+    healthy = [_report(i) for i in range(1, 41)]
+    jump = [_report(41, trainguard_grad_norm_max=6.0, trainguard_update_ratio=2.5e-3)]
+    rest = [_report(42 + k, trainguard_grad_norm_max=g, trainguard_update_ratio=1e-3 * min(g, 2.5)) for k, g in enumerate(after)]
+    return _incidents(healthy + jump + rest)
+
+
+def test_one_jumped_gradient_whose_step_moved_twice_as_far_is_one_batch_not_the_lr() -> None:
+    # The gradient norm 6x its neighbours' for one report, the update ratio 2.5x with it, then
+    # both back: one batch stood out; no LR cut.
+    states, (inc,) = _gradient_jump([1.0] * 10)
+    assert inc["cause"] == "data" and inc["outcome"] == "recovered" and inc["rungs"] == []
+    (grad,) = [e for e in inc["verdict"]["evidence"] if e["signal"] == "trainguard_grad_norm_max"]
+    assert (grad["value"], grad["reference"], grad["points_to"]) == (6.0, 1.0, "data")
+    assert all(s.lr_scale == 1.0 and s.generation == 0 for s in states)
+
+
+def test_a_jumped_gradient_that_stays_up_is_revised_and_the_lr_is_cut() -> None:
+    # The same onset, then the gradient norm climbs on (an explosion): the one-batch verdict is
+    # revised at the next report and the LR is cut.
+    states, (inc,) = _gradient_jump([6.0 * 1.5 ** k for k in range(1, 20)])
+    assert inc["verdict"]["revised"]["from"] == "data" and inc["verdict"]["revised"]["step"] == 42
+    assert inc["cause"] in ("unknown", "optimizer") and "adaptive_lr" in [r["rung"] for r in inc["rungs"]]
+    assert min(s.lr_scale for s in states) < 0.5
+
+
+def test_a_jump_of_the_update_ratio_beyond_what_one_gradient_gives_is_the_optimizers() -> None:
+    healthy = [_report(i) for i in range(1, 41)]
+    _, (inc,) = _incidents(healthy + [_report(41, trainguard_grad_norm_max=6.0, trainguard_update_ratio=4e-3)])
+    assert inc["cause"] == "optimizer"
