@@ -61,6 +61,25 @@ def _acked(agent: ta.Agent, cfg: dict) -> bool:
     return bool(flag.item())
 
 
+def _recorded(act: object, steps: list[int]) -> None:
+    """``act`` (a sequence command's actuator) appends the step to ``steps`` each time it acts."""
+    original = act.act  # type: ignore[attr-defined]
+
+    def recorded(new: object, step: int) -> None:
+        steps.append(step)
+        original(new, step)
+
+    act.act = recorded  # type: ignore[attr-defined]
+
+
+def _record_acts(agent: ta.Agent) -> dict[str, list[int]]:
+    """The steps at which the rollback and the optimizer reset actuators act (filled as they do)."""
+    acted: dict[str, list[int]] = {"rollback": [], "reset_optimizer": []}
+    for name, steps in acted.items():
+        _recorded(agent.control.actuators[name], steps)
+    return acted
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -75,8 +94,9 @@ def main() -> None:
     agent = ta.attach(model, opt, job="resume-job", run=cfg["run"], lr_scheduler=sched, on_checkpoint=checkpoints.append,
                       config=ta.AgentConfig(controller=cfg["controller"], report_every=1, metrics_port=None,
                                             request_timeout_s=2.0))
+    acted = _record_acts(agent)
     saved, step = out / "checkpoint.pt", 0
-    if not first:
+    if cfg["phase"] == "resume":
         state = torch.load(saved, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -84,7 +104,8 @@ def main() -> None:
         agent.load_state_dict(state["agent"][rank])
         step = state["step"]
     data_skipped: list[int] = []  # the steps whose optimizer step was skipped for their data
-    while not agent.should_stop and step < cfg["max_steps"]:
+    while not agent.should_stop and step < cfg["max_steps"] and agent.control.applied_generation < cfg.get(
+            "until_generation", float("inf")):
         step += 1
         skipped = agent.control.skip.skipped_by_reason["data"]
         agent.end_step(_train(model, opt, sched, _batch(rank, step)))
@@ -99,10 +120,13 @@ def main() -> None:
             dist.barrier()
         if first and (step == cfg["crash_step"] or _acked(agent, cfg)):
             os._exit(1)  # the job dies: nothing closed, nothing flushed
+        if step == 1:
+            (out / f"started-rank{rank}").touch()
     history = [[a.generation, a.step, a.paused, a.lr_scale, a.checkpoint_seq, a.stop] for a in agent.control.history]
     agent.close(3.0)
-    (out / f"resume-rank{rank}.json").write_text(json.dumps({"history": history, "checkpoints": checkpoints,
-                                                             "data_skipped": data_skipped}))
+    (out / f"resume-rank{rank}.json").write_text(json.dumps({
+        "history": history, "checkpoints": checkpoints, "data_skipped": data_skipped, "acted": acted,
+        "lr_scale": agent.control.lr_scale, "step": step}))
     dist.destroy_process_group()
 
 

@@ -86,6 +86,14 @@ class ActuatorSet:
             act.start(agreed, before)
         self._due = [a for a in self.order if isinstance(a, Sequenced) and a.due]
 
+    def judge(self, requested: Mapping[str, int], before: Mapping[str, int] | None) -> None:
+        """After a start without a registration, the sequence numbers the late registration found
+        (``requested``, by field) judged as at start against ``before``: see ``Sequenced``."""
+        for act in self.order:
+            if isinstance(act, Sequenced):
+                act.judge(requested[act.seq_field], before)
+        self._due = [a for a in self.order if isinstance(a, Sequenced) and a.due]
+
     def serve_due(self, applied: DesiredState, step: int) -> None:
         """At the first step every rank agreed at after start: the requests made while the job was
         down that no process applied and the run's checkpoint did not serve (a checkpoint, a

@@ -119,14 +119,12 @@ class Actuator:
 
 
 class Sequenced(Actuator):
-    """Acts once per newer ``seq_field`` (the largest one served is kept).
-
-    At start, a request some process of the run applied counts as served. One that none applied
-    (made while the job was down) is ``due`` when the command is ``carried`` (a checkpoint, a
-    diagnostic): acted on at the first step every rank agrees at (:meth:`serve_due`), after the
-    run restored its checkpoint, unless that checkpoint served it. A request that changes training
-    (a rollback, an optimizer reset) was aimed at the state of the process that ended and is not
-    taken (logged): the job resumes from its own checkpoint instead."""
+    """Acts once per newer ``seq_field`` (the largest one served is kept). At registration (:meth:`judge`:
+    at start, or late, ``StateAgreement``) a request some process of the run applied counts as served;
+    one none applied is ``due`` when ``carried`` (a checkpoint, a diagnostic): acted on at the first step
+    every rank agrees at (:meth:`serve_due`), after the run restored its checkpoint, unless that served
+    it. One that changes training (a rollback, an optimizer reset) was aimed at the state of the process
+    that ended and is not taken (logged): the job resumes from its own checkpoint instead."""
 
     seq_field: ClassVar[str] = ""
     carried: ClassVar[bool] = False
@@ -137,14 +135,16 @@ class Sequenced(Actuator):
         self.due = 0  # a request agreed at start that no process applied (0: none)
 
     def start(self, initial: Any, before: Mapping[str, int] | None) -> None:
-        seq = getattr(initial, self.seq_field)
-        self.served = seq
-        unserved = before is not None and before.get(self.seq_field, seq) < seq
+        self.judge(getattr(initial, self.seq_field), before)
+
+    def judge(self, seq: int, before: Mapping[str, int] | None) -> None:
+        unserved = before is not None and seq > max(self.served, before.get(self.seq_field, seq))
+        self.served = max(self.served, seq)
         if unserved and self.carried:
             self.due = seq
         elif unserved and self.env.leader:
-            log.warning("trainguard: a %s requested while the job was down is not taken: it was meant for the "
-                        "process that ended; this one resumes from its own checkpoint", self.command)
+            log.warning("trainguard: a %s requested before this process registered is not taken: it was meant "
+                        "for the process that ended; this one resumes from its own checkpoint", self.command)
 
     def apply(self, new: Any, old: Any, step: int) -> None:
         seq = getattr(new, self.seq_field)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from trainguard.protocol.commands import STATE_FIELDS
 from trainguard.protocol.wire import Ack, DesiredState
 from trainer_agent.control.context import Applied
 from trainer_agent.report.exchange import STATE_LEN, encode_state
@@ -18,6 +19,8 @@ __all__ = ["StateAgreement"]
 #: The agreement logs under the control plane's name (``trainer_agent/control/plane.py``).
 log = logging.getLogger("trainer_agent.control.plane")
 
+_FIELD_AT = {f.name: i + 1 for i, f in enumerate(STATE_FIELDS)}  # a field's place in the encoded state
+
 
 class StateAgreement:
     """``ControlPlane``'s agreement and application of the desired state, on what the plane holds:
@@ -25,7 +28,14 @@ class StateAgreement:
     ``history`` (the state applied last, and every generation applied), ``acts`` (the
     ``ActuatorSet``), ``client``, ``rank``, ``leader``, ``controlled``, ``_broken``, ``_closed``,
     ``_pause_episodes``, ``_on_error`` and ``_wall`` (wall-clock time); and its readers of the
-    applied state, ``applied_generation``, ``paused`` and ``should_stop``."""
+    applied state, ``applied_generation``, ``paused`` and ``should_stop``.
+
+    A job that started before its registration succeeded (the controller unreachable at attach)
+    judges the first newer state every rank agrees on as the start judges the registration's
+    (``_judge_late``)."""
+
+    _unjudged = False
+    """The start had no registration: the first newer agreed state is judged as a start's."""
 
     def proposal(self) -> list[int] | None:
         """The desired state this rank puts in the report step's collective: the leader's newest
@@ -55,6 +65,8 @@ class StateAgreement:
                 state = agreed
             else:
                 state = self._channel.broadcast(self.proposal() if self.leader else [0] * STATE_LEN)
+            if self._unjudged and state[0] > self.applied_generation:
+                self._judge_late(state)
         except Exception as exc:  # noqa: BLE001 - fail open: the job goes on without control
             self._broken = True
             self._on_error("control_agreement", exc)
@@ -69,26 +81,49 @@ class StateAgreement:
         """Agree on the registration's desired state and apply it before the first step, with the
         sequence numbers of the state the run's processes last applied (the registration's
         ``applied``): a checkpoint no process took is due at the first step (``Sequenced``)."""
-        initial, before = DesiredState(), None
+        registered, before = None, None
         client = self.client
         if client is not None:
-            initial = client.wait_registered(self._ctx.config.request_timeout_s) or initial
-            before = client.applied_before if initial.generation else None
+            registered = client.wait_registered(self._ctx.config.request_timeout_s)
+            before = client.applied_before if registered is not None and registered.generation else None
+        initial = registered or DesiredState()
         if self.leader:
             self._channel.publish_texts(initial)  # a failure: the other ranks keep that command's fields
         fields = self.acts.seq_fields
         known = [1, *(getattr(before, f) for f in fields)] if before is not None else [0] * (len(fields) + 1)
         try:
-            state = self._channel.broadcast(encode_state(initial) + known, STATE_LEN + len(known))
+            state = self._channel.broadcast(encode_state(initial) + [int(registered is not None), *known],
+                                            STATE_LEN + 1 + len(known))
         except Exception as exc:  # noqa: BLE001 - fail open
             self._broken = True
             self._on_error("control_agreement", exc)
             return
+        self._unjudged = not state[STATE_LEN]
         agreed = self._decode(state[:STATE_LEN])
         if agreed is None:
             return
-        self.acts.start(agreed, dict(zip(fields, state[STATE_LEN + 1:])) if state[STATE_LEN] else None)
+        self.acts.start(agreed, dict(zip(fields, state[STATE_LEN + 2:])) if state[STATE_LEN + 1] else None)
         self._apply_decoded(agreed, self._ctx.step())
+
+    def _judge_late(self, state: list[int]) -> None:
+        """The first newer ``state`` (encoded) agreed after a start without a registration: every
+        rank judges the requests it holds as a start does (``ActuatorSet.judge``), with the
+        sequence numbers of the registration's state and of the state the run's processes last
+        applied that the leader's client got at its late registration (one broadcast, once). A
+        request newer than the registration's was made for this process and is acted on."""
+        self._unjudged = False
+        fields = self.acts.seq_fields
+        known = [0] * (2 * len(fields) + 1)
+        client = self.client
+        if client is not None:
+            registered, before = client.registration
+            requested = [state[_FIELD_AT[f]] for f in fields]
+            if registered is not None:
+                requested = [min(seq, getattr(registered, f)) for seq, f in zip(requested, fields)]
+            known = [int(before is not None), *requested, *(getattr(before, f) if before else 0 for f in fields)]
+        known = self._channel.broadcast(known, len(known))
+        n = len(fields)
+        self.acts.judge(dict(zip(fields, known[1:n + 1])), dict(zip(fields, known[n + 1:])) if known[0] else None)
 
     def _apply(self, state: list[int], step: int) -> None:
         """Apply the agreed state (encoded) at ``step``; wait here if it pauses the run."""

@@ -123,6 +123,7 @@ class ControllerClient:
         self._desired: DesiredState | None = None
         self.applied_before: DesiredState | None = None
         """The registration answer's state the run's processes last applied (None: not said)."""
+        self._registered_desired: DesiredState | None = None  # the registration answer's desired state
         self._registered = False
         self._first_attempt = threading.Event()
         self._closing = False
@@ -151,6 +152,13 @@ class ControllerClient:
         self._first_attempt.wait(timeout)
         with self._cond:
             return self._desired if self._registered else None
+
+    @property
+    def registration(self) -> tuple[DesiredState | None, DesiredState | None]:
+        """The last registration answer's desired state and the state the run's processes last
+        applied (either None: not answered, or not said), read together."""
+        with self._cond:
+            return self._registered_desired, self.applied_before
 
     def submit_report(self, report: Report) -> None:
         """Queue a report; when the buffer is full the oldest one is dropped and counted."""
@@ -304,7 +312,7 @@ class ControllerClient:
             self._registered = True
             if answer is not None:  # else its desired state was refused: the run is registered all the same
                 self._observe(answer.desired)
-                self.applied_before = answer.applied
+                self.applied_before, self._registered_desired = answer.applied, answer.desired
         self._first_attempt.set()
 
     def _send_item(self, http: httpx.Client, op: str, item: Report | Ack) -> None:
