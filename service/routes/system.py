@@ -55,16 +55,22 @@ async def metrics(ctl: ControllerDep) -> Response:
     return Response(generate_latest(ctl.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/sd/targets", summary="Prometheus http_sd targets: the /metrics of every rank of every live (not stopped, not finished) run")
+@router.get("/v1/sd/targets", summary="Prometheus http_sd targets: the /metrics of every rank of every live (not stopped, not finished) run",
+            description="Each host:port once per run: one that several ranks registered is labelled with the lowest of them.")
 async def sd_targets(ctl: ControllerDep, _: ReadDep) -> list[dict[str, Any]]:
     out = []
     for st in ctl.runs.values():
         if st.desired.stop or st.finish.at is not None:
             continue  # its ranks are gone: scraping them would only raise "target down" alerts
+        listed: set[str] = set()
         for r in sorted(st.ranks, key=lambda r: r["rank"]):
             if not valid_host(r["host"]):
                 continue  # stored before registration checked hosts: never handed to Prometheus
-            out.append({"targets": [target_address(r["host"], r["port"])], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
+            address = target_address(r["host"], r["port"])
+            if address.lower() in listed:
+                continue  # one process there: listed once, as the lowest rank that registered it
+            listed.add(address.lower())
+            out.append({"targets": [address], "labels": {"job": st.job, "run": st.run, "rank": str(r["rank"])}})
     return out
 
 

@@ -304,6 +304,22 @@ def test_sd_targets_and_metrics_catalogue(app_factory):
         assert c.get("/docs").status_code == 200
 
 
+def test_sd_targets_list_an_endpoint_shared_by_ranks_once(app_factory):
+    # Ranks 3, 1 and 2 registered one host:port (the loopback metrics_host on every node, host
+    # names differing in case only): Prometheus would scrape that one process as three ranks.
+    hosts = {0: ("10.0.0.5", 9100), 3: ("node-a", 9100), 1: ("NODE-A", 9100), 2: ("node-a", 9100)}
+    ranks = [{"rank": r, "local_rank": 0, "host": h, "port": p} for r, (h, p) in hosts.items()]
+    with app_factory() as c:
+        for run in ("run-1", "run-2"):
+            body = {"job": "job-a", "run": run, "world_size": 4, "agent_version": "test", "ranks": ranks}
+            assert c.post("/v1/runs", json=body).status_code == 200
+        targets = c.get("/v1/sd/targets").json()
+    assert targets == [
+        {"targets": [address], "labels": {"job": "job-a", "run": run, "rank": rank}}
+        for run in ("run-1", "run-2") for address, rank in (("10.0.0.5:9100", "0"), ("NODE-A:9100", "1"))
+    ]
+
+
 def test_absence_ticker_with_injected_clock(app_factory):
     now = [10_000.0]
     with app_factory(clock=lambda: now[0], tick_s=0.02) as c:
