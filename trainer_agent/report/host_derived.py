@@ -141,10 +141,20 @@ def layer_vectors(raw: Raw, values: dict[str, float], *, layer_of: np.ndarray, k
         values.update(zip(keys("trainguard_layer_grad_norm"), norms.tolist()))
     values.update(zip(keys("trainguard_layer_param_norm"), layer_norms(raw.vectors[param]).tolist()))
     if moments is not None:
-        values.update(zip(keys(*LAYER_STATS), moments[1].per_layer(raw.vectors[moments[0]]).reshape(-1).tolist()))
+        _layer_grad_stats(values, keys(*LAYER_STATS), moments[1], raw.vectors[moments[0]])
     if delta is not None and before is not None:
         ratio = layer_norms(raw.vectors[delta]) / layer_norms(raw.vectors[before])
         values.update(zip(keys("trainguard_layer_update_ratio"), ratio.tolist()))
+
+
+def _layer_grad_stats(values: dict[str, float], keys: list[str], moments: GradMoments, host: np.ndarray) -> None:
+    """The gradient statistics (``LAYER_STATS``) of each layer with a gradient on this report;
+    a layer without any (every parameter unused on the step: no ``.grad``) has none, not NaN,
+    which reads as a non-finite gradient. ``keys``: layer by layer, ``LAYER_STATS`` each."""
+    has_grad = np.bincount(moments.layer_of, weights=moments.numels, minlength=moments.layers) > 0
+    per_layer = moments.per_layer(host)
+    for layer in np.flatnonzero(has_grad).tolist():
+        values.update(zip(keys[layer * len(LAYER_STATS):(layer + 1) * len(LAYER_STATS)], per_layer[layer].tolist()))
 
 
 def noise_scale_values(raw: Raw, values: dict[str, float], *, micro_count: int, world_size: int,
