@@ -37,7 +37,7 @@ def loop():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(("loss", "tokens", "message"), [
     ("per_sample", None, r"one real value \(e.g. loss.mean\(\)\), got a tensor of shape \(24,\)"),
-    (None, None, "loss must be a tensor of one element or a real number, got None"),
+    (b"1", None, "loss must be a tensor of one element, a real number or None, got b'1'"),
     ("2.5", None, "got '2.5'"),
     ("mean", -1, "non-negative number, got -1"),
     ("mean", math.nan, "non-negative number, got nan"),

@@ -90,3 +90,23 @@ def test_end_step_after_close_is_warned_once_and_does_nothing() -> None:
     assert agent.step == 3  # the 3 steps before close
     assert agent.latest()["trainguard_step"] == reported == 2.0  # no report built after close
     assert agent.errors.count == 0
+
+
+def test_a_step_without_a_loss_counts_and_invents_no_loss() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run="r-no-loss", config=ta.AgentConfig(metrics_port=None, report_every=2))
+    reports = []
+    for loss in (None, None, 3.0, None, None, None):
+        if loss is not None:
+            model(torch.randn(2, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        reports.append(dict(agent.latest()))
+    agent.close()
+    assert agent.step == 6
+    assert reports[1]["trainguard_step"] == 2.0 and "trainguard_loss" not in reports[1]  # no step had a loss yet
+    assert reports[3]["trainguard_step"] == 4.0 and reports[3]["trainguard_loss"] == 3.0
+    assert reports[5]["trainguard_step"] == 6.0 and reports[5]["trainguard_loss"] == 3.0  # the last loss a step had
+    assert reports[5]["trainguard_nonfinite_steps_total"] == 0.0 and agent.errors.count == 0

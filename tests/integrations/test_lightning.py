@@ -459,3 +459,38 @@ def test_a_fit_resumed_from_a_step_checkpoint_with_accumulation_ends_the_trainer
         assert ours["trainguard_step"] == step
         assert ours["trainguard_loss"] == pytest.approx(ref_loss, rel=1e-6), step
         assert ours["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-5), step
+
+
+class _SkippingLM(_TinyLM):
+    """Returns None (Lightning's skip of a batch) for the batches in ``skip``."""
+
+    def __init__(self, skip: tuple[int, ...]) -> None:
+        super().__init__()
+        self.skip = skip
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in self.skip else loss
+
+    def on_before_optimizer_step(self, optimizer):  # type: ignore[no-untyped-def]
+        if all(p.grad is not None for p in self.parameters()):
+            super().on_before_optimizer_step(optimizer)
+        else:  # a skipped batch: Lightning steps the optimizer with no gradients
+            self.micro = []
+
+
+def test_skipped_batches_keep_the_agents_step_at_the_trainers(tmp_path: Path) -> None:
+    guard = TrainguardCallback(job="pl-job", run="pl-skip", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    record = _Record(guard)
+    module = _SkippingLM(skip=(2, 3, 4))
+    trainer = _trainer(tmp_path, [guard, record], 1, max_steps=8)
+    _fit(trainer, module, 12 * BATCH)
+    assert trainer.global_step == 8 and guard.agent.step == 8
+    assert {s: v["trainguard_step"] for s, v in record.ours.items()} == {s: float(s) for s in range(1, 9)}
+    assert sorted(module.ref) == [1, 2, 6, 7, 8]  # the steps that had a loss
+    for step in (1, 2, 6, 7, 8):
+        assert record.ours[step]["trainguard_loss"] == pytest.approx(module.ref[step][0], rel=1e-6)
+    for step in (3, 4, 5):  # no loss: the report carries step 2's, the last one a step had
+        assert record.ours[step]["trainguard_loss"] == pytest.approx(module.ref[2][0], rel=1e-6)
+    latest = guard.agent.latest()
+    assert latest["trainguard_agent_errors_total"] == 0.0 and latest["trainguard_nonfinite_steps_total"] == 0.0

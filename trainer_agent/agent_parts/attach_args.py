@@ -70,16 +70,19 @@ def checked_loader(loader: Any) -> Any:
     return loader
 
 
-def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float, Any]:
-    """``end_step``'s loss (a tensor of one element, or the float of a real number) and token count
+def checked_end_step(loss: Any, tokens: Any) -> tuple[torch.Tensor | float | None, Any]:
+    """``end_step``'s loss (a tensor of one element, the float of a real number, or None: a step
+    without a loss) and token count
     (None, a non-negative number, or a tensor of one element, which is read on report steps only);
     ``ValueError`` for what cannot be either. NaN and Inf losses are values: they pass."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or loss.is_complex() or loss.dtype == torch.bool:
             raise ValueError(f"loss must be the step's loss, one real value (e.g. loss.mean()), got a tensor of shape "
                              f"{tuple(loss.shape)} and dtype {loss.dtype}")
-    elif loss is None or isinstance(loss, (str, bytes, bool)):
-        raise ValueError(f"loss must be a tensor of one element or a real number, got {loss!r}")
+    elif loss is None:
+        pass
+    elif isinstance(loss, (str, bytes, bool)):
+        raise ValueError(f"loss must be a tensor of one element, a real number or None, got {loss!r}")
     else:
         try:
             loss = float(loss)

@@ -49,10 +49,11 @@ class StepEnd:
     ``snapshots``, ``control``, ``scheduled_lr``, ``errors``, ``config``, ``rank``,
     ``world_size``, ``run`` and ``_closed`` (set by ``close``)."""
 
-    def end_step(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
+    def end_step(self, loss: torch.Tensor | float | None, tokens: int | None = None) -> None:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
-        device tensor of one element (not read here) or a float; ``tokens``, this rank's token
+        device tensor of one element (not read here), a float, or None: a step without a loss (a skipped
+        batch) counts, and a report carries the last loss a step had (none before any); ``tokens``, this rank's token
         count: an int, or a tensor read on report steps only (on CUDA a wait for the device).
         ``ValueError`` for what cannot be either, at the first step, before the step moves.
         After ``close`` it does nothing (warned once: the loop went on after the agent closed)."""
@@ -116,7 +117,7 @@ class StepEnd:
             self.errors.error("gradient_hook", exc)
         clock.overhead += clock.now() - t0
 
-    def _end_step(self, loss: torch.Tensor | float, tokens: int | None, t0: float) -> list[int] | None:
+    def _end_step(self, loss: torch.Tensor | float | None, tokens: int | None, t0: float) -> list[int] | None:
         clock, meter, reports, scaler = self.clock, self.parts.meter, self.reports, self.parts.scaler
         st = meter.state
         clock.step += 1
@@ -131,13 +132,9 @@ class StepEnd:
             skipped = (clock.found_inf > 0).to(torch.float64)
             clock.amp_fused = skipped if clock.amp_fused is None else clock.amp_fused + skipped
         clock.found_inf = None
-        if isinstance(loss, torch.Tensor):
-            loss_t = loss.detach().to(self.parts.device, torch.float64)
-            if loss_t.dim():
-                loss_t = loss_t.reshape(())
-        else:
-            loss_t = torch.full((), float(loss), dtype=torch.float64, device=self.parts.device)  # a fill, no copy
-        clock.loss = loss_t
+        loss_t = self._loss_tensor(loss)  # None: a step without a loss; the report carries the last one a step had
+        if loss_t is not None:
+            clock.loss = loss_t
         clock.row = reports.record_step(clock.step, loss_t, st.grad_share)
         reports.publish(block=False)
         if clock.step == _PER_MICRO_BATCH_STEPS and 2 * clock.unstepped >= clock.step:
@@ -155,9 +152,18 @@ class StepEnd:
         host = self._host_step(st, duration, tokens)
         overhead = clock.overhead + meter.overhead + (clock.now() - t0)
         sketch = self._sketch() if reports.exchange.with_state else None
-        agreed = reports.build(st, loss_t, host, overhead, self._proposal(), sketch, amp_fused=clock.amp_fused)
+        agreed = reports.build(st, clock.loss, host, overhead, self._proposal(), sketch, amp_fused=clock.amp_fused)
         reports.publish(block=False)
         return agreed
+
+    def _loss_tensor(self, loss: torch.Tensor | float | None) -> torch.Tensor | None:
+        """The step's loss as a float64 0-dim tensor on the model's device (no host read); None stays None."""
+        if loss is None:
+            return None
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.detach().to(self.parts.device, torch.float64)
+            return loss_t.reshape(()) if loss_t.dim() else loss_t
+        return torch.full((), float(loss), dtype=torch.float64, device=self.parts.device)  # a fill, no copy
 
     def _host_step(self, st: Any, duration: float, tokens: int | None) -> HostStep:
         """A report step's host values: its times, counts and the diagnostics' results."""

@@ -93,7 +93,7 @@ class RunReporter:
         nan = [math.nan] * self.world_size
         job_values = {k: float(v) for k, v in values.items() if k in BY_NAME and not BY_NAME[k].labels}
         losses = rank_values.get("loss")
-        if self.world_size > 1 and losses is not None and len(losses) == self.world_size:
+        if self.world_size > 1 and "trainguard_loss" in job_values and losses is not None and len(losses) == self.world_size:
             job_values["trainguard_loss"] = sum(losses) / len(losses)  # the mean of the ranks' (module docstring)
         report = Report(
             job=self.job,

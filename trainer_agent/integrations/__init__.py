@@ -70,12 +70,14 @@ class StepSession:
         self._micro_batches += 1
         self._tokens = None if tokens is None or self._tokens is None else self._tokens + tokens
 
-    def end_step(self, scale: float = 1.0) -> bool:
+    def end_step(self, scale: float = 1.0, *, without_loss: bool = False) -> bool:
         """End the optimizer step with ``scale x`` the sum of its micro-batch losses; False (and no
-        step ended) when no micro-batch was seen."""
-        if self.agent is None or self._loss is None:
+        step ended) when no micro-batch was seen, unless ``without_loss``: the framework took the
+        optimizer step anyway (every micro-batch skipped), ended with no loss."""
+        if self.agent is None or self._loss is None and not without_loss:
             return False
-        loss, tokens = self._loss * scale if scale != 1.0 else self._loss, self._tokens
+        loss = None if self._loss is None else self._loss * scale if scale != 1.0 else self._loss
+        tokens = self._tokens
         self._loss, self._micro_batches, self._tokens = None, 0, 0
         self.agent.end_step(loss, tokens=tokens)
         return True

@@ -15,6 +15,9 @@
                          epoch may be shorter). Manual optimization, a ``training_step`` that returns
                          no loss: the losses it gave to ``manual_backward``, and the step's loss is
                          the *sum* of its micro-batches' (the loss its gradient is of).
+                         A step whose every micro-batch returned ``None`` (skipped): Lightning
+                         still steps the optimizer and ``global_step``, so ``agent.end_step(None)``:
+                         the agent's step stays ``global_step``, and no loss is made up for it.
                          The controller's ``stop`` sets ``trainer.should_stop``;
                          its ``checkpoint`` (and a stop) calls ``trainer.save_checkpoint`` into
                          ``checkpoint_dir`` (default: the ModelCheckpoint's folder, else
@@ -129,7 +132,9 @@ class TrainguardCallback(Callback):
         count = session.micro_batches
         scale = 1.0 if self._summed or not count else normalised_by / count
         self._summed = False
-        session.end_step(scale)  # may block while paused
+        # Every micro-batch of the step skipped (training_step returned None): Lightning still took the
+        # optimizer step and moved global_step; the agent's step moves with it, without a loss.
+        session.end_step(scale, without_loss=True)  # may block while paused
         if session.take_checkpoint_request():
             trainer.save_checkpoint(os.path.join(self._dirpath(trainer), f"trainguard-step={trainer.global_step}.ckpt"))
         applied = session.applied_lrs()

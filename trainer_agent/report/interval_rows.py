@@ -19,6 +19,11 @@ def _no_finite_norm(raw: Raw, values: dict[str, float]) -> None:
         values["trainguard_grad_norm_max"] = math.nan
 
 
+def _no_loss(raw: Raw, values: dict[str, float]) -> None:
+    """Host job: no step has had a loss yet (``end_step(None)`` only): the report has none."""
+    values.pop("trainguard_loss", None)
+
+
 class IntervalRows:
     """One row per step of the report interval, (loss, pre-clip gradient norm or 0), on the device:
     a step costs one small copy; the report derives from the rows the interval's non-finite steps,
@@ -32,11 +37,11 @@ class IntervalRows:
         self.nonfinite_steps = torch.zeros((), dtype=torch.float64, device=device)
         """Non-finite steps before the current report interval (device scalar: no sync)."""
 
-    def record(self, step: int, loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+    def record(self, step: int, loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
         With sharded parameters ``grad_norm`` is the step's ``StepState.grad_share`` (a share of
         the squared norm), turned into the global norm at the report."""
-        row = torch.stack([loss_t, grad_norm if grad_norm is not None else self.zero])
+        row = torch.stack([loss_t if loss_t is not None else self.zero, grad_norm if grad_norm is not None else self.zero])
         self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
         return row
 
@@ -49,11 +54,15 @@ class IntervalRows:
             nan_where_bad = self.interval * 0
         return torch.count_nonzero(nan_where_bad.sum(dim=1))
 
-    def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor, grad_norm: torch.Tensor | None,
+    def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None,
                derived: HostDerived) -> None:
         """The interval's report values into ``dev`` (and what the host makes of them into
-        ``derived``), then the rows zeroed for the next one."""
+        ``derived``), then the rows zeroed for the next one. ``loss_t`` None (no step has had a
+        loss yet): the report has no ``trainguard_loss``."""
         rows = self.interval
+        if loss_t is None:
+            loss_t = torch.full_like(self.zero, math.nan)  # the rank row's filler; left out of the report
+            derived.job(_no_loss)
         nan_where_bad = rows * 0  # x * 0 is NaN exactly where x is NaN or +-Inf, else 0
         losses, norms = rows.unbind(1)
         self.nonfinite_steps += self.nonfinite(nan_where_bad)

@@ -129,7 +129,7 @@ class ReportPipeline:
         """Non-finite steps before the current report interval (device scalar)."""
         return self.rows.nonfinite_steps
 
-    def record_step(self, step: int, loss_t: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+    def record_step(self, step: int, loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """The step's row of the interval (:meth:`IntervalRows.record`)."""
         return self.rows.record(step, loss_t, grad_norm)
 
@@ -139,7 +139,7 @@ class ReportPipeline:
 
     # ------------------------------------------------------------------ report steps
 
-    def build(self, st: StepState, loss_t: torch.Tensor, host_step: HostStep, overhead: float,
+    def build(self, st: StepState, loss_t: torch.Tensor | None, host_step: HostStep, overhead: float,
               state: Sequence[int] | None, sketch: Sequence[int] | None = None, *,
               amp_fused: torch.Tensor | None = None) -> list[int] | None:
         """Build the report of ``host_step.step``, enter the exchange with ``state`` (the leader's
