@@ -18,7 +18,7 @@ from trainguard.service.window import RunWindow
 from trainguard.protocol.commands import action_names  # the actions metric's labels (re-exported)
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["Applied", "Finish", "Publication", "RunState", "desired_state", "live", "action_names", "resent", "target_address", "went_back"]
+__all__ = ["Applied", "Finish", "Publication", "RunState", "desired_state", "known_desired", "live", "action_names", "resent", "target_address", "went_back"]
 
 
 @dataclass(slots=True, eq=False)
@@ -194,13 +194,18 @@ def went_back(last: tuple[Any, ...] | None, last_step: int | None, step_first: i
     return last is None and last_step is not None and step_first <= last_step
 
 
+def known_desired(data: dict[str, Any]) -> DesiredState:
+    """A desired state stored as a JSON object: fields a newer registry added take their defaults,
+    fields it no longer has are dropped (``ValueError`` for one that no longer validates)."""
+    return DesiredState.model_validate({k: v for k, v in data.items() if k in DesiredState.model_fields})
+
+
 def desired_state(data: dict[str, Any] | None) -> DesiredState | None:
-    """A desired state stored as a JSON object (fields a newer registry added take their defaults;
-    fields it no longer has are dropped); None for None, or one that no longer validates."""
+    """:func:`known_desired`, or None for None or one that no longer validates."""
     if data is None:
         return None
     try:
-        return DesiredState.model_validate({k: v for k, v in data.items() if k in DesiredState.model_fields})
+        return known_desired(data)
     except ValueError:
         return None
 

@@ -29,7 +29,7 @@ from trainguard.service import statements as sql
 from trainguard.service.config import Settings
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.rules import RuleSet, require_rules
-from trainguard.service.runstate import Applied, Finish, Publication, RunState, went_back
+from trainguard.service.runstate import Applied, Finish, Publication, RunState, known_desired, went_back
 from trainguard.service.store import Store
 from trainguard.service.window import VECTORS, RunWindow
 from trainguard.protocol.wire import DesiredState
@@ -75,8 +75,7 @@ def stored_desired(row: Any) -> DesiredState:
     if text is None:
         values = {k: row[k] for k in _V9_COLUMNS}
         return DesiredState(**values | {"paused": bool(values["paused"]), "stop": bool(values["stop"])})
-    data = json.loads(text)
-    return DesiredState.model_validate({k: v for k, v in data.items() if k in DesiredState.model_fields})
+    return known_desired(json.loads(text))
 
 
 def load_run(store: Store, settings: Settings, row: sqlite3.Row) -> RunState:

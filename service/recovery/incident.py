@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.protocol.base import NON_FINITE_STRINGS
 from trainguard.protocol.commands import REGISTRY
 from trainguard.protocol.wire import DesiredState
 
@@ -114,7 +115,7 @@ def number(x: Any) -> float | None:
     """The value of a number :func:`finite_or_text` wrote (None: none)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
-    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(x) if isinstance(x, str) else None
+    return NON_FINITE_STRINGS.get(x) if isinstance(x, str) else None
 
 
 def copy_record(d: dict[str, Any] | None) -> dict[str, Any] | None:

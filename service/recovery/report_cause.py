@@ -14,7 +14,7 @@ from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, GRAD_JUMP,
 from trainguard.service.recovery import replay as _replay
 from trainguard.service.recovery.baselines import HealthyBaselines
 from trainguard.service.recovery.health import alarming
-from trainguard.service.recovery.incident import Incident
+from trainguard.service.recovery.incident import Incident, number
 from trainguard.service.recovery.reading import ReportReading
 from trainguard.service.rules import RecoveryPolicy
 
@@ -125,9 +125,9 @@ def _gradient_jump_stays(evidence: list[dict[str, Any]], window: Any) -> float |
     """The newest gradient norm over the level before the onset, when the verdict's gradient jump
     (``cause._gradient_jump``'s evidence) has not come back: still at least ``GRAD_JUMP`` times
     that level (an explosion, not one batch); else None."""
-    base = next((e["reference"] for e in evidence if e["signal"] == GRAD_NORM and e["points_to"] == "data"), None)
+    base = number(next((e["reference"] for e in evidence if e["signal"] == GRAD_NORM and e["points_to"] == "data"), None))
     latest = window.latest(GRAD_NORM)
-    if not isinstance(base, float) or not base > 0 or latest is None:
+    if base is None or not base > 0 or latest is None:
         return None
     ratio = latest / base if math.isfinite(latest) else math.inf
     return ratio if ratio >= GRAD_JUMP else None

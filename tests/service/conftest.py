@@ -96,6 +96,12 @@ def receiver_factory() -> Iterator[Callable[[list[int]], Receiver]]:
         r.close()
 
 
+def rule_evaluations(metrics_text: str) -> float:
+    """The controller's rule evaluations so far (reports' and the absence ticker's), from its /metrics."""
+    (line,) = [ln for ln in metrics_text.splitlines() if ln.startswith("trainguard_controller_rule_evaluations_total ")]
+    return float(line.split()[1])
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.02) -> Any:
     """Poll ``predicate`` until it is truthy; fail the test after ``timeout`` seconds."""
     import time

@@ -15,7 +15,7 @@ import pytest
 from trainguard.service.evaluate import evaluate
 from trainguard.service.rules import AbsenceRule
 from trainguard.service.window import RunWindow
-from tests.service.conftest import register, wait_until
+from tests.service.conftest import register, rule_evaluations, wait_until
 
 OP, AG, AG_BOUND = "operator-token-9", "agent-token-9", "agent-token-bound-9"
 TOKENS = dict(operator_tokens=(OP,), agent_tokens=(AG, f"{AG_BOUND}:run-b"))
@@ -161,9 +161,7 @@ def test_no_absence_alert_right_after_a_long_pause_ends(app_factory, hold):
 
 
 def _evaluations(c) -> float:  # type: ignore[no-untyped-def]
-    """The controller's rule evaluations so far (absence checks included), from its /metrics."""
-    (line,) = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("trainguard_controller_rule_evaluations_total ")]
-    return float(line.split()[1])
+    return rule_evaluations(c.get("/metrics").text)
 
 
 def test_the_time_a_controller_was_down_is_not_a_run_s_silence(app_factory):

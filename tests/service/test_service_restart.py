@@ -19,7 +19,7 @@ import yaml
 
 from trainguard.service.webhooks import verify
 from tests.control.procs import ROOT, ControllerProcess, Ranks, until
-from tests.service.conftest import wait_until
+from tests.service.conftest import rule_evaluations, wait_until
 from tests.tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
@@ -108,9 +108,7 @@ SILENT_S = 7.0  # run_silent's limit here: longer than the agent's longest retry
 
 def _evaluations(url: str) -> float:
     """The controller's rule evaluations so far (reports' and the absence ticker's)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("trainguard_controller_rule_evaluations_total ")]
-    return float(line.split()[1])
+    return rule_evaluations(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 @pytest.mark.distributed
@@ -130,7 +128,7 @@ def test_a_healthy_job_outlives_a_controller_down_longer_than_the_absence_limit(
                 gen = ctl.command(run, "checkpoint")["desired"]["generation"]
                 ctl.kill()  # right after the command: the ranks may not have seen it yet
                 proxy.set_mode("down")
-                time.sleep(SILENT_S + 1.0)  # down for longer than the limit
+                time.sleep(SILENT_S + 1.0)  # the outage itself (not a wait for an event): longer than the limit
                 ctl.start()
                 proxy.set_upstream(ctl.port)
                 # The job cannot reach the restarted controller until its ticker has checked the run.

@@ -45,8 +45,8 @@ class ActuatorSet:
         self.rollback = self._named("rollback", run_actuators.Rollback)
         self.lr = LrScale(optimizer)
         self._on_error = on_error
-        self._due: list[Actuator] = []
-        self.seq_fields = [a.seq_field for a in self.order if isinstance(a, Sequenced)]
+        self._sequenced = [a for a in self.order if isinstance(a, Sequenced)]
+        self.seq_fields = [a.seq_field for a in self._sequenced]
         """The sequence commands' fields, the same order on every rank."""
 
     def _named(self, name: str, kind: type) -> Any:
@@ -84,22 +84,18 @@ class ActuatorSet:
         (None: not known; every request counts as served): see ``Sequenced``."""
         for act in self.order:
             act.start(agreed, before)
-        self._due = [a for a in self.order if isinstance(a, Sequenced) and a.due]
 
     def judge(self, requested: Mapping[str, int], before: Mapping[str, int] | None) -> None:
         """After a start without a registration, the sequence numbers the late registration found
         (``requested``, by field) judged as at start against ``before``: see ``Sequenced``."""
-        for act in self.order:
-            if isinstance(act, Sequenced):
-                act.judge(requested[act.seq_field], before)
-        self._due = [a for a in self.order if isinstance(a, Sequenced) and a.due]
+        for act in self._sequenced:
+            act.judge(requested[act.seq_field], before)
 
     def serve_due(self, applied: DesiredState, step: int) -> None:
         """At the first step every rank agreed at after start: the requests made while the job was
         down that no process applied and the run's checkpoint did not serve (a checkpoint, a
         diagnostic), with the state applied now."""
-        due, self._due = self._due, []
-        self._each(due, lambda act: act.serve_due(applied, step))
+        self._each([act for act in self._sequenced if act.due], lambda act: act.serve_due(applied, step))
 
     def values(self) -> dict[str, float]:
         out: dict[str, float] = {}

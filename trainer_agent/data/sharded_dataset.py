@@ -166,6 +166,7 @@ class TokenBatches(IterableDataset):
         self.tokens = sum(s.tokens for s in opened)
         self._starts = np.cumsum([0] + [len(s) for s in opened[:-1]], dtype=np.int64)
         self._vocab_sizes = [s.vocab_size for s in opened]
+        self._smallest_vocab = min(self._vocab_sizes)
         self.batches_per_epoch = self.sequences // (world_size * batch_size)
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.sequences} sequences make no batch of {batch_size} on each of {world_size} ranks")
@@ -243,7 +244,7 @@ class TokenBatches(IterableDataset):
             input_ids[row, :length] = data[s][start: start + length]
             mask[row, :length] = 1
             tokens += length
-        if tokens and int(input_ids.max()) >= min(self._vocab_sizes):  # padding included: rare
+        if tokens and int(np.max(input_ids, where=mask == 1, initial=0)) >= self._smallest_vocab:  # the tokens, not the padding
             self._check_vocabulary(epoch, batch, input_ids, mask)
         return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(mask),
                 "tokens": tokens}

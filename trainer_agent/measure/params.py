@@ -121,6 +121,11 @@ class ParamIndex:
         (``map`` of an ``attrgetter``: half the Python of a comprehension)."""
         return list(map(_GRAD, self.params))
 
+    def has_grad(self) -> bool:
+        """Whether any parameter holds a ``.grad`` (stops at the first; the reads in C, as
+        :meth:`flat_grads`)."""
+        return not all(map(_IS_NONE, map(_GRAD, self.params)))
+
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none): one
         attribute read per tensor, the DTensors' local shards taken in the same pass

@@ -222,7 +222,7 @@ class StepMeter:
         try:
             self.backward_pass.queued = False
             self.backward_pass.norm_held()
-            if self.index.sharding is None and not any(p.grad is not None for p in self.index.params):
+            if self.index.sharding is None and not self.index.has_grad():
                 # (stops at the first gradient) A pass that wrote no .grad (``torch.autograd.grad``,
                 # e.g. a loop that sets .grad itself from it): not a backward of this step; the
                 # optimizer's pre-hook measures the gradients it is given. (FSDP2 holds a no_sync

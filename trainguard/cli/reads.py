@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from trainguard.cli.client import checked, connect, show
-from trainguard.protocol.base import printable
+from trainguard.protocol.base import NON_FINITE_STRINGS, printable
 
 __all__ = ["runs", "status", "incidents", "events", "alerts", "format_incidents", "format_verdict", "evidence_text"]
 
@@ -83,16 +83,12 @@ def format_verdict(inc: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: The wire's strings for non-finite numbers, as Python prints those numbers.
-_NON_FINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
-
-
 def evidence_text(value: Any) -> str:
     """An evidence value (a number, a rank -> value map, a list, ...) as JSON, but with its
     numbers as Python prints them: the wire's ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` are
     nan, inf and -inf, unquoted like every other number."""
     if isinstance(value, str):
-        return _NON_FINITE.get(value) or json.dumps(value)
+        return repr(NON_FINITE_STRINGS[value]) if value in NON_FINITE_STRINGS else json.dumps(value)
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))}: {evidence_text(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):

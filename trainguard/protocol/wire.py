@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from trainguard.protocol.base import MAX_INT, Int, MetricName, Name, Rank, Text, Value, WireModel
+from trainguard.protocol.base import MAX_INT, MAX_RANK, Int, MetricName, Name, Rank, Text, Value, WireModel
 from trainguard.protocol.commands import (
     EXIT_HARDWARE_FAULT, LR_SCALE_MAX, LR_SCALE_MIN, MAX_ACCUMULATION_STEPS, AccumulationRequest, CommandRequest,
     REGISTRY, DesiredState, LrRule, LrScaleRequest,
@@ -111,8 +111,8 @@ class RunRegistration(WireModel):
 
     job: Name
     run: Name
-    world_size: Int = Field(ge=1, le=1_000_000)
-    ranks: list[RankEndpoint] = Field(default_factory=list, max_length=1_000_000)
+    world_size: Int = Field(ge=1, le=MAX_RANK + 1)
+    ranks: list[RankEndpoint] = Field(default_factory=list, max_length=MAX_RANK + 1)
     agent_version: Text = Field(default="", max_length=64)
     config: dict[str, Any] = Field(default_factory=dict)
 
