@@ -227,8 +227,13 @@ ALERT_RULES: tuple[AlertRule, ...] = (
                 "{{ $labels.run }} (step times are equal under data parallelism; the forward is not).",
     ),
     AlertRule(
+        # No change over a window the run was scraped through: a run first scraped less than
+        # ABSENCE ago has one sample (no change yet), and a finished run's ranks (no longer
+        # scraped: their series are stale) keep their last samples in the window; neither is hung.
         name="TrainguardRunStalled",
         expr=f"trainguard:step:changes_5m == 0 "
+             f"and on (job, run) max {BY_RUN} (trainguard_step offset {ABSENCE}) "
+             f"and on (job, run) max {BY_RUN} (trainguard_step) "
              f"unless on (job, run) (max {BY_RUN} (trainguard_paused) > 0)",
         action="notify", severity="critical",
         summary="Run {{ $labels.run }} made no step for " + ABSENCE + " and is not paused: hung?",
