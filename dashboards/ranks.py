@@ -167,9 +167,12 @@ def _agent() -> Section:
         ),
         state_timeline(
             "Scraped by Prometheus",
-            "Prometheus's own `up` for each rank's /metrics endpoint (discovered through the "
-            "controller's http_sd targets).",
-            [query(f"up{{{SEL}}}", "rank {{rank}}")],
+            "Whether each rank's /metrics endpoint answered its last scrape "
+            "(trainguard:rank_up:max): Prometheus's own `up` where the ranks are discovered "
+            "through the controller's http_sd targets; under a PodMonitor, whose targets do not "
+            "name the rank, a rank is down when its series stop while its run's other ranks are "
+            "still scraped.",
+            [query(f"trainguard:rank_up:max{{{SEL}}}", "rank {{rank}}")],
             states={0: ("down", "red"), 1: ("up", "green")},
         ),
         timeseries(

@@ -32,6 +32,7 @@ from trainguard.protocol.commands import REGISTRY
 
 __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
+    "RANK_MEMORY",
     "CONTROLLER_ACTIONS",
     "ACTIONS",
     "Recording",
@@ -45,6 +46,9 @@ __all__ = [
 #: reports; Prometheus has samples in time, not reports). The thresholds come from
 #: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
+#: How long a rank that stopped answering its scrapes is still listed as down where its scrape
+#: target does not name it (a PodMonitor's): longer than the RankDown alert's ``for``.
+RANK_MEMORY = "1h"
 #: Actions the controller's ``/v1/alertmanager`` carries out from ``trainguard_action``: the
 #: registry's commands Alertmanager may give, except ``resume`` (an alert never resumes a run).
 #: ``lr_scale`` multiplies the run's lr_scale by ``trainguard_lr_factor``, clamped to
@@ -151,6 +155,18 @@ RECORDING_RULES: tuple[Recording, ...] = (
               expr=f"min {BY_RUN} (trainguard_data_length_shift_pvalue)"),
     Recording(record="trainguard:step:changes_5m",
               expr=f"max {BY_RUN} (changes(trainguard_step[{ABSENCE}]))"),
+    # 1 for a rank whose /metrics answered its last scrape, 0 for one that did not. Targets
+    # discovered through the controller carry job, run and rank: their `up`. A PodMonitor's targets
+    # do not (the ranks' own labels are on the series they serve, never on `up`): there a rank is
+    # down when its step is no longer scraped while other ranks of its run still are (remembered
+    # for RANK_MEMORY).
+    Recording(
+        record="trainguard:rank_up:max",
+        expr=f'max by (job, run, rank) (up{{run!=""}}) '
+             f"or max by (job, run, rank) (trainguard_step) * 0 + 1 "
+             f"or max by (job, run, rank) (last_over_time(trainguard_step[{RANK_MEMORY}])) * 0 "
+             f"and on (job, run) max {BY_RUN} (trainguard_step)",
+    ),
     # The controller's own series: by run only (they carry the controller's scrape job, and a
     # run's name is unique in its controller).
     Recording(record="trainguard:incidents_awaiting_human:max",
@@ -250,7 +266,7 @@ ALERT_RULES: tuple[AlertRule, ...] = (
     ),
     AlertRule(
         name="TrainguardRankDown",
-        expr='max by (job, run, rank) (up{run!=""}) == 0',
+        expr="trainguard:rank_up:max == 0",
         for_=ABSENCE,
         action="notify", severity="critical",
         summary="Rank {{ $labels.rank }} of run {{ $labels.run }} has not answered a scrape for "
