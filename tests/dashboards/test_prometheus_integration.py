@@ -11,6 +11,11 @@ Prometheus's own alert, behind the ALERTS annotation), an operator's lr-scale co
 behind the "actions applied" annotation), a webhook that fails (failures panel) and one rejected
 report (rejections panel). Prometheus discovers the rank through the controller's http_sd endpoint
 with a bearer token from a file, as in the compose stack.
+
+A second run has two gloo ranks under DDP with the agent at its multi-rank defaults (the job's
+values and the per-layer series on the leader alone), scraped as the Helm chart's PodMonitor scrapes
+them: every panel of the dashboards that read the ranks has data, once per rank or once per run,
+and no alert fires on that healthy run.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from torch import nn
 from torch.nn import functional as F
 
 from trainguard.dashboards import build
 from trainguard.dashboards.rules import RECORDING_RULES, rule_groups
 from trainguard.dashboards.stack import prometheus_config
 from trainguard.demo.webhook_sink import make_server
+from tests.dashboards.training_rank import VOCAB, TinyLM
 from tests.tools.listening import start_listening, stop
 
 PROMETHEUS = shutil.which("prometheus")
@@ -48,7 +53,7 @@ JOB, RUN = "itest", "itest-0001"
 SCRAPE = "1s"
 RATE_INTERVAL = "4s"  # Grafana's $__rate_interval: 4 x the scrape interval
 TRAIN_SECONDS = 16.0
-VOCAB, SEQ, BATCH, MICRO = 64, 32, 8, 2
+SEQ, BATCH, MICRO = 32, 8, 2
 WINDOW = 128  # sequences in the data monitor's window: 16 steps
 #: Fractions of the run with a burst of one duplicated batch: the controller's duplicate rule
 #: fires in the first, resolves in between, and is held back by its cooldown in the second.
@@ -96,23 +101,6 @@ def _request(method: str, url: str, token: str, body: dict | None = None) -> tup
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read() or b"{}")
-
-
-class TinyLM(nn.Module):
-    """Embedding, two residual MLP blocks and a tied head: per-layer metrics see ``blocks.0`` and
-    ``blocks.1`` at the agent's default depth."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-                                    for _ in range(2))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = x + block(x)
-        return x @ self.tok.weight.T
 
 
 @pytest.fixture
@@ -446,3 +434,155 @@ def test_every_panel_and_recording_rule_returns_data(stack):
         assert tokens and all(float(v) % (BATCH * (SEQ + 1)) == 0 for _, v in tokens[0]["values"])  # whole batches
     finally:
         agent.close(timeout=5.0)
+
+
+# -- two ranks, scraped as the Helm chart's PodMonitor scrapes them ---------------------------------
+TWO_RANKS_JOB, TWO_RANKS_RUN = "itest2", "itest2-0001"
+#: The scrape job the Prometheus Operator makes of the chart's PodMonitor (<namespace>/<name>): its
+#: targets' labels name the pod, never the run or the rank; honor_labels keeps the ranks' own.
+POD_MONITOR_JOB = "training/tg-trainguard-training-pods"
+RANK_SCRIPT = Path(__file__).with_name("training_rank.py")
+#: The dashboards that read the ranks (the controller's own dashboard does not depend on them).
+RANK_DASHBOARDS = ("training-stability.json", "data-quality.json", "ranks.json")
+
+
+def _pod_monitor_config(controller: str, token_file: Path, targets_file: Path) -> dict:
+    """The generated Prometheus configuration with the ranks discovered as a PodMonitor would
+    give them (a file here, written once the ranks listen) instead of through the controller."""
+    config = prometheus_config(controller=controller, token_file=str(token_file), rule_files=["rules.yml"],
+                               scrape_interval=SCRAPE, sd_refresh_interval=SCRAPE)
+    config["scrape_configs"] = [c for c in config["scrape_configs"] if "http_sd_configs" not in c]
+    config["scrape_configs"].append({"job_name": POD_MONITOR_JOB, "honor_labels": True, "metrics_path": "/metrics",
+                                     "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": SCRAPE}]})
+    return config
+
+
+@pytest.fixture
+def two_ranks(tmp_path):
+    """A controller, a Prometheus scraping it and, as a PodMonitor does, two gloo ranks of a DDP run
+    with the agent at its multi-rank defaults (job-level and per-layer series on the leader only)
+    that train TRAIN_SECONDS and then serve /metrics until the test writes ``done``."""
+    operator, agent_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    env = {**os.environ, "TRAINGUARD_OPERATOR_TOKENS": operator, "TRAINGUARD_AGENT_TOKENS": agent_token}
+    procs: list[subprocess.Popen] = []
+    try:
+        controller, port = start_listening(
+            [str(TRAINGUARD), "serve", "--host", "127.0.0.1", "--port", "0", "--db", str(tmp_path / "tg.db")],
+            tmp_path / "controller.log", env=env)
+        procs.append(controller)
+        _wait_http(f"http://127.0.0.1:{port}/healthz", 30, controller)
+        (tmp_path / "token").write_text(operator + "\n")
+        (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule_groups()))
+        (tmp_path / "ranks.json").write_text("[]")
+        config = _pod_monitor_config(f"127.0.0.1:{port}", tmp_path / "token", tmp_path / "ranks.json")
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prometheus, prom_port = start_listening(
+            [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             "--web.listen-address=127.0.0.1:0", "--log.level=info"], tmp_path / "prometheus.log")
+        procs.append(prometheus)
+        prom = f"http://127.0.0.1:{prom_port}"
+        _wait_http(f"{prom}/-/ready", 30, prometheus)
+        cfg = {"init": f"file://{tmp_path}/store", "job": TWO_RANKS_JOB, "run": TWO_RANKS_RUN,
+               "controller": f"http://127.0.0.1:{port}", "token": agent_token, "out": str(tmp_path),
+               "seconds": TRAIN_SECONDS, "linger": 120}
+        ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), json.dumps(cfg)],
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"},
+                                  stdout=open(tmp_path / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT)
+                 for r in range(2)]
+        procs += ranks
+        yield {"prometheus": prom, "ranks": ranks, "out": tmp_path}
+    finally:
+        (tmp_path / "done").write_text("")
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def _await_files(ranks: list[subprocess.Popen], paths: list[Path], deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not all(p.exists() for p in paths):
+        assert all(r.poll() is None for r in ranks), "a rank exited early (its log is rank<r>.log)"
+        assert time.monotonic() < deadline, f"not written: {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.2)
+
+
+def _await_query(prom: str, expr: str, accept, deadline_s: float = 30) -> list[dict]:
+    """Poll an instant query until ``accept(result)`` (Prometheus scrapes and evaluates every 1 s)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = _query(prom, expr, time.time())
+        if accept(result):
+            return result
+        assert time.monotonic() < deadline, (expr, result)
+        time.sleep(0.2)
+
+
+def _two_rank_queries() -> list[tuple[str, str]]:
+    """(where, expression) of every panel of the dashboards that read the ranks, with the Rank
+    variable at its default (All), and of every recording rule, for the two-rank run."""
+    subs = (("$__rate_interval", RATE_INTERVAL), ("$job", TWO_RANKS_JOB), ("$run", TWO_RANKS_RUN), ("$rank", ".*"))
+    queries = []
+    for name in RANK_DASHBOARDS:
+        for where, expr in build.dashboard_queries(build.dashboard_json(build.DASHBOARDS[name])):
+            if where.startswith("panel"):  # (the annotations mark alerts and actions: none on a healthy run)
+                for variable, value in subs:
+                    expr = expr.replace(variable, value)
+                queries.append((f"{name}: {where}", expr))
+    queries += [(f"recording rule {r.record}", f'{r.record}{{run="{TWO_RANKS_RUN}"}}') for r in RECORDING_RULES]
+    return queries
+
+
+#: Two-rank queries not required to have data on this healthy run, each with the reason.
+TWO_RANKS_NOT_REQUIRED = {
+    # The controller lists a run there only while its incident waits for a human.
+    f'trainguard:incidents_awaiting_human:max{{run="{TWO_RANKS_RUN}"}}',
+}
+
+
+def test_two_ranks_every_panel_has_data_once_and_no_alert_fires_on_a_healthy_run(two_ranks):
+    prom, out, ranks = two_ranks["prometheus"], two_ranks["out"], two_ranks["ranks"]
+    start = time.time()
+    _await_files(ranks, [out / f"rank{r}.url" for r in range(2)], 90)
+    (out / "ranks.json").write_text(json.dumps([
+        {"targets": [urllib.parse.urlsplit((out / f"rank{r}.url").read_text()).netloc],
+         "labels": {"namespace": "training", "pod": f"{TWO_RANKS_RUN}-worker-{r}"}} for r in range(2)]))
+    _await_files(ranks, [out / f"rank{r}.json" for r in range(2)], 90)
+    latest = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in range(2):  # the final step scraped, and the rules evaluated after it
+        _await_query(prom, f'trainguard_step{{run="{TWO_RANKS_RUN}", rank="{r}"}}',
+                     lambda res: res and float(res[0]["value"][1]) == latest[r]["trainguard_step"])
+    scraped_at = time.time()
+    _await_query(prom, f'timestamp(trainguard:tokens_per_second:sum{{run="{TWO_RANKS_RUN}"}})',
+                 lambda res: res and float(res[0]["value"][1]) > scraped_at)
+
+    empty, shapes = [], []
+    for where, expr in _two_rank_queries():
+        result = _query_range(prom, expr, start, time.time())
+        if _finite_points(result) == 0 and expr not in TWO_RANKS_NOT_REQUIRED:
+            empty.append(f"{where}: {expr}")
+        ranks_seen = {s["metric"].get("rank") for s in result}
+        # A series per rank for both ranks, or series per run (a job's value, from the leader alone).
+        if result and ranks_seen not in ({"0", "1"}, {None}):
+            shapes.append(f"{where}: ranks {ranks_seen}: {expr}")
+    assert not empty, "queries without data on a healthy two-rank run:\n" + "\n".join(empty)
+    assert not shapes, "\n".join(shapes)
+
+    # No alert fired on the healthy run (RunStalled did at the ranks' first scrape).
+    firing = _query(prom, f'ALERTS{{alertstate="firing"}}[{int(time.time() - start) + 5}s]', time.time())
+    assert firing == [], [s["metric"] for s in firing]
+
+    # Values against what each rank's agent reported last (training has stopped).
+    def value(expr: str) -> dict[str | None, float]:
+        return {s["metric"].get("rank"): float(s["value"][1]) for s in _query(prom, expr, time.time())}
+    sel = f'job=~"{TWO_RANKS_JOB}", run=~"{TWO_RANKS_RUN}"'
+    assert value(f"trainguard:tokens_per_second:sum{{{sel}}}") == {
+        None: pytest.approx(latest[0]["trainguard_tokens_per_second"] + latest[1]["trainguard_tokens_per_second"])}
+    assert value(f'max by (job, run) (trainguard_grad_norm_max{{{sel}}})') == {None: latest[0]["trainguard_grad_norm_max"]}
+    assert value(f'trainguard_loss{{{sel}, rank=~".*"}}') == {str(r): latest[r]["trainguard_loss"] for r in range(2)}
+    assert value(f"trainguard:rank_up:max{{{sel}}}") == {"0": 1.0, "1": 1.0}
+
+    # Rank 1 stops answering while rank 0 is still scraped: it is down, though its target's `up`
+    # names no rank.
+    ranks[1].kill()
+    ranks[1].wait(10)
+    _await_query(prom, f'trainguard:rank_up:max{{{sel}}}',
+                 lambda res: {s["metric"]["rank"]: float(s["value"][1]) for s in res} == {"0": 1.0, "1": 0.0})
