@@ -33,8 +33,8 @@ def _signals() -> Section:
             f"Share of sequences in the sliding window already seen in it: exact content and "
             f"MinHash near-duplicates. Alert above {DUPLICATE_RATIO_MAX:g}.",
             [
-                query(f"trainguard_data_duplicate_ratio{{{SEL}}}", "exact, rank {{rank}}"),
-                query(f"trainguard_data_near_duplicate_ratio{{{SEL}}}", "near, rank {{rank}}"),
+                query(f"trainguard_data_duplicate_ratio{{{SEL}}}", "exact, rank {{rank}} ({{run}})"),
+                query(f"trainguard_data_near_duplicate_ratio{{{SEL}}}", "near, rank {{rank}} ({{run}})"),
             ],
             unit="percentunit", band=_above(DUPLICATE_RATIO_MAX),
         ),
@@ -42,21 +42,21 @@ def _signals() -> Section:
             "Token distribution KL divergence",
             f"KL(current window || reference) of the unigram token distribution, in nats. "
             f"Alert above {TOKEN_KL_MAX:g}.",
-            [query(f"trainguard_data_token_kl_divergence{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_data_token_kl_divergence{{{SEL}}}", "rank {{rank}} ({{run}})")],
             band=_above(TOKEN_KL_MAX),
         ),
         timeseries(
             "Special / control token ratio",
             f"Share of tokens that are control, special or unknown ids. Alert above "
             f"{SPECIAL_TOKEN_RATIO_MAX:g} (0.01%).",
-            [query(f"trainguard_data_special_token_ratio{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_data_special_token_ratio{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="percentunit", band=_above(SPECIAL_TOKEN_RATIO_MAX),
         ),
         timeseries(
             "Length distribution shift (KS p-value)",
             f"Two-sample Kolmogorov-Smirnov p-value between the sequence lengths of the "
             f"reference and the current window (log axis). Alert below {LENGTH_SHIFT_P_MIN:g}.",
-            [query(f"trainguard_data_length_shift_pvalue{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_data_length_shift_pvalue{{{SEL}}}", "rank {{rank}} ({{run}})")],
             log=True, band=Band(((LENGTH_SHIFT_P_MIN, "transparent"),), base="red"),
         ),
     ])
@@ -69,7 +69,7 @@ def _throughput() -> Section:
             "Training throughput: tokens passed to end_step per second of step time, per rank, "
             "and the job's total (sum over ranks).",
             [
-                query(f"trainguard_tokens_per_second{{{SEL}}}", "rank {{rank}}"),
+                query(f"trainguard_tokens_per_second{{{SEL}}}", "rank {{rank}} ({{run}})"),
                 query(f"trainguard:tokens_per_second:sum{{{JOB_RUN}}}", "total {{run}}"),
             ],
             unit="short",
@@ -79,9 +79,9 @@ def _throughput() -> Section:
             "Non-padding tokens and sequences the data monitor observed per second.",
             [
                 query(f"rate(trainguard_data_tokens_total{{{SEL}}}[$__rate_interval])",
-                      "tokens/s, rank {{rank}}"),
+                      "tokens/s, rank {{rank}} ({{run}})"),
                 query(f"rate(trainguard_data_sequences_total{{{SEL}}}[$__rate_interval])",
-                      "sequences/s, rank {{rank}}"),
+                      "sequences/s, rank {{rank}} ({{run}})"),
             ],
         ),
         timeseries(
@@ -111,7 +111,7 @@ def _feeding() -> Section:
             "Mean time per step each rank waited for its batch (from the end of one step to the "
             "next forward pass). One rank far above the others is held back by its data, not its "
             f"computation; the rule fires from {INPUT_WAIT_MIN * 1e3:g} ms (red line).",
-            [query(f"trainguard_input_wait_seconds{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_input_wait_seconds{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="s", band=_above(INPUT_WAIT_MIN),
         ),
         timeseries(
@@ -119,8 +119,8 @@ def _feeding() -> Section:
             "Batches the token loader holds ready ahead of the loop (left; 0 = the loop waits) "
             "and tokens per second it delivered (right). Only with trainguard's TokenLoader.",
             [
-                query(f"trainguard_input_prefetch_depth{{{SEL}}}", "ready, rank {{rank}}"),
-                query(f"trainguard_input_tokens_per_second{{{SEL}}}", "tokens/s, rank {{rank}}"),
+                query(f"trainguard_input_prefetch_depth{{{SEL}}}", "ready, rank {{rank}} ({{run}})"),
+                query(f"trainguard_input_tokens_per_second{{{SEL}}}", "tokens/s, rank {{rank}} ({{run}})"),
             ],
             overrides=[right_axis("tokens/s.*")],
         ),

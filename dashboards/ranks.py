@@ -41,7 +41,7 @@ def _step_time_panels() -> list:
                         "row that is persistently darker is a straggler.",
             dataSource=DATASOURCE,
             targets=with_ref_ids(
-                [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")]),
+                [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}} ({{run}})")]),
             maxDataPoints=200,
             span=12,
         ),
@@ -52,7 +52,7 @@ def _step_time_panels() -> list:
                         "step times are equal; a slow rank shows here as a persistently darker row.",
             dataSource=DATASOURCE,
             targets=with_ref_ids(
-                [query(f"trainguard_forward_seconds{{{SEL}}}", "rank {{rank}}")]),
+                [query(f"trainguard_forward_seconds{{{SEL}}}", "rank {{rank}} ({{run}})")]),
             maxDataPoints=200,
             span=12,
         ),
@@ -66,7 +66,7 @@ def _step_time_panels() -> list:
         timeseries(
             "Step time per rank",
             "Wall time between the last two end_step calls.",
-            [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="s",
         ),
         timeseries(
@@ -88,7 +88,7 @@ def _utilisation_panels() -> list:
             "A rank well below the others computes slower or waits longer (for input, or for a "
             "collective); the whole job low means the step is not compute-bound. Only where the "
             "agent knows the model's FLOPs per token and the device's peak.",
-            [query(f"trainguard_mfu{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_mfu{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="percentunit", width=24,
         ),
         timeseries(
@@ -98,8 +98,8 @@ def _utilisation_panels() -> list:
             "(trainguard_comm_exposed_seconds). Only with AgentConfig(comm_timing=True) under DDP "
             "on the CPU (gloo); absent (NaN) on CUDA, under FSDP2 or with a communication hook of "
             "the run's own.",
-            [query(f"trainguard_comm_seconds{{{SEL}}}", "in flight, rank {{rank}}"),
-             query(f"trainguard_comm_exposed_seconds{{{SEL}}}", "exposed, rank {{rank}}")],
+            [query(f"trainguard_comm_seconds{{{SEL}}}", "in flight, rank {{rank}} ({{run}})"),
+             query(f"trainguard_comm_exposed_seconds{{{SEL}}}", "exposed, rank {{rank}} ({{run}})")],
             unit="s",
         ),
         timeseries(
@@ -109,7 +109,7 @@ def _utilisation_panels() -> list:
             f"sizes limit the step; every rank but one: they wait for that rank's gradients (it is "
             f"the slow one). The comm_exposed rule notifies at {COMM_EXPOSED_RATIO_MAX:g} or more "
             f"for five reports (red line).",
-            [query(f"trainguard_comm_exposed_ratio{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard_comm_exposed_ratio{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="percentunit", band=Band(((COMM_EXPOSED_RATIO_MAX, "red"),)),
         ),
     ]
@@ -122,9 +122,9 @@ def _memory() -> Section:
             "Allocated, reserved and peak bytes: torch.cuda counters on GPUs, the process's "
             "resident set size on CPU.",
             [
-                query(f"trainguard_memory_allocated_bytes{{{SEL}}}", "allocated, rank {{rank}}"),
-                query(f"trainguard_memory_reserved_bytes{{{SEL}}}", "reserved, rank {{rank}}"),
-                query(f"trainguard_memory_peak_bytes{{{SEL}}}", "peak, rank {{rank}}"),
+                query(f"trainguard_memory_allocated_bytes{{{SEL}}}", "allocated, rank {{rank}} ({{run}})"),
+                query(f"trainguard_memory_reserved_bytes{{{SEL}}}", "reserved, rank {{rank}} ({{run}})"),
+                query(f"trainguard_memory_peak_bytes{{{SEL}}}", "peak, rank {{rank}} ({{run}})"),
             ],
             unit="bytes", width=24,
         ),
@@ -137,7 +137,7 @@ def _agent() -> Section:
             "Agent overhead (share of the step)",
             "Wall time the agent spent inside the last step divided by the step time.",
             [query(f"trainguard_agent_overhead_seconds{{{SEL}}} "
-                   f"/ trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}}")],
+                   f"/ trainguard_step_duration_seconds{{{SEL}}}", "rank {{rank}} ({{run}})")],
             unit="percentunit",
         ),
         timeseries(
@@ -145,9 +145,9 @@ def _agent() -> Section:
             "Seconds the agent spent in the last step (left) and its internal errors per "
             "interval (right; training goes on after each).",
             [
-                query(f"trainguard_agent_overhead_seconds{{{SEL}}}", "overhead, rank {{rank}}"),
+                query(f"trainguard_agent_overhead_seconds{{{SEL}}}", "overhead, rank {{rank}} ({{run}})"),
                 query(f"increase(trainguard_agent_errors_total{{{SEL}}}[$__rate_interval])",
-                      "errors, rank {{rank}}"),
+                      "errors, rank {{rank}} ({{run}})"),
             ],
             unit="s",
             overrides=[{
@@ -172,7 +172,7 @@ def _agent() -> Section:
             "through the controller's http_sd targets; under a PodMonitor, whose targets do not "
             "name the rank, a rank is down when its series stop while its run's other ranks are "
             "still scraped.",
-            [query(f"trainguard:rank_up:max{{{SEL}}}", "rank {{rank}}")],
+            [query(f"trainguard:rank_up:max{{{SEL}}}", "rank {{rank}} ({{run}})")],
             states={0: ("down", "red"), 1: ("up", "green")},
         ),
         timeseries(

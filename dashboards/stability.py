@@ -36,9 +36,9 @@ RUN_STEP = f"max by (run) (trainguard_step{{{JOB_RUN}}})"
 def _overview() -> Section:
     return Section("Overview", [
         stat("Step", "Optimizer steps completed (trainguard_step) per rank.",
-             [query(f"trainguard_step{{{SEL}}}", "rank {{rank}}")], width=6),
+             [query(f"trainguard_step{{{SEL}}}", "rank {{rank}} ({{run}})")], width=6),
         stat("Last loss", "Last loss per rank (NaN/Inf shown as is).",
-             [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")], width=6),
+             [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}} ({{run}})")], width=6),
         stat("Current lr_scale", "Multiplier the controller applies to the scheduler's LR.",
              [query(job_level("trainguard_lr_scale"), "{{run}}")], width=6),
         stat("Applied generation", "Generation of the controller's desired state the run applied "
@@ -51,7 +51,7 @@ def _overview() -> Section:
 def _gradients() -> Section:
     return Section("Loss and gradients", [
         timeseries("Loss", "Loss passed to end_step, per rank.",
-                   [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}}")]),
+                   [query(f"trainguard_loss{{{SEL}}}", "rank {{rank}} ({{run}})")]),
         timeseries(
             "Gradient norm (global, before clipping)",
             f"Global L2 norm of the gradients before clipping at the last reported step, and the "
@@ -80,7 +80,7 @@ def _gradients() -> Section:
                 query(job_level("trainguard_nonfinite_grads"), "grad elements ({{run}})"),
                 query(job_level("trainguard_optimizer_state_nonfinite"), "optimizer-state elements ({{run}})"),
                 query(f"increase(trainguard_nonfinite_steps_total{{{SEL}}}[$__rate_interval])",
-                      "non-finite steps, rank {{rank}}"),
+                      "non-finite steps, rank {{rank}} ({{run}})"),
                 query(job_level("trainguard_skipped_steps_total", by="reason", fn="increase"),
                       "skipped: {{reason}} ({{run}})"),
             ],

@@ -120,7 +120,7 @@ def test_panels_carry_the_required_content(dashboards):
     ranks = {p["title"]: p for p in _panels(dashboards["ranks.json"])}
     heatmap = ranks["Step time per rank (heatmap)"]
     assert heatmap["type"] == "heatmap" and heatmap["options"]["calculate"] is False
-    assert heatmap["targets"][0]["legendFormat"] == "rank {{rank}}"
+    assert heatmap["targets"][0]["legendFormat"] == "rank {{rank}} ({{run}})"
     assert "Controller reachable" in titles["ranks.json"]
     assert "trainguard_controller_" in exprs["controller.json"]
 
@@ -161,7 +161,16 @@ def test_job_level_metrics_are_read_per_run_never_per_rank(dashboards):
             assert "rank" not in expr and per_run.search(expr), (where, expr)
     # The per-rank panels still show every rank.
     ranks = {p["title"]: p for p in _panels(dashboards["ranks.json"])}
-    assert ranks["Step time per rank"]["targets"][0]["legendFormat"] == "rank {{rank}}"
+    assert ranks["Step time per rank"]["targets"][0]["legendFormat"] == "rank {{rank}} ({{run}})"
+
+
+def test_every_series_of_the_training_dashboards_names_its_run(dashboards):
+    """The Run variable selects every run by default: a legend without the run names the series of
+    two runs alike (rank 0 of each, one heatmap row for both)."""
+    for name in ("training-stability.json", "data-quality.json", "ranks.json"):
+        for p in _panels(dashboards[name]):
+            for t in p["targets"]:
+                assert "{{run}}" in t["legendFormat"], (name, p["title"], t["legendFormat"])
 
 
 def test_update_ratio_band_and_alert_thresholds_are_drawn(dashboards):
