@@ -131,6 +131,30 @@ def _memory() -> Section:
     ])
 
 
+def _reachability_panels() -> list:
+    """Whether the run reaches the controller, and whether Prometheus reaches each rank."""
+    return [
+        state_timeline(
+            "Controller reachable",
+            "1 when the run's last exchange with the controller succeeded (rank 0 talks to the "
+            "controller for the run). The agent fails open: training goes on while the controller "
+            "is away.",
+            [query(job_level("trainguard_agent_controller_up"), "{{run}}")],
+            states={0: ("unreachable", "red"), 1: ("reachable", "green")},
+        ),
+        state_timeline(
+            "Scraped by Prometheus",
+            "Whether each rank's /metrics endpoint answered its last scrape "
+            "(trainguard:rank_up:max): Prometheus's own `up` where the ranks are discovered "
+            "through the controller's http_sd targets; under a PodMonitor, whose targets do not "
+            "name the rank, a rank is down when its series stop while its run's other ranks are "
+            "still scraped.",
+            [query(f"trainguard:rank_up:max{{{SEL}}}", "rank {{rank}} ({{run}})")],
+            states={0: ("down", "red"), 1: ("up", "green")},
+        ),
+    ]
+
+
 def _agent() -> Section:
     return Section("Agent health", [
         timeseries(
@@ -157,24 +181,7 @@ def _agent() -> Section:
                                {"id": "custom.drawStyle", "value": "bars"}],
             }],
         ),
-        state_timeline(
-            "Controller reachable",
-            "1 when the run's last exchange with the controller succeeded (rank 0 talks to the "
-            "controller for the run). The agent fails open: training goes on while the controller "
-            "is away.",
-            [query(job_level("trainguard_agent_controller_up"), "{{run}}")],
-            states={0: ("unreachable", "red"), 1: ("reachable", "green")},
-        ),
-        state_timeline(
-            "Scraped by Prometheus",
-            "Whether each rank's /metrics endpoint answered its last scrape "
-            "(trainguard:rank_up:max): Prometheus's own `up` where the ranks are discovered "
-            "through the controller's http_sd targets; under a PodMonitor, whose targets do not "
-            "name the rank, a rank is down when its series stop while its run's other ranks are "
-            "still scraped.",
-            [query(f"trainguard:rank_up:max{{{SEL}}}", "rank {{rank}} ({{run}})")],
-            states={0: ("down", "red"), 1: ("up", "green")},
-        ),
+        *_reachability_panels(),
         timeseries(
             "Dropped reports",
             "Reports the agent dropped per interval because its send buffer was full (the "
