@@ -191,6 +191,19 @@ def test_dashboard_configmaps_are_the_generated_dashboards(default_objects):
     assert {c["metadata"]["namespace"] for c in maps} == {NAMESPACE}
 
 
+def test_a_long_release_name_keeps_the_dashboards_apart():
+    """Helm allows release names of up to 53 characters; the dashboards' ConfigMaps keep their own
+    names whole (the release's part is shortened), so none replaces another."""
+    for name in ("r" * 53, "ml-platform-training-monitoring-release-for-team-x"):
+        maps = [c for c in by_kind(render(name=name), "ConfigMap") if "grafana_dashboard" in c["metadata"]["labels"]]
+        names = sorted(c["metadata"]["name"] for c in maps)
+        assert len(set(names)) == len(build.DASHBOARDS) == len(maps), names
+        for c in maps:
+            (key,) = c["data"]
+            assert c["metadata"]["name"].endswith("-dashboard-" + key.removesuffix(".json")), (key, names)
+            validate(c)
+
+
 def _generated_controller_matcher() -> tuple[str, str]:
     """(label, regex) of the generated Alertmanager configuration's route to the controller."""
     config = yaml.safe_load((GENERATED / "alertmanager/alertmanager.yml").read_text())
