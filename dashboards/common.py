@@ -283,8 +283,9 @@ def _variables() -> list[Template]:
         Template(name="job", label="Job", query=f"label_values({metric}, job)", **common),
         Template(name="run", label="Run",
                  query=f'label_values({metric}{{job=~"$job"}}, run)', **common),
+        # Ranks in numeric order (Grafana's sort 3; alphabetical would put 10 before 2).
         Template(name="rank", label="Rank",
-                 query=f'label_values({metric}{{job=~"$job", run=~"$run"}}, rank)', **common),
+                 query=f'label_values({metric}{{job=~"$job", run=~"$run"}}, rank)', **{**common, "sort": 3}),
     ]
 
 

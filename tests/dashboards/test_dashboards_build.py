@@ -73,6 +73,14 @@ def test_every_dashboard_has_job_run_rank_variables_and_action_annotations(dashb
         assert "trainguard_applied_generation" in exprs["Controller actions applied"]
 
 
+def test_ranks_are_listed_in_numeric_order(dashboards):
+    """Grafana's variable sort 3 is numerical ascending (1 alphabetical: rank 10 before rank 2)."""
+    for name, d in dashboards.items():
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert variables["rank"]["sort"] == 3, name
+        assert variables["job"]["sort"] == variables["run"]["sort"] == 1, name
+
+
 def _panels(d: dict) -> list[dict]:
     return [p for p in d["panels"] if p["type"] != "row"]
 
