@@ -21,6 +21,7 @@ from trainguard.dashboards.thresholds import (
     DUPLICATE_RATIO_MAX,
     FORWARD_MIN,
     GRAD_NORM_LIMIT,
+    GRAD_NORM_SPIKE_MIN_HISTORY,
     GRAD_NORM_SPIKE_RATIO,
     LENGTH_SHIFT_P_MIN,
     LR_FACTOR,
@@ -201,8 +202,12 @@ ALERT_RULES: tuple[AlertRule, ...] = (
         extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
     ),
     AlertRule(
+        # Judged against GRAD_NORM_SPIKE_MIN_HISTORY earlier values at least, as the controller's
+        # rule: a run's first few values are no baseline (the window holds the current one too).
         name="TrainguardGradNormSpike",
-        expr=f"trainguard:grad_norm:spike_ratio > {GRAD_NORM_SPIKE_RATIO:g}",
+        expr=f"trainguard:grad_norm:spike_ratio > {GRAD_NORM_SPIKE_RATIO:g} "
+             f"and on (job, run) count_over_time(trainguard:grad_norm:max[{GRAD_NORM_SPIKE_WINDOW}]) "
+             f"> {GRAD_NORM_SPIKE_MIN_HISTORY}",
         action="lr_scale", severity="warning",
         summary="Gradient norm spiked to {{ $value }}x its rolling median on run "
                 "{{ $labels.run }}: halving the LR.",

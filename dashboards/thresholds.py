@@ -11,6 +11,7 @@ from trainguard.service.rules import ADAPTIVE_FALLBACK_FACTOR, AdaptiveLrAction,
 __all__ = [
     "GRAD_NORM_LIMIT",
     "GRAD_NORM_SPIKE_RATIO",
+    "GRAD_NORM_SPIKE_MIN_HISTORY",
     "LR_FACTOR",
     "DUPLICATE_RATIO_MAX",
     "TOKEN_KL_MAX",
@@ -37,6 +38,8 @@ def _lr_factor(rule: Any) -> float:
 GRAD_NORM_LIMIT = float(_RULES["grad_norm_high"].value)
 #: Gradient-norm spike: the norm over its rolling median (rule ``grad_norm_spike``).
 GRAD_NORM_SPIKE_RATIO = float(_RULES["grad_norm_spike"].ratio)
+#: Earlier values a gradient-norm spike is judged against, at least (rule ``grad_norm_spike``).
+GRAD_NORM_SPIKE_MIN_HISTORY = int(_RULES["grad_norm_spike"].min_history)
 #: Factor an ``lr_scale`` action multiplies the run's current lr_scale by (both gradient rules).
 LR_FACTOR = _lr_factor(_RULES["grad_norm_spike"])
 assert LR_FACTOR == _lr_factor(_RULES["grad_norm_high"]), "the gradient rules disagree on the LR factor"
