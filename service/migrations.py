@@ -3,8 +3,9 @@
 Written in SQLite's dialect; :class:`~service.store.Store` runs each script in one transaction and
 records the version in ``PRAGMA user_version``, and :mod:`service.store_postgres` runs the same
 scripts through its :class:`~service.postgres_sql.Dialect` (the version in a row of
-``trainguard_schema``). A version, once released, never changes: a change of the schema is a new
-version at the end.
+``trainguard_schema``). A version, once released, never changes: a change of the schema (a table, a
+column, or a field of the desired state's stored JSON) is a new version at the end, which an older
+controller refuses.
 """
 
 from __future__ import annotations
@@ -228,4 +229,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE reports ADD COLUMN ranks_format INTEGER NOT NULL DEFAULT 0;
     """,
+    # 13: the desired state's data_skip_from (a field of the ``desired`` JSON, no column; no SQL).
+    # The version makes a controller of version 12 refuse the database: it reads every desired
+    # state without the fields it does not know and writes it back without them (a data skip of
+    # steps 25-30 would become one from the restored step to 30). So a field the stored desired
+    # state gains is a new version (tests/service/test_service_store.py names each version's fields).
+    "",
 )

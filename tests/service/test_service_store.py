@@ -12,13 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 
 from trainguard.service import statements as sql
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
-from trainguard.service.store import MIGRATIONS, Store, open_store
+from trainguard.service.store import MIGRATIONS, Store, StoreError, open_store
 from trainguard.service.window import VECTORS
+from trainguard.protocol.wire import DesiredState
+
+#: The fields of the desired state's stored JSON at each schema version since it was stored whole
+#: (version 10): a field more is a new version, or a controller one version older would drop it.
+_V12_DESIRED = frozenset({
+    "generation", "paused", "checkpoint_seq", "stop", "stop_exit_code", "lr_scale", "rollback_seq", "rollback_step",
+    "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until", "grad_clip_norm",
+    "reset_optimizer_seq", "reset_optimizer_layers", "momentum_scale", "weight_decay_scale", "verify_float32_seq", "reason"})
+DESIRED_FIELDS = {12: _V12_DESIRED, 13: _V12_DESIRED | {"data_skip_from"}}
 
 
 def _v1_rows(conn: Any) -> None:
@@ -105,7 +115,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 12
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 13
     _assert_migrated_columns(conn.execute)
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
@@ -123,7 +133,7 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
     _v1_postgres_database(postgres_url)
     store = PostgresStore(postgres_url)  # migrates
     try:
-        assert store.schema_version == len(MIGRATIONS) == 12
+        assert store.schema_version == len(MIGRATIONS) == 13
         store.read_now(lambda c: _assert_migrated_columns(c.execute))
     finally:
         store.close()
@@ -135,6 +145,33 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
         assert "reports_received" in indexes
         assert PgConnection(raw).execute("SELECT COUNT(*) FROM reports").fetchone()[0] == 5
     _assert_migrated_app(postgres_url)
+
+
+def test_each_field_of_the_stored_desired_state_came_with_a_schema_version() -> None:
+    assert set(DesiredState.model_fields) == DESIRED_FIELDS[len(MIGRATIONS)], (
+        "the desired state's fields changed: add a schema version (service/migrations.py) and its fields here")
+
+
+def test_a_controller_one_version_older_refuses_a_database_with_a_desired_field_it_lacks(store_db: Any,
+                                                                                          monkeypatch: Any) -> None:
+    """A run whose data skip names its first step (data_skip_from, version 13), opened by a
+    controller of version 12: refused with the versions, the stored state unchanged (a version-12
+    controller would have served the skip from the restored step and written it back so)."""
+    import trainguard.service.store as store_module
+
+    with TestClient(create_app(Settings(db=store_db, tick_s=60))) as c:
+        assert c.post("/v1/runs", json={"job": "j", "run": "r", "world_size": 1}).status_code == 200
+        assert c.post("/v1/runs/r/pause", json={"reason": "stored"}).status_code == 200
+        store = c.app.state.controller.store
+        stored = json.loads(store.read_now(lambda conn: conn.execute("SELECT desired FROM runs").fetchone()[0]))
+    added = DESIRED_FIELDS[len(MIGRATIONS)] - DESIRED_FIELDS[len(MIGRATIONS) - 1]
+    assert added == {"data_skip_from"} and added <= set(stored)
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:-1])
+    if not isinstance(store_db, Path):
+        import trainguard.service.store_postgres as pg_module
+        monkeypatch.setattr(pg_module, "MIGRATIONS", MIGRATIONS[:-1])
+    with pytest.raises(StoreError, match=f"schema version {len(MIGRATIONS)}, newer than this controller \\({len(MIGRATIONS) - 1}\\)"):
+        open_store(store_db)
 
 
 def test_a_run_stored_at_schema_9_loads_the_desired_state_its_columns_held(store_db: Any, monkeypatch: Any) -> None:
