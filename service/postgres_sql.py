@@ -95,6 +95,11 @@ class _Cursor:
 
     @property
     def rowcount(self) -> int:
+        if self._cur.rowcount < 0 and self._cur.connection.pgconn.pipeline_status:
+            # In a pipeline the count arrives with the statement's answer: the end of a nested
+            # pipeline block waits for the answers sent so far (the transaction stays open).
+            with self._cur.connection.pipeline():
+                pass
         return self._cur.rowcount
 
     def fetchone(self) -> Any:
