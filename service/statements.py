@@ -386,8 +386,12 @@ def run_owners(conn: sqlite3.Connection) -> dict[str, str]:
     return {r[0]: r[1] for r in conn.execute("SELECT run, token_hash FROM run_owners")}
 
 
-def prune(conn: sqlite3.Connection, *, reports_before: float, keys_before: float) -> int:
-    n = conn.execute("DELETE FROM reports WHERE received<?", (reports_before,)).rowcount
-    conn.execute("DELETE FROM idempotency WHERE created_at<?", (keys_before,))
-    conn.execute("DELETE FROM alertmanager_seen WHERE received_at<?", (keys_before,))
-    return n
+def prune_reports(conn: sqlite3.Connection, before: float, limit: int) -> int:
+    """Delete the oldest ``limit`` reports received before ``before``; the number deleted."""
+    return conn.execute("DELETE FROM reports WHERE (run_id, seq) IN (SELECT run_id, seq FROM reports WHERE received<? "
+                        "ORDER BY received LIMIT ?)", (before, limit)).rowcount
+
+
+def prune_keys(conn: sqlite3.Connection, before: float) -> None:
+    conn.execute("DELETE FROM idempotency WHERE created_at<?", (before,))
+    conn.execute("DELETE FROM alertmanager_seen WHERE received_at<?", (before,))
