@@ -43,6 +43,13 @@ def _is_busy(e: sqlite3.OperationalError) -> bool:
     return getattr(e, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(e)
 
 
+def _raise_if_ended(conn: sqlite3.Connection) -> None:
+    """Inside ``except``: re-raise the operation's error when SQLite rolled the whole transaction
+    back with it (a full disk, an I/O error), so that the batch fails naming that cause."""
+    if not conn.in_transaction:
+        raise
+
+
 def is_database_url(db: str | Path) -> bool:
     """True for a PostgreSQL URL (``postgresql://...`` or ``postgres://...``); anything else is a
     SQLite file."""
@@ -81,14 +88,18 @@ class Store(GroupCommitStore):
         if str(path) == ":memory:":
             raise ValueError("the store needs a file (readers and the writer share it)")
         self._init_queue()
-        self._conn = self._connect(readonly=False)
         self._lock = threading.RLock()  # the writer connection is used by one caller at a time
         self._stop = threading.Event()
         self._checkpointer: threading.Thread | None = None
         self.checkpoint_every_s = 1.0
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
-        self._migrate()
+        try:
+            self._conn = self._connect(readonly=False)
+            self._migrate()
+        except sqlite3.Error as e:  # not a database, a directory it cannot write in, a full disk
+            raise StoreError(f"cannot use {self.path} as the controller's database: {e} (SQLite writes the file and, "
+                             f"beside it, {self.path.name}-wal and {self.path.name}-shm)") from e
 
     # -- connections -------------------------------------------------------------------------
     def _connect(self, *, readonly: bool) -> sqlite3.Connection:
@@ -121,7 +132,8 @@ class Store(GroupCommitStore):
                     self._conn.execute(f"PRAGMA user_version={target}")
                     self._conn.execute("COMMIT")
                 except BaseException:
-                    self._conn.execute("ROLLBACK")
+                    if self._conn.in_transaction:  # (SQLite ends it itself on a full disk)
+                        self._conn.execute("ROLLBACK")
                     raise
 
     # -- synchronous use (start-up, tools) --------------------------------------------------------
@@ -197,6 +209,7 @@ class Store(GroupCommitStore):
                         try:
                             results.append((True, op(conn)))
                         except Exception as e:
+                            _raise_if_ended(conn)
                             results.append((False, e))
                         continue
                     conn.execute("SAVEPOINT op")
@@ -204,6 +217,7 @@ class Store(GroupCommitStore):
                         results.append((True, op(conn)))
                         conn.execute("RELEASE op")
                     except Exception as e:  # one bad operation fails alone
+                        _raise_if_ended(conn)
                         conn.execute("ROLLBACK TO op")
                         conn.execute("RELEASE op")
                         results.append((False, e))

@@ -341,3 +341,34 @@ def test_close_from_another_thread_hands_the_outcome_to_the_writers_loop(store_d
         return await written
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_file_that_is_not_a_database_is_refused_naming_it(tmp_path: Path) -> None:
+    db = tmp_path / "tg.db"
+    db.write_bytes(b"a backup archive, not the database\n" * 200)
+    with pytest.raises(StoreError, match=f"^cannot use {tmp_path}/tg.db as the controller's database: file is not a database"):
+        Store(db)
+    assert db.read_bytes() == b"a backup archive, not the database\n" * 200
+
+
+def test_a_full_disk_fails_a_report_with_its_cause_and_keeps_every_acknowledged_one(tmp_path: Path) -> None:
+    """SQLite rolls the whole transaction back on a full disk (simulated: the file may grow by
+    three pages): the report is answered 503 naming it, the run holds exactly the reports answered
+    200, and once there is room the same report is taken."""
+    with TestClient(create_app(Settings(db=tmp_path / "tg.db", tick_s=60))) as c:
+        assert c.post("/v1/runs", json={"job": "j", "run": "r", "world_size": 1}).status_code == 200
+        writer = c.app.state.controller.store._conn
+        writer.execute(f"PRAGMA max_page_count={writer.execute('PRAGMA page_count').fetchone()[0] + 3}")
+        acknowledged = 0
+        for step in range(100):
+            body = {"job": "j", "step_first": step, "step_last": step, "time": 1.0, "values": {f"m{i}": 1.0 for i in range(100)}}
+            r = c.post("/v1/runs/r/reports", json=body)
+            if r.status_code != 200:
+                break
+            acknowledged += 1
+        assert r.status_code == 503 and r.json()["detail"] == "database commit failed: database or disk is full"
+        assert 0 < acknowledged < 100 and c.get("/v1/runs/r").json()["reports"] == acknowledged
+        writer.execute("PRAGMA max_page_count=1073741823")
+        assert c.post("/v1/runs/r/reports", json=body).status_code == 200
+        stored = c.app.state.controller.store.read_now(lambda conn: conn.execute("SELECT COUNT(*) FROM reports").fetchone()[0])
+    assert stored == acknowledged + 1
