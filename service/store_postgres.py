@@ -93,6 +93,7 @@ class PostgresStore(GroupCommitStore):
         self.lease_token: int | None = None
         """The fencing token of the writer lease this store holds (``None``: it took none)."""
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._refused_newer = False  # the newer schema that keeps this controller from the lease was logged
         self._renewer: threading.Thread | None = None
         self._renewing = threading.Event()
         self._init_queue()
@@ -279,14 +280,18 @@ class PostgresStore(GroupCommitStore):
         with psycopg.connect(self.url, autocommit=True, application_name="trainguard-lease", connect_timeout=10) as conn:
             conn.execute(f"SET lock_timeout = {int(self.lease_s * 1000)}")  # a hung holder's transaction
             while True:
-                try:
+                try:  # never over a database a newer controller migrated since this one started
                     row = conn.execute(
                         "UPDATE trainguard_lease SET holder = %s, token = token + 1, expires_at = now() + make_interval(secs => %s)"
-                        " WHERE name = 'writer' AND expires_at < now() RETURNING token", (self.holder, self.lease_s)).fetchone()
+                        " WHERE name = 'writer' AND expires_at < now() AND (SELECT MAX(version) FROM trainguard_schema) <= %s"
+                        " RETURNING token", (self.holder, self.lease_s, len(MIGRATIONS))).fetchone()
                 except psycopg.errors.LockNotAvailable:
                     row = None  # the old holder's last transaction still runs: try again
                 if row is not None:
                     break
+                newer = self._newer_schema(conn)
+                if newer and deadline is not None and time.monotonic() >= deadline:
+                    raise StoreError(newer)
                 if not waited:
                     holder = conn.execute("SELECT holder FROM trainguard_lease WHERE name = 'writer'").fetchone()[0]
                     log.info("standing by: %s holds the writer lease of %s", holder, self.path)
@@ -299,6 +304,19 @@ class PostgresStore(GroupCommitStore):
         self._renewer = threading.Thread(target=self._renew_loop, name="trainguard-lease", daemon=True)
         self._renewer.start()
         return self.lease_token
+
+    def _newer_schema(self, conn: psycopg.Connection[Any]) -> str:
+        """Why this controller may not take the lease: the database's schema is newer than its own
+        (logged once); '' when it is not."""
+        version = conn.execute("SELECT MAX(version) FROM trainguard_schema").fetchone()[0]
+        if version <= len(MIGRATIONS):
+            return ""
+        reason = (f"{self.path} has schema version {version}, newer than this controller ({len(MIGRATIONS)}): a newer "
+                  "controller migrated it since this one started, so this one stands by until it is stopped")
+        if not self._refused_newer:
+            self._refused_newer = True
+            log.error("%s", reason)
+        return reason
 
     def _fence(self, raw: psycopg.Connection[Any]) -> None:
         if self.lease_token is not None:

@@ -404,3 +404,22 @@ def test_a_url_without_the_driver_says_which_extra_to_install(monkeypatch: pytes
     monkeypatch.setitem(sys.modules, "trainguard.service.store_postgres", None)  # as if psycopg were absent
     with pytest.raises(StoreError, match=r"pip install 'trainguard\[postgres\]'"):
         open_store("postgresql://tg@127.0.0.1:1/none")
+
+
+def test_a_standby_does_not_take_over_a_database_a_newer_controller_migrated(postgres_url: str) -> None:
+    """A standby started before a newer controller migrated the database (a rolling upgrade) would
+    write it with the older schema's knowledge: it stands by, naming both versions, and the lease
+    stays free for a controller as new as the database."""
+    active, standby = PostgresStore(postgres_url, lease_s=3600), PostgresStore(postgres_url, lease_s=3600)
+    try:
+        token = active.take_lease()
+        with psycopg.connect(postgres_url, autocommit=True) as raw:
+            raw.execute("UPDATE trainguard_schema SET version = %s", (len(MIGRATIONS) + 1,))
+        active.close()  # a clean stop: the lease is free at once
+        with pytest.raises(StoreError, match=f"schema version {len(MIGRATIONS) + 1}, newer than this controller "
+                                             f"\\({len(MIGRATIONS)}\\): a newer controller migrated it"):
+            standby.take_lease(timeout=1.0)
+        with psycopg.connect(postgres_url, autocommit=True) as raw:
+            assert raw.execute("SELECT token, expires_at < now() FROM trainguard_lease").fetchone() == (token, True)
+    finally:
+        standby.close()
