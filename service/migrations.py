@@ -10,7 +10,13 @@ controller refuses.
 
 from __future__ import annotations
 
-__all__ = ["MIGRATIONS"]
+import logging
+
+from trainguard.service.group_commit import StoreError
+
+__all__ = ["MIGRATIONS", "check_version"]
+
+log = logging.getLogger("trainguard.store")
 
 # The columns of the reports table (frozen: schema versions 1 and 2 both create exactly these).
 _REPORT_COLUMNS = """
@@ -236,3 +242,14 @@ MIGRATIONS: tuple[str, ...] = (
     # state gains is a new version (tests/service/test_service_store.py names each version's fields).
     "",
 )
+
+
+def check_version(database: object, version: int, newest: int) -> None:
+    """Before a controller of schema version ``newest`` migrates ``database`` from ``version``:
+    ``StoreError`` when the database is newer; a warning naming both versions when it is older and
+    not new (a warning: the log shows nothing less before the server runs, and a large database
+    takes a while)."""
+    if version > newest:
+        raise StoreError(f"{database} has schema version {version}, newer than this controller ({newest})")
+    if 0 < version < newest:
+        log.warning("migrating %s from schema version %d to %d", database, version, newest)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from trainguard.service.group_commit import GroupCommitStore, StoreError
-from trainguard.service.migrations import MIGRATIONS
+from trainguard.service.migrations import MIGRATIONS, check_version
 
 __all__ = ["Store", "StoreError", "MIGRATIONS", "GroupCommitStore", "open_store", "is_database_url"]
 
@@ -120,10 +120,8 @@ class Store(GroupCommitStore):
     def _migrate(self) -> None:
         with self._lock:
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > len(MIGRATIONS):
-                raise StoreError(f"{self.path} has schema version {version}, newer than this controller ({len(MIGRATIONS)})")
+            check_version(self.path, version, len(MIGRATIONS))
             for target in range(version + 1, len(MIGRATIONS) + 1):
-                log.info("migrating %s to schema version %d", self.path, target)
                 self._conn.execute("BEGIN IMMEDIATE")
                 try:
                     for stmt in MIGRATIONS[target - 1].split(";"):

@@ -45,7 +45,7 @@ import psycopg
 import psycopg_pool
 
 from trainguard.service.group_commit import Batch, GroupCommitStore, StoreError
-from trainguard.service.migrations import MIGRATIONS
+from trainguard.service.migrations import MIGRATIONS, check_version
 from trainguard.service.postgres_sql import Dialect, PgConnection, is_operational, row_factory
 from trainguard.service.store import shown_db
 
@@ -144,10 +144,8 @@ class PostgresStore(GroupCommitStore):
                 if row is None:
                     raw.execute("INSERT INTO trainguard_schema (version) VALUES (0)")
                 version = 0 if row is None else row[0]
-                if version > len(MIGRATIONS):
-                    raise StoreError(f"{self.path} has schema version {version}, newer than this controller ({len(MIGRATIONS)})")
+                check_version(self.path, version, len(MIGRATIONS))
                 for target in range(version + 1, len(MIGRATIONS) + 1):
-                    log.info("migrating %s to schema version %d", self.path, target)
                     for stmt in Dialect.ddl(MIGRATIONS[target - 1]):
                         raw.execute(stmt)
                     raw.execute("UPDATE trainguard_schema SET version = %s", (target,))

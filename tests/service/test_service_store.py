@@ -372,3 +372,13 @@ def test_a_full_disk_fails_a_report_with_its_cause_and_keeps_every_acknowledged_
         assert c.post("/v1/runs/r/reports", json=body).status_code == 200
         stored = c.app.state.controller.store.read_now(lambda conn: conn.execute("SELECT COUNT(*) FROM reports").fetchone()[0])
     assert stored == acknowledged + 1
+
+
+def test_a_migration_is_announced_with_both_versions(tmp_path: Path, caplog: Any) -> None:
+    """The start-up's log shows warnings only until the server runs: a migration (which may take a
+    while on a large database) says so there; a new database is created without a word."""
+    caplog.set_level("WARNING")
+    _v1_database(tmp_path / "old.db")
+    Store(tmp_path / "old.db").close()
+    Store(tmp_path / "new.db").close()
+    assert [r.getMessage() for r in caplog.records] == [f"migrating {tmp_path}/old.db from schema version 1 to {len(MIGRATIONS)}"]
