@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
-from fastapi import HTTPException, APIRouter, Header, Query, Response
+from fastapi import HTTPException, APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
+from trainguard.service.auth import TokenTable
 from trainguard.service.controller import Controller
 from trainguard.protocol.wire import MAX_INT
 from trainguard.service.deps import ControllerDep, ReadDep
@@ -18,6 +19,8 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["alerts and events"])
 _HEARTBEAT_S = 15.0
+#: Longest an open stream goes without checking that its token is still live (not revoked or expired).
+_LIVE_CHECK_S = 0.5
 
 
 def _json(value: Any) -> Response:
@@ -44,31 +47,41 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"id: {event['id']}\nevent: {event['kind']}\ndata: {json.dumps(nan_safe(event), separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator[bytes]:
+async def _stream(ctl: Controller, run: str | None, after: int, alive: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """The audit events after id ``after`` (of ``run``, or all), then each new one as it happens;
+    it ends as soon as ``alive()`` is false (the caller's token revoked or expired): checked before
+    every write and at least every ``_LIVE_CHECK_S``, so nothing is sent after that."""
     queue = ctl.events_hub.subscribe()  # before the replay, so nothing falls between the two
+    loop = asyncio.get_running_loop()
     try:
         yield b"retry: 2000\n\n"
         last = after
-        while True:
+        while alive():
             page = await ctl.records.events(run=run, after=last, limit=1000)
+            if not alive():
+                return
             for ev in page:
                 yield _sse(ev)
                 last = ev["id"]
             if len(page) < 1000:
                 break
-        while True:
+        written = loop.time()
+        while alive():
             try:
-                ev = await asyncio.wait_for(queue.get(), _HEARTBEAT_S)
+                ev = await asyncio.wait_for(queue.get(), _LIVE_CHECK_S)
             except TimeoutError:
                 if not ctl.events_hub.is_subscribed(queue):
                     return  # dropped as too slow: the client reconnects with Last-Event-ID
-                yield b": keep-alive\n\n"
+                if loop.time() - written >= _HEARTBEAT_S:
+                    written = loop.time()
+                    yield b": keep-alive\n\n"
                 continue
-            if ev is None:
-                return  # the controller is shutting down
+            if ev is None or not alive():
+                return  # the controller is shutting down, or the token ended while it waited
             if ev["id"] <= last or (run is not None and ev["run"] != run):
                 continue
             last = ev["id"]
+            written = loop.time()
             yield _sse(ev)
     finally:
         ctl.events_hub.unsubscribe(queue)
@@ -76,8 +89,8 @@ async def _stream(ctl: Controller, run: str | None, after: int) -> AsyncIterator
 
 @router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)")
 async def stream(
-    ctl: ControllerDep, _: ReadDep, run: str | None = None, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    request: Request, ctl: ControllerDep, principal: ReadDep, run: str | None = None,
+    after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> StreamingResponse:
     if last_event_id:
         # Only ASCII digits, at most 19 of them (str.isdigit() admits "²", which int() refuses,
@@ -85,5 +98,6 @@ async def stream(
         if len(last_event_id) > 19 or not last_event_id.isascii() or not last_event_id.isdigit():
             raise HTTPException(400, "Last-Event-ID must be the id of an event (a decimal number of at most 19 digits)")
         after = max(after, min(int(last_event_id), MAX_INT))
-    return StreamingResponse(_stream(ctl, run, after), media_type="text/event-stream",
+    tokens: TokenTable = request.app.state.tokens
+    return StreamingResponse(_stream(ctl, run, after, lambda: tokens.is_live(principal)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -7,7 +7,7 @@ import inspect
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -55,11 +55,14 @@ async def post_report(run: RunPath, request: Request, principal: AgentDep) -> Re
 
 @router.get("/runs/{run}/desired", response_model=DesiredState, summary="Long-poll the desired state (agent)")
 async def desired(
-    run: RunPath, ctl: ControllerDep, principal: PollDep,
+    run: RunPath, request: Request, ctl: ControllerDep, principal: PollDep,
     after: Annotated[int, Query(ge=-1, description="Answer once the generation exceeds this (-1: at once).")] = -1,
     wait: Annotated[float, Query(ge=0, le=3600, description="Longest wait in seconds (capped by the server).")] = 0.0,
 ) -> Response:
-    return Response(await ctl.wait_desired(run, after, wait, principal), media_type=_JSON)
+    answer = await ctl.wait_desired(run, after, wait, principal)
+    if not request.app.state.tokens.is_live(principal):  # revoked or expired while it waited
+        raise HTTPException(401, "the bearer token was revoked or expired", headers={"WWW-Authenticate": "Bearer"})
+    return Response(answer, media_type=_JSON)
 
 
 @router.post("/runs/{run}/acks", response_model=AckResult, summary="Every rank applied a generation (agent)")

@@ -9,6 +9,8 @@ import sqlite3
 
 from fastapi.testclient import TestClient
 
+from tests.service.conftest import wait_until
+
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 
@@ -111,3 +113,61 @@ def test_cli_creates_lists_and_revokes_tokens_against_a_served_controller(tmp_pa
     assert main(["token", "revoke", "1", *common]) == 0
     capsys.readouterr()
     assert httpx.get(srv.url + "/v1/runs/r-1/desired", headers=_h(token)).status_code == 401
+
+
+def _runtime_token(c, scopes: list[str]) -> dict:
+    r = c.post("/v1/tokens", json={"scopes": scopes}, headers=_h(OP))
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_revoking_a_token_ends_its_open_event_stream_before_the_next_event(tmp_path, serve) -> None:
+    import threading
+
+    import httpx
+
+    srv = serve(tmp_path / "tg.db", env={"TRAINGUARD_OPERATOR_TOKENS": OP, "TRAINGUARD_AGENT_TOKENS": ENV_AGENT})
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert _reg(c, ENV_AGENT, "run-1", "job-a") == 200
+        made = _runtime_token(c, ["read"])
+        lines: list[str] = []
+        opened = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("GET", srv.url + "/v1/events/stream?after=1000000", headers=_h(made["token"]), timeout=60) as s:
+                for line in s.iter_lines():
+                    lines.append(line)
+                    opened.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert opened.wait(60) and lines[0] == "retry: 2000"
+        assert c.delete(f"/v1/tokens/{made['id']}", headers=_h(OP)).status_code == 200
+        assert c.post("/v1/runs/run-1/checkpoint", json={"reason": "after the revocation"}, headers=_h(OP)).status_code == 200
+        reader.join(60)  # (a guard: a stream that never ends fails the test instead of hanging it)
+        assert not reader.is_alive(), f"the revoked token's stream is still open: {lines}"
+        assert not any("after the revocation" in line for line in lines)
+        assert c.get("/v1/events/stream", headers=_h(made["token"])).status_code == 401
+
+
+def test_a_long_poll_whose_token_is_revoked_while_it_waits_answers_401(tmp_path, serve) -> None:
+    import threading
+
+    import httpx
+
+    srv = serve(tmp_path / "tg.db", env={"TRAINGUARD_OPERATOR_TOKENS": OP, "TRAINGUARD_AGENT_TOKENS": ENV_AGENT})
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert _reg(c, ENV_AGENT, "run-1", "job-a") == 200
+        made = _runtime_token(c, ["read"])
+        answers: list[httpx.Response] = []
+        poll = threading.Thread(target=lambda: answers.append(httpx.get(
+            srv.url + "/v1/runs/run-1/desired?after=0&wait=60", headers=_h(made["token"]), timeout=90)), daemon=True)
+        poll.start()
+        waiting = "trainguard_controller_longpoll_waiters 1.0"
+        wait_until(lambda: waiting in httpx.get(srv.url + "/metrics").text)
+        assert c.delete(f"/v1/tokens/{made['id']}", headers=_h(OP)).status_code == 200
+        assert c.post("/v1/runs/run-1/pause", json={"reason": "wakes the poll"}, headers=_h(OP)).status_code == 200
+        poll.join(90)
+        assert [a.status_code for a in answers] == [401]
+        assert answers[0].json()["detail"] == "the bearer token was revoked or expired"
+        assert "paused" not in answers[0].text
