@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trainguard.protocol.wire import DesiredState, Report, Severity
 from trainguard.service.rules import Rung
 from trainguard.service.runstate import valid_host
+from trainguard.service.webhook_destinations import refused_host
 
 __all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
 
@@ -121,6 +122,9 @@ class WebhookCreate(BaseModel):
         host = parsed.raw_host.decode("ascii", "replace")  # (an international name as its ASCII form)
         if not valid_host(host):
             raise ValueError(f"url's host {host[:80]!r} is not a host name or an IP address")
+        refused = refused_host(host)
+        if refused is not None:
+            raise ValueError(f"url's host is refused: {refused}; webhooks are never sent there")
         if parsed.port is not None and not 1 <= parsed.port <= 65535:
             raise ValueError(f"url's port {parsed.port} is not a port (1-65535)")
         return url

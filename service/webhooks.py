@@ -30,6 +30,7 @@ import httpx
 from trainguard.service import statements as sql
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
+from trainguard.service.webhook_destinations import refused_destination
 
 __all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url",
            "INCIDENT_SEVERITY", "IncidentUpdate", "incident_update", "incident_wanted", "render_incident"]
@@ -299,7 +300,12 @@ class WebhookDeliverer:
                 "X-Trainguard-Delivery": str(row["id"]),
             }
             t0 = time.perf_counter()
-            status, error = await _post(client, row["url"], body, headers)
+            # (an injected transport decides itself where a request goes)
+            refused = await refused_destination(row["url"]) if self._transport is None else None
+            if refused is not None:
+                status, error = None, f"destination refused (not retried): {refused}"
+            else:
+                status, error = await _post(client, row["url"], body, headers)
             duration = time.perf_counter() - t0
             outcome, error = _outcome(status, error, attempt < self._max_attempts)
             if outcome != "delivered":
@@ -338,13 +344,13 @@ async def _post(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[
 
 def _outcome(status: int | None, error: str | None, retries_left: bool) -> tuple[str, str | None]:
     """An attempt's outcome (``delivered``, ``retry`` or ``failed``) and its error text: a 2xx
-    is delivered; a 4xx other than ``_RETRY_4XX`` and an invalid URL fail at once; anything else
-    is retried while attempts are left."""
+    is delivered; a 4xx other than ``_RETRY_4XX``, an invalid URL and a refused destination
+    (:mod:`service.webhook_destinations`) fail at once; anything else is retried while attempts are left."""
     if status is not None and 200 <= status < 300:
         return "delivered", error
     if status is not None and 400 <= status < 500 and status not in _RETRY_4XX:
         return "failed", f"HTTP {status} (not retried)"
-    if error is not None and error.startswith("invalid URL"):
+    if error is not None and error.startswith(("invalid URL", "destination refused")):
         return "failed", error
     return ("retry" if retries_left else "failed"), error or f"HTTP {status}"
 
