@@ -182,5 +182,11 @@ class TokenTable:
         stored = self._stored.get(digest)
         return stored is not None and (stored.expires_at is None or stored.expires_at > self._clock())
 
+    def drop_expired(self) -> None:
+        """Forget the runtime tokens that expired (they no longer authenticate)."""
+        now = self._clock()
+        for digest in [d for d, p in self._stored.items() if p.expires_at is not None and p.expires_at <= now]:
+            del self._stored[digest]
+
     def remove_stored(self, token_hash: str) -> None:
         self._stored.pop(bytes.fromhex(token_hash), None)

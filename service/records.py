@@ -7,10 +7,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trainguard.service import statements as sql
-from trainguard.service.errors import NotFound
+from trainguard.service.errors import NotFound, TooMany
 from trainguard.service.store import Store
 
-__all__ = ["Records"]
+__all__ = ["Records", "MAX_WEBHOOKS"]
+
+#: Webhooks subscribed at once, at most (each alert and incident change writes one message per
+#: webhook in the transaction that records it, on the reports' path).
+MAX_WEBHOOKS = 100
 
 
 class Records:
@@ -33,10 +37,19 @@ class Records:
         return await self._store.read(lambda c: sql.list_events_before(c, run=run, before=before, limit=limit))
 
     async def add_webhook(self, *, url: str, format: str, secret: str, min_severity: str, send_resolved: bool) -> tuple[int, float]:
-        """Subscribe a webhook; returns (id, created_at)."""
+        """Subscribe a webhook; returns (id, created_at). :class:`TooMany` when ``MAX_WEBHOOKS``
+        are subscribed: every alert writes a message per webhook in its own transaction."""
         now = self._clock()
-        wid = await self._store.submit(lambda c: sql.insert_webhook(
-            c, url=url, format=format, secret=secret, min_severity=min_severity, send_resolved=send_resolved, now=now))
+
+        def op(c: Any) -> int | None:
+            if len(sql.active_webhooks(c)) >= MAX_WEBHOOKS:  # (at most that many rows)
+                return None
+            return sql.insert_webhook(c, url=url, format=format, secret=secret, min_severity=min_severity,
+                                      send_resolved=send_resolved, now=now)
+
+        wid = await self._store.submit(op)
+        if wid is None:
+            raise TooMany(f"{MAX_WEBHOOKS} webhooks are subscribed, the limit: delete one (DELETE /v1/webhooks/{{id}}) first")
         return wid, now
 
     async def webhooks(self) -> list[dict[str, Any]]:

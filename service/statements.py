@@ -363,6 +363,13 @@ def active_tokens(conn: sqlite3.Connection, now: float) -> list[dict[str, Any]]:
     return [_token_row(r) for r in rows]
 
 
+def live_token_counts(conn: sqlite3.Connection, creator: str, now: float) -> tuple[int, int]:
+    """Live (neither revoked nor expired) runtime tokens: in all, and those ``creator`` created."""
+    row = conn.execute("SELECT COUNT(*), COALESCE(SUM(CASE WHEN creator=? THEN 1 ELSE 0 END), 0) FROM tokens "
+                       "WHERE revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)", (creator, now)).fetchone()
+    return int(row[0]), int(row[1])
+
+
 def live_token_creator(conn: sqlite3.Connection, token_id: int) -> str | None:
     """Who created live (not revoked) token ``token_id``, or ``None`` when there is no such token."""
     row = conn.execute("SELECT creator FROM tokens WHERE id=? AND revoked_at IS NULL", (token_id,)).fetchone()

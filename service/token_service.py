@@ -10,10 +10,14 @@ from typing import Any, Callable
 
 from trainguard.service import statements as sql
 from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
-from trainguard.service.errors import Forbidden, NotFound
+from trainguard.service.errors import Forbidden, NotFound, TooMany
 from trainguard.service.store import Store
 
-__all__ = ["RuntimeTokens"]
+__all__ = ["RuntimeTokens", "MAX_LIVE_TOKENS", "MAX_LIVE_TOKENS_PER_CREATOR"]
+
+#: Live (neither revoked nor expired) runtime tokens, at most: in all, and created by one token.
+MAX_LIVE_TOKENS = 10_000
+MAX_LIVE_TOKENS_PER_CREATOR = 1_000
 
 log = logging.getLogger("trainguard.controller")
 
@@ -30,7 +34,8 @@ class RuntimeTokens:
     async def create(self, *, name: str, scopes: frozenset[str], job_pattern: str | None, ttl_s: float | None,
                      creator: Principal) -> dict[str, Any]:
         """A new token (shown once in the answer), stored as its SHA-256 digest and admitted at once;
-        403 when it would grant more than ``creator`` holds (:func:`service.auth.may_grant`)."""
+        403 when it would grant more than ``creator`` holds (:func:`service.auth.may_grant`), 429
+        when ``creator`` has ``MAX_LIVE_TOKENS_PER_CREATOR`` live ones or all hold ``MAX_LIVE_TOKENS``."""
         now = self.clock()
         expires = None if ttl_s is None else now + ttl_s
         refused = may_grant(creator, scopes, expires)
@@ -39,9 +44,21 @@ class RuntimeTokens:
         token = "tg_" + secrets.token_urlsafe(32)
         digest = token_hash(token)
         actor = creator.actor
-        tid = await self.store.submit(lambda c: sql.insert_token(
-            c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern, creator=actor, now=now,
-            expires_at=expires))
+
+        def op(c: sqlite3.Connection) -> int | str:
+            live, own = sql.live_token_counts(c, actor, now)
+            if own >= MAX_LIVE_TOKENS_PER_CREATOR:
+                return (f"this token has created {own} live tokens, the limit: revoke some "
+                        "(DELETE /v1/tokens/{id}) or let them expire")
+            if live >= MAX_LIVE_TOKENS:
+                return f"{live} runtime tokens are live, the limit: revoke some (DELETE /v1/tokens/{{id}}) or let them expire"
+            return sql.insert_token(c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern,
+                                    creator=actor, now=now, expires_at=expires)
+
+        tid = await self.store.submit(op)
+        if isinstance(tid, str):
+            raise TooMany(tid)
+        self.tokens.drop_expired()
         self.tokens.add_stored(digest, scopes, job_pattern=job_pattern, expires_at=expires)
         log.warning("token %d (%r, scopes %s, jobs %r) created by %s", tid, name, "+".join(sorted(scopes)), job_pattern, actor)
         return {"id": tid, "token": token, "name": name, "scopes": sorted(scopes), "job_pattern": job_pattern,

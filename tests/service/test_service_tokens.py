@@ -171,3 +171,30 @@ def test_a_long_poll_whose_token_is_revoked_while_it_waits_answers_401(tmp_path,
         assert [a.status_code for a in answers] == [401]
         assert answers[0].json()["detail"] == "the bearer token was revoked or expired"
         assert "paused" not in answers[0].text
+
+
+def test_live_runtime_tokens_are_bounded_per_creator_and_in_all(tmp_path, monkeypatch) -> None:
+    from trainguard.service import token_service
+
+    now = [1_000.0]
+    other = "other-operator-0001"
+    settings = Settings(db=tmp_path / "tg.db", operator_tokens=(OP, other))
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        made = [c.post("/v1/tokens", json={"scopes": ["read"], "ttl_s": 60 if i < 10 else None}, headers=_h(OP))
+                for i in range(1000)]
+        assert {r.status_code for r in made} == {201}
+        r = c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(OP))
+        assert r.status_code == 429
+        assert r.json()["detail"] == ("this token has created 1000 live tokens, the limit: revoke some "
+                                      "(DELETE /v1/tokens/{id}) or let them expire")
+        assert c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(other)).status_code == 201  # not another's
+        now[0] = 1_060.0  # the first ten expire: their places are free, and they are forgotten
+        assert [c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(OP)).status_code for _ in range(11)] == [201] * 10 + [429]
+        assert c.delete(f"/v1/tokens/{made[500].json()['id']}", headers=_h(OP)).status_code == 200
+        assert c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(OP)).status_code == 201
+        assert len(c.app.state.tokens._stored) == 1001  # (the expired ones are no longer held)
+        monkeypatch.setattr(token_service, "MAX_LIVE_TOKENS", 1001)
+        r = c.post("/v1/tokens", json={"scopes": ["read"]}, headers=_h(other))
+        assert r.status_code == 429
+        assert r.json()["detail"] == ("1001 runtime tokens are live, the limit: revoke some (DELETE /v1/tokens/{id}) "
+                                      "or let them expire")

@@ -278,3 +278,15 @@ def test_rows_committed_while_the_worker_reads_are_sent_at_once_and_counted_once
         store.close()
     assert len(rx.requests) == 1 and rx.requests[0][1] == b"{}"
     assert pending_seen == [1] and pending == 0
+
+
+def test_at_most_100_webhooks_are_subscribed_and_a_deleted_one_frees_its_place(app_factory):
+    with app_factory() as c:
+        made = [c.post("/v1/webhooks", json={"url": f"http://127.0.0.1:9/hook-{i}"}) for i in range(100)]
+        assert {r.status_code for r in made} == {201}
+        r = c.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook-100"})
+        assert r.status_code == 429
+        assert r.json()["detail"] == "100 webhooks are subscribed, the limit: delete one (DELETE /v1/webhooks/{id}) first"
+        assert len(c.get("/v1/webhooks").json()) == 100
+        assert c.delete(f"/v1/webhooks/{made[0].json()['id']}").status_code == 204
+        assert c.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook-100"}).status_code == 201
