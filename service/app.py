@@ -94,6 +94,7 @@ def create_app(
     app.state.tokens = tokens
     app.state.settings = settings
     app.state.simulations = rules.SimulationGate(rules.SIMULATIONS_RUNNING, rules.SIMULATIONS_WAITING)
+    app.state.event_streams = alerts.StreamSlots()
     for module in (runs, alerts, rules, webhooks, token_routes, system):
         app.include_router(module.router)
     ui.install(app)  # the operator console at /ui and the API docs at /docs, every asset served locally

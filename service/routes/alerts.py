@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import HTTPException, APIRouter, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
 
 from trainguard.service.auth import TokenTable
 from trainguard.service.controller import Controller
 from trainguard.protocol.wire import MAX_INT
 from trainguard.service.deps import ControllerDep, ReadDep
+from trainguard.service.errors import TooMany
+from trainguard.service.routes.ui_streams import EventStream
 from trainguard.service.schemas import nan_safe
 
-__all__ = ["router"]
+__all__ = ["router", "StreamSlots", "STREAMS_PER_TOKEN", "STREAMS_TOTAL"]
 
 router = APIRouter(prefix="/v1", tags=["alerts and events"])
 _HEARTBEAT_S = 15.0
 #: Longest an open stream goes without checking that its token is still live (not revoked or expired).
 _LIVE_CHECK_S = 0.5
+#: Event streams open at once: of one token, and in all.
+STREAMS_PER_TOKEN = 16
+STREAMS_TOTAL = 256
 
 
 def _json(value: Any) -> Response:
@@ -87,11 +92,41 @@ async def _stream(ctl: Controller, run: str | None, after: int, alive: Callable[
         ctl.events_hub.unsubscribe(queue)
 
 
-@router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)")
+class StreamSlots:
+    """The open ``GET /v1/events/stream`` responses: at most ``per_token`` of one token and
+    ``total`` in all (each is a subscriber every audit event is handed to)."""
+
+    def __init__(self, per_token: int = STREAMS_PER_TOKEN, total: int = STREAMS_TOTAL) -> None:
+        self.per_token, self.total = per_token, total
+        self._by_token: dict[str, int] = {}
+
+    def take(self, key: str) -> Callable[[], None]:
+        """A slot for token ``key`` (:class:`TooMany` beyond the limits); answers its release (idempotent)."""
+        if self._by_token.get(key, 0) >= self.per_token:
+            raise TooMany(f"this token has {self.per_token} event streams open, its limit: close one first")
+        if sum(self._by_token.values()) >= self.total:
+            raise TooMany(f"the controller serves {self.total} event streams, its limit: try again later")
+        self._by_token[key] = self._by_token.get(key, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._by_token[key] -= 1
+                if not self._by_token[key]:
+                    del self._by_token[key]
+
+        return release
+
+
+@router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)",
+            description=f"At most {STREAMS_PER_TOKEN} streams of one token and {STREAMS_TOTAL} in all are open at once "
+            "(429 beyond). A stream ends once its token is revoked or expires.")
 async def stream(
     request: Request, ctl: ControllerDep, principal: ReadDep, run: str | None = None,
     after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-) -> StreamingResponse:
+) -> EventStream:
     if last_event_id:
         # Only ASCII digits, at most 19 of them (str.isdigit() admits "²", which int() refuses,
         # and int() refuses more than 4,300 digits): anything else is a client error.
@@ -99,5 +134,10 @@ async def stream(
             raise HTTPException(400, "Last-Event-ID must be the id of an event (a decimal number of at most 19 digits)")
         after = max(after, min(int(last_event_id), MAX_INT))
     tokens: TokenTable = request.app.state.tokens
-    return StreamingResponse(_stream(ctl, run, after, lambda: tokens.is_live(principal)), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        release = request.app.state.event_streams.take(principal.token_digest or principal.actor)
+    except TooMany as e:
+        raise HTTPException(429, str(e), headers={"Retry-After": "5"}) from None
+    body = _stream(ctl, run, after, lambda: tokens.is_live(principal))
+    weakref.finalize(body, release)  # a stream the server never started still gives its place back
+    return EventStream(body, release)

@@ -20,7 +20,7 @@ from trainguard.service.errors import TooMany
 from trainguard.service.routes.ui_sessions import COOKIE, Session
 from trainguard.service.schemas import nan_safe
 
-__all__ = ["StreamSnapshots", "open_stream", "runs_rows", "window_rows", "run_detail", "events_after", "EVENTS_KEPT"]
+__all__ = ["StreamSnapshots", "EventStream", "open_stream", "runs_rows", "window_rows", "run_detail", "events_after", "EVENTS_KEPT"]
 
 #: Audit events sent in one write of a stream (the rest follow in the next).
 _EVENTS_PER_WRITE = 64
@@ -240,10 +240,10 @@ def _stream(request: Request, session: Session, run: str | None, seq: int, after
     body = _updates(request.app.state.controller, run, seq, after, snapshots=request.app.state.console_streams, alive=alive,
                     release=release)
     weakref.finalize(body, release)  # a stream the server never started still gives its place back
-    return _EventStream(body, release)
+    return EventStream(body, release)
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An event stream that gives its place back as soon as the response ends, however it ends
     (a client that goes away cancels the response while the body waits at a ``yield``, and the
     body itself is only closed when it is collected)."""

@@ -5,10 +5,12 @@ real ``trainguard serve`` process: every change of an incident reaches a subscri
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.service.conftest import LADDER_STEPS, climb_ladder, wait_until
 
@@ -84,3 +86,68 @@ def test_incident_events_reach_the_stream_live_and_on_a_replay(tmp_path: Path, s
         wait_until(lambda: len(replay.incidents()) == 2 or replay.error)
         replay.stop.set()
         assert replay.error is None and replay.incidents() == got[1:]
+
+
+def _open_stream(address: tuple[str, int], token: str) -> tuple[socket.socket, bytes]:
+    """A raw ``GET /v1/events/stream`` with ``token``: the socket and the start of the answer."""
+    s = socket.create_connection(address)
+    s.settimeout(30)
+    s.sendall(f"GET /v1/events/stream HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+    answer = s.recv(4096)
+    while b"\r\n\r\n" not in answer or (b"content-length" in answer and answer.endswith(b"\r\n\r\n")):
+        answer += s.recv(4096)  # (the head, and a refusal's body, may come in several pieces)
+    return s, answer
+
+
+def test_a_token_holds_at_most_16_event_streams_and_a_closed_one_frees_its_place(tmp_path: Path, serve) -> None:
+    first, second = "reader-token-0001", "reader-token-0002"
+    srv = serve(tmp_path / "tg.db", env={"TRAINGUARD_OPERATOR_TOKENS": f"{first}:read,{second}:read"})
+    address = ("127.0.0.1", srv.port)
+    opened = [_open_stream(address, first) for _ in range(16)]
+    try:
+        assert all(head.startswith(b"HTTP/1.1 200") for _, head in opened)
+        refused, head = _open_stream(address, first)
+        refused.close()
+        assert head.startswith(b"HTTP/1.1 429")
+        assert b'"this token has 16 event streams open, its limit: close one first"' in head
+        other, head = _open_stream(address, second)  # another token's streams are its own
+        other.close()
+        assert head.startswith(b"HTTP/1.1 200")
+        opened.pop()[0].close()
+
+        def reopened() -> bool:
+            s, head = _open_stream(address, first)
+            if head.startswith(b"HTTP/1.1 200"):
+                opened.append((s, head))
+                return True
+            s.close()
+            return False
+
+        wait_until(reopened)
+    finally:
+        for s, _ in opened:
+            s.close()
+
+
+def test_event_streams_are_bounded_in_all_and_released_once() -> None:
+    from trainguard.service.errors import TooMany
+    from trainguard.service.routes.alerts import StreamSlots
+
+    slots = StreamSlots(per_token=2, total=3)
+    a1, a2 = slots.take("a"), slots.take("a")
+    with pytest.raises(TooMany, match="this token has 2 event streams open, its limit: close one first"):
+        slots.take("a")
+    b1 = slots.take("b")
+    with pytest.raises(TooMany, match="the controller serves 3 event streams, its limit: try again later"):
+        slots.take("c")
+    a1()
+    a1()  # a second release gives nothing more back
+    slots.take("c")
+    with pytest.raises(TooMany, match="the controller serves 3 event streams"):
+        slots.take("b")
+    a2()
+    b1()
+    slots.take("d")
+    slots.take("d")  # (c, d, d: three in all again)
+    with pytest.raises(TooMany, match="the controller serves 3 event streams"):
+        slots.take("e")
