@@ -8,7 +8,7 @@ import secrets
 import sqlite3
 from typing import Any, Callable
 
-from trainguard.service import statements as sql
+from trainguard.service import token_statements
 from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
 from trainguard.service.errors import Forbidden, NotFound, TooMany
 from trainguard.service.store import Store
@@ -46,13 +46,13 @@ class RuntimeTokens:
         actor = creator.actor
 
         def op(c: sqlite3.Connection) -> int | str:
-            live, own = sql.live_token_counts(c, actor, now)
+            live, own = token_statements.live_token_counts(c, actor, now)
             if own >= MAX_LIVE_TOKENS_PER_CREATOR:
                 return (f"this token has created {own} live tokens, the limit: revoke some "
                         "(DELETE /v1/tokens/{id}) or let them expire")
             if live >= MAX_LIVE_TOKENS:
                 return f"{live} runtime tokens are live, the limit: revoke some (DELETE /v1/tokens/{{id}}) or let them expire"
-            return sql.insert_token(c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern,
+            return token_statements.insert_token(c, token_hash=digest, name=name, scopes=sorted(scopes), job_pattern=job_pattern,
                                     creator=actor, now=now, expires_at=expires)
 
         tid = await self.store.submit(op)
@@ -72,11 +72,11 @@ class RuntimeTokens:
         actor = principal.actor
 
         def op(c: sqlite3.Connection) -> tuple[str | None, str | None]:
-            creator = sql.live_token_creator(c, token_id)
+            creator = token_statements.live_token_creator(c, token_id)
             if creator is None:
                 return None, None
             refused = may_revoke(principal, creator)
-            return (None, refused) if refused is not None else (sql.revoke_token(c, token_id, actor=actor, now=now), None)
+            return (None, refused) if refused is not None else (token_statements.revoke_token(c, token_id, actor=actor, now=now), None)
 
         digest, refused = await self.store.submit(op)
         if refused is not None:
@@ -89,6 +89,6 @@ class RuntimeTokens:
 
     def load(self) -> None:
         """Admit the stored live tokens (at start-up)."""
-        for row in self.store.read_now(lambda c: sql.active_tokens(c, self.clock())):
+        for row in self.store.read_now(lambda c: token_statements.active_tokens(c, self.clock())):
             self.tokens.add_stored(row["token_hash"], frozenset(row["scopes"]), job_pattern=row["job_pattern"],
                                    expires_at=row["expires_at"])

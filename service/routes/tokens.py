@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainguard.service import statements as sql
+from trainguard.service import token_statements
 from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES, is_administrator
 from trainguard.service.deps import ControllerDep, TokensDep
 from trainguard.protocol.base import not_printable
@@ -88,7 +88,7 @@ async def create(body: TokenCreate, ctl: ControllerDep, principal: TokensDep) ->
 @router.get("/tokens", summary="Tokens created at runtime (never the tokens themselves nor their hashes): scopes, jobs, "
             "creator, expiry, revocation; an administrator sees all, any other caller the ones it created")
 async def list_tokens(ctl: ControllerDep, principal: TokensDep) -> list[dict[str, Any]]:
-    rows = await ctl.store.read(sql.list_tokens)
+    rows = await ctl.store.read(token_statements.list_tokens)
     return rows if is_administrator(principal) else [r for r in rows if r["creator"] == principal.actor]
 
 
