@@ -44,7 +44,7 @@ def _earlier_process(ctl: ControllerProcess, run: str) -> int:
 @pytest.mark.distributed
 def test_a_job_registered_late_takes_no_rollback_or_reset_and_the_checkpoint_nobody_took(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path / "tg.db").start()
-    run, worker = "late-0", str(ROOT / "tests" / "control" / "resume_worker.py")
+    run, worker = "late-0", str(ROOT / "tests" / "control" / "dist_worker.py")
     try:
         wanted = _earlier_process(ctl, run)
         with FaultProxy(ctl.port) as proxy:

@@ -150,7 +150,7 @@ def _set_data_skip(db: Path, run: str, first: int, until: int) -> int:
 def test_a_job_restarted_before_a_data_skip_skips_only_the_bad_batches(tmp_path: Path) -> None:
     """The job checkpoints at step 10 and dies at step 40, after the controller asked every rank to
     skip the batches of steps 25-30; restarted from step 10, it trains on steps 11-24 and 31-40."""
-    ctl, run, worker = ControllerProcess(tmp_path / "tg.db"), "rewound-skip", str(ROOT / "tests/control/resume_worker.py")
+    ctl, run, worker = ControllerProcess(tmp_path / "tg.db"), "rewound-skip", str(ROOT / "tests/control/dist_worker.py")
     try:
         ctl.start()
         first = Ranks(WORLD, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,

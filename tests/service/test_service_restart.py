@@ -162,7 +162,7 @@ def test_a_healthy_job_outlives_a_controller_down_longer_than_the_absence_limit(
 @pytest.mark.distributed
 def test_a_job_restarted_from_an_earlier_checkpoint_opens_no_incident(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path / "tg.db").start()  # the default rules, recovery included
-    run, worker = "resume-0", str(ROOT / "tests" / "control" / "resume_worker.py")
+    run, worker = "resume-0", str(ROOT / "tests" / "control" / "dist_worker.py")
     try:
         first = Ranks(2, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,
                           "crash_step": 150, "max_steps": 400}, tmp_path, worker=worker)
@@ -195,7 +195,7 @@ def test_a_job_restarted_from_an_earlier_checkpoint_opens_no_incident(tmp_path: 
 def _resumed(tmp_path: Path, ctl: ControllerProcess, run: str, phase: str, max_steps: int) -> list[list[int]]:
     """Restart the job of ``run`` from its step-10 checkpoint, to ``max_steps`` or a stop: each
     rank's ``on_checkpoint`` steps."""
-    worker = str(ROOT / "tests" / "control" / "resume_worker.py")
+    worker = str(ROOT / "tests" / "control" / "dist_worker.py")
     ranks = Ranks(2, {"scenario": phase, "phase": "resume", "run": run, "controller": ctl.url, "max_steps": max_steps},
                   tmp_path, worker=worker)
     try:
@@ -208,7 +208,7 @@ def _resumed(tmp_path: Path, ctl: ControllerProcess, run: str, phase: str, max_s
 @pytest.mark.distributed
 def test_a_checkpoint_requested_while_the_job_was_down_is_taken_at_its_restart(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path / "tg.db").start()
-    run, worker = "down-0", str(ROOT / "tests" / "control" / "resume_worker.py")
+    run, worker = "down-0", str(ROOT / "tests" / "control" / "dist_worker.py")
     try:
         first = Ranks(2, {"scenario": "first", "phase": "first", "run": run, "controller": ctl.url, "ckpt_step": 10,
                           "crash_step": -1, "crash_after_ack": True, "max_steps": 100_000}, tmp_path, worker=worker)
