@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from trainguard.protocol import commands as c
 from trainguard.protocol.commands import (
-    BY_NAME, REGISTRY, STATE_FIELDS, STATE_LAYOUT_VERSION, STATE_LEN, CommandRefused, DesiredState, action_names,
+    BY_NAME, REGISTRY, STATE_FIELDS, STATE_INDEX, STATE_LAYOUT_VERSION, STATE_LEN, CommandRefused, DesiredState, action_names,
     apply_command, decode_state, encode_state, state_texts, text_key,
 )
 
@@ -28,6 +28,7 @@ PINNED_LAYOUT = (4, (
 def test_the_agreement_layout_is_pinned_with_its_version() -> None:
     assert (STATE_LAYOUT_VERSION, ("generation", *(f.name for f in STATE_FIELDS))) == PINNED_LAYOUT
     assert STATE_LEN == len(PINNED_LAYOUT[1])
+    assert STATE_INDEX == {name: i for i, name in enumerate(PINNED_LAYOUT[1]) if name != "generation"}
 
 
 def test_the_desired_state_has_exactly_the_commands_fields() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from trainguard.protocol.commands import STATE_FIELDS
+from trainguard.protocol.commands import STATE_INDEX
 from trainguard.protocol.wire import Ack, DesiredState
 from trainer_agent.control.context import Applied
 from trainer_agent.report.exchange import STATE_LEN, encode_state
@@ -18,8 +18,6 @@ __all__ = ["StateAgreement"]
 
 #: The agreement logs under the control plane's name (``trainer_agent/control/plane.py``).
 log = logging.getLogger("trainer_agent.control.plane")
-
-_FIELD_AT = {f.name: i + 1 for i, f in enumerate(STATE_FIELDS)}  # a field's place in the encoded state
 
 
 class StateAgreement:
@@ -117,7 +115,7 @@ class StateAgreement:
         client = self.client
         if client is not None:
             registered, before = client.registration
-            requested = [state[_FIELD_AT[f]] for f in fields]
+            requested = [state[STATE_INDEX[f]] for f in fields]
             if registered is not None:
                 requested = [min(seq, getattr(registered, f)) for seq, f in zip(requested, fields)]
             known = [int(before is not None), *requested, *(getattr(before, f) if before else 0 for f in fields)]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.protocol.commands import REGISTRY, STATE_FIELDS, STATE_LEN, decode_state, encode_state, state_texts
+from trainguard.protocol.commands import REGISTRY, STATE_FIELDS, STATE_INDEX, STATE_LEN, decode_state, encode_state, state_texts
 from trainguard.protocol.wire import DesiredState
 from trainer_agent.compat import torch_private
 
@@ -31,8 +31,7 @@ __all__ = ["StateChannel"]
 
 log = logging.getLogger(__name__)
 
-#: Each desired-state field's index in the encoded state, and the command that owns it.
-_FIELD_AT = {f.name: i + 1 for i, f in enumerate(STATE_FIELDS)}
+#: The command that owns each desired-state field.
 _OWNER = {f.name: c for c in REGISTRY for f in c.fields}
 
 
@@ -97,7 +96,7 @@ class StateChannel:
         texts = {**state_texts(applied), **self.proposed_texts}
         values = list(state)
         for f in STATE_FIELDS:
-            at = _FIELD_AT[f.name]
+            at = STATE_INDEX[f.name]
             if f.kind != "text" or len(values) != STATE_LEN or values[at] == 0 or values[at] in texts:
                 continue
             try:
@@ -105,7 +104,7 @@ class StateChannel:
             except Exception as exc:  # noqa: BLE001 - keep this command as it was; never hang here
                 self._on_error("control_text", exc)
                 for kept in _OWNER[f.name].fields:
-                    values[_FIELD_AT[kept.name]] = kept.encode(getattr(applied, kept.name))
+                    values[STATE_INDEX[kept.name]] = kept.encode(getattr(applied, kept.name))
                 texts.update(state_texts(applied))
         try:
             return decode_state(values, texts)

@@ -93,7 +93,8 @@ __all__ = [
     "LrScaleRequest", "MomentumRequest", "WeightDecayScaleRequest", "RuleAction", "PauseAction", "CheckpointAction",
     "StopAction", "MemoryTraceAction", "VerifyAction", "VerifyFloat32Action", "RollbackAction", "LrScaleAction", "GradClipAction",
     "ResetOptimizerAction", "AccumulationAction", "MomentumAction", "WeightDecayScaleAction", "state_texts", "CommandContext", "CommandRefused", "CommandRequest", "CommandSpec", "DesiredState",
-    "REGISTRY", "BY_NAME", "RULE_ACTIONS", "STATE_FIELDS", "STATE_LAYOUT_VERSION", "STATE_LEN", "StateField",
+    "REGISTRY", "BY_NAME", "RULE_ACTIONS", "STATE_FIELDS", "STATE_INDEX", "STATE_LAYOUT_VERSION", "STATE_LEN",
+    "StateField",
     "action_names", "apply_command", "decode_state", "encode_state", "text_key",
     "LR_SCALE_MIN", "LR_SCALE_MAX", "MAX_ACCUMULATION_STEPS", "LR_RULES", "LrRule", "EXIT_HARDWARE_FAULT",
     "MAX_GRAD_CLIP", "MOMENTUM_SCALE_MAX", "WEIGHT_DECAY_SCALE_MAX", "MAX_RESET_LAYERS",
@@ -354,6 +355,8 @@ DesiredState = create_model(
 
 #: The agreement's layout: ``generation`` then :data:`STATE_FIELDS`, one int64 each.
 STATE_LEN = 1 + len(STATE_FIELDS)
+#: Each field's place in that layout (``generation`` is at 0).
+STATE_INDEX: dict[str, int] = {f.name: i + 1 for i, f in enumerate(STATE_FIELDS)}
 #: Changes whenever the layout does (a field added, removed or moved): ranks of one job run one
 #: agent version, and the pinned test says when this must change.
 STATE_LAYOUT_VERSION = 4
