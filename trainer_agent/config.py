@@ -14,7 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 
-__all__ = ["AgentConfig", "JobMetrics", "PerLayer", "UpdateRatioMode"]
+__all__ = ["AgentConfig", "JobMetrics", "MAX_VOCAB_SIZE", "PerLayer", "UpdateRatioMode"]
 
 PerLayer = Literal["rank0", "all", "off"]
 JobMetrics = Literal["rank0", "all"]
@@ -314,6 +314,9 @@ class AgentConfig:
         return self.skip_nonfinite or self.spike_guard_on
 
 
+#: The largest vocabulary a data monitor takes (``AgentConfig.vocab_size``, ``DataMonitor``): it
+#: keeps about 24 bytes per token id.
+MAX_VOCAB_SIZE = 1 << 22
 #: The settings checked alike in ``AgentConfig.__post_init__``, by kind.
 _POSITIVE_INTS = ("report_every", "sync_every", "max_buffered_reports", "memory_trace_steps", "snapshot_keep")
 _OPTIONAL_POSITIVE_INTS = ("layer_depth", "verify_every", "snapshot_every", "vocab_size")
@@ -321,7 +324,7 @@ _BOOLS = ("grad_noise", "comm_timing", "triage", "fingerprint", "skip_nonfinite"
 #: Upper bounds of the int settings that size what the agent allocates: a report interval's rows
 #: (16 bytes a step), the data monitor's table per token id (about 23 bytes an id), the reports and
 #: steps kept or traced.
-_INT_LIMITS = {"report_every": 1_000_000, "vocab_size": 1 << 22, "max_buffered_reports": 100_000,
+_INT_LIMITS = {"report_every": 1_000_000, "vocab_size": MAX_VOCAB_SIZE, "max_buffered_reports": 100_000,
                "memory_trace_steps": 1_000_000, "snapshot_keep": 64, "sync_every": 1_000_000}
 #: Longest request and close timeout (a day; ``threading`` refuses waits of about 9e9 s and more).
 MAX_TIMEOUT_S = 86_400.0

@@ -64,10 +64,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard.protocol.catalog import BASE_LABELS, DATA_METRICS, spec
+from trainer_agent.config import MAX_VOCAB_SIZE
 from trainer_agent.data.names import (
     DUPLICATE_RATIO, FILTERED_TOTAL, LENGTH_PVALUE, NEAR_DUPLICATE_RATIO, SEQUENCES_TOTAL, SPECIAL_RATIO, TOKEN_KL,
     TOKENS_TOTAL,
 )
+from trainer_agent.data.settings import int_setting, is_int
 from trainer_agent.data.signals import _Batch, _Hasher, _flatten, _text_batch, ks_2samp
 from trainer_agent.data.windows import _LengthReference, _SequenceRing, _TokenWindow, _UnigramReference
 from trainer_agent.measure.sketch import SKETCH_K, BottomK
@@ -117,14 +119,9 @@ class DataMonitorConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not _is_int(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-            if value > _LIMITS.get(name, value):
-                raise ValueError(f"{name} must be <= {_LIMITS[name]} ({_LIMIT_REASONS[name]}), got {value}")
+            int_setting(name, value, most=_LIMITS.get(name), why=_LIMIT_REASONS.get(name, ""))
         self.special_ids = _token_ids(self.special_ids, self.vocab_size)
-        if self.pad_id is not None and not _is_int(self.pad_id):
+        if self.pad_id is not None and not is_int(self.pad_id):
             raise ValueError(f"pad_id must be an integer or None, got {self.pad_id!r}")
         eps = self.kl_epsilon
         if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
@@ -134,14 +131,10 @@ class DataMonitorConfig:
 
 
 #: Upper bounds of the settings that size what a monitor allocates, and why.
-_LIMITS = {"vocab_size": 1 << 22, "window": 1 << 24, "length_reference": 1 << 24, "shingle": 4096}
+_LIMITS = {"vocab_size": MAX_VOCAB_SIZE, "window": 1 << 24, "length_reference": 1 << 24, "shingle": 4096}
 _LIMIT_REASONS = {"vocab_size": "the monitor keeps about 24 bytes per token id",
                   "window": "the monitor keeps about 90 bytes and the tokens of each window sequence",
                   "length_reference": "the reference keeps every length", "shingle": "tokens per shingle"}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
@@ -150,7 +143,7 @@ def _token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
         raise ValueError(f"special_ids must be a collection of token ids, got {ids!r}")
     out = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)  # an array or tensor of ids
     for i in out:
-        if not _is_int(i):
+        if not is_int(i):
             raise ValueError(f"special ids must be integers, got {i!r}")
         if not 0 <= i < vocab_size:
             raise ValueError(f"special id {i} outside the vocabulary [0, {vocab_size})")

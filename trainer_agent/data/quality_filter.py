@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard.protocol.catalog import spec
 from trainer_agent.data.names import FILTERED_TOTAL
+from trainer_agent.data.settings import int_setting
 from trainer_agent.data.signals import _Hasher, _as_numpy, _flatten
 from trainer_agent.data.monitor import _base_labels
 
@@ -56,8 +57,7 @@ class DefaultQualityScore:
 
     def __init__(self, *, special_ids: Iterable[int] = (), window: int = 10_000,
                  duplicate_score: float = 0.9, pad_id: int | None = None) -> None:
-        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        int_setting("window", window)
         if not (isinstance(duplicate_score, numbers.Real) and 0.0 <= duplicate_score <= 1.0):
             raise ValueError(f"duplicate_score must lie in [0, 1], got {duplicate_score!r}")
         self.special_ids = np.array(sorted({int(i) for i in special_ids}), dtype=np.int64)
@@ -156,8 +156,7 @@ class QualityFilter:
         for name, v in (("loss_window", loss_window), ("max_tracked", max_tracked)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        int_setting("seed", seed, least=0)
         self.dataset = dataset
         self.score = score if score is not None else DefaultQualityScore()
         self.current_step = current_step

@@ -7,7 +7,6 @@ sequences)."""
 from __future__ import annotations
 import json
 import mmap
-import numbers
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer_agent.data.settings import is_int
 
 __all__ = ["ShardInfo", "ShardWriter", "TokenShard", "byte_tokenizer", "write_shards"]
 
@@ -36,7 +36,7 @@ class ShardInfo:
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
-    if not isinstance(vocab_size, numbers.Integral) or isinstance(vocab_size, bool) or vocab_size < 1:
+    if not is_int(vocab_size) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     if vocab_size <= 1 << 16:
         return np.dtype("<u2")
