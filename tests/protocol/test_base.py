@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from trainguard.protocol.base import MAX_RANK, MetricName, Rank, Text, Value, printable
+from trainguard.protocol.base import MAX_RANK, MetricName, Prose, Rank, Text, Value, printable
 from trainguard.protocol.wire import DesyncLayer, MemoryOwnerEntry, QuarantinedSamples, Report
 
 _TEXT = TypeAdapter(Text)
@@ -31,6 +31,21 @@ def test_what_is_not_printable_is_refused_on_the_wire_and_escaped_by_the_agent(n
     assert DesyncLayer(kind="grad", layer=printable(name), rel_diff=0.1).layer == shown
     assert MemoryOwnerEntry(owner=printable(name), bytes_per_step=1.0, tensors=1).owner == shown
     assert QuarantinedSamples(shard=printable("/data/" + name), indices=[3, 1, 1]).indices == [1, 3]
+
+
+def test_prose_takes_tabs_and_newlines_and_refuses_the_other_controls_by_code_point() -> None:
+    prose = TypeAdapter(Prose)
+    assert prose.validate_python("line one\n\tline two \u00e9") == "line one\n\tline two \u00e9"
+    with pytest.raises(ValidationError) as raised:
+        prose.validate_python("a\x1b[2Jb\rc\u202ed\x1b")
+    (error,) = raised.value.errors()
+    assert error["type"] == "prose_text"
+    assert error["msg"] == ("must be text without control characters (tab and newline aside); "
+                            "it contains U+000D, U+001B, U+202E")
+    with pytest.raises(ValidationError) as raised:
+        _TEXT.validate_python("a\tb\x00")
+    assert [(e["type"], e["msg"]) for e in raised.value.errors()] == [
+        ("printable_text", "must be printable text; it contains U+0000, U+0009")]
 
 
 def test_metric_names_and_ranks_have_their_bounds() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints
@@ -46,40 +47,42 @@ def _metric_value(value: Any) -> Any:
 Value = Annotated[float, BeforeValidator(_metric_value)]
 
 
+def _codes(chars: Any) -> list[str]:
+    """The distinct ``chars`` as sorted ``U+XXXX``."""
+    return sorted({f"U+{ord(ch):04X}" for ch in chars})
+
+
 def not_printable(text: str) -> list[str]:
     """The characters of ``text`` that are not printable, as sorted ``U+XXXX`` (none: ``[]``)."""
-    return [] if text.isprintable() else sorted({f"U+{ord(ch):04X}" for ch in text if not ch.isprintable()})
+    return [] if text.isprintable() else _codes(ch for ch in text if not ch.isprintable())
 
 
-def _printable_text(text: str) -> str:
-    """A name shown to people (a layer, a shard, a check): printable characters only. A control
-    character, a lone surrogate or a bidirectional override would garble the console, the logs and
-    the messages sent to webhooks."""
-    bad = not_printable(text)
-    if bad:
-        raise PydanticCustomError("printable_text", "must be printable text; it contains {bad}", {"bad": ", ".join(bad[:8])})
-    return text
+def _refusing(kind: str, wanted: str, refused: Callable[[str], list[str]]) -> AfterValidator:
+    """A text validator: the error ``kind``, "must be ``wanted``; it contains U+..." when
+    ``refused`` lists characters of the text (the first 8 named)."""
+
+    def check(text: str) -> str:
+        bad = refused(text)
+        if bad:
+            raise PydanticCustomError(kind, f"must be {wanted}; it contains {{bad}}", {"bad": ", ".join(bad[:8])})
+        return text
+
+    return AfterValidator(check)
 
 
-#: Printable text (bounded by each field's ``max_length``): see :func:`printable` for the agent's side.
-Text = Annotated[str, AfterValidator(_printable_text)]
+#: Printable text (bounded by each field's ``max_length``), for a name shown to people (a layer, a
+#: shard, a check): a control character, a lone surrogate or a bidirectional override would garble
+#: the console, the logs and the messages sent to webhooks. See :func:`printable` for the agent's side.
+Text = Annotated[str, _refusing("printable_text", "printable text", not_printable)]
 
 #: Control characters and the bidirectional overrides that text written by people may not hold
 #: (tab and newline may: a reason of several lines): ESC sequences, CR and NUL act on a terminal
 #: that prints the audit log, an override reverses what follows it.
 _NOT_PROSE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
-
-def _prose(text: str) -> str:
-    bad = sorted({f"U+{ord(ch):04X}" for ch in _NOT_PROSE.findall(text)})
-    if bad:
-        raise PydanticCustomError("prose_text", "must be text without control characters (tab and newline aside); "
-                                  "it contains {bad}", {"bad": ", ".join(bad[:8])})
-    return text
-
-
 #: Text written by people (a command's reason): any characters but controls other than tab and newline.
-Prose = Annotated[str, AfterValidator(_prose)]
+Prose = Annotated[str, _refusing("prose_text", "text without control characters (tab and newline aside)",
+                                 lambda text: _codes(_NOT_PROSE.findall(text)))]
 
 
 def printable(text: str) -> str:
