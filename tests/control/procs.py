@@ -12,9 +12,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from trainguard.protocol.wire import RankValues
 from trainguard.service.statements import decode_ranks
@@ -58,6 +60,15 @@ def operator_only_rules(directory: Path) -> Path:
     path = directory / "rules.yaml"
     path.write_text(yaml.safe_dump(rules))
     return path
+
+
+def module_controller(factory: pytest.TempPathFactory, *, operator_only: bool = False) -> Iterator[ControllerProcess]:
+    """The body of a test module's controller fixture: ``trainguard serve`` with the built-in rules
+    (or :func:`operator_only_rules`) on a database of its own, killed once the module is done."""
+    tmp = factory.mktemp("ctl")
+    ctl = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp) if operator_only else None).start()
+    yield ctl
+    ctl.kill()
 
 
 class ControllerProcess:

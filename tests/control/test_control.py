@@ -19,17 +19,14 @@ from torch import nn
 from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, operator_only_rules, until
+from tests.control.procs import ControllerProcess, module_controller, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("control")
-    proc = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
-    yield proc
-    proc.kill()
+    yield from module_controller(tmp_path_factory, operator_only=True)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

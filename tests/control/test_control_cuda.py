@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, until
+from tests.control.procs import ControllerProcess, module_controller, until
 
 _ONLY = os.environ.get("TRAINGUARD_TEST_DEVICE")
 _NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -79,9 +79,7 @@ def test_skip_nonfinite_bit_identical_with_one_sync_per_step(impl: str, device: 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    proc = ControllerProcess(tmp_path_factory.mktemp("control-devices") / "trainguard.db").start()
-    yield proc
-    proc.kill()
+    yield from module_controller(tmp_path_factory)
 
 
 @pytest.mark.integration

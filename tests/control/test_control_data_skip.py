@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.protocol.wire import DesiredState
-from tests.control.procs import ROOT, ControllerProcess, Ranks
+from tests.control.procs import ROOT, ControllerProcess, Ranks, module_controller
 from tests.control.spawn import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -80,9 +80,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    ctl = ControllerProcess(tmp_path_factory.mktemp("ctl") / "trainguard.db").start()
-    yield ctl
-    ctl.kill()
+    yield from module_controller(tmp_path_factory)
 
 
 def test_a_corrupted_burst_is_skipped_on_every_rank_with_the_lr_untouched(controller, tmp_path, monkeypatch) -> None:

@@ -24,16 +24,14 @@ import httpx
 import pytest
 
 from tests.control.dist_worker import BASE_LR, lr_lambda
-from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, operator_only_rules, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, Ranks, module_controller, operator_only_rules, until
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    ctl = ControllerProcess(tmp_path_factory.mktemp("ctl") / "trainguard.db").start()
-    yield ctl
-    ctl.kill()
+    yield from module_controller(tmp_path_factory)
 
 
 def _check_same_on_every_rank(logs: list[dict]) -> None:

@@ -10,17 +10,14 @@ import pytest
 import torch
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, operator_only_rules, until
+from tests.control.procs import ControllerProcess, module_controller, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("control-pause")
-    proc = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
-    yield proc
-    proc.kill()
+    yield from module_controller(tmp_path_factory, operator_only=True)
 
 
 @pytest.mark.parametrize("ending, expected", [

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import trainer_agent as ta
 from trainguard.protocol.wire import RunFinished
-from tests.control.procs import TRAINGUARD, ControllerProcess, operator_only_rules, until
+from tests.control.procs import TRAINGUARD, ControllerProcess, module_controller, operator_only_rules, until
 from tests.tools.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.integration
@@ -36,10 +36,7 @@ SLOW_S = 3.0  # the proxy's delay per request in the slow mode
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("faults")
-    ctl = ControllerProcess(tmp / "trainguard.db", rules=operator_only_rules(tmp)).start()
-    yield ctl
-    ctl.kill()
+    yield from module_controller(tmp_path_factory, operator_only=True)
 
 
 class Loop:

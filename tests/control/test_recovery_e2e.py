@@ -13,16 +13,14 @@ import torch
 from torch import nn
 
 import trainer_agent as ta
-from tests.control.procs import ControllerProcess, until
+from tests.control.procs import ControllerProcess, module_controller, until
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    ctl = ControllerProcess(tmp_path_factory.mktemp("ctl") / "trainguard.db").start()
-    yield ctl
-    ctl.kill()
+    yield from module_controller(tmp_path_factory)
 
 
 def _step(model, opt, sched, agent, g) -> float:
