@@ -110,6 +110,15 @@ def test_port_is_base_plus_local_rank(monkeypatch) -> None:
         agent.close()
 
 
+def test_a_metrics_port_past_65535_is_a_value_error(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="65535"):
+        ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                  config=ta.AgentConfig(metrics_port=65530))
+
+
 def test_per_layer_off_and_no_server() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,10 +1,10 @@
-"""DataFeed (background feeding, error counting, flush) and dynamic cleaning (schedule, filter)."""
+"""Dynamic cleaning (``trainer_agent/data/quality_filter.py``): the threshold's schedule, the filter
+and its default score, and the per-sample loss feedback (well-learned samples are down-sampled at
+the stated rate, the others are untouched, and bad feedback is refused)."""
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -12,69 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import trainer_agent
-from trainer_agent.data import DataFeed, DataMonitor, DefaultQualityScore, QualityFilter, dynamic_threshold
-
-
-def test_feed_processes_batches_and_counts_errors_without_raising(caplog):
-    monitor = DataMonitor(100, window=50)
-    feed = DataFeed(monitor, max_pending=64)
-    try:
-        with caplog.at_level(logging.WARNING, logger="trainer_agent.data"):
-            assert feed.submit(torch.tensor([[1, 2, 3], [1, 2, 3]]))
-            feed.submit(torch.tensor([[1.0, 2.0]]))       # float ids
-            feed.submit(torch.tensor([5, 100]))            # out of vocabulary
-            feed.submit(torch.zeros(0, dtype=torch.long))  # empty
-            feed.submit(object())                          # not an array at all
-            assert feed.submit(torch.tensor([4, 5, 6]), torch.tensor([1, 1, 0]))
-            assert feed.flush(timeout=10)
-        assert feed.errors == 4
-        assert feed.dropped == 0
-        v = feed.values()
-        assert v["trainguard_data_sequences_total"] == 3.0
-        assert v["trainguard_data_tokens_total"] == 8.0
-        assert v["trainguard_data_duplicate_ratio"] == pytest.approx(1 / 3)
-        # All four are ValueErrors: logged once, counted four times.
-        assert sum("batch skipped" in r.message for r in caplog.records) == 1
-    finally:
-        assert feed.close(timeout=5)
-
-
-def test_feed_copies_cpu_batches_so_later_mutation_is_not_seen():
-    monitor = DataMonitor(100, window=10)
-    feed = DataFeed(monitor)
-    ids = torch.tensor([[1, 2, 3]])
-    feed.submit(ids)
-    ids.fill_(99)  # a loader reusing its buffer
-    feed.submit(ids)
-    assert feed.flush(timeout=10)
-    assert monitor.values()["trainguard_data_duplicate_ratio"] == 0.0
-    assert feed.close(timeout=5)
-
-
-class _BlockingMonitor(DataMonitor):
-    def __init__(self) -> None:
-        super().__init__(100, window=10)
-        self.release = threading.Event()
-
-    def observe_batch(self, input_ids, attention_mask=None) -> None:
-        self.release.wait(10)
-        super().observe_batch(input_ids, attention_mask)
-
-
-def test_feed_drops_when_full_and_flush_times_out_while_busy():
-    monitor = _BlockingMonitor()
-    feed = DataFeed(monitor, max_pending=2)
-    accepted = sum(feed.submit(torch.tensor([i, i + 1])) for i in range(6))
-    # The worker holds at most one batch, the queue two: at least 3 of 6 are dropped, never blocked.
-    assert 2 <= accepted <= 3 and feed.dropped == 6 - accepted
-    assert not feed.flush(timeout=0.05)
-    monitor.release.set()
-    assert feed.flush(timeout=10)
-    assert monitor.values()["trainguard_data_sequences_total"] == accepted
-    assert feed.close(timeout=5)
-    assert not feed.submit(torch.tensor([1, 2]))  # closed: dropped, not raised
-    with pytest.raises(ValueError):
-        DataFeed(monitor, max_pending=0)
+from trainer_agent.data import DefaultQualityScore, QualityFilter, dynamic_threshold, sample_identity
 
 
 @pytest.mark.parametrize("step", [0, 1, 500, 6931.47, 10_000, 50_000, 1e9])
@@ -155,3 +93,76 @@ def test_bad_cleaning_settings_are_value_errors(call, match):
 def test_numpy_integer_settings_are_taken():
     assert DefaultQualityScore(window=np.int64(3))([1, 2]) == 1.0
     assert list(QualityFilter([[1]], score=lambda s: 1.0, seed=np.int64(3))) == [[1]]
+
+
+def _samples(n: int) -> list[dict]:
+    return [{"id": i, "input_ids": torch.tensor([i, i + 1, i + 2])} for i in range(n)]
+
+
+def test_well_learned_samples_are_downsampled_at_the_stated_rate() -> None:
+    samples = _samples(4000)
+    registry = CollectorRegistry()
+    filt = QualityFilter(samples, score=lambda s: 1.0, learned_quantile=0.3, learned_keep=0.25, seed=7,
+                         registry=registry)
+    # losses: every 4th sample is learned (0.01), the rest are not (1.0 .. 2.0); one NaN
+    losses = [0.01 if i % 4 == 0 else 1.0 + (i % 97) / 97 for i in range(4000)]
+    losses[8] = math.nan
+    filt.record_losses(samples, torch.tensor(losses))
+    # independent reference: the 30% quantile of the finite losses
+    finite = np.array([v for v in losses if not math.isnan(v)])
+    cutoff = np.quantile(finite, 0.3)
+    assert filt.learned_cutoff() == pytest.approx(cutoff)
+    kept = list(filt)
+    kept_ids = {s["id"] for s in kept}
+    learned = [i for i in range(4000) if losses[i] < cutoff]  # NaN < x is False
+    assert 1000 < len(learned) < 1300
+    others = [i for i in range(4000) if i not in set(learned)]
+    assert set(others) <= kept_ids  # never learned (sample 8's loss is NaN): always kept
+    kept_learned = sum(i in kept_ids for i in learned)
+    # binomial(n, 0.25): sd < 16; a generous band of 6 sd
+    assert abs(kept_learned - 0.25 * len(learned)) < 96
+    assert filt.downsampled == len(learned) - kept_learned and filt.dropped == 0
+    base = {"job": "", "run": "", "rank": "0"}
+    assert registry.get_sample_value("trainguard_data_filtered_total", {**base, "decision": "downsampled"}) == filt.downsampled
+    # the same seed draws the same samples
+    again = QualityFilter(samples, score=lambda s: 1.0, learned_quantile=0.3, learned_keep=0.25, seed=7)
+    again.record_losses(samples, losses)
+    assert [s["id"] for s in again] == [s["id"] for s in kept]
+
+
+def test_keys_by_content_and_bounded_memory() -> None:
+    a, b = [5, 6, 7], [8, 9, 10]
+    assert sample_identity(torch.tensor(a)) == sample_identity(np.array(a)) == sample_identity({"input_ids": a})
+    assert sample_identity(a) != sample_identity(b)
+    filt = QualityFilter([a, b, a], score=lambda s: 1.0, learned_quantile=0.5, learned_keep=0.0, max_tracked=2)
+    filt.record_losses([a, b], [0.1, 5.0])
+    assert list(filt) == [b]  # a is learned and never kept at learned_keep=0
+    filt.record_losses([[1, 2], [3, 4]], [1.0, 1.0])  # a and b forgotten (max_tracked=2)
+    assert list(filt) == [a, b, a]
+
+
+def test_bad_feedback_is_refused() -> None:
+    filt = QualityFilter(_samples(3), score=lambda s: 1.0)
+    with pytest.raises(ValueError, match="2 samples but 3 losses"):
+        filt.record_losses(_samples(2), [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="numbers"):
+        filt.record_losses(_samples(1), np.array(["x"]))
+    with pytest.raises(ValueError, match="learned_quantile"):
+        QualityFilter([], learned_quantile=1.0)
+    with pytest.raises(ValueError, match="learned_keep"):
+        QualityFilter([], learned_keep=-0.1)
+    with pytest.raises(ValueError, match="integers"):
+        sample_identity([0.5, 1.5])
+    filt.record_losses([0, 1], [0.5, 0.7], keys=True)  # keys given directly
+    assert filt.learned_cutoff() == pytest.approx(np.quantile([0.5, 0.7], 0.2))
+
+
+@pytest.mark.parametrize("column", [np.array([[0.1], [5.0]]), torch.tensor([[0.1], [5.0]])])
+def test_losses_of_shape_b_by_1_are_one_per_sample(column) -> None:
+    # A [B, 1] array or tensor raised TypeError half-way, leaving a list stored as a loss: the
+    # filter's next iteration then raised TypeError in the training loop.
+    a, b = [5, 6, 7], [8, 9, 10]
+    filt = QualityFilter([a, b], score=lambda s: 1.0, learned_quantile=0.5, learned_keep=0.0)
+    filt.record_losses([a, b], column)
+    assert filt.learned_cutoff() == pytest.approx(np.quantile([0.1, 5.0], 0.5))
+    assert list(filt) == [b] and filt.downsampled == 1
