@@ -140,3 +140,10 @@ def test_close_keeps_one_deadline_for_the_hand_off_and_the_wait() -> None:
     # at 3 s. A deadline for each wait (< 2 s + 3 s) would see the worker stop at ~4 s instead.
     assert stopped is False
     assert elapsed < 3.0 + 0.9, elapsed
+
+
+@pytest.mark.parametrize("max_pending", ["4", None, 2.5, True, 0])
+def test_a_queue_bound_that_is_not_a_positive_integer_is_a_value_error(max_pending) -> None:
+    # "4" and None raised TypeError; 2.5 and True (a queue of one) were taken.
+    with pytest.raises(ValueError, match=f"max_pending must be an integer >= 1, got {max_pending!r}"):
+        DataFeed(DataMonitor(100), max_pending=max_pending)

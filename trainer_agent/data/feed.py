@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trainer_agent.data.monitor import DataMonitor
+from trainer_agent.data.settings import int_setting
 
 _LOG = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ class DataFeed:
 
     def __init__(self, monitor: DataMonitor, *, max_pending: int = 16,
                  logger: logging.Logger | None = None) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        max_pending = int_setting("max_pending", max_pending)
         self.monitor = monitor
         self.errors = 0
         self.dropped = 0
