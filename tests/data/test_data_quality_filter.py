@@ -166,3 +166,22 @@ def test_losses_of_shape_b_by_1_are_one_per_sample(column) -> None:
     filt.record_losses([a, b], column)
     assert filt.learned_cutoff() == pytest.approx(np.quantile([0.1, 5.0], 0.5))
     assert list(filt) == [b] and filt.downsampled == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"special_ids": "12"}, "special_ids must be a collection of token ids, got '12'"),  # read as ids 1 and 2
+    ({"special_ids": [1.7]}, "special ids must be integers, got 1.7"),  # read as id 1
+    ({"special_ids": [True]}, "special ids must be integers, got True"),  # read as id 1
+    ({"pad_id": "0"}, "pad_id must be an integer or None, got '0'"),  # no padding at all
+    ({"pad_id": 0.0}, "pad_id must be an integer or None, got 0.0"),
+])
+def test_special_ids_and_a_pad_id_that_are_no_token_ids_are_value_errors(kwargs, message) -> None:
+    with pytest.raises(ValueError) as raised:
+        DefaultQualityScore(**kwargs)
+    assert str(raised.value) == message
+
+
+def test_the_token_ids_of_a_score_may_be_numpy_or_torch_integers() -> None:
+    score = DefaultQualityScore(special_ids=torch.tensor([0, 5]), pad_id=np.int64(9))
+    assert score([0, 6, 7, 9]) == pytest.approx(2 / 3)  # one special token in three, the pad left out
+    assert DefaultQualityScore(special_ids=np.array([3]))([3, 4]) == 0.5

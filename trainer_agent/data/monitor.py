@@ -69,7 +69,7 @@ from trainer_agent.data.names import (
     DUPLICATE_RATIO, FILTERED_TOTAL, LENGTH_PVALUE, NEAR_DUPLICATE_RATIO, SEQUENCES_TOTAL, SPECIAL_RATIO, TOKEN_KL,
     TOKENS_TOTAL,
 )
-from trainer_agent.data.settings import int_setting, is_int
+from trainer_agent.data.settings import check_pad_id, int_setting, token_ids
 from trainer_agent.data.signals import _Batch, _Hasher, _flatten, _text_batch, ks_2samp
 from trainer_agent.data.windows import _LengthReference, _SequenceRing, _TokenWindow, _UnigramReference
 from trainer_agent.measure.sketch import SKETCH_K, BottomK
@@ -120,9 +120,8 @@ class DataMonitorConfig:
             if value is None:
                 continue
             int_setting(name, value, most=_LIMITS.get(name), why=_LIMIT_REASONS.get(name, ""))
-        self.special_ids = _token_ids(self.special_ids, self.vocab_size)
-        if self.pad_id is not None and not is_int(self.pad_id):
-            raise ValueError(f"pad_id must be an integer or None, got {self.pad_id!r}")
+        self.special_ids = token_ids(self.special_ids, self.vocab_size)
+        check_pad_id(self.pad_id)
         eps = self.kl_epsilon
         if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
             raise ValueError(f"kl_epsilon must be finite and > 0, got {eps!r}")
@@ -135,19 +134,6 @@ _LIMITS = {"vocab_size": MAX_VOCAB_SIZE, "window": 1 << 24, "length_reference": 
 _LIMIT_REASONS = {"vocab_size": "the monitor keeps about 24 bytes per token id",
                   "window": "the monitor keeps about 90 bytes and the tokens of each window sequence",
                   "length_reference": "the reference keeps every length", "shingle": "tokens per shingle"}
-
-
-def _token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
-    """``ids`` as a tuple of token ids in ``[0, vocab_size)``; ``ValueError`` for anything else."""
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"special_ids must be a collection of token ids, got {ids!r}")
-    out = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)  # an array or tensor of ids
-    for i in out:
-        if not is_int(i):
-            raise ValueError(f"special ids must be integers, got {i!r}")
-        if not 0 <= i < vocab_size:
-            raise ValueError(f"special id {i} outside the vocabulary [0, {vocab_size})")
-    return tuple(int(i) for i in out)
 
 
 class DataMonitor:

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard.protocol.catalog import spec
 from trainer_agent.data.names import FILTERED_TOTAL
-from trainer_agent.data.settings import int_setting
+from trainer_agent.data.settings import check_pad_id, int_setting, token_ids
 from trainer_agent.data.signals import _Hasher, _as_numpy, _flatten
 from trainer_agent.data.monitor import _base_labels
 
@@ -60,7 +60,8 @@ class DefaultQualityScore:
         int_setting("window", window)
         if not (isinstance(duplicate_score, numbers.Real) and 0.0 <= duplicate_score <= 1.0):
             raise ValueError(f"duplicate_score must lie in [0, 1], got {duplicate_score!r}")
-        self.special_ids = np.array(sorted({int(i) for i in special_ids}), dtype=np.int64)
+        check_pad_id(pad_id)
+        self.special_ids = np.array(sorted(set(token_ids(special_ids))), dtype=np.int64)
         self.duplicate_score = duplicate_score
         self.pad_id = pad_id
         self._hasher = _Hasher(None, 1, 1, 1)
