@@ -185,3 +185,21 @@ def test_the_token_ids_of_a_score_may_be_numpy_or_torch_integers() -> None:
     score = DefaultQualityScore(special_ids=torch.tensor([0, 5]), pad_id=np.int64(9))
     assert score([0, 6, 7, 9]) == pytest.approx(2 / 3)  # one special token in three, the pad left out
     assert DefaultQualityScore(special_ids=np.array([3]))([3, 4]) == 0.5
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: QualityFilter([], learned_quantile="0.2"), "learned_quantile must lie in (0, 1), got '0.2'"),  # a TypeError
+    (lambda: QualityFilter([], learned_keep=None), "learned_keep must lie in [0, 1], got None"),  # a TypeError
+    (lambda: QualityFilter([], learned_keep=True), "learned_keep must lie in [0, 1], got True"),  # read as 1.0
+    (lambda: DefaultQualityScore(duplicate_score=False), "duplicate_score must lie in [0, 1], got False"),  # 0.0
+])
+def test_shares_that_are_no_numbers_are_value_errors(call, message) -> None:
+    with pytest.raises(ValueError) as raised:
+        call()
+    assert str(raised.value) == message
+
+
+def test_numpy_shares_are_taken() -> None:
+    filt = QualityFilter([[1]], score=lambda s: 1.0, learned_quantile=np.float64(0.5), learned_keep=np.float32(0.5))
+    assert list(filt) == [[1]]
+    assert DefaultQualityScore(duplicate_score=np.float64(0.5))([1, 2]) == 1.0

@@ -53,7 +53,6 @@ quarantined sample of ``TokenBatches``) is left out of every signal.
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ from trainer_agent.data.names import (
     DUPLICATE_RATIO, FILTERED_TOTAL, LENGTH_PVALUE, NEAR_DUPLICATE_RATIO, SEQUENCES_TOTAL, SPECIAL_RATIO, TOKEN_KL,
     TOKENS_TOTAL,
 )
-from trainer_agent.data.settings import check_pad_id, int_setting, token_ids
+from trainer_agent.data.settings import check_pad_id, int_setting, is_real, token_ids
 from trainer_agent.data.signals import _Batch, _Hasher, _flatten, _text_batch, ks_2samp
 from trainer_agent.data.windows import _LengthReference, _SequenceRing, _TokenWindow, _UnigramReference
 from trainer_agent.measure.sketch import SKETCH_K, BottomK
@@ -123,7 +122,7 @@ class DataMonitorConfig:
         self.special_ids = token_ids(self.special_ids, self.vocab_size)
         check_pad_id(self.pad_id)
         eps = self.kl_epsilon
-        if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+        if not (is_real(eps) and math.isfinite(eps) and eps > 0):
             raise ValueError(f"kl_epsilon must be finite and > 0, got {eps!r}")
         if self.bands * self.rows > 4096:
             raise ValueError("bands * rows must be <= 4096")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -18,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from trainguard.protocol.catalog import spec
 from trainer_agent.data.names import FILTERED_TOTAL
-from trainer_agent.data.settings import check_pad_id, int_setting, token_ids
+from trainer_agent.data.settings import check_pad_id, int_setting, is_real, token_ids
 from trainer_agent.data.signals import _Hasher, _as_numpy, _flatten
 from trainer_agent.data.monitor import _base_labels
 
@@ -58,7 +57,7 @@ class DefaultQualityScore:
     def __init__(self, *, special_ids: Iterable[int] = (), window: int = 10_000,
                  duplicate_score: float = 0.9, pad_id: int | None = None) -> None:
         int_setting("window", window)
-        if not (isinstance(duplicate_score, numbers.Real) and 0.0 <= duplicate_score <= 1.0):
+        if not (is_real(duplicate_score) and 0.0 <= duplicate_score <= 1.0):
             raise ValueError(f"duplicate_score must lie in [0, 1], got {duplicate_score!r}")
         check_pad_id(pad_id)
         self.special_ids = np.array(sorted(set(token_ids(special_ids))), dtype=np.int64)
@@ -150,10 +149,10 @@ class QualityFilter:
                  key: Callable[[Any], Hashable] = sample_identity,
                  learned_quantile: float = 0.2, learned_keep: float = 0.25,
                  loss_window: int = 10_000, max_tracked: int = 1_000_000, seed: int = 0) -> None:
-        if not 0.0 < learned_quantile < 1.0:
-            raise ValueError(f"learned_quantile must lie in (0, 1), got {learned_quantile}")
-        if not 0.0 <= learned_keep <= 1.0:
-            raise ValueError(f"learned_keep must lie in [0, 1], got {learned_keep}")
+        if not (is_real(learned_quantile) and 0.0 < learned_quantile < 1.0):
+            raise ValueError(f"learned_quantile must lie in (0, 1), got {learned_quantile!r}")
+        if not (is_real(learned_keep) and 0.0 <= learned_keep <= 1.0):
+            raise ValueError(f"learned_keep must lie in [0, 1], got {learned_keep!r}")
         for name, v in (("loss_window", loss_window), ("max_tracked", max_tracked)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -1,5 +1,5 @@
-"""The data pipeline's integer settings: what one is (an integer, a numpy one too, never a bool:
-``True`` is no size), the ``ValueError`` that names a bad one, and the token ids a setting names
+"""The data pipeline's number settings: what an integer or a real one is (a numpy one too, never a
+bool: ``True`` is no size), the ``ValueError`` that names a bad one, and the token ids a setting names
 (special ids, the padding id)."""
 
 from __future__ import annotations
@@ -8,12 +8,17 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_pad_id", "int_setting", "is_int", "token_ids"]
+__all__ = ["check_pad_id", "int_setting", "is_int", "is_real", "token_ids"]
 
 
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer (a numpy one too) and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (a numpy one too) and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def int_setting(name: str, value: Any, *, least: int = 1, most: int | None = None, why: str = "") -> int:
