@@ -245,6 +245,15 @@ def _acked(job: Job, cfg: dict) -> bool:
     return bool(flag.item())
 
 
+def _delivered(job: Job, reports: int, timeout_s: float = 120.0) -> None:
+    """Wait on the leader until its first ``reports`` reports were delivered: a job that dies at the
+    next step died after them whatever the machine's load (its sender thread may lag the steps)."""
+    client = job.agent.control.client
+    deadline = time.monotonic() + timeout_s
+    while client is not None and client.counts.reports_sent < reports and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def checkpointed_job(cfg: dict, rank: int, world: int, out: Path) -> None:
     """One process of the job of ``cfg["run"]`` in its ``phase`` (the module's docstring)."""
     first, saved = cfg["phase"] == "first", out / "checkpoint.pt"
@@ -257,6 +266,8 @@ def checkpointed_job(cfg: dict, rank: int, world: int, out: Path) -> None:
         job.agent.load_state_dict(state["agent"][rank])
         job.step = state["step"]
     while job.training():
+        if first and job.step + 1 == cfg.get("crash_step"):
+            _delivered(job, job.step)
         job.train_step()
         if first and job.step == cfg["ckpt_step"]:
             _save(job, saved, world)
