@@ -58,15 +58,24 @@ def watched(rule: Any) -> str:
     return ", ".join(parts) or "the run's reports"
 
 
+def _threshold_condition(rule: Any) -> str:
+    """:func:`condition` of a threshold rule."""
+    text = f"{rule.op} {_num(rule.value)}"
+    text += f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else ""
+    if rule.crossing_window:
+        text += f", crossing it (within it in one of the {rule.crossing_window} reports before)"
+    if rule.settle_steps:
+        text += (f" ({rule.op} {_num(rule.settle_value)} over" if rule.settle_value is not None else " (not judged over")
+        text += (f" the first {rule.settle_steps} optimizer steps of the run, of a new optimizer or of parameters"
+                 " that start to train)")
+    return text
+
+
 def condition(rule: Any) -> str:
     """When the rule fires, in words, with the numbers of the rules file."""
     kind = rule.kind
     if kind == "threshold":
-        text = f"{rule.op} {_num(rule.value)}"
-        text += f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else ""
-        if rule.crossing_window:
-            text += f", crossing it (within it in one of the {rule.crossing_window} reports before)"
-        return text
+        return _threshold_condition(rule)
     if kind == "nonfinite":
         return "NaN or ±Inf"
     if kind == "spike":

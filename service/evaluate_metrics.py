@@ -28,21 +28,27 @@ def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
     latest = w.latest(rule.metric)
     if latest is None:
         return None
-    if rule.for_reports == 1 and not _OPS[rule.op](latest, rule.value):
+    cmp = _OPS[rule.op]
+    if rule.for_reports == 1 and not rule.settle_steps and not cmp(latest, rule.value):
         return False  # the common case, without building the series
     vals = w.series(rule.metric, rule.for_reports)
     if len(vals) < rule.for_reports:
         return False
-    cmp = _OPS[rule.op]
-    if not all(cmp(v, rule.value) for v in vals.tolist()):
+    limit = rule.value
+    if rule.settle_steps and _settling(rule, w):
+        if rule.settle_value is None:
+            return False
+        limit = rule.settle_value
+    if not all(cmp(v, limit) for v in vals.tolist()):
         return False
     if rule.crossing_window and not _crossed(rule, w):
         return False
     last = float(vals[-1])
     return Finding(
         rule, True,
-        f"{rule.metric} = {last:.6g} {rule.op} {rule.value:g}" + (f" for {rule.for_reports} reports" if rule.for_reports > 1 else ""),
-        {"metric": rule.metric, "value": json_number(last), "threshold": rule.value, "op": rule.op, "values": [json_number(v) for v in vals.tolist()]},
+        f"{rule.metric} = {last:.6g} {rule.op} {limit:g}" + (f" for {rule.for_reports} reports" if rule.for_reports > 1 else "")
+        + (f" (the limit over the first {rule.settle_steps} steps of a fresh optimizer state)" if limit != rule.value else ""),
+        {"metric": rule.metric, "value": json_number(last), "threshold": limit, "op": rule.op, "values": [json_number(v) for v in vals.tolist()]},
     )
 
 
@@ -52,6 +58,29 @@ def _crossed(rule: ThresholdRule, w: RuleWindow) -> bool:
     before = w.series(rule.metric, rule.crossing_window + rule.for_reports)[:-rule.for_reports]
     cmp = _OPS[rule.op]
     return any(math.isfinite(v) and not cmp(v, rule.value) for v in before.tolist())
+
+
+#: The markers of a change after which the optimizer's state starts afresh: another optimizer, or
+#: parameters that start to train (``ThresholdRule.settle_steps``).
+_FRESH_STATE_MARKERS = ("trainguard_optimizer_class", "trainguard_trainable_elements")
+
+
+def _settling(rule: ThresholdRule, w: RuleWindow) -> bool:
+    """Whether the oldest of the newest ``for_reports`` reports ended within ``rule.settle_steps``
+    optimizer steps of the run's first step or of the last report before its optimizer or its
+    trained parameters changed (a marker of :data:`_FRESH_STATE_MARKERS` whose reports line up
+    with the steps'). False for reports without ``trainguard_step``."""
+    steps = w.series("trainguard_step", w.size)
+    if len(steps) < rule.for_reports:
+        return False
+    start = 0.0
+    for name in _FRESH_STATE_MARKERS:
+        values = w.series(name, len(steps))
+        if len(values) == len(steps):
+            other = np.flatnonzero(values != values[-1])
+            if len(other):
+                start = max(start, float(steps[other[-1]]))
+    return float(steps[-rule.for_reports]) - start <= rule.settle_steps
 
 
 #: 1 / Phi^-1(3/4): turns a median absolute deviation into a normal standard deviation.

@@ -3,6 +3,7 @@ controller's recovery logic (``engine.simulate``), for the tests of healthy runs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from trainguard.protocol.wire import Report
@@ -25,3 +26,20 @@ def acting(steps: list[Any]) -> list[str]:
     health = set(RULES.file.recovery.health_rules)
     return [f"{s.step_last} {f.finding.rule.name}: {f.finding.summary}" for s in steps for f in s.fired
             if f.finding.rule.name in health or any(a.type != "notify" for a in f.finding.rule.actions)]
+
+
+def train(agent: Any, opt: Any, loss_of: Callable[[int], Any], steps: int, sched: Any = None) -> list[dict[str, float]]:
+    """``steps`` optimizer steps on ``loss_of(k)`` with ``agent`` attached (``report_every`` 1),
+    ``sched`` stepped after each; the agent's report after every step. Closes the agent."""
+    rows = []
+    for k in range(steps):
+        loss = loss_of(k)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        rows.append(agent.latest())
+    agent.close(1.0)
+    return rows

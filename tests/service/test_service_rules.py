@@ -587,3 +587,22 @@ def test_findings_without_an_alert_are_shared_per_rule_set_and_their_memory_is_b
         assert verdicts == [(reloaded[0], False), (reloaded[1], True), (reloaded[2], None)]
         sizes.append(len(ev._PLANS))
     assert max(sizes) <= 16 and min(sizes[-50:]) < 16  # emptied when full, never grown past the bound
+
+
+def test_the_update_ratio_limit_is_the_first_steps_one_after_the_run_starts_and_after_a_new_optimizer():
+    ur = "trainguard_update_ratio"
+    # (step, update ratio, optimizer class): 0.02 is above 0.01 but below the first 50 steps' 0.04.
+    def reports(rows):
+        return [make_report(s, float(i), {ur: v, "trainguard_step": float(s), "trainguard_optimizer_class": c})
+                for i, (s, v, c) in enumerate(rows)]
+    start = [(s, 0.02, 1.0) for s in range(1, 51)]
+    assert all(fired(x) == [] for x in run(DEFAULTS, reports(start)))
+    later = reports(start + [(s, 0.02, 1.0) for s in range(51, 54)])
+    assert [fired(x) for x in run(DEFAULTS, later)[50:]] == [[], [], ["update_ratio_high"]]  # reports 51-53 judged
+    new_optimizer = [(s, 0.002, 1.0) for s in range(1, 101)] + [(s, 0.02, 2.0) for s in range(101, 160)]
+    steps = run(DEFAULTS, reports(new_optimizer))
+    assert [x.step_last for x in steps if fired(x)] == [153]  # 50 steps after the last report of the old one
+    assert steps[152].fired[0].finding.values["threshold"] == 0.01
+    first = run(DEFAULTS, reports([(1, 0.05, 1.0), (2, 0.05, 1.0), (3, 0.05, 1.0)]))[-1]
+    assert fired(first) == ["update_ratio_high"] and first.fired[0].finding.values["threshold"] == 0.04
+

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainer_agent as ta
-from tests.service.report_replay import acting, replay
+from tests.service.report_replay import acting, replay, train
 
 STEPS = 240
 SKIPPED = 'trainguard_skipped_steps_total{reason="spike"}'
@@ -137,3 +137,47 @@ def test_a_second_task_every_fifth_step_draws_no_action_and_keeps_learning(seed:
     b_losses = [v for task, v, _ in trace if task == "b"]
     assert b_losses[-1] < 0.5 * b_losses[0]  # trained, not skipped
     _quiet(rows)
+
+
+def _fired(rows: list[dict[str, float]], rule: str) -> list[int]:
+    """The steps of the reports on which ``rule`` fired, replayed through the default rules."""
+    return [s.step_last for s in replay(rows, "workload") for f in s.fired if f.finding.rule.name == rule]
+
+
+def _gpt_rows(opt_name: str, lr: float, warmup: int, steps: int) -> tuple[list[dict[str, float]], list[float]]:
+    """A byte-level TinyGPT trained on the standard library's source, batches of 8: the agent's
+    report after every step and, per step, ||W_after - W_before|| / ||W_before|| measured here."""
+    from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+    corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=64, batch_size=8, seed=0)
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=64, n_layers=2, n_heads=4)
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
+           else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    agent = ta.attach(model, opt, job="workload", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    weights: list[torch.Tensor] = []
+
+    def loss_of(k: int) -> torch.Tensor:  # also keeps the weights each step starts from
+        weights.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+        return next_byte_loss(model, *corpus.batch(k, 0))
+
+    rows = train(agent, opt, loss_of, steps + 1, sched)[:-1]
+    return rows, [float((b - a).norm() / a.norm()) for a, b in zip(weights, weights[1:])]
+
+
+@pytest.mark.parametrize("opt_name, warmup", [("adam", 0), ("adamw", 0), ("adamw", 20)])
+def test_adams_first_steps_at_a_sane_lr_draw_no_update_ratio_alert(opt_name: str, warmup: int) -> None:
+    rows, ratios = _gpt_rows(opt_name, 1e-3, warmup, 90)
+    if not warmup:  # bias correction: the first updates are about the LR in every element, above 1 %
+        assert min(ratios[:3]) > 0.01 and max(ratios[40:]) < 0.01
+    assert _fired(rows, "update_ratio_high") == []
+
+
+@pytest.mark.parametrize("lr", [1e-2, 1e-1])
+def test_an_lr_10_to_100_times_too_high_draws_the_update_ratio_alert_on_adams_first_steps(lr: float) -> None:
+    rows, ratios = _gpt_rows("adamw", lr, 0, 20)
+    first = _fired(rows, "update_ratio_high")
+    assert first and first[0] == 3  # the first three reports, above the first steps' limit (0.04)
+    assert min(ratios[:3]) > 0.04
+
