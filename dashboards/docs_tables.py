@@ -91,7 +91,10 @@ def condition(rule: Any) -> str:
         return text + (f", unless it is a level visited and left {rule.recurring} times there" if rule.recurring else "")
     if kind == "trend":
         if rule.direction == "not_decreasing":
-            return f"not decreasing over {rule.window} reports"
+            text = f"not decreasing over {rule.window} reports"
+            if rule.min_run_fraction:
+                text += f" covering ≥ {_num(100 * rule.min_run_fraction)} % of the run's steps (its latter part)"
+            return text
         return f"rising in every report, by ≥ {_num(100 * rule.min_rel_change)} % over {rule.window} reports"
     if kind == "rate":
         return f"grows by > {_num(rule.value)} per `{rule.per}` over {rule.window} reports"

@@ -287,6 +287,15 @@ def nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Verdict:
     return Finding(rule, True, "non-finite " + ", ".join(bad), {"nonfinite": bad})
 
 
+def _short_of_run(rule: TrendRule, w: RuleWindow) -> bool:
+    """Whether the newest ``rule.window`` reports cover less than ``rule.min_run_fraction`` of the
+    run's optimizer steps (``trainguard_step``; False when a report of them lacks it)."""
+    steps = w.series("trainguard_step", rule.window)
+    if len(steps) < rule.window:
+        return False
+    return float(steps[0]) > (1.0 - rule.min_run_fraction) * float(steps[-1])
+
+
 def trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
     if w.latest(rule.metric) is None:
         return None
@@ -295,6 +304,8 @@ def trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
         return None
     n = len(vals)
     if rule.direction == "not_decreasing":
+        if rule.min_run_fraction and _short_of_run(rule, w):
+            return False
         tc, tt = rate_and_oscillation.centred_steps(n)
         mean = mean_of(vals)
         slope = float(np.dot(tc, vals - mean) / tt)

@@ -142,6 +142,12 @@ class TrendRule(_RuleBase):
     direction: Literal["not_decreasing", "increasing"]
     window: int = Field(default=64, ge=3, le=65536)
     min_rel_change: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    min_run_fraction: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False, description=(
+        "not_decreasing only: judge the window only while it covers at least this fraction of the run's optimizer "
+        "steps so far (the trainguard_step of its oldest report at most 1 - min_run_fraction times the newest's; "
+        "reports without trainguard_step are always judged). A loss that stopped falling over the latter part of "
+        "the run is stuck; late in a long run the window is a short stretch of it, over which a loss converging "
+        "to its plateau falls by less than the noise of one batch's loss. 0: always."))
 
 
 class CrossRankRule(_RuleBase):

@@ -606,3 +606,12 @@ def test_the_update_ratio_limit_is_the_first_steps_one_after_the_run_starts_and_
     first = run(DEFAULTS, reports([(1, 0.05, 1.0), (2, 0.05, 1.0), (3, 0.05, 1.0)]))[-1]
     assert fired(first) == ["update_ratio_high"] and first.fired[0].finding.values["threshold"] == 0.04
 
+
+def test_a_flat_loss_draws_the_plateau_alert_only_while_the_window_covers_half_the_run():
+    flat = [2.0 + 0.001 * (i % 3) for i in range(100)]  # least-squares line rising: not decreasing
+    at = lambda first: [make_report(first + i, float(i), {LOSS: v, "trainguard_step": float(first + i)})  # noqa: E731
+                        for i, v in enumerate(flat)]
+    assert fired(run(DEFAULTS, at(1))[-1]) == ["loss_not_decreasing"]  # steps 1-100: the whole run
+    assert fired(run(DEFAULTS, at(99))[-1]) == ["loss_not_decreasing"]  # 99-198: its latter half
+    assert fired(run(DEFAULTS, at(100))[-1]) == []  # 100-199: less than half
+    assert fired(run(DEFAULTS, series(LOSS, flat))[-1]) == ["loss_not_decreasing"]  # no steps: judged

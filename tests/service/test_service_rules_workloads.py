@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,3 +182,39 @@ def test_an_lr_10_to_100_times_too_high_draws_the_update_ratio_alert_on_adams_fi
     assert first and first[0] == 3  # the first three reports, above the first steps' limit (0.04)
     assert min(ratios[:3]) > 0.04
 
+
+def _mlp_rows(bs: int, lr: float, labels: str, steps: int) -> list[dict[str, float]]:
+    """A 32-128-128-10 MLP trained with AdamW on a linear teacher's classes (``labels`` "teacher")
+    or on random classes (nothing to learn): the agent's report after every step."""
+    g = torch.Generator().manual_seed(1234)
+    teacher = torch.randn(32, 10, generator=g)
+    torch.manual_seed(0)
+    model = _mlp(32, 128, 128, 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    agent = ta.attach(model, opt, job="workload", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+
+    def loss_of(k: int) -> torch.Tensor:
+        x = torch.randn(bs, 32, generator=g)
+        y = (x @ teacher).argmax(1) if labels == "teacher" else torch.randint(0, 10, (bs,), generator=g)
+        return F.cross_entropy(model(x), y)
+
+    return train(agent, opt, loss_of, steps)
+
+
+@pytest.mark.parametrize("bs", [4, 32])
+def test_a_learning_run_noisy_or_converged_draws_no_plateau_alert(bs: int) -> None:
+    rows = _mlp_rows(bs, 1e-3, "teacher", 600)
+    losses = [r["trainguard_loss"] for r in rows]
+    assert statistics.fmean(losses[-50:]) < 0.5 * statistics.fmean(losses[:10])  # it learned
+    late = np.arange(100)
+    assert np.polyfit(late, losses[-100:], 1)[0] > -5e-4  # and is flat by its end: a plateau
+    assert _fired(rows, "loss_not_decreasing") == []
+
+
+@pytest.mark.parametrize("labels, lr", [("random", 1e-3), ("teacher", 1e-7)])
+def test_a_run_that_never_learns_draws_the_plateau_alert(labels: str, lr: float) -> None:
+    rows = _mlp_rows(32, lr, labels, 200)
+    losses = [r["trainguard_loss"] for r in rows]
+    assert abs(statistics.fmean(losses[-50:]) - statistics.fmean(losses[:50])) < 0.05 * statistics.fmean(losses[:50])
+    first = _fired(rows, "loss_not_decreasing")
+    assert first and first[0] < 200  # within the run's first 200 steps (at its 100th report or soon after)
