@@ -12,7 +12,7 @@ import logging
 import math
 from typing import Callable
 
-from trainguard.service import statements as sql
+from trainguard.service import deletion_statements as deletion
 from trainguard.service.config import Settings
 from trainguard.service.engine import decide
 from trainguard.service.evaluate import evaluate
@@ -20,16 +20,19 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.operator_commands import KEYS_KEPT_S
 from trainguard.service.outcomes import OutcomeRecorder
 from trainguard.service.rules_store import RulesStore
+from trainguard.service.run_removal import RunRemoval
 from trainguard.service.runstate import RunState, live
 from trainguard.service.store import Store
 from trainguard.service.transaction import Transaction
 
-__all__ = ["AbsenceTicker", "PRUNE_BATCHES", "PRUNE_REPORTS"]
+__all__ = ["AbsenceTicker", "PRUNE_BATCHES", "PRUNE_REPORTS", "EXPIRE_RUNS"]
 
 #: Reports deleted per transaction (15-70 ms of the writer at ~4 KB a report) and transactions per
 #: tick when pruning (50,000 reports a second at the default tick, more than the controller takes in).
 PRUNE_REPORTS = 1000
 PRUNE_BATCHES = 50
+#: Runs that ended long ago removed per tick (one transaction each; the rest at the next ticks).
+EXPIRE_RUNS = 100
 
 log = logging.getLogger("trainguard.controller")
 
@@ -38,7 +41,7 @@ class AbsenceTicker:
     """Evaluates the absence rules of the runs in ``runs`` (shared with the controller)."""
 
     def __init__(self, settings: Settings, metrics: ControllerMetrics, clock: Callable[[], float], store: Store,
-                 runs: dict[str, RunState], rules: RulesStore, outcomes: OutcomeRecorder) -> None:
+                 runs: dict[str, RunState], rules: RulesStore, outcomes: OutcomeRecorder, removal: RunRemoval) -> None:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
@@ -46,7 +49,9 @@ class AbsenceTicker:
         self.runs = runs
         self.rules = rules
         self.outcomes = outcomes
+        self.removal = removal
         self._last_prune = 0.0
+        self._expiring = False  # runs that ended long ago are being removed (EXPIRE_RUNS a tick)
         self._prune_before: float | None = None  # the cutoff of a prune not finished yet
         self.watching_since = -math.inf
         """When the ticker started (:meth:`run`): no run is silent for longer than this."""
@@ -76,21 +81,28 @@ class AbsenceTicker:
         await self._prune(now)
 
     async def _prune(self, now: float) -> None:
-        """Once an hour, delete the reports older than the retention, at most :data:`PRUNE_BATCHES`
-        transactions of :data:`PRUNE_REPORTS` reports a tick; what is left, at the next ticks.
-        The reports of an hour at 1,500 a second, deleted in one transaction on the event loop,
-        held every request for over a minute (longer than a liveness probe waits)."""
-        if self._prune_before is None:
-            if now - self._last_prune <= 3600:
-                return
+        """Once an hour, delete the reports older than the retention and remove the runs that
+        ended longer ago than it (``service/run_removal.py``), at most :data:`EXPIRE_RUNS` runs and
+        :data:`PRUNE_BATCHES` transactions of :data:`PRUNE_REPORTS` reports a tick (deleted runs'
+        reports included); what is left, at the next ticks. The reports of an hour at 1,500 a
+        second, deleted in one transaction on the event loop, held every request for over a minute
+        (longer than a liveness probe waits)."""
+        if self._prune_before is None and now - self._last_prune > 3600:
             self._last_prune = now
             self._prune_before = now - self.settings.report_retention_s
-            await self.store.submit(lambda c: sql.prune_keys(c, now - KEYS_KEPT_S))
+            self._expiring = True
+            await self.store.submit(lambda c: deletion.prune_keys(c, now - KEYS_KEPT_S))
+        if self._expiring:
+            self._expiring = await self.removal.expire(now, self.watching_since, EXPIRE_RUNS) == EXPIRE_RUNS
+        batches = PRUNE_BATCHES
         before = self._prune_before
-        for _ in range(PRUNE_BATCHES):
-            if await self.store.submit(lambda c: sql.prune_reports(c, before, PRUNE_REPORTS)) < PRUNE_REPORTS:
-                self._prune_before = None
-                return
+        while before is not None and batches > 0:
+            batches -= 1
+            if await self.store.submit(lambda c: deletion.prune_reports(c, before, PRUNE_REPORTS)) < PRUNE_REPORTS:
+                self._prune_before = before = None
+        while self.removal.reports_left and batches > 0:
+            batches -= 1
+            self.removal.reports_left = await self.store.submit(lambda c: deletion.purge_deleted_reports(c, PRUNE_REPORTS))
 
     def _silence_from(self, st: RunState) -> float:
         """The earliest moment ``st``'s silence may count from: when it became live, or when the

@@ -27,6 +27,7 @@ import sqlite3
 import time
 from typing import Any, Callable
 
+from trainguard.service import deletion_statements as deletion
 from trainguard.service import statements as sql
 from trainguard.service.absence_ticker import AbsenceTicker
 from trainguard.service.agent_calls import AgentCalls
@@ -47,6 +48,7 @@ from trainguard.service.registration import Registration
 from trainguard.service.rules import RuleSet
 from trainguard.service.rules_store import RulesStore
 from trainguard.service.run_owners import RunOwners
+from trainguard.service.run_removal import RunRemoval
 from trainguard.service.runstate import RunState
 from trainguard.service.startup import load_run
 from trainguard.service.store import Store
@@ -86,7 +88,8 @@ class Controller:
         self.agent_calls = AgentCalls(settings, clock, self.get, self.access, commit)
         self.commands = OperatorCommands(settings, store, clock, self.runs, self.get, commit, self.outcomes)
         self.token_service = RuntimeTokens(store, clock)
-        self.ticker = AbsenceTicker(settings, metrics, clock, store, self.runs, self.rules_store, self.outcomes)
+        self.ticker = AbsenceTicker(settings, metrics, clock, store, self.runs, self.rules_store, self.outcomes,
+                                    RunRemoval(settings, clock, self.runs, self.access, self.rules_store, commit))
         self.startup: Any = None
         """The app's :class:`~service.startup.StartupLoader` (``ready`` once the runs are read back)."""
 
@@ -134,7 +137,9 @@ class Controller:
             self.runs[st.run] = st
             if progress is not None:
                 progress(i, len(rows))
-        continue_ids_after(max((i.id for st in self.runs.values() for i in st.recovery.incidents), default=0))
+        # new incidents are numbered after every incident read back, and every deleted run's
+        continue_ids_after(max([i.id for st in self.runs.values() for i in st.recovery.incidents]
+                               + [self.store.read_now(deletion.last_deleted_incident)]))
         by_id = {st.id: st for st in self.runs.values()}
         for alert in self.store.read_now(sql.firing_alerts):
             st = self.runs.get(alert["run"])
@@ -183,12 +188,21 @@ class Controller:
             raise NotFound(f"run {run!r} is not registered")
         return st
 
+    async def check_recorded(self, run: str) -> None:
+        """404 unless ``run`` is registered or was deleted (a deleted run's audit trail is kept)."""
+        if run not in self.runs and not await self.store.read(lambda c: deletion.was_deleted(c, run)):
+            raise NotFound(f"run {run!r} is not registered")
+
     def check_agent(self, principal: Principal, run: str, *, registering: bool = False, job: str | None = None) -> None:
         """403 unless ``principal`` may act as the agent of ``run``: :meth:`RunOwners.check_agent`."""
         self.access.check_agent(principal, run, registering=registering, job=job)
 
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:
         return await self.registration.register(reg, principal)
+
+    async def delete_run(self, run: str, *, actor: str, force: bool, reason: str) -> dict[str, Any]:
+        """``DELETE /v1/runs/{run}``: :meth:`RunRemoval.delete` (the ticker's, which removes the runs that ended long ago)."""
+        return await self.ticker.removal.delete(run, actor=actor, force=force, reason=reason)
 
     # == reports ======================================================================================
     async def ingest_json(self, run: str, body: bytes, principal: Principal) -> bytes:

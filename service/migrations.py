@@ -241,6 +241,24 @@ MIGRATIONS: tuple[str, ...] = (
     # steps 25-30 would become one from the restored step to 30). So a field the stored desired
     # state gains is a new version (tests/service/test_service_store.py names each version's fields).
     "",
+    # 14: deleted runs (``service/run_removal.py``): a run deleted by an operator or expired is
+    # removed from ``runs`` and named here, so that its audit events and alerts, which are kept,
+    # still name their run; ``reports_left`` while its reports are being deleted, in batches;
+    # ``last_incident``, its highest incident id (incident ids go on after it at a restart). A new
+    # run's id is above every id here (SQLite would reuse a deleted highest id).
+    """
+    CREATE TABLE deleted_runs (
+        run_id INTEGER NOT NULL PRIMARY KEY,
+        run TEXT NOT NULL,
+        job TEXT NOT NULL,
+        registered_at REAL NOT NULL,
+        deleted_at REAL NOT NULL,
+        last_incident INTEGER NOT NULL DEFAULT 0,
+        reports_left INTEGER NOT NULL DEFAULT 1
+    );
+    CREATE INDEX deleted_runs_run ON deleted_runs(run);
+    CREATE INDEX deleted_runs_reports_left ON deleted_runs(reports_left, run_id);
+    """,
 )
 
 

@@ -60,6 +60,8 @@ STANDARD_ERRORS: dict[str, str] = {
 
 #: Statuses only some operations answer: (method, path) -> {status: description}.
 SPECIFIC_ERRORS: dict[tuple[str, str], dict[str, str]] = {
+    ("delete", "/v1/runs/{run}"): {"409": "The run is live (paused, or reporting within its job's silence limit): give "
+                                          "force=true to delete it anyway."},
     ("post", "/v1/runs"): {"409": "The run is registered for another job.",
                            "429": "The controller's or this token's limit of runs (TRAINGUARD_MAX_RUNS, "
                                   "TRAINGUARD_MAX_RUNS_PER_TOKEN) is reached."},

@@ -8,6 +8,7 @@ import logging
 import sqlite3
 from typing import Any, Callable
 
+from trainguard.service import deletion_statements as deletion
 from trainguard.service import statements as sql
 from trainguard.service.auth import Principal
 from trainguard.service.committer import Commit
@@ -86,7 +87,7 @@ class Registration:
         applied = None if first else max(st.applied.generation, st.applied.reported)
 
         def op(c: sqlite3.Connection) -> Written:
-            run_id = sql.insert_run(c, run=reg.run, job=reg.job, **fields) if first else st.id
+            run_id = sql.insert_run(c, run=reg.run, job=reg.job, run_id=deletion.next_run_id(c), **fields) if first else st.id
             stored = None
             if not first:
                 sql.update_run_registration(c, run_id, **fields)

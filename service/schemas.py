@@ -13,7 +13,7 @@ from trainguard.service.rules import Rung
 from trainguard.service.runstate import valid_host
 from trainguard.service.webhook_destinations import refused_host
 
-__all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "nan_safe", "validation_summary"]
+__all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "RunDeleted", "nan_safe", "validation_summary"]
 
 
 class Evidence(BaseModel):
@@ -97,6 +97,13 @@ class FinishResult(BaseModel):
     finished_step: int
     finish_reason: str
     changed: bool = Field(description="False for a repeat: the first finish is kept.")
+
+
+class RunDeleted(BaseModel):
+    run: str
+    job: str
+    status: str = Field(description="The run's status when it was deleted.")
+    deleted: bool = Field(description="True: the run is gone; its name may be registered again, as a new run.")
 
 
 class WebhookCreate(BaseModel):

@@ -30,10 +30,12 @@ def dumps_values(values: dict[str, float]) -> str:
 
 
 def insert_run(conn: sqlite3.Connection, *, run: str, job: str, world_size: int, ranks: list[dict[str, Any]],
-               agent_version: str, config: dict[str, Any], now: float) -> int:
+               agent_version: str, config: dict[str, Any], now: float, run_id: int | None = None) -> int:
+    """A new run's row; its id ``run_id`` (``deletion_statements.next_run_id``), else the database's next."""
     cur = conn.execute(
-        "INSERT INTO runs (run, job, world_size, ranks, agent_version, config, registered_at) VALUES (?,?,?,?,?,?,?)",
-        (run, job, world_size, dumps_json(ranks), agent_version, dumps_json(config), now),
+        "INSERT INTO runs (id, run, job, world_size, ranks, agent_version, config, registered_at) VALUES"
+        " (COALESCE(?, (SELECT COALESCE(MAX(id), 0) + 1 FROM runs)),?,?,?,?,?,?,?)",
+        (run_id, run, job, world_size, dumps_json(ranks), agent_version, dumps_json(config), now),
     )
     return int(cur.lastrowid)
 
@@ -142,10 +144,18 @@ def resolve_alerts(conn: sqlite3.Connection, run_id: int, rule: str, now: float)
     return ids
 
 
+#: The run (name, job) of an alert or audit event: a deleted run's too (its alerts and events are kept).
+_RUN_OF = " LEFT JOIN runs r ON r.id = {t}.run_id LEFT JOIN deleted_runs d ON d.run_id = {t}.run_id"
+
+
+def _named(conn: sqlite3.Connection, t: str, run: str) -> tuple[str, list[int]]:
+    """The condition on ``t.run_id`` selecting the rows of each run named ``run`` (deleted ones too), and its ids."""
+    ids = [r[0] for r in conn.execute("SELECT id FROM runs WHERE run=? UNION ALL SELECT run_id FROM deleted_runs WHERE run=?", (run, run))]
+    return f"{t}.run_id IN ({','.join('?' * len(ids)) or 'NULL'})", ids
 _ALERT_SELECT = (
-    "SELECT a.id, r.run, r.job, a.rule, a.severity, a.state, a.summary, a.vals, a.diagnosis, a.actions, a.generation,"
-    " a.notify, a.starts_at, a.ends_at, a.fingerprint FROM alerts a JOIN runs r ON r.id = a.run_id"
-)
+    "SELECT a.id, COALESCE(r.run, d.run) AS run, COALESCE(r.job, d.job) AS job, a.rule, a.severity, a.state, a.summary,"
+    " a.vals, a.diagnosis, a.actions, a.generation, a.notify, a.starts_at, a.ends_at, a.fingerprint FROM alerts a"
+) + _RUN_OF.format(t="a")
 
 
 def alert_dict(row: sqlite3.Row) -> dict[str, Any]:
@@ -167,8 +177,9 @@ def list_alerts(conn: sqlite3.Connection, *, state: str | None, run: str | None,
         where.append("a.state=?")
         args.append(state)
     if run:
-        where.append("r.run=?")
-        args.append(run)
+        cond, ids = _named(conn, "a", run)
+        where.append(cond)
+        args += ids
     if before:
         where.append("a.id<?")
         args.append(before)
@@ -190,14 +201,16 @@ def event_dict(row: sqlite3.Row) -> dict[str, Any]:
     return d
 
 
-_EVENT_SELECT = "SELECT e.id, r.run, r.job, e.time, e.kind, e.actor, e.reason, e.generation, e.data FROM events e JOIN runs r ON r.id = e.run_id"
+_EVENT_SELECT = ("SELECT e.id, COALESCE(r.run, d.run) AS run, COALESCE(r.job, d.job) AS job, e.time, e.kind, e.actor,"
+                 " e.reason, e.generation, e.data FROM events e" + _RUN_OF.format(t="e"))
 
 
 def list_events(conn: sqlite3.Connection, *, run: str | None, after: int, limit: int) -> list[dict[str, Any]]:
     if run is None:
         rows = conn.execute(_EVENT_SELECT + " WHERE e.id>? ORDER BY e.id LIMIT ?", (after, limit))
     else:
-        rows = conn.execute(_EVENT_SELECT + " WHERE r.run=? AND e.id>? ORDER BY e.id LIMIT ?", (run, after, limit))
+        cond, ids = _named(conn, "e", run)
+        rows = conn.execute(_EVENT_SELECT + f" WHERE {cond} AND e.id>? ORDER BY e.id LIMIT ?", (*ids, after, limit))
     return [event_dict(r) for r in rows]
 
 
@@ -205,8 +218,9 @@ def list_events_before(conn: sqlite3.Connection, *, run: str | None, before: int
     """Audit events with ids below ``before`` (from the newest when ``None``), newest first."""
     where, args = [], []
     if run is not None:
-        where.append("r.run=?")
-        args.append(run)
+        cond, ids = _named(conn, "e", run)
+        where.append(cond)
+        args += ids
     if before is not None:
         where.append("e.id<?")
         args.append(before)
@@ -344,14 +358,3 @@ def own_run(conn: sqlite3.Connection, run: str, token_hash: str, now: float) -> 
 
 def run_owners(conn: sqlite3.Connection) -> dict[str, str]:
     return {r[0]: r[1] for r in conn.execute("SELECT run, token_hash FROM run_owners")}
-
-
-def prune_reports(conn: sqlite3.Connection, before: float, limit: int) -> int:
-    """Delete the oldest ``limit`` reports received before ``before``; the number deleted."""
-    return conn.execute("DELETE FROM reports WHERE (run_id, seq) IN (SELECT run_id, seq FROM reports WHERE received<? "
-                        "ORDER BY received LIMIT ?)", (before, limit)).rowcount
-
-
-def prune_keys(conn: sqlite3.Connection, before: float) -> None:
-    conn.execute("DELETE FROM idempotency WHERE created_at<?", (before,))
-    conn.execute("DELETE FROM alertmanager_seen WHERE received_at<?", (before,))

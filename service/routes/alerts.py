@@ -44,7 +44,7 @@ async def alerts(
 async def run_events(
     run: str, ctl: ControllerDep, _: ReadDep, after: Annotated[int, Query(ge=0, le=MAX_INT)] = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
-    ctl.get(run)
+    await ctl.check_recorded(run)  # (a deleted run's audit log too)
     return _json(await ctl.records.events(run=run, after=after, limit=limit))
 
 

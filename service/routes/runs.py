@@ -13,8 +13,9 @@ from pydantic import ValidationError
 
 from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
-from trainguard.service.deps import AgentDep, ControllerDep, PollDep, ReadDep, scope_dep
-from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, nan_safe
+from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep, scope_dep
+from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, RunDeleted, nan_safe
+from trainguard.protocol.base import Prose
 from trainguard.protocol.commands import REGISTRY, CommandRequest, CommandSpec
 from trainguard.protocol.wire import (
     Ack, DesiredState, MemoryReport, PreflightResult, QuarantineReport, ReportAccepted, RunFinished, RunRegistered, RunRegistration,
@@ -110,6 +111,23 @@ async def get_incidents(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Respons
 @router.get("/runs/{run}", summary="A run's status, last values, desired/applied generation, firing alerts")
 async def get_run(run: RunPath, ctl: ControllerDep, _: ReadDep) -> Response:
     return Response(json.dumps(nan_safe(ctl.get(run).detail())), media_type=_JSON)
+
+
+@router.delete(
+    "/runs/{run}", response_model=RunDeleted, summary="Delete a run (operator): out of the controller and its limits",
+    description="The run leaves the controller's memory, its limits (TRAINGUARD_MAX_RUNS, the per-token limit) and "
+    "the run list; its reports are deleted in the background and its firing alerts resolve; its audit events (a "
+    "'deleted' event among them) and alerts are kept. The name may be registered again, as a new run. A run still "
+    "live (paused, or reporting within its job's silence limit, and neither finished nor stopped) is refused with 409 "
+    "unless force=true (an agent still running registers it again). Finished and long-silent runs are also removed "
+    "automatically once older than the report retention (docs/controller.md).",
+)
+async def delete_run(
+    run: RunPath, ctl: ControllerDep, principal: CommandDep,
+    force: Annotated[bool, Query(description="Delete a live run too.")] = False,
+    reason: Annotated[Prose, Query(max_length=2000, description="Why (recorded in the audit log).")] = "",
+) -> RunDeleted:
+    return RunDeleted(**await ctl.delete_run(run, actor=principal.actor, force=force, reason=reason))
 
 
 def _optional(request: type[CommandRequest]) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from trainguard.service import absence_ticker
-from trainguard.service import statements as sql
+from trainguard.service import deletion_statements as deletion
 from trainguard.service.app import create_app
 from trainguard.service.config import Settings
 from tests.service.conftest import register
@@ -20,13 +20,13 @@ def test_old_reports_are_pruned_in_transactions_of_a_bounded_size(store_db: Any,
     monkeypatch.setattr(absence_ticker, "PRUNE_REPORTS", 3)
     monkeypatch.setattr(absence_ticker, "PRUNE_BATCHES", 2)
     deleted: list[int] = []  # what each prune transaction deleted
-    prune = sql.prune_reports
+    prune = deletion.prune_reports
 
     def prune_reports(conn: Any, before: float, limit: int) -> int:
         deleted.append(prune(conn, before, limit))
         return deleted[-1]
 
-    monkeypatch.setattr(sql, "prune_reports", prune_reports)
+    monkeypatch.setattr(deletion, "prune_reports", prune_reports)
     now = [T0]
     with TestClient(create_app(Settings(db=store_db, tick_s=60, report_retention_s=1000), clock=lambda: now[0])) as c:
         register(c, world_size=1)

@@ -29,6 +29,7 @@ _V12_DESIRED = frozenset({
     "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until", "grad_clip_norm",
     "reset_optimizer_seq", "reset_optimizer_layers", "momentum_scale", "weight_decay_scale", "verify_float32_seq", "reason"})
 DESIRED_FIELDS = {12: _V12_DESIRED, 13: _V12_DESIRED | {"data_skip_from"}}
+DESIRED_FIELDS[14] = DESIRED_FIELDS[13]  # (14: deleted runs)
 
 
 def _v1_rows(conn: Any) -> None:
@@ -115,7 +116,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 13
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 14
     _assert_migrated_columns(conn.execute)
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
@@ -133,7 +134,7 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
     _v1_postgres_database(postgres_url)
     store = PostgresStore(postgres_url)  # migrates
     try:
-        assert store.schema_version == len(MIGRATIONS) == 13
+        assert store.schema_version == len(MIGRATIONS) == 14
         store.read_now(lambda c: _assert_migrated_columns(c.execute))
     finally:
         store.close()
@@ -164,13 +165,13 @@ def test_a_controller_one_version_older_refuses_a_database_with_a_desired_field_
         assert c.post("/v1/runs/r/pause", json={"reason": "stored"}).status_code == 200
         store = c.app.state.controller.store
         stored = json.loads(store.read_now(lambda conn: conn.execute("SELECT desired FROM runs").fetchone()[0]))
-    added = DESIRED_FIELDS[len(MIGRATIONS)] - DESIRED_FIELDS[len(MIGRATIONS) - 1]
+    added = DESIRED_FIELDS[13] - DESIRED_FIELDS[12]
     assert added == {"data_skip_from"} and added <= set(stored)
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:-1])
+    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS[:12])
     if not isinstance(store_db, Path):
         import trainguard.service.store_postgres as pg_module
-        monkeypatch.setattr(pg_module, "MIGRATIONS", MIGRATIONS[:-1])
-    with pytest.raises(StoreError, match=f"schema version {len(MIGRATIONS)}, newer than this controller \\({len(MIGRATIONS) - 1}\\)"):
+        monkeypatch.setattr(pg_module, "MIGRATIONS", MIGRATIONS[:12])
+    with pytest.raises(StoreError, match=f"schema version {len(MIGRATIONS)}, newer than this controller \\(12\\)"):
         open_store(store_db)
 
 
