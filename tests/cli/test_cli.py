@@ -245,6 +245,25 @@ def test_a_refused_command_exits_1_with_the_controllers_reason(served) -> None:
         assert _desired(c, "run-ref")["generation"] == 0
 
 
+def test_delete_removes_a_run_from_the_listing_and_refuses_a_live_one_without_force(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        for run in ("run-done", "run-live"):
+            assert c.post("/v1/runs", json={"job": "job-cli", "run": run, "world_size": 1, "ranks": []}).status_code == 200
+        assert c.post("/v1/runs/run-done/finish", json={"step": 9, "reason": "end"}).status_code == 200
+        out = _cli(s.url, "delete", "run-done", "--reason", "debugging run")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"run": "run-done", "job": "job-cli", "status": "finished", "deleted": True}
+        listed = _cli(s.url, "runs")
+        assert [line.split()[0] for line in listed.stdout.splitlines()] == ["RUN", "run-live"]
+        deleted = c.get("/v1/runs/run-done/events").json()[-1]
+        assert (deleted["kind"], deleted["reason"]) == ("deleted", "debugging run")
+        out = _cli(s.url, "delete", "run-live")
+        assert out.returncode == 1 and out.stderr.startswith("error: HTTP 409: ") and "run 'run-live' is live: " in out.stderr
+        assert _cli(s.url, "delete", "run-live", "--force").returncode == 0
+        assert c.get("/v1/runs").json() == []
+
+
 class _TiltRequest(CommandRequest):
     level: Int = Field(ge=1, le=5, description="How far.")
     mode: Literal["a", "b"] = "a"

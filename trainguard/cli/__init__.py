@@ -3,6 +3,7 @@
     trainguard serve --host 127.0.0.1 --port 8000 --db trainguard.db --rules rules.yaml
     trainguard runs
     trainguard status RUN
+    trainguard delete RUN [--force] --reason "debugging run"
     trainguard pause RUN --reason "loss spike, investigating"
     trainguard resume RUN | checkpoint RUN | stop RUN | rollback RUN
     trainguard lr-scale RUN 0.5 | lr-scale RUN --factor 0.5
@@ -48,7 +49,7 @@ from pydantic import ValidationError
 from trainguard.cli import reads
 from trainguard.cli.client import DEFAULT_URL, run_name
 from trainguard.cli.reads import format_incidents, format_verdict
-from trainguard.cli.run_commands import add_command
+from trainguard.cli.run_commands import add_command, add_delete
 from trainguard.cli.tokens import add_token, parse_ttl
 from trainguard.protocol.commands import REGISTRY
 
@@ -256,6 +257,7 @@ def _add_run_commands(sub: Any, client: argparse.ArgumentParser) -> None:
     for spec in REGISTRY:
         if spec.operator:
             add_command(sub, client, spec)
+    add_delete(sub, client)
     s = sub.add_parser("incidents", parents=[client], help="a run's incidents and the escalation rungs taken")
     s.add_argument("run", type=run_name)
     s.set_defaults(func=reads.incidents)

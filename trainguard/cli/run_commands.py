@@ -15,7 +15,7 @@ from trainguard.cli.client import checked, connect, run_name, show
 from trainguard.protocol.command_inputs import command_inputs, validation_message
 from trainguard.protocol.commands import BY_NAME, CommandSpec
 
-__all__ = ["add_command", "send_command"]
+__all__ = ["add_command", "send_command", "add_delete", "delete_run"]
 
 
 def add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) -> None:
@@ -70,4 +70,25 @@ def send_command(args: argparse.Namespace) -> int:
     with connect(args) as c:
         show(checked(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
                              headers={"Idempotency-Key": key})))
+    return 0
+
+
+def add_delete(sub: Any, client: argparse.ArgumentParser) -> None:
+    """``trainguard delete RUN [--force] [--reason TEXT]``: ``DELETE /v1/runs/{run}``."""
+    s = sub.add_parser("delete", parents=[client], help="delete a run: out of the run list and the controller's limits",
+                       description="Delete a run: it leaves the run list and the controller's limits, its reports are "
+                       "deleted, its audit log is kept (trainguard events RUN), and its name may be registered again. "
+                       "A live run (paused, or reporting, and neither finished nor stopped) needs --force.")
+    s.add_argument("run", type=run_name)
+    s.add_argument("--force", action="store_true", help="delete a live run too (an agent still running registers it again)")
+    s.add_argument("--reason", default="", help="why (recorded in the audit log)")
+    s.set_defaults(func=delete_run)
+
+
+def delete_run(args: argparse.Namespace) -> int:
+    params = {"force": "true"} if args.force else {}
+    if args.reason:
+        params["reason"] = args.reason
+    with connect(args) as c:
+        show(checked(c.delete(f"/v1/runs/{args.run}", params=params)))
     return 0
