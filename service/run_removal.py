@@ -140,8 +140,7 @@ class RunRemoval:
             return out
 
         await self.commit(tx, op)
-        self.reports_left = True
-        st.publication.changed.set()  # long-polls of the run answer now; their next one is 404
+        self.reports_left = True  # (a long-poll of the run answers at its end as before; the next one is 404)
         log.info("run %s deleted by %s: %s", st.run, actor, reason)
 
     def _forget(self, tx: Transaction, st: RunState) -> None:

@@ -256,3 +256,38 @@ def test_incident_ids_of_a_deleted_run_are_not_given_again_after_a_restart(tmp_p
         climb_ladder(c, "new")
         new_ids = [i["id"] for i in c.get("/v1/runs/new/incidents").json()["incidents"]]
     assert new_ids == [old_ids[0] + 1]
+
+
+def test_a_long_poll_waiting_on_a_deleted_run_keeps_waiting_without_spinning(app_factory: Any) -> None:
+    """A long-poll of the run waits for its end as before (the next one is 404); waking it without
+    a new desired state made its loop find the event set at each turn until its deadline."""
+    import asyncio
+
+    from trainguard.service.auth import ANONYMOUS
+
+    waits: list[int] = []
+
+    class CountingEvent(asyncio.Event):
+        async def wait(self) -> bool:  # type: ignore[override]
+            waits.append(1)
+            return await super().wait()
+
+    async def poll_across_a_deletion(ctl: Any) -> int:
+        st = ctl.runs["a"]
+        st.publication.changed = CountingEvent()
+        poll = asyncio.create_task(ctl.wait_desired("a", 0, 3600, ANONYMOUS))
+        await asyncio.sleep(0)
+        await ctl.delete_run("a", actor="test", force=False, reason="")
+        for _ in range(50):
+            await asyncio.sleep(0)
+        turns = len(waits)
+        ctl.agent_calls.closing = True  # end the poll
+        st.publication.changed.set()
+        await poll
+        return turns
+
+    with app_factory() as c:
+        register(c, run="a", world_size=1)
+        _finish(c, "a")
+        assert c.portal.call(poll_across_a_deletion, c.app.state.controller) == 1
+        assert c.get("/v1/runs/a/desired", params={"after": 0}).status_code == 404
