@@ -85,7 +85,8 @@ def test_error_on_one_rank_keeps_the_report_gather(tmp_path) -> None:
 LOCAL_LOSSES = ([1.0, 2.0, 3.0, 4.0], [3.0, 5.0, math.nan, 8.5])
 
 
-def _loss_worker(rank: int, init: str, out: str) -> None:
+def _reporting_rank(rank: int, init: str, run: str, report_every: int):  # type: ignore[no-untyped-def]
+    """This rank's process group joined, and an agent attached that reports to the fake controller."""
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
@@ -94,8 +95,13 @@ def _loss_worker(rank: int, init: str, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    agent = ta.attach(model, opt, job="ddp", run="ddp-loss",
-                      config=ta.AgentConfig(metrics_port=None, report_every=1, controller=os.environ["TG_FAKE_CONTROLLER"]))
+    agent = ta.attach(model, opt, job="ddp", run=run, config=ta.AgentConfig(
+        metrics_port=None, report_every=report_every, controller=os.environ["TG_FAKE_CONTROLLER"]))
+    return agent, model, opt
+
+
+def _loss_worker(rank: int, init: str, out: str) -> None:
+    agent, model, opt = _reporting_rank(rank, init, "ddp-loss", 1)
     latest = []
     for loss in LOCAL_LOSSES[rank]:
         model(torch.randn(8, 4)).square().mean().backward()
@@ -126,3 +132,44 @@ def test_the_job_loss_is_the_mean_of_the_ranks_losses_and_a_nan_on_one_rank_show
     # each rank's own metric stays its own loss (what its /metrics serves, labelled with its rank)
     for r in range(WORLD):
         assert [x if x == x else "nan" for x in out[r]["latest"]] == [x if x == x else "nan" for x in LOCAL_LOSSES[r]]
+
+
+#: Per step, each rank's loss for end_step (None: an optimizer step without a loss or a gradient).
+SPARSE_LOSSES = ([1.0, 2.0, None, None, 5.0, None, None, None], [3.0, 4.0, None, None, math.nan, None, None, None])
+
+
+def _sparse_loss_worker(rank: int, init: str, out: str) -> None:
+    agent, model, opt = _reporting_rank(rank, init, "ddp-sparse-loss", 2)
+    rank_values = []
+    for loss in SPARSE_LOSSES[rank]:
+        if loss is not None:
+            model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss)
+        rank_values.append({k: agent.rank_values.get(k) for k in ("loss", "grad_norm")})
+    agent.close(timeout=10.0)
+    torch.save({"rank_values": rank_values}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_report_without_a_loss_or_a_gradient_sends_no_nan_for_them(tmp_path, monkeypatch) -> None:
+    """Steps without a loss and without a gradient on every rank: the report's loss and gradient
+    norm vectors are empty (absent), not a NaN per rank that the controller's rules read as a
+    non-finite loss; a real NaN on one rank still shows, in one report."""
+    from tests.control.fake_controller import FakeController
+
+    with FakeController() as fake:
+        monkeypatch.setenv("TG_FAKE_CONTROLLER", fake.url)
+        out = spawn_ranks(_sparse_loss_worker, WORLD, tmp_path)
+        reports = sorted(fake.reports, key=lambda r: r.step_last)
+    assert [r.step_last for r in reports] == [2, 4, 6, 8]
+    assert list(reports[0].ranks.loss) == [2.0, 4.0] and len(reports[0].ranks.grad_norm) == WORLD
+    for report in (reports[1], reports[3]):  # no step of the interval had a loss, nor a gradient
+        assert list(report.ranks.loss) == [] and list(report.ranks.grad_norm) == []
+        assert "trainguard_loss" not in report.values and "trainguard_grad_norm" not in report.values
+    assert [x if x == x else "nan" for x in reports[2].ranks.loss] == [5.0, "nan"]
+    assert math.isnan(reports[2].values["trainguard_loss"]) and list(reports[2].ranks.grad_norm) == []
+    for r in range(WORLD):  # each rank's own: the leader's every rank, the other its own
+        assert out[r]["rank_values"][3] == {"loss": [], "grad_norm": []}
+        assert len(out[r]["rank_values"][1]["loss"]) == (WORLD if r == 0 else 1)

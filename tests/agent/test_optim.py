@@ -240,3 +240,31 @@ def test_lbfgs_skips_a_nonfinite_step_and_evaluates_once() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(steps[2][0], steps[2][1]))
     assert agent.latest()['trainguard_skipped_steps_total{reason="nonfinite"}'] == 1.0
     agent.close(1.0)
+
+
+def test_a_closure_without_a_backward_pass_has_no_gradient_norm_not_the_last_steps() -> None:
+    """Lightning's skipped batch: ``step(closure)`` whose closure zeroes the gradients and runs no
+    backward pass. The pre-step hook runs before the closure, while ``.grad`` still holds the last
+    step's gradients: those are not this step's (they read 1.10, the last step's norm, before)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, opt, job="j", run="r-closure", config=ta.AgentConfig(metrics_port=None, report_every=1))
+
+    def closure(skip: bool):  # type: ignore[no-untyped-def]
+        opt.zero_grad()
+        if skip:
+            return None
+        loss = model(torch.randn(8, 4)).square().mean()
+        loss.backward()
+        return loss
+
+    norms = []
+    for skip in (False, True):
+        loss = opt.step(lambda skip=skip: closure(skip))
+        norms.append(agent.meter.grad_norm)
+        agent.end_step(None if loss is None else loss.detach())
+        latest = agent.latest()
+        assert ("trainguard_grad_norm" in latest) == (not skip) and ("trainguard_loss" in latest) == (not skip)
+    agent.close()
+    assert norms[0] is not None and norms[1] is None

@@ -5,10 +5,12 @@ its own, or accumulates and calls ``end_step`` after the optimizer step, is not.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 import trainer_agent as ta
 
@@ -107,6 +109,92 @@ def test_a_step_without_a_loss_counts_and_invents_no_loss() -> None:
     agent.close()
     assert agent.step == 6
     assert reports[1]["trainguard_step"] == 2.0 and "trainguard_loss" not in reports[1]  # no step had a loss yet
-    assert reports[3]["trainguard_step"] == 4.0 and reports[3]["trainguard_loss"] == 3.0
-    assert reports[5]["trainguard_step"] == 6.0 and reports[5]["trainguard_loss"] == 3.0  # the last loss a step had
+    assert reports[3]["trainguard_step"] == 4.0 and reports[3]["trainguard_loss"] == 3.0  # its interval's last loss
+    assert reports[5]["trainguard_step"] == 6.0 and "trainguard_loss" not in reports[5]  # no step of its interval had one
     assert reports[5]["trainguard_nonfinite_steps_total"] == 0.0 and agent.errors.count == 0
+
+
+def _loop(plan: list[str], run: str, *, controller: str | None = None, report_every: int = 2) -> list[dict]:
+    """Two layers, SGD; per step of ``plan``: ``loss`` (a backward and a step), ``nan`` (a NaN loss whose
+    step the loop skips; ``nanstep``: the optimizer steps on its gradients), ``none`` (an optimizer step without a loss or any gradient, end_step(None)),
+    ``idle`` (end_step(None) alone). Returns per step the latest values, the loss rank vector and the
+    gradient norm the step had (NaN without one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run=run, controller=controller,
+                      config=ta.AgentConfig(metrics_port=None, report_every=report_every))
+    out = []
+    for what in plan:
+        loss, norm = None, math.nan
+        if what in ("loss", "nan", "nanstep"):
+            loss = model(torch.randn(2, 4)).square().mean() * (1.0 if what == "loss" else math.nan)
+            loss.backward()
+            norm = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
+        if what in ("loss", "none", "nanstep"):
+            opt.step()
+        opt.zero_grad()
+        agent.end_step(None if loss is None else loss.detach())
+        out.append({"values": dict(agent.latest()), "ranks": dict(agent.rank_values), "norm": norm,
+                    "metrics": generate_latest(agent.registry).decode()})
+    assert agent.errors.count == 0
+    agent.close()
+    return out
+
+
+def test_a_nonfinite_loss_is_in_one_report_only() -> None:
+    # step 3: a NaN loss (the loop skips its step); 4-8: optimizer steps without a loss; 9-10: losses again
+    steps = _loop(["loss", "loss", "nan", "none", "none", "none", "idle", "none", "loss", "loss"], "r-nan-once")
+    reports = [s for i, s in enumerate(steps) if s["values"].get("trainguard_step") == i + 1]
+    assert [r["values"]["trainguard_step"] for r in reports] == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert math.isnan(reports[1]["values"]["trainguard_loss"]) and math.isnan(reports[1]["ranks"]["loss"][0])
+    for r in reports[2:4]:  # no step of their intervals had a loss: none, and no NaN for one
+        assert "trainguard_loss" not in r["values"] and r["ranks"]["loss"] == []
+        assert "trainguard_loss{" not in r["metrics"] and "trainguard_loss{" in reports[0]["metrics"]
+    assert math.isfinite(reports[4]["values"]["trainguard_loss"]) and reports[4]["ranks"]["loss"] != []
+    assert [r["values"]["trainguard_nonfinite_steps_total"] for r in reports] == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_the_controllers_rules_see_a_nonfinite_loss_once_and_no_loss_as_none() -> None:
+    """What the agent sends, replayed through the controller's default rules and recovery, reports two
+    minutes apart (past every cooldown): a run whose first interval has no loss is not acted on, and
+    one NaN loss fires its rule at one report."""
+    from tests.control.fake_controller import FakeController
+    from tests.service.report_replay import RULES
+    from trainguard.service.engine import simulate
+
+    fired = {}
+    for name, plan in (("no-loss", ["none"] * 4 + ["loss"] * 4), ("nan", ["loss", "loss", "nan"] + ["none"] * 7)):
+        ctl = FakeController()
+        try:
+            _loop(plan, f"r-rules-{name}", controller=ctl.url)
+        finally:
+            ctl.close()
+        sent = [r.model_copy(update={"time": 1000.0 + 120.0 * i}) for i, r in enumerate(ctl.reports)]
+        assert [r.step_last for r in sent] == list(range(2, len(plan) + 1, 2))
+        steps = simulate(RULES.base, sent, world_size=1, policy=RULES.file.recovery, snapshot_keep=4)
+        fired[name] = [(s.step_last, f.finding.rule.name) for s in steps for f in s.fired]
+    assert fired == {"no-loss": [], "nan": [(4, "loss_nonfinite")]}
+
+
+def test_a_step_without_gradients_has_no_gradient_values() -> None:
+    # 2: gradients; 4: both steps without any (.grad None); 6: step 5 had one, step 6 none; 8: a NaN
+    # gradient at 7, none at 8; 10: a NaN gradient at the report step, applied by the optimizer
+    steps = _loop(["loss", "loss", "none", "none", "loss", "idle", "nan", "none", "loss", "nanstep"], "r-no-grad")
+    gradient_values = ("trainguard_grad_norm", "trainguard_grad_max_abs", "trainguard_effective_lr",
+                       "trainguard_update_size_ratio", "trainguard_nonfinite_grads")
+    first, no_grad, after_grad, after_nan, nan_now = (steps[i] for i in (1, 3, 5, 7, 9))
+    assert all(k in first["values"] for k in gradient_values) and "trainguard_grad_max_abs{" in first["metrics"]
+    assert first["values"]["trainguard_grad_norm"] == pytest.approx(first["norm"], rel=1e-6)
+    for s in (no_grad, after_grad, after_nan):  # absent: not 0, -inf or the last step's value
+        assert [k for k in gradient_values if k in s["values"]] == []
+        assert not any(k.startswith("trainguard_layer_grad") for k in s["values"])
+        assert s["ranks"]["grad_norm"] == []
+        assert "trainguard_grad_norm{" not in s["metrics"] and "trainguard_grad_max_abs{" not in s["metrics"]
+    assert "trainguard_grad_norm_max" not in no_grad["values"]  # no step of the interval had a gradient
+    assert no_grad["values"]["trainguard_update_ratio"] == 0.0  # the weights did not move
+    assert after_grad["values"]["trainguard_grad_norm_max"] == pytest.approx(steps[4]["norm"], rel=1e-6)
+    assert math.isnan(after_nan["values"]["trainguard_grad_norm_max"])  # no finite norm in the interval
+    # a real NaN gradient stays NaN
+    assert math.isnan(nan_now["values"]["trainguard_grad_norm"]) and math.isnan(nan_now["ranks"]["grad_norm"][0])
+    assert math.isnan(nan_now["values"]["trainguard_grad_max_abs"]) and nan_now["values"]["trainguard_nonfinite_grads"] == 25

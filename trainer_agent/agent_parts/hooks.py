@@ -146,8 +146,9 @@ class AgentHooks:
         t0 = clock.now()
         self.find_scaler()
         clock.found_inf = optim.fused_found_inf(optimizer)
-        replaced = None
+        replaced, pending = None, False
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/measure/optim.py
+            pending = optim.closure_pending(args, kwargs)
             replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))
         except Exception as exc:
             self._error("optimizer_closure", exc)
@@ -162,7 +163,7 @@ class AgentHooks:
                 self._error("control_before_step", exc)
         try:
             with torch.no_grad():  # the hook runs outside the optimizer's no_grad: record no graph
-                self.meter.before_step(optimizer)
+                self.meter.before_step(optimizer, closure_pending=pending)
         except Exception as exc:
             self._error("optimizer_pre_step", exc)
         finally:

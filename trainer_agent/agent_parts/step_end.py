@@ -52,10 +52,10 @@ class StepEnd:
     def end_step(self, loss: torch.Tensor | float | None, tokens: int | None = None) -> None:
         """Close the optimizer step: call once per optimizer step, after ``optimizer.step()``
         (with accumulation: after the step that follows the last micro-batch). ``loss`` may be a
-        device tensor of one element (not read here), a float, or None: a step without a loss (a skipped
-        batch) counts, and a report carries the last loss a step had (none before any); ``tokens``, this rank's token
-        count: an int, or a tensor read on report steps only (on CUDA a wait for the device).
-        ``ValueError`` for what cannot be either, at the first step, before the step moves.
+        device tensor of one element (not read here), a float, or None: a step without a loss (a skipped batch)
+        counts, and a report carries the last loss a step of its interval had (none if no step had one: a NaN
+        is in one report only); ``tokens``, this rank's token count: an int, or a tensor read on report steps
+        only (on CUDA a wait for the device). ``ValueError`` for what cannot be either, before the step moves.
         After ``close`` it does nothing (warned once: the loop went on after the agent closed)."""
         if self._closed_warned():
             return
@@ -132,7 +132,7 @@ class StepEnd:
             skipped = (clock.found_inf > 0).to(torch.float64)
             clock.amp_fused = skipped if clock.amp_fused is None else clock.amp_fused + skipped
         clock.found_inf = None
-        loss_t = self._loss_tensor(loss)  # None: a step without a loss; the report carries the last one a step had
+        loss_t = self._loss_tensor(loss)  # None: a step without a loss (IntervalRows: the report's loss)
         if loss_t is not None:
             clock.loss = loss_t
         clock.row = reports.record_step(clock.step, loss_t, st.grad_share)

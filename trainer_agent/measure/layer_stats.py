@@ -63,10 +63,11 @@ class GradMoments:
         out[self.measured] = self.blocks(host)[2]
         return out
 
-    def max_abs(self, host: np.ndarray) -> float:
-        """The largest |g| over every gradient (-inf without any; NaN when one is NaN)."""
+    def max_abs(self, host: np.ndarray) -> float | None:
+        """The largest |g| over every gradient (None without any, as a layer without one has no
+        statistics; NaN when one is NaN)."""
         top = self.blocks(host)[3]
-        return float(np.max(top)) if top.size else -math.inf
+        return float(np.max(top)) if top.size else None
 
     def per_layer(self, host: np.ndarray) -> np.ndarray:
         """(layers, 4) float64: per layer (mean, std, max |g|, min |g|) of the gradient elements;

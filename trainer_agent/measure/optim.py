@@ -41,7 +41,7 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["applied_grad_scale", "fused_found_inf", "optimizer_class", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+__all__ = ["applied_grad_scale", "closure_pending", "fused_found_inf", "optimizer_class", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
 _MAX_DEPTH = 8
@@ -180,6 +180,13 @@ def with_step_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
         closure.set_aside = closure.set_aside or set_aside
         return None
     return replace(StepClosure(closure, set_aside))
+
+
+def closure_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """For an optimizer pre-step hook: the step has a closure that has not run yet (its gradients
+    are made after the hook: what ``.grad`` holds now is an earlier step's, or nothing)."""
+    closure, _ = _closure_of(args, kwargs, at=1)
+    return closure is not None and not (isinstance(closure, StepClosure) and closure.evaluations)
 
 
 def guarded_step(step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

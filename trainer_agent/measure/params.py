@@ -122,9 +122,9 @@ class ParamIndex:
         return list(map(_GRAD, self.params))
 
     def has_grad(self) -> bool:
-        """Whether any parameter holds a ``.grad`` (stops at the first; the reads in C, as
-        :meth:`flat_grads`)."""
-        return not all(map(_IS_NONE, map(_GRAD, self.params)))
+        """Whether any parameter, or any of :attr:`sparse`, holds a ``.grad`` (stops at the first;
+        the reads in C, as :meth:`flat_grads`)."""
+        return not all(map(_IS_NONE, map(_GRAD, self.params))) or not all(map(_IS_NONE, map(_GRAD, self.sparse)))
 
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none): one

@@ -70,4 +70,4 @@ class StepClock:
             raise ValueError("malformed trainguard agent state dict: negative counters")
         self.step, self.amp_skipped, self.amp_fused, self.run_changes = step, skipped, None, changes
         reports.nonfinite_steps.fill_(nonfinite)
-        reports.interval.zero_()  # steps before the restore are not part of the restored run
+        reports.rows.clear()  # steps before the restore are not part of the restored run

@@ -339,11 +339,17 @@ class StepMeter:
 
     # ------------------------------------------------------------------ (2) optimizer step
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot."""
+    def before_step(self, optimizer: torch.optim.Optimizer, *, closure_pending: bool = False) -> None:
+        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot.
+        ``closure_pending``: the step's closure runs after this hook (``optim.closure_pending``):
+        the gradients it makes are measured at the end of its backward pass, not here."""
         st = self.state
         st.lrs = triage.group_lrs(optimizer)
-        if st.grad_norm is None:
+        # A step on which no parameter has a gradient (all .grad None: a skipped batch, a step
+        # without a backward pass) has no gradient values: absent, not a norm of 0 (sharded
+        # parameters: measured as before, FSDP2 may hold them elsewhere).
+        graded = self.index.sharding is not None or self.index.has_grad()
+        if st.grad_norm is None and graded and not closure_pending:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
@@ -352,7 +358,7 @@ class StepMeter:
         # not the layer's, so they are left out (absent, never wrong).
         # The gradients this step applies (all-reduced, unscaled and clipped), read once.
         grads = self.index.grads() if report and (self.config.triage or self.fingerprint is not None) else None
-        if self.config.triage and report and self.index.sharding is None:
+        if self.config.triage and report and self.index.sharding is None and graded:
             st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer),
                                                      grads=grads)
         if self.fingerprint is not None and report:

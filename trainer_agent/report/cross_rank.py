@@ -45,10 +45,11 @@ class RankVectors(Mapping[str, list[float]]):
 
     def __init__(self, matrix: np.ndarray, *, sketches: np.ndarray | None = None,
                  compared: np.ndarray | None = None, decode: Decode | None = None,
-                 compare: Callable[[], torch.Tensor] | None = None) -> None:
+                 compare: Callable[[], torch.Tensor] | None = None, absent: tuple[str, ...] = ()) -> None:
         """``compared``: the fingerprint comparison's host vector, or ``compare``: what makes it
-        (at resolution); ``decode``: its findings."""
-        self.matrix = matrix
+        (at resolution); ``decode``: its findings; ``absent``: the fields whose vectors are empty
+        (``exchange.absent_vectors``: the report lacks their metric)."""
+        self.matrix, self.absent = matrix, absent
         self._sketches, self._compared, self._decode, self._compare = sketches, compared, decode, compare
         self._lock = threading.Lock()
         self._vectors: dict[str, list[float]] | None = None
@@ -66,7 +67,7 @@ class RankVectors(Mapping[str, list[float]]):
         """The vectors (computed on the first call, by whichever thread makes it)."""
         with self._lock:
             if self._vectors is None:
-                vectors = RankExchange.unpack_rows(self.matrix, self.world)
+                vectors = RankExchange.unpack_rows(self.matrix, self.world, self.absent)
                 if self._compare is not None:
                     self._compared = self._compare().cpu().numpy()
                 if self._decode is not None and self._compared is not None:
@@ -93,7 +94,7 @@ class RankVectors(Mapping[str, list[float]]):
         with self._lock:
             if self._vectors is not None:
                 return LightRankVectors(self._vectors, self._desync)
-        return LightRankVectors(RankExchange.unpack_rows(self.matrix, self.world), [])
+        return LightRankVectors(RankExchange.unpack_rows(self.matrix, self.world, self.absent), [])
 
     def __getitem__(self, key: str) -> list[float]:
         return self.resolve()[key]

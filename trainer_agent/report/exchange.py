@@ -28,17 +28,18 @@ the CPU is a SYNC, once per report step).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainguard.protocol.commands import LR_RULES, STATE_LEN, decode_state, encode_state
-from trainguard.protocol.rank_values import BY_WIRE, ROW_VALUES
+from trainguard.protocol.rank_values import BY_FIELD, BY_WIRE, ROW_VALUES
 from trainer_agent.measure.sketch import EMPTY, SKETCH_K, overlaps
 
-__all__ = ["RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "encode_state", "decode_state"]  # the codec: trainguard.protocol.commands
+__all__ = ["ABSENT_WITH_METRIC", "RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "absent_vectors",
+           "encode_state", "decode_state"]  # the codec: trainguard.protocol.commands
 
 #: Per-rank values gathered at each report step (the ``row`` values of ``RANK_VALUES``, in order);
 #: on the leader ``Agent.rank_values[field][r]`` is rank ``r``'s value of that report.
@@ -49,6 +50,18 @@ RANK_FIELDS: tuple[str, ...] = tuple(s.field for s in ROW_VALUES)
 #: ``trainer_agent/measure/fingerprint.py`` under data parallelism and for replicated shards (NaN with one
 #: rank, and under plain FSDP); the leader computes ``data_overlap`` from the ranks' sketches.
 WIRE_VECTORS: dict[str, str] = {wire: s.field for wire, s in BY_WIRE.items()}
+
+#: Row values that are training values a report may lack: its interval had no step with a loss
+#: (``end_step(None)``), its step had no gradient. A row holds floats only, so a rank's row holds NaN
+#: there, which a rule would read as a non-finite loss or gradient: where the report lacks the
+#: metric, its vector is empty (absent) instead (:func:`absent_vectors`).
+ABSENT_WITH_METRIC: dict[str, str] = {field: str(BY_FIELD[field].metric) for field in ("loss", "grad_norm")}
+
+
+def absent_vectors(values: Mapping[str, float]) -> tuple[str, ...]:
+    """The fields of :data:`ABSENT_WITH_METRIC` whose metric the report ``values`` lack."""
+    return tuple(field for field, metric in ABSENT_WITH_METRIC.items() if metric not in values)
+
 
 _EMPTY_SKETCH = [int(EMPTY.view("int64"))] * SKETCH_K
 
@@ -169,9 +182,10 @@ class RankExchange:
         return list(proposal) if proposal is not None else None
 
     @staticmethod
-    def unpack_rows(flat: Sequence[float] | np.ndarray, ranks: int) -> dict[str, list[float]]:
-        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)`` (rank-major)."""
+    def unpack_rows(flat: Sequence[float] | np.ndarray, ranks: int, absent: Sequence[str] = ()) -> dict[str, list[float]]:
+        """``{field: [rank 0, rank 1, ...]}`` from the host copy of ``fields(gathered)`` (rank-major);
+        the fields in ``absent`` (:func:`absent_vectors`) empty."""
         rows = np.asarray(flat, dtype=np.float64).reshape(ranks, len(RANK_FIELDS))
         # a column at a time: each tolist holds the GIL for one column only (the leader's worker
         # thread runs this beside the training thread)
-        return {f: rows[:, i].tolist() for i, f in enumerate(RANK_FIELDS)}
+        return {f: [] if f in absent else rows[:, i].tolist() for i, f in enumerate(RANK_FIELDS)}

@@ -119,8 +119,9 @@ def update_values(raw: Raw, values: dict[str, float], *, numel: int, param: int,
             expected = model.expected(host_lrs, grad_sq, raw.vectors[before])
             if expected is not None:
                 values["trainguard_update_size_ratio"] = float(size / np.float64(expected))
-    if moments is not None:
-        values["trainguard_grad_max_abs"] = moments[1].max_abs(raw.vectors[moments[0]])
+    top = moments[1].max_abs(raw.vectors[moments[0]]) if moments is not None else None
+    if top is not None:  # (no gradient: absent)
+        values["trainguard_grad_max_abs"] = top
 
 
 def layer_vectors(raw: Raw, values: dict[str, float], *, layer_of: np.ndarray, keys: Callable[..., list[str]],

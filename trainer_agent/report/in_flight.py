@@ -2,7 +2,8 @@
 device value of the report in one float64 vector with the gathered rows, copied with a
 non-blocking copy into pinned memory on CUDA (read once the copy's event has completed) or used as
 it is on the CPU; :meth:`InFlight.read` turns it into the report's host values and per-rank vectors
-(a :class:`RankVectors` on the leader of several ranks, resolved later, off the training thread).
+(a :class:`RankVectors` on the leader of several ranks, resolved later, off the training thread;
+the vectors of a loss or gradient norm the report lacks empty, ``exchange.absent_vectors``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from trainer_agent.report.cross_rank import Decode, RankVectors
-from trainer_agent.report.exchange import RANK_FIELDS
+from trainer_agent.report.exchange import RANK_FIELDS, RankExchange, absent_vectors
 from trainer_agent.report.host_derived import HostDerived
 
 __all__ = ["InFlight", "pack"]
@@ -60,7 +61,7 @@ class InFlight:
             # one rank's values (this rank's own); lists of one
             own = self.rows.numpy()[:1] if self.rows is not None else flat[at:at + len(RANK_FIELDS)].reshape(1, -1)
             self._derive(values, flat[n:d], own)
-            return values, {f: [v] for f, v in zip(RANK_FIELDS, own[0].tolist())}
+            return values, RankExchange.unpack_rows(own[:1], 1, absent_vectors(values))
         if self.rows is not None:
             rows = self.rows.numpy()
             sketches = self.sketches.numpy() if self.sketches is not None else None
@@ -69,7 +70,8 @@ class InFlight:
             sketches = flat[flat.size - self.sketch_len:].reshape(self.ranks, -1) if self.sketch_len else None
         self._derive(values, flat[n:d], rows)
         return values, RankVectors(rows, sketches=sketches, decode=self.decode, compare=self.compare,
-                                   compared=flat[d:at] if self.decode is not None and self.compare is None else None)
+                                   compared=flat[d:at] if self.decode is not None and self.compare is None else None,
+                                   absent=absent_vectors(values))
 
     def _derive(self, values: dict[str, float], flat: np.ndarray, rows: np.ndarray) -> None:
         if self.derived is not None:

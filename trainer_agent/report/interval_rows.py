@@ -20,7 +20,7 @@ def _no_finite_norm(raw: Raw, values: dict[str, float]) -> None:
 
 
 def _no_loss(raw: Raw, values: dict[str, float]) -> None:
-    """Host job: no step has had a loss yet (``end_step(None)`` only): the report has none."""
+    """Host job: no step of the report interval had a loss (``end_step(None)`` only): the report has none."""
     values.pop("trainguard_loss", None)
 
 
@@ -29,21 +29,42 @@ class IntervalRows:
     a step costs one small copy; the report derives from the rows the interval's non-finite steps,
     its first non-finite loss (the loss the report then carries, so a NaN between two reports is
     not lost) and its largest finite gradient norm. Zeroed (all finite) after each report. 16 bytes
-    per step of ``report_every``."""
+    per step of ``report_every``. Whether a step of the interval had a loss is known on the host
+    (:attr:`had_loss`): a report whose interval had none has no loss, rather than repeat an
+    earlier interval's (a NaN counted again at every report)."""
 
     def __init__(self, report_every: int, device: torch.device) -> None:
         self.interval = torch.zeros(report_every, 2, dtype=torch.float64, device=device)
         self.zero = torch.zeros((), dtype=torch.float64, device=device)
         self.nonfinite_steps = torch.zeros((), dtype=torch.float64, device=device)
         """Non-finite steps before the current report interval (device scalar: no sync)."""
+        self.had_loss = False
+        """A step of the current report interval had a loss (host)."""
+        self.had_norm = False
+        """A step of the current report interval had a gradient norm (host)."""
+        self.unnormed: set[int] = set()
+        """The interval's rows of steps without a gradient norm (host; rare): out of its largest."""
 
     def record(self, step: int, loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
         With sharded parameters ``grad_norm`` is the step's ``StepState.grad_share`` (a share of
         the squared norm), turned into the global norm at the report."""
+        at = (step - 1) % self.interval.shape[0]
+        self.had_loss |= loss_t is not None
+        if grad_norm is None:
+            self.unnormed.add(at)
+        else:
+            self.had_norm = True
+            self.unnormed.discard(at)
         row = torch.stack([loss_t if loss_t is not None else self.zero, grad_norm if grad_norm is not None else self.zero])
-        self.interval[(step - 1) % self.interval.shape[0]].copy_(row)
+        self.interval[at].copy_(row)
         return row
+
+    def clear(self) -> None:
+        """No step in the report interval (a restored run starts one afresh)."""
+        self.interval.zero_()
+        self.had_loss = self.had_norm = False
+        self.unnormed.clear()
 
     def nonfinite(self, nan_where_bad: torch.Tensor | None = None) -> torch.Tensor:
         """Non-finite steps among the report interval's rows (device scalar; unused rows are 0).
@@ -57,10 +78,10 @@ class IntervalRows:
     def values(self, dev: dict[str, torch.Tensor], loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None,
                derived: HostDerived) -> None:
         """The interval's report values into ``dev`` (and what the host makes of them into
-        ``derived``), then the rows zeroed for the next one. ``loss_t`` None (no step has had a
-        loss yet): the report has no ``trainguard_loss``."""
+        ``derived``), then the rows zeroed for the next one. ``loss_t``: the last loss a step had;
+        the report has no ``trainguard_loss`` when no step of the interval had one."""
         rows = self.interval
-        if loss_t is None:
+        if not self.had_loss:
             loss_t = torch.full_like(self.zero, math.nan)  # the rank row's filler; left out of the report
             derived.job(_no_loss)
         nan_where_bad = rows * 0  # x * 0 is NaN exactly where x is NaN or +-Inf, else 0
@@ -77,8 +98,13 @@ class IntervalRows:
         dev["trainguard_nonfinite_steps_total"] = self.nonfinite_steps
         if grad_norm is not None:
             dev["trainguard_grad_norm"] = grad_norm
+        if self.had_norm:  # (a step without a gradient has no norm: a 0 in its row, not a value)
             # The largest finite one; -inf (norms are never negative) when none was, which the host
             # makes NaN: not a 0 that reads as a vanished gradient.
+            if self.unnormed:  # (a host list to the device: rare)
+                norms = norms.index_fill(0, torch.tensor(sorted(self.unnormed), device=norms.device), -math.inf)
             dev["trainguard_grad_norm_max"] = norms.nan_to_num(-math.inf, -math.inf, -math.inf).amax()
             derived.job(_no_finite_norm)
         rows.zero_()  # after its last reader above (device order)
+        self.had_loss = self.had_norm = False
+        self.unnormed.clear()
