@@ -72,7 +72,8 @@ class AgentConfig:
     controller), not state with behaviour."""
 
     report_every: int = 10
-    """Steps between two host reads of the device statistics. Step metrics that are only
+    """Steps between two host reads of the device statistics (reports), and a report at step 1
+    too (a run shorter than one interval is reported). Step metrics that are only
     exported (param norm, update ratio, per-layer norms, non-finite element counts, optimizer
     state check) are computed on report steps only; per-step counters (non-finite steps, AMP
     skips) are accumulated on the device every step and read at the report. At most 1,000,000

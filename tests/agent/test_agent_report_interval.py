@@ -91,7 +91,7 @@ def test_grad_norm_max_is_nan_when_no_step_of_the_interval_had_a_finite_norm() -
     finally:
         agent.close(timeout=5.0)
     assert not math.isfinite(norms[4]) and not math.isfinite(norms[5]) and not math.isfinite(norms[6])
-    assert maxima[2] == pytest.approx(max(norms[1], norms[2]), rel=1e-6)
+    assert maxima[2] == pytest.approx(norms[2], rel=1e-6)  # (step 1 had a report of its own)
     assert maxima[4] == pytest.approx(norms[3], rel=1e-6)  # the finite one of the interval
     assert math.isnan(maxima[6])  # steps 5 and 6: no finite norm (0.0 before)
 
@@ -201,3 +201,31 @@ def test_reports_published_under_back_pressure_reach_the_callback_once_each(monk
     assert before_close == list(range(1, steps - MAX_IN_FLIGHT + 1))
     assert [s for s, _ in seen] == list(range(1, steps + 1))  # close() publishes the rest, once each
     assert math.isnan(seen[1][1]) and all(math.isfinite(v) for s, v in seen if s != 2)
+
+
+def test_a_run_shorter_than_one_report_interval_reports_its_first_step() -> None:
+    """30 steps at report_every=50: the controller gets step 1's report (it got none before) and the
+    run's finish at step 30."""
+    from tests.control.fake_controller import FakeController
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, norms = [], []
+    with FakeController() as fake:
+        agent = ta.attach(model, opt, job="j", run="r-short", controller=fake.url, registry=CollectorRegistry(),
+                          config=ta.AgentConfig(report_every=50, metrics_port=None))
+        for _ in range(30):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())))
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+            agent.end_step(loss.detach())
+        agent.close(timeout=10.0)
+        reports, finishes = list(fake.reports), list(fake.finishes)
+    assert [(r.step_first, r.step_last) for r in reports] == [(1, 1)]
+    assert reports[0].values["trainguard_loss"] == pytest.approx(losses[0], rel=1e-6)
+    assert reports[0].values["trainguard_grad_norm"] == pytest.approx(norms[0], rel=1e-6)
+    assert [f.step for f in finishes] == [30]

@@ -126,10 +126,10 @@ def test_ordinary_steps_take_the_norm_from_the_buckets_and_it_equals_every_grads
             assert (result["used"], result["buckets"]) == (0, 0)
             continue
         assert result["buckets"] >= 3
-        # Found on the report step 5 (DDP rebuilt its buckets at step 2) and used on the
-        # ordinary steps after it, 6-9 and 11-14; a step may fall back where a bucket's first
-        # gradient is ``sometimes``'s and no rank used it (steps 6, 9 and 12).
-        assert 5 <= result["used"] <= 8
+        # Found on the report step 1 (again on 5 where DDP's rebuild of its buckets at step 2 moved
+        # them) and used on the ordinary steps after them, 2-4, 6-9 and 11-14; a step may fall back
+        # where a bucket's first gradient is ``sometimes``'s and no rank used it (steps 6, 9 and 12).
+        assert 8 <= result["used"] <= 11
 
 
 def test_applies_only_to_ddp_with_bucket_views() -> None:

@@ -11,14 +11,15 @@ import torch
 from trainer_agent.measure.schedule import ReportSchedule, ScheduledLr
 
 
-def test_report_steps_are_the_multiples_of_report_every() -> None:
+def test_report_steps_are_the_first_step_and_the_multiples_of_report_every() -> None:
     s = ReportSchedule(report_every=4, sync_every=3)
-    assert [k for k in range(1, 13) if s.is_report(k)] == [4, 8, 12]
+    assert [k for k in range(1, 13) if s.is_report(k)] == [1, 4, 8, 12]
+    assert [k for k in range(1, 101) if ReportSchedule(report_every=50).is_report(k)] == [1, 50, 100]
 
 
 def test_agreement_steps_are_report_steps_and_multiples_of_sync_every() -> None:
     s = ReportSchedule(report_every=4, sync_every=3)
-    assert [k for k in range(1, 13) if s.agrees(k)] == [3, 4, 6, 8, 9, 12]
+    assert [k for k in range(1, 13) if s.agrees(k)] == [1, 3, 4, 6, 8, 9, 12]
     assert all(ReportSchedule(report_every=1).is_report(k) for k in range(1, 5))
 
 

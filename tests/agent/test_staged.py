@@ -313,8 +313,8 @@ def test_every_metric_of_the_staged_passes_agrees_with_the_cpu_passes(monkeypatc
         # The 300-tensor bucket was planned from its settled layout (the staged passes ran on it).
         planned = [plan for bucket in agents[1].parts.params.buckets for plan in bucket.layout._plans.values()]
         assert break_at is not None or any(plan is not None and plan.tensors == 300 for plan in planned)
-        # The ordinary steps (every 3: steps 0, 1, 3, 4) normed from one copy, until it failed.
-        assert agents[1].parts.params.one_copy.used == {(None, 3): 4, (None, 1): 0, (2, 1): 0}[break_at, every]
+        # The ordinary steps (every 3: steps 1, 3, 4; step 0 reports) normed from one copy, until it failed.
+        assert agents[1].parts.params.one_copy.used == {(None, 3): 3, (None, 1): 0, (2, 1): 0}[break_at, every]
         assert agents[0].parts.params.one_copy.used == 0  # the CPU's own passes
     finally:
         for agent in agents:

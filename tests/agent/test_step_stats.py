@@ -81,8 +81,8 @@ def test_ordinary_steps_hook_one_parameter_per_layer_and_noise_scale_steps_every
         assert _hooked(model) == 3  # after every step: the sentinels only
     latest = agent.latest()
     agent.close()
-    # Steps 1 and 2 ran with one hook per layer; the report step 3 hooked every parameter after its first pass.
-    assert hooked_during_second_pass == [3, 3, 6]
+    # Step 2 ran with one hook per layer; the report steps 1 and 3 hooked every parameter after their first pass.
+    assert hooked_during_second_pass == [6, 3, 6]
     incoming, big_sq = ref_sq[-1]
     small_sq = 2**2 * sum(incoming) / 2
     grad_sq = (2 * big_sq - small_sq) / 1

@@ -327,10 +327,10 @@ def test_reports_carry_nan_and_contiguous_step_ranges(ctl: ControllerProcess) ->
         opt.zero_grad()
         # a NaN loss in the last report: the default rule's pause comes after the last step
         agent.end_step(loss * math.nan if step == 8 else loss)
-    assert until(lambda: len(ctl.reports(run)) == 4, 30.0), ctl.reports(run)
+    assert until(lambda: len(ctl.reports(run)) == 5, 30.0), ctl.reports(run)
     reps = ctl.reports(run)
-    assert [r["steps"] for r in reps] == [(1, 2), (3, 4), (5, 6), (7, 8)]
-    assert math.isnan(reps[3]["values"]["trainguard_loss"]) and math.isnan(reps[3]["ranks"]["loss"][0])
+    assert [r["steps"] for r in reps] == [(1, 1), (2, 2), (3, 4), (5, 6), (7, 8)]  # step 1 reports too
+    assert math.isnan(reps[4]["values"]["trainguard_loss"]) and math.isnan(reps[4]["ranks"]["loss"][0])
     assert reps[1]["values"]["trainguard_loss"] == reps[1]["ranks"]["loss"][0] and reps[1]["ranks"]["loss"][0] > 0
     assert math.isnan(reps[1]["ranks"]["param_fingerprint"][0])  # one rank: no fingerprints to compare
     assert all(len(r["ranks"][f]) == 1 for r in reps for f in ("step_time_s", "grad_norm", "forward_s"))

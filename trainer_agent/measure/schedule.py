@@ -31,8 +31,12 @@ class ReportSchedule:
     def is_report(self, step: int) -> bool:
         """Step ``step`` (1-based, as counted by ``end_step``) ends with a report: the device
         statistics are copied to the host and, with several ranks, the ranks' rows are gathered
-        in the step's one collective (which also carries the controller's desired state)."""
-        return step % self.report_every == 0
+        in the step's one collective (which also carries the controller's desired state). Every
+        ``report_every``-th step, and the first (as torchtitan logs step 1): a run shorter than one
+        report interval is reported, and the controller sees a run's loss from its start. (A run
+        resumed past step 1 reports from its next ``report_every``-th step: every rank resumes at
+        the same step, so all decide alike.)"""
+        return step % self.report_every == 0 or step == 1
 
     def agrees(self, step: int) -> bool:
         """Step ``step`` ends with an agreement of the ranks on the controller's desired state:
