@@ -419,6 +419,41 @@ def test_ddp_perturbed_rank_and_layer_are_named(tmp_path) -> None:
     assert [d[:3] for d in seen[12][0]] == [("param", "0", (2,))]
 
 
+def _closure_worker(rank: int, init: str, out: str) -> None:
+    """``opt.step(closure)`` (Lightning's way): the last rank's gradient is moved after the
+    closure's backward pass at step 4 (a report step) and step 5 (an ordinary one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 8))
+    ddp, opt, agent = _ddp_rank(rank, WORLD, init, model, "fp-closure", report_every=2, layer_depth=1)
+    seen = {}
+    for step in range(1, 7):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+        def closure(x=x, step=step):  # type: ignore[no-untyped-def]
+            opt.zero_grad()
+            loss = ddp(x).square().mean()
+            loss.backward()
+            if rank == WORLD - 1 and step in (4, 5):
+                model[2].weight.grad[3, 1] += 1e-2 * float(model[2].weight.grad.norm())
+            return loss
+
+        agent.end_step(opt.step(closure).detach())
+        if step % 2 == 0:
+            agent.latest()
+            seen[step] = [(d.kind, d.layer, d.ranks) for d in agent.desync]
+    _save(agent, ddp, rank, out, seen)
+
+
+@pytest.mark.distributed
+def test_a_closure_steps_gradient_fingerprint_is_its_own(tmp_path) -> None:
+    """The optimizer's pre-step hook runs before the closure: the fingerprints read there were the
+    last step's gradients (step 4's moved gradient went unseen, step 5's was named at step 6)."""
+    seen = spawn_ranks(_closure_worker, WORLD, tmp_path, timeout=120)[0]
+    assert seen.pop("detailed") >= 1
+    grads = {step: [d for d in found if d[0] == "grad"] for step, found in seen.items()}
+    assert grads == {2: [], 4: [("grad", "2", (WORLD - 1,))], 6: []}
+
+
 def _failing_worker(world: int, rank: int, init: str, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))

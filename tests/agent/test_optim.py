@@ -223,9 +223,60 @@ def test_lbfgs_metrics_are_those_of_the_first_evaluation(skip_nonfinite: bool) -
     latest = agent.latest()
     assert len(calls) > 1  # the line search did evaluate again
     assert latest["trainguard_grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+    # every gradient statistic is the first evaluation's too (there were none at the pre-step hook)
+    _assert_gradient_values(latest, {n: p.grad.double() for n, p in ref_model.named_parameters()})
     assert latest["trainguard_loss"] == pytest.approx(ref_loss.item(), rel=1e-6)
     assert "trainguard_grad_noise_scale" not in latest  # one gradient, no micro-batches
     assert latest["trainguard_agent_errors_total"] == 0.0
+    agent.close(1.0)
+
+
+def _assert_gradient_values(latest: dict[str, float], grads: dict[str, torch.Tensor]) -> None:
+    """Every gradient value of a report of ``_model`` (layers "0" and "2" at ``layer_depth=1``)
+    equals its float64 reference from ``grads`` (parameter name -> the step's gradient)."""
+    every = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert latest["trainguard_grad_norm"] == pytest.approx(float(every.norm()), rel=1e-6)
+    assert latest["trainguard_grad_max_abs"] == pytest.approx(float(every.abs().max()), rel=1e-6)
+    assert latest["trainguard_nonfinite_grads"] == 0.0
+    for layer in ("0", "2"):
+        g = torch.cat([grads[f"{layer}.weight"].reshape(-1), grads[f"{layer}.bias"]])
+        ref = {"norm": g.norm(), "mean": g.mean(), "std": g.std(unbiased=False), "max_abs": g.abs().max(),
+               "min_abs": g.abs().min()}
+        for stat, want in ref.items():
+            got = latest[f'trainguard_layer_grad_{stat}{{layer="{layer}"}}']
+            assert got == pytest.approx(float(want), rel=1e-4, abs=1e-9), (layer, stat)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+@pytest.mark.parametrize("report_every", [1, 3])
+def test_closure_steps_report_the_statistics_of_their_own_gradients(report_every: int, skip_nonfinite: bool) -> None:
+    """``opt.step(closure)``: the optimizer's pre-step hook runs before the closure, while
+    ``.grad`` holds the last step's gradients (none at step 1). Each report's per-layer statistics,
+    largest |g| and update size are those of the gradients its own closure made (they were the
+    last step's: step 2's layer "0" mean read step 1's, and step 1 had none)."""
+    model = _model(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # delta W = lr g: an update-size ratio of 1
+    agent = _attach(model, opt, skip_nonfinite=skip_nonfinite, report_every=report_every, layer_depth=1)
+    checked = []
+    for step in range(1, 7):
+        x, y = _batch(step)
+        grads: dict[str, torch.Tensor] = {}
+
+        def closure(x=x, y=y, grads=grads):  # type: ignore[no-untyped-def]
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            grads.update({n: p.grad.double().clone() for n, p in model.named_parameters()})
+            return loss
+
+        agent.end_step(opt.step(closure).detach())
+        latest = agent.latest()
+        if latest["trainguard_step"] == step:
+            _assert_gradient_values(latest, grads)
+            assert latest["trainguard_update_size_ratio"] == pytest.approx(1.0, rel=1e-5)
+            checked.append(step)
+    assert checked == ([1, 2, 3, 4, 5, 6] if report_every == 1 else [1, 3, 6])
+    assert agent.latest()["trainguard_agent_errors_total"] == 0.0
     agent.close(1.0)
 
 

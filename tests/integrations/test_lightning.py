@@ -494,3 +494,46 @@ def test_skipped_batches_keep_the_agents_step_at_the_trainers(tmp_path: Path) ->
         assert "trainguard_loss" not in record.ours[step] and "trainguard_grad_norm" not in record.ours[step]
     latest = guard.agent.latest()
     assert latest["trainguard_agent_errors_total"] == 0.0 and latest["trainguard_nonfinite_steps_total"] == 0.0
+
+
+class _AppliedGradsLM(_TinyLM):
+    """Keeps, per optimizer step, the gradients the step applies (float64): after Lightning's
+    gradient clipping, which runs inside the closure after ``on_before_optimizer_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: dict[int, dict[str, torch.Tensor]] = {}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,  # type: ignore[no-untyped-def]
+                                    gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.applied[self.global_step + 1] = {n: p.grad.double().clone() for n, p in self.named_parameters()}
+
+
+@pytest.mark.parametrize(("accumulation", "clip"), [(1, None), (4, 0.05)])
+def test_every_gradient_statistic_is_the_steps_own(tmp_path: Path, accumulation: int, clip: float | None) -> None:
+    """Lightning's automatic optimization runs forward and backward inside ``optimizer.step(closure)``,
+    after the optimizer's pre-step hook: each report's per-layer gradient statistics and largest
+    |g| are those of the gradients its own step applies (they were the last step's, and absent at
+    step 1); the gradient norm is the one before Lightning's clipping (``gradient_clip_val``)."""
+    guard = TrainguardCallback(job="pl-job", run=f"pl-stats{accumulation}",
+                               config=ta.AgentConfig(metrics_port=None, report_every=1, layer_depth=1))
+    record = _Record(guard)
+    module = _AppliedGradsLM()
+    _fit(_trainer(tmp_path, [guard, record], accumulation, max_steps=4, gradient_clip_val=clip), module,
+         4 * accumulation * BATCH)
+    assert sorted(record.ours) == sorted(module.applied) == [1, 2, 3, 4]
+    for step, grads in module.applied.items():
+        ours = record.ours[step]
+        assert ours["trainguard_grad_norm"] == pytest.approx(module.ref[step][1], rel=1e-5), step
+        if clip is not None:  # clipped: the statistics below are not of the unclipped gradients
+            assert math.sqrt(sum(float(g.square().sum()) for g in grads.values())) == pytest.approx(clip, rel=1e-4)
+        every = torch.cat([g.reshape(-1) for g in grads.values()])
+        assert ours["trainguard_grad_max_abs"] == pytest.approx(float(every.abs().max()), rel=1e-6), step
+        for layer in ("emb", "out"):
+            g = torch.cat([grads[n].reshape(-1) for n in grads if n.startswith(layer + ".")])
+            ref = {"mean": g.mean(), "std": g.std(unbiased=False), "max_abs": g.abs().max(), "min_abs": g.abs().min()}
+            for stat, want in ref.items():
+                got = ours[f'trainguard_layer_grad_{stat}{{layer="{layer}"}}']
+                assert got == pytest.approx(float(want), rel=1e-4, abs=1e-9), (step, layer, stat)
+    assert guard.agent.latest()["trainguard_agent_errors_total"] == 0.0

@@ -149,7 +149,8 @@ class AgentHooks:
         replaced, pending = None, False
         try:  # a closure's later evaluations (LBFGS) are not the step's: trainer_agent/measure/optim.py
             pending = optim.closure_pending(args, kwargs)
-            replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter))
+            replaced = optim.with_step_closure(args, kwargs, functools.partial(optim.unmeasured, self.meter),
+                                               functools.partial(self.after_closure, optimizer) if pending else None)
         except Exception as exc:
             self._error("optimizer_closure", exc)
         try:
@@ -169,6 +170,19 @@ class AgentHooks:
         finally:
             clock.overhead += clock.now() - t0
         return replaced
+
+    def after_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's closure, run by the optimizer after ``pre_step``, has returned: the
+        gradients it made are the ones the step applies (``optim.StepClosure``)."""
+        clock = self.clock
+        t0 = clock.now()
+        try:
+            with torch.no_grad():
+                self.meter.step_grads(optimizer)
+        except Exception as exc:
+            self._error("optimizer_closure", exc)
+        finally:
+            clock.overhead += clock.now() - t0
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         clock = self.clock

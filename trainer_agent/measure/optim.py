@@ -17,10 +17,17 @@ Two things follow, handled here:
   evaluating again. A skipped step returns the closure's result without calling the real ``step``:
   the closure ran exactly once, as frameworks that check it require (Lightning raises "The closure
   hasn't been executed" otherwise).
+- The optimizer's pre-step hooks run before the closure, while ``.grad`` holds an earlier step's
+  gradients (or none): what the agent reads of the gradients the step applies (on report steps the
+  per-layer statistics, the fingerprints) is read when the closure's first evaluation returns
+  (:class:`StepClosure`'s ``after_first``), after what the closure does past its backward pass
+  (Lightning's gradient clipping); the gradient norm at the end of its backward pass, as without
+  a closure.
 - An optimizer may evaluate its closure more than once per step (LBFGS's line search). The step's
-  gradient is that of the first evaluation (the point the step starts from); later evaluations run
-  with the agent's gradient measurement set aside, so they are not counted as micro-batches (the
-  noise scale would be wrong) and do not replace the step's gradient norm.
+  gradient is that of the first evaluation (the point the step starts from): its norm and its
+  statistics are all of that one evaluation's gradients; later evaluations run with the agent's
+  gradient measurement set aside, so they are not counted as micro-batches (the noise scale would
+  be wrong) and replace none of the step's gradient values.
 
 **Fused optimizers under a GradScaler** (``Adam``/``AdamW``/``SGD`` with ``fused=True``) unscale the
 gradients inside their own kernel: ``GradScaler.step`` leaves the gradients scaled and sets the
@@ -138,12 +145,15 @@ class StepClosure:
     """The closure of one optimizer step as the optimizer sees it. Its first evaluation is the
     step's (measured by the agent); with :meth:`evaluate_first` that evaluation happens before the
     optimizer's ``step`` and the optimizer's first call receives its result. Later evaluations run
-    under ``set_aside()`` (:func:`unmeasured`), which the agent's pre-step hook provides."""
+    under ``set_aside()`` (:func:`unmeasured`), which the agent's pre-step hook provides, as it
+    provides ``after_first()``: called when the first evaluation, run by the optimizer, returns."""
 
     def __init__(self, closure: Callable[[], Any],
-                 set_aside: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+                 set_aside: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 after_first: Callable[[], None] | None = None) -> None:
         self.closure = closure
         self.set_aside = set_aside
+        self.after_first = after_first
         self.evaluations = 0
         self._held: Any = _NOT_RUN
 
@@ -161,25 +171,34 @@ class StepClosure:
             result, self._held = self._held, _NOT_RUN
             return result
         self.evaluations += 1
-        if self.evaluations == 1 or self.set_aside is None:
+        if self.evaluations == 1:
+            result = self.closure()
+            if self.after_first is not None:
+                self.after_first()
+            return result
+        if self.set_aside is None:
             return self.closure()
         with self.set_aside():
             return self.closure()
 
 
 def with_step_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
-                      set_aside: Callable[[], contextlib.AbstractContextManager]) -> tuple[tuple, dict] | None:
+                      set_aside: Callable[[], contextlib.AbstractContextManager],
+                      after_first: Callable[[], None] | None = None) -> tuple[tuple, dict] | None:
     """For an optimizer pre-step hook (its ``args`` start with the optimizer): ``(args, kwargs)``
     with the closure wrapped in a :class:`StepClosure` whose later evaluations run under
-    ``set_aside``, or None when there is no closure, or it is a StepClosure already (it gets
-    ``set_aside`` then)."""
+    ``set_aside`` and whose first evaluation is followed by ``after_first()``, or None when there
+    is no closure, or it is a StepClosure already (it gets ``set_aside`` then, and ``after_first``
+    when it has not run yet)."""
     closure, replace = _closure_of(args, kwargs, at=1)
     if closure is None:
         return None
     if isinstance(closure, StepClosure):
         closure.set_aside = closure.set_aside or set_aside
+        if not closure.evaluations:
+            closure.after_first = closure.after_first or after_first
         return None
-    return replace(StepClosure(closure, set_aside))
+    return replace(StepClosure(closure, set_aside, after_first))
 
 
 def closure_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

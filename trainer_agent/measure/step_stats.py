@@ -340,23 +340,33 @@ class StepMeter:
     # ------------------------------------------------------------------ (2) optimizer step
 
     def before_step(self, optimizer: torch.optim.Optimizer, *, closure_pending: bool = False) -> None:
-        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot.
-        ``closure_pending``: the step's closure runs after this hook (``optim.closure_pending``):
-        the gradients it makes are measured at the end of its backward pass, not here."""
+        """Optimizer pre-hook body (under ``no_grad``): LRs used, W_before snapshot, and the
+        gradients the step applies (:meth:`step_grads`). ``closure_pending``: the step's closure
+        runs after this hook (``optim.closure_pending``): its gradients are read after its first
+        evaluation (``optim.StepClosure``), not here, where ``.grad`` holds an earlier step's."""
+        self.state.lrs = triage.group_lrs(optimizer)
+        if not closure_pending:
+            self.step_grads(optimizer)
+        mode = self.config.update_ratio
+        if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
+            self._snapshot.take(self.state)
+
+    def step_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients the optimizer is about to use (all-reduced, unscaled and clipped): their
+        norm when no backward pass measured it, and on report steps their per-layer moments and
+        fingerprints. Under ``no_grad``."""
         st = self.state
-        st.lrs = triage.group_lrs(optimizer)
         # A step on which no parameter has a gradient (all .grad None: a skipped batch, a step
         # without a backward pass) has no gradient values: absent, not a norm of 0 (sharded
         # parameters: measured as before, FSDP2 may hold them elsewhere).
         graded = self.index.sharding is not None or self.index.has_grad()
-        if st.grad_norm is None and graded and not closure_pending:
+        if st.grad_norm is None and graded:
             # No backward pass went through the hooks (gradients set by hand): measure what the
             # optimizer is about to use.
             self.measure_grads()
         report = self.schedule.is_report(self._step() + 1)
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
-        # The gradients this step applies (all-reduced, unscaled and clipped), read once.
         grads = self.index.grads() if report and (self.config.triage or self.fingerprint is not None) else None
         if self.config.triage and report and self.index.sharding is None and graded:
             st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer),
@@ -365,9 +375,6 @@ class StepMeter:
             # Per layer; their squared norms are the statistics' when those measured every gradient.
             st.grad_fp = self.fingerprint.layer_values(grads, skip=self.index.pending_grads(),
                                                        sq=st.grad_stats.device_sq() if st.grad_stats else None)
-        mode = self.config.update_ratio
-        if mode == "every" or (mode == "report" and self.schedule.is_report(self._step() + 1)):
-            self._snapshot.take(st)
 
     def after_step(self) -> None:
         """Optimizer post-hook body (under ``no_grad``): ||W_after - W_before||, ||W_after||."""
