@@ -66,8 +66,8 @@ def _threshold_condition(rule: Any) -> str:
         text += f", crossing it (within it in one of the {rule.crossing_window} reports before)"
     if rule.settle_steps:
         text += (f" ({rule.op} {_num(rule.settle_value)} over" if rule.settle_value is not None else " (not judged over")
-        text += (f" the first {rule.settle_steps} optimizer steps of the run, of a new optimizer or of parameters"
-                 " that start to train)")
+        text += (f" the first {rule.settle_steps} steps of a fresh optimizer state: the run's, a new optimizer's,"
+                 " those of parameters that start to train or of a job resumed without its optimizer's state)")
     return text
 
 

@@ -61,15 +61,25 @@ def _crossed(rule: ThresholdRule, w: RuleWindow) -> bool:
 
 
 #: The markers of a change after which the optimizer's state starts afresh: another optimizer, or
-#: parameters that start to train (``ThresholdRule.settle_steps``).
+#: parameters that start to train (``ThresholdRule.settle_steps``), for reports without the state's age.
 _FRESH_STATE_MARKERS = ("trainguard_optimizer_class", "trainguard_trainable_elements")
+
+#: The age of the optimizer's state the agent reports (its youngest per-parameter step count).
+_STATE_AGE = "trainguard_optimizer_state_steps"
 
 
 def _settling(rule: ThresholdRule, w: RuleWindow) -> bool:
     """Whether the oldest of the newest ``for_reports`` reports ended within ``rule.settle_steps``
-    optimizer steps of the run's first step or of the last report before its optimizer or its
-    trained parameters changed (a marker of :data:`_FRESH_STATE_MARKERS` whose reports line up
-    with the steps'). False for reports without ``trainguard_step``."""
+    optimizer steps of its optimizer state's start. When the newest ``for_reports`` reports carry
+    the state's age (:data:`_STATE_AGE`), that age: a state that started afresh while the run's
+    step went on (a job resumed without its optimizer's state, a reset) settles, and a restored
+    one is judged at once. Without it (older agents, optimizers without a step count), the run's
+    first step or the last report before its optimizer or its trained parameters changed (a
+    marker of :data:`_FRESH_STATE_MARKERS` whose reports line up with the steps'); False for
+    reports without ``trainguard_step``."""
+    ages = w.series(_STATE_AGE, rule.for_reports)
+    if w.latest(_STATE_AGE) is not None and len(ages) == rule.for_reports:
+        return float(ages[0]) <= rule.settle_steps
     steps = w.series("trainguard_step", w.size)
     if len(steps) < rule.for_reports:
         return False

@@ -60,11 +60,15 @@ class ThresholdRule(_RuleBase):
         "scale, not a change: a loss summed over thousands of tokens gives gradient norms in the thousands from "
         "step 1, and no LR caused those."))
     settle_steps: int = Field(default=0, ge=0, le=1_000_000, description=(
-        "Over the first settle_steps optimizer steps (trainguard_step) of the run, and after its last change of "
-        "optimizer or of the parameters it trains (trainguard_optimizer_class, trainguard_trainable_elements), "
-        "counted from the oldest of the for_reports reports, judge against settle_value instead (0: off). An "
-        "optimizer state that starts afresh moves the weights by rules of its own: Adam's bias correction makes its "
-        "first updates about the LR in every element whatever the gradient, for about 1 / (1 - beta1) steps."))
+        "Over the first settle_steps steps of a fresh optimizer state, counted at the oldest of the for_reports "
+        "reports, judge against settle_value instead (0: off). The state's age is the agent's "
+        "trainguard_optimizer_state_steps (a state that starts afresh while the run's step goes on, on a job "
+        "resumed without its optimizer's state, settles; a restored one does not); reports without it (older "
+        "agents, optimizers without a step count) count from the run's first step (trainguard_step) and from its "
+        "last change of optimizer or of the parameters it trains (trainguard_optimizer_class, "
+        "trainguard_trainable_elements). An optimizer state that starts afresh moves the weights by rules of its "
+        "own: Adam's bias correction makes its first updates about the LR in every element whatever the "
+        "gradient, for about 1 / (1 - beta1) steps."))
     settle_value: float | None = Field(default=None, allow_inf_nan=False, description=(
         "The limit over the first settle_steps steps (none: those reports are not judged)."))
 

@@ -92,3 +92,33 @@ def test_cuda_memory_trace_charges_forward_allocations_and_growth() -> None:
     # the Tanh's forward leaves its output allocated (kept by the cache); the Cache's own forward allocates nothing
     assert trace.cuda_forward["1"] >= activation and abs(trace.cuda_forward["2"]) < activation
     agent.close()
+
+
+@pytest.mark.parametrize("kind", ["fused", "capturable"])
+def test_a_device_step_count_is_reported_as_the_state_age_without_a_sync(kind: str) -> None:
+    """Fused and capturable Adam keep ``state[p]["step"]`` on the device: the report copies it
+    with its other device values (a read of it would sync, an error here)."""
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{kind: True})
+    agent = ta.attach(model, opt, job="cuda", run=f"cuda-age-{kind}",
+                      config=ta.AgentConfig(metrics_port=None, report_every=2))
+    batches = [batch(s, 0).cuda() for s in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in batches:
+            loss = model.loss(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        got = agent.latest()
+        assert all(s["step"].device.type == "cuda" for s in opt.state.values())
+        assert got["trainguard_agent_errors_total"] == 0
+        assert got["trainguard_optimizer_state_steps"] == 4.0
+    finally:
+        agent.close()

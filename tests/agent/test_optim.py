@@ -13,7 +13,7 @@ from torch import nn
 
 import trainer_agent as ta
 from trainguard.protocol.commands import DesiredState
-from trainer_agent.measure.optim import unwrap_optimizer
+from trainer_agent.measure.optim import state_age, unwrap_optimizer
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -319,3 +319,61 @@ def test_a_closure_without_a_backward_pass_has_no_gradient_norm_not_the_last_ste
         assert ("trainguard_grad_norm" in latest) == (not skip) and ("trainguard_loss" in latest) == (not skip)
     agent.close()
     assert norms[0] is not None and norms[1] is None
+
+
+# ---------------------------------------------------------------------------- the state's age
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, agent, first: int, count: int) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    reports = []
+    for k in range(first, first + count):
+        x, y = _batch(k)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        reports.append(agent.latest())
+    return reports
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_the_state_age_is_the_steps_of_the_youngest_parameters_state(make) -> None:  # type: ignore[no-untyped-def]
+    """Every parameter's state counts the steps taken (3); the last layer's, dropped as a
+    reset_optimizer drops it, counts from its next step: the age is the youngest's."""
+    model = _model()
+    opt = make(model.parameters(), lr=1e-3)
+    agent = _attach(model, opt)
+    ages = [r.get("trainguard_optimizer_state_steps") for r in _steps(model, opt, agent, 0, 3)]
+    for p in model[2].parameters():
+        opt.state.pop(p)
+    ages += [r.get("trainguard_optimizer_state_steps") for r in _steps(model, opt, agent, 3, 2)]
+    agent.close()
+    assert ages == [1.0, 2.0, 3.0, 1.0, 2.0]
+    assert sorted(float(s["step"]) for s in opt.state.values()) == [2.0, 2.0, 5.0, 5.0]
+
+
+def test_an_optimizer_without_a_step_count_reports_no_state_age() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    agent = _attach(model, opt)
+    reports = _steps(model, opt, agent, 0, 2)
+    agent.close()
+    assert all("momentum_buffer" in s for s in opt.state.values())
+    assert ["trainguard_optimizer_state_steps" in r for r in reports] == [False, False]
+
+
+def test_state_age_reads_host_counts_and_leaves_device_counts_on_their_device() -> None:
+    """A count in a host tensor or a Python number is read; counts on a device (a fused Adam's
+    on CUDA: here the meta device, which has no values to read) stay a device tensor, the smaller
+    host count folded in on the device."""
+    opt = torch.optim.Adam([torch.zeros(1, requires_grad=True) for _ in range(4)])
+    a, b, c, d = (p for group in opt.param_groups for p in group["params"])
+    assert state_age(opt) is None  # before the first step
+    opt.state[a] = {"step": torch.tensor(7.0)}
+    opt.state[b] = {"step": 5}
+    opt.state[c] = {"exp_avg": torch.zeros(1)}  # no count: left out
+    assert state_age(opt) == 5.0
+    opt.state[d] = {"step": torch.tensor(9.0, device="meta")}
+    age = state_age(opt)
+    assert isinstance(age, torch.Tensor) and age.device.type == "meta" and age.shape == ()

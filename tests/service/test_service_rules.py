@@ -607,6 +607,22 @@ def test_the_update_ratio_limit_is_the_first_steps_one_after_the_run_starts_and_
     assert fired(first) == ["update_ratio_high"] and first.fired[0].finding.values["threshold"] == 0.04
 
 
+def test_the_update_ratio_limit_follows_the_optimizer_states_age_when_the_report_carries_it():
+    ur, age = "trainguard_update_ratio", "trainguard_optimizer_state_steps"
+    # (step, update ratio, the state's age): 0.02 is above 0.01 but below the first 50 steps' 0.04.
+    def reports(rows):
+        return [make_report(s, float(i), {ur: v, "trainguard_step": float(s), age: a})
+                for i, (s, v, a) in enumerate(rows)]
+    run_on = [(s, 0.002, float(s)) for s in range(1, 101)]
+    fresh = run(DEFAULTS, reports(run_on + [(100 + a, 0.02, float(a)) for a in range(1, 60)]))  # a new state at 101
+    assert [x.step_last for x in fresh if fired(x)] == [153]  # its age 51 in the oldest of the three
+    assert fresh[152].fired[0].finding.values["threshold"] == 0.01
+    restored = run(DEFAULTS, reports([(s, 0.02, 1000.0 + s) for s in range(1, 4)]))  # the step restarts, the state not
+    assert fired(restored[-1]) == ["update_ratio_high"] and restored[-1].fired[0].finding.values["threshold"] == 0.01
+    older = run(DEFAULTS, [make_report(s, float(s), {ur: 0.02, "trainguard_step": float(s)}) for s in range(1, 4)])
+    assert fired(older[-1]) == []  # an older agent's reports: the run's first steps
+
+
 def test_a_flat_loss_draws_the_plateau_alert_only_while_the_window_covers_half_the_run():
     flat = [2.0 + 0.001 * (i % 3) for i in range(100)]  # least-squares line rising: not decreasing
     at = lambda first: [make_report(first + i, float(i), {LOSS: v, "trainguard_step": float(first + i)})  # noqa: E731

@@ -183,6 +183,74 @@ def test_an_lr_10_to_100_times_too_high_draws_the_update_ratio_alert_on_adams_fi
     assert min(ratios[:3]) > 0.04
 
 
+@pytest.fixture(scope="module")
+def trained_gpt() -> dict[str, Any]:
+    """A byte-level TinyGPT trained 100 steps with AdamW at 2e-3 (``_gpt_rows``'s data), as a
+    checkpoint would hold it: the model's, the optimizer's and the agent's states."""
+    from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+    corpus = ByteCorpus(stdlib_source_bytes(1 << 20), seq_len=64, batch_size=8, seed=0)
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=64, d_model=64, n_layers=2, n_heads=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    agent = ta.attach(model, opt, job="workload", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    rows = train(agent, opt, lambda k: next_byte_loss(model, *corpus.batch(k, 0)), 100)
+    return {"rows": rows, "model": model.state_dict(), "optimizer": opt.state_dict(), "agent": agent.state_dict(),
+            "corpus": corpus}
+
+
+def _resumed_rows(saved: dict[str, Any], lr: float, optimizer_state: bool, agent_state: bool,
+                  steps: int) -> tuple[list[dict[str, float]], list[float]]:
+    """``saved`` resumed in new objects: the model loaded, a new AdamW at ``lr`` (its state loaded
+    from the checkpoint or not), a new agent (its state loaded or not: the run's step goes on or
+    restarts), trained ``steps`` steps on the batches after the checkpoint's. The agent's report
+    after every step and, per step, ||W_after - W_before|| / ||W_before|| measured here."""
+    from trainguard.demo.model import TinyGPT, next_byte_loss
+    model = TinyGPT(seq_len=64, d_model=64, n_layers=2, n_heads=4)
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if optimizer_state:
+        opt.load_state_dict(saved["optimizer"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+    agent = ta.attach(model, opt, job="workload", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    if agent_state:
+        agent.load_state_dict(saved["agent"])
+    weights: list[torch.Tensor] = []
+
+    def loss_of(k: int) -> torch.Tensor:
+        weights.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+        return next_byte_loss(model, *saved["corpus"].batch(100 + k, 0))
+
+    rows = train(agent, opt, loss_of, steps + 1)[:-1]
+    return rows, [float((b - a).norm() / a.norm()) for a, b in zip(weights, weights[1:])]
+
+
+def test_a_run_resumed_with_a_fresh_optimizer_state_draws_no_update_ratio_alert(trained_gpt: dict[str, Any]) -> None:
+    """The checkpoint holds the model and the agent, not the optimizer: AdamW starts afresh at
+    step 101, and its first updates are about the LR in every element (above 1 %, three times the
+    run's ratio before), for its first steps as for a run's."""
+    before = trained_gpt["rows"]
+    rows, ratios = _resumed_rows(trained_gpt, 2e-3, optimizer_state=False, agent_state=True, steps=60)
+    assert [r["trainguard_step"] for r in rows[:2]] == [101.0, 102.0]  # the run's step goes on
+    assert max(r["trainguard_update_ratio"] for r in before[-10:]) < 0.01 < min(ratios[:3])
+    assert max(ratios[50:]) < 0.01  # settled
+    assert _fired(before + rows, "update_ratio_high") == []
+
+
+@pytest.mark.parametrize("agent_state", [True, False], ids=["step-goes-on", "step-restarts"])
+def test_a_run_resumed_with_its_optimizer_state_is_judged_at_the_later_limit_at_once(
+        trained_gpt: dict[str, Any], agent_state: bool) -> None:
+    """The checkpoint holds the optimizer's state too, and the run resumes at 3 times its LR: the
+    updates are 1-4 % of the weights from the first step on, above the 1 % of a settled state
+    however young the run's step count (a fine-tune that restarts it), and the rule fires on the
+    third report after the resume."""
+    rows, ratios = _resumed_rows(trained_gpt, 6e-3, optimizer_state=True, agent_state=agent_state, steps=6)
+    assert 0.01 < min(ratios[:3]) and max(ratios[:3]) < 0.04
+    first = 101 if agent_state else 1
+    assert [r["trainguard_step"] for r in rows[:2]] == [first, first + 1]
+    assert _fired(rows, "update_ratio_high")[:1] == [first + 2]
+
+
 def _mlp_rows(bs: int, lr: float, labels: str, steps: int) -> list[dict[str, float]]:
     """A 32-128-128-10 MLP trained with AdamW on a linear teacher's classes (``labels`` "teacher")
     or on random classes (nothing to learn): the agent's report after every step."""

@@ -48,7 +48,8 @@ import torch
 
 from trainer_agent.compat import torch_private
 
-__all__ = ["applied_grad_scale", "closure_pending", "fused_found_inf", "optimizer_class", "unwrap_optimizer", "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
+__all__ = ["applied_grad_scale", "closure_pending", "fused_found_inf", "optimizer_class", "state_age", "unwrap_optimizer",
+           "StepClosure", "guarded_step", "with_step_closure", "unmeasured"]
 
 #: Wrapper levels followed at most (a wrapper of a wrapper of ...; bounds a cycle).
 _MAX_DEPTH = 8
@@ -115,6 +116,33 @@ def optimizer_class(optimizer: object) -> tuple[str, float]:
     inner = getattr(optimizer, "optim", None)
     full = name(optimizer) + (f"({name(inner)})" if isinstance(inner, torch.optim.Optimizer) else "")
     return full, float(zlib.crc32(full.encode()))
+
+
+def state_age(optimizer: torch.optim.Optimizer) -> torch.Tensor | float | None:
+    """The age of the optimizer's state: the smallest step count of its per-parameter states
+    (``state[p]["step"]`` of Adam, AdamW, Adagrad, RMSprop, ...: the steps that parameter's moments
+    have accumulated), so that a part whose state started afresh (a new optimizer on a resumed
+    run, parameters that start to train, a ``reset_optimizer``) shows. None when no state holds
+    such a count: an optimizer without one (SGD, LBFGS), or before its first step. Counts kept on
+    the device (fused or capturable Adam on CUDA) give a 0-dim tensor there, for the report's
+    device-to-host copy; counts on the host a float (no device read)."""
+    host: list[float] = []
+    device: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if type(step) is torch.Tensor and step.numel() == 1:  # (a tensor subclass, DTensor, is left out)
+            if step.device.type == "cpu":
+                host.append(step.item())
+            else:
+                device.append(step.reshape(()))
+        elif isinstance(step, (int, float)) and not isinstance(step, bool):
+            host.append(float(step))
+    youngest = min(host) if host else None
+    if not device:
+        return youngest
+    same = all(t.dtype == device[0].dtype and t.device == device[0].device for t in device)
+    on_device = torch.stack(device if same else [t.to(device[0].device, torch.float64) for t in device]).min()
+    return on_device if youngest is None else torch.clamp(on_device.to(torch.float64), max=youngest)
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -37,6 +37,7 @@ from trainer_agent.measure import stats
 from trainer_agent.report.cross_rank import MAX_QUEUED, CrossRankWorker, RankVectors
 from trainer_agent.report.exporter import sample_key
 from trainer_agent.measure.fingerprint import DesyncFinding, Fingerprinter
+from trainer_agent.measure.optim import state_age
 from trainer_agent.report.fingerprint_rounds import FingerprintRounds, failed_ranks
 from trainer_agent.report.in_flight import InFlight, pack
 from trainer_agent.report.interval_rows import IntervalRows
@@ -280,6 +281,11 @@ class ReportPipeline:
         else:
             state_tensors = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             dev["trainguard_optimizer_state_nonfinite"] = stats.nonfinite_count(state_tensors, self.device)
+        age = state_age(self.optimizer)  # a device count rides with the report's copy: no sync
+        if isinstance(age, torch.Tensor):
+            dev["trainguard_optimizer_state_steps"] = age.to(self.device, torch.float64)
+        elif age is not None:
+            host["trainguard_optimizer_state_steps"] = age
         scale_now = self.meter.scale_tensor()
         if scale_now is not None:
             dev["trainguard_loss_scale"] = scale_now

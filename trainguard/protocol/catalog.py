@@ -122,6 +122,7 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _g("trainguard_nonfinite_grads", "elements", "Non-finite (NaN or Inf) gradient elements at the last step. Absent on a report whose step had no gradient.", scope=JOB),
     _c("trainguard_nonfinite_steps_total", "steps", "Steps whose loss or gradients held a non-finite value."),
     _g("trainguard_optimizer_state_nonfinite", "elements", "Non-finite elements in the optimizer's state tensors (e.g. Adam moments), checked at the report interval.", scope=JOB),
+    _g("trainguard_optimizer_state_steps", "steps", "Age of the optimizer's state: the smallest step count among its per-parameter states (Adam/AdamW's state[p][\"step\"], as Adagrad's and RMSprop's: the steps that parameter's moments have accumulated). It restarts from 1 where the state starts afresh although the run's step goes on (a job resumed from a checkpoint without the optimizer's state, parameters that start to train, a reset_optimizer), and the controller's update_ratio_high judges the first steps of a fresh state by it. Absent for an optimizer that keeps no step count (SGD, LBFGS) and before its first step.", scope=JOB),
     _g("trainguard_loss_scale", "1", "AMP GradScaler loss scale after the last step (absent without a scaler).", scope=JOB),
     _c("trainguard_amp_skipped_steps_total", "steps", "Optimizer steps skipped by the GradScaler because of inf/NaN gradients (detected from a drop of the scale).", scope=JOB),
     _g("trainguard_step_duration_seconds", "seconds", "Wall time between the last two end_step calls."),
