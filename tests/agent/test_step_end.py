@@ -116,7 +116,8 @@ def test_a_step_without_a_loss_counts_and_invents_no_loss() -> None:
 
 def _loop(plan: list[str], run: str, *, controller: str | None = None, report_every: int = 2) -> list[dict]:
     """Two layers, SGD; per step of ``plan``: ``loss`` (a backward and a step), ``nan`` (a NaN loss whose
-    step the loop skips; ``nanstep``: the optimizer steps on its gradients), ``none`` (an optimizer step without a loss or any gradient, end_step(None)),
+    step the loop skips; ``nanstep``: the optimizer steps on its gradients), ``zero`` (a loss times 0:
+    every gradient exactly 0, and a step), ``none`` (an optimizer step without a loss or any gradient, end_step(None)),
     ``idle`` (end_step(None) alone). Returns per step the latest values, the loss rank vector and the
     gradient norm the step had (NaN without one)."""
     torch.manual_seed(0)
@@ -127,11 +128,11 @@ def _loop(plan: list[str], run: str, *, controller: str | None = None, report_ev
     out = []
     for what in plan:
         loss, norm = None, math.nan
-        if what in ("loss", "nan", "nanstep"):
-            loss = model(torch.randn(2, 4)).square().mean() * (1.0 if what == "loss" else math.nan)
+        if what in ("loss", "nan", "nanstep", "zero"):
+            loss = model(torch.randn(2, 4)).square().mean() * {"loss": 1.0, "zero": 0.0}.get(what, math.nan)
             loss.backward()
             norm = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
-        if what in ("loss", "none", "nanstep"):
+        if what in ("loss", "none", "nanstep", "zero"):
             opt.step()
         opt.zero_grad()
         agent.end_step(None if loss is None else loss.detach())
@@ -183,7 +184,8 @@ def test_a_step_without_gradients_has_no_gradient_values() -> None:
     # gradient at 7, none at 8; 10: a NaN gradient at the report step, applied by the optimizer
     steps = _loop(["loss", "loss", "none", "none", "loss", "idle", "nan", "none", "loss", "nanstep"], "r-no-grad")
     gradient_values = ("trainguard_grad_norm", "trainguard_grad_max_abs", "trainguard_effective_lr",
-                       "trainguard_update_size_ratio", "trainguard_nonfinite_grads")
+                       "trainguard_update_size_ratio", "trainguard_nonfinite_grads", "trainguard_update_ratio",
+                       "trainguard_update_ratio_per_lr")
     first, no_grad, after_grad, after_nan, nan_now = (steps[i] for i in (1, 3, 5, 7, 9))
     assert all(k in first["values"] for k in gradient_values) and "trainguard_grad_max_abs{" in first["metrics"]
     assert first["values"]["trainguard_grad_norm"] == pytest.approx(first["norm"], rel=1e-6)
@@ -193,9 +195,20 @@ def test_a_step_without_gradients_has_no_gradient_values() -> None:
         assert s["ranks"]["grad_norm"] == []
         assert "trainguard_grad_norm{" not in s["metrics"] and "trainguard_grad_max_abs{" not in s["metrics"]
     assert "trainguard_grad_norm_max" not in no_grad["values"]  # no step of the interval had a gradient
-    assert no_grad["values"]["trainguard_update_ratio"] == 0.0  # the weights did not move
+    assert "trainguard_param_norm" in no_grad["values"]  # (the weights are reported, not how a gradient moved them)
     assert after_grad["values"]["trainguard_grad_norm_max"] == pytest.approx(steps[4]["norm"], rel=1e-6)
     assert math.isnan(after_nan["values"]["trainguard_grad_norm_max"])  # no finite norm in the interval
     # a real NaN gradient stays NaN
     assert math.isnan(nan_now["values"]["trainguard_grad_norm"]) and math.isnan(nan_now["ranks"]["grad_norm"][0])
     assert math.isnan(nan_now["values"]["trainguard_grad_max_abs"]) and nan_now["values"]["trainguard_nonfinite_grads"] == 25
+    assert math.isnan(nan_now["values"]["trainguard_effective_lr"]) and math.isnan(nan_now["values"]["trainguard_update_ratio"])
+
+
+def test_a_step_whose_gradients_are_all_zero_has_no_effective_lr() -> None:
+    """Step 2's loss is multiplied by 0: every gradient is exactly 0 and SGD leaves the weights
+    where they were. The update ratio is that 0 (a step with a gradient); the effective LR,
+    ||dW|| / ||g||, is 0/0: no LR, absent rather than a NaN that reads as a non-finite gradient."""
+    zero, = (s["values"] for s in _loop(["loss", "zero"], "r-zero-grad")[1:])
+    assert zero["trainguard_grad_norm"] == 0.0 and zero["trainguard_nonfinite_grads"] == 0.0
+    assert zero["trainguard_update_ratio"] == 0.0
+    assert "trainguard_effective_lr" not in zero

@@ -103,16 +103,20 @@ def update_values(raw: Raw, values: dict[str, float], *, numel: int, param: int,
                   lrs: Sequence[float | str] | None, model: UpdateModel) -> None:
     """The parameter scale, the update ratio (per unit of LR), the effective LR, the update-size
     ratio against the optimizer's rule and the largest |g| (``trainer_agent/measure/triage_stats.py``).
-    ``lrs``: per param group a host LR, or the report key of a tensor LR's value."""
+    ``lrs``: per param group a host LR, or the report key of a tensor LR's value. A step without
+    any gradient (no ``trainguard_grad_norm``) has none of the update values: its weights did not
+    move because nothing trained, and a 0 would read as a stalled run; the effective LR is absent
+    where every gradient is exactly 0 too (0/0, or an update by momentum per no gradient: no LR)."""
     values["trainguard_param_scale"] = float(np.sqrt(np.float64(raw.vectors[param].sum()) / numel))
-    if delta is not None and before is not None:
+    grad_norm = values.get("trainguard_grad_norm")
+    if delta is not None and before is not None and grad_norm is not None:
         size = _sqrt_sum(raw.vectors[delta])
         ratio = size / _sqrt_sum(raw.vectors[before])
         values["trainguard_update_ratio"] = float(ratio)
         if applied is not None:
             values["trainguard_update_ratio_per_lr"] = float(ratio / applied)
-        if "trainguard_grad_norm" in values:
-            values["trainguard_effective_lr"] = float(size / np.float64(values["trainguard_grad_norm"]))
+        if grad_norm != 0:  # (NaN: a real NaN gradient, NaN here too)
+            values["trainguard_effective_lr"] = float(size / np.float64(grad_norm))
         if moments is not None and lrs is not None:
             host_lrs = [values[lr] if isinstance(lr, str) else lr for lr in lrs]
             grad_sq = moments[1].grad_sq(raw.vectors[moments[0]])
