@@ -377,3 +377,23 @@ def test_state_age_reads_host_counts_and_leaves_device_counts_on_their_device() 
     opt.state[d] = {"step": torch.tensor(9.0, device="meta")}
     age = state_age(opt)
     assert isinstance(age, torch.Tensor) and age.device.type == "meta" and age.shape == ()
+
+
+def test_the_state_age_of_many_tensors_finds_a_state_started_afresh() -> None:
+    """Of 2,000 states a report reads the 64 created last and 64 spread over the rest: a state
+    dropped (as reset_optimizer drops it) and created again at the next step is among the newest,
+    and the count of a fresh optimizer's states is read whatever the parameter count (reading all 2,000 would cost
+    about 1.5 ms of each report step)."""
+    params = [torch.zeros(2, requires_grad=True) for _ in range(2000)]
+    opt = torch.optim.Adam(params, lr=1e-3)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.ones(2)
+        opt.step()
+    assert state_age(opt) == 4.0
+    opt.state.pop(params[777])
+    opt.step()
+    assert float(opt.state[params[777]]["step"]) == 1.0 and state_age(opt) == 1.0
+    fresh = torch.optim.Adam(params, lr=1e-3)
+    fresh.step()
+    assert state_age(fresh) == 1.0

@@ -118,17 +118,33 @@ def optimizer_class(optimizer: object) -> tuple[str, float]:
     return full, float(zlib.crc32(full.encode()))
 
 
+#: States whose step count a report reads (:func:`state_age`): the newest (a state is created when
+#: its parameter first steps, so a new optimizer's, a reset part's and a newly trained layer's are
+#: last in ``optimizer.state``) and an even spread of the others: reading every state's count (about
+#: 0.8 us each) took 3.8 ms of each report step at 5,000 tensors, 0.07 ms at 100.
+_AGE_NEWEST = 64
+_AGE_SPREAD = 64
+
+
+def _age_sample(states: list[Any]) -> list[Any]:
+    if len(states) <= _AGE_NEWEST + _AGE_SPREAD:
+        return states
+    older = states[:-_AGE_NEWEST]
+    return older[::-(-len(older) // _AGE_SPREAD)] + states[-_AGE_NEWEST:]
+
+
 def state_age(optimizer: torch.optim.Optimizer) -> torch.Tensor | float | None:
     """The age of the optimizer's state: the smallest step count of its per-parameter states
     (``state[p]["step"]`` of Adam, AdamW, Adagrad, RMSprop, ...: the steps that parameter's moments
     have accumulated), so that a part whose state started afresh (a new optimizer on a resumed
-    run, parameters that start to train, a ``reset_optimizer``) shows. None when no state holds
-    such a count: an optimizer without one (SGD, LBFGS), or before its first step. Counts kept on
-    the device (fused or capturable Adam on CUDA) give a 0-dim tensor there, for the report's
-    device-to-host copy; counts on the host a float (no device read)."""
+    run, parameters that start to train, a ``reset_optimizer``) shows. Of more than 128 states,
+    the 64 created last and 64 spread over the others are read (:data:`_AGE_NEWEST`). None when no
+    state holds such a count: an optimizer without one (SGD, LBFGS), or before its first step.
+    Counts kept on the device (fused or capturable Adam on CUDA) give a 0-dim tensor there, for
+    the report's device-to-host copy; counts on the host a float (no device read)."""
     host: list[float] = []
     device: list[torch.Tensor] = []
-    for state in optimizer.state.values():
+    for state in _age_sample(list(optimizer.state.values())):
         step = state.get("step") if isinstance(state, dict) else None
         if type(step) is torch.Tensor and step.numel() == 1:  # (a tensor subclass, DTensor, is left out)
             if step.device.type == "cpu":
