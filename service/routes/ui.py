@@ -19,7 +19,8 @@ per interval for every stream (:class:`StreamSnapshots`), sent at most every tic
 and capped per session and in all (429 beyond).
 The pages are one HTML shell and plain JavaScript modules under ``service/ui`` (no build step);
 the charts use the vendored uPlot. The run page's actions are the command registry's operator
-commands (``GET /ui/api/commands``, ``POST /ui/api/runs/{run}/{command}`` and its ``/preview``).
+commands (``GET /ui/api/commands``, ``POST /ui/api/runs/{run}/{command}`` and its ``/preview``),
+and ``DELETE /ui/api/runs/{run}`` (the API's ``DELETE /v1/runs/{run}``, with the same checks).
 Sessions, sign-in limits and the request checks are in ``ui_sessions.py``; the reads' rows and the
 live-update streams in ``ui_streams.py``.
 """
@@ -37,9 +38,10 @@ from fastapi import APIRouter, Body, FastAPI, HTTPException, Query, Request, Res
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from trainguard.protocol.command_inputs import command_inputs, validation_message
+from trainguard.protocol.base import Prose
 from trainguard.protocol.commands import REGISTRY, CommandRefused, CommandSpec, apply_command
 from trainguard.protocol.wire import MAX_INT
 from trainguard.service.auth import ANONYMOUS, TokenTable
@@ -220,10 +222,11 @@ async def api_alerts(run: str, request: Request, _: ReadSession) -> Response:
 @router.get("/ui/api/events")
 async def api_events(
     request: Request, _: ReadSession, before: Annotated[int | None, Query(ge=1, le=MAX_INT)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200, run: Annotated[str | None, Query(max_length=128)] = None,
 ) -> Response:
-    """The audit log of every run, newest first: ``limit`` events with ids below ``before``."""
-    page = await _controller(request).records.events_newest(run=None, before=before, limit=limit)
+    """The audit log of every run (or of the runs named ``run``, deleted ones included), newest
+    first: ``limit`` events with ids below ``before``."""
+    page = await _controller(request).records.events_newest(run=run, before=before, limit=limit)
     return _json({"events": page, "before": page[-1]["id"] if len(page) == limit else None})
 
 
@@ -306,6 +309,31 @@ async def api_command(run: str, command: str, request: Request, session: AnySess
         run, spec.name, params=params, reason=params.reason or f"{command} from the console by {actor}", actor=actor,
         source="operator")
     return Response(answer, status_code=status, media_type="application/json")
+
+
+class Deletion(BaseModel):
+    """The body of a run's deletion from the console."""
+
+    model_config = ConfigDict(extra="forbid")
+    force: StrictBool = False
+    reason: Prose = Field(default="", max_length=2000)
+
+
+@router.delete("/ui/api/runs/{run}")
+async def api_delete_run(run: str, request: Request, session: AnySession,
+                         body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
+    """Delete the run as ``DELETE /v1/runs/{run}`` does (the ``command`` scope; body: ``force``,
+    ``reason``): 404 for an unknown run, 409 with the controller's reason for a live one unless
+    ``force``."""
+    if "command" not in session.principal.scopes:
+        raise HTTPException(403, "this operator token lacks the 'command' scope")
+    try:
+        deletion = Deletion.model_validate(body or {})
+    except ValidationError as e:
+        raise HTTPException(422, validation_message(e)) from None
+    actor = session.principal.actor
+    return _json(await _controller(request).delete_run(
+        run, actor=actor, force=deletion.force, reason=deletion.reason or f"deleted from the console by {actor}"))
 
 
 # -- the app ------------------------------------------------------------------------------------------

@@ -141,9 +141,9 @@ async def _replay(ctl: Controller, run: str | None, after: int, snapshots: Strea
 
 async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, snapshots: StreamSnapshots | None = None,
                    alive: Callable[[], bool] = lambda: True, release: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
-    """Server-Sent Events for the console. With ``run``: ``report`` (new window rows after report
-    ``seq``), ``audit`` (the run's audit events after id ``after``) and ``run`` (its status, when it
-    changed). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events).
+    """Server-Sent Events for the console. With ``run``: ``report`` (new window rows after report ``seq``),
+    ``audit`` (the run's audit events after id ``after``), ``run`` (its status, when it changed) and, last,
+    ``gone`` (the run was deleted). Without: ``runs`` (the runs list, when it changed) and ``audit`` (every run's events).
 
     Per connection: the status and reports once per ``_TICK_S`` (the runs list at most every
     ``_RUNS_EVERY_S``), audit events in writes of at most ``_EVENTS_PER_WRITE``; each a lookup of
@@ -164,8 +164,9 @@ async def _updates(ctl: Controller, run: str | None, seq: int, after: int, *, sn
             if now >= next_state:
                 next_state = now + _TICK_S
                 state = _state_chunk(ctl, run, seq, sent, snapshots)
-                if state is None:
-                    return  # the run is gone
+                if state is None:  # deleted: the page learns it, instead of reconnecting to a 404
+                    yield _sse("gone", {"run": run})
+                    return
                 chunk, seq, sent = state
                 if chunk:
                     written = now

@@ -53,13 +53,17 @@ export async function get(path) {
   return answer(await fetch(path, { credentials: "same-origin" }));
 }
 
-export async function post(path, body) {
+// A state-changing request: a JSON body and the session's CSRF token.
+async function change(method, path, body) {
   return answer(await fetch(path, {
-    method: "POST", credentials: "same-origin",
+    method, credentials: "same-origin",
     headers: { "Content-Type": "application/json", "X-CSRF-Token": session.csrf },
     body: JSON.stringify(body || {}),
   }));
 }
+
+export const post = (path, body) => change("POST", path, body);
+export const del = (path, body) => change("DELETE", path, body);
 
 // The wire writes NaN and infinities as strings: back to numbers.
 export function num(v) {
@@ -69,11 +73,13 @@ export function num(v) {
   return v;
 }
 
-// An EventSource that reconnects from the caller's cursors (url() is called on every connect).
+// An EventSource that reconnects from the caller's cursors (url() is called on every connect);
+// onDrop() is called each time the connection fails or ends.
 export class Stream {
-  constructor(url, handlers) {
+  constructor(url, handlers, onDrop) {
     this.url = url;
     this.handlers = handlers;
+    this.onDrop = onDrop;
     this.closed = false;
     this.delay = 1000;
     this.open();
@@ -88,6 +94,7 @@ export class Stream {
     es.onerror = () => {
       es.close();
       if (this.closed) return;
+      if (this.onDrop) this.onDrop();
       // a stream refused because the session ended: back to the sign-in page
       loadSession().then((s) => { if (!s.signedIn) location.reload(); }, () => {});
       setTimeout(() => this.open(), this.delay);

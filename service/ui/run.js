@@ -1,10 +1,11 @@
 // One run: status, actions, alerts with their diagnoses, the incidents of the automatic recovery
 // (onset, rungs, outcome), live charts of the controller's window (updated over the event stream),
-// the per-rank view and the run's audit log.
+// the per-rank view and the run's audit log; deleting the run, and saying so when it is deleted.
 import { Actions } from "./actions.js";
 import { ApiError, Stream, get, num } from "./api.js";
 import { Chart, fmt } from "./charts.js";
 import { h, statusBadge, when } from "./dom.js";
+import { Removal } from "./removal.js";
 
 // Job-level charts: the report values they draw (the agent's metric names).
 const CHARTS = [
@@ -83,7 +84,46 @@ export class RunPage {
       report: (w) => { this.addWindow(w); this.redraw(); },
       run: (d) => this.setDetail(d),
       audit: (ev) => this.onEvent(ev),
-    });
+      gone: () => this.checkGone(),
+    }, () => this.checkGone());
+  }
+
+  // The stream ended or failed: when the run was deleted, say so (with its deletion's audit event
+  // once that is readable) instead of reconnecting for ever to a run that is no longer there.
+  async checkGone() {
+    if (this.deleted || this.checking) return;
+    this.checking = true;
+    const path = `/ui/api/runs/${encodeURIComponent(this.run)}`;
+    try {
+      const last = this.events.length ? this.events[this.events.length - 1].id : 0;
+      const { events } = await get(`/ui/api/events?run=${encodeURIComponent(this.run)}&limit=20`);
+      const ev = events.find((e) => e.kind === "deleted" && e.id > last);
+      if (ev) this.markDeleted(ev);
+      else await get(`${path}/alerts`); // still registered: the stream reconnects
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) this.onAuth();
+      else if (err instanceof ApiError && err.status === 404) this.markDeleted(null);
+    } finally {
+      this.checking = false;
+    }
+  }
+
+  // The run was deleted (by this page or by anyone): no more updates nor actions; what the page
+  // shows stays, as it was, under a line that says who deleted it, when and why.
+  markDeleted(info) {
+    if (this.deleted || this.closed) return;
+    this.deleted = true;
+    if (this.stream) this.stream.close();
+    this.actionPanel.detail = null;
+    this.actionPanel.render();
+    this.removalEl.hidden = true;
+    const badge = this.header.querySelector("[data-status]");
+    if (badge) badge.replaceWith(statusBadge("deleted"));
+    this.deletedEl.replaceChildren(
+      info ? `Run ${this.run} was deleted by ${info.actor} (${when(info.time)}): ${info.reason}. ` : `Run ${this.run} was deleted. `,
+      "It no longer reports nor takes commands; its audit events stay in the ", h("a", { href: "/ui/audit", "data-link": "" }, "audit log"),
+      ". ", h("a", { href: "/ui", "data-link": "" }, "Back to the runs"));
+    this.deletedEl.hidden = false;
   }
 
   build() {
@@ -91,6 +131,10 @@ export class RunPage {
     this.actions = h("div", { class: "actions", id: "actions" });
     this.result = h("p", { class: "action-result", id: "action-result", role: "status" });
     this.actionPanel = new Actions(this.actions, this.result, this.run, { onAuth: this.onAuth });
+    const removal = new Removal(this.run, { onAuth: this.onAuth, onDeleted: (info) => this.markDeleted(info),
+      onResult: (state, text) => this.actionPanel.setResult(state, text) });
+    this.removalEl = h("div", { class: "actions removal", id: "removal", hidden: removal.button ? null : true }, removal.button);
+    this.deletedEl = h("p", { class: "deleted", id: "run-deleted", role: "status", hidden: true });
     this.desiredEl = h("dl", { class: "facts" });
     this.alertsEl = h("section", { class: "alerts", id: "alerts" });
     this.incidentsEl = h("section", { class: "incidents", id: "incidents" });
@@ -99,8 +143,8 @@ export class RunPage {
     this.rankTable = h("table", { class: "ranks", id: "rank-table" });
     this.eventsBody = h("tbody");
     this.root.replaceChildren(
-      this.header, h("details", { class: "desired", id: "desired-state" }, h("summary", {}, "Desired state (every field)"), this.desiredEl),
-      this.actions, this.result, this.alertsEl, this.incidentsEl,
+      this.deletedEl, this.header, h("details", { class: "desired", id: "desired-state" }, h("summary", {}, "Desired state (every field)"), this.desiredEl),
+      this.actions, this.removalEl, this.result, this.alertsEl, this.incidentsEl,
       h("h2", {}, "Training signals"),
       h("p", { class: "legend" }, h("span", { class: "mk mk-alert" }), " alert  ", h("span", { class: "mk mk-desired" }),
         " desired state changed  ", h("span", { class: "mk mk-applied" }), " applied by every rank  ",
@@ -214,6 +258,7 @@ export class RunPage {
     this.events.push(ev);
     if (this.events.length > 500) this.events.shift();
     this.eventsBody.prepend(this.eventRow(ev));
+    if (ev.kind === "deleted") this.markDeleted(ev);
     if (ev.kind === "alert" || ev.kind === "resolved") this.refreshAlerts();
     if (ev.kind === "incident") this.refreshIncidents();
     this.redraw();

@@ -330,3 +330,35 @@ def test_the_run_stream_replays_events_after_its_cursor_then_sends_new_reports_a
     assert got[0][1]["id"] == events[2]["id"] and got[0][1]["data"]["desired"]["lr_scale"] == 0.5
     assert [(r["seq"], r["step"], r["values"]["trainguard_loss"]) for r in got[1][1]["rows"]] == [(2, 20, 1 / 20), (3, 30, 1 / 30)]
     assert got[2][1]["desired"]["paused"] and got[2][1]["desired"]["lr_scale"] == 0.5 and got[2][1]["reports"] == 3
+
+
+def test_the_run_stream_ends_with_gone_when_its_run_is_deleted(client_factory: Callable[..., TestClient]) -> None:
+    import asyncio
+
+    from trainguard.service.routes.ui_streams import _updates
+
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    ctl = client.app.state.controller
+
+    async def read_across_the_deletion() -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        gen = _updates(ctl, "run-1", 0, 0)
+
+        async def read() -> None:
+            async for chunk in gen:
+                for event in chunk.split(b"\n\n"):
+                    if b"event: " in event:
+                        out.append(_parse_sse(event))
+                        if out[-1][0] == "run" and "run-1" in ctl.runs:  # the page is open: another operator deletes the run
+                            await ctl.delete_run("run-1", actor="someone else", force=True, reason="cleaning up")
+
+        try:
+            await asyncio.wait_for(read(), 30)  # the stream ends by itself
+        finally:
+            await gen.aclose()
+        return out
+
+    got = client.portal.call(read_across_the_deletion)
+    assert got[0][0] == "run" and got[-1] == ("gone", {"run": "run-1"})
+    assert {kind for kind, _ in got[1:-1]} <= {"audit"}

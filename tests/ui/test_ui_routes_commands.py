@@ -139,3 +139,70 @@ def test_a_preview_answers_the_change_or_the_refusal_and_changes_nothing(client_
     assert "accumulation_steps=N" in preview.json()["detail"]
     assert _desired(client)["generation"] == 0
     assert client.post("/ui/api/runs/nope/pause/preview", json={}, headers=csrf).status_code == 404
+
+
+def _registered(client: TestClient, run: str = "run-1") -> bool:
+    status = client.get(f"/v1/runs/{run}", headers=API).status_code
+    assert status in (200, 404)
+    return status == 200
+
+
+def test_a_run_is_deleted_from_the_console_only_with_the_command_scope_csrf_and_origin(
+    client_factory: Callable[..., TestClient],
+) -> None:
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    assert client.post("/v1/runs/run-1/finish", json={"step": 7}, headers=AGENT_AUTH).status_code == 200
+    csrf = _login(client, READER)["csrf"]
+    resp = client.request("DELETE", "/ui/api/runs/run-1", json={}, headers={CSRF_HEADER: csrf})
+    assert (resp.status_code, resp.json()["detail"]) == (403, "this operator token lacks the 'command' scope")
+    csrf = _login(client, OPERATOR)["csrf"]
+    assert client.request("DELETE", "/ui/api/runs/run-1", json={}).status_code == 403  # no CSRF token
+    assert client.request("DELETE", "/ui/api/runs/run-1", json={},
+                          headers={CSRF_HEADER: csrf, "Origin": "http://evil.example.org"}).status_code == 403
+    assert _registered(client)
+
+    resp = client.request("DELETE", "/ui/api/runs/run-1", json={"reason": "done with it"}, headers={CSRF_HEADER: csrf})
+    assert (resp.status_code, resp.json()) == (200, {"run": "run-1", "job": "job-a", "status": "finished", "deleted": True})
+    assert not _registered(client)
+    assert "run-1" not in [r["run"] for r in client.get("/ui/api/runs").json()]
+    # the deleted run's audit trail, read as the page reads it after a deletion
+    events = client.get("/ui/api/events", params={"run": "run-1"}).json()["events"]
+    actor = client.get("/ui/api/session").json()["actor"]
+    assert [e["kind"] for e in events] == ["deleted", "finished", "registered"]
+    assert (events[0]["actor"], events[0]["reason"], events[0]["data"]) == (actor, "done with it", {"status": "finished", "forced": False})
+    resp = client.request("DELETE", "/ui/api/runs/run-1", json={}, headers={CSRF_HEADER: csrf})
+    assert (resp.status_code, resp.json()["detail"]) == (404, "run 'run-1' is not registered")
+
+
+def test_a_live_run_is_refused_with_the_controllers_reason_until_forced(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    csrf = {CSRF_HEADER: _login(client, OPERATOR)["csrf"]}
+    assert client.post("/ui/api/runs/run-1/pause", json={}, headers=csrf).status_code == 200
+    refused = client.request("DELETE", "/ui/api/runs/run-1", json={"reason": "not yet"}, headers=csrf)
+    assert (refused.status_code, refused.json()["detail"]) == (409, (
+        "run 'run-1' is live: it is paused, and its processes may be waiting for a resume; stop it first, or delete it "
+        "anyway with force=true (an agent still running registers it again, as a new run)"))
+    assert client.delete("/v1/runs/run-1", headers=API).json() == refused.json()  # the API's own words
+    assert _registered(client)
+    resp = client.request("DELETE", "/ui/api/runs/run-1", json={"force": True, "reason": "abandoned"}, headers=csrf)
+    assert (resp.status_code, resp.json()["status"]) == (200, "paused")
+    deleted = client.get("/v1/runs/run-1/events", headers=API).json()[-1]
+    assert (deleted["kind"], deleted["reason"], deleted["data"]) == ("deleted", "abandoned", {"status": "paused", "forced": True})
+    assert not _registered(client)
+
+
+def test_a_bad_deletion_body_is_422_and_deletes_nothing(client_factory: Callable[..., TestClient]) -> None:
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    csrf = {CSRF_HEADER: _login(client, OPERATOR)["csrf"]}
+    for body, message in [
+        ({"force": "yes"}, "force: Input should be a valid boolean"),
+        ({"reason": "x" * 2001}, "reason: String should have at most 2000 characters"),
+        ({"reason": "a\x00b"}, "reason: must be text without control characters (tab and newline aside); it contains U+0000"),
+        ({"forced": True}, "forced: Extra inputs are not permitted"),
+    ]:
+        resp = client.request("DELETE", "/ui/api/runs/run-1", json=body, headers=csrf)
+        assert resp.status_code == 422 and resp.json()["detail"].startswith(message), (body, resp.json())
+    assert _registered(client)
