@@ -41,6 +41,13 @@ export function evidenceText(x) {
   return JSON.stringify(x);
 }
 
+// The line that says a run was deleted: by whom, when and why (its "deleted" audit event, when known).
+function deletionLine(run, info) {
+  return [info ? `Run ${run} was deleted by ${info.actor} (${when(info.time)}): ${info.reason}. ` : `Run ${run} was deleted. `,
+    "It no longer reports nor takes commands; its audit events stay in the ", h("a", { href: "/ui/audit", "data-link": "" }, "audit log"),
+    ". ", h("a", { href: "/ui", "data-link": "" }, "Back to the runs")];
+}
+
 export class RunPage {
   constructor(root, run, { onAuth }) {
     this.root = root;
@@ -62,6 +69,7 @@ export class RunPage {
       data = await get(`/ui/api/runs/${encodeURIComponent(this.run)}`);
     } catch (err) {
       if (err instanceof ApiError && err.status === 401) return this.onAuth();
+      if (err instanceof ApiError && err.status === 404) return this.showMissing(err.message);
       this.root.replaceChildren(h("p", { class: "error" }, err.message));
       return;
     }
@@ -119,11 +127,22 @@ export class RunPage {
     this.removalEl.hidden = true;
     const badge = this.header.querySelector("[data-status]");
     if (badge) badge.replaceWith(statusBadge("deleted"));
-    this.deletedEl.replaceChildren(
-      info ? `Run ${this.run} was deleted by ${info.actor} (${when(info.time)}): ${info.reason}. ` : `Run ${this.run} was deleted. `,
-      "It no longer reports nor takes commands; its audit events stay in the ", h("a", { href: "/ui/audit", "data-link": "" }, "audit log"),
-      ". ", h("a", { href: "/ui", "data-link": "" }, "Back to the runs"));
+    this.deletedEl.replaceChildren(...deletionLine(this.run, info));
     this.deletedEl.hidden = false;
+  }
+
+  // A run that is not registered: its deletion when that is the newest of its audit events (a
+  // link from the audit log, a reload), else the controller's message.
+  async showMissing(message) {
+    let ev;
+    try {
+      ev = (await get(`/ui/api/events?run=${encodeURIComponent(this.run)}&limit=1`)).events.find((e) => e.kind === "deleted");
+    } catch {
+      ev = undefined;
+    }
+    if (this.closed) return;
+    this.root.replaceChildren(ev ? h("p", { class: "deleted", id: "run-deleted", role: "status" }, ...deletionLine(this.run, ev))
+      : h("p", { class: "error" }, message));
   }
 
   build() {

@@ -90,6 +90,13 @@ def test_a_finished_run_is_deleted_from_its_page_and_leaves_the_run_list_without
         page.page.wait_for_selector("#runs")
         assert page.page.query_selector(f'tr[data-run="{run}"]') is None
         assert page.page.evaluate("() => window.notReloaded === true")
+        ev = _deleted_event(controller, run)
+        page.page.goto(f"{controller.url}/ui/runs/{run}")  # its address later, e.g. from the audit log
+        text = page.page.wait_for_selector("#run-deleted").inner_text()
+        assert text.startswith(f"Run {run} was deleted by {ev['actor']} (") and f"): {ev['reason']}." in text
+        missing = "run-never-registered"
+        page.page.goto(f"{controller.url}/ui/runs/{missing}")
+        assert page.page.wait_for_selector("#app p.error").inner_text() == f"run '{missing}' is not registered"
     finally:
         watcher.close()
 
