@@ -10,6 +10,11 @@ is served by the leader alone, so its aggregate is the leader's value; with
 ``AgentConfig(job_metrics="all")`` every rank serves an identical copy and the aggregate is the same.
 Per-rank metrics (the loss, the forward time, the data signals) are aggregated over every rank.
 The thresholds are the controller's default rules' (``dashboards/thresholds.py``).
+
+An alert whose condition one of the controller's own rules acts on only notifies: that rule
+judges the same values with what Prometheus cannot know (the schedule's planned rises such as a
+warm restart, a run's own scale, a change of the trainable elements, its settle periods), so the
+controller's verdict is the one cause an action follows from, and a fault is acted on once.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from trainguard.dashboards.thresholds import (
     GRAD_NORM_SPIKE_MIN_HISTORY,
     GRAD_NORM_SPIKE_RATIO,
     LENGTH_SHIFT_P_MIN,
-    LR_FACTOR,
     SPECIAL_TOKEN_RATIO_MAX,
     STRAGGLER_RATIO,
     TOKEN_KL_MAX,
@@ -194,24 +198,30 @@ ALERT_RULES: tuple[AlertRule, ...] = (
                 "pausing it (fp16 Adam moments overflow first).",
     ),
     AlertRule(
+        # Notifies only: the controller's grad_norm_high rule lowers the LR on a rise across the
+        # limit in this run, not on a run at that scale from its first step (a loss summed over
+        # tokens), where an LR cut from here would slow a healthy run.
         name="TrainguardGradNormHigh",
         expr=f"trainguard:grad_norm:max > {GRAD_NORM_LIMIT:g}",
-        action="lr_scale", severity="warning",
+        action="notify", severity="warning",
         summary="Gradient norm {{ $value }} above 1e3 on run {{ $labels.run }} (such gradients usually "
-                "precede divergence): halving the LR.",
-        extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
+                "precede divergence). The controller lowers the LR when the norm rose across 1e3 in "
+                "this run; see the run's incidents.",
     ),
     AlertRule(
         # Judged against GRAD_NORM_SPIKE_MIN_HISTORY earlier values at least, as the controller's
         # rule: a run's first few values are no baseline (the window holds the current one too).
+        # Notifies only: the controller's grad_norm_spike rule lowers the LR by cause (a warm
+        # restart's or a re-warm's planned rise, a change of the trainable elements and its settle
+        # period are no fault); an LR cut from here too would cut twice for one spike.
         name="TrainguardGradNormSpike",
         expr=f"trainguard:grad_norm:spike_ratio > {GRAD_NORM_SPIKE_RATIO:g} "
              f"and on (job, run) count_over_time(trainguard:grad_norm:max[{GRAD_NORM_SPIKE_WINDOW}]) "
              f"> {GRAD_NORM_SPIKE_MIN_HISTORY}",
-        action="lr_scale", severity="warning",
+        action="notify", severity="warning",
         summary="Gradient norm spiked to {{ $value }}x its rolling median on run "
-                "{{ $labels.run }}: halving the LR.",
-        extra_labels={"trainguard_lr_factor": f"{LR_FACTOR:g}"},
+                "{{ $labels.run }}. The controller lowers the LR unless the schedule or a change of "
+                "the trained layers explains it; see the run's incidents.",
     ),
     AlertRule(
         name="TrainguardDataDuplicates",

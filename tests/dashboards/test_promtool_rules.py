@@ -125,3 +125,22 @@ def test_alertmanager_config_and_routing(tmp_path):
         routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config),
                       "alertname=X", f"trainguard_action={action}", "run=r1").stdout
         assert sorted(routed.replace(",", " ").split()) == ["trainguard-controller", "webhook-sink"], action
+
+
+@pytest.mark.skipif(AMTOOL is None, reason="amtool not installed (prometheus-alertmanager)")
+def test_only_alerts_no_controller_rule_decides_by_cause_reach_the_controller(tmp_path):
+    """The gradient alerts notify people only: the controller's own gradient rules lower the LR by
+    cause (a warm restart, a run's scale, unfreezing), and an LR cut from Prometheus too would act
+    on healthy runs and twice on one spike. Routed by Alertmanager with the generated labels."""
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    config = tmp_path / "alertmanager.yml"
+    config.write_text((GENERATED / "alertmanager/alertmanager.yml").read_text().replace(ALERTMANAGER_TOKEN_SECRET, str(token)))
+    rules = yaml.safe_load((GENERATED / "prometheus/rules.yml").read_text())
+    reaching = set()
+    for rule in (r for g in rules["groups"] for r in g["rules"] if "alert" in r):
+        labels = [f"alertname={rule['alert']}", "run=r1", *(f"{k}={v}" for k, v in rule["labels"].items())]
+        routed = _run(AMTOOL, "config", "routes", "test", "--config.file", str(config), *labels).stdout
+        if "trainguard-controller" in routed:
+            reaching.add(rule["alert"])
+    assert reaching == {"TrainguardOptimizerStateNonFinite"}
