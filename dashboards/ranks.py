@@ -22,6 +22,7 @@ from trainguard.dashboards.common import (
     timeseries,
     with_ref_ids,
 )
+from trainguard.dashboards.rules import FORWARD_WINDOW
 from trainguard.dashboards.thresholds import COMM_EXPOSED_RATIO_MAX, STRAGGLER_RATIO
 
 UID = "trainguard-ranks"
@@ -57,9 +58,10 @@ def _step_time_panels() -> list:
             span=12,
         ),
         timeseries(
-            "Stragglers: slowest rank / median rank (forward time)",
-            f"max over ranks of the forward-pass time divided by its median over ranks. The "
-            f"straggler alert fires above {STRAGGLER_RATIO:g} (red line).",
+            "Stragglers: slowest rank / median of the others (forward time)",
+            f"Each rank's median forward-pass time over {FORWARD_WINDOW}; the slowest rank's divided by "
+            f"the median of the other ranks' (1 for a run of one rank). The straggler alert fires above "
+            f"{STRAGGLER_RATIO:g} (red line) for 1 minute.",
             [query(f"trainguard:forward_seconds:max_over_median{{{JOB_RUN}}}", "{{run}}")],
             band=Band(((STRAGGLER_RATIO, "red"),)),
         ),

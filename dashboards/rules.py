@@ -37,6 +37,8 @@ from trainguard.protocol.commands import REGISTRY
 
 __all__ = [
     "GRAD_NORM_SPIKE_WINDOW",
+    "FORWARD_WINDOW",
+    "FORWARD_MIN_SAMPLES",
     "RANK_MEMORY",
     "CONTROLLER_ACTIONS",
     "ACTIONS",
@@ -51,6 +53,12 @@ __all__ = [
 #: reports; Prometheus has samples in time, not reports). The thresholds come from
 #: :mod:`dashboards.thresholds`, i.e. from the controller's default rules.
 GRAD_NORM_SPIKE_WINDOW = "10m"
+#: Each rank's forward time is its median over this window: one scrape of a forward that the
+#: operating system's scheduling stretched (a CPU rank descheduled for a few ms) is not a straggler.
+FORWARD_WINDOW = "5m"
+#: Scrapes of its forward time a rank needs in that window before it is judged (a median of one
+#: or two scrapes is those scrapes).
+FORWARD_MIN_SAMPLES = 3
 #: How long a rank that stopped answering its scrapes is still listed as down where its scrape
 #: target does not name it (a PodMonitor's): longer than the RankDown alert's ``for``.
 RANK_MEMORY = "1h"
@@ -65,6 +73,7 @@ CONTROLLER_ACTIONS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.alertm
 ACTIONS = ("notify", *CONTROLLER_ACTIONS)
 
 BY_RUN = "by (job, run)"
+_FORWARD = "trainguard:forward_seconds:median_" + FORWARD_WINDOW
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,11 +151,19 @@ RECORDING_RULES: tuple[Recording, ...] = (
              f"trainguard:grad_norm:max[{GRAD_NORM_SPIKE_WINDOW}])",
     ),
     # Under data parallelism the all-reduce equalises the ranks' step times: what differs on a
-    # slow rank is the time in its own forward pass.
+    # slow rank is the time in its own forward pass, judged by its median over FORWARD_WINDOW.
+    Recording(
+        record=_FORWARD,
+        expr=f"max by (job, run, rank) (quantile_over_time(0.5, trainguard_forward_seconds[{FORWARD_WINDOW}]) "
+             f"and count_over_time(trainguard_forward_seconds[{FORWARD_WINDOW}]) >= {FORWARD_MIN_SAMPLES})",
+    ),
+    # The slowest rank over the median of the others (with two ranks: over the other one; a rank
+    # twice as slow as the rest reads 2); 1 for a run of one rank or of equal ranks.
     Recording(
         record="trainguard:forward_seconds:max_over_median",
-        expr=f"max {BY_RUN} (trainguard_forward_seconds) "
-             f"/ quantile {BY_RUN} (0.5, trainguard_forward_seconds)",
+        expr=f"max {BY_RUN} ({_FORWARD}) / quantile {BY_RUN} (0.5, {_FORWARD} unless on (job, run, rank) "
+             f"({_FORWARD} == on (job, run) group_left max {BY_RUN} ({_FORWARD}))) "
+             f"or on (job, run) max {BY_RUN} ({_FORWARD}) / max {BY_RUN} ({_FORWARD})",
     ),
     Recording(record="trainguard:tokens_per_second:sum",
               expr=f"sum {BY_RUN} (trainguard_tokens_per_second)"),
@@ -251,11 +268,12 @@ ALERT_RULES: tuple[AlertRule, ...] = (
     AlertRule(
         name="TrainguardStraggler",
         expr=f"trainguard:forward_seconds:max_over_median > {STRAGGLER_RATIO:g} "
-             f"and on (job, run) max {BY_RUN} (trainguard_forward_seconds) >= {FORWARD_MIN:g}",
+             f"and on (job, run) max {BY_RUN} ({_FORWARD}) >= {FORWARD_MIN:g}",
         for_="1m",
         action="notify", severity="warning",
-        summary="Slowest rank spends {{ $value }}x the median rank's time in the forward pass on run "
-                "{{ $labels.run }} (step times are equal under data parallelism; the forward is not).",
+        summary="Slowest rank spends {{ $value }}x the other ranks' median time in the forward pass on "
+                "run {{ $labels.run }} over " + FORWARD_WINDOW + " (step times are equal under data "
+                "parallelism; the forward is not).",
     ),
     AlertRule(
         # No change over a window the run was scraped through: a run first scraped less than
