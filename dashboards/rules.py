@@ -298,12 +298,15 @@ ALERT_RULES: tuple[AlertRule, ...] = (
                     "onset and rungs; its page in the console shows them next to the charts.",
     ),
     AlertRule(
+        # A rank that stopped answering while the rest of its run still steps left the job (it
+        # finished its share early, or an elastic restart went on with fewer ranks): no page. A
+        # rank that died under data parallelism holds the others at their next collective.
         name="TrainguardRankDown",
-        expr="trainguard:rank_up:max == 0",
-        for_=ABSENCE,
+        expr=f"trainguard:rank_up:max == 0 unless on (job, run) trainguard:step:changes_5m > 0",
+        for_="1m",
         action="notify", severity="critical",
-        summary="Rank {{ $labels.rank }} of run {{ $labels.run }} has not answered a scrape for "
-                + ABSENCE + ".",
+        summary="Rank {{ $labels.rank }} of run {{ $labels.run }} answers no scrape and the run made no "
+                "step for " + ABSENCE + ": the ranks wait for it.",
     ),
 )
 
