@@ -189,10 +189,15 @@ RECORDING_RULES: tuple[Recording, ...] = (
              f"or max by (job, run, rank) (last_over_time(trainguard_step[{RANK_MEMORY}])) * 0 "
              f"and on (job, run) max {BY_RUN} (trainguard_step)",
     ),
-    # The controller's own series: by run only (they carry the controller's scrape job, and a
-    # run's name is unique in its controller).
-    Recording(record="trainguard:incidents_awaiting_human:max",
-              expr="max by (run) (trainguard_controller_incidents_awaiting_human)"),
+    # The controller's own series carry the controller's scrape job, not the run's: the run's
+    # training job comes from its ranks' series (a run's name is unique in its controller), as on
+    # every other alert; a run none of whose ranks was seen for RANK_MEMORY keeps its run label.
+    Recording(
+        record="trainguard:incidents_awaiting_human:max",
+        expr="max by (run) (trainguard_controller_incidents_awaiting_human) * on (run) group_left (job) "
+             f'topk by (run) (1, group {BY_RUN} (up{{run!=""}} or last_over_time(trainguard_step[{RANK_MEMORY}]))) '
+             "or on (run) max by (run) (trainguard_controller_incidents_awaiting_human)",
+    ),
 )
 
 ALERT_RULES: tuple[AlertRule, ...] = (
