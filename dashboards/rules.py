@@ -11,8 +11,8 @@ is served by the leader alone, so its aggregate is the leader's value; with
 Per-rank metrics (the loss, the forward time, the data signals) are aggregated over every rank.
 The thresholds are the controller's default rules' (``dashboards/thresholds.py``).
 
-An alert whose condition one of the controller's own rules acts on only notifies: that rule
-judges the same values with what Prometheus cannot know (the schedule's planned rises such as a
+An alert whose condition one of the controller's own rules judges by cause only notifies: that
+rule judges the same values with what Prometheus cannot know (the schedule's planned rises such as a
 warm restart, a run's own scale, a change of the trainable elements, its settle periods), so the
 controller's verdict is the one cause an action follows from, and a fault is acted on once.
 """
