@@ -1,7 +1,7 @@
 """A real Alertmanager (Debian's package) delivering to the controller's /v1/alertmanager.
 
 Alertmanager is set to send the same notification again every second, so "acts once" is tested
-by something that would show a second action: the alert carries the generated rules'
+by something that would show a second action: the alert, one a team wrote itself, carries
 ``trainguard_lr_factor`` (the run's lr_scale times 0.5), so a repeat would halve the scale again.
 The controller is then killed and restarted on its database (same port, Alertmanager keeps
 sending): the alerts it already acted on, and an operator's Idempotency-Key, are remembered.
@@ -37,7 +37,8 @@ def _sent(am_url: str) -> int:
 
 
 def _alert(name: str, starts: str) -> dict:
-    # the labels the generated Prometheus rules put on TrainguardGradNormHigh / ...Spike
+    # an alert of the team's own rules that asks for an LR cut (the generated gradient alerts notify
+    # only: the controller's gradient rules decide that cut by cause)
     return {"labels": {"alertname": name, "job": "job-am", "run": "run-am", "severity": "warning",
                        "trainguard_action": "lr_scale", "trainguard_lr_factor": "0.5"},
             "annotations": {"summary": "grad norm above 1e3"}, "startsAt": starts}
@@ -74,7 +75,7 @@ receivers:
     try:
         wait_until(lambda: httpx.get(f"{am_url}/-/ready", timeout=1).status_code == 200, timeout=30, every=0.1)
         starts = datetime.now(timezone.utc).isoformat()
-        assert httpx.post(f"{am_url}/api/v2/alerts", json=[_alert("TrainguardGradNormHigh", starts)], timeout=5).status_code == 200
+        assert httpx.post(f"{am_url}/api/v2/alerts", json=[_alert("TeamGradNormHigh", starts)], timeout=5).status_code == 200
         state = wait_until(lambda: (d := op.get("/v1/runs/run-am").json()["desired"])["generation"] and d, timeout=30, every=0.1)
         assert (state["generation"], state["lr_scale"]) == (1, 0.5) and "grad norm above 1e3" in state["reason"]
         # Alertmanager sends the same alert again every second: each repeat would halve the scale.
@@ -98,11 +99,11 @@ receivers:
         assert op.get("/v1/runs/run-am/desired").json()["generation"] == 2
 
         # Another alert (its own fingerprint) acts: the factor multiplies the current scale.
-        assert httpx.post(f"{am_url}/api/v2/alerts", json=[_alert("TrainguardGradNormSpike", starts)], timeout=5).status_code == 200
+        assert httpx.post(f"{am_url}/api/v2/alerts", json=[_alert("TeamGradNormSpike", starts)], timeout=5).status_code == 200
         desired = wait_until(lambda: (d := op.get("/v1/runs/run-am/desired").json())["generation"] == 3 and d, timeout=30, every=0.1)
         assert desired["lr_scale"] == 0.25
         events = [e for e in op.get("/v1/runs/run-am/events").json() if e["kind"] == "desired"]
         assert [e["generation"] for e in events] == [1, 2, 3]
-        assert [events[0]["actor"], events[2]["actor"]] == ["alertmanager:TrainguardGradNormHigh", "alertmanager:TrainguardGradNormSpike"]
+        assert [events[0]["actor"], events[2]["actor"]] == ["alertmanager:TeamGradNormHigh", "alertmanager:TeamGradNormSpike"]
     finally:
         stop(am)
