@@ -12,11 +12,13 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
+import sqlite3
 import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-__all__ = ["Batch", "GroupCommitStore", "Orphaned", "StoreError"]
+__all__ = ["Batch", "GroupCommitStore", "Orphaned", "StoreError", "is_disk_full", "ROOM_PROBE_BYTES"]
 
 log = logging.getLogger("trainguard.store")
 T = TypeVar("T")
@@ -28,7 +30,22 @@ class StoreError(RuntimeError):
     """The database could not be written (the caller should answer 503)."""
 
 
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether ``e`` says the database has no room: SQLite's SQLITE_FULL ("database or disk is
+    full"), PostgreSQL's disk_full (SQLSTATE 53100)."""
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or getattr(e, "sqlstate", None) == "53100"
+
+
 Batch = list[tuple[Callable[[Any], Any], bool]]
+#: The size of the row a readiness probe writes after a full disk: room for a large report.
+ROOM_PROBE_BYTES = 256 * 1024
+
+
+def _probe_room(conn: Any) -> None:
+    """Write a row of :data:`ROOM_PROBE_BYTES` and delete it in the same transaction: fails while the
+    database has no room for it (random bytes: PostgreSQL cannot compress them away)."""
+    conn.execute("INSERT INTO room_probe (pad) VALUES (?)", (os.urandom(ROOM_PROBE_BYTES),))
+    conn.execute("DELETE FROM room_probe")
 
 
 class GroupCommitStore(abc.ABC):
@@ -57,6 +74,9 @@ class GroupCommitStore(abc.ABC):
         self.commits = 0
         #: Why the last commit failed; ``None`` after a successful one (readiness reads it).
         self.write_error: str | None = None
+        #: A write failed for want of room (a full disk): readiness answers 503 with it until a
+        #: write that needs room commits (``/readyz`` tries one: :meth:`probe`).
+        self.out_of_room: str | None = None
         self._readers_lock = threading.Lock()
         # Reads in flight on worker threads: close() waits for them before closing the reader
         # connections (a request cancelled mid-read leaves its thread running the read).
@@ -133,6 +153,22 @@ class GroupCommitStore(abc.ABC):
     def alive(self) -> bool:
         return self._started and not self._closed and self.failed is None
 
+    def probe(self) -> asyncio.Future[None]:
+        """The write readiness commits: an empty transaction; after a write failed for want of room
+        (:attr:`out_of_room`), a row of :data:`ROOM_PROBE_BYTES` written and deleted, whose commit
+        clears it."""
+        full = self.out_of_room
+        if full is None:
+            return self.submit(lambda c: None, single_statement=True)
+
+        def cleared(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is None and self.out_of_room == full:
+                self.out_of_room = None  # (a write that failed meanwhile keeps its own reason)
+
+        probe = self.submit(_probe_room)
+        probe.add_done_callback(cleared)
+        return probe
+
     def submit(self, op: Callable[[Any], T], *, single_statement: bool = False,
                orphaned: Orphaned | None = None) -> asyncio.Future[T]:
         """Queue ``op`` for the next group commit; the future resolves after the commit.
@@ -197,6 +233,8 @@ class GroupCommitStore(abc.ABC):
         failed = []
         for (_op, fut, _single, orphaned), (ok, value) in zip(batch, results):
             if not ok:
+                if is_disk_full(value) or is_disk_full(value.__cause__):
+                    self.out_of_room = str(value)
                 failed.append((fut, orphaned, value))
             elif not fut.done():
                 fut.set_result(value)

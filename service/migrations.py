@@ -259,6 +259,25 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX deleted_runs_run ON deleted_runs(run);
     CREATE INDEX deleted_runs_reports_left ON deleted_runs(reports_left, run_id);
     """,
+    # 15: retention (``service/retention.py``): what the hourly prune deletes once older than its
+    # retention, each found by an index in batches (audit events and resolved alerts by time, webhook
+    # messages by creation and their delivery attempts by message, deleted runs by deletion, the
+    # idempotency and Alertmanager keys by time, a token still owning a run by its digest); and
+    # ``room_probe``, the row /readyz writes and deletes while the disk was found full.
+    """
+    CREATE INDEX events_time ON events(time);
+    CREATE INDEX alerts_ended ON alerts(ends_at);
+    CREATE INDEX outbox_created ON outbox(created_at);
+    CREATE INDEX deliveries_outbox ON deliveries(outbox_id);
+    CREATE INDEX deleted_runs_deleted ON deleted_runs(deleted_at);
+    CREATE INDEX idempotency_created ON idempotency(created_at);
+    CREATE INDEX alertmanager_seen_received ON alertmanager_seen(received_at);
+    CREATE INDEX run_owners_token ON run_owners(token_hash);
+    CREATE TABLE room_probe (
+        id INTEGER PRIMARY KEY,
+        pad BLOB NOT NULL
+    );
+    """,
 )
 
 

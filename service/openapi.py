@@ -69,8 +69,9 @@ SPECIFIC_ERRORS: dict[tuple[str, str], dict[str, str]] = {
     ("post", "/v1/runs/{run}/acks"): {"409": "The generation was never published."},
     ("post", "/v1/rules/test"): {"429": "Too many rule simulations in progress; retry later (Retry-After)."},
     ("get", "/v1/events/stream"): {"400": "Last-Event-ID is not the id of an event."},
-    ("get", "/readyz"): {"503": "Database writes fail or wait for a lock, or the runs are still being read back at "
-                                "start-up (the answer says which, and how far the read got)."},
+    ("get", "/readyz"): {"503": "Database writes fail (after a full disk, until a 256 KiB row fits again) or wait for "
+                                "a lock, or the runs are still being read back at start-up (the answer says which, and "
+                                "how far the read got)."},
     ("get", "/healthz"): {"503": "The database writer stopped (or reading the runs back at start-up failed; it is tried again)."},
 }
 

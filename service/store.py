@@ -230,6 +230,7 @@ class Store(GroupCommitStore):
                 except sqlite3.Error:
                     pass
                 err = StoreError(f"database commit failed: {e}")
+                err.__cause__ = e
                 results = [(False, err)] * len(batch)
         return results
 

@@ -210,6 +210,8 @@ class PostgresStore(GroupCommitStore):
                     except psycopg.Error:
                         pass
                 err = e if isinstance(e, StoreError) else StoreError(f"database commit failed: {e}")
+                if err is not e:
+                    err.__cause__ = e
                 results = [(False, err)] * len(batch)
         return results
 
@@ -255,7 +257,8 @@ class PostgresStore(GroupCommitStore):
                 raw.execute("ROLLBACK TO op")
                 prefix = ""  # the savepoint stands again: the next operation reuses it
                 if is_operational(e):
-                    e = StoreError(f"database write failed: {e}")
+                    cause, e = e, StoreError(f"database write failed: {e}")
+                    e.__cause__ = cause
                 results.append((False, e))
         raw.execute("COMMIT")
         return results

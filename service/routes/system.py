@@ -24,11 +24,13 @@ READY_WRITE_S = 1.0
 
 @router.get("/readyz", summary="Readiness: 200 while a write commits (503 while writes fail or wait for a lock)",
             description="Commits an empty transaction and answers 200 when it commits within a second; 503 with the "
-            "reason otherwise. /healthz is liveness only (the process and its database writer run).")
+            "reason otherwise. After a write failed for want of room (a full disk), it writes and deletes a row of "
+            "256 KiB instead, and answers 503 until that commits. /healthz is liveness only (the process and its "
+            "database writer run).")
 async def readyz(ctl: ControllerDep) -> Response:
     if not ctl.store.alive:
         return _status(503, "database writer stopped")
-    probe = ctl.store.submit(lambda c: None, single_statement=True)
+    probe = ctl.store.probe()
     probe.add_done_callback(lambda f: f.cancelled() or f.exception())  # an outcome after the answer is not an error
     try:
         await asyncio.wait_for(asyncio.shield(probe), READY_WRITE_S)

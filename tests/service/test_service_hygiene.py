@@ -30,6 +30,77 @@ def test_readiness_fails_while_writes_wait_for_a_lock_and_liveness_stays(app_fac
         wait_until(lambda: c.get("/readyz").status_code == 200)
 
 
+def _fill_the_disk(c) -> dict:
+    """Reports until one is refused for want of room (SQLite's file may grow by three pages more,
+    as in test_service_store.py); the report refused."""
+    writer = c.app.state.controller.store._conn
+    writer.execute(f"PRAGMA max_page_count={writer.execute('PRAGMA page_count').fetchone()[0] + 3}")
+    for step in range(1000):
+        body = {"job": "job-a", "step_first": step, "step_last": step, "time": 1.0, "values": {f"m{i}": 1.0 for i in range(100)}}
+        r = c.post("/v1/runs/run-1/reports", json=body)
+        if r.status_code != 200:
+            assert (r.status_code, r.json()["detail"]) == (503, "database commit failed: database or disk is full")
+            return body
+    raise AssertionError("the disk never filled")
+
+
+def test_readiness_fails_while_the_disk_is_full_and_comes_back_with_room(app_factory) -> None:
+    """A full disk (the empty transaction of the probe still commits): /readyz answers 503 naming it,
+    so that traffic goes elsewhere, and 200 again once a write that needs room commits."""
+    with app_factory(tick_s=60) as c:
+        register(c, world_size=1)
+        body = _fill_the_disk(c)
+        r = c.get("/readyz")
+        assert (r.status_code, r.json()) == (503, {"status": "database writes fail: database commit failed: database or "
+                                                             "disk is full"})
+        assert c.get("/readyz").status_code == 503  # (still no room: the probe's row does not fit)
+        assert c.get("/healthz").status_code == 200
+        c.app.state.controller.store._conn.execute("PRAGMA max_page_count=1073741823")
+        r = c.get("/readyz")
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        assert c.post("/v1/runs/run-1/reports", json=body).status_code == 200
+        assert c.get("/readyz").status_code == 200
+
+
+def test_readiness_fails_after_a_full_disk_on_each_backend(store_db, monkeypatch) -> None:
+    """Each backend's own full-disk error (SQLite's SQLITE_FULL, PostgreSQL's disk_full) of a write
+    makes /readyz 503 until the probe's row commits."""
+    import psycopg
+    from fastapi.testclient import TestClient
+    from trainguard.service import group_commit
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+
+    if isinstance(store_db, str):
+        full: Exception = psycopg.errors.DiskFull("could not extend file: No space left on device")
+    else:
+        full = sqlite3.OperationalError("database or disk is full")
+        full.sqlite_errorcode = sqlite3.SQLITE_FULL
+    real_probe = group_commit._probe_room
+
+    def no_room(conn) -> None:
+        raise full
+
+    with TestClient(create_app(Settings(db=store_db, tick_s=60))) as c:
+        store = c.app.state.controller.store
+        monkeypatch.setattr(group_commit, "_probe_room", no_room)
+        assert c.get("/readyz").status_code == 200  # no write failed yet: the empty probe
+        c.portal.call(lambda: _fails(store.submit(no_room)))
+        r = c.get("/readyz")
+        assert r.status_code == 503 and str(full) in r.json()["status"]
+        monkeypatch.setattr(group_commit, "_probe_room", real_probe)
+        assert c.get("/readyz").status_code == 200 and store.out_of_room is None
+        assert store.read_now(lambda conn: conn.execute("SELECT COUNT(*) FROM room_probe").fetchone()[0]) == 0
+
+
+async def _fails(fut) -> None:
+    try:
+        await fut
+    except Exception:
+        return
+    raise AssertionError("the write did not fail")
+
+
 def test_database_file_is_owner_only(app_factory, tmp_path) -> None:
     old = os.umask(0o022)
     try:
