@@ -17,8 +17,8 @@ from trainguard.service.config import Settings
 from trainguard.service.engine import decide
 from trainguard.service.evaluate import evaluate
 from trainguard.service.metrics import ControllerMetrics
-from trainguard.service.operator_commands import KEYS_KEPT_S
 from trainguard.service.outcomes import OutcomeRecorder
+from trainguard.service.retention import Retention
 from trainguard.service.rules_store import RulesStore
 from trainguard.service.run_removal import RunRemoval
 from trainguard.service.runstate import RunState, live
@@ -53,6 +53,8 @@ class AbsenceTicker:
         self._last_prune = 0.0
         self._expiring = False  # runs that ended long ago are being removed (EXPIRE_RUNS a tick)
         self._prune_before: float | None = None  # the cutoff of a prune not finished yet
+        self.retention = Retention(settings, store)
+        """What the prune deletes besides reports and runs (``service/retention.py``)."""
         self.watching_since = -math.inf
         """When the ticker started (:meth:`run`): no run is silent for longer than this."""
 
@@ -81,17 +83,18 @@ class AbsenceTicker:
         await self._prune(now)
 
     async def _prune(self, now: float) -> None:
-        """Once an hour, delete the reports older than the retention and remove the runs that
-        ended longer ago than it (``service/run_removal.py``), at most :data:`EXPIRE_RUNS` runs and
-        :data:`PRUNE_BATCHES` transactions of :data:`PRUNE_REPORTS` reports a tick (deleted runs'
-        reports included); what is left, at the next ticks. The reports of an hour at 1,500 a
+        """Once an hour, delete the reports older than the retention, remove the runs that ended
+        longer ago than it (``service/run_removal.py``) and delete what ``service/retention.py``
+        keeps no longer, at most :data:`EXPIRE_RUNS` runs and :data:`PRUNE_BATCHES` transactions (of
+        :data:`PRUNE_REPORTS` reports, deleted runs' reports included, or of the retention's rows) a
+        tick; what is left, at the next ticks. The reports of an hour at 1,500 a
         second, deleted in one transaction on the event loop, held every request for over a minute
         (longer than a liveness probe waits)."""
         if self._prune_before is None and now - self._last_prune > 3600:
             self._last_prune = now
             self._prune_before = now - self.settings.report_retention_s
             self._expiring = True
-            await self.store.submit(lambda c: deletion.prune_keys(c, now - KEYS_KEPT_S))
+            self.retention.start(now, active_rules=int(self.rules.meta.get("version") or 0))
         if self._expiring:
             self._expiring = await self.removal.expire(now, self.watching_since, EXPIRE_RUNS) == EXPIRE_RUNS
         batches = PRUNE_BATCHES
@@ -103,6 +106,7 @@ class AbsenceTicker:
         while self.removal.reports_left and batches > 0:
             batches -= 1
             self.removal.reports_left = await self.store.submit(lambda c: deletion.purge_deleted_reports(c, PRUNE_REPORTS))
+        await self.retention.run(batches)
 
     def _silence_from(self, st: RunState) -> float:
         """The earliest moment ``st``'s silence may count from: when it became live, or when the

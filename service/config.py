@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     report_retention_s: float = Field(
         default=7 * 24 * 3600.0, gt=0, description="Reports older than this are pruned from the database."
     )
+    audit_retention_s: float = Field(
+        default=90 * 24 * 3600.0, gt=0,
+        description="Audit events, resolved alerts, webhook messages and their delivery attempts, revoked or expired "
+        "tokens and the names of deleted runs older than this are pruned from the database (at least "
+        "report_retention_s: they are the evidence of what happened to the runs).")
+    rules_versions_kept: int = Field(
+        default=100, ge=1, description="Stored versions of the rules kept: the newest this many, and the active one.")
     external_url: str = Field(default="", description="Public URL of the controller, for links in alerts.")
 
     @field_validator("db", mode="before")
@@ -118,6 +125,10 @@ class Settings(BaseSettings):
             )
         if self.webhook_backoff_max_s < self.webhook_backoff_s:
             raise ValueError("webhook_backoff_max_s must be >= webhook_backoff_s")
+        if self.audit_retention_s < self.report_retention_s:
+            raise ValueError(f"audit_retention_s ({self.audit_retention_s:g}) must be at least report_retention_s "
+                             f"({self.report_retention_s:g}): audit events and alerts are kept at least as long as "
+                             "the reports")
         return self
 
     @property

@@ -1,13 +1,13 @@
 """The SQL that deletes what the controller no longer keeps (called by :mod:`service.absence_ticker`
-and :mod:`service.run_removal`, through the store): reports older than the retention, old
-idempotency and Alertmanager keys, and deleted runs — the run's row moved to ``deleted_runs`` (its
-audit events and alerts are kept and still name it), its reports deleted in batches."""
+and :mod:`service.run_removal`, through the store): reports older than the retention, and deleted
+runs — the run's row moved to ``deleted_runs`` (its audit events and alerts are kept, and still
+name it, for the audit retention: :mod:`service.retention`), its reports deleted in batches."""
 
 from __future__ import annotations
 
 import sqlite3
 
-__all__ = ["prune_reports", "prune_keys", "next_run_id", "delete_run", "purge_deleted_reports", "was_deleted",
+__all__ = ["prune_reports", "next_run_id", "delete_run", "purge_deleted_reports", "was_deleted",
            "last_deleted_incident"]
 
 
@@ -15,11 +15,6 @@ def prune_reports(conn: sqlite3.Connection, before: float, limit: int) -> int:
     """Delete the oldest ``limit`` reports received before ``before``; the number deleted."""
     return conn.execute("DELETE FROM reports WHERE (run_id, seq) IN (SELECT run_id, seq FROM reports WHERE received<? "
                         "ORDER BY received LIMIT ?)", (before, limit)).rowcount
-
-
-def prune_keys(conn: sqlite3.Connection, before: float) -> None:
-    conn.execute("DELETE FROM idempotency WHERE created_at<?", (before,))
-    conn.execute("DELETE FROM alertmanager_seen WHERE received_at<?", (before,))
 
 
 def next_run_id(conn: sqlite3.Connection) -> int:
