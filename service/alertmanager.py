@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import typing
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from trainguard.protocol.commands import BY_NAME, REGISTRY, CommandSpec
 __all__ = ["AlertCommand", "parse_alert", "act", "DEFAULT_LR_FACTOR", "SeenKeys", "SEEN_KEPT"]
 
 DEFAULT_LR_FACTOR = 0.5
+log = logging.getLogger("trainguard.controller")
 #: Alerts (fingerprint, startsAt) acted on that are remembered in memory; older ones are still
 #: found in the database (the table the same transaction writes), so a repeat never acts twice.
 SEEN_KEPT = 10_000
@@ -67,6 +69,17 @@ class _AlreadyActed(Exception):
 def _mark_seen(c: Any, key: tuple[str, str], now: float) -> None:
     if not sql.mark_alertmanager_seen(c, *key, now):
         raise _AlreadyActed()
+
+
+async def _seen_again(refresh: Callable[[tuple[str, str], float], Awaitable[None]] | None, key: tuple[str, str],
+                      now: float) -> None:
+    """Record a repeat's sight (a failure is logged: the repeat was not acted on either way)."""
+    if refresh is None:
+        return
+    try:
+        await refresh(key, now)
+    except Exception as e:  # noqa: BLE001 - the answer stays "duplicate"
+        log.warning("could not record the repeat of Alertmanager alert %s: %s", key[0], e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,12 +163,15 @@ def parse_alert(alert: dict[str, Any]) -> tuple[dict[str, Any], AlertCommand | N
 
 
 async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Awaitable[tuple[int, bytes]]],
-              clock: Callable[[], float], targets: Callable[[str], set[str] | None] = lambda run: None) -> list[dict[str, Any]]:
+              clock: Callable[[], float], targets: Callable[[str], set[str] | None] = lambda run: None,
+              refresh: Callable[[tuple[str, str], float], Awaitable[None]] | None = None) -> list[dict[str, Any]]:
     """Carry out each acting alert of ``payload`` with ``command`` (``Controller.command``) once:
     ``seen`` holds the (fingerprint, startsAt) pairs already acted on, and the same transaction
-    that changes the run records the pair. An alert with an ``instance`` label acts only when
-    ``targets(run)`` (the run's registered ``host:port`` targets, ``None``: unknown run) holds it.
-    Returns one result per alert."""
+    that changes the run records the pair. A repeat (Alertmanager sends a firing alert again every
+    ``repeat_interval``, for as long as it fires) is a duplicate, and ``refresh(key, now)`` records
+    its sight, from which the pair's retention counts. An alert with an ``instance`` label acts only
+    when ``targets(run)`` (the run's registered ``host:port`` targets, ``None``: unknown run) holds
+    it. Returns one result per alert."""
     results = []
     for alert in payload.get("alerts", []):
         res, cmd = parse_alert(alert)
@@ -172,6 +188,7 @@ async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Aw
         key = (res["fingerprint"], res["startsAt"])
         if key in seen:
             results.append(res | {"outcome": "duplicate"})
+            await _seen_again(refresh, key, clock())
             continue
         seen.add(key)
         now = clock()
@@ -182,6 +199,7 @@ async def act(payload: dict[str, Any], seen: SeenKeys, command: Callable[..., Aw
             )
         except _AlreadyActed:
             results.append(res | {"outcome": "duplicate"})
+            await _seen_again(refresh, key, now)
             continue
         except (NotFound, Invalid, Conflict) as e:  # (Conflict: e.g. a rollback without a good snapshot)
             seen.discard(key)

@@ -24,7 +24,7 @@ from trainguard.protocol.wire import DesiredState
 
 __all__ = ["KEYS_KEPT_S", "OperatorCommands"]
 
-#: Idempotency keys and Alertmanager fingerprints are remembered this long.
+#: Idempotency keys and Alertmanager fingerprints are remembered this long (after their last sight).
 KEYS_KEPT_S = 7 * 86400
 
 
@@ -144,7 +144,10 @@ class OperatorCommands:
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
         """Act on the firing alerts of an Alertmanager webhook (version 4) payload, each
         (fingerprint + startsAt) once: see :func:`service.alertmanager.act`."""
-        return await act(payload, self.seen, self.command, self.clock, self._targets)
+        return await act(payload, self.seen, self.command, self.clock, self._targets, refresh=self._seen_again)
+
+    async def _seen_again(self, key: tuple[str, str], now: float) -> None:
+        await self.store.submit(lambda c: sql.refresh_alertmanager_seen(c, *key, now), single_statement=True)
 
     def _targets(self, run: str) -> set[str] | None:
         """The ``host:port`` Prometheus scrapes for each rank of ``run`` (as /v1/sd/targets names them)."""

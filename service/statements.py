@@ -331,6 +331,11 @@ def mark_alertmanager_seen(conn: sqlite3.Connection, fingerprint: str, starts_at
     return cur.rowcount > 0
 
 
+def refresh_alertmanager_seen(conn: sqlite3.Connection, fingerprint: str, starts_at: str, now: float) -> None:
+    """An alert acted on was seen again at ``now`` (its retention counts from its last sight)."""
+    conn.execute("UPDATE alertmanager_seen SET received_at=? WHERE fingerprint=? AND starts_at=?", (now, fingerprint, starts_at))
+
+
 def alertmanager_seen(conn: sqlite3.Connection, since: float) -> list[tuple[str, str]]:
     return [tuple(r) for r in conn.execute("SELECT fingerprint, starts_at FROM alertmanager_seen WHERE received_at>=? ORDER BY received_at", (since,))]
 

@@ -121,3 +121,34 @@ def test_a_label_that_does_not_validate_is_the_alerts_error_and_changes_nothing(
 def test_accumulation_is_not_an_alertmanager_action() -> None:
     res, cmd = parse_alert(_alert("accumulation", "acc", trainguard_steps="4"))
     assert cmd is None and res["outcome"] == "error" and "unknown action 'accumulation'" in res["detail"]
+
+
+def test_an_alert_firing_longer_than_the_keys_retention_still_acts_once(store_db) -> None:
+    """Alertmanager sends a firing alert again every repeat_interval (4 h by default) for as long
+    as it fires, with the same startsAt. Each repeat refreshes the key's sight, so that neither the
+    hourly prune (keys kept 7 days) nor a restart (which reads the keys of the last 7 days back)
+    makes the alert of day 1 act again on day 10."""
+    from fastapi.testclient import TestClient
+
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+
+    day, now = 86400.0, [1_000_000.0]
+    settings = Settings(db=store_db, tick_s=60)
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        register(c, world_size=1)
+        c.portal.call(c.app.state.controller.tick)  # (the start's prune)
+        results = []
+        for step in range(10 * 6):  # ten days of repeats every 4 hours, each hour's prune between them
+            report = {"job": "job-a", "step_first": step, "step_last": step, "time": now[0], "values": {"trainguard_loss": 1.0}}
+            assert c.post("/v1/runs/run-1/reports", json=report).status_code == 200  # (a run that trains, not removed)
+            results.append(c.post("/v1/alertmanager", json=_payload(_halve(0))).json()["results"][0]["outcome"])
+            for _ in range(4):
+                now[0] += 3601
+                c.portal.call(c.app.state.controller.tick)
+        assert results == ["applied"] + ["duplicate"] * 59
+        desired = c.get("/v1/runs/run-1").json()["desired"]
+    assert now[0] > 1_000_000.0 + 10 * day
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        assert c.post("/v1/alertmanager", json=_payload(_halve(0))).json()["results"][0]["outcome"] == "duplicate"
+        assert c.get("/v1/runs/run-1").json()["desired"] == desired
