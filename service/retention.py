@@ -4,8 +4,8 @@ the rest (:class:`Retention`, run by :mod:`service.absence_ticker` after the rep
 - Audit events, resolved alerts, webhook messages that are no longer pending (with their delivery
   attempts), and revoked or expired tokens: kept ``TRAINGUARD_AUDIT_RETENTION_S`` (90 days, at
   least the report retention) after their time, end, creation, revocation or expiry. A registered
-  run keeps, whatever their age, the events a restart reads back: its incidents and the ``desired``
-  event of its current generation. A firing alert and a pending message are never deleted, nor a
+  run keeps, whatever their age, the events it may read back: its incidents (a restart) and its
+  ``desired`` events from the generation its ranks applied on (a re-registration). A firing alert and a pending message are never deleted, nor a
   token that still owns a run.
 - A deleted run's row (``deleted_runs``, which names the run for its events and alerts): deleted
   once it is older than the audit retention and nothing names it any more; the row of the highest
@@ -38,10 +38,11 @@ MESSAGES_PER_BATCH = PRUNE_ROWS // 10
 
 def prune_events(conn: sqlite3.Connection, before: float, limit: int) -> int:
     """Delete up to ``limit`` of the oldest audit events older than ``before``, except a registered
-    run's incidents and the ``desired`` event of its current generation (a restart reads them)."""
+    run's incidents (a restart reads them) and its ``desired`` events from the generation its ranks
+    applied on (a re-registration reads the applied one)."""
     return conn.execute(
         "DELETE FROM events WHERE id IN (SELECT e.id FROM events e LEFT JOIN runs r ON r.id = e.run_id WHERE e.time<? "
-        "AND (r.id IS NULL OR NOT (e.kind='incident' OR (e.kind='desired' AND e.generation=r.generation))) "
+        "AND (r.id IS NULL OR NOT (e.kind='incident' OR (e.kind='desired' AND e.generation>=r.applied_generation))) "
         "ORDER BY e.time LIMIT ?)", (before, limit)).rowcount
 
 

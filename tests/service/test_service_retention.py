@@ -65,6 +65,7 @@ def test_the_hourly_prune_deletes_what_is_older_than_its_retention_and_keeps_the
         assert c.post("/v1/runs/live/pause", json={"reason": "waits"}).status_code == 200  # (never removed)
         live = ctl.runs["live"].id
         generation = ctl.runs["live"].desired.generation
+        _write(c, "UPDATE runs SET applied_generation=? WHERE id=?", (generation, live))  # (its ranks applied it)
         for run in ("gone", "last"):
             assert c.delete(f"/v1/runs/{run}", params={"force": "true"}).status_code == 200
         c.portal.call(ctl.tick)  # the start's prune: nothing is old yet
@@ -77,7 +78,7 @@ def test_the_hourly_prune_deletes_what_is_older_than_its_retention_and_keeps_the
         before = _rows(c, "SELECT run_id, kind, reason FROM events ORDER BY id")
         now[0] = NOW
         c.portal.call(ctl.tick)
-        # Events: every newer one; of the older, the live run's incident and its current desired event.
+        # Events: every newer one; of the older, the live run's incident and its applied desired event.
         assert _rows(c, f"SELECT run_id, kind, reason FROM events WHERE time<{NOW - 2 * DAY} ORDER BY id") == [
             (live, "desired", "waits"), (live, "incident", "old")]
         assert [e for e in before if e[2] == "new"] == _rows(c, "SELECT run_id, kind, reason FROM events WHERE reason='new'")
@@ -114,6 +115,36 @@ def test_the_prune_commits_at_most_the_batches_it_is_given(store_db: Any, monkey
             return [(await pruner.run(n), await asyncio.to_thread(left)) for n in (2, 2, 100, 100)]
 
         assert asyncio.run(main()) == [(2, 4), (2, 0), (7, 0), (0, 0)]
+    finally:
+        store.close()
+
+
+def test_a_registered_run_keeps_its_old_incidents_and_desired_states_from_the_applied_one(store_db: Any) -> None:
+    """A re-registration reads the desired state the ranks applied (generation 2, the run is at 3);
+    a restart, the incidents. A run no longer registered (id 9) keeps none of them."""
+    from trainguard.service import statements as sql
+
+    store = open_store(store_db)
+    try:
+        def seed(c: Any) -> int:
+            run_id = sql.insert_run(c, run="r", job="j", world_size=1, ranks=[], agent_version="t", config={}, now=T0)
+            c.execute("UPDATE runs SET generation=3, applied_generation=2 WHERE id=?", (run_id,))
+            for rid, kind, gen in [(run_id, "desired", g) for g in (1, 2, 3)] + [(run_id, "incident", 3), (run_id, "note", 3),
+                                                                                  (9, "incident", 1), (9, "desired", 1)]:
+                sql.insert_event(c, rid, now=T0, kind=kind, actor="t", reason="", generation=gen, data={})
+            return run_id
+
+        run_id = store.write_now(seed)
+
+        async def main() -> None:
+            store.start()
+            pruner = Retention(Settings(db=store_db), store)
+            pruner.start(T0 + 91 * DAY, active_rules=0)
+            await pruner.run(100)
+
+        asyncio.run(main())
+        kept = store.read_now(lambda c: [tuple(r) for r in c.execute("SELECT run_id, kind, generation FROM events ORDER BY id")])
+        assert kept == [(run_id, "desired", 2), (run_id, "desired", 3), (run_id, "incident", 3)]
     finally:
         store.close()
 
