@@ -37,8 +37,8 @@ class AgentCalls:
         self.closing = False
 
     async def wait_desired(self, run: str, after: int, wait: float, principal: Principal) -> bytes:
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
-        self.access.check_agent(principal, run)
         wait = min(max(wait, 0.0), self.settings.longpoll_max_s)
         if st.publication.desired.generation <= after and wait > 0:
             deadline = asyncio.get_running_loop().time() + wait
@@ -57,8 +57,8 @@ class AgentCalls:
         return st.publication.json
 
     async def ack(self, run: str, ack: Ack, principal: Principal) -> dict[str, Any]:
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
-        self.access.check_agent(principal, run)
         if ack.generation > st.publication.desired.generation:
             raise Conflict(f"generation {ack.generation} was never published (newest is {st.publication.desired.generation})")
         now = self.clock()
@@ -78,8 +78,8 @@ class AgentCalls:
 
     async def preflight(self, run: str, result: PreflightResult, principal: Principal) -> dict[str, Any]:
         """Record the run's pre-flight result: shown in its status, and as an event (persisted)."""
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
-        self.access.check_agent(principal, run)
         now = self.clock()
         counts = {s: sum(c.status == s for c in result.checks) for s in ("pass", "warn", "fail", "skip")}
         data = result.model_dump() | {"received": now, "counts": counts}
@@ -99,8 +99,8 @@ class AgentCalls:
     async def memory_report(self, run: str, report: MemoryReport, principal: Principal) -> dict[str, Any]:
         """Record a memory trace's result: shown in the run's status and on its firing
         ``memory_growth``-diagnosed alerts, and kept as an event (persisted)."""
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
-        self.access.check_agent(principal, run)
         now = self.clock()
         data = report.model_dump() | {"received": now}
         run_id = st.id
@@ -124,8 +124,8 @@ class AgentCalls:
     async def finish(self, run: str, fin: RunFinished, principal: Principal) -> dict[str, Any]:
         """The run ended (its agent closed): record it, resolve its absence alerts, and let the
         ticker skip it until it registers again. A repeat answers the first finish unchanged."""
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
-        self.access.check_agent(principal, run)
         if st.finish.at is not None:
             return self._finished_answer(st, changed=False)
         now = self.clock()

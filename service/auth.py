@@ -12,8 +12,9 @@ token may register any run of a matching job, and a run it registered stays its 
 Who may create and revoke such tokens (the ``tokens`` scope, within limits) is
 :func:`may_grant` and :func:`may_revoke`; docs/security.md has the whole model.
 
-Missing, unknown, expired or revoked token: 401. Known token without the scope, or an agent token used for another
-run: 403. With no token configured at all (loopback only, see :mod:`service.config`) every request
+Missing, unknown, expired or revoked token: 401. Known token without the scope, or an agent token bound to another
+run: 403; an agent token on a run it never registered: 404, as for a run nobody registered
+(:meth:`service.run_owners.RunOwners.check_agent`). With no token configured at all (loopback only, see :mod:`service.config`) every request
 is allowed as the anonymous operator-and-agent.
 """
 

@@ -194,7 +194,7 @@ class Controller:
             raise NotFound(f"run {run!r} is not registered")
 
     def check_agent(self, principal: Principal, run: str, *, registering: bool = False, job: str | None = None) -> None:
-        """403 unless ``principal`` may act as the agent of ``run``: :meth:`RunOwners.check_agent`."""
+        """403 or 404 unless ``principal`` may act as the agent of ``run``: :meth:`RunOwners.check_agent`."""
         self.access.check_agent(principal, run, registering=registering, job=job)
 
     async def register(self, reg: RunRegistration, principal: Principal) -> RunRegistered:

@@ -99,11 +99,11 @@ class ReportIngest:
 
     def _reporting_run(self, run: str, report: Report, principal: Principal) -> RunState:
         """The run ``report`` is for: 404 unknown, 403 another agent's, 409 finished or of another job."""
+        self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.runs.get(run)
         if st is None:
             self.metrics.rejected.labels("unknown_run").inc()
             raise NotFound(f"run {run!r} is not registered: POST /v1/runs first")
-        self.access.check_agent(principal, run)
         if st.finish.at is not None:
             self.metrics.rejected.labels("finished").inc()
             raise Conflict(f"run {run!r} finished at step {st.finish.step}; register it again (POST /v1/runs) to report")

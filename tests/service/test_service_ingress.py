@@ -24,8 +24,8 @@ from trainguard.service.config import Settings
 from trainguard.service.ingress import MAX_RUN_NAME, ReportIngress
 from tests.service.conftest import register
 
-AG, AG_BOUND, OP_READ = "agent-token-ing-1", "agent-token-ing-2", "readonly-token-ing"
-TOKENS = dict(agent_tokens=(AG, f"{AG_BOUND}:run-b"), operator_tokens=(OP_READ + ":read",))
+AG, AG_BOUND, AG_NEW, OP_READ = "agent-token-ing-1", "agent-token-ing-2", "agent-token-ing-3", "readonly-token-ing"
+TOKENS = dict(agent_tokens=(AG, f"{AG_BOUND}:run-b", AG_NEW), operator_tokens=(OP_READ + ":read",))
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -59,7 +59,8 @@ CASES: list[tuple[str, bytes, dict[str, str]]] = [
     ("/v1/runs/run-a/reports", _report(4), _bearer(OP_READ)),  # 403: no agent scope
     ("/v1/runs/run-a/reports", _report(4), _bearer(AG_BOUND)),  # 403: bound to run-b
     ("/v1/runs/run-b/reports", _report(4), _bearer(AG)),  # 403: AG was bound to run-a
-    ("/v1/runs/ghost/reports", _report(4), _bearer(AG)),  # 404: the run is looked up before the binding
+    ("/v1/runs/ghost/reports", _report(4), _bearer(AG)),  # 403: bound to run-a (the binding is checked first: as for run-b)
+    ("/v1/runs/ghost/reports", _report(4), _bearer(AG_NEW)),  # 404: a token bound to no run yet (as for run-b)
     ("/v1/runs/run-b/reports", _report(4, job="other"), _bearer(AG_BOUND)),  # 409
     ("/v1/runs/run-b/reports", _report(4, loss=[1.0, 2.0]), _bearer(AG_BOUND)),  # 422: vector length
     ("/v1/runs/run-b/reports", b"{not json", _bearer(AG_BOUND)),  # 422: not JSON
@@ -100,12 +101,12 @@ def test_fast_path_answers_exactly_like_the_route(tmp_path: Path) -> None:
     for case, fast_answer, route_answer in zip(CASES, answers[True], answers[False]):
         assert fast_answer == route_answer, (case[0], case[1][:80], fast_answer, route_answer)
     statuses = [a[0] for a in answers[True]]
-    assert statuses == [200, 200, 200, 401, 401, 403, 403, 403, 404, 409, 422, 422, 422, 422, 422, 422, 422, 200, 200]
+    assert statuses == [200, 200, 200, 401, 401, 403, 403, 403, 403, 404, 409, 422, 422, 422, 422, 422, 422, 422, 200, 200]
     assert answers[True][3][3] == "Bearer"  # 401 names the scheme
     assert json.loads(answers[True][1][1])["alerts"] == ["grad_norm_high"]
     assert json.loads(answers[True][2][1])["desired"]["paused"] is True
-    assert json.loads(answers[True][9][1]) == {"detail": "run 'run-b' belongs to job 'job-a', the report says 'other'"}
-    assert json.loads(answers[True][11][1])["errors"][0]["type"] == "json_invalid"
+    assert json.loads(answers[True][10][1]) == {"detail": "run 'run-b' belongs to job 'job-a', the report says 'other'"}
+    assert json.loads(answers[True][12][1])["errors"][0]["type"] == "json_invalid"
     assert counters[True] == counters[False]
     # Six refusals of the body (length + five that do not validate), each counted once.
     assert counters[True]["trainguard_controller_reports_rejected_total[('reason', 'invalid')]"] == 6

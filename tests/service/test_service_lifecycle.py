@@ -98,8 +98,8 @@ def test_finish_auth_and_bad_input(app_factory):
         r = c.post("/v1/runs/run-1/finish", json=body, headers=bearer(AG_BOUND))  # bound to run-b
         assert r.status_code == 403 and "run-b" in r.json()["detail"]
         assert c.post("/v1/runs/run-1/finish", json=body, headers=bearer(OP)).status_code == 403  # operators lack the agent scope
-        r = c.post("/v1/runs/nope/finish", json=body, headers=bearer(AG))
-        assert r.status_code == 404 and "nope" in r.json()["detail"]
+        r = c.post("/v1/runs/nope/finish", json=body, headers=bearer(AG))  # bound to run-1: as for run-b, which exists
+        assert r.status_code == 403 and r.json()["detail"] == "this agent token is bound to run 'run-1', not 'nope'"
         for bad in ({"step": -1}, {"step": "x"}, {}, {"step": 1, "extra": True}, {"step": 1, "reason": "r" * 201}):
             r = c.post("/v1/runs/run-1/finish", json=bad, headers=bearer(AG))
             assert r.status_code == 422, (bad, r.text)

@@ -49,8 +49,8 @@ def test_fleet_tokens(tmp_path) -> None:
         assert _report(c, tok1, "llm-7b-a", "llm-7b") == 200 and _report(c, tok1, "llm-7b-b", "llm-7b-sweep") == 200
         # a run stays with the token that registered it
         assert _reg(c, tok2, "llm-7b-c", "llm-7b") == 200
-        assert _report(c, tok1, "llm-7b-c", "llm-7b") == 403 and _reg(c, tok1, "llm-7b-c", "llm-7b") == 403
-        assert _report(c, tok2, "llm-7b-a", "llm-7b") == 403
+        assert _report(c, tok1, "llm-7b-c", "llm-7b") == 404 and _reg(c, tok1, "llm-7b-c", "llm-7b") == 403
+        assert _report(c, tok2, "llm-7b-a", "llm-7b") == 404  # (as for a run that does not exist)
         # nor can it take a run an environment token registered, and the environment token still works
         assert _reg(c, ENV_AGENT, "env-run", "llm-7b-env") == 200
         assert _reg(c, tok1, "env-run", "llm-7b-env") == 403
