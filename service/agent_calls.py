@@ -15,6 +15,7 @@ from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.errors import Conflict
 from trainguard.service.run_owners import RunOwners
 from trainguard.service.runstate import Finish, RunState
+from trainguard.service.slots import POLLS_PER_OPERATOR_TOKEN, long_poll_slots
 from trainguard.service.transaction import Transaction, Written, record_resolved
 from trainguard.protocol.wire import Ack, MemoryReport, PreflightResult, RunFinished
 
@@ -35,13 +36,18 @@ class AgentCalls:
         """Long-polls waiting now."""
         #: Set when the server shuts down: long-polls answer at once.
         self.closing = False
+        #: The long-polls waiting, bounded per run and token, per operator token and in all.
+        self.polls = long_poll_slots(settings.max_connections)
 
     async def wait_desired(self, run: str, after: int, wait: float, principal: Principal) -> bytes:
+        """The run's desired state once its generation exceeds ``after``, or after ``wait`` s
+        (capped); a wait takes one of the bounded :attr:`polls` (429 beyond them)."""
         self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)
         st = self.get(run)
         wait = min(max(wait, 0.0), self.settings.longpoll_max_s)
         if st.publication.desired.generation <= after and wait > 0:
             deadline = asyncio.get_running_loop().time() + wait
+            release = self._take_poll(principal, run)
             self.waiters += 1
             try:
                 while st.publication.desired.generation <= after and not self.closing:
@@ -54,7 +60,17 @@ class AgentCalls:
                         break
             finally:
                 self.waiters -= 1
+                release()
         return st.publication.json
+
+    def _take_poll(self, principal: Principal, run: str) -> Callable[[], None]:
+        """A long-poll's slot: an agent's counted per run, an operator's for all its runs."""
+        token = principal.token_digest or principal.actor
+        if principal.kind == "operator":
+            return self.polls.take((token, None), holder="this token", per_key=POLLS_PER_OPERATOR_TOKEN,
+                                   remedy="wait for one to answer")
+        return self.polls.take((token, run), holder=f"this token's run {run!r}", remedy="wait for one to answer (a run's "
+                               "leader holds one; those of a restarted leader end within TRAINGUARD_LONGPOLL_MAX_S)")
 
     async def ack(self, run: str, ack: Ack, principal: Principal) -> dict[str, Any]:
         self.access.check_agent(principal, run)  # (first: another token's run or none answer the same)

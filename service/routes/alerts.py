@@ -16,6 +16,7 @@ from trainguard.service.deps import ControllerDep, ReadDep
 from trainguard.service.errors import TooMany
 from trainguard.service.routes.ui_streams import EventStream
 from trainguard.service.schemas import nan_safe
+from trainguard.service.slots import Slots
 
 __all__ = ["router", "StreamSlots", "STREAMS_PER_TOKEN", "STREAMS_TOTAL"]
 
@@ -92,32 +93,12 @@ async def _stream(ctl: Controller, run: str | None, after: int, alive: Callable[
         ctl.events_hub.unsubscribe(queue)
 
 
-class StreamSlots:
+class StreamSlots(Slots):
     """The open ``GET /v1/events/stream`` responses: at most ``per_token`` of one token and
     ``total`` in all (each is a subscriber every audit event is handed to)."""
 
     def __init__(self, per_token: int = STREAMS_PER_TOKEN, total: int = STREAMS_TOTAL) -> None:
-        self.per_token, self.total = per_token, total
-        self._by_token: dict[str, int] = {}
-
-    def take(self, key: str) -> Callable[[], None]:
-        """A slot for token ``key`` (:class:`TooMany` beyond the limits); answers its release (idempotent)."""
-        if self._by_token.get(key, 0) >= self.per_token:
-            raise TooMany(f"this token has {self.per_token} event streams open, its limit: close one first")
-        if sum(self._by_token.values()) >= self.total:
-            raise TooMany(f"the controller serves {self.total} event streams, its limit: try again later")
-        self._by_token[key] = self._by_token.get(key, 0) + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._by_token[key] -= 1
-                if not self._by_token[key]:
-                    del self._by_token[key]
-
-        return release
+        super().__init__(per_token, total, "event streams")
 
 
 @router.get("/events/stream", summary="Server-Sent Events of the audit log (all runs, or one)",

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from trainguard.service.controller import Controller
 from trainguard.service.auth import Principal
 from trainguard.service.deps import AgentDep, CommandDep, ControllerDep, PollDep, ReadDep, scope_dep
+from trainguard.service.slots import CONNECTIONS_KEPT_FREE, POLLS_PER_OPERATOR_TOKEN, POLLS_PER_RUN
 from trainguard.service.schemas import AckResult, CommandResult, FinishResult, IncidentList, RunDeleted, nan_safe
 from trainguard.protocol.base import Prose
 from trainguard.protocol.commands import REGISTRY, CommandRequest, CommandSpec
@@ -54,7 +55,10 @@ async def post_report(run: RunPath, request: Request, principal: AgentDep) -> Re
     return Response(answer, media_type=_JSON)
 
 
-@router.get("/runs/{run}/desired", response_model=DesiredState, summary="Long-poll the desired state (agent)")
+@router.get("/runs/{run}/desired", response_model=DesiredState, summary="Long-poll the desired state (agent)",
+            description=f"At most {POLLS_PER_RUN} long-polls of one run with one token wait at once (a run's leader "
+            f"holds one), {POLLS_PER_OPERATOR_TOKEN} of one operator token, and in all every connection but "
+            f"{CONNECTIONS_KEPT_FREE} (429 beyond, naming the limit).")
 async def desired(
     run: RunPath, request: Request, ctl: ControllerDep, principal: PollDep,
     after: Annotated[int, Query(ge=-1, description="Answer once the generation exceeds this (-1: at once).")] = -1,

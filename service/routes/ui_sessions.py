@@ -21,6 +21,7 @@ from fastapi import Depends, HTTPException, Request, Response
 
 from trainguard.service.auth import Principal
 from trainguard.service.errors import TooMany
+from trainguard.service.slots import release_once
 
 __all__ = ["COOKIE", "CSRF_HEADER", "Session", "ConsoleSessions", "LoginLimiter", "ReadSession", "AnySession"]
 
@@ -126,16 +127,12 @@ class ConsoleSessions:
             raise TooMany(f"the console serves {self.streams} live-update streams, its limit: try again later")
         session.streams += 1
         self.streams += 1
-        released = False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                session.streams -= 1
-                self.streams -= 1
+        def give_back() -> None:
+            session.streams -= 1
+            self.streams -= 1
 
-        return release
+        return release_once(give_back)
 
     def __len__(self) -> int:
         return len(self._by_id)
