@@ -9,7 +9,9 @@ controller or on the cluster's network is the usual case.
 
 :func:`refused_host` judges a URL's host as written (an IP address in any spelling the system's
 resolver reads as one, e.g. ``2852039166`` or ``0xa9fea9fe``), when a webhook is created;
-:func:`refused_destination` judges every address a host name resolves to, before each delivery.
+:func:`checked_destination` resolves a host name once per delivery and judges every address it
+resolves to; the delivery then connects to the address judged (with the URL's host in ``Host`` and,
+for ``https``, in TLS's server name and certificate check), never resolving the name again.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["refused_address", "refused_host", "refused_destination"]
+__all__ = ["refused_address", "refused_host", "checked_destination", "Destination"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -77,24 +80,52 @@ def refused_host(host: str) -> str | None:
     return None if refused is None else f"{host} is {refused}"
 
 
-async def refused_destination(url: str) -> str | None:
-    """Why ``url`` may not be posted to now: its host, or an address it resolves to, is refused;
-    ``None`` when it may, or when the host does not resolve (the connection then fails and is
-    retried as any connection error)."""
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where one delivery goes: the host resolved once and judged, and what to send where."""
+
+    refused: str | None = None
+    """Why nothing may be sent (not retried), or None."""
+    unresolved: str | None = None
+    """Why the host name did not resolve (retried as a connection error), or None."""
+    url: str = ""
+    """The URL to connect to: the host name replaced by the address that was judged."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """``Host``: the URL's own host (and port), when the URL names an address instead; and for
+    ``https``, ``Connection: close``."""
+    extensions: dict[str, object] = field(default_factory=dict)
+    """``sni_hostname``: the host name TLS names and checks the certificate against (``https``)."""
+
+
+async def checked_destination(url: str) -> Destination:
+    """Resolve ``url``'s host once, judge every address it resolves to (:func:`refused_address`),
+    and name the first as the one to connect to: the delivery connects to the address judged, so a
+    name that resolves elsewhere a moment later (DNS rebinding) cannot turn it to a refused one.
+    A host that does not resolve is not posted to at all (the connection would resolve it again)."""
     try:
-        host, port = httpx.URL(url).host, httpx.URL(url).port
+        parsed = httpx.URL(url)
+        host, port = parsed.host, parsed.port
     except httpx.InvalidURL:
-        return None  # (the delivery answers an invalid URL itself)
+        return Destination(url=url)  # (the delivery answers an invalid URL itself)
     refused = refused_host(host)
     if refused is not None or _literal(host) is not None:
-        return refused
+        return Destination(refused=refused, url=url)
     try:
-        found = await asyncio.get_running_loop().getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return None
-    for *_, sockaddr in found:
-        address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        found = await asyncio.get_running_loop().getaddrinfo(
+            host, port or (443 if parsed.scheme == "https" else 80), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        return Destination(unresolved=f"{host} does not resolve: {e}")
+    addresses = [ipaddress.ip_address(str(sockaddr[0]).split("%")[0]) for *_, sockaddr in found]
+    for address in addresses:
         refused = refused_address(address)
         if refused is not None:
-            return f"{host} resolves to {address}, {refused}"
-    return None
+            return Destination(refused=f"{host} resolves to {address}, {refused}")
+    if not addresses:
+        return Destination(unresolved=f"{host} does not resolve: no address")
+    headers = {"Host": parsed.netloc.decode("ascii")}
+    if parsed.scheme != "https":
+        return Destination(url=str(parsed.copy_with(host=str(addresses[0]))), headers=headers)
+    # (closed after the answer: the pool keeps connections by address, and a TLS connection made
+    # and checked for one name must never carry a request for another name at the same address)
+    return Destination(url=str(parsed.copy_with(host=str(addresses[0]))), headers=headers | {"Connection": "close"},
+                       extensions={"sni_hostname": host})

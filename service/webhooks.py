@@ -30,7 +30,7 @@ import httpx
 from trainguard.service import statements as sql
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
-from trainguard.service.webhook_destinations import refused_destination
+from trainguard.service.webhook_destinations import Destination, checked_destination
 
 __all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url",
            "INCIDENT_SEVERITY", "IncidentUpdate", "incident_update", "incident_wanted", "render_incident"]
@@ -301,11 +301,13 @@ class WebhookDeliverer:
             }
             t0 = time.perf_counter()
             # (an injected transport decides itself where a request goes)
-            refused = await refused_destination(row["url"]) if self._transport is None else None
-            if refused is not None:
-                status, error = None, f"destination refused (not retried): {refused}"
+            to = await checked_destination(row["url"]) if self._transport is None else Destination(url=row["url"])
+            if to.refused is not None:
+                status, error = None, f"destination refused (not retried): {to.refused}"
+            elif to.unresolved is not None:
+                status, error = None, f"ConnectError: {to.unresolved}"
             else:
-                status, error = await _post(client, row["url"], body, headers)
+                status, error = await _post(client, to, body, headers)
             duration = time.perf_counter() - t0
             outcome, error = _outcome(status, error, attempt < self._max_attempts)
             if outcome != "delivered":
@@ -315,7 +317,7 @@ class WebhookDeliverer:
                 # path is its credential): logs name the webhook by id and host only.
                 shown = redact_url(row["url"])
                 log.warning("webhook %s (%s) delivery %s attempt %d: %s", row["webhook_id"], shown, row["id"], attempt,
-                            error.replace(row["url"], shown))
+                            error.replace(row["url"], shown).replace(to.url or row["url"], shown))
             self._metrics.deliveries.labels(outcome).inc()
             now = self._clock()
             next_at = now + self._delay(attempt) if outcome == "retry" else None
@@ -327,10 +329,10 @@ class WebhookDeliverer:
                 self.pending = max(0, self.pending - 1)
 
 
-async def _post(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> tuple[int | None, str | None]:
-    """One delivery attempt: (the HTTP status or None, the error or None)."""
+async def _post(client: httpx.AsyncClient, to: Destination, body: bytes, headers: dict[str, str]) -> tuple[int | None, str | None]:
+    """One delivery attempt to the address ``to`` names: (the HTTP status or None, the error or None)."""
     try:
-        resp = await client.post(url, content=body, headers=headers)
+        resp = await client.post(to.url, content=body, headers=headers | to.headers, extensions=to.extensions)
         return resp.status_code, None
     except httpx.TimeoutException as e:
         return None, f"timeout: {type(e).__name__}"

@@ -73,3 +73,67 @@ def test_a_host_name_resolving_to_a_metadata_address_fails_its_delivery(app_fact
         rows = wait_until(lambda: _deliveries(c, hook))
     assert rows == [("failed", None, "destination refused (not retried): metadata.attacker.example resolves to "
                                      "169.254.169.254, a link-local address (where cloud metadata services answer)")]
+
+
+def test_a_delivery_connects_to_the_address_it_judged_though_the_name_then_resolves_elsewhere(
+        app_factory: Callable[..., Any], receiver_factory: Any, monkeypatch: Any) -> None:
+    rx = receiver_factory([200])
+    port = int(rx.url.split(":")[2].split("/")[0])
+    real, asked = socket.getaddrinfo, []
+
+    def rebinding(host: Any, *args: Any, **kwargs: Any) -> Any:  # the receiver once, then the metadata service
+        if host != "rebind.attacker.example":
+            return real(host, *args, **kwargs)
+        asked.append(host)
+        address = "127.0.0.1" if len(asked) == 1 else "169.254.169.254"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    with app_factory(webhook_backoff_s=0.05) as c:
+        hook = c.post("/v1/webhooks", json={"url": f"http://rebind.attacker.example:{port}/hook"}).json()["id"]
+        register(c)
+        assert c.post("/v1/runs/run-1/reports", json=_REPORT).status_code == 200
+        rows = wait_until(lambda: _deliveries(c, hook))
+    assert rows == [("delivered", 200, None)]
+    assert asked == ["rebind.attacker.example"]  # resolved once: the address judged is the one connected to
+    ((headers, _),) = rx.requests
+    assert headers["host"] == f"rebind.attacker.example:{port}"
+
+
+def test_a_name_that_does_not_resolve_is_retried_without_a_connection(app_factory: Callable[..., Any], monkeypatch: Any) -> None:
+    real, asked = socket.getaddrinfo, []
+
+    def failing(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "flaky.attacker.example":
+            return real(host, *args, **kwargs)
+        asked.append(host)  # (a connection would resolve it again, and could get another answer)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", failing)
+    with app_factory(webhook_backoff_s=0.05, webhook_max_attempts=2) as c:
+        hook = c.post("/v1/webhooks", json={"url": "http://flaky.attacker.example/hook"}).json()["id"]
+        register(c)
+        assert c.post("/v1/runs/run-1/reports", json=_REPORT).status_code == 200
+        rows = wait_until(lambda: len(_deliveries(c, hook)) == 2 and _deliveries(c, hook))
+    error = "ConnectError: flaky.attacker.example does not resolve: [Errno -3] Temporary failure in name resolution"
+    assert sorted(rows) == [("failed", None, error), ("retry", None, error)]
+    assert asked == ["flaky.attacker.example"] * 2  # once per attempt, never by the connection
+
+
+@pytest.mark.parametrize(("url", "pinned", "host", "extensions"), [
+    ("https://alerts.example.com:8443/hook?k=1", "https://10.1.2.3:8443/hook?k=1", "alerts.example.com:8443",
+     {"sni_hostname": "alerts.example.com"}),
+    ("http://alerts.example.com/hook", "http://10.1.2.3/hook", "alerts.example.com", {}),
+])
+def test_the_destination_names_the_address_judged_and_keeps_the_host_for_http_and_tls(
+        monkeypatch: Any, url: str, pinned: str, host: str, extensions: dict[str, str]) -> None:
+    import asyncio
+
+    from trainguard.service.webhook_destinations import checked_destination
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.3", 0)),
+                                                                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.4", 0))])
+    to = asyncio.run(checked_destination(url))
+    assert (to.refused, to.unresolved, to.url, to.headers["Host"], to.extensions) == (None, None, pinned, host, extensions)
+    # a TLS connection made for one name is never reused for another name at the same address
+    assert to.headers.get("Connection") == ("close" if url.startswith("https") else None)
