@@ -78,5 +78,5 @@ def long_poll_slots(max_connections: int) -> Slots:
     with one token :data:`POLLS_PER_RUN` (``per_key``), of one operator token
     :data:`POLLS_PER_OPERATOR_TOKEN` (given to :meth:`Slots.take`)."""
     total = max(max_connections - CONNECTIONS_KEPT_FREE, max_connections // 2, 1)
-    return Slots(POLLS_PER_RUN, total, "long-polls waiting",
+    return Slots(POLLS_PER_RUN, total, "long-polls",
                  f" (TRAINGUARD_MAX_CONNECTIONS={max_connections} less the {max_connections - total} kept for other requests)")

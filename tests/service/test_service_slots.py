@@ -17,27 +17,32 @@ AGENT, OTHER_AGENT, READER, OPERATOR = "agent-token-aaaa", "agent-token-bbbb", "
 
 
 def test_a_key_and_all_keys_are_bounded_and_a_release_gives_back_one_place() -> None:
-    slots = Slots(2, 3, "long-polls waiting")
+    slots = Slots(2, 3, "long-polls")
     a1, _ = slots.take("a"), slots.take("a")
-    with pytest.raises(TooMany, match="^this token has 2 long-polls waiting open, its limit: close one first$"):
+    with pytest.raises(TooMany, match="^this token has 2 long-polls open, its limit: close one first$"):
         slots.take("a")
     slots.take("b", per_key=1)
-    with pytest.raises(TooMany, match="^the controller serves 3 long-polls waiting, its limit: try again later$"):
+    with pytest.raises(TooMany, match="^the controller serves 3 long-polls, its limit: try again later$"):
         slots.take("c")
     a1()
     a1()  # a second release gives nothing more back
     assert slots.taken == 2
     slots.take("c")
-    with pytest.raises(TooMany, match="^run x has 1 long-polls waiting open, its limit: wait$"):
+    with pytest.raises(TooMany, match="^run x has 1 long-polls open, its limit: wait$"):
         slots.take("b", per_key=1, holder="run x", remedy="wait")
 
 
 def test_the_long_polls_leave_connections_to_the_other_requests() -> None:
     assert long_poll_slots(4096).total == 4096 - CONNECTIONS_KEPT_FREE
     assert long_poll_slots(300).total == 150  # half, when fewer than twice the connections kept free
-    assert long_poll_slots(8).total == 4
+    small = long_poll_slots(8)
+    for run in "abcd":
+        small.take(("token", run))
+    with pytest.raises(TooMany, match=r"^the controller serves 4 long-polls \(TRAINGUARD_MAX_CONNECTIONS=8 less the 4 kept "
+                       r"for other requests\), its limit: try again later$"):
+        small.take(("token", "e"))
     with pytest.raises(ValueError, match="must be >= 1"):
-        Slots(0, 3, "long-polls waiting")
+        Slots(0, 3, "long-polls")
 
 
 def _poll(address: tuple[str, int], token: str, run: str, after: int = 0) -> socket.socket:
@@ -79,7 +84,7 @@ def test_long_polls_are_bounded_per_run_and_token_and_per_operator_token(tmp_pat
             head = _answer(refused)
             refused.close()
             assert head.startswith(b"HTTP/1.1 429"), head
-            assert (f"this token's run 'r1' has {POLLS_PER_RUN} long-polls waiting open, its limit: wait for one to "
+            assert (f"this token's run 'r1' has {POLLS_PER_RUN} long-polls open, its limit: wait for one to "
                     "answer").encode() in head
             opened.append(_poll(address, OTHER_AGENT, "r2"))  # another token's run has its own
             opened += [_poll(address, READER, run) for run in ("r1", "r2") * (POLLS_PER_OPERATOR_TOKEN // 2)]
