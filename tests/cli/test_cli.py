@@ -334,3 +334,19 @@ def test_events_print_control_characters_escaped() -> None:
                        "generation": 3, "reason": "evil\x1b[31mRED\rOVER\x00"})
     assert "\x1b" not in line and "\r" not in line and "\x00" not in line
     assert line.endswith("op\\x1b[2J gen=3: evil\\x1b[31mRED\\rOVER\\x00")
+
+
+@pytest.mark.parametrize(("argv", "missing", "extra"), [
+    (["serve", "--port", "0"], "fastapi", "service"),
+    (["demo", "--steps", "1"], "torch", "agent"),
+])
+def test_a_command_whose_extra_is_not_installed_names_the_extra(tmp_path, argv, missing, extra) -> None:
+    """An environment without the extra a command needs (``pip install 'trainguard[postgres]'``
+    then ``trainguard serve``): a sentence naming the extra, not a traceback."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from trainguard.cli import main; "
+            f"sys.exit(main({argv!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=_env(PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"trainguard: this command needs {missing!r}, which this environment lacks: "
+                          f"pip install 'trainguard[{extra}]'\n")

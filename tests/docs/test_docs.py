@@ -203,3 +203,22 @@ def test_a_static_agent_token_binds_to_the_first_run_it_registers(tmp_path) -> N
         assert client.post("/v1/runs", json={**body, "run": "llm-7b-0001"}, headers=headers).status_code == 200
     assert second.status_code == 403
     assert "this agent token is bound to run 'llm-7b-0001', not 'llm-7b-0002'" in second.text
+
+
+#: An extra that is only a part: the extras it is used with (the controller's store needs the controller).
+_EXTRA_NEEDS = {"postgres": "service", "hf": "agent", "lightning": "agent", "gpu": "agent"}
+
+
+def test_every_extra_is_in_install_and_every_pip_install_names_extras_that_run() -> None:
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
+    listed = {page: re.findall(r"pip install 'trainguard\[([a-z,]+)\]'", page.read_text(encoding="utf-8"))
+              for page in [ROOT / "README.md", *PAGES]}
+    in_install = {e for s in listed[DOCS / "install.md"] for e in s.split(",")}
+    assert in_install == extras - {"dev"}, "docs/install.md lists an extra that does not exist, or misses one"
+    for page, sets in listed.items():
+        for names in map(lambda s: set(s.split(",")), sets):
+            assert names <= extras, (page.name, names - extras)
+            for name, needs in _EXTRA_NEEDS.items():
+                assert name not in names or needs in names, f"{page.name}: [{','.join(sorted(names))}] lacks {needs!r}"

@@ -294,6 +294,16 @@ def _add_wrappers(sub: Any) -> None:
     s.set_defaults(func=_dashboards)
 
 
+#: The packages of the extras (pyproject.toml), by import name: a command run where its extra is
+#: not installed (``trainguard serve`` after ``pip install 'trainguard[agent]'``) names the extra.
+_EXTRA_OF_MODULE = {
+    "fastapi": "service", "uvicorn": "service", "httptools": "service", "pydantic_settings": "service",
+    "yaml": "service", "torch": "agent", "grafanalib": "dashboards", "psycopg": "service,postgres",
+    "psycopg_pool": "service,postgres", "transformers": "agent,hf", "accelerate": "agent,hf",
+    "lightning": "agent,lightning",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``trainguard`` command; its exit status. Output piped into a reader that stops early
     (``trainguard status RUN | head``) ends the command quietly, as other command-line tools end:
@@ -302,6 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _main(argv)
         sys.stdout.flush()  # here, not at exit: a reader gone by now is handled below
         return code
+    except ModuleNotFoundError as e:
+        extra = _EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"trainguard: this command needs {e.name!r}, which this environment lacks: "
+              f"pip install 'trainguard[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # Nothing more can reach the reader; point stdout at /dev/null so the interpreter's own
         # flush at exit does not fail again.
