@@ -4,8 +4,8 @@
 #   target `trainer`: the controller image plus CPU torch, for the demo trainer (`trainguard demo`).
 #
 # Torch comes from the default package index unless TORCH_INDEX_URL names another one; point it at
-# PyTorch's CPU-only wheel index for a trainer image without the CUDA libraries (see README,
-# "The full stack").
+# PyTorch's CPU-only wheel index for a trainer image without the CUDA libraries (see
+# docs/dashboards.md, "The full stack").
 FROM python:3.11.13-slim-bookworm AS controller
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -222,3 +222,34 @@ def test_every_extra_is_in_install_and_every_pip_install_names_extras_that_run()
             assert names <= extras, (page.name, names - extras)
             for name, needs in _EXTRA_NEEDS.items():
                 assert name not in names or needs in names, f"{page.name}: [{','.join(sorted(names))}] lacks {needs!r}"
+
+
+def _shell_code(page: Path) -> str:
+    """A page's shell: its ```sh/bash blocks and its indented blocks (not those inside other fences)."""
+    text = page.read_text(encoding="utf-8")
+    fenced = re.findall(r"```(?:sh|bash|console)\n(.*?)```", text, re.S)
+    outside = re.sub(r"```.*?```", "", text, flags=re.S)
+    return "\n".join([*fenced, *(line[4:] for line in outside.splitlines() if line.startswith("    "))])
+
+
+def test_every_shell_variable_a_page_uses_is_set_on_it_or_by_the_readme() -> None:
+    readme = set(re.findall(r"(?:^|\s)(?:export\s+)?([A-Za-z_]\w*)=", _shell_code(ROOT / "README.md"), re.M))
+    for page in [ROOT / "README.md", *PAGES]:
+        code = _shell_code(page)
+        used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", code))
+        assigned = set(re.findall(r"(?:^|\s)(?:export\s+)?([A-Za-z_]\w*)=", code, re.M))
+        assert used <= assigned | readme, f"{page.name}: {sorted(used - assigned - readme)} set nowhere a reader follows"
+
+
+def test_docker_compose_commands_name_the_stacks_services_and_their_files() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
+    text = " ".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *PAGES])
+    calls = re.findall(r"docker compose (exec|logs|run)((?: --?[a-zA-Z]+(?: \S+=\S+)?)*) ([a-z-]+)(?: (cat \S+))?", text)
+    assert calls
+    for verb, _, service, cat in calls:
+        assert service in services, (verb, service)
+        if cat:
+            mounts = [v.split(":")[1] for v in services[service].get("volumes", []) if isinstance(v, str)]
+            assert any(cat[4:].startswith(m.rstrip("/") + "/") for m in mounts), (service, cat, mounts)
+    for name in re.findall(r"`cp (\S+) ", text):
+        assert (ROOT / name).exists(), name
