@@ -253,3 +253,20 @@ def test_docker_compose_commands_name_the_stacks_services_and_their_files() -> N
             assert any(cat[4:].startswith(m.rstrip("/") + "/") for m in mounts), (service, cat, mounts)
     for name in re.findall(r"`cp (\S+) ", text):
         assert (ROOT / name).exists(), name
+
+
+def test_demo_page_lists_the_demos_options_and_its_summary_as_printed() -> None:
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "demo", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    options = set(re.findall(r"^  (--[a-z-]+)", out.stdout, re.M)) - {"--help"}
+    page = (DOCS / "demo.md").read_text(encoding="utf-8")
+    stated = " ".join(page.split("Options:", 1)[1].split(". If an incident", 1)[0].split())
+    assert set(re.findall(r"`(--[a-z-]+)", stated)) == options
+    # the example summary: its headings are the ones the demo prints, its actors built-in rules
+    example = page.split("\n    actions (changes of desired state):", 1)[1].split("\n\n", 1)[0]
+    printed = (ROOT / "trainguard" / "demo" / "run.py").read_text(encoding="utf-8")
+    for heading in ["actions (changes of desired state):", *re.findall(r"^    (\w[^\n]*:)$", example, re.M)]:
+        assert f'"{heading}"' in printed, heading
+    rules = {r["name"] for r in yaml.safe_load(default_rules_text())["rules"]}
+    assert set(re.findall(r"rule:(\w+)", example)) <= rules
