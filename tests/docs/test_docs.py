@@ -270,3 +270,25 @@ def test_demo_page_lists_the_demos_options_and_its_summary_as_printed() -> None:
         assert f'"{heading}"' in printed, heading
     rules = {r["name"] for r in yaml.safe_load(default_rules_text())["rules"]}
     assert set(re.findall(r"rule:(\w+)", example)) <= rules
+
+
+def test_the_preflight_table_in_attach_is_laid_out_as_the_command_prints_it() -> None:
+    import torch
+
+    import trainer_agent as ta
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = ta.attach(model, optimizer, job="docs", run="docs-preflight", config=ta.AgentConfig(metrics_port=None))
+    try:
+        report = agent.preflight({"x": torch.ones(2, 4)}, loss_fn=lambda m, b: m(b["x"]).sum())
+    finally:
+        agent.close()
+    header, *_ = report.table().splitlines()
+    width = header.index("STATUS") - 2
+    block = (DOCS / "attach.md").read_text(encoding="utf-8").split("```bash\ntrainguard preflight ", 1)[1].split("```")[0]
+    rows = [line[2:] for line in block.splitlines() if line.startswith("# ") and line != "# ..."]
+    assert rows[0] == header
+    for row in rows[1:]:
+        name, status, detail = row.split(maxsplit=2)
+        assert row == f"{name:<{width}}  {status:<6}  {detail}", row
