@@ -292,3 +292,12 @@ def test_the_preflight_table_in_attach_is_laid_out_as_the_command_prints_it() ->
     for row in rows[1:]:
         name, status, detail = row.split(maxsplit=2)
         assert row == f"{name:<{width}}  {status:<6}  {detail}", row
+
+
+def test_every_image_an_example_runs_is_built_by_a_command_the_docs_give() -> None:
+    built = set(re.findall(r"docker build --target \w+\s+-t (\S+) \.", _prose("docs/kubernetes.md")))
+    for example in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
+        text = example.read_text(encoding="utf-8")
+        header = set(re.findall(r"docker build --target \w+ -t (\S+) \.", text))
+        for image in re.findall(r"^\s*image: (\S+)$", text, re.M):
+            assert image in built & header, f"{example.name}: no docker build command for {image}"
