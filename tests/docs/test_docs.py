@@ -301,3 +301,19 @@ def test_every_image_an_example_runs_is_built_by_a_command_the_docs_give() -> No
         header = set(re.findall(r"docker build --target \w+ -t (\S+) \.", text))
         for image in re.findall(r"^\s*image: (\S+)$", text, re.M):
             assert image in built & header, f"{example.name}: no docker build command for {image}"
+
+
+def test_every_option_of_every_command_is_named_in_controller(capsys) -> None:
+    """A user looks up a command's options in docs/controller.md: each option ``--help`` shows is there."""
+    from trainguard import cli
+
+    text = (DOCS / "controller.md").read_text(encoding="utf-8")
+    commands = [[c] for c in _help_commands() if c not in ("demo", "preflight", "dashboards")]
+    commands += [["token", "create"], ["token", "list"], ["token", "revoke"], ["rules", "check"]]
+    missing = []
+    for command in commands:
+        with pytest.raises(SystemExit):
+            cli._parser().parse_args([*command, "--help"])
+        options = set(re.findall(r"^\s+(--[a-z][a-z0-9-]*)", capsys.readouterr().out, re.M)) - {"--help"}
+        missing += [f"{' '.join(command)} {o}" for o in sorted(options) if f"`{o}" not in text and f" {o}" not in text]
+    assert not missing, f"options docs/controller.md does not name: {missing}"
