@@ -317,3 +317,26 @@ def test_every_option_of_every_command_is_named_in_controller(capsys) -> None:
         options = set(re.findall(r"^\s+(--[a-z][a-z0-9-]*)", capsys.readouterr().out, re.M)) - {"--help"}
         missing += [f"{' '.join(command)} {o}" for o in sorted(options) if f"`{o}" not in text and f" {o}" not in text]
     assert not missing, f"options docs/controller.md does not name: {missing}"
+
+
+def test_python_examples_pass_only_keywords_that_exist() -> None:
+    """``attach(...)``, ``AgentConfig(...)`` and the agent's methods in the pages' Python blocks."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    import trainer_agent as ta
+    from trainer_agent.agent import Agent
+
+    accepted = {name: set(inspect.signature(fn).parameters) for name, fn in inspect.getmembers(Agent, inspect.isfunction)}
+    accepted |= {"attach": set(inspect.signature(ta.attach).parameters),
+                 "AgentConfig": {f.name for f in dataclasses.fields(ta.AgentConfig)}}
+    unknown = []
+    for page in [ROOT / "README.md", *PAGES]:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            for call in (n for n in ast.walk(ast.parse(textwrap.dedent(block))) if isinstance(n, ast.Call)):
+                name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+                if name in accepted and "kwargs" not in accepted[name]:
+                    unknown += [f"{page.name}: {name}({k.arg}=)" for k in call.keywords if k.arg not in accepted[name]]
+    assert not unknown
