@@ -3,8 +3,9 @@
 #   - Debian's Prometheus, Alertmanager and promtool (integration tests run them on loopback),
 #   - Debian's Chromium (the console's browser tests drive it headless through Playwright; nothing
 #     downloads a browser),
-#   - a virtual environment in .venv with trainguard, its extras for the agent, the controller, the dashboards and the
-#     framework integrations (Hugging Face, Lightning), and the test tools, at the exact versions of
+#   - Debian's PostgreSQL server binaries (the PostgreSQL store's tests start a private cluster),
+#   - a virtual environment in .venv with trainguard, its extras for the agent, the controller, the dashboards, the
+#     framework integrations (Hugging Face, Lightning) and PostgreSQL, and the test tools, at the exact versions of
 #     constraints.txt.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
