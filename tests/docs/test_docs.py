@@ -340,3 +340,20 @@ def test_python_examples_pass_only_keywords_that_exist() -> None:
                 if name in accepted and "kwargs" not in accepted[name]:
                     unknown += [f"{page.name}: {name}({k.arg}=)" for k in call.keywords if k.arg not in accepted[name]]
     assert not unknown
+
+
+def test_the_helm_install_commands_in_kubernetes_render() -> None:
+    """Each ``helm install`` of docs/kubernetes.md, its --set flags as Helm reads them, rendered by Helm's
+    engine (which checks the chart's values schema): the controller, and no monitoring object when off."""
+    import helm_python
+
+    text = (DOCS / "kubernetes.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    installs = [re.findall(r"--set '?([^' ]+)'?", line) for line in re.findall(r"^helm install .*$", text, re.M)]
+    assert len(installs) == 2
+    chart = helm_python.Chart.load(ROOT / "deploy" / "helm" / "trainguard")
+    for sets in installs:
+        rendered = chart.render(helm_python.parse_set_string(",".join(sets)), name="trainguard", namespace="trainguard",
+                                is_install=True)
+        kinds = {o["kind"] for p, t in rendered.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o}
+        monitoring = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "AlertmanagerConfig"}
+        assert "Deployment" in kinds and (kinds & monitoring == set()) == ("serviceMonitor.enabled=false" in sets)
