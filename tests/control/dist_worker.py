@@ -34,8 +34,9 @@ and a warm-up (:data:`CHECKPOINTED`), 5 ms a step:
 
 ``"phase": "first"``
     Save the model, optimizer, scheduler and every rank's agent state at ``ckpt_step``, and die
-    without closing anything at ``crash_step`` (``os._exit``), or with ``"crash_after_ack"`` at the
-    first step after the controller recorded an applied generation.
+    without closing anything in ``crash_step`` (``os._exit`` once the steps before it were
+    reported), or with ``"crash_after_ack"`` at the first step after the controller recorded an
+    applied generation.
 ``"phase": "resume"``
     Load that checkpoint after attaching (the step goes back to ``ckpt_step``).
 Any phase
@@ -267,11 +268,14 @@ def checkpointed_job(cfg: dict, rank: int, world: int, out: Path) -> None:
         job.step = state["step"]
     while job.training():
         if first and job.step + 1 == cfg.get("crash_step"):
+            # The job dies in this step, before it ends: its report cannot race the exit, so the
+            # controller holds exactly the steps before it, whatever the machine's load.
             _delivered(job, job.step)
+            os._exit(1)  # nothing closed, nothing flushed
         job.train_step()
         if first and job.step == cfg["ckpt_step"]:
             _save(job, saved, world)
-        if first and (job.step == cfg["crash_step"] or _acked(job, cfg)):
+        if first and _acked(job, cfg):
             os._exit(1)  # the job dies: nothing closed, nothing flushed
         if job.step == 1:
             (out / f"started-rank{rank}").touch()
