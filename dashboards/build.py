@@ -2,9 +2,13 @@
 and Alertmanager's configuration into ``dashboards/generated/`` (checked in; a test fails when it
 drifts from these sources).
 
-    trainguard dashboards build            # regenerate dashboards/generated/
+    trainguard dashboards build            # regenerate dashboards/generated/ (in a source checkout)
     trainguard dashboards build --check    # exit 1 when the checked-in files are stale
-    python -m trainguard.dashboards.build --out DIR   # write elsewhere
+    trainguard dashboards build --out DIR  # write elsewhere
+
+Installed from a wheel, the default folder is ``trainguard-generated`` in the current directory
+(never the installed package). A build deletes only the files an earlier build wrote there (the
+list it keeps in ``.trainguard-generated``), never anything else in the folder.
 
 Before writing, every metric name an expression uses is checked against the agent's and the
 controller's catalogues; an unknown name is a ``ValueError``.
@@ -45,11 +49,17 @@ __all__ = [
     "rule_queries",
     "check_metric_names",
     "stale_files",
+    "with_manifest",
+    "written_before",
+    "default_out",
+    "MANIFEST",
     "sync",
     "main",
 ]
 
 GENERATED = Path(__file__).resolve().parent / "generated"
+#: The list of files a build wrote into its folder: a later build deletes those it no longer writes.
+MANIFEST = ".trainguard-generated"
 #: File name (under grafana/dashboards/) -> dashboard source.
 DASHBOARDS: dict[str, Callable[[], Dashboard]] = {
     "training-stability.json": stability.build,
@@ -149,28 +159,56 @@ def render() -> dict[str, str]:
 
 
 def stale_files(out: Path, files: dict[str, str]) -> list[str]:
-    """Generated files under ``out`` that are missing, differ from ``files``, or are left over."""
+    """Generated files under ``out`` that are missing or differ from ``files`` (with their
+    :data:`MANIFEST`), and those an earlier build wrote there (its manifest lists them) that
+    ``files`` no longer has. Files the builds did not write are not theirs to judge."""
+    files = with_manifest(files)
     stale = [rel for rel, text in files.items()
              if not (out / rel).is_file() or (out / rel).read_text(encoding="utf-8") != text]
-    if out.is_dir():
-        present = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-        stale += sorted(present - files.keys())
-    return stale
+    return stale + sorted(rel for rel in written_before(out) - files.keys() if (out / rel).is_file())
+
+
+def with_manifest(files: dict[str, str]) -> dict[str, str]:
+    """``files`` and the :data:`MANIFEST` that lists them."""
+    names = sorted(rel for rel in files if rel != MANIFEST)
+    return {**files, MANIFEST: "".join(f"{rel}\n" for rel in names)}
+
+
+def written_before(out: Path) -> set[str]:
+    """The files the last build wrote under ``out`` (its manifest; none without one). A listed
+    name that leads out of ``out`` is ignored."""
+    try:
+        names = (out / MANIFEST).read_text(encoding="utf-8").splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    return {n for n in names if n and not Path(n).is_absolute() and ".." not in Path(n).parts}
+
+
+def default_out() -> Path:
+    """Where a build writes without ``--out``: the checked-in ``dashboards/generated/`` in a
+    source checkout, else ``trainguard-generated`` in the current directory."""
+    if (GENERATED.parent.parent / "pyproject.toml").is_file():
+        return GENERATED
+    return Path("trainguard-generated")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainguard dashboards build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=GENERATED, help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: dashboards/generated in a source checkout, "
+                             "else ./trainguard-generated)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 when the files under --out are stale")
     args = parser.parse_args(argv)
-    return sync(args.out, render(), check=args.check, command="trainguard dashboards build")
+    return sync(args.out or default_out(), render(), check=args.check, command="trainguard dashboards build")
 
 
 def sync(out: Path, files: dict[str, str], *, check: bool, command: str) -> int:
-    """Write ``files`` under ``out`` and delete files left over there (exit status 0); with
-    ``check``, write nothing and name each stale file (exit status 1 when any is, with the
-    ``command`` that regenerates them)."""
+    """Write ``files`` and their :data:`MANIFEST` under ``out`` and delete the files an earlier
+    build wrote there that ``files`` no longer has (exit status 0); with ``check``, write nothing
+    and name each stale file (exit status 1 when any is, with the ``command`` that regenerates
+    them)."""
+    files = with_manifest(files)
     stale = stale_files(out, files)
     if check:
         for rel in stale:
@@ -184,7 +222,7 @@ def sync(out: Path, files: dict[str, str], *, check: bool, command: str) -> int:
         path.write_text(text, encoding="utf-8")
     for rel in set(stale) - files.keys():
         (out / rel).unlink()
-    print(f"wrote {len(files)} files under {out}")
+    print(f"wrote {len(files) - 1} files under {out}")
     return 0
 
 

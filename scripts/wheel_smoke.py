@@ -273,6 +273,14 @@ def check_dashboards() -> None:
                            "--out", str(generated)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     ok("the installed generated dashboards and rules equal what the installed code renders")
+    # Without --out, an installed build writes into the current directory, never the package.
+    before = sorted(p.name for p in Path(str(generated)).rglob("*"))
+    done = subprocess.run([str(Path(sys.executable).with_name("trainguard")), "dashboards", "build"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert Path("trainguard-generated/prometheus/rules.yml").is_file(), done.stdout
+    assert sorted(p.name for p in Path(str(generated)).rglob("*")) == before
+    ok("`trainguard dashboards build` writes into ./trainguard-generated, not into the installed package")
 
 
 def check_hf(workdir: Path) -> None:

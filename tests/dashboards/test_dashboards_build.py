@@ -38,6 +38,9 @@ def dashboards(rendered) -> dict[str, dict]:
 def test_checked_in_files_match_the_sources(rendered):
     stale = build.stale_files(GENERATED, rendered)
     assert stale == [], f"run `trainguard dashboards build` and commit: stale {stale}"
+    # The compose file mounts these folders whole: nothing there but what the build writes.
+    present = {p.relative_to(GENERATED).as_posix() for p in GENERATED.rglob("*") if p.is_file()}
+    assert present == set(rendered) | {build.MANIFEST}
 
 
 def test_check_mode_reports_drift_and_build_repairs_it(tmp_path, capsys):
@@ -45,13 +48,43 @@ def test_check_mode_reports_drift_and_build_repairs_it(tmp_path, capsys):
     assert build.main(["--out", str(tmp_path), "--check"]) == 0
     target = tmp_path / "grafana/dashboards/ranks.json"
     target.write_text(target.read_text().replace("Step time per rank", "edited by hand"))
+    # A file an earlier build wrote that this one no longer writes (a dashboard since removed).
     (tmp_path / "prometheus/leftover.yml").write_text("groups: []\n")
+    manifest = tmp_path / build.MANIFEST
+    manifest.write_text(manifest.read_text() + "prometheus/leftover.yml\n")
     assert build.main(["--out", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert "ranks.json" in err and "leftover.yml" in err
     assert build.main(["--out", str(tmp_path)]) == 0
     assert not (tmp_path / "prometheus/leftover.yml").exists()
     assert build.main(["--out", str(tmp_path), "--check"]) == 0
+
+
+def test_build_deletes_nothing_it_did_not_write(tmp_path, capsys):
+    """A folder a user points --out at (Prometheus's own configuration folder, say) keeps every
+    file of theirs, under the build's subfolders too; a manifest naming a path outside the
+    folder deletes nothing there."""
+    theirs = {"prometheus/their-rules.yml": "groups: []\n", "notes.txt": "mine\n", "grafana/x/y.json": "{}"}
+    for rel, text in theirs.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+    outside.write_text("keep\n")
+    (tmp_path / build.MANIFEST).write_text(f"../{outside.name}\n{outside}\n")
+    assert build.main(["--out", str(tmp_path)]) == 0
+    assert build.main(["--out", str(tmp_path), "--check"]) == 0
+    assert {rel: (tmp_path / rel).read_text() for rel in theirs} == theirs
+    assert outside.read_text() == "keep\n"
+    assert (tmp_path / "prometheus/rules.yml").is_file()
+
+
+def test_default_folder_is_the_checkout_or_the_current_directory(tmp_path, monkeypatch):
+    assert build.default_out() == build.GENERATED  # this source checkout
+    monkeypatch.setattr(build, "GENERATED", tmp_path / "site-packages/trainguard/dashboards/generated")
+    monkeypatch.chdir(tmp_path)
+    assert build.main([]) == 0
+    assert (tmp_path / "trainguard-generated/prometheus/rules.yml").is_file()
+    assert not (tmp_path / "site-packages").exists()
 
 
 def test_dashboards_have_stable_uids_and_the_pinned_schema(dashboards):

@@ -140,14 +140,20 @@ def default_objects() -> list[dict]:
 
 # -- the chart's files are the generated ones ------------------------------------------------------
 def test_chart_files_are_what_the_generator_writes():
-    assert build.stale_files(chart_files.FILES, chart_files.render()) == [], \
+    rendered = chart_files.render()
+    assert build.stale_files(chart_files.FILES, rendered) == [], \
         "run `python -m deploy.helm.chart_files` and commit the result"
+    # The chart ships what its folder holds (``.Files.Glob``): nothing there but the generator's files.
+    present = {p.relative_to(chart_files.FILES).as_posix() for p in chart_files.FILES.rglob("*") if p.is_file()}
+    assert present == set(rendered) | {build.MANIFEST}
 
 
 def test_generator_check_mode_reports_drift_and_writing_repairs_it(tmp_path, capsys):
     assert chart_files.main(["--out", str(tmp_path)]) == 0
     (tmp_path / "prometheus/rules.yml").write_text("groups: []\n")
-    (tmp_path / "left-over.yaml").write_text("{}\n")
+    (tmp_path / "left-over.yaml").write_text("{}\n")  # written by an earlier build, no longer generated
+    manifest = tmp_path / build.MANIFEST
+    manifest.write_text(manifest.read_text() + "left-over.yaml\n")
     assert chart_files.main(["--out", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert "prometheus/rules.yml" in err and "left-over.yaml" in err
