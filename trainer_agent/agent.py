@@ -46,9 +46,10 @@ Where each metric is measured (metric names, units and formulas: ``trainguard/pr
     (``trainer_agent/measure/module_hooks.py``): it copies, and its forward passes are not measured.
 
 Modules, by subpackage: ``measure/`` (``params``: parameter buckets and layers; ``step_stats``:
-the hook bodies of (1) and (2); ``schedule``: which steps report; ``forward_timer`` and ``inputs``:
-(4); ``sketch`` and ``fingerprint``: what the report step's row carries; ``batch_size``: the
-recommended batch size from the noise scale), ``report/`` (the report pipeline of (3),
+the hook bodies of (1) and (2), ``step_state``: what they learn; ``schedule``: which steps
+report; ``forward_timer`` and ``inputs``: (4); ``sketch`` and ``fingerprint``: what the report
+step's row carries; ``batch_size``: the recommended batch size from the noise scale), ``report/``
+(the report pipeline of (3),
 ``exchange``: the report step's collective, ``client``: HTTP), ``data/`` (data quality; its sketch
 of the sequences seen rides in the row), ``control/`` (acting for the controller: the agreement,
 the actuators, ``spike_guard`` and ``snapshots``), ``diagnostics/`` (the recompute check, the

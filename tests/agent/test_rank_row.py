@@ -15,7 +15,7 @@ import torch
 from trainguard.protocol.rank_values import ROW_VALUES, RankValueSpec
 from trainer_agent.report.rank_row import ROW_GETTERS, RowInputs, rank_row, row_plan
 from trainer_agent.report.exchange import RANK_FIELDS
-from trainer_agent.measure.step_stats import StepState
+from trainer_agent.measure.step_state import StepState
 
 F64 = torch.float64
 

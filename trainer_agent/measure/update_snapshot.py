@@ -20,7 +20,7 @@ from trainer_agent.compat import torch_private
 from trainer_agent.measure.params import ParamIndex
 
 if TYPE_CHECKING:
-    from trainer_agent.measure.step_stats import StepState
+    from trainer_agent.measure.step_state import StepState
 
 __all__ = ["UpdateSnapshot"]
 

@@ -48,7 +48,8 @@ from trainer_agent.report.host_derived import HostDerived, PerTensor, layer_vect
 from trainer_agent.report.exchange import RankExchange
 from trainer_agent.report.host_step import HostStep
 from trainer_agent.report.shard_sums import ShardSums
-from trainer_agent.measure.step_stats import StepMeter, StepState
+from trainer_agent.measure.step_state import StepState
+from trainer_agent.measure.step_stats import StepMeter
 
 __all__ = ["CrossRankWorker", "HostStep", "InFlight", "RankVectors", "ReportPipeline", "MAX_IN_FLIGHT", "MAX_QUEUED"]
 

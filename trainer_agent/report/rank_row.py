@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from trainguard.protocol.rank_values import ROW_VALUES, RankValueSpec
-from trainer_agent.measure.step_stats import StepState, unscale
+from trainer_agent.measure.step_state import StepState, unscale
 
 __all__ = ["RowInputs", "ROW_GETTERS", "row_plan", "rank_row"]
 

@@ -16,7 +16,7 @@ import torch
 from trainer_agent.measure import stats
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.sharding import local
-from trainer_agent.measure.step_stats import StepState, unscale
+from trainer_agent.measure.step_state import StepState, unscale
 
 __all__ = ["ShardSums"]
 
