@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from prometheus_client.registry import CollectorRegistry
 from torch import nn
 from torch.nn import functional as F
 
@@ -177,9 +178,10 @@ def reference(rec: Record, layers: bool = True) -> dict[str, float]:
             out[f'trainguard_layer_grad_norm{{layer="{layer}"}}'] = math.sqrt(
                 sq(rec.grads[n] for n in members if n in rec.grads))
             out[f'trainguard_layer_param_norm{{layer="{layer}"}}'] = math.sqrt(sq(rec.after[n] for n in members))
-            if rec.stepped:
-                out[f'trainguard_layer_update_ratio{{layer="{layer}"}}'] = math.sqrt(
-                    sq(rec.after[n] - rec.before[n] for n in members)) / math.sqrt(sq(rec.before[n] for n in members))
+            moved = math.sqrt(sq(rec.after[n] - rec.before[n] for n in members))
+            if rec.stepped and (moved or any(n in rec.grads for n in members)):  # else not measured: absent
+                out[f'trainguard_layer_update_ratio{{layer="{layer}"}}'] = moved / math.sqrt(
+                    sq(rec.before[n] for n in members))
     return out
 
 
@@ -250,13 +252,41 @@ def test_every_metric_matches_reference(kind: str, model: Net) -> None:
         # No accumulation, one rank: no noise scale; no scaler: no loss scale.
         for absent in ("trainguard_grad_noise_scale", "trainguard_grad_variance", "trainguard_loss_scale"):
             assert absent not in got
-        # The unused module got no gradient: its layer's grad norm is 0; the frozen one is absent.
+        # The unused module got no gradient: its layer's grad norm is 0, it has no update ratio
+        # (it did not train: not a layer that stopped moving); the frozen one is absent.
         assert got['trainguard_layer_grad_norm{layer="unused"}'] == 0
+        assert 'trainguard_layer_update_ratio{layer="unused"}' not in got
         assert not any('layer="frozen"' in k for k in got)
         assert got["trainguard_tokens_per_second"] * got["trainguard_step_duration_seconds"] == pytest.approx(last.tokens)
         assert got["trainguard_memory_allocated_bytes"] > 1e6
         assert got["trainguard_memory_peak_bytes"] >= got["trainguard_memory_allocated_bytes"]
         assert got["trainguard_agent_overhead_seconds"] > 0
+    finally:
+        agent.close()
+
+
+def test_a_layer_frozen_then_unfrozen_has_no_update_ratio_while_frozen(model: Net) -> None:
+    # AdamW skips a parameter without a gradient: blocks.1, frozen on steps 3 and 4, does not
+    # move although its optimizer state holds momentum; on steps 5 and 6 it trains again.
+    opt = make_optimizer("adamw", model)
+    registry = CollectorRegistry()
+    agent = ta.attach(model, opt, job="j", run="r", registry=registry,
+                      config=ta.AgentConfig(metrics_port=None, per_layer="all", report_every=1))
+    key = 'trainguard_layer_update_ratio{layer="%s"}'
+    try:
+        for step in range(1, 7):
+            model.blocks[1].requires_grad_(step not in (3, 4))
+            before = model.blocks[1].fc.weight.detach().clone()
+            (rec,) = train(agent, model, opt, 1)
+            got = agent.latest()
+            assert_close(got, {k: v for k, v in reference(rec).items() if k.startswith("trainguard_layer_update")})
+            frozen = step in (3, 4)
+            assert model.blocks[1].fc.weight.equal(before) is frozen, step
+            assert (key % "blocks.1" in got) is not frozen, step
+            assert got[key % "blocks.0"] > 0 and key % "unused" not in got
+            exported = {(s.labels["layer"]) for f in registry.collect() for s in f.samples
+                        if s.name == "trainguard_layer_update_ratio"}
+            assert exported == {"emb", "blocks.0", "head"} | (set() if frozen else {"blocks.1"}), step
     finally:
         agent.close()
 

@@ -11,7 +11,7 @@ from torch import nn
 from trainer_agent.measure.layer_stats import LayerGradStats
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.triage_stats import LAYER_STATS
-from trainer_agent.report.exporter import sample_key
+from trainer_agent.report.exporter import parse_key, sample_key
 from trainer_agent.report.host_derived import Raw, layer_vectors
 
 
@@ -57,3 +57,27 @@ def test_a_layer_without_a_gradient_has_no_gradient_statistics_and_a_nan_gradien
     assert [sample_key(m, layer="blocks.1") in values for m in LAYER_STATS] == [False] * 4
     # A NaN element is a real non-finite gradient: it shows as NaN.
     assert all(math.isnan(values[sample_key(m, layer="blocks.2")]) for m in LAYER_STATS[:3])
+
+
+def _update_ratios(delta: list[float], before: list[float], ungraded: list[int] | None) -> dict[str, float]:
+    """The layer update ratios ``layer_vectors`` publishes for per-tensor squared norms of four
+    layers of two tensors each (``blocks.0`` to ``blocks.3``)."""
+    names = [f"blocks.{i}" for i in range(4)]
+    values: dict[str, float] = {}
+    vectors = [np.asarray(before), np.asarray(delta), np.asarray(before)]
+    layer_vectors(Raw({}, vectors, None), values, layer_of=np.repeat(np.arange(4), 2),
+                  keys=lambda *ms: [sample_key(m, layer=layer) for layer in names for m in ms],
+                  grads=None, scale=None, param=0, delta=1, before=2, moments=None,
+                  ungraded=None if ungraded is None else np.asarray(ungraded))
+    return {parse_key(k)[1]["layer"]: v for k, v in values.items() if k.startswith("trainguard_layer_update_ratio")}
+
+
+def test_a_layer_without_a_gradient_that_did_not_move_has_no_update_ratio() -> None:
+    # Layers: (0) trained, (1) no gradient and no move (frozen, unused, an expert no token
+    # reached), (2) no gradient on one tensor only, (3) no gradient yet moved (an update without
+    # a gradient, e.g. a decay outside the gradient): only layer 1 is not measured.
+    delta = [1.0, 3.0, 0.0, 0.0, 4.0, 0.0, 0.0, 2.0]
+    before = [4.0, 12.0, 9.0, 7.0, 16.0, 9.0, 1.0, 7.0]
+    assert _update_ratios(delta, before, [2, 3, 5, 6, 7]) == {"blocks.0": 0.5, "blocks.2": 0.4, "blocks.3": 0.5}
+    # Every tensor with a gradient: a layer that did not move has a real update ratio of 0.
+    assert _update_ratios(delta, before, None) == {"blocks.0": 0.5, "blocks.1": 0.0, "blocks.2": 0.4, "blocks.3": 0.5}

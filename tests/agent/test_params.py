@@ -308,3 +308,17 @@ def test_gradients_come_settled_and_the_counts_follow_the_parameters() -> None:
         model[2].weight.mul_(2)
     after = index.versions()
     assert after != before and after == tuple(p._version for p in index.locals)
+
+
+def test_ungraded_are_the_parameters_without_a_gradient_read_or_from_grads() -> None:
+    """``ungraded`` names the parameters without a ``.grad``, read from the parameters or from
+    what ``grads()`` made of them (a settled bucket misses none); None when none is missing."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 1).double())
+    index = ParamIndex(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model[2](model[1](model[0](torch.randn(5, 4))).double()).sum().backward()
+    assert index.ungraded() is None and index.ungraded(index.grads()) is None
+    model[0].weight.grad = model[2].bias.grad = None
+    expected = [i for i, p in enumerate(index.params) if p is model[0].weight or p is model[2].bias]
+    assert index.ungraded().tolist() == expected and index.ungraded(index.grads()).tolist() == expected
+    model[2].bias.grad = torch.zeros(1, dtype=torch.float64)  # the float64 bucket settled again
+    assert index.ungraded(index.grads()).tolist() == expected[:1]

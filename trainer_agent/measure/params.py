@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import operator
-from itertools import compress
+from itertools import chain, compress, repeat
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -125,6 +126,21 @@ class ParamIndex:
         """Whether any parameter, or any of :attr:`sparse`, holds a ``.grad`` (stops at the first;
         the reads in C, as :meth:`flat_grads`)."""
         return not all(map(_IS_NONE, map(_GRAD, self.params))) or not all(map(_IS_NONE, map(_GRAD, self.sparse)))
+
+    def ungraded(self, grads: list[list[torch.Tensor]] | None = None) -> np.ndarray | None:
+        """The indices of the parameters without a ``.grad`` (host array), None when every one has
+        one. ``grads``: what :meth:`grads` returned for the gradients now (no attribute read: a
+        missing one is its bucket's zero, a :class:`~trainer_agent.measure.staged.Settled` bucket
+        misses none); without it one attribute read per tensor, in C (as :meth:`flat_grads`)."""
+        if grads is None:
+            missing = list(map(_IS_NONE, map(_GRAD, self.params)))
+        elif all(isinstance(bucket, staged.Settled) for bucket in grads):
+            return None
+        else:
+            missing = list(chain.from_iterable(
+                repeat(False, len(bucket)) if isinstance(bucket, staged.Settled)
+                else map(operator.is_, bucket, repeat(zero)) for bucket, zero in zip(grads, self.grad_zeros)))
+        return np.flatnonzero(missing) if any(missing) else None
 
     def grads(self) -> list[list[torch.Tensor]]:
         """The current ``.grad`` per bucket (the bucket's zero where a parameter has none): one

@@ -3,6 +3,7 @@ step: device values the report pipeline (``trainer_agent/report/pipeline.py``) r
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from trainer_agent.measure.layer_stats import GradMoments
@@ -15,7 +16,7 @@ class StepState:
 
     __slots__ = ("backwards", "micro_norms", "grad_norms", "grad_norm", "grad_share", "grad_nonfinite", "scale",
                  "stepped", "snapshot_taken", "before_sq", "delta_sq", "param_sq", "lrs", "grad_fp", "grad_stats",
-                 "micro_missed")
+                 "micro_missed", "ungraded")
 
     def __init__(self) -> None:
         self.backwards = 0
@@ -51,6 +52,9 @@ class StepState:
         self.grad_fp: torch.Tensor | None = None
         #: Report steps: the moments of the gradients the optimizer used (``LayerGradStats.measure``).
         self.grad_stats: GradMoments | None = None
+        #: Report steps: the parameters the optimizer found without a gradient
+        #: (``ParamIndex.ungraded``; None: every one had one).
+        self.ungraded: np.ndarray | None = None
 
 
 def unscale(value: torch.Tensor, scale: torch.Tensor | None, power: int = 1) -> torch.Tensor:

@@ -322,6 +322,8 @@ class StepMeter:
         # Under sharding (FSDP2/TP) a rank holds only its shards: per-layer statistics of them are
         # not the layer's, so they are left out (absent, never wrong).
         grads = self.index.grads() if report and (self.config.triage or self.fingerprint is not None) else None
+        if report:  # a layer the step leaves without a gradient has no update ratio
+            st.ungraded = self.index.ungraded(grads)
         if self.config.triage and report and self.index.sharding is None and graded:
             st.grad_stats = self.layer_stats.measure(self.index.params, scale=optim.applied_grad_scale(optimizer),
                                                      grads=grads)

@@ -130,9 +130,12 @@ def update_values(raw: Raw, values: dict[str, float], *, numel: int, param: int,
 
 def layer_vectors(raw: Raw, values: dict[str, float], *, layer_of: np.ndarray, keys: Callable[..., list[str]],
                  grads: int | None, scale: str | None, param: int, delta: int | None, before: int | None,
-                 moments: tuple[int, GradMoments] | None) -> None:
+                 moments: tuple[int, GradMoments] | None, ungraded: np.ndarray | None = None) -> None:
     """The per-layer vectors: the gradient norm (unscaled), the parameter norm, the update ratio
-    (per-tensor squares summed per layer), and the gradient statistics (``layer_stats``)."""
+    (per-tensor squares summed per layer), and the gradient statistics (``layer_stats``).
+    ``ungraded``: the parameters without a gradient at the step (None: none): a layer of only
+    those that did not move has no update ratio (frozen, unused on the step, an expert no token
+    reached: not measured, where a 0 would read as a layer that stopped learning)."""
     layers = len(keys("trainguard_layer_param_norm"))
 
     def layer_norms(v: np.ndarray) -> np.ndarray:
@@ -148,8 +151,14 @@ def layer_vectors(raw: Raw, values: dict[str, float], *, layer_of: np.ndarray, k
     if moments is not None:
         _layer_grad_stats(values, keys(*LAYER_STATS), moments[1], raw.vectors[moments[0]])
     if delta is not None and before is not None:
-        ratio = layer_norms(raw.vectors[delta]) / layer_norms(raw.vectors[before])
-        values.update(zip(keys("trainguard_layer_update_ratio"), ratio.tolist()))
+        moved = layer_norms(raw.vectors[delta])
+        ratio = moved / layer_norms(raw.vectors[before])
+        measured = np.ones(layers, dtype=bool)
+        if ungraded is not None:  # a layer is without a gradient where each of its parameters is
+            idle = np.bincount(layer_of[ungraded], minlength=layers) == np.bincount(layer_of, minlength=layers)
+            measured = ~(idle & (moved == 0))
+        ratio_keys = keys("trainguard_layer_update_ratio")
+        values.update((ratio_keys[i], float(ratio[i])) for i in np.flatnonzero(measured).tolist())
 
 
 def _layer_grad_stats(values: dict[str, float], keys: list[str], moments: GradMoments, host: np.ndarray) -> None:

@@ -298,7 +298,7 @@ class ReportPipeline:
             layer_vectors, layer_of=self._layer_keys.layer_of(), keys=self._layer_keys.keys,
             grads=derived.vector(st.grad_norms) if st.grad_norms is not None else None,
             scale=derived.scalar(st.scale) if st.grad_norms is not None and st.scale is not None else None,
-            param=at.param, delta=at.delta, before=at.before, moments=at.moments))
+            param=at.param, delta=at.delta, before=at.before, moments=at.moments, ungraded=st.ungraded))
 
     def _rank_fields(self, dev: dict[str, torch.Tensor], st: StepState,
                      host: dict[str, float], gpu_xid: float = math.nan) -> tuple[torch.Tensor, int]:
