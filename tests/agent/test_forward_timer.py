@@ -6,6 +6,7 @@ synchronisation. Assertions are bounds and orderings with generous margins."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 from datetime import timedelta
 
@@ -54,6 +55,9 @@ def test_forwards_without_gradients_between_steps_are_not_the_step_s() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     agent = ta.attach(model, opt, job="fwd", run="fwd-eval", config=ta.AgentConfig(metrics_port=None, report_every=1))
     try:
+        model.sleep = 0.0
+        model(torch.randn(5, 4)).square().mean().backward()
+        agent.end_step(0.0)  # the warm-up step (its report has no forward time)
         model.sleep = 10 * SLEEP
         with torch.no_grad():
             model(torch.randn(5, 4))
@@ -100,3 +104,47 @@ def test_forward_seconds_names_the_slow_rank_although_step_times_are_equal(tmp_p
     for r in range(2):
         assert out[r]["latest"]["trainguard_forward_seconds"] == fwd[r]
     assert out[1]["rank_values"]["forward_seconds"] == [fwd[1]]  # the other rank: its own value only
+
+
+class _FakeEvent:
+    """A CUDA event on a fake timeline (``now``, seconds): recorded when the host records it."""
+
+    now = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = _FakeEvent.now
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return (end.at - self.at) * 1000.0  # ms, as CUDA's
+
+
+def test_on_cuda_the_warm_up_step_s_forward_is_not_reported_by_the_next_report(monkeypatch) -> None:
+    """On CUDA a report carries the previous report step's forward time (its events read a report
+    later): the warm-up step's forward (compilation inside it: 60 s here) is dropped at its own
+    report (``skip``), not carried into the next one; the next reports carry their own steps'."""
+    from trainer_agent.measure.forward_timer import ForwardTimer
+    from trainer_agent.measure.schedule import ReportSchedule
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    model, step = nn.Linear(2, 2), [0]
+    timer = ForwardTimer(model, ReportSchedule(1), torch.device("cuda"), step=lambda: step[0], clock=lambda: 0.0,
+                         on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
+
+    def forward(seconds: float) -> None:
+        handle = model.register_forward_pre_hook(lambda *a: setattr(_FakeEvent, "now", _FakeEvent.now + seconds))
+        model(torch.randn(1, 2))  # the timer's start is recorded first, then the fake timeline moves
+        handle.remove()
+        step[0] += 1
+
+    forward(60.0)
+    timer.skip()  # the warm-up step's report
+    forward(0.5)
+    assert math.isnan(timer.take())  # step 2's report: no earlier report step's events (not step 1's 60 s)
+    forward(0.25)
+    assert timer.take() == 0.5  # step 3's report: step 2's forward

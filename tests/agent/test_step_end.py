@@ -212,3 +212,43 @@ def test_a_step_whose_gradients_are_all_zero_has_no_effective_lr() -> None:
     assert zero["trainguard_grad_norm"] == 0.0 and zero["trainguard_nonfinite_grads"] == 0.0
     assert zero["trainguard_update_ratio"] == 0.0
     assert "trainguard_effective_lr" not in zero
+
+
+STEP_TIMES = ("trainguard_step_duration_seconds", "trainguard_tokens_per_second", "trainguard_forward_seconds")
+
+
+@pytest.mark.parametrize("resumed_at", [0, 1])
+def test_the_first_step_after_attach_has_no_step_times(resumed_at: int) -> None:
+    """The first step an agent times runs from attach and holds the warm-up: here torch.compile
+    traces the model in its first forward. Its report (step 1, or the first step after a resume
+    that is a report step) has no step time, throughput or forward time, on /metrics and in the
+    rank's row; the next report has them, its throughput the step's tokens over its time."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(compiled, opt, job="j", run=f"r-warm-up-{resumed_at}",
+                      config=ta.AgentConfig(metrics_port=None, report_every=2))
+    if resumed_at:
+        agent.load_state_dict({"version": 1, "step": resumed_at, "nonfinite_steps_total": 0.0,
+                               "amp_skipped_steps_total": 0})
+    seen = []
+    try:
+        for _ in range(3):
+            loss = compiled(torch.randn(2, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss.detach(), tokens=8)
+            seen.append((dict(agent.latest()), dict(agent.rank_values), generate_latest(agent.registry).decode()))
+        assert agent.errors.count == 0
+    finally:
+        agent.close()
+    (first, first_ranks, first_metrics), _, (later, later_ranks, later_metrics) = seen
+    assert (first["trainguard_step"], later["trainguard_step"]) == ((1, 2) if resumed_at == 0 else (2, 4))
+    assert [k for k in STEP_TIMES if k in first or f"{k}{{" in first_metrics] == []
+    assert math.isnan(first_ranks["step_duration_seconds"][0]) and math.isnan(first_ranks["forward_seconds"][0])
+    assert all(later[k] > 0 and f"{k}{{" in later_metrics for k in STEP_TIMES)
+    assert later["trainguard_tokens_per_second"] == 8 / later["trainguard_step_duration_seconds"]
+    assert later_ranks["step_duration_seconds"] == [later["trainguard_step_duration_seconds"]]
+    assert "trainguard_loss" in first and "trainguard_grad_norm" in first  # (the rest is reported)

@@ -122,6 +122,7 @@ class StepEnd:
         st = meter.state
         clock.step += 1
         duration, clock.last_end = t0 - clock.last_end, t0
+        warm_up, clock.warm_up = clock.warm_up, False
         if self.hooks.comm is not None:
             self.hooks.comm.step_ended(duration)
         if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
@@ -149,7 +150,7 @@ class StepEnd:
             log.warning("trainguard: the optimizer holds %d trainable parameter(s) it did not hold at attach (unfrozen "
                         "since, or added with add_param_group); the gradient norm, update size and per-layer values "
                         "leave them out (an agent attached after the change measures them).", added)
-        host = self._host_step(st, duration, tokens)
+        host = self._host_step(st, duration, tokens, warm_up)
         overhead = clock.overhead + meter.overhead + (clock.now() - t0)
         sketch = self._sketch() if reports.exchange.with_state else None
         agreed = reports.build(st, clock.loss, host, overhead, self._proposal(), sketch, amp_fused=clock.amp_fused)
@@ -165,10 +166,15 @@ class StepEnd:
             return loss_t.reshape(()) if loss_t.dim() else loss_t
         return torch.full((), float(loss), dtype=torch.float64, device=self.parts.device)  # a fill, no copy
 
-    def _host_step(self, st: Any, duration: float, tokens: int | None) -> HostStep:
-        """A report step's host values: its times, counts and the diagnostics' results."""
+    def _host_step(self, st: Any, duration: float, tokens: int | None, warm_up: bool) -> HostStep:
+        """A report step's host values: its times (``warm_up``: the first step timed, see
+        ``StepClock.warm_up``), counts and the diagnostics' results."""
         hooks, verifier = self.hooks, self.diagnostics.verifier
-        forward_s = hooks.forward.take() if hooks.forward is not None else float("nan")
+        forward_s = math.nan
+        if hooks.forward is not None and warm_up:
+            hooks.forward.skip()
+        elif hooks.forward is not None:
+            forward_s = hooks.forward.take()
         wait = hooks.input_wait.take() if hooks.input_wait is not None else float("nan")
         return HostStep(self.clock.step, duration, self._token_count(tokens), forward_s, self.clock.amp_skipped,
                         input_wait=wait, micro_batches=st.backwards, world_size=self.world_size,
@@ -179,7 +185,7 @@ class StepEnd:
                         trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
                         else math.nan,  # a job value (the same on every rank), one read per tensor
                         optimizer_class=self.parts.optimizer_class[1],
-                        run_changes=float(self.clock.run_changes))
+                        run_changes=float(self.clock.run_changes), warm_up=warm_up)
 
     def _token_count(self, tokens: Any) -> float | None:
         """A report step's token count; a tensor's is read here, and one that is not a count

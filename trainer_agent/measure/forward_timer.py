@@ -94,6 +94,14 @@ class ForwardTimer:
             return math.nan
         return sum(start.elapsed_time(end) for start, end in pairs) / 1000.0  # ms -> s
 
+    def skip(self) -> None:
+        """The measured step just finished is the warm-up (``StepClock.warm_up``: compilation and
+        first-call initialisation run inside its forward): forget its time, on CUDA its events too,
+        which the next report would read."""
+        self._depth = 0
+        self._seconds = 0.0
+        self._events = []
+
     def reset(self) -> None:
         """A step that is not reported: forget what was measured (nothing is, normally)."""
         self._depth = 0

@@ -24,6 +24,10 @@ class StepClock:
         self.overhead_total = 0.0
         self.overhead = 0.0
         self.last_end = now()
+        #: The next step ended is the first this agent times: its wall time runs from attach and
+        #: holds the warm-up (torch.compile's compilation, first-call initialisation, a checkpoint's
+        #: load), not a step's work, so its report leaves the step's times out.
+        self.warm_up = True
         self.amp_skipped = 0
         #: Steps whose backward passes no optimizer step followed, no GradScaler's skip either (the
         #: loop's own skips, or ``end_step`` called per micro-batch: ``Agent.end_step`` tells them apart).

@@ -41,3 +41,6 @@ class HostStep:
     """Changes the user marked (``Agent.run_changed``) so far."""
     optimizer_class: float = math.nan
     """A code of the optimizer's class (``measure.optim.optimizer_class``): changes when the run switches optimizer."""
+    warm_up: bool = False
+    """The first step the agent timed (``StepClock.warm_up``): its duration, forward time and
+    throughput are the warm-up's, left out of the report (absent, NaN in the rank's row)."""

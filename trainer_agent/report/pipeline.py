@@ -219,11 +219,11 @@ class ReportPipeline:
         return self.exchange.agreed(self.enter_exchange(step, self.exchange.nan_row(self.device, state))[1], state)
 
     def _host_values(self, h: HostStep) -> dict[str, float]:
-        host = {"trainguard_step": float(h.step),
-                "trainguard_amp_skipped_steps_total": float(h.amp_skipped),
-                "trainguard_step_duration_seconds": h.duration,
-                "trainguard_forward_seconds": h.forward_seconds}
-        if h.tokens is not None:
+        host = {"trainguard_step": float(h.step), "trainguard_amp_skipped_steps_total": float(h.amp_skipped)}
+        if not h.warm_up:  # (the warm-up's times are not a step's: absent)
+            host["trainguard_step_duration_seconds"] = h.duration
+            host["trainguard_forward_seconds"] = h.forward_seconds
+        if h.tokens is not None and not h.warm_up:
             host["trainguard_tokens_per_second"] = h.tokens / h.duration if h.duration > 0 else math.inf
             if self.mfu_per_token_rate is not None and h.duration > 0:
                 host["trainguard_mfu"] = host["trainguard_tokens_per_second"] * self.mfu_per_token_rate
