@@ -38,16 +38,15 @@ the loss, the gradients and the update ratio alike), then a jump of the schedule
 of the report's interval when the agent sends ``trainguard_scheduler_lr_max``), then data. The
 verdict is asked for only on a report that would open an incident (``RunRecovery.consider``): a
 rule that acts, a health rule, the agent skipping, or a hardware rule; data rules alone only
-notify (a planned switch of the data mixture is not a fault).
-A recompute that *did* reproduce the step's gradient is recorded as evidence against hardware.
-The range the schedule already had is the agent's ``trainguard_scheduler_lr_peak`` (every LR it
-set, and the LR it was built on, which a warm-up rises to), capped after an LR fault by the range
-before that fault (``RunRecovery``): a rollback restores the user's scheduler, so the fault comes
-again, and its LR is not the schedule's own.
+notify (a planned switch of the data mixture is not a fault). A recompute that *did* reproduce the
+step's gradient, and a desync of most of three or more ranks (a layout: ``service/desync_layout.py``),
+are evidence against hardware. The range the schedule already had is the agent's
+``trainguard_scheduler_lr_peak`` (every LR it set, and the LR it was built on, which a warm-up
+rises to), capped after an LR fault by the range before that fault (``RunRecovery``): a rollback
+restores the user's scheduler, so the fault comes again, and its LR is not the schedule's own.
 
-Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read,
-its value, what it was compared with, the cause it points at (or ``"none"``: a check that found
-nothing), and a sentence.
+Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read, its value,
+what it was compared with, the cause it points at (or ``"none"``: a check that found nothing), and a sentence.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from typing import Any, Literal
 import numpy as np
 
 from trainguard.protocol.commands import REGISTRY
+from trainguard.service.desync_layout import layout_desync
 
 __all__ = ["CAUSES", "Cause", "Verdict", "GRAD_JUMP", "GRAD_NORM", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
 
@@ -168,7 +168,7 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     ev = _Evidence()
     active = [f for f in findings if f.active]
     hosts = hosts or {}
-    suspects = _hardware_rules(ev, active)
+    suspects = _hardware_rules(ev, active, window)
     suspects += [r for r in _verify_mismatch(ev, window) if r not in suspects]
     if suspects:
         suspects = suspects[:16]
@@ -219,9 +219,9 @@ def _nonfinite(ev: _Evidence, active: list[Any], window: Any) -> bool:
     return True
 
 
-def _hardware_rules(ev: _Evidence, active: list[Any]) -> list[int]:
+def _hardware_rules(ev: _Evidence, active: list[Any], window: Any) -> list[int]:
     """The ranks the active hardware rules name (XID codes of a hardware failure, and the other
-    hardware diagnoses), their evidence added to ``ev``."""
+    hardware diagnoses but a desync of most ranks: a layout), their evidence added to ``ev``."""
     suspects: list[int] = []
     for f in active:
         diag = getattr(f.rule, "diagnosis", "")
@@ -237,10 +237,10 @@ def _hardware_rules(ev: _Evidence, active: list[Any]) -> list[int]:
                 ev.add(f"rule:{f.rule.name}", {r: codes[r] for r in ranks}, sorted(HARDWARE_XIDS), "hardware",
                        f"hardware XID errors on ranks {ranks}")
         elif diag in HARDWARE_DIAGNOSES:
-            ranks = [int(r) for r in f.values.get("ranks", [])]
-            suspects += [r for r in ranks if r not in suspects]
+            ranks, layout = [int(r) for r in f.values.get("ranks", [])], layout_desync(f, window)
+            suspects += [r for r in ranks if r not in suspects and layout is None]
             ev.add(f"rule:{f.rule.name}", f.values.get("values", ranks), f.values.get("limit", f.values.get("rel_tol")),
-                   "hardware", f"{f.summary or diag} (ranks {ranks})")
+                   "none" if layout else "hardware", layout or f"{f.summary or diag} (ranks {ranks})")
     return suspects
 
 

@@ -726,3 +726,45 @@ def test_a_jump_of_the_update_ratio_beyond_what_one_gradient_gives_is_the_optimi
     healthy = [_report(i) for i in range(1, 41)]
     _, (inc,) = _incidents(healthy + [_report(41, trainguard_grad_norm_max=6.0, trainguard_update_ratio=4e-3)])
     assert inc["cause"] == "optimizer"
+
+
+def _desync_reports(world: int, bad: list[int]) -> list[Report]:
+    """Healthy reports of ``world`` ranks, then ranks ``bad`` disagreeing on their gradients and
+    parameters (their fingerprints 0.9 and 5e-3 away from the others')."""
+    zeros = [0.0] * world
+    grad = [0.9 if r in bad else 0.0 for r in range(world)]
+    param = [5e-3 if r in bad else 0.0 for r in range(world)]
+    healthy = [_report(i, world=world, ranks={"grad_desync": zeros, "param_desync": zeros}) for i in range(1, 20)]
+    return healthy + [_report(i, world=world, ranks={"grad_desync": grad, "param_desync": param}) for i in range(20, 26)]
+
+
+@pytest.mark.parametrize("world, bad", [(3, [0, 2]), (4, [0, 1, 2, 3]), (8, [0, 1, 2, 3, 5])])
+def test_a_desync_of_most_ranks_is_a_layout_and_neither_checkpoints_nor_pauses(world: int, bad: list[int]) -> None:
+    """Post-local SGD, FSDP1 shards or per-rank expert layers make most ranks disagree: no device is at fault."""
+    states, incidents = _incidents(_desync_reports(world, bad), world=world)
+    assert incidents == []
+    assert all((s.checkpoint_seq, s.paused, s.stop, s.generation) == (0, False, False, 0) for s in states)
+
+
+@pytest.mark.parametrize("world, bad", [(3, [1]), (8, [2, 6]), (2, [0, 1])])
+def test_a_desync_of_a_minority_of_ranks_stays_hardware(world: int, bad: list[int]) -> None:
+    states, incidents = _incidents(_desync_reports(world, bad), world=world)
+    (inc,) = incidents
+    assert inc["cause"] == "hardware" and inc["verdict"]["ranks"] == bad
+    assert inc["verdict"]["hosts"] == [f"node-{r}" for r in bad]
+    assert [r["rung"] for r in inc["rungs"]] == ["checkpoint", "pause"] and states[-1].paused
+
+
+def test_the_verdict_on_a_desync_of_most_ranks_says_why_it_is_not_hardware() -> None:
+    from trainguard.service.cause import judge
+    from trainguard.service.evaluate import evaluate
+    from trainguard.service.window import RunWindow
+
+    window = RunWindow(capacity=128, rank_capacity=8, world_size=3, created=0.0)
+    for r in _desync_reports(3, [0, 2]):
+        window.append(r, r.time)
+    verdict = judge(evaluate(RULES.base, window, 25.0), window, hosts={0: "a", 1: "b", 2: "c"})
+    assert verdict.cause != "hardware" and verdict.ranks == ()
+    layouts = [e for e in verdict.as_dict()["evidence"] if e["signal"] in ("rule:grad_desync", "rule:param_desync")]
+    assert [e["points_to"] for e in layouts] == ["none", "none"]
+    assert all("2 of 3 ranks" in e["detail"] and "by design" in e["detail"] and "rank_local" in e["detail"] for e in layouts)
