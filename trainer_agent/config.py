@@ -141,7 +141,16 @@ class AgentConfig:
     step's collective and compare them across ranks (``trainer_agent/measure/fingerprint.py``). With
     sharded parameters (DTensors) only replicas are compared: ranks whose shards the placements
     say are identical (HSDP's replicate dimension, tensor parallel's replicated parameters); off
-    under plain FSDP, which replicates nothing."""
+    under plain FSDP, which replicates nothing. Left out, with a warning at attach, where ranks hold
+    different values by design (``trainer_agent/measure/fingerprint_layouts.py``): FSDP1's shards,
+    every parameter under post-local SGD, and ``rank_local_params``."""
+
+    rank_local_params: tuple[str, ...] = ()
+    """Parameter-name prefixes (as ``model.named_parameters()`` names them, without DDP's
+    ``module.`` or FSDP1's wrapper component; a prefix covers a module's parameters:
+    ``"blocks.3.experts"``) of the parameters that hold different values on each rank by design,
+    e.g. expert-parallel experts held as plain tensors: left out of the cross-rank fingerprints.
+    A prefix that names no parameter is refused at attach (``ValueError``)."""
 
     triage: bool = True
     """On report steps, in the optimizer's pre-hook: per-layer gradient mean / std / max / min
@@ -297,6 +306,12 @@ class AgentConfig:
         for i in self.special_ids:
             if type(i) is not int or i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
                 raise ValueError(f"special_ids must be token ids in [0, vocab_size), got {i!r}")
+        if isinstance(self.rank_local_params, (str, bytes)) or not isinstance(self.rank_local_params, (tuple, list)):
+            raise ValueError(f"rank_local_params must be a tuple of parameter-name prefixes, got {self.rank_local_params!r}")
+        self.rank_local_params = tuple(self.rank_local_params)
+        for prefix in self.rank_local_params:
+            if not isinstance(prefix, str) or not prefix or not prefix.isprintable() or prefix.strip(".") != prefix:
+                raise ValueError(f"rank_local_params must hold parameter-name prefixes such as 'blocks.3.experts', got {prefix!r}")
         for name in ("controller", "token"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):

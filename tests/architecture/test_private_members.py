@@ -24,6 +24,7 @@ OUR_PACKAGES = {"trainer_agent", "trainguard", "service", "dashboards", "tests"}
 ADAPTERS = {
     "trainer_agent/compat/torch_private.py": "trainer_agent.compat.torch_private",
     "trainer_agent/compat/torch_hooks.py": "trainer_agent.compat.torch_hooks",
+    "trainer_agent/compat/torch_ddp.py": "trainer_agent.compat.torch_ddp",
     "trainer_agent/compat/httpx_private.py": "trainer_agent.compat.httpx_private",
 }
 #: Underscore names that are documented public API: namedtuple's methods and fields (their

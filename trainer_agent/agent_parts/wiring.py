@@ -20,6 +20,7 @@ from trainer_agent.diagnostics.preflight import PREFLIGHT_ONLY_ENV
 from trainer_agent.measure import flops
 from trainer_agent.measure import bucket_views, fsdp_grad_buffers
 from trainer_agent.measure.fingerprint import for_ranks
+from trainer_agent.measure.fingerprint_layouts import rank_local
 from trainer_agent.measure.fingerprint_screen import screen_width
 from trainer_agent.measure.params import ParamIndex
 from trainer_agent.measure.step_stats import StepMeter
@@ -85,9 +86,13 @@ class AgentWiring:
         # Fingerprints compare what every rank holds in full (data parallelism), or, with sharded
         # parameters, what the placements replicate: the local shards of the ranks that differ
         # only along Replicate mesh dimensions (HSDP's replicate dimension, TP's replicated norms).
-        # Plain FSDP replicates nothing: no fingerprint.
+        # Plain FSDP replicates nothing: no fingerprint. Parameters that differ by design (FSDP1's
+        # shards, post-local SGD, the user's rank-local layers) are left out, saying so once.
+        layouts = rank_local(model, params.params, cfg.rank_local_params)  # ValueError: a bad prefix
         if cfg.fingerprint and self.world_size > 1:
-            fingerprint = for_ranks(params, self.world_size)
+            for reason in layouts.reasons:
+                log.warning("trainguard: %s", reason)
+            fingerprint = None if layouts.everything else for_ranks(params, self.world_size, left_out=layouts.left_out)
             meter.fingerprint = fingerprint
         #: Under ``trainguard preflight``: the script stops at its pre-flight, and never trains.
         preflight_only = os.environ.get(PREFLIGHT_ONLY_ENV, "") not in ("", "0")

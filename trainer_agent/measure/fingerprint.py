@@ -242,16 +242,24 @@ class Fingerprinter:
         return torch.stack([grads, params]).to(torch.float32).view(-1).view(torch.float64)
 
 
-def for_ranks(index: Any, world: int) -> Fingerprinter | None:
+def for_ranks(index: Any, world: int, left_out: Collection[int] = ()) -> Fingerprinter | None:
     """The fingerprinter comparing the ranks of ``index`` (a ``ParamIndex``): every layer on every
     rank without sharding; with DTensors, the replicas of each shard (``replica_units``); None
-    when nothing is replicated (plain FSDP)."""
+    when nothing is replicated (plain FSDP). ``left_out``: indices of parameters not compared
+    (they differ by design: ``trainer_agent/measure/fingerprint_layouts.py``)."""
     if index.sharding is None:
-        return Fingerprinter([p.numel() for p in index.params], index.layer_ids, len(index.layers),
-                             device=index.device, names=index.layers)
+        ids = index.layer_ids.tolist()
+        ids = [-1 if i in left_out else u for i, u in enumerate(ids)] if left_out else ids
+        if all(u < 0 for u in ids):
+            return None
+        return Fingerprinter([p.numel() for p in index.params], torch.tensor(ids) if left_out else index.layer_ids,
+                             len(index.layers), device=index.device, names=index.layers)
     units = replica_units(index.params, index.layer_ids.tolist(), index.layers, world, index.device)
     if units is None:
         return None
     unit_of, names, groups = units
+    unit_of = [-1 if i in left_out else u for i, u in enumerate(unit_of)]
+    if all(u < 0 for u in unit_of):
+        return None
     return Fingerprinter([t.numel() for b in index.buckets for t in b], torch.tensor(unit_of), len(names),
                          device=index.device, names=names, groups=groups)
