@@ -29,6 +29,7 @@ from trainguard.protocol.command_inputs import command_inputs
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
+from trainguard.service.cause import HARDWARE_DIAGNOSES
 from trainguard.service.rules import AdaptiveLrAction, NotifyAction, RecoveryPolicy, default_rules_text, load_rules
 
 __all__ = ["BLOCKS", "actions_table", "rules_table", "recovery_table", "rule_sections", "metrics_table", "series_table",
@@ -182,6 +183,8 @@ def rules_table() -> str:
     rows = ["| rule | severity | watches | fires when | actions |", "|---|---|---|---|---|"]
     for rule in _rules():
         actions = ", ".join(action(a) for a in rule.actions)
+        if rule.diagnosis in HARDWARE_DIAGNOSES:
+            actions += "; a hardware cause: `ladders.hardware`"
         off = "" if rule.enabled else " (off: opt in with `enabled: true`)"
         rows.append(f"| `{rule.name}` | {rule.severity} | {watched(rule)} | {condition(rule)}{off} | {actions} |")
     return "\n".join(rows)
@@ -205,13 +208,35 @@ def recovery_table() -> str:
     return "\n".join(rows)
 
 
+#: What a hardware rule's alert does not make hardware evidence of, per diagnosis.
+_NOT_HARDWARE = {
+    "gpu_xid": "an XID of the application's own kernels (13, 31, 43) or one the driver contained (63, 94) only notifies",
+    "grad_desync": "a desync of more than half the ranks of a job of three or more is taken as ranks that hold "
+                   "different values by design (post-local SGD, FSDP1 shards, per-rank expert layers: see "
+                   "`AgentConfig.rank_local_params`), not a device, and only notifies",
+}
+_NOT_HARDWARE["param_desync"] = _NOT_HARDWARE["grad_desync"]
+
+
+def _hardware_ladder(diagnosis: str) -> str:
+    """What a hardware rule's alert does beyond notifying: the built-in hardware ladder's rungs."""
+    ladder = load_rules(default_rules_text()).file.recovery.ladders.hardware or ()
+    rungs = ", then ".join(f"`{r}`" for r in ladder)
+    text = ("Its alert is hardware evidence: with recovery on, the controller's cause verdict is `hardware`, naming "
+            f"the ranks and their hosts, and an incident opens that climbs `ladders.hardware` ({rungs}: every rank "
+            "checkpoints at the same step, then the run is paused and a human paged)")
+    return text + ("; " + _NOT_HARDWARE[diagnosis] if diagnosis in _NOT_HARDWARE else "")
+
+
 def rule_sections() -> str:
     """One section per built-in rule: what it means, what trainguard already did, what to do."""
     out = []
     for rule in _rules():
         d = diagnosis(rule.diagnosis)
         did = "; ".join(f"`{a.type}` {_ACTION_WORDS[a.type]}" for a in rule.actions)
-        if all(a.type == "notify" for a in rule.actions):
+        if rule.diagnosis in HARDWARE_DIAGNOSES:
+            did += ". " + _hardware_ladder(rule.diagnosis)
+        elif all(a.type == "notify" for a in rule.actions):
             did += ". Nothing in the run changed: what to do is yours to judge"
         if any(a.type == "rollback" and a.unless_skipped for a in rule.actions):
             did += (". A rollback is not taken when the step was not taken (the agent, or the mixed-precision "
