@@ -5,7 +5,8 @@ on every pass, as a failing unit does), so the gradient recompute check (every 5
 reproduce its gradient there. The controller's verdict is ``hardware`` naming rank 1 and its host;
 every rank checkpoints at the same step, then stops at the same step with the documented exit
 status: decided within a report of the recompute, applied at the first agreement after the
-leader's client has it."""
+leader's client has it. A healthy run with post-local SGD (its ranks hold different values by
+design) is neither checkpointed nor stopped."""
 
 from __future__ import annotations
 
@@ -119,3 +120,49 @@ def test_a_rank_whose_device_computes_wrong_values_is_named_checkpointed_and_sto
     assert stop["step"] < applied(stop["generation"]) == logs[0]["stopped_at"]
     assert f"rank 1 on {host}" in incident["rungs"][1]["reason"]
     assert f"exit status {EXIT_HARDWARE_FAULT}" in detail["finish_reason"]
+
+
+def _local_sgd_worker(rank: int, init: str, out: str) -> None:
+    """A healthy run with post-local SGD (the ranks step on their own gradients between averaging steps)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    import trainer_agent as ta
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    model.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=dist.new_subgroups(group_size=1)[0],
+                                               start_localSGD_iter=10), post_localSGD_hook)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = PostLocalSGDOptimizer(optim=inner, averager=PeriodicModelAverager(period=10, warmup_steps=10))
+    agent = ta.attach(model, inner, job="hw", run=RUN + "-localsgd", controller=os.environ["TG_TEST_URL"],
+                      config=ta.AgentConfig(metrics_port=0, metrics_host="127.0.0.1", report_every=2,
+                                            request_timeout_s=5.0))
+    g = torch.Generator().manual_seed(rank)
+    target = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+    for _ in range(60):
+        x = torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), x @ target)
+        loss.backward()
+        opt.step()
+        agent.end_step(loss.detach())
+    history = [[h.generation, h.paused, h.checkpoint_seq, h.stop] for h in agent.control.history]
+    agent.close(5.0)
+    torch.save({"history": history, "code": agent.exit_code}, Path(out) / f"rank{rank}.pt")
+
+
+def test_post_local_sgd_is_neither_checkpointed_nor_stopped_as_a_hardware_fault(controller, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TG_TEST_URL", controller.url)
+    logs = spawn_ranks(_local_sgd_worker, WORLD, tmp_path, timeout=300.0)
+    assert all(not paused and not seq and not stop for log in logs for _, paused, seq, stop in log["history"])
+    assert logs[0]["code"] == logs[1]["code"] == 0
+    run = RUN + "-localsgd"
+    detail = httpx.get(f"{controller.url}/v1/runs/{run}", timeout=10).json()
+    assert detail["desired"]["generation"] == 0 and detail["last_step"] >= 20
+    assert httpx.get(f"{controller.url}/v1/runs/{run}/incidents", timeout=10).json()["incidents"] == []
+    alerts = httpx.get(f"{controller.url}/v1/alerts", params={"run": run}, timeout=10).json()
+    assert [a["rule"] for a in alerts if a["rule"] in ("grad_desync", "param_desync")] == []
