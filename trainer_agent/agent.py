@@ -263,14 +263,16 @@ class Agent(AgentWiring, StepEnd, LoopControl, DiagnosticCalls):
 
     def latest(self) -> dict[str, float]:
         """``{sample key: value}`` as of the last reported step, plus the data-quality and
-        control values and the live error count. Waits for a report still being copied."""
+        control values, the live error count and, on the leader, the ranks' agreement of the last
+        report its cross-rank work resolved: what ``/metrics`` serves. Waits for a report still
+        being copied."""
         try:
             self.reports.publish(block=True)  # SYNC (CUDA): only if a report copy is still in flight
             if self.data is not None:
                 self.data.refresh(flush=True)  # batches submitted so far (worker thread)
         except Exception as exc:
             self.errors.error("publish", exc)
-        return self.export.current_values()
+        return self.export.scraped_values()
 
     def watch_loader(self, loader: Any) -> None:
         """Export the reader metrics of ``loader`` (``trainer_agent.data.sharded_dataset.TokenLoader``, or

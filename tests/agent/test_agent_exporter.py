@@ -87,7 +87,8 @@ def test_metrics_endpoint_equals_latest_nan_included() -> None:
                     "trainguard_verify_float32_rel_diff",  # after a float32 recompute of an autocast step only
                     "trainguard_mfu",  # with a known FLOPs count and device peak (trainer_agent/measure/flops.py)
                     # DDP with AgentConfig.comm_timing only (trainer_agent/measure/comm_timing.py)
-                    "trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio"}
+                    "trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio",
+                    *AGREEMENT}  # the leader of several ranks only
         optional |= {m.name for m in STEP_METRICS if m.name.startswith("trainguard_gpu_")}  # NVML, GPU only
         assert {parse_key(k)[0] for k in latest} >= {m.name for m in STEP_METRICS} - optional
     finally:
@@ -349,19 +350,32 @@ def _series_worker(rank: int, init: str, out: str) -> None:
         scaler.update()
         opt.zero_grad()
         agent.end_step(loss, tokens=8)
+    agent.reports.flush(timeout=60)  # the leader's cross-rank work (the ranks' agreement) done
     latest = agent.latest()  # waits for the data monitor's last batches, which the scrape then serves
-    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    scraped = _scraped(agent.metrics_url, rank)
+    _close_and_save(agent, ddp, {"scraped": scraped, "latest": latest}, f"{out}/rank{rank}.pt")
+
+
+def _scraped(url: str, rank: int) -> dict[str, float]:
+    """Rank ``rank``'s /metrics of the job "scrape-job", run "run-7", by sample key."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     scraped = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = dict(s.labels)
             assert (labels.pop("job"), labels.pop("run"), labels.pop("rank")) == ("scrape-job", "run-7", str(rank))
             scraped[sample_key(s.name, **labels)] = s.value
+    return scraped
+
+
+def _close_and_save(agent: ta.Agent, ddp: nn.Module, saved: object, path: str) -> None:
+    import torch.distributed as dist
+
     agent.close()
     del agent, ddp
     gc.collect()
     dist.destroy_process_group()
-    torch.save({"scraped": scraped, "latest": latest}, f"{out}/rank{rank}.pt")
+    torch.save(saved, path)
 
 
 def _same(a: float, b: float) -> bool:
@@ -411,9 +425,65 @@ def test_with_job_metrics_all_every_rank_serves_a_copy_of_the_jobs_values(tmp_pa
     present = {parse_key(k)[0] for k in leader["scraped"]}
     # The noise scale (and the batch size it recommends) is made from every rank's gathered values
     # on the leader alone: no other rank holds a copy of it to serve.
-    leaders_own = {"trainguard_grad_noise_scale", "trainguard_grad_variance", "trainguard_recommended_batch_size"}
+    # The ranks' agreement too: the leader compares every rank's gathered fingerprints.
+    leaders_own = {"trainguard_grad_noise_scale", "trainguard_grad_variance", "trainguard_recommended_batch_size",
+                   "trainguard_grad_desync_rel_diff", "trainguard_param_desync_rel_diff"}
     assert present - {parse_key(k)[0] for k in other["scraped"]} - {n for n in present if BY_NAME[n].scope == LAYER} == leaders_own
     assert len(other["scraped"]) == series_per_rank(1, layers=2, param_groups=2, job_metrics="all",
                                                     names=present - leaders_own)
     assert other["scraped"]["trainguard_grad_norm"] == leader["scraped"]["trainguard_grad_norm"]
     assert other["scraped"]["trainguard_trainable_elements"] == leader["scraped"]["trainguard_trainable_elements"] == 56
+
+
+AGREEMENT = ("trainguard_grad_desync_rel_diff", "trainguard_param_desync_rel_diff", "trainguard_grad_desync_rank",
+             "trainguard_param_desync_rank")
+
+
+def _agreement_worker(rank: int, init: str, out: str) -> None:
+    """DDP on 2 gloo ranks reporting every 2 steps; after step 3 rank 1 moves one weight of layer
+    "2" by 1e-3 of the layer's norm. Each rank scrapes its /metrics after the reports of steps 2
+    (in sync) and 4 (apart), once the leader's cross-rank work is done, beside the leader's
+    per-rank vectors of that report."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    model = net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    agent = ta.attach(ddp, opt, job="scrape-job", run="run-7", config=ta.AgentConfig(metrics_port=0, report_every=2, layer_depth=1))
+    g = torch.Generator().manual_seed(rank)
+    seen = {}
+    for step in range(1, 5):
+        ddp(torch.randn(8, 6, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3 and rank == 1:
+            with torch.no_grad():
+                model[2].weight[1, 2] += 1e-3 * math.sqrt(sum(float(p.square().sum()) for p in model[2].parameters()))
+        agent.end_step(None)
+        if step % 2 == 0:
+            agent.latest()
+            agent.reports.flush(timeout=60)
+            seen[step] = (_scraped(agent.metrics_url, rank),
+                          {k: agent.rank_values.get(k) for k in ("grad_desync", "param_desync")})
+    _close_and_save(agent, ddp, seen, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_the_leader_serves_the_ranks_agreement_and_a_perturbed_rank_shows_above_the_tolerance(tmp_path) -> None:
+    leader, other = spawn_ranks(_agreement_worker, 2, tmp_path)
+    for scraped, _ in other.values():  # a job value: the leader's alone
+        assert not {parse_key(k)[0] for k in scraped} & set(AGREEMENT)
+    in_sync, vectors = leader[2]
+    assert vectors["param_desync"] == vectors["grad_desync"] == [0.0, 0.0]
+    # the comparison ran and found the replicas equal: 0, not absent; no rank holds a difference
+    assert in_sync["trainguard_grad_desync_rel_diff"] == in_sync["trainguard_param_desync_rel_diff"] == 0.0
+    assert not {parse_key(k)[0] for k in in_sync} & set(AGREEMENT[2:])
+    apart, vectors = leader[4]
+    # two replicas: both differ from their middle by the same amount (nothing tells which is wrong)
+    assert vectors["param_desync"][0] == vectors["param_desync"][1] > 1e-5
+    assert apart["trainguard_param_desync_rel_diff"] == vectors["param_desync"][0]
+    assert apart['trainguard_param_desync_rank{worst_layer="2"}'] == 0.0
+    assert apart["trainguard_grad_desync_rel_diff"] == max(vectors["grad_desync"])

@@ -14,6 +14,7 @@ from trainguard.protocol.catalog import (
     JOB,
     LABEL_VALUES,
     LAYER,
+    ONE_AT_A_TIME,
     RANK,
     MetricSpec,
     exported_scopes,
@@ -91,7 +92,7 @@ def test_the_fixed_label_values_are_the_ones_the_agent_produces() -> None:
     decisions = {s.labels["decision"] for fam in registry.collect() for s in fam.samples}
     assert decisions == set(LABEL_VALUES["decision"])
     # Every labelled metric's labels have a count: fixed values, or the run's groups and layers.
-    assert {label for m in AGENT_METRICS for label in m.labels} == {*LABEL_VALUES, "group", "layer"}
+    assert {label for m in AGENT_METRICS for label in m.labels} == {*LABEL_VALUES, "group", "layer", *ONE_AT_A_TIME}
 
 
 def _number(text: str) -> int:

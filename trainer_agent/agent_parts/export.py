@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from trainer_agent.agent_parts.errors import ErrorLog
 from trainer_agent.measure.batch_size import BatchSizeAdvisor
 from trainer_agent.config import AgentConfig
 from trainer_agent.report.exporter import AgentCollector, MetricsServer
+from trainer_agent.report.replica_agreement import agreement_gauges
 
 __all__ = ["MetricsExport"]
 
@@ -32,6 +34,7 @@ class MetricsExport:
         self._errors = errors
         self._lock = threading.Lock()
         self._published: dict[str, float] = {}
+        self._agreement: dict[str, float] = {}  # the leader's, of the last resolved report (publish_agreement)
         self.batch_size_advisor = BatchSizeAdvisor()
         self._data, self._snapshots, self._verifier, self._reports = data, snapshots, verifier, reports
         self.control: Any = None
@@ -47,7 +50,7 @@ class MetricsExport:
         #: This rank serves the job's values (the leader, or every rank with ``job_metrics="all"``):
         #: a job value read on the host per tensor is read only where it is served.
         self.serves_job = JOB in scopes
-        self._collector = AgentCollector(self.current_values, job=job, run=run, rank=rank, scopes=scopes)
+        self._collector = AgentCollector(self.scraped_values, job=job, run=run, rank=rank, scopes=scopes)
         self.server: MetricsServer | None = None
 
     def register(self) -> None:
@@ -88,6 +91,21 @@ class MetricsExport:
         recommended = self.batch_size_advisor.recommended()
         if not math.isnan(recommended):
             values["trainguard_recommended_batch_size"] = recommended
+
+    def publish_agreement(self, rank_values: Mapping[str, list[float]], layer_names: Sequence[str]) -> None:
+        """Leader: the replicas' agreement gauges of a resolved report (``agreement_gauges``),
+        replacing the previous report's; none when it carries no fingerprint comparison."""
+        gauges = agreement_gauges(rank_values, layer_names)
+        with self._lock:
+            self._agreement = gauges
+
+    def scraped_values(self) -> dict[str, float]:
+        """What ``/metrics`` serves: :meth:`current_values` and the agreement gauges (kept out of
+        the values sent with the next report: they are an earlier report's)."""
+        values = self.current_values()
+        with self._lock:
+            values.update(self._agreement)
+        return values
 
     def current_values(self) -> dict[str, float]:
         """Host values only: called by the /metrics collector from the HTTP thread."""

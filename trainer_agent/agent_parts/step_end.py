@@ -236,5 +236,10 @@ class StepEnd:
         (``trainer_agent/report/fingerprint_rounds.py``), with or without a controller."""
         if isinstance(rank_values, RankVectors):
             rank_values.resolve()
+        try:
+            fp = self.reports.fingerprint
+            self.export.publish_agreement(rank_values, fp.names if fp is not None else ())
+        except Exception as exc:  # the gauges are not worth the report
+            self.errors.error("agreement_gauges", exc)
         if self.control is not None:
             self.control.on_report(values, rank_values)

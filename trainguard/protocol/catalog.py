@@ -29,6 +29,7 @@ __all__ = [
     "RUN_CHANGE_MARKERS",
     "LAYER",
     "LABEL_VALUES",
+    "ONE_AT_A_TIME",
     "BASE_LABELS",
     "STEP_METRICS",
     "DATA_METRICS",
@@ -57,6 +58,10 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": ("spike", "nonfinite", "data"),
     "decision": ("kept", "dropped", "downsampled"),
 }
+
+#: Labels whose value changes but which hold one value at a time (one series per metric): the
+#: layer where the ranks disagree most.
+ONE_AT_A_TIME: tuple[str, ...] = ("worst_layer",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +162,10 @@ STEP_METRICS: tuple[MetricSpec, ...] = (
     _c("trainguard_verify_mismatches_total", "steps", "Recomputed steps whose gradient differed from the one the step produced by more than the tolerance (relative 1e-5 by default): a sign of silent data corruption on this rank's device."),
     _g("trainguard_verify_rel_diff", "1", "Largest relative difference over the layers between the last checked step's gradient and its recomputation: max over projections |f(first) - f(again)| / ||g_layer|| (0: bit-identical)."),
     _g("trainguard_verify_float32_rel_diff", "1", "Largest relative difference over the layers between the gradient of the last step recomputed in float32 (the controller's verify_float32: mixed precision off) and the gradient the step produced under autocast: max over projections |f(step) - f(float32)| / ||g_layer||. Rounding of a healthy bfloat16/float16 step stays near the format's precision; a large value or inf means the mixed-precision numerics changed the gradient."),
+    _g("trainguard_grad_desync_rel_diff", "1", "Largest relative difference of the gradients across the replicas at the last report step whose cross-rank comparison ran (the leader compares every rank's fingerprints: max over ranks and layers of |f(rank) - f(middle of its replicas)| / ||g_layer||). Replicas apply the same averaged gradient, so anything above the tolerance (AgentConfig.desync_rel_tol, 1e-5 by default) means a rank computed or received a different gradient: its device corrupting data silently, or a broken all-reduce. 0: every rank agrees; Inf: a non-finite value on some ranks only; NaN: no rank could be judged. Ranks that differ by design (FSDP shards, post-local SGD, experts) are left out of the comparison. Absent when no comparison ran (one rank, a report sent without its cross-rank comparisons).", scope=JOB),
+    _g("trainguard_param_desync_rel_diff", "1", "Largest relative difference of the parameters across the replicas at the last compared report step (as trainguard_grad_desync_rel_diff, over ||W_layer||): above the tolerance, a rank's weights drifted from the others' (silent data corruption, or an optimizer that went out of step, e.g. after a rank-local restore). Absent when no comparison ran.", scope=JOB),
+    _g("trainguard_grad_desync_rank", "rank", "The rank holding trainguard_grad_desync_rel_diff (with two replicas both differ; the lower is named), with worst_layer its layer (empty when only the whole-model screen was compared). One series at a time; absent when no rank differs.", ("worst_layer",), scope=JOB),
+    _g("trainguard_param_desync_rank", "rank", "The rank holding trainguard_param_desync_rel_diff, with worst_layer its layer (empty when only the whole-model screen was compared). One series at a time; absent when no rank differs.", ("worst_layer",), scope=JOB),
     _c("trainguard_agent_errors_total", "errors", "Internal errors of the agent (each logged once per kind), bad batches given to observe_batch, and batches the data monitor dropped because it fell behind; training went on."),
     _g("trainguard_agent_overhead_seconds", "seconds", "Wall time the agent spent inside the last step (hooks and end_step)."),
 )
@@ -271,7 +280,8 @@ def series_per_rank(rank: int, *, layers: int, param_groups: int = 1, job_metric
         raise ValueError(f"layers and param_groups must be >= 0, got {layers} and {param_groups}")
     scopes = exported_scopes(rank, job_metrics=job_metrics, per_layer=per_layer)
     metrics = AGENT_METRICS if names is None else [spec(n) for n in set(names)]
-    counts = {"layer": layers, "group": param_groups, **{k: len(v) for k, v in LABEL_VALUES.items()}}
+    counts = {"layer": layers, "group": param_groups, **{k: len(v) for k, v in LABEL_VALUES.items()},
+              **dict.fromkeys(ONE_AT_A_TIME, 1)}
     return sum(_series_of(m, counts) for m in metrics if m.scope in scopes)
 
 
