@@ -1,7 +1,8 @@
 """Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
 heatmap, the straggler ratio (slowest rank over the median), model-FLOPs utilisation per rank,
-gradient communication time per rank and the share of it the step waits for, memory per rank, the agent's own overhead and errors, whether the run reaches the controller, and
-the reports it had to drop.
+gradient communication time per rank and the share of it the step waits for, whether the
+replicas' gradients and parameters agree, memory per rank, the agent's own overhead and errors,
+whether the run reaches the controller, and the reports it had to drop.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from trainguard.dashboards.common import (
     dashboard,
     job_level,
     query,
+    stat,
     state_timeline,
     timeseries,
     with_ref_ids,
 )
 from trainguard.dashboards.rules import FORWARD_WINDOW
-from trainguard.dashboards.thresholds import COMM_EXPOSED_RATIO_MAX, STRAGGLER_RATIO
+from trainguard.dashboards.thresholds import COMM_EXPOSED_RATIO_MAX, DESYNC_REL_TOL, STRAGGLER_RATIO
 
 UID = "trainguard-ranks"
 TITLE = "trainguard / Ranks"
@@ -117,6 +119,43 @@ def _utilisation_panels() -> list:
     ]
 
 
+#: What the replicas' agreement panel shows, in plain words.
+_AGREEMENT_HELP = " ".join((
+    "Ranks that hold copies of the same weights (data-parallel replicas) apply the same averaged",
+    "gradient and must stay equal. At each report the leader compares every rank's gradients and",
+    "parameters, layer by layer, and this shows the largest relative difference it found.",
+    f"0 means every rank agrees. Above the tolerance ({DESYNC_REL_TOL:g}, red line) a rank disagrees:".replace("e-0", "e-"),
+    "its device corrupted data silently, or its optimizer went out of step with the others (e.g.",
+    "after a restore on that rank alone); the controller's desync rules raise a critical alert.",
+    "Inf: a NaN or Inf on some ranks only. Ranks that differ by design (FSDP shards, post-local",
+    "SGD, experts) are left out of the comparison. No line: no comparison ran (a run of one rank).",
+))
+
+
+def _agreement() -> Section:
+    """The leader's comparison of the replicas' gradients and parameters (job-level gauges)."""
+    return Section("Parameter synchronisation", [
+        timeseries(
+            "Replica agreement: largest difference across ranks",
+            _AGREEMENT_HELP,
+            [query(job_level("trainguard_grad_desync_rel_diff"), "gradients ({{run}})"),
+             query(job_level("trainguard_param_desync_rel_diff"), "parameters ({{run}})")],
+            band=Band(((DESYNC_REL_TOL, "red"),)),
+        ),
+        stat(
+            "Rank and layer that differ most",
+            "The rank holding the largest difference (the value) and its layer (in the name), for "
+            "gradients and parameters; empty while every rank agrees. With two replicas both "
+            "differ alike and the lower rank is named; with three or more, the odd one out.",
+            [query(job_level("trainguard_grad_desync_rank", by="worst_layer"),
+                   "gradients, layer {{worst_layer}} ({{run}})"),
+             query(job_level("trainguard_param_desync_rank", by="worst_layer"),
+                   "parameters, layer {{worst_layer}} ({{run}})")],
+            width=12,
+        ),
+    ])
+
+
 def _memory() -> Section:
     return Section("Memory", [
         timeseries(
@@ -200,5 +239,5 @@ def build() -> Dashboard:
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["ranks"],
-        sections=[_speed(), _memory(), _agent()],
+        sections=[_speed(), _agreement(), _memory(), _agent()],
     )

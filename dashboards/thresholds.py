@@ -20,6 +20,7 @@ __all__ = [
     "STRAGGLER_RATIO",
     "INPUT_WAIT_MIN",
     "COMM_EXPOSED_RATIO_MAX",
+    "DESYNC_REL_TOL",
     "ABSENCE",
 ]
 
@@ -62,6 +63,9 @@ FORWARD_MIN = float(_RULES["forward_time_straggler"].min_value)
 INPUT_WAIT_MIN = float(_RULES["input_wait_straggler"].min_value)
 #: Share of the step a rank may wait for the gradient all-reduce after backward (rule ``comm_exposed``).
 COMM_EXPOSED_RATIO_MAX = float(_RULES["comm_exposed"].value)
+#: Relative difference across the replicas above which ranks disagree (rules ``grad_desync``, ``param_desync``).
+DESYNC_REL_TOL = float(_RULES["grad_desync"].rel_tol)
+assert DESYNC_REL_TOL == float(_RULES["param_desync"].rel_tol), "the desync rules disagree on the tolerance"
 #: No progress for this long means the run is hung (rule ``run_silent``), as a PromQL duration.
 _silent_s = int(_RULES["run_silent"].seconds)
 ABSENCE = f"{_silent_s // 60}m" if _silent_s % 60 == 0 else f"{_silent_s}s"

@@ -226,6 +226,16 @@ def test_update_ratio_band_and_alert_thresholds_are_drawn(dashboards):
         assert mode == "line" and steps[1]["value"] == value, title
 
 
+def test_the_replicas_agreement_is_drawn_against_the_desync_tolerance(dashboards):
+    title = "Replica agreement: largest difference across ranks"
+    steps, mode = _thresholds(dashboards["ranks.json"], title)
+    assert mode == "line" and steps[1] == {"color": "red", "value": 1e-5}  # the desync rules' rel_tol
+    panel = next(p for p in _panels(dashboards["ranks.json"]) if p["title"] == title)
+    assert [metric_names(t["expr"]) for t in panel["targets"]] == [
+        {"trainguard_grad_desync_rel_diff"}, {"trainguard_param_desync_rel_diff"}]
+    assert "1e-5" in panel["description"] and "silent" in panel["description"]
+
+
 def test_metric_extraction_on_hand_written_expressions():
     cases = {
         'sum by (job, run) (rate(trainguard_data_filtered_total{job=~"$job", decision="dropped"}[$__rate_interval]))':

@@ -70,6 +70,10 @@ NOT_REQUIRED: set[str] = {
     # is one rank without DDP (tests/agent/test_comm_timing.py covers the values).
     *(f'{name}{{job=~"{JOB}", run=~"{RUN}", rank=~"0"}}'
       for name in ("trainguard_comm_seconds", "trainguard_comm_exposed_seconds", "trainguard_comm_exposed_ratio")),
+    # The replicas' agreement: one rank has none to compare with (the two-rank run has it).
+    *(f'max by (job, run) (trainguard_{kind}_desync_rel_diff{{job=~"{JOB}", run=~"{RUN}"}})' for kind in ("grad", "param")),
+    *(f'max by (job, run, worst_layer) (trainguard_{kind}_desync_rank{{job=~"{JOB}", run=~"{RUN}"}})'
+      for kind in ("grad", "param")),
 }
 
 pytestmark = [
@@ -535,6 +539,9 @@ def _two_rank_queries() -> list[tuple[str, str]]:
 TWO_RANKS_NOT_REQUIRED = {
     # The controller lists a run there only while its incident waits for a human.
     f'trainguard:incidents_awaiting_human:max{{run="{TWO_RANKS_RUN}"}}',
+    # The rank holding the replicas' largest difference: none while every rank agrees.
+    *(f'max by (job, run, worst_layer) (trainguard_{kind}_desync_rank{{job=~"{TWO_RANKS_JOB}", run=~"{TWO_RANKS_RUN}"}})'
+      for kind in ("grad", "param")),
 }
 
 
@@ -583,6 +590,11 @@ def test_two_ranks_every_panel_has_data_once_and_no_alert_fires_on_a_healthy_run
     assert value(f'max by (job, run) (trainguard_grad_norm_max{{{sel}}})') == {None: latest[0]["trainguard_grad_norm_max"]}
     assert value(f'trainguard_loss{{{sel}, rank=~".*"}}') == {str(r): latest[r]["trainguard_loss"] for r in range(2)}
     assert value(f"trainguard:rank_up:max{{{sel}}}") == {"0": 1.0, "1": 1.0}
+    # The replicas agree: the leader's comparison ran and found 0, the panel shows it (rank 1 serves none).
+    for kind in ("grad", "param"):
+        name = f"trainguard_{kind}_desync_rel_diff"
+        assert latest[0][name] == 0.0 and name not in latest[1]
+        assert value(f"max by (job, run) ({name}{{{sel}}})") == {None: 0.0}
 
     # Rank 1 stops answering while rank 0 is still scraped: it is down, though its target's `up`
     # names no rank.

@@ -115,6 +115,7 @@ def main() -> None:
     (out / f"rank{rank}.url").write_text(agent.metrics_url)
     labels = {"job": cfg["job"], "run": cfg["run"], "rank": str(rank)}
     _train(agent, model, optimizer, scaler, _batches(loader, agent.registry, labels), cfg["seconds"])
+    agent.reports.flush(timeout=30)  # the leader's cross-rank work (the replicas' agreement) done
     (out / f"rank{rank}.json").write_text(json.dumps(agent.latest()))
     deadline = time.monotonic() + cfg["linger"]
     while time.monotonic() < deadline and not (out / "done").exists():
