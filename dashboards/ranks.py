@@ -127,8 +127,11 @@ _AGREEMENT_HELP = " ".join((
     f"0 means every rank agrees. Above the tolerance ({DESYNC_REL_TOL:g}, red line) a rank disagrees:".replace("e-0", "e-"),
     "its device corrupted data silently, or its optimizer went out of step with the others (e.g.",
     "after a restore on that rank alone); the controller's desync rules raise a critical alert.",
-    "Inf: a NaN or Inf on some ranks only. Ranks that differ by design (FSDP shards, post-local",
-    "SGD, experts) are left out of the comparison. No line: no comparison ran (a run of one rank).",
+    "Inf: a NaN or Inf on some ranks only. Only ranks that must hold the same values are compared:",
+    "FSDP shards with their replicas alone (none under plain FSDP). Ranks that differ on purpose",
+    "without sharded tensors (post-local SGD between its averaging steps, experts placed by hand)",
+    "show here too: turn the comparison off for them (AgentConfig(fingerprint=False)).",
+    "No line: no comparison ran (a run of one rank, plain FSDP).",
 ))
 
 
