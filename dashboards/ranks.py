@@ -128,10 +128,11 @@ _AGREEMENT_HELP = " ".join((
     "its device corrupted data silently, or its optimizer went out of step with the others (e.g.",
     "after a restore on that rank alone); the controller's desync rules raise a critical alert.",
     "Inf: a NaN or Inf on some ranks only. Only ranks that must hold the same values are compared:",
-    "FSDP shards with their replicas alone (none under plain FSDP). Ranks that differ on purpose",
-    "without sharded tensors (post-local SGD between its averaging steps, experts placed by hand)",
-    "show here too: turn the comparison off for them (AgentConfig(fingerprint=False)).",
-    "No line: no comparison ran (a run of one rank, plain FSDP).",
+    "FSDP2 shards with their replicas alone (none under plain FSDP2). FSDP1's shards, post-local SGD",
+    "averaged by DDP's hook and the parameters named in AgentConfig(rank_local_params=...) are left",
+    "out; other ranks that differ on purpose (experts placed by hand and not declared) show here:",
+    "declare them, or turn the comparison off (AgentConfig(fingerprint=False)).",
+    "No line: no comparison ran (a run of one rank, plain FSDP2).",
 ))
 
 
