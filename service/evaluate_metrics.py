@@ -52,12 +52,21 @@ def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
     )
 
 
+#: Gradient norms: a 0 there is no measurement of the run's scale. The agent reports
+#: ``trainguard_grad_norm_max`` 0 for a report interval without a finite norm that is shorter than
+#: ``report_every`` (the report at step 1, whose step the GradScaler skipped: the interval's unused
+#: rows are 0), and a gradient of exactly 0 everywhere says nothing of its scale either.
+_NORMS = frozenset({"trainguard_grad_norm_max", "trainguard_grad_norm"})
+
+
 def _crossed(rule: ThresholdRule, w: RuleWindow) -> bool:
     """Whether a finite value within the limit precedes the newest ``for_reports`` in the rule's
-    crossing window (the metric crossed the limit in this run)."""
+    crossing window (the metric crossed the limit in this run); for a gradient norm, a positive
+    one (:data:`_NORMS`)."""
     before = w.series(rule.metric, rule.crossing_window + rule.for_reports)[:-rule.for_reports]
     cmp = _OPS[rule.op]
-    return any(math.isfinite(v) and not cmp(v, rule.value) for v in before.tolist())
+    floor = 0.0 if rule.metric in _NORMS else -math.inf
+    return any(math.isfinite(v) and v > floor and not cmp(v, rule.value) for v in before.tolist())
 
 
 #: The markers of a change after which the optimizer's state starts afresh: another optimizer, or

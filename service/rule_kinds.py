@@ -58,7 +58,8 @@ class ThresholdRule(_RuleBase):
         "Fire only on a crossing: one of the crossing_window reports before the newest for_reports held a finite "
         "value within the limit (0: off). A metric beyond the limit since the run's first report is the run's own "
         "scale, not a change: a loss summed over thousands of tokens gives gradient norms in the thousands from "
-        "step 1, and no LR caused those."))
+        "step 1, and no LR caused those. A gradient norm of 0 is no such value (a report whose steps had no finite "
+        "norm may carry it)."))
     settle_steps: int = Field(default=0, ge=0, le=1_000_000, description=(
         "Over the first settle_steps steps of a fresh optimizer state, counted at the oldest of the for_reports "
         "reports, judge against settle_value instead (0: off). The state's age is the agent's "

@@ -292,6 +292,44 @@ def test_a_float16_run_with_its_grad_scalers_skips_draws_no_action(passed: bool)
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
 
 
+def test_a_float16_run_summed_over_tokens_whose_first_step_overflows_draws_no_action() -> None:
+    """float16 with a GradScaler at its default scale 2^16 and a loss summed over 4,096 tokens,
+    a report every 10 steps: the scaled loss overflows at step 1, which the scaler skips, and
+    the unscaled gradient norms are in the thousands from the first step taken on (the run's
+    scale, left alone by ``grad_norm_high``'s ``crossing_window``). The scaler halves its scale
+    until step 12; the reports at steps 1 and 10 hold no finite norm, and the agent reports their
+    largest as 0 (its interval's rows not written since the last report). A 0 read as a norm
+    within 1e3 made the report at step 20 a crossing: the LR was halved, the ladder climbed, and
+    without a snapshot the run was paused."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    agent = ta.attach(model, opt, job="schedules", run="r", scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=None, report_every=10, skip_spikes=True))
+    rows: list[dict[str, float]] = []
+    for k in range(100):
+        ids, mask = CORPUS.batch(k, 0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = next_byte_loss(model, ids, mask) * 4096.0
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        if not rows or agent.latest()["trainguard_step"] != rows[-1]["trainguard_step"]:
+            rows.append(agent.latest())
+    agent.close(1.0)
+    assert [v["trainguard_step"] for v in rows] == [1.0] + [float(k) for k in range(10, 101, 10)]
+    # the scaler skips steps 1-12 (each an overflow): the reports at steps 1 and 10 hold no finite norm
+    assert rows[-1]["trainguard_amp_skipped_steps_total"] >= 10
+    assert not any(math.isfinite(v["trainguard_grad_norm"]) or v["trainguard_grad_norm_max"] > 0 for v in rows[:2])
+    assert min(v["trainguard_grad_norm_max"] for v in rows[2:]) > 1e3
+    steps = replay(rows, "schedules")
+    assert acting(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
+
+
 def test_a_float16_run_whose_loss_keeps_overflowing_climbs_the_ladder() -> None:
     # The loss overflows on every step from step 101 on: the scaler skips them all, the weights stay
     # as they were, but the signals do not come back, and the ladder goes on from its first rung
