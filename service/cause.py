@@ -28,25 +28,24 @@ cause          evidence                                                         
 ``data``       a data-quality rule of the same window fires (duplicates, token KL,       skip the batches'
                special tokens, length shift); or one batch stands out from its           steps on every
                neighbours (its loss, or at most ``SINGLE_BATCH_SKIPS`` steps the agent   rank, never an LR
-               skipped) with the LR and the update ratio where they were               cut or a pause
+               skipped) with the LR where it was, the update ratio at most 3x          cut or a pause
 ``unknown``    none of the above                                                        a bounded
                                                                                         experiment (5.1)
 =============  =======================================================================  ==================
 
-The checks are made in that order: hardware evidence wins over everything (a faulty device corrupts
-the loss, the gradients and the update ratio alike), then a jump of the scheduled LR (the largest
-of the report's interval when the agent sends ``trainguard_scheduler_lr_max``), then data. The
-verdict is asked for only on a report that would open an incident (``RunRecovery.consider``): a
-rule that acts, a health rule, the agent skipping, or a hardware rule; data rules alone only
-notify (a planned switch of the data mixture is not a fault). A recompute that *did* reproduce the
-step's gradient, and a desync of most of three or more ranks (a layout: ``service/desync_layout.py``),
-are evidence against hardware. The range the schedule already had is the agent's
-``trainguard_scheduler_lr_peak`` (every LR it set, and the LR it was built on, which a warm-up
-rises to), capped after an LR fault by the range before that fault (``RunRecovery``): a rollback
-restores the user's scheduler, so the fault comes again, and its LR is not the schedule's own.
+The checks are made in that order: hardware evidence wins over everything (a faulty device corrupts the
+loss, the gradients and the update ratio alike), then a jump of the scheduled LR (the largest of the
+report's interval when the agent sends ``trainguard_scheduler_lr_max``), then data. The verdict is asked for
+only on a report that would open an incident (``RunRecovery.consider``): a rule that acts, a health rule,
+the agent skipping, or a hardware rule; data rules alone only notify (a planned switch of the data mixture
+is not a fault). A recompute that *did* reproduce the step's gradient, and a desync of most of three or more
+ranks (a layout: ``service/desync_layout.py``), are evidence against hardware. The range the schedule
+already had is the agent's ``trainguard_scheduler_lr_peak`` (every LR it set, and the LR it was built on,
+which a warm-up rises to), capped after an LR fault by the range before that fault (``RunRecovery``): a
+rollback restores the user's scheduler, so the fault comes again, and its LR is not the schedule's own.
 
-Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read, its value,
-what it was compared with, the cause it points at (or ``"none"``: a check that found nothing), and a sentence.
+Every evidence entry is ``{"signal", "value", "reference", "points_to", "detail"}``: what was read, its
+value, what it was compared with, the cause it points at (``"none"``: found nothing), and a sentence.
 """
 
 from __future__ import annotations
@@ -96,8 +95,9 @@ LOSS_Z = 6.0
 UPDATE_RISE = 1.5
 #: Steps skipped in a row that can still be one bad batch (more: something lasts).
 SINGLE_BATCH_SKIPS = 2
-#: One batch's gradient jump: GRAD_NORM >= GRAD_JUMP x its neighbours' median, the report before within _GRAD_CALM x.
-GRAD_JUMP, _GRAD_CALM, GRAD_EXPLAINS, GRAD_NORM = 5.0, 2.0, 3.0, "trainguard_grad_norm_max"
+#: One batch's gradient jump: GRAD_NORM >= GRAD_JUMP x the median of its _GRAD_WINDOW neighbours (the built-in
+#: grad_norm_spike's window: the median the rule fired on), the report before within _GRAD_CALM x.
+GRAD_JUMP, _GRAD_CALM, GRAD_EXPLAINS, GRAD_NORM, _GRAD_WINDOW = 5.0, 2.0, 3.0, "trainguard_grad_norm_max", 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +107,8 @@ class Verdict:
     cause: Cause
     summary: str
     evidence: tuple[dict[str, Any], ...] = ()
-    ranks: tuple[int, ...] = ()
-    """Hardware: the suspect ranks (global rank numbers)."""
-    hosts: tuple[str, ...] = ()
-    """Hardware: the hosts of :attr:`ranks` (from the run's registration), in the same order."""
+    ranks: tuple[int, ...] = ()  # hardware: the suspect ranks (global rank numbers)
+    hosts: tuple[str, ...] = ()  # hardware: the hosts of the ranks (from the run's registration), in their order
 
     def as_dict(self) -> dict[str, Any]:
         return {"cause": self.cause, "summary": self.summary, "evidence": [dict(e) for e in self.evidence],
@@ -190,7 +188,10 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     if measured is not None and metric_baseline is not None and metric_baseline > 0:
         rel = measured / metric_baseline if math.isfinite(measured) else math.inf
         rose = rel > UPDATE_RISE
-        if rose and rel <= GRAD_EXPLAINS and not batch_outlier and _gradient_jump(ev, window):
+        # up by at most GRAD_EXPLAINS x with one batch's finite loss or gradient standing out: that batch's
+        # gradient through the optimizer's step (a batch of a harder source), not an LR the run cannot take
+        loss_out = any(e["signal"] == "trainguard_loss" and isinstance(e["value"], float) for e in ev.pointing("data"))
+        if rose and rel <= GRAD_EXPLAINS and (loss_out or (not batch_outlier and _gradient_jump(ev, window))):
             rose, batch_outlier = False, True
         ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
                f"the update ratio is {rel:.3g}x its healthy level")
@@ -339,10 +340,9 @@ def _batch_outlier(ev: _Evidence, window: Any, skipped: int) -> bool:
 
 
 def _gradient_jump(ev: _Evidence, window: Any) -> bool:
-    """Whether the newest gradient norm jumped alone (GRAD_JUMP): an update ratio up with it by at most GRAD_EXPLAINS x
-    is that gradient through the optimizer's step (Adam's momentum takes a tenth: a healthy run's step went 2x
-    as far on a gradient 5x its neighbours'), not an LR the run cannot take."""
-    hist = (h := window.series(GRAD_NORM, 65))[np.isfinite(h)]
+    """Whether the newest gradient norm jumped alone (GRAD_JUMP; Adam's momentum takes a tenth of it: a healthy
+    run's step went 2x as far on a gradient 5x its neighbours')."""
+    hist = (h := window.series(GRAD_NORM, _GRAD_WINDOW + 1))[np.isfinite(h)]
     base, latest, before = (float(np.median(hist[:-1])), float(hist[-1]), float(hist[-2])) if len(hist) >= 10 else (0, 0, 0)
     if not (base > 0 and latest >= GRAD_JUMP * base and before <= _GRAD_CALM * base):
         return False

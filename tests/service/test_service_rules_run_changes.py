@@ -232,6 +232,29 @@ def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> No
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
 
 
+def test_a_rare_harder_source_whose_batch_stands_out_is_one_batch_not_an_lr_cut() -> None:
+    """One batch in ten from the hard corpus (chosen at random per batch), a report every step, a
+    small one-layer GPT that learns the easy corpus fast: the easy batches' gradient norm falls
+    below a third of its early level, and a hard batch at step 185 reads 5.8x the median of the
+    last 32 (``grad_norm_spike``), its loss 22 robust sigma above its neighbours', Adam's step on
+    it 2.1x the healthy update ratio. That is one batch's gradient through the optimizer's step:
+    the incident's cause is data, and the LR is not cut (the verdict was ``optimizer``, and the LR
+    was halved for 10 steps)."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    easy, pick = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), random.Random(3)
+    agent = ta.attach(model, opt, job="mix", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows = [_step(model, opt, agent, CORPUS if pick.random() < 0.1 else easy, k) for k in range(200)]
+    agent.close(1.0)
+    steps = replay(rows, "mix")
+    assert "185 grad_norm_spike: trainguard_grad_norm_max = 4.49739 is 5.79x its rolling median 0.776402 (limit 5x)" in acting(steps)
+    incidents = {i["id"]: i for s in steps for i in s.incidents}
+    assert incidents and all(i["cause"] == "data" and i["rungs"] == [] for i in incidents.values())
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+
+
 def _losses_window(losses: list[float]) -> Any:
     from trainguard.service.window import RunWindow
 
