@@ -18,6 +18,9 @@ own LR schedule (warm-up, then constant), one process, the agent attached with t
 - ``fp16-overflow``: mixed precision (float16 autocast on the CPU, a GradScaler); for 10 steps from
   the onset the loss is weighted x1e4, so the scaled gradients overflow float16, the GradScaler
   skips and halves its scale, and the steps it finally takes carry gradients 1e4x too large.
+- ``healthy-fp16-sum``: no fault; mixed precision as above and the loss summed over 4,096 tokens
+  (weighted x4096 for the backward pass): the GradScaler skips the first steps until its scale
+  fits, and the gradient norms are in the thousands from the first step taken.
 
 Printed per case: the detection lag (steps from the onset to the first action: a skipped step or
 an applied desired-state change), the rungs the controller took (from ``GET
@@ -128,7 +131,7 @@ def shape(name: str, step: int, steps: int) -> float:
 def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteCorpus, *, seed: int = 0,
              lr_mult: float = 1.0, burst: int = 0, poison: bool = False, nan: bool = False,
              fp16_overflow: bool = False, schedule_name: str = "constant", fault_steps: int | None = None,
-             olmo: Any = None) -> dict:
+             olmo: Any = None, fp16: bool = False, loss_weight: float = 1.0) -> dict:
     """One case; ``url`` None: the same run without trainguard (no agent at all); ``olmo`` (a
     ``_SkipStepDriver``, with ``url`` None): that run with OLMo-core's ``SkipStepAdamW`` for AdamW."""
     torch.manual_seed(seed)
@@ -146,8 +149,8 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     if url is None:
         return _run_plain(name, model, opt, sched, args, corpus, seed=seed, burst=burst, poison=poison, nan=nan,
-                          fp16_overflow=fp16_overflow, olmo=olmo)
-    scaler = torch.amp.GradScaler("cpu") if fp16_overflow else None
+                          fp16_overflow=fp16_overflow, olmo=olmo, fp16=fp16, loss_weight=loss_weight)
+    scaler = torch.amp.GradScaler("cpu") if fp16_overflow or fp16 else None
     run = f"{name}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     agent = ta.attach(model, opt, job="recovery-bench", run=run, lr_scheduler=sched, controller=url, scaler=scaler,
                       config=ta.AgentConfig(metrics_port=None, report_every=args.report_every,
@@ -161,7 +164,7 @@ def run_case(name: str, url: str | None, args: argparse.Namespace, corpus: ByteC
     watcher = threading.Thread(target=stop_when_paused, args=(url, run, done, was_paused), daemon=True)
     watcher.start()
     g = torch.Generator().manual_seed(seed + 7)
-    faults = dict(burst=burst, poison=poison, nan=nan, fp16_overflow=fp16_overflow)
+    faults = dict(burst=burst, poison=poison, nan=nan, fp16_overflow=fp16_overflow, loss_weight=loss_weight)
     for step in range(args.steps):
         skipped_before = agent.control.skip.skipped
         gens_before = agent.control.applied_generation
@@ -219,7 +222,7 @@ def _print_alerts(url: str, run: str) -> None:
 
 def _train_step(step: int, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, scaler: Any, corpus: ByteCorpus,
                 args: argparse.Namespace, g: torch.Generator, seed: int, *, burst: int, poison: bool, nan: bool,
-                fp16_overflow: bool, olmo: Any = None) -> tuple[torch.Tensor, bool]:
+                fp16_overflow: bool, olmo: Any = None, loss_weight: float = 1.0) -> tuple[torch.Tensor, bool]:
     """One training step with the case's faults: (its loss, whether the GradScaler skipped it).
 
     ``olmo`` (a ``_SkipStepDriver``): ``opt`` is OLMo-core's ``SkipStepAdamW``; the driver records the
@@ -230,7 +233,7 @@ def _train_step(step: int, model: TinyGPT, opt: torch.optim.Optimizer, sched: An
         ids = torch.randint(1, 256, ids.shape, generator=g)
     with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
         loss = next_byte_loss(model, ids, mask)
-    weighted = loss
+    weighted = loss * loss_weight if loss_weight != 1.0 else loss
     if poison and step == onset:
         weighted = loss * 1e4
     if nan and step == onset:
@@ -367,7 +370,7 @@ def _ranges(steps: list[int], width: int = 24) -> str:
 def _run_plain(name: str, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, args: argparse.Namespace,
                corpus: ByteCorpus, *, seed: int, **faults: Any) -> dict:
     """The same training loop and faults, without trainguard."""
-    scaler = torch.amp.GradScaler("cpu") if faults["fp16_overflow"] else None
+    scaler = torch.amp.GradScaler("cpu") if faults["fp16_overflow"] or faults.pop("fp16") else None
     g = torch.Generator().manual_seed(seed + 7)
     losses = [float(_train_step(step, model, opt, sched, scaler, corpus, args, g, seed, **faults)[0].detach())
               for step in range(args.steps)]
@@ -412,7 +415,8 @@ def main() -> None:
             cases.update({f"lr-x{k}-{n}": {"lr_mult": k, "fault_steps": n, "schedule_name": "warm_restarts"}
                           for k, n in ((1000, 3), (200, 5))})
             cases.update({"burst": {"burst": args.burst}, "poison": {"poison": True}, "nan": {"nan": True},
-                          "fp16-overflow": {"fp16_overflow": True}})
+                          "fp16-overflow": {"fp16_overflow": True},
+                          "healthy-fp16-sum": {"fp16": True, "loss_weight": 4096.0}})
             chosen = [c for c in args.cases.split(",") if c] or list(cases)
             unknown = [c for c in chosen if c not in cases]
             if unknown:
