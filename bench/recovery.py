@@ -370,7 +370,8 @@ def _ranges(steps: list[int], width: int = 24) -> str:
 def _run_plain(name: str, model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, args: argparse.Namespace,
                corpus: ByteCorpus, *, seed: int, **faults: Any) -> dict:
     """The same training loop and faults, without trainguard."""
-    scaler = torch.amp.GradScaler("cpu") if faults["fp16_overflow"] or faults.pop("fp16") else None
+    fp16 = faults.pop("fp16")
+    scaler = torch.amp.GradScaler("cpu") if faults["fp16_overflow"] or fp16 else None
     g = torch.Generator().manual_seed(seed + 7)
     losses = [float(_train_step(step, model, opt, sched, scaler, corpus, args, g, seed, **faults)[0].detach())
               for step in range(args.steps)]
