@@ -188,10 +188,10 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     if measured is not None and metric_baseline is not None and metric_baseline > 0:
         rel = measured / metric_baseline if math.isfinite(measured) else math.inf
         rose = rel > UPDATE_RISE
-        # up by at most GRAD_EXPLAINS x with one batch's finite loss or gradient standing out: that batch's
-        # gradient through the optimizer's step (a batch of a harder source), not an LR the run cannot take
+        # up by at most GRAD_EXPLAINS x with one batch's gradient jumping alone (its finite loss may stand out
+        # too: a batch of a harder source): that gradient through the optimizer's step, not the LR
         loss_out = any(e["signal"] == "trainguard_loss" and isinstance(e["value"], float) for e in ev.pointing("data"))
-        if rose and rel <= GRAD_EXPLAINS and (loss_out or (not batch_outlier and _gradient_jump(ev, window))):
+        if rose and rel <= GRAD_EXPLAINS and (loss_out or not batch_outlier) and _gradient_jump(ev, window):
             rose, batch_outlier = False, True
         ev.add(metric, _num(measured), metric_baseline, "optimizer" if rose else "none",
                f"the update ratio is {rel:.3g}x its healthy level")
