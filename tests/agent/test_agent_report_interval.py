@@ -96,6 +96,50 @@ def test_grad_norm_max_is_nan_when_no_step_of_the_interval_had_a_finite_norm() -
     assert math.isnan(maxima[6])  # steps 5 and 6: no finite norm (0.0 before)
 
 
+@pytest.mark.parametrize("restore", [False, True])
+def test_grad_norm_max_of_a_short_interval_leaves_out_the_rows_no_step_wrote(restore: bool) -> None:
+    """The report of step 1 covers one step and the one after it nine (report_every=10): their
+    other rows held no norm of theirs, and read 0.0 (a norm below any limit) when the steps' own
+    norms were all Inf (a GradScaler's skipped first steps); the controller took that 0 as the run
+    crossing 1e3. Also after a restore, whose first interval is short again."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(model, opt, job="j", run="r", registry=CollectorRegistry(),
+                      config=ta.AgentConfig(report_every=10, metrics_port=None))
+    # every norm Inf for the first 12 steps; with a restore to step 10 at step 13, up to step 20 again
+    inf_for = 12 if not restore else 23
+    norms: dict[int, float] = {}
+    maxima: dict[int, float] = {}
+    state, taken = None, 0
+    try:
+        while agent.step < 30:
+            taken += 1
+            loss = model(torch.randn(16, 6)).pow(2).mean() * (math.inf if taken <= inf_for else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            norms[agent.step + 1] = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+            for p in model.parameters():
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+            opt.step()
+            agent.end_step(loss.detach() if taken > inf_for else None)
+            if agent.step in (1, 10, 20, 30):
+                maxima[agent.step] = agent.latest().get("trainguard_grad_norm_max", -1.0)
+            if restore and agent.step == 10 and state is None:
+                state = agent.state_dict()
+            if restore and taken == 13:
+                agent.load_state_dict(state)  # back to step 10: the next interval is short again
+    finally:
+        agent.close(timeout=5.0)
+    assert all(not math.isfinite(norms[s]) for s in range(1, 13 if not restore else 21))
+    assert math.isnan(maxima[1]) and math.isnan(maxima[10])  # 0.0 before: rows no step wrote
+    if not restore:
+        assert maxima[20] == pytest.approx(max(norms[s] for s in range(13, 21)), rel=1e-6)
+    else:
+        assert math.isnan(maxima[20])  # steps 11-20 after the restore: all Inf
+    assert maxima[30] == pytest.approx(max(norms[s] for s in range(21, 31) if math.isfinite(norms[s])), rel=1e-6)
+
+
 def test_batches_the_data_monitor_drops_count_as_agent_errors() -> None:
     import threading
 

@@ -44,12 +44,20 @@ class IntervalRows:
         """A step of the current report interval had a gradient norm (host)."""
         self.unnormed: set[int] = set()
         """The interval's rows of steps without a gradient norm (host; rare): out of its largest."""
+        self.recorded = 0
+        """Steps recorded in the current report interval (host)."""
+        self.first_row = 0
+        """The row of the interval's first step: with fewer steps than rows (the report of step 1,
+        the one after it, the first after a restore) the others were not written and are left out."""
 
     def record(self, step: int, loss_t: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """The step's row of the interval: (loss, grad norm); a step without one counts it as 0.
         With sharded parameters ``grad_norm`` is the step's ``StepState.grad_share`` (a share of
         the squared norm), turned into the global norm at the report."""
         at = (step - 1) % self.interval.shape[0]
+        if not self.recorded:
+            self.first_row = at
+        self.recorded += 1
         self.had_loss |= loss_t is not None
         if grad_norm is None:
             self.unnormed.add(at)
@@ -63,8 +71,21 @@ class IntervalRows:
     def clear(self) -> None:
         """No step in the report interval (a restored run starts one afresh)."""
         self.interval.zero_()
+        self._restart()
+
+    def _restart(self) -> None:
         self.had_loss = self.had_norm = False
         self.unnormed.clear()
+        self.recorded = 0
+
+    def _not_normed(self) -> list[int]:
+        """The interval's rows that hold no gradient norm of its steps: those of steps without one,
+        and those no step of the interval wrote."""
+        rows = self.interval.shape[0]
+        if self.recorded >= rows:
+            return sorted(self.unnormed)
+        written = {(self.first_row + i) % rows for i in range(self.recorded)}
+        return sorted(self.unnormed | (set(range(rows)) - written))
 
     def nonfinite(self, nan_where_bad: torch.Tensor | None = None) -> torch.Tensor:
         """Non-finite steps among the report interval's rows (device scalar; unused rows are 0).
@@ -101,10 +122,9 @@ class IntervalRows:
         if self.had_norm:  # (a step without a gradient has no norm: a 0 in its row, not a value)
             # The largest finite one; -inf (norms are never negative) when none was, which the host
             # makes NaN: not a 0 that reads as a vanished gradient.
-            if self.unnormed:  # (a host list to the device: rare)
-                norms = norms.index_fill(0, torch.tensor(sorted(self.unnormed), device=norms.device), -math.inf)
+            if self.unnormed or self.recorded < rows.shape[0]:  # (a host list to the device: rare)
+                norms = norms.index_fill(0, torch.tensor(self._not_normed(), device=norms.device), -math.inf)
             dev["trainguard_grad_norm_max"] = norms.nan_to_num(-math.inf, -math.inf, -math.inf).amax()
             derived.job(_no_finite_norm)
         rows.zero_()  # after its last reader above (device order)
-        self.had_loss = self.had_norm = False
-        self.unnormed.clear()
+        self._restart()
