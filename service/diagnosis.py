@@ -210,9 +210,13 @@ DIAGNOSES: dict[str, Diagnosis] = {
             "A rank that skipped or only partly ran the gradient all-reduce (e.g. no_sync left on, a gradient "
             "written after the all-reduce, a parameter unused on some ranks)",
             "Non-deterministic operations or different kernels on the ranks (mixed hardware or library versions)",
+            "Ranks that differ by design (a model averaged only every few steps, experts placed on ranks by hand): "
+            "most ranks disagree at once",
         ),
         suggested_actions=(
             "Look at the named ranks and layers: the same rank again and again points at its hardware",
+            "If the ranks hold different layers on purpose, declare them (AgentConfig(rank_local_params=...)) or "
+            "turn the comparison off (AgentConfig(fingerprint=False))",
             "Re-run the step on the suspect rank and compare (the agent's gradient verification)",
             "Check the training loop for gradient changes after backward() on some ranks only",
             "Restore from the last checkpoint where the ranks agreed and exclude a suspect device",
@@ -228,6 +232,8 @@ DIAGNOSES: dict[str, Diagnosis] = {
             "Silent data corruption in one device's memory",
             "Parameters changed on some ranks only (a checkpoint loaded on one rank, an in-place edit, "
             "parameters not broadcast at start)",
+            "Ranks that differ by design (a model averaged only every few steps, experts placed on ranks by hand): "
+            "declare them (AgentConfig(rank_local_params=...)) or turn the comparison off",
         ),
         suggested_actions=(
             "Restore every rank from the same checkpoint",
