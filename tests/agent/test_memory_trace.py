@@ -75,3 +75,24 @@ def test_a_healthy_loop_retains_nothing_that_grows() -> None:
 def test_losses_kept_after_backward_still_name_the_loop() -> None:
     report, _ = _run("loss_nodes", steps=3)
     assert report[0].owner == GRAPH and report[0].tensors == 3  # one kept loss (with its graph's nodes) per step
+
+
+def test_tensors_without_memory_left_in_the_process_do_not_end_the_trace() -> None:
+    """torch.compile's tracing leaves FunctionalTensors and FakeTensors among the process's
+    objects, which the census walks. A FunctionalTensor's storage refuses its data pointer: the
+    trace ended at the first one ("memory_trace failed", no report). They are now passed by (a
+    FakeTensor's pointer reads 0, with a warning), and the loop is charged as before."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    functional = [torch._to_functional_tensor(torch.ones(1024)) for _ in range(4)]
+    with pytest.raises(RuntimeError):
+        functional[0].untyped_storage().data_ptr()  # what the census met
+    with FakeTensorMode():
+        fakes = [torch.empty(1024, 1024) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the census's own reads warn nothing
+        report, activation = _run("loss")
+    assert report is not None and report[0].owner == GRAPH and report[0].bytes_per_step >= 2 * activation
+    assert len(functional) == len(fakes) == 4  # (alive through the trace)

@@ -39,6 +39,7 @@ host-side query of the caching allocator (no device sync).
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,11 +65,16 @@ class MemoryOwner:
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of ``t``'s storage; None for a tensor without memory of its own:
+    sparse or meta tensors, and the FakeTensors and FunctionalTensors that torch.compile's tracing
+    leaves in the process (a FunctionalTensor's storage refuses its data pointer; a FakeTensor's
+    reads 0, with a warning the census silences)."""
     try:
         s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # e.g. sparse or meta tensors
+        ptr = s.data_ptr()
+    except (RuntimeError, NotImplementedError):
         return None
-    return s.data_ptr(), s.nbytes()
+    return (ptr, s.nbytes()) if ptr else None
 
 
 class _Tagger(TorchDispatchMode):
@@ -163,7 +169,9 @@ class MemoryTrace:
             self.cuda_growth_per_step = (self._cuda_levels[-1] - self._cuda_levels[0]) / self.steps
             self.cuda_forward = dict(sorted(((k, v / self.steps) for k, v in self.cuda_forward.items()),
                                             key=lambda kv: -kv[1]))
-        self._census()
+        with warnings.catch_warnings():  # (a FakeTensor's data pointer: _storage)
+            warnings.simplefilter("ignore", UserWarning)
+            self._census()
         self.stop()
         report = [MemoryOwner(owner, nbytes / self.steps, count)
                   for owner, (nbytes, count) in self._retained.items() if nbytes > 0]
