@@ -166,7 +166,7 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     ev = _Evidence()
     active = [f for f in findings if f.active]
     hosts = hosts or {}
-    suspects = _hardware_rules(ev, active, window)
+    suspects = _hardware_rules(ev, active)
     suspects += [r for r in _verify_mismatch(ev, window) if r not in suspects]
     if suspects:
         suspects = suspects[:16]
@@ -220,7 +220,7 @@ def _nonfinite(ev: _Evidence, active: list[Any], window: Any) -> bool:
     return True
 
 
-def _hardware_rules(ev: _Evidence, active: list[Any], window: Any) -> list[int]:
+def _hardware_rules(ev: _Evidence, active: list[Any]) -> list[int]:
     """The ranks the active hardware rules name (XID codes of a hardware failure, and the other
     hardware diagnoses but a desync of most ranks: a layout), their evidence added to ``ev``."""
     suspects: list[int] = []
@@ -238,7 +238,7 @@ def _hardware_rules(ev: _Evidence, active: list[Any], window: Any) -> list[int]:
                 ev.add(f"rule:{f.rule.name}", {r: codes[r] for r in ranks}, sorted(HARDWARE_XIDS), "hardware",
                        f"hardware XID errors on ranks {ranks}")
         elif diag in HARDWARE_DIAGNOSES:
-            ranks, layout = [int(r) for r in f.values.get("ranks", [])], layout_desync(f, window)
+            ranks, layout = [int(r) for r in f.values.get("ranks", [])], layout_desync(f)
             suspects += [r for r in ranks if r not in suspects and layout is None]
             ev.add(f"rule:{f.rule.name}", f.values.get("values", ranks), f.values.get("limit", f.values.get("rel_tol")),
                    "none" if layout else "hardware", layout or f"{f.summary or diag} (ranks {ranks})")

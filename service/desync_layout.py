@@ -15,34 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 __all__ = ["LAYOUT_HINT", "layout_desync"]
 
 #: What the verdict's detail suggests for a desync of most ranks.
 LAYOUT_HINT = ("ranks that hold different values by design (post-local SGD, FSDP1 shards, per-rank expert layers), "
-               "not a faulty device: declare such parameters with AgentConfig(rank_local=(...)) or turn the "
+               "not a faulty device: declare such parameters with AgentConfig(rank_local_params=(...)) or turn the "
                "comparison off with AgentConfig(fingerprint=False)")
 
 
-def layout_desync(finding: Any, window: Any) -> str | None:
+def layout_desync(finding: Any) -> str | None:
     """The verdict's detail when ``finding``, of a desync rule, names more than half the judged ranks of a
-    job of three or more (a layout, see the module docstring), else None. The ranks are counted
-    from the report's vector in ``window`` (the finding names at most 16)."""
+    job of three or more (a layout, see the module docstring), else None (the finding counts both:
+    ``service/evaluate_ranks.py``, ``desync``)."""
     if getattr(finding.rule, "diagnosis", "") not in ("grad_desync", "param_desync"):
         return None
-    vector = finding.values.get("vector")
-    tol = finding.values.get("rel_tol")
-    if not isinstance(vector, str) or not isinstance(tol, (int, float)):
+    differing, ranks = finding.values.get("differing"), finding.values.get("judged")
+    if not isinstance(differing, int) or not isinstance(ranks, int) or ranks < 3 or 2 * differing <= ranks:
         return None
-    hist = window.rank_history(vector, 1)
-    if not len(hist):
-        return None
-    row = np.asarray(hist[-1], dtype=np.float64)
-    judged = ~np.isnan(row)
-    with np.errstate(invalid="ignore"):
-        differing = int(np.count_nonzero(judged & (row > tol)))
-    ranks = int(np.count_nonzero(judged))
-    if ranks < 3 or 2 * differing <= ranks:
-        return None
-    return f"{differing} of {ranks} ranks disagree on {vector}: {LAYOUT_HINT}"
+    return f"{differing} of {ranks} ranks disagree on {finding.values.get('vector')}: {LAYOUT_HINT}"

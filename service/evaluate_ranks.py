@@ -141,5 +141,6 @@ def desync(rule: DesyncRule, w: RuleWindow, now: float) -> Verdict:
         f"rank(s) {ranks[:8].tolist()} disagree with the other ranks on their {what}{where}: "
         f"relative difference {worst:.3g} (tolerance {rule.rel_tol:g})",
         {"vector": rule.vector, "rel_tol": rule.rel_tol, "ranks": ranks[:16].tolist(),
+         "differing": int(len(ranks)), "judged": int(np.count_nonzero(judged)),
          "values": {int(r): json_number(float(row[r])) for r in ranks[:16].tolist()}, "layers": layers[:16]},
     )
