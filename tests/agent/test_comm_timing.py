@@ -1,6 +1,6 @@
 """trainer_agent/measure/comm_timing.py: the interval arithmetic on given timestamps, and two gloo ranks with
-DDP (several buckets, one rank slowed inside its backward) beside a DDP model carrying the user's
-own communication hook."""
+DDP (several buckets, one rank slowed inside its backward, the other late to its first step) beside a
+DDP model carrying the user's own communication hook."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.control.spawn import spawn_ranks
 from trainer_agent.measure.comm_timing import COMM_METRICS, CommTiming, step_comm
 
 WORLD, STEPS, SLEEP = 2, 4, 0.2
+LATE = 1.0  # rank 1 starts its first step this much later (a data loader or a compilation warming up)
 
 
 def test_union_counts_overlapping_buckets_once() -> None:
@@ -80,9 +81,11 @@ def _worker(rank: int, init: str, out: str) -> None:
     timing = runs[0][2].comm
     seen: list[list[tuple[float, float]]] = []  # each step's bucket timestamps, as the agent closes it
     step_ended = timing.step_ended
-    timing.step_ended = lambda duration: (seen.append(list(timing._bucket_times)), step_ended(duration))
-    losses = []
+    timing.step_ended = lambda *args: (seen.append(list(timing._bucket_times)), step_ended(*args))
+    losses, reports = [], []
     for step in range(STEPS):
+        if step == 0 and rank == 1:
+            time.sleep(LATE)
         for ddp, opt, agent in runs:
             loss = ddp(_batch(step, rank)).square().mean()
             loss.backward()
@@ -90,7 +93,8 @@ def _worker(rank: int, init: str, out: str) -> None:
             opt.zero_grad()
             agent.end_step(loss)
         losses.append(float(loss))
-    result = {"seen": seen, "losses": losses,
+        reports.append((dict(runs[0][2].latest()), dict(runs[0][2].rank_values)))
+    result = {"seen": seen, "losses": losses, "reports": reports,
               "own_weight": [p.detach().clone() for p in own.parameters()]}
     for name, (_, _, agent) in zip(("timed", "own"), runs):
         result[name] = {"latest": agent.latest(), "rank_values": agent.rank_values}
@@ -101,9 +105,14 @@ def _worker(rank: int, init: str, out: str) -> None:
     torch.save(result, f"{out}/rank{rank}.pt")
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("comm"))
+
+
 @pytest.mark.distributed
-def test_two_gloo_ranks_ddp_comm_times_and_users_own_hook(tmp_path) -> None:
-    out = spawn_ranks(_worker, WORLD, tmp_path)
+def test_two_gloo_ranks_ddp_comm_times_and_users_own_hook(ranks) -> None:
+    out = ranks
     for rank, got in enumerate(out):
         seen = got["seen"]
         assert len(seen) == STEPS and all(len(times) >= 3 for times in seen[1:])  # several buckets
@@ -138,3 +147,21 @@ def test_two_gloo_ranks_ddp_comm_times_and_users_own_hook(tmp_path) -> None:
         assert all(math.isnan(v) for v in got["own"]["rank_values"]["comm_seconds"])
     for a, b in zip(out[0]["own_weight"], out[1]["own_weight"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+def test_the_first_step_s_communication_is_left_out(ranks) -> None:
+    """Rank 1 comes to its first step a second late: rank 0's first all-reduce waits for it (and,
+    on the first step, for the communicator's setup), a second of exposed communication that is
+    the warm-up's, not the network's. The report of step 1 has no communication values (NaN in
+    the rank's row), and the report of step 4 is the mean of steps 2-4 only."""
+    first_step = step_comm(ranks[0]["seen"][0])
+    assert first_step[1] >= LATE / 2  # what the first report showed: the wait for rank 1's start
+    for got in ranks:
+        (first, first_ranks), *_, (last, _) = got["reports"]
+        assert first["trainguard_step"] == 1 and last["trainguard_step"] == STEPS
+        assert [name for name in COMM_METRICS if name in first] == []
+        assert math.isnan(first_ranks["comm_seconds"][0]) and math.isnan(first_ranks["comm_exposed_ratio"][0])
+        per_step = [step_comm(times) for times in got["seen"][1:]]
+        assert last["trainguard_comm_exposed_seconds"] == pytest.approx(
+            sum(e for _, e in per_step) / (STEPS - 1), rel=1e-9)

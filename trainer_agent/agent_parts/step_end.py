@@ -124,7 +124,7 @@ class StepEnd:
         duration, clock.last_end = t0 - clock.last_end, t0
         warm_up, clock.warm_up = clock.warm_up, False
         if self.hooks.comm is not None:
-            self.hooks.comm.step_ended(duration)
+            self.hooks.comm.step_ended(duration, warm_up)
         if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
             clock.amp_skipped += 1  # GradScaler.step skipped optimizer.step: inf/NaN gradients
         elif not st.stepped and st.backwards:

@@ -21,6 +21,12 @@ Per report interval the gauges are the mean per optimizer step over the interval
 without communication, e.g. under ``no_sync``, count 0), and ``exposed_ratio`` = the interval's
 exposed time over its wall time (the sum of its step durations).
 
+The first step after attach is left out, as from the step timings: its first all-reduce waits
+for the slowest rank's warm-up (a rank that loads its data or compiles a second longer shows a
+second of exposed communication on the others) and for the communicator's own setup. A report
+whose interval held only that step (the report of the first step) has none of these values
+(absent, NaN in the rank's row).
+
 NaN, never a made-up value:
 - the user registered a communication hook of their own (DDP accepts one only): the agent's
   registration fails, is logged once as an agent error, and training goes on with the user's hook;
@@ -126,11 +132,15 @@ class CommTiming:
             self.unmeasured = "the agent is closed"
         self._bucket_times = []
 
-    def step_ended(self, duration: float) -> None:
-        """Close one optimizer step of ``duration`` seconds (DDP's backward waited for every bucket)."""
+    def step_ended(self, duration: float, warm_up: bool = False) -> None:
+        """Close one optimizer step of ``duration`` seconds (DDP's backward waited for every bucket).
+        ``warm_up``: the first step after attach: its buckets are dropped, not counted (see the
+        module docstring)."""
         if self.unmeasured is not None:
             return
         times, self._bucket_times = self._bucket_times, []
+        if warm_up:
+            return
         try:
             comm, exposed = step_comm(times)
         except ValueError as exc:  # a clock that went backwards: this step is left out
@@ -142,10 +152,13 @@ class CommTiming:
         self._steps += 1
 
     def take(self) -> dict[str, float]:
-        """The interval's values (:data:`COMM_METRICS`), NaN when unmeasured; starts the next interval."""
+        """The interval's values (:data:`COMM_METRICS`), NaN when unmeasured, none when every step
+        of the interval was left out (the warm-up's report); starts the next interval."""
         steps, wall = self._steps, self._wall
-        if self.unmeasured is not None or steps == 0:
+        if self.unmeasured is not None:
             return dict.fromkeys(COMM_METRICS, math.nan)
+        if steps == 0:
+            return {}
         values = {"trainguard_comm_seconds": self._comm / steps,
                   "trainguard_comm_exposed_seconds": self._exposed / steps,
                   "trainguard_comm_exposed_ratio": self._exposed / wall if wall > 0 else math.nan}
