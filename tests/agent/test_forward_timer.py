@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import math
 import os
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -124,10 +126,9 @@ class _FakeEvent:
         return (end.at - self.at) * 1000.0  # ms, as CUDA's
 
 
-def test_on_cuda_the_warm_up_step_s_forward_is_not_reported_by_the_next_report(monkeypatch) -> None:
-    """On CUDA a report carries the previous report step's forward time (its events read a report
-    later): the warm-up step's forward (compilation inside it: 60 s here) is dropped at its own
-    report (``skip``), not carried into the next one; the next reports carry their own steps'."""
+def _cuda_timer(monkeypatch) -> tuple[Any, Callable[[float], None]]:
+    """A forward timer of a CUDA model on the fake timeline, reporting every step, and
+    ``forward(seconds)``: one step whose forward takes ``seconds`` on that timeline."""
     from trainer_agent.measure.forward_timer import ForwardTimer
     from trainer_agent.measure.schedule import ReportSchedule
 
@@ -142,9 +143,32 @@ def test_on_cuda_the_warm_up_step_s_forward_is_not_reported_by_the_next_report(m
         handle.remove()
         step[0] += 1
 
+    return timer, forward
+
+
+def test_on_cuda_the_warm_up_step_s_forward_is_not_reported_by_the_next_report(monkeypatch) -> None:
+    """On CUDA a report carries the previous report step's forward time (its events read a report
+    later): the warm-up step's forward (compilation inside it: 60 s here) is dropped at its own
+    report (``skip``), not carried into the next one; the next reports carry their own steps'."""
+    timer, forward = _cuda_timer(monkeypatch)
     forward(60.0)
     timer.skip()  # the warm-up step's report
     forward(0.5)
     assert math.isnan(timer.take())  # step 2's report: no earlier report step's events (not step 1's 60 s)
     forward(0.25)
     assert timer.take() == 0.5  # step 3's report: step 2's forward
+
+
+def test_on_cuda_a_skipped_step_mid_run_leaves_the_next_report_without_an_older_forward(monkeypatch) -> None:
+    """A report step that compiled (30 s in its forward here) is skipped mid-run: the next report,
+    which would read that step's events, has none (NaN), not the report step's before it (an
+    older step than the one it names); the report after it has its own step's again."""
+    timer, forward = _cuda_timer(monkeypatch)
+    forward(0.5)
+    timer.take()  # (no earlier report step: NaN)
+    forward(30.0)
+    timer.skip()  # the step that compiled
+    forward(0.25)
+    assert math.isnan(timer.take())  # not 0.5, the forward of the report step before the skipped one
+    forward(0.125)
+    assert timer.take() == 0.25

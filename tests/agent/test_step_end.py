@@ -252,3 +252,36 @@ def test_the_first_step_after_attach_has_no_step_times(resumed_at: int) -> None:
     assert later["trainguard_tokens_per_second"] == 8 / later["trainguard_step_duration_seconds"]
     assert later_ranks["step_duration_seconds"] == [later["trainguard_step_duration_seconds"]]
     assert "trainguard_loss" in first and "trainguard_grad_norm" in first  # (the rest is reported)
+
+
+def test_a_step_that_recompiled_has_no_step_times_and_is_counted() -> None:
+    """torch.compile compiles again when the input's shape changes mid-run (step 4 here): that step's
+    time is the compiler's (tens to thousands of steps' worth), not a slow step. Its report has no
+    step time, throughput or forward time (NaN in the rank's row, which the straggler rules skip)
+    and counts it in trainguard_compile_steps_total; the steps around it are reported as usual."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = ta.attach(compiled, opt, job="j", run="r-recompile", config=ta.AgentConfig(metrics_port=None, report_every=1))
+    seen = []
+    try:
+        for rows in (2, 2, 2, 3, 3, 3):  # the first call compiles (the warm-up), 3 rows compile again
+            loss = compiled(torch.randn(rows, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(loss.detach(), tokens=rows)
+            seen.append((dict(agent.latest()), dict(agent.rank_values), generate_latest(agent.registry).decode()))
+        assert agent.errors.count == 0
+    finally:
+        agent.close()
+    timed = [all(k in values for k in STEP_TIMES) for values, _, _ in seen]
+    assert timed == [False, True, True, False, True, True]
+    recompiled, ranks, metrics = seen[3]
+    assert [k for k in STEP_TIMES if k in recompiled or f"{k}{{" in metrics] == []
+    assert math.isnan(ranks["step_duration_seconds"][0]) and math.isnan(ranks["forward_seconds"][0])
+    assert [values["trainguard_compile_steps_total"] for values, _, _ in seen] == [0, 0, 0, 1, 1, 1]
+    after, after_ranks, _ = seen[4]
+    assert after["trainguard_tokens_per_second"] == 3 / after["trainguard_step_duration_seconds"]
+    assert after_ranks["step_duration_seconds"] == [after["trainguard_step_duration_seconds"]]

@@ -25,6 +25,7 @@ ADAPTERS = {
     "trainer_agent/compat/torch_private.py": "trainer_agent.compat.torch_private",
     "trainer_agent/compat/torch_hooks.py": "trainer_agent.compat.torch_hooks",
     "trainer_agent/compat/torch_ddp.py": "trainer_agent.compat.torch_ddp",
+    "trainer_agent/compat/torch_dynamo.py": "trainer_agent.compat.torch_dynamo",
     "trainer_agent/compat/httpx_private.py": "trainer_agent.compat.httpx_private",
 }
 #: Underscore names that are documented public API: namedtuple's methods and fields (their

@@ -15,6 +15,7 @@ from torch import nn
 from trainer_agent.compat import torch_private
 from trainer_agent.measure import optim
 from trainer_agent.measure.comm_timing import CommTiming
+from trainer_agent.measure.compile_watch import CompileWatch
 from trainer_agent.config import AgentConfig
 from trainer_agent.measure.forward_timer import ForwardTimer
 from trainer_agent.measure.inputs import InputWait
@@ -46,6 +47,7 @@ class AgentHooks:
         self.forward: ForwardTimer | None = None
         self.comm: CommTiming | None = None  # AgentConfig.comm_timing (trainer_agent/measure/comm_timing.py)
         self.input_wait: InputWait | None = None
+        self.compiles: CompileWatch | None = None  # steps that compiled (trainer_agent/measure/compile_watch.py)
 
     def register(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: ParamIndex,
                  schedule: ReportSchedule, config: AgentConfig) -> None:
@@ -69,6 +71,8 @@ class AgentHooks:
             self.comm = CommTiming(model, on_error=self._error, clock=clock.now)
             self.handles.append(self.comm)
         self.input_wait = InputWait(model, clock.now)
+        self.compiles = CompileWatch(self._error)
+        self.handles.append(self.compiles)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -123,6 +123,9 @@ class StepEnd:
         clock.step += 1
         duration, clock.last_end = t0 - clock.last_end, t0
         warm_up, clock.warm_up = clock.warm_up, False
+        compiles = self.hooks.compiles
+        if compiles is not None and compiles.step_ended(warm_up):
+            warm_up = True  # torch.compile compiled in this step: its time is the compiler's, left out too
         if self.hooks.comm is not None:
             self.hooks.comm.step_ended(duration, warm_up)
         if scaler is not None and scaler.is_enabled() and not st.stepped and st.backwards:
@@ -168,7 +171,8 @@ class StepEnd:
 
     def _host_step(self, st: Any, duration: float, tokens: int | None, warm_up: bool) -> HostStep:
         """A report step's host values: its times (``warm_up``: the first step timed, see
-        ``StepClock.warm_up``), counts and the diagnostics' results."""
+        ``StepClock.warm_up``, or a step that compiled, see ``CompileWatch``), counts and the
+        diagnostics' results."""
         hooks, verifier = self.hooks, self.diagnostics.verifier
         forward_s = math.nan
         if hooks.forward is not None and warm_up:
@@ -185,7 +189,8 @@ class StepEnd:
                         trainable_elements=float(self.parts.params.trainable_elements()) if self.export.serves_job
                         else math.nan,  # a job value (the same on every rank), one read per tensor
                         optimizer_class=self.parts.optimizer_class[1],
-                        run_changes=float(self.clock.run_changes), warm_up=warm_up)
+                        run_changes=float(self.clock.run_changes), warm_up=warm_up,
+                        compile_steps=float(hooks.compiles.compile_steps) if hooks.compiles is not None else math.nan)
 
     def _token_count(self, tokens: Any) -> float | None:
         """A report step's token count; a tensor's is read here, and one that is not a count

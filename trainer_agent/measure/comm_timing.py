@@ -21,11 +21,12 @@ Per report interval the gauges are the mean per optimizer step over the interval
 without communication, e.g. under ``no_sync``, count 0), and ``exposed_ratio`` = the interval's
 exposed time over its wall time (the sum of its step durations).
 
-The first step after attach is left out, as from the step timings: its first all-reduce waits
-for the slowest rank's warm-up (a rank that loads its data or compiles a second longer shows a
-second of exposed communication on the others) and for the communicator's own setup. A report
-whose interval held only that step (the report of the first step) has none of these values
-(absent, NaN in the rank's row).
+The first step after attach and a step in which torch.compile compiled
+(``trainer_agent/measure/compile_watch.py``) are left out, as from the step timings: their first
+all-reduce waits for the slowest rank's warm-up or compilation (a rank that loads its data or
+compiles a second longer shows a second of exposed communication on the others), and on the first
+step the communicator's own setup. A report whose interval held only such steps (the report of the
+first step) has none of these values (absent, NaN in the rank's row).
 
 NaN, never a made-up value:
 - the user registered a communication hook of their own (DDP accepts one only): the agent's
@@ -134,8 +135,8 @@ class CommTiming:
 
     def step_ended(self, duration: float, warm_up: bool = False) -> None:
         """Close one optimizer step of ``duration`` seconds (DDP's backward waited for every bucket).
-        ``warm_up``: the first step after attach: its buckets are dropped, not counted (see the
-        module docstring)."""
+        ``warm_up``: the first step after attach, or one that compiled (``CompileWatch``): its
+        buckets are dropped, not counted (see the module docstring)."""
         if self.unmeasured is not None:
             return
         times, self._bucket_times = self._bucket_times, []

@@ -96,11 +96,14 @@ class ForwardTimer:
 
     def skip(self) -> None:
         """The measured step just finished is the warm-up (``StepClock.warm_up``: compilation and
-        first-call initialisation run inside its forward): forget its time, on CUDA its events too,
-        which the next report would read."""
+        first-call initialisation run inside its forward) or compiled (``CompileWatch``): forget
+        its time, on CUDA its events too, which the next report would read, and the previous
+        report step's, which the next report would then read in their place (a step older than
+        the one it names): the next report has none (NaN)."""
         self._depth = 0
         self._seconds = 0.0
         self._events = []
+        self._previous = []
 
     def reset(self) -> None:
         """A step that is not reported: forget what was measured (nothing is, normally)."""

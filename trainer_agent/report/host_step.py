@@ -42,5 +42,8 @@ class HostStep:
     optimizer_class: float = math.nan
     """A code of the optimizer's class (``measure.optim.optimizer_class``): changes when the run switches optimizer."""
     warm_up: bool = False
-    """The first step the agent timed (``StepClock.warm_up``): its duration, forward time and
-    throughput are the warm-up's, left out of the report (absent, NaN in the rank's row)."""
+    """The first step the agent timed (``StepClock.warm_up``), or a step in which torch.compile
+    compiled (``CompileWatch``): its duration, forward time and throughput are the warm-up's or the
+    compiler's, left out of the report (absent, NaN in the rank's row)."""
+    compile_steps: float = math.nan
+    """Steps after the first in which torch.compile compiled (``CompileWatch.compile_steps``)."""

@@ -242,6 +242,8 @@ class ReportPipeline:
             host["trainguard_trainable_elements"] = h.trainable_elements
         if not math.isnan(h.run_changes):
             host["trainguard_run_changes_total"] = h.run_changes
+        if not math.isnan(h.compile_steps):
+            host["trainguard_compile_steps_total"] = h.compile_steps
         if not math.isnan(h.optimizer_class):
             host["trainguard_optimizer_class"] = h.optimizer_class
         host.update(h.comm)
