@@ -30,8 +30,8 @@ def compile_end_callbacks() -> list[Callable[..., Any]] | None:
     a recompile after a guard failed), a backward compiled at its first run, a CUDA graph recorded.
     Append to it to register, remove to unregister; ``torch.compiler.reset()`` empties it.
 
-    None while ``torch._dynamo`` is not imported: importing it takes seconds, which a run that never
-    compiles must not pay (torch.compile imports it at its first use). ``PrivateMemberMissing``
+    None while ``torch._dynamo`` is not imported: importing it takes seconds, which the agent does
+    not add (torch.compile, and the construction of a torch optimizer, import it). ``PrivateMemberMissing``
     where the member is gone (logged once: steps that compiled are then reported as steps)."""
     if "torch._dynamo" not in sys.modules:
         return None

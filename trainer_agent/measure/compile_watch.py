@@ -12,9 +12,10 @@ How it is known: a callback in TorchDynamo's list of compile-end callbacks
 compares the count with the one it saw last. Per step that is an integer comparison and a look in
 a list of a few callbacks (is the agent's still there: ``torch.compiler.reset()`` empties it, and
 what was compiled is compiled again at the next call, so the step of the reset counts as compiled
-and the callback goes back in). Until torch.compile is first used, ``torch._dynamo`` is not
-imported and nothing is registered: the step in which it appears counts as compiled (the import
-alone takes seconds). A compilation in another thread of the process (an evaluation compiled
+and the callback goes back in). The callback goes in at attach where ``torch._dynamo`` is
+imported by then (constructing a torch optimizer imports it); where it is not, the agent does not
+import it (seconds) and registers at the end of the step in which it appears, which counts as
+compiled (torch.compile's first use: the import and the first compilation). A compilation in another thread of the process (an evaluation compiled
 there) marks the training step it overlaps.
 """
 
