@@ -10,7 +10,7 @@ scopes, an expiry, and for agent tokens a job pattern (``fnmatch``, e.g. ``llm-7
 token may register any run of a matching job, and a run it registered stays its own.
 
 Who may create and revoke such tokens (the ``tokens`` scope, within limits) is
-:func:`may_grant` and :func:`may_revoke`; docs/security.md has the whole model.
+:func:`may_grant` and :func:`manages_token`; docs/security.md has the whole model.
 
 Missing, unknown, expired or revoked token: 401. Known token without the scope, or an agent token bound to another
 run: 403; an agent token on a run it never registered: 404, as for a run nobody registered
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash", "may_grant", "may_revoke",
+__all__ = ["OPERATOR_SCOPES", "AGENT_SCOPE", "Principal", "TokenTable", "token_hash", "may_grant", "manages_token",
            "is_administrator"]
 
 OPERATOR_SCOPES: frozenset[str] = frozenset({"read", "command", "rules", "webhooks", "tokens"})
@@ -94,14 +94,11 @@ def may_grant(principal: Principal, scopes: frozenset[str], expires_at: float | 
     return None
 
 
-def may_revoke(principal: Principal, creator: str) -> str | None:
-    """Why ``principal`` may not revoke a token created by ``creator`` (an actor name), or
-    ``None`` when it may: a ``tokens`` holder revokes the tokens it created; an administrator
-    (every operator scope) revokes any."""
-    if is_administrator(principal) or creator == principal.actor:
-        return None
-    return (f"this token may revoke only the tokens it created (this one was created by {creator}); "
-            "a token with every operator scope may revoke any")
+def manages_token(principal: Principal, creator: str) -> bool:
+    """Whether ``principal`` lists and revokes a runtime token created by ``creator`` (an actor
+    name): a ``tokens`` holder the tokens it created, an administrator (every operator scope) any.
+    A token it does not manage is one it cannot tell from a token that does not exist."""
+    return is_administrator(principal) or creator == principal.actor
 
 
 class TokenTable:

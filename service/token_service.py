@@ -9,7 +9,7 @@ import sqlite3
 from typing import Any, Callable
 
 from trainguard.service import token_statements
-from trainguard.service.auth import Principal, TokenTable, may_grant, may_revoke, token_hash
+from trainguard.service.auth import Principal, TokenTable, is_administrator, manages_token, may_grant, token_hash
 from trainguard.service.errors import Forbidden, NotFound, TooMany
 from trainguard.service.store import Store
 
@@ -65,24 +65,25 @@ class RuntimeTokens:
                 "creator": actor, "created_at": now, "expires_at": expires}
 
     async def revoke(self, token_id: int, principal: Principal) -> dict[str, Any]:
-        """Revoke a live token: 404 when there is none, 403 unless ``principal`` may
-        (:func:`service.auth.may_revoke`). It stops authenticating at once, and the console
-        sessions signed in with it end on their next request."""
+        """Revoke a live token that ``principal`` manages (:func:`service.auth.manages_token`): 404
+        otherwise, the same answer for another creator's live token as for a revoked or missing one,
+        so a ``tokens`` holder learns nothing of the tokens it cannot list. It stops authenticating
+        at once, and the console sessions signed in with it end on their next request."""
         now = self.clock()
         actor = principal.actor
 
-        def op(c: sqlite3.Connection) -> tuple[str | None, str | None]:
+        def op(c: sqlite3.Connection) -> str | None:
             creator = token_statements.live_token_creator(c, token_id)
-            if creator is None:
-                return None, None
-            refused = may_revoke(principal, creator)
-            return (None, refused) if refused is not None else (token_statements.revoke_token(c, token_id, actor=actor, now=now), None)
+            if creator is None or not manages_token(principal, creator):
+                return None
+            return token_statements.revoke_token(c, token_id, actor=actor, now=now)
 
-        digest, refused = await self.store.submit(op)
-        if refused is not None:
-            raise Forbidden(refused)
+        digest = await self.store.submit(op)
         if digest is None:
-            raise NotFound(f"no live token with id {token_id}")
+            if is_administrator(principal):
+                raise NotFound(f"no live token with id {token_id}")
+            raise NotFound(f"no live token with id {token_id} among the tokens this token created "
+                           "(a token with every operator scope may revoke any)")
         self.tokens.remove_stored(digest)
         log.warning("token %d revoked by %s", token_id, actor)
         return {"id": token_id, "revoked_at": now, "revoked_by": actor}

@@ -1,7 +1,7 @@
 """Tokens created at runtime: create (shown once), list, revoke. Needs the ``tokens`` scope, and
 grants no more than the caller holds (:func:`service.auth.may_grant`); a caller lists and revokes
 the tokens it created, an administrator (every operator scope) all of them
-(:func:`service.auth.may_revoke`)."""
+(:func:`service.auth.manages_token`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainguard.service import token_statements
-from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES, is_administrator
+from trainguard.service.auth import AGENT_SCOPE, OPERATOR_SCOPES, manages_token
 from trainguard.service.deps import ControllerDep, TokensDep
 from trainguard.protocol.base import not_printable
 from trainguard.protocol.wire import MAX_INT
@@ -89,10 +89,10 @@ async def create(body: TokenCreate, ctl: ControllerDep, principal: TokensDep) ->
             "creator, expiry, revocation; an administrator sees all, any other caller the ones it created")
 async def list_tokens(ctl: ControllerDep, principal: TokensDep) -> list[dict[str, Any]]:
     rows = await ctl.store.read(token_statements.list_tokens)
-    return rows if is_administrator(principal) else [r for r in rows if r["creator"] == principal.actor]
+    return [r for r in rows if manages_token(principal, r["creator"])]
 
 
 @router.delete("/tokens/{token_id}", summary="Revoke a token (it stops working at once, its console sessions too): "
-               "one this caller created, or any for an administrator")
+               "one this caller created, or any for an administrator; 404 for any other id")
 async def revoke(token_id: TokenId, ctl: ControllerDep, principal: TokensDep) -> dict[str, Any]:
     return await ctl.revoke_token(token_id, principal)

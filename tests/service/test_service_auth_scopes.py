@@ -73,18 +73,23 @@ def test_a_tokens_holder_lists_and_revokes_only_the_tokens_it_created(app_factor
         listed = str(everything)
         assert not any(s in listed for s in secrets)
         assert all("token_hash" not in t and "token" not in t for t in everything)
-        # revocation: not another creator's token (403, still live), its own yes; the administrator any
-        r = c.delete(f"/v1/tokens/{by_admin['id']}", headers=_h(MINTER))
-        assert r.status_code == 403
-        assert r.json()["detail"] == (f"this token may revoke only the tokens it created (this one was created by "
-                                      f"{_actor(ADMIN)}); a token with every operator scope may revoke any")
+        # revocation: another creator's live token answers as a revoked or a missing id does (404,
+        # nothing about it), and stays live; its own yes; the administrator any
+        revoked = _create(c, ADMIN, scopes=["read"]).json()
+        assert c.delete(f"/v1/tokens/{revoked['id']}", headers=_h(ADMIN)).status_code == 200
+        missing = revoked["id"] + 1
+        for token_id in (by_admin["id"], by_other["id"], revoked["id"], missing):
+            r = c.delete(f"/v1/tokens/{token_id}", headers=_h(MINTER))
+            assert (r.status_code, r.json()["detail"]) == (404, f"no live token with id {token_id} among the tokens this "
+                                                                "token created (a token with every operator scope may revoke any)")
         assert c.get("/v1/runs", headers=_h(by_admin["token"])).status_code == 200
-        assert c.delete(f"/v1/tokens/{by_other['id']}", headers=_h(MINTER)).status_code == 403
+        assert c.get("/v1/runs", headers=_h(by_other["token"])).status_code == 403  # a live agent token (401 once revoked)
         assert c.delete(f"/v1/tokens/{by_minter['id']}", headers=_h(MINTER)).status_code == 200
         assert c.delete(f"/v1/tokens/{by_minter['id']}", headers=_h(MINTER)).status_code == 404
         assert c.delete(f"/v1/tokens/{by_other['id']}", headers=_h(ADMIN)).status_code == 200
         assert c.delete(f"/v1/tokens/{by_admin['id']}", headers=_h(ADMIN)).status_code == 200
         assert c.get("/v1/runs", headers=_h(by_admin["token"])).status_code == 401
+        assert c.delete(f"/v1/tokens/{missing}", headers=_h(ADMIN)).json()["detail"] == f"no live token with id {missing}"
         assert c.get("/v1/tokens", headers=_h(READER)).status_code == 403
 
 
