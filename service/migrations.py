@@ -278,6 +278,12 @@ MIGRATIONS: tuple[str, ...] = (
         pad BLOB NOT NULL
     );
     """,
+    # 16: when a webhook was deleted (``service/retention.py`` deletes its row once that is older
+    # than the audit retention and no pending message names it). A webhook deleted before this
+    # version has none: the prune stamps it with the time it first sees it.
+    """
+    ALTER TABLE webhooks ADD COLUMN deleted_at REAL;
+    """,
 )
 
 

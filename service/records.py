@@ -57,7 +57,8 @@ class Records:
 
     async def delete_webhook(self, webhook_id: int) -> None:
         """Delete a webhook and cancel its pending messages; NotFound if there is none."""
-        if not await self._store.submit(lambda c: sql.delete_webhook(c, webhook_id)):
+        now = self._clock()
+        if not await self._store.submit(lambda c: sql.delete_webhook(c, webhook_id, now)):
             raise NotFound(f"webhook {webhook_id} does not exist")
 
     async def deliveries(self, webhook_id: int, limit: int) -> list[dict[str, Any]]:

@@ -7,6 +7,9 @@ the rest (:class:`Retention`, run by :mod:`service.absence_ticker` after the rep
   run keeps, whatever their age, the events it may read back: its incidents (a restart) and its
   ``desired`` events from the generation its ranks applied on (a re-registration). A firing alert and a pending message are never deleted, nor a
   token that still owns a run.
+- A deleted webhook's row (its URL and secret): deleted once its deletion is older than the audit
+  retention and no pending message names it; the row of the highest webhook id stays (a new
+  webhook's id goes on above it).
 - A deleted run's row (``deleted_runs``, which names the run for its events and alerts): deleted
   once it is older than the audit retention and nothing names it any more; the row of the highest
   run id and of the highest incident id stay (a new run's id and incident ids go on above them).
@@ -28,7 +31,7 @@ from trainguard.service.config import Settings
 from trainguard.service.group_commit import GroupCommitStore
 from trainguard.service.operator_commands import KEYS_KEPT_S
 
-__all__ = ["Retention", "KEYS_KEPT_S", "PRUNE_ROWS", "prune_events", "prune_alerts", "prune_messages",
+__all__ = ["Retention", "KEYS_KEPT_S", "PRUNE_ROWS", "prune_events", "prune_alerts", "prune_messages", "prune_webhooks",
            "prune_deleted_runs", "prune_tokens", "prune_rules_versions", "prune_idempotency", "prune_alertmanager_seen"]
 
 #: Rows deleted per transaction by each step (webhook messages: a tenth, each with its attempts).
@@ -63,6 +66,19 @@ def prune_messages(conn: sqlite3.Connection, before: float, limit: int) -> int:
         conn.execute(f"DELETE FROM deliveries WHERE outbox_id IN ({marks})", ids)
         conn.execute(f"DELETE FROM outbox WHERE id IN ({marks})", ids)
     return len(ids)
+
+
+def prune_webhooks(conn: sqlite3.Connection, now: float, before: float, limit: int) -> int:
+    """Delete up to ``limit`` rows of webhooks deleted before ``before`` that no pending message
+    names, except the row of the highest id (SQLite would give a new webhook that id, and the
+    deleted one's delivery attempts with it). A webhook deleted before schema version 16 has no
+    time of deletion: it is given ``now``."""
+    conn.execute("UPDATE webhooks SET deleted_at=? WHERE deleted=1 AND deleted_at IS NULL", (now,))
+    return conn.execute(
+        "DELETE FROM webhooks WHERE id IN (SELECT w.id FROM webhooks w WHERE w.deleted=1 AND w.deleted_at<? "
+        "AND w.id<(SELECT MAX(id) FROM webhooks) "
+        "AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.state='pending' AND o.webhook_id=w.id) "
+        "ORDER BY w.id LIMIT ?)", (before, limit)).rowcount
 
 
 def prune_deleted_runs(conn: sqlite3.Connection, before: float, limit: int) -> int:
@@ -124,6 +140,7 @@ class Retention:
             (lambda c: prune_events(c, audit, PRUNE_ROWS), PRUNE_ROWS),
             (lambda c: prune_alerts(c, audit, PRUNE_ROWS), PRUNE_ROWS),
             (lambda c: prune_messages(c, audit, MESSAGES_PER_BATCH), MESSAGES_PER_BATCH),
+            (lambda c: prune_webhooks(c, now, audit, PRUNE_ROWS), PRUNE_ROWS),
             (lambda c: prune_deleted_runs(c, audit, PRUNE_ROWS), PRUNE_ROWS),
             (lambda c: prune_tokens(c, audit, PRUNE_ROWS), PRUNE_ROWS),
             (lambda c: prune_rules_versions(c, kept, active_rules, PRUNE_ROWS), PRUNE_ROWS),

@@ -253,8 +253,8 @@ def insert_webhook(conn: sqlite3.Connection, *, url: str, format: str, secret: s
     return int(cur.lastrowid)
 
 
-def delete_webhook(conn: sqlite3.Connection, webhook_id: int) -> bool:
-    cur = conn.execute("UPDATE webhooks SET deleted=1 WHERE id=? AND deleted=0", (webhook_id,))
+def delete_webhook(conn: sqlite3.Connection, webhook_id: int, now: float) -> bool:
+    cur = conn.execute("UPDATE webhooks SET deleted=1, deleted_at=? WHERE id=? AND deleted=0", (now, webhook_id))
     conn.execute("UPDATE outbox SET state='cancelled' WHERE webhook_id=? AND state='pending'", (webhook_id,))
     return cur.rowcount > 0
 

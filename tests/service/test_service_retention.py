@@ -114,7 +114,7 @@ def test_the_prune_commits_at_most_the_batches_it_is_given(store_db: Any, monkey
             pruner.start(NOW + 90 * DAY, active_rules=0)
             return [(await pruner.run(n), await asyncio.to_thread(left)) for n in (2, 2, 100, 100)]
 
-        assert asyncio.run(main()) == [(2, 4), (2, 0), (7, 0), (0, 0)]
+        assert asyncio.run(main()) == [(2, 4), (2, 0), (8, 0), (0, 0)]
     finally:
         store.close()
 
@@ -154,3 +154,33 @@ def test_an_audit_retention_shorter_than_the_reports_is_refused(audit: float, tm
     with pytest.raises(ValueError, match=f"audit_retention_s \\({audit:g}\\) must be at least report_retention_s "
                                          "\\(604800\\)"):
         Settings(db=tmp_path / "tg.db", audit_retention_s=audit)
+
+
+def test_a_deleted_webhooks_row_goes_once_its_deletion_is_older_than_the_audit_retention(store_db: Any) -> None:
+    """Deleted at OLD: gone, unless a pending message names it or it has the highest id; deleted at
+    NEW: kept; deleted before schema version 16 (no time of deletion): stamped at the first prune,
+    gone at the first prune after the audit retention from then; never one in use."""
+    now = [OLD]
+    settings = Settings(db=store_db, tick_s=60, report_retention_s=DAY, audit_retention_s=2 * DAY)
+    with TestClient(create_app(settings, clock=lambda: now[0])) as c:
+        ctl = c.app.state.controller
+        ids = {name: c.post("/v1/webhooks", json={"url": f"http://127.0.0.1:9/{name}"}).json()["id"]
+               for name in ("old", "waited-on", "new", "unstamped", "in-use", "highest")}
+        for name in ("old", "waited-on", "unstamped", "highest"):
+            assert c.delete(f"/v1/webhooks/{ids[name]}").status_code == 204
+        _write(c, "UPDATE webhooks SET deleted_at=NULL WHERE id=?", (ids["unstamped"],))
+        _write(c, "INSERT INTO outbox (webhook_id, created_at, body, state, next_attempt_at) VALUES (?,?,?,'pending',?)",
+               (ids["waited-on"], OLD, b"{}", NOW + 365 * DAY))  # (a message left pending: never sent in this test)
+        now[0] = NEW
+        assert c.delete(f"/v1/webhooks/{ids['new']}").status_code == 204
+        now[0] = NOW
+        c.portal.call(ctl.tick)
+        kept = ["waited-on", "new", "unstamped", "in-use", "highest"]
+        assert _rows(c, "SELECT id, deleted_at FROM webhooks ORDER BY id") == [
+            (ids["waited-on"], OLD), (ids["new"], NEW), (ids["unstamped"], NOW), (ids["in-use"], None), (ids["highest"], OLD)]
+        assert [w["id"] for w in c.get("/v1/webhooks").json()] == [ids["in-use"]]
+        now[0] = NOW + 2 * DAY + 3600.0
+        c.portal.call(ctl.tick)
+        kept.remove("new"), kept.remove("unstamped")
+        assert _rows(c, "SELECT id FROM webhooks ORDER BY id") == [(ids[name],) for name in kept]
+        assert c.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/next"}).json()["id"] == ids["highest"] + 1

@@ -29,7 +29,8 @@ _V12_DESIRED = frozenset({
     "accumulation_steps", "accumulation_lr_rule", "memory_trace_seq", "verify_seq", "data_skip_until", "grad_clip_norm",
     "reset_optimizer_seq", "reset_optimizer_layers", "momentum_scale", "weight_decay_scale", "verify_float32_seq", "reason"})
 DESIRED_FIELDS = {12: _V12_DESIRED, 13: _V12_DESIRED | {"data_skip_from"}}
-DESIRED_FIELDS[14] = DESIRED_FIELDS[15] = DESIRED_FIELDS[13]  # (14: deleted runs; 15: retention)
+DESIRED_FIELDS[14] = DESIRED_FIELDS[15] = DESIRED_FIELDS[16] = DESIRED_FIELDS[13]  # (14: deleted runs; 15: retention;
+# 16: webhooks' deletion times)
 
 
 def _v1_rows(conn: Any) -> None:
@@ -116,7 +117,7 @@ def test_version_1_reports_survive_the_migration(tmp_path: Path) -> None:
     _v1_database(db)
     Store(db).close()  # migrates
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 15
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 16
     _assert_migrated_columns(conn.execute)
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='reports'").fetchone()[0]
     assert "WITHOUT ROWID" not in ddl.upper()
@@ -134,7 +135,7 @@ def test_version_1_postgres_database_is_migrated_like_sqlite(postgres_url: str) 
     _v1_postgres_database(postgres_url)
     store = PostgresStore(postgres_url)  # migrates
     try:
-        assert store.schema_version == len(MIGRATIONS) == 15
+        assert store.schema_version == len(MIGRATIONS) == 16
         store.read_now(lambda c: _assert_migrated_columns(c.execute))
     finally:
         store.close()
