@@ -300,8 +300,10 @@ def record_delivery(conn: sqlite3.Connection, *, outbox_id: int, webhook_id: int
         (outbox_id, webhook_id, attempt, now, status_code, error, duration_s, outcome),
     )
     state = {"delivered": "delivered", "failed": "failed", "retry": "pending"}[outcome]
+    # A message cancelled while its attempt was on its way (its webhook deleted) stays cancelled.
     conn.execute(
-        "UPDATE outbox SET state=?, attempts=?, next_attempt_at=COALESCE(?, next_attempt_at), last_error=? WHERE id=?",
+        "UPDATE outbox SET state=?, attempts=?, next_attempt_at=COALESCE(?, next_attempt_at), last_error=? "
+        "WHERE id=? AND state='pending'",
         (state, attempt, next_attempt_at, error, outbox_id),
     )
 

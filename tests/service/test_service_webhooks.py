@@ -290,3 +290,21 @@ def test_at_most_100_webhooks_are_subscribed_and_a_deleted_one_frees_its_place(a
         assert len(c.get("/v1/webhooks").json()) == 100
         assert c.delete(f"/v1/webhooks/{made[0].json()['id']}").status_code == 204
         assert c.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook-100"}).status_code == 201
+
+
+def test_a_message_in_flight_when_its_webhook_is_deleted_is_not_sent_again(app_factory, receiver_factory):
+    """The first attempt is on its way when the webhook is deleted; the connection then drops (an
+    attempt to retry): the message stays cancelled, as the deletion left it."""
+    rx = receiver_factory([0, 200])
+    with app_factory(webhook_backoff_s=0.05) as c:
+        _notify_only(c)
+        hook = c.post("/v1/webhooks", json={"url": rx.url, "min_severity": "warning"}).json()
+        register(c)
+        _grad_norm_rises_to(c, 4321.0)
+        wait_until(lambda: len(rx.requests) == 1)
+        assert c.delete(f"/v1/webhooks/{hook['id']}").status_code == 204
+        rx.release.set()
+        (attempt,) = wait_until(lambda: c.get(f"/v1/webhooks/{hook['id']}/deliveries").json())
+        assert attempt["outcome"] == "retry"
+        store = c.app.state.controller.store
+        assert store.read_now(lambda conn: [tuple(r) for r in conn.execute("SELECT state FROM outbox")]) == [("cancelled",)]
