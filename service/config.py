@@ -98,6 +98,10 @@ class Settings(BaseSettings):
         description="Audit events, resolved alerts, webhook messages and their delivery attempts, revoked or expired "
         "tokens and the names of deleted runs older than this are pruned from the database (at least "
         "report_retention_s: they are the evidence of what happened to the runs).")
+    min_free_bytes: int = Field(
+        default=64 << 20, ge=0,
+        description="/readyz answers 503 while the file system of a SQLite database has less room than this (0: not "
+        "checked); a PostgreSQL server's room is found by its writes.")
     rules_versions_kept: int = Field(
         default=100, ge=1, description="Stored versions of the rules kept: the newest this many, and the active one.")
     external_url: str = Field(default="", description="Public URL of the controller, for links in alerts.")

@@ -149,6 +149,11 @@ class GroupCommitStore(abc.ABC):
             batch, self._pending = self._pending, []
             self._settle(batch, self._commit_waiting([(op, single) for op, _fut, single, _orphaned in batch]))
 
+    def free_bytes(self) -> int | None:
+        """The room left where the database writes, when this backend can tell without writing
+        (SQLite: its file system); ``None`` otherwise (PostgreSQL: a write finds out)."""
+        return None
+
     @property
     def alive(self) -> bool:
         return self._started and not self._closed and self.failed is None

@@ -149,6 +149,12 @@ class Store(GroupCommitStore):
             self._conn.execute("COMMIT")
             return result
 
+    def free_bytes(self) -> int:
+        """The room left to an unprivileged writer on the file system of the database's folder
+        (``statvfs``: a system call that writes nothing)."""
+        st = os.statvfs(self.path.parent)
+        return st.f_bavail * st.f_frsize
+
     def read_now(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read-only ``op`` on this thread's reader connection."""
         with self._reading():

@@ -22,14 +22,19 @@ router = APIRouter(tags=["system"])
 READY_WRITE_S = 1.0
 
 
-@router.get("/readyz", summary="Readiness: 200 while a write commits (503 while writes fail or wait for a lock)",
+@router.get("/readyz", summary="Readiness: 200 while a write commits (503 while writes fail or wait for a lock, or "
+            "the disk is nearly full)",
             description="Commits an empty transaction and answers 200 when it commits within a second; 503 with the "
             "reason otherwise. After a write failed for want of room (a full disk), it writes and deletes a row of "
-            "256 KiB instead, and answers 503 until that commits. /healthz is liveness only (the process and its "
-            "database writer run).")
+            "256 KiB instead, and answers 503 until that commits. A SQLite database's file system with less room "
+            "than TRAINGUARD_MIN_FREE_BYTES answers 503 before any write fails (read with statvfs, writing "
+            "nothing). /healthz is liveness only (the process and its database writer run).")
 async def readyz(ctl: ControllerDep) -> Response:
     if not ctl.store.alive:
         return _status(503, "database writer stopped")
+    short = await _short_of_room(ctl)
+    if short is not None:
+        return _status(503, short)
     probe = ctl.store.probe()
     probe.add_done_callback(lambda f: f.cancelled() or f.exception())  # an outcome after the answer is not an error
     try:
@@ -39,6 +44,25 @@ async def readyz(ctl: ControllerDep) -> Response:
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         return _status(503, f"database writes fail: {e}")
     return _status(200, "ok")
+
+
+async def _short_of_room(ctl: ControllerDep) -> str | None:
+    """Why the database's file system has too little room (less than
+    ``TRAINGUARD_MIN_FREE_BYTES``), or ``None``: a nearly full disk turns readiness off before a
+    write fails, without writing (an idle controller writes nothing that would find out)."""
+    bound = ctl.settings.min_free_bytes
+    if bound == 0:
+        return None
+    try:
+        free = await asyncio.wait_for(asyncio.to_thread(ctl.store.free_bytes), READY_WRITE_S)
+    except TimeoutError:
+        return "the database's file system did not tell its free space within a second"
+    except OSError as e:
+        return f"the database's file system's free space cannot be read: {e}"
+    if free is None or free >= bound:
+        return None
+    return (f"the database's file system has {free / 2**20:.1f} MiB free, less than TRAINGUARD_MIN_FREE_BYTES "
+            f"({bound / 2**20:.1f} MiB): writes may fail at any moment; make room or give the database more")
 
 
 def _status(code: int, status: str) -> Response:

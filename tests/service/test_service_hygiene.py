@@ -93,6 +93,34 @@ def test_readiness_fails_after_a_full_disk_on_each_backend(store_db, monkeypatch
         assert store.read_now(lambda conn: conn.execute("SELECT COUNT(*) FROM room_probe").fetchone()[0]) == 0
 
 
+def test_readiness_fails_while_the_sqlite_disk_has_less_room_than_its_bound(store_db, tmp_path) -> None:
+    """An idle controller writes nothing that would find a full disk: /readyz reads the SQLite
+    database's file system's free space (more than any disk holds for the bound of 2**62 bytes), and
+    a write still commits meanwhile (nothing is refused, the controller stops taking traffic). A
+    PostgreSQL server's room is not read (its writes find out)."""
+    import re
+    from fastapi.testclient import TestClient
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+
+    with TestClient(create_app(Settings(db=store_db, tick_s=60, min_free_bytes=2**62))) as c:
+        r = c.get("/readyz")
+        if isinstance(store_db, str):
+            assert (r.status_code, r.json()) == (200, {"status": "ok"})
+            return
+        st = os.statvfs(tmp_path)
+        assert st.f_bavail * st.f_frsize < 2**62
+        assert r.status_code == 503
+        assert re.fullmatch(r"the database's file system has \d+\.\d MiB free, less than TRAINGUARD_MIN_FREE_BYTES "
+                            r"\(4398046511104\.0 MiB\): writes may fail at any moment; make room or give the database more",
+                            r.json()["status"]), r.json()
+        assert c.get("/healthz").status_code == 200
+        register(c, world_size=1)
+        assert c.post("/v1/runs/run-1/reports", json=REPORT).status_code == 200
+    with TestClient(create_app(Settings(db=store_db, tick_s=60, min_free_bytes=1))) as c:
+        assert (c.get("/readyz").status_code, c.get("/readyz").json()) == (200, {"status": "ok"})
+
+
 async def _fails(fut) -> None:
     try:
         await fut
