@@ -239,10 +239,11 @@ class Controller:
     async def command(
         self, run: str, command: str, *, params: Any = None, reason: str, actor: str, source: str = "operator",
         idempotency: tuple[str, str, str] | None = None, extra: Callable[[sqlite3.Connection], Any] | None = None,
+        on_restart: bool = False,
     ) -> tuple[int, bytes]:
         """Apply a command of the registry: :meth:`OperatorCommands.command`."""
         return await self.commands.command(run, command, params=params, reason=reason, actor=actor, source=source,
-                                           idempotency=idempotency, extra=extra)
+                                           idempotency=idempotency, extra=extra, on_restart=on_restart)
 
     async def alertmanager(self, payload: dict[str, Any], actor: str) -> list[dict[str, Any]]:
         return await self.commands.alertmanager(payload, actor)

@@ -22,10 +22,24 @@ from trainguard.service.transaction import Transaction, Written, record_resolved
 from trainguard.protocol.commands import BY_NAME, CommandRefused
 from trainguard.protocol.wire import DesiredState
 
-__all__ = ["KEYS_KEPT_S", "OperatorCommands"]
+__all__ = ["KEYS_KEPT_S", "OperatorCommands", "applies_when"]
 
 #: Idempotency keys and Alertmanager fingerprints are remembered this long (after their last sight).
 KEYS_KEPT_S = 7 * 86400
+
+
+def applies_when(st: RunState, command: str, on_restart: bool) -> str:
+    """When a command to ``st`` applies: ``now``; for a finished run (its ranks are gone),
+    ``when_registered_again`` if ``on_restart``, else a Conflict that says so."""
+    if st.finish.at is None:
+        return "now"
+    if on_restart:
+        return "when_registered_again"
+    when = "" if st.finish.step is None else f" at step {st.finish.step}"
+    why = f" ({st.finish.reason})" if st.finish.reason else ""
+    raise Conflict(f"run {st.run!r} finished{when}{why}; its ranks are gone, so {command} would apply only when a job "
+                   f"registers the name {st.run!r} again, however much later. To have a job restarted under this name "
+                   "start with it, send it with on_restart=true (the CLI's --on-restart)")
 
 
 class OperatorCommands:
@@ -48,6 +62,7 @@ class OperatorCommands:
     async def command(
         self, run: str, command: str, *, params: Any = None, reason: str, actor: str, source: str = "operator",
         idempotency: tuple[str, str, str] | None = None, extra: Callable[[sqlite3.Connection], Any] | None = None,
+        on_restart: bool = False,
     ) -> tuple[int, bytes]:
         """Apply a command of the registry (``trainguard.protocol.commands.BY_NAME``) from an
         operator or Alertmanager. ``params``: its body, an instance of the command's ``request``
@@ -55,8 +70,10 @@ class OperatorCommands:
         Invalid, 422). A command the run did not opt in to (``requires_config``) or that cannot be
         carried out now (``CommandRefused``: a rollback without a good snapshot) is a Conflict
         (409). ``idempotency`` is (principal, key, request hash): a repeat answers the stored
-        response, another body under the key is a Conflict. Returns (HTTP status, JSON body)."""
-        args = (run, command, params, reason, actor, source)
+        response, another body under the key is a Conflict. A command to a finished run is a Conflict
+        unless ``on_restart`` (it applies when a job registers the run's name again: the answer's
+        ``applies``). Returns (HTTP status, JSON body)."""
+        args = (run, command, params, reason, actor, source, on_restart)
         if idempotency is None:
             return await self._command(*args, None, extra)
         principal, key, req_hash = idempotency
@@ -75,16 +92,16 @@ class OperatorCommands:
             if entry[1] == 0:
                 del self._idem_locks[(principal, key)]
 
-    async def _command(self, run: str, command: str, params: Any, reason: str, actor: str, source: str,
+    async def _command(self, run: str, command: str, params: Any, reason: str, actor: str, source: str, on_restart: bool,
                        idempotency: tuple[str, str, str] | None,
                        extra: Callable[[sqlite3.Connection], Any] | None) -> tuple[int, bytes]:
         st = self.get(run)
-        now = self.clock()
+        now, applies = self.clock(), applies_when(st, command, on_restart)
         new = self._new_desired(st, command, params, reason or f"{command} by {actor}")
         before = st.desired
         resolve_absence = st.firing_absence() if command == "stop" else []
         body = json.dumps({"run": run, "command": command, "changed": new is not None,
-                           "desired": (new or before).model_dump()}).encode()
+                           "desired": (new or before).model_dump(), "applies": applies}).encode()
         tx = Transaction()
         operator_scale = source == "operator" and new is not None and new.lr_scale != before.lr_scale
         if new is not None:

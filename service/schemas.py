@@ -82,6 +82,9 @@ class CommandResult(BaseModel):
     command: str
     changed: bool = Field(description="False when the run was already in that state (no new generation).")
     desired: DesiredState
+    applies: Literal["now", "when_registered_again"] = Field(
+        default="now", description="'now': the run's ranks apply it at their next step; 'when_registered_again': the "
+        "run finished (sent with on_restart=true), and it applies when a job registers the run's name again.")
 
 
 class AckResult(BaseModel):

@@ -27,6 +27,9 @@ __all__ = ["router", "command_route"]
 router = APIRouter(prefix="/v1", tags=["runs"])
 RunPath = Annotated[str, Path(min_length=1, max_length=128)]
 IdemKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)]
+OnRestart = Annotated[bool, Query(description="Queue the command for a finished run: it applies when a job registers "
+                                  "the run's name again (a job restarted from a checkpoint). Without it a finished run "
+                                  "refuses a command (409).")]
 _JSON = "application/json"
 
 
@@ -149,14 +152,15 @@ def command_route(spec: CommandSpec, on: APIRouter) -> None:
     optional = _optional(spec.request)
 
     async def handler(run: str, ctl: Controller, principal: Principal, idempotency_key: str | None = None,
-                      body: CommandRequest | None = None) -> Response:
+                      body: CommandRequest | None = None, on_restart: bool = False) -> Response:
         body = body if body is not None else spec.request()
         idem = None
         if idempotency_key:
-            digest = hashlib.sha256(b"%s\x00%s\x00%s" % (spec.name.encode(), run.encode(), body.model_dump_json().encode()))
-            idem = (principal.actor, idempotency_key, digest.hexdigest())
+            request = b"%s\x00%s\x00%s" % (spec.name.encode(), run.encode(), body.model_dump_json().encode())
+            request += b"\x00on_restart" if on_restart else b""  # (a key stored before on_restart keeps its digest)
+            idem = (principal.actor, idempotency_key, hashlib.sha256(request).hexdigest())
         status, answer = await ctl.command(run, spec.name, params=body, reason=body.reason, actor=principal.actor,
-                                           idempotency=idem)
+                                           idempotency=idem, on_restart=on_restart)
         return Response(answer, status_code=status, media_type=_JSON)
 
     P = inspect.Parameter
@@ -167,6 +171,7 @@ def command_route(spec: CommandSpec, on: APIRouter) -> None:
         P("idempotency_key", P.KEYWORD_ONLY, annotation=IdemKey, default=None),
         P("body", P.KEYWORD_ONLY, annotation=spec.request | None if optional else spec.request,
           default=None if optional else P.empty),
+        P("on_restart", P.KEYWORD_ONLY, annotation=OnRestart, default=False),
     ], return_annotation=Response)
     on.add_api_route(f"/runs/{{run}}/{spec.url}", handler, methods=["POST"], response_model=CommandResult,
                      summary=spec.summary, name=f"command_{spec.name}", tags=["commands"])

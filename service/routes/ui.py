@@ -47,6 +47,7 @@ from trainguard.protocol.wire import MAX_INT
 from trainguard.service.auth import ANONYMOUS, TokenTable
 from trainguard.service.controller import Controller
 from trainguard.service.errors import TooMany
+from trainguard.service.operator_commands import applies_when
 from trainguard.service.routes.ui_sessions import (
     COOKIE, CSRF_HEADER, AnySession, ConsoleSessions, LoginLimiter, ReadSession, Session, _check_origin, _live_session,
     _secure, _sessions, _set_cookie,
@@ -263,16 +264,21 @@ async def api_commands(_: ReadSession) -> Response:
     return _json(_commands())
 
 
-def _action(command: str, session: Session, body: dict[str, Any] | None) -> tuple[CommandSpec, Any]:
-    """The action ``command`` (404 unknown; 403 without its scope) and its body validated by its
-    request model (422 with the model's message)."""
+def _action(command: str, session: Session, body: dict[str, Any] | None) -> tuple[CommandSpec, Any, bool]:
+    """The action ``command`` (404 unknown; 403 without its scope), its body validated by its
+    request model (422 with the model's message), and the body's ``on_restart`` beside its fields
+    (queue it for a finished run, as the API's ``on_restart=true``)."""
     spec = _ACTIONS.get(command)
     if spec is None:
         raise HTTPException(404, f"unknown action {command!r}; known: {', '.join(_ACTIONS)}")
     if spec.scope not in session.principal.scopes:
         raise HTTPException(403, f"this operator token lacks the '{spec.scope}' scope")
+    fields = dict(body or {})
+    on_restart = fields.pop("on_restart", False)
+    if not isinstance(on_restart, bool):
+        raise HTTPException(422, f"on_restart is true or false, not {json.dumps(on_restart)[:80]}")
     try:
-        return spec, spec.request.model_validate(body or {})
+        return spec, spec.request.model_validate(fields), on_restart
     except ValidationError as e:
         raise HTTPException(422, validation_message(e)) from None
 
@@ -282,9 +288,11 @@ async def api_preview(run: str, command: str, request: Request, session: AnySess
                       body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
     """What the action would change in the run's desired state now (``changes``: field, now,
     after; the generation last when anything changes) and the note it would record; 409 when the
-    controller would refuse it, with the reason. Nothing is changed."""
-    spec, params = _action(command, session, body)
+    controller would refuse it, with the reason (a finished run's without ``on_restart``), and when
+    it would apply (``applies``). Nothing is changed."""
+    spec, params, on_restart = _action(command, session, body)
     st = _controller(request).get(run)
+    applies = applies_when(st, spec.name, on_restart)
     if spec.requires_config is not None and not isinstance(st.config.get(spec.requires_config[0]), int):
         key, why = spec.requires_config  # the words Controller.command refuses it with
         raise HTTPException(409, f"run {run!r} does not let the controller set its {key.replace('_', ' ')} ({why})")
@@ -295,19 +303,19 @@ async def api_preview(run: str, command: str, request: Request, session: AnySess
     changes = [{"field": k, "now": getattr(st.desired, k), "after": v} for k, v in updates.items()]
     if changes:
         changes.append({"field": "generation", "now": st.desired.generation, "after": st.desired.generation + 1})
-    return _json({"command": spec.name, "changes": changes, "note": note})
+    return _json({"command": spec.name, "changes": changes, "note": note, "applies": applies})
 
 
 @router.post("/ui/api/runs/{run}/{command}")
 async def api_command(run: str, command: str, request: Request, session: AnySession,
                       body: Annotated[dict[str, Any] | None, Body()] = None) -> Response:
-    """Any action of ``GET /ui/api/commands`` (body: its fields and ``reason``), as the
-    signed-in operator."""
-    spec, params = _action(command, session, body)
+    """Any action of ``GET /ui/api/commands`` (body: its fields, ``reason`` and ``on_restart``),
+    as the signed-in operator."""
+    spec, params, on_restart = _action(command, session, body)
     actor = session.principal.actor
     status, answer = await _controller(request).command(
         run, spec.name, params=params, reason=params.reason or f"{command} from the console by {actor}", actor=actor,
-        source="operator")
+        source="operator", on_restart=on_restart)
     return Response(answer, status_code=status, media_type="application/json")
 
 

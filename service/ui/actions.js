@@ -101,6 +101,7 @@ export class Actions {
       const res = await post(this.path(cmd, "/preview"), body);
       rows = res.changes.map((c) => h("tr", { dataset: { field: c.field } }, h("td", {}, c.field), h("td", {}, String(c.now)), h("td", {}, String(c.after))));
       text = res.note || (res.changes.length ? "" : "Nothing changes: the run is already in that state.");
+      if (res.applies === "when_registered_again") text = `The run finished: this applies when a job registers run ${this.run} again. ${text}`;
     } catch (err) {
       if (err instanceof ApiError && err.status === 401) return this.onAuth();
       text = `${err.message} (HTTP ${err.status || "?"})`;
@@ -115,6 +116,12 @@ export class Actions {
   async confirm(cmd) {
     const dialog = document.getElementById("confirm");
     const inputs = cmd.fields.map(fieldInput);
+    // A finished run refuses a command unless it is queued for a job that registers the run again.
+    if (this.detail && this.detail.status === "finished") {
+      inputs.push(fieldInput({ name: "on_restart", type: "boolean", default: false, minimum: null, maximum: null,
+        exclusive_minimum: null, exclusive_maximum: null,
+        description: `the run finished: apply it when a job registers run ${this.run} again (restarted from a checkpoint)` }));
+    }
     const body = () => {
       const out = { reason: document.getElementById("confirm-reason").value };
       for (const i of inputs) { const v = i.read(); if (v !== undefined) out[i.name] = v; }
@@ -151,6 +158,9 @@ export class Actions {
       if (!res.changed) {
         this.pending.done = true;
         this.setResult("unchanged", `${name}: the run is already in that state (no new generation).`);
+      } else if (res.applies === "when_registered_again") {
+        this.pending.done = true; // no rank runs to apply it now
+        this.setResult("queued", `${name} queued as generation ${res.desired.generation}: the run finished; it applies when a job registers run ${this.run} again.`);
       } else {
         this.pending.generation = res.desired.generation;
         this.setResult("pending", `${name} sent as generation ${res.desired.generation}; waiting for every rank to apply it…`);

@@ -245,6 +245,20 @@ def test_a_refused_command_exits_1_with_the_controllers_reason(served) -> None:
         assert _desired(c, "run-ref")["generation"] == 0
 
 
+def test_a_command_to_a_finished_run_is_refused_unless_queued_with_on_restart(served) -> None:
+    s = served()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/runs", json={"job": "job-cli", "run": "run-fin", "world_size": 1, "ranks": []}).status_code == 200
+        assert c.post("/v1/runs/run-fin/finish", json={"step": 9, "reason": "end"}).status_code == 200
+        out = _cli(s.url, "lr-scale", "run-fin", "0.5")
+        assert out.returncode == 1 and out.stderr.startswith('error: HTTP 409: {"detail": "run \'run-fin\' finished at step 9 (end); ')
+        assert "--on-restart" in out.stderr and _desired(c, "run-fin")["generation"] == 0
+        out = _cli(s.url, "lr-scale", "run-fin", "0.5", "--on-restart")
+        assert out.returncode == 0, out.stderr
+        assert (json.loads(out.stdout)["applies"], _desired(c, "run-fin")["lr_scale"]) == ("when_registered_again", 0.5)
+        assert out.stderr == "trainguard lr-scale: run run-fin finished: this applies when a job registers it again\n"
+
+
 def test_delete_removes_a_run_from_the_listing_and_refuses_a_live_one_without_force(served) -> None:
     s = served()
     with httpx.Client(base_url=s.url, timeout=30) as c:

@@ -123,8 +123,10 @@ class ControllerProcess:
         self.proc = None
 
     # -- operator side ---------------------------------------------------------------------
-    def command(self, run: str, command: str, **body: object) -> dict:
-        r = httpx.post(f"{self.url}/v1/runs/{run}/{command}", json={"reason": "test", **body}, timeout=10.0)
+    def command(self, run: str, command: str, *, on_restart: bool = False, **body: object) -> dict:
+        """``command`` sent to ``run``; ``on_restart``: queued for a finished run's next registration."""
+        r = httpx.post(f"{self.url}/v1/runs/{run}/{command}", json={"reason": "test", **body}, timeout=10.0,
+                       params={"on_restart": "true"} if on_restart else None)
         r.raise_for_status()
         return r.json()
 

@@ -222,11 +222,12 @@ def test_a_checkpoint_requested_while_the_job_was_down_is_taken_at_its_restart(t
         # The checkpoint the first job applied is not taken again (its step-10 checkpoint predates it) ...
         assert _resumed(tmp_path, ctl, run, "again", 20) == [[], []]
         # ... one requested while no job ran is taken once, at the first step after the restore, on
-        # every rank (not inside attach, before the job restored its checkpoint) ...
-        ctl.command(run, "checkpoint")
+        # every rank (not inside attach, before the job restored its checkpoint): queued, as the run
+        # finished ...
+        ctl.command(run, "checkpoint", on_restart=True)
         assert _resumed(tmp_path, ctl, run, "due", 20) == [[11], [11]]
         # ... and a run stopped while no job ran stops before its first step without a checkpoint.
-        ctl.command(run, "stop")
+        ctl.command(run, "stop", on_restart=True)
         assert _resumed(tmp_path, ctl, run, "stopped", 20) == [[], []]
     finally:
         ctl.kill()

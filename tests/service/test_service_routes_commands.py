@@ -152,3 +152,28 @@ def test_a_new_command_gets_its_route_from_its_declaration() -> None:
     assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/_KnobRequest"}
     assert op["security"] == [{"bearer": ["rules"]}]
     assert "test_knob" not in BY_NAME
+
+
+def test_a_finished_run_refuses_a_command_unless_it_is_queued_for_its_next_registration(app_factory) -> None:
+    """A command to a finished run would change nothing until a job registers the name again, and
+    then apply at once (weeks later, perhaps): refused (409) saying so, the desired state unchanged;
+    with on_restart=true accepted, the answer saying when it applies, and the job that registers
+    the name again starts with it. A live run's answer says it applies now."""
+    with app_factory() as c:
+        register(c, world_size=1)
+        assert _post(c, "pause", {"reason": "live"}).json()["applies"] == "now"
+        assert _post(c, "resume").status_code == 200
+        assert c.post("/v1/runs/run-1/finish", json={"step": 70, "reason": "completed"}).status_code == 200
+        before = _desired(c)
+        r = _post(c, "pause", {"reason": "oops"})
+        assert (r.status_code, r.json()["detail"]) == (409, (
+            "run 'run-1' finished at step 70 (completed); its ranks are gone, so pause would apply only when a job "
+            "registers the name 'run-1' again, however much later. To have a job restarted under this name start with "
+            "it, send it with on_restart=true (the CLI's --on-restart)"))
+        assert _desired(c) == before
+        assert [e["kind"] for e in c.get("/v1/runs/run-1/events").json()].count("desired") == 2  # (pause, resume)
+        r = c.post("/v1/runs/run-1/pause", json={"reason": "hold the restart"}, params={"on_restart": "true"})
+        assert r.status_code == 200
+        assert (r.json()["applies"], r.json()["desired"]["paused"], r.json()["desired"]["generation"]) == (
+            "when_registered_again", True, before["generation"] + 1)
+        assert register(c, world_size=1)["desired"]["paused"] is True  # the job restarted under the name

@@ -123,7 +123,7 @@ def test_a_preview_answers_the_change_or_the_refusal_and_changes_nothing(client_
     csrf = {CSRF_HEADER: _login(client, OPERATOR)["csrf"]}
     resp = client.post("/ui/api/runs/run-1/momentum/preview", json={"factor": 0.5}, headers=csrf)
     assert resp.status_code == 200
-    assert resp.json() == {"command": "momentum", "note": "", "changes": [
+    assert resp.json() == {"command": "momentum", "note": "", "applies": "now", "changes": [
         {"field": "momentum_scale", "now": 1.0, "after": 0.5}, {"field": "generation", "now": 0, "after": 1}]}
     resp = client.post("/ui/api/runs/run-1/reset-optimizer/preview", json={}, headers=csrf)
     assert resp.json()["changes"] == [{"field": "reset_optimizer_seq", "now": 0, "after": 1}, {"field": "generation", "now": 0, "after": 1}]
@@ -139,6 +139,30 @@ def test_a_preview_answers_the_change_or_the_refusal_and_changes_nothing(client_
     assert "accumulation_steps=N" in preview.json()["detail"]
     assert _desired(client)["generation"] == 0
     assert client.post("/ui/api/runs/nope/pause/preview", json={}, headers=csrf).status_code == 404
+
+
+def test_a_finished_run_refuses_an_action_from_the_console_unless_it_is_queued_for_its_restart(
+        client_factory: Callable[..., TestClient]) -> None:
+    """The console's preview and action answer a finished run as the API does (409 with its words);
+    with on_restart beside the body's fields they say when it applies, and the action is queued."""
+    client = client_factory(**TOKENS)
+    _register(client, headers=AGENT_AUTH)
+    assert client.post("/v1/runs/run-1/finish", json={"step": 9}, headers=AGENT_AUTH).status_code == 200
+    csrf = {CSRF_HEADER: _login(client, OPERATOR)["csrf"]}
+    preview = client.post("/ui/api/runs/run-1/pause/preview", json={}, headers=csrf)
+    sent = client.post("/ui/api/runs/run-1/pause", json={}, headers=csrf)
+    api = client.post("/v1/runs/run-1/pause", headers=API)
+    assert preview.status_code == sent.status_code == api.status_code == 409
+    assert preview.json() == sent.json() == api.json() and preview.json()["detail"].startswith(
+        "run 'run-1' finished at step 9 (completed); its ranks are gone, so pause would apply only when a job registers")
+    assert client.post("/ui/api/runs/run-1/pause", json={"on_restart": "yes"}, headers=csrf).status_code == 422
+    assert _desired(client)["generation"] == 0
+    preview = client.post("/ui/api/runs/run-1/pause/preview", json={"on_restart": True}, headers=csrf)
+    assert (preview.json()["applies"], preview.json()["changes"][0]) == (
+        "when_registered_again", {"field": "paused", "now": False, "after": True})
+    sent = client.post("/ui/api/runs/run-1/pause", json={"on_restart": True, "reason": "hold it"}, headers=csrf)
+    assert (sent.status_code, sent.json()["applies"], sent.json()["desired"]["paused"]) == (200, "when_registered_again", True)
+    assert _desired(client)["generation"] == 1
 
 
 def _registered(client: TestClient, run: str = "run-1") -> bool:

@@ -40,6 +40,8 @@ def add_command(sub: Any, client: argparse.ArgumentParser, spec: CommandSpec) ->
                            metavar=None if inp.choices else inp.metavar,
                            action="append" if inp.type == "list" else "store", default=None, help=helptext)
     s.add_argument("--reason", default="", help="why (recorded in the audit log)")
+    s.add_argument("--on-restart", action="store_true",
+                   help="for a finished run (refused without it): apply it when a job registers the run again")
     s.add_argument("--idempotency-key", default=None, help="default: a fresh UUID")
     s.set_defaults(func=send_command, command=spec.name)
 
@@ -68,8 +70,11 @@ def send_command(args: argparse.Namespace) -> int:
         return 2
     key = args.idempotency_key or str(uuid.uuid4())  # safe to retry this exact request
     with connect(args) as c:
-        show(checked(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
-                             headers={"Idempotency-Key": key})))
+        answer = checked(c.post(f"/v1/runs/{args.run}/{spec.url}", json=req.model_dump(mode="json", exclude_unset=True),
+                                headers={"Idempotency-Key": key}, params={"on_restart": "true"} if args.on_restart else None))
+    show(answer)
+    if answer.get("applies") == "when_registered_again":
+        print(f"trainguard {spec.url}: run {args.run} finished: this applies when a job registers it again", file=sys.stderr)
     return 0
 
 
