@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     OMP_NUM_THREADS=1
 
 WORKDIR /app
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY trainguard ./trainguard
 COPY trainer_agent ./trainer_agent
 COPY service ./service

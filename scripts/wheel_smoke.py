@@ -4,7 +4,8 @@ a fresh virtual environment that has only the extras a user picked:
     python wheel_smoke.py --extras agent,hf --readme /path/to/README.md --covered covered.txt
 
 Checks, as far as the extras allow: the packages are imported from the environment (not from a
-checkout); the data files the code reads are installed (console assets, the built-in rules, the
+checkout); the license is declared and its text installed in the .dist-info; the data files the
+code reads are installed (console assets, the built-in rules, the
 generated dashboards, Prometheus/Alertmanager files, the promtool tests); every import statement
 in the README's code blocks that the extras can satisfy runs (those it ran are appended to
 ``--covered``, so the caller can check every one ran somewhere); with ``agent`` a tiny model
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.metadata
 import importlib.resources
 import json
 import math
@@ -157,6 +159,19 @@ def check_data_files() -> None:
     for board in root.joinpath("dashboards", "generated", "grafana", "dashboards").iterdir():
         assert json.loads(board.read_text(encoding="utf-8"))["panels"], board
     ok(f"{len(DATA_FILES)} data files installed, Grafana dashboards parse")
+
+
+def check_license() -> None:
+    """The installed distribution declares its license (an SPDX expression) and carries the file
+    that holds its text in its ``.dist-info/licenses/`` (PEP 639)."""
+    dist = importlib.metadata.distribution("trainguard")
+    expression, files = dist.metadata["License-Expression"], dist.metadata.get_all("License-File") or []
+    assert expression == "Apache-2.0", f"License-Expression is {expression!r}, not 'Apache-2.0'"
+    assert files == ["LICENSE"], f"License-File names {files}, not the LICENSE file"
+    text = dist.read_text("licenses/LICENSE")
+    assert text and "Apache License" in text and "Version 2.0, January 2004" in text, \
+        "the .dist-info has no licenses/LICENSE holding the Apache License 2.0"
+    ok(f"license {expression}, its text in .dist-info/licenses/LICENSE")
 
 
 def check_readme_imports(readme: Path, extras: set[str], covered: Path | None) -> None:
@@ -371,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chdir(workdir)
         check_installed_location(extras)
         check_data_files()
+        check_license()
         check_readme_imports(args.readme, extras, args.covered)
         if "agent" in extras:
             check_agent()

@@ -28,7 +28,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 PIP_DISABLE_PIP
 # Build from a copy of what a build reads, so no build/ or *.egg-info lands in the checkout. The
 # wheel is built from the sdist (python -m build's default), so the sdist is complete too.
 mkdir -p "$WORK/src"
-cp -r pyproject.toml README.md trainguard trainer_agent service dashboards "$WORK/src/"
+cp -r pyproject.toml README.md LICENSE trainguard trainer_agent service dashboards "$WORK/src/"
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
 if ! "$BUILD_PY" -m build --outdir "$WORK/dist" "$WORK/src" >"$WORK/build.log" 2>&1; then
     cat "$WORK/build.log"

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE_TO_IMPORT = {"trainguard": "trainguard", "service": "trainguard.service",
                     "dashboards": "trainguard.dashboards", "trainer_agent": "trainer_agent"}
 #: What a build reads from the checkout (the Dockerfile copies the same).
-BUILD_INPUTS = ("pyproject.toml", "README.md", *SOURCE_TO_IMPORT)
+BUILD_INPUTS = ("pyproject.toml", "README.md", "LICENSE", *SOURCE_TO_IMPORT)
 
 
 def package_dirs(root: Path = ROOT) -> dict[str, str]:
@@ -55,10 +55,25 @@ def build_wheel(source_root: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory) -> set[str]:
-    wheel = build_wheel(ROOT, tmp_path_factory.mktemp("wheel"))
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(ROOT, tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel) -> set[str]:
     with zipfile.ZipFile(wheel) as zf:
         return set(zf.namelist())
+
+
+def test_the_wheel_declares_its_license_and_carries_its_text(wheel) -> None:
+    """The license pyproject declares (an SPDX expression) and the checkout's LICENSE file, in the
+    wheel's .dist-info/licenses/ (PEP 639), where pip installs it."""
+    with zipfile.ZipFile(wheel) as zf:
+        (dist_info,) = {n.split("/")[0] for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")}
+        metadata = zf.read(f"{dist_info}/METADATA").decode().split("\n\n")[0].splitlines()
+        assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+        assert zf.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
 
 
 def test_the_checkout_has_the_package_dirs_this_test_walks():
