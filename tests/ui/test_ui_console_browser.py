@@ -330,6 +330,26 @@ def test_the_page_offers_every_operator_command_and_sends_the_values_typed(page:
     agent.close()
 
 
+def test_a_finished_run_refuses_an_action_until_it_is_queued_for_the_runs_restart(page: Page, controller: Controller) -> None:
+    agent = _reporting(controller, "run-finished", 3)
+    assert agent.http.post("/v1/runs/run-finished/finish", json={"step": 3, "reason": "done"}).status_code == 200
+    page.sign_in(OPERATOR, "/ui/runs/run-finished")
+    page.page.wait_for_selector('#actions [data-action="pause"]')
+    before = controller.run("run-finished")["desired"]
+    _open_action(page, "pause", {})
+    page.page.wait_for_selector('#confirm-note[data-state="error"]:text-matches("^run .run-finished. finished at step 3 .done.; its ranks are gone")')
+    page.page.check("#confirm-field-on_restart")
+    page.page.wait_for_selector('#confirm-note:text-matches("^The run finished: this applies when a job registers run '
+                                'run-finished again")')
+    page.page.click("#confirm-ok")
+    page.page.wait_for_selector(f'#action-result[data-state="queued"]:text-is("pause queued as generation '
+                                f'{before["generation"] + 1}: the run finished; it applies when a job registers run '
+                                'run-finished again.")')
+    desired = controller.run("run-finished")["desired"]
+    assert (desired["paused"], desired["generation"]) == (True, before["generation"] + 1)
+    agent.close()
+
+
 def test_a_read_only_token_sees_no_action_buttons_and_its_requests_are_refused(page: Page, controller: Controller) -> None:
     agent = _reporting(controller, "run-readonly", 3)
     page.sign_in(READER, "/ui/runs/run-readonly")
