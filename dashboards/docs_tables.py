@@ -101,7 +101,7 @@ def condition(rule: Any) -> str:
         return f"grows by > {_num(rule.value)} per `{rule.per}` over {rule.window} reports"
     if kind == "cross_rank":
         if rule.check == "spread":
-            text = f"one rank ≥ {_num(rule.ratio)}× the median rank"
+            text = f"a rank ≥ {_num(rule.ratio)}× the median of the other ranks"
             text += f" and ≥ {_num(rule.min_value)}" if rule.min_value else ""
         elif rule.check == "above":
             text = f"some rank ≥ {_num(rule.value)}"

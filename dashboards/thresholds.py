@@ -52,13 +52,13 @@ TOKEN_KL_MAX = float(_RULES["data_token_kl"].value)
 SPECIAL_TOKEN_RATIO_MAX = float(_RULES["data_special_token_ratio"].value)
 #: The stability guide, 3.1: length-distribution shift when the window test gives p < 0.05 (``data_length_shift``).
 LENGTH_SHIFT_P_MIN = float(_RULES["data_length_shift"].value)
-#: Straggler: the slowest rank's time over the median rank's (the ratio of rule ``step_time_straggler``;
+#: Straggler: a rank's time over the median of the other ranks' (the ratio of rule ``step_time_straggler``;
 #: the Prometheus alert and the ranks dashboard apply it to the forward time).
 STRAGGLER_RATIO = float(_RULES["step_time_straggler"].ratio)
 #: Forward passes shorter than this (seconds) are not judged by the straggler rule: at that scale
 #: scheduling alone can double one rank's forward (rule ``forward_time_straggler``).
 FORWARD_MIN = float(_RULES["forward_time_straggler"].min_value)
-#: A rank waiting for its batch at least this long per step (and well above the median rank) is
+#: A rank waiting for its batch at least this long per step (and well above the other ranks' median) is
 #: held back by its data (rule ``input_wait_straggler``), seconds.
 INPUT_WAIT_MIN = float(_RULES["input_wait_straggler"].min_value)
 #: Share of the step a rank may wait for the gradient all-reduce after backward (rule ``comm_exposed``).

@@ -160,9 +160,13 @@ DIAGNOSES: dict[str, Diagnosis] = {
         source="Duplicated, shifted or corrupted text changes what the model learns long before the loss shows it.",
     ),
     "straggler": Diagnosis(
-        symptom="One rank's step time is far above the others'",
-        likely_causes=("Slow or throttled device or host", "Network congestion on one node", "Data loading bottleneck on one rank"),
-        suggested_actions=("Inspect the slow rank's host", "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)"),
+        symptom="A rank (or a group of ranks) takes far longer per step than the other ranks",
+        likely_causes=("Slow or throttled device or host", "Network congestion on one node", "Data loading bottleneck on one rank",
+                       "Several ranks slow together: a node type slower than the others, or one node's device, network or storage "
+                       "shared by its ranks"),
+        suggested_actions=("Inspect the slow ranks' node",
+                           "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)",
+                           "With ranks slow together on one node type, balance the work per node or train on one type"),
         source="Every rank waits for the slowest one at each collective, so one slow rank slows the whole job.",
     ),
     "input_bound": Diagnosis(

@@ -1,5 +1,7 @@
 """Evaluation of the rule kinds that compare the ranks of a report (pure functions of a
-:class:`~service.window.RuleWindow`): ``cross_rank`` (spread, mismatch, above) and ``desync``."""
+:class:`~service.window.RuleWindow`): ``cross_rank`` (spread, mismatch, above) and ``desync``.
+``spread`` names the ranks slower than the median of their others in each of its reports
+(``service/slow_ranks.py``): one rank, or a group slow together."""
 
 from __future__ import annotations
 
@@ -11,26 +13,10 @@ import numpy as np
 from trainguard.service.finding import Finding, Verdict, json_number
 from trainguard.service.numerics import finite_range, median
 from trainguard.service.rule_kinds import CrossRankRule, DesyncRule
+from trainguard.service.slow_ranks import slow_ranks
 from trainguard.service.window import RuleWindow
 
 __all__ = ["cross_rank", "desync"]
-
-
-def _spread(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str, Any]]:
-    finite = np.isfinite(row)
-    if finite.sum() < 2:
-        return None, {}
-    vals = np.where(finite, row, -np.inf)
-    med = median(row[finite])
-    top = int(np.argmax(vals))
-    if med <= 0:
-        if not (rule.min_value > 0 and row[top] > 0):
-            return None, {}
-        ratio = math.inf
-    else:
-        ratio = float(row[top]) / med
-    hit = ratio >= rule.ratio and float(row[top]) >= rule.min_value
-    return hit, {"max": float(row[top]), "median": med, "ratio": ratio, "limit": rule.ratio, "rank": top}
 
 
 def _above(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[str, Any]]:
@@ -61,57 +47,79 @@ def _mismatch(rule: CrossRankRule, row: np.ndarray) -> tuple[bool | None, dict[s
     }
 
 
-_CHECKS = {"spread": _spread, "mismatch": _mismatch, "above": _above}
+_CHECKS = {"mismatch": _mismatch, "above": _above}
 
 
 def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
-    """Each row's verdict, as :func:`_spread` / :func:`_mismatch` give it; all rows at once when
+    """Each row's verdict, as :func:`_mismatch` / :func:`_above` give it; all rows at once when
     every value is finite (the usual case), row by row otherwise."""
     k, n = hist.shape
-    if n >= 2 and np.isfinite(hist).all() and rule.check != "above":
-        if rule.check == "mismatch" and hist.min() == hist.max():
+    if n >= 2 and np.isfinite(hist).all() and rule.check == "mismatch":
+        if hist.min() == hist.max():
             return [False] * k  # every rank agrees exactly (data-parallel fingerprints): nothing differs
         s = np.sort(hist, axis=1)
         med = s[:, n // 2] if n % 2 else 0.5 * (s[:, n // 2 - 1] + s[:, n // 2])
-        if rule.check == "spread":
-            if rule.min_value > 0 and not (med > 0).all():
-                return [_spread(rule, row)[0] for row in hist]
-            judged = med > 0
-            hit = (s[:, -1] / np.where(judged, med, 1.0) >= rule.ratio) & (s[:, -1] >= rule.min_value)
-            return [bool(h) if j else None for h, j in zip(hit.tolist(), judged.tolist())]
         tol = rule.rel_tol * np.maximum(np.abs(med), 1e-30)
         return (np.abs(hist - med[:, None]) > tol[:, None]).any(axis=1).tolist()
     check = _CHECKS[rule.check]
     return [check(rule, row)[0] for row in hist]
 
 
-def _slowest(hist: np.ndarray) -> np.ndarray:
-    """The rank with the largest finite value in each row (what ``_spread`` names)."""
-    return np.argmax(np.where(np.isfinite(hist), hist, -np.inf), axis=1)
+def _group_text(rule: CrossRankRule, named: np.ndarray, row: np.ndarray, ref: np.ndarray, judged: int) -> str:
+    """The summary of several ranks slow together (each against the median of its others)."""
+    vals, refs = row[named], ref[named]
+    with np.errstate(divide="ignore"):
+        least = float(np.min(vals / refs))  # (a reference of 0 under a min_value: an infinite ratio)
+    listed = ", ".join(map(str, named[:8].tolist())) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
+    return (f"{len(named)} of {judged} ranks ({listed}) are slow together: {rule.vector} {float(vals.min()):.6g} to "
+            f"{float(vals.max()):.6g}, each at least {least:.3g}x the median of its other ranks (at most "
+            f"{float(np.max(refs)):.6g}; limit {rule.ratio:g}x); ranks slow together "
+            "point to what they share (a slower node type, or one node's device, network or storage), not to one rank")
+
+
+def _spread(rule: CrossRankRule, hist: np.ndarray) -> Verdict:
+    """The ranks slower than the median of their others in each of the rows (``service/slow_ranks.py``)."""
+    found = slow_ranks(hist, rule.ratio, rule.min_value)
+    if not found.judged[-1]:
+        return None
+    named = np.flatnonzero(found.slow.all(axis=0)) if len(hist) >= rule.for_reports else np.empty(0, np.int64)
+    if not len(named):
+        return False  # none, or a different rank each time: scheduling noise, not a straggler
+    row, ref = hist[-1], found.reference[-1]
+    top = int(named[np.argmax(row[named])])
+    ratio = float(row[top]) / float(ref[top]) if ref[top] > 0 else math.inf
+    judged = int(np.count_nonzero(np.isfinite(row)))
+    values = {"vector": rule.vector, "check": rule.check, "max": float(row[top]), "median": float(ref[top]),
+              "ratio": ratio, "limit": rule.ratio, "rank": top, "ranks": named[:16].tolist(), "count": int(len(named)),
+              "judged": judged, "values": {int(r): json_number(float(row[r])) for r in named[:16].tolist()}}
+    if len(named) == 1:
+        summary = (f"rank {top} {rule.vector} = {values['max']:.6g} is {ratio:.3g}x the median of the other ranks "
+                   f"{values['median']:.6g} (limit {rule.ratio:g}x)")
+    else:
+        summary = _group_text(rule, named, row, ref, judged)
+    return Finding(rule, True, summary, values)
 
 
 def cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Verdict:
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
         return None
-    if rule.check == "spread" and hist.shape[1] >= 2:
-        # Quick "no" on the newest row (the finding needs every row): every value finite and
-        # positive, and the max below ratio x the min (hence below ratio x the median) or below
-        # min_value.
-        bounds = finite_range(hist[-1])
-        if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
-            return False
+    if rule.check == "spread":
+        if hist.shape[1] >= 2:
+            # Quick "no" on the newest row (the finding needs every row): every value finite and
+            # positive, and the max below ratio x the min (hence below ratio x any rank's median
+            # of the others) or below min_value.
+            bounds = finite_range(hist[-1])
+            if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
+                return False
+        return _spread(rule, hist)
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:
         return None
     if not (len(hist) >= rule.for_reports and all(v is True for v in verdicts)):
         return False
-    if rule.check == "spread" and len(hist) > 1 and len(set(_slowest(hist).tolist())) > 1:
-        return False  # a different rank on top each time is noise, not a straggler
     values = {"vector": rule.vector, "check": rule.check, **_CHECKS[rule.check](rule, hist[-1])[1]}
-    if rule.check == "spread":
-        summary = f"rank {values['rank']} {rule.vector} = {values['max']:.6g} is {values['ratio']:.3g}x the median {values['median']:.6g} (limit {rule.ratio:g}x)"
-    elif rule.check == "above":
+    if rule.check == "above":
         summary = f"rank(s) {values['ranks'][:8]} have {rule.vector} >= {rule.value:g} ({values['count']} in all)"
     else:
         summary = f"{values['differing']} rank(s) disagree on {rule.vector} (first: {values['ranks'][:8]}; rel. tolerance {rule.rel_tol:g})"

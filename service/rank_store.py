@@ -22,8 +22,12 @@ listed. It has the same finite median, minimum, maximum, largest rank (``argmax`
 ranks, and (exact records) every value: every verdict of ``cross_rank`` (``spread``, ``mismatch``,
 ``above``), ``nonfinite`` and ``desync`` on it is that on the original row (the middle of the sorted
 values lies among the background copies, of which at least ``2 * TOP + 2`` remain;
-``tests/service/test_service_rank_store.py`` checks the verdicts on random rows). The details of a
-lossy record beyond those (how many ranks are above a limit, the 17th slowest) are not kept.
+``tests/service/test_service_rank_store.py`` checks the verdicts on random rows). ``spread`` judges a
+rank against the median of the other ranks, which a lossy record gives as the background (in the
+original it lies within the two middle values next to the median: a verdict can differ only for a
+rank that far from the limit). The details of a lossy record beyond those (how many ranks are above
+a limit, the 17th slowest: a group of more than ``TOP`` slow ranks is read back as its ``TOP``
+slowest) are not kept.
 
 Worlds of up to :data:`EXACT_UP_TO_RANKS` ranks store every vector exactly (float32 when that holds
 every value, else float64: a few KB). Each blob starts with the world size and a digest of the full

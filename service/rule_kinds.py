@@ -158,11 +158,12 @@ class TrendRule(_RuleBase):
 class CrossRankRule(_RuleBase):
     """Across the ranks of one report, for each of the newest ``for_reports`` reports.
 
-    ``check: spread`` fires when max / median of the finite values >= ratio and the max is at least
-    ``min_value`` (a straggler for ``step_time_s``; for ``input_wait_s`` a rank that waits for its
-    data while the others do not; a median of 0 then counts as an infinite ratio), with the same
-    rank the slowest in each of the ``for_reports`` reports (one rank that stays slow, not
-    scheduling noise that lands on a different rank each time).
+    ``check: spread`` fires when a rank's value / the median of the other ranks' finite values >=
+    ratio and its value is at least ``min_value`` (a straggler for ``step_time_s``; for
+    ``input_wait_s`` a rank that waits for its data while the others do not; a median of 0 then
+    counts as an infinite ratio), the same rank in each of the ``for_reports`` reports (one rank
+    that stays slow, not scheduling noise that lands on a different rank each time). It names every
+    such rank: up to half of the ranks slow together (``service/slow_ranks.py``).
     ``check: mismatch`` fires when some rank is non-finite or differs from the median by more than
     rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
     ``check: above`` fires when some rank's finite value is >= ``value`` and names those ranks

@@ -23,7 +23,7 @@ A rules file::
 Kinds: ``threshold`` (metric op value for N consecutive reports), ``spike`` (newest value against
 the rolling median or EMA of the previous window: ratio or z-score), ``nonfinite`` (NaN/Inf in a
 value or in any rank's vector), ``trend`` (not decreasing over a window, or growing monotonically),
-``cross_rank`` (``spread``: max/median across ranks, names the straggler; ``mismatch``: ranks whose
+``cross_rank`` (``spread``: each rank against the median of the other ranks, names the stragglers; ``mismatch``: ranks whose
 fingerprint differs from the median by more than a relative tolerance; ``above``: ranks whose value
 reaches a limit, e.g. ranks that see the same data), ``desync`` (ranks whose per-layer element-wise
 fingerprints differ from the others', naming the ranks and the layers), ``rate`` (a counter's

@@ -15,9 +15,10 @@ import pytest
 
 from tests.service.conftest import register
 from trainguard.service import rank_store
-from trainguard.service.evaluate_ranks import _CHECKS, _row_verdicts, _slowest, cross_rank as _cross_rank
+from trainguard.service.evaluate_ranks import _CHECKS, _row_verdicts, cross_rank as _cross_rank
 from trainguard.service.limits import report_body_bytes
 from trainguard.service.rules import CrossRankRule
+from trainguard.service.slow_ranks import slow_ranks
 from trainguard.service.window import VECTORS, RunWindow
 from trainguard.protocol.rank_values import RankValues
 from trainguard.protocol.wire import Report, dumps
@@ -64,11 +65,24 @@ def test_every_verdict_on_a_stored_row_is_that_on_the_original(world: int) -> No
             if exact:
                 assert back.tobytes() == row.tobytes()
             for rule in RULES:
+                if rule.check == "spread":
+                    assert _spread_verdict(rule, back) == _spread_verdict(rule, row), (rule.name, seed)
+                    continue
                 assert _CHECKS[rule.check](rule, back)[0] == _CHECKS[rule.check](rule, row)[0], (rule.name, seed)
                 three = np.stack([row, row, row])
                 assert _row_verdicts(rule, np.stack([back, back, row])) == _row_verdicts(rule, three), rule.name
             if np.isfinite(row).any():
-                assert _slowest(back[None]).tolist() == _slowest(row[None]).tolist()
+                assert _slowest(back) == _slowest(row)
+
+
+def _slowest(row: np.ndarray) -> int:
+    return int(np.argmax(np.where(np.isfinite(row), row, -np.inf)))
+
+
+def _spread_verdict(rule: CrossRankRule, row: np.ndarray) -> tuple[bool, bool]:
+    """(judged, the slowest rank is slow) on one row, against the median of its other ranks."""
+    found = slow_ranks(row[None], rule.ratio, rule.min_value)
+    return bool(found.judged[0]), bool(np.isfinite(row).any() and found.slow[0, _slowest(row)])
 
 
 def test_a_straggler_found_over_three_reports_is_found_after_two_of_them_were_read_back() -> None:

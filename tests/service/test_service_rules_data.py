@@ -26,7 +26,7 @@ def test_input_wait_straggler_names_the_data_slow_rank() -> None:
     found = _fired(reps)
     assert [[f.rule.name for f in s] for s in found] == [[], [], [], ["input_wait_straggler"]]
     v = found[3][0].values
-    assert v["rank"] == 3 and v["ratio"] == pytest.approx(0.4 / float(np.median(slow)))
+    assert v["rank"] == 3 and v["ratio"] == pytest.approx(0.4 / float(np.median(slow[:3])))  # the others' median
     assert found[3][0].rule.diagnosis == "input_bound"
 
 
