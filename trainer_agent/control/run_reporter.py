@@ -11,6 +11,8 @@ stays in the report's ``ranks.loss``.
 from __future__ import annotations
 
 import math
+import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,24 +27,48 @@ from trainer_agent.report.client import ControllerClient
 from trainer_agent.config import AgentConfig
 from trainer_agent.report.exchange import WIRE_VECTORS
 
-__all__ = ["RunReporter", "rank_endpoints"]
+__all__ = ["NODE_NAME_VARIABLES", "RunReporter", "node_name", "rank_endpoints"]
+
+
+#: Where a rank's node name comes from, in order (the first set and not empty): the agent's own
+#: setting, Kubernetes' usual downward-API variable (``spec.nodeName``: inside a pod the host name
+#: is the pod's), SLURM's; else the host name.
+NODE_NAME_VARIABLES = ("TRAINGUARD_NODE_NAME", "NODE_NAME", "SLURMD_NODENAME")
+_NOT_IN_NODE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str | None:
+    """The name of the node this process runs on (:data:`NODE_NAME_VARIABLES`, else
+    ``socket.gethostname()``) as the wire takes it (``RankEndpoint.node``): characters other
+    than letters, digits, '-', '_' and '.' become '-', the first must be a letter or digit, at most
+    253 are kept; None when nothing is left."""
+    env = os.environ if environ is None else environ
+    raw = next((env[v] for v in NODE_NAME_VARIABLES if env.get(v, "").strip()), None)
+    if raw is None:
+        try:
+            raw = socket.gethostname()
+        except OSError:
+            return None
+    name = _NOT_IN_NODE_NAME.sub("-", raw.strip()).lstrip("-_.")[:253]
+    return name or None
 
 
 def rank_endpoints(metrics_url: str | None, local_rank: int, world_size: int, group: Any) -> list[RankEndpoint]:
-    """Every rank's /metrics endpoint, gathered on ``group`` (every rank calls this once, at start)."""
-    mine: tuple[str, int, int] | None = None
+    """Every rank's /metrics endpoint and node, gathered on ``group`` (every rank calls this once,
+    at start)."""
+    mine: tuple[str, int, int, str | None] | None = None
     if metrics_url:
         parsed = urlparse(metrics_url)
         host = parsed.hostname or "127.0.0.1"
         if host in ("0.0.0.0", "::"):
             host = socket.getfqdn()
-        mine = (host, int(parsed.port or 0), local_rank)
+        mine = (host, int(parsed.port or 0), local_rank, node_name())
     found: list[Any] = [mine]
     if world_size > 1:
         found = [None] * world_size
         dist.all_gather_object(found, mine, group=group)
     return [
-        RankEndpoint(rank=r, local_rank=e[2], host=e[0], port=e[1])
+        RankEndpoint(rank=r, local_rank=e[2], host=e[0], port=e[1], node=e[3])
         for r, e in enumerate(found)
         if e is not None and e[1] > 0
     ]

@@ -60,6 +60,7 @@ from trainguard.protocol.wire import (
     dumps,
 )
 from trainer_agent.report.client_settings import backoff_delay, check_settings
+from trainer_agent.report.older_controller import registration_for
 from trainer_agent.report.outbox import Outbox, SendCounts
 from trainer_agent.report.run_finish import send_finish
 from trainer_agent.report.controller_link import (
@@ -307,7 +308,11 @@ class ControllerClient:
             self._sleep(unknown - 1)
 
     def _register(self, http: httpx.Client) -> None:
-        answer = self._link.exchange(http, "POST", "/runs", dumps(self._registration), Registered)
+        try:
+            answer = self._link.exchange(http, "POST", "/runs", dumps(self._registration), Registered)
+        except Refused as exc:  # a controller older than this agent: again without the fields it refuses, else raised
+            self._registration = registration_for(self._registration, exc, self._failures)
+            answer = self._link.exchange(http, "POST", "/runs", dumps(self._registration), Registered)
         with self._cond:
             self._registered = True
             if answer is not None:  # else its desired state was refused: the run is registered all the same

@@ -125,7 +125,12 @@ def _without_unknown_fields(exc: ValidationError, content: bytes) -> tuple[bytes
 
 
 class Refused(Exception):
-    """The controller answered with a 4xx that retrying will not fix: drop the item."""
+    """The controller answered with a 4xx that retrying will not fix: drop the item. ``status``
+    and ``content``: the answer's (``content`` bounded by :data:`MAX_ANSWER_BYTES`)."""
+
+    def __init__(self, message: str, status: int = 0, content: bytes = b"") -> None:
+        super().__init__(message)
+        self.status, self.content = status, content
 
 
 class TooLarge(Refused):
@@ -290,7 +295,7 @@ class ControllerLink:
             raise TooLarge(f"413 for {len(body or b'')} bytes: {content[:200].decode('utf-8', 'replace')}")
         if 400 <= status < 500 and status not in (408, 425, 429):
             self.up = False
-            raise Refused(f"{status} {content[:200].decode('utf-8', 'replace')}")
+            raise Refused(f"{status} {content[:200].decode('utf-8', 'replace')}", status, content)
         if not 200 <= status < 300:
             self.up = False
             # e.g. an active cut off from its database: another may have taken over. Not so for one

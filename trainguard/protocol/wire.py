@@ -12,9 +12,9 @@ module writes — when parsing. ``dumps``/``loads`` below are the only functions
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StringConstraints, field_validator, model_serializer
 
 from trainguard.protocol.base import MAX_INT, MAX_RANK, Int, MetricName, Name, Rank, Text, Value, WireModel
 from trainguard.protocol.commands import (
@@ -78,13 +78,35 @@ DiagnosticCommand = str
 DIAGNOSTIC_COMMANDS: tuple[str, ...] = tuple(c.name for c in REGISTRY if c.operator and c.kind == "diagnostic")
 
 
+#: A node's name as a rank registers it: a host name's characters, at most 253 of them.
+NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+NodeName = Annotated[str, StringConstraints(pattern=NODE_PATTERN, strict=True)]
+
+
 class RankEndpoint(WireModel):
-    """Where Prometheus scrapes one rank's ``/metrics``."""
+    """Where Prometheus scrapes one rank's ``/metrics``, and the node the rank runs on.
+
+    ``node`` is optional both ways: an agent older than the field sends none, and a ``node`` of None
+    is left out of the JSON, so that a controller older than the field (which refuses fields it
+    does not know) takes the registration of an agent that could not name its node; an agent whose
+    registration such a controller refuses for ``node`` registers again without it
+    (``trainer_agent/report/client.py``)."""
 
     rank: Rank = Field(description="Global rank.")
     local_rank: Rank = Field(description="Rank within its node.")
     host: str = Field(min_length=1, max_length=253, description="Host name or IP address.")
     port: Int = Field(ge=1, le=65535, description="Port of the rank's /metrics endpoint.")
+    node: NodeName | None = Field(default=None, description=(
+        "The node the rank runs on, as the agent names it (TRAINGUARD_NODE_NAME, else NODE_NAME, else SLURMD_NODENAME, "
+        "else the host name): letters, digits, '-', '_' and '.', at most 253 characters. Named in hardware "
+        "incidents and in the alerts that name ranks; absent from older agents' registrations and when unknown."))
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_node(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if isinstance(out, dict) and out.get("node", "") is None:
+            del out["node"]
+        return out
 
 
 #: Deepest nesting of lists and objects in a registration's ``config``.
