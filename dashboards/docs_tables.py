@@ -223,7 +223,7 @@ def _hardware_ladder(diagnosis: str) -> str:
     ladder = load_rules(default_rules_text()).file.recovery.ladders.hardware or ()
     rungs = ", then ".join(f"`{r}`" for r in ladder)
     text = ("Its alert is hardware evidence: with recovery on, the controller's cause verdict is `hardware`, naming "
-            f"the ranks and their hosts, and an incident opens that climbs `ladders.hardware` ({rungs}: every rank "
+            f"the ranks and their nodes, and an incident opens that climbs `ladders.hardware` ({rungs}: every rank "
             "checkpoints at the same step, then the run is paused and a human paged)")
     return text + ("; " + _NOT_HARDWARE[diagnosis] if diagnosis in _NOT_HARDWARE else "")
 

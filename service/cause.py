@@ -108,7 +108,7 @@ class Verdict:
     summary: str
     evidence: tuple[dict[str, Any], ...] = ()
     ranks: tuple[int, ...] = ()  # hardware: the suspect ranks (global rank numbers)
-    hosts: tuple[str, ...] = ()  # hardware: the hosts of the ranks (from the run's registration), in their order
+    hosts: tuple[str, ...] = ()  # hardware: the nodes of the ranks (else their hosts; from the run's registration), in their order
 
     def as_dict(self) -> dict[str, Any]:
         return {"cause": self.cause, "summary": self.summary, "evidence": [dict(e) for e in self.evidence],
@@ -162,7 +162,7 @@ def judge(findings: list[Any], window: Any, *, skipped: int = 0, lr_healthy: lis
     findings on it; ``skipped``: steps the agent skipped since the previous report (its spike
     guard or non-finite gradients); ``lr_healthy``: the scheduled LR of recent healthy reports;
     ``lr_peak``: the highest scheduled LR of a healthy report of this run; ``metric_baseline``: the
-    healthy level of ``metric`` (the update ratio); ``hosts``: host of each rank."""
+    healthy level of ``metric`` (the update ratio); ``hosts``: the node (else the host) of each rank."""
     ev = _Evidence()
     active = [f for f in findings if f.active]
     hosts = hosts or {}

@@ -164,7 +164,7 @@ DIAGNOSES: dict[str, Diagnosis] = {
         likely_causes=("Slow or throttled device or host", "Network congestion on one node", "Data loading bottleneck on one rank",
                        "Several ranks slow together: a node type slower than the others, or one node's device, network or storage "
                        "shared by its ranks"),
-        suggested_actions=("Inspect the slow ranks' node",
+        suggested_actions=("Inspect the slow ranks' node (the alert names it where the ranks registered their nodes)",
                            "Profile communication (NCCL vs Gloo)", "Check the data loader (prefetch 4-8x batch size, mmap)",
                            "With ranks slow together on one node type, balance the work per node or train on one type"),
         source="Every rank waits for the slowest one at each collective, so one slow rank slows the whole job.",

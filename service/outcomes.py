@@ -14,6 +14,7 @@ from trainguard.service.config import Settings
 from trainguard.service.engine import Outcome
 from trainguard.service.incidents import RecoveryChange
 from trainguard.service.metrics import ControllerMetrics
+from trainguard.service.rank_nodes import rank_nodes
 from trainguard.service.runstate import RunState, action_names
 from trainguard.service.transaction import Transaction, Written, record_fired, record_incident, record_resolved
 from trainguard.service.webhooks import IncidentUpdate
@@ -59,6 +60,7 @@ class OutcomeRecorder:
         final = changes[-1].desired if changes else outcome.desired
         tx.assign(st, desired=final)
         run_id, run, job, external = st.id, st.run, st.job, self.settings.external_url
+        nodes = rank_nodes(st.ranks)
         step = st.window.last_step  # the step of the report that fired (absence: the last one seen)
 
         def op(c: sqlite3.Connection) -> Written:
@@ -67,7 +69,8 @@ class OutcomeRecorder:
             hooks = sql.active_webhooks(c)
             out = Written(value=[])
             for fa in outcome.fired:
-                alert = record_fired(c, run_id, run, fa, now, step=step, hooks=hooks, external_url=external, out=out)
+                alert = record_fired(c, run_id, run, fa, now, step=step, hooks=hooks, external_url=external, out=out,
+                                     nodes=nodes)
                 out.value.append(alert | {"kind": fa.finding.rule.kind})
             for name in outcome.resolved:
                 record_resolved(c, run_id, name, now, actor=f"rule:{name}", reason="condition cleared",

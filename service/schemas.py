@@ -31,7 +31,7 @@ class Verdict(BaseModel):
     summary: str
     evidence: list[Evidence]
     ranks: list[int] = Field(description="A hardware fault's suspect ranks.")
-    hosts: list[str] = Field(description="The hosts of those ranks, from the run's registration.")
+    hosts: list[str] = Field(description="The nodes of those ranks (a rank registered without its node: its /metrics host), from the run's registration.")
     revised: dict[str, Any] | None = Field(default=None, description="Later evidence that changed the cause (to hardware; a data verdict made on one batch to unknown once more batches stood out): from, step, summary.")
 
 

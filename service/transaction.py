@@ -24,6 +24,7 @@ from typing import Any, Callable
 from trainguard.service import statements as sql
 from trainguard.service.diagnosis import DIAGNOSES
 from trainguard.service.engine import FiredAlert
+from trainguard.service.rank_nodes import with_nodes
 from trainguard.service.webhooks import (
     SEVERITY_RANK, IncidentUpdate, fingerprint, incident_wanted, render, render_incident,
 )
@@ -95,26 +96,28 @@ def record_resolved(c: sqlite3.Connection, run_id: int, rule: str, now: float, *
 
 
 def record_fired(c: sqlite3.Connection, run_id: int, run: str, fa: FiredAlert, now: float, *, step: int | None,
-                 hooks: list[dict[str, Any]], external_url: str, out: Written) -> dict[str, Any]:
+                 hooks: list[dict[str, Any]], external_url: str, out: Written,
+                 nodes: dict[int, str] | None = None) -> dict[str, Any]:
     """Write one fired alert: the alert row, its audit event, the desired state its actions led
-    to (and that event), and a message to every webhook whose severity it meets. Returns the
-    alert as stored."""
+    to (and that event), and a message to every webhook whose severity it meets. ``nodes``: the
+    run's rank -> node, named beside the ranks the finding names. Returns the alert as stored."""
     rule = fa.finding.rule
     gen = fa.desired.generation if fa.desired else None
-    summary = fa.finding.summary
+    said, values = with_nodes(fa.finding.summary, fa.finding.values, nodes or {})
+    summary = said
     if fa.desired is not None and " — " in fa.desired.reason:  # what a measured action did (e.g. a refused rollback)
         summary = f"{summary} — {fa.desired.reason.split(' — ', 1)[1]}"
     elif fa.note:  # why its actions changed nothing (e.g. the run did not opt in)
         summary = f"{summary} — {fa.note}"
     alert_id = sql.insert_alert(
-        c, run_id, rule=rule.name, severity=rule.severity, summary=summary, values=fa.finding.values,
+        c, run_id, rule=rule.name, severity=rule.severity, summary=summary, values=values,
         diagnosis=DIAGNOSES[rule.diagnosis].as_dict(), actions=[a.model_dump(exclude_none=True) for a in rule.actions],
         generation=gen, notify=fa.notify, now=now, fingerprint=fingerprint(run, rule.name, now),
     )
     alert = sql.get_alert(c, alert_id)
     out.events.append(sql.insert_event(
-        c, run_id, now=now, kind="alert", actor=f"rule:{rule.name}", reason=fa.finding.summary, generation=gen,
-        data={"alert_id": alert_id, "rule": rule.name, "severity": rule.severity, "values": fa.finding.values, "step": step}))
+        c, run_id, now=now, kind="alert", actor=f"rule:{rule.name}", reason=said, generation=gen,
+        data={"alert_id": alert_id, "rule": rule.name, "severity": rule.severity, "values": values, "step": step}))
     if fa.desired is not None:
         sql.update_desired(c, run_id, fa.desired)
         out.events.append(sql.insert_event(

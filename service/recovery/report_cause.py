@@ -11,6 +11,7 @@ import math
 from typing import Any, Callable
 
 from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, GRAD_JUMP, GRAD_NORM, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
+from trainguard.service.rank_nodes import rank_places
 from trainguard.service.recovery import replay as _replay
 from trainguard.service.recovery.baselines import HealthyBaselines
 from trainguard.service.recovery.health import alarming
@@ -68,7 +69,7 @@ class ReportCause:
             peak = min(peak, self.baselines.lr_fault_peak)
         verdict = judge(findings, window, skipped=self.reading.skipped_now, lr_healthy=list(self.baselines.lr), lr_peak=peak,
                         metric=self.policy.metric, metric_baseline=self.baselines.baseline(),
-                        hosts={int(r["rank"]): str(r["host"]) for r in ranks})
+                        hosts=rank_places(ranks))
         if self.open is None:
             self._verdict = verdict
             if verdict.cause == "optimizer" and peak is not None and any(

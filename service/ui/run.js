@@ -31,6 +31,17 @@ const RANK_CHARTS = [
 ];
 const RANK_COLUMNS = ["step_time_s", "loss", "grad_norm", "grad_fingerprint", "param_fingerprint"];
 
+// The median of the finite values `sorted` (ascending) without one copy of `value` (one of them), as
+// the straggler rules compare a rank with the others; null when no other value is left.
+function othersMedian(sorted, value) {
+  const n = sorted.length - 1;
+  if (n < 1) return null;
+  let lo = 0, hi = sorted.length;
+  while (lo < hi) { const mid = (lo + hi) >> 1; if (sorted[mid] < value) lo = mid + 1; else hi = mid; }
+  const at = (j) => sorted[j >= lo ? j + 1 : j];  // the j-th smallest of the others
+  return n % 2 ? at((n - 1) / 2) : (at(n / 2 - 1) + at(n / 2)) / 2;
+}
+
 // An evidence value (a number, a rank -> value map, a list, ...): its numbers as the page shows every
 // number (the wire's "NaN" and "Infinity" strings too: unquoted, as NaN and Infinity), the rest as JSON.
 export function evidenceText(x) {
@@ -238,18 +249,21 @@ export class RunPage {
     const v = newest.vectors;
     const world = Math.max(0, ...RANK_COLUMNS.map((c) => (v[c] ? v[c].length : 0)));
     const times = (v.step_time_s || []).map(num).filter(Number.isFinite).sort((a, b) => a - b);
-    const median = times.length ? times[Math.floor((times.length - 1) / 2)] : null;
+    // The node each rank registered (absent: an agent older than the field, or no /metrics endpoint).
+    const nodes = new Map(((this.detail && this.detail.ranks) || []).filter((e) => e.node).map((e) => [e.rank, e.node]));
     const rows = [];
     for (let r = 0; r < world; r++) {
       const t = v.step_time_s ? num(v.step_time_s[r]) : null;
-      rows.push(h("tr", { dataset: { rank: r } }, h("td", {}, `rank ${r}`),
+      const others = Number.isFinite(t) ? othersMedian(times, t) : null;
+      rows.push(h("tr", { dataset: { rank: r } }, h("td", {}, `rank ${r}`), h("td", { class: "node" }, nodes.get(r) || "–"),
         ...RANK_COLUMNS.map((c) => h("td", { class: "num" }, v[c] ? fmt(num(v[c][r])) : "–")),
-        h("td", { class: "num" }, median && Number.isFinite(t) ? `${fmt(t / median)}×` : "–")));
+        h("td", { class: "num" }, others > 0 ? `${fmt(t / others)}×` : "–")));
     }
     const step = this.rows.find((r) => r.seq === newest.seq);
     this.rankTable.replaceChildren(
       h("caption", {}, step ? `At step ${step.step}` : "Newest report"),
-      h("thead", {}, h("tr", {}, h("th", {}, "rank"), ...RANK_COLUMNS.map((c) => h("th", {}, c.replaceAll("_", " "))), h("th", {}, "step time / median"))),
+      h("thead", {}, h("tr", {}, h("th", {}, "rank"), h("th", {}, "node"), ...RANK_COLUMNS.map((c) => h("th", {}, c.replaceAll("_", " "))),
+        h("th", {}, "step time / median of the other ranks"))),
       h("tbody", {}, rows));
   }
 

@@ -2,7 +2,7 @@
 stop a run with a faulty node (``recovery.ladders.hardware: [checkpoint, stop]``). From step 30
 rank 1's device computes wrong values (one activation element's sign flipped, a different element
 on every pass, as a failing unit does), so the gradient recompute check (every 5th step) does not
-reproduce its gradient there. The controller's verdict is ``hardware`` naming rank 1 and its host;
+reproduce its gradient there. The controller's verdict is ``hardware`` naming rank 1 and its node;
 every rank checkpoints at the same step, then stops at the same step with the documented exit
 status: decided within a report of the recompute, applied at the first agreement after the
 leader's client has it. A healthy run with post-local SGD (its ranks hold different values by
@@ -33,6 +33,7 @@ WORLD, ONSET, RUN = 2, 30, "hardware-e2e"
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    os.environ["TRAINGUARD_NODE_NAME"] = f"gpu-node-{rank}"  # each rank on a node of its own (one host here)
     import trainer_agent as ta
 
     torch.manual_seed(0)
@@ -104,7 +105,8 @@ def test_a_rank_whose_device_computes_wrong_values_is_named_checkpointed_and_sto
     assert all(h[3] == 1.0 for h in logs[0]["history"])  # the LR was never touched
 
     detail = httpx.get(f"{controller.url}/v1/runs/{RUN}", timeout=10).json()
-    host = next(r["host"] for r in detail["ranks"] if r["rank"] == 1)
+    assert [(r["rank"], r["host"], r["node"]) for r in detail["ranks"]] == [(0, "127.0.0.1", "gpu-node-0"), (1, "127.0.0.1", "gpu-node-1")]
+    host = "gpu-node-1"  # the node it registered, not its /metrics host (127.0.0.1 on every node)
     (incident,) = httpx.get(f"{controller.url}/v1/runs/{RUN}/incidents", timeout=10).json()["incidents"]
     assert incident["cause"] == "hardware" and (incident["verdict"]["ranks"], incident["verdict"]["hosts"]) == ([1], [host])
     assert [r["rung"] for r in incident["rungs"]] == ["checkpoint", "stop"] and incident["outcome"] == "escalated"

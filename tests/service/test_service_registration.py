@@ -112,3 +112,49 @@ def test_a_registration_again_forgets_the_snapshots_of_the_process_that_ended(ap
                               "trainguard_grad_norm_max": 1.0})
         assert c.post("/v1/runs/run-1/rollback", json={"reason": "by hand"}).json()["desired"]["rollback_step"] == \
             LADDER_STEPS["pause"] + LADDER_STRIDE
+
+
+# -- the node each rank runs on (RankEndpoint.node) ----------------------------------------------
+def _straggling(client: Any, run: str = "run-1") -> dict[str, Any]:
+    """Three reports in which rank 1 of 2 takes 2.5x rank 0's forward: the straggler alert."""
+    for step in (1, 2, 3):
+        body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step), "values": {},
+                "ranks": {"forward_s": [0.02, 0.05]}}
+        assert client.post(f"/v1/runs/{run}/reports", json=body).status_code == 200
+    (alert,) = [a for a in client.get("/v1/alerts", params={"run": run}).json() if a["rule"] == "forward_time_straggler"]
+    return alert
+
+
+def test_each_rank_s_node_is_kept_shown_and_named_beside_its_rank_in_an_alert(app_factory) -> None:
+    ranks = [{"rank": r, "local_rank": 0, "host": "127.0.0.1", "port": 9400, "node": f"gpu-{'ab'[r]}.dc1"} for r in (0, 1)]
+    with app_factory() as client:
+        assert client.post("/v1/runs", json={"job": "job-a", "run": "run-1", "world_size": 2, "ranks": ranks}).status_code == 200
+        assert client.get("/v1/runs/run-1").json()["ranks"] == ranks
+        alert = _straggling(client)
+        assert alert["summary"].endswith("x the median of the other ranks 0.02 (limit 1.5x) (rank 1 on node gpu-b.dc1)")
+        assert alert["values"]["nodes"] == {"1": "gpu-b.dc1"} and alert["values"]["ranks"] == [1]
+    with app_factory() as client:  # read back after a restart
+        assert client.get("/v1/runs/run-1").json()["ranks"] == ranks
+
+
+def test_an_agent_that_sends_no_node_registers_as_before(app_factory) -> None:
+    ranks = _ranks((0, "127.0.0.1", 9400), (1, "127.0.0.1", 9401))
+    with app_factory() as client:
+        assert client.post("/v1/runs", json={"job": "job-a", "run": "run-1", "world_size": 2, "ranks": ranks}).status_code == 200
+        assert client.get("/v1/runs/run-1").json()["ranks"] == ranks  # no "node" key: what it sent
+        alert = _straggling(client)
+        assert alert["summary"].endswith("(limit 1.5x)") and "nodes" not in alert["values"]
+        ranks[0]["node"] = None  # an explicit null is no node
+        assert client.post("/v1/runs", json={"job": "job-a", "run": "run-2", "world_size": 2, "ranks": ranks}).status_code == 200
+        assert "node" not in client.get("/v1/runs/run-2").json()["ranks"][0]
+
+
+@pytest.mark.parametrize("node", ["g" * 254, "gpu a", "gpu-7\n", "-gpu", "gpü", "", "gpu/7", 7])
+def test_a_node_name_past_its_bounds_is_refused_naming_the_field(app_factory, node: Any) -> None:
+    ranks = [{"rank": 0, "local_rank": 0, "host": "127.0.0.1", "port": 9400, "node": node}]
+    with app_factory() as client:
+        resp = client.post("/v1/runs", json={"job": "job-a", "run": "run-1", "world_size": 1, "ranks": ranks})
+        assert resp.status_code == 422 and "ranks.0.node" in resp.json()["detail"], resp.text
+        assert client.get("/v1/runs/run-1").status_code == 404
+        ranks[0]["node"] = "g" * 253
+        assert client.post("/v1/runs", json={"job": "job-a", "run": "run-1", "world_size": 1, "ranks": ranks}).status_code == 200

@@ -71,13 +71,17 @@ class Controller:
 
 
 class ScriptedAgent:
-    """An agent client speaking the wire protocol by hand: registers a run and posts reports."""
+    """An agent client speaking the wire protocol by hand: registers a run and posts reports.
+    ``nodes``: each rank's node (None: registered without one, as an older agent does)."""
 
-    def __init__(self, url: str, run: str, world_size: int = 2) -> None:
+    def __init__(self, url: str, run: str, world_size: int = 2, nodes: list[str | None] | None = None) -> None:
         self.run = run
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {agent_token(run)}"}, timeout=10.0)
-        body = {"job": "job-ui", "run": run, "world_size": world_size, "agent_version": "scripted",
-                "ranks": [{"rank": r, "local_rank": r, "host": "127.0.0.1", "port": 9100 + r} for r in range(world_size)]}
+        ranks = [{"rank": r, "local_rank": r, "host": "127.0.0.1", "port": 9100 + r} for r in range(world_size)]
+        for rank, node in zip(ranks, nodes or []):
+            if node is not None:
+                rank["node"] = node
+        body = {"job": "job-ui", "run": run, "world_size": world_size, "agent_version": "scripted", "ranks": ranks}
         resp = self.http.post("/v1/runs", json=body)
         assert resp.status_code == 200, resp.text
 

@@ -50,8 +50,9 @@ def _ranks(step: int) -> dict[str, list[float]]:
 
 
 def _reporting(controller: Controller, run: str, steps: int) -> ScriptedAgent:
-    """A scripted agent of ``run`` that has sent the reports of steps 1..``steps``."""
-    agent = ScriptedAgent(controller.url, run)
+    """A scripted agent of ``run`` (rank 0 on node gpu-a, rank 1 registered without its node) that
+    has sent the reports of steps 1..``steps``."""
+    agent = ScriptedAgent(controller.url, run, nodes=["gpu-a", None])
     for step in range(1, steps + 1):
         agent.report(step, _values(step), _ranks(step))
     return agent
@@ -90,6 +91,12 @@ def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page
     page.page.wait_for_selector('[data-chart="loss"][data-points="16"]')
     assert page.page.evaluate("() => window.notReloaded === true")
     page.page.wait_for_function("() => document.querySelector('#run-step')?.textContent === '16'")
+    # the per-rank table: each rank's node, and its step time over the median of the other ranks
+    page.page.wait_for_selector("#rank-table caption:text('At step 16')")
+    cells = page.page.evaluate("() => [...document.querySelectorAll('#rank-table tbody tr')].map((tr) => "
+                               "[...tr.children].map((td) => td.textContent))")
+    assert [(row[0], row[1], row[-1]) for row in cells] == [("rank 0", "gpu-a", f"{0.1 / 0.116:.4g}×"),
+                                                            ("rank 1", "–", f"{0.116 / 0.1:.4g}×")]
     agent.close()
 
 
