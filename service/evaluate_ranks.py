@@ -65,9 +65,9 @@ def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
     return [check(rule, row)[0] for row in hist]
 
 
-def _group_text(rule: CrossRankRule, named: np.ndarray, row: np.ndarray, ref: np.ndarray, judged: int) -> str:
-    """The summary of several ranks slow together (each against the median of its others)."""
-    vals, refs = row[named], ref[named]
+def _group_text(rule: CrossRankRule, named: np.ndarray, row: np.ndarray, refs: np.ndarray, judged: int) -> str:
+    """The summary of several ranks slow together (each against the median of its others: ``refs``)."""
+    vals = row[named]
     with np.errstate(divide="ignore"):
         least = float(np.min(vals / refs))  # (a reference of 0 under a min_value: an infinite ratio)
     listed = ", ".join(map(str, named[:8].tolist())) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
@@ -85,18 +85,20 @@ def _spread(rule: CrossRankRule, hist: np.ndarray) -> Verdict:
     named = np.flatnonzero(found.slow.all(axis=0)) if len(hist) >= rule.for_reports else np.empty(0, np.int64)
     if not len(named):
         return False  # none, or a different rank each time: scheduling noise, not a straggler
-    row, ref = hist[-1], found.reference[-1]
-    top = int(named[np.argmax(row[named])])
-    ratio = float(row[top]) / float(ref[top]) if ref[top] > 0 else math.inf
+    row = hist[-1]
+    refs = found.references(len(hist) - 1, row[named])
+    at = int(np.argmax(row[named]))
+    top, ref = int(named[at]), float(refs[at])
+    ratio = float(row[top]) / ref if ref > 0 else math.inf
     judged = int(np.count_nonzero(np.isfinite(row)))
-    values = {"vector": rule.vector, "check": rule.check, "max": float(row[top]), "median": float(ref[top]),
+    values = {"vector": rule.vector, "check": rule.check, "max": float(row[top]), "median": ref,
               "ratio": ratio, "limit": rule.ratio, "rank": top, "ranks": named[:16].tolist(), "count": int(len(named)),
               "judged": judged, "values": {int(r): json_number(float(row[r])) for r in named[:16].tolist()}}
     if len(named) == 1:
         summary = (f"rank {top} {rule.vector} = {values['max']:.6g} is {ratio:.3g}x the median of the other ranks "
                    f"{values['median']:.6g} (limit {rule.ratio:g}x)")
     else:
-        summary = _group_text(rule, named, row, ref, judged)
+        summary = _group_text(rule, named, row, refs, judged)
     return Finding(rule, True, summary, values)
 
 

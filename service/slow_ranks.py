@@ -3,14 +3,20 @@ each rank's value against the median of the OTHER ranks' values in the same repo
 
 Against the median of every rank a slow rank is part of its own reference: with two ranks the
 median is their mean, so a rank twice as slow as the other read 1.33x and had to be three times as
-slow to reach 1.5x; with three, the slow rank pulled the median up too. Against the median of the
-others, a rank twice as slow as the other of two reads 2x, as the Prometheus alert
-``TrainguardStraggler`` judges it.
+slow to reach 1.5x; with three, the median was the middle rank's value where the other two ranks'
+median is the mean of both. Against the median of the others (the mean of the two middle values
+of an even number, as the Prometheus alert ``TrainguardStraggler`` takes it), a rank twice as slow
+as the other of two reads 2x.
 
 A group of ranks slow together (a node type slower than the others, ranks sharing one slow node)
-is found rank by rank while the fast ranks are at least half of the job: each slow rank's others
-are then mostly fast ranks, whose median is a fast rank's time. When the slow ranks are more than
-half of the job, theirs is the job's speed and none is named.
+is found rank by rank while it is at most half of the job: each slow rank's others are then mostly
+fast ranks. Of an odd number of ranks one more than half can read slow when the rest are much
+faster (of three ranks at 0.1, 1 and 1, the two at 1 read 1.82x the 0.55 of their others).
+
+Only a rank above the middle of its sorted row can be slow (the median of the others of any other
+rank is at least its value), and the medians of the others of those ranks are at most two values,
+read next to the middle of the sorted row: the ranks are compared with them, not each with a
+median of its own.
 """
 
 from __future__ import annotations
@@ -22,58 +28,69 @@ import numpy as np
 __all__ = ["SlowRanks", "others_median", "slow_ranks"]
 
 
-def others_median(sorted_rows: np.ndarray) -> np.ndarray:
-    """For rows sorted in ascending order (shape ``(k, n)``, ``n >= 2``), the median of each row
-    without each of its positions: ``out[:, i]`` is the median of the row's values but its ``i``-th
-    smallest."""
-    n = sorted_rows.shape[1]
-    left, pos = n - 1, np.arange(n)
-    if left % 2:  # an odd count left: its middle value
-        mid = left // 2
-        return sorted_rows[:, mid + (mid >= pos)]
-    lo, hi = left // 2 - 1, left // 2  # an even count left: the mean of its two middle values
-    return 0.5 * (sorted_rows[:, lo + (lo >= pos)] + sorted_rows[:, hi + (hi >= pos)])
-
-
 class SlowRanks(NamedTuple):
-    """Per report (row) and rank: ``slow`` (the rank's value reaches ``ratio`` x the median of the
-    others and ``min_value``), ``reference`` (that median; NaN for a rank not finite or a row of
-    fewer than two finite values) and per row ``judged`` (some rank could be judged: two finite
-    values and a positive reference, or a ``min_value`` that judges a reference of 0)."""
+    """Per report (row) and rank ``slow``: the rank's value reaches ``ratio`` x the median of the
+    other ranks and ``min_value``. Per row: ``middle`` (the value a rank must exceed to be slow),
+    ``above`` (the median of the others of a rank above ``middle``), ``at`` (that of the rank at
+    ``middle`` when it is there alone, of an odd number of ranks; else NaN), ``judged`` (two finite
+    values, and a positive median of them or a ``min_value`` that judges a median of 0). NaN for
+    rows of fewer than two finite values."""
 
     slow: np.ndarray
-    reference: np.ndarray
+    middle: np.ndarray
+    above: np.ndarray
+    at: np.ndarray
     judged: np.ndarray
 
+    def references(self, row: int, values: np.ndarray) -> np.ndarray:
+        """The medians of the other ranks of slow ranks of ``values`` in ``row``."""
+        return np.where(values > self.middle[row], self.above[row], self.at[row])
 
-def _references(hist: np.ndarray) -> np.ndarray:
-    """Each finite value's median of the other finite values of its row (NaN elsewhere)."""
-    ref = np.full(hist.shape, np.nan)
-    if hist.shape[1] < 2:
-        return ref
-    if np.isfinite(hist).all():
-        order = np.argsort(hist, axis=1, kind="stable")
-        np.put_along_axis(ref, order, others_median(np.take_along_axis(hist, order, axis=1)), axis=1)
-        return ref
-    for i, row in enumerate(hist):
-        finite = np.flatnonzero(np.isfinite(row))
-        if len(finite) < 2:
-            continue
-        order = finite[np.argsort(row[finite], kind="stable")]
-        ref[i, order] = others_median(row[order][None])[0]
-    return ref
+
+def others_median(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For finite rows (shape ``(k, n)``, ``n >= 2``), per row: the middle value a rank must exceed
+    to be slow, the median of the others of a rank above it, that of a rank alone at it (NaN where
+    none can be: an even ``n``, or a tie there), and the row's median."""
+    n = rows.shape[1]
+    s = np.sort(rows, axis=1)
+    if n % 2 == 0:  # an odd number of others: above the lower middle value, that value
+        mid = n // 2 - 1
+        return s[:, mid], s[:, mid], np.full(len(s), np.nan), 0.5 * (s[:, mid] + s[:, mid + 1])
+    lo, hi = (n - 3) // 2, (n - 1) // 2  # an even number of others: the mean of their two middle values
+    a, b, c = s[:, lo], s[:, hi], s[:, hi + 1]
+    # above the middle value b: the others' middle is a and b; at b, alone there (a < b): a and c
+    return b, 0.5 * (a + b), np.where(a < b, 0.5 * (a + c), np.nan), b
+
+
+def _is_slow(hist: np.ndarray, ref: np.ndarray, ratio: float, min_value: float) -> np.ndarray:
+    """``hist`` >= ``ratio`` x ``ref`` (per row) and >= ``min_value``; a reference of 0 or below
+    judged only under a positive ``min_value`` (NaN references: never)."""
+    with np.errstate(invalid="ignore"):
+        limit = np.where(ref > 0, np.maximum(ratio * ref, min_value), min_value if min_value > 0 else np.inf)
+        return hist >= np.where(np.isnan(ref), np.inf, limit)[:, None]
+
+
+def _finite_rows(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
+    middle, above, at, med = others_median(hist)
+    slow = (hist > middle[:, None]) & _is_slow(hist, above, ratio, min_value)
+    slow |= (hist == middle[:, None]) & _is_slow(hist, at, ratio, min_value)
+    return SlowRanks(slow, middle, above, at, (med > 0) | (min_value > 0))
 
 
 def slow_ranks(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
     """The slow ranks of each row of ``hist`` (reports x ranks; NaN and infinities are no value):
     a rank is slow when its value is at least ``ratio`` times the median of the other ranks' finite
-    values and at least ``min_value``; with that median at 0 or below, when ``min_value`` is positive
-    and reached (a rank that waits while the others do not), else the rank is not judged."""
-    ref = _references(hist)
-    has_ref = ~np.isnan(ref)
-    positive = has_ref & (ref > 0)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        over = np.where(positive, hist / np.where(positive, ref, 1.0) >= ratio, min_value > 0)
-        slow = has_ref & over & (hist >= min_value)
-    judged = (positive | (has_ref & (min_value > 0))).any(axis=1)
-    return SlowRanks(slow, ref, judged)
+    values and at least ``min_value``; with that median at 0 or below, when ``min_value`` is
+    positive and reached (a rank that waits while the others do not)."""
+    k, n = hist.shape
+    if n >= 2 and np.isfinite(hist).all():
+        return _finite_rows(hist, ratio, min_value)
+    out = SlowRanks(np.zeros(hist.shape, bool), *(np.full(k, np.nan) for _ in range(3)), np.zeros(k, bool))
+    for i, row in enumerate(hist):
+        finite = np.flatnonzero(np.isfinite(row))
+        if len(finite) >= 2:
+            got = _finite_rows(row[finite][None], ratio, min_value)
+            out.slow[i, finite] = got.slow[0]
+            for mine, theirs in zip(out[1:], got[1:]):
+                mine[i] = theirs[0]
+    return out
