@@ -90,7 +90,7 @@ class RankEndpoint(WireModel):
     is left out of the JSON, so that a controller older than the field (which refuses fields it
     does not know) takes the registration of an agent that could not name its node; an agent whose
     registration such a controller refuses for ``node`` registers again without it
-    (``trainer_agent/report/client.py``)."""
+    (``trainer_agent/report/older_controller.py``)."""
 
     rank: Rank = Field(description="Global rank.")
     local_rank: Rank = Field(description="Rank within its node.")
