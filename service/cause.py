@@ -60,7 +60,7 @@ import numpy as np
 from trainguard.protocol.commands import REGISTRY
 from trainguard.service.desync_layout import layout_desync
 
-__all__ = ["CAUSES", "Cause", "Verdict", "GRAD_JUMP", "GRAD_NORM", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
+__all__ = ["CAUSES", "Cause", "Verdict", "GRAD_CALM", "GRAD_JUMP", "GRAD_NORM", "judge", "refusal", "HARDWARE_DIAGNOSES", "HARDWARE_XIDS", "DATA_DIAGNOSES"]
 
 Cause = Literal["schedule", "optimizer", "data", "hardware", "unknown"]
 CAUSES: tuple[Cause, ...] = ("schedule", "optimizer", "data", "hardware", "unknown")
@@ -96,8 +96,8 @@ UPDATE_RISE = 1.5
 #: Steps skipped in a row that can still be one bad batch (more: something lasts).
 SINGLE_BATCH_SKIPS = 2
 #: One batch's gradient jump: GRAD_NORM >= GRAD_JUMP x the median of its _GRAD_WINDOW neighbours (the built-in
-#: grad_norm_spike's window: the median the rule fired on), the report before within _GRAD_CALM x.
-GRAD_JUMP, _GRAD_CALM, GRAD_EXPLAINS, GRAD_NORM, _GRAD_WINDOW = 5.0, 2.0, 3.0, "trainguard_grad_norm_max", 32
+#: grad_norm_spike's window: the median the rule fired on), the report before within GRAD_CALM x.
+GRAD_JUMP, GRAD_CALM, GRAD_EXPLAINS, GRAD_NORM, _GRAD_WINDOW = 5.0, 2.0, 3.0, "trainguard_grad_norm_max", 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +344,7 @@ def _gradient_jump(ev: _Evidence, window: Any) -> bool:
     run's step went 2x as far on a gradient 5x its neighbours')."""
     hist = (h := window.series(GRAD_NORM, _GRAD_WINDOW + 1))[np.isfinite(h)]
     base, latest, before = (float(np.median(hist[:-1])), float(hist[-1]), float(hist[-2])) if len(hist) >= 10 else (0, 0, 0)
-    if not (base > 0 and latest >= GRAD_JUMP * base and before <= _GRAD_CALM * base):
+    if not (base > 0 and latest >= GRAD_JUMP * base and before <= GRAD_CALM * base):
         return False
     ev.add(GRAD_NORM, latest, base, "data",
            f"the batch's gradient norm is {latest / base:.3g}x its neighbours' median, the report before at its level: "

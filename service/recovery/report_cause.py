@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, GRAD_JUMP, GRAD_NORM, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
+from trainguard.service.cause import HARDWARE_DIAGNOSES as _HARDWARE, GRAD_CALM, GRAD_JUMP, GRAD_NORM, SINGLE_BATCH_SKIPS, Verdict, judge, refusal
 from trainguard.service.rank_nodes import rank_places
 from trainguard.service.recovery import replay as _replay
 from trainguard.service.recovery.baselines import HealthyBaselines
@@ -94,10 +94,11 @@ class ReportCause:
         """Revise a data incident judged on one batch standing out (its loss, or at most
         ``SINGLE_BATCH_SKIPS`` skipped steps, or its gradient norm's jump; no data rule among its
         evidence) to ``unknown`` once the agent has skipped more steps than that in a row, or a later
-        report's gradient norm is still that jump's size, with no data rule firing: no one batch
-        is the cause (a schedule's LR past what the run can take makes every batch stand out, and
-        skipping the batches cannot help). The unknown ladder's experiment finds out whether the
-        LR is. True when it revised."""
+        report's gradient norm is still that jump's size and never came back to its level in
+        between, with no data rule firing: no one batch is the cause (a schedule's LR past what the
+        run can take makes every batch stand out, and skipping the batches cannot help). The
+        unknown ladder's experiment finds out whether the LR is. A second jump after the norm came
+        back is another batch (a rare harder source), not a norm that stays up. True when it revised."""
         inc = self.open
         if inc is None or inc.cause != "data" or self.reading.data_active:
             return False
@@ -106,7 +107,7 @@ class ReportCause:
             return False
         if self.reading.skipped_now > SINGLE_BATCH_SKIPS:
             why = f"the agent skipped {self.reading.skipped_now} steps in a row"
-        elif (jump := _gradient_jump_stays(evidence, window)) is not None:
+        elif (jump := _gradient_jump_stays(evidence, window, inc.onset_step)) is not None:
             why = f"the gradient norm is still {jump:.3g}x its level before the onset"
         else:
             return False
@@ -122,13 +123,19 @@ class ReportCause:
         return p.ladder_of(verdict.cause if verdict is not None else "optimizer")
 
 
-def _gradient_jump_stays(evidence: list[dict[str, Any]], window: Any) -> float | None:
+def _gradient_jump_stays(evidence: list[dict[str, Any]], window: Any, onset_step: int) -> float | None:
     """The newest gradient norm over the level before the onset, when the verdict's gradient jump
     (``cause._gradient_jump``'s evidence) has not come back: still at least ``GRAD_JUMP`` times
-    that level (an explosion, not one batch); else None."""
+    that level, and no report after the onset's and before the newest back within ``GRAD_CALM``
+    times it (an explosion, not one batch, nor a second batch after the first came back); else None."""
     base = number(next((e["reference"] for e in evidence if e["signal"] == GRAD_NORM and e["points_to"] == "data"), None))
     latest = window.latest(GRAD_NORM)
     if base is None or not base > 0 or latest is None:
         return None
     ratio = latest / base if math.isfinite(latest) else math.inf
-    return ratio if ratio >= GRAD_JUMP else None
+    if ratio < GRAD_JUMP:
+        return None
+    between = [v.get(GRAD_NORM, math.nan) for _, step, _, v in window.rows()[:-1] if step > onset_step]
+    if any(x <= GRAD_CALM * base for x in between):
+        return None  # it came back in between: the newest is another batch's jump
+    return ratio

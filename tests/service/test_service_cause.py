@@ -722,6 +722,18 @@ def test_a_jumped_gradient_that_stays_up_is_revised_and_the_lr_is_cut() -> None:
     assert min(s.lr_scale for s in states) < 0.5
 
 
+def test_a_second_jumped_gradient_after_the_first_came_back_is_another_batch_not_a_rise_that_lasts() -> None:
+    # A rare harder source: the onset's batch 6x, the norm back at its level for 3 reports, then a
+    # second hard batch 11x while the incident is open. Each stood out alone: the verdict stays data
+    # (it was revised to unknown at the second, whose ladder may cut the LR).
+    states, (inc,) = _gradient_jump([1.0] * 3 + [11.0] + [1.0] * 10)
+    assert inc["cause"] == "data" and "revised" not in inc["verdict"] and inc["outcome"] == "recovered"
+    assert all(s.lr_scale == 1.0 and s.generation == 0 for s in states)
+    # ... while a norm that never came back within 2x of its level after the onset is revised.
+    states, (inc,) = _gradient_jump([2.5] * 3 + [11.0] + [2.5] * 10)
+    assert inc["verdict"]["revised"]["from"] == "data" and inc["verdict"]["revised"]["step"] == 45
+
+
 def test_a_jump_of_the_update_ratio_beyond_what_one_gradient_gives_is_the_optimizers() -> None:
     healthy = [_report(i) for i in range(1, 41)]
     _, (inc,) = _incidents(healthy + [_report(41, trainguard_grad_norm_max=6.0, trainguard_update_ratio=4e-3)])
