@@ -14,6 +14,7 @@ from __future__ import annotations
 
 
 import random
+import statistics
 from typing import Any
 
 import pytest
@@ -253,6 +254,30 @@ def test_a_rare_harder_source_whose_batch_stands_out_is_one_batch_not_an_lr_cut(
     incidents = {i["id"]: i for s in steps for i in s.incidents}
     assert incidents and all(i["cause"] == "data" and i["rungs"] == [] for i in incidents.values())
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 for s in steps)
+
+
+def test_a_second_hard_batch_after_the_norm_came_back_leaves_the_one_batch_verdict_standing() -> None:
+    """One batch in ten from the hard corpus (another draw than above), a report every step: a hard
+    batch at step 66 stands out alone (cause data), the easy batches bring the gradient norm back to
+    its level, and a second hard batch 10 reports later is again 5x the level before the onset. That
+    is another batch, not a norm that stayed up: the verdict stays data (it was revised to unknown
+    at step 76, whose ladder may cut the LR)."""
+    torch.manual_seed(1)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    easy, pick = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), random.Random(3)
+    agent = ta.attach(model, opt, job="mix", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows = [_step(model, opt, agent, CORPUS if pick.random() < 0.1 else easy, k) for k in range(120)]
+    agent.close(1.0)
+    norm = {int(v["trainguard_step"]): v["trainguard_grad_norm_max"] for v in rows}
+    level = statistics.median(norm[k] for k in range(34, 66))  # the 32 reports before the onset
+    assert norm[66] >= 5 * level and norm[76] >= 5 * level  # two jumps ...
+    assert min(norm[k] for k in range(67, 76)) <= 2 * level  # ... the norm back at its level in between
+    incidents = {i["id"]: i for s in replay(rows, "mix") for i in s.incidents}
+    first = next(i for i in incidents.values() if i["onset_step"] == 66)
+    assert first["cause"] == "data" and "revised" not in first["verdict"]
+    assert all(i["cause"] == "data" and not {"adaptive_lr", "rollback"} & set(i["rungs"]) for i in incidents.values())
 
 
 def _losses_window(losses: list[float]) -> Any:
