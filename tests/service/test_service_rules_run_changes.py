@@ -23,7 +23,7 @@ from torch import nn
 
 import trainer_agent as ta
 from tests.service.report_replay import RULES, acting, replay
-from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, phrase_bytes, stdlib_source_bytes
 from trainguard.protocol.wire import Report
 from trainguard.service.engine import simulate
 
@@ -195,16 +195,6 @@ def test_a_new_loss_weight_marked_as_a_run_change_draws_no_action(marked: bool) 
         assert any(" loss_spike:" in line for line in acting(steps))
 
 
-def _easy_bytes(n: int = 1 << 16) -> bytes:
-    """A corpus of a few repeated phrases: its loss falls far below the library source's."""
-    rnd = random.Random(0)
-    words = ["the cat", "a dog", "sat on", "the mat", "ran to", "the park", "and", "then", "slept"]
-    text = ""
-    while len(text) < n:
-        text += " ".join(rnd.choice(words) for _ in range(8)) + ".\n"
-    return text.encode()[:n]
-
-
 def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> None:
     """One batch in five from the hard corpus, chosen at random per batch, a report every step:
     the hard batches' loss stands 10-30 robust sigma above the easy majority's median, and once the
@@ -212,7 +202,7 @@ def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> No
     torch.manual_seed(0)
     model = TinyGPT(seq_len=64, d_model=32, n_layers=2, n_heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    easy, hard = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), CORPUS
+    easy, hard = ByteCorpus(phrase_bytes(1 << 18), seq_len=32, batch_size=8), CORPUS
     pick = torch.Generator().manual_seed(1)
     agent = ta.attach(model, opt, job="mix", run="r",
                       config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
@@ -233,6 +223,21 @@ def test_batches_drawn_from_two_sources_of_different_loss_draw_no_action() -> No
     assert all(v.get("trainguard_consecutive_skipped_steps", 0) == 0 for v in rows)
 
 
+def _rare_source(torch_seed: int, steps: int) -> list[dict[str, float]]:
+    """A small one-layer GPT (its initial weights drawn with ``torch_seed``) that learns the easy
+    corpus fast, one batch in ten from the hard corpus (drawn at random per batch, the same draws
+    for every call), a report every step: the agent's report after each step."""
+    torch.manual_seed(torch_seed)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    easy, pick = ByteCorpus(phrase_bytes(1 << 18), seq_len=32, batch_size=8), random.Random(3)
+    agent = ta.attach(model, opt, job="mix", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    rows = [_step(model, opt, agent, CORPUS if pick.random() < 0.1 else easy, k) for k in range(steps)]
+    agent.close(1.0)
+    return rows
+
+
 def test_a_rare_harder_source_whose_batch_stands_out_is_one_batch_not_an_lr_cut() -> None:
     """One batch in ten from the hard corpus (chosen at random per batch), a report every step, a
     small one-layer GPT that learns the easy corpus fast: the easy batches' gradient norm falls
@@ -241,15 +246,7 @@ def test_a_rare_harder_source_whose_batch_stands_out_is_one_batch_not_an_lr_cut(
     it 2.1x the healthy update ratio. That is one batch's gradient through the optimizer's step:
     the incident's cause is data, and the LR is not cut (the verdict was ``optimizer``, and the LR
     was halved for 10 steps)."""
-    torch.manual_seed(0)
-    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    easy, pick = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), random.Random(3)
-    agent = ta.attach(model, opt, job="mix", run="r",
-                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
-    rows = [_step(model, opt, agent, CORPUS if pick.random() < 0.1 else easy, k) for k in range(200)]
-    agent.close(1.0)
-    steps = replay(rows, "mix")
+    steps = replay(_rare_source(0, 200), "mix")
     assert "185 grad_norm_spike: trainguard_grad_norm_max = 4.49739 is 5.79x its rolling median 0.776402 (limit 5x)" in acting(steps)
     incidents = {i["id"]: i for s in steps for i in s.incidents}
     assert incidents and all(i["cause"] == "data" and i["rungs"] == [] for i in incidents.values())
@@ -262,14 +259,7 @@ def test_a_second_hard_batch_after_the_norm_came_back_leaves_the_one_batch_verdi
     its level, and a second hard batch 10 reports later is again 5x the level before the onset. That
     is another batch, not a norm that stayed up: the verdict stays data (it was revised to unknown
     at step 76, whose ladder may cut the LR)."""
-    torch.manual_seed(1)
-    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    easy, pick = ByteCorpus(_easy_bytes(1 << 18), seq_len=32, batch_size=8), random.Random(3)
-    agent = ta.attach(model, opt, job="mix", run="r",
-                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
-    rows = [_step(model, opt, agent, CORPUS if pick.random() < 0.1 else easy, k) for k in range(120)]
-    agent.close(1.0)
+    rows = _rare_source(1, 120)
     norm = {int(v["trainguard_step"]): v["trainguard_grad_norm_max"] for v in rows}
     level = statistics.median(norm[k] for k in range(34, 66))  # the 32 reports before the onset
     assert norm[66] >= 5 * level and norm[76] >= 5 * level  # two jumps ...

@@ -8,6 +8,7 @@ data and the schedule, not on trainguard.
 from __future__ import annotations
 
 import math
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "ByteCorpus",
     "FaultPlan",
     "next_byte_loss",
+    "phrase_bytes",
     "stdlib_source_bytes",
 ]
 
@@ -110,6 +112,17 @@ def stdlib_source_bytes(limit: int = 4 << 20) -> bytes:
     if not chunks:
         raise RuntimeError(f"no Python source files found under {root}")
     return b"".join(chunks)[:limit]
+
+
+def phrase_bytes(limit: int = 1 << 16) -> bytes:
+    """``limit`` bytes of sentences of a few repeated phrases (the same on every call): a corpus
+    whose loss falls far below :func:`stdlib_source_bytes`'s, the easy source of a mixture."""
+    rnd = random.Random(0)
+    words = ["the cat", "a dog", "sat on", "the mat", "ran to", "the park", "and", "then", "slept"]
+    text = ""
+    while len(text) < limit:
+        text += " ".join(rnd.choice(words) for _ in range(8)) + ".\n"
+    return text.encode()[:limit]
 
 
 @dataclass(kw_only=True, slots=True)
