@@ -64,7 +64,8 @@ def _threshold_condition(rule: Any) -> str:
     text = f"{rule.op} {_num(rule.value)}"
     text += f" in {rule.for_reports} reports in a row" if rule.for_reports > 1 else ""
     if rule.crossing_window:
-        text += f", crossing it (within it in one of the {rule.crossing_window} reports before)"
+        text += f", crossing it (within it in one of the {rule.crossing_window} reports before"
+        text += f", and {_num(rule.crossing_rise)}x its level there)" if rule.crossing_rise != 1.0 else ")"
     if rule.settle_steps:
         text += (f" ({rule.op} {_num(rule.settle_value)} over" if rule.settle_value is not None else " (not judged over")
         text += (f" the first {rule.settle_steps} steps of a fresh optimizer state: the run's, a new optimizer's,"

@@ -41,7 +41,7 @@ def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
         limit = rule.settle_value
     if not all(cmp(v, limit) for v in vals.tolist()):
         return False
-    if rule.crossing_window and not _crossed(rule, w):
+    if rule.crossing_window and not _crossed(rule, w, vals):
         return False
     last = float(vals[-1])
     return Finding(
@@ -59,14 +59,25 @@ def threshold(rule: ThresholdRule, w: RuleWindow, now: float) -> Verdict:
 _NORMS = frozenset({"trainguard_grad_norm_max", "trainguard_grad_norm"})
 
 
-def _crossed(rule: ThresholdRule, w: RuleWindow) -> bool:
-    """Whether a finite value within the limit precedes the newest ``for_reports`` in the rule's
-    crossing window (the metric crossed the limit in this run); for a gradient norm, a positive
-    one (:data:`_NORMS`)."""
+def _crossed(rule: ThresholdRule, w: RuleWindow, vals: np.ndarray) -> bool:
+    """Whether a finite value within the limit precedes the newest ``for_reports`` (``vals``) in the
+    rule's crossing window (the metric crossed the limit in this run); for a gradient norm, a
+    positive one (:data:`_NORMS`). With ``crossing_rise``, also whether each of ``vals`` rose that
+    many times beyond the metric's level before the crossing (the median of the window's values up
+    to its last one within the limit): a metric whose level is near the limit crosses it with its noise."""
     before = w.series(rule.metric, rule.crossing_window + rule.for_reports)[:-rule.for_reports]
     cmp = _OPS[rule.op]
     floor = 0.0 if rule.metric in _NORMS else -math.inf
-    return any(math.isfinite(v) and v > floor and not cmp(v, rule.value) for v in before.tolist())
+    measured = np.isfinite(before) & (before > floor)
+    within = np.flatnonzero(measured & ~cmp(before, rule.value))
+    if not len(within):
+        return False
+    if rule.crossing_rise == 1.0:
+        return True
+    level = median(before[:within[-1] + 1][measured[:within[-1] + 1]])
+    if rule.op in (">", ">="):
+        return bool((vals >= rule.crossing_rise * level).all())
+    return bool((vals * rule.crossing_rise <= level).all())
 
 
 #: The markers of a change after which the optimizer's state starts afresh: another optimizer, or

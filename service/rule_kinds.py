@@ -60,6 +60,13 @@ class ThresholdRule(_RuleBase):
         "scale, not a change: a loss summed over thousands of tokens gives gradient norms in the thousands from "
         "step 1, and no LR caused those. A gradient norm of 0 is no such value (a report whose steps had no finite "
         "norm may carry it)."))
+    crossing_rise: float = Field(default=1.0, ge=1.0, allow_inf_nan=False, description=(
+        "With crossing_window: the crossing counts only when each of the newest for_reports values is at least "
+        "this multiple of the metric's level before it (for < and <=: at most its level / crossing_rise), the "
+        "level being the median of the window's finite values up to its last one within the limit (for a gradient "
+        "norm, its positive ones). A metric whose own level is near the limit crosses it back and forth with its "
+        "report-to-report noise (a loss summed over a thousand tokens gives gradient norms that wander between "
+        "500 and 3,000); a rise from well below the limit, or far above the run's level, is a change. 1: off."))
     settle_steps: int = Field(default=0, ge=0, le=1_000_000, description=(
         "Over the first settle_steps steps of a fresh optimizer state, counted at the oldest of the for_reports "
         "reports, judge against settle_value instead (0: off). The state's age is the agent's "
@@ -72,6 +79,12 @@ class ThresholdRule(_RuleBase):
         "gradient, for about 1 / (1 - beta1) steps."))
     settle_value: float | None = Field(default=None, allow_inf_nan=False, description=(
         "The limit over the first settle_steps steps (none: those reports are not judged)."))
+
+    @model_validator(mode="after")
+    def _rise(self) -> "ThresholdRule":
+        if self.crossing_rise != 1.0 and (not self.crossing_window or self.op in ("==", "!=")):
+            raise ValueError("crossing_rise needs crossing_window and an op of >, >=, < or <=")
+        return self
 
 
 class SpikeRule(_RuleBase):

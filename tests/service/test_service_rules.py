@@ -40,7 +40,7 @@ def series(metric, values, t0=0.0, dt=1.0, **extra):
         ("trainguard_data_token_kl_divergence", 0.1, 0.1001, "data_token_kl"),
         ("trainguard_data_special_token_ratio", 1e-4, 1.01e-4, "data_special_token_ratio"),
         ("trainguard_data_length_shift_pvalue", 0.05, 0.0499, "data_length_shift"),
-        (GN, 1000.0, 1000.5, "grad_norm_high"),
+        (GN, 250.0, 1000.5, "grad_norm_high"),  # (a rise: 4x its level before, crossing_rise)
         ("trainguard_optimizer_state_nonfinite", 0.0, 3.0, "optimizer_state_nonfinite"),
     ],
 )
@@ -57,10 +57,25 @@ def test_a_gradient_norm_above_1e3_from_the_first_report_is_the_run_s_scale_and_
     steps = run(DEFAULTS, series(GN, [900.0, 950.0, 7700.0]))
     assert fired(steps[2]) == ["grad_norm_high"] and steps[2].desired.lr_scale == 0.5
     # A crossing counts within the rule's window (64 reports) and from finite values only.
-    steps = run(DEFAULTS, series(GN, [900.0] + [2000.0] * 64 + [2500.0]))
+    steps = run(DEFAULTS, series(GN, [400.0] + [2000.0] * 64 + [2500.0]))
     assert fired(steps[1]) == ["grad_norm_high"] and fired(steps[65]) == []
     steps = run(DEFAULTS, series(GN, [math.nan, 2000.0]))
     assert fired(steps[1]) == []
+
+
+def test_a_gradient_norm_crossing_1e3_with_its_own_noise_draws_nothing():
+    # A run whose norm's level is near 1e3 (a loss summed over a thousand tokens) crosses it back
+    # and forth; a crossing is a rise to 4x the level before it (the median of the window's
+    # positive values up to the last one within 1e3), whether from far below 1e3 or from near it.
+    assert all(fired(s) == [] for s in run(DEFAULTS, series(GN, [963.0, 1128.0, 951.0, 1255.0])))
+    assert all(fired(s) == [] for s in run(DEFAULTS, series(GN, [600.0, 0.0, 900.0, 700.0, 2700.0])))
+    steps = run(DEFAULTS, series(GN, [600.0, 0.0, 900.0, 700.0, 2800.0]))
+    assert fired(steps[4]) == ["grad_norm_high"] and steps[4].desired.lr_scale == 0.5
+    # the level counts the values above the limit before the last one within it: a run above 1e3
+    # that dipped under it once has not risen; one that was far below it has, each time
+    assert all(fired(s) == [] for s in run(DEFAULTS, series(GN, [2000.0, 3000.0, 2500.0, 900.0, 3500.0])))
+    steps = run(DEFAULTS, series(GN, [300.0, 200.0, 250.0, 5000.0, 700.0, 2000.0], dt=1000.0))
+    assert ["grad_norm_high" in fired(s) for s in steps] == [False, False, False, True, False, True]
 
 
 @pytest.mark.parametrize(

@@ -286,3 +286,47 @@ def test_a_run_that_never_learns_draws_the_plateau_alert(labels: str, lr: float)
     assert abs(statistics.fmean(losses[-50:]) - statistics.fmean(losses[:50])) < 0.05 * statistics.fmean(losses[:50])
     first = _fired(rows, "loss_not_decreasing")
     assert first and first[0] < 200  # within the run's first 200 steps (at its 100th report or soon after)
+
+
+def _summed_rows(weight: float, poison_at: int | None = None) -> list[dict[str, float]]:
+    """A byte-level TinyGPT trained 400 steps with AdamW at 2e-3 (warm-up, cosine), its loss the mean
+    over the batch's tokens times ``weight`` (a loss summed over that many tokens); at step
+    ``poison_at`` (1-based) the loss is weighted 1e4 more (a mis-scaled batch). A report every step."""
+    from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+    corpus = ByteCorpus(stdlib_source_bytes(1 << 18), seq_len=32, batch_size=8)
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / 20) * 0.5 * (1 + math.cos(math.pi * k / 400)))
+    agent = ta.attach(model, opt, job="workload", run="r", lr_scheduler=sched,
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+
+    def loss_of(k: int) -> torch.Tensor:
+        return next_byte_loss(model, *corpus.batch(k, 0)) * weight * (1e4 if k + 1 == poison_at else 1.0)
+
+    return train(agent, opt, loss_of, 400, sched)
+
+
+def _grad_norm_high(steps: list[Any]) -> list[int]:
+    """The steps of the reports on which grad_norm_high found the norm high (alerted or held back by its cooldown)."""
+    return [s.step_last for s in steps for f in [a.finding for a in s.fired] + [f for f, _ in s.suppressed]
+            if f.rule.name == "grad_norm_high"]
+
+
+@pytest.mark.parametrize("weight", [512.0, 1024.0])
+def test_a_gradient_norm_that_hovers_around_1e3_draws_no_grad_norm_alert(weight: float) -> None:
+    """A loss summed over 512 or 1,024 tokens: the gradient norm's own level is about 1e3, and it
+    crosses 1e3 back and forth with its batch-to-batch noise (up to 2.5x its median of the 64
+    reports before). Each upward crossing read as a rise: at 512 the second report (1,128 after
+    963) halved the LR and the incident climbed to a rollback; at 1,024 the rule alerted again at
+    each cooldown's end. A poisoned batch on the same run (x1e4) is still found at its step."""
+    rows = _summed_rows(weight)
+    norms = [r["trainguard_grad_norm_max"] for r in rows]
+    ups = sum(1 for a, b in zip(norms, norms[1:]) if a <= 1e3 < b)
+    assert ups >= 10 and min(norms) < 600 and max(norms) > 1400  # it hovers, and crosses 1e3 often
+    steps = replay(rows, "workload")
+    assert _grad_norm_high(steps) == []
+    assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
+    poisoned = replay(_summed_rows(weight, poison_at=300), "workload")
+    assert _grad_norm_high(poisoned)[:1] == [300]
