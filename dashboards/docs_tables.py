@@ -79,6 +79,9 @@ def condition(rule: Any) -> str:
     if kind == "threshold":
         return _threshold_condition(rule)
     if kind == "nonfinite":
+        if rule.scaler_halvings:
+            return (f"NaN or ±Inf, except on steps a GradScaler skipped while its scale is within {rule.scaler_halvings} "
+                    f"halving(s) of its median over {rule.scaler_window} reports (or before its first step)")
         return "NaN or ±Inf"
     if kind == "spike":
         base = "rolling median" if rule.baseline == "median" else "moving average"

@@ -312,9 +312,34 @@ def nonfinite(rule: NonFiniteRule, w: RuleWindow, now: float) -> Verdict:
             bad[f"ranks.{vec}"] = {int(r): json_number(float(hist[-1][r])) for r in ranks[:16].tolist()}
     if not seen:
         return None
-    if not bad:
+    if not bad or (rule.scaler_halvings and _scaler_backoff(rule, w)):
         return False
     return Finding(rule, True, "non-finite " + ", ".join(bad), {"nonfinite": bad})
+
+
+#: The loss scaler's counter of the steps it skipped, and its scale after the report's last step.
+_AMP_SKIPS, _LOSS_SCALE = "trainguard_amp_skipped_steps_total", "trainguard_loss_scale"
+
+
+def _scaler_backoff(rule: NonFiniteRule, w: RuleWindow) -> bool:
+    """Whether the newest report's steps include some the loss scaler skipped and its scale is
+    within ``rule.scaler_halvings`` halvings of its median over the newest ``rule.scaler_window``
+    reports that came after its first step taken (a step not skipped: ``trainguard_step`` above
+    the skips' count), or no step was taken yet (the scaler's search for its scale). The median,
+    not the highest: a scaler that went on without an overflow for two growth intervals doubled
+    its scale twice, and backs off twice."""
+    n = rule.scaler_window + 1
+    scale, skips, steps = w.series(_LOSS_SCALE, n), w.series(_AMP_SKIPS, n), w.series("trainguard_step", n)
+    if w.latest(_LOSS_SCALE) is None or w.latest(_AMP_SKIPS) is None or not len(steps):
+        return False
+    k = min(len(scale), len(skips), len(steps))
+    scale, skips, steps = scale[-k:], skips[-k:], steps[-k:]
+    if not skips[-1] > (skips[-2] if k > 1 else 0.0):
+        return False  # the scaler skipped none of the newest report's steps: the weights moved
+    taken = steps[:-1] > skips[:-1]
+    if not steps[-1] > skips[-1] or not taken.any():
+        return True  # no step taken yet, or the first one in this report: the scaler's search
+    return bool(scale[-1] * 2.0 ** rule.scaler_halvings >= median(scale[:-1][taken]))
 
 
 def _short_of_run(rule: TrendRule, w: RuleWindow) -> bool:

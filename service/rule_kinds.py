@@ -141,6 +141,16 @@ class NonFiniteRule(_RuleBase):
     kind: Literal["nonfinite"]
     metric: MetricName | None = None
     vectors: tuple[Vector, ...] = ()
+    scaler_halvings: int = Field(default=0, ge=0, le=64, description=(
+        "Let non-finite values pass in a report whose steps the mixed-precision loss scaler skipped "
+        "(trainguard_amp_skipped_steps_total rose since the report before: the weights did not move) while its "
+        "loss scale (trainguard_loss_scale) is at most this many halvings below its median over the newest "
+        "scaler_window reports since it took its first step, and before that step (the scaler halves its scale "
+        "step after step until the gradients fit). A GradScaler doubles its scale after growth_interval steps "
+        "without an overflow and halves it back at the next one, a skipped step each time, so its scale stays "
+        "around its level; gradients that overflow more often than that push it below. Reports without a loss scale (no GradScaler: "
+        "bfloat16, float32, a scaler of another library) are judged as before. 0: off."))
+    scaler_window: int = Field(default=64, ge=1, le=65536)
 
     @model_validator(mode="after")
     def _something(self) -> "NonFiniteRule":

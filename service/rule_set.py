@@ -11,7 +11,9 @@ from pydantic import Field, field_validator
 
 from trainguard.protocol.wire import Name
 from trainguard.service.recovery_policy import RecoveryPolicy
-from trainguard.service.rule_kinds import CrossRankRule, OscillationRule, RateRule, Rule, SpikeRule, ThresholdRule, TrendRule
+from trainguard.service.rule_kinds import (
+    CrossRankRule, NonFiniteRule, OscillationRule, RateRule, Rule, SpikeRule, ThresholdRule, TrendRule,
+)
 from trainguard.service.rule_schema import RulesError, RulesModel
 from trainguard.service.rules_bounds import MAX_JOBS, MAX_RULES
 
@@ -68,6 +70,8 @@ class RuleSet:
                     ranks = max(ranks, r.for_reports)
                 elif isinstance(r, (RateRule, OscillationRule)):
                     reports = max(reports, r.window + 1)
+                elif isinstance(r, NonFiniteRule) and r.scaler_halvings:
+                    reports = max(reports, r.scaler_window + 1)
         return reports, ranks
 
 
