@@ -122,3 +122,29 @@ def test_a_gradient_norm_that_hovers_around_1e3_draws_no_grad_norm_alert(weight:
     assert all(s.desired.lr_scale == 1.0 and s.desired.generation == 0 and not s.incidents for s in steps)
     poisoned = replay(_summed_rows(weight, poison_at=300), "summed")
     assert _findings(poisoned, "grad_norm_high")[:1] == [300]
+
+
+def _adafactor_rows(lr: float, steps: int) -> list[dict[str, float]]:
+    """A TinyGPT trained with PyTorch's Adafactor (relative step sizes: each update is ``lr`` times
+    the root mean square of the weights it moves, at most), a report every step."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.Adafactor(model.parameters(), lr=lr)
+    agent = ta.attach(model, opt, job="adafactor", run="r",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1, skip_spikes=True))
+    return train(agent, opt, lambda k: next_byte_loss(model, *CORPUS.batch(k, 0)), steps)
+
+
+def test_adafactors_relative_step_draws_no_update_ratio_alert() -> None:
+    # At its default lr 1e-2 Adafactor clips its update to 1e-2 of the weights' size: the update
+    # ratio reads 1e-2 to within float32 rounding, above it in 3 reports in a row at step 85.
+    rows = _adafactor_rows(1e-2, 120)
+    ratios = [r["trainguard_update_ratio"] for r in rows]
+    assert max(ratios[50:]) == pytest.approx(0.01, rel=1e-4) and sum(x > 0.01 for x in ratios[50:]) >= 10
+    assert _findings(replay(rows, "adafactor"), "update_ratio_high") == []
+
+
+def test_adafactor_at_5_times_its_relative_step_draws_the_update_ratio_alert() -> None:
+    rows = _adafactor_rows(5e-2, 8)
+    assert min(r["trainguard_update_ratio"] for r in rows) > 0.04  # above the first steps' limit
+    assert _findings(replay(rows, "adafactor"), "update_ratio_high")[:1] == [3]

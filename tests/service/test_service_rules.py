@@ -672,7 +672,7 @@ def test_the_update_ratio_limit_is_the_first_steps_one_after_the_run_starts_and_
     new_optimizer = [(s, 0.002, 1.0) for s in range(1, 101)] + [(s, 0.02, 2.0) for s in range(101, 160)]
     steps = run(DEFAULTS, reports(new_optimizer))
     assert [x.step_last for x in steps if fired(x)] == [153]  # 50 steps after the last report of the old one
-    assert steps[152].fired[0].finding.values["threshold"] == 0.01
+    assert steps[152].fired[0].finding.values["threshold"] == 0.0101
     first = run(DEFAULTS, reports([(1, 0.05, 1.0), (2, 0.05, 1.0), (3, 0.05, 1.0)]))[-1]
     assert fired(first) == ["update_ratio_high"] and first.fired[0].finding.values["threshold"] == 0.04
 
@@ -686,9 +686,9 @@ def test_the_update_ratio_limit_follows_the_optimizer_states_age_when_the_report
     run_on = [(s, 0.002, float(s)) for s in range(1, 101)]
     fresh = run(DEFAULTS, reports(run_on + [(100 + a, 0.02, float(a)) for a in range(1, 60)]))  # a new state at 101
     assert [x.step_last for x in fresh if fired(x)] == [153]  # its age 51 in the oldest of the three
-    assert fresh[152].fired[0].finding.values["threshold"] == 0.01
+    assert fresh[152].fired[0].finding.values["threshold"] == 0.0101
     restored = run(DEFAULTS, reports([(s, 0.02, 1000.0 + s) for s in range(1, 4)]))  # the step restarts, the state not
-    assert fired(restored[-1]) == ["update_ratio_high"] and restored[-1].fired[0].finding.values["threshold"] == 0.01
+    assert fired(restored[-1]) == ["update_ratio_high"] and restored[-1].fired[0].finding.values["threshold"] == 0.0101
     older = run(DEFAULTS, [make_report(s, float(s), {ur: 0.02, "trainguard_step": float(s)}) for s in range(1, 4)])
     assert fired(older[-1]) == []  # an older agent's reports: the run's first steps
 
