@@ -26,6 +26,7 @@ from trainguard.dashboards.thresholds import (
     DUPLICATE_RATIO_MAX,
     FORWARD_MIN,
     GRAD_NORM_LIMIT,
+    GRAD_NORM_RISE,
     GRAD_NORM_SPIKE_MIN_HISTORY,
     GRAD_NORM_SPIKE_RATIO,
     LENGTH_SHIFT_P_MIN,
@@ -222,13 +223,17 @@ ALERT_RULES: tuple[AlertRule, ...] = (
     AlertRule(
         # Notifies only: the controller's grad_norm_high rule lowers the LR on a rise across the
         # limit in this run, not on a run at that scale from its first step (a loss summed over
-        # tokens), where an LR cut from here would slow a healthy run.
+        # tokens), where an LR cut from here would slow a healthy run. As the rule, a rise: the
+        # norm GRAD_NORM_RISE times its rolling median at least (a norm whose level is near the
+        # limit crosses it with its noise, up to 2.5x its median).
         name="TrainguardGradNormHigh",
-        expr=f"trainguard:grad_norm:max > {GRAD_NORM_LIMIT:g}",
+        expr=f"trainguard:grad_norm:max > {GRAD_NORM_LIMIT:g} "
+             f"and on (job, run) trainguard:grad_norm:spike_ratio >= {GRAD_NORM_RISE:g}",
         action="notify", severity="warning",
-        summary="Gradient norm {{ $value }} above 1e3 on run {{ $labels.run }} (such gradients usually "
-                "precede divergence). The controller lowers the LR when the norm rose across 1e3 in "
-                "this run; see the run's incidents.",
+        summary="Gradient norm {{ $value }} above 1e3 on run {{ $labels.run }}, risen to "
+                f"{GRAD_NORM_RISE:g}x its rolling median or more (such gradients usually precede "
+                "divergence). The controller lowers the LR when the norm rose across 1e3 in this run; "
+                "see the run's incidents.",
     ),
     AlertRule(
         # Judged against GRAD_NORM_SPIKE_MIN_HISTORY earlier values at least, as the controller's

@@ -10,6 +10,7 @@ from trainguard.service.rules import ADAPTIVE_FALLBACK_FACTOR, AdaptiveLrAction,
 
 __all__ = [
     "GRAD_NORM_LIMIT",
+    "GRAD_NORM_RISE",
     "GRAD_NORM_SPIKE_RATIO",
     "GRAD_NORM_SPIKE_MIN_HISTORY",
     "LR_FACTOR",
@@ -37,6 +38,8 @@ def _lr_factor(rule: Any) -> float:
 
 #: The stability guide, 6.1 checklist: gradient values should stay below 1e3 (rule ``grad_norm_high``).
 GRAD_NORM_LIMIT = float(_RULES["grad_norm_high"].value)
+#: A crossing of GRAD_NORM_LIMIT is a rise to this multiple of the norm's level (rule ``grad_norm_high``).
+GRAD_NORM_RISE = float(_RULES["grad_norm_high"].crossing_rise)
 #: Gradient-norm spike: the norm over its rolling median (rule ``grad_norm_spike``).
 GRAD_NORM_SPIKE_RATIO = float(_RULES["grad_norm_spike"].ratio)
 #: Earlier values a gradient-norm spike is judged against, at least (rule ``grad_norm_spike``).
