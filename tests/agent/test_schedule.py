@@ -252,3 +252,42 @@ def test_the_jump_the_guard_reads_is_the_built_in_rules() -> None:
 
     (rule,) = [r for r in load_rules(default_rules_text()).base if r.name == "scheduler_lr_jump"]
     assert (rule.metric, rule.op, rule.value) == ("trainguard_scheduler_lr_ratio", ">", LR_JUMP)
+
+
+def test_an_optimizer_that_sizes_its_own_steps_reports_no_scheduled_lr_and_keeps_its_updates(caplog) -> None:
+    # Hugging Face's Adafactor with relative_step=True keeps lr=None in its groups and computes its
+    # step size itself: the agent reads no scheduled LR from it (no error per step), and an LR
+    # command leaves its updates as they are, said once, instead of failing in every step.
+    transformers = pytest.importorskip("transformers")
+    import trainer_agent as ta
+    from trainguard.protocol.commands import DesiredState
+
+    def trained(attached: bool) -> tuple[list[torch.Tensor], object]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = transformers.optimization.Adafactor(model.parameters(), lr=None, relative_step=True,
+                                                  scale_parameter=True, warmup_init=False)
+        agent = ta.attach(model, opt, job="j", run="r", config=ta.AgentConfig(metrics_port=None, report_every=1, skip_nonfinite=True)) \
+            if attached else None
+        if agent is not None:
+            agent.control._set(DesiredState(generation=1, lr_scale=0.5), 0)
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if agent is not None:
+                agent.end_step(loss)
+        return [p.detach().clone() for p in model.parameters()], agent
+
+    reference, _ = trained(False)
+    with caplog.at_level("WARNING"):
+        params, agent = trained(True)
+    latest, errors = agent.latest(), agent.errors.count
+    agent.close(1.0)
+    assert errors == 0
+    assert "trainguard_scheduler_lr" not in latest
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert sum("param group whose LR is None" in r.getMessage() for r in caplog.records) == 1

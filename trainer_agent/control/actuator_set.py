@@ -17,7 +17,8 @@ import torch
 from trainguard.protocol.commands import REGISTRY
 from trainguard.protocol.wire import DesiredState
 from trainer_agent.control import optimizer_actuators, run_actuators  # noqa: F401 - both register their actuators on import
-from trainer_agent.control.actuators import ACTUATORS, Actuator, ActuatorEnv, LrScale, Sequenced, check_actuators
+from trainer_agent.control.actuators import ACTUATORS, Actuator, ActuatorEnv, Sequenced, check_actuators
+from trainer_agent.control.group_override import LrScale
 
 __all__ = ["ActuatorSet"]
 

@@ -14,9 +14,9 @@ reset, momentum, weight decay); adding a command's actuator means adding a class
 
 Mechanisms the actuators share:
 
-- :class:`GroupOverride`: a param-group key set for the optimizer step (its pre-hook) and restored
-  after it (post-hook), so LR schedulers and checkpoints keep the run's own values;
-  :class:`LrScale`: the LR times the product of the actuators' :meth:`Actuator.lr_factor`.
+- ``GroupOverride`` and ``LrScale`` (``trainer_agent/control/group_override.py``): a param-group key
+  set for the optimizer step (its pre-hook) and restored after it (post-hook), so LR schedulers and
+  checkpoints keep the run's own values; the LR times the product of the actuators' ``lr_factor``.
 - :class:`NonfiniteSkip`: the optimizer's ``step`` wrapped so that a step whose gradients hold a
   NaN/Inf on any rank — or, with a :class:`~trainer_agent.control.spike_guard.SpikeGuard`, whose gradient
   norm spikes on any rank — is not taken on any rank; nor a step the controller's data skip covers
@@ -43,7 +43,7 @@ from trainguard.protocol import commands
 from trainer_agent.measure import optim, stats
 from trainer_agent.control.spike_guard import SpikeGuard
 
-__all__ = ["ACTUATORS", "Actuator", "ActuatorEnv", "GroupOverride", "LrScale", "NonfiniteSkip", "SKIP_REASONS", "Sequenced",
+__all__ = ["ACTUATORS", "Actuator", "ActuatorEnv", "NonfiniteSkip", "SKIP_REASONS", "Sequenced",
            "actuator", "check_actuators", "malformed", "state_value"]
 
 #: The actuators log under the control plane's name (``trainer_agent/control/plane.py``).
@@ -217,49 +217,6 @@ def state_value(state: Mapping[str, Any], key: str, kind: type, default: Any = N
     if kind is float and not math.isfinite(value) or not ok(value):
         raise malformed(f"{key} = {state[key]!r}")
     return value
-
-
-class GroupOverride:
-    """Sets a key of each param group for one optimizer step, restored after it: between the
-    optimizer's pre- and post-hook the groups hold the commanded values, otherwise the run's own
-    (its scheduler, its checkpoints see only those)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer = optimizer
-        self._saved: list[tuple[dict, str, Any]] | None = None
-
-    def override(self, key_of: Callable[[dict], str | None], value: Callable[[Any], Any]) -> None:
-        """Each group's ``key_of(group)`` (None: leave the group) becomes ``value(own)``."""
-        if self._saved is not None:  # the last post-hook did not run (the step raised)
-            self.restore()
-        saved: list[tuple[dict, str, Any]] = []
-        for g in self._optimizer.param_groups:
-            key = key_of(g)
-            if key is not None and key in g:
-                saved.append((g, key, g[key]))
-                g[key] = value(g[key])
-        self._saved = saved
-
-    def restore(self) -> None:
-        """The groups' own values (objects: floats or tensors) as they were."""
-        saved, self._saved = self._saved, None
-        for g, key, own in saved or ():
-            g[key] = own
-
-
-class LrScale(GroupOverride):
-    """Multiplies every param group's LR by ``scale`` between the optimizer's pre- and post-hook."""
-
-    def before_step(self, scale: float) -> None:
-        """Optimizer pre-hook: each group's LR becomes scheduler LR x ``scale`` for this step."""
-        if self._saved is not None:
-            self.restore()
-        if scale != 1.0:
-            self.override(lambda g: "lr", lambda lr: lr * scale)
-
-    def after_step(self) -> None:
-        """Optimizer post-hook: restore the scheduler's LR objects (floats or tensors) as they were."""
-        self.restore()
 
 
 class NonfiniteSkip:

@@ -19,7 +19,8 @@ import torch
 from trainer_agent.measure import stats
 from trainer_agent.measure.optim import applied_grad_scale
 from trainer_agent.measure.params import unwrapped_name
-from trainer_agent.control.actuators import Actuator, ActuatorEnv, GroupOverride, Sequenced, actuator, state_value
+from trainer_agent.control.actuators import Actuator, ActuatorEnv, Sequenced, actuator, state_value
+from trainer_agent.control.group_override import GroupOverride
 
 __all__ = ["GradClip", "MomentumScale", "ResetOptimizer", "WeightDecayScale", "global_grad_norm",
            "MOMENTUM_MAX"]

@@ -77,7 +77,8 @@ from typing import Any
 
 from trainguard.protocol.wire import DesiredState, RunFinished
 from trainer_agent.control.actuator_set import ActuatorSet
-from trainer_agent.control.actuators import Actuator, ActuatorEnv, LrScale, NonfiniteSkip, malformed
+from trainer_agent.control.actuators import Actuator, ActuatorEnv, NonfiniteSkip, malformed
+from trainer_agent.control.group_override import LrScale
 from trainer_agent.control.agreement import StateAgreement
 from trainer_agent.report.client import ControllerClient
 from trainer_agent.config import AgentConfig

@@ -96,6 +96,8 @@ class ScheduledLr:
         lr = -math.inf
         for group in optimizer.param_groups:  # _host(group["lr"]), inlined: every step, per group (+10 % as a call)
             v = group["lr"]
+            if v is None:
+                continue  # a group that sets no LR (Hugging Face's Adafactor with relative_step sizes its own steps)
             if isinstance(v, torch.Tensor):
                 if v.device.type != "cpu":
                     return  # on the device: no read here
