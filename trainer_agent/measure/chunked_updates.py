@@ -33,25 +33,43 @@ UPDATE_CHUNK = 1 << 16
 
 class _Views:
     """A chunk's views of its dtype's three buffers (after, before, difference): per row shaped
-    like its source for staging, and as (rows, length) matrices."""
+    like its source for staging, and as (rows, length) matrices; the dtype of its norms."""
 
-    __slots__ = ("after", "before", "after_rows", "before_rows", "diff", "diff_rows")
+    __slots__ = ("after", "before", "after_rows", "before_rows", "diff", "diff_rows", "norm_dtype")
 
     def __init__(self, c: Chunk, shapes: Sequence[torch.Size], buffers: tuple[torch.Tensor, ...]) -> None:
         size = c.rows * c.length
         after, before, diff = buffers
+        self.norm_dtype = norm_dtype(c.dtype)
         self.after, self.before = c.staging(after, shapes), c.staging(before, shapes)
         self.after_rows, self.before_rows = after[:size].view(c.rows, c.length), before[:size].view(c.rows, c.length)
         self.diff, self.diff_rows = diff[:size], diff[:size].view(c.rows, c.length)
 
 
 class UpdatePlan(ChunkPlan):
-    """A :class:`ChunkPlan` with its buffers, three chunks per dtype."""
+    """A :class:`ChunkPlan` with its buffers, three chunks per dtype, and the rows of the tensors
+    it last read (:meth:`rows_of`)."""
 
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         super().__init__(shapes, dtypes, chunk)
         buffers = {d: tuple(torch.empty(chunk, dtype=d) for _ in range(3)) for d in self.dtypes}
         self.views = [_Views(c, shapes, buffers[c.dtype]) for c in self.chunks]
+        self._rows: tuple[tuple[int, ...], list[tuple]] | None = None
+
+    def rows_of(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> list[tuple]:
+        """Per chunk the rows the pass reads: of a one-row chunk ``(after, before)`` as (1, length)
+        views, else the two lists of rows its staging copies read. The parameters and the snapshot
+        are the same tensors from step to step: their rows (a few views per chunk) are kept while
+        every tensor is contiguous at the same address, and made again otherwise."""
+        key = tuple([t.data_ptr() for t in after] + [t.data_ptr() for t in before])
+        contiguous = all(t.is_contiguous() for t in after) and all(t.is_contiguous() for t in before)
+        if contiguous and self._rows is not None and self._rows[0] == key:
+            return self._rows[1]
+        new, old = Pieces(after), Pieces(before)
+        rows = [(new.flat_row(*c.pieces[0]).view(1, c.length), old.flat_row(*c.pieces[0]).view(1, c.length))
+                if c.rows == 1 else (new.rows(c), old.rows(c)) for c in self.chunks]
+        self._rows = (key, rows) if contiguous else None
+        return rows
 
 
 @torch.no_grad()
@@ -66,30 +84,28 @@ def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torc
     if plan is None or not plan.matches(shapes, dtypes, UPDATE_CHUNK):
         plan = cache["update_plan"] = UpdatePlan(shapes, dtypes, UPDATE_CHUNK)
     columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
-    new, old = Pieces(after), Pieces(before)
-    for c, v in zip(plan.chunks, plan.views):
+    for c, v, (new, old) in zip(plan.chunks, plan.views, plan.rows_of(before, after)):
         if c.rows == 1:
-            a, b = new.flat_row(*c.pieces[0]), old.flat_row(*c.pieces[0])
-            a_rows, b_rows = a.view(1, c.length), b.view(1, c.length)
-            torch.sub(b, a, out=v.diff)
+            a_rows, b_rows = new, old
+            torch.sub(b_rows, a_rows, out=v.diff_rows)
         else:
-            torch_private.foreach_copy_(v.after, new.rows(c))
-            torch_private.foreach_copy_(v.before, old.rows(c))
+            torch_private.foreach_copy_(v.after, new)
+            torch_private.foreach_copy_(v.before, old)
             a_rows, b_rows = v.after_rows, v.before_rows
             if c.pad is not None:  # padding: 0 on both sides, adding nothing to a norm
                 a_rows.masked_fill_(c.pad, 0)
                 b_rows.masked_fill_(c.pad, 0)
             torch.sub(b_rows, a_rows, out=v.diff_rows)
-        dtype = norm_dtype(c.dtype)
+        dtype = v.norm_dtype
         columns[0].append(torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype))
         columns[1].append(torch.linalg.vector_norm(a_rows, dim=1, dtype=dtype))
         if before_norms:
             columns[2].append(torch.linalg.vector_norm(b_rows, dim=1, dtype=dtype))
         if refresh:  # W_after into the snapshot, from the cache
             if c.rows == 1:
-                b.copy_(a)
+                b_rows.copy_(a_rows)
             else:
-                torch_private.foreach_copy_(old.rows(c), v.after)
+                torch_private.foreach_copy_(old, v.after)
     if not plan.chunks:
         return [torch.zeros(plan.tensors, dtype=torch.float64) for _ in columns]
     rows = torch.stack([torch.cat(column).to(torch.float64) for column in columns]).square_()
