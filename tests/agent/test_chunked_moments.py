@@ -129,3 +129,13 @@ def test_a_new_set_of_shapes_makes_a_new_plan() -> None:
     second = [torch.randn(10), torch.randn(4, 5), torch.randn(3)]
     _check(chunked_moments.chunked_moments(second, cache), second)
     assert cache["moment_plan"] is not plan
+
+
+def test_a_result_is_not_written_over_by_the_next_pass() -> None:
+    """The plan's results are written in place by every pass: what a pass returned, float64
+    tensors' columns included, stays the moments of the tensors it measured."""
+    cache: dict = {}
+    first = _tensors(5)
+    got = chunked_moments.chunked_moments(first, cache)
+    chunked_moments.chunked_moments(_tensors(6), cache)
+    _check(got, first)

@@ -48,11 +48,14 @@ BITS: dict[torch.dtype, torch.dtype] = {torch.float32: torch.int32, torch.float6
 class _Views:
     """A chunk's views of the two buffers: the staging views (one per row, shaped like its
     source), the float64 copy as the source's shape and as rows, the absolute values as rows of
-    integers."""
+    integers; and its places in the plan's results (its rows' sums, sums of squares and L1 norms,
+    their smallest and largest ``|x|`` bits), written in place."""
 
-    __slots__ = ("staged", "wide", "wide_flat", "absolute", "wide_rows", "bit_rows", "pad_flat", "top")
+    __slots__ = ("staged", "wide", "wide_flat", "absolute", "wide_rows", "bit_rows", "bit_flat", "pad_flat", "top",
+                 "sums", "squares", "l1s", "low", "high")
 
-    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], wide: torch.Tensor, stage: torch.Tensor) -> None:
+    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], wide: torch.Tensor, stage: torch.Tensor,
+                 results: tuple[torch.Tensor, torch.Tensor]) -> None:
         size = c.rows * c.length
         shape = c.shapes(shapes)
         self.staged = c.staging(stage, shapes)
@@ -64,17 +67,32 @@ class _Views:
         self.wide_flat = wide[:size]
         self.absolute = stage[:c.length].view(shape[0]) if c.rows == 1 else stage[:size]
         self.wide_rows = wide[:size].view(c.rows, c.length)
-        self.bit_rows = stage[:size].view(BITS[c.dtype]).view(c.rows, c.length)
+        self.bit_flat = stage[:size].view(BITS[c.dtype])
+        self.bit_rows = self.bit_flat.view(c.rows, c.length)
+        (self.sums, self.squares, self.l1s), (low, high) = results
+        # One row: its extremes as 0-dim places, for one ``aminmax`` of the whole row.
+        self.low, self.high = (low[0], high[0]) if c.rows == 1 else (low, high)
 
 
 class MomentPlan(ChunkPlan):
-    """A :class:`ChunkPlan` with its buffers: one float64 chunk, one staging chunk per dtype."""
+    """A :class:`ChunkPlan` with its buffers: one float64 chunk, one staging chunk per dtype, and
+    the rows' results (``sums``: their sums, sums of squares and L1 norms, float64; ``bits``: per
+    dtype their smallest and largest ``|x|`` as integers), each chunk's rows at its place."""
 
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         super().__init__(shapes, dtypes, chunk)
         wide = torch.empty(chunk, dtype=torch.float64)
         stages = {d: torch.empty(chunk, dtype=d) for d in self.dtypes}
-        self.views = [_Views(c, shapes, wide, stages[c.dtype]) for c in self.chunks]
+        self.sums = torch.empty(3, len(self.owner), dtype=torch.float64)
+        counts = {d: sum(c.rows for c in self.chunks if c.dtype == d) for d in self.dtypes}
+        self.bits = {d: torch.empty(2, counts[d], dtype=BITS[d]) for d in self.dtypes}
+        self.views = []
+        row, of_dtype = 0, {d: 0 for d in self.dtypes}  # (a dtype's chunks follow one another)
+        for c in self.chunks:
+            at = of_dtype[c.dtype]
+            results = (self.sums[:, row:row + c.rows].unbind(0), self.bits[c.dtype][:, at:at + c.rows].unbind(0))
+            self.views.append(_Views(c, shapes, wide, stages[c.dtype], results))
+            row, of_dtype[c.dtype] = row + c.rows, at + c.rows
 
 
 @torch.no_grad()
@@ -89,10 +107,6 @@ def chunked_moments(tensors: Sequence[torch.Tensor], cache: dict | None = None) 
     plan = cache.get("moment_plan")
     if plan is None or not plan.matches(shapes, dtypes, MOMENT_CHUNK):
         plan = cache["moment_plan"] = MomentPlan(shapes, dtypes, MOMENT_CHUNK)
-    sums: list[torch.Tensor] = []
-    squares: list[torch.Tensor] = []
-    l1s: list[torch.Tensor] = []
-    bits: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {d: ([], []) for d in plan.dtypes}
     pieces = Pieces(tensors)
     for c, v in zip(plan.chunks, plan.views):
         if c.rows == 1:
@@ -106,25 +120,30 @@ def chunked_moments(tensors: Sequence[torch.Tensor], cache: dict | None = None) 
             v.wide.copy_(v.absolute)
             v.absolute.abs_()
         w = v.wide_rows
-        sums.append(w.sum(dim=1))
-        squares.append(torch.mv(w, v.wide_flat) if c.rows == 1 else torch.linalg.vector_norm(w, dim=1).square_())
+        torch.sum(w, dim=1, out=v.sums)
+        if c.rows == 1:
+            torch.mv(w, v.wide_flat, out=v.squares)
+        else:
+            torch.linalg.vector_norm(w, dim=1, out=v.squares).square_()
         w.abs_()
-        l1s.append(w.sum(dim=1))
-        bits[c.dtype][1].append(v.bit_rows.amax(dim=1))  # (``aminmax`` along a dimension is not vectorized)
+        torch.sum(w, dim=1, out=v.l1s)
+        if c.rows == 1:  # (``aminmax`` along a dimension is not vectorized: over the whole row)
+            torch.aminmax(v.bit_flat, out=(v.low, v.high))
+            continue
+        torch.amax(v.bit_rows, dim=1, out=v.high)
         if c.pad is not None:
             v.bit_rows.masked_fill_(c.pad, v.top)
-        bits[c.dtype][0].append(v.bit_rows.amin(dim=1))
-    return _per_tensor(plan, tensors, torch.stack([torch.cat(sums), torch.cat(squares), torch.cat(l1s)]), bits)
+        torch.amin(v.bit_rows, dim=1, out=v.low)
+    return _per_tensor(plan, tensors)
 
 
-def _per_tensor(plan: MomentPlan, tensors: Sequence[torch.Tensor], rows: torch.Tensor,
-                bits: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> torch.Tensor:
-    """The rows' (sum, sum of squares, L1) and extreme bits combined per tensor, in MOMENTS form."""
-    extremes = torch.cat([torch.stack([torch.cat(low), torch.cat(high)]).view(dtype).to(torch.float64)
-                          for dtype, (low, high) in bits.items()], dim=1)
+def _per_tensor(plan: MomentPlan, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rows' (sum, sum of squares, L1) and extreme bits combined per tensor, in MOMENTS form
+    (a new tensor: the plan's results are written again by its next pass)."""
+    extremes = torch.cat([bits.view(dtype).to(torch.float64) for dtype, bits in plan.bits.items()], dim=1)
     low, high = extremes.unbind(0)
     low = torch.where(high.isnan(), high, low)  # the integer minimum passes over NaN
-    rows = per_tensor_sums(plan, rows)
+    rows = per_tensor_sums(plan, plan.sums)
     if not plan.identity:
         n = plan.tensors
         high = torch.empty(n, dtype=torch.float64).scatter_reduce_(0, plan.owner, high, "amax", include_self=False)
