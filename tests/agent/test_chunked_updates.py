@@ -48,3 +48,20 @@ def test_rows_are_kept_for_the_same_tensors_and_made_again_for_others(monkeypatc
     after[0] = square  # contiguous again
     before[0].sub_(0.125)
     _check(before, after, cache)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float64,), (torch.float32, torch.float64)])
+def test_a_result_is_not_written_over_by_the_next_pass(dtypes: tuple[torch.dtype, ...]) -> None:
+    """The plan's norms are written in place by every pass: what a pass returned (a measured
+    step's ``||W_after||^2`` is kept as the next step's ``||W_before||^2``), of float32 and
+    float64 parameters, stays the norms of the tensors it measured."""
+    g = torch.Generator().manual_seed(8)
+    after = [torch.randn(30, generator=g, dtype=dtypes[0]), torch.randn(5, 6, generator=g, dtype=dtypes[-1])]
+    before = [a + 0.1 * torch.randn(a.shape, generator=g, dtype=a.dtype) for a in after]
+    want = _reference(before, after)
+    cache: dict = {}
+    got = chunked_updates.chunked_update_sq_norms(before, after, cache, before_norms=True, refresh=False)
+    chunked_updates.chunked_update_sq_norms([b * 2 for b in before], [a * 3 for a in after], cache,
+                                            before_norms=True, refresh=False)
+    for column, reference in zip(got, want):
+        assert column.tolist() == pytest.approx(reference, rel=1e-5)

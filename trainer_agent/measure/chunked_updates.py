@@ -35,25 +35,34 @@ class _Views:
     """A chunk's views of its dtype's three buffers (after, before, difference): per row shaped
     like its source for staging, and as (rows, length) matrices; the dtype of its norms."""
 
-    __slots__ = ("after", "before", "after_rows", "before_rows", "diff", "diff_rows", "norm_dtype")
+    __slots__ = ("after", "before", "after_rows", "before_rows", "diff", "diff_rows", "norm_dtype", "norms")
 
-    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], buffers: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, c: Chunk, shapes: Sequence[torch.Size], buffers: tuple[torch.Tensor, ...],
+                 norms: torch.Tensor) -> None:
         size = c.rows * c.length
         after, before, diff = buffers
         self.norm_dtype = norm_dtype(c.dtype)
+        #: Its rows' norms (of the difference, of W_after, of W_before), written in place.
+        self.norms = norms.unbind(0)
         self.after, self.before = c.staging(after, shapes), c.staging(before, shapes)
         self.after_rows, self.before_rows = after[:size].view(c.rows, c.length), before[:size].view(c.rows, c.length)
         self.diff, self.diff_rows = diff[:size], diff[:size].view(c.rows, c.length)
 
 
 class UpdatePlan(ChunkPlan):
-    """A :class:`ChunkPlan` with its buffers, three chunks per dtype, and the rows of the tensors
-    it last read (:meth:`rows_of`)."""
+    """A :class:`ChunkPlan` with its buffers, three chunks per dtype, the rows' three norms per
+    dtype (``norms``: a (3, rows) tensor of the norms' dtype each, each chunk's rows at its place),
+    and the rows of the tensors it last read (:meth:`rows_of`)."""
 
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         super().__init__(shapes, dtypes, chunk)
         buffers = {d: tuple(torch.empty(chunk, dtype=d) for _ in range(3)) for d in self.dtypes}
-        self.views = [_Views(c, shapes, buffers[c.dtype]) for c in self.chunks]
+        counts = {d: sum(c.rows for c in self.chunks if c.dtype == d) for d in self.dtypes}
+        self.norms = {d: torch.empty(3, counts[d], dtype=norm_dtype(d)) for d in self.dtypes}
+        self.views, at = [], {d: 0 for d in self.dtypes}  # (a dtype's chunks follow one another)
+        for c in self.chunks:
+            self.views.append(_Views(c, shapes, buffers[c.dtype], self.norms[c.dtype][:, at[c.dtype]:at[c.dtype] + c.rows]))
+            at[c.dtype] += c.rows
         self._rows: tuple[tuple[int, ...], list[tuple]] | None = None
 
     def rows_of(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> list[tuple]:
@@ -83,7 +92,6 @@ def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torc
     plan = cache.get("update_plan")
     if plan is None or not plan.matches(shapes, dtypes, UPDATE_CHUNK):
         plan = cache["update_plan"] = UpdatePlan(shapes, dtypes, UPDATE_CHUNK)
-    columns: list[list[torch.Tensor]] = [[], [], []] if before_norms else [[], []]
     for c, v, (new, old) in zip(plan.chunks, plan.views, plan.rows_of(before, after)):
         if c.rows == 1:
             a_rows, b_rows = new, old
@@ -96,17 +104,19 @@ def chunked_update_sq_norms(before: Sequence[torch.Tensor], after: Sequence[torc
                 a_rows.masked_fill_(c.pad, 0)
                 b_rows.masked_fill_(c.pad, 0)
             torch.sub(b_rows, a_rows, out=v.diff_rows)
-        dtype = v.norm_dtype
-        columns[0].append(torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype))
-        columns[1].append(torch.linalg.vector_norm(a_rows, dim=1, dtype=dtype))
+        dtype, (delta, param, old_norm) = v.norm_dtype, v.norms
+        torch.linalg.vector_norm(v.diff_rows, dim=1, dtype=dtype, out=delta)
+        torch.linalg.vector_norm(a_rows, dim=1, dtype=dtype, out=param)
         if before_norms:
-            columns[2].append(torch.linalg.vector_norm(b_rows, dim=1, dtype=dtype))
+            torch.linalg.vector_norm(b_rows, dim=1, dtype=dtype, out=old_norm)
         if refresh:  # W_after into the snapshot, from the cache
             if c.rows == 1:
                 b_rows.copy_(a_rows)
             else:
                 torch_private.foreach_copy_(old, v.after)
+    k = 3 if before_norms else 2
     if not plan.chunks:
-        return [torch.zeros(plan.tensors, dtype=torch.float64) for _ in columns]
-    rows = torch.stack([torch.cat(column).to(torch.float64) for column in columns]).square_()
+        return [torch.zeros(plan.tensors, dtype=torch.float64) for _ in range(k)]
+    # (a new tensor, also for float64 norms: the plan's are written again by its next pass)
+    rows = torch.cat([norms[:k].to(torch.float64) for norms in plan.norms.values()], dim=1).square_()
     return list(per_tensor_sums(plan, rows).unbind(0))
