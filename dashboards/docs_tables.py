@@ -73,6 +73,13 @@ def _threshold_condition(rule: Any) -> str:
     return text
 
 
+def _rate_condition(rule: Any) -> str:
+    span = f"the newest ≥ {_num(rule.min_steps)} `{rule.per}` (up to {rule.window} reports)" if rule.min_steps \
+        else f"{rule.window} reports"
+    startup = f", its start-up (the counter equal to `{rule.per}`) left out" if rule.leave_out_startup else ""
+    return f"grows by > {_num(rule.value)} per `{rule.per}` over {span}{startup}"
+
+
 def condition(rule: Any) -> str:
     """When the rule fires, in words, with the numbers of the rules file."""
     kind = rule.kind
@@ -102,7 +109,7 @@ def condition(rule: Any) -> str:
             return text
         return f"rising in every report, by ≥ {_num(100 * rule.min_rel_change)} % over {rule.window} reports"
     if kind == "rate":
-        return f"grows by > {_num(rule.value)} per `{rule.per}` over {rule.window} reports"
+        return _rate_condition(rule)
     if kind == "cross_rank":
         if rule.check == "spread":
             text = f"a rank ≥ {_num(rule.ratio)}× the median of the other ranks"

@@ -26,7 +26,9 @@ def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
     n = min(len(counts), len(steps))
     if n < 2:
         return finding(rule, None)
-    counts, steps = counts[-n:], steps[-n:]
+    counts, steps = _measured_span(rule, counts[-n:], steps[-n:])
+    if len(steps) < 2:
+        return finding(rule, None)
     d_steps = float(steps[-1] - steps[0])
     d_count = float(counts[-1] - counts[0])
     if not (d_steps > 0 and math.isfinite(d_count)):
@@ -40,6 +42,21 @@ def rate(rule: RateRule, w: RuleWindow, now: float, finding: Any) -> Any:
         {"metric": rule.metric, "per": rule.per, "rate": value, "limit": rule.value, "increase": d_count,
          "steps": d_steps, "reports": n},
     )
+
+
+def _measured_span(rule: RateRule, counts: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reports ``rate`` measures over: from the newest one back to the newest that lies at
+    least ``rule.min_steps`` back (empty when none does), after those in which the counter still
+    equals ``per`` (``rule.leave_out_startup``: a loss scaler's search for its scale)."""
+    if rule.leave_out_startup:
+        started = steps > counts  # a step not counted: once true, true from then on (one count a step at most)
+        first = int(started.argmax()) if started.any() else len(steps)
+        counts, steps = counts[first:], steps[first:]
+    if rule.min_steps and len(steps):
+        back = np.flatnonzero(steps[-1] - steps >= rule.min_steps)
+        first = int(back[-1]) if len(back) else len(steps)
+        counts, steps = counts[first:], steps[first:]
+    return counts, steps
 
 
 @functools.lru_cache(maxsize=64)

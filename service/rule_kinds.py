@@ -221,15 +221,22 @@ class DesyncRule(_RuleBase):
 
 
 class RateRule(_RuleBase):
-    """A counter's increase per unit of ``per`` over the newest ``window`` + 1 reports:
-    ``(metric[-1] - metric[0]) / (per[-1] - per[0]) > value`` (e.g. the share of steps whose
-    update the mixed-precision loss scaler skipped)."""
+    """A counter's increase per unit of ``per``, ``(metric[-1] - metric[0]) / (per[-1] - per[0]) >
+    value`` (e.g. the share of steps whose update the mixed-precision loss scaler skipped), from
+    the newest report back to the oldest of the ``window`` reports before it, or with
+    ``min_steps`` to the newest of them that lies at least ``min_steps`` of ``per`` back (none: no
+    verdict), so that the rate is measured over the same span of steps whatever the reporting
+    interval. ``leave_out_startup``: the reports in which the counter still equals ``per`` (every
+    step so far counted: a loss scaler skips each step until it finds its scale) are left out, the
+    rate measured from the first report after them."""
 
     kind: Literal["rate"]
     metric: MetricName
     per: MetricName = "trainguard_step"
     window: int = Field(default=10, ge=1, le=65536)
     value: float = Field(ge=0, allow_inf_nan=False)
+    min_steps: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    leave_out_startup: bool = False
 
 
 class OscillationRule(_RuleBase):

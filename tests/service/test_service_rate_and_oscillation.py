@@ -4,16 +4,22 @@ each with a case that trips it and a healthy one that does not. Expected values 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+import trainer_agent as ta
+from trainguard.demo.model import ByteCorpus, TinyGPT, next_byte_loss, stdlib_source_bytes
+from trainguard.protocol.wire import Report
 from trainguard.service.engine import simulate
 from trainguard.service.rules import default_rules_text, load_rules
 from trainguard.service.rate_and_oscillation import periodogram_peak
 from tests.service.conftest import make_report
 
 DEFAULTS = load_rules(default_rules_text())
+CORPUS = ByteCorpus(stdlib_source_bytes(1 << 18), seq_len=32, batch_size=8)
 
 
 def fired(steps) -> list[list[str]]:
@@ -40,6 +46,70 @@ def test_amp_skip_rate(skipped_per_report, expect):
         i = first.index
         lo = max(0, i - 10)
         assert rate == pytest.approx((total[i] - total[lo]) / (10.0 * (i - lo)))
+
+
+def _float16_run(every: int, weight: float, bad_steps: range = range(0)) -> tuple[list[dict[str, float]], list[int]]:
+    """A TinyGPT trained 300 steps with AdamW at 2e-3 under float16 autocast with a GradScaler at
+    its initial scale 2**16 and growth_interval 50, its loss times ``weight`` (the scaled gradients
+    overflow at first: the scaler's search for its scale), a report every ``every`` steps; on the
+    steps (1-based) of ``bad_steps`` the final norm's weight gets an infinite gradient (a layer
+    that overflows). The reports, and the steps on which the scaler skipped the update."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len=32, d_model=32, n_layers=1, n_heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=50)
+    agent = ta.attach(model, opt, job="amp", run="r", scaler=scaler,
+                      config=ta.AgentConfig(metrics_port=None, report_every=every))
+    rows, skipped, step = [], [], [0]
+    model.ln_f.weight.register_hook(lambda g: g * math.inf if step[0] in bad_steps else g)
+    for k in range(300):
+        step[0] = k + 1
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = next_byte_loss(model, *CORPUS.batch(k, 0)) * weight
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        agent.end_step(loss.detach())
+        skipped += [k + 1] if scaler.get_scale() < scale else []
+        rows += [agent.latest()] if (k + 1) % every == 0 else []
+    agent.close(1.0)
+    return rows, skipped
+
+
+def _amp_skip_rate_findings(rows: list[dict[str, float]], every: int) -> list[Any]:
+    reps = [Report(job="amp", step_first=int(v["trainguard_step"]) - every + 1, step_last=int(v["trainguard_step"]),
+                   time=float(i), values={k: x for k, x in v.items() if "{" not in k}) for i, v in enumerate(rows)]
+    return [(s.step_last, f.finding) for s in simulate(DEFAULTS.for_job("amp"), reps, world_size=1)
+            for f in s.fired if f.finding.rule.name == "amp_skip_rate"]
+
+
+@pytest.mark.parametrize("every, weight, startup", [(1, 64.0, 6), (10, 4096.0, 11)])
+def test_a_healthy_grad_scalers_back_offs_draw_no_amp_skip_rate(every, weight, startup):
+    """The scaler's search for its scale skips the first steps, then it backs off once now and
+    then after doubling its scale (every 50 steps without an overflow here; 2,000 by default).
+    The rule measured 10 reports: with a report every step, the second step's report read as
+    100 % skipped and each later back-off as 10 %; with a report every 10 steps, a search that
+    ran past the first report (11 skips in 20 steps) read as 55 %."""
+    rows, skipped = _float16_run(every, weight)
+    assert skipped[:startup] == list(range(1, startup + 1)) and len(skipped) >= startup + 2
+    assert rows[-1]["trainguard_amp_skipped_steps_total"] == len(skipped)
+    assert _amp_skip_rate_findings(rows, every) == []
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_sustained_amp_skip_rate_is_found(every):
+    # from step 150 a gradient overflows every third step: a third of the steps skipped
+    rows, skipped = _float16_run(every, 64.0, bad_steps=range(150, 301, 3))
+    assert set(range(150, 301, 3)) <= set(skipped)
+    found = _amp_skip_rate_findings(rows, every)
+    assert found and 150 < found[0][0] <= 200
+    step, finding = found[0]
+    back = step - int(finding.values["steps"])
+    assert finding.values["steps"] >= 100
+    assert finding.values["rate"] == pytest.approx(
+        (sum(back < s <= step for s in skipped)) / finding.values["steps"])
 
 
 @pytest.mark.parametrize("scales, expect", [
