@@ -95,6 +95,16 @@ class ChunkPlan:
     def matches(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> bool:
         return self.key == (tuple(shapes), tuple(dtypes), chunk)
 
+    def rows_by_dtype(self) -> tuple[dict[torch.dtype, int], list[slice]]:
+        """Each dtype's row count, and each chunk's rows among its dtype's (a dtype's chunks follow
+        one another): where a pass writes a chunk's results in per-dtype result buffers."""
+        counts = dict.fromkeys(self.dtypes, 0)
+        places = []
+        for c in self.chunks:
+            places.append(slice(counts[c.dtype], counts[c.dtype] + c.rows))
+            counts[c.dtype] += c.rows
+        return counts, places
+
 
 class Pieces:
     """The rows of the current ``tensors`` (one call of a pass): a whole tensor as it is, a

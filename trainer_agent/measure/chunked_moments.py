@@ -84,15 +84,14 @@ class MomentPlan(ChunkPlan):
         wide = torch.empty(chunk, dtype=torch.float64)
         stages = {d: torch.empty(chunk, dtype=d) for d in self.dtypes}
         self.sums = torch.empty(3, len(self.owner), dtype=torch.float64)
-        counts = {d: sum(c.rows for c in self.chunks if c.dtype == d) for d in self.dtypes}
+        counts, places = self.rows_by_dtype()
         self.bits = {d: torch.empty(2, counts[d], dtype=BITS[d]) for d in self.dtypes}
         self.views = []
-        row, of_dtype = 0, {d: 0 for d in self.dtypes}  # (a dtype's chunks follow one another)
-        for c in self.chunks:
-            at = of_dtype[c.dtype]
-            results = (self.sums[:, row:row + c.rows].unbind(0), self.bits[c.dtype][:, at:at + c.rows].unbind(0))
+        row = 0
+        for c, at in zip(self.chunks, places):
+            results = (self.sums[:, row:row + c.rows].unbind(0), self.bits[c.dtype][:, at].unbind(0))
             self.views.append(_Views(c, shapes, wide, stages[c.dtype], results))
-            row, of_dtype[c.dtype] = row + c.rows, at + c.rows
+            row += c.rows
 
 
 @torch.no_grad()

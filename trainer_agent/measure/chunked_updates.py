@@ -57,12 +57,10 @@ class UpdatePlan(ChunkPlan):
     def __init__(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype], chunk: int) -> None:
         super().__init__(shapes, dtypes, chunk)
         buffers = {d: tuple(torch.empty(chunk, dtype=d) for _ in range(3)) for d in self.dtypes}
-        counts = {d: sum(c.rows for c in self.chunks if c.dtype == d) for d in self.dtypes}
+        counts, places = self.rows_by_dtype()
         self.norms = {d: torch.empty(3, counts[d], dtype=norm_dtype(d)) for d in self.dtypes}
-        self.views, at = [], {d: 0 for d in self.dtypes}  # (a dtype's chunks follow one another)
-        for c in self.chunks:
-            self.views.append(_Views(c, shapes, buffers[c.dtype], self.norms[c.dtype][:, at[c.dtype]:at[c.dtype] + c.rows]))
-            at[c.dtype] += c.rows
+        self.views = [_Views(c, shapes, buffers[c.dtype], self.norms[c.dtype][:, at])
+                      for c, at in zip(self.chunks, places)]
         self._rows: tuple[tuple[int, ...], list[tuple]] | None = None
 
     def rows_of(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> list[tuple]:

@@ -15,8 +15,8 @@ what was compiled is compiled again at the next call, so the step of the reset c
 and the callback goes back in). The callback goes in at attach where ``torch._dynamo`` is
 imported by then (constructing a torch optimizer imports it); where it is not, the agent does not
 import it (seconds) and registers at the end of the step in which it appears, which counts as
-compiled (torch.compile's first use: the import and the first compilation). A compilation in another thread of the process (an evaluation compiled
-there) marks the training step it overlaps.
+compiled (torch.compile's first use: the import and the first compilation). A compilation in
+another thread of the process (an evaluation compiled there) marks the training step it overlaps.
 """
 
 from __future__ import annotations
