@@ -17,6 +17,7 @@ differs from what this module produces.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ from trainguard.protocol.commands import REGISTRY
 from trainguard.service.diagnosis import diagnosis
 from trainguard.service.metrics import CONTROLLER_METRICS
 from trainguard.service.cause import HARDWARE_DIAGNOSES
+from trainguard.service.desync_layout import LAYOUT_HINT
 from trainguard.service.rules import AdaptiveLrAction, NotifyAction, RecoveryPolicy, default_rules_text, load_rules
 
 __all__ = ["BLOCKS", "actions_table", "rules_table", "recovery_table", "rule_sections", "metrics_table", "series_table",
@@ -45,8 +47,14 @@ def _num(x: float) -> str:
     return re.sub(r"e([+-])0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
 
 
+@functools.cache
+def _built_in() -> Any:
+    """The built-in rules file (loaded once)."""
+    return load_rules(default_rules_text()).file
+
+
 def _rules() -> list[Any]:
-    return list(load_rules(default_rules_text()).file.rules)
+    return list(_built_in().rules)
 
 
 def watched(rule: Any) -> str:
@@ -203,7 +211,7 @@ def rules_table() -> str:
 
 def recovery_table() -> str:
     """The ``recovery`` section's settings: the built-in value and what each means."""
-    built_in = load_rules(default_rules_text()).file.recovery
+    built_in = _built_in().recovery
     rows = ["| setting | built-in | meaning |", "|---|---|---|"]
     for name, field in RecoveryPolicy.model_fields.items():
         value = getattr(built_in, name)
@@ -222,16 +230,15 @@ def recovery_table() -> str:
 #: What a hardware rule's alert does not make hardware evidence of, per diagnosis.
 _NOT_HARDWARE = {
     "gpu_xid": "an XID of the application's own kernels (13, 31, 43) or one the driver contained (63, 94) only notifies",
-    "grad_desync": "a desync of more than half the ranks of a job of three or more is taken as ranks that hold "
-                   "different values by design (post-local SGD, FSDP1 shards, per-rank expert layers: see "
-                   "`AgentConfig.rank_local_params`), not a device, and only notifies",
+    "grad_desync": f"a desync of more than half the ranks of a job of three or more only notifies: it is taken as "
+                   f"{LAYOUT_HINT}",
 }
 _NOT_HARDWARE["param_desync"] = _NOT_HARDWARE["grad_desync"]
 
 
 def _hardware_ladder(diagnosis: str) -> str:
     """What a hardware rule's alert does beyond notifying: the built-in hardware ladder's rungs."""
-    ladder = load_rules(default_rules_text()).file.recovery.ladders.hardware or ()
+    ladder = _built_in().recovery.ladders.hardware or ()
     rungs = ", then ".join(f"`{r}`" for r in ladder)
     text = ("Its alert is hardware evidence: with recovery on, the controller's cause verdict is `hardware`, naming "
             f"the ranks and their nodes, and an incident opens that climbs `ladders.hardware` ({rungs}: every rank "

@@ -12,6 +12,7 @@ import numpy as np
 
 from trainguard.service.finding import Finding, Verdict, json_number
 from trainguard.service.numerics import finite_range, median
+from trainguard.service.rank_nodes import listed
 from trainguard.service.rule_kinds import CrossRankRule, DesyncRule
 from trainguard.service.slow_ranks import slow_ranks
 from trainguard.service.window import RuleWindow
@@ -70,8 +71,7 @@ def _group_text(rule: CrossRankRule, named: np.ndarray, row: np.ndarray, refs: n
     vals = row[named]
     with np.errstate(divide="ignore"):
         least = float(np.min(vals / refs))  # (a reference of 0 under a min_value: an infinite ratio)
-    listed = ", ".join(map(str, named[:8].tolist())) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
-    return (f"{len(named)} of {judged} ranks ({listed}) are slow together: {rule.vector} {float(vals.min()):.6g} to "
+    return (f"{len(named)} of {judged} ranks ({listed(named.tolist())}) are slow together: {rule.vector} {float(vals.min()):.6g} to "
             f"{float(vals.max()):.6g}, each at least {least:.3g}x the median of its other ranks (at most "
             f"{float(np.max(refs)):.6g}; limit {rule.ratio:g}x); ranks slow together "
             "point to what they share (a slower node type, or one node's device, network or storage), not to one rank")

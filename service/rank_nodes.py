@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["rank_nodes", "rank_places", "nodes_text", "with_nodes"]
+__all__ = ["listed", "rank_nodes", "rank_places", "nodes_text", "with_nodes"]
 
 #: Ranks and nodes named in one alert's text (the rest counted).
 _SHOWN = 8
@@ -21,12 +21,16 @@ def rank_nodes(ranks: list[dict[str, Any]] | tuple[()]) -> dict[int, str]:
 
 def rank_places(ranks: list[dict[str, Any]] | tuple[()]) -> dict[int, str]:
     """Rank -> its node, else its registered host (what a hardware verdict's ``hosts`` name)."""
-    return {int(r["rank"]): str(r.get("node") or r["host"]) for r in ranks}
+    return {int(r["rank"]): str(r["host"]) for r in ranks} | rank_nodes(ranks)
+
+
+def listed(items: list[Any], shown: int = _SHOWN) -> str:
+    """``items`` joined with commas, the first ``shown`` of them and the rest counted: ``1, 2 and 3 more``."""
+    return ", ".join(map(str, items[:shown])) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:_SHOWN])) + (f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else "")
-    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed(ranks)}"
 
 
 def nodes_text(named: list[int], nodes: dict[int, str]) -> str:

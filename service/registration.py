@@ -14,6 +14,7 @@ from trainguard.service.auth import Principal
 from trainguard.service.committer import Commit
 from trainguard.service.config import Settings
 from trainguard.service.errors import Conflict, Invalid, TooMany
+from trainguard.service.rank_nodes import listed
 from trainguard.service.incidents import RunRecovery
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.run_owners import RunOwners
@@ -40,9 +41,7 @@ def shared_endpoints(ranks: list[RankEndpoint]) -> str:
     shared = [(address, found) for address, found in by_address.items() if len(found) > 1]
     if not shared:
         return ""
-    named = "; ".join(f"{address} by ranks {', '.join(map(str, found[:_SHOWN]))}"
-                      + (f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else "")
-                      for address, found in shared[:_SHOWN])
+    named = "; ".join(f"{address} by ranks {listed(found, _SHOWN)}" for address, found in shared[:_SHOWN])
     more = f" (and {len(shared) - _SHOWN} more endpoints)" if len(shared) > _SHOWN else ""
     return (f"one /metrics endpoint registered by several ranks: {named}{more}; Prometheus scrapes one process "
             "there, not each rank: give every rank a host other hosts reach (AgentConfig.metrics_host) and a port "
