@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SlowRanks", "others_median", "slow_ranks"]
+__all__ = ["SlowRanks", "slow_ranks"]
 
 
 class SlowRanks(NamedTuple):
@@ -47,7 +47,7 @@ class SlowRanks(NamedTuple):
         return np.where(values > self.middle[row], self.above[row], self.at[row])
 
 
-def others_median(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _others_median(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For finite rows (shape ``(k, n)``, ``n >= 2``), per row: the middle value a rank must exceed
     to be slow, the median of the others of a rank above it, that of a rank alone at it (NaN where
     none can be: an even ``n``, or a tie there), and the row's median."""
@@ -71,7 +71,7 @@ def _is_slow(hist: np.ndarray, ref: np.ndarray, ratio: float, min_value: float) 
 
 
 def _finite_rows(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
-    middle, above, at, med = others_median(hist)
+    middle, above, at, med = _others_median(hist)
     slow = (hist > middle[:, None]) & _is_slow(hist, above, ratio, min_value)
     slow |= (hist == middle[:, None]) & _is_slow(hist, at, ratio, min_value)
     return SlowRanks(slow, middle, above, at, (med > 0) | (min_value > 0))
