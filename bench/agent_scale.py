@@ -113,7 +113,13 @@ class Blocks(nn.Module):
         return sum(block(x[offset:]) for block, offset in zip(self.blocks, self.offsets))
 
 
+def _run(fn) -> None:
+    """``fn()``, with no kernel count (a step off CUDA)."""
+    fn()
+
+
 def _kernels(fn) -> int:
+    """The CUDA kernels (and copies, fills) ``fn`` launches, by the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -123,7 +129,13 @@ def _kernels(fn) -> int:
 
 
 def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = False,
-            bucket_view: bool = False, fsdp_groups: int = 0, set_to_none: bool = False) -> dict[str, float]:
+            bucket_view: bool = False, fsdp_groups: int = 0, set_to_none: bool = False,
+            kernels=None) -> dict[str, float]:
+    """The agent's operators, modeled launches and CPU time per ordinary and per report step (see
+    the module docstring); ``kernels(fn)``: the CUDA kernels ``fn`` launches (:func:`_kernels`), or
+    None. The kernels are counted on the very steps whose operators are counted, so that the
+    report steps keep their place in the interval (an extra profiled step per round put every
+    counted step off the report step: no report step was counted, and the table had no row)."""
     base = (Blocks(elements, tensors, fsdp_groups) if fsdp_groups else Split(elements, tensors)).to(device)
     plain, watched = base, copy.deepcopy(base)
     if fsdp_groups:
@@ -166,9 +178,12 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
         report = (agent.step + 1) % every == 0
         if r < rounds * every:
             with OpCounter() as plain_count:
-                step(plain, opts[0], False)
+                plain_kernels = (kernels or _run)(lambda: step(plain, opts[0], False))
             with accelerator_paths() if device == "cpu" else contextlib.nullcontext(), OpCounter() as count:
-                step(watched, opts[1], True)
+                watched_kernels = (kernels or _run)(lambda: step(watched, opts[1], True))
+            if kernels is not None:
+                rows["plain_kernels"].append(plain_kernels)
+                rows["report_kernels" if report else "kernels"].append(watched_kernels)
             rows["plain_ops"].append(plain_count.ops)
             rows["report_ops" if report else "ops"].append(count.ops)
             rows["plain_computing"].append(plain_count.ops - plain_count.views)
@@ -185,10 +200,6 @@ def measure(elements: int, tensors: int, rounds: int, device: str, ddp: bool = F
             rows["plain_ms"].append((t1 - t0) * 1e3)
             rows["report_ms" if report else "ms"].append((t2 - t1) * 1e3)
             rows["report_own_ms" if report else "own_ms"].append((agent.overhead_seconds_total - own) * 1e3)
-        if device == "cuda" and r < 2 * every:
-            rows["plain_kernels"].append(_kernels(lambda: step(plain, opts[0], False)))
-            report = (agent.step + 1) % every == 0
-            rows["report_kernels" if report else "kernels"].append(_kernels(lambda: step(watched, opts[1], True)))
     agent.close()
     med = {k: statistics.median(v) for k, v in rows.items() if v}
     out = {"ops": med["ops"] - med["plain_ops"], "report_ops": med["report_ops"] - med["plain_ops"],
@@ -231,7 +242,8 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             for path, finder in paths:
                 fsdp_grad_buffers.for_index = finder
                 m = measure(args.elements, t, args.rounds, args.device, ddp=args.ddp, bucket_view=args.bucket_view,
-                            fsdp_groups=args.groups if args.fsdp else 0, set_to_none=args.set_to_none)
+                            fsdp_groups=args.groups if args.fsdp else 0, set_to_none=args.set_to_none,
+                            kernels=_kernels if args.device == "cuda" else None)
                 if rank == 0:
                     print(_row([f"{t:,}"] + ([path] if path else []), m, "own_ms" if args.fsdp else "ms"), flush=True)
     finally:
@@ -318,7 +330,9 @@ def main() -> None:
     print(f"agent cost against the tensor count ({args.elements:,} parameters, {args.device}, torch {torch.__version__})")
     print(" | ".join(cols))
     for t in args.tensors:
-        print(_row([f"{t:,}"], measure(args.elements, t, args.rounds, args.device, set_to_none=args.set_to_none)), flush=True)
+        m = measure(args.elements, t, args.rounds, args.device, set_to_none=args.set_to_none,
+                    kernels=_kernels if args.device == "cuda" else None)
+        print(_row([f"{t:,}"], m), flush=True)
 
 
 if __name__ == "__main__":
