@@ -443,6 +443,9 @@ def main() -> None:
         if name == "plain":
             continue
         cost = run["cost"]
+        if not cost:  # (the naive loop runs every 4th round: none among too few --steps)
+            print(f"{name:26s} no measured step (--steps {args.steps} after --warmup {args.warmup})")
+            continue
         cycle = run["agent"].config.report_every if run["agent"] else 1
         whole = len(cost) // cycle * cycle or len(cost)  # whole report intervals when there are any
         mean = sum(cost[:whole]) / whole
