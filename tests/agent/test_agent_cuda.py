@@ -122,3 +122,24 @@ def test_a_device_step_count_is_reported_as_the_state_age_without_a_sync(kind: s
         assert got["trainguard_optimizer_state_steps"] == 4.0
     finally:
         agent.close()
+
+
+def test_gpu_health_reads_the_gpu_cuda_runs_on() -> None:
+    """NVML's handle is the one of the GPU this rank's CUDA device is (found by its UUID, as
+    ``torch.cuda.get_device_properties`` formats it: a misread UUID falls back on NVML's index,
+    another GPU wherever CUDA_VISIBLE_DEVICES hides some), and its readings reach ``latest()``."""
+    pynvml = pytest.importorskip("pynvml")
+    model = Net().cuda()
+    agent = ta.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), job="cuda", run="cuda-gpu",
+                      config=ta.AgentConfig(metrics_port=None, report_every=1))
+    try:
+        assert agent.gpu is not None
+        uuid = pynvml.nvmlDeviceGetUUID(agent.gpu.handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        assert uuid == f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+        loss = model.loss(batch(0, 0).cuda())
+        loss.backward()
+        agent.end_step(loss)
+        assert agent.latest()["trainguard_gpu_memory_total_bytes"] > 0
+    finally:
+        agent.close()

@@ -72,6 +72,31 @@ def test_readings_of_a_fake_nvml() -> None:
     assert all(k in BY_NAME for k in gpu.read())
 
 
+class FakeNvmlOfAMachine(FakeNvml):
+    """A machine of 8 GPUs as NVML numbers them, each found by its UUID too."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> str:
+        index = int(uuid.decode().removeprefix("GPU-00000000-0000-0000-0000-00000000000"))
+        return self.nvmlDeviceGetHandleByIndex(index)
+
+
+def test_the_gpu_is_found_by_its_uuid_whatever_cuda_numbers_it(monkeypatch) -> None:
+    """A rank that sees only the machine's GPU 5 (CUDA_VISIBLE_DEVICES=5) sees it as CUDA device 0:
+    its readings are GPU 5's, found by the UUID CUDA gives, not NVML's GPU 0's."""
+    uuids = {0: "00000000-0000-0000-0000-000000000005"}
+
+    def properties(index: int) -> SimpleNamespace:
+        return SimpleNamespace(uuid=uuids[index])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    fake = FakeNvmlOfAMachine()
+    gpu = GpuHealth.open(0, fake)
+    assert gpu is not None and gpu.handle == "gpu5" and fake.handles == [5]
+    # where CUDA cannot name the device (no such ordinal here), NVML's index
+    fake = FakeNvmlOfAMachine()
+    assert GpuHealth.open(1, fake).handle == "gpu1" and fake.handles == [1]
+
+
 def test_an_unsupported_query_is_left_out_and_a_missing_nvml_gives_none() -> None:
     gpu = GpuHealth.open(0, FakeNvml(ecc=False))
     assert "trainguard_gpu_ecc_uncorrected_errors_total" not in gpu.read()

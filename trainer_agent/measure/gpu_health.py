@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = ["GpuHealth", "XID_MEANINGS", "MAX_EVENTS_PER_POLL"]
 
 #: The XID codes worth a sentence (NVIDIA's XID catalogue, shortened).
@@ -48,6 +50,18 @@ XID_MEANINGS: dict[int, str] = {
 MAX_EVENTS_PER_POLL = 64
 
 
+def _handle(nvml: Any, index: int) -> Any:
+    """NVML's handle of CUDA device ``index``, found by the device's UUID: NVML numbers every GPU
+    of the machine in PCI order, CUDA only those ``CUDA_VISIBLE_DEVICES`` shows, in its own order
+    (a rank that sees only its GPU 5 sees it as CUDA device 0). By NVML's index where the UUID is
+    not to be had (no CUDA, a torch without it, a driver that refuses it)."""
+    try:
+        uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        return nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+    except Exception:  # noqa: BLE001 - no CUDA device (CPU tests with a fake NVML), MIG, an old driver
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+
+
 class GpuHealth:
     """NVML readings of GPU ``index`` (the CUDA ordinal). ``nvml``: the ``pynvml`` module (injected
     in tests). ``GpuHealth.open`` returns None where NVML is missing or fails to start."""
@@ -55,7 +69,7 @@ class GpuHealth:
     def __init__(self, index: int, nvml: Any) -> None:
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.handle = _handle(nvml, index)
         self._xid_lock = threading.Lock()
         self.xid_total = 0
         self.poll_errors = 0
