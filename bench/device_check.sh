@@ -89,7 +89,7 @@ if [ "$MODE" = cuda ]; then
     OVERHEAD=(--steps 12 --warmup 2) FSDP2=() LATENCY=(--trials 3 --rounds 2 --steps 20)
 else  # the same parts at sizes the CPU gets through in a few minutes
     DEV=cpu TENSORS="100 1000" ELEMENTS=200000
-    OVERHEAD=(--steps 3 --warmup 1 --d-model 128 --layers 2 --batch 4 --seq 32)
+    OVERHEAD=(--steps 4 --warmup 1 --d-model 128 --layers 2 --batch 4 --seq 32)
     FSDP2=(--width 64 --blocks 3 --steps 12) LATENCY=(--trials 1 --rounds 1 --steps 5)
 fi
 
@@ -97,7 +97,7 @@ START=$SECONDS
 rows=()
 part() {  # part NAME LIMIT_S SUMMARY_REGEX -- command...: run it under min(LIMIT_S, what is left of BUDGET)
     local name=$1 limit=$2 pattern=$3; shift 4
-    local log="$OUT/${name// /_}.log" start=$SECONDS rc status summary left=$((BUDGET - (SECONDS - START)))
+    local log="$OUT/${name// /_}.log" start=$SECONDS rc status line first left=$((BUDGET - (SECONDS - START)))
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 10 ]; then
         rows+=("$(printf '%-22s | %-16s | %4d s | %s' "$name" "not run (budget)" 0 "")")
@@ -109,29 +109,33 @@ part() {  # part NAME LIMIT_S SUMMARY_REGEX -- command...: run it under min(LIMI
     tail -n 25 "$log"
     status=ok
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="timed out"; elif [ $rc -ne 0 ]; then status="failed (rc $rc)"; fi
-    summary=$(grep -E "$pattern" "$log" | tail -n 3 | tr '\n' ';' | tr -s ' ' | cut -c1-160)
-    rows+=("$(printf '%-22s | %-16s | %4d s | %s' "$name" "$status" $((SECONDS - start)) "$summary")")
+    rows+=("$(printf '%-22s | %-16s | %4d s | ' "$name" "$status" $((SECONDS - start)))")
+    first=1
+    while IFS= read -r line; do  # its last 4 lines of figures, one a table line
+        [ $first -eq 1 ] && rows[-1]+=$line || rows+=("$(printf '%-22s | %-16s | %6s | %s' "" "" "" "$line")")
+        first=0
+    done < <(grep -E "$pattern" "$log" | tail -n 4 | tr -s ' ' | cut -c1-200)
 }
 
 # TENSORS unquoted: one argument per size
-part "cuda tests" 120 " passed| failed| error| skipped" -- \
+part "cuda tests" 120 "^FAILED |^ERROR | passed| failed| error" -- \
     "$PY" -m pytest -q -p no:cacheprovider --timeout 100 \
     tests/agent/test_agent_cuda.py tests/control/test_control_cuda.py tests/data/test_data_cuda.py \
     "tests/agent/test_staged.py::test_staged_passes_on_cuda_match_the_fused_ones"
 
-part "agent overhead" 90 "^default|^every metric" -- \
+part "agent overhead" 90 "^configuration |^default |^every metric " -- \
     "$PY" bench/agent_overhead.py --device "$DEV" "${OVERHEAD[@]}"
 
 part "fsdp2 one rank" 45 "^fsdp2" -- "$PY" bench/fsdp2_one_rank.py --device "$DEV" "${FSDP2[@]}"
 
-part "ops and kernels" 90 "^[0-9,]+ \|" -- \
+part "ops and kernels" 90 "^tensors |^[0-9,]+ \|" -- \
     "$PY" bench/agent_scale.py --device "$DEV" --tensors $TENSORS --rounds 1 --elements "$ELEMENTS"
 
-part "ddp bucket kernels" 45 "^[0-9,]+ \|" -- \
+part "ddp bucket kernels" 45 "^tensors |^[0-9,]+ \|" -- \
     "$PY" bench/agent_scale.py --device "$DEV" --ddp --bucket-view --tensors ${TENSORS%% *} ${TENSORS##* } \
     --rounds 1 --elements "$ELEMENTS"
 
-part "fingerprint kernels" 30 "^[0-9,]+ \|" -- \
+part "fingerprint kernels" 30 "^tensors |^[0-9,]+ \|" -- \
     "$PY" bench/fingerprint_projection.py --device "$DEV" --tensors $TENSORS --rounds 3 --elements "$ELEMENTS"
 
 part "reaction latency" 60 "^median|not paused" -- "$PY" bench/reaction_latency.py "${LATENCY[@]}"
