@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_agent.compat import torch_private
+from trainer_agent.compat.torch_collectives import all_gather_single
 from trainer_agent.config import AgentConfig
 from trainer_agent.diagnostics.preflight_report import Check
 from trainer_agent.measure import triage_stats as triage
@@ -148,7 +149,7 @@ def ranks_check(parts: TrainParts, desync_rel_tol: float) -> Check:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     row = row.to(device)
     out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=device)
-    dist.all_gather_single(out, row)
+    all_gather_single(out, row)
     compared = desync(out.view(world_size, -1), fp.layers, fp.k, fp.groups)
     vectors, found = findings(compared.tolist(), world_size, fp.names, desync_rel_tol)
     params_found = [d for d in found if d.kind == "param"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from trainguard.protocol.commands import LR_RULES, STATE_LEN, decode_state, encode_state
 from trainguard.protocol.rank_values import BY_FIELD, BY_WIRE, ROW_VALUES
+from trainer_agent.compat.torch_collectives import all_gather_single
 from trainer_agent.measure.sketch import EMPTY, SKETCH_K, overlaps
 
 __all__ = ["ABSENT_WITH_METRIC", "RANK_FIELDS", "STATE_LEN", "WIRE_VECTORS", "RankExchange", "absent_vectors",
@@ -129,7 +130,7 @@ class RankExchange:
         # For gloo with CUDA parameters this .to() is a device-to-host copy: a SYNC, once per report.
         src = row.to(device)
         out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=device)
-        dist.all_gather_single(out, src, group=self.group)
+        all_gather_single(out, src, group=self.group)
         return out.view(self.world_size, src.numel())
 
     def fields(self, gathered: torch.Tensor) -> torch.Tensor:
