@@ -119,7 +119,7 @@ part() {  # part NAME LIMIT_S SUMMARY_REGEX -- command...: run it under min(LIMI
 
 # TENSORS unquoted: one argument per size
 part "cuda tests" 120 "^FAILED |^ERROR | passed| failed| error" -- \
-    "$PY" -m pytest -q -p no:cacheprovider --timeout 100 \
+    "$PY" -m pytest -q -p no:cacheprovider -o timeout=100 \
     tests/agent/test_agent_cuda.py tests/control/test_control_cuda.py tests/data/test_data_cuda.py \
     "tests/agent/test_staged.py::test_staged_passes_on_cuda_match_the_fused_ones"
 
