@@ -48,7 +48,9 @@ prepare() {  # the interpreter's dependencies, the checkout's package links, the
     lacking=$(missing)
     if [ -n "$lacking" ] && compgen -G ".wheels/*.whl" >/dev/null; then
         echo "device_check: $PY lacks $lacking: installing .wheels/*.whl (no network, no dependencies)"
-        timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .wheels/*.whl 2>&1 | tail -n 3
+        timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .wheels/*.whl 2>&1 \
+            | tail -n 3 || timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --break-system-packages .wheels/*.whl 2>&1 | tail -n 3  # (a Python its distribution manages: PEP 668)
         lacking=$(missing)
     fi
     [ -n "$lacking" ] && echo "device_check: $PY cannot import: $lacking (run bench/device_wheels.sh where pip" \
