@@ -34,6 +34,9 @@ PY=${PYTHON:-}
 [ -z "$PY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 [ -z "$PY" ] && PY=python3
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Every process group here lives on this machine: loopback, whatever the machine's name resolves to
+# (a machine without a network may resolve it to nothing, and NCCL passes over lo unless told).
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 MODULES="torch numpy pydantic httpx prometheus_client yaml pytest fastapi uvicorn httptools pydantic_settings"
