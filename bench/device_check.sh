@@ -143,7 +143,7 @@ part "ddp bucket kernels" 45 "^tensors |^[0-9,]+ \|" -- \
 part "fingerprint kernels" 30 "^tensors |^[0-9,]+ \|" -- \
     "$PY" bench/fingerprint_projection.py --device "$DEV" --tensors $TENSORS --rounds 3 --elements "$ELEMENTS"
 
-part "reaction latency" 60 "^median|not paused" -- "$PY" bench/reaction_latency.py "${LATENCY[@]}"
+part "reaction latency" 75 "^median|not paused" -- "$PY" bench/reaction_latency.py "${LATENCY[@]}"
 
 {
     echo "device_check summary ($MODE; logs in $OUT)"
