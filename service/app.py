@@ -146,7 +146,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # fail to encode: a 500. Escaped JSON encodes every string.
         assert isinstance(exc, RequestValidationError)
         every = exc.errors()
-        errors = [_bounded_input(e) for e in jsonable_encoder(every[:ERRORS_SHOWN])]
+        # (a body sent as other than JSON is its raw bytes, which need not be UTF-8: shown replaced)
+        shown = jsonable_encoder(every[:ERRORS_SHOWN], custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")})
+        errors = [_bounded_input(e) for e in shown]
         detail = validation_summary(errors, total=len(every))
         # (NaN and Infinity as the wire's strings: a bare NaN token is not JSON a browser or Go parses)
         body = json.dumps(nan_safe({"detail": detail, "errors": errors}), allow_nan=False).encode()

@@ -53,3 +53,22 @@ def test_a_422_repeats_at_most_the_start_of_a_large_refused_value(app_factory: C
         shown = json.dumps(long)
         assert err["input"] == f"{shown[:ECHO_LIMIT]}... ({len(shown):,} characters in all)"
         assert c.get("/v1/runs").json() == []
+
+
+@pytest.mark.parametrize("url", ["/v1/webhooks", "/v1/tokens", "/v1/alertmanager", "/v1/runs/run-1/finish",
+                                 "/v1/runs/run-1/lr-scale", "/ui/api/runs/run-1/pause", "/ui/api/runs/run-1/pause/preview"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/octet-stream"])
+def test_a_body_that_is_not_utf8_and_not_sent_as_json_is_a_422_with_its_bytes_replaced(
+        app_factory: Callable[..., Any], url: str, content_type: str | None) -> None:
+    # (such a body is validated as raw bytes; repeating them in the 422 decoded them as UTF-8: a 500)
+    with app_factory() as c:
+        register(c, world_size=1)
+        csrf = c.get("/ui/api/session").json()["csrf"]  # (no tokens: an anonymous console session)
+        headers = {"X-CSRF-Token": csrf} | ({"content-type": content_type} if content_type else {})
+        r = c.post(url, content=b"\xff\xfe{\xe9", headers=headers)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["errors"]
+        assert err["loc"] == ["body"] and err["input"] == "\ufffd\ufffd{\ufffd"
+        assert r.json()["detail"] == f"the request does not validate: body: {err['msg']}"
+        run = c.get("/v1/runs/run-1").json()
+        assert (run["status"], run["desired_generation"]) == ("registered", 0)
