@@ -312,3 +312,55 @@ def test_the_origin_must_match_in_scheme_host_and_port(tmp_path, origin: str, ex
         if status == 403:
             assert r.json()["detail"] == ("cross-origin request refused: the Origin's scheme, host and port must be this "
                                           "controller's (behind a proxy, set TRAINGUARD_EXTERNAL_URL to the public address)")
+
+
+# -- every console route against every session ----------------------------------------------------
+#: (method, path) -> the scopes a session needs (empty: any signed-in session). An action
+#: (``{command}``) is checked with ``pause``, whose scope is ``command``.
+CONSOLE_NEEDS: dict[tuple[str, str], frozenset[str]] = {
+    **{("GET", p): frozenset({"read"}) for p in (
+        "/ui/api/runs", "/ui/api/runs/{run}", "/ui/api/runs/{run}/incidents", "/ui/api/runs/{run}/alerts",
+        "/ui/api/events", "/ui/api/stream", "/ui/api/runs/{run}/stream", "/ui/api/commands")},
+    ("POST", "/ui/api/runs/{run}/{command}/preview"): frozenset({"command"}),
+    ("POST", "/ui/api/runs/{run}/{command}"): frozenset({"command"}),
+    ("DELETE", "/ui/api/runs/{run}"): frozenset({"command"}),
+    ("POST", "/ui/logout"): frozenset(),
+}
+#: The pages (one static shell, no data), the session probe and the sign-in itself.
+CONSOLE_PUBLIC = {("GET", "/"), ("GET", "/ui"), ("GET", "/ui/runs/{run}"), ("GET", "/ui/audit"), ("GET", "/ui/api/session"),
+                  ("POST", "/ui/login")}
+_SCOPED = {"read": "read-only-token-1", "command": "command-only-token", "webhooks": "hooks-only-token-1"}
+
+
+def _console_call(c: TestClient, method: str, path: str, csrf: str | None) -> int:
+    url = path.replace("{run}", "run-1").replace("{command}", "pause")
+    headers = {CSRF_HEADER: csrf} if csrf else {}
+    with c.stream(method, url, headers=headers, json={} if method != "GET" else None) as r:  # (a stream: status, closed)
+        return r.status_code
+
+
+def test_every_console_route_needs_a_session_with_its_scope_and_changes_need_the_csrf_token(tmp_path: Path) -> None:
+    from tests.service.test_service_deps import app_routes
+
+    routes = {r for r in app_routes(tmp_path) if r[1] == "/" or r[1].startswith("/ui")}
+    assert routes - CONSOLE_PUBLIC == set(CONSOLE_NEEDS), "a console route is missing from CONSOLE_NEEDS"
+    tokens = {"operator_tokens": tuple(f"{t}:{s}" for s, t in _SCOPED.items()), "agent_tokens": (AGENT,)}
+    app = create_app(Settings(db=tmp_path / "tg.db", **tokens))
+    wrong: list[str] = []
+    with TestClient(app, base_url=BASE) as c:
+        _register(c)
+        assert c.post("/ui/login", json={"token": AGENT}).status_code == 403  # agents never sign in
+        for route in CONSOLE_NEEDS:
+            method, path = route
+            c.cookies.clear()
+            if (status := _console_call(c, method, path, None)) != 401:
+                wrong.append(f"{method} {path} without a session: {status}, not 401")
+            for scope, token in _SCOPED.items():
+                csrf = _login(c, token)  # (a session of its own for each call: a sign-out ends it)
+                allowed = not CONSOLE_NEEDS[route] or scope in CONSOLE_NEEDS[route]
+                if method != "GET" and (status := _console_call(c, method, path, "not-the-csrf-token")) != 403:
+                    wrong.append(f"{method} {path} with a wrong CSRF token: {status}, not 403")
+                status = _console_call(c, method, path, csrf)
+                if allowed == (status in (401, 403)):
+                    wrong.append(f"{method} {path} with a {scope} session: {status}")
+    assert not wrong, "\n".join(wrong)
