@@ -41,11 +41,21 @@ ECHO_LIMIT = 512
 ERRORS_SHOWN = 20
 
 
+#: Fields whose refused value a 422 never repeats (a webhook's signing secret, a token).
+SECRET_FIELDS = frozenset({"secret", "token"})
+_NOT_REPEATED = "(a secret: not repeated)"
+
+
 def _bounded_input(error: dict) -> dict:
     """The error with its ``input`` cut to ``ECHO_LIMIT`` characters of JSON: a refused value can
-    be megabytes (a report's packed per-rank vector), and the answer must not repeat it."""
+    be megabytes (a report's packed per-rank vector), and the answer must not repeat it. A secret
+    (``SECRET_FIELDS``, refused itself or inside a refused object) is not repeated at all."""
     if "input" not in error:
         return error
+    if SECRET_FIELDS.intersection(k for k in error["loc"] if isinstance(k, str)):
+        return dict(error, input=_NOT_REPEATED)
+    if isinstance(error["input"], dict) and SECRET_FIELDS.intersection(error["input"]):
+        error = dict(error, input={k: _NOT_REPEATED if k in SECRET_FIELDS else v for k, v in error["input"].items()})
     text = json.dumps(error["input"])
     if len(text) > ECHO_LIMIT:
         error = dict(error, input=f"{text[:ECHO_LIMIT]}... ({len(text):,} characters in all)")

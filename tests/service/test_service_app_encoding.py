@@ -72,3 +72,19 @@ def test_a_body_that_is_not_utf8_and_not_sent_as_json_is_a_422_with_its_bytes_re
         assert r.json()["detail"] == f"the request does not validate: body: {err['msg']}"
         run = c.get("/v1/runs/run-1").json()
         assert (run["status"], run["desired_generation"]) == ("registered", 0)
+
+
+@pytest.mark.parametrize("body", [
+    {"url": "http://127.0.0.1:9/hook", "secret": "short-pw-123"},  # too short
+    {"url": "http://127.0.0.1:9/hook", "secret": ["a-secret-of-enough-length"]},  # not a string
+    {"url": "http://127.0.0.1:9/hook", "secret": "s" * 257},  # too long
+])
+def test_a_422_never_repeats_a_refused_webhook_secret(app_factory: Callable[..., Any], body: dict[str, Any]) -> None:
+    with app_factory() as c:
+        r = c.post("/v1/webhooks", json=body)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["errors"]
+        assert err["loc"] == ["body", "secret"] and err["input"] == "(a secret: not repeated)"
+        secret = body["secret"] if isinstance(body["secret"], str) else body["secret"][0]
+        assert secret[:12] not in r.text
+        assert c.get("/v1/webhooks").json() == []
