@@ -173,7 +173,7 @@ def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable
     the body limit, report ingress (and the OpenAPI document of every status)."""
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
-    app.add_middleware(JsonText)  # inside ReportIngress: reports are parsed by pydantic, which refuses the same
+    app.add_middleware(JsonText)  # inside ReportIngress: reports are parsed by pydantic (it refuses lone surrogates)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
     app.add_middleware(LoadingGate, loader=loader)  # 503 'loading' until the runs are read back

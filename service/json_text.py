@@ -8,8 +8,15 @@ answer raised (a 500), after part of the work was done. Pydantic's own parser, w
 path uses, refuses such a body; this middleware gives every other route the same answer, a 422,
 before any of them reads the body.
 
-Only a body holding an escape of the surrogate range (``\\uD800``-``\\uDFFF``, found by one scan
-of the bytes) is parsed here, to tell a pair from a lone one; any other body costs the scan.
+A JSON object naming one key twice (``{"scale": 0.5, "scale": 5}``) is answered 422 too: which
+of the two counts is up to each parser (Python's and pydantic's take the last, others the first or
+refuse), so what a client meant, or what a proxy in front checked, need not be what the
+controller does. Reports, which the ingress parses before this middleware sees them, are checked
+by their wire model only.
+
+Each body this middleware sees is parsed once for keys named twice; only a body holding an escape
+of the surrogate range (``\\uD800``-``\\uDFFF``, found by one scan of the bytes) is parsed again,
+to tell a pair from a lone one.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 from trainguard.service.limits import read_body, replay
 from trainguard.service.schemas import validation_summary
 
-__all__ = ["JsonText", "ECHO_CHARACTERS", "unpaired_surrogate"]
+__all__ = ["JsonText", "ECHO_CHARACTERS", "unpaired_surrogate", "duplicate_key"]
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _METHODS = ("POST", "PUT", "PATCH")
@@ -53,9 +60,51 @@ def unpaired_surrogate(body: bytes) -> tuple[list[Any], str] | None:
     return None
 
 
+class _Duplicate(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(key)
+        out[key] = value
+    return out
+
+
+def duplicate_key(body: bytes) -> str | None:
+    """The first key the JSON ``body`` names twice in one object; None where there is none (also
+    for a body that is no JSON: the route answers that)."""
+    try:
+        json.loads(body, object_pairs_hook=_unique_pairs)
+    except _Duplicate as e:
+        return e.key
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
+def _refused(body: bytes) -> dict[str, Any] | None:
+    """The 422's error for ``body``: a string with an unpaired surrogate or a key named twice."""
+    bad = unpaired_surrogate(body)
+    if bad is not None:
+        loc, text = bad
+        return {"type": "string_unicode", "loc": ["body", *loc], "input": text[:ECHO_CHARACTERS],
+                "msg": "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is "
+                       "no character: send text (a character beyond U+FFFF as its two escapes, or as UTF-8)"}
+    key = duplicate_key(body)
+    if key is not None:
+        return {"type": "duplicate_key", "loc": ["body"], "input": key[:ECHO_CHARACTERS],
+                "msg": f"names the key {key[:ECHO_CHARACTERS]!r} twice in one object: send each key once"}
+    return None
+
+
 class JsonText:
     """Answer 422 to a POST, PUT or PATCH whose JSON body holds a string with an unpaired
-    surrogate escape; pass every other request to ``app`` (the body read once, then replayed)."""
+    surrogate escape or an object naming a key twice; pass every other request to ``app`` (the
+    body read once, then replayed)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -67,15 +116,12 @@ class JsonText:
         body = await read_body(receive)  # (bounded: BodyLimit runs first)
         if body is None:
             return  # the client went away
-        bad = unpaired_surrogate(body)
-        if bad is None:
+        error = _refused(body)
+        if error is None:
             await self.app(scope, replay(body, receive), send)
             return
-        loc, text = bad
         # The shape of the API's other 422s for a body that does not validate (``service/app.py``).
-        errors = [{"type": "string_unicode", "loc": ["body", *loc], "input": text[:ECHO_CHARACTERS],
-                   "msg": "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is "
-                          "no character: send text (a character beyond U+FFFF as its two escapes, or as UTF-8)"}]
+        errors = [error]
         answer = json.dumps({"detail": validation_summary(errors), "errors": errors}).encode()
         await send({"type": "http.response.start", "status": 422,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})

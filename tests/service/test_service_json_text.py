@@ -70,3 +70,37 @@ def test_the_scan_finds_the_first_unpaired_surrogate_and_nothing_else() -> None:
     nested = b'{"k":' * 900 + b'"\\ud800"' + b"}" * 900
     loc, text = unpaired_surrogate(nested)
     assert loc == ["k"] * 900 and text == "\ud800"
+
+
+@pytest.mark.parametrize(("method", "url", "body", "key"), [
+    ("POST", "/v1/runs/run-1/lr-scale", '{"scale":0.5,"scale":5}', "scale"),
+    ("POST", "/v1/runs/run-1/pause", '{"reason":"a","reason":"b"}', "reason"),
+    ("POST", "/v1/alertmanager", _alert('{"run":"run-1","trainguard_action":"stop","trainguard_action":"pause"}').decode(),
+     "trainguard_action"),
+    ("POST", "/v1/runs", '{"job":"job-a","run":"run-2","run":"run-3","world_size":1}', "run"),
+    ("POST", "/v1/webhooks", '{"url":"http://127.0.0.1:9/a","url":"http://127.0.0.1:9/b"}', "url"),
+])
+def test_a_key_named_twice_in_one_object_is_422_and_changes_nothing(
+        app_factory: Callable[..., Any], method: str, url: str, body: str, key: str) -> None:
+    # (Python's parser took the last of the two: lr-scale 5, not the 0.5 a reader of the body sees first)
+    with app_factory() as c:
+        register(c, world_size=1)
+        r = c.request(method, url, content=body.encode(), headers=_H)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["errors"]
+        assert (err["type"], err["loc"], err["input"]) == ("duplicate_key", ["body"], key)
+        assert r.json()["detail"] == f"the request does not validate: body: names the key {key!r} twice in one object: send each key once"
+        run = c.get("/v1/runs/run-1").json()
+        assert (run["status"], run["desired_generation"]) == ("registered", 0)
+        assert [r["run"] for r in c.get("/v1/runs").json()] == ["run-1"]
+        assert c.get("/v1/webhooks").json() == []
+
+
+def test_the_duplicate_key_scan_looks_into_every_object_and_leaves_other_bodies_to_the_route() -> None:
+    from trainguard.service.json_text import duplicate_key
+
+    assert duplicate_key(b'{"a":{"b":1,"c":{"d":[{"e":1,"e":2}]}}}') == "e"
+    assert duplicate_key(b'[{"x":1,"y":{"x":2}},{"x":3}]') is None  # the same key in different objects
+    assert duplicate_key(b'{"a":1,"A":2}') is None
+    assert duplicate_key(b"{" * 100_000) is None  # no JSON (and far too deep): the route answers it
+    assert duplicate_key(b"\xff") is None
