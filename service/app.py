@@ -175,7 +175,8 @@ def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(JsonText)  # inside ReportIngress: reports are parsed by pydantic (it refuses lone surrogates)
     app.add_middleware(ReportIngress, controller=controller, tokens=tokens, errors=_STATUS)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, max_world_size=settings.max_world_size,
+                       world_size_of=lambda run: (st := controller.runs.get(run)) and st.world_size)
     app.add_middleware(LoadingGate, loader=loader)  # 503 'loading' until the runs are read back
     app.add_middleware(Authenticate, tokens=tokens)  # no body is read before the token is known
     if standby is not None:

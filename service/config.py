@@ -57,8 +57,8 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(
         default=4 << 20, ge=1024,
-        description="Largest request body accepted; a report may be as large as the largest report of a run of "
-        "max_world_size ranks, if that is more (the report limit follows from the world size).")
+        description="Largest request body accepted; a report may be as large as the largest report of its run's "
+        "world size (of max_world_size ranks for a run not registered), if that is more.")
     window_reports: int = Field(default=128, ge=8, le=65536, description="Reports kept per run for rules.")
     rank_window_reports: int = Field(
         default=8, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run."

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 from trainguard.protocol.catalog import BY_NAME
 from trainguard.protocol.wire import API_PREFIX, MAX_DESYNC_LAYERS, RankValues
@@ -58,27 +58,32 @@ PRINCIPAL_KEY = "trainguard.principal"
 
 class BodyLimit:
     """Answer 413 to bodies over ``max_bytes``: at once from ``Content-Length``, else (chunked
-    bodies) after buffering at most the limit. Registrations and reports may be as large as those
-    of a run of ``max_world_size`` ranks (:func:`registration_body_bytes`,
-    :func:`report_body_bytes`), if that is more."""
+    bodies) after buffering at most the limit. Registrations may be as large as those of a run of
+    ``max_world_size`` ranks (:func:`registration_body_bytes`), if that is more; a report as large
+    as the largest report of its run's world size (``world_size_of(run)``, :func:`report_body_bytes`),
+    or of ``max_world_size`` ranks for a run not registered, if that is more."""
 
-    def __init__(self, app: Any, max_bytes: int, max_world_size: int = 1) -> None:
+    def __init__(self, app: Any, max_bytes: int, max_world_size: int = 1,
+                 world_size_of: Callable[[str], int | None] = lambda run: None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.registration_max_bytes = max(max_bytes, registration_body_bytes(max_world_size))
-        self.report_max_bytes = max(max_bytes, report_body_bytes(max_world_size))
         self._max_world_size = max_world_size
+        self._world_size_of = world_size_of
 
     def _limit(self, scope: dict[str, Any]) -> tuple[int, str]:
         """The limit of this request's body, and the setting it comes from."""
         path: str = scope["path"]
         limit = self.max_bytes
         if scope["method"] == "POST" and path == f"{API_PREFIX}/runs":
-            limit, what = self.registration_max_bytes, "a registration"
+            limit, what = self.registration_max_bytes, f"a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
         elif scope["method"] == "POST" and path.startswith(f"{API_PREFIX}/runs/") and path.endswith("/reports"):
-            limit, what = self.report_max_bytes, "a report"
+            run = path[len(f"{API_PREFIX}/runs/"):-len("/reports")]
+            world = self._world_size_of(run)
+            limit = report_body_bytes(min(world, self._max_world_size) if world else self._max_world_size)
+            what = f"run {run[:128]!r} of {world} ranks" if world else f"a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
         if limit > self.max_bytes:
-            return limit, f"{what} of a run of TRAINGUARD_MAX_WORLD_SIZE={self._max_world_size} ranks"
+            return limit, f"the largest {'report' if path.endswith('/reports') else 'registration'} of {what}"
         return self.max_bytes, "TRAINGUARD_MAX_BODY_BYTES"
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -115,7 +115,9 @@ def test_a_run_of_the_largest_world_size_registers_and_reports_and_other_bodies_
         assert c.get("/v1/runs/big").json()["last_step"] == 1
         over = report_body_bytes(world) + 1
         r = c.post("/v1/runs/big/reports", content=b" " * over, headers={"content-type": "application/json"})
-        assert r.status_code == 413 and "TRAINGUARD_MAX_WORLD_SIZE=32768" in r.json()["detail"]
+        assert r.status_code == 413
+        assert r.json()["detail"] == (f"request body of {over} bytes exceeds the limit of {over - 1} (the largest report of "
+                                      "run 'big' of 32768 ranks)")
         r = c.put("/v1/rules", content=b"#" * (settings.max_body_bytes + 1))
         assert r.status_code == 413 and "TRAINGUARD_MAX_BODY_BYTES" in r.json()["detail"]
 
@@ -145,3 +147,25 @@ def test_the_body_reader_joins_chunks_stops_past_its_limit_and_sees_a_disconnect
     assert len(given) == 2  # the 7th byte arrived: nothing more is read
     receive, given = _receiver(chunks[0], {"type": "http.disconnect"})
     assert asyncio.run(read_body(receive)) is None
+
+
+def test_a_reports_limit_follows_its_own_runs_world_size(app_factory) -> None:
+    """A run of a few ranks is refused a report body larger than its world size allows (413 before
+    anything parses it), though a run of TRAINGUARD_MAX_WORLD_SIZE ranks may send one that large; a
+    run not registered keeps the largest limit, so its agent hears 404 and registers."""
+    from trainguard.service.limits import report_body_bytes
+
+    with app_factory(max_body_bytes=1024) as c:
+        register(c, run="small", world_size=2)
+        assert report_body_bytes(2) < 200_000 < report_body_bytes(32_768)
+        body = b'{"job":"job-a"' + b" " * 200_000 + b"}"
+        r = c.post("/v1/runs/small/reports", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json()["detail"] == (f"request body of {len(body)} bytes exceeds the limit of {report_body_bytes(2)} "
+                                      "(the largest report of run 'small' of 2 ranks)")
+        assert c.get("/v1/runs/small").json()["reports"] == 0
+        r = c.post("/v1/runs/other/reports", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422  # (parsed: the body is no report; a report would be 404, not registered)
+        register(c, run="small", world_size=64)  # registered again, larger: its limit grows with it
+        r = c.post("/v1/runs/small/reports", content=b" " * report_body_bytes(64), headers={"content-type": "application/json"})
+        assert r.status_code == 422
