@@ -37,3 +37,16 @@ def test_the_console_names_no_other_host() -> None:
         if p.suffix == ".svg":
             text = text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # a namespace name, never fetched
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.I), p.name
+
+
+def test_the_consoles_scripts_never_turn_text_into_markup_or_code() -> None:
+    # Run, rule, node and layer names, reasons and diagnoses come from the network: they go into
+    # the page as text nodes and attribute values only (dom.js's h()), so a name holding <script>
+    # or quotes is shown, never run.
+    sinks = re.compile(r"\.innerHTML|\.outerHTML|insertAdjacentHTML|document\.write|\beval\(|new Function\(|"
+                       r"setTimeout\(\s*[\"'`]|\.srcdoc\b|javascript:")
+    scripts = [p for p in UI_DIR.iterdir() if p.suffix == ".js"]
+    assert {p.name for p in scripts} >= {"app.js", "run.js", "dom.js", "actions.js"}
+    found = {p.name: sinks.findall(p.read_text()) for p in scripts}
+    assert not any(found.values()), found
+    assert "innerHTML" in (UI_DIR / "dom.js").read_text()  # (the comment naming what it never uses: the scan reads the files)
