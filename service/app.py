@@ -26,7 +26,7 @@ from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
-from trainguard.service.schemas import RulesTestRequest, nan_safe, validation_summary
+from trainguard.service.schemas import NOT_REPEATED, SECRET_FIELDS, RulesTestRequest, nan_safe, validation_summary
 from trainguard.service.standby import Standby, StandbyGate
 from trainguard.service.startup import LoadingGate, StartupLoader
 from trainguard.service.store import GroupCommitStore, StoreError, open_store, shown_db
@@ -41,11 +41,6 @@ ECHO_LIMIT = 512
 ERRORS_SHOWN = 20
 
 
-#: Fields whose refused value a 422 never repeats (a webhook's signing secret, a token).
-SECRET_FIELDS = frozenset({"secret", "token"})
-_NOT_REPEATED = "(a secret: not repeated)"
-
-
 def _bounded_input(error: dict) -> dict:
     """The error with its ``input`` cut to ``ECHO_LIMIT`` characters of JSON: a refused value can
     be megabytes (a report's packed per-rank vector), and the answer must not repeat it. A secret
@@ -53,9 +48,9 @@ def _bounded_input(error: dict) -> dict:
     if "input" not in error:
         return error
     if SECRET_FIELDS.intersection(k for k in error["loc"] if isinstance(k, str)):
-        return dict(error, input=_NOT_REPEATED)
+        return dict(error, input=NOT_REPEATED)
     if isinstance(error["input"], dict) and SECRET_FIELDS.intersection(error["input"]):
-        error = dict(error, input={k: _NOT_REPEATED if k in SECRET_FIELDS else v for k, v in error["input"].items()})
+        error = dict(error, input={k: NOT_REPEATED if k in SECRET_FIELDS else v for k, v in error["input"].items()})
     text = json.dumps(error["input"])
     if len(text) > ECHO_LIMIT:
         error = dict(error, input=f"{text[:ECHO_LIMIT]}... ({len(text):,} characters in all)")

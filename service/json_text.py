@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from trainguard.service.limits import read_body, replay
-from trainguard.service.schemas import validation_summary
+from trainguard.service.schemas import NOT_REPEATED, SECRET_FIELDS, validation_summary
 
 __all__ = ["JsonText", "ECHO_CHARACTERS", "unpaired_surrogate", "duplicate_key"]
 
@@ -91,7 +91,8 @@ def _refused(body: bytes) -> dict[str, Any] | None:
     bad = unpaired_surrogate(body)
     if bad is not None:
         loc, text = bad
-        return {"type": "string_unicode", "loc": ["body", *loc], "input": text[:ECHO_CHARACTERS],
+        shown = NOT_REPEATED if SECRET_FIELDS.intersection(k for k in loc if isinstance(k, str)) else text[:ECHO_CHARACTERS]
+        return {"type": "string_unicode", "loc": ["body", *loc], "input": shown,
                 "msg": "holds an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair), which is "
                        "no character: send text (a character beyond U+FFFF as its two escapes, or as UTF-8)"}
     key = duplicate_key(body)

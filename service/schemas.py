@@ -13,7 +13,7 @@ from trainguard.service.rules import Rung
 from trainguard.service.runstate import valid_host
 from trainguard.service.webhook_destinations import refused_host
 
-__all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "RunDeleted", "nan_safe", "validation_summary"]
+__all__ = ["Evidence", "Verdict", "IncidentRung", "Incident", "IncidentList", "CommandResult", "WebhookCreate", "Webhook", "WebhookCreated", "RulesTestRequest", "AlertmanagerAlert", "AlertmanagerPayload", "AckResult", "FinishResult", "RunDeleted", "nan_safe", "validation_summary", "SECRET_FIELDS", "NOT_REPEATED"]
 
 
 class Evidence(BaseModel):
@@ -209,6 +209,12 @@ def nan_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [nan_safe(v) for v in value]
     return value
+
+
+#: Fields whose refused value a 422 never repeats (a webhook's signing secret, a token), and what it
+#: shows instead.
+SECRET_FIELDS = frozenset({"secret", "token"})
+NOT_REPEATED = "(a secret: not repeated)"
 
 
 def validation_summary(errors: list[dict[str, Any]], shown: int = 3, total: int | None = None) -> str:
