@@ -304,7 +304,8 @@ def test_a_message_in_flight_when_its_webhook_is_deleted_is_not_sent_again(app_f
         wait_until(lambda: len(rx.requests) == 1)
         assert c.delete(f"/v1/webhooks/{hook['id']}").status_code == 204
         rx.release.set()
-        (attempt,) = wait_until(lambda: c.get(f"/v1/webhooks/{hook['id']}/deliveries").json())
+        # (404 until the attempt is recorded: a deleted webhook without one is one that does not exist)
+        (attempt,) = wait_until(lambda: (r := c.get(f"/v1/webhooks/{hook['id']}/deliveries")).status_code == 200 and r.json())
         assert attempt["outcome"] == "retry"
         store = c.app.state.controller.store
         assert store.read_now(lambda conn: [tuple(r) for r in conn.execute("SELECT state FROM outbox")]) == [("cancelled",)]
