@@ -2,7 +2,8 @@
 (``trainguard.dashboards.docs_tables``), the rules table says what the built-in rules file says
 (read here with plain YAML), every built-in rule has its "what now" section, every catalogued
 metric is in the metric reference, the CLI's commands are the ones ``trainguard --help`` lists,
-every relative link resolves, and the README keeps its two commands on top and stays short.
+every relative link resolves, every controller setting's environment variable is named and every
+variable named is read, and the README keeps its two commands on top and stays short.
 The demo's stated duration is checked against a measured run in ``tests/demo/test_demo_story.py``."""
 
 from __future__ import annotations
@@ -182,6 +183,32 @@ def test_defaults_stated_in_prose_are_the_codes() -> None:
     assert f"(`AgentConfig.memory_trace_steps`, {agent.memory_trace_steps})" in attach
     assert f"stays in [{LR_SCALE_MIN:.0e}, {LR_SCALE_MAX:.0e}]".replace("e-04", "e-4").replace("e+06", "e6") in controller
     assert "(port 9400 + local rank)" in _prose("README.md")
+
+
+#: Where a ``TRAINGUARD_*`` variable the docs name may be read, besides the controller's settings:
+#: the code, the deployment files and the test suite (the console's screenshots).
+_READERS = ("trainer_agent", "trainguard", "service", "dashboards", "deploy", "scripts", "tests",
+            "docker-compose.yml", "docker-compose.postgres.yml", ".env.example", "Dockerfile")
+
+
+def _env_names(text: str) -> set[str]:
+    return set(re.findall(r"\bTRAINGUARD_[A-Z0-9_]*[A-Z0-9]\b", text))
+
+
+def test_every_controller_setting_is_documented_and_every_documented_variable_is_read() -> None:
+    """A user sets the controller's environment from the docs: each setting's variable is named in
+    them, and each ``TRAINGUARD_*`` variable they name is one something reads."""
+    from trainguard.service.config import Settings
+
+    settings = {f"TRAINGUARD_{name.upper()}" for name in Settings.model_fields}
+    documented = _env_names(" ".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *PAGES]))
+    assert sorted(settings - documented) == [], "controller settings no page names"
+    read = set()
+    for name in _READERS:
+        for path in [ROOT / name] if (ROOT / name).is_file() else sorted((ROOT / name).rglob("*")):
+            if path.is_file() and path.suffix in ("", ".py", ".sh", ".yml", ".yaml", ".example", ".tpl", ".txt"):
+                read |= _env_names(path.read_text(encoding="utf-8", errors="replace"))
+    assert sorted(documented - settings - read) == [], "variables the docs name that nothing reads"
 
 
 def test_a_static_agent_token_binds_to_the_first_run_it_registers(tmp_path) -> None:
