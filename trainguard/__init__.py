@@ -10,4 +10,4 @@ Layers (each imports only the ones below it):
 ``trainer_agent`` stays a top-level name: it is what a training script imports.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.1.0"

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Source folder -> the import name pyproject's package-dir installs it under.
@@ -74,6 +75,30 @@ def test_the_wheel_declares_its_license_and_carries_its_text(wheel) -> None:
         assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
         assert zf.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
+
+
+def test_every_version_the_project_states_is_the_wheels(wheel, tmp_path) -> None:
+    """``pip show trainguard``, ``trainguard.__version__``, the agent's version (what a run registers),
+    the controller's OpenAPI version and the Helm chart's appVersion say one version."""
+    import tomllib
+
+    import trainer_agent
+    import trainguard
+    from trainguard.service.app import create_app
+    from trainguard.service.config import Settings
+
+    with zipfile.ZipFile(wheel) as zf:
+        (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        (version,) = [line.split(": ", 1)[1] for line in zf.read(metadata).decode().splitlines() if line.startswith("Version: ")]
+    chart = yaml.safe_load((ROOT / "deploy/helm/trainguard/Chart.yaml").read_text(encoding="utf-8"))
+    stated = {
+        "pyproject.toml": tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"],
+        "trainguard.__version__": trainguard.__version__,
+        "trainer_agent.__version__": trainer_agent.__version__,
+        "the controller's OpenAPI": create_app(Settings(db=tmp_path / "tg.db")).version,
+        "Chart.yaml appVersion": chart["appVersion"],
+    }
+    assert stated == dict.fromkeys(stated, version)
 
 
 def test_the_checkout_has_the_package_dirs_this_test_walks():
