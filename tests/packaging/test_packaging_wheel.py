@@ -7,6 +7,7 @@ checkout), by pip in an isolated build environment (the build backend pyproject.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -48,9 +49,10 @@ def build_wheel(source_root: Path, out: Path) -> Path:
         else:
             shutil.copy2(src, work / name)
     # An isolated build, as a user's pip runs it: the build backend pyproject names, from the index.
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v",
                            "-w", str(out / "dist"), str(work)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
+    (out / "build.log").write_text(done.stdout + done.stderr, encoding="utf-8")
     (wheel,) = (out / "dist").glob("trainguard-*.whl")
     return wheel
 
@@ -99,6 +101,14 @@ def test_every_version_the_project_states_is_the_wheels(wheel, tmp_path) -> None
         "Chart.yaml appVersion": chart["appVersion"],
     }
     assert stated == dict.fromkeys(stated, version)
+
+
+def test_the_build_warns_of_nothing_in_the_configuration(wheel) -> None:
+    """The build backend's output (``pip wheel -v``) has no Python warning (setuptools' about
+    pyproject's configuration, such as a data folder it would take for a package it ignores)."""
+    log = (wheel.parent.parent / "build.log").read_text(encoding="utf-8")
+    assert "Stored in directory" in log, log[-2000:]
+    assert re.findall(r"\.py:\d+: (\w*Warning: .*)", log) == []
 
 
 def test_the_checkout_has_the_package_dirs_this_test_walks():
