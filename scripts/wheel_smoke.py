@@ -8,7 +8,8 @@ checkout); the license is declared and its text installed in the .dist-info; the
 code reads are installed (console assets, the built-in rules, the
 generated dashboards, Prometheus/Alertmanager files, the promtool tests); every import statement
 in the README's code blocks that the extras can satisfy runs (those it ran are appended to
-``--covered``, so the caller can check every one ran somewhere); with ``agent`` a tiny model
+``--covered``, so the caller can check every one ran somewhere); a command whose extras are not
+all installed exits at once naming them; with ``agent`` a tiny model
 trains two steps with the agent attached; with ``service`` ``trainguard serve`` answers /healthz
 and serves the console, the API docs and their assets; with ``dashboards`` the installed
 generated files equal what the installed code renders; with ``hf`` / ``lightning`` the callback
@@ -298,6 +299,27 @@ def check_dashboards() -> None:
     ok("`trainguard dashboards build` writes into ./trainguard-generated, not into the installed package")
 
 
+#: A command, the extras it needs, and an import of those extras it reaches first.
+COMMAND_NEEDS = ((["demo", "--steps", "1"], {"agent", "service"}), (["dashboards", "build"], {"dashboards"}),
+                 (["serve", "--port", "0"], {"service"}))
+
+
+def check_missing_extras(extras: set[str]) -> None:
+    """Each command whose extras are not all installed exits 2 at once, naming every extra it
+    needs, before it starts anything (the demo would otherwise fail in its controller)."""
+    checked = []
+    for argv, wanted in COMMAND_NEEDS:
+        if wanted <= extras:
+            continue
+        done = subprocess.run([str(Path(sys.executable).with_name("trainguard")), *argv], capture_output=True,
+                              text=True, timeout=60)
+        hint = f"pip install 'trainguard[{','.join(sorted(wanted))}]'"
+        assert done.returncode == 2 and done.stderr.strip().endswith(hint) and not done.stdout, \
+            f"trainguard {' '.join(argv)} with [{','.join(sorted(extras))}]: {done.returncode} {done.stdout}{done.stderr}"
+        checked.append(argv[0])
+    ok(f"{', '.join(checked) or 'no command'} without their extras: exit 2, naming them")
+
+
 def check_hf(workdir: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -388,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         check_data_files()
         check_license()
         check_readme_imports(args.readme, extras, args.covered)
+        check_missing_extras(extras)
         if "agent" in extras:
             check_agent()
         if "service" in extras:

@@ -352,11 +352,17 @@ def test_events_print_control_characters_escaped() -> None:
 
 @pytest.mark.parametrize(("argv", "missing", "extra"), [
     (["serve", "--port", "0"], "fastapi", "service"),
-    (["demo", "--steps", "1"], "torch", "agent"),
+    # the demo trains and starts a controller: both extras at once, before anything starts
+    (["demo", "--steps", "1"], "torch", "agent,service"),
+    (["demo", "--steps", "1"], "fastapi", "agent,service"),
+    (["demo", "--steps", "1"], "uvicorn", "agent,service"),
+    # PyYAML comes with the service extra too, but the dashboards need their own
+    (["dashboards", "build", "--check"], "yaml", "dashboards"),
+    (["rules", "check", "rules.yaml"], "yaml", "service"),
 ])
 def test_a_command_whose_extra_is_not_installed_names_the_extra(tmp_path, argv, missing, extra) -> None:
     """An environment without the extra a command needs (``pip install 'trainguard[postgres]'``
-    then ``trainguard serve``): a sentence naming the extra, not a traceback."""
+    then ``trainguard serve``): a sentence naming the extras the command needs, not a traceback."""
     code = (f"import sys; sys.modules[{missing!r}] = None; from trainguard.cli import main; "
             f"sys.exit(main({argv!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,

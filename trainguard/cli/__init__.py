@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -296,24 +297,52 @@ def _add_wrappers(sub: Any) -> None:
 
 #: The packages of the extras (pyproject.toml), by import name: a command run where its extra is
 #: not installed (``trainguard serve`` after ``pip install 'trainguard[agent]'``) names the extra.
-_EXTRA_OF_MODULE = {
-    "fastapi": "service", "uvicorn": "service", "httptools": "service", "pydantic_settings": "service",
-    "yaml": "service", "torch": "agent", "grafanalib": "dashboards", "psycopg": "service,postgres",
-    "psycopg_pool": "service,postgres", "transformers": "agent,hf", "accelerate": "agent,hf",
-    "lightning": "agent,lightning",
+_EXTRA_MODULES = {
+    "service": {"fastapi", "uvicorn", "httptools", "pydantic_settings", "yaml"},
+    "dashboards": {"grafanalib", "yaml"},
+    "agent": {"torch"},
+    "service,postgres": {"psycopg", "psycopg_pool"},
+    "agent,hf": {"transformers", "accelerate"},
+    "agent,lightning": {"lightning"},
 }
+#: The extras a command needs whole, named at once when one of their packages is missing
+#: (``trainguard demo`` trains and runs the controller: ``agent`` alone would fail next on FastAPI).
+_COMMAND_EXTRAS = {"serve": "service", "rules": "service", "demo": "agent,service", "dashboards": "dashboards",
+                   "preflight": "agent"}
+
+
+def _install_hint(command: str, module: str) -> str | None:
+    """The extras to name where ``module`` is missing when ``command`` runs: the command's own when
+    they install it, else the extras that install it; None for a package no extra installs."""
+    own = _COMMAND_EXTRAS.get(command)
+    if own is not None and any(module in _EXTRA_MODULES[e] for e in own.split(",")):
+        return own
+    return next((extras for extras, modules in _EXTRA_MODULES.items() if module in modules), None)
+
+
+def _demo_needs(args: Sequence[str]) -> None:
+    """What ``trainguard demo`` imports, checked before it starts anything: torch for its ranks and,
+    unless it uses a running controller (``--controller``), the controller's packages (its
+    controller, a child process, would otherwise fail after the demo had started)."""
+    modules = ["torch"]
+    if not any(a == "--controller" or a.startswith("--controller=") for a in args):
+        modules += ["fastapi", "uvicorn", "pydantic_settings", "yaml"]
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``trainguard`` command; its exit status. Output piped into a reader that stops early
     (``trainguard status RUN | head``) ends the command quietly, as other command-line tools end:
     no traceback, and the status a shell reports for a tool ended by SIGPIPE (141)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         code = _main(argv)
         sys.stdout.flush()  # here, not at exit: a reader gone by now is handled below
         return code
     except ModuleNotFoundError as e:
-        extra = _EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+        extra = _install_hint(argv[0] if argv else "", (e.name or "").split(".")[0])
         if extra is None:
             raise
         print(f"trainguard: this command needs {e.name!r}, which this environment lacks: "
@@ -328,11 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str]) -> int:
     # ``demo`` and ``dashboards build`` own their options: hand them everything after the name
     # (argparse.REMAINDER does not take options that come first).
     if argv[:1] == ["demo"]:
+        _demo_needs(argv[1:])
         from trainguard.demo.run import main as demo_main
 
         return int(demo_main(argv[1:]) or 0)
