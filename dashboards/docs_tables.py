@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     stale = []
     for page, blocks in BLOCKS.items():
         path = Path(args.docs) / page
+        if not path.is_file():  # e.g. run where trainguard is installed, not in a checkout's root
+            parser.error(f"{path} is not there: run it in the repository's root, or name the docs folder with --docs")
         text = path.read_text(encoding="utf-8")
         new = render(text, blocks)
         if new != text:
