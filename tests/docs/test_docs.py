@@ -9,6 +9,7 @@ The demo's stated duration is checked against a measured run in ``tests/demo/tes
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -344,6 +345,30 @@ def test_every_option_of_every_command_is_named_in_controller(capsys) -> None:
         options = set(re.findall(r"^\s+(--[a-z][a-z0-9-]*)", capsys.readouterr().out, re.M)) - {"--help"}
         missing += [f"{' '.join(command)} {o}" for o in sorted(options) if f"`{o}" not in text and f" {o}" not in text]
     assert not missing, f"options docs/controller.md does not name: {missing}"
+
+
+#: The commands that hand their arguments to a program of their own (checked on their pages' own terms).
+_HANDING_ON = ("demo", "preflight", "dashboards")
+
+
+def test_every_command_line_in_the_pages_parses(capsys) -> None:
+    """Each ``trainguard ...`` line of the pages' shell code (also after ``kubectl exec ... --``)
+    is one the CLI takes: its command, options and arguments, a placeholder such as RUN as a value."""
+    from trainguard import cli
+
+    parser, refused, lines = cli._parser(), [], 0
+    for page in [ROOT / "README.md", *PAGES]:
+        code = _shell_code(page).replace("\\\n", " ")
+        for line in re.findall(r"(?:^\s*(?:\.venv/bin/)?|\s--\s+)trainguard\s+([a-z][^\n#|&;`]*)", code, re.M):
+            argv = shlex.split(line)
+            if argv[0] in _HANDING_ON:
+                continue
+            lines += 1
+            try:
+                parser.parse_args(argv)
+            except SystemExit:
+                refused.append(f"{page.name}: trainguard {line.strip()}: {capsys.readouterr().err.strip().splitlines()[-1]}")
+    assert lines >= 10 and refused == []
 
 
 def test_python_examples_pass_only_keywords_that_exist() -> None:
