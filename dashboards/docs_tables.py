@@ -122,6 +122,8 @@ def condition(rule: Any) -> str:
         if rule.check == "spread":
             text = f"a rank ≥ {_num(rule.ratio)}× the median of the other ranks"
             text += f" and ≥ {_num(rule.min_value)}" if rule.min_value else ""
+            span = f"the last {rule.for_steps} steps, {rule.for_reports} at least" if rule.for_steps else f"the last {rule.for_reports}"
+            return text + f", the same rank in more than half of the reports of {span}"
         elif rule.check == "above":
             text = f"some rank ≥ {_num(rule.value)}"
         else:

@@ -61,7 +61,8 @@ class Settings(BaseSettings):
         "world size (of max_world_size ranks for a run not registered), if that is more.")
     window_reports: int = Field(default=128, ge=8, le=65536, description="Reports kept per run for rules.")
     rank_window_reports: int = Field(
-        default=8, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run."
+        default=12, ge=1, le=1024, description="Reports whose per-rank vectors are kept per run (the built-in straggler "
+        "rules judge each rank over 12 reports when a report comes every step).",
     )
     max_series_per_run: int = Field(
         default=1024, ge=16, le=65536,

@@ -281,7 +281,7 @@ class SimStep:
 
 def simulate(
     rules: tuple[Any, ...], reports: list[Report], *, world_size: int, desired: DesiredState | None = None,
-    capacity: int = 128, rank_capacity: int = 8, policy: Any = None, snapshot_every: int | None = None,
+    capacity: int = 128, rank_capacity: int = 12, policy: Any = None, snapshot_every: int | None = None,
     snapshot_keep: int = 3, skips_nonfinite: bool = False,
 ) -> list[SimStep]:
     """Replay ``reports`` (in order, ``report.time`` as the clock) through ``rules``.

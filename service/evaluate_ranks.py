@@ -1,11 +1,11 @@
 """Evaluation of the rule kinds that compare the ranks of a report (pure functions of a
 :class:`~service.window.RuleWindow`): ``cross_rank`` (spread, mismatch, above) and ``desync``.
-``spread`` names the ranks slower than the median of their others in each of its reports
-(``service/slow_ranks.py``): one rank, or a group slow together."""
+``spread`` names the ranks slower than the median of their others in more than half of the
+reports of its span of steps (``service/slow_ranks.py``): one rank, or a group slow together."""
 
 from __future__ import annotations
 
-import math
+import bisect
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ from trainguard.service.finding import Finding, Verdict, json_number
 from trainguard.service.numerics import finite_range, median
 from trainguard.service.rank_nodes import listed
 from trainguard.service.rule_kinds import CrossRankRule, DesyncRule
-from trainguard.service.slow_ranks import slow_ranks
+from trainguard.service.slow_ranks import SlowRanks, median_ratios, named_over, slow_ranks
 from trainguard.service.window import RuleWindow
 
 __all__ = ["cross_rank", "desync"]
@@ -66,55 +66,104 @@ def _row_verdicts(rule: CrossRankRule, hist: np.ndarray) -> list[bool | None]:
     return [check(rule, row)[0] for row in hist]
 
 
-def _group_text(rule: CrossRankRule, named: np.ndarray, row: np.ndarray, refs: np.ndarray, judged: int) -> str:
-    """The summary of several ranks slow together (each against the median of its others: ``refs``)."""
-    vals = row[named]
-    with np.errstate(divide="ignore"):
-        least = float(np.min(vals / refs))  # (a reference of 0 under a min_value: an infinite ratio)
-    return (f"{len(named)} of {judged} ranks ({listed(named.tolist())}) are slow together: {rule.vector} {float(vals.min()):.6g} to "
-            f"{float(vals.max()):.6g}, each at least {least:.3g}x the median of its other ranks (at most "
-            f"{float(np.max(refs)):.6g}; limit {rule.ratio:g}x); ranks slow together "
+def _group_text(rule: CrossRankRule, named: np.ndarray, ratios: np.ndarray, judged: int, over: str) -> str:
+    """The summary of several ranks slow together (``ratios``: each one's median ratio to the
+    median of its other ranks)."""
+    return (f"{len(named)} of {judged} ranks ({listed(named.tolist())}) are slow together: {rule.vector} of each is "
+            f"{float(np.min(ratios)):.3g}x to {float(np.max(ratios)):.3g}x the median of its other ranks {over}, its median "
+            f"ratio (limit {rule.ratio:g}x); ranks slow together "
             "point to what they share (a slower node type, or one node's device, network or storage), not to one rank")
 
 
-def _spread(rule: CrossRankRule, hist: np.ndarray) -> Verdict:
-    """The ranks slower than the median of their others in each of the rows (``service/slow_ranks.py``)."""
-    found = slow_ranks(hist, rule.ratio, rule.min_value)
-    if not found.judged[-1]:
+def _judged_reports(rule: CrossRankRule, w: RuleWindow) -> tuple[list[float], list[int]]:
+    """The steps and row ids of the per-rank rows a ``spread`` rule judges: the newest report back
+    to the newest one at least ``for_steps`` steps before it, ``for_reports`` at least (none: empty)."""
+    steps, ids = w.rank_history_index(rule.vector, max(rule.for_reports, rule.for_steps + 1))
+    first = len(ids) - rule.for_reports
+    if rule.for_steps and ids:  # (a run's steps only grow: a job that went back starts a new window)
+        first = min(first, bisect.bisect_right(steps, steps[-1] - rule.for_steps) - 1)
+    if first < 0:
+        return [], []
+    return steps[first:], ids[first:]
+
+
+#: Each judged row's verdict, (judged, the slow ranks), by (vector, ratio, min_value) and row id:
+#: a report's row is judged once, not once in each report whose span holds it.
+_ROWS: dict[tuple[str, float, float], dict[int, tuple[bool, np.ndarray]]] = {}
+_ROWS_MAX = 1 << 15
+_NONE = np.zeros(0, np.int64)
+
+
+def _row_verdict(rule: CrossRankRule, row: np.ndarray) -> tuple[bool, np.ndarray]:
+    # Quick "no": every value finite and positive, and the max below ratio x the min (hence below
+    # ratio x any rank's median of the others) or below min_value.
+    bounds = finite_range(row)
+    if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
+        return True, _NONE
+    found = slow_ranks(row[None], rule.ratio, rule.min_value)
+    return bool(found.judged[0]), np.flatnonzero(found.slow[0])
+
+
+def _spread_rows(rule: CrossRankRule, w: RuleWindow, ids: list[int]) -> list[tuple[bool, np.ndarray]]:
+    """The verdict of each row ``ids``, those not judged before read and judged now."""
+    known = _ROWS.setdefault((rule.vector, rule.ratio, rule.min_value), {})
+    got = [known.get(i) for i in ids]
+    missing = [j for j, g in enumerate(got) if g is None]
+    if missing:
+        if len(known) + len(missing) > _ROWS_MAX:
+            known.clear()
+        for j, row in zip(missing, w.rank_values_of(rule.vector, [ids[j] for j in missing])):
+            got[j] = known[ids[j]] = _row_verdict(rule, row)
+    return got  # type: ignore[return-value]
+
+
+def _spread(rule: CrossRankRule, w: RuleWindow) -> Verdict:
+    """The ranks slower than the median of their others in more than half of the reports judged
+    (``service/slow_ranks.py``)."""
+    steps, ids = _judged_reports(rule, w)
+    if not ids:
+        return None if not len(w.rank_history(rule.vector, 1)) else False
+    verdicts = _spread_rows(rule, w, ids)
+    if not verdicts[-1][0]:
         return None
-    named = np.flatnonzero(found.slow.all(axis=0)) if len(hist) >= rule.for_reports else np.empty(0, np.int64)
-    if not len(named):
-        return False  # none, or a different rank each time: scheduling noise, not a straggler
+    slow = [ranks for _, ranks in verdicts if len(ranks)]
+    if 2 * len(slow) <= len(ids):
+        return False  # none, a burst of a few steps, or a different rank each time: not a straggler
+    counts = np.bincount(np.concatenate(slow))
+    if not (2 * counts > len(ids)).any():
+        return False
+    hist = w.rank_values_of(rule.vector, ids)
+    found = slow_ranks(hist, rule.ratio, rule.min_value)
+    return _spread_finding(rule, hist, found, named_over(found), steps)
+
+
+def _spread_finding(rule: CrossRankRule, hist: np.ndarray, found: SlowRanks, named: np.ndarray, steps: list[float]) -> Finding:
+    ratios = median_ratios(found, hist, named)
+    at = int(np.argmax(ratios))
+    top, ratio = int(named[at]), float(ratios[at])
     row = hist[-1]
-    refs = found.references(len(hist) - 1, row[named])
-    at = int(np.argmax(row[named]))
-    top, ref = int(named[at]), float(refs[at])
-    ratio = float(row[top]) / ref if ref > 0 else math.inf
+    ref = float(found.references(len(hist) - 1, row[top:top + 1])[0])
     judged = int(np.count_nonzero(np.isfinite(row)))
+    span = float(steps[-1] - steps[0])
     values = {"vector": rule.vector, "check": rule.check, "max": float(row[top]), "median": ref,
               "ratio": ratio, "limit": rule.ratio, "rank": top, "ranks": named[:16].tolist(), "count": int(len(named)),
-              "judged": judged, "values": {int(r): json_number(float(row[r])) for r in named[:16].tolist()}}
+              "judged": judged, "values": {int(r): json_number(float(row[r])) for r in named[:16].tolist()},
+              "reports": int(len(hist)), "steps": json_number(span)}
+    over = f"over {len(hist)} reports ({span:g} steps)"
     if len(named) == 1:
-        summary = (f"rank {top} {rule.vector} = {values['max']:.6g} is {ratio:.3g}x the median of the other ranks "
-                   f"{values['median']:.6g} (limit {rule.ratio:g}x)")
+        summary = (f"rank {top} {rule.vector} is {ratio:.3g}x the median of the other ranks {over}, its median ratio "
+                   f"(in the newest report {values['max']:.6g} against {ref:.6g}) (limit {rule.ratio:g}x)")
     else:
-        summary = _group_text(rule, named, row, refs, judged)
+        summary = _group_text(rule, named, ratios, judged, over)
     return Finding(rule, True, summary, values)
 
 
 def cross_rank(rule: CrossRankRule, w: RuleWindow, now: float) -> Verdict:
+    if rule.check == "spread":
+        return _spread(rule, w)
     hist = w.rank_history(rule.vector, rule.for_reports)
     if not len(hist):
         return None
-    if rule.check == "spread":
-        if hist.shape[1] >= 2:
-            # Quick "no" on the newest row (the finding needs every row): every value finite and
-            # positive, and the max below ratio x the min (hence below ratio x any rank's median
-            # of the others) or below min_value.
-            bounds = finite_range(hist[-1])
-            if bounds is not None and 0 < bounds[0] and (bounds[1] < rule.ratio * bounds[0] or bounds[1] < rule.min_value):
-                return False
-        return _spread(rule, hist)
     verdicts = _row_verdicts(rule, hist)
     if verdicts[-1] is None:
         return None

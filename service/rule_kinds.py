@@ -181,12 +181,16 @@ class TrendRule(_RuleBase):
 class CrossRankRule(_RuleBase):
     """Across the ranks of one report, for each of the newest ``for_reports`` reports.
 
-    ``check: spread`` fires when a rank's value / the median of the other ranks' finite values >=
-    ratio and its value is at least ``min_value`` (a straggler for ``step_time_s``; for
-    ``input_wait_s`` a rank that waits for its data while the others do not; a median of 0 then
-    counts as an infinite ratio), the same rank in each of the ``for_reports`` reports (one rank
-    that stays slow, not scheduling noise that lands on a different rank each time). It names every
-    such rank: up to half of the ranks slow together (``service/slow_ranks.py``).
+    ``check: spread`` judges a rank slow in a report when its value / the median of the other
+    ranks' finite values >= ratio and its value is at least ``min_value`` (a straggler for
+    ``step_time_s``; for ``input_wait_s`` a rank that waits for its data while the others do not;
+    a median of 0 then counts as an infinite ratio), and fires when the same rank is slow in more
+    than half of the reports judged (its median ratio reaches ``ratio``): the newest report back to
+    the newest one at least ``for_steps`` steps before it, ``for_reports`` reports at least (none
+    that far back yet: no finding). A burst of a few slow steps on one rank, or scheduling noise
+    that lands on a different rank each time, is not one rank that stays slow; a span in steps
+    judges alike whatever the reporting interval. It names every such rank: up to half of the
+    ranks slow together (``service/slow_ranks.py``).
     ``check: mismatch`` fires when some rank is non-finite or differs from the median by more than
     rel_tol x max(|median|, 1e-30) (desync of fingerprints; the stability guide, 5.3: < 1e-5).
     ``check: above`` fires when some rank's finite value is >= ``value`` and names those ranks
@@ -201,11 +205,16 @@ class CrossRankRule(_RuleBase):
     min_value: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     value: float | None = Field(default=None, allow_inf_nan=False)
     for_reports: int = Field(default=1, ge=1, le=1024)
+    for_steps: int = Field(default=0, ge=0, le=1023, description=(
+        "check: spread only: the reports judged reach back at least this many steps (the per-rank history kept "
+        "must hold for_steps + 1 reports: one a step). 0: the newest for_reports reports."))
 
     @model_validator(mode="after")
     def _limit(self) -> "CrossRankRule":
         if (self.check == "above") != (self.value is not None):
             raise ValueError("'value' is required by check: above, and only by it")
+        if self.for_steps and self.check != "spread":
+            raise ValueError("'for_steps' is read by check: spread only")
         return self
 
 

@@ -67,7 +67,7 @@ class RuleSet:
                 elif isinstance(r, ThresholdRule):
                     reports = max(reports, r.for_reports + r.crossing_window)
                 elif isinstance(r, CrossRankRule):
-                    ranks = max(ranks, r.for_reports)
+                    ranks = max(ranks, r.for_reports, r.for_steps + 1)
                 elif isinstance(r, (RateRule, OscillationRule)):
                     reports = max(reports, r.window + 1)
                 elif isinstance(r, NonFiniteRule) and r.scaler_halvings:

@@ -16,7 +16,12 @@ faster (of three ranks at 0.1, 1 and 1, the two at 1 read 1.82x the 0.55 of thei
 Only a rank above the middle of its sorted row can be slow (the median of the others of any other
 rank is at least its value), and the medians of the others of those ranks are at most two values,
 read next to the middle of the sorted row: the ranks are compared with them, not each with a
-median of its own.
+median of its own. A rank at or below the middle has a third one (``below``), at least its value.
+
+:func:`named_over` judges a rank over several reports: slow in more than half of them (its median
+ratio to the others reaches the limit), so that a burst of a few slow steps on one rank (a process
+that got less CPU for a moment) is not a straggler while a rank that stays slow is, whichever
+reports its noise falls on.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SlowRanks", "slow_ranks"]
+__all__ = ["SlowRanks", "slow_ranks", "named_over", "median_ratios"]
 
 
 class SlowRanks(NamedTuple):
@@ -33,33 +38,41 @@ class SlowRanks(NamedTuple):
     other ranks and ``min_value``. Per row: ``middle`` (the value a rank must exceed to be slow),
     ``above`` (the median of the others of a rank above ``middle``), ``at`` (that of the rank at
     ``middle`` when it is there alone, of an odd number of ranks; else NaN), ``judged`` (two finite
-    values, and a positive median of them or a ``min_value`` that judges a median of 0). NaN for
-    rows of fewer than two finite values."""
+    values, and a positive median of them or a ``min_value`` that judges a median of 0), ``below``
+    (that of a rank below ``middle``, or at it beside another). NaN for rows of fewer than two
+    finite values."""
 
     slow: np.ndarray
     middle: np.ndarray
     above: np.ndarray
     at: np.ndarray
     judged: np.ndarray
+    below: np.ndarray
 
     def references(self, row: int, values: np.ndarray) -> np.ndarray:
-        """The medians of the other ranks of slow ranks of ``values`` in ``row``."""
-        return np.where(values > self.middle[row], self.above[row], self.at[row])
+        """The medians of the other ranks of the ranks of ``values`` in ``row``."""
+        at_or_below = np.where((values == self.middle[row]) & ~np.isnan(self.at[row]), self.at[row], self.below[row])
+        return np.where(values > self.middle[row], self.above[row], at_or_below)
 
 
-def _others_median(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _others_median(rows: np.ndarray) -> tuple[np.ndarray, ...]:
     """For finite rows (shape ``(k, n)``, ``n >= 2``), per row: the middle value a rank must exceed
     to be slow, the median of the others of a rank above it, that of a rank alone at it (NaN where
-    none can be: an even ``n``, or a tie there), and the row's median."""
+    none can be: an even ``n``, or a tie there), the row's median, and that of a rank below the
+    middle value."""
     n = rows.shape[1]
-    s = np.sort(rows, axis=1)
-    if n % 2 == 0:  # an odd number of others: above the lower middle value, that value
+    if n % 2 == 0:  # an odd number of others: above the lower middle value, that value; else the next
         mid = n // 2 - 1
-        return s[:, mid], s[:, mid], np.full(len(s), np.nan), 0.5 * (s[:, mid] + s[:, mid + 1])
+        # (one partition, not a sort: the value after the middle is the least of those above it)
+        s = np.partition(rows, mid, axis=1)
+        a, b = s[:, mid], s[:, mid + 1:].min(axis=1)
+        return a, a, np.full(len(s), np.nan), 0.5 * (a + b), b
     lo, hi = (n - 3) // 2, (n - 1) // 2  # an even number of others: the mean of their two middle values
-    a, b, c = s[:, lo], s[:, hi], s[:, hi + 1]
-    # above the middle value b: the others' middle is a and b; at b, alone there (a < b): a and c
-    return b, 0.5 * (a + b), np.where(a < b, 0.5 * (a + c), np.nan), b
+    s = np.partition(rows, hi, axis=1)
+    a, b, c = s[:, :hi].max(axis=1), s[:, hi], s[:, hi + 1:].min(axis=1)
+    # above the middle value b: the others' middle is a and b; at b, alone there (a < b): a and c;
+    # below it (or at it beside a): b and c
+    return b, 0.5 * (a + b), np.where(a < b, 0.5 * (a + c), np.nan), b, 0.5 * (b + c)
 
 
 def _is_slow(hist: np.ndarray, ref: np.ndarray, ratio: float, min_value: float) -> np.ndarray:
@@ -71,10 +84,10 @@ def _is_slow(hist: np.ndarray, ref: np.ndarray, ratio: float, min_value: float) 
 
 
 def _finite_rows(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
-    middle, above, at, med = _others_median(hist)
+    middle, above, at, med, below = _others_median(hist)
     slow = (hist > middle[:, None]) & _is_slow(hist, above, ratio, min_value)
     slow |= (hist == middle[:, None]) & _is_slow(hist, at, ratio, min_value)
-    return SlowRanks(slow, middle, above, at, (med > 0) | (min_value > 0))
+    return SlowRanks(slow, middle, above, at, (med > 0) | (min_value > 0), below)
 
 
 def slow_ranks(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
@@ -85,7 +98,7 @@ def slow_ranks(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
     k, n = hist.shape
     if n >= 2 and np.isfinite(hist).all():
         return _finite_rows(hist, ratio, min_value)
-    out = SlowRanks(np.zeros(hist.shape, bool), *(np.full(k, np.nan) for _ in range(3)), np.zeros(k, bool))
+    out = SlowRanks(np.zeros(hist.shape, bool), *(np.full(k, np.nan) for _ in range(3)), np.zeros(k, bool), np.full(k, np.nan))
     for i, row in enumerate(hist):
         finite = np.flatnonzero(np.isfinite(row))
         if len(finite) >= 2:
@@ -93,4 +106,27 @@ def slow_ranks(hist: np.ndarray, ratio: float, min_value: float) -> SlowRanks:
             out.slow[i, finite] = got.slow[0]
             for mine, theirs in zip(out[1:], got[1:]):
                 mine[i] = theirs[0]
+    return out
+
+
+def named_over(found: SlowRanks) -> np.ndarray:
+    """The ranks slow in more than half of ``found``'s reports (a report that does not judge a rank
+    counts as one in which it is not slow)."""
+    return np.flatnonzero(2 * np.count_nonzero(found.slow, axis=0) > len(found.slow))
+
+
+def median_ratios(found: SlowRanks, hist: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """The median over the reports of ``hist`` of each of ``ranks``' value / the median of its
+    other ranks (a reference of 0 or below: an infinite ratio; reports that do not judge it are
+    left out)."""
+    rows = np.array([found.references(i, hist[i, ranks]) for i in range(len(hist))]).reshape(len(hist), len(ranks))
+    vals = hist[:, ranks]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.where(rows > 0, vals / rows, np.where(np.isnan(rows), np.nan, np.inf))
+    ratios[~np.isfinite(vals)] = np.nan
+    out = np.full(len(ranks), np.nan)
+    for j in range(len(ranks)):
+        got = ratios[:, j][~np.isnan(ratios[:, j])]
+        if len(got):
+            out[j] = float(np.median(got))
     return out

@@ -47,6 +47,13 @@ class RuleWindow(Protocol):
     def rank_history(self, vector: str, last: int) -> np.ndarray:
         """The newest ``last`` reports' per-rank ``vector`` that were present, shape (k, world)."""
 
+    def rank_history_index(self, vector: str, last: int) -> tuple[list[float], list[int]]:
+        """The last step and the row id of each report :meth:`rank_history` gives for the same
+        arguments; a row id names one row's values for as long as the process runs."""
+
+    def rank_values_of(self, vector: str, ids: list[int]) -> np.ndarray:
+        """The per-rank ``vector`` of the rows ``ids`` (held ones), shape (len(ids), world)."""
+
     @property
     def vectors_seen(self) -> "set[str] | frozenset[str]":
         """The per-rank vectors any report in this history carried (``rank_history`` of any other
@@ -147,7 +154,7 @@ class RunWindow:
         self._written += 1
         self._last_received = received
         if ranks:
-            self._ring.append(ranks, self.count)
+            self._ring.append(ranks, self.count, float(step_last))
 
     def append_many(self, values: list[dict[str, float]], steps: list[int], received: list[float]) -> None:
         """:meth:`append_raw` of each report in turn, without per-rank vectors (reports read back
@@ -280,6 +287,12 @@ class RunWindow:
 
     def rank_history(self, vector: str, last: int) -> np.ndarray:
         return self._ring.history(vector, last)
+
+    def rank_history_index(self, vector: str, last: int) -> tuple[list[float], list[int]]:
+        return self._ring.history_index(vector, last)
+
+    def rank_values_of(self, vector: str, ids: list[int]) -> np.ndarray:
+        return self._ring.values_of(vector, ids)
 
     @property
     def vectors_seen(self) -> set[str]:

@@ -116,8 +116,9 @@ def test_a_registration_again_forgets_the_snapshots_of_the_process_that_ended(ap
 
 # -- the node each rank runs on (RankEndpoint.node) ----------------------------------------------
 def _straggling(client: Any, run: str = "run-1") -> dict[str, Any]:
-    """Three reports in which rank 1 of 2 takes 2.5x rank 0's forward: the straggler alert."""
-    for step in (1, 2, 3):
+    """Five reports, one every 10 steps, in which rank 1 of 2 takes 2.5x rank 0's forward: the
+    straggler alert."""
+    for step in (10, 20, 30, 40, 50):
         body = {"job": "job-a", "step_first": step, "step_last": step, "time": float(step), "values": {},
                 "ranks": {"forward_s": [0.02, 0.05]}}
         assert client.post(f"/v1/runs/{run}/reports", json=body).status_code == 200
@@ -131,7 +132,7 @@ def test_each_rank_s_node_is_kept_shown_and_named_beside_its_rank_in_an_alert(ap
         assert client.post("/v1/runs", json={"job": "job-a", "run": "run-1", "world_size": 2, "ranks": ranks}).status_code == 200
         assert client.get("/v1/runs/run-1").json()["ranks"] == ranks
         alert = _straggling(client)
-        assert alert["summary"].endswith("x the median of the other ranks 0.02 (limit 1.5x) (rank 1 on node gpu-b.dc1)")
+        assert alert["summary"].endswith("(in the newest report 0.05 against 0.02) (limit 1.5x) (rank 1 on node gpu-b.dc1)")
         assert alert["values"]["nodes"] == {"1": "gpu-b.dc1"} and alert["values"]["ranks"] == [1]
     with app_factory() as client:  # read back after a restart
         assert client.get("/v1/runs/run-1").json()["ranks"] == ranks

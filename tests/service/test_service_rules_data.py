@@ -22,22 +22,22 @@ def _fired(reports, world_size=4):  # type: ignore[no-untyped-def]
 def test_input_wait_straggler_names_the_data_slow_rank() -> None:
     healthy = [0.001, 0.0012, 0.0009, 0.0011]
     slow = [0.001, 0.0012, 0.0009, 0.4]
-    reps = [make_report(i, float(i), {}, input_wait_s=(slow if i > 0 else healthy)) for i in range(4)]
+    reps = [make_report(10 * i, float(i), {}, input_wait_s=(slow if i > 0 else healthy)) for i in range(5)]
     found = _fired(reps)
-    assert [[f.rule.name for f in s] for s in found] == [[], [], [], ["input_wait_straggler"]]
-    v = found[3][0].values
+    assert [[f.rule.name for f in s] for s in found] == [[]] * 4 + [["input_wait_straggler"]]
+    v = found[4][0].values
     assert v["rank"] == 3 and v["ratio"] == pytest.approx(0.4 / float(np.median(slow[:3])))  # the others' median
-    assert found[3][0].rule.diagnosis == "input_bound"
+    assert found[4][0].rule.diagnosis == "input_bound"
 
 
 def test_input_wait_spread_below_the_floor_or_with_a_zero_median() -> None:
     tiny = [0.0001, 0.0001, 0.0001, 0.03]  # 300x the median but 30 ms < the 50 ms floor
-    assert _fired([make_report(i, float(i), {}, input_wait_s=tiny) for i in range(4)])[-1] == []
+    assert _fired([make_report(10 * i, float(i), {}, input_wait_s=tiny) for i in range(6)])[-1] == []
     zeros = [0.0, 0.0, 0.0, 0.2]  # median 0: an infinite ratio, above the floor
-    found = _fired([make_report(i, float(i), {}, input_wait_s=zeros) for i in range(3)])[-1]  # 3rd report
+    found = _fired([make_report(10 * i, float(i), {}, input_wait_s=zeros) for i in range(5)])[-1]  # 5th report
     assert [f.rule.name for f in found] == ["input_wait_straggler"] and math.isinf(found[0].values["ratio"])
     all_zero = [0.0] * 4
-    assert _fired([make_report(i, float(i), {}, input_wait_s=all_zero) for i in range(4)])[-1] == []
+    assert _fired([make_report(10 * i, float(i), {}, input_wait_s=all_zero) for i in range(6)])[-1] == []
 
 
 def test_ranks_reading_the_same_data_are_named() -> None:

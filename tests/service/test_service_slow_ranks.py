@@ -8,7 +8,7 @@ import statistics
 
 import numpy as np
 
-from trainguard.service.slow_ranks import slow_ranks
+from trainguard.service.slow_ranks import median_ratios, named_over, slow_ranks
 
 
 def test_each_rank_is_slow_against_statistics_median_of_the_others() -> None:
@@ -70,3 +70,33 @@ def test_a_group_is_slow_up_to_half_of_the_ranks() -> None:
     assert np.flatnonzero(slow_ranks(half, 1.5, 0.0).slow[0]).tolist() == [4, 5, 6, 7]
     most = np.array([[1.0, 1.02, 0.98, 2.0, 2.0, 2.1, 1.95, 2.05]])  # 5 of 8 slow: their speed is the job's
     assert not slow_ranks(most, 1.5, 0.0).slow.any()
+
+
+def test_every_rank_s_reference_and_median_ratio_against_statistics_median() -> None:
+    """Each rank's median of the other ranks (below the middle, at it, above it; ties, NaN) is
+    ``statistics.median`` of the others; a rank's median ratio over several reports is
+    ``statistics.median`` of its ratios in the reports that judge it; the ranks named over them
+    are those slow in more than half."""
+    rng = np.random.default_rng(9)
+    for _ in range(400):
+        k, n = int(rng.integers(1, 7)), int(rng.integers(2, 9))
+        hist = rng.integers(1, 6, (k, n)).astype(float)
+        if rng.random() < 0.3:
+            hist[int(rng.integers(0, k)), int(rng.integers(0, n))] = math.nan
+        found = slow_ranks(hist, 1.5, 0.0)
+        want: list[list[float]] = [[] for _ in range(n)]
+        for i, row in enumerate(hist):
+            finite = [float(v) for v in row if math.isfinite(v)]
+            for r, v in enumerate(row.tolist()):
+                if not math.isfinite(v) or len(finite) < 2:
+                    continue
+                others = list(finite)
+                others.remove(v)
+                med = statistics.median(others)
+                assert found.references(i, np.array([v]))[0] == med, (hist, i, r)
+                want[r].append(v / med)
+        got = median_ratios(found, hist, np.arange(n))
+        for r in range(n):
+            assert (math.isnan(got[r]) and not want[r]) or got[r] == statistics.median(want[r]), (hist, r)
+        slow_in = found.slow.sum(axis=0)
+        assert named_over(found).tolist() == [r for r in range(n) if slow_in[r] > k / 2]

@@ -26,7 +26,7 @@ from tests.control.spawn import spawn_ranks
 from tests.tools.sleepy import Sleepy
 
 SLOW_S = 0.1
-STEPS = 12
+STEPS = 16  # the straggler rules judge a rank over 11 steps (12 reports here)
 STRAGGLER_RULES = {"step_time_straggler", "forward_time_straggler", "input_wait_straggler"}
 
 

@@ -22,6 +22,7 @@ def test_window_reads_match_a_naive_history(capacity: int, rank_capacity: int, s
     w = RunWindow(capacity=capacity, rank_capacity=rank_capacity, world_size=world, created=0.0)
     history: list[dict[str, float]] = []
     rank_history: list[dict[str, list[float]]] = []
+    rank_steps: list[int] = []  # the step of each of rank_history's reports
     names = [f"m{i}" for i in range(20)]  # more than the initial 16 columns: the buffers grow
     for step in range(60):
         values = {n: rng.choice([rng.gauss(0, 1), math.nan, math.inf]) for n in names if rng.random() >= skip}
@@ -30,6 +31,7 @@ def test_window_reads_match_a_naive_history(capacity: int, rank_capacity: int, s
         history.append(values)
         if ranks:
             rank_history.append(ranks)
+            rank_steps.append(step)
         recent = history[-capacity:]
         assert w.size == len(recent) and w.last_step == step and w.last_received == float(step)
         for n in names + ["never"]:
@@ -43,12 +45,19 @@ def test_window_reads_match_a_naive_history(capacity: int, rank_capacity: int, s
                 assert _same(want, series), (n, last, want, series)
                 assert not series.flags.writeable  # rules read views of the buffers: never write through them
         rrecent = rank_history[-rank_capacity:]
+        rsteps = rank_steps[-rank_capacity:]
         for v in VECTORS:
             for last in (1, 2, rank_capacity, rank_capacity + 2):
-                rows = [r[v] for r in rrecent[len(rrecent) - min(last, len(rrecent)):] if v in r]
+                held = range(len(rrecent) - min(last, len(rrecent)), len(rrecent))
+                rows = [rrecent[i][v] for i in held if v in rrecent[i]]
                 got = w.rank_history(v, last)
                 assert got.shape == (len(rows), world)
                 assert all(_same(a, b) for a, b in zip(rows, got))
+                # each row's step, while the window still holds that report (its newest ``capacity``)
+                steps = [float(rsteps[i]) if step - rsteps[i] < capacity else math.nan for i in held if v in rrecent[i]]
+                got_steps, ids = w.rank_history_index(v, last)
+                assert _same(steps, np.array(got_steps)) and len(set(ids)) == len(ids)
+                assert all(_same(a, b) for a, b in zip(rows, w.rank_values_of(v, ids)))
         assert w.latest_values().keys() == history[-1].keys()
 
 
