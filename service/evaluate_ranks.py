@@ -6,6 +6,8 @@ reports of its span of steps (``service/slow_ranks.py``): one rank, or a group s
 from __future__ import annotations
 
 import bisect
+import itertools
+import threading
 from typing import Any
 
 import numpy as np
@@ -87,10 +89,15 @@ def _judged_reports(rule: CrossRankRule, w: RuleWindow) -> tuple[list[float], li
     return steps[first:], ids[first:]
 
 
-#: Each judged row's verdict, (judged, the slow ranks), by (vector, ratio, min_value) and row id:
-#: a report's row is judged once, not once in each report whose span holds it.
-_ROWS: dict[tuple[str, float, float], dict[int, tuple[bool, np.ndarray]]] = {}
-_ROWS_MAX = 1 << 15
+#: Each judged row's verdict, (judged, the slow ranks), by row id and the rule's (vector, ratio,
+#: min_value) (:data:`_KINDS`): a report's row is judged once, not once in each report whose span
+#: holds it. At most :data:`_ROWS_MAX` (the oldest half goes when full: about 25 MB at most).
+_ROWS: dict[int, tuple[bool, np.ndarray]] = {}
+_ROWS_MAX = 1 << 17
+_SLOW_KEPT = 64  # the most slow ranks of a row whose verdict is kept
+_KINDS: dict[tuple[str, float, float], int] = {}
+_KINDS_MAX = 256
+_ROWS_LOCK = threading.Lock()  # (simulations evaluate in worker threads)
 _NONE = np.zeros(0, np.int64)
 
 
@@ -106,14 +113,25 @@ def _row_verdict(rule: CrossRankRule, row: np.ndarray) -> tuple[bool, np.ndarray
 
 def _spread_rows(rule: CrossRankRule, w: RuleWindow, ids: list[int]) -> list[tuple[bool, np.ndarray]]:
     """The verdict of each row ``ids``, those not judged before read and judged now."""
-    known = _ROWS.setdefault((rule.vector, rule.ratio, rule.min_value), {})
-    got = [known.get(i) for i in ids]
+    kind = _KINDS.get((rule.vector, rule.ratio, rule.min_value))
+    if kind is None:
+        with _ROWS_LOCK:
+            if len(_KINDS) >= _KINDS_MAX:
+                _KINDS.clear()
+                _ROWS.clear()
+            kind = _KINDS.setdefault((rule.vector, rule.ratio, rule.min_value), len(_KINDS))
+    keys = [i * _KINDS_MAX + kind for i in ids]
+    got = [_ROWS.get(k) for k in keys]
     missing = [j for j, g in enumerate(got) if g is None]
     if missing:
-        if len(known) + len(missing) > _ROWS_MAX:
-            known.clear()
         for j, row in zip(missing, w.rank_values_of(rule.vector, [ids[j] for j in missing])):
-            got[j] = known[ids[j]] = _row_verdict(rule, row)
+            got[j] = _row_verdict(rule, row)
+        kept = [j for j in missing if len(got[j][1]) <= _SLOW_KEPT]  # (a large group: judged again each time)
+        with _ROWS_LOCK:
+            if len(_ROWS) + len(kept) > _ROWS_MAX:
+                for k in list(itertools.islice(_ROWS, len(_ROWS) // 2)):
+                    del _ROWS[k]
+            _ROWS.update((keys[j], got[j]) for j in kept)
     return got  # type: ignore[return-value]
 
 

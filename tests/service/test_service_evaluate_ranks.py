@@ -104,3 +104,19 @@ def test_no_span_of_steps_yet_names_nothing_and_a_missing_report_is_no_slow_one(
         row = np.array([F, F, 3 * F if i in (0, 4) else np.nan])
         window.append_raw({}, {"forward_s": row}, 10 * i, float(i))
     assert evaluate((RULE,), window, 5.0)[0].active is False
+
+
+def test_verdicts_are_the_same_when_the_kept_rows_are_dropped(monkeypatch) -> None:
+    """Each row's verdict is kept for the reports after it; dropped (the store full) or never kept
+    (more slow ranks than it keeps), rows are judged again with the same outcome."""
+    from trainguard.service import evaluate_ranks
+
+    rows = np.full((120, 200), F)
+    rows[:, 1] = [2 * F if i % 3 else F for i in range(120)]
+    rows[60:, 101:] = 2.5 * F  # from step 60 on, 99 ranks slow together (more than are kept)
+    kept = _named(rows, 1)
+    monkeypatch.setattr(evaluate_ranks, "_ROWS", {})
+    monkeypatch.setattr(evaluate_ranks, "_ROWS_MAX", 8)
+    monkeypatch.setattr(evaluate_ranks, "_SLOW_KEPT", 0)
+    assert _named(rows, 1) == kept
+    assert kept[20] == [1] and kept[-1] == [1, *range(101, 116)]  # (a finding lists 16 ranks)
