@@ -9,9 +9,8 @@ Each generated part sits in a docs page between two markers::
     ...
     <!-- end generated: rules -->
 
-``python -m trainguard.dashboards.docs_tables`` rewrites them in ``docs/`` (``--docs DIR``);
-``--check`` only says which differ (exit status 1). ``tests/docs/test_docs.py`` fails while a page
-differs from what this module produces.
+``python -m trainguard.dashboards.docs_tables`` rewrites them in ``docs/`` (``--docs DIR``); ``--check``
+only says which differ (exit status 1), which ``tests/docs/test_docs.py`` runs.
 """
 
 from __future__ import annotations
@@ -381,19 +380,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", default="docs", help="the docs folder (default: ./docs)")
     parser.add_argument("--check", action="store_true", help="only report the pages that differ (exit status 1)")
     args = parser.parse_args(argv)
+    paths = {Path(args.docs) / page: blocks for page, blocks in BLOCKS.items()}
+    if missing := [path for path in paths if not path.is_file()]:  # e.g. where installed, not in a checkout
+        parser.error(f"{missing[0]} is not there: run it in the repository's root, or name the docs folder with --docs")
     stale = []
-    for page, blocks in BLOCKS.items():
-        path = Path(args.docs) / page
-        if not path.is_file():  # e.g. run where trainguard is installed, not in a checkout's root
-            parser.error(f"{path} is not there: run it in the repository's root, or name the docs folder with --docs")
+    for path, blocks in paths.items():
         text = path.read_text(encoding="utf-8")
         new = render(text, blocks)
         if new != text:
             stale.append(str(path))
             if not args.check:
                 path.write_text(new, encoding="utf-8")
-    verb = "differ from the code" if args.check else "rewritten"
-    print(f"{verb}: {', '.join(stale)}" if stale else "docs: the generated parts are up to date")
+    print(f"{'differ from the code' if args.check else 'rewritten'}: {', '.join(stale)}" if stale
+          else "docs: the generated parts are up to date")
     return 1 if stale and args.check else 0
 
 
