@@ -64,7 +64,8 @@ DIAGNOSES: dict[str, Diagnosis] = {
         symptom="Loss oscillates periodically",
         likely_causes=("Batch size too large", "Learning rate too high for the batch size",
                        "A periodic pattern in the data order (e.g. shards of different difficulty in turn)"),
-        suggested_actions=("Adjust the batch size dynamically", "Increase momentum", "Lower the learning rate",
+        suggested_actions=("Adjust the batch size dynamically: down, a batch too large being the likely cause (the adaptive "
+                           "batch size does not grow it while the loss oscillates)", "Increase momentum", "Lower the learning rate",
                            "Check that the data is shuffled across shards"),
         source="A loss that swings back and forth in a regular rhythm usually means the batch size is too large for the learning rate.",
     ),
@@ -183,7 +184,7 @@ DIAGNOSES: dict[str, Diagnosis] = {
         suggested_actions=("Compare trainguard_input_wait_seconds with the step time; raise num_workers and prefetch (4-8 batches)",
                            "Check the pre-flight's environment checks (CUDA_LAUNCH_BLOCKING=0, NCCL_NSOCKS_PERTHREAD=4, NCCL_SOCKET_NTHREADS=2, 16 MiB socket buffers)",
                            "Raise the micro-batch (with gradient accumulation to keep the global batch), or compile the model"),
-        source="Every point of utilisation lost is paid for in GPU hours; a job at 65% of what its devices can do takes half again as long as one at 92%.",
+        source="Every point of utilisation lost is paid for in GPU hours; a job at 65% of what its devices can do takes about 40% longer than one at 92% (0.92 / 0.65 = 1.42).",
     ),
     "comm_exposed": Diagnosis(
         symptom="Ranks wait for the gradient all-reduce after their backward pass (communication not hidden behind compute)",

@@ -12,6 +12,8 @@ import numpy as np
 from trainguard.service.adaptive_lr import baseline
 from trainguard.service.cause import DATA_DIAGNOSES
 
+#: Rule diagnoses of a loss that swings periodically: its likely cause is a batch already too large.
+OSCILLATION_DIAGNOSES = frozenset({"loss_oscillation"})
 #: A data-quality rule on the newest report: (name, metric, op, threshold, firing).
 DataCheck = tuple[str, "str | None", str, Any, bool]
 
@@ -50,6 +52,8 @@ class ReportReading:
     """A data-quality rule fires on the newest report."""
     data_checks: list[DataCheck] = field(default_factory=list)
     """Each data-quality rule on the newest report."""
+    oscillating: bool = False
+    """A rule of a periodically swinging loss fires on the newest report (``OSCILLATION_DIAGNOSES``)."""
 
     def take(self, values: dict[str, float], metric: str, *, skips_nonfinite: bool) -> None:
         """Read the report's ``values`` (``RunRecovery.before_decide``)."""
@@ -76,21 +80,23 @@ class ReportReading:
         self.measured_scale = float(at) if at is not None and math.isfinite(at) and at > 0 else None
 
     def take_findings(self, findings: list[Any], window: Any) -> None:
-        """Read the data-quality rules and the float32 recompute of the report (``RunRecovery.consider``)."""
+        """Read the data-quality and loss-oscillation rules and the float32 recompute of the report
+        (``RunRecovery.consider``)."""
         self.float32_now = largest_measured(window.rank_history("verify_float32", 1))
         self.data_active = any(f.active and f.rule.diagnosis in DATA_DIAGNOSES for f in findings)
         self.data_checks = [(f.rule.name, getattr(f.rule, "metric", None), getattr(f.rule, "op", ""),
                              getattr(f.rule, "value", None), bool(f.active))
                             for f in findings if f.rule.diagnosis in DATA_DIAGNOSES]
+        self.oscillating = any(f.active and f.rule.diagnosis in OSCILLATION_DIAGNOSES for f in findings)
 
     def save(self) -> tuple[Any, ...]:
         """What a report's undo takes back (the values and the float32 recompute are read afresh)."""
         return (self.skipped_total, self.skipped_now, self.amp_total, self.amp_skipped_now, self.measured,
-                self.measured_scale, self.lr, self.data_active, self.data_checks)
+                self.measured_scale, self.lr, self.data_active, self.data_checks, self.oscillating)
 
     def restore(self, saved: tuple[Any, ...]) -> None:
         (self.skipped_total, self.skipped_now, self.amp_total, self.amp_skipped_now, self.measured,
-         self.measured_scale, self.lr, self.data_active, self.data_checks) = saved
+         self.measured_scale, self.lr, self.data_active, self.data_checks, self.oscillating) = saved
 
 
 @dataclass(slots=True)

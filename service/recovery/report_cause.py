@@ -39,10 +39,14 @@ class ReportCause:
         return self._verdict.cause if self._verdict is not None else None
 
     def refusal(self, action: Any) -> str | None:
-        """Why a rule's ``action`` is not taken (it does not fit the cause, or it changes the batch
-        size while an incident is open), or None."""
+        """Why a rule's ``action`` is not taken (it does not fit the cause, it changes the batch
+        size while an incident is open, or it grows the batch while the loss oscillates
+        periodically: a batch too large is that symptom's likely cause, so a smaller one is its
+        remedy), or None."""
         if action.type == "accumulation" and self.open is not None:
             return f"accumulation refused: incident {self.open.id} is open"
+        if action.type == "accumulation" and action.factor > 1 and self.reading.oscillating:
+            return "accumulation refused: the loss oscillates periodically, and a batch too large is its likely cause"
         return refusal(self.cause(), action)
 
     def consider(self, findings: list[Any], window: Any, *, ranks: list[dict[str, Any]] | tuple[()] = ()) -> None:

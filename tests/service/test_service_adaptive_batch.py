@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import yaml
 
 from trainguard.service.rules import default_rules_text, load_rules
@@ -141,3 +142,76 @@ def test_the_batch_is_left_alone_while_an_incident_is_open(app_factory, tmp_path
         assert desired["accumulation_steps"] == 0 and desired["generation"] == 1
         (alert,) = run.alerts(GROW)
         assert alert["summary"].endswith(f" — accumulation refused: incident {incident['id']} is open")
+
+
+def _shards_in_turn_run(c, run: str, now: list[float], steps: int) -> list[tuple[int, dict]]:  # type: ignore[no-untyped-def]
+    """Train a small regression for real, its batches from two shards of different difficulty in
+    turn (4 steps each: the loss swings with a period of 8 reports), with the agent attached
+    (``report_every`` 1, 2 micro-batches per step of its own) and every report sent to the
+    controller; each step takes as many micro-batches as the controller's desired state says.
+    Returns (the report's step, the desired state after it)."""
+    import torch
+    from torch import nn
+
+    import trainer_agent as ta
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    x = torch.randn(4096, 16, generator=g)
+    y = x @ torch.randn(16, 1, generator=g)
+    noise = 2.0 * torch.randn(4096, 1, generator=g)  # the hard shard's targets are noisy
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    agent = ta.attach(model, opt, job="job-a", run=run, config=ta.AgentConfig(metrics_port=None, report_every=1),
+                      accumulation_steps=2)
+    history, micro = [], 2
+    try:
+        for k in range(steps):
+            hard = (k // 4) % 2 == 1
+            total = 0.0
+            for _ in range(micro):
+                idx = torch.randint(0, 4096, (32,), generator=g)
+                loss = nn.functional.mse_loss(model(x[idx]), y[idx] + (noise[idx] if hard else 0.0)) / micro
+                loss.backward()
+                total += float(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            agent.end_step(torch.tensor(total), tokens=32 * micro)
+            values = {n: v for n, v in agent.latest().items() if "{" not in n}
+            body = {"job": "job-a", "step_first": k + 1, "step_last": k + 1, "time": now[0], "values": values}
+            assert c.post(f"/v1/runs/{run}/reports", json=body).status_code == 200
+            now[0] += 10.0
+            desired = c.get(f"/v1/runs/{run}/desired").json()
+            micro = desired["accumulation_steps"] or 2
+            history.append((k + 1, desired))
+    finally:
+        agent.close(1.0)
+    return history
+
+
+def test_the_batch_does_not_grow_while_the_loss_oscillates(app_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A periodically swinging loss is a batch too large (or a periodic data order): growing the
+    batch then is the opposite of the remedy. The easy shard's low gradient variance grows the
+    batch once before the swing shows; after the cooldown, with loss_oscillation firing, the next
+    grow is refused and the alert says why."""
+    path = _rules_file(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    # tr(Sigma) of this model: tens on the easy shard, hundreds on the noisy one (set per job, as the rules' docs say)
+    raw["jobs"] = {"job-a": [{"name": GROW, "value": 100.0, "for_reports": 3}, {"name": SHRINK, "enabled": False}]}
+    path.write_text(yaml.safe_dump(raw))
+    now = [1_000.0]
+    with app_factory(clock=lambda: now[0], rules=path) as c:
+        _register(c, "osc", {"accumulation_steps": 2})
+        history = _shards_in_turn_run(c, "osc", now, 130)
+        alerts = [a for a in c.get("/v1/alerts", params={"run": "osc"}).json()]
+    grows = sorted((a for a in alerts if a["rule"] == GROW), key=lambda a: a["id"])
+    swings = [a for a in alerts if a["rule"] == "loss_oscillation"]
+    assert len(swings) == 1 and swings[0]["values"]["period_reports"] == pytest.approx(8.0, rel=0.2)
+    assert len(grows) == 2, [(a["step"], a["summary"]) for a in grows]
+    first, second = grows
+    assert first["starts_at"] < swings[0]["starts_at"] <= second["starts_at"]
+    assert "accumulation steps 2 -> 3" in first["summary"] and "refused" not in first["summary"]
+    assert second["summary"].endswith(
+        " — accumulation refused: the loss oscillates periodically, and a batch too large is its likely cause")
+    grown = _grown(2, 1.5)
+    assert [d["accumulation_steps"] for _, d in history][-1] == grown  # the grow before the swing showed, only
