@@ -1,10 +1,11 @@
 // One run: status, actions, alerts with their diagnoses, the incidents of the automatic recovery
-// (onset, rungs, outcome), live charts of the controller's window (updated over the event stream),
+// (onset, rungs, outcome), its pre-flight checks, live charts of the controller's window (updated over the event stream),
 // the per-rank view and the run's audit log; deleting the run, and saying so when it is deleted.
 import { Actions } from "./actions.js";
 import { ApiError, Stream, get, num } from "./api.js";
 import { Chart, fmt } from "./charts.js";
 import { h, statusBadge, when } from "./dom.js";
+import { preflightSection } from "./preflight.js";
 import { Removal } from "./removal.js";
 
 // Job-level charts: the report values they draw (the agent's metric names).
@@ -168,13 +169,14 @@ export class RunPage {
     this.desiredEl = h("dl", { class: "facts" });
     this.alertsEl = h("section", { class: "alerts", id: "alerts" });
     this.incidentsEl = h("section", { class: "incidents", id: "incidents" });
+    this.preflightEl = h("section", { class: "preflight", id: "preflight" });
     this.chartsEl = h("div", { class: "charts", id: "charts" });
     this.rankChartsEl = h("div", { class: "charts", id: "rank-charts" });
     this.rankTable = h("table", { class: "ranks", id: "rank-table" });
     this.eventsBody = h("tbody");
     this.root.replaceChildren(
       this.deletedEl, this.header, h("details", { class: "desired", id: "desired-state" }, h("summary", {}, "Desired state (every field)"), this.desiredEl),
-      this.actions, this.removalEl, this.result, this.alertsEl, this.incidentsEl,
+      this.actions, this.removalEl, this.result, this.alertsEl, this.incidentsEl, this.preflightEl,
       h("h2", {}, "Training signals"),
       h("p", { class: "legend" }, h("span", { class: "mk mk-alert" }), " alert  ", h("span", { class: "mk mk-desired" }),
         " desired state changed  ", h("span", { class: "mk mk-applied" }), " applied by every rank  ",
@@ -283,6 +285,11 @@ export class RunPage {
     this.desiredEl.replaceChildren(...Object.entries(des).filter(([k]) => k !== "reason" && k !== "generation").map(([k, v]) =>
       h("div", {}, h("dt", {}, k), h("dd", { id: `desired-${k}` }, typeof v === "number" ? fmt(v) : String(v)))));
     this.actionPanel.update(d);
+    const received = String(d.preflight ? d.preflight.received : null);
+    if (this.preflightEl.dataset.received !== received) {  // drawn again only when a new result arrives
+      this.preflightEl.dataset.received = received;
+      this.preflightEl.replaceChildren(...preflightSection(d.preflight));
+    }
   }
 
   onEvent(ev) {

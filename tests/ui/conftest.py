@@ -22,7 +22,7 @@ from tests.control.procs import until
 OPERATOR, READER = "operator-token-ui-1", "reader-token-ui-1"
 #: The runs the tests use, each with its own agent token (TOKEN:RUN entries).
 RUNS = ("run-charts", "run-alert", "run-pause", "run-ranks", "run-readonly", "run-offline", "run-actions",
-        "run-del-finished", "run-del-live", "run-del-readonly", "run-del-elsewhere", "run-finished")
+        "run-del-finished", "run-del-live", "run-del-readonly", "run-del-elsewhere", "run-finished", "run-preflight")
 
 
 def agent_token(run: str) -> str:

@@ -1,6 +1,7 @@
 """The console in a real browser (Debian's Chromium, headless) against a real controller process:
 a reporting run appears, its charts draw the window's points and follow new reports, an alert
-appears with its diagnosis and its incident (onset, rungs, outcome) without a reload, a pause confirmed in the page is applied by the real
+appears with its diagnosis and its incident (onset, rungs, outcome) without a reload, a real
+pre-flight's checks appear on the run's page (and a run without one says so), a pause confirmed in the page is applied by the real
 agent and the page shows the step, the page offers every operator command of the registry and a
 value typed into an action's field reaches the controller's desired state (a refused one shows the
 controller's message), a read-only token gets no actions and is refused, and nothing leaves 127.0.0.1."""
@@ -134,6 +135,44 @@ def test_an_alert_appears_with_its_diagnosis_without_a_reload(page: Page, contro
     assert [(li.get_attribute("data-signal"), li.get_attribute("data-points-to")) for li in verdict.query_selector_all("li")] == [
         (e["signal"], e["points_to"]) for e in incident["verdict"]["evidence"]] != []
     page.page.wait_for_selector('#run-events tr[data-kind="incident"]')
+    assert page.page.evaluate("() => window.notReloaded === true")
+    agent.close()
+
+
+def _preflight_with_exploding_gradients() -> Any:
+    """A real pre-flight (``agent.preflight`` on a real model and batch, no controller) whose loss
+    is scaled 1e6: its gradient values are far above 1e3."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    agent = ta.attach(model, opt, job="job-ui", run="pf", config=ta.AgentConfig(metrics_port=None))
+    try:
+        return agent.preflight(torch.randn(4, 8), loss_fn=lambda m, b: m(b).square().mean() * 1e6, clip_grad_norm=1.0)
+    finally:
+        agent.close()
+
+
+def test_the_run_page_shows_its_pre_flight_checks_and_says_when_there_are_none(page: Page, controller: Controller) -> None:
+    from trainer_agent.diagnostics.preflight import to_wire
+
+    agent = _reporting(controller, "run-preflight", 2)
+    page.sign_in(READER, "/ui/runs/run-preflight")
+    none = page.page.wait_for_selector("#preflight-none")
+    assert "nothing was checked before it trained: gradient values below 1e3" in none.inner_text()
+    page.page.evaluate("() => { window.notReloaded = true; }")
+
+    report = _preflight_with_exploding_gradients()
+    resp = agent.http.post("/v1/runs/run-preflight/preflight", json=to_wire(report, 0).model_dump(mode="json"))
+    assert resp.status_code == 200, resp.text
+    page.page.wait_for_selector('#preflight-checks tr[data-check="grad_values"][data-status="fail"]')
+    kept = controller.run("run-preflight")["preflight"]
+    shown = page.page.evaluate("() => [...document.querySelectorAll('#preflight-checks tbody tr')].map((tr) => "
+                               "[tr.dataset.check, tr.dataset.status, tr.children[2].textContent])")
+    assert shown == [[c.name, c.status, c.detail] for c in report.checks] == [
+        [c["name"], c["status"], c["detail"]] for c in kept["checks"]]
+    fails, warns = (sum(c.status == s for c in report.checks) for s in ("fail", "warn"))
+    assert page.page.inner_text("#preflight h2") == f"Pre-flight checks ({fails} failed, {warns} warned)"
+    assert page.page.query_selector("#preflight-none") is None
     assert page.page.evaluate("() => window.notReloaded === true")
     agent.close()
 
