@@ -93,8 +93,13 @@ DIAGNOSES: dict[str, Diagnosis] = {
     ),
     "update_ratio": Diagnosis(
         symptom="Parameter updates too large relative to the parameters",
-        likely_causes=("Learning rate too high", "Weight decay amplified at low precision"),
-        suggested_actions=(LOSS_TRIAGE[1], "Lower the learning rate"),
+        likely_causes=("Learning rate too high",
+                       "Abnormal optimizer state (e.g. Adam's second moments lost to a bad checkpoint load): the update per "
+                       "unit of LR jumps with the LR and the gradient unchanged",
+                       "Weight decay amplified at low precision"),
+        suggested_actions=(LOSS_TRIAGE[1], "Lower the learning rate",
+                           "If the LR and the gradient norm did not change: reset the optimizer state, or roll back to the "
+                           "last good checkpoint"),
         source="Each step should change the weights by roughly 1e-4 to 1e-2 of their size; much more means the "
                "optimizer is overshooting.",
     ),
