@@ -94,6 +94,9 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int], Any]] = {
     "onecycle": lambda opt, steps: S.OneCycleLR(opt, max_lr=LR, total_steps=steps),
     "wsd": _wsd,
     "step_decay": lambda opt, steps: S.StepLR(opt, step_size=60, gamma=0.3),
+    "linear_decay": lambda opt, steps: S.LinearLR(opt, start_factor=1.0, end_factor=0.01, total_iters=steps),
+    "cyclic_triangular": lambda opt, steps: S.CyclicLR(opt, base_lr=LR / 10, max_lr=LR, step_size_up=30,
+                                                       cycle_momentum=False),
     "per_epoch_warmup": _per_epoch_warmup,
     "per_epoch_constant_warmup": _per_epoch_constant_warmup,
 }
@@ -140,6 +143,8 @@ def test_a_healthy_schedule_draws_no_finding_and_no_action(name: str) -> None:
     assert max(lrs) == pytest.approx(LR, rel=0.02)
     if name in ("warm_restarts", "hf_cosine_with_restarts"):
         assert sum(1 for a, b in zip(lrs, lrs[1:]) if b > 20 * a) >= 2  # at least two restarts, each a >20x jump
+    if name == "cyclic_triangular":  # several cycles, each a 10x rise from the base LR to the peak and back
+        assert sum(1 for a, b, c in zip(lrs, lrs[1:], lrs[2:]) if b > a and b > c) >= 3
     if name.startswith("per_epoch"):  # the warm-up's step at an epoch boundary, 20.8x or 10x
         assert max(b / a for a, b in zip(lrs, lrs[1:])) == pytest.approx(20.8 if name == "per_epoch_warmup" else 10.0)
     steps = replay(rows, "schedules")
