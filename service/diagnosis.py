@@ -70,10 +70,15 @@ DIAGNOSES: dict[str, Diagnosis] = {
         source="A loss that swings back and forth in a regular rhythm usually means the batch size is too large for the learning rate.",
     ),
     "loss_plateau": Diagnosis(
-        symptom="Loss does not decrease for a long time",
-        likely_causes=("Learning rate too small", "Poor data quality"),
-        suggested_actions=("Check the data", "Adjust the LR schedule"),
-        source="A loss that stays flat usually means the model is not learning: a learning rate too small or data too poor.",
+        symptom="Loss does not decrease for a long time (or rises again after falling)",
+        likely_causes=("Learning rate too small", "Poor data quality",
+                       "A loss that rises again after falling (the alert says it rose): an abnormal optimizer state, or "
+                       "an optimizer setting changed mid-run (e.g. the weight decay), or mixed-precision problems"),
+        suggested_actions=("Check the data", "Adjust the LR schedule",
+                           "If the loss rose: reset the optimizer state (or roll back to the last good checkpoint) and "
+                           "check mixed precision, rather than raising the LR"),
+        source="A loss that stays flat usually means the model is not learning: a learning rate too small or data too poor; "
+               "one that climbs back after training went well points to the optimizer's state instead.",
     ),
     "loss_rise_after_fall": Diagnosis(
         symptom="Loss rises suddenly after falling",

@@ -370,7 +370,8 @@ def trend(rule: TrendRule, w: RuleWindow, now: float) -> Verdict:
             return False
         return Finding(
             rule, True,
-            f"{rule.metric} fell by {fitted_drop:.6g} over {n} reports (least squares; needs > {need:.6g})",
+            (f"{rule.metric} fell by {fitted_drop:.6g}" if fitted_drop >= 0 else f"{rule.metric} rose by {-fitted_drop:.6g}")
+            + f" over {n} reports (least squares; needs to fall by > {need:.6g})",
             {"metric": rule.metric, "slope_per_report": slope, "fitted_drop": fitted_drop, "required_drop": need, "window": n, "first": float(vals[0]), "last": float(vals[-1])},
         )
     first, last = float(vals[0]), float(vals[-1])
