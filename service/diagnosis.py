@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Diagnosis", "DIAGNOSES", "LOSS_TRIAGE", "STABILITY_CHECKLIST", "diagnosis"]
+__all__ = ["Diagnosis", "DIAGNOSES", "LOSS_TRIAGE", "diagnosis"]
 
 #: The stability guide, 5.1: the triage procedure for an abnormal loss, in the document's order.
 LOSS_TRIAGE: tuple[str, ...] = (
@@ -20,15 +20,6 @@ LOSS_TRIAGE: tuple[str, ...] = (
     "Turn mixed precision off to check numerical stability.",
     "Check whether the data sampling distribution changed suddenly.",
     "Lower the learning rate 10x and watch how the behaviour changes.",
-)
-
-#: The stability guide, 6.1: the checklist enforced before a large training run.
-STABILITY_CHECKLIST: tuple[str, ...] = (
-    "Gradient value range check (should be < 1e3).",
-    "Parameter initialisation distribution check (mean / variance).",
-    "Loss function boundary test (extreme inputs).",
-    "Data pipeline throughput test.",
-    "Overflow detection under mixed precision.",
 )
 
 
