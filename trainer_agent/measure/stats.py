@@ -23,6 +23,7 @@ from trainer_agent.measure.chunk_plan import norm_dtype
 from trainer_agent.measure.chunked_moments import BITS, chunked_moments
 from trainer_agent.measure.memory import host_memory, memory  # noqa: F401 - stats.memory: the report's gauges
 from trainer_agent.measure.noise_scale import noise_scale
+from trainer_agent.measure.nonfinite_scan import dot_sq_norms, nonfinite_elements
 from trainer_agent.measure.update_norms import update_sq_norms  # noqa: F401 - stats.update_sq_norms: the step meter's
 
 __all__ = [
@@ -142,16 +143,19 @@ _SCAN_BUCKET_BYTES = 64 << 20
 
 def _suspects_nonfinite(tensors: Sequence[torch.Tensor | None], device: torch.device,
                         sq: torch.Tensor | None) -> torch.Tensor:
-    """``nonfinite_count``'s CPU scan: only the tensors whose norm is not finite."""
+    """``nonfinite_count``'s CPU scan: only the tensors whose norm (or sum of squares) is not
+    finite, a CPU one chunk by chunk; without ``sq`` large tensors are read by a dot each
+    (``nonfinite_scan.py``)."""
     if sq is None:
-        tensors = [t for t in tensors if t is not None and t.is_floating_point()]
-        sq = sq_norms(tensors, device)
+        dotted, dot_sq, rest = dot_sq_norms([t for t in tensors if t is not None and t.is_floating_point()])
+        tensors, sq = dotted + rest, sq_norms(rest, device)
+        sq = sq if dot_sq is None else torch.cat([dot_sq.to(device), sq])
     # sq lives on the CPU here: .tolist() reads host memory, no operator, no device involved.
     flagged = [t for t, v in zip(tensors, sq.tolist()) if not math.isfinite(v)]
     total = torch.zeros((), dtype=torch.float64, device=device)
     for t in flagged:
         if t is not None and t.is_floating_point():
-            total += (~torch.isfinite(t)).sum().to(device, non_blocking=True)
+            total += nonfinite_elements(t) if t.is_cpu else (~torch.isfinite(t)).sum().to(device, non_blocking=True)
     return total
 
 
@@ -191,7 +195,8 @@ def nonfinite_count(tensors: Sequence[torch.Tensor | None], device: torch.device
     ``scan="suspects"`` (the default on the CPU, where reading a tensor is no device sync): a
     tensor holds a non-finite element exactly when its norm is non-finite (a norm can also
     overflow to inf; the count then finds 0 there), so only tensors with a non-finite norm are
-    scanned and the common case costs one fused norm pass. ``scan="device"`` (the default on an
+    scanned and the common case costs one read of each tensor (``sq``, or a dot of each large
+    one: ``nonfinite_scan.py``). ``scan="device"`` (the default on an
     accelerator, where choosing would need a host read): every tensor is scanned on the device
     with two fused launches per bucket of at most 64 MiB — ``t * 0`` is NaN exactly where ``t``
     is not finite, and its ord-0 norm counts those. Tensors on the CPU (e.g. AdamW's ``step``
