@@ -12,13 +12,17 @@ so that both see the same machine:
   (``trainer_agent/measure/chunked_moments.py``);
 - the update's squared norms (``stats.update_sq_norms``: ||W_before - W_after||^2, ||W_after||^2,
   ||W_before||^2 per tensor, the snapshot refreshed): an in-place difference and fused norms
-  (``chunked=False``) beside the chunked pass (``trainer_agent/measure/chunked_updates.py``).
+  (``chunked=False``) beside the chunked pass (``trainer_agent/measure/chunked_updates.py``);
+- the non-finite count of AdamW's state of the same tensors (``stats.nonfinite_count``, two
+  moments and a step counter per tensor, none non-finite): the tensors picked by the fused float32
+  norm of every tensor (given as ``sq``, as before) beside one dot per large tensor
+  (``trainer_agent/measure/nonfinite_scan.py``).
 
 Three sets of float32 tensors: the sizes of ``bench/agent_overhead.py``'s model (77 tensors, 27.4M
 elements: large tensors, cut into chunks), 5,000 tensors of 400 elements (2M: small tensors of
 one length, packed into chunks) and 2,000 tensors of 200 to 2,199 elements, every length once
 (2.4M: packed longest first, the shorter rows of a chunk padded). Prints the thread CPU medians, their ratio, and the largest
-relative difference between the two results per value.
+relative difference between the two results per value (for the count, both counts).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def _in_order(values: torch.Tensor, order: list[int]) -> torch.Tensor:
     return values.view(len(stats.MOMENTS), len(order))[:, at]
 
 
-def side_by_side(name: str, run, rounds: int) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+def side_by_side(name: str, run, rounds: int, labels: tuple[str, str] = ("accelerator formulation", "CPU chunked")
+                 ) -> tuple[float, float, torch.Tensor, torch.Tensor]:
     """``run(chunked)`` -> (seconds, result), alternated; medians in ms and both last results."""
     times: dict[bool, list[float]] = {False: [], True: []}
     out: dict[bool, torch.Tensor] = {}
@@ -55,7 +60,7 @@ def side_by_side(name: str, run, rounds: int) -> tuple[float, float, torch.Tenso
             seconds, out[chunked] = run(chunked)
             times[chunked].append(seconds)
     fused, chunked = (statistics.median(times[c][1:]) * 1e3 for c in (False, True))
-    print(f"{name}: accelerator formulation {fused:.1f} ms | CPU chunked {chunked:.1f} ms | ratio {fused / chunked:.1f}x")
+    print(f"{name}: {labels[0]} {fused:.1f} ms | {labels[1]} {chunked:.1f} ms | ratio {fused / chunked:.2f}x")
     return fused, chunked, out[False], out[True]
 
 
@@ -98,6 +103,28 @@ def main() -> None:
         *_, a, b = side_by_side("update norms", updates, args.rounds)
         print("  largest relative difference: " + ", ".join(
             f"{m} {float(r):.1e}" for m, r in zip(("delta_sq", "param_sq", "before_sq"), _rel(a, b))))
+        state = _adamw_state(tensors)
+
+        def state_check(dots: bool) -> tuple[float, torch.Tensor]:
+            t0 = time.thread_time()
+            sq = None if dots else stats.sq_norms([t for t in state if t.is_floating_point()], CPU)  # as before
+            count = stats.nonfinite_count(state, CPU, sq)
+            return time.thread_time() - t0, count
+
+        *_, a, b = side_by_side("optimizer state non-finite count", state_check, args.rounds,
+                                ("fused norm of every tensor", "dots"))
+        print(f"  counts: {float(a):g}, {float(b):g}")
+
+
+def _adamw_state(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """AdamW's state for parameters shaped like ``tensors`` after one step, as the report reads it
+    (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter)."""
+    params = [torch.zeros(t.shape, requires_grad=True) for t in tensors]
+    for p, t in zip(params, tensors):
+        p.grad = t
+    opt = torch.optim.AdamW(params)
+    opt.step()
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 if __name__ == "__main__":
