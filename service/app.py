@@ -26,6 +26,7 @@ from trainguard.service.limits import Authenticate, BodyLimit
 from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.routes import alerts, rules, runs, system, tokens as token_routes, ui, webhooks
 from trainguard.service.rules import RulesError
+from trainguard.service.security_headers import NoSniff
 from trainguard.service.schemas import NOT_REPEATED, SECRET_FIELDS, RulesTestRequest, nan_safe, validation_summary
 from trainguard.service.standby import Standby, StandbyGate
 from trainguard.service.startup import LoadingGate, StartupLoader
@@ -164,8 +165,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable, loader: StartupLoader,
                         settings: Settings, standby: Standby | None) -> None:
-    """The request path, outermost last: the standby gate, authentication, the loading gate,
-    the body limit, report ingress (and the OpenAPI document of every status)."""
+    """The request path, outermost last: the nosniff header, the standby gate, authentication, the
+    loading gate, the body limit, report ingress (and the OpenAPI document of every status)."""
     # Added first, so it runs inside BodyLimit: report bodies are size-checked before it reads them.
     openapi.install(app, models=(Report, RulesTestRequest))  # every status and the one error shape (service/openapi.py)
     app.add_middleware(JsonText)  # inside ReportIngress: reports are parsed by pydantic (it refuses lone surrogates)
@@ -175,7 +176,8 @@ def _install_middleware(app: FastAPI, controller: Controller, tokens: TokenTable
     app.add_middleware(LoadingGate, loader=loader)  # 503 'loading' until the runs are read back
     app.add_middleware(Authenticate, tokens=tokens)  # no body is read before the token is known
     if standby is not None:
-        app.add_middleware(StandbyGate, standby=standby)  # outermost: a standby reads nothing
+        app.add_middleware(StandbyGate, standby=standby)  # a standby reads nothing
+    app.add_middleware(NoSniff)  # outermost: every answer, the gates' included
 
 
 def _lifespan(controller: Controller, loader: StartupLoader, standby: Standby | None) -> Callable[[FastAPI], Any]:
