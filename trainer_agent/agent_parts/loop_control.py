@@ -59,7 +59,8 @@ class LoopControl:
         every rank, at the same step. The spike guard takes the first spike after it and starts its
         baseline afresh; the controller's spike rules compare each metric only with the reports
         from the next one on (``trainguard_run_changes_total``). Freezing or unfreezing part of the
-        model and switching optimizer are found without it. Marks fewer than
+        model, switching optimizer and a steady loop changing its micro-batches per step are found
+        without it. Marks fewer than
         ``RUN_CHANGE_REPORTS`` reports apart are warned about once: the spike rules judge nothing
         until they have a few reports after a change, so marking often leaves spikes unjudged."""
         step, last = self.clock.step, self.clock.run_changed_at

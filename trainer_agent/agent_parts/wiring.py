@@ -118,11 +118,18 @@ class AgentWiring:
                              grad_norm=functools.partial(self.hooks.grad_norm_before_step, self.optimizer),
                              accumulation_steps=self.accumulation_base,
                              named_parameters=self.model.named_parameters,
-                             regime=lambda: (self.parts.params.trainable_elements(), self.clock.run_changes),
+                             regime=self._regime,
                              lr_jumped=functools.partial(self.scheduled_lr.above_envelope, self.optimizer))
         on_rollback = self.snapshots.restore if self.snapshots is not None else None
         return ControlPlane(ctx, on_checkpoint=on_checkpoint, on_rollback=on_rollback, on_error=self.errors.error,
                             on_diagnose=self.diagnostics.diagnose, on_data_skip=self._quarantine_batch)
+
+    def _regime(self) -> tuple[int, int]:
+        """What the run trains now and how, for the spike guard: the elements that train and the
+        run's changes, the marked ones and a change of its micro-batches per step in progress."""
+        clock = self.clock
+        return (self.parts.params.trainable_elements(),
+                clock.run_changes + clock.accumulation.changes(self.parts.meter.state.backwards))
 
     def _adopt_scaler(self, scaler: Any) -> None:
         """A ``GradScaler`` not passed to ``attach``, found running the optimizer step

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from trainer_agent.measure.accumulation_watch import AccumulationWatch
+
 __all__ = ["StepClock"]
 
 
@@ -42,6 +44,8 @@ class StepClock:
         self.run_changes = 0
         #: The step of the last mark (``Agent.run_changed``), None before one.
         self.run_changed_at: int | None = None
+        #: The loop's micro-batches per optimizer step: a change of a steady count is marked too.
+        self.accumulation = AccumulationWatch()
 
     def read_step(self) -> int:
         """The step reader the collaborators get."""
