@@ -1,7 +1,8 @@
 """Dashboard 3, ranks: is every rank keeping up, and is the agent behaving? Step time per rank as a
 heatmap, the straggler ratio (slowest rank over the median), model-FLOPs utilisation per rank,
 gradient communication time per rank and the share of it the step waits for, whether the
-replicas' gradients and parameters agree, memory per rank, the agent's own overhead and errors,
+replicas' gradients and parameters agree, memory per rank, each rank's GPU (utilisation, clock,
+temperature, memory, ECC and XID errors), the agent's own overhead and errors,
 whether the run reaches the controller, and the reports it had to drop.
 """
 
@@ -176,6 +177,52 @@ def _memory() -> Section:
     ])
 
 
+def _gpu() -> Section:
+    """Each rank's GPU as NVML reads it: how busy, how fast, how warm, how full, and its errors."""
+    return Section("GPU health", [
+        timeseries(
+            "GPU utilisation per rank",
+            "Share of the last sample period in which a kernel ran on the rank's GPU "
+            "(trainguard_gpu_utilization_ratio, NVML). A rank far below the others waits (for input, "
+            "or for the others at a collective); every rank low means the job feeds its GPUs "
+            "poorly: a job at 65 % takes about 40 % longer than one at 92 %. Absent without a GPU or NVML.",
+            [query(f"trainguard_gpu_utilization_ratio{{{SEL}}}", "rank {{rank}} ({{run}})")],
+            unit="percentunit", width=24,
+        ),
+        timeseries(
+            "SM clock and temperature per rank",
+            "The GPU's current SM clock (left) and temperature (right). One clock far below the "
+            "others' with a non-zero throttle reason (trainguard_gpu_throttle_reasons) points at a "
+            "GPU slowed by heat or power: that rank becomes the straggler.",
+            [query(f"trainguard_gpu_sm_clock_hertz{{{SEL}}}", "clock, rank {{rank}} ({{run}})"),
+             query(f"trainguard_gpu_temperature_celsius{{{SEL}}}", "temperature, rank {{rank}} ({{run}})")],
+            unit="hertz",
+            overrides=[{
+                "matcher": {"id": "byRegexp", "options": "temperature.*"},
+                "properties": [{"id": "custom.axisPlacement", "value": "right"}, {"id": "unit", "value": "celsius"}],
+            }],
+        ),
+        timeseries(
+            "GPU memory per rank",
+            "Memory in use on the rank's GPU by every process (NVML), beside the GPU's total: the "
+            "allocator's own view is in the Memory section.",
+            [query(f"trainguard_gpu_memory_used_bytes{{{SEL}}}", "used, rank {{rank}} ({{run}})"),
+             query(f"trainguard_gpu_memory_total_bytes{{{SEL}}}", "total, rank {{rank}} ({{run}})")],
+            unit="bytes",
+        ),
+        timeseries(
+            "GPU errors per rank",
+            "Uncorrected ECC memory errors and critical XID errors per interval: either on a rank "
+            "makes its results suspect (the controller's hardware rules name the rank and its node).",
+            [query(f"increase(trainguard_gpu_ecc_uncorrected_errors_total{{{SEL}}}[$__rate_interval])",
+                   "ECC, rank {{rank}} ({{run}})"),
+             query(f"increase(trainguard_gpu_xid_errors_total{{{SEL}}}[$__rate_interval])",
+                   "XID, rank {{rank}} ({{run}})")],
+            draw="bars",
+        ),
+    ])
+
+
 def _reachability_panels() -> list:
     """Whether the run reaches the controller, and whether Prometheus reaches each rank."""
     return [
@@ -243,5 +290,5 @@ def build() -> Dashboard:
         title=TITLE,
         description=" ".join(__doc__.split()),
         tags=["ranks"],
-        sections=[_speed(), _agreement(), _memory(), _agent()],
+        sections=[_speed(), _agreement(), _memory(), _gpu(), _agent()],
     )
