@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Literal
@@ -32,7 +33,7 @@ from trainguard.service.metrics import ControllerMetrics
 from trainguard.service.store import Store
 from trainguard.service.webhook_destinations import Destination, checked_destination
 
-__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url",
+__all__ = ["SEVERITY_RANK", "WebhookFormat", "fingerprint", "render", "sign", "verify", "WebhookDeliverer", "redact_url", "without_password",
            "INCIDENT_SEVERITY", "IncidentUpdate", "incident_update", "incident_wanted", "render_incident"]
 
 log = logging.getLogger("trainguard.webhooks")
@@ -360,6 +361,16 @@ def _outcome(status: int | None, error: str | None, retries_left: bool) -> tuple
 def _idle(conn: Any) -> tuple[float | None, int]:
     """When the next pending row is due, and how many are pending (one read: one snapshot)."""
     return sql.next_outbox_time(conn), sql.pending_outbox_count(conn)
+
+
+def without_password(url: str) -> str:
+    """``url`` with the password of its user info, if any, shown as ``***`` (what a listing shows:
+    the URL stays recognisable, the password is never read back)."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
 
 
 def redact_url(url: str) -> str:

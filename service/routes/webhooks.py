@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Query, Response
 
 from trainguard.service.deps import ControllerDep, WebhooksDep
 from trainguard.service.schemas import Webhook, WebhookCreate, WebhookCreated
+from trainguard.service.webhooks import without_password
 from trainguard.protocol.wire import MAX_INT
 
 __all__ = ["router"]
@@ -18,7 +19,9 @@ WebhookId = Annotated[int, Path(ge=1, le=MAX_INT)]
 
 
 def _out(row: dict) -> dict:
-    return {k: row[k] for k in ("id", "url", "format", "min_severity", "created_at")} | {"send_resolved": bool(row["send_resolved"])}
+    """A stored webhook as listed: its URL's password shown as ``***``, its secret not at all."""
+    return ({k: row[k] for k in ("id", "format", "min_severity", "created_at")}
+            | {"url": without_password(row["url"]), "send_resolved": bool(row["send_resolved"])})
 
 
 @router.post("/webhooks", status_code=201, response_model=WebhookCreated, summary="Subscribe a URL to alert notifications")
@@ -30,7 +33,7 @@ async def create(body: WebhookCreate, ctl: ControllerDep, _: WebhooksDep) -> Web
                           send_resolved=body.send_resolved, created_at=now, secret=secret)
 
 
-@router.get("/webhooks", response_model=list[Webhook], summary="Webhooks (secrets are not shown)")
+@router.get("/webhooks", response_model=list[Webhook], summary="Webhooks (secrets and URL passwords are not shown)")
 async def list_webhooks(ctl: ControllerDep, _: WebhooksDep) -> list[dict]:
     return [_out(r) for r in await ctl.records.webhooks()]
 

@@ -309,3 +309,22 @@ def test_a_message_in_flight_when_its_webhook_is_deleted_is_not_sent_again(app_f
         assert attempt["outcome"] == "retry"
         store = c.app.state.controller.store
         assert store.read_now(lambda conn: [tuple(r) for r in conn.execute("SELECT state FROM outbox")]) == [("cancelled",)]
+
+
+def test_a_url_password_is_used_to_deliver_and_never_listed(app_factory, receiver_factory):
+    import base64
+
+    rx = receiver_factory([200])
+    url = rx.url.replace("://", "://alice:s3cret-pw@", 1)
+    with app_factory() as c:
+        _notify_only(c)
+        hook = c.post("/v1/webhooks", json={"url": url, "secret": SECRET, "min_severity": "warning"})
+        assert hook.status_code == 201, hook.text
+        listed = c.get("/v1/webhooks")
+        assert [w["url"] for w in listed.json()] == [rx.url.replace("://", "://alice:***@", 1)]
+        assert "s3cret-pw" not in listed.text
+        register(c)
+        _grad_norm_rises_to(c, 4321.0)
+        wait_until(lambda: rx.requests)
+    headers, _ = rx.requests[0]
+    assert headers["authorization"] == "Basic " + base64.b64encode(b"alice:s3cret-pw").decode()
