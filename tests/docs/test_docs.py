@@ -212,6 +212,20 @@ def test_every_controller_setting_is_documented_and_every_documented_variable_is
     assert sorted(documented - settings - read) == [], "variables the docs name that nothing reads"
 
 
+def test_every_agent_setting_is_named_in_the_docs() -> None:
+    """A user configures the agent from the docs: each field of ``AgentConfig`` is named in them,
+    so a setting such as the device's peak FLOPs is found without reading the source."""
+    import dataclasses
+
+    import trainer_agent as ta
+
+    text = " ".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *PAGES])
+    named = set(re.findall(r"[a-z][a-z0-9_]*", text))
+    fields = [f.name for f in dataclasses.fields(ta.AgentConfig)]
+    assert len(fields) > 20
+    assert sorted(set(fields) - named) == [], "AgentConfig fields no page names"
+
+
 def test_a_static_agent_token_binds_to_the_first_run_it_registers(tmp_path) -> None:
     """What the README says about agent tokens, against a real controller app."""
     from fastapi.testclient import TestClient
