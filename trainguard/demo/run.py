@@ -163,18 +163,24 @@ def _print_summary(cfg: DemoConfig, result: DemoResult) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = DemoConfig()
-    p = argparse.ArgumentParser(prog="trainguard demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--world-size", type=int, default=defaults.world_size)
-    p.add_argument("--report-every", type=int, default=defaults.report_every)
+    p = argparse.ArgumentParser(prog="trainguard demo", description=(
+        "The whole story on one machine, no Docker: a controller, a small model trained on the CPU in "
+        "gloo ranks with faults injected (bad data, an LR that jumps x100, a NaN loss) and recovered "
+        "without anyone, beside the same run without faults; then a summary."))
+    p.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
+    p.add_argument("--world-size", type=int, default=defaults.world_size,
+                   help=f"training ranks, one process each (default {defaults.world_size})")
+    p.add_argument("--report-every", type=int, default=defaults.report_every,
+                   help=f"steps per report to the controller (default {defaults.report_every})")
     p.add_argument("--controller", default=None, help="URL of a running controller (default: start one)")
-    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the ranks' /metrics (default 127.0.0.1)")
     p.add_argument("--metrics-port", type=int, default=0, help="base port of the ranks' /metrics (0: free ports)")
     p.add_argument("--prometheus", action="store_true", help="also start Prometheus (binary on PATH)")
     p.add_argument("--keep-running", action="store_true",
                    help="keep the controller (and Prometheus) running after the summary, until Ctrl-C "
                         "(the default with --prometheus on a terminal)")
-    p.add_argument("--workdir", default=None)
+    p.add_argument("--workdir", default=None,
+                   help="folder for the controller's database and the processes' logs (default: a new temporary one)")
     args = p.parse_args(argv)
     try:
         cfg = DemoConfig(steps=args.steps, world_size=args.world_size, report_every=args.report_every,
