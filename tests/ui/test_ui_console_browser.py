@@ -25,8 +25,12 @@ import trainer_agent as ta
 from tests.control.procs import ROOT, until
 from tests.ui.conftest import OPERATOR, READER, Controller, Page, ScriptedAgent, agent_token
 from trainguard.protocol.commands import REGISTRY
+from trainguard.service.config import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+#: Reports whose per-rank values the controller keeps: the rank charts draw that many per rank.
+RANK_WINDOW = Settings.model_fields["rank_window_reports"].default
 
 # Chart points are read from the data-points attribute each chart keeps (finite points drawn, all
 # series together) and checked against the canvas's pixels in the series colour.
@@ -82,7 +86,7 @@ def test_a_reporting_run_appears_and_its_charts_draw_and_follow_new_reports(page
     run = controller.run("run-charts")
     assert run["reports"] == 13
     assert _points(page, "grad_norm") == 2 * 13  # two series, every report carries both
-    assert _points(page, "rank_step_time") == 2 * 8  # two ranks over the rank window (8 reports)
+    assert _points(page, "rank_step_time") == 2 * RANK_WINDOW  # two ranks over the rank window
     assert _points(page, "data_kl") == 0  # not reported: nothing drawn
     assert page.page.evaluate(_COUNT_SERIES_PIXELS, '[data-chart="loss"]') > 100  # the line is on the canvas
     assert page.page.evaluate(_COUNT_SERIES_PIXELS, '[data-chart="data_kl"]') == 0
@@ -282,7 +286,7 @@ def test_pause_and_stop_from_the_page_are_applied_by_every_rank_of_a_two_rank_jo
             controller.operator.get("/v1/runs/run-ranks").status_code == 200 and controller.run("run-ranks")["reports"] >= 60), 120.0)
         assert all(p.poll() is None for p in ranks), [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
         page.sign_in(OPERATOR, "/ui/runs/run-ranks")
-        _wait_points(page, "rank_step_time", "=== 16")
+        _wait_points(page, "rank_step_time", f"=== {2 * RANK_WINDOW}")
         shots = [tmp_path / "console-healthy.png", tmp_path / "console-paused.png"]
         page.page.screenshot(path=str(shots[0]), full_page=True)
 
