@@ -15,7 +15,7 @@ from trainer_agent.measure.accumulation_watch import HOLD_STEPS, AccumulationWat
 
 def _marks(counts: list[int]) -> list[int]:
     watch = AccumulationWatch()
-    return [i for i, c in enumerate(counts) if watch.step_ended(c)]
+    return [i for i, c in enumerate(counts) if watch.step_ended(c) is not None]
 
 
 def test_a_steady_count_that_changes_is_marked_once_at_its_first_step() -> None:

@@ -121,9 +121,9 @@ class StepEnd:
         clock, meter, reports, scaler = self.clock, self.parts.meter, self.reports, self.parts.scaler
         st = meter.state
         clock.step += 1
-        if clock.accumulation.changes(st.backwards):
-            self._accumulation_changed(st.backwards)
-        clock.accumulation.step_ended(st.backwards)
+        held = clock.accumulation.step_ended(st.backwards)
+        if held is not None:
+            self._accumulation_changed(st.backwards, *held)
         duration, clock.last_end = t0 - clock.last_end, t0
         warm_up, clock.warm_up = clock.warm_up, False
         compiles = self.hooks.compiles
@@ -163,14 +163,13 @@ class StepEnd:
         reports.publish(block=False)
         return agreed
 
-    def _accumulation_changed(self, backwards: int) -> None:
-        """The loop ran ``backwards`` micro-batches in this step after a steady other count: a change
-        of the run's, marked as ``Agent.run_changed`` marks one (``trainer_agent/measure/accumulation_watch.py``)."""
+    def _accumulation_changed(self, backwards: int, count: int, held: int) -> None:
+        """The loop ran ``backwards`` micro-batches in this step after ``count`` for ``held`` steps: a
+        change of the run's, marked as ``Agent.run_changed`` marks one (``trainer_agent/measure/accumulation_watch.py``)."""
         clock = self.clock
         log.warning("trainguard: step %d accumulated %d micro-batch(es) after %d for %d steps in a row: taken as a "
                     "change of the run (the gradient norm's level moves with it), so the spike guard and the "
-                    "controller's spike rules start their baselines afresh.", clock.step, backwards,
-                    clock.accumulation.count, clock.accumulation.held)
+                    "controller's spike rules start their baselines afresh.", clock.step, backwards, count, held)
         clock.run_changed_at, clock.run_changes = clock.step, clock.run_changes + 1
 
     def _loss_tensor(self, loss: torch.Tensor | float | None) -> torch.Tensor | None:

@@ -40,14 +40,15 @@ class AccumulationWatch:
         steps or more (read during the step, on a spike, and at its end)."""
         return bool(backwards) and self.count is not None and backwards != self.count and self.held >= HOLD_STEPS
 
-    def step_ended(self, backwards: int) -> bool:
+    def step_ended(self, backwards: int) -> tuple[int, int] | None:
         """Count a finished step of ``backwards`` backward passes (0: none ran, e.g. a step the loop
-        skipped: not counted); True when it changed a held count (:meth:`changes`)."""
+        skipped: not counted); when it changed a held count (:meth:`changes`), that count and the
+        steps it held, else None."""
         if not backwards:
-            return False
-        changed = self.changes(backwards)
+            return None
+        before = (self.count, self.held) if self.changes(backwards) else None
         if backwards == self.count:
             self.held += 1
         else:
             self.count, self.held = backwards, 1
-        return changed
+        return before
